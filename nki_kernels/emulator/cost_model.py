@@ -1,0 +1,342 @@
+"""Modeled latency of an emulated kernel run on trn1 / trn2, from documented hardware facts.
+
+Sources (AWS Neuron documentation, repository aws-neuron/aws-neuron-sdk):
+  [ARCH1] nki/guides/architecture/trainium_inferentia2_arch.rst (NeuronCore-v2, trn1)
+  [ARCH2] nki/guides/architecture/trainium2_arch.rst (NeuronCore-v3, trn2)
+  [ISA]   per-instruction "Estimated instruction cost" in the nki.isa API docstrings
+          (Neuron 2.23 release, general/nki/api/nki/isa/__init__.py)
+  [DMA]   nki/get-started/about/nki-dma-overview.rst and nki/deep-dives/nki-dma-bandwidth-guide.rst
+  [PERF]  nki/deep-dives/nki_perf_guide.rst
+  [HBM]   trn1: 820 GB/s per chip, 2 NeuronCores; trn2: 2.9 TB/s per chip, 8 NeuronCores
+          (Trn1 / Trn2 architecture pages of the Neuron docs; project DESIGN.md)
+
+The model is a list scheduler over the run's instruction records:
+- Compute engines (tensor, vector, scalar, gpsimd) execute their instructions in program order;
+  an instruction starts at max(engine free time, finish of every earlier instruction it depends on).
+- Dependencies are RAW, WAR and WAW overlaps of the records' Access regions (per storage, partition
+  range x byte range). Two DMA writes to HBM never order each other: HBM regions are flattened
+  byte spans that over-approximate strided tiles, and kernels write each output element once.
+- DMA: each transfer is split over min(16, partitions) DMA engines [DMA: "each DMA transfer is by
+  default parallelized up to 16 DMA engines, depending on the shape"; "fewer partitions means fewer
+  engines utilized"]. Each engine serves its share at the documented per-engine bandwidth, capped
+  by the core's share of HBM bandwidth; engines take work in any order that respects dependencies
+  (transfers from different DMA queues are scheduled round robin [DMA]), so a transfer waiting on
+  data does not block an independent one. Every transfer adds the documented ~1300 ns
+  descriptor/semaphore-to-start latency [DMA bandwidth guide], which delays its completion but
+  does not occupy the engine (several transfers are in flight at once).
+- Not modeled (no documented numbers): per-DMA-buffer overhead of small contiguous chunks, the
+  end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts, kernel launch time.
+  The model is therefore optimistic for kernels made of tiny DMAs.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+
+from . import trace
+
+TARGETS = ("trn1", "trn2")
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """Documented per-NeuronCore facts of one target. Clocks in GHz = cycles per ns."""
+
+    tensor_ghz: float
+    vector_ghz: float
+    scalar_ghz: float
+    gpsimd_ghz: float
+    dma_engines: int
+    dma_engine_bytes_per_ns: float
+    hbm_bytes_per_ns: float  # the core's share of the chip's HBM bandwidth
+    vector_bf16_perf_mode: bool  # NeuronCore-v3 VectorE performance mode [ARCH2]
+
+
+HARDWARE = {
+    "trn1": Hardware(
+        # [ARCH1] engine table: Tensor 2.8, Vector 1.12, Scalar 1.4, GpSimd 1.4 GHz.
+        tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4,
+        # [DMA] table "theoretical peak DMA bandwidth per NeuronCore generation": TRN1 17 B/ns per
+        # engine, 16 engines, 272 GB/s. ([ARCH1] quotes 27 GiB/s per engine; the per-generation
+        # table is the newer and the one that also covers trn2, so it is used for both.)
+        dma_engines=16, dma_engine_bytes_per_ns=17.0,
+        # [HBM] 820 GB/s per trn1 chip shared by its 2 NeuronCores.
+        hbm_bytes_per_ns=820.0 / 2,
+        vector_bf16_perf_mode=False,
+    ),
+    "trn2": Hardware(
+        # [ARCH2] "Compute Engine Specifications": Tensor 2.4, Vector 0.96, Scalar 1.2, GpSimd 1.2 GHz.
+        tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
+        # [DMA] TRN2 23 B/ns per engine, 16 engines, 368 GB/s.
+        dma_engines=16, dma_engine_bytes_per_ns=23.0,
+        # [HBM] 2.9 TB/s per trn2 chip shared by its 8 physical NeuronCores.
+        hbm_bytes_per_ns=2900.0 / 8,
+        vector_bf16_perf_mode=True,
+    ),
+}
+
+# [ISA] nc_matmul: "max(min(64, N_stationary), N_moving)" TensorE cycles, "4 * ..." for float32
+# inputs (average cost of back-to-back matmuls, i.e. with the stationary load hidden behind the
+# previous moving pass; [ARCH1]: MM_INIT_LATENCY = 64 cycles, fp32 "roughly 4x higher").
+MM_INIT_CYCLES = 64
+FP32_MATMUL_FACTOR = 4
+# [ISA] "MIN_II is the minimum instruction initiation interval for small input tiles. MIN_II is
+# roughly 64 engine cycles" (activation, tensor_copy, tensor_scalar, tensor_tensor, memset, ...).
+MIN_II_CYCLES = 64
+# [ISA] iota: "150 + N GpSimd Engine cycles".
+IOTA_FIXED_CYCLES = 150
+# [ARCH1] VectorE: "with every instruction depending on the output tile of the previous
+# instruction, we need to add a static instruction overhead of 100 engine cycles"; [PERF] gives
+# the same ~100-cycle static overhead for ScalarE. Applied to Vector/Scalar/GpSimd instructions
+# whose start waits on a data dependency.
+DEPENDENT_OVERHEAD_CYCLES = 100
+# [DMA bandwidth guide] "every DMA transfer incurs descriptor setup, synchronization, and
+# semaphore-to-start latency (~1300 ns cross-engine)".
+DMA_FIXED_LATENCY_NS = 1300.0
+# [ARCH2] "DMA transpose on Trainium2 can achieve up to 90% DMA throughput utilization" (HBM to
+# SBUF); "SBUF2SBUF transpose can achieve up to 50% of DMA throughput". No trn1 figure is
+# documented; the same factors are used.
+DMA_TRANSPOSE_EFFICIENCY_FROM_HBM = 0.9
+DMA_TRANSPOSE_EFFICIENCY_ON_CHIP = 0.5
+# [ARCH1]/[ISA] PE array 128 x 128; used by the roofline.
+PE_ROWS = PE_COLS = 128
+
+_BF16_LIKE = ("bfloat16", "float16")
+# Fewest bytes per dependency-index bucket; a storage gets at most _MAX_BUCKETS buckets.
+_MIN_BUCKET_BYTES = 512
+_MAX_BUCKETS = 256
+
+
+def _check_target(target: str) -> Hardware:
+    if target not in HARDWARE:
+        raise ValueError(f"target: got {target!r}, expected one of {TARGETS}")
+    return HARDWARE[target]
+
+
+def _engine_ghz(hw: Hardware, engine: str) -> float:
+    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz,
+            "gpsimd": hw.gpsimd_ghz}[engine]
+
+
+def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
+    """Engine cycles a non-DMA instruction occupies its engine ([ISA] cost formulas)."""
+    n = record.free_elements
+    if record.engine == "tensor":
+        if record.matmul is not None:
+            mm = record.matmul
+            cycles = max(min(MM_INIT_CYCLES, mm.stationary_free), mm.moving_free)
+            return cycles * (FP32_MATMUL_FACTOR if mm.input_dtype == "float32" else 1)
+        # [ISA] nc_transpose on TensorE: "max(P, min(64, F))" for back-to-back transposes.
+        return max(record.partitions, min(MM_INIT_CYCLES, n))
+    if record.opcode == "iota":
+        return IOTA_FIXED_CYCLES + n
+    reads_psum = any(a.buffer == "psum" for a in record.reads)
+    touches_psum = reads_psum or any(a.buffer == "psum" for a in record.writes)
+    elements_per_cycle = 1.0
+    if record.engine == "vector" and record.opcode == "tensor_tensor":
+        # [ISA] tensor_tensor on VectorE: N when one input is in PSUM, otherwise 2N (the N case
+        # for all-bf16 add/multiply/subtract is not applied: records do not carry the operator).
+        elements_per_cycle = 1.0 if reads_psum else 0.5
+        if hw.vector_bf16_perf_mode and not reads_psum and record.dtype in _BF16_LIKE:
+            elements_per_cycle *= 2  # [ARCH2] 2x for SBUF bf16/fp16 tensor_tensor
+    elif record.engine == "vector" and hw.vector_bf16_perf_mode and record.dtype in _BF16_LIKE \
+            and record.opcode in ("tensor_copy", "tensor_scalar"):
+        # [ARCH2] 4x for SBUF bf16/fp16 tensor_copy/tensor_scalar, 2x when PSUM is involved
+        # (record.dtype, the output dtype, stands in for both input and output dtypes).
+        elements_per_cycle = 2.0 if touches_psum else 4.0
+    return max(MIN_II_CYCLES, n / elements_per_cycle)
+
+
+class _RegionIndex:
+    """Finish times of earlier reads and writes, per storage and byte bucket.
+
+    Each entry is [p_start, p_stop, b_start, b_stop, finish_ns]; an entry is stored in every
+    bucket its byte range touches. An entry is dropped when a later one of the same kind covers
+    it and finishes no earlier, so repeated accesses to one tile keep the lists short.
+    """
+
+    def __init__(self, bucket_bytes: dict[int, int]) -> None:
+        self._bucket_bytes = bucket_bytes
+        self._buckets: dict[tuple[int, int], list[list]] = {}
+
+    def _keys(self, access: trace.Access):
+        size = self._bucket_bytes[access.storage]
+        first = access.b_start // size
+        last = max(access.b_stop - 1, access.b_start) // size
+        return [(access.storage, b) for b in range(first, last + 1)]
+
+    def latest_overlap(self, access: trace.Access) -> float:
+        latest = 0.0
+        p0, p1, b0, b1 = access.p_start, access.p_stop, access.b_start, access.b_stop
+        for key in self._keys(access):
+            for e in self._buckets.get(key, ()):
+                if e[4] > latest and e[0] < p1 and p0 < e[1] and e[2] < b1 and b0 < e[3]:
+                    latest = e[4]
+        return latest
+
+    def add(self, access: trace.Access, finish: float) -> None:
+        p0, p1, b0, b1 = access.p_start, access.p_stop, access.b_start, access.b_stop
+        entry = [p0, p1, b0, b1, finish]
+        for key in self._keys(access):
+            entries = self._buckets.get(key)
+            if entries is None:
+                self._buckets[key] = [entry]
+                continue
+            entries[:] = [e for e in entries
+                          if not (p0 <= e[0] and e[1] <= p1 and b0 <= e[2] and e[3] <= b1
+                                  and e[4] <= finish)]
+            entries.append(entry)
+
+
+class _DmaEngine:
+    """Busy intervals of one DMA engine; a transfer takes the earliest gap that fits."""
+
+    def __init__(self) -> None:
+        self.starts: list[float] = []
+        self.stops: list[float] = []
+
+    def earliest(self, ready: float, duration: float) -> float:
+        """Earliest start >= ready of a free gap of `duration` ns."""
+        starts, stops = self.starts, self.stops
+        i = bisect.bisect_right(stops, ready)  # first interval ending after `ready`
+        t = ready
+        while i < len(starts) and starts[i] < t + duration:
+            t = max(t, stops[i])
+            i += 1
+        return t
+
+    def book(self, t: float, duration: float) -> None:
+        """Mark [t, t + duration) busy; the gap must be free (found by `earliest`)."""
+        starts, stops = self.starts, self.stops
+        i = bisect.bisect_right(starts, t)
+        end = t + duration
+        # Merge with touching neighbours to keep the lists short.
+        if i > 0 and stops[i - 1] == t:
+            stops[i - 1] = end
+            if i < len(starts) and starts[i] == end:
+                stops[i - 1] = stops[i]
+                del starts[i], stops[i]
+        elif i < len(starts) and starts[i] == end:
+            starts[i] = t
+        else:
+            starts.insert(i, t)
+            stops.insert(i, end)
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """Result of scheduling one run: times in µs, per record in record order."""
+
+    target: str
+    start_us: tuple[float, ...]
+    finish_us: tuple[float, ...]
+    engine_busy_us: dict[str, float]  # "tensor", "vector", "scalar", "gpsimd", "dma" (summed over engines)
+
+    @property
+    def latency_us(self) -> float:
+        return max(self.finish_us, default=0.0)
+
+
+def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int, float]:
+    """(engines used, ns each engine is busy) for one DMA record, fixed latency excluded."""
+    if record.dma is None:
+        raise ValueError(f"record {record.opcode} at {record.line}: engine 'dma' without DmaInfo")
+    dma = record.dma
+    engines = max(1, min(hw.dma_engines, record.partitions))
+    hbm_sides = (dma.src_buffer == "hbm") + (dma.dst_buffer == "hbm")
+    per_engine_rate = hw.dma_engine_bytes_per_ns
+    if hbm_sides:
+        # All engines together cannot draw more than the core's HBM share (each byte crosses
+        # HBM once per HBM side).
+        per_engine_rate = min(per_engine_rate, hw.hbm_bytes_per_ns / (engines * hbm_sides))
+    if dma.transpose:
+        per_engine_rate *= (DMA_TRANSPOSE_EFFICIENCY_FROM_HBM if hbm_sides
+                            else DMA_TRANSPOSE_EFFICIENCY_ON_CHIP)
+    return engines, dma.nbytes / engines / per_engine_rate
+
+
+def schedule(run: trace.KernelRun, target: str) -> Schedule:
+    """List-schedule `run` on `target` (see the module docstring for the rules)."""
+    hw = _check_target(target)
+    records = run.records
+    extent: dict[int, int] = {}
+    for record in records:
+        for access in record.reads + record.writes:
+            if access.b_stop > extent.get(access.storage, 0):
+                extent[access.storage] = access.b_stop
+    bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
+    reads_index = _RegionIndex(bucket_bytes)
+    writes_index = _RegionIndex(bucket_bytes)
+    hbm_dma_writes_index = _RegionIndex(bucket_bytes)
+
+    engine_free = {"tensor": 0.0, "vector": 0.0, "scalar": 0.0, "gpsimd": 0.0}
+    busy = {engine: 0.0 for engine in trace.ENGINES}
+    dma_engines = [_DmaEngine() for _ in range(hw.dma_engines)]
+    starts, finishes = [], []
+    for record in records:
+        is_dma = record.engine == "dma"
+        ready = 0.0
+        for access in record.reads:
+            ready = max(ready, writes_index.latest_overlap(access), hbm_dma_writes_index.latest_overlap(access))
+        for access in record.writes:
+            ready = max(ready, reads_index.latest_overlap(access))
+            if not (is_dma and access.buffer == "hbm"):
+                ready = max(ready, writes_index.latest_overlap(access),
+                            hbm_dma_writes_index.latest_overlap(access))
+            else:
+                ready = max(ready, writes_index.latest_overlap(access))
+
+        if is_dma:
+            engines, transfer_ns = dma_transfer_ns(record, hw)
+            # Each engine's share goes to the engines that can start it earliest.
+            offers = sorted((e.earliest(ready, transfer_ns), i) for i, e in enumerate(dma_engines))
+            for t, i in offers[:engines]:
+                dma_engines[i].book(t, transfer_ns)
+            start = offers[0][0]
+            finish = offers[engines - 1][0] + transfer_ns + DMA_FIXED_LATENCY_NS
+            busy["dma"] += transfer_ns * engines
+        elif record.engine in engine_free:
+            ghz = _engine_ghz(hw, record.engine)
+            cycles = compute_cycles(record, hw)
+            free = engine_free[record.engine]
+            if record.engine != "tensor" and ready > free:
+                ready += DEPENDENT_OVERHEAD_CYCLES / ghz
+            start = max(free, ready)
+            finish = start + cycles / ghz
+            engine_free[record.engine] = finish
+            busy[record.engine] += cycles / ghz
+        else:
+            raise ValueError(f"record {record.opcode} at {record.line}: engine {record.engine!r}, "
+                             f"expected one of {trace.ENGINES}")
+
+        for access in record.reads:
+            reads_index.add(access, finish)
+        for access in record.writes:
+            (hbm_dma_writes_index if is_dma and access.buffer == "hbm" else writes_index).add(access, finish)
+        starts.append(start / 1e3)
+        finishes.append(finish / 1e3)
+    return Schedule(target=target, start_us=tuple(starts), finish_us=tuple(finishes),
+                    engine_busy_us={k: v / 1e3 for k, v in busy.items()})
+
+
+def model_latency(run: trace.KernelRun, target: str) -> float:
+    """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2")."""
+    return schedule(run, target).latency_us
+
+
+def roofline_us(flops: float, hbm_bytes: float, target: str, input_dtype: str = "bfloat16") -> float:
+    """Lower bound in µs: max(flops / peak TensorE rate, hbm_bytes / DMA-to-HBM bandwidth).
+
+    Peak rate = 128 x 128 PEs x 2 flop x TensorE clock (91.8 TFLOP/s trn1, 78.6 trn2 for bf16),
+    a quarter of that for float32 inputs [ARCH1]. Bandwidth = min(core's HBM share, 16 DMA engines).
+    """
+    hw = _check_target(target)
+    if flops < 0 or hbm_bytes < 0:
+        raise ValueError(f"flops, hbm_bytes: got {flops}, {hbm_bytes}, expected non-negative numbers")
+    flop_per_ns = PE_ROWS * PE_COLS * 2 * hw.tensor_ghz
+    if input_dtype == "float32":
+        flop_per_ns /= FP32_MATMUL_FACTOR
+    bytes_per_ns = min(hw.hbm_bytes_per_ns, hw.dma_engines * hw.dma_engine_bytes_per_ns)
+    return max(flops / flop_per_ns, hbm_bytes / bytes_per_ns) / 1e3

@@ -1,0 +1,183 @@
+"""Per-kernel-run profile of emulated NKI kernels.
+
+    with emulator.profile() as prof:
+        kernel(x, w)
+    print(prof)                     # one row per kernel run plus totals
+    prof.runs[0].hbm_bytes_read     # counters of the first run
+    prof.runs[0].latency_us["trn2"] # modeled latency (see cost_model.py)
+
+The profile listens to finished `KernelRun`s (trace.py) and keeps a
+`RunSummary` of each; it never looks at emulator state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+from . import cost_model, trace
+
+# PE array geometry: 128 x 128 processing elements, moving tile up to 512
+# columns (NKI docs: nl.tile_size.pmax, gemm_stationary_fmax, gemm_moving_fmax).
+_PE_ROWS = 128
+_PE_COLS = 128
+_MOVING_FMAX = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """Counters and modeled latency of one kernel run.
+
+    pe_fill: mean over matmuls of contraction * stationary_free / 128**2, the
+      fraction of the PE array a matmul occupies (0.0 when there are none).
+    moving_fill: mean over matmuls of moving_free / 512.
+    dma_sizes: bytes of each DMA, in issue order.
+    engine_counts: instructions per engine, every name of trace.ENGINES present.
+    latency_us: modeled latency per target, keys "trn1" and "trn2".
+    """
+
+    name: str
+    target: str
+    grid: tuple[int, ...]
+    instructions: int
+    hbm_bytes_read: int
+    hbm_bytes_written: int
+    dma_count: int
+    dma_sizes: tuple[int, ...]
+    matmul_count: int
+    pe_fill: float
+    moving_fill: float
+    engine_counts: dict[str, int]
+    latency_us: dict[str, float]
+
+    @property
+    def dma_bytes(self) -> int:
+        return sum(self.dma_sizes)
+
+    @property
+    def mean_dma_bytes(self) -> float:
+        return self.dma_bytes / self.dma_count if self.dma_count else 0.0
+
+
+def summarize(run: trace.KernelRun) -> RunSummary:
+    """Counters of one finished kernel run, with its modeled latency on every target."""
+    engine_counts = {engine: 0 for engine in trace.ENGINES}
+    hbm_read = hbm_written = 0
+    dma_sizes = []
+    matmul_count = 0
+    pe_fill_sum = moving_fill_sum = 0.0
+    for record in run.records:
+        engine_counts[record.engine] = engine_counts.get(record.engine, 0) + 1
+        if record.dma is not None:
+            dma_sizes.append(record.dma.nbytes)
+            if record.dma.src_buffer == "hbm":
+                hbm_read += record.dma.nbytes
+            if record.dma.dst_buffer == "hbm":
+                hbm_written += record.dma.nbytes
+        if record.matmul is not None:
+            mm = record.matmul
+            matmul_count += 1
+            pe_fill_sum += mm.contraction * mm.stationary_free / (_PE_ROWS * _PE_COLS)
+            moving_fill_sum += mm.moving_free / _MOVING_FMAX
+    return RunSummary(
+        name=run.name,
+        target=run.target,
+        grid=tuple(run.grid),
+        instructions=len(run.records),
+        hbm_bytes_read=hbm_read,
+        hbm_bytes_written=hbm_written,
+        dma_count=len(dma_sizes),
+        dma_sizes=tuple(dma_sizes),
+        matmul_count=matmul_count,
+        pe_fill=pe_fill_sum / matmul_count if matmul_count else 0.0,
+        moving_fill=moving_fill_sum / matmul_count if matmul_count else 0.0,
+        engine_counts=engine_counts,
+        latency_us={target: cost_model.model_latency(run, target) for target in cost_model.TARGETS},
+    )
+
+
+class Profile:
+    """What `profile()` recorded: `.runs` (RunSummary per kernel run, in order) and totals."""
+
+    def __init__(self) -> None:
+        self.runs: list[RunSummary] = []
+
+    def _record(self, run: trace.KernelRun) -> None:
+        self.runs.append(summarize(run))
+
+    @property
+    def hbm_bytes_read(self) -> int:
+        return sum(r.hbm_bytes_read for r in self.runs)
+
+    @property
+    def hbm_bytes_written(self) -> int:
+        return sum(r.hbm_bytes_written for r in self.runs)
+
+    @property
+    def dma_count(self) -> int:
+        return sum(r.dma_count for r in self.runs)
+
+    @property
+    def matmul_count(self) -> int:
+        return sum(r.matmul_count for r in self.runs)
+
+    @property
+    def instructions(self) -> int:
+        return sum(r.instructions for r in self.runs)
+
+    @property
+    def engine_counts(self) -> dict[str, int]:
+        totals = {engine: 0 for engine in trace.ENGINES}
+        for r in self.runs:
+            for engine, count in r.engine_counts.items():
+                totals[engine] = totals.get(engine, 0) + count
+        return totals
+
+    @property
+    def latency_us(self) -> dict[str, float]:
+        """Summed modeled latency per target (runs are assumed back to back)."""
+        return {t: sum(r.latency_us[t] for r in self.runs) for t in cost_model.TARGETS}
+
+    def __str__(self) -> str:
+        header = ("kernel", "instr", "HBM rd KiB", "HBM wr KiB", "DMAs", "avg DMA B",
+                  "matmuls", "PE fill", "mov fill", "T/V/S/G/D", "trn1 us", "trn2 us")
+        rows = [header]
+        for r in self.runs:
+            rows.append(_row(r.name, r.instructions, r.hbm_bytes_read, r.hbm_bytes_written,
+                             r.dma_count, r.mean_dma_bytes, r.matmul_count, r.pe_fill,
+                             r.moving_fill, r.engine_counts, r.latency_us))
+        if len(self.runs) > 1:
+            total_dma_bytes = sum(r.dma_bytes for r in self.runs)
+            matmuls = self.matmul_count
+            rows.append(_row(
+                "TOTAL", self.instructions, self.hbm_bytes_read, self.hbm_bytes_written,
+                self.dma_count, total_dma_bytes / self.dma_count if self.dma_count else 0.0,
+                matmuls,
+                sum(r.pe_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
+                sum(r.moving_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
+                self.engine_counts, self.latency_us))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
+                           for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        return "\n".join(lines)
+
+
+def _row(name, instructions, hbm_read, hbm_written, dma_count, mean_dma, matmuls, pe_fill,
+         moving_fill, engine_counts, latency_us) -> tuple[str, ...]:
+    engines = "/".join(str(engine_counts.get(e, 0)) for e in trace.ENGINES)
+    return (name, str(instructions), f"{hbm_read / 1024:.1f}", f"{hbm_written / 1024:.1f}",
+            str(dma_count), f"{mean_dma:.0f}", str(matmuls), f"{pe_fill:.3f}",
+            f"{moving_fill:.3f}", engines, f"{latency_us['trn1']:.2f}", f"{latency_us['trn2']:.2f}")
+
+
+@contextlib.contextmanager
+def profile() -> Iterator[Profile]:
+    """Record every kernel run finished inside the block; yields the `Profile`."""
+    prof = Profile()
+    trace.add_listener(prof._record)
+    try:
+        yield prof
+    finally:
+        trace.remove_listener(prof._record)
