@@ -1,0 +1,74 @@
+"""Argument checks and result types shared by the primitives.
+
+Every public entry point validates here, before binding, so bad input fails with
+a message that names the argument, what it got and what was expected.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+COMPUTE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _dtype_names():
+    return ", ".join(np.dtype(d).name for d in COMPUTE_DTYPES)
+
+
+def check_float_dtypes(op, named):
+    """All arrays in `named` (name -> array) share one supported float dtype."""
+    for name, arr in named.items():
+        if np.dtype(arr.dtype) not in [np.dtype(d) for d in COMPUTE_DTYPES]:
+            raise TypeError(
+                f"{op}: {name} has dtype {np.dtype(arr.dtype).name}; expected a float dtype "
+                f"({_dtype_names()})"
+            )
+    dtypes = {name: np.dtype(arr.dtype) for name, arr in named.items()}
+    if len(set(dtypes.values())) > 1:
+        listing = ", ".join(f"{n}={d.name}" for n, d in dtypes.items())
+        raise TypeError(f"{op}: arguments must share one dtype, got {listing}; cast them first")
+
+
+def check_matrix(op, name, arr, rows=None, rows_from=None):
+    """`arr` is 2-D; when `rows` is given its first dim must equal it."""
+    if arr.ndim != 2:
+        raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(arr.shape)}")
+    if rows is not None and arr.shape[0] != rows:
+        raise ValueError(
+            f"{op}: {name} has shape {tuple(arr.shape)}; its first dim must equal {rows_from} = {rows}"
+        )
+
+
+def check_activations(op, name, x):
+    if x.ndim < 1:
+        raise ValueError(f"{op}: {name} must have at least 1 dim [..., features], got a scalar")
+
+
+def result_dtype(op, input_dtype, preferred_element_type):
+    if preferred_element_type is None:
+        return np.dtype(input_dtype)
+    dtype = np.dtype(preferred_element_type)
+    if dtype not in [np.dtype(d) for d in COMPUTE_DTYPES]:
+        raise TypeError(
+            f"{op}: preferred_element_type={dtype.name} is not supported; expected one of {_dtype_names()}"
+        )
+    return dtype
+
+
+def canonical_precision(op, precision):
+    """None, a lax.Precision, its name, or a pair of them -> a hashable value."""
+    if precision is None or isinstance(precision, lax.Precision):
+        return precision
+    if isinstance(precision, str):
+        try:
+            return lax.Precision(precision)
+        except ValueError as err:
+            raise ValueError(f"{op}: precision={precision!r} is not a lax.Precision name") from err
+    if isinstance(precision, (tuple, list)) and len(precision) == 2:
+        return tuple(canonical_precision(op, p) for p in precision)
+    raise ValueError(f"{op}: precision must be None, a lax.Precision, its name or a pair; got {precision!r}")
+
+
+def accumulation_dtype(input_dtype):
+    """float32 accumulation (what PSUM does) except for float64 inputs."""
+    return np.dtype(np.float64) if np.dtype(input_dtype) == np.float64 else np.dtype(np.float32)

@@ -1,0 +1,110 @@
+"""The `svd_matmul` primitive: y = (x·u)·v in one fused operation.
+
+Public form: x [..., K], u [K, r], v [r, N] -> y [..., N]. Internally the
+operands may carry `n_batch` leading dims shared by all three (vmap over stacked
+layers or experts adds them), see `reference.py`.
+
+Rules: abstract eval, JVP (trilinear: one svd_matmul per tangent), transpose
+(w.r.t. x it is svd_matmul with vᵀ, uᵀ; w.r.t. u and v plain contractions over
+tokens), batching. Lowerings are registered in `lowering.py`.
+"""
+
+import functools
+
+import jax.numpy as jnp
+import numpy as np
+
+from jax_neuronmm import shapes
+from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
+from jax_neuronmm.reference import batched_dot, swap_last, token_contract
+
+svd_matmul_p = Primitive("svd_matmul")
+svd_matmul_p.def_impl(functools.partial(apply_primitive, svd_matmul_p))
+
+
+def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
+    """Low-rank product (x·u)·v as one fused operation.
+
+    Args:
+      x: activations [..., K]; leading dims are tokens (their product may be 0).
+      u: left factor [K, r].
+      v: right factor [r, N].
+      precision: None, a `jax.lax.Precision` (or its name), or a pair of them.
+      preferred_element_type: dtype of the result; defaults to x's dtype.
+        Products accumulate in float32 either way (float64 for float64 inputs).
+
+    Returns:
+      [..., N] in `preferred_element_type` (or x's dtype).
+    """
+    op = "svd_matmul"
+    x, u, v = jnp.asarray(x), jnp.asarray(u), jnp.asarray(v)
+    shapes.check_float_dtypes(op, {"x": x, "u": u, "v": v})
+    shapes.check_activations(op, "x", x)
+    shapes.check_matrix(op, "u", u, rows=x.shape[-1], rows_from="x.shape[-1] (K)")
+    shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
+    out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
+    return svd_matmul_p.bind(
+        x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
+    )
+
+
+def _bind(x, u, v, **params):
+    return svd_matmul_p.bind(x, u, v, **params)
+
+
+@svd_matmul_p.def_abstract_eval
+def _abstract_eval(x, u, v, *, n_batch, precision, out_dtype):
+    del u, precision
+    return x.update(shape=x.shape[:-1] + v.shape[-1:], dtype=out_dtype, weak_type=False)
+
+
+def _jvp(primals, tangents, **params):
+    x, u, v = primals
+    dx, du, dv = tangents
+    y = _bind(x, u, v, **params)
+    terms = []
+    if type(dx) is not ad.Zero:
+        terms.append(_bind(dx, u, v, **params))
+    if type(du) is not ad.Zero:
+        terms.append(_bind(x, du, v, **params))
+    if type(dv) is not ad.Zero:
+        terms.append(_bind(x, u, dv, **params))
+    if not terms:
+        return y, ad.Zero(y.aval.to_tangent_aval())
+    return y, functools.reduce(jnp.add, terms)
+
+
+def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype):
+    undefined = [ad.is_undefined_primal(a) for a in (x, u, v)]
+    if sum(undefined) != 1:
+        raise NotImplementedError("svd_matmul is linear in one operand at a time")
+    target = (x, u, v)[undefined.index(True)].aval
+    if type(ct) is ad.Zero:
+        return [ad.Zero(target.to_tangent_aval()) if d else None for d in undefined]
+    ct = ct.astype(target.dtype)
+    if undefined[0]:
+        # y = x·u·v  =>  x̄ = ȳ·vᵀ·uᵀ: again a fused low-rank product.
+        ct_x = _bind(ct, swap_last(v), swap_last(u), n_batch=n_batch, precision=precision,
+                     out_dtype=np.dtype(target.dtype))
+        return [ct_x, None, None]
+    if undefined[1]:
+        ct_v = batched_dot(ct, swap_last(v), n_batch, precision, target.dtype)  # ȳ·vᵀ [*B, *T, r]
+        return [None, token_contract(x, ct_v, n_batch, target.dtype), None]
+    xu = batched_dot(x, u, n_batch, precision, x.dtype)  # rounded as in the forward pass
+    return [None, None, token_contract(xu, ct, n_batch, target.dtype)]
+
+
+def _batch(args, dims, *, n_batch, **params):
+    x, u, v = args
+    bx, bu, bv = dims
+    if bu is None and bv is None:
+        # Only activations are batched: the new axis is one more token dim.
+        return _bind(jnp.moveaxis(x, bx, n_batch), u, v, n_batch=n_batch, **params), n_batch
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    x, u, v = (batching.bdim_at_front(a, d, size) for a, d in zip(args, dims))
+    return _bind(x, u, v, n_batch=n_batch + 1, **params), 0
+
+
+ad.primitive_jvps[svd_matmul_p] = _jvp
+ad.primitive_transposes[svd_matmul_p] = _transpose
+batching.primitive_batchers[svd_matmul_p] = _batch

@@ -1,0 +1,105 @@
+"""The `svd_mlp` primitive: a gated MLP whose three projections are low rank.
+
+y = (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd with act ∈ {silu, gelu_tanh}. Public form:
+x [..., H], gate_u [H, rg], gate_v [rg, I], up_u [H, ru], up_v [ru, I],
+down_u [I, rd], down_v [rd, H_out] -> y [..., H_out].
+
+On Trainium it is two kernel calls (gate+up with the activation applied while
+evicting PSUM, written transposed; then down). Its JVP is the JVP of the same
+computation written with `svd_matmul`, so reverse mode runs through svd_matmul
+(and its kernels) and needs no transpose rule of its own.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_neuronmm import shapes
+from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
+from jax_neuronmm.reference import ACTIVATIONS
+from jax_neuronmm.shapes import accumulation_dtype
+from jax_neuronmm.svd_matmul import svd_matmul_p
+
+svd_mlp_p = Primitive("svd_mlp")
+svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
+
+WEIGHT_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
+
+
+def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", precision=None,
+            preferred_element_type=None):
+    """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
+
+    Args:
+      x: activations [..., H].
+      gate_u, gate_v: gate projection factors [H, rg], [rg, I].
+      up_u, up_v: up projection factors [H, ru], [ru, I].
+      down_u, down_v: down projection factors [I, rd], [rd, H_out].
+      activation: "silu" (Llama) or "gelu_tanh" (Gemma), applied to the gate.
+      precision: as in `svd_matmul`.
+      preferred_element_type: dtype of the result; defaults to x's dtype.
+
+    Returns:
+      [..., H_out].
+    """
+    op = "svd_mlp"
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    x = jnp.asarray(x)
+    weights = dict(zip(WEIGHT_NAMES, map(jnp.asarray, (gate_u, gate_v, up_u, up_v, down_u, down_v))))
+    shapes.check_float_dtypes(op, {"x": x, **weights})
+    shapes.check_activations(op, "x", x)
+    hidden = x.shape[-1]
+    shapes.check_matrix(op, "gate_u", weights["gate_u"], rows=hidden, rows_from="x.shape[-1] (H)")
+    shapes.check_matrix(op, "gate_v", weights["gate_v"], rows=weights["gate_u"].shape[1],
+                        rows_from="gate_u.shape[1]")
+    shapes.check_matrix(op, "up_u", weights["up_u"], rows=hidden, rows_from="x.shape[-1] (H)")
+    shapes.check_matrix(op, "up_v", weights["up_v"], rows=weights["up_u"].shape[1], rows_from="up_u.shape[1]")
+    intermediate = weights["gate_v"].shape[1]
+    if weights["up_v"].shape[1] != intermediate:
+        raise ValueError(
+            f"{op}: up_v has shape {tuple(weights['up_v'].shape)}; its second dim must equal "
+            f"gate_v.shape[1] (intermediate size I) = {intermediate}"
+        )
+    shapes.check_matrix(op, "down_u", weights["down_u"], rows=intermediate,
+                        rows_from="gate_v.shape[1] (intermediate size I)")
+    shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1],
+                        rows_from="down_u.shape[1]")
+    out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
+    return svd_mlp_p.bind(x, *weights.values(), activation=activation, n_batch=0,
+                          precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
+
+
+@svd_mlp_p.def_abstract_eval
+def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype):
+    down_v = weights[-1]
+    return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False)
+
+
+def _composite(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype):
+    """svd_mlp written with svd_matmul; numerically the same as the fused op."""
+    acc = accumulation_dtype(x.dtype)
+    mm = functools.partial(svd_matmul_p.bind, n_batch=n_batch, precision=precision)
+    gate = mm(x, gate_u, gate_v, out_dtype=acc)
+    up = mm(x, up_u, up_v, out_dtype=acc)
+    hidden = (ACTIVATIONS[activation](gate) * up).astype(x.dtype)
+    return mm(hidden, down_u, down_v, out_dtype=out_dtype)
+
+
+def _jvp(primals, tangents, **params):
+    tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
+    return jax.jvp(functools.partial(_composite, **params), tuple(primals), tangents)
+
+
+def _batch(args, dims, *, n_batch, **params):
+    if all(d is None for d in dims[1:]):
+        x = jnp.moveaxis(args[0], dims[0], n_batch)
+        return svd_mlp_p.bind(x, *args[1:], n_batch=n_batch, **params), n_batch
+    size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
+    return svd_mlp_p.bind(*args, n_batch=n_batch + 1, **params), 0
+
+
+ad.primitive_jvps[svd_mlp_p] = _jvp
+batching.primitive_batchers[svd_mlp_p] = _batch

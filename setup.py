@@ -1,0 +1,36 @@
+"""jax-neuronmm: fused low-rank (SVD) matmuls for JAX on AWS Trainium."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="jax-neuronmm",
+    version="0.1.0",
+    description="Fused SVD-compressed matmul and MLP kernels for JAX on AWS Trainium (NKI)",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["jax_neuronmm", "jax_neuronmm.*", "nki_kernels", "nki_kernels.*"]),
+    package_data={"nki_kernels": ["*.json"], "jax_neuronmm": ["data/*"]},
+    install_requires=[
+        "jax>=0.10,<0.12",
+        "flax>=0.12,<0.14",
+        "numpy>=1.26,<3",
+        "ml_dtypes>=0.5,<1",
+        "absl-py>=2.0,<3",
+        "safetensors>=0.4,<1",
+        "tokenizers>=0.20,<1",
+        "tqdm>=4.60,<5",
+    ],
+    extras_require={
+        # The real Neuron toolchain comes from AWS's Neuron package repository
+        # (pip --extra-index-url pointing at it); PyPI only has placeholders.
+        "neuron": ["jax-neuronx", "neuronx-cc", "nki"],
+        "test": [
+            "pytest>=8,<10",
+            "hypothesis>=6.100,<7",
+            "transformers>=4.50,<6",
+            "torch==2.13.0",
+        ],
+        "examples": ["matplotlib>=3.8,<4"],
+    },
+)
