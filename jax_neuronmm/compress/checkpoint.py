@@ -1,0 +1,211 @@
+"""Save and load (compressed) parameter trees as one safetensors file, with checksums and compression metadata.
+
+Layout: one tensor per leaf, named by its "/"-joined key path. The safetensors header metadata (string → string)
+holds:
+  format       "jax_neuronmm.params/1"
+  method, keep compression method ("svd" | "whitened" | "none") and kept fraction (JSON, null if by rank)
+  ranks        JSON {layer path: rank}, one entry per sub-tree holding both `u` and `v`
+  paths        JSON {tensor name: [key, ...]}, so int keys (NNX lists) survive the round trip
+  sha256       JSON {tensor name: hex digest of "dtype|shape|" + the tensor's bytes}
+  report       JSON of the `CompressionReport` (when one was given)
+  user         JSON of the caller's own string metadata
+Files are written to a temporary file in the target directory and moved into place with os.replace, so a crash
+never leaves a half-written checkpoint under the final name. Loading verifies every checksum. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from jax_neuronmm.compress import tree
+from jax_neuronmm.compress.params import CompressionReport
+
+FORMAT = "jax_neuronmm.params/1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is corrupt, is not ours, or does not match what the caller expected."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointInfo:
+    """The metadata read back by `load_compressed`."""
+
+    method: str
+    keep: float | None
+    ranks: dict[str, int]
+    report: dict | None
+    user: dict[str, str]
+
+
+def save_compressed(path, params, *, report: CompressionReport | None = None,
+                    metadata: Mapping[str, str] | None = None) -> None:
+    """Write params (Linen dicts, NNX State, lists; leaves numpy/JAX arrays or NNX Variables) to `path`.
+
+    `report` (from `compress_params`) supplies method and keep and must agree with the ranks found in params;
+    without it the file records method "none". `metadata` is extra string → string data kept under "user".
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {directory!r} does not exist")
+    if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise TypeError(f"metadata must map str to str, got {dict(metadata)!r}")
+
+    tensors, paths = {}, {}
+    for keys, leaf in tree.iter_leaves(params):
+        name = tree.join(keys)
+        value = tree.unwrap(leaf)
+        if not hasattr(value, "shape") or not hasattr(value, "dtype"):
+            raise TypeError(f"params leaf {name!r} is {type(value).__name__}, expected an array")
+        if name in tensors:
+            raise ValueError(f"two params leaves share the tensor name {name!r} (keys {paths[name]} and {list(keys)})")
+        tensors[name] = np.ascontiguousarray(np.asarray(value))
+        paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
+    if not tensors:
+        raise ValueError("params has no array leaves to save")
+
+    ranks = _ranks(paths, tensors)
+    if report is not None and report.ranks != ranks:
+        raise ValueError(f"report ranks {report.ranks} do not match the u/v factors in params {ranks}")
+    header = {
+        "format": FORMAT,
+        "method": report.method if report is not None else "none",
+        "keep": json.dumps(report.keep if report is not None else None),
+        "ranks": json.dumps(ranks),
+        "paths": json.dumps(paths),
+        "sha256": json.dumps({name: _digest(array) for name, array in tensors.items()}),
+        "user": json.dumps(dict(metadata or {})),
+    }
+    if report is not None:
+        header["report"] = json.dumps(report.to_dict())
+
+    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    os.close(handle)
+    try:
+        safetensors.numpy.save_file(tensors, temporary, metadata=header)
+        with open(temporary, "rb") as written:
+            os.fsync(written.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
+def load_compressed(path, *, like=None):
+    """Read a checkpoint written by `save_compressed`, verifying every tensor's checksum.
+
+    Args:
+      path: the safetensors file.
+      like: optional template tree (e.g. `nnx.state(svd_model)` or Linen variables of the compressed model). When
+        given, the file must hold exactly its leaves with the same shapes and dtypes, and the result is returned in
+        the template's containers (NNX Variables, JAX arrays); otherwise nested dicts of numpy arrays.
+
+    Returns:
+      (params, CheckpointInfo).
+
+    Raises:
+      FileNotFoundError: no file at path.
+      CheckpointError (a ValueError): unreadable/corrupt file, checksum mismatch, not written by
+        `save_compressed`, or not matching `like`.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint {path!r} does not exist")
+    try:
+        with safetensors.safe_open(path, framework="numpy") as reader:
+            header = reader.metadata() or {}
+            if header.get("format") != FORMAT:
+                raise CheckpointError(
+                    f"checkpoint {path!r} was not written by save_compressed: format={header.get('format')!r}, "
+                    f"expected {FORMAT!r}"
+                )
+            tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+    except CheckpointError:
+        raise
+    except Exception as error:  # safetensors raises its own error types for damaged headers / truncated data
+        raise CheckpointError(f"checkpoint {path!r} is corrupt or not a safetensors file: {error}") from error
+
+    try:
+        digests, paths, ranks = (json.loads(header[key]) for key in ("sha256", "paths", "ranks"))
+        info = CheckpointInfo(
+            method=header["method"],
+            keep=json.loads(header["keep"]),
+            ranks=ranks,
+            report=json.loads(header["report"]) if "report" in header else None,
+            user=json.loads(header["user"]),
+        )
+    except (KeyError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"checkpoint {path!r} has damaged metadata ({error!r})") from error
+    if set(digests) != set(tensors) or set(paths) != set(tensors):
+        raise CheckpointError(
+            f"checkpoint {path!r}: tensors {sorted(tensors)} do not match the recorded names {sorted(digests)}"
+        )
+    corrupt = [name for name, array in tensors.items() if _digest(array) != digests[name]]
+    if corrupt:
+        raise CheckpointError(f"checkpoint {path!r}: checksum mismatch (corrupt data) in tensors {corrupt}")
+    if _ranks(paths, tensors) != info.ranks:
+        raise CheckpointError(f"checkpoint {path!r}: recorded ranks {info.ranks} do not match the u/v tensors")
+
+    flat = {tuple(paths[name]): array for name, array in tensors.items()}
+    if like is None:
+        return tree.nest(flat), info
+    return _fill_like(like, flat, path), info
+
+
+def _fill_like(like, flat: dict[tuple, np.ndarray], path: str):
+    """The template `like` with every leaf replaced by the loaded array of the same key path."""
+    template = {keys: leaf for keys, leaf in tree.iter_leaves(like)}
+    problems = []
+    missing = [tree.join(keys) for keys in template if keys not in flat]
+    unexpected = [tree.join(keys) for keys in flat if keys not in template]
+    if missing:
+        problems.append(f"missing tensors {missing}")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected}")
+    for keys, leaf in template.items():
+        if keys in flat:
+            expected = tree.unwrap(leaf)
+            got = flat[keys]
+            if tuple(expected.shape) != got.shape or np.dtype(expected.dtype) != got.dtype:
+                problems.append(
+                    f"{tree.join(keys)}: file has {got.dtype}{list(got.shape)}, expected "
+                    f"{np.dtype(expected.dtype)}{list(expected.shape)}"
+                )
+    if problems:
+        raise CheckpointError(f"checkpoint {path!r} does not match the template: " + "; ".join(problems))
+    return _replace_leaves(like, (), flat)
+
+
+def _replace_leaves(node, keys, flat):
+    if isinstance(node, Mapping):
+        return type(node)({key: _replace_leaves(child, keys + (key,), flat) for key, child in node.items()})
+    if isinstance(node, (list, tuple)):
+        return type(node)(_replace_leaves(child, keys + (i,), flat) for i, child in enumerate(node))
+    return tree.wrap_like(node, flat[keys])
+
+
+def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict[str, int]:
+    """{layer path: rank} for each sub-tree holding both u [..., K, r] and v [..., r, N]."""
+    by_keys = {tuple(keys): tensors[name] for name, keys in paths.items()}
+    ranks = {}
+    for keys, u in by_keys.items():
+        if keys and keys[-1] == "u" and keys[:-1] + ("v",) in by_keys and u.ndim >= 2:
+            ranks[tree.join(keys[:-1])] = int(u.shape[-1])
+    return ranks
+
+
+def _digest(array: np.ndarray) -> str:
+    contiguous = np.ascontiguousarray(array)
+    digest = hashlib.sha256(f"{contiguous.dtype.str}|{list(contiguous.shape)}|".encode())
+    digest.update(contiguous.reshape(-1).view(np.uint8))
+    return digest.hexdigest()

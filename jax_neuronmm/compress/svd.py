@@ -1,0 +1,183 @@
+"""Low-rank factorizations of a dense weight W [K, N] into u [K, r] and v [r, N], so that x·W ≈ x·u·v.
+
+Everything here runs on the host in numpy (float32 for float32/16 inputs, float64 for float64 inputs), so that
+compressing a checkpoint needs no accelerator and gives the same factors on every run. Leading dimensions of w
+are treated as a stack of independent layers (as in scanned models: w [L, K, N] → u [L, K, r], v [L, r, N]).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import numbers
+import warnings
+
+import numpy as np
+import scipy.linalg
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_DAMPING = 1e-6
+
+
+class WhiteningDampedWarning(UserWarning):
+    """The calibration Gram matrix XᵀX was not positive definite, so damping was added to its diagonal."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WhitenedFactors:
+    """Result of `whitened_svd_with_info`: the factors and the damping that had to be added (0.0 if none)."""
+
+    u: np.ndarray
+    v: np.ndarray
+    damping_added: float
+
+
+def block_aligned_rank(k: int, n: int, keep: float, block: int = 128) -> int:
+    """The rank r at which u [k, r] + v [r, n] hold about `keep`·k·n parameters, rounded to a multiple of `block`.
+
+    r = round(k·n·keep / ((k+n)·block))·block, clamped to [1, min(k, n)]. Block-aligned ranks fill the 128-row
+    tiles of the Trainium PE array. Small layers, where the aligned rank rounds to 0 (budget under half a block),
+    fall back to the unaligned rank round(k·n·keep / (k+n)), still clamped to [1, min(k, n)].
+    """
+    for name, value in (("k", k), ("n", n), ("block", block)):
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    check_keep(keep)
+    budget = k * n * keep / (k + n)
+    rank = round(budget / block) * block
+    if rank < 1:
+        rank = round(budget)
+    return int(min(max(rank, 1), min(k, n)))
+
+
+def truncated_svd(w, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """Best rank-`rank` factors of w [..., K, N] in Frobenius norm (Eckart–Young).
+
+    Returns u = U_r·√Σ_r [..., K, r] and v = √Σ_r·V_rᵀ [..., r, N] in w's dtype. ‖w − u·v‖_F² equals the sum of
+    the discarded σ². Singular vectors get a canonical sign (largest-magnitude entry of each u column positive),
+    so the result does not depend on LAPACK's sign choice.
+    """
+    w_host, compute_dtype = _as_weight(w, "w")
+    check_rank(rank, w_host.shape)
+    left, sigma, right_t = np.linalg.svd(w_host.astype(compute_dtype), full_matrices=False)
+    u, v = _split_sigma(left[..., :, :rank], sigma[..., :rank], right_t[..., :rank, :])
+    return u.astype(w_host.dtype), v.astype(w_host.dtype)
+
+
+def whitened_svd(w, activations, rank: int, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndarray, np.ndarray]:
+    """Truncation-aware whitened SVD (SVD-LLM): factors minimizing ‖X·w − X·u·v‖_F on calibration inputs X.
+
+    w [..., K, N]; activations X [n, K] (shared by every stacked layer) or [..., n, K] (one set per layer), the
+    inputs the layer sees. With XᵀX = S·Sᵀ (Cholesky), the SVD of Sᵀ·w = U Σ Vᵀ truncated to rank r gives
+    u = S⁻ᵀ·U_r·√Σ_r and v = √Σ_r·V_rᵀ; since ‖X·A‖_F = ‖Sᵀ·A‖_F for every A, this is the optimum of the output
+    error on X. When XᵀX is not positive definite (fewer tokens than K, or dependent features), `damping`·mean(diag)
+    is added to its diagonal, growing ×10 until the Cholesky succeeds; that is reported with a
+    `WhiteningDampedWarning` and a log line. Returns (u, v) in w's dtype.
+    """
+    factors = whitened_svd_with_info(w, activations, rank, damping=damping)
+    return factors.u, factors.v
+
+
+def whitened_svd_with_info(w, activations, rank: int, *, damping: float = DEFAULT_DAMPING) -> WhitenedFactors:
+    """`whitened_svd`, also returning the largest relative damping added to XᵀX (0.0 when none was needed)."""
+    w_host, _ = _as_weight(w, "w")
+    check_rank(rank, w_host.shape)
+    if not isinstance(damping, numbers.Real) or not np.isfinite(damping) or damping <= 0:
+        raise ValueError(f"damping must be a positive finite number, got {damping!r}")
+    x = _as_activations(activations, w_host.shape)
+    stack_shape = w_host.shape[:-2]
+    w_stack = w_host.reshape((-1,) + w_host.shape[-2:]).astype(np.float64)
+    x_stack = x.reshape((-1,) + x.shape[-2:])
+    u_list, v_list, damping_added = [], [], 0.0
+    for index, w_layer in enumerate(w_stack):
+        x_layer = x_stack[index if len(x_stack) > 1 else 0]
+        chol, layer_damping = _damped_cholesky(x_layer.T @ x_layer, damping)
+        damping_added = max(damping_added, layer_damping)
+        # Sᵀ·w, then map the left factor back through S⁻ᵀ with a triangular solve (no explicit inverse).
+        left, sigma, right_t = np.linalg.svd(chol.T @ w_layer, full_matrices=False)
+        u_white, v = _split_sigma(left[:, :rank], sigma[:rank], right_t[:rank, :])
+        u_list.append(scipy.linalg.solve_triangular(chol.T, u_white, lower=False))
+        v_list.append(v)
+    if damping_added > 0:
+        message = (
+            f"calibration Gram matrix XᵀX (K={w_host.shape[-2]}, {x.shape[-2]} tokens) is not positive definite; "
+            f"added {damping_added:.3g}·mean(diag) to its diagonal"
+        )
+        warnings.warn(message, WhiteningDampedWarning, stacklevel=3)
+        logger.warning(message)
+    u = np.stack(u_list).reshape(stack_shape + u_list[0].shape).astype(w_host.dtype)
+    v = np.stack(v_list).reshape(stack_shape + v_list[0].shape).astype(w_host.dtype)
+    return WhitenedFactors(u=u, v=v, damping_added=damping_added)
+
+
+def _damped_cholesky(gram: np.ndarray, damping: float) -> tuple[np.ndarray, float]:
+    """Lower Cholesky factor S of gram (= S·Sᵀ), and the relative damping that had to be added (0.0 if none)."""
+    try:
+        return np.linalg.cholesky(gram), 0.0
+    except np.linalg.LinAlgError:
+        pass
+    scale = float(np.mean(np.diag(gram)))
+    if not scale > 0:
+        raise ValueError("activations are all zero: the calibration Gram matrix XᵀX has no positive diagonal entry")
+    identity = np.eye(gram.shape[0])
+    relative = damping
+    while relative <= 1.0:
+        try:
+            return np.linalg.cholesky(gram + relative * scale * identity), relative
+        except np.linalg.LinAlgError:
+            relative *= 10.0
+    raise ValueError(f"calibration Gram matrix XᵀX stays indefinite even with damping {relative / 10:.3g}·mean(diag)")
+
+
+def _split_sigma(left: np.ndarray, sigma: np.ndarray, right_t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """u = U·√Σ, v = √Σ·Vᵀ with a canonical sign per singular pair (largest-|entry| of each u column > 0)."""
+    pivot = np.take_along_axis(left, np.argmax(np.abs(left), axis=-2)[..., None, :], axis=-2)
+    sign = np.where(pivot < 0, -1.0, 1.0).astype(left.dtype)
+    root = np.sqrt(sigma)[..., None, :]
+    return left * sign * root, np.swapaxes(sign * root, -1, -2) * right_t
+
+
+def _as_weight(w, name: str) -> tuple[np.ndarray, type]:
+    """w as a host array of a floating dtype, and the dtype to compute its SVD in."""
+    w_host = np.asarray(w)
+    if w_host.ndim < 2:
+        raise ValueError(f"{name} must have shape [..., K, N] (at least 2-D), got shape {w_host.shape}")
+    if not np.issubdtype(w_host.dtype, np.floating) and w_host.dtype.name != "bfloat16":
+        raise ValueError(f"{name} must be a floating-point array, got dtype {w_host.dtype}")
+    if not np.all(np.isfinite(w_host.astype(np.float32) if w_host.dtype != np.float64 else w_host)):
+        raise ValueError(f"{name} contains NaN or Inf values (shape {w_host.shape})")
+    return w_host, (np.float64 if w_host.dtype == np.float64 else np.float32)
+
+
+def _as_activations(activations, w_shape: tuple[int, ...]) -> np.ndarray:
+    """Activations as float64 [n, K] or [stack..., n, K], checked against w [stack..., K, N]."""
+    x = np.asarray(activations)
+    in_features, stack_shape = w_shape[-2], w_shape[:-2]
+    if x.ndim < 2 or x.shape[-1] != in_features:
+        raise ValueError(
+            f"activations must have shape [n, {in_features}] (the weight's in_features K={in_features}), "
+            f"got shape {x.shape}"
+        )
+    if x.ndim > 2 and x.shape[:-2] != stack_shape:
+        raise ValueError(
+            f"activations with leading dims must match the weight's stacked dims {stack_shape}: expected shape "
+            f"{stack_shape + (-1, in_features)}, got {x.shape}"
+        )
+    x = x.astype(np.float64)
+    if not np.all(np.isfinite(x)):
+        raise ValueError(f"activations contain NaN or Inf values (shape {x.shape})")
+    return x
+
+
+def check_keep(keep) -> None:
+    if not isinstance(keep, numbers.Real) or isinstance(keep, bool) or not 0 < keep <= 1:
+        raise ValueError(f"keep must be a fraction of parameters in (0, 1], got {keep!r}")
+
+
+def check_rank(rank, w_shape: tuple[int, ...]) -> None:
+    limit = min(w_shape[-2:])
+    if not isinstance(rank, numbers.Integral) or isinstance(rank, bool) or not 1 <= rank <= limit:
+        raise ValueError(
+            f"rank must be an integer in [1, min(K, N)] = [1, {limit}] for a weight of shape {w_shape}, got {rank!r}"
+        )
