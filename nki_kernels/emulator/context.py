@@ -1,0 +1,139 @@
+"""State of the kernel being simulated: target, numerics on/off, live on-chip memory, trace records.
+
+Liveness rule (what the SBUF/PSUM capacity checks count): an on-chip tensor is live from the moment
+`nl.ndarray` (or any call that creates a tile) allocates it until the last Python reference to it or
+to one of its views is dropped, or the kernel (one SPMD program) returns. Capacity is checked when an
+instruction executes, not at allocation, so a tile rebound to a fresh allocation in a loop
+(`t = nl.ndarray(...)`) does not count twice. SBUF use is the sum over live SBUF tensors of their bytes
+per partition; each PSUM tensor takes whole 2 KiB banks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+
+import numpy as np
+
+from . import trace
+from .errors import NkiHardwareError
+
+TARGETS = ("trn1", "trn2")
+_TARGET_ALIASES = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2"}
+# SBUF bytes per partition: 24 MiB / 128 on trn1, 28 MiB / 128 on trn2 (AWS architecture guides).
+SBUF_BYTES_PER_PARTITION = {"trn1": 192 * 1024, "trn2": 224 * 1024}
+PSUM_BANK_BYTES = 2048  # 16 KiB per partition = 8 banks of 2 KiB (512 fp32)
+PSUM_BANKS = 8
+PMAX = 128
+
+_EMULATOR_DIR = os.path.dirname(os.path.abspath(__file__))
+
+_target_override: list[str] = []
+_count_only_depth = [0]
+
+
+def resolve_target(target=None):
+    """trn1 or trn2: the argument, else the innermost `use_target`, else NEURON_PLATFORM_TARGET_OVERRIDE, else trn2."""
+    if target is None:
+        if _target_override:
+            return _target_override[-1]
+        target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
+    name = _TARGET_ALIASES.get(str(target).strip().lower())
+    if name is None:
+        raise ValueError(f"target: unsupported NKI target {target!r}; expected one of {sorted(_TARGET_ALIASES)}")
+    return name
+
+
+@contextlib.contextmanager
+def use_target(target):
+    """Simulate kernels (and size `nl.tile_size`) for `target` ('trn1' or 'trn2') inside the block."""
+    _target_override.append(resolve_target(target))
+    try:
+        yield
+    finally:
+        _target_override.pop()
+
+
+@contextlib.contextmanager
+def count_only():
+    """Inside the block kernels skip all numerics: shapes, hardware rules and trace records only.
+
+    Kernels called with numpy arrays return NaN-filled arrays of the right shapes and dtypes.
+    """
+    _count_only_depth[0] += 1
+    try:
+        yield
+    finally:
+        _count_only_depth[0] -= 1
+
+
+def numerics_enabled():
+    return _count_only_depth[0] == 0
+
+
+def caller_line():
+    """file.py:LINE of the innermost frame outside the emulator (the kernel source line)."""
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_EMULATOR_DIR):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+class KernelContext:
+    """One kernel call (all its SPMD programs): records, live memory, program ids."""
+
+    def __init__(self, name, target, grid, numerics):
+        self.target = target
+        self.numerics = numerics
+        self.grid = grid
+        self.program_index = (0,) * len(grid)
+        self.run = trace.KernelRun(name=name, target=target, grid=tuple(grid))
+        self.sbuf_capacity = SBUF_BYTES_PER_PARTITION[target]
+        self.sbuf_live = 0
+        self.psum_banks_live = 0
+        self.next_storage_id = 0
+        self.shared_hbm = []  # shared_hbm storages, matched by allocation order across programs
+        self.shared_hbm_cursor = 0
+        self.active = True
+        self.activation_registers = np.zeros((PMAX, 1), dtype=np.float32)  # ScalarE reduce registers
+
+    def new_storage_id(self):
+        self.next_storage_id += 1
+        return self.next_storage_id
+
+    def check_capacity(self, opcode, line):
+        if self.sbuf_live > self.sbuf_capacity:
+            raise NkiHardwareError(
+                f"{opcode} at {line}: live SBUF tensors need {self.sbuf_live} bytes per partition, over the "
+                f"{self.sbuf_capacity} bytes of {self.target} (a tensor is live until its last reference is dropped)")
+        if self.psum_banks_live > PSUM_BANKS:
+            raise NkiHardwareError(
+                f"{opcode} at {line}: live PSUM tensors need {self.psum_banks_live} banks of 2 KiB per partition, "
+                f"over the {PSUM_BANKS} banks of PSUM (a tensor is live until its last reference is dropped)")
+
+
+_stack: list[KernelContext] = []
+
+
+def current(what="this call"):
+    """The context of the kernel being simulated; NKI calls outside a kernel are an error."""
+    if not _stack:
+        raise RuntimeError(f"{what} is only valid inside an NKI kernel being simulated (call the @nki.jit kernel)")
+    return _stack[-1]
+
+
+def current_or_none():
+    return _stack[-1] if _stack else None
+
+
+@contextlib.contextmanager
+def running(ctx):
+    _stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        _stack.pop()
+        ctx.active = False

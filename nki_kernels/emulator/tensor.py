@@ -1,0 +1,424 @@
+"""NKI tensors: storages in HBM / SBUF / PSUM and strided views of them.
+
+Layout: a storage is a flat row-major array of its allocation shape. On-chip storages (SBUF, PSUM) put
+the partition dimension first, so partition p holds elements [p * part_stride, (p + 1) * part_stride).
+A view is (shape, strides, offset) in elements over one storage, exactly what `.ap()` patterns address.
+Indexing never clips: an index outside the tensor raises NkiHardwareError.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import operator
+
+import numpy as np
+
+from . import context
+from . import dtypes
+from .errors import NkiHardwareError
+from .trace import Access
+
+
+class MemoryRegion(enum.Enum):
+    sbuf = "sbuf"
+    psum = "psum"
+    private_hbm = "private_hbm"
+    shared_hbm = "shared_hbm"
+
+
+_KIND = {MemoryRegion.sbuf: "sbuf", MemoryRegion.psum: "psum",
+         MemoryRegion.private_hbm: "hbm", MemoryRegion.shared_hbm: "hbm"}
+_REGION_BY_NAME = {"sbuf": MemoryRegion.sbuf, "psum": MemoryRegion.psum, "hbm": MemoryRegion.private_hbm,
+                   "private_hbm": MemoryRegion.private_hbm, "shared_hbm": MemoryRegion.shared_hbm}
+
+# PSUM location state, per element: which kind of instruction last wrote it.
+PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
+
+
+def as_region(buffer):
+    if isinstance(buffer, MemoryRegion):
+        return buffer
+    region = _REGION_BY_NAME.get(buffer) if isinstance(buffer, str) else None
+    if region is None:
+        raise ValueError(f"buffer: expected nl.sbuf, nl.psum, nl.hbm, nl.private_hbm or nl.shared_hbm, got {buffer!r}")
+    return region
+
+
+class DynSlice:
+    """`nl.ds(start, size)`: the slice start:start+size."""
+
+    __slots__ = ("start", "size")
+
+    def __init__(self, start, size):
+        self.start = operator.index(start)
+        self.size = operator.index(size)
+
+    def __repr__(self):
+        return f"nl.ds({self.start}, {self.size})"
+
+
+class Storage:
+    """One allocation. Accounts itself in the kernel's live SBUF / PSUM totals until garbage collected."""
+
+    __slots__ = ("id", "kind", "shape", "dtype", "flat", "size", "part_stride", "bytes_per_partition",
+                 "psum_banks", "psum_state", "ctx", "name", "__weakref__")
+
+    def __init__(self, ctx, shape, dtype, kind, name="", data=None):
+        self.ctx = ctx
+        self.id = ctx.new_storage_id()
+        self.kind = kind
+        self.shape = shape
+        self.dtype = dtype
+        self.name = name
+        self.size = math.prod(shape)
+        self.part_stride = self.size // shape[0] if kind != "hbm" else self.size
+        self.bytes_per_partition = self.part_stride * dtype.itemsize
+        self.psum_banks = 0
+        self.psum_state = None
+        if not ctx.numerics:
+            self.flat = None
+        elif data is not None:
+            self.flat = data.reshape(-1)
+        else:
+            self.flat = np.full(self.size, dtypes.fill_value(dtype), dtype=dtype)
+        if kind == "sbuf":
+            ctx.sbuf_live += self.bytes_per_partition
+        elif kind == "psum":
+            self.psum_banks = -(-self.bytes_per_partition // context.PSUM_BANK_BYTES)
+            ctx.psum_banks_live += self.psum_banks
+            self.psum_state = np.zeros(self.size, dtype=np.uint8)
+
+    def __del__(self):
+        ctx = self.ctx
+        if ctx.active:
+            if self.kind == "sbuf":
+                ctx.sbuf_live -= self.bytes_per_partition
+            elif self.kind == "psum":
+                ctx.psum_banks_live -= self.psum_banks
+
+
+def _default_strides(shape):
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    return tuple(reversed(strides))
+
+
+def _index_error(tensor, what):
+    raise NkiHardwareError(f"indexing at {context.caller_line()}: {what} of tensor {tensor.describe()} "
+                           f"(out-of-bounds indices are never clipped)")
+
+
+class NkiTensor:
+    """A view of a storage: `shape`, `strides` and `offset` in elements, `dtype`, `buffer` (an nl memory region)."""
+
+    __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access")
+
+    def __init__(self, shape, dtype, storage, buffer=MemoryRegion.sbuf, name="", *, strides=None, offset=0):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.storage = storage
+        self.buffer = buffer
+        self.name = name
+        self.strides = _default_strides(self.shape) if strides is None else tuple(strides)
+        self.offset = offset
+        self._array = None
+        self._access = None
+
+    # -- basic properties -------------------------------------------------------------------------
+    @property
+    def ndim(self):
+        return len(self.shape)
+
+    @property
+    def size(self):
+        return math.prod(self.shape)
+
+    @property
+    def kind(self):
+        """'hbm', 'sbuf' or 'psum'."""
+        return self.storage.kind
+
+    @property
+    def is_on_chip(self):
+        return self.storage.kind != "hbm"
+
+    def describe(self):
+        label = f"'{self.name}' " if self.name else ""
+        return f"{label}{list(self.shape)} {self.dtype.name} in {self.storage.kind}"
+
+    def __repr__(self):
+        return f"NkiTensor({self.describe()})"
+
+    def is_contiguous(self):
+        dims = range(1, self.ndim) if self.is_on_chip else range(self.ndim)
+        expected = 1
+        for d in reversed(dims):
+            if self.shape[d] != 1 and self.strides[d] != expected:
+                return False
+            expected *= self.shape[d]
+        return True
+
+    def get_pattern(self):
+        return [[s, n] for s, n in zip(self.strides, self.shape)]
+
+    def is_indirect(self):
+        return False
+
+    # -- numpy view and access region (used by instructions) --------------------------------------
+    def array(self):
+        """The numpy view of this tensor's elements (None when numerics are off)."""
+        if self._array is None:
+            flat = self.storage.flat
+            if flat is None:
+                return None
+            size = self.dtype.itemsize
+            self._array = np.ndarray(self.shape, self.dtype, buffer=flat, offset=self.offset * size,
+                                     strides=tuple(s * size for s in self.strides))
+        return self._array
+
+    def psum_state(self):
+        """Per-element PSUM write state (PSUM_* constants) of this view, writable."""
+        return np.ndarray(self.shape, np.uint8, buffer=self.storage.psum_state, offset=self.offset,
+                          strides=self.strides)
+
+    def access(self):
+        if self._access is None:
+            storage = self.storage
+            size = self.dtype.itemsize
+            offset = self.offset
+            if storage.kind == "hbm":
+                extent = sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1
+                self._access = Access(storage.id, "hbm", 0, 1, offset * size, (offset + extent) * size)
+            else:
+                part_stride = storage.part_stride
+                free_extent = sum((n - 1) * s for n, s in zip(self.shape[1:], self.strides[1:])) + 1
+                first = offset % part_stride
+                last_partition = (offset + (self.shape[0] - 1) * self.strides[0]) // part_stride
+                self._access = Access(storage.id, storage.kind, offset // part_stride, last_partition + 1,
+                                      first * size, (first + free_extent) * size)
+        return self._access
+
+    def contiguous_bytes(self):
+        """Bytes in the longest row-major contiguous run of this view (innermost dimensions)."""
+        run = 1
+        for n, s in zip(reversed(self.shape), reversed(self.strides)):
+            if n == 1:
+                continue
+            if s != run:
+                break
+            run *= n
+        return run * self.dtype.itemsize
+
+    # -- views --------------------------------------------------------------------------------------
+    def _view(self, shape, strides, offset, dtype=None):
+        return NkiTensor(shape, self.dtype if dtype is None else dtype, self.storage, self.buffer, self.name,
+                         strides=strides, offset=offset)
+
+    def __getitem__(self, key):
+        if not isinstance(key, tuple):
+            key = (key,)
+        n_ellipsis = sum(1 for k in key if k is Ellipsis)
+        if n_ellipsis > 1:
+            raise IndexError("an index can only have a single ellipsis ('...')")
+        if n_ellipsis:
+            at = next(i for i, k in enumerate(key) if k is Ellipsis)
+            fill = self.ndim - (len(key) - 1)
+            key = key[:at] + (slice(None),) * fill + key[at + 1:]
+        if len(key) > self.ndim:
+            _index_error(self, f"{len(key)} indices for a {self.ndim}-D tensor")
+        on_chip = self.is_on_chip
+        shape, strides = [], []
+        offset = self.offset
+        for dim, k in enumerate(key):
+            n, s = self.shape[dim], self.strides[dim]
+            if isinstance(k, slice):
+                step = 1 if k.step is None else operator.index(k.step)
+                if step < 1:
+                    _index_error(self, f"slice step {step} on dim {dim} (steps must be >= 1)")
+                start = 0 if k.start is None else operator.index(k.start)
+                stop = n if k.stop is None else operator.index(k.stop)
+                if start < 0:
+                    start += n
+                if stop < 0:
+                    stop += n
+                if not 0 <= start < stop <= n:
+                    _index_error(self, f"slice {k.start}:{k.stop} on dim {dim} (size {n})")
+                shape.append(-(-(stop - start) // step))
+                strides.append(s * step)
+                offset += start * s
+            elif isinstance(k, DynSlice):
+                if k.size < 1 or not 0 <= k.start or k.start + k.size > n:
+                    _index_error(self, f"{k!r} on dim {dim} (size {n})")
+                shape.append(k.size)
+                strides.append(s)
+                offset += k.start * s
+            else:
+                try:
+                    i = operator.index(k)
+                except TypeError:
+                    raise TypeError(f"NKI tensors are indexed by ints, slices, nl.ds(...) or '...'; got {k!r}") from None
+                if i < 0:
+                    i += n
+                if not 0 <= i < n:
+                    _index_error(self, f"index {k} on dim {dim} (size {n})")
+                offset += i * s
+                if on_chip and dim == 0:  # the partition dim is kept at size 1
+                    shape.append(1)
+                    strides.append(s)
+        shape.extend(self.shape[len(key):])
+        strides.extend(self.strides[len(key):])
+        minimum = 2 if on_chip else 1
+        while len(shape) < minimum:
+            shape.append(1)
+            strides.append(1)
+        return self._view(tuple(shape), tuple(strides), offset)
+
+    def __setitem__(self, key, value):
+        raise TypeError("NKI tensors are written by ISA instructions (nisa.*) or nl.store, not by item assignment")
+
+    def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
+        """Explicit access pattern [[stride, count], ...] over this tensor's storage (element units)."""
+        if scalar_offset is not None or vector_offset is not None:
+            raise NotImplementedError("ap(): indirect (scalar_offset / vector_offset) access is not emulated")
+        if dtype is not None and dtypes.as_dtype(dtype).itemsize != self.dtype.itemsize:
+            raise NotImplementedError("ap(dtype=...): only same-size reinterpretation is emulated")
+        strides = tuple(operator.index(p[0]) for p in pattern)
+        shape = tuple(operator.index(p[1]) for p in pattern)
+        if any(n < 1 for n in shape):
+            _index_error(self, f"access pattern {pattern} with a count below 1")
+        start = self.offset + (0 if offset is None else operator.index(offset))
+        low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+        high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
+        if low < 0 or high >= self.storage.size:
+            _index_error(self, f"access pattern {pattern} at offset {start} reaching elements {low}..{high} "
+                               f"(storage has {self.storage.size})")
+        return self._view(shape, strides, start, None if dtype is None else dtypes.as_dtype(dtype))
+
+    def _check_dim(self, dim, what):
+        if not -self.ndim <= dim < self.ndim:
+            raise IndexError(f"{what}: dim {dim} out of range for a {self.ndim}-D tensor")
+        dim %= self.ndim
+        if dim == 0 and self.is_on_chip:
+            raise ValueError(f"{what}: dim 0 is the partition dimension of an on-chip tensor")
+        return dim
+
+    def permute(self, dims):
+        dims = tuple(dims)
+        if sorted(dims) != list(range(self.ndim)):
+            raise ValueError(f"permute: {dims} is not a permutation of range({self.ndim})")
+        if self.is_on_chip and dims[0] != 0:
+            raise ValueError("permute: the partition dimension of an on-chip tensor must stay first")
+        return self._view(tuple(self.shape[d] for d in dims), tuple(self.strides[d] for d in dims), self.offset)
+
+    def broadcast(self, dim, size):
+        dim = self._check_dim(dim, "broadcast")
+        if self.shape[dim] != 1:
+            raise ValueError(f"broadcast: dim {dim} has size {self.shape[dim]}, expected 1")
+        shape, strides = list(self.shape), list(self.strides)
+        shape[dim], strides[dim] = size, 0
+        return self._view(tuple(shape), tuple(strides), self.offset)
+
+    def expand_dim(self, dim):
+        if self.is_on_chip and dim == 0:
+            raise ValueError("expand_dim: cannot insert before the partition dimension of an on-chip tensor")
+        return self._view(self.shape[:dim] + (1,) + self.shape[dim:], self.strides[:dim] + (1,) + self.strides[dim:],
+                          self.offset)
+
+    def squeeze_dim(self, dim):
+        dim = self._check_dim(dim, "squeeze_dim")
+        if self.shape[dim] != 1:
+            raise ValueError(f"squeeze_dim: dim {dim} has size {self.shape[dim]}, expected 1")
+        return self._view(self.shape[:dim] + self.shape[dim + 1:], self.strides[:dim] + self.strides[dim + 1:],
+                          self.offset)
+
+    def slice(self, dim, start, end, step=1):
+        key = [slice(None)] * self.ndim
+        key[dim] = slice(start, end, step)
+        return self[tuple(key)]
+
+    def select(self, dim, index):
+        if isinstance(index, NkiTensor):
+            raise NotImplementedError("select: dynamic (tensor) indices are not emulated")
+        dim = dim % self.ndim
+        key = [slice(None)] * self.ndim
+        key[dim] = index
+        view = self[tuple(key)]
+        if self.is_on_chip and dim == 0:
+            raise ValueError("select: cannot remove the partition dimension of an on-chip tensor")
+        return view
+
+    def reshape(self, shape):
+        shape = tuple(operator.index(n) for n in shape)
+        if -1 in shape:
+            known = math.prod(n for n in shape if n != -1)
+            shape = tuple(self.size // known if n == -1 else n for n in shape)
+        if math.prod(shape) != self.size:
+            raise ValueError(f"reshape: cannot reshape {list(self.shape)} into {list(shape)}")
+        if self.is_on_chip:
+            if shape[0] != self.shape[0]:
+                raise ValueError("reshape: the partition dimension of an on-chip tensor must be preserved")
+            if not self.is_contiguous():
+                raise ValueError("reshape: the free dimensions of this view are not contiguous")
+            free = _default_strides(shape[1:])
+            return self._view(shape, (self.strides[0],) + free, self.offset)
+        if not self.is_contiguous():
+            raise ValueError("reshape: this view is not contiguous")
+        return self._view(shape, _default_strides(shape), self.offset)
+
+    def reshape_dim(self, dim, shape):
+        dim = dim % self.ndim
+        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
+
+    def flatten_dims(self, start_dim, end_dim):
+        if self.is_on_chip and start_dim == 0:
+            raise ValueError("flatten_dims: start_dim must be > 0 for an on-chip tensor")
+        merged = math.prod(self.shape[start_dim:end_dim + 1])
+        for d in range(start_dim, end_dim):
+            if self.shape[d + 1] != 1 and self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
+                raise ValueError(f"flatten_dims: dims {start_dim}..{end_dim} are not contiguous in memory")
+        return self._view(self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1:],
+                          self.strides[:start_dim] + (self.strides[end_dim],) + self.strides[end_dim + 1:],
+                          self.offset)
+
+
+def allocate(shape, dtype, buffer, name="", data=None):
+    """A fresh tensor (NaN / sentinel filled unless `data` given) in the running kernel."""
+    ctx = context.current("nl.ndarray")
+    region = as_region(buffer)
+    kind = _KIND[region]
+    try:
+        shape = tuple(operator.index(n) for n in (shape if isinstance(shape, (tuple, list)) else (shape,)))
+    except TypeError:
+        raise TypeError(f"shape: expected a tuple of ints, got {shape!r}") from None
+    if not shape or any(n < 1 for n in shape):
+        raise ValueError(f"shape: expected positive sizes, got {shape}")
+    dtype = dtypes.as_dtype(dtype)
+    if kind != "hbm":
+        line = context.caller_line()
+        if len(shape) < 2:
+            raise NkiHardwareError(f"nl.ndarray at {line}: on-chip tensor {name!r} must be at least 2-D "
+                                   f"(partition dim first), got shape {list(shape)}")
+        if shape[0] > context.PMAX:
+            raise NkiHardwareError(f"nl.ndarray at {line}: partition dim {shape[0]} of {kind} tensor {name!r} "
+                                   f"exceeds {context.PMAX} partitions")
+        free_bytes = math.prod(shape[1:]) * dtype.itemsize
+        if kind == "psum" and free_bytes > context.PSUM_BANKS * context.PSUM_BANK_BYTES:
+            raise NkiHardwareError(f"nl.ndarray at {line}: PSUM tensor {name!r} needs {free_bytes} bytes per "
+                                   f"partition, over the 16 KiB of PSUM")
+    if region is MemoryRegion.shared_hbm and data is None:
+        # SPMD programs share shared_hbm tensors: the i-th allocation of every program is the same tensor.
+        ctx = context.current()
+        index = ctx.shared_hbm_cursor
+        ctx.shared_hbm_cursor += 1
+        if index < len(ctx.shared_hbm):
+            storage = ctx.shared_hbm[index]
+            if storage.shape == shape and storage.dtype == dtype:
+                return NkiTensor(shape, dtype, storage, region, name)
+        storage = Storage(ctx, shape, dtype, kind, name)
+        ctx.shared_hbm.append(storage)
+        return NkiTensor(shape, dtype, storage, region, name)
+    return NkiTensor(shape, dtype, Storage(ctx, shape, dtype, kind, name, data), region, name)
