@@ -5,10 +5,11 @@ them through `nki_kernels.binding`; `as_nki()` lets unmodified kernel files `imp
 """
 
 from . import api, isa, language, trace
-from .as_nki import as_nki
+from .nki_import import as_nki
 from .context import count_only, use_target
 from .errors import NkiHardwareError
 from .kernel import Kernel, jit, output_specs, set_array_frontend, simulate
+from .profile import profile
 
 __all__ = ["Kernel", "NkiHardwareError", "api", "as_nki", "count_only", "isa", "jit", "language",
-           "output_specs", "set_array_frontend", "simulate", "trace", "use_target"]
+           "output_specs", "profile", "set_array_frontend", "simulate", "trace", "use_target"]
