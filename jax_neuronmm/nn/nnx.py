@@ -1,0 +1,136 @@
+"""Flax NNX modules with SVD-factored weights: `SVDLinear` (drop-in for `nnx.Linear`) and the gated `SVDMLP`.
+
+Both call the `svd_matmul` / `svd_mlp` primitives, so a jitted model reaches the fused kernels on Trainium (and the
+XLA reference lowering elsewhere). Parameters: `u` [in_features, rank], `v` [rank, out_features], `bias`
+[out_features] — the names `compress_params` produces from an `nnx.Linear`'s `kernel`.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+from flax.linen import dtypes
+
+from jax_neuronmm.compress import svd
+from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
+from jax_neuronmm.reference import ACTIVATIONS
+from jax_neuronmm.svd_matmul import svd_matmul
+from jax_neuronmm.svd_mlp import svd_mlp
+
+default_factor_init = nnx.initializers.lecun_normal()
+
+
+class SVDLinear(nnx.Module):
+    """y = (x·u)·v + bias, x [..., in_features] → y [..., out_features], with u [in_features, rank], v [rank, out].
+
+    Arguments follow `nnx.Linear`, plus `rank`; `u_init` / `v_init` replace `kernel_init` (both LeCun normal by
+    default, which keeps the output variance of a LeCun-initialized dense layer).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, *, use_bias: bool = True, dtype=None,
+                 param_dtype=jnp.float32, precision=None, u_init=default_factor_init, v_init=default_factor_init,
+                 bias_init=nnx.initializers.zeros_init(), preferred_element_type=None, rngs: nnx.Rngs):
+        svd.check_rank(rank, (in_features, out_features))
+        self.u = nnx.Param(u_init(rngs.params(), (in_features, rank), param_dtype))
+        self.v = nnx.Param(v_init(rngs.params(), (rank, out_features), param_dtype))
+        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.rank = rank
+        self.use_bias = use_bias
+        self.dtype = dtype
+        self.param_dtype = param_dtype
+        self.precision = precision
+        self.preferred_element_type = preferred_element_type
+
+    def __call__(self, inputs):
+        bias = self.bias[...] if self.bias is not None else None
+        inputs, u, v, bias = dtypes.promote_dtype(inputs, self.u[...], self.v[...], bias, dtype=self.dtype)
+        y = svd_matmul(inputs, u, v, precision=self.precision, preferred_element_type=self.preferred_element_type)
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
+        return y
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, *, rank: int | None = None, keep: float | None = None,
+                    method: str = "svd", calibration=None, block: int = 128,
+                    damping: float = svd.DEFAULT_DAMPING) -> SVDLinear:
+        """An SVDLinear approximating `linear` (same features, bias, dtypes, precision).
+
+        Exactly one of rank / keep (fraction of parameters kept, rank from `block_aligned_rank`). method "svd" or
+        "whitened"; for "whitened", calibration is the layer's input activations [n, in_features].
+        """
+        u, v = factorize_kernel(linear.kernel[...], rank=rank, keep=keep, method=method, calibration=calibration,
+                                block=block, damping=damping)
+        layer = nnx.eval_shape(lambda: cls(
+            linear.in_features, linear.out_features, u.shape[-1], use_bias=linear.bias is not None,
+            dtype=linear.dtype, param_dtype=linear.param_dtype, precision=linear.precision,
+            preferred_element_type=linear.preferred_element_type, rngs=nnx.Rngs(0)))
+        layer.u.set_value(jnp.asarray(u))
+        layer.v.set_value(jnp.asarray(v))
+        if linear.bias is not None:
+            layer.bias.set_value(jnp.asarray(linear.bias[...]))
+        return layer
+
+
+class SVDMLP(nnx.Module):
+    """Gated MLP y = (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd through the fused `svd_mlp` primitive (no biases).
+
+    x [..., in_features] → y [..., out_features (default in_features)]. Sub-modules `gate_proj`, `up_proj`
+    [in_features → intermediate_features] and `down_proj` [intermediate_features → out_features] are bias-free
+    SVDLinear layers holding the factors; `rank` is one int or (gate, up, down). activation: "silu" (Llama) or
+    "gelu_tanh" (Gemma).
+    """
+
+    def __init__(self, in_features: int, intermediate_features: int, rank, *, out_features: int | None = None,
+                 activation: str = "silu", dtype=None, param_dtype=jnp.float32, precision=None,
+                 u_init=default_factor_init, v_init=default_factor_init, rngs: nnx.Rngs):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        out_features = in_features if out_features is None else out_features
+        gate_rank, up_rank, down_rank = three_ranks(rank)
+        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision, u_init=u_init,
+                      v_init=v_init, rngs=rngs)
+        self.gate_proj = SVDLinear(in_features, intermediate_features, gate_rank, **common)
+        self.up_proj = SVDLinear(in_features, intermediate_features, up_rank, **common)
+        self.down_proj = SVDLinear(intermediate_features, out_features, down_rank, **common)
+        self.activation = activation
+        self.dtype = dtype
+        self.precision = precision
+
+    def __call__(self, inputs):
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        inputs, *factors = dtypes.promote_dtype(
+            inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype)
+        return svd_mlp(inputs, *factors, activation=self.activation, precision=self.precision)
+
+    @classmethod
+    def from_linears(cls, gate_proj: nnx.Linear, up_proj: nnx.Linear, down_proj: nnx.Linear, *,
+                     activation: str = "silu", rank=None, keep: float | None = None, method: str = "svd",
+                     calibration=None, block: int = 128, damping: float = svd.DEFAULT_DAMPING) -> SVDMLP:
+        """An SVDMLP approximating a gated MLP of three bias-free `nnx.Linear` layers.
+
+        rank: one int or (gate, up, down); or keep (per-projection `block_aligned_rank`). For method="whitened",
+        calibration is the MLP's input activations [n, in_features]; the down projection is calibrated on
+        act(x·Wg)*(x·Wu) computed from the dense layers.
+        """
+        for name, linear in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
+            if linear.bias is not None:
+                raise ValueError(f"{name} has a bias; svd_mlp's projections are bias-free")
+        ranks = three_ranks(rank) if rank is not None else (None, None, None)
+        down_calibration = None
+        if method == "whitened" and calibration is not None:
+            down_calibration = gated_hidden(calibration, gate_proj.kernel[...], up_proj.kernel[...], activation)
+        converted = [
+            SVDLinear.from_linear(linear, rank=layer_rank, keep=keep, method=method, calibration=layer_calibration,
+                                  block=block, damping=damping)
+            for linear, layer_rank, layer_calibration in (
+                (gate_proj, ranks[0], calibration), (up_proj, ranks[1], calibration),
+                (down_proj, ranks[2], down_calibration))
+        ]
+        mlp = nnx.eval_shape(lambda: cls(
+            gate_proj.in_features, gate_proj.out_features, tuple(layer.rank for layer in converted),
+            out_features=down_proj.out_features, activation=activation, dtype=gate_proj.dtype,
+            param_dtype=gate_proj.param_dtype, precision=gate_proj.precision, rngs=nnx.Rngs(0)))
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = converted
+        return mlp
