@@ -1,0 +1,67 @@
+"""Baselines on the emulator: tutorial-style blocked matmul, transpose, unfused low-rank chain."""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels import reference
+from nki_kernels.baseline_matmul import (TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes,
+                                         fit_baseline_blocks, transpose_kernel, unfused_svd_matmul)
+from nki_kernels.emulator import profile
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOLERANCE = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
+
+
+def relative_error(got, want):
+    got = np.asarray(got).astype(np.float64)
+    return np.abs(got - want).max() / np.abs(want).max()
+
+
+@pytest.mark.parametrize("k,m,n,dtype,blocks", [
+    (100, 1, 1000, np.float32, TUTORIAL_BLOCKS),
+    (200, 7, 1000, BF16, TUTORIAL_BLOCKS),
+    (200, 130, 1000, np.float32, TUTORIAL_BLOCKS),
+    (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),  # several M, N and K blocks
+    (300, 600, 700, BF16, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),
+])
+def test_baseline_matmul_matches_float64_reference(rng, k, m, n, dtype, blocks):
+    lhsT = rng.standard_normal((k, m)).astype(dtype)
+    rhs = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    out = baseline_matmul_kernel(lhsT, rhs, **blocks)
+    assert out.shape == (m, n) and out.dtype == np.dtype(dtype)
+    assert relative_error(out, reference.matmul_lhsT_ref(lhsT, rhs)) <= TOLERANCE[np.dtype(dtype)]
+
+
+@pytest.mark.parametrize("m,n", [(1, 130), (7, 1000), (600, 130)])
+def test_transpose_kernel_is_exact(rng, m, n):
+    a = rng.standard_normal((m, n)).astype(BF16)
+    np.testing.assert_array_equal(transpose_kernel(a).astype(np.float64), reference.transpose_ref(a))
+
+
+@pytest.mark.parametrize("t,k,r,n,dtype", [(1, 100, 130, 1000, np.float32), (130, 200, 1, 1000, BF16),
+                                           (600, 200, 130, 1000, np.float32)])
+def test_unfused_chain_matches_reference_and_round_trips_the_intermediate(rng, t, k, r, n, dtype):
+    x = rng.standard_normal((t, k)).astype(dtype)
+    u = (rng.standard_normal((k, r)) / np.sqrt(k)).astype(dtype)
+    v = (rng.standard_normal((r, n)) / np.sqrt(r)).astype(dtype)
+    with profile() as prof:
+        y = unfused_svd_matmul(np.ascontiguousarray(x.T), u, v)
+    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(dtype)]
+    assert [run.name for run in prof.runs] == ["baseline_matmul_kernel", "transpose_kernel", "baseline_matmul_kernel"]
+    size = np.dtype(dtype).itemsize
+    # x·u written, read and written transposed, read again: four extra crossings of T·r elements.
+    minimum = (t * k + k * r + r * n + t * n) * size
+    assert prof.hbm_bytes_read + prof.hbm_bytes_written >= minimum + 4 * t * r * size
+
+
+def test_baseline_rejects_mismatched_contraction(rng):
+    with pytest.raises(ValueError, match="rhs has shape"):
+        baseline_matmul_kernel(np.ones((100, 7), np.float32), np.ones((99, 10), np.float32))
+
+
+def test_fit_baseline_blocks_keeps_tutorial_blocks_when_they_fit_and_shrinks_otherwise():
+    assert fit_baseline_blocks(2048, 2048, 8192, 2, 192 * 1024) == TUTORIAL_BLOCKS
+    shrunk = fit_baseline_blocks(8192, 4096, 14336, 2, 192 * 1024)
+    assert shrunk != TUTORIAL_BLOCKS
+    assert baseline_sbuf_bytes(8192, 4096, 14336, 2, **shrunk) <= 192 * 1024
