@@ -18,3 +18,23 @@ def register_lowering(primitive, rule, platform=None):
 def lower_fun(fun, multiple_results):
     """Turns a jnp-level function into an MLIR lowering rule."""
     return mlir.lower_fun(fun, multiple_results=multiple_results)
+
+
+# --- Sharding support (jax_neuronmm/sharding.py, lowering.py) -------------------------------------
+from jax._src import dispatch as _dispatch  # noqa: E402
+
+
+def varying_axes(aval):
+    """The manual mesh axes an abstract value varies over inside shard_map (empty outside)."""
+    manual_axis_type = getattr(aval, "mat", None)  # JAX 0.10
+    if manual_axis_type is not None:
+        return frozenset(manual_axis_type.varying)
+    return frozenset(getattr(aval, "vma", frozenset()))  # the spelling before and maybe after
+
+
+def require_devices_during_lowering(primitive):
+    """Lowering `primitive` emits custom_partitioning, which needs the concrete device assignment."""
+    _dispatch.prim_requires_devices_during_lowering.add(primitive)
+
+
+__all__ += ["require_devices_during_lowering", "varying_axes"]

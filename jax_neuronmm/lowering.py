@@ -1,32 +1,42 @@
-"""Lowering rules: one XLA reference lowering for every platform, plus overrides.
+"""Lowering rules: one per primitive, for every platform, shardable.
 
-Like JAX's own `lu_p`: the reference lowering (`reference.py`, two dots with
-float32 accumulation) serves every platform; a platform can override it. The
-`neuron` override (NKI kernels through NKI's JAX integration) is registered by
-`register_platform_lowering` once the Neuron PJRT plugin is present.
+Each rule traces the primitive's per-shard computation, `local_impl(primitive,
+platform)`, wrapped by `sharding.partitioned`: on one device (or inside
+shard_map) it runs on the operands as given; under a multi-device jit the SPMD
+partitioner runs it on every device's blocks (see `sharding.py`). Backends (the
+emulator host callback, NKI kernels on Trainium) plug in at `local_impl`, so
+they are partitioned like the XLA reference and only ever see one device's blocks.
 """
 
-from jax_neuronmm import reference
-from jax_neuronmm._compat import lower_fun, register_lowering
+from jax_neuronmm import reference, sharding
+from jax_neuronmm._compat import lower_fun, register_lowering, require_devices_during_lowering
 from jax_neuronmm.svd_matmul import svd_matmul_p
 from jax_neuronmm.svd_mlp import svd_mlp_p
 
-
-def _svd_matmul_xla(x, u, v, *, n_batch, precision, out_dtype):
-    return reference.svd_matmul_ref(x, u, v, n_batch=n_batch, precision=precision, out_dtype=out_dtype)
-
-
-def _svd_mlp_xla(*operands, **params):
-    return reference.svd_mlp_ref(*operands, **params)
+_REFERENCES = {svd_matmul_p: reference.svd_matmul_ref, svd_mlp_p: reference.svd_mlp_ref}
+_FACTOR_RULES = {svd_matmul_p: sharding.svd_matmul_rule, svd_mlp_p: sharding.svd_mlp_rule}
 
 
-register_lowering(svd_matmul_p, lower_fun(_svd_matmul_xla, multiple_results=False))
-register_lowering(svd_mlp_p, lower_fun(_svd_mlp_xla, multiple_results=False))
+def local_impl(primitive, platform):
+    """The per-shard computation of `primitive` on `platform` ("cpu", "neuron", ...).
 
-
-def register_platform_lowering(primitive, platform, rule):
-    """Extension point: replaces the reference lowering of `primitive` on `platform`.
-
-    `rule` is an MLIR lowering rule `(ctx, *operands, **params) -> results`.
+    Returns a jnp-traceable callable `(*operands, **params) -> result` with the
+    primitive's operands (n_batch leading batch dims included) and params.
     """
-    register_lowering(primitive, rule, platform=platform)
+    del platform  # every platform runs the XLA reference for now
+    return _REFERENCES[primitive]
+
+
+def _rule(primitive):
+    def lower(ctx, *operands, **params):
+        platform = ctx.module_context.platforms[0]
+        factor_rule = _FACTOR_RULES[primitive](params["n_batch"], ctx.avals_in[0].ndim)
+        call = sharding.partitioned(local_impl(primitive, platform), factor_rule, params)
+        return lower_fun(call, multiple_results=False)(ctx, *operands)
+
+    return lower
+
+
+for _primitive in (svd_matmul_p, svd_mlp_p):
+    require_devices_during_lowering(_primitive)
+    register_lowering(_primitive, _rule(_primitive))

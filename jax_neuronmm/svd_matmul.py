@@ -17,6 +17,7 @@ import numpy as np
 from jax_neuronmm import shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.reference import batched_dot, swap_last, token_contract
+from jax_neuronmm.sharding import check_varying_axes, match_varying_axes
 
 svd_matmul_p = Primitive("svd_matmul")
 svd_matmul_p.def_impl(functools.partial(apply_primitive, svd_matmul_p))
@@ -43,18 +44,20 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
     shapes.check_matrix(op, "u", u, rows=x.shape[-1], rows_from="x.shape[-1] (K)")
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
+    x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
     return svd_matmul_p.bind(
         x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
     )
 
 
 def _bind(x, u, v, **params):
-    return svd_matmul_p.bind(x, u, v, **params)
+    return svd_matmul_p.bind(*match_varying_axes(x, u, v), **params)
 
 
 @svd_matmul_p.def_abstract_eval
 def _abstract_eval(x, u, v, *, n_batch, precision, out_dtype):
-    del u, precision
+    del precision
+    check_varying_axes("svd_matmul", ("x", "u", "v"), (x, u, v))
     return x.update(shape=x.shape[:-1] + v.shape[-1:], dtype=out_dtype, weak_type=False)
 
 

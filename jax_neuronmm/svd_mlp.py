@@ -19,6 +19,7 @@ from jax_neuronmm import shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.reference import ACTIVATIONS
 from jax_neuronmm.shapes import accumulation_dtype
+from jax_neuronmm.sharding import check_varying_axes, match_varying_axes
 from jax_neuronmm.svd_matmul import svd_matmul_p
 
 svd_mlp_p = Primitive("svd_mlp")
@@ -67,12 +68,14 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
     shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1],
                         rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
-    return svd_mlp_p.bind(x, *weights.values(), activation=activation, n_batch=0,
+    x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
+    return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
                           precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
 
 
 @svd_mlp_p.def_abstract_eval
 def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype):
+    check_varying_axes("svd_mlp", ("x",) + WEIGHT_NAMES, (x,) + weights)
     down_v = weights[-1]
     return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False)
 
