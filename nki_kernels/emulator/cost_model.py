@@ -31,7 +31,6 @@ The model is a list scheduler over the run's instruction records:
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import math
 
@@ -107,6 +106,9 @@ _BF16_LIKE = ("bfloat16", "float16")
 # Fewest bytes per dependency-index bucket; a storage gets at most _MAX_BUCKETS buckets.
 _MIN_BUCKET_BYTES = 512
 _MAX_BUCKETS = 256
+# DMA engine idle gaps remembered for slotting in later transfers, and the shortest kept.
+_MAX_GAPS = 16
+_MIN_GAP_NS = 1e-3
 
 
 def _check_target(target: str) -> Hardware:
@@ -160,29 +162,32 @@ class _RegionIndex:
     def __init__(self, bucket_bytes: dict[int, int]) -> None:
         self._bucket_bytes = bucket_bytes
         self._buckets: dict[tuple[int, int], list[list]] = {}
-
-    def _keys(self, access: trace.Access):
-        size = self._bucket_bytes[access.storage]
-        first = access.b_start // size
-        last = max(access.b_stop - 1, access.b_start) // size
-        return [(access.storage, b) for b in range(first, last + 1)]
+        self._storages: set[int] = set()
 
     def latest_overlap(self, access: trace.Access) -> float:
+        storage = access.storage
+        if storage not in self._storages:
+            return 0.0
         latest = 0.0
         p0, p1, b0, b1 = access.p_start, access.p_stop, access.b_start, access.b_stop
-        for key in self._keys(access):
-            for e in self._buckets.get(key, ()):
+        size = self._bucket_bytes[storage]
+        buckets = self._buckets
+        for b in range(b0 // size, max(b1 - 1, b0) // size + 1):
+            for e in buckets.get((storage, b), ()):
                 if e[4] > latest and e[0] < p1 and p0 < e[1] and e[2] < b1 and b0 < e[3]:
                     latest = e[4]
         return latest
 
     def add(self, access: trace.Access, finish: float) -> None:
+        storage = access.storage
+        self._storages.add(storage)
         p0, p1, b0, b1 = access.p_start, access.p_stop, access.b_start, access.b_stop
         entry = [p0, p1, b0, b1, finish]
-        for key in self._keys(access):
-            entries = self._buckets.get(key)
+        size = self._bucket_bytes[storage]
+        for b in range(b0 // size, max(b1 - 1, b0) // size + 1):
+            entries = self._buckets.get((storage, b))
             if entries is None:
-                self._buckets[key] = [entry]
+                self._buckets[(storage, b)] = [entry]
                 continue
             entries[:] = [e for e in entries
                           if not (p0 <= e[0] and e[1] <= p1 and b0 <= e[2] and e[3] <= b1
@@ -191,38 +196,48 @@ class _RegionIndex:
 
 
 class _DmaEngine:
-    """Busy intervals of one DMA engine; a transfer takes the earliest gap that fits."""
+    """Booked time of one DMA engine: fully free after `tail`, plus the most recent idle gaps.
+
+    A transfer takes the earliest gap that fits. Only the last _MAX_GAPS gaps are remembered
+    (older ones count as busy), which bounds the work per transfer and how far back a transfer
+    can be slotted in.
+    """
 
     def __init__(self) -> None:
-        self.starts: list[float] = []
-        self.stops: list[float] = []
+        self.tail = 0.0
+        self.gaps: list[list[float]] = []  # [start, stop], sorted, disjoint, all before `tail`
+
+    def copy(self) -> "_DmaEngine":
+        twin = _DmaEngine()
+        twin.tail = self.tail
+        twin.gaps = [list(gap) for gap in self.gaps]
+        return twin
 
     def earliest(self, ready: float, duration: float) -> float:
-        """Earliest start >= ready of a free gap of `duration` ns."""
-        starts, stops = self.starts, self.stops
-        i = bisect.bisect_right(stops, ready)  # first interval ending after `ready`
-        t = ready
-        while i < len(starts) and starts[i] < t + duration:
-            t = max(t, stops[i])
-            i += 1
-        return t
+        """Earliest start >= ready of a free stretch of `duration` ns."""
+        if ready >= self.tail:
+            return ready
+        for start, stop in self.gaps:
+            t = max(start, ready)
+            if stop - t >= duration:
+                return t
+        return max(self.tail, ready)
 
     def book(self, t: float, duration: float) -> None:
-        """Mark [t, t + duration) busy; the gap must be free (found by `earliest`)."""
-        starts, stops = self.starts, self.stops
-        i = bisect.bisect_right(starts, t)
+        """Mark [t, t + duration) busy; the stretch must be free (found by `earliest`)."""
         end = t + duration
-        # Merge with touching neighbours to keep the lists short.
-        if i > 0 and stops[i - 1] == t:
-            stops[i - 1] = end
-            if i < len(starts) and starts[i] == end:
-                stops[i - 1] = stops[i]
-                del starts[i], stops[i]
-        elif i < len(starts) and starts[i] == end:
-            starts[i] = t
+        if t >= self.tail:
+            if t > self.tail:
+                self.gaps.append([self.tail, t])
+            self.tail = end
         else:
-            starts.insert(i, t)
-            stops.insert(i, end)
+            for i, (start, stop) in enumerate(self.gaps):
+                if start <= t and end <= stop:
+                    pieces = [p for p in ([start, t], [end, stop]) if p[1] - p[0] > _MIN_GAP_NS]
+                    self.gaps[i:i + 1] = pieces
+                    break
+        if len(self.gaps) > _MAX_GAPS:
+            del self.gaps[:len(self.gaps) - _MAX_GAPS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,9 +276,18 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
     """List-schedule `run` on `target` (see the module docstring for the rules)."""
     hw = _check_target(target)
     records = run.records
+    # Per storage: byte extent, and the last record that writes / touches it. A read only
+    # matters to a later write (WAR) and a write to a later access, so others are not indexed.
     extent: dict[int, int] = {}
-    for record in records:
-        for access in record.reads + record.writes:
+    last_write: dict[int, int] = {}
+    last_access: dict[int, int] = {}
+    for i, record in enumerate(records):
+        for access in record.reads:
+            last_access[access.storage] = i
+            if access.b_stop > extent.get(access.storage, 0):
+                extent[access.storage] = access.b_stop
+        for access in record.writes:
+            last_access[access.storage] = last_write[access.storage] = i
             if access.b_stop > extent.get(access.storage, 0):
                 extent[access.storage] = access.b_stop
     bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
@@ -273,9 +297,9 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
 
     engine_free = {"tensor": 0.0, "vector": 0.0, "scalar": 0.0, "gpsimd": 0.0}
     busy = {engine: 0.0 for engine in trace.ENGINES}
-    dma_engines = [_DmaEngine() for _ in range(hw.dma_engines)]
+    dma_groups = [[_DmaEngine(), hw.dma_engines]]
     starts, finishes = [], []
-    for record in records:
+    for i, record in enumerate(records):
         is_dma = record.engine == "dma"
         ready = 0.0
         for access in record.reads:
@@ -290,12 +314,22 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
 
         if is_dma:
             engines, transfer_ns = dma_transfer_ns(record, hw)
-            # Each engine's share goes to the engines that can start it earliest.
-            offers = sorted((e.earliest(ready, transfer_ns), i) for i, e in enumerate(dma_engines))
-            for t, i in offers[:engines]:
-                dma_engines[i].book(t, transfer_ns)
+            # Each engine's share goes to the engines that can start it earliest. Engines with
+            # identical bookings form one group ([engine, count]) and are evaluated once.
+            offers = sorted((group[0].earliest(ready, transfer_ns), k)
+                            for k, group in enumerate(dma_groups))
             start = offers[0][0]
-            finish = offers[engines - 1][0] + transfer_ns + DMA_FIXED_LATENCY_NS
+            needed = engines
+            for t, k in offers:
+                group = dma_groups[k]
+                if group[1] > needed:  # split off the engines this transfer leaves alone
+                    dma_groups.append([group[0].copy(), group[1] - needed])
+                    group[1] = needed
+                group[0].book(t, transfer_ns)
+                needed -= group[1]
+                if needed == 0:
+                    break
+            finish = t + transfer_ns + DMA_FIXED_LATENCY_NS
             busy["dma"] += transfer_ns * engines
         elif record.engine in engine_free:
             ghz = _engine_ghz(hw, record.engine)
@@ -312,9 +346,12 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
                              f"expected one of {trace.ENGINES}")
 
         for access in record.reads:
-            reads_index.add(access, finish)
+            if last_write.get(access.storage, -1) > i:
+                reads_index.add(access, finish)
         for access in record.writes:
-            (hbm_dma_writes_index if is_dma and access.buffer == "hbm" else writes_index).add(access, finish)
+            if last_access[access.storage] > i:
+                index = hbm_dma_writes_index if is_dma and access.buffer == "hbm" else writes_index
+                index.add(access, finish)
         starts.append(start / 1e3)
         finishes.append(finish / 1e3)
     return Schedule(target=target, start_us=tuple(starts), finish_us=tuple(finishes),

@@ -1,0 +1,211 @@
+"""Cost model on hand-built instruction records (no emulator involved).
+
+Expected times are written out from the documented constants, so each test pins one rule of
+the model: matmul cycles, engine concurrency, dependency ordering, DMA bandwidth, targets.
+"""
+
+import pytest
+
+from nki_kernels.emulator import cost_model, trace
+
+A = trace.Access
+
+
+def _matmul(stationary, moving, out, *, contraction=128, stationary_free=128, moving_free=512,
+            dtype="bfloat16"):
+    itemsize = 4 if dtype == "float32" else 2
+    return trace.InstructionRecord(
+        opcode="nc_matmul", engine="tensor", line="k.py:1", partitions=contraction,
+        free_elements=moving_free, dtype="float32",
+        reads=(A(stationary, "sbuf", 0, contraction, 0, stationary_free * itemsize),
+               A(moving, "sbuf", 0, contraction, 0, moving_free * itemsize)),
+        writes=(A(out, "psum", 0, stationary_free, 0, moving_free * 4),),
+        matmul=trace.MatmulInfo(contraction, stationary_free, moving_free, dtype))
+
+
+def _elementwise(opcode, engine, src, dst, *, free=512, partitions=128, src_buffer="sbuf",
+                 dst_buffer="sbuf", dtype="float32", p_start=0):
+    return trace.InstructionRecord(
+        opcode=opcode, engine=engine, line="k.py:2", partitions=partitions, free_elements=free,
+        dtype=dtype,
+        reads=(A(src, src_buffer, p_start, p_start + partitions, 0, free * 4),),
+        writes=(A(dst, dst_buffer, p_start, p_start + partitions, 0, free * 4),))
+
+
+def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0):
+    per_partition = nbytes // partitions
+    hbm = A(src if not to_hbm else dst, "hbm", 0, 1, hbm_offset, hbm_offset + nbytes)
+    sbuf = A(dst if not to_hbm else src, "sbuf", 0, partitions, 0, per_partition)
+    return trace.InstructionRecord(
+        opcode="dma_copy", engine="dma", line="k.py:3", partitions=partitions,
+        free_elements=per_partition // 2, dtype="bfloat16",
+        reads=(sbuf,) if to_hbm else (hbm,), writes=(hbm,) if to_hbm else (sbuf,),
+        dma=trace.DmaInfo(nbytes, "sbuf" if to_hbm else "hbm", "hbm" if to_hbm else "sbuf",
+                          per_partition))
+
+
+def _run(*records, target="trn1"):
+    return trace.KernelRun(name="synthetic", target=target, records=list(records))
+
+
+def _us(cycles, ghz):
+    return cycles / ghz / 1e3
+
+
+@pytest.mark.parametrize("moving_free, stationary_free, dtype, cycles", [
+    (512, 128, "bfloat16", 512),
+    (200, 128, "bfloat16", 200),
+    (32, 128, "bfloat16", 64),      # below MM_INIT_LATENCY: max(N, 64)
+    (32, 16, "bfloat16", 32),       # tiny stationary: max(min(64, 16), 32)
+    (512, 128, "float32", 4 * 512),  # fp32 operands: 4x
+    (32, 128, "float32", 4 * 64),
+])
+@pytest.mark.parametrize("target, ghz", [("trn1", 2.8), ("trn2", 2.4)])
+def test_single_matmul_cycles(moving_free, stationary_free, dtype, cycles, target, ghz):
+    run = _run(_matmul(1, 2, 3, stationary_free=stationary_free, moving_free=moving_free,
+                       dtype=dtype))
+    assert cost_model.model_latency(run, target) == pytest.approx(_us(cycles, ghz))
+
+
+def test_back_to_back_matmuls_add_up():
+    # Accumulating matmuls into one PSUM tile: TensorE issues them in order, one pass each.
+    run = _run(*[_matmul(10 + k, 20 + k, 3, moving_free=384) for k in range(7)])
+    assert cost_model.model_latency(run, "trn1") == pytest.approx(7 * _us(384, 2.8))
+
+
+def test_independent_engines_overlap():
+    matmul = _matmul(1, 2, 3, moving_free=512)
+    act = _elementwise("activation", "scalar", 4, 5, free=2048)
+    vec = _elementwise("tensor_scalar", "vector", 6, 7, free=1000)
+    run = _run(matmul, act, vec)
+    expected = max(_us(512, 2.8), _us(2048, 1.4), _us(1000, 1.12))
+    assert cost_model.model_latency(run, "trn1") == pytest.approx(expected)
+    busy = cost_model.schedule(run, "trn1").engine_busy_us
+    assert busy["scalar"] == pytest.approx(_us(2048, 1.4))
+    assert busy["vector"] == pytest.approx(_us(1000, 1.12))
+
+
+def test_read_after_write_serializes_with_dependency_overhead():
+    matmul = _matmul(1, 2, 3, moving_free=512)
+    evict = _elementwise("tensor_copy", "scalar", 3, 4, free=512, src_buffer="psum")
+    run = _run(matmul, evict)
+    sched = cost_model.schedule(run, "trn1")
+    mm_us = _us(512, 2.8)
+    assert sched.start_us[1] == pytest.approx(mm_us + _us(cost_model.DEPENDENT_OVERHEAD_CYCLES, 1.4))
+    assert sched.latency_us == pytest.approx(sched.start_us[1] + _us(512, 1.4))
+
+
+def test_write_after_read_waits_for_the_reader():
+    # The DMA overwrites the moving tile the matmul is still reading.
+    matmul = _matmul(1, 2, 3, moving_free=512)
+    reload = _dma(50, 2, 128 * 1024)
+    sched = cost_model.schedule(_run(matmul, reload), "trn1")
+    assert sched.start_us[1] == pytest.approx(_us(512, 2.8))
+
+
+def test_write_after_write_orders_on_chip_writes():
+    first = _elementwise("tensor_scalar", "vector", 1, 9, free=4096)
+    second = _elementwise("activation", "scalar", 2, 9, free=64)
+    sched = cost_model.schedule(_run(first, second), "trn1")
+    assert sched.start_us[1] >= sched.finish_us[0]
+
+
+def test_disjoint_partitions_of_one_tensor_do_not_depend():
+    low = _elementwise("tensor_scalar", "vector", 1, 9, free=4096, partitions=64, p_start=0)
+    high = _elementwise("activation", "scalar", 1, 9, free=4096, partitions=64, p_start=64)
+    sched = cost_model.schedule(_run(low, high), "trn1")
+    assert sched.start_us[1] == 0.0
+
+
+def test_tensor_tensor_costs_2n_from_sbuf_and_n_with_psum_input():
+    def tt(src_buffer):
+        return trace.InstructionRecord(
+            opcode="tensor_tensor", engine="vector", line="k.py:4", partitions=128,
+            free_elements=1024, dtype="float32",
+            reads=(A(1, src_buffer, 0, 128, 0, 4096), A(2, "sbuf", 0, 128, 0, 4096)),
+            writes=(A(3, "sbuf", 0, 128, 0, 4096),))
+    assert cost_model.model_latency(_run(tt("sbuf")), "trn1") == pytest.approx(_us(2048, 1.12))
+    assert cost_model.model_latency(_run(tt("psum")), "trn1") == pytest.approx(_us(1024, 1.12))
+
+
+def test_small_instruction_pays_min_initiation_interval():
+    run = _run(_elementwise("activation", "scalar", 1, 2, free=3))
+    assert cost_model.model_latency(run, "trn1") == pytest.approx(_us(cost_model.MIN_II_CYCLES, 1.4))
+
+
+def test_trn2_vector_perf_mode_for_bf16_copies():
+    copy = _elementwise("tensor_copy", "vector", 1, 2, free=4096, dtype="bfloat16")
+    assert cost_model.model_latency(_run(copy), "trn1") == pytest.approx(_us(4096, 1.12))
+    assert cost_model.model_latency(_run(copy), "trn2") == pytest.approx(_us(4096 / 4, 0.96))
+
+
+@pytest.mark.parametrize("target, engine_rate", [("trn1", 17.0), ("trn2", min(23.0, 2900.0 / 8 / 16))])
+def test_one_large_dma_runs_at_sixteen_engines_bandwidth(target, engine_rate):
+    nbytes = 128 * 8192
+    run = _run(_dma(1, 2, nbytes))
+    expected_ns = nbytes / (16 * engine_rate) + cost_model.DMA_FIXED_LATENCY_NS
+    assert cost_model.model_latency(run, target) == pytest.approx(expected_ns / 1e3)
+
+
+def test_many_dmas_are_bandwidth_bound():
+    nbytes = 128 * 4096
+    run = _run(*[_dma(1, 100 + i, nbytes, hbm_offset=i * nbytes) for i in range(40)])
+    expected_ns = 40 * nbytes / (16 * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
+    assert cost_model.model_latency(run, "trn1") == pytest.approx(expected_ns / 1e3)
+
+
+def test_few_partitions_use_few_dma_engines():
+    nbytes = 4 * 65536
+    run = _run(_dma(1, 2, nbytes, partitions=4))
+    expected_ns = nbytes / (4 * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
+    assert cost_model.model_latency(run, "trn1") == pytest.approx(expected_ns / 1e3)
+
+
+def test_dma_waiting_on_compute_does_not_block_independent_dma():
+    act = _elementwise("activation", "scalar", 1, 2, free=65536)
+    store = _dma(2, 3, 128 * 65536 * 4, to_hbm=True)   # waits for the activation
+    load = _dma(4, 5, 128 * 2048)                        # independent, issued later
+    sched = cost_model.schedule(_run(act, store, load), "trn1")
+    assert sched.start_us[1] == pytest.approx(_us(65536, 1.4))
+    assert sched.start_us[2] == 0.0
+
+
+def test_stores_to_overlapping_hbm_spans_are_not_ordered():
+    # Column tiles of one output matrix have overlapping flattened byte spans.
+    stores = [_dma(10 + i, 99, 128 * 2048, to_hbm=True, hbm_offset=i * 1024) for i in range(2)]
+    sched = cost_model.schedule(_run(*stores), "trn1")
+    assert sched.start_us[1] < sched.finish_us[0]
+
+
+def test_load_after_store_to_same_hbm_waits():
+    store = _dma(10, 99, 128 * 2048, to_hbm=True)
+    load = _dma(99, 11, 128 * 2048)
+    sched = cost_model.schedule(_run(store, load), "trn1")
+    assert sched.start_us[1] == pytest.approx(sched.finish_us[0])
+
+
+def test_trn2_is_slower_per_matmul_but_faster_per_dma_than_trn1():
+    matmuls = _run(*[_matmul(1, 2, 3) for _ in range(4)])
+    assert cost_model.model_latency(matmuls, "trn2") / cost_model.model_latency(matmuls, "trn1") \
+        == pytest.approx(2.8 / 2.4)
+    dmas = _run(*[_dma(1, 10 + i, 128 * 8192, hbm_offset=i * 128 * 8192) for i in range(8)])
+    assert cost_model.model_latency(dmas, "trn2") < cost_model.model_latency(dmas, "trn1")
+
+
+def test_roofline():
+    # 1 GFLOP of bf16 on trn1: 1e9 / (128*128*2*2.8e9) s; 1 MB over min(410, 16*17) GB/s.
+    assert cost_model.roofline_us(1e9, 0, "trn1") == pytest.approx(1e9 / (128 * 128 * 2 * 2.8e3))
+    assert cost_model.roofline_us(0, 1e6, "trn1") == pytest.approx(1e6 / 272.0 / 1e3)
+    assert cost_model.roofline_us(1e9, 0, "trn2", "float32") == \
+        pytest.approx(4 * 1e9 / (128 * 128 * 2 * 2.4e3))
+    assert cost_model.roofline_us(0, 1e6, "trn2") == pytest.approx(1e6 / 362.5 / 1e3)
+
+
+def test_bad_target_and_engine_raise():
+    with pytest.raises(ValueError, match="target"):
+        cost_model.model_latency(_run(), "trn9")
+    bogus = trace.InstructionRecord("x", "warp", "k.py:9", 1, 1, "float32", (), ())
+    with pytest.raises(ValueError, match="warp"):
+        cost_model.model_latency(_run(bogus), "trn1")
+    with pytest.raises(ValueError, match="flops"):
+        cost_model.roofline_us(-1, 0, "trn1")
