@@ -1,0 +1,137 @@
+"""emulator.profile(): counters of hand-built runs and of a real emulated matmul kernel."""
+
+import numpy as np
+import pytest
+
+from nki_kernels import emulator
+from nki_kernels.binding import nisa, nki, nl
+from nki_kernels.emulator import cost_model, trace
+
+A = trace.Access
+
+
+def _record(opcode, engine, *, reads=(), writes=(), partitions=128, free=64, dtype="float32",
+            matmul=None, dma=None):
+    return trace.InstructionRecord(opcode, engine, "k.py:1", partitions, free, dtype,
+                                   tuple(reads), tuple(writes), matmul=matmul, dma=dma)
+
+
+def _synthetic_run():
+    load = _record("dma_copy", "dma", reads=[A(1, "hbm", 0, 1, 0, 6000)],
+                   writes=[A(2, "sbuf", 0, 100, 0, 60)],
+                   dma=trace.DmaInfo(6000, "hbm", "sbuf", 60))
+    mm = _record("nc_matmul", "tensor", reads=[A(2, "sbuf", 0, 100, 0, 60), A(2, "sbuf", 0, 100, 0, 60)],
+                 writes=[A(3, "psum", 0, 30, 0, 1200)],
+                 matmul=trace.MatmulInfo(contraction=100, stationary_free=30, moving_free=300,
+                                         input_dtype="bfloat16"))
+    mm_full = _record("nc_matmul", "tensor", reads=[A(2, "sbuf", 0, 100, 0, 60)],
+                      writes=[A(4, "psum", 0, 128, 0, 2048)],
+                      matmul=trace.MatmulInfo(128, 128, 512, "bfloat16"))
+    evict = _record("tensor_copy", "scalar", reads=[A(3, "psum", 0, 30, 0, 1200)],
+                    writes=[A(5, "sbuf", 0, 30, 0, 600)])
+    fill = _record("memset", "gpsimd", writes=[A(6, "sbuf", 0, 30, 0, 600)])
+    store = _record("dma_copy", "dma", reads=[A(5, "sbuf", 0, 30, 0, 600)],
+                    writes=[A(7, "hbm", 0, 1, 0, 18000)],
+                    dma=trace.DmaInfo(18000, "sbuf", "hbm", 600))
+    h2h = _record("dma_copy", "dma", partitions=1, reads=[A(1, "hbm", 0, 1, 0, 500)],
+                  writes=[A(8, "hbm", 0, 1, 0, 500)], dma=trace.DmaInfo(500, "hbm", "hbm", 500))
+    return trace.KernelRun("synthetic_kernel", "trn2", (2,), [load, mm, mm_full, evict, fill, store, h2h])
+
+
+def test_counters_of_a_synthetic_run():
+    run = _synthetic_run()
+    with emulator.profile() as prof:
+        trace.kernel_finished(run)
+        trace.kernel_finished(run)
+    assert len(prof.runs) == 2
+    r = prof.runs[0]
+    assert (r.name, r.target, r.grid, r.instructions) == ("synthetic_kernel", "trn2", (2,), 7)
+    assert r.hbm_bytes_read == 6000 + 500
+    assert r.hbm_bytes_written == 18000 + 500
+    assert r.dma_count == 3 and r.dma_sizes == (6000, 18000, 500)
+    assert r.matmul_count == 2
+    assert r.pe_fill == pytest.approx((100 * 30 / 128**2 + 1.0) / 2)
+    assert r.moving_fill == pytest.approx((300 / 512 + 1.0) / 2)
+    assert r.engine_counts == {"tensor": 2, "vector": 0, "scalar": 1, "gpsimd": 1, "dma": 3}
+    for target in ("trn1", "trn2"):
+        assert r.latency_us[target] == pytest.approx(cost_model.model_latency(run, target))
+        assert r.latency_us[target] > 0
+    assert prof.hbm_bytes_read == 2 * 6500 and prof.dma_count == 6 and prof.matmul_count == 4
+    assert prof.engine_counts["dma"] == 6
+    assert prof.latency_us["trn1"] == pytest.approx(2 * r.latency_us["trn1"])
+    table = str(prof)
+    assert "synthetic_kernel" in table and "TOTAL" in table and "trn2 us" in table
+
+
+def test_listener_is_removed_after_the_block():
+    with emulator.profile() as prof:
+        pass
+    trace.kernel_finished(_synthetic_run())
+    assert prof.runs == []
+
+
+def test_run_without_matmuls_or_dmas_reports_zero_fill():
+    run = trace.KernelRun("empty", "trn1", (), [_record("iota", "gpsimd", writes=[A(1, "sbuf", 0, 8, 0, 32)])])
+    with emulator.profile() as prof:
+        trace.kernel_finished(run)
+    r = prof.runs[0]
+    assert (r.matmul_count, r.pe_fill, r.moving_fill, r.dma_count, r.mean_dma_bytes) == (0, 0.0, 0.0, 0, 0.0)
+    assert r.latency_us["trn1"] == pytest.approx((cost_model.IOTA_FIXED_CYCLES + 64) / 1.4 / 1e3)
+
+
+@nki.jit
+def _tiled_matmul(lhs_t, rhs):
+    """out[M, N] = lhs_t[K, M].T @ rhs[K, N] in tiles of nl.tile_size; ragged edges by min()."""
+    k_total, m_total = lhs_t.shape
+    _, n_total = rhs.shape
+    tk, tm, tn = nl.tile_size.pmax, nl.tile_size.gemm_stationary_fmax, nl.tile_size.gemm_moving_fmax
+    out = nl.ndarray((m_total, n_total), nl.float32, buffer=nl.shared_hbm)
+    for m in range(0, m_total, tm):
+        mt = min(tm, m_total - m)
+        for n in range(0, n_total, tn):
+            nt = min(tn, n_total - n)
+            acc = nl.ndarray((mt, nt), nl.float32, buffer=nl.psum)
+            for k in range(0, k_total, tk):
+                kt = min(tk, k_total - k)
+                a = nl.ndarray((kt, mt), lhs_t.dtype, buffer=nl.sbuf)
+                b = nl.ndarray((kt, nt), rhs.dtype, buffer=nl.sbuf)
+                nisa.dma_copy(a, lhs_t[k:k + kt, m:m + mt])
+                nisa.dma_copy(b, rhs[k:k + kt, n:n + nt])
+                nisa.nc_matmul(acc, a, b)
+            result = nl.ndarray((mt, nt), nl.float32, buffer=nl.sbuf)
+            nisa.tensor_copy(result, acc)
+            nisa.dma_copy(out[m:m + mt, n:n + nt], result)
+    return out
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+def test_profile_of_an_emulated_matmul(target):
+    k, m, n = 200, 130, 600  # ragged in every dimension: tiles of 128 x 128 x 512
+    rng = np.random.default_rng(7)
+    lhs_t = rng.standard_normal((k, m)).astype(np.float32)
+    rhs = rng.standard_normal((k, n)).astype(np.float32)
+    with emulator.use_target(target), emulator.profile() as prof:
+        out = _tiled_matmul(lhs_t, rhs)
+    np.testing.assert_allclose(out, lhs_t.astype(np.float64).T @ rhs.astype(np.float64), rtol=1e-4, atol=1e-3)
+
+    assert len(prof.runs) == 1
+    r = prof.runs[0]
+    assert r.target == target and "_tiled_matmul" in r.name
+    m_sizes, n_sizes, k_tiles = [128, 2], [512, 88], [128, 72]
+    # Every (m, n) tile reloads its lhs and rhs strips per k tile, then stores once.
+    tiles = [(mt, nt, kt) for mt in m_sizes for nt in n_sizes for kt in k_tiles]
+    assert r.matmul_count == len(tiles) == 8
+    assert r.hbm_bytes_read == sum(4 * kt * (mt + nt) for mt, nt, kt in tiles)
+    assert r.hbm_bytes_written == 4 * m * n
+    assert r.dma_count == 2 * len(tiles) + len(m_sizes) * len(n_sizes)
+    assert sorted(r.dma_sizes) == sorted([4 * kt * mt for mt, nt, kt in tiles]
+                                         + [4 * kt * nt for mt, nt, kt in tiles]
+                                         + [4 * mt * nt for mt in m_sizes for nt in n_sizes])
+    assert r.pe_fill == pytest.approx(np.mean([kt * mt / 128**2 for mt, nt, kt in tiles]))
+    assert r.moving_fill == pytest.approx(np.mean([nt / 512 for mt, nt, kt in tiles]))
+    assert r.engine_counts["tensor"] == 8 and r.engine_counts["dma"] == r.dma_count
+    copies = sum(r.engine_counts[e] for e in ("vector", "scalar", "gpsimd"))
+    assert copies == len(m_sizes) * len(n_sizes)
+    # The modeled time covers at least the fp32 matmul passes and the DMA traffic.
+    floor = cost_model.roofline_us(2 * k * m * n, r.hbm_bytes_read + r.hbm_bytes_written, target, "float32")
+    assert r.latency_us[target] > floor
