@@ -72,14 +72,21 @@ def numerics_enabled():
     return _count_only_depth[0] == 0
 
 
+_basenames: dict[str, str] = {}
+
+
 def caller_line():
     """file.py:LINE of the innermost frame outside the emulator (the kernel source line)."""
-    frame = sys._getframe(2)
+    frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_EMULATOR_DIR):
         frame = frame.f_back
     if frame is None:
         return "<unknown>"
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    filename = frame.f_code.co_filename
+    base = _basenames.get(filename)
+    if base is None:
+        base = _basenames[filename] = os.path.basename(filename)
+    return f"{base}:{frame.f_lineno}"
 
 
 class KernelContext:

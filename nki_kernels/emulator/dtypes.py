@@ -29,6 +29,7 @@ _BY_NAME = {
     "float8_e5m2": float8_e5m2,
 }
 SUPPORTED = frozenset(_BY_NAME.values())
+NAME = {dtype: dtype.name for dtype in SUPPORTED}  # dtype.name is slow; records need it per instruction
 
 # Operand types the TensorE accepts (nc_matmul docs): fp8 (e4m3, e5m2), bf16, fp16, tf32, fp32.
 MATMUL_INPUT = frozenset((float8_e4m3, float8_e5m2, bfloat16, float16, float32))

@@ -137,7 +137,7 @@ def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, p
         opcode, engine_name, line,
         dst.shape[0] if partitions is None else partitions,
         _free(dst) if free is None else free,
-        dst.dtype.name,
+        dtypes.NAME[dst.dtype],
         tuple(r.access() for r in reads),
         (dst.access(),),
         matmul, dma))
@@ -349,13 +349,14 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     state = dst.psum_state()
     if accumulate is None:
         written = state == PSUM_BY_MATMUL
-        accumulate_mask = None if not written.any() else (True if written.all() else written)
-        if (state == PSUM_BY_OTHER).any():
+        n_written = np.count_nonzero(written)
+        accumulate_mask = None if n_written == 0 else (True if n_written == written.size else written)
+        if n_written != written.size and np.count_nonzero(state == PSUM_BY_OTHER):
             _fail(opcode, line, f"dst {dst.describe()}: PSUM written by a non-matmul instruction (memset, "
                                 f"tensor_copy, ...) cannot be accumulated onto (undefined on trn1/trn2); "
                                 f"pass accumulate=False to overwrite")
     elif accumulate:
-        if not (state == PSUM_BY_MATMUL).all():
+        if np.count_nonzero(state == PSUM_BY_MATMUL) != state.size:
             _fail(opcode, line, f"accumulate=True onto dst {dst.describe()} whose PSUM locations were not first "
                                 f"written by nc_matmul (undefined on trn1/trn2)")
         accumulate_mask = True
@@ -369,7 +370,7 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
                 product.shape), current + product, product)
         _write(dst, product)
     state[...] = PSUM_BY_MATMUL
-    info = MatmulInfo(contraction, stationary_free, moving_free, moving.dtype.name, bool(is_transpose))
+    info = MatmulInfo(contraction, stationary_free, moving_free, dtypes.NAME[moving.dtype], bool(is_transpose))
     _record(ctx, opcode, "tensor", line, dst, (stationary, moving), matmul=info, partitions=contraction,
             free=moving_free)
 
@@ -402,7 +403,7 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         a = data.array()
         _write(dst, a.reshape(a.shape[0], -1).T)
     _mark_psum(dst, PSUM_BY_MATMUL if engine_name == "tensor" else PSUM_BY_OTHER)
-    info = MatmulInfo(rows, rows, cols, data.dtype.name, True) if engine_name == "tensor" else None
+    info = MatmulInfo(rows, rows, cols, dtypes.NAME[data.dtype], True) if engine_name == "tensor" else None
     _record(ctx, opcode, engine_name, line, dst, (data,), matmul=info)
 
 

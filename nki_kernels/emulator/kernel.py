@@ -7,6 +7,7 @@ Non-array arguments (ints, strings, tuples, ...) pass through as trace-time cons
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -18,6 +19,11 @@ from . import context
 from . import dtypes
 from . import trace
 from .tensor import MemoryRegion, NkiTensor, Storage
+
+try:  # optional: per-tile matmuls are small, and multithreaded BLAS on them loses badly on busy machines
+    from threadpoolctl import threadpool_limits
+except ImportError:
+    threadpool_limits = None
 
 _array_frontend = [None]
 
@@ -153,7 +159,9 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False):
     grid = kernel.grid
     ctx = context.KernelContext(kernel.fn.__qualname__, context.resolve_target(), grid, numerics)
     names = kernel._parameters
-    with context.running(ctx):
+    single_threaded_blas = threadpool_limits(1, user_api="blas") if numerics and threadpool_limits \
+        else contextlib.nullcontext()
+    with context.running(ctx), single_threaded_blas:
         def convert(name, value):
             if isinstance(value, (np.ndarray, Spec)):
                 return _input_tensor(ctx, name, value)
