@@ -24,7 +24,8 @@ from __future__ import annotations
 
 from nki_kernels.binding import nki, nl, nisa
 
-DEFAULT_BLOCKS = {"block_t": 512, "block_r": 512, "block_n": 2048}
+# K tiles of X rows staged per DMA before the PE turns them (16 x 128 bf16 columns: 512 KiB per DMA).
+X_ROW_SEGMENT_TILES = 16
 
 
 def spans(total, step):
@@ -81,7 +82,8 @@ def load_x_strip(x, x_transposed, t0, tb):
 
     x is X [T, K] (`x_transposed` False) or Xᵀ [K, T] (True). From Xᵀ each K tile is one DMA of contiguous
     token rows. From X, 128-token row tiles are loaded whole and turned on the PE (nc_transpose to PSUM, one
-    eviction per ≤512 tokens); a single token's row is already contiguous and goes straight onto partitions.
+    eviction per ≤512 tokens), X_ROW_SEGMENT_TILES K tiles at a time so the staging rows stay small for any K;
+    a single token's row is already contiguous and goes straight onto partitions.
     """
     pmax = nl.tile_size.pmax
     k = x.shape[0] if x_transposed else x.shape[1]
@@ -95,17 +97,20 @@ def load_x_strip(x, x_transposed, t0, tb):
         for ki, (k0, kt) in enumerate(k_tiles):
             nisa.dma_copy(dst=strip[0:kt, ki, 0:1], src=x[t0, k0:k0 + kt])
         return strip
+    segment = X_ROW_SEGMENT_TILES * pmax
     for c0, tc in spans(tb, nl.tile_size.gemm_moving_fmax):
-        row_tiles = []
-        for s0, ts in spans(tc, pmax):
-            rows = nl.ndarray((ts, k), dtype=x.dtype, buffer=nl.sbuf, name="x_rows")
-            nisa.dma_copy(dst=rows, src=x[t0 + c0 + s0:t0 + c0 + s0 + ts, 0:k])
-            row_tiles.append((s0, ts, rows))
-        for ki, (k0, kt) in enumerate(k_tiles):
-            turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
-            for s0, ts, rows in row_tiles:
-                nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, k0:k0 + kt])
-            nisa.tensor_copy(dst=strip[0:kt, ki, c0:c0 + tc], src=turned)
+        for g0, gs in spans(k, segment):
+            row_tiles = []
+            for s0, ts in spans(tc, pmax):
+                rows = nl.ndarray((ts, gs), dtype=x.dtype, buffer=nl.sbuf, name="x_rows")
+                nisa.dma_copy(dst=rows, src=x[t0 + c0 + s0:t0 + c0 + s0 + ts, g0:g0 + gs])
+                row_tiles.append((s0, ts, rows))
+            for gi, (k0, kt) in enumerate(spans(gs, pmax)):
+                ki = g0 // pmax + gi
+                turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
+                for s0, ts, rows in row_tiles:
+                    nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, k0:k0 + kt])
+                nisa.tensor_copy(dst=strip[0:kt, ki, c0:c0 + tc], src=turned)
     return strip
 
 
@@ -242,6 +247,7 @@ def _svd_matmul(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, bl
             stage2_cols_to_rows(xu, v, out, t0, tb, block_n)
         else:
             stage2_rows(xu, v, out, t0, tb, block_n)
+        del xu  # dead before the next token block's strip is loaded
     return out
 
 

@@ -69,6 +69,7 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
                     nisa.tensor_tensor(dst=h_tile[0:nt, c0:c0 + tc], data1=act, data2=up_accs[c], op=nl.multiply)
                 del gate_accs, up_accs  # free the PSUM banks before the next tile's accumulators start
                 nisa.dma_copy(dst=hT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=h_tile)
+        del gate_xu, up_xu, gate_blk, up_blk  # dead before the next token block's strip is loaded
     return hT
 
 
