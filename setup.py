@@ -30,6 +30,7 @@ setup(
             "hypothesis>=6.100,<7",
             "transformers>=4.50,<6",
             "torch==2.13.0",
+            "flatbuffers>=24,<27",  # jax.export serialization
         ],
         "examples": ["matplotlib>=3.8,<4"],
     },
