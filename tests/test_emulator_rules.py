@@ -261,3 +261,65 @@ def test_dtype_rules():
 
     assert "must equal data dtype" in _raises("nc_transpose", transpose_kernel, x, nl.bfloat16)
     np.testing.assert_array_equal(transpose_kernel(x, nl.float32), x.T)
+
+
+def test_engine_operand_rules():
+    @nki.jit
+    def kernel(x, case):
+        t = nl.load(x)
+        y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        if case == "bf16_scalar_operand":
+            vec = nl.ndarray((x.shape[0], 1), nl.bfloat16, buffer=nl.sbuf)
+            nisa.memset(vec, 2.0)
+            nisa.tensor_scalar(y, t, nl.multiply, vec)
+        elif case == "both_inputs_in_psum":
+            p1 = nl.ndarray(x.shape, nl.float32, buffer=nl.psum)
+            p2 = nl.ndarray(x.shape, nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(p1, t)
+            nisa.tensor_copy(p2, t)
+            nisa.tensor_tensor(y, p1, p2, nl.add)
+        else:  # conforming: float32 [P, 1] operand, one input in PSUM
+            vec = nl.ndarray((x.shape[0], 1), nl.float32, buffer=nl.sbuf)
+            nisa.memset(vec, 2.0)
+            p1 = nl.ndarray(x.shape, nl.float32, buffer=nl.psum)
+            nisa.tensor_copy(p1, t)
+            z = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+            nisa.tensor_tensor(z, p1, t, nl.add)
+            nisa.tensor_scalar(y, z, nl.multiply, vec)
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+        nl.store(out, y)
+        return out
+
+    x = _rand((16, 24))
+    assert "must be float32" in _raises("tensor_scalar", kernel, x, "bf16_scalar_operand")
+    assert "both be in PSUM" in _raises("tensor_tensor", kernel, x, "both_inputs_in_psum")
+    np.testing.assert_allclose(kernel(x, "ok"), 4 * x.astype(np.float64), rtol=1e-6)
+
+
+def test_vector_engine_transpose_size():
+    @nki.jit
+    def kernel(x):
+        t = nl.load(x)
+        tt = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
+        nisa.nc_transpose(tt, t, engine=nisa.engine.vector)
+        out = nl.ndarray(tt.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, tt)
+        return out
+
+    x = _rand((40, 33))
+    assert "over the 32x32" in _raises("nc_transpose", kernel, x)
+    np.testing.assert_array_equal(kernel(x[:32, :32]), x[:32, :32].T)
+
+
+def test_dma_cannot_touch_psum():
+    @nki.jit
+    def kernel(x, via_psum):
+        staged = nl.ndarray(x.shape, x.dtype, buffer=nl.psum if via_psum else nl.sbuf)
+        nisa.dma_copy(staged, x)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, staged)
+        return out
+
+    x = _rand((8, 8))
+    assert "DMA cannot access PSUM" in _raises("dma_copy", kernel, x, True)
+    np.testing.assert_array_equal(kernel(x, False), x)
