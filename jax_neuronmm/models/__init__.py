@@ -1,0 +1,22 @@
+"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression."""
+
+from jax_neuronmm.models.decoder import CausalLM, KVCache
+from jax_neuronmm.models.gemma import Gemma, GemmaConfig
+from jax_neuronmm.models.generation import generate
+from jax_neuronmm.models.hf_loading import load_hf, model_from_config
+from jax_neuronmm.models.layers import GatedMLP, RopeConfig
+from jax_neuronmm.models.llama import Llama, LlamaConfig
+
+__all__ = [
+    "CausalLM",
+    "Gemma",
+    "GemmaConfig",
+    "GatedMLP",
+    "KVCache",
+    "Llama",
+    "LlamaConfig",
+    "RopeConfig",
+    "generate",
+    "load_hf",
+    "model_from_config",
+]

@@ -1,0 +1,154 @@
+"""Autoregressive generation with a static-shape KV cache: one jitted prefill, one jitted decode step.
+
+The cache has T + max_new_tokens slots from the start, so every decode step sees the same shapes and the step is
+compiled once per (model structure, batch, prompt length, max_new_tokens, sampling mode), never per token.
+`TRACE_COUNTS` counts how often each jitted function was traced (tests use it to prove that).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_neuronmm.models.decoder import CausalLM, KVCache
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+def _sample(logits: jax.Array, key: jax.Array, temperature, top_p, *, greedy: bool, top_k: int | None,
+            use_top_p: bool) -> jax.Array:
+    """Next tokens [B] int32 from logits [B, vocab]."""
+    logits = logits.astype(jnp.float32)
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    logits = logits / temperature
+    if top_k is not None:
+        kth_largest = jax.lax.top_k(logits, top_k)[0][:, -1:]
+        logits = jnp.where(logits < kth_largest, -jnp.inf, logits)
+    if use_top_p:
+        # Keep the smallest set of most likely tokens whose probability reaches top_p (always at least one).
+        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        mass_before = jnp.cumsum(probs, axis=-1) - probs
+        kept = mass_before < top_p
+        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
+        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+    return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "top_k", "use_top_p"))
+def _prefill(graphdef, state, token_ids, positions, token_mask, cache, key, temperature, top_p, *, greedy, top_k,
+             use_top_p):
+    TRACE_COUNTS["prefill"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(token_ids, positions=positions, token_mask=token_mask, cache=cache)
+    tokens = token_ids.shape[1]
+    last_real = jnp.argmax(jnp.where(token_mask, jnp.arange(tokens), -1), axis=1)
+    last_logits = jnp.take_along_axis(logits, last_real[:, None, None], axis=1)[:, 0]
+    next_tokens = _sample(last_logits, key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    return next_tokens, cache
+
+
+@functools.partial(
+    jax.jit, static_argnames=("graphdef", "greedy", "top_k", "use_top_p"), donate_argnames=("cache",)
+)
+def _decode_step(graphdef, state, tokens, positions, cache, key, temperature, top_p, *, greedy, top_k, use_top_p):
+    TRACE_COUNTS["decode"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache = model(tokens[:, None], positions=positions[:, None], cache=cache)
+    next_tokens = _sample(logits[:, 0], key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    return next_tokens, cache
+
+
+def _prompt_mask(token_ids: np.ndarray, pad_mask, lengths) -> np.ndarray:
+    batch, tokens = token_ids.shape
+    if pad_mask is not None and lengths is not None:
+        raise ValueError("pad_mask and lengths: got both, expected at most one")
+    if lengths is not None:
+        lengths = np.asarray(lengths)
+        if lengths.shape != (batch,) or np.any(lengths < 1) or np.any(lengths > tokens):
+            raise ValueError(f"lengths: got {lengths.tolist()}, expected {batch} integers in [1, {tokens}]")
+        return np.arange(tokens)[None, :] < lengths[:, None]
+    if pad_mask is None:
+        return np.ones((batch, tokens), bool)
+    mask = np.asarray(pad_mask).astype(bool)
+    if mask.shape != (batch, tokens):
+        raise ValueError(f"pad_mask: got shape {mask.shape}, expected {(batch, tokens)} like token_ids")
+    if not mask.any(axis=1).all():
+        raise ValueError("pad_mask: every row needs at least one real (True) token")
+    return mask
+
+
+def generate(
+    model: CausalLM,
+    token_ids,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_id: int | None = None,
+    seed: int = 0,
+    pad_mask=None,
+    lengths=None,
+) -> jax.Array:
+    """Continue each prompt of token_ids [B, T] by up to max_new_tokens tokens; returns [B, T + n] int32.
+
+    The result is the prompt as given followed by n new tokens (n == max_new_tokens unless every row produced
+    eos_id earlier; rows that finished first are filled with eos_id). temperature 0 is greedy decoding; otherwise
+    tokens are sampled from softmax(logits / temperature), restricted to the top_k most likely and/or to the
+    smallest set whose probability reaches top_p, with a PRNG seeded by `seed`.
+
+    Padding: give pad_mask [B, T] (True = real token) for any layout, or lengths [B] for right padding (the first
+    lengths[b] tokens are real). Left padding (pads first) and right padding both work: pads are never attended
+    to and positions count real tokens only, so each row decodes as it would alone. New tokens always start at
+    column T, so with right padding a row's pads stay between its prompt and its continuation.
+    """
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
+    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: got {max_new_tokens!r}, expected an integer >= 1")
+    if temperature < 0:
+        raise ValueError(f"temperature: got {temperature}, expected >= 0")
+    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
+        raise ValueError(f"top_k: got {top_k}, expected None or 1..{model.config.vocab_size}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p: got {top_p}, expected None or 0 < top_p <= 1")
+    prompt = np.asarray(token_ids)
+    if prompt.ndim != 2 or prompt.shape[1] < 1 or not np.issubdtype(prompt.dtype, np.integer):
+        raise ValueError(f"token_ids: got shape {prompt.shape} dtype {prompt.dtype}, expected int [B, T] with T >= 1")
+    mask = _prompt_mask(prompt, pad_mask, lengths)
+    batch, tokens = prompt.shape
+
+    graphdef, state = nnx.split(model)
+    sampling = dict(greedy=temperature == 0, top_k=top_k, use_top_p=top_p is not None)
+    temperature_arr = jnp.float32(max(temperature, 1e-6))
+    top_p_arr = jnp.float32(1.0 if top_p is None else top_p)
+    base_key = jax.random.key(seed)
+
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
+    next_positions = mask.sum(axis=1).astype(np.int32)
+    cache: KVCache = model.init_cache(batch, tokens + int(max_new_tokens))
+    next_tokens, cache = _prefill(
+        graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(positions), jnp.asarray(mask), cache,
+        jax.random.fold_in(base_key, 0), temperature_arr, top_p_arr, **sampling,
+    )
+    done = jnp.zeros((batch,), bool)
+    new_tokens = []
+    for step in range(int(max_new_tokens)):
+        if eos_id is not None:
+            next_tokens = jnp.where(done, eos_id, next_tokens)
+            done = done | (next_tokens == eos_id)
+        new_tokens.append(next_tokens)
+        if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+            break
+        next_tokens, cache = _decode_step(
+            graphdef, state, next_tokens, jnp.asarray(next_positions + step), cache,
+            jax.random.fold_in(base_key, step + 1), temperature_arr, top_p_arr, **sampling,
+        )
+    return jnp.concatenate([jnp.asarray(prompt, jnp.int32), jnp.stack(new_tokens, axis=1)], axis=1)

@@ -1,0 +1,258 @@
+"""Building blocks shared by the Llama and Gemma families (Flax NNX).
+
+Layouts: activations are [batch, tokens, features]; a linear layer's kernel is [in_features, out_features]
+(x @ kernel), the transpose of a PyTorch `nn.Linear.weight`. Attention heads are [batch, tokens, heads, head_dim].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+ROPE_KINDS = ("default", "linear", "llama3")
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary position embedding: base `theta` and an optional frequency scaling (`kind`)."""
+
+    theta: float
+    kind: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+    def __post_init__(self):
+        if self.kind not in ROPE_KINDS:
+            raise ValueError(f"rope_type: got {self.kind!r}, expected one of {ROPE_KINDS}")
+
+    @classmethod
+    def from_hf(cls, params: Mapping[str, Any] | None, default_theta: float) -> "RopeConfig":
+        """From an HF rope dict (`rope_parameters`, or legacy `rope_scaling` plus `rope_theta`)."""
+        params = dict(params or {})
+        kind = params.get("rope_type", params.get("type", "default")) or "default"
+        theta = float(params.get("rope_theta", default_theta))
+        if kind == "default":
+            return cls(theta=theta)
+        if kind == "linear":
+            return cls(theta=theta, kind=kind, factor=float(params["factor"]))
+        if kind == "llama3":
+            return cls(
+                theta=theta,
+                kind=kind,
+                factor=float(params["factor"]),
+                low_freq_factor=float(params["low_freq_factor"]),
+                high_freq_factor=float(params["high_freq_factor"]),
+                original_max_position=int(params["original_max_position_embeddings"]),
+            )
+        raise ValueError(f"rope_type: got {kind!r}, expected one of {ROPE_KINDS}")
+
+    def inverse_frequencies(self, head_dim: int) -> np.ndarray:
+        """[head_dim // 2] float32 inverse frequencies, computed as HF computes them (float32 powers)."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv_freq = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.kind == "linear":
+            return (inv_freq / np.float32(self.factor)).astype(np.float32)
+        if self.kind == "llama3":
+            low_freq_wavelen = self.original_max_position / self.low_freq_factor
+            high_freq_wavelen = self.original_max_position / self.high_freq_factor
+            wavelen = 2 * math.pi / inv_freq
+            scaled = np.where(wavelen > low_freq_wavelen, inv_freq / self.factor, inv_freq)
+            smooth = (self.original_max_position / wavelen - self.low_freq_factor) / (
+                self.high_freq_factor - self.low_freq_factor
+            )
+            smoothed = (1 - smooth) * scaled / self.factor + smooth * scaled
+            is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+            return np.where(is_medium, smoothed, scaled).astype(np.float32)
+        return inv_freq
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
+    """Rotate x [B, T, heads, head_dim] by positions [B, T] (rotate-half convention, as HF checkpoints use)."""
+    head_dim = x.shape[-1]
+    inv_freq = jnp.asarray(rope.inverse_frequencies(head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, head_dim/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+    cos = jnp.cos(angles).astype(x.dtype)
+    sin = jnp.sin(angles).astype(x.dtype)
+    half = head_dim // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos + rotated * sin
+
+
+def activation_fn(name: str):
+    if name == "silu":
+        return jax.nn.silu
+    if name == "gelu_pytorch_tanh":
+        return lambda x: jax.nn.gelu(x, approximate=True)
+    if name == "gelu":
+        return lambda x: jax.nn.gelu(x, approximate=False)
+    raise ValueError(f"hidden_act: got {name!r}, expected one of {ACTIVATIONS}")
+
+
+class RMSNorm(nnx.Module):
+    """RMS normalization over the last axis.
+
+    unit_offset=False (Llama): weight * normalize(x in fp32).astype(x.dtype).
+    unit_offset=True (Gemma): (normalize(x) * (1 + weight)) all in fp32, then cast to x.dtype; weight starts at 0.
+    """
+
+    def __init__(self, dim: int, *, eps: float, unit_offset: bool, param_dtype=jnp.float32):
+        self.eps = float(eps)
+        self.unit_offset = bool(unit_offset)
+        init = jnp.zeros if unit_offset else jnp.ones
+        self.weight = nnx.Param(init((dim,), param_dtype))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        weight = self.weight[...]
+        if self.unit_offset:
+            return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+        return weight * normed.astype(x.dtype)
+
+
+def linear(in_features: int, out_features: int, *, use_bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
+    """Linear layer with kernel [in_features, out_features] in `dtype` (parameters and compute)."""
+    return nnx.Linear(
+        in_features,
+        out_features,
+        use_bias=use_bias,
+        dtype=dtype,
+        param_dtype=dtype,
+        kernel_init=nnx.initializers.normal(0.02),
+        rngs=rngs,
+    )
+
+
+class GatedMLP(nnx.Module):
+    """down_proj(act(gate_proj(x)) * up_proj(x)); x [..., hidden] -> [..., hidden].
+
+    The three projections are separate submodules (kernels [hidden, intermediate] and [intermediate, hidden]) so
+    that compression can replace the projections, or the whole MLP, with low-rank modules of the same interface.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, *, activation: str, use_bias: bool, dtype, rngs: nnx.Rngs):
+        activation_fn(activation)  # validate early
+        self.activation = activation
+        self.gate_proj = linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(hidden, intermediate, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        act = activation_fn(self.activation)
+        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention layer."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    rope: RopeConfig
+    sliding_window: int | None = None
+    logit_softcap: float | None = None
+
+
+def attention_mask(
+    query_positions: jax.Array, key_positions: jax.Array, key_valid: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """[B, T, S] bool: key s is visible to query t.
+
+    Causality and windows are decided on token positions (not slots), so any padding layout works: a key is visible
+    when it holds a real token at a position <= the query's and, with a window W, within W - 1 positions of it.
+    """
+    q = query_positions[:, :, None]
+    k = key_positions[:, None, :]
+    visible = key_valid[:, None, :] & (k <= q)
+    if sliding_window is not None:
+        visible = visible & (q - k < sliding_window)
+    return visible
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE, optional QK-norm and a static-shape KV cache.
+
+    q/k/v/o projections have kernels [hidden, heads*head_dim] ([heads*head_dim, hidden] for o_proj).
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        spec: AttentionSpec,
+        *,
+        use_bias: bool,
+        qk_norm_eps: float | None,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        if spec.num_heads % spec.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({spec.num_heads}) must be a multiple of num_key_value_heads "
+                f"({spec.num_kv_heads})"
+            )
+        self.spec = spec
+        q_features = spec.num_heads * spec.head_dim
+        kv_features = spec.num_kv_heads * spec.head_dim
+        self.q_proj = linear(hidden, q_features, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(hidden, kv_features, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(hidden, kv_features, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(q_features, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
+        if qk_norm_eps is None:
+            self.q_norm = None
+            self.k_norm = None
+        else:
+            self.q_norm = RMSNorm(spec.head_dim, eps=qk_norm_eps, unit_offset=True, param_dtype=dtype)
+            self.k_norm = RMSNorm(spec.head_dim, eps=qk_norm_eps, unit_offset=True, param_dtype=dtype)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        positions: jax.Array,
+        mask: jax.Array,
+        kv: tuple[jax.Array, jax.Array] | None,
+        write_index: jax.Array | None,
+    ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """x [B, T, hidden], positions [B, T], mask [B, T, S].
+
+        Without a cache (kv None) S == T and the keys are this call's tokens. With a cache, kv holds
+        ([B, S, kv_heads, head_dim],) * 2 and this call's keys/values are written at slots
+        [write_index, write_index + T). Returns (output [B, T, hidden], (keys, values)).
+        """
+        spec = self.spec
+        batch, tokens, _ = x.shape
+        q = self.q_proj(x).reshape(batch, tokens, spec.num_heads, spec.head_dim)
+        k = self.k_proj(x).reshape(batch, tokens, spec.num_kv_heads, spec.head_dim)
+        v = self.v_proj(x).reshape(batch, tokens, spec.num_kv_heads, spec.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = apply_rope(q, positions, spec.rope)
+        k = apply_rope(k, positions, spec.rope)
+        if kv is not None:
+            start = (0, write_index, 0, 0)
+            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+        groups = spec.num_heads // spec.num_kv_heads
+        q = q.reshape(batch, tokens, spec.num_kv_heads, groups, spec.head_dim)
+        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype)) * jnp.asarray(spec.scaling, q.dtype)
+        scores = scores.astype(jnp.float32)
+        if spec.logit_softcap is not None:
+            scores = jnp.tanh(scores / spec.logit_softcap) * spec.logit_softcap
+        # Masked scores get the most negative float (not -inf) so a row with no visible key stays finite.
+        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
+        out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(x.dtype))
+        out = out.reshape(batch, tokens, spec.num_heads * spec.head_dim)
+        return self.o_proj(out), (k, v)

@@ -1,0 +1,130 @@
+"""Llama 3.x (also Llama 2 shapes): GQA, RoPE with optional llama3/linear scaling, tied or untied embeddings."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, RopeConfig, linear
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope: RopeConfig = RopeConfig(theta=500000.0)
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
+        """From a parsed HF config.json of model_type "llama"."""
+        num_heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        rope_params = hf.get("rope_parameters") or {}
+        if not rope_params:
+            rope_params = dict(hf.get("rope_scaling") or {})
+            rope_params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf.get("head_dim") or hidden // num_heads),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope=RopeConfig.from_hf(rope_params, default_theta=10000.0),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            mlp_bias=bool(hf.get("mlp_bias", False)),
+            hidden_act=str(hf.get("hidden_act", "silu")),
+        )
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "LlamaConfig":
+        """Random-init shapes: "tiny" (tests, demos) or "1b" (Llama-3.2-1B)."""
+        llama3_rope = RopeConfig(
+            theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position=8192,
+        )
+        presets = {
+            "tiny": dict(
+                vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
+                head_dim=32, rope=llama3_rope, tie_word_embeddings=True,
+            ),
+            "1b": dict(
+                vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                num_kv_heads=8, head_dim=64, rope=llama3_rope, tie_word_embeddings=True,
+            ),
+        }
+        if name not in presets:
+            raise ValueError(f"preset: got {name!r}, expected one of {sorted(presets)}")
+        return cls(**{**presets[name], **overrides})
+
+
+class LlamaDecoderLayer(nnx.Module):
+    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+        spec = AttentionSpec(
+            num_heads=config.num_heads,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            scaling=config.head_dim**-0.5,
+            rope=config.rope,
+        )
+        norm = dict(eps=config.rms_norm_eps, unit_offset=False, param_dtype=dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.self_attn = Attention(
+            config.hidden_size, spec, use_bias=config.attention_bias, qk_norm_eps=None, dtype=dtype, rngs=rngs
+        )
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, activation=config.hidden_act, use_bias=config.mlp_bias,
+            dtype=dtype, rngs=rngs,
+        )
+
+    def __call__(self, x, positions, mask, kv, write_index):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
+        x = x + attn_out
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
+class Llama(CausalLM):
+    """Llama causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]` (see CausalLM.__call__ for the cache)."""
+
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.compute_dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )
+        self.layers = nnx.List([LlamaDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=False, param_dtype=dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+
+    def embed(self, token_ids: jax.Array) -> jax.Array:
+        return self.embed_tokens(token_ids)
+
+    def unembed(self, hidden: jax.Array) -> jax.Array:
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
