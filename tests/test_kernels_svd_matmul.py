@@ -134,3 +134,10 @@ def test_blocks_must_be_multiples_of_128(rng, blocks, name):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
     with pytest.raises(ValueError, match=name):
         svd_matmul_kernel(x, u, v, **blocks)
+
+
+def test_x_rows_staged_in_several_k_segments(rng):
+    # K beyond one staging segment (X_ROW_SEGMENT_TILES x 128 columns), ending ragged.
+    x, u, v = make_operands(rng, 130, 2200, 130, 300, np.float32)
+    y = svd_matmul_kernel(x, u, v)
+    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
