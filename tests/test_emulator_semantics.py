@@ -360,6 +360,8 @@ def test_array_frontend_hook():
     x = _ForeignArray(np.ones((4, 4), np.float32))
     with pytest.raises(TypeError, match="set_array_frontend"):
         blocked_matmul(x, x)
+    with pytest.raises(TypeError, match="numpy arrays only"):
+        nki.simulate(blocked_matmul)(x, x)
     calls = []
 
     def frontend(kernel, grid, args, kwargs):
@@ -373,3 +375,21 @@ def test_array_frontend_hook():
         emulator.set_array_frontend(None)
     assert len(calls) == 1 and calls[0][1] == (1,) and calls[0][2] == (x, x)
     np.testing.assert_array_equal(got, np.full((4, 4), 4.0, np.float32))
+
+
+def test_matmul_transpose_mode_keeps_dtype():
+    @nki.jit
+    def kernel(x, identity):
+        data, eye = nl.load(x), nl.load(identity)
+        tt = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.psum)
+        nisa.nc_matmul(tt, data, eye, is_transpose=True)  # data.T @ I, bf16 dst allowed in transpose mode
+        result = nl.ndarray(tt.shape, x.dtype, buffer=nl.sbuf)
+        nisa.tensor_copy(result, tt)
+        out = nl.ndarray(tt.shape, x.dtype, buffer=nl.shared_hbm)
+        nl.store(out, result)
+        return out
+
+    x = _rng(10).standard_normal((48, 20)).astype(BF16)
+    got = kernel(x, np.eye(48, dtype=BF16))
+    assert got.dtype == BF16
+    np.testing.assert_array_equal(got, x.T)

@@ -156,6 +156,10 @@ class Spec:
 def run(kernel, args, kwargs, numerics=None, keep_tensors=False):
     """Simulate kernel over its grid; returns numpy outputs (or the returned tensors with keep_tensors)."""
     numerics = context.numerics_enabled() if numerics is None else numerics
+    for value in list(args) + list(kwargs.values()):
+        if _is_foreign_array(value) and not isinstance(value, Spec):
+            raise TypeError(f"kernel {kernel.fn.__qualname__}: the emulator simulates numpy arrays only, got a "
+                            f"{type(value).__name__} argument")
     grid = kernel.grid
     ctx = context.KernelContext(kernel.fn.__qualname__, context.resolve_target(), grid, numerics)
     names = kernel._parameters
