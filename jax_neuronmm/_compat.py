@@ -37,4 +37,16 @@ def require_devices_during_lowering(primitive):
     _dispatch.prim_requires_devices_during_lowering.add(primitive)
 
 
-__all__ += ["require_devices_during_lowering", "varying_axes"]
+def add_host_callback(ctx, host_fn):
+    """Registers `host_fn` with the executable `ctx` lowers into; returns its callback index.
+
+    jax.pure_callback registers with the module being built, which inside a
+    custom_partitioning partition is a throwaway module: its index then points
+    into the outer executable's (empty) list. Registering with the outer module
+    and emitting the call with this index makes per-shard host callbacks work.
+    """
+    ctx.module_context.add_host_callback(host_fn)
+    return len(ctx.module_context.host_callbacks) - 1
+
+
+__all__ += ["add_host_callback", "require_devices_during_lowering", "varying_axes"]

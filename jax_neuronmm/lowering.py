@@ -6,6 +6,7 @@ shard_map) it runs on the operands as given; under a multi-device jit the SPMD
 partitioner runs it on every device's blocks (see `sharding.py`). Backends (the
 emulator host callback, NKI kernels on Trainium) plug in at `local_impl`, so
 they are partitioned like the XLA reference and only ever see one device's blocks.
+A host backend returns `sharding.HostKernel(numpy_fn)` from `local_impl`.
 """
 
 from jax_neuronmm import reference, sharding
@@ -21,7 +22,8 @@ def local_impl(primitive, platform):
     """The per-shard computation of `primitive` on `platform` ("cpu", "neuron", ...).
 
     Returns a jnp-traceable callable `(*operands, **params) -> result` with the
-    primitive's operands (n_batch leading batch dims included) and params.
+    primitive's operands (n_batch leading batch dims included) and params, or a
+    `sharding.HostKernel` whose numpy function takes the same arguments.
     """
     del platform  # every platform runs the XLA reference for now
     return _REFERENCES[primitive]
@@ -31,7 +33,10 @@ def _rule(primitive):
     def lower(ctx, *operands, **params):
         platform = ctx.module_context.platforms[0]
         factor_rule = _FACTOR_RULES[primitive](params["n_batch"], ctx.avals_in[0].ndim)
-        call = sharding.partitioned(local_impl(primitive, platform), factor_rule, params)
+        local_fn = local_impl(primitive, platform)
+        if isinstance(local_fn, sharding.HostKernel):
+            local_fn = sharding.host_local_fn(ctx, local_fn, params)
+        call = sharding.partitioned(local_fn, factor_rule, params)
         return lower_fun(call, multiple_results=False)(ctx, *operands)
 
     return lower

@@ -19,7 +19,7 @@ Two ways of writing SPMD programs in JAX, two mechanisms here:
   shardings (a replicated operand is sliced, which is free), weights first, so a
   sharded weight is never gathered. The per-shard computation is whatever
   `lowering.local_impl` returns: the XLA reference, the emulator callback or the
-  NKI kernel, so a host callback sees only its device's blocks.
+  NKI kernel, so a host callback sees only its device's blocks (`HostKernel`).
 
 * `jax.shard_map`. The user has already split the arrays; the primitives bind on
   the blocks. `match_varying_axes` casts every operand to the union of the
@@ -34,7 +34,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm._compat import varying_axes
+from jax_neuronmm._compat import Primitive, add_host_callback, register_lowering, varying_axes
 from jax_neuronmm.shapes import accumulation_dtype
 
 
@@ -221,3 +221,58 @@ def partitioned(local_fn, rule, params):
         need_replication_factors=rule.need_replication,
     )
     return call
+
+
+class HostKernel:
+    """A per-shard computation that runs on the host: `fn(*numpy operands, **params) -> numpy result`.
+
+    What `lowering.local_impl` returns for a backend that is not traceable (the
+    NKI emulator). `jax.pure_callback` cannot serve here: inside a partition it
+    registers with a throwaway module and crashes at run time. `host_local_fn`
+    registers the callback with the executable being lowered instead.
+    """
+
+    def __init__(self, fn):
+        self.fn = fn
+
+
+host_block_call_p = Primitive("neuronmm_host_block_call")
+
+
+@host_block_call_p.def_abstract_eval
+def _host_block_call_abstract_eval(*operands, index, shape, dtype):
+    del index
+    return operands[0].update(shape=shape, dtype=dtype, weak_type=False)
+
+
+def _host_block_call_lowering(ctx, *operands, index, shape, dtype):
+    del shape, dtype
+    if ctx.module_context.platforms != ("cpu",):
+        raise NotImplementedError(f"host kernels run on the cpu platform, not {ctx.module_context.platforms}")
+    rule = jax.ffi.ffi_lowering("xla_ffi_python_cpu_callback", has_side_effect=False)
+    return rule(ctx, *operands, index=np.uint64(index))
+
+
+register_lowering(host_block_call_p, _host_block_call_lowering)
+
+
+def host_local_fn(ctx, kernel, params):
+    """A traceable per-shard computation that calls `kernel.fn` on the host, on the blocks it is given.
+
+    The host returns the result in float32 (float64 for float64 operands), the
+    precision partial sums travel in; the cast to the requested dtype is traced.
+    Result shape: x.shape[:-1] + last_operand.shape[-1:] (true of both primitives).
+    """
+    acc = np.dtype(np.promote_types(accumulation_dtype(ctx.avals_in[0].dtype), params["out_dtype"]))
+    host_params = {**params, "out_dtype": acc}
+
+    def on_host(*blocks):
+        return (np.asarray(kernel.fn(*blocks, **host_params), dtype=acc),)
+
+    index = add_host_callback(ctx, on_host)
+
+    def local(*operands, out_dtype, **unused_params):
+        shape = operands[0].shape[:-1] + operands[-1].shape[-1:]
+        return host_block_call_p.bind(*operands, index=index, shape=shape, dtype=acc).astype(out_dtype)
+
+    return local
