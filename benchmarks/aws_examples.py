@@ -62,7 +62,33 @@ def _pool_ref(reduce):
     return ref
 
 
+def _mamba_args(rng):
+    batch, channels, seq_len, state = 1, 256, 512, 4
+    delta = rng.uniform(0.1, 1.0, (batch, channels, seq_len)).astype(np.float32)
+    u = rng.standard_normal((batch, channels, seq_len)).astype(np.float32)
+    a = -rng.uniform(0.5, 1.5, (channels, state)).astype(np.float32)
+    b = rng.standard_normal((batch, state, seq_len)).astype(np.float32)
+    c = rng.standard_normal((batch, state, seq_len)).astype(np.float32)
+    return (delta, u, a, b, c), {}
+
+
+def _mamba_ref(delta, u, a, b, c):
+    """Selective scan: h_t = exp(delta_t * A) * h_(t-1) + delta_t * u_t * B_t; y_t = sum over states of h_t * C_t."""
+    delta = _f64(delta)
+    out = np.zeros_like(delta)
+    for batch in range(delta.shape[0]):
+        for state in range(a.shape[1]):
+            decay = np.exp(delta[batch] * a[:, state:state + 1])
+            drive = delta[batch] * u[batch] * b[batch, state][None, :]
+            h = np.zeros(delta.shape[1])
+            for t in range(delta.shape[2]):
+                h = decay[:, t] * h + drive[:, t]
+                out[batch, :, t] += h * c[batch, state, t]
+    return out
+
+
 MM = "matrix_multiplication/matrix_multiplication_nki_kernels.py"
+MAMBA = "fused_mamba/mamba_nki_kernels.py"
 CASES = [
     Case("matmul basic", MM, "nki_matmul_basic_", _matmul_args(128, 64, 512), _matmul_ref, 2e-2, 2e-1),
     Case("matmul tiled", MM, "nki_matmul_tiled_", _matmul_args(256, 256, 1024), _matmul_ref, 2e-2, 2e-1),
@@ -94,6 +120,9 @@ CASES = [
          lambda rng: ((rng.standard_normal((4, 3)).astype(np.float16), rng.standard_normal((4, 3)).astype(np.float16)),
                       {}),
          lambda a, b: _f64(a) + _f64(b), 1e-3, 1e-3),
+    Case("fused mamba v1", MAMBA, "mamba_v1", _mamba_args, _mamba_ref, 1e-4, 1e-4),
+    Case("fused mamba v2", MAMBA, "mamba_v2", _mamba_args, _mamba_ref, 1e-4, 1e-4),
+    Case("fused mamba v3", MAMBA, "mamba_v3", _mamba_args, _mamba_ref, 1e-4, 1e-4),
     Case("simulate example (asserts on import)", "simulate/nki_simulate_example.py", None),
     Case("layout loop", "layout-loop.py", None,
          skip="legacy dialect fragment (imports torch_neuronx.nki_jit, uses undefined i_f)"),

@@ -393,3 +393,30 @@ def test_matmul_transpose_mode_keeps_dtype():
     got = kernel(x, np.eye(48, dtype=BF16))
     assert got.dtype == BF16
     np.testing.assert_array_equal(got, x.T)
+
+
+def test_tensor_tensor_scan_and_broadcast_to():
+    @nki.jit
+    def kernel(decay, drive, row):
+        a, b, r = nl.load(decay), nl.load(drive), nl.load(row)  # r: [1, F]
+        scanned = nl.ndarray(decay.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_tensor_scan(scanned, a, b, initial=0.5, op0=nl.multiply, op1=nl.add)
+        wide = nl.broadcast_to(r, decay.shape)
+        outs = []
+        for t in (scanned, wide):
+            o = nl.ndarray(decay.shape, nl.float32, buffer=nl.shared_hbm)
+            nl.store(o, t)
+            outs.append(o)
+        return outs
+
+    rng = _rng(11)
+    decay, drive = rng.uniform(0, 1, (20, 30)).astype(np.float32), rng.standard_normal((20, 30)).astype(np.float32)
+    row = rng.standard_normal((1, 30)).astype(np.float32)
+    scanned, wide = kernel(decay, drive, row)
+    h = np.full(20, 0.5)
+    expected = np.empty((20, 30))
+    for t in range(30):
+        h = _f64(decay[:, t]) * h + drive[:, t]
+        expected[:, t] = h
+    np.testing.assert_allclose(scanned, expected, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(wide, np.broadcast_to(row, (20, 30)))

@@ -548,3 +548,32 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data,) + tuple(o for o in (bias, scale) if isinstance(o, NkiTensor))
     _record(ctx, opcode, "scalar", line, dst, reads)
+
+
+def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
+    """Per partition along the (flattened) free axis: r[i] = (data0[i] <op0> r[i-1]) <op1> data1[i], r[-1] = initial."""
+    opcode = "tensor_tensor_scan"
+    ctx = context.current(opcode)
+    line = context.caller_line()
+    _on_chip(opcode, line, "dst", dst)
+    _on_chip(opcode, line, "data0", data0)
+    _on_chip(opcode, line, "data1", data1)
+    _same_layout(opcode, line, dst, data0, "data0")
+    _same_layout(opcode, line, dst, data1, "data1")
+    if data0.storage.kind == "psum" and data1.storage.kind == "psum":
+        _fail(opcode, line, "data0 and data1 cannot both be in PSUM")
+    _operand(opcode, line, "initial", initial, data0.shape[0])
+    first, second = ops.binary(op0, "op0"), ops.binary(op1, "op1")
+    if ctx.numerics:
+        a, b = _f32_2d(data0), _f32_2d(data1)
+        result = np.empty_like(a)
+        state = np.broadcast_to(_operand_value(initial), (a.shape[0], 1))[:, 0].astype(np.float32)
+        with np.errstate(all="ignore"):
+            for i in range(a.shape[1]):
+                state = first(state, a[:, i]) if reverse0 else first(a[:, i], state)
+                state = second(b[:, i], state) if reverse1 else second(state, b[:, i])
+                result[:, i] = state
+        _write(dst, result)
+    _mark_psum(dst, PSUM_BY_OTHER)
+    reads = (data0, data1) + ((initial,) if isinstance(initial, NkiTensor) else ())
+    _record(ctx, opcode, "vector", line, dst, reads)

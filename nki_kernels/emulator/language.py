@@ -312,5 +312,23 @@ def matmul(x, y, transpose_x=False):
     return out
 
 
+def broadcast_to(x, shape, dtype=None):
+    """A new SBUF tile of `shape` (same rank as x; size-1 dims, the partition dim included, are repeated)."""
+    shape = tuple(shape)
+    if not isinstance(x, NkiTensor) or len(shape) != x.ndim:
+        raise ValueError(f"nl.broadcast_to: expected a tile of rank {len(shape)}, got {x!r}")
+    if x.shape == shape and (dtype is None or _dtypes.as_dtype(dtype) == x.dtype):
+        return x
+    if any(n != m and n != 1 for n, m in zip(x.shape, shape)):
+        raise ValueError(f"nl.broadcast_to: cannot broadcast {list(x.shape)} to {list(shape)}")
+    ctx = context.current("nl.broadcast_to")
+    line = context.caller_line()
+    out = allocate(shape, x.dtype if dtype is None else dtype, sbuf)
+    if ctx.numerics:
+        _isa._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
+    _isa._record(ctx, "tensor_copy", "vector", line, out, (x,))
+    return out
+
+
 def expand_dims(x, axis):
     return x.expand_dim(operator.index(axis))
