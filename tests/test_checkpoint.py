@@ -1,0 +1,161 @@
+"""save_compressed / load_compressed: round trips, metadata, atomic writes, corruption and mismatch errors."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from jax_neuronmm.compress import CheckpointError, compress_params, load_compressed, save_compressed
+from jax_neuronmm.nn import SVDLinear
+
+
+def compressed_linen(rng):
+    params = {"params": {
+        "embed": {"embedding": jnp.asarray(rng.standard_normal((20, 24)), jnp.bfloat16)},
+        "layers_0": {"mlp": {
+            "up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 70)), jnp.float32)},
+            "down_proj": {"kernel": jnp.asarray(rng.standard_normal((70, 24)), jnp.float32),
+                          "bias": jnp.asarray(rng.standard_normal(24), jnp.float32)},
+        }},
+    }}
+    return compress_params(params, keep=0.5, progress=False)
+
+
+def test_linen_round_trip_with_metadata(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    save_compressed(path, params, report=report, metadata={"source": "unit test"})
+    loaded, info = load_compressed(path)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), params, loaded)
+    assert loaded["params"]["embed"]["embedding"].dtype == ml_dtypes.bfloat16
+    assert info.method == "svd" and info.keep == 0.5
+    assert info.ranks == report.ranks and len(info.ranks) == 2
+    assert info.report["layers"][0]["rank"] == report.layers[0].rank
+    assert info.user == {"source": "unit test"}
+    assert os.listdir(tmp_path) == ["model.safetensors"]  # no temporary file left behind
+    # Any safetensors reader sees plain tensors and the metadata.
+    header = safetensors.safe_open(str(path), framework="numpy").metadata()
+    assert json.loads(header["ranks"]) == report.ranks and header["method"] == "svd"
+
+
+def test_nnx_round_trip_into_template(rng, tmp_path):
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([SVDLinear(20, 30, 4, rngs=rngs), SVDLinear(30, 10, 3, use_bias=False, rngs=rngs)])
+
+    def random_model():
+        model = nnx.eval_shape(lambda: Model(nnx.Rngs(0)))
+        for _, param in nnx.iter_graph(model):
+            if isinstance(param, nnx.Param):
+                param.set_value(jnp.asarray(rng.standard_normal(param.shape), jnp.float32))
+        return model
+
+    model = random_model()
+    state = nnx.state(model)
+    path = tmp_path / "nnx.safetensors"
+    save_compressed(path, state)
+    fresh = random_model()
+    loaded, info = load_compressed(path, like=nnx.state(fresh))
+    assert info.method == "none" and info.ranks == {"layers/0": 4, "layers/1": 3}
+    assert isinstance(loaded, nnx.State) and isinstance(loaded["layers"][1]["u"], nnx.Param)
+    nnx.update(fresh, loaded)
+    x = jnp.asarray(rng.standard_normal((5, 20)), jnp.float32)
+    np.testing.assert_array_equal(fresh.layers[1](fresh.layers[0](x)), model.layers[1](model.layers[0](x)))
+    # Without a template the int keys of the NNX list survive as ints.
+    plain, _ = load_compressed(path)
+    assert set(plain["layers"]) == {0, 1}
+
+
+def test_overwrite_is_atomic_when_saving_fails(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    save_compressed(path, params, report=report)
+    before = path.read_bytes()
+    with pytest.raises(TypeError, match="params leaf 'params/bad' is str"):
+        save_compressed(path, {"params": {"bad": "not an array"}})
+    assert path.read_bytes() == before and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_missing_file_and_directory(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_compressed(tmp_path / "absent.safetensors")
+    with pytest.raises(FileNotFoundError, match="directory"):
+        save_compressed(tmp_path / "no_dir" / "x.safetensors", {"a": np.ones(3)})
+
+
+def test_corrupt_tensor_bytes_fail_the_checksum(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    save_compressed(path, params, report=report)
+    data = bytearray(path.read_bytes())
+    data[-5] ^= 0x40  # a byte inside the last tensor's data
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        load_compressed(path)
+
+
+def test_truncated_and_garbage_files(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    save_compressed(path, params, report=report)
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+        load_compressed(path)
+    path.write_bytes(b"\x00\x01garbage")
+    with pytest.raises(CheckpointError, match="corrupt or not a safetensors file"):
+        load_compressed(path)
+
+
+def test_foreign_safetensors_file(tmp_path):
+    path = tmp_path / "hf.safetensors"
+    safetensors.numpy.save_file({"w": np.ones((2, 2), np.float32)}, str(path), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="not written by save_compressed"):
+        load_compressed(path)
+
+
+def test_tampered_metadata(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    tensors = {"a/u": np.ones((4, 2), np.float32), "a/v": np.ones((2, 3), np.float32)}
+    path = tmp_path / "x.safetensors"
+    save_compressed(path, {"a": {"u": tensors["a/u"], "v": tensors["a/v"]}})
+    header = safetensors.safe_open(str(path), framework="numpy").metadata()
+    header["ranks"] = json.dumps({"a": 5})
+    safetensors.numpy.save_file(tensors, str(path), metadata=header)
+    with pytest.raises(CheckpointError, match="recorded ranks"):
+        load_compressed(path)
+    del header["sha256"]
+    safetensors.numpy.save_file(tensors, str(path), metadata=header)
+    with pytest.raises(CheckpointError, match="damaged metadata"):
+        load_compressed(path)
+
+
+def test_template_mismatch_is_reported(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    save_compressed(path, params, report=report)
+    template = jax.tree.map(lambda a: a, params)
+    template["params"]["layers_0"]["mlp"]["up_proj"]["u"] = jnp.zeros((24, 3), jnp.float32)
+    template["params"]["extra"] = {"w": jnp.zeros(2)}
+    del template["params"]["embed"]
+    with pytest.raises(CheckpointError) as error:
+        load_compressed(path, like=template)
+    message = str(error.value)
+    assert "missing tensors ['params/extra/w']" in message
+    assert "unexpected tensors ['params/embed/embedding']" in message
+    assert "params/layers_0/mlp/up_proj/u: file has float32" in message and "expected float32[24, 3]" in message
+
+
+def test_report_must_match_params(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    other, other_report = compress_params({"mlp": {"kernel": np.ones((8, 8), np.float32) + np.eye(8)}},
+                                          rank=2, progress=False)
+    with pytest.raises(ValueError, match="report ranks"):
+        save_compressed(tmp_path / "x.safetensors", params, report=other_report)
+    with pytest.raises(TypeError, match="metadata must map str to str"):
+        save_compressed(tmp_path / "x.safetensors", params, metadata={"n": 3})
