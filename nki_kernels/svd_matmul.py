@@ -228,7 +228,7 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
                 nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=rows)
 
 
-def _svd_matmul(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, block_r, block_n):
+def svd_matmul_body(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, block_r, block_n):
     """Shared body of the svd_matmul kernels: validation, token blocking, the two stages."""
     check_2d(kernel, "xT" if x_transposed else "x", x, "[K, T]" if x_transposed else "[T, K]")
     k, t = (x.shape[0], x.shape[1]) if x_transposed else (x.shape[1], x.shape[0])
@@ -258,19 +258,19 @@ def svd_matmul_kernel(x, u, v, *, block_t=512, block_r=512, block_n=2048):
     block_t: tokens per block (the Xᵀ and (XU)ᵀ strips held in SBUF); block_r / block_n: columns of U / V per
     DMA block. All multiples of 128. T ≤ block_t reads X, U, V once and writes Y once.
     """
-    return _svd_matmul("svd_matmul_kernel", x, u, v, False, False, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_kernel", x, u, v, False, False, False, block_t, block_r, block_n)
 
 
 @nki.jit
 def svd_matmul_t_out_kernel(x, u, v, *, block_t=512, block_r=512, block_n=2048):
     """yᵀ [N, T] = (x [T, K] · u [K, r] · v [r, N])ᵀ: the layout a following t_in kernel consumes."""
-    return _svd_matmul("svd_matmul_t_out_kernel", x, u, v, False, True, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, False, True, False, block_t, block_r, block_n)
 
 
 @nki.jit
 def svd_matmul_t_in_kernel(xT, u, v, *, block_t=512, block_r=512, block_n=2048):
     """y [T, N] = xT [K, T]ᵀ · u [K, r] · v [r, N]: Xᵀ given, so no on-chip transpose of X."""
-    return _svd_matmul("svd_matmul_t_in_kernel", xT, u, v, True, False, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_t_in_kernel", xT, u, v, True, False, False, block_t, block_r, block_n)
 
 
 @nki.jit
@@ -280,4 +280,4 @@ def svd_matmul_decode_kernel(x, u, v, *, block_t=512, block_r=512, block_n=2048)
     Meant for small T (decode): a stage-2 matmul then costs ~64 PE cycles per 128 output features instead of
     ~128. Yᵀ tiles are turned back on the PE (T > 1) or written as the contiguous row they are (T = 1).
     """
-    return _svd_matmul("svd_matmul_decode_kernel", x, u, v, False, False, True, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, False, False, True, block_t, block_r, block_n)

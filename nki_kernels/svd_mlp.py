@@ -13,8 +13,8 @@ No rank-r intermediate touches HBM; the only intermediate in HBM is hᵀ (T·I e
 from __future__ import annotations
 
 from nki_kernels.binding import nki, nl, nisa
-from nki_kernels.svd_matmul import (_svd_matmul, check_2d, check_blocks, check_factors, check_float_dtypes,
-                                    load_row_block, load_x_strip, spans, stage1, stage2_cols_psum)
+from nki_kernels.svd_matmul import (check_2d, check_blocks, check_factors, check_float_dtypes, load_row_block,
+                                    load_x_strip, spans, stage1, stage2_cols_psum, svd_matmul_body)
 
 ACTIVATIONS = ("silu", "gelu_tanh")
 
@@ -76,4 +76,4 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
 @nki.jit
 def svd_mlp_down_kernel(hT, down_u, down_v, *, block_t=512, block_r=512, block_n=2048):
     """y [T, H] = hT [I, T]ᵀ · down_u [I, rd] · down_v [rd, H]; y in hT's dtype, row-major."""
-    return _svd_matmul("svd_mlp_down_kernel", hT, down_u, down_v, True, False, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_mlp_down_kernel", hT, down_u, down_v, True, False, False, block_t, block_r, block_n)
