@@ -67,6 +67,17 @@ def test_single_matmul_cycles(moving_free, stationary_free, dtype, cycles, targe
     assert cost_model.model_latency(run, target) == pytest.approx(_us(cycles, ghz))
 
 
+@pytest.mark.parametrize("rows, cols, cycles", [(128, 32, 128), (16, 100, 64), (8, 20, 20)])
+def test_tensor_engine_transpose_cycles(rows, cols, cycles):
+    # nc_transpose of data [rows, cols] on TensorE: max(P, min(64, F)), also for fp32 data.
+    record = trace.InstructionRecord(
+        opcode="nc_transpose", engine="tensor", line="k.py:5", partitions=cols, free_elements=rows,
+        dtype="float32", reads=(A(1, "sbuf", 0, rows, 0, cols * 4),),
+        writes=(A(2, "psum", 0, cols, 0, rows * 4),),
+        matmul=trace.MatmulInfo(rows, rows, cols, "float32", is_transpose=True))
+    assert cost_model.model_latency(_run(record), "trn1") == pytest.approx(_us(cycles, 2.8))
+
+
 def test_back_to_back_matmuls_add_up():
     # Accumulating matmuls into one PSUM tile: TensorE issues them in order, one pass each.
     run = _run(*[_matmul(10 + k, 20 + k, 3, moving_free=384) for k in range(7)])

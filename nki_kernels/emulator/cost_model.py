@@ -126,12 +126,15 @@ def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
     """Engine cycles a non-DMA instruction occupies its engine ([ISA] cost formulas)."""
     n = record.free_elements
     if record.engine == "tensor":
+        if record.opcode == "nc_transpose" and record.matmul is not None:
+            # [ISA] nc_transpose on TensorE: "max(P, min(64, F))" for back-to-back transposes,
+            # P = partitions and F = free size of the data (the record's contraction and moving).
+            return max(record.matmul.contraction, min(MM_INIT_CYCLES, record.matmul.moving_free))
         if record.matmul is not None:
             mm = record.matmul
             cycles = max(min(MM_INIT_CYCLES, mm.stationary_free), mm.moving_free)
             return cycles * (FP32_MATMUL_FACTOR if mm.input_dtype == "float32" else 1)
-        # [ISA] nc_transpose on TensorE: "max(P, min(64, F))" for back-to-back transposes.
-        return max(record.partitions, min(MM_INIT_CYCLES, n))
+        return max(record.partitions, min(MM_INIT_CYCLES, n))  # a transpose without MatmulInfo
     if record.opcode == "iota":
         return IOTA_FIXED_CYCLES + n
     reads_psum = any(a.buffer == "psum" for a in record.reads)
