@@ -85,7 +85,7 @@ def checkpoint(request, tmp_path_factory):
     reference = _randomized_reference(model_cls, make_config(), seed=len(request.param))
     path = str(tmp_path_factory.mktemp(request.param))
     reference.save_pretrained(path, safe_serialization=True)
-    return request.param, reference, path, our_cls
+    return request.param, reference, path, load_hf(path, dtype=jnp.float32)
 
 
 def _prompt(batch: int, length: int, vocab: int, seed: int) -> np.ndarray:
@@ -93,9 +93,8 @@ def _prompt(batch: int, length: int, vocab: int, seed: int) -> np.ndarray:
 
 
 def test_prefill_logits_match_transformers(checkpoint):
-    name, reference, path, our_cls = checkpoint
-    model = load_hf(path, dtype=jnp.float32)
-    assert isinstance(model, our_cls)
+    name, reference, _, model = checkpoint
+    assert isinstance(model, CASES[name][2])
     ids = _prompt(2, SEQ_LEN, reference.config.vocab_size, seed=1)
     with torch.no_grad():
         expected = reference(torch.from_numpy(ids)).logits.double().numpy()
@@ -106,8 +105,7 @@ def test_prefill_logits_match_transformers(checkpoint):
 
 
 def test_greedy_decode_matches_transformers(checkpoint):
-    name, reference, path, _ = checkpoint
-    model = load_hf(path, dtype=jnp.float32)
+    name, reference, _, model = checkpoint
     ids = _prompt(1, 7, reference.config.vocab_size, seed=2)
     with torch.no_grad():
         expected = reference.generate(
@@ -122,6 +120,8 @@ def test_greedy_decode_matches_transformers(checkpoint):
 
 def test_bfloat16_load_is_close(checkpoint):
     name, reference, path, _ = checkpoint
+    if name != "gemma3_text":
+        pytest.skip("bf16 loading is the same code for every family; checked on the richest one")
     model = load_hf(path, dtype=jnp.bfloat16)
     assert model.embed_tokens.embedding[...].dtype == jnp.bfloat16
     ids = _prompt(1, SEQ_LEN, reference.config.vocab_size, seed=3)

@@ -1,5 +1,6 @@
 """Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression."""
 
+from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.generation import generate
@@ -16,6 +17,7 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "RopeConfig",
+    "compress_model",
     "generate",
     "load_hf",
     "model_from_config",

@@ -1,0 +1,101 @@
+"""compress_model: full rank reproduces the dense model, error falls as keep grows, whitening, emulator run."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_neuronmm
+from jax_neuronmm.models import Gemma, GemmaConfig, GatedMLP, Llama, LlamaConfig, compress_model, generate
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+
+
+def _llama(seed=0):
+    config = LlamaConfig.preset("tiny", vocab_size=211, hidden_size=96, intermediate_size=200, num_layers=2)
+    return Llama(config, rngs=nnx.Rngs(seed))
+
+
+def _gemma3(seed=0):
+    config = GemmaConfig.preset("gemma3-tiny", vocab_size=211, hidden_size=96, intermediate_size=200)
+    model = Gemma(config, rngs=nnx.Rngs(seed))
+    # Non-zero norm weights so a (1 + w) slip would show.
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if "norm" in "/".join(map(str, path)):
+            param.set_value(jnp.asarray(0.3 * rng.standard_normal(param.shape), jnp.float32))
+    return model
+
+
+def _ids(batch, tokens, seed):
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 211, size=(batch, tokens)))
+
+
+@pytest.mark.parametrize("make_model", [_llama, _gemma3], ids=["llama", "gemma3"])
+def test_full_rank_reproduces_dense_logits(make_model):
+    model = make_model()
+    ids = _ids(2, 9, seed=1)
+    dense = np.asarray(model(ids), np.float64)
+    compressed = compress_model(model, rank="full", include=("mlp", "attention"))
+    assert all(isinstance(layer.mlp, SVDMLP) for layer in compressed.layers)
+    assert all(isinstance(layer.self_attn.q_proj, SVDLinear) for layer in compressed.layers)
+    assert isinstance(model.layers[0].mlp, GatedMLP), "the input model must stay dense"
+    np.testing.assert_allclose(np.asarray(compressed(ids), np.float64), dense, atol=2e-4, rtol=0)
+
+
+def test_error_falls_as_keep_grows():
+    model = _llama()
+    ids = _ids(2, 12, seed=2)
+    dense = np.asarray(model(ids), np.float64)
+    errors = []
+    for keep in (0.2, 0.5, 0.8, 1.0):
+        compressed = compress_model(model, keep=keep, block=8)
+        errors.append(np.abs(np.asarray(compressed(ids), np.float64) - dense).max())
+    assert all(a > b for a, b in zip(errors, errors[1:])), errors
+    assert errors[0] > 10 * errors[-1] or errors[0] > 1e-2, errors
+
+
+def test_keep_sets_block_aligned_ranks():
+    model = _llama()
+    compressed = compress_model(model, keep=0.5, block=8)
+    mlp = compressed.layers[0].mlp
+    for proj, (k, n) in ((mlp.gate_proj, (96, 200)), (mlp.down_proj, (200, 96))):
+        expected = jax_neuronmm.compress.block_aligned_rank(k, n, 0.5, 8)
+        assert proj.u.shape == (k, expected) and proj.v.shape == (expected, n)
+
+
+def test_whitened_beats_plain_svd_on_calibration_data():
+    model = _llama(seed=3)
+    # Calibrate on a skewed token distribution so the activations are far from isotropic.
+    calib = jnp.asarray(np.random.default_rng(4).integers(0, 48, size=(8, 40)))
+    dense = np.asarray(model(calib), np.float64)
+    plain = compress_model(model, keep=0.4, block=8)
+    whitened = compress_model(model, keep=0.4, block=8, method="whitened", calibration_ids=calib)
+    plain_error = np.abs(np.asarray(plain(calib)) - dense).mean()
+    whitened_error = np.abs(np.asarray(whitened(calib)) - dense).mean()
+    assert whitened_error < plain_error, (whitened_error, plain_error)
+
+
+def test_bad_arguments():
+    model = _llama()
+    with pytest.raises(ValueError, match="method"):
+        compress_model(model, method="qr")
+    with pytest.raises(ValueError, match="include"):
+        compress_model(model, include=("embedding",))
+    with pytest.raises(ValueError, match="calibration_ids"):
+        compress_model(model, method="whitened")
+    with pytest.raises(ValueError, match="keep"):
+        compress_model(model, keep=1.5)
+    with pytest.raises(TypeError, match="compressed already"):
+        compress_model(compress_model(model, keep=0.5))
+
+
+def test_emulator_backend_generates_the_same_tokens():
+    config = LlamaConfig.preset("tiny", vocab_size=101, hidden_size=64, intermediate_size=136, num_layers=1)
+    model = compress_model(Llama(config, rngs=nnx.Rngs(5)), keep=0.8, block=8)
+    prompt = np.random.default_rng(6).integers(0, 101, size=(1, 5))
+    expected = np.asarray(generate(model, prompt, 3))
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        got = np.asarray(generate(model, prompt, 3))
+    np.testing.assert_array_equal(got, expected)
+    assert len(prof.calls) >= 3 and prof.modeled_us["trn1"] > 0
