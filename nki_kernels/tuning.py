@@ -114,17 +114,16 @@ def candidates(kind, shape, itemsize, target):
 
 
 def default_blocks(kind, variant, shape, itemsize, target):
-    """Blocks for a shape the table lacks: 512 / 512 / 1024, halved (block_n, block_r, block_t) until they fit."""
-    blocks = dict(block_t=512, block_r=512, block_n=1024)
-    while not fits(kind, variant, shape, itemsize, blocks, target):
-        for name in ("block_n", "block_r", "block_t"):
-            if blocks[name] > PMAX:
-                blocks[name] //= 2
-                break
-        else:
-            raise ValueError(f"{kind} {shape}: no block sizes fit {target}'s SBUF; the shape is too large for "
-                             f"one kernel (K = {shape[1]}, r = {shape[2]})")
-    return blocks
+    """Blocks for a shape the table lacks: the largest that fit, preferring a long token block (fewer weight
+    re-reads), then long rank blocks, then long N blocks; 512 / 512 / 1024 at most."""
+    for block_t in (512, 256, 128):
+        for block_r in (512, 256, 128):
+            for block_n in (1024, 512, 256, 128):
+                blocks = dict(block_t=block_t, block_r=block_r, block_n=block_n)
+                if fits(kind, variant, shape, itemsize, blocks, target):
+                    return blocks
+    raise ValueError(f"{kind} {shape}: no block sizes fit {target}'s SBUF; the shape is too large for one kernel "
+                     f"(K = {shape[1]}, r = {shape[2]})")
 
 
 def _kernel_and_operands(kind, variant, shape, dtype):
