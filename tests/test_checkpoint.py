@@ -64,6 +64,7 @@ def test_nnx_round_trip_into_template(rng, tmp_path):
     loaded, info = load_compressed(path, like=nnx.state(fresh))
     assert info.method == "none" and info.ranks == {"layers/0": 4, "layers/1": 3}
     assert isinstance(loaded, nnx.State) and isinstance(loaded["layers"][1]["u"], nnx.Param)
+    assert jax.tree.structure(loaded) == jax.tree.structure(nnx.state(fresh))
     nnx.update(fresh, loaded)
     x = jnp.asarray(rng.standard_normal((5, 20)), jnp.float32)
     np.testing.assert_array_equal(fresh.layers[1](fresh.layers[0](x)), model.layers[1](model.layers[0](x)))

@@ -146,6 +146,7 @@ def test_compress_params_state_loads_into_svd_model(rng):
     linear = random_linear(rng, 30, 20)
     compressed, _ = compress_params(nnx.state(Dense(linear)), rank=6, progress=False)
     model = random_module(rng, Factored)
+    assert jax.tree.structure(compressed) == jax.tree.structure(nnx.state(model))
     nnx.update(model, compressed)
     x = rng.standard_normal((4, 30)).astype(np.float32)
     np.testing.assert_allclose(model.mlp(x), SVDLinear.from_linear(linear, rank=6)(x), rtol=1e-6, atol=1e-6)

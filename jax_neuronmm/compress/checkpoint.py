@@ -183,15 +183,7 @@ def _fill_like(like, flat: dict[tuple, np.ndarray], path: str):
                 )
     if problems:
         raise CheckpointError(f"checkpoint {path!r} does not match the template: " + "; ".join(problems))
-    return _replace_leaves(like, (), flat)
-
-
-def _replace_leaves(node, keys, flat):
-    if isinstance(node, Mapping):
-        return type(node)({key: _replace_leaves(child, keys + (key,), flat) for key, child in node.items()})
-    if isinstance(node, (list, tuple)):
-        return type(node)(_replace_leaves(child, keys + (i,), flat) for i, child in enumerate(node))
-    return tree.wrap_like(node, flat[keys])
+    return tree.rebuild(like, lambda keys, leaf: [(keys[-1] if keys else None, tree.wrap_like(leaf, flat[keys]))])
 
 
 def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict[str, int]:

@@ -189,7 +189,7 @@ def compress_params(
         replacements[target.keys] = (u, v)
         layer_reports.append(layer_report)
     report = CompressionReport(method=method, keep=keep, rank=rank, layers=tuple(layer_reports))
-    return _rebuild(params, (), replacements), report
+    return tree.rebuild(params, _replace_kernels(replacements)), report
 
 
 def _compress_one(target: _Target, method: str, damping: float):
@@ -232,16 +232,11 @@ def _relative_output_error(kernel, u, v, activations) -> float:
     return float(np.linalg.norm(exact - approx) / max(np.linalg.norm(exact), np.finfo(np.float64).tiny))
 
 
-def _rebuild(node, keys, replacements):
-    if isinstance(node, Mapping):
-        entries = {}
-        for key, child in node.items():
-            if key == "kernel" and keys in replacements:
-                u, v = replacements[keys]
-                entries["u"], entries["v"] = tree.wrap_like(child, u), tree.wrap_like(child, v)
-            else:
-                entries[key] = _rebuild(child, keys + (key,), replacements)
-        return type(node)(entries)
-    if isinstance(node, (list, tuple)):
-        return type(node)(_rebuild(child, keys + (index,), replacements) for index, child in enumerate(node))
-    return node
+def _replace_kernels(replacements: dict):
+    """A `tree.rebuild` callback putting u, v in place of each replaced kernel."""
+    def replace(keys, leaf):
+        if keys and keys[-1] == "kernel" and keys[:-1] in replacements:
+            u, v = replacements[keys[:-1]]
+            return [("u", tree.wrap_like(leaf, u)), ("v", tree.wrap_like(leaf, v))]
+        return [(keys[-1] if keys else None, leaf)]
+    return replace

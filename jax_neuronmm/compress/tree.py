@@ -7,11 +7,12 @@ same variable type and metadata.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 
 def iter_leaves(node, keys: tuple = ()) -> Iterator[tuple[tuple, object]]:
@@ -24,6 +25,34 @@ def iter_leaves(node, keys: tuple = ()) -> Iterator[tuple[tuple, object]]:
             yield from iter_leaves(child, keys + (index,))
     else:
         yield keys, node
+
+
+def rebuild(node, replace: Callable[[tuple, object], list[tuple[object, object]]], keys: tuple = ()):
+    """node with every leaf replaced by the (key, new leaf) pairs replace(keys, leaf) returns, under its parent.
+
+    One leaf may so become several (kernel → u, v). Containers keep their types; an NNX State is rebuilt through
+    its flat form, so the result has the structure `nnx.state(...)` gives and merges with a graphdef.
+    """
+    if isinstance(node, nnx.State):
+        flat = [(path[:-1] + (key,), new) for path, leaf in nnx.to_flat_state(node) for key, new in replace(path, leaf)]
+        return nnx.from_flat_state(flat)
+    if isinstance(node, Mapping):
+        entries = {}
+        for key, child in node.items():
+            if isinstance(child, (Mapping, list, tuple)):
+                entries[key] = rebuild(child, replace, keys + (key,))
+            else:
+                entries.update(replace(keys + (key,), child))
+        return type(node)(entries)
+    if isinstance(node, (list, tuple)):
+        children = []
+        for index, child in enumerate(node):
+            if isinstance(child, (Mapping, list, tuple)):
+                children.append(rebuild(child, replace, keys + (index,)))
+            else:
+                children += [new for _, new in replace(keys + (index,), child)]
+        return type(node)(children)
+    return replace(keys, node)[0][1]
 
 
 def join(keys) -> str:
