@@ -30,7 +30,7 @@ def activation_op(activation):
 
 @nki.jit
 def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", block_t=512, block_r=512,
-                           block_n=1024):
+                           block_n=512):
     """hᵀ [I, T] with h = act(x·gate_u·gate_v) * (x·up_u·up_v); x [T, H] row-major in HBM, hᵀ in x's dtype.
 
     activation: "silu" (Llama, Qwen) or "gelu_tanh" (Gemma). block_t: tokens per block; block_r: columns of
@@ -74,6 +74,6 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
 
 
 @nki.jit
-def svd_mlp_down_kernel(hT, down_u, down_v, *, block_t=512, block_r=512, block_n=2048):
+def svd_mlp_down_kernel(hT, down_u, down_v, *, block_t=512, block_r=512, block_n=512):
     """y [T, H] = hT [I, T]ᵀ · down_u [I, rd] · down_v [rd, H]; y in hT's dtype, row-major."""
     return svd_matmul_body("svd_mlp_down_kernel", hT, down_u, down_v, True, False, False, block_t, block_r, block_n)
