@@ -212,3 +212,18 @@ def test_compressed_model_error_shrinks_with_rank(rng):
         errors.append(np.linalg.norm(got - exact) / np.linalg.norm(exact))
     assert all(later < earlier for earlier, later in zip(errors, errors[1:])), errors
     assert errors[-1] < 1e-5  # rank 40 = min(K, N) for both layers: exact up to float32 rounding
+
+
+def test_nnx_sharding_names_map_to_megatron_factor_layout(rng):
+    def param(shape, names):
+        return nnx.Param(jnp.asarray(rng.standard_normal(shape), jnp.float32), out_sharding=names,
+                         eager_sharding=False)
+
+    state = nnx.State({"mlp": {"up_proj": {"kernel": param((16, 40), (None, "model"))},
+                               "down_proj": {"kernel": param((40, 16), ("model", None))}}})
+    new, _ = compress_params(state, rank=4, progress=False)
+    up, down = new["mlp"]["up_proj"], new["mlp"]["down_proj"]
+    assert up["u"].get_metadata()["out_sharding"] == (None, None)
+    assert up["v"].get_metadata()["out_sharding"] == (None, "model")
+    assert down["u"].get_metadata()["out_sharding"] == ("model", None)
+    assert down["v"].get_metadata()["out_sharding"] == (None, None)

@@ -27,6 +27,8 @@ from jax_neuronmm.compress import svd, tree
 DEFAULT_INCLUDE = r"(?i)(?:^|/)(?:[^/]*mlp[^/]*|ffn|feed_forward|gate_proj|up_proj|down_proj|gate|up|down|fc\d*|c_fc)(?:/|$)"
 
 METHODS = ("svd", "whitened")
+# NNX Variable metadata naming a kernel's mesh axes (the key differs across Flax versions).
+SHARDING_METADATA = ("out_sharding", "sharding_names", "sharding")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,8 +138,10 @@ def compress_params(
 
     Returns:
       (new_params, report): a tree of the same type with u/v in place of each compressed kernel (same dtype,
-      numpy leaves stay numpy, JAX leaves become JAX arrays, NNX variables keep their type and metadata), and a
-      `CompressionReport`. Deterministic: the same input gives bit-identical factors.
+      numpy leaves stay numpy, JAX leaves become JAX arrays, NNX variables keep their type and metadata, a
+      kernel's mesh-axis names [K-axis, N-axis] become u [K-axis, None], v [None, N-axis]; an NNX State comes
+      back with the structure `nnx.state` gives for the factored model), and a `CompressionReport`.
+      Deterministic: the same input gives bit-identical factors.
     """
     if method not in METHODS:
         raise ValueError(f"method must be one of {METHODS}, got {method!r}")
@@ -237,6 +241,22 @@ def _replace_kernels(replacements: dict):
     def replace(keys, leaf):
         if keys and keys[-1] == "kernel" and keys[:-1] in replacements:
             u, v = replacements[keys[:-1]]
-            return [("u", tree.wrap_like(leaf, u)), ("v", tree.wrap_like(leaf, v))]
+            return [("u", _factor_variable(leaf, u, "u")), ("v", _factor_variable(leaf, v, "v"))]
         return [(keys[-1] if keys else None, leaf)]
     return replace
+
+
+def _factor_variable(kernel_leaf, factor: np.ndarray, name: str):
+    """factor in kernel_leaf's container. An NNX kernel's axis names [..., K, N] map to u [..., K, None] and
+    v [..., None, N] (the Megatron layout: the rank axis is never split)."""
+    wrapped = tree.wrap_like(kernel_leaf, factor)
+    if not hasattr(kernel_leaf, "get_metadata"):
+        return wrapped
+    metadata = kernel_leaf.get_metadata()
+    updates = {}
+    for key in SHARDING_METADATA:
+        names = metadata.get(key)
+        if isinstance(names, (tuple, list)) and len(names) == factor.ndim:
+            names = tuple(names)
+            updates[key] = names[:-1] + (None,) if name == "u" else names[:-2] + (None, names[-1])
+    return wrapped.replace(wrapped.get_value(), **updates) if updates else wrapped

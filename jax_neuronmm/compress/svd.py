@@ -1,7 +1,8 @@
 """Low-rank factorizations of a dense weight W [K, N] into u [K, r] and v [r, N], so that x·W ≈ x·u·v.
 
-Everything here runs on the host in numpy (float32 for float32/16 inputs, float64 for float64 inputs), so that
-compressing a checkpoint needs no accelerator and gives the same factors on every run. Leading dimensions of w
+Everything here runs on the host in numpy, so that compressing a checkpoint needs no accelerator and gives the
+same factors on every run: `truncated_svd` works in float32 (float64 for float64 weights), `whitened_svd` in
+float64 throughout (its Cholesky factor can be ill-conditioned); results come back in the weight's dtype. Leading dimensions of w
 are treated as a stack of independent layers (as in scanned models: w [L, K, N] → u [L, K, r], v [L, r, N]).
 """
 
@@ -89,11 +90,12 @@ def whitened_svd_with_info(w, activations, rank: int, *, damping: float = DEFAUL
     stack_shape = w_host.shape[:-2]
     w_stack = w_host.reshape((-1,) + w_host.shape[-2:]).astype(np.float64)
     x_stack = x.reshape((-1,) + x.shape[-2:])
-    u_list, v_list, damping_added = [], [], 0.0
+    # One Cholesky factor per activation set: shared activations [n, K] serve every stacked layer.
+    whiteners = [_damped_cholesky(x_layer.T @ x_layer, damping) for x_layer in x_stack]
+    damping_added = max(layer_damping for _, layer_damping in whiteners)
+    u_list, v_list = [], []
     for index, w_layer in enumerate(w_stack):
-        x_layer = x_stack[index if len(x_stack) > 1 else 0]
-        chol, layer_damping = _damped_cholesky(x_layer.T @ x_layer, damping)
-        damping_added = max(damping_added, layer_damping)
+        chol, _ = whiteners[index if len(whiteners) > 1 else 0]
         # Sᵀ·w, then map the left factor back through S⁻ᵀ with a triangular solve (no explicit inverse).
         left, sigma, right_t = np.linalg.svd(chol.T @ w_layer, full_matrices=False)
         u_white, v = _split_sigma(left[:, :rank], sigma[:rank], right_t[:rank, :])
