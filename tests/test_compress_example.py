@@ -54,7 +54,8 @@ def test_cli_compresses_mlp_projections(rng, tmp_path):
     params, info = load_compressed(out / "model.safetensors")
     rank = 16  # 48·136·0.5 / (184·16) = 1.1 blocks of 16
     assert info.method == "svd" and info.keep == 0.5
-    assert info.ranks == {f"layers/{i}/mlp/{n}": rank for i in range(LAYERS) for n in ("down_proj", "gate_proj", "up_proj")}
+    assert info.ranks == {f"layers/{i}/mlp/{name}": rank
+                          for i in range(LAYERS) for name in ("down_proj", "gate_proj", "up_proj")}
     # Flax layout: kernels [in, out]; MLP kernels replaced by u [in, r], v [r, out] in the source dtype.
     gate = params["layers"][1]["mlp"]["gate_proj"]
     assert set(gate) == {"u", "v"} and gate["u"].shape == (HIDDEN, rank) and gate["u"].dtype == ml_dtypes.bfloat16

@@ -33,8 +33,8 @@ def linen_params(rng, hidden=48, intermediate=100, layers=2):
 def test_default_include_matches_mlp_projections_only():
     pattern = re.compile(DEFAULT_INCLUDE)
     for path in ["params/layers_0/mlp/gate_proj/kernel", "layers/3/mlp/down_proj/kernel",
-                 "params/MlpBlock_0/Dense_0/kernel", "model/h/0/ffn/fc1/kernel", "params/feed_forward/w1/kernel", "blocks/0/fc2/kernel",
-                 "transformer/h/0/c_fc/kernel", "params/layer/up/kernel"]:
+                 "params/MlpBlock_0/Dense_0/kernel", "model/h/0/ffn/fc1/kernel", "params/feed_forward/w1/kernel",
+                 "blocks/0/fc2/kernel", "transformer/h/0/c_fc/kernel", "params/layer/up/kernel"]:
         assert pattern.search(path), path
     for path in ["params/layers_0/attn/q_proj/kernel", "params/lm_head/kernel", "params/embed/embedding",
                  "params/self_attention/out/kernel", "params/upsample/kernel", "params/downsample/kernel"]:

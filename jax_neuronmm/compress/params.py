@@ -24,7 +24,11 @@ from jax_neuronmm.compress import svd, tree
 
 # The MLP projections, as the NeuronMM paper compresses them: any path component containing "mlp" (mlp, MlpBlock_0,
 # SVDMLP_0), the Llama/Gemma projection names, feed-forward blocks, and fc/fc1/fc2/c_fc layers. Case-insensitive.
-DEFAULT_INCLUDE = r"(?i)(?:^|/)(?:[^/]*mlp[^/]*|ffn|feed_forward|gate_proj|up_proj|down_proj|gate|up|down|fc\d*|c_fc)(?:/|$)"
+DEFAULT_INCLUDE = (
+    r"(?i)(?:^|/)"
+    r"(?:[^/]*mlp[^/]*|ffn|feed_forward|gate_proj|up_proj|down_proj|gate|up|down|fc\d*|c_fc)"
+    r"(?:/|$)"
+)
 
 METHODS = ("svd", "whitened")
 # NNX Variable metadata naming a kernel's mesh axes (the key differs across Flax versions).

@@ -2,8 +2,9 @@
 
 Everything here runs on the host in numpy, so that compressing a checkpoint needs no accelerator and gives the
 same factors on every run: `truncated_svd` works in float32 (float64 for float64 weights), `whitened_svd` in
-float64 throughout (its Cholesky factor can be ill-conditioned); results come back in the weight's dtype. Leading dimensions of w
-are treated as a stack of independent layers (as in scanned models: w [L, K, N] → u [L, K, r], v [L, r, N]).
+float64 throughout (its Cholesky factor can be ill-conditioned); results come back in the weight's dtype.
+Leading dimensions of w are treated as a stack of independent layers (as in scanned models: w [L, K, N] →
+u [L, K, r], v [L, r, N]).
 """
 
 from __future__ import annotations
