@@ -1,0 +1,131 @@
+"""generate(): KV-cached decoding equals recomputing the full forward, padding, sampling, eos, no retracing."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, generate
+from jax_neuronmm.models.generation import TRACE_COUNTS
+
+VOCAB = 97
+_forward = nnx.jit(lambda model, ids: model(ids))
+
+
+def _randomize(model, seed):
+    """Scale every parameter up from the init (std 0.02 keeps the residual stream equal to the embedding, and
+    greedy decoding would just repeat a token); norm weights get noise around their identity value."""
+    rng = np.random.default_rng(seed)
+    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        noise = rng.standard_normal(param.shape).astype(np.float32)
+        if "norm" in "/".join(map(str, path)):
+            param.set_value(param[...] + 0.3 * noise)
+        else:
+            param.set_value(jnp.asarray((0.08 if "embed" in str(path) else 0.15) * noise))
+    return model
+
+
+@pytest.fixture(scope="module")
+def llama():
+    config = LlamaConfig.preset("tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136, num_layers=2)
+    return _randomize(Llama(config, rngs=nnx.Rngs(0)), seed=0)
+
+
+@pytest.fixture(scope="module")
+def gemma3():
+    # Window 4 < the sequence lengths below, so the sliding layers must drop old keys from the cache.
+    config = GemmaConfig.preset("gemma3-tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136,
+                                sliding_window=4)
+    return _randomize(Gemma(config, rngs=nnx.Rngs(3)), seed=3)
+
+
+def _full_forward_argmax(model, ids: np.ndarray) -> np.ndarray:
+    """argmax of the cache-free forward at every position [B, T] (what greedy decoding must have chosen next)."""
+    return np.asarray(_forward(model, jnp.asarray(ids))).argmax(-1)
+
+
+def _prompts(batch, length, seed):
+    return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, length))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_cached_greedy_equals_full_recompute(name, request):
+    model = request.getfixturevalue(name)
+    prompt = _prompts(2, 6, seed=2)
+    got = np.asarray(generate(model, prompt, 12))
+    np.testing.assert_array_equal(got[:, :6], prompt)
+    # Each new token is the argmax of a cache-free forward over everything before it (teacher forcing).
+    np.testing.assert_array_equal(got[:, 6:], _full_forward_argmax(model, got)[:, 5:-1])
+    assert len(set(got[:, 6:].ravel().tolist())) > 4, "degenerate continuation proves little"
+
+
+def test_decode_step_compiles_once(llama):
+    prompt = _prompts(1, 5, seed=3)
+    before = dict(TRACE_COUNTS)
+    generate(llama, prompt, 13)
+    traced = {k: TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+    assert traced == {"prefill": 1, "decode": 1}
+    # Same shapes, other tokens: nothing is traced again.
+    before = dict(TRACE_COUNTS)
+    generate(llama, _prompts(1, 5, seed=4), 13)
+    assert TRACE_COUNTS["prefill"] == before["prefill"] and TRACE_COUNTS["decode"] == before["decode"]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_left_and_right_padding_match_unpadded_rows(name, request):
+    model = request.getfixturevalue(name)
+    short, long = _prompts(1, 4, seed=5)[0], _prompts(1, 7, seed=6)[0]
+    steps = 8
+    alone = [np.asarray(generate(model, p[None], steps))[0, -steps:] for p in (short, long)]
+    pad = VOCAB - 1
+
+    left = np.stack([np.r_[[pad] * 3, short], long])
+    left_mask = np.stack([np.r_[[False] * 3, [True] * 4], [True] * 7])
+    got_left = np.asarray(generate(model, left, steps, pad_mask=left_mask))
+    right = np.stack([np.r_[short, [pad] * 3], long])
+    got_right = np.asarray(generate(model, right, steps, lengths=[4, 7]))
+    for got in (got_left, got_right):
+        np.testing.assert_array_equal(got[:, :7], left if got is got_left else right)
+        np.testing.assert_array_equal(got[0, -steps:], alone[0])
+        np.testing.assert_array_equal(got[1, -steps:], alone[1])
+
+
+def test_sampling(llama):
+    prompt = _prompts(2, 5, seed=7)
+    greedy = np.asarray(generate(llama, prompt, 10))
+    sampled = np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=1))
+    assert (sampled == np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=1))).all()
+    assert (sampled != np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=2))).any()
+    assert (sampled != greedy).any()
+    # Restricting to the single most likely token is greedy decoding, whatever the temperature.
+    np.testing.assert_array_equal(generate(llama, prompt, 10, temperature=2.0, top_k=1, seed=3), greedy)
+    np.testing.assert_array_equal(generate(llama, prompt, 10, temperature=2.0, top_p=1e-6, seed=3), greedy)
+
+
+def test_eos_stops_and_fills(llama):
+    prompt = _prompts(2, 5, seed=8)
+    greedy = np.asarray(generate(llama, prompt, 10))
+    eos = int(greedy[0, 7])  # row 0 emits it at its third new token
+    got = np.asarray(generate(llama, prompt, 10, eos_id=eos))
+    row0_first = 5 + list(greedy[0, 5:]).index(eos)
+    assert (got[0, row0_first:] == eos).all()
+    np.testing.assert_array_equal(got[0, :row0_first], greedy[0, :row0_first])
+    # Both rows finish immediately when eos is each row's first token.
+    both = np.asarray(generate(llama, prompt[:1].repeat(2, 0), 10, eos_id=int(greedy[0, 5])))
+    assert both.shape == (2, 6)
+
+
+def test_bad_arguments(llama):
+    prompt = _prompts(1, 4, seed=9)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate(llama, prompt, 0)
+    with pytest.raises(ValueError, match="token_ids"):
+        generate(llama, prompt[0], 3)
+    with pytest.raises(ValueError, match="pad_mask"):
+        generate(llama, prompt, 3, pad_mask=np.ones((1, 3), bool))
+    with pytest.raises(ValueError, match="lengths"):
+        generate(llama, prompt, 3, lengths=[5])
+    with pytest.raises(ValueError, match="top_p"):
+        generate(llama, prompt, 3, temperature=1.0, top_p=0.0)
+    with pytest.raises(TypeError, match="model"):
+        generate(object(), prompt, 3)
