@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.test_util import check_grads
 
 from jax_neuronmm.compress import compress_params, truncated_svd
 from jax_neuronmm.nn import SVDDense
@@ -184,3 +185,14 @@ def test_bad_arguments(rng):
     with pytest.raises(ValueError, match="triple"):
         SVDMLP.params_from_dense({name: dense_params(rng, 10, 10, False) for name in ("gate_proj", "up_proj",
                                                                                       "down_proj")}, rank=(1, 2))
+
+
+def test_check_grads_float64(rng, x64):
+    layer = SVDDense(30, 7, param_dtype=jnp.float64)
+    params = {"u": rng.standard_normal((20, 7)), "v": rng.standard_normal((7, 30)), "bias": rng.standard_normal(30)}
+    x = rng.standard_normal((3, 20))
+    check_grads(lambda inputs, p: layer.apply({"params": p}, inputs), (x, params), order=1, modes=("fwd", "rev"))
+    mlp = SVDMLP(24, (5, 6, 7), param_dtype=jnp.float64)
+    mlp_params = jax.tree.map(lambda a: rng.standard_normal(a.shape) / np.sqrt(a.shape[0]),
+                              jax.eval_shape(mlp.init, jax.random.key(0), x)["params"])
+    check_grads(lambda inputs, p: mlp.apply({"params": p}, inputs), (x, mlp_params), order=1, modes=("fwd", "rev"))
