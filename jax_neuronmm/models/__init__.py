@@ -7,6 +7,7 @@ from jax_neuronmm.models.generation import generate
 from jax_neuronmm.models.hf_loading import load_hf, model_from_config
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
+from jax_neuronmm.models.presets import from_preset
 
 __all__ = [
     "CausalLM",
@@ -18,6 +19,7 @@ __all__ = [
     "LlamaConfig",
     "RopeConfig",
     "compress_model",
+    "from_preset",
     "generate",
     "load_hf",
     "model_from_config",

@@ -1,0 +1,104 @@
+"""Perplexity of a dense model and its SVD-compressed versions on a local text file.
+
+    python examples/perplexity.py --checkpoint /path/to/Llama-3.2-1B --keep 0.6,0.8,0.9
+    python examples/perplexity.py --preset tiny --method whitened     # random init: only the relative change means much
+
+The text (default: the shipped public-domain sample, examples/data/sample.txt) is tokenized with the checkpoint's
+tokenizer, or as UTF-8 bytes when there is none (ids 0..255, so the model's vocabulary must cover them), and cut
+into non-overlapping windows of --seq_len tokens; perplexity = exp(mean next-token negative log-likelihood).
+With --method whitened, the first --calibration_windows windows calibrate the whitening and are left out of
+every model's score.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax_neuronmm import models  # noqa: E402
+
+DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
+
+flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
+flags.DEFINE_string("checkpoint", None, "local HF checkpoint directory; overrides --model/--preset")
+flags.DEFINE_enum("preset", "tiny", list(models.presets.PRESETS), "random-init shape when no --checkpoint")
+flags.DEFINE_integer("num_layers", None, "override the preset's layer count")
+flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file to score")
+flags.DEFINE_list("keep", ["0.5", "0.8", "0.9"], "parameter fractions to compare against dense")
+flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "factorization")
+flags.DEFINE_bool("compress_attention", False, "also factor the attention projections")
+flags.DEFINE_integer("block", 128, "rank alignment (block_aligned_rank)")
+flags.DEFINE_integer("seq_len", 128, "tokens per window")
+flags.DEFINE_integer("calibration_windows", 4, "windows used to calibrate --method whitened")
+flags.DEFINE_integer("seed", 0, "init seed for --preset")
+FLAGS = flags.FLAGS
+
+_nll_sum = nnx.jit(lambda model, ids: _window_nll(model, ids))
+
+
+def _window_nll(model, ids):
+    """Summed next-token NLL over windows ids [W, L] (fp32 log-softmax)."""
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
+
+
+def tokenize(model, text: str) -> np.ndarray:
+    if model.tokenizer is not None:
+        return np.array(model.tokenizer.encode(text).ids)
+    ids = np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+    if model.config.vocab_size < 256:
+        raise app.UsageError(f"byte-level ids need vocab_size >= 256, the model has {model.config.vocab_size}")
+    return ids
+
+
+def perplexity(model, windows: np.ndarray) -> float:
+    nll = sum(float(_nll_sum(model, jnp.asarray(w[None]))) for w in windows)
+    return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+def main(argv):
+    del argv
+    if FLAGS.checkpoint:
+        model = models.load_hf(FLAGS.checkpoint)
+    else:
+        overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
+        model = models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides)
+    with open(FLAGS.text, encoding="utf-8") as f:
+        ids = tokenize(model, f.read())
+    count = len(ids) // FLAGS.seq_len
+    calibration_count = FLAGS.calibration_windows if FLAGS.method == "whitened" else 0
+    if count <= calibration_count:
+        raise app.UsageError(f"{FLAGS.text}: {len(ids)} tokens make {count} windows of {FLAGS.seq_len}; need more "
+                             f"than the {calibration_count} calibration windows (lower --seq_len)")
+    windows = ids[: count * FLAGS.seq_len].reshape(count, FLAGS.seq_len)
+    calibration, scored = windows[:calibration_count], windows[calibration_count:]
+    print(f"{FLAGS.text}: {len(ids)} tokens, scoring {len(scored)} windows of {FLAGS.seq_len}"
+          + (f" (+{calibration_count} for calibration)" if calibration_count else ""))
+
+    dense = perplexity(model, scored)
+    print(f"{'model':24s} {'perplexity':>12s} {'vs dense':>9s}")
+    print(f"{'dense':24s} {dense:12.3f} {1.0:9.3f}")
+    include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
+    for keep in (float(k) for k in FLAGS.keep):
+        start = time.perf_counter()
+        compressed = models.compress_model(
+            model, keep=keep, method=FLAGS.method, include=include, block=FLAGS.block,
+            calibration_ids=calibration if calibration_count else None)
+        ppl = perplexity(compressed, scored)
+        print(f"{f'{FLAGS.method} keep {keep}':24s} {ppl:12.3f} {ppl / dense:9.3f}   "
+              f"({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    app.run(main)
