@@ -1,0 +1,137 @@
+"""Decode throughput: dense vs SVD-compressed (keep 0.8) Llama, measured on CPU and modeled on Trainium.
+
+1. Measured, CPU XLA: a random-init Llama at Llama-3.2-1B width (hidden 2048, MLP 8192, GQA 32/8) with a few
+   layers and a small vocabulary, so that MLP weights dominate the bytes a decode step reads (as they do in the
+   full model). Dense and compressed models generate in alternating rounds in one process; the report gives
+   decode tokens/s of each (median over rounds) and their ratio (target >= 1.2x).
+2. Modeled, Trainium: for the paper's five models, the MLP time per decode token (T = 1, bf16) of the dense MLP
+   (three tutorial-style matmul kernels) vs the fused low-rank MLP (svd_mlp gate/up + down kernels at the
+   block-aligned rank keeping 80% of parameters), from count-only emulator runs and the trn1/trn2 cost model.
+
+    python benchmarks/decode_throughput.py              # both parts (a few minutes on 2 cores)
+    python benchmarks/decode_throughput.py --quick      # 2 layers, fewer tokens, 2 paper models
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from jax_neuronmm import models  # noqa: E402
+from nki_kernels import dispatch, tuning  # noqa: E402
+from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks  # noqa: E402
+from nki_kernels.emulator import count_only, profile  # noqa: E402
+
+flags.DEFINE_bool("quick", False, "smaller run: 2 layers, 16 new tokens, 3 rounds, 2 paper models")
+flags.DEFINE_integer("num_layers", 3, "decoder layers of the measured model")
+flags.DEFINE_integer("vocab_size", 1024, "vocabulary of the measured model (small: the head is not the subject)")
+flags.DEFINE_integer("prompt_len", 8, "prompt tokens")
+flags.DEFINE_integer("new_tokens", 48, "tokens generated per round")
+flags.DEFINE_integer("rounds", 5, "alternating dense / compressed rounds")
+flags.DEFINE_float("keep", tuning.PAPER_KEEP, "fraction of MLP parameters kept")
+flags.DEFINE_bool("skip_measured", False, "only the modeled Trainium table")
+flags.DEFINE_bool("skip_modeled", False, "only the measured CPU comparison")
+FLAGS = flags.FLAGS
+
+TARGET_RATIO = 1.2
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def measured_cpu(num_layers, new_tokens, rounds):
+    model = models.from_preset("llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size,
+                               tie_word_embeddings=False)
+    start = time.perf_counter()
+    compressed = models.compress_model(model, keep=FLAGS.keep)
+    print(f"compressed {num_layers} MLPs at keep {FLAGS.keep} in {time.perf_counter() - start:.1f} s")
+    prompt = np.random.default_rng(0).integers(0, FLAGS.vocab_size, size=(1, FLAGS.prompt_len))
+    contenders = {"dense": model, "compressed": compressed}
+
+    def decode_seconds(m):
+        # generate(n) - generate(1): prefill and the first token cancel, leaving n - 1 decode steps.
+        t0 = time.perf_counter()
+        models.generate(m, prompt, 1).block_until_ready()
+        t1 = time.perf_counter()
+        models.generate(m, prompt, new_tokens).block_until_ready()
+        t2 = time.perf_counter()
+        return (t2 - t1) - (t1 - t0)
+
+    for m in contenders.values():  # compile prefill / decode for both lengths
+        decode_seconds(m)
+    seconds = {name: [] for name in contenders}
+    for _ in range(rounds):
+        for name, m in contenders.items():
+            seconds[name].append(decode_seconds(m))
+    rates = {name: (new_tokens - 1) / statistics.median(s) for name, s in seconds.items()}
+    params = {name: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param))) for name, m in contenders.items()}
+    ratio = rates["compressed"] / rates["dense"]
+    print(f"\n## Measured decode on CPU XLA (fp32, batch 1, {num_layers} layers at Llama-3.2-1B width, "
+          f"vocab {FLAGS.vocab_size}, median of {rounds} alternating rounds of {new_tokens - 1} decode steps)\n")
+    print("| model | parameters | decode tokens/s |\n|---|---|---|")
+    for name in contenders:
+        print(f"| {name} | {params[name] / 1e6:.1f} M | {rates[name]:.2f} |")
+    print(f"\ncompressed / dense decode speed: {ratio:.3f}x (parameter ratio {params['dense'] / params['compressed']:.3f}x;"
+          f" target >= {TARGET_RATIO}x: {'met' if ratio >= TARGET_RATIO else 'NOT met'})")
+    return ratio
+
+
+def _counted(fn):
+    with count_only(), profile() as prof:
+        fn()
+    return prof.runs
+
+
+def modeled_mlp_us(h, i, r):
+    """{target: µs} of one decode token's MLP, dense and fused low-rank (bf16, T = 1)."""
+    x = np.zeros((1, h), BF16)
+    dense_runs = []
+    for k, n in ((h, i), (h, i), (i, h)):  # gate, up, down
+        blocks = fit_baseline_blocks(1, k, n, BF16.itemsize, tuning.SBUF_BYTES["trn1"])
+        dense_runs += _counted(lambda: baseline_matmul_kernel(np.zeros((k, 1), BF16), np.zeros((k, n), BF16),
+                                                               **blocks))
+    dense = {t: sum(run.latency_us[t] for run in dense_runs) for t in tuning.TARGETS}
+    fused = {}
+    for target in tuning.TARGETS:
+        (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(1, h, i, r, r, r, BF16, target)
+        runs = _counted(lambda: gate_up(x, np.zeros((h, r), BF16), np.zeros((r, i), BF16), np.zeros((h, r), BF16),
+                                        np.zeros((r, i), BF16), **gate_up_kwargs))
+        runs += _counted(lambda: down(np.zeros((i, 1), BF16), np.zeros((i, r), BF16), np.zeros((r, h), BF16),
+                                      **down_kwargs))
+        fused[target] = sum(run.latency_us[target] for run in runs)
+    return dense, fused
+
+
+def modeled_table(model_names):
+    print(f"\n## Modeled MLP time per decode token on Trainium (bf16, T = 1, keep {tuning.PAPER_KEEP}; "
+          "count-only emulator + cost model, not measured)\n")
+    print("| model | H | I | rank | trn1 dense µs | trn1 fused µs | trn1 speedup | trn2 dense µs | trn2 fused µs "
+          "| trn2 speedup |\n|---|---|---|---|---|---|---|---|---|---|")
+    for name in model_names:
+        h, i = tuning.PAPER_MLP_SHAPES[name]
+        r = tuning.block_aligned_rank(h, i, tuning.PAPER_KEEP)
+        dense, fused = modeled_mlp_us(h, i, r)
+        cells = "".join(f"| {dense[t]:.1f} | {fused[t]:.1f} | {dense[t] / fused[t]:.2f}x " for t in tuning.TARGETS)
+        print(f"| {name} | {h} | {i} | {r} {cells}|", flush=True)
+
+
+def main(argv):
+    del argv
+    quick = FLAGS.quick
+    if not FLAGS.skip_measured:
+        measured_cpu(2 if quick else FLAGS.num_layers, 16 if quick else FLAGS.new_tokens, 3 if quick else FLAGS.rounds)
+    if not FLAGS.skip_modeled:
+        names = list(tuning.PAPER_MLP_SHAPES)
+        modeled_table(names[:2] if quick else names)
+
+
+if __name__ == "__main__":
+    app.run(main)
