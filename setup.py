@@ -20,6 +20,8 @@ setup(
         "safetensors>=0.4,<1",
         "tokenizers>=0.20,<1",
         "tqdm>=4.60,<5",
+        "scipy>=1.11,<2",
+        "threadpoolctl>=3,<4",  # the emulator pins BLAS to one thread per tile product
     ],
     extras_require={
         # The real Neuron toolchain comes from AWS's Neuron package repository

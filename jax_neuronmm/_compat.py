@@ -50,3 +50,42 @@ def add_host_callback(ctx, host_fn):
 
 
 __all__ += ["add_host_callback", "require_devices_during_lowering", "varying_axes"]
+
+
+# --- Backends (jax_neuronmm/backend.py, neuron.py) -----------------------------------------------
+from jax._src import config as _config  # noqa: E402
+from jax._src import xla_bridge as _xla_bridge  # noqa: E402
+
+
+def define_string_enum_state(name, values, default, help_text):
+    """A JAX config option whose value is part of the jit cache key (so changing it re-lowers)."""
+    return _config.enum_state(name, values, default, help_text, include_in_jit_key=True,
+                              include_in_trace_context=True)
+
+
+def is_known_platform(platform):
+    """True when some PJRT plugin or built-in backend registered `platform` with JAX."""
+    return _xla_bridge.is_known_platform(platform)
+
+
+__all__ += ["define_string_enum_state", "is_known_platform"]
+
+
+# --- Testing the neuron lowering without the Neuron plugin (tests/test_backend_neuron.py) ---------
+import contextlib as _contextlib  # noqa: E402
+
+
+@_contextlib.contextmanager
+def stand_in_platform(platform):
+    """Makes JAX know `platform` (as a PJRT plugin would) without any device, for lowering only."""
+    registered = platform in _xla_bridge._backend_factories
+    if not registered:
+        _xla_bridge._backend_factories[platform] = _xla_bridge.BackendRegistration(lambda: None, -1000, True)
+    try:
+        yield
+    finally:
+        if not registered:
+            del _xla_bridge._backend_factories[platform]
+
+
+__all__ += ["stand_in_platform"]

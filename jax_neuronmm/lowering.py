@@ -7,15 +7,23 @@ partitioner runs it on every device's blocks (see `sharding.py`). Backends (the
 emulator host callback, NKI kernels on Trainium) plug in at `local_impl`, so
 they are partitioned like the XLA reference and only ever see one device's blocks.
 A host backend returns `sharding.HostKernel(numpy_fn)` from `local_impl`.
+
+Backends (`backend.py`): "xla" runs the reference; "emulator" runs the NKI
+kernels (`kernel_calls.py`) on numpy blocks in a host callback; on platform
+"neuron" the same `kernel_calls` functions are traced with JAX arrays, and the
+real `nki.jit` turns each kernel launch into its custom call. The "neuron" rule
+is registered only once JAX knows that platform (`ensure_neuron_lowering`).
 """
 
-from jax_neuronmm import reference, sharding
-from jax_neuronmm._compat import lower_fun, register_lowering, require_devices_during_lowering
+from jax_neuronmm import kernel_calls, reference, sharding
+from jax_neuronmm._compat import is_known_platform, lower_fun, register_lowering, require_devices_during_lowering
+from jax_neuronmm.backend import effective_backend
 from jax_neuronmm.svd_matmul import svd_matmul_p
 from jax_neuronmm.svd_mlp import svd_mlp_p
 
 _REFERENCES = {svd_matmul_p: reference.svd_matmul_ref, svd_mlp_p: reference.svd_mlp_ref}
 _FACTOR_RULES = {svd_matmul_p: sharding.svd_matmul_rule, svd_mlp_p: sharding.svd_mlp_rule}
+_KERNEL_CALLS = {svd_matmul_p: kernel_calls.svd_matmul_kernels, svd_mlp_p: kernel_calls.svd_mlp_kernels}
 
 
 def local_impl(primitive, platform):
@@ -25,13 +33,20 @@ def local_impl(primitive, platform):
     primitive's operands (n_batch leading batch dims included) and params, or a
     `sharding.HostKernel` whose numpy function takes the same arguments.
     """
-    del platform  # every platform runs the XLA reference for now
-    return _REFERENCES[primitive]
+    backend = effective_backend(platform)
+    if backend == "xla":
+        return _REFERENCES[primitive]
+    if backend == "emulator":
+        return sharding.HostKernel(_KERNEL_CALLS[primitive])
+    return _KERNEL_CALLS[primitive]
 
 
 def _rule(primitive):
     def lower(ctx, *operands, **params):
         platform = ctx.module_context.platforms[0]
+        backend = effective_backend(platform)
+        if backend != "xla":
+            kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
         factor_rule = _FACTOR_RULES[primitive](params["n_batch"], ctx.avals_in[0].ndim)
         local_fn = local_impl(primitive, platform)
         if isinstance(local_fn, sharding.HostKernel):
@@ -45,3 +60,21 @@ def _rule(primitive):
 for _primitive in (svd_matmul_p, svd_mlp_p):
     require_devices_during_lowering(_primitive)
     register_lowering(_primitive, _rule(_primitive))
+
+_neuron_registered = []
+
+
+def ensure_neuron_lowering():
+    """Registers the kernel lowering for platform "neuron" once the Neuron PJRT plugin made it known.
+
+    Called at import and again before every bind, so a plugin loaded after
+    jax_neuronmm still gets the kernels. Returns whether the rule is registered.
+    """
+    if not _neuron_registered and is_known_platform("neuron"):
+        for primitive in (svd_matmul_p, svd_mlp_p):
+            register_lowering(primitive, _rule(primitive), platform="neuron")
+        _neuron_registered.append(True)
+    return bool(_neuron_registered)
+
+
+ensure_neuron_lowering()

@@ -45,6 +45,7 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
+    _ensure_neuron_lowering()
     return svd_matmul_p.bind(
         x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
     )
@@ -111,3 +112,10 @@ def _batch(args, dims, *, n_batch, **params):
 ad.primitive_jvps[svd_matmul_p] = _jvp
 ad.primitive_transposes[svd_matmul_p] = _transpose
 batching.primitive_batchers[svd_matmul_p] = _batch
+
+
+def _ensure_neuron_lowering():
+    # A Neuron plugin may load after this package: register its lowering on first use (lowering imports us).
+    from jax_neuronmm.lowering import ensure_neuron_lowering
+
+    ensure_neuron_lowering()

@@ -69,6 +69,7 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
                         rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
+    _ensure_neuron_lowering()
     return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
                           precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
 
@@ -106,3 +107,10 @@ def _batch(args, dims, *, n_batch, **params):
 
 ad.primitive_jvps[svd_mlp_p] = _jvp
 batching.primitive_batchers[svd_mlp_p] = _batch
+
+
+def _ensure_neuron_lowering():
+    # A Neuron plugin may load after this package: register its lowering on first use (lowering imports us).
+    from jax_neuronmm.lowering import ensure_neuron_lowering
+
+    ensure_neuron_lowering()

@@ -153,8 +153,11 @@ class Spec:
         self.dtype = dtypes.as_dtype(dtype)
 
 
-def run(kernel, args, kwargs, numerics=None, keep_tensors=False):
-    """Simulate kernel over its grid; returns numpy outputs (or the returned tensors with keep_tensors)."""
+def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
+    """Simulate kernel over its grid; returns numpy outputs (or the returned tensors with keep_tensors).
+
+    report: hand the finished run to trace listeners (profiles); off for shape inference.
+    """
     numerics = context.numerics_enabled() if numerics is None else numerics
     for value in list(args) + list(kwargs.values()):
         if _is_foreign_array(value) and not isinstance(value, Spec):
@@ -179,7 +182,8 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False):
             ctx.shared_hbm_cursor = 0
             result = kernel.fn(*tensor_args, **tensor_kwargs)
         outputs = result if keep_tensors else _output(result, numerics)
-    trace.kernel_finished(ctx.run)
+    if report:
+        trace.kernel_finished(ctx.run)
     return outputs
 
 
@@ -202,7 +206,7 @@ def output_specs(kernel, arg_specs, kwargs=None, grid=None):
         return value
 
     args = [spec(a) for a in arg_specs]
-    result = run(kernel, args, dict(kwargs or {}), numerics=False, keep_tensors=True)
+    result = run(kernel, args, dict(kwargs or {}), numerics=False, keep_tensors=True, report=False)
     flat = [result] if isinstance(result, NkiTensor) else list(result or ())
     specs = []
     for t in flat:
