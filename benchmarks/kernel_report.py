@@ -13,6 +13,7 @@ Writes benchmarks/results/kernel_report{,_quick}.md and .png. All numbers are mo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import sys
@@ -26,7 +27,8 @@ from absl import app, flags
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from nki_kernels import dispatch, tuning  # noqa: E402
-from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks, unfused_svd_matmul  # noqa: E402
+from nki_kernels.baseline_matmul import (baseline_matmul_kernel, dense_mlp, fit_baseline_blocks,  # noqa: E402
+                                         unfused_svd_matmul, unfused_svd_mlp)
 from nki_kernels.emulator import count_only, profile  # noqa: E402
 from nki_kernels.emulator.cost_model import roofline_us  # noqa: E402
 
@@ -84,17 +86,15 @@ def measure_fused(t, k, r, n):
 
 
 def measure_unfused(t, k, r, n):
-    sbuf = tuning.SBUF_BYTES["trn1"]  # the smaller SBUF, so the same blocks serve both targets
+    # Baseline blocks fitted to trn1's (smaller) SBUF, so the same blocks serve both targets.
     xT, u, v = np.zeros((k, t), BF16), np.zeros((k, r), BF16), np.zeros((r, n), BF16)
-    return summarize(run_counted(lambda: unfused_svd_matmul(
-        xT, u, v, xu_blocks=fit_baseline_blocks(t, k, r, BF16.itemsize, sbuf),
-        y_blocks=fit_baseline_blocks(t, r, n, BF16.itemsize, sbuf))))
+    return summarize(run_counted(lambda: unfused_svd_matmul(xT, u, v, xu_blocks=trn1_fit(t, k, r),
+                                                            y_blocks=trn1_fit(t, r, n))))
 
 
 def measure_dense(t, k, n):
-    blocks = fit_baseline_blocks(t, k, n, BF16.itemsize, tuning.SBUF_BYTES["trn1"])
     xT, w = np.zeros((k, t), BF16), np.zeros((k, n), BF16)
-    return summarize(run_counted(lambda: baseline_matmul_kernel(xT, w, **blocks)))
+    return summarize(run_counted(lambda: baseline_matmul_kernel(xT, w, **trn1_fit(t, k, n))))
 
 
 @dataclasses.dataclass
@@ -126,6 +126,91 @@ class Case:
     def pe_utilization(self, target):
         """Flops at the PE's peak rate ÷ modeled latency of the fused kernel."""
         return roofline_us(self.flops, 0, target) / self.fused.latency_us[target]
+
+
+def trn1_fit(m, k, n):
+    return fit_baseline_blocks(m, k, n, BF16.itemsize, tuning.SBUF_BYTES["trn1"])
+
+
+@dataclasses.dataclass
+class MlpCase:
+    """The whole gated MLP: fused (2 launches) vs unfused chains (11) vs dense (5)."""
+
+    model: str
+    t: int
+    h: int
+    i: int
+    r: int
+    fused: Measured
+    unfused: Measured
+    dense: Measured
+
+    @property
+    def min_bytes(self):
+        """X, the six factors and Y once, plus hᵀ written by the first kernel and read by the second."""
+        return (self.t * self.h + 3 * self.r * (self.h + self.i) + self.t * self.h + 2 * self.i * self.t) \
+            * BF16.itemsize
+
+
+def measure_mlp(model, t):
+    h, i = tuning.PAPER_MLP_SHAPES[model]
+    r = tuning.block_aligned_rank(h, i, tuning.PAPER_KEEP)
+    z = functools.partial(np.zeros, dtype=BF16)
+    x, xT = z((t, h)), z((h, t))
+    gu, gv, uu, uv, du, dv = z((h, r)), z((r, i)), z((h, r)), z((r, i)), z((i, r)), z((r, h))
+    runs_by_target = {}
+    for target in TARGETS:
+        (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(t, h, i, r, r, r, BF16, target)
+        runs_by_target[target] = run_counted(
+            lambda: down(gate_up(x, gu, gv, uu, uv, **gate_up_kwargs), du, dv, **down_kwargs))
+    fused = summarize(runs_by_target["trn1"], {target: sum(run.latency_us[target] for run in runs_by_target[target])
+                                               for target in TARGETS})
+    unfused = summarize(run_counted(lambda: unfused_svd_mlp(xT, gu, gv, uu, uv, du, dv, blocks=trn1_fit)))
+    dense = summarize(run_counted(lambda: dense_mlp(xT, z((h, i)), z((h, i)), z((i, h)), blocks=trn1_fit)))
+    return MlpCase(model, t, h, i, r, fused, unfused, dense)
+
+
+def run_mlp_cases(models, tokens):
+    cases = []
+    for model in models:
+        for t in tokens:
+            start = time.time()
+            case = measure_mlp(model, t)
+            cases.append(case)
+            print(f"{model:13s} MLP  T={t:5d}  fused {case.fused.latency_us['trn1']:9.1f} µs  "
+                  f"unfused {case.unfused.latency_us['trn1']:9.1f}  dense {case.dense.latency_us['trn1']:9.1f}"
+                  f"  (trn1; {time.time() - start:.1f} s)", flush=True)
+    return cases
+
+
+def mlp_markdown(cases):
+    lines = [
+        "## Whole MLP",
+        "",
+        "Fused = `svd_mlp_gate_up_kernel` + `svd_mlp_down_kernel` (2 launches; hᵀ is the only intermediate in "
+        "HBM). Unfused = gate and up as unfused chains, a gated-activation kernel, a transpose, down as an "
+        "unfused chain (11 launches). Dense = tutorial matmuls on the dense weights + gated activation + "
+        "transpose (5 launches). HBM ÷ min: over X, factors, Y once plus the hᵀ round trip.",
+        "",
+        "| model | T | H | I | r | HBM ÷ min fused | HBM MB fused / unfused / dense | trn1 µs fused / unfused / dense "
+        "| trn2 µs fused / unfused / dense | speedup vs unfused trn1 / trn2 | vs dense trn1 / trn2 |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        lat = {t: (c.fused.latency_us[t], c.unfused.latency_us[t], c.dense.latency_us[t]) for t in TARGETS}
+        lines.append(
+            f"| {c.model} | {c.t} | {c.h} | {c.i} | {c.r} | {c.fused.hbm_bytes / c.min_bytes:.3f} "
+            f"| {c.fused.hbm_bytes / 1e6:.1f} / {c.unfused.hbm_bytes / 1e6:.1f} / {c.dense.hbm_bytes / 1e6:.1f} "
+            + "".join(f"| {a:.1f} / {b:.1f} / {d:.1f} " for a, b, d in lat.values())
+            + f"| {lat['trn1'][1] / lat['trn1'][0]:.2f} / {lat['trn2'][1] / lat['trn2'][0]:.2f} "
+            f"| {lat['trn1'][2] / lat['trn1'][0]:.2f} / {lat['trn2'][2] / lat['trn2'][0]:.2f} |")
+    for target in TARGETS:
+        speedups = [c.unfused.latency_us[target] / c.fused.latency_us[target] for c in cases]
+        lines.append("")
+        lines.append(f"- {target}: mean modeled MLP speedup over unfused {statistics.mean(speedups):.2f}x "
+                     f"(min {min(speedups):.2f}x, max {max(speedups):.2f}x); over dense "
+                     f"{statistics.mean(c.dense.latency_us[target] / c.fused.latency_us[target] for c in cases):.2f}x")
+    return "\n".join(lines) + "\n"
 
 
 def run_cases(models, tokens):
@@ -259,11 +344,13 @@ def main(argv):
         if model not in tuning.PAPER_MLP_SHAPES:
             raise ValueError(f"--models: unknown model {model!r}, expected some of {list(tuning.PAPER_MLP_SHAPES)}")
     cases = run_cases(models, tokens)
+    mlp_cases = run_mlp_cases(models, tokens)
     stem = os.path.join(FLAGS.out_dir, "kernel_report_quick" if FLAGS.quick else "kernel_report")
-    text = markdown(cases, FLAGS.quick)
+    text = markdown(cases, FLAGS.quick) + "\n" + mlp_markdown(mlp_cases)
     write_atomically(stem + ".md", lambda f: f.write(text))
     plot(cases, stem + ".png")
     print("\n".join(target_lines(cases)))
+    print("\n".join(line[2:] for line in mlp_markdown(mlp_cases).splitlines() if line.startswith("- ")))
     print(f"wrote {stem}.md and {stem}.png")
 
 

@@ -11,13 +11,15 @@ accumulation; with a single K block PSUM is evicted straight to the output dtype
 
 Used as (a) the dense baseline x·W = baseline(xᵀ, W) and (b) the unfused low-rank chain
 X·U → HBM → transpose → ·V (`unfused_svd_matmul`: three kernel launches, the rank-r intermediate crossing
-HBM three times).
+HBM four times), and in whole-MLP baselines (`unfused_svd_mlp`, `dense_mlp`) with a separate gated-activation
+kernel between the matmuls.
 """
 
 from __future__ import annotations
 
 from nki_kernels.binding import nki, nl, nisa
 from nki_kernels.svd_matmul import check_2d, check_block, check_float_dtypes, spans
+from nki_kernels.svd_mlp import activation_op
 
 TUTORIAL_BLOCKS = {"tiles_m": 16, "tiles_n": 2, "tiles_k": 8}
 
@@ -131,6 +133,55 @@ def transpose_kernel(a, *, block_m=512):
             nisa.tensor_copy(dst=out_tile, src=turned)
             nisa.dma_copy(dst=aT[n0:n0 + nt, m0:m0 + mb], src=out_tile)
     return aT
+
+
+@nki.jit
+def gated_activation_kernel(gate, up, *, activation="silu", block_f=2048):
+    """h [T, I] = act(gate) * up elementwise, gate and up [T, I] in HBM: the separate elementwise launch the
+    unfused and dense MLP baselines need between their matmuls. 128-row tiles, `block_f` columns at a time."""
+    kernel = "gated_activation_kernel"
+    op = activation_op(activation)
+    check_2d(kernel, "gate", gate, "[T, I]")
+    if tuple(up.shape) != tuple(gate.shape):
+        raise ValueError(f"{kernel}: up has shape {tuple(up.shape)}, expected gate's shape {tuple(gate.shape)}")
+    check_float_dtypes(kernel, gate=gate, up=up)
+    check_block("block_f", block_f, 1)
+    t, i = gate.shape
+    h = nl.ndarray((t, i), dtype=gate.dtype, buffer=nl.shared_hbm, name="h")
+    for t0, ts in spans(t, nl.tile_size.pmax):
+        for f0, fs in spans(i, block_f):
+            gate_tile = nl.ndarray((ts, fs), dtype=gate.dtype, buffer=nl.sbuf, name="gate_tile")
+            up_tile = nl.ndarray((ts, fs), dtype=up.dtype, buffer=nl.sbuf, name="up_tile")
+            nisa.dma_copy(dst=gate_tile, src=gate[t0:t0 + ts, f0:f0 + fs])
+            nisa.dma_copy(dst=up_tile, src=up[t0:t0 + ts, f0:f0 + fs])
+            act = nl.ndarray((ts, fs), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
+            nisa.activation(dst=act, op=op, data=gate_tile)
+            h_tile = nl.ndarray((ts, fs), dtype=gate.dtype, buffer=nl.sbuf, name="h_tile")
+            nisa.tensor_tensor(dst=h_tile, data1=act, data2=up_tile, op=nl.multiply)
+            nisa.dma_copy(dst=h[t0:t0 + ts, f0:f0 + fs], src=h_tile)
+    return h
+
+
+def unfused_svd_mlp(xT, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", blocks=None):
+    """y [T, H] of the gated low-rank MLP without fusion: gate and up as unfused chains, the gated activation,
+    a transpose, and down as an unfused chain (11 launches). `blocks(m, k, n)` → baseline meta-parameters."""
+    def chain(lhsT, u, v):
+        t, (k, r), n = lhsT.shape[1], u.shape, v.shape[1]
+        return unfused_svd_matmul(lhsT, u, v, xu_blocks=blocks(t, k, r) if blocks else None,
+                                  y_blocks=blocks(t, r, n) if blocks else None)
+
+    h = gated_activation_kernel(chain(xT, gate_u, gate_v), chain(xT, up_u, up_v), activation=activation)
+    return chain(transpose_kernel(h), down_u, down_v)
+
+
+def dense_mlp(xT, gate_w, up_w, down_w, *, activation="silu", blocks=None):
+    """y [T, H] of the dense gated MLP with the baseline matmul (5 launches). `blocks(m, k, n)` as above."""
+    def matmul(lhsT, w):
+        k, m = lhsT.shape
+        return baseline_matmul_kernel(lhsT, w, **(blocks(m, k, w.shape[1]) if blocks else TUTORIAL_BLOCKS))
+
+    h = gated_activation_kernel(matmul(xT, gate_w), matmul(xT, up_w), activation=activation)
+    return matmul(transpose_kernel(h), down_w)
 
 
 def unfused_svd_matmul(xT, u, v, *, xu_blocks=None, y_blocks=None):

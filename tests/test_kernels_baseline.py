@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 from nki_kernels import reference
-from nki_kernels.baseline_matmul import (TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes,
-                                         fit_baseline_blocks, transpose_kernel, unfused_svd_matmul)
+from nki_kernels.baseline_matmul import (TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes, dense_mlp,
+                                         fit_baseline_blocks, gated_activation_kernel, transpose_kernel,
+                                         unfused_svd_matmul, unfused_svd_mlp)
 from nki_kernels.emulator import profile
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -65,3 +66,27 @@ def test_fit_baseline_blocks_keeps_tutorial_blocks_when_they_fit_and_shrinks_oth
     shrunk = fit_baseline_blocks(8192, 4096, 14336, 2, 192 * 1024)
     assert shrunk != TUTORIAL_BLOCKS
     assert baseline_sbuf_bytes(8192, 4096, 14336, 2, **shrunk) <= 192 * 1024
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gated_activation_kernel(rng, activation):
+    gate, up = (rng.standard_normal((130, 700)).astype(np.float32) for _ in range(2))
+    h = gated_activation_kernel(gate, up, activation=activation, block_f=256)
+    want = reference.ACTIVATIONS_REF[activation](gate) * up.astype(np.float64)
+    assert relative_error(h, want) <= 1e-5
+
+
+def test_unfused_and_dense_mlp_baselines_match_reference(rng):
+    t, h, i, r = 7, 100, 300, 130
+    x = rng.standard_normal((t, h)).astype(np.float32)
+    factors = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
+               for s in [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]]
+    want = reference.svd_mlp_ref(x, *factors, "gelu_tanh")
+    xT = np.ascontiguousarray(x.T)
+    with profile() as prof:
+        y = unfused_svd_mlp(xT, *factors, activation="gelu_tanh")
+    assert len(prof.runs) == 11
+    assert relative_error(y, want) <= 1e-5
+    gu, gv, uu, uv, du, dv = factors
+    dense = dense_mlp(xT, gu @ gv, uu @ uv, du @ dv, activation="gelu_tanh")
+    assert relative_error(dense, want) <= 1e-5
