@@ -206,8 +206,15 @@ def _accumulate_kernel(lhs_t, rhs, mode):
     acc = nl.ndarray((lhs_t.shape[1], rhs.shape[1]), nl.float32, buffer=nl.psum)
     if mode == "true_on_fresh":
         nisa.nc_matmul(acc, a, b, accumulate=True)
-    elif mode == "after_memset":
+    elif mode == "after_memset":  # a nonzero starting value: accumulating onto it is undefined on trn1/trn2
+        nisa.memset(acc, 1.0)
+        nisa.nc_matmul(acc, a, b)
+    elif mode == "true_after_zeros":  # even zeros from memset are no matmul write for accumulate=True
         nisa.memset(acc, 0.0)
+        nisa.nc_matmul(acc, a, b, accumulate=True)
+    elif mode == "zeros_then_default":  # conforming: AWS's documented PSUM-accumulation pattern
+        acc = nl.zeros(acc.shape, nl.float32, buffer=nl.psum)
+        nisa.nc_matmul(acc, a, b)
         nisa.nc_matmul(acc, a, b)
     else:  # conforming: overwrite, then accumulate
         nisa.nc_matmul(acc, a, b, accumulate=False)
@@ -223,6 +230,9 @@ def test_accumulate_onto_psum_not_written_by_matmul():
     lhs_t, rhs = _rand((20, 12)), _rand((20, 30), seed=1)
     assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_on_fresh")
     assert "non-matmul" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "after_memset")
+    assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_after_zeros")
+    np.testing.assert_allclose(_accumulate_kernel(lhs_t, rhs, "zeros_then_default"),
+                               2 * (lhs_t.T.astype(np.float64) @ rhs), rtol=1e-5, atol=1e-4)
     np.testing.assert_allclose(_accumulate_kernel(lhs_t, rhs, "ok"), 2 * (lhs_t.T.astype(np.float64) @ rhs),
                                rtol=1e-5, atol=1e-4)
 

@@ -16,7 +16,7 @@ from . import context
 from . import dtypes
 from . import ops
 from .errors import NkiHardwareError
-from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_UNWRITTEN, NkiTensor
+from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_UNWRITTEN, PSUM_ZEROED, NkiTensor
 from .trace import DmaInfo, InstructionRecord, MatmulInfo
 
 
@@ -29,6 +29,8 @@ class engine(enum.Enum):
     vector = 5
     sync = 6
 
+
+_Engine = engine  # instructions take a parameter named `engine`
 
 tensor_engine = engine.tensor
 vector_engine = engine.vector
@@ -53,6 +55,9 @@ class dge_mode(enum.Enum):
     swdge = 1
     hwdge = 2
     none = 3
+
+
+_DgeMode = dge_mode  # instructions take a parameter named `dge_mode`
 
 
 class oob_mode(enum.Enum):
@@ -156,6 +161,22 @@ def _gpsimd_psum(opcode, line, engine_name, *tensors):
         _fail(opcode, line, "GpSimd engine cannot access PSUM")
 
 
+def _integer(dtype):
+    return not dtypes.is_float(dtype) and dtype != dtypes.bool_
+
+
+def _require_integer(opcode, line, op_label, **tensors):
+    """Bitvec operators treat elements as bit patterns: every tensor involved must have an integer dtype."""
+    for label, t in tensors.items():
+        if isinstance(t, NkiTensor) and not _integer(t.dtype):
+            _fail(opcode, line, f"{op_label} is a bitvec operator: {label} {t.describe()} must have an integer dtype")
+
+
+def _int_2d(t):
+    a = t.array()
+    return a.reshape(a.shape[0], -1)
+
+
 def _operand(opcode, line, name, value, partitions, require_f32=False):
     """A scalar constant, or a [P, 1] on-chip vector, as something that broadcasts against [P, F]."""
     if isinstance(value, NkiTensor):
@@ -189,14 +210,36 @@ def _dma_partitions(dst, src):
     return (on_chip.shape[0], _free(on_chip)) if on_chip is not None else (1, dst.size)
 
 
+def _dma_options(opcode, line, ctx, priority, mode, allowed_modes):
+    """priority exists from NeuronCore-v4 (trn3) on; hardware DGE from NeuronCore-v3 (trn2) on."""
+    if priority is not None:
+        _fail(opcode, line, f"priority={priority!r}: DMA priority is NeuronCore-v4+ only, not {ctx.target}")
+    if not isinstance(mode, _DgeMode) or mode not in allowed_modes:
+        _fail(opcode, line, f"dge_mode {mode!r} is not valid here; expected one of "
+                            f"{[m.name for m in allowed_modes]}")
+    if mode is _DgeMode.hwdge and ctx.target == "trn1":
+        _fail(opcode, line, "dge_mode=hwdge (hardware DGE) needs NeuronCore-v3 or newer, not trn1")
+
+
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
              name=None):
-    """dst = src by DMA (HBM/SBUF either side); dtypes convert through float32; element counts must match."""
+    """dst = src by DMA (HBM/SBUF either side); dtypes convert through float32; element counts must match.
+
+    `engine` (sync or scalar) picks the engine that generates hardware-DGE descriptors, so it is valid only
+    with dge_mode=hwdge.
+    """
     opcode = "dma_copy"
     ctx = context.current(opcode)
     line = context.caller_line()
     _tensor(opcode, line, "dst", dst)
     _tensor(opcode, line, "src", src)
+    _dma_options(opcode, line, ctx, priority, dge_mode, tuple(_DgeMode))
+    if engine is not None and engine is not _Engine.unknown:
+        if dge_mode is not _DgeMode.hwdge:
+            _fail(opcode, line, f"engine={engine!r} is only valid with dge_mode=hwdge")
+        if engine not in (_Engine.sync, _Engine.scalar):
+            _fail(opcode, line, f"engine={engine!r}: hardware DGE descriptors come from engine.sync or "
+                                f"engine.scalar")
     for label, t in (("dst", dst), ("src", src)):
         if t.storage.kind == "psum":
             _fail(opcode, line, f"{label} {t.describe()}: DMA cannot access PSUM (use nisa.tensor_copy)")
@@ -217,6 +260,19 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
 _DMA_TRANSPOSE_AXES = {2: (1, 0), 3: (2, 1, 0), 4: (3, 1, 2, 0)}
 
 
+def _hwdge_transpose_limits(opcode, line, src):
+    first, last = src.shape[0], src.shape[-1]
+    if src.ndim == 2 and first != 16:
+        _fail(opcode, line, f"hardware-DGE transpose of a 2-D src needs src.shape[0] == 16, got {first}")
+    if src.ndim > 2 and (first not in (1, 2, 4, 8, 16) or (first * src.shape[-2]) % 16):
+        _fail(opcode, line, f"hardware-DGE transpose of a {src.ndim}-D src needs src.shape[0] in {{1, 2, 4, 8, 16}} "
+                            f"and src.shape[0] * src.shape[-2] a multiple of 16, got {list(src.shape)}")
+    if last > 128:
+        _fail(opcode, line, f"hardware-DGE transpose needs src.shape[-1] <= 128, got {last}")
+    if src.dtype.itemsize != 2:
+        _fail(opcode, line, f"hardware-DGE transpose needs a 2-byte dtype, got {src.dtype.name}")
+
+
 def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown, oob_mode=oob_mode.error, name=None):
     """dst = src permuted ((1,0), (2,1,0) or (3,1,2,0)) by DMA; dst in SBUF, src in HBM or SBUF, same dtype."""
     opcode = "dma_transpose"
@@ -224,6 +280,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     line = context.caller_line()
     _on_chip(opcode, line, "dst", dst, kinds=("sbuf",))
     _tensor(opcode, line, "src", src)
+    # Direct (non-indirect) transposes lower to unknown or hardware DGE only.
+    _dma_options(opcode, line, ctx, priority, dge_mode, (_DgeMode.unknown, _DgeMode.hwdge))
     if src.storage.kind == "psum":
         _fail(opcode, line, f"src {src.describe()} must be in HBM or SBUF")
     default = _DMA_TRANSPOSE_AXES.get(src.ndim)
@@ -238,6 +296,8 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     if dst.shape != expected:
         _fail(opcode, line, f"dst {dst.describe()} must have shape {list(expected)} (src {list(src.shape)} "
                             f"permuted by {axes})")
+    if dge_mode is _DgeMode.hwdge:
+        _hwdge_transpose_limits(opcode, line, src)
     if ctx.numerics:
         _write(dst, np.transpose(src.array(), axes))
     _record(ctx, opcode, "dma", line, dst, (src,), dma=_dma_info(dst, src, transpose=True))
@@ -252,6 +312,9 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _on_chip(opcode, line, "src", src)
     _same_layout(opcode, line, dst, src, "src")
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "scalar", "gpsimd"))
+    if engine_name == "scalar" and ctx.target == "trn1":
+        _fail(opcode, line, "NeuronCore-v2 (trn1) Scalar Engine has no tensor_copy; use nisa.activation with "
+                            "op=nl.copy")
     _gpsimd_psum(opcode, line, engine_name, dst, src)
     if ctx.numerics:
         values = src.array()
@@ -272,7 +335,7 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _gpsimd_psum(opcode, line, engine_name, dst)
     if ctx.numerics:
         _write(dst, np.full(dst.shape, value, dtype=np.float32 if dtypes.is_float(dst.dtype) else dst.dtype))
-    _mark_psum(dst, PSUM_BY_OTHER)
+    _mark_psum(dst, PSUM_ZEROED if value == 0 else PSUM_BY_OTHER)
     _record(ctx, opcode, engine_name, line, dst, ())
 
 
@@ -282,6 +345,8 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
     ctx = context.current(opcode)
     line = context.caller_line()
     _on_chip(opcode, line, "dst", dst, kinds=("sbuf",))
+    if not 1 <= len(pattern) <= 4:
+        _fail(opcode, line, f"pattern {pattern} must have 1 to 4 [step, num] pairs")
     counts = [int(n) for _, n in pattern]
     if math.prod(counts) != _free(dst):
         _fail(opcode, line, f"pattern {pattern} has {math.prod(counts)} elements, dst has {_free(dst)} per partition")
@@ -306,13 +371,72 @@ def _psum_bank_check(opcode, line, dst):
                             f"partition, crossing a 2 KiB bank boundary (one output tile must fit one bank)")
 
 
+# PE-array tile sizes for row/column tiling mode: halves from NeuronCore-v2, quarters from NeuronCore-v3.
+_PE_TILE_SIZES = {"trn1": (128, 64), "trn2": (128, 64, 32)}
+_FP8 = (dtypes.float8_e4m3, dtypes.float8_e5m2)
+
+
+def _matmul_tiling(opcode, line, ctx, tile_position, tile_size, double_row):
+    """(row limit, column limit) of the PE array this matmul may use."""
+    if bool(tile_position) != bool(tile_size):
+        _fail(opcode, line, f"tile_position={tile_position!r} and tile_size={tile_size!r}: both must be set to "
+                            f"enable tiling mode (or neither)")
+    if not tile_size:
+        return context.PMAX, context.PMAX
+    if len(tile_size) != 2 or len(tile_position) != 2:
+        _fail(opcode, line, f"tile_position {tile_position!r} and tile_size {tile_size!r} must be 2-tuples "
+                            f"(row, column)")
+    allowed = _PE_TILE_SIZES[ctx.target]
+    for what, size, start in (("row", tile_size[0], tile_position[0]), ("column", tile_size[1], tile_position[1])):
+        if size not in allowed:
+            _fail(opcode, line, f"{what} tile size {size} unsupported on {ctx.target}; expected one of {allowed}")
+        if start % size or not 0 <= start < context.PMAX:
+            _fail(opcode, line, f"start {what} {start} must be a multiple of the {what} tile size {size} below "
+                                f"{context.PMAX}")
+    if double_row and tile_size[1] != context.PMAX:
+        _fail(opcode, line, "perf_mode=double_row cannot be combined with column tiling")
+    return int(tile_size[0]), int(tile_size[1])
+
+
+def _accumulate_mask(opcode, line, dst, state, accumulate):
+    """None: overwrite everywhere; True: add everywhere; else a boolean array of the locations that add."""
+    if accumulate is None:
+        if np.count_nonzero(state == PSUM_BY_OTHER):
+            _fail(opcode, line, f"dst {dst.describe()}: PSUM holding a nonzero value written by a non-matmul "
+                                f"instruction (memset, tensor_copy, ...) cannot be accumulated onto (undefined on "
+                                f"trn1/trn2); pass accumulate=False to overwrite")
+        written = state == PSUM_BY_MATMUL
+        n_written = np.count_nonzero(written)
+        return None if n_written == 0 else (True if n_written == written.size else written)
+    if accumulate:
+        if np.count_nonzero(state == PSUM_BY_MATMUL) != state.size:
+            _fail(opcode, line, f"accumulate=True onto dst {dst.describe()} whose PSUM locations were not first "
+                                f"written by nc_matmul (undefined on trn1/trn2)")
+        return True
+    return None
+
+
+def _transpose_exact(stationary, moving):
+    """stationary.T @ moving when moving only routes values (0/1 with at most one 1 per column), exactly:
+    bit-accurate transpose mode, where NaN/Inf are moved rather than multiplied by zero. None otherwise."""
+    ones = moving == 1
+    if not np.all(ones | (moving == 0)) or np.any(np.count_nonzero(ones, axis=0) > 1):
+        return None
+    picked = stationary[np.argmax(ones, axis=0)].T
+    return np.where(ones.any(axis=0), picked, np.float32(0))
+
+
 def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
               accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
     """dst[M, N] (PSUM, fp32) = stationary[K, M].T @ moving[K, N]; K <= 128, M <= 128, N <= 512.
 
     accumulate=False overwrites, True adds onto a location written by an earlier matmul, None decides per
-    location (first matmul write overwrites, later ones add). Adding onto PSUM never written by a matmul, or
-    written by another instruction (memset, tensor_copy, ...), is undefined on trn1/trn2 and raises.
+    location (first matmul write overwrites, later ones add; PSUM zeroed by nl.zeros / memset(0) counts as not
+    yet written, as in AWS's PSUM-accumulation pattern). Adding onto PSUM never written by a matmul, or holding
+    a value another instruction wrote (memset, tensor_copy, ...), is undefined on trn1/trn2 and raises.
+    tile_position/tile_size select a sub-array of the 128x128 PEs (row/column tiling mode).
+    perf_mode=double_row (trn2, fp8 inputs): operands are [K, 2, M] and [K, 2, N]; the contraction runs over
+    both K and the pair dimension. is_transpose=True on trn2 moves values bit-accurately (NaN/Inf survive).
     """
     opcode = "nc_matmul"
     ctx = context.current(opcode)
@@ -320,12 +444,27 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     _on_chip(opcode, line, "stationary", stationary, kinds=("sbuf",))
     _on_chip(opcode, line, "moving", moving, kinds=("sbuf",))
     _on_chip(opcode, line, "dst", dst, kinds=("psum",))
+    double_row = perf_mode is matmul_perf_mode.double_row
+    if not isinstance(perf_mode, matmul_perf_mode):
+        _fail(opcode, line, f"perf_mode {perf_mode!r} must be a nisa.matmul_perf_mode")
+    row_limit, column_limit = _matmul_tiling(opcode, line, ctx, tile_position, tile_size, double_row)
     contraction = stationary.shape[0]
     if moving.shape[0] != contraction:
         _fail(opcode, line, f"stationary {stationary.describe()} and moving {moving.describe()} must have the same "
                             f"partition (contraction) size")
-    stationary_free, moving_free = _free(stationary), _free(moving)
-    row_limit, column_limit = (tuple(tile_size) if tile_size else (context.PMAX, context.PMAX))
+    if double_row:
+        if ctx.target == "trn1":
+            _fail(opcode, line, "perf_mode=double_row is not supported on NeuronCore-v2 (trn1)")
+        for label, t in (("stationary", stationary), ("moving", moving)):
+            if t.dtype not in _FP8:
+                _fail(opcode, line, f"perf_mode=double_row: {label} dtype {t.dtype.name} must be float8_e4m3 or "
+                                    f"float8_e5m2")
+            if t.ndim < 3 or t.shape[1] != 2:
+                _fail(opcode, line, f"perf_mode=double_row: {label} {t.describe()} must be [K, 2, ...] (the "
+                                    f"first free dimension holds the second half of the contraction)")
+        stationary_free, moving_free = _free(stationary) // 2, _free(moving) // 2
+    else:
+        stationary_free, moving_free = _free(stationary), _free(moving)
     if contraction > row_limit:
         _fail(opcode, line, f"contraction (partition) size {contraction} exceeds {row_limit}")
     if stationary_free > column_limit:
@@ -347,23 +486,13 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
         _fail(opcode, line, f"dst dtype {dst.dtype.name} must be float32 on trn1/trn2")
     _psum_bank_check(opcode, line, dst)
     state = dst.psum_state()
-    if accumulate is None:
-        written = state == PSUM_BY_MATMUL
-        n_written = np.count_nonzero(written)
-        accumulate_mask = None if n_written == 0 else (True if n_written == written.size else written)
-        if n_written != written.size and np.count_nonzero(state == PSUM_BY_OTHER):
-            _fail(opcode, line, f"dst {dst.describe()}: PSUM written by a non-matmul instruction (memset, "
-                                f"tensor_copy, ...) cannot be accumulated onto (undefined on trn1/trn2); "
-                                f"pass accumulate=False to overwrite")
-    elif accumulate:
-        if np.count_nonzero(state == PSUM_BY_MATMUL) != state.size:
-            _fail(opcode, line, f"accumulate=True onto dst {dst.describe()} whose PSUM locations were not first "
-                                f"written by nc_matmul (undefined on trn1/trn2)")
-        accumulate_mask = True
-    else:
-        accumulate_mask = None
+    accumulate_mask = _accumulate_mask(opcode, line, dst, state, accumulate)
     if ctx.numerics:
-        product = _f32_2d(stationary).T @ _f32_2d(moving)
+        lhs = stationary.array().reshape(-1, stationary_free).astype(np.float32)
+        rhs = moving.array().reshape(-1, moving_free).astype(np.float32)
+        product = _transpose_exact(lhs, rhs) if is_transpose and ctx.target != "trn1" else None
+        if product is None:
+            product = lhs.T @ rhs
         if accumulate_mask is not None:
             current = dst.array().reshape(product.shape).astype(np.float32)
             product = current + product if accumulate_mask is True else np.where(accumulate_mask.reshape(
@@ -401,7 +530,15 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
         _psum_bank_check(opcode, line, dst)
     if ctx.numerics:
         a = data.array()
-        _write(dst, a.reshape(a.shape[0], -1).T)
+        a = a.reshape(a.shape[0], -1)
+        if engine_name == "tensor" and ctx.target == "trn1" and dtypes.is_float(a.dtype) \
+                and not np.isfinite(a.astype(np.float32)).all():
+            # NeuronCore-v2 transposes as a real matmul with an identity: NaN/Inf times 0 spoils whole rows.
+            with np.errstate(invalid="ignore"):
+                a = a.astype(np.float32).T @ np.eye(a.shape[0], dtype=np.float32)
+        else:
+            a = a.T
+        _write(dst, a)
     _mark_psum(dst, PSUM_BY_MATMUL if engine_name == "tensor" else PSUM_BY_OTHER)
     info = MatmulInfo(rows, rows, cols, dtypes.NAME[data.dtype], True) if engine_name == "tensor" else None
     _record(ctx, opcode, engine_name, line, dst, (data,), matmul=info)
@@ -409,8 +546,18 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
 # -- Vector / Scalar / GpSimd compute --------------------------------------------------------------
 
+_INT32 = (dtypes.int32, dtypes.uint32)
+# Arithmetic that GpSimd does natively on 32-bit integers (exact, wrapping like the hardware's int32 ALU).
+_NATIVE_INT = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
+               "minimum": np.minimum}
+
+
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
-    """dst = data1 <op> data2 element-wise in float32 (same partitions and elements per partition)."""
+    """dst = data1 <op> data2 element-wise (same partitions and elements per partition).
+
+    Arithmetic runs in float32, except that all-int32/uint32 operands default to GpSimd's native integer math
+    (Vector Engine when a tile is in PSUM); bitvec operators need integer tiles and work on the bit patterns.
+    """
     opcode = "tensor_tensor"
     ctx = context.current(opcode)
     line = context.caller_line()
@@ -423,13 +570,20 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
         _fail(opcode, line, "data1 and data2 cannot both be in PSUM")
     name_ = ops.op_name(op)
     fn = ops.binary(op)
-    default = "gpsimd" if name_ == "power" else "vector"
+    bitvec = name_ in ops.BITVEC
+    if bitvec:
+        _require_integer(opcode, line, f"op {name_}", dst=dst, data1=data1, data2=data2)
+    any_psum = "psum" in (dst.storage.kind, data1.storage.kind, data2.storage.kind)
+    all_int32 = dst.dtype in _INT32 and data1.dtype in _INT32 and data2.dtype in _INT32
+    default = "gpsimd" if name_ == "power" or (all_int32 and not bitvec and not any_psum) else "vector"
     engine_name = _engine_name(engine, default, opcode, line, ("vector", "gpsimd"))
     _gpsimd_psum(opcode, line, engine_name, dst, data1, data2)
     if ctx.numerics:
-        if name_ in ops.BITVEC:
-            a, b = data1.array(), data2.array()
-            result = fn(a.reshape(a.shape[0], -1), b.reshape(b.shape[0], -1))
+        if bitvec:
+            result = fn(_int_2d(data1), _int_2d(data2))
+        elif all_int32 and engine_name == "gpsimd" and name_ in _NATIVE_INT:
+            result = _NATIVE_INT[name_](_int_2d(data1).astype(np.int64), _int_2d(data2).astype(np.int64))
+            result = result.astype(dst.dtype)  # two's-complement wrap
         else:
             with np.errstate(all="ignore"):
                 result = fn(_f32_2d(data1), _f32_2d(data2))
@@ -438,15 +592,40 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     _record(ctx, opcode, engine_name, line, dst, (data1, data2))
 
 
-def _apply_scalar_op(op, values, operand, reverse):
-    fn = ops.binary(op)
-    operand = _operand_value(operand)
+def _scalar_op_kind(opcode, line, label, op, operand):
+    """'unary', 'bitvec' or 'arithmetic' for a tensor_scalar operator (and check its operand)."""
+    name_ = ops.op_name(op, label)
+    if name_ in ops.BINARY:
+        return name_, ("bitvec" if name_ in ops.BITVEC else "arithmetic")
+    ops.unary(op, label)  # raises for names that are neither
+    if operand is not None and not (not isinstance(operand, NkiTensor) and operand == 0):
+        _fail(opcode, line, f"{label} {name_} is unary: its operand must be None or 0, got {operand!r}")
+    return name_, ("bitvec" if name_ in ops.BITVEC else "unary")
+
+
+# Scalar Engine's tensor_scalar on NeuronCore-v3 supports only these (op0, op1) pairs.
+_TRN2_SCALAR_PAIRS = {("multiply", "add"), ("multiply", None), ("add", None)}
+
+
+def _apply_scalar_op(name_, kind, values, operand, reverse):
+    if kind in ("unary", "bitvec") and name_ not in ops.BINARY:
+        return ops.UNARY[name_](values)
+    fn = ops.BINARY[name_]
+    if kind == "bitvec":
+        operand = _int_2d(operand) if isinstance(operand, NkiTensor) else np.asarray(operand, values.dtype)
+    else:
+        operand = _operand_value(operand)
     return fn(operand, values) if reverse else fn(values, operand)
 
 
 def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
                   engine=engine.unknown, name=None):
-    """dst = (data <op0> operand0) <op1> operand1; operands are scalars or [P, 1] float32 vectors."""
+    """dst = (data <op0> operand0) <op1> operand1; operands are scalars or [P, 1] vectors (SBUF or PSUM).
+
+    reverse0/1 put the operand on the left. Arithmetic runs in float32 with float32 vector operands; bitvec
+    operators (both ops must then be bitvec) need integer tiles, work on bit patterns and run on VectorE.
+    A unary op0/op1 (nl.abs, ...) takes operand None or 0.
+    """
     opcode = "tensor_scalar"
     ctx = context.current(opcode)
     line = context.caller_line()
@@ -454,18 +633,38 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     _on_chip(opcode, line, "data", data)
     _same_layout(opcode, line, dst, data, "data")
     partitions = data.shape[0]
-    _operand(opcode, line, "operand0", operand0, partitions, require_f32=True)
-    if (op1 is None) != (operand1 is None):
-        _fail(opcode, line, "op1 and operand1 must be given together")
+    if op1 is None and operand1 is not None:
+        _fail(opcode, line, "operand1 given without op1 (both must be None when unused)")
+    steps = [(op0, operand0, reverse0, "op0", "operand0")]
     if op1 is not None:
-        _operand(opcode, line, "operand1", operand1, partitions, require_f32=True)
+        steps.append((op1, operand1, reverse1, "op1", "operand1"))
+    kinds = []
+    for op, operand, _, op_label, operand_label in steps:
+        name_, kind = _scalar_op_kind(opcode, line, op_label, op, operand)
+        if name_ in ops.BINARY:
+            _operand(opcode, line, operand_label, operand, partitions, require_f32=kind == "arithmetic")
+        kinds.append((name_, kind))
+    bitvec = [kind == "bitvec" for _, kind in kinds]
+    if any(bitvec) and not all(bitvec):
+        _fail(opcode, line, f"op0 and op1 must both be bitvec or both arithmetic, got "
+                            f"{[name_ for name_, _ in kinds]}")
+    if any(bitvec):
+        _require_integer(opcode, line, f"op {kinds[0][0]}", dst=dst, data=data, operand0=operand0,
+                         operand1=operand1)
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "scalar", "gpsimd"))
+    if any(bitvec) and engine_name != "vector":
+        _fail(opcode, line, f"bitvec operators run on the Vector Engine only, not {engine_name}")
+    if engine_name == "scalar" and ctx.target == "trn2":
+        pair = (kinds[0][0], kinds[1][0] if len(kinds) > 1 else None)
+        if pair not in _TRN2_SCALAR_PAIRS:
+            _fail(opcode, line, f"Scalar Engine on trn2 supports op0/op1 = multiply/add, multiply/None or "
+                                f"add/None only, got {pair[0]}/{pair[1]}")
     _gpsimd_psum(opcode, line, engine_name, dst, data, operand0, operand1)
     if ctx.numerics:
+        result = _int_2d(data) if any(bitvec) else _f32_2d(data)
         with np.errstate(all="ignore"):
-            result = _apply_scalar_op(op0, _f32_2d(data), operand0, reverse0)
-            if op1 is not None:
-                result = _apply_scalar_op(op1, result, operand1, reverse1)
+            for (op, operand, reverse, _, _), (name_, kind) in zip(steps, kinds):
+                result = _apply_scalar_op(name_, kind, result, operand, reverse)
         _write(dst, result)
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data,) + tuple(o for o in (operand0, operand1) if isinstance(o, NkiTensor))
@@ -483,7 +682,12 @@ def _reduce_axes(opcode, line, data, axis):
 
 
 def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
-    """dst = reduce(op) of data over its last free axes (float32 math), optionally negated."""
+    """dst = reduce(op) of data over its last free axes, optionally negated (arithmetic ops only).
+
+    Arithmetic reductions run in float32; bitvec reductions need integer tiles and work on bit patterns.
+    keepdims=True leaves the reduced axes in dst as size 1 (dst may then be shaped either way: only the
+    partition count and the elements per partition must agree).
+    """
     opcode = "tensor_reduce"
     ctx = context.current(opcode)
     line = context.caller_line()
@@ -495,8 +699,13 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
         _fail(opcode, line, f"dst {dst.describe()} must have {data.shape[0]} partitions and {kept} elements per "
                             f"partition after reducing axes {axes} of {data.describe()}")
     fn = ops.reduction(op)
+    bitvec = ops.op_name(op) in ops.BITVEC
+    if bitvec:
+        _require_integer(opcode, line, f"op {ops.op_name(op)}", dst=dst, data=data)
+        if negate:
+            _fail(opcode, line, f"negate=True applies to arithmetic reductions only, not {ops.op_name(op)}")
     if ctx.numerics:
-        values = data.array().astype(np.float32)
+        values = data.array() if bitvec else data.array().astype(np.float32)
         with np.errstate(all="ignore"):
             result = fn(values, axis=axes)
         if negate:
@@ -524,6 +733,9 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     _operand(opcode, line, "scale", scale, partitions, require_f32=True)
     if bias is not None:
         _operand(opcode, line, "bias", bias, partitions)
+        if not isinstance(bias, NkiTensor) and ctx.target == "trn1":
+            _fail(opcode, line, f"bias={bias!r}: NeuronCore-v2 (trn1) needs bias as a [{partitions}, 1] vector; "
+                                f"a scalar bias needs NeuronCore-v3 or newer")
     if reduce_op is not None and ops.op_name(reduce_op, "reduce_op") != "add":
         _fail(opcode, line, f"reduce_op must be nl.add, got {ops.op_name(reduce_op)}")
     if reduce_res is not None:

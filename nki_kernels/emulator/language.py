@@ -102,23 +102,31 @@ def ds(start, size):
     return DynSlice(start, size)
 
 
+def _launch_grid(ctx):
+    # A kernel launched without a grid is one program: axis 0 of size 1.
+    return ctx.grid or (1,)
+
+
 def program_id(axis=0):
     ctx = context.current("nl.program_id")
-    if not 0 <= axis < len(ctx.grid):
+    grid = _launch_grid(ctx)
+    if not 0 <= axis < len(grid):
         raise ValueError(f"program_id: axis {axis} out of range for launch grid {ctx.grid}")
-    return ctx.program_index[axis]
+    return ctx.program_index[axis] if ctx.grid else 0
 
 
-def num_programs(axes=None):
+def num_programs(axes=0):
+    """Programs along `axes` (an int or a sequence of ints; None: the whole grid) of the launch grid."""
     ctx = context.current("nl.num_programs")
+    grid = _launch_grid(ctx)
     if axes is None:
-        return math.prod(ctx.grid)
+        return math.prod(grid)
     if isinstance(axes, int):
         axes = (axes,)
     for a in axes:
-        if not 0 <= a < len(ctx.grid):
+        if not 0 <= a < len(grid):
             raise ValueError(f"num_programs: axis {a} out of range for launch grid {ctx.grid}")
-    return math.prod(ctx.grid[a] for a in axes)
+    return math.prod(grid[a] for a in axes)
 
 
 def program_ndim():
@@ -165,20 +173,14 @@ def zeros_like(x, dtype=None, buffer=None, name=""):
     return zeros(x.shape, x.dtype if dtype is None else dtype, x.buffer if buffer is None else buffer, name)
 
 
-def ones_like(x, dtype=None, buffer=None, name=""):
-    return ones(x.shape, x.dtype if dtype is None else dtype, x.buffer if buffer is None else buffer, name)
-
-
-def full_like(x, fill_value, dtype=None, buffer=None, name=""):
-    return full(x.shape, fill_value, x.dtype if dtype is None else dtype, x.buffer if buffer is None else buffer,
-                name)
-
-
 # -- loads and stores ---------------------------------------------------------------------------------
 def load(src, dtype=None):
     """A new SBUF tile holding src (an HBM tensor with the partition dim first), by DMA."""
     if not isinstance(src, NkiTensor):
         raise TypeError(f"nl.load: src must be an NKI tensor, got {type(src).__name__}")
+    if src.is_on_chip:
+        raise NkiHardwareError(f"nl.load at {context.caller_line()}: src {src.describe()} must be in HBM "
+                               f"(copy on-chip tiles with nisa.tensor_copy)")
     shape = src.shape if src.ndim >= 2 else (1,) + src.shape
     tile = allocate(shape, src.dtype if dtype is None else dtype, sbuf)
     _isa.dma_copy(tile, src)
@@ -189,6 +191,11 @@ def store(dst, value):
     """Write the on-chip tile `value` into dst (HBM) by DMA."""
     if not isinstance(value, NkiTensor):
         raise TypeError(f"nl.store: value must be an NKI tensor, got {type(value).__name__}")
+    if not isinstance(dst, NkiTensor):
+        raise TypeError(f"nl.store: dst must be an NKI tensor, got {type(dst).__name__}")
+    if dst.is_on_chip or value.storage.kind != "sbuf":
+        raise NkiHardwareError(f"nl.store at {context.caller_line()}: stores an SBUF tile into HBM; got dst "
+                               f"{dst.describe()} and value {value.describe()}")
     _isa.dma_copy(dst, value)
 
 
@@ -304,9 +311,16 @@ def transpose(x, dtype=None):
 
 
 def matmul(x, y, transpose_x=False):
-    """x @ y (or x.T @ y with transpose_x) into a new fp32 PSUM tile, via nisa.nc_matmul."""
+    """x @ y (x [M, K]) or, with transpose_x, x.T @ y (x [K, M]) into a new fp32 PSUM tile, via nisa.nc_matmul.
+
+    Without transpose_x, x is first transposed on the Tensor Engine (PSUM) and copied back to SBUF, as the
+    compiler inserts that transpose.
+    """
     if not transpose_x:
-        raise NotImplementedError("nl.matmul: only transpose_x=True (x delivered as [K, M]) is emulated")
+        x_t = transpose(x)
+        staged = allocate(x_t.shape, x.dtype, sbuf)
+        _isa.tensor_copy(staged, x_t)
+        x = staged
     out = allocate((_isa._free(x), _isa._free(y)), float32, psum)
     _isa.nc_matmul(out, x, y)
     return out

@@ -34,6 +34,9 @@ _REGION_BY_NAME = {"sbuf": MemoryRegion.sbuf, "psum": MemoryRegion.psum, "hbm": 
 
 # PSUM location state, per element: which kind of instruction last wrote it.
 PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
+# Set to zero by a non-matmul instruction (nl.zeros, memset 0): a later nc_matmul with accumulate=None starts its
+# accumulation group there (the documented PSUM-accumulation pattern); accumulate=True onto it is still undefined.
+PSUM_ZEROED = 3
 
 
 def as_region(buffer):
