@@ -4,8 +4,10 @@
 
 `--sdk_path` is a checkout of github.com/aws-neuron/aws-neuron-sdk; kernels are imported unmodified
 from its nki/examples folder inside `emulator.as_nki()` and traced in count-only mode (no numerics),
-then `cost_model` models each run on trn1 and trn2. Published numbers are device measurements from
-AWS's tutorials (sources below); they include per-execution start-up that the model leaves out.
+then `cost_model` models each run on trn1 and trn2. "DMA eff" is the byte-weighted throughput of the
+run's DMAs relative to peak under the documented size curve (cost_model.dma_efficiency). Published
+numbers are device measurements from AWS's tutorials (sources below); they include per-execution
+start-up that the model leaves out.
 Prints modeled / published ratios as they come out: nothing here is fitted to them.
 """
 
@@ -22,7 +24,7 @@ import numpy as np
 from absl import app, flags
 
 from nki_kernels import emulator
-from nki_kernels.emulator import cost_model
+from nki_kernels.emulator import cost_model, trace
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("sdk_path", None, "checkout of aws-neuron/aws-neuron-sdk", required=True)
@@ -93,14 +95,31 @@ def _load_kernel(sdk_path, file, kernel):
 
 
 def _run_case(case, sdk_path):
+    """(RunSummary, DMA efficiency of the run's traffic, seconds to emulate and model it)."""
     kernel = _load_kernel(sdk_path, case.file, case.kernel)
     args = case.make_args()
+    raw_runs = []
+    trace.add_listener(raw_runs.append)
     started = time.perf_counter()
-    with emulator.use_target(case.target), emulator.count_only(), emulator.profile() as prof:
-        kernel(*args)
+    try:
+        with emulator.use_target(case.target), emulator.count_only(), emulator.profile() as prof:
+            kernel(*args)
+        (run,) = prof.runs
+        run.latency_us["trn1"], run.latency_us["trn2"]  # modeled on first read: time it here
+    finally:
+        trace.remove_listener(raw_runs.append)
     emulated_s = time.perf_counter() - started
-    (run,) = prof.runs
-    return run, emulated_s
+    return run, _dma_efficiency(raw_runs[0]), emulated_s
+
+
+def _dma_efficiency(raw_run):
+    """Bytes / (bytes at each DMA's modeled size-dependent rate): 1.0 when every buffer is >= 32 KiB."""
+    moved = weighted = 0.0
+    for record in raw_run.records:
+        if record.dma is not None:
+            moved += record.dma.nbytes
+            weighted += record.dma.nbytes / cost_model.dma_efficiency(cost_model.dma_buffer_bytes(record))
+    return moved / weighted if weighted else 1.0
 
 
 def main(argv):
@@ -111,13 +130,13 @@ def main(argv):
     if unknown:
         raise ValueError(f"--cases: unknown {sorted(unknown)}, expected names from {[c.name for c in CASES]}")
     header = (f"{'case':34s} {'published':>12s} {'on':>4s} {'model trn1':>11s} {'model trn2':>11s} "
-              f"{'ratio':>6s} {'roofline':>9s} {'instr':>7s} {'HBM MiB':>8s} {'emul s':>7s}")
+              f"{'ratio':>6s} {'roofline':>9s} {'instr':>7s} {'HBM MiB':>8s} {'DMA eff':>7s} {'emul s':>7s}")
     print(header)
     print("-" * len(header))
     ratios = []
     for case in chosen:
         try:
-            run, emulated_s = _run_case(case, sdk_path)
+            run, dma_efficiency, emulated_s = _run_case(case, sdk_path)
         except Exception as err:  # report and go on: one unsupported kernel must not hide the rest
             print(f"{case.name:34s} {case.published_us:10.1f}us  NOT RUN: {type(err).__name__}: {err}")
             continue
@@ -127,7 +146,8 @@ def main(argv):
         ratios.append(ratio)
         print(f"{case.name:34s} {case.published_us:10.1f}us {case.target:>4s} "
               f"{run.latency_us['trn1']:9.1f}us {run.latency_us['trn2']:9.1f}us {ratio:6.2f} "
-              f"{floor:7.1f}us {run.instructions:7d} {hbm / 2**20:8.1f} {emulated_s:7.1f}")
+              f"{floor:7.1f}us {run.instructions:7d} {hbm / 2**20:8.1f} {dma_efficiency:7.3f} "
+              f"{emulated_s:7.1f}")
     if ratios:
         print(f"\nmodeled / published on the published target: geometric mean "
               f"{float(np.exp(np.mean(np.log(ratios)))):.2f}, min {min(ratios):.2f}, max {max(ratios):.2f} "

@@ -1,7 +1,8 @@
 """Cost model on hand-built instruction records (no emulator involved).
 
 Expected times are written out from the documented constants, so each test pins one rule of
-the model: matmul cycles, engine concurrency, dependency ordering, DMA bandwidth, targets.
+the model: matmul cycles, engine concurrency, dependency ordering, DMA bandwidth and its documented
+dependence on transfer size, targets.
 """
 
 import pytest
@@ -32,7 +33,8 @@ def _elementwise(opcode, engine, src, dst, *, free=512, partitions=128, src_buff
         writes=(A(dst, dst_buffer, p_start, p_start + partitions, 0, free * 4),))
 
 
-def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0):
+def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0, hbm_run=None):
+    """HBM <-> SBUF copy of nbytes over `partitions`; hbm_run: contiguous HBM bytes (default a row)."""
     per_partition = nbytes // partitions
     hbm = A(src if not to_hbm else dst, "hbm", 0, 1, hbm_offset, hbm_offset + nbytes)
     sbuf = A(dst if not to_hbm else src, "sbuf", 0, partitions, 0, per_partition)
@@ -41,7 +43,11 @@ def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0):
         free_elements=per_partition // 2, dtype="bfloat16",
         reads=(sbuf,) if to_hbm else (hbm,), writes=(hbm,) if to_hbm else (sbuf,),
         dma=trace.DmaInfo(nbytes, "sbuf" if to_hbm else "hbm", "hbm" if to_hbm else "sbuf",
-                          per_partition))
+                          per_partition if hbm_run is None else hbm_run))
+
+
+# Bytes per partition at which the documented DMA throughput curve is at its peak (32 KiB).
+FULL_RATE_BYTES = 32768
 
 
 def _run(*records, target="trn1"):
@@ -152,24 +158,94 @@ def test_trn2_vector_perf_mode_for_bf16_copies():
 
 @pytest.mark.parametrize("target, engine_rate", [("trn1", 17.0), ("trn2", min(23.0, 2900.0 / 8 / 16))])
 def test_one_large_dma_runs_at_sixteen_engines_bandwidth(target, engine_rate):
-    nbytes = 128 * 8192
+    nbytes = 128 * FULL_RATE_BYTES
     run = _run(_dma(1, 2, nbytes))
     expected_ns = nbytes / (16 * engine_rate) + cost_model.DMA_FIXED_LATENCY_NS
     assert cost_model.model_latency(run, target) == pytest.approx(expected_ns / 1e3)
 
 
 def test_many_dmas_are_bandwidth_bound():
-    nbytes = 128 * 4096
-    run = _run(*[_dma(1, 100 + i, nbytes, hbm_offset=i * nbytes) for i in range(40)])
-    expected_ns = 40 * nbytes / (16 * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
+    nbytes = 128 * FULL_RATE_BYTES
+    run = _run(*[_dma(1, 100 + i, nbytes, hbm_offset=i * nbytes) for i in range(12)])
+    expected_ns = 12 * nbytes / (16 * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
     assert cost_model.model_latency(run, "trn1") == pytest.approx(expected_ns / 1e3)
 
 
-def test_few_partitions_use_few_dma_engines():
-    nbytes = 4 * 65536
-    run = _run(_dma(1, 2, nbytes, partitions=4))
-    expected_ns = nbytes / (4 * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
+@pytest.mark.parametrize("partitions, engines",
+                         [(1, 1), (4, 1), (8, 1), (9, 2), (64, 8), (100, 13), (128, 16)])
+def test_one_dma_engine_per_eight_partitions(partitions, engines):
+    # NKI DMA overview: each engine serves 8 partition lanes; a [4, 4096] load runs on one engine.
+    nbytes = partitions * FULL_RATE_BYTES
+    run = _run(_dma(1, 2, nbytes, partitions=partitions))
+    expected_ns = nbytes / (engines * 17.0) + cost_model.DMA_FIXED_LATENCY_NS
     assert cost_model.model_latency(run, "trn1") == pytest.approx(expected_ns / 1e3)
+
+
+# Throughput relative to 32 KiB per partition, read off the NKI DMA overview figure (p_dim = 128).
+DOCUMENTED_CURVE = [(32, 0.016), (256, 0.105), (512, 0.209), (1024, 0.423), (2048, 0.815),
+                    (4096, 0.965), (8192, 0.983)]
+
+
+@pytest.mark.parametrize("per_partition, efficiency", DOCUMENTED_CURVE)
+@pytest.mark.parametrize("target, engine_rate", [("trn1", 17.0), ("trn2", min(23.0, 2900.0 / 8 / 16))])
+def test_dma_time_follows_the_documented_throughput_curve(per_partition, efficiency, target, engine_rate):
+    nbytes = 128 * per_partition
+    run = _run(_dma(1, 2, nbytes))
+    expected_ns = nbytes / (16 * engine_rate * efficiency) + cost_model.DMA_FIXED_LATENCY_NS
+    assert cost_model.model_latency(run, target) == pytest.approx(expected_ns / 1e3)
+
+
+def test_small_dmas_cost_more_per_byte_than_large_ones():
+    sizes = [4, 16, 32, 48, 100, 256, 384, 1000, 1024, 3000, 4096, 10000, 32768]
+    per_byte = []
+    for per_partition in sizes:
+        engines, busy_ns = cost_model.dma_transfer_ns(_dma(1, 2, 128 * per_partition),
+                                                      cost_model.HARDWARE["trn1"])
+        assert engines == 16
+        per_byte.append(busy_ns / (128 * per_partition))
+    assert all(a > b for a, b in zip(per_byte, per_byte[1:]))
+    # 256 B per partition moves at about a tenth of the 32 KiB rate; 4 KiB nearly saturates.
+    assert per_byte[sizes.index(256)] / per_byte[-1] == pytest.approx(1 / 0.105)
+    assert per_byte[sizes.index(4096)] / per_byte[-1] == pytest.approx(1 / 0.965)
+
+
+def test_below_the_smallest_measured_size_a_dma_costs_a_fixed_time():
+    # Under 32 B per partition throughput is taken as proportional to size (fixed cost per transfer).
+    hw = cost_model.HARDWARE["trn1"]
+    times = [cost_model.dma_transfer_ns(_dma(1, 2, 128 * b), hw)[1] for b in (2, 4, 16, 32)]
+    assert times == pytest.approx([times[-1]] * 4)
+    assert times[-1] == pytest.approx(8 * 32 / (17.0 * 0.016))
+
+
+def test_between_measured_sizes_efficiency_lies_between_neighbours():
+    for (x0, y0), (x1, y1) in zip(cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES,
+                                  cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES[1:]):
+        assert cost_model.dma_efficiency(x0) == pytest.approx(y0)
+        assert y0 < cost_model.dma_efficiency((x0 + x1) / 2) < y1
+    assert cost_model.dma_efficiency(1 << 20) == 1.0
+
+
+def test_short_hbm_runs_set_the_dma_buffer_size():
+    # 4 KiB per partition gathered from 256 B contiguous HBM pieces moves at the 256 B rate.
+    hw = cost_model.HARDWARE["trn1"]
+    gathered = cost_model.dma_transfer_ns(_dma(1, 2, 128 * 4096, hbm_run=256), hw)[1]
+    rows = cost_model.dma_transfer_ns(_dma(1, 2, 128 * 4096), hw)[1]
+    assert gathered == pytest.approx(8 * 4096 / (17.0 * 0.105))
+    assert rows == pytest.approx(8 * 4096 / (17.0 * 0.965))
+    # A fully contiguous HBM tile is still one buffer per SBUF partition.
+    whole = cost_model.dma_transfer_ns(_dma(1, 2, 128 * 4096, hbm_run=128 * 4096), hw)[1]
+    assert whole == pytest.approx(rows)
+
+
+def test_hbm_to_hbm_copy_uses_its_contiguous_run():
+    def copy(run_bytes):
+        return trace.InstructionRecord(
+            opcode="dma_copy", engine="dma", line="k.py:6", partitions=1, free_elements=32768,
+            dtype="float32", reads=(A(1, "hbm", 0, 1, 0, 131072),), writes=(A(2, "hbm", 0, 1, 0, 131072),),
+            dma=trace.DmaInfo(131072, "hbm", "hbm", run_bytes))
+    hw = cost_model.HARDWARE["trn1"]
+    assert cost_model.dma_transfer_ns(copy(131072), hw) == (1, pytest.approx(131072 / 17.0))
+    assert cost_model.dma_transfer_ns(copy(512), hw) == (1, pytest.approx(131072 / (17.0 * 0.209)))
 
 
 def test_dma_waiting_on_compute_does_not_block_independent_dma():
@@ -220,3 +296,5 @@ def test_bad_target_and_engine_raise():
         cost_model.model_latency(_run(bogus), "trn1")
     with pytest.raises(ValueError, match="flops"):
         cost_model.roofline_us(-1, 0, "trn1")
+    with pytest.raises(ValueError, match="buffer_bytes"):
+        cost_model.dma_efficiency(0)

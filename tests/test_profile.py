@@ -63,6 +63,29 @@ def test_counters_of_a_synthetic_run():
     assert "synthetic_kernel" in table and "TOTAL" in table and "trn2 us" in table
 
 
+def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
+    scheduled = []
+    model_latency = cost_model.model_latency
+    def counting_model_latency(run, target):
+        scheduled.append(target)
+        return model_latency(run, target)
+    monkeypatch.setattr(cost_model, "model_latency", counting_model_latency)
+    run = _synthetic_run()
+    with emulator.profile() as prof:
+        trace.kernel_finished(run)
+    r = prof.runs[0]
+    assert scheduled == [] and r.dma_count == 3  # counters are there, nothing scheduled yet
+    trn2 = r.latency_us["trn2"]
+    assert scheduled == ["trn2"]
+    assert r.latency_us["trn2"] == trn2 and scheduled == ["trn2"]  # computed once
+    run.records.clear()  # the summary models the run as it finished
+    assert dict(r.latency_us) == {"trn1": pytest.approx(model_latency(_synthetic_run(), "trn1")),
+                                  "trn2": trn2}
+    assert scheduled == ["trn2", "trn1"] and len(r.latency_us) == 2
+    with pytest.raises(KeyError):
+        r.latency_us["trn9"]
+
+
 def test_listener_is_removed_after_the_block():
     with emulator.profile() as prof:
         pass

@@ -16,21 +16,37 @@ The model is a list scheduler over the run's instruction records:
 - Dependencies are RAW, WAR and WAW overlaps of the records' Access regions (per storage, partition
   range x byte range). Two DMA writes to HBM never order each other: HBM regions are flattened
   byte spans that over-approximate strided tiles, and kernels write each output element once.
-- DMA: each transfer is split over min(16, partitions) DMA engines [DMA: "each DMA transfer is by
-  default parallelized up to 16 DMA engines, depending on the shape"; "fewer partitions means fewer
-  engines utilized"]. Each engine serves its share at the documented per-engine bandwidth, capped
-  by the core's share of HBM bandwidth; engines take work in any order that respects dependencies
-  (transfers from different DMA queues are scheduled round robin [DMA]), so a transfer waiting on
-  data does not block an independent one. Every transfer adds the documented ~1300 ns
-  descriptor/semaphore-to-start latency [DMA bandwidth guide], which delays its completion but
-  does not occupy the engine (several transfers are in flight at once).
-- Not modeled (no documented numbers): per-DMA-buffer overhead of small contiguous chunks, the
-  end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts, kernel launch time.
-  The model is therefore optimistic for kernels made of tiny DMAs.
+- DMA: each transfer is split over ceil(partitions / 8) DMA engines, at most 16 [DMA: "each DMA
+  engine corresponds to 8 partition lanes"; a 4-partition load is measured on a single engine, a
+  128-partition one on all 16]. Each engine serves its share at the documented per-engine
+  bandwidth, capped by the core's share of HBM bandwidth and scaled by the measured DMA
+  efficiency for the transfer's DMA buffer size (below); engines take work in any order that
+  respects dependencies (transfers from different DMA queues are scheduled round robin [DMA]), so
+  a transfer waiting on data does not block an independent one. Every transfer adds the
+  documented ~1300 ns descriptor/semaphore-to-start latency [DMA bandwidth guide], which delays
+  its completion but does not occupy the engine (several transfers are in flight at once).
+- DMA efficiency vs size: [DMA] figure nki-dma-intro-1 ("DMA Throughput varying Bytes per
+  Partition for p_dim = 128", HBM<->SBUF transfers of [128, F] tiles, one point per F from 32 B to
+  32 KiB per partition; the page's profiled examples run on a NeuronCore-v3, the figure itself
+  names no generation and its throughput axis carries no numbers). Only the shape is used:
+  throughput relative to the 32 KiB point, which the text calls nearly saturated from 4 KiB on.
+  The engine time of a transfer is its bytes / (peak per-engine rate x relative throughput), i.e.
+  the per-transfer overhead the bandwidth guide describes ("the engines spend more time on
+  overhead than on data movement") occupies the engine. The size looked up is the DMA buffer:
+  the contiguous bytes per SBUF partition, or the HBM-side contiguous run when that is shorter
+  ([ARCH1]: "Data within a DMA buffer must be continuous"; each SBUF partition is at least one
+  buffer); an HBM->HBM copy uses its contiguous run. The same relative curve is applied to trn1
+  and trn2 (the bandwidth guide gives the same 2 KiB / 4 KiB thresholds for both).
+- Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
+  kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
+  (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
+  DGE mode issues each DMA is the compiler's choice, not visible in a kernel run); [PERF]'s
+  "close 70% DMA throughput utilization" for one profiled kernel (an example, not a rule).
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import math
 
@@ -94,6 +110,22 @@ DEPENDENT_OVERHEAD_CYCLES = 100
 # [DMA bandwidth guide] "every DMA transfer incurs descriptor setup, synchronization, and
 # semaphore-to-start latency (~1300 ns cross-engine)".
 DMA_FIXED_LATENCY_NS = 1300.0
+# [DMA] "each DMA engine corresponds to 8 partition lanes" (128 partitions / 16 engines); its
+# Example 1 profiles a [4, 4096] load on one engine, Example 2 a [128, 128] load on all 16.
+DMA_PARTITIONS_PER_ENGINE = 8
+# [DMA] figure nki-dma-intro-1 (p_dim = 128): (bytes per partition, throughput relative to the
+# 32 KiB point). Read off the plotted markers by pixel position, with the unlabeled x axis taken
+# as zero throughput: the readings double with every doubling of size from 32 B to 1 KiB, which
+# is what a fixed cost per transfer gives. The text: "at 4096 free bytes, we are able to nearly
+# saturate DMA bandwidth"; [DMA bandwidth guide]: < 256 B "a small fraction of peak", >= 2 KiB
+# "approaches peak", >= 4 KiB saturates; [PERF] Opt #9: transfers (per engine: 8 partitions)
+# "should be larger than 32KiB" = 4 KiB per partition. Between points the model interpolates
+# log-linearly (a power law between neighbours); below 32 B throughput is taken as proportional
+# to size (the fixed per-transfer cost of the curve's lower part), from 32 KiB up as 1.
+DMA_EFFICIENCY_BY_PARTITION_BYTES = (
+    (32, 0.016), (64, 0.029), (128, 0.053), (256, 0.105), (512, 0.209), (1024, 0.423),
+    (2048, 0.815), (4096, 0.965), (8192, 0.983), (16384, 0.990), (32768, 1.0),
+)
 # [ARCH2] "DMA transpose on Trainium2 can achieve up to 90% DMA throughput utilization" (HBM to
 # SBUF); "SBUF2SBUF transpose can achieve up to 50% of DMA throughput". No trn1 figure is
 # documented; the same factors are used.
@@ -257,18 +289,47 @@ class Schedule:
         return max(self.finish_us, default=0.0)
 
 
+def dma_efficiency(buffer_bytes: float) -> float:
+    """Throughput of DMA buffers of `buffer_bytes` relative to the peak (figure nki-dma-intro-1)."""
+    curve = DMA_EFFICIENCY_BY_PARTITION_BYTES
+    if buffer_bytes <= 0:
+        raise ValueError(f"buffer_bytes: got {buffer_bytes}, expected a positive byte count")
+    if buffer_bytes >= curve[-1][0]:
+        return curve[-1][1]
+    if buffer_bytes <= curve[0][0]:
+        return curve[0][1] * buffer_bytes / curve[0][0]
+    k = bisect.bisect_right(curve, (buffer_bytes, math.inf))
+    (x0, y0), (x1, y1) = curve[k - 1], curve[k]
+    return y0 * (y1 / y0) ** (math.log(buffer_bytes / x0) / math.log(x1 / x0))
+
+
+def dma_buffer_bytes(record: trace.InstructionRecord) -> int:
+    """Contiguous bytes per DMA buffer: per SBUF partition, or the HBM-side run if shorter."""
+    dma = record.dma
+    if dma.src_buffer == "hbm" and dma.dst_buffer == "hbm":
+        return max(1, dma.contiguous_bytes)
+    per_partition = dma.nbytes // max(1, record.partitions)
+    return max(1, min(per_partition, dma.contiguous_bytes))
+
+
+def dma_engine_count(record: trace.InstructionRecord, hw: Hardware) -> int:
+    """DMA engines sharing one transfer: one per 8 partitions, at most all of them [DMA]."""
+    return max(1, min(hw.dma_engines, -(-record.partitions // DMA_PARTITIONS_PER_ENGINE)))
+
+
 def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int, float]:
     """(engines used, ns each engine is busy) for one DMA record, fixed latency excluded."""
     if record.dma is None:
         raise ValueError(f"record {record.opcode} at {record.line}: engine 'dma' without DmaInfo")
     dma = record.dma
-    engines = max(1, min(hw.dma_engines, record.partitions))
+    engines = dma_engine_count(record, hw)
     hbm_sides = (dma.src_buffer == "hbm") + (dma.dst_buffer == "hbm")
     per_engine_rate = hw.dma_engine_bytes_per_ns
     if hbm_sides:
         # All engines together cannot draw more than the core's HBM share (each byte crosses
         # HBM once per HBM side).
         per_engine_rate = min(per_engine_rate, hw.hbm_bytes_per_ns / (engines * hbm_sides))
+    per_engine_rate *= dma_efficiency(dma_buffer_bytes(record))
     if dma.transpose:
         per_engine_rate *= (DMA_TRANSPOSE_EFFICIENCY_FROM_HBM if hbm_sides
                             else DMA_TRANSPOSE_EFFICIENCY_ON_CHIP)
@@ -301,22 +362,37 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
     engine_free = {"tensor": 0.0, "vector": 0.0, "scalar": 0.0, "gpsimd": 0.0}
     busy = {engine: 0.0 for engine in trace.ENGINES}
     dma_groups = [[_DmaEngine(), hw.dma_engines]]
+    dma_costs: dict = {}  # (partitions, DmaInfo) -> (engines, ns): tiles repeat their shapes
     starts, finishes = [], []
     for i, record in enumerate(records):
         is_dma = record.engine == "dma"
         ready = 0.0
         for access in record.reads:
-            ready = max(ready, writes_index.latest_overlap(access), hbm_dma_writes_index.latest_overlap(access))
+            t = writes_index.latest_overlap(access)
+            if t > ready:
+                ready = t
+            t = hbm_dma_writes_index.latest_overlap(access)
+            if t > ready:
+                ready = t
         for access in record.writes:
-            ready = max(ready, reads_index.latest_overlap(access))
+            t = reads_index.latest_overlap(access)
+            if t > ready:
+                ready = t
+            t = writes_index.latest_overlap(access)
+            if t > ready:
+                ready = t
             if not (is_dma and access.buffer == "hbm"):
-                ready = max(ready, writes_index.latest_overlap(access),
-                            hbm_dma_writes_index.latest_overlap(access))
-            else:
-                ready = max(ready, writes_index.latest_overlap(access))
+                t = hbm_dma_writes_index.latest_overlap(access)
+                if t > ready:
+                    ready = t
 
         if is_dma:
-            engines, transfer_ns = dma_transfer_ns(record, hw)
+            dma = record.dma
+            key = (record.partitions, dma) if dma is not None else None
+            cost = dma_costs.get(key)
+            if cost is None:
+                cost = dma_costs[key] = dma_transfer_ns(record, hw)
+            engines, transfer_ns = cost
             # Each engine's share goes to the engines that can start it earliest. Engines with
             # identical bookings form one group ([engine, count]) and are evaluated once.
             offers = sorted((group[0].earliest(ready, transfer_ns), k)

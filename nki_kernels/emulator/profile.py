@@ -7,14 +7,16 @@
     prof.runs[0].latency_us["trn2"] # modeled latency (see cost_model.py)
 
 The profile listens to finished `KernelRun`s (trace.py) and keeps a
-`RunSummary` of each; it never looks at emulator state.
+`RunSummary` of each; it never looks at emulator state. Counters are taken
+when a run finishes; the modeled latency of a target is scheduled on first
+read (the run's records are kept until every target has been read).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Iterator
+from collections.abc import Iterator, Mapping
 
 from . import cost_model, trace
 
@@ -23,6 +25,34 @@ from . import cost_model, trace
 _PE_ROWS = 128
 _PE_COLS = 128
 _MOVING_FMAX = 512
+
+
+class ModeledLatency(Mapping):
+    """Read-only {target: modeled µs} of one run; each target is scheduled when first read."""
+
+    def __init__(self, run: trace.KernelRun) -> None:
+        # A snapshot of the record list, so later changes to `run` cannot alter the result.
+        self._run: trace.KernelRun | None = trace.KernelRun(run.name, run.target, tuple(run.grid),
+                                                            list(run.records))
+        self._us: dict[str, float] = {}
+
+    def __getitem__(self, target: str) -> float:
+        if target not in self._us:
+            if target not in cost_model.TARGETS:
+                raise KeyError(target)
+            self._us[target] = cost_model.model_latency(self._run, target)
+            if len(self._us) == len(cost_model.TARGETS):
+                self._run = None  # every target known: the records are no longer needed
+        return self._us[target]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(cost_model.TARGETS)
+
+    def __len__(self) -> int:
+        return len(cost_model.TARGETS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,7 +64,8 @@ class RunSummary:
     moving_fill: mean over matmuls of moving_free / 512.
     dma_sizes: bytes of each DMA, in issue order.
     engine_counts: instructions per engine, every name of trace.ENGINES present.
-    latency_us: modeled latency per target, keys "trn1" and "trn2".
+    latency_us: modeled latency in µs per target, keys "trn1" and "trn2" (a read-only
+      mapping, computed per target on first read).
     """
 
     name: str
@@ -49,7 +80,7 @@ class RunSummary:
     pe_fill: float
     moving_fill: float
     engine_counts: dict[str, int]
-    latency_us: dict[str, float]
+    latency_us: Mapping[str, float]
 
     @property
     def dma_bytes(self) -> int:
@@ -61,7 +92,7 @@ class RunSummary:
 
 
 def summarize(run: trace.KernelRun) -> RunSummary:
-    """Counters of one finished kernel run, with its modeled latency on every target."""
+    """Counters of one finished kernel run, with its modeled latency on every target (lazy)."""
     engine_counts = {engine: 0 for engine in trace.ENGINES}
     hbm_read = hbm_written = 0
     dma_sizes = []
@@ -93,7 +124,7 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         pe_fill=pe_fill_sum / matmul_count if matmul_count else 0.0,
         moving_fill=moving_fill_sum / matmul_count if matmul_count else 0.0,
         engine_counts=engine_counts,
-        latency_us={target: cost_model.model_latency(run, target) for target in cost_model.TARGETS},
+        latency_us=ModeledLatency(run),
     )
 
 
