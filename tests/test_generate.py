@@ -71,9 +71,9 @@ def test_decode_step_compiles_once(llama):
     assert TRACE_COUNTS["prefill"] == before["prefill"] and TRACE_COUNTS["decode"] == before["decode"]
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_left_and_right_padding_match_unpadded_rows(name, request):
-    model = request.getfixturevalue(name)
+def test_left_and_right_padding_match_unpadded_rows(gemma3):
+    # Gemma 3: its sliding-window layers make positions and key validity matter most (the code is shared).
+    model = gemma3
     short, long = _prompts(1, 4, seed=5)[0], _prompts(1, 7, seed=6)[0]
     steps = 8
     alone = [np.asarray(generate(model, p[None], steps))[0, -steps:] for p in (short, long)]
@@ -92,14 +92,14 @@ def test_left_and_right_padding_match_unpadded_rows(name, request):
 
 def test_sampling(llama):
     prompt = _prompts(2, 5, seed=7)
-    greedy = np.asarray(generate(llama, prompt, 10))
-    sampled = np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=1))
-    assert (sampled == np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=1))).all()
-    assert (sampled != np.asarray(generate(llama, prompt, 10, temperature=1.5, seed=2))).any()
+    greedy = np.asarray(generate(llama, prompt, 8))
+    sampled = np.asarray(generate(llama, prompt, 8, temperature=1.5, seed=1))
+    assert (sampled == np.asarray(generate(llama, prompt, 8, temperature=1.5, seed=1))).all()
+    assert (sampled != np.asarray(generate(llama, prompt, 8, temperature=1.5, seed=2))).any()
     assert (sampled != greedy).any()
     # Restricting to the single most likely token is greedy decoding, whatever the temperature.
-    np.testing.assert_array_equal(generate(llama, prompt, 10, temperature=2.0, top_k=1, seed=3), greedy)
-    np.testing.assert_array_equal(generate(llama, prompt, 10, temperature=2.0, top_p=1e-6, seed=3), greedy)
+    np.testing.assert_array_equal(generate(llama, prompt, 8, temperature=2.0, top_k=1, seed=3), greedy)
+    np.testing.assert_array_equal(generate(llama, prompt, 8, temperature=2.0, top_p=1e-6, seed=3), greedy)
 
 
 def test_eos_stops_and_fills(llama):
