@@ -428,3 +428,16 @@ def test_tensor_tensor_scan_and_broadcast_to():
         expected[:, t] = h
     np.testing.assert_allclose(scanned, expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(wide, np.broadcast_to(row, (20, 30)))
+
+
+def test_launches_from_several_threads_do_not_interfere():
+    """XLA may run independent host callbacks concurrently; each launch must see only its own state."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(7)
+    pairs = [(rng.standard_normal((130, 40)).astype(np.float32), rng.standard_normal((130, 300)).astype(np.float32))
+             for _ in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda p: blocked_matmul(*p), pairs))
+    for (a, b), got in zip(pairs, results):
+        np.testing.assert_allclose(got, a.T.astype(np.float64) @ b, rtol=1e-4, atol=1e-4)

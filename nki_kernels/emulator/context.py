@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 
 import numpy as np
 
@@ -122,25 +123,35 @@ class KernelContext:
                 f"over the {PSUM_BANKS} banks of PSUM (a tensor is live until its last reference is dropped)")
 
 
-_stack: list[KernelContext] = []
+# Kernels being simulated, per thread: a launch from another thread (a concurrent host callback) is a new
+# launch, not a kernel called from inside this one.
+_threads = threading.local()
+
+
+def _stack() -> list[KernelContext]:
+    if not hasattr(_threads, "stack"):
+        _threads.stack = []
+    return _threads.stack
 
 
 def current(what="this call"):
     """The context of the kernel being simulated; NKI calls outside a kernel are an error."""
-    if not _stack:
+    stack = _stack()
+    if not stack:
         raise RuntimeError(f"{what} is only valid inside an NKI kernel being simulated (call the @nki.jit kernel)")
-    return _stack[-1]
+    return stack[-1]
 
 
 def current_or_none():
-    return _stack[-1] if _stack else None
+    stack = _stack()
+    return stack[-1] if stack else None
 
 
 @contextlib.contextmanager
 def running(ctx):
-    _stack.append(ctx)
+    _stack().append(ctx)
     try:
         yield ctx
     finally:
-        _stack.pop()
+        _stack().pop()
         ctx.active = False

@@ -12,6 +12,7 @@ import functools
 import inspect
 import itertools
 import operator
+import threading
 
 import numpy as np
 
@@ -26,6 +27,9 @@ except ImportError:
     threadpool_limits = None
 
 _array_frontend = [None]
+# Kernels may be launched from several threads at once (XLA runs independent host callbacks concurrently);
+# the simulation state (kernel stack, BLAS thread limit) is process-wide, so launches run one at a time.
+_launch_lock = threading.RLock()
 
 
 def set_array_frontend(fn):
@@ -168,7 +172,7 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
     names = kernel._parameters
     single_threaded_blas = threadpool_limits(1, user_api="blas") if numerics and threadpool_limits \
         else contextlib.nullcontext()
-    with context.running(ctx), single_threaded_blas:
+    with _launch_lock, context.running(ctx), single_threaded_blas:
         def convert(name, value):
             if isinstance(value, (np.ndarray, Spec)):
                 return _input_tensor(ctx, name, value)
@@ -182,8 +186,8 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
             ctx.shared_hbm_cursor = 0
             result = kernel.fn(*tensor_args, **tensor_kwargs)
         outputs = result if keep_tensors else _output(result, numerics)
-    if report:
-        trace.kernel_finished(ctx.run)
+        if report:
+            trace.kernel_finished(ctx.run)
     return outputs
 
 
