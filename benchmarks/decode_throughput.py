@@ -43,6 +43,7 @@ flags.DEFINE_integer("prompt_len", 8, "prompt tokens")
 flags.DEFINE_integer("new_tokens", 48, "tokens generated per round")
 flags.DEFINE_integer("rounds", 5, "alternating dense / compressed rounds")
 flags.DEFINE_float("keep", tuning.PAPER_KEEP, "fraction of MLP parameters kept")
+flags.DEFINE_bool("compress_attention", False, "also factor the attention projections of the measured model")
 flags.DEFINE_bool("skip_measured", False, "only the modeled Trainium table")
 flags.DEFINE_bool("skip_modeled", False, "only the measured CPU comparison")
 FLAGS = flags.FLAGS
@@ -55,8 +56,10 @@ def measured_cpu(num_layers, new_tokens, rounds):
     model = models.from_preset("llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size,
                                tie_word_embeddings=False)
     start = time.perf_counter()
-    compressed = models.compress_model(model, keep=FLAGS.keep)
-    print(f"compressed {num_layers} MLPs at keep {FLAGS.keep} in {time.perf_counter() - start:.1f} s")
+    include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
+    compressed = models.compress_model(model, keep=FLAGS.keep, include=include)
+    print(f"compressed {'+'.join(include)} of {num_layers} layers at keep {FLAGS.keep} in "
+          f"{time.perf_counter() - start:.1f} s")
     prompt = np.random.default_rng(0).integers(0, FLAGS.vocab_size, size=(1, FLAGS.prompt_len))
     contenders = {"dense": model, "compressed": compressed}
 
@@ -83,7 +86,8 @@ def measured_cpu(num_layers, new_tokens, rounds):
     print("| model | parameters | decode tokens/s |\n|---|---|---|")
     for name in contenders:
         print(f"| {name} | {params[name] / 1e6:.1f} M | {rates[name]:.2f} |")
-    print(f"\ncompressed / dense decode speed: {ratio:.3f}x (parameter ratio "
+    # Batch-1 decode is memory bound, so the parameter ratio is about the best speedup to expect.
+    print(f"\ncompressed / dense decode speed: {ratio:.3f}x (parameter ratio, the memory-bound ceiling: "
           f"{params['dense'] / params['compressed']:.3f}x; target >= {TARGET_RATIO}x: "
           f"{'met' if ratio >= TARGET_RATIO else 'NOT met'})")
     return ratio
