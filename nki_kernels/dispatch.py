@@ -36,7 +36,7 @@ def _check_dims(**dims):
 
 
 def _blocks(entry):
-    return {name: entry[name] for name in ("block_t", "block_r", "block_n")}
+    return {name: entry[name] for name in tuning.BLOCK_NAMES}
 
 
 @functools.lru_cache(maxsize=4096)

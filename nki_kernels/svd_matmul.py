@@ -6,15 +6,20 @@ Stage 1 makes (X·U)ᵀ [r, tokens] with a U tile stationary and an Xᵀ tile mo
 partition axis (implicit transposition). Stage 2 contracts that over the rank directly, in one of two ways:
   rows: stationary (XU)ᵀ [r, ≤128 tokens], moving V [r, ≤512 of N]  → Y tile [tokens, N]
   cols: stationary V [r, ≤128 of N],       moving (XU)ᵀ [r, ≤512 tokens] → Yᵀ tile [N, tokens]
-Caching, per token block of `block_t` tokens: the Xᵀ strip is loaded once and serves every r block; the whole
-(XU)ᵀ strip stays in SBUF and serves every N block; U and V arrive in blocks of `block_r` / `block_n` columns,
-one DMA per 128-row tile with `block_*`-long contiguous rows. So for T ≤ block_t every byte of X, U and V
-crosses HBM once and Y is written once. PSUM accumulates in float32; outputs have the inputs' dtype.
+Caching, per token block of `block_t` tokens: X is loaded once (in K blocks of `block_k` rows, each feeding
+every rank tile); the whole (XU)ᵀ strip stays in SBUF and serves every N block; U arrives as full-width rows
+one K block at a time (K permuted so that each partition reads q whole rows as one contiguous run: see
+k_slots), V in blocks of `block_n` columns. So for T ≤ block_t every byte of X, U and V crosses HBM once and
+Y is written once.
+Pipelining: the next K block's X, U rows and X transposes are issued before the current block's matmuls, so
+DMAs and PSUM evictions overlap the PE. PSUM accumulates in float32 (partial sums of several K blocks add up
+in a float32 SBUF accumulator); outputs have the inputs' dtype. X rows are loaded whole-row (long contiguous
+DMAs) and turned on the PE; a single token's Yᵀ column is turned back into a row before it is written.
 
 Kernels (all return a new tensor in `nl.shared_hbm`):
   svd_matmul_kernel(x [T,K], u, v)         → y [T, N]   (stage 2 rows)
   svd_matmul_t_out_kernel(x [T,K], u, v)   → yᵀ [N, T]  (stage 2 cols)
-  svd_matmul_t_in_kernel(xT [K,T], u, v)   → y [T, N]   (Xᵀ given: no on-chip transpose of X)
+  svd_matmul_t_in_kernel(xT [K,T], u, v)   → y [T, N]   (Xᵀ given: no on-chip transpose of X, except T = 1)
   svd_matmul_decode_kernel(x [T,K], u, v)  → y [T, N]   (stage 2 cols: the few tokens are the moving operand,
                                                          Yᵀ tiles turned back on the PE; for small T)
 Block sizes are keyword arguments fixed at trace time; `nki_kernels.dispatch` picks them from the tuned table.
@@ -23,9 +28,6 @@ Block sizes are keyword arguments fixed at trace time; `nki_kernels.dispatch` pi
 from __future__ import annotations
 
 from nki_kernels.binding import nki, nl, nisa
-
-# K tiles of X rows staged per DMA before the PE turns them (16 x 128 bf16 columns: 512 KiB per DMA).
-X_ROW_SEGMENT_TILES = 16
 
 
 def spans(total, step):
@@ -70,48 +72,11 @@ def check_factors(kernel, k_name, k, u, v, u_name="u", v_name="v"):
     return u.shape[1], v.shape[1]
 
 
-def check_blocks(block_t, block_r, block_n):
+def check_blocks(block_t, block_k, block_n):
     pmax = nl.tile_size.pmax
     check_block("block_t", block_t, pmax)
-    check_block("block_r", block_r, pmax)
+    check_block("block_k", block_k, pmax)
     check_block("block_n", block_n, pmax)
-
-
-def load_x_strip(x, x_transposed, t0, tb):
-    """Xᵀ of tokens [t0, t0+tb) in SBUF: strip[0:kt, ki, 0:tb] = X[t0:t0+tb, K tile ki]ᵀ.
-
-    x is X [T, K] (`x_transposed` False) or Xᵀ [K, T] (True). From Xᵀ each K tile is one DMA of contiguous
-    token rows. From X, 128-token row tiles are loaded whole and turned on the PE (nc_transpose to PSUM, one
-    eviction per ≤512 tokens), X_ROW_SEGMENT_TILES K tiles at a time so the staging rows stay small for any K;
-    a single token's row is already contiguous and goes straight onto partitions.
-    """
-    pmax = nl.tile_size.pmax
-    k = x.shape[0] if x_transposed else x.shape[1]
-    k_tiles = spans(k, pmax)
-    strip = nl.ndarray((pmax, len(k_tiles), tb), dtype=x.dtype, buffer=nl.sbuf, name="x_strip")
-    if x_transposed:
-        for ki, (k0, kt) in enumerate(k_tiles):
-            nisa.dma_copy(dst=strip[0:kt, ki, 0:tb], src=x[k0:k0 + kt, t0:t0 + tb])
-        return strip
-    if tb == 1:
-        for ki, (k0, kt) in enumerate(k_tiles):
-            nisa.dma_copy(dst=strip[0:kt, ki, 0:1], src=x[t0, k0:k0 + kt])
-        return strip
-    segment = X_ROW_SEGMENT_TILES * pmax
-    for c0, tc in spans(tb, nl.tile_size.gemm_moving_fmax):
-        for g0, gs in spans(k, segment):
-            row_tiles = []
-            for s0, ts in spans(tc, pmax):
-                rows = nl.ndarray((ts, gs), dtype=x.dtype, buffer=nl.sbuf, name="x_rows")
-                nisa.dma_copy(dst=rows, src=x[t0 + c0 + s0:t0 + c0 + s0 + ts, g0:g0 + gs])
-                row_tiles.append((s0, ts, rows))
-            for gi, (k0, kt) in enumerate(spans(gs, pmax)):
-                ki = g0 // pmax + gi
-                turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
-                for s0, ts, rows in row_tiles:
-                    nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, k0:k0 + kt])
-                nisa.tensor_copy(dst=strip[0:kt, ki, c0:c0 + tc], src=turned)
-    return strip
 
 
 def load_row_block(w, c0, cs):
@@ -124,30 +89,130 @@ def load_row_block(w, c0, cs):
     return blk
 
 
-def stage1(strip, u, tb, block_r):
-    """(X·U)ᵀ of one token block, kept in SBUF: xu[0:rt, rj, 0:tb], rank tile rj on the partitions.
+def k_slots(k0, ks):
+    """How rows [k0, k0+ks) of a contraction (or output) dimension map onto (partition, slot) in SBUF:
+    [(kt, rows)] per slot, `rows` the rows (a slice) whose partition p is row number p of the slice.
 
-    For each rank tile every token chunk (≤512, the moving width) has its own PSUM accumulator, so a U tile
-    loaded as stationary streams all chunks before the next one is loaded.
+    A block of whole 128-row tiles is laid out permuted: partition p holds q = ks/128 consecutive rows
+    (slot i ↔ rows k0 + p·q + i), so each partition's share of U is one contiguous q·r run in HBM. A ragged
+    block falls back to plain 128-row tiles. The contraction does not care about the order of K, as long as
+    X and U use the same one.
+    """
+    pmax = nl.tile_size.pmax
+    if ks % pmax == 0:
+        q = ks // pmax
+        return [(pmax, slice(k0 + i, k0 + ks, q)) for i in range(q)]
+    return [(kt, slice(k0 + i0, k0 + i0 + kt)) for i0, kt in spans(ks, pmax)]
+
+
+def stage_x_rows(x, x_transposed, t0, tb, k0, ks):
+    """X[t0:t0+tb, k0:k0+ks] as 128-token row tiles in SBUF (ks contiguous elements per token, one DMA per
+    tile), grouped per ≤512-token chunk: [(c0, tc, [(s0, ts, rows)])]. With Xᵀ given this is only used for
+    a single token, whose column of Xᵀ is contiguous as well."""
+    pmax = nl.tile_size.pmax
+    staged = []
+    for c0, tc in spans(tb, nl.tile_size.gemm_moving_fmax):
+        row_tiles = []
+        for s0, ts in spans(tc, pmax):
+            rows = nl.ndarray((ts, ks), dtype=x.dtype, buffer=nl.sbuf, name="x_rows")
+            first = t0 + c0 + s0
+            src = x[k0:k0 + ks, first] if x_transposed else x[first:first + ts, k0:k0 + ks]
+            nisa.dma_copy(dst=rows, src=src)
+            row_tiles.append((s0, ts, rows))
+        staged.append((c0, tc, row_tiles))
+    return staged
+
+
+def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
+    """Xᵀ strip and U rows of K rows [k0, k0+ks) for one token block, in the k_slots layout.
+
+    strip[0:kt, i, 0:tb] = X[tokens, K rows of slot i]ᵀ; for each u in factors, rows[0:kt, i, 0:r] =
+    u[K rows of slot i, :] (permuted blocks: one DMA whose per-partition run is q full rows of U). Xᵀ tiles
+    come straight from Xᵀ when it is given (T > 1); otherwise X rows are staged and turned on the PE, one
+    eviction per ≤512-token chunk.
+    """
+    pmax = nl.tile_size.pmax
+    slots = k_slots(k0, ks)
+    strip = nl.ndarray((pmax, len(slots), tb), dtype=x.dtype, buffer=nl.sbuf, name="x_strip")
+    direct = x_transposed and tb > 1
+    staged = None if direct else stage_x_rows(x, x_transposed, t0, tb, k0, ks)
+    if direct and ks % pmax == 0 and tb == x.shape[1]:
+        # All tokens: the block of Xᵀ is contiguous, so each partition reads its q rows as one run.
+        nisa.dma_copy(dst=strip, src=x[k0:k0 + ks, 0:tb].reshape((pmax, len(slots), tb)))
+    elif direct:
+        for i, (kt, k_rows) in enumerate(slots):
+            nisa.dma_copy(dst=strip[0:kt, i, 0:tb], src=x[k_rows, t0:t0 + tb])
+    u_rows = []
+    for u in factors:
+        r = u.shape[1]
+        rows = nl.ndarray((pmax, len(slots), r), dtype=u.dtype, buffer=nl.sbuf, name="u_rows")
+        if ks % pmax == 0:
+            nisa.dma_copy(dst=rows, src=u[k0:k0 + ks, 0:r].reshape((pmax, len(slots), r)))
+        else:
+            for i, (kt, k_rows) in enumerate(slots):
+                nisa.dma_copy(dst=rows[0:kt, i, 0:r], src=u[k_rows, 0:r])
+        u_rows.append(rows)
+    for i, (kt, k_rows) in enumerate(slots):
+        columns = slice(k_rows.start - k0, k_rows.stop - k0, k_rows.step)
+        for c0, tc, row_tiles in staged or ():
+            turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
+            for s0, ts, rows in row_tiles:
+                nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, columns])
+            nisa.tensor_copy(dst=strip[0:kt, i, c0:c0 + tc], src=turned)
+    return strip, u_rows
+
+
+def stage1(x, x_transposed, t0, tb, factors, block_k):
+    """(X·U)ᵀ of one token block for each U in `factors`, kept in SBUF: xu[0:rt, rj, 0:tb], rank tile rj on
+    the partitions (one X load serves every factor).
+
+    K is walked in blocks of block_k rows. Within a block, groups of rank tiles (as many accumulators as PSUM
+    holds beside one transpose tile) accumulate over the block's K tiles, K loop outermost; with several K
+    blocks the partial sums add up in a float32 SBUF accumulator and the last add writes xu.
     """
     pmax = nl.tile_size.pmax
     rank_tile = nl.tile_size.gemm_stationary_fmax
-    k, r = u.shape
-    k_tiles = spans(k, pmax)
+    k = factors[0].shape[0]
     chunks = spans(tb, nl.tile_size.gemm_moving_fmax)
-    xu = nl.ndarray((pmax, len(spans(r, rank_tile)), tb), dtype=u.dtype, buffer=nl.sbuf, name="xuT_strip")
-    for b0, bs in spans(r, block_r):
-        u_blk = load_row_block(u, b0, bs)
-        for j0, rt in spans(bs, rank_tile):
-            rj = (b0 + j0) // rank_tile
-            accs = [nl.ndarray((rt, tc), dtype=nl.float32, buffer=nl.psum, name="xuT_psum") for _, tc in chunks]
-            for ki, (k0, kt) in enumerate(k_tiles):
-                for (c0, tc), acc in zip(chunks, accs):
-                    nisa.nc_matmul(dst=acc, stationary=u_blk[0:kt, ki, j0:j0 + rt],
-                                   moving=strip[0:kt, ki, c0:c0 + tc], accumulate=ki > 0)
-            for (c0, tc), acc in zip(chunks, accs):
-                nisa.tensor_copy(dst=xu[0:rt, rj, c0:c0 + tc], src=acc)
-    return xu
+    group = max(1, (nl.tile_size.psum_num_banks - 1) // len(chunks))
+    k_blocks = spans(k, block_k)
+    xus, totals = [], []
+    for u in factors:
+        r_count = len(spans(u.shape[1], rank_tile))
+        xus.append(nl.ndarray((pmax, r_count, tb), dtype=u.dtype, buffer=nl.sbuf, name="xuT_strip"))
+        totals.append(nl.ndarray((pmax, r_count, tb), dtype=nl.float32, buffer=nl.sbuf, name="xuT_total")
+                      if len(k_blocks) > 1 else None)
+    upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[0])
+    for b, (k0, ks) in enumerate(k_blocks):
+        strip, u_rows = upcoming
+        upcoming = None
+        if b + 1 < len(k_blocks):
+            upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[b + 1])
+        first, last = b == 0, b == len(k_blocks) - 1
+        slots = k_slots(k0, ks)
+        for u, rows, xu, total in zip(factors, u_rows, xus, totals):
+            rank_tiles = spans(u.shape[1], rank_tile)
+            for g0 in range(0, len(rank_tiles), group):
+                members = rank_tiles[g0:g0 + group]
+                accs = [[nl.ndarray((rt, tc), dtype=nl.float32, buffer=nl.psum, name="xuT_psum")
+                         for _, tc in chunks] for _, rt in members]
+                for i, (kt, _) in enumerate(slots):
+                    for m, (j0, rt) in enumerate(members):
+                        for c, (c0, tc) in enumerate(chunks):
+                            nisa.nc_matmul(dst=accs[m][c], stationary=rows[0:kt, i, j0:j0 + rt],
+                                           moving=strip[0:kt, i, c0:c0 + tc], accumulate=i > 0)
+                for m, (j0, rt) in enumerate(members):
+                    rj = g0 + m
+                    for c, (c0, tc) in enumerate(chunks):
+                        out = (xu if last else total)[0:rt, rj, c0:c0 + tc]
+                        if first:
+                            nisa.tensor_copy(dst=out, src=accs[m][c])
+                        else:
+                            nisa.tensor_tensor(dst=out, data1=total[0:rt, rj, c0:c0 + tc], data2=accs[m][c],
+                                               op=nl.add)
+                del accs  # free the PSUM banks before the next group's
+        del strip, u_rows, rows  # free this K block before the one after next is loaded
+    return xus
 
 
 def stage2_rows(xu, v, y, t0, tb, block_n):
@@ -160,49 +225,67 @@ def stage2_rows(xu, v, y, t0, tb, block_n):
         for s0, ts in spans(tb, nl.tile_size.gemm_stationary_fmax):
             accs = [nl.ndarray((ts, nc), dtype=nl.float32, buffer=nl.psum, name="y_psum") for _, nc in n_chunks]
             for rj, (r0, rt) in enumerate(r_tiles):
-                for (c0, nc), acc in zip(n_chunks, accs):
-                    nisa.nc_matmul(dst=acc, stationary=xu[0:rt, rj, s0:s0 + ts],
+                for c, (c0, nc) in enumerate(n_chunks):
+                    nisa.nc_matmul(dst=accs[c], stationary=xu[0:rt, rj, s0:s0 + ts],
                                    moving=v_blk[0:rt, rj, c0:c0 + nc], accumulate=rj > 0)
             y_rows = nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows")
-            for (c0, nc), acc in zip(n_chunks, accs):
-                nisa.tensor_copy(dst=y_rows[0:ts, c0:c0 + nc], src=acc)
+            for c, (c0, nc) in enumerate(n_chunks):
+                nisa.tensor_copy(dst=y_rows[0:ts, c0:c0 + nc], src=accs[c])
+            del accs
             nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=y_rows)
+        del v_blk  # single-buffered: free before the next block is loaded
 
 
-def stage2_cols_psum(xu, v_blk, r_tiles, j0, nt, tb):
-    """PSUM accumulators of Yᵀ[j0:j0+nt of the V block, 0:tb] (one per ≤512-token chunk), with the chunks.
+def stage2_cols_psum(xu, v_blk, r_tiles, columns, nt, tb):
+    """PSUM accumulators of Yᵀ for the nt ≤ 128 V-block columns `columns` (a slice) and tokens 0:tb, one per
+    ≤512-token chunk, with the chunks.
 
-    Stationary V tile [r, nt ≤ 128] (loaded once per rank tile, reused for every chunk), moving (XU)ᵀ.
+    Stationary V tile [r, nt] (loaded once per rank tile, reused for every chunk), moving (XU)ᵀ.
     """
     chunks = spans(tb, nl.tile_size.gemm_moving_fmax)
     accs = [nl.ndarray((nt, tc), dtype=nl.float32, buffer=nl.psum, name="yT_psum") for _, tc in chunks]
     for rj, (r0, rt) in enumerate(r_tiles):
         for i, (c0, tc) in enumerate(chunks):
-            nisa.nc_matmul(dst=accs[i], stationary=v_blk[0:rt, rj, j0:j0 + nt],
+            nisa.nc_matmul(dst=accs[i], stationary=v_blk[0:rt, rj, columns],
                            moving=xu[0:rt, rj, c0:c0 + tc], accumulate=rj > 0)
     return chunks, accs
 
 
+def turn_into_rows(tile, rows, columns, nt, tb):
+    """rows[s][0:ts, columns] = tile[0:nt, s0:s0+ts]ᵀ for each ≤128-token piece s, through the PE."""
+    for s, (s0, ts) in enumerate(spans(tb, nl.tile_size.pmax)):
+        turned = nl.ndarray((ts, nt), dtype=tile.dtype, buffer=nl.psum, name="turn_psum")
+        nisa.nc_transpose(dst=turned, data=tile[0:nt, s0:s0 + ts])
+        nisa.tensor_copy(dst=rows[s][0:ts, columns], src=turned)
+
+
 def stage2_cols(xu, v, yT, t0, tb, block_n):
-    """yT[:, t0:t0+tb] = (X·U·V)ᵀ from the (XU)ᵀ strip, one [≤128 of N, tb] tile at a time."""
+    """yT[:, t0:t0+tb] = (X·U·V)ᵀ from the (XU)ᵀ strip, one [≤128 of N, tb] tile at a time.
+
+    A single token's column is turned into one row per N block and written as the contiguous run it is in yT.
+    """
     r, n = v.shape
     r_tiles = spans(r, nl.tile_size.pmax)
     for nb0, nbs in spans(n, block_n):
         v_blk = load_row_block(v, nb0, nbs)
+        row = [nl.ndarray((1, nbs), dtype=yT.dtype, buffer=nl.sbuf, name="yT_row")] if tb == 1 else None
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
-            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, j0, nt, tb)
+            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
             yT_tile = nl.ndarray((nt, tb), dtype=yT.dtype, buffer=nl.sbuf, name="yT_tile")
             for i, (c0, tc) in enumerate(chunks):
                 nisa.tensor_copy(dst=yT_tile[0:nt, c0:c0 + tc], src=accs[i])
             del accs  # free the PSUM banks before the next tile's accumulators start
-            nisa.dma_copy(dst=yT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=yT_tile)
+            if row is None:
+                nisa.dma_copy(dst=yT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=yT_tile)
+            else:
+                turn_into_rows(yT_tile, row, slice(j0, j0 + nt), nt, tb)
+        if row is not None:
+            nisa.dma_copy(dst=yT[nb0:nb0 + nbs, t0], src=row[0])
+        del v_blk  # single-buffered: free before the next block is loaded
 
 
 def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
-    """y[t0:t0+tb, :] through Yᵀ tiles (few tokens moving); tiles are turned back to rows on the PE.
-
-    A single token's Yᵀ tile [nt, 1] is already the contiguous row segment y[t0, n0:n0+nt].
-    """
+    """y[t0:t0+tb, :] through Yᵀ tiles (few tokens moving), turned back to rows on the PE."""
     r, n = v.shape
     pmax = nl.tile_size.pmax
     r_tiles = spans(r, pmax)
@@ -211,75 +294,67 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
         v_blk = load_row_block(v, nb0, nbs)
         y_rows = [nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows") for _, ts in token_tiles]
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
-            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, j0, nt, tb)
+            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
             yT_tile = nl.ndarray((nt, tb), dtype=y.dtype, buffer=nl.sbuf, name="yT_tile")
             for i, (c0, tc) in enumerate(chunks):
                 nisa.tensor_copy(dst=yT_tile[0:nt, c0:c0 + tc], src=accs[i])
             del accs  # free the PSUM banks before the next tile's accumulators start
-            if tb == 1:
-                nisa.dma_copy(dst=y[t0, nb0 + j0:nb0 + j0 + nt], src=yT_tile)
-                continue
-            for (s0, ts), rows in zip(token_tiles, y_rows):
-                turned = nl.ndarray((ts, nt), dtype=y.dtype, buffer=nl.psum, name="y_turn_psum")
-                nisa.nc_transpose(dst=turned, data=yT_tile[0:nt, s0:s0 + ts])
-                nisa.tensor_copy(dst=rows[0:ts, j0:j0 + nt], src=turned)
-        if tb > 1:
-            for (s0, ts), rows in zip(token_tiles, y_rows):
-                nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=rows)
+            turn_into_rows(yT_tile, y_rows, slice(j0, j0 + nt), nt, tb)
+        for (s0, ts), rows in zip(token_tiles, y_rows):
+            nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=rows)
+        del v_blk, y_rows  # single-buffered: free before the next block is loaded
 
 
-def svd_matmul_body(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, block_r, block_n):
+def svd_matmul_body(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, block_k, block_n):
     """Shared body of the svd_matmul kernels: validation, token blocking, the two stages."""
     check_2d(kernel, "xT" if x_transposed else "x", x, "[K, T]" if x_transposed else "[T, K]")
     k, t = (x.shape[0], x.shape[1]) if x_transposed else (x.shape[1], x.shape[0])
     _, n = check_factors(kernel, "xT.shape[0]" if x_transposed else "x.shape[1]", k, u, v)
     check_float_dtypes(kernel, **{"xT" if x_transposed else "x": x, "u": u, "v": v})
-    check_blocks(block_t, block_r, block_n)
+    check_blocks(block_t, block_k, block_n)
     out_shape = (n, t) if y_transposed else (t, n)
     out = nl.ndarray(out_shape, dtype=x.dtype, buffer=nl.shared_hbm, name="yT" if y_transposed else "y")
     for t0, tb in spans(t, block_t):
-        strip = load_x_strip(x, x_transposed, t0, tb)
-        xu = stage1(strip, u, tb, block_r)
-        del strip  # the Xᵀ strip is dead once (XU)ᵀ exists; free its SBUF for the V blocks
+        (xu,) = stage1(x, x_transposed, t0, tb, [u], block_k)
         if y_transposed:
             stage2_cols(xu, v, out, t0, tb, block_n)
         elif decode:
             stage2_cols_to_rows(xu, v, out, t0, tb, block_n)
         else:
             stage2_rows(xu, v, out, t0, tb, block_n)
-        del xu  # dead before the next token block's strip is loaded
+        del xu  # dead before the next token block's stage 1
     return out
 
 
 @nki.jit
-def svd_matmul_kernel(x, u, v, *, block_t=512, block_r=512, block_n=512):
+def svd_matmul_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     """y [T, N] = x [T, K] · u [K, r] · v [r, N], all in HBM, row-major; y has x's dtype.
 
-    block_t: tokens per block (the Xᵀ and (XU)ᵀ strips held in SBUF); block_r / block_n: columns of U / V per
-    DMA block. All multiples of 128. T ≤ block_t reads X, U, V once and writes Y once.
+    block_t: tokens per block (the (XU)ᵀ strip held in SBUF); block_k: rows of X and U per K block; block_n:
+    columns of V per DMA block. All multiples of 128. T ≤ block_t reads X, U, V once and writes Y once.
     """
-    return svd_matmul_body("svd_matmul_kernel", x, u, v, False, False, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_kernel", x, u, v, False, False, False, block_t, block_k, block_n)
 
 
 @nki.jit
-def svd_matmul_t_out_kernel(x, u, v, *, block_t=512, block_r=512, block_n=512):
+def svd_matmul_t_out_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     """yᵀ [N, T] = (x [T, K] · u [K, r] · v [r, N])ᵀ: the layout a following t_in kernel consumes."""
-    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, False, True, False, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, False, True, False, block_t, block_k, block_n)
 
 
 @nki.jit
-def svd_matmul_t_in_kernel(xT, u, v, *, block_t=512, block_r=512, block_n=512):
-    """y [T, N] = xT [K, T]ᵀ · u [K, r] · v [r, N]: Xᵀ given, so no on-chip transpose of X."""
-    return svd_matmul_body("svd_matmul_t_in_kernel", xT, u, v, True, False, False, block_t, block_r, block_n)
+def svd_matmul_t_in_kernel(xT, u, v, *, block_t=512, block_k=1024, block_n=2048):
+    """y [T, N] = xT [K, T]ᵀ · u [K, r] · v [r, N]: Xᵀ given, so no on-chip transpose of X (T > 1)."""
+    return svd_matmul_body("svd_matmul_t_in_kernel", xT, u, v, True, False, False, block_t, block_k, block_n)
 
 
 @nki.jit
-def svd_matmul_decode_kernel(x, u, v, *, block_t=512, block_r=512, block_n=512):
+def svd_matmul_decode_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     """y [T, N] = x [T, K] · u [K, r] · v [r, N] with the tokens as the moving operand in both stages.
 
     Meant for small T (decode): a stage-2 matmul then costs ~64 PE cycles per 128 output features instead of
-    ~128. Yᵀ tiles are turned back on the PE (T > 1) or written as the contiguous row they are (T = 1).
-    On the emulator's cost model it does not win (small T is HBM-bound, so the PE cycles saved are hidden
-    while its 4x more evictions and output DMAs are not); dispatch picks it only where the tuned table does.
+    ~128; Yᵀ tiles are turned back into rows on the PE. Small T is HBM-bound on the emulator's cost model, so
+    the PE cycles saved are hidden while the extra evictions are not; dispatch picks it only where the tuned
+    table does.
     """
-    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, False, False, True, block_t, block_r, block_n)
+    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, False, False, True, block_t, block_k, block_n)

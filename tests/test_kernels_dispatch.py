@@ -65,7 +65,7 @@ def test_shipped_table_covers_the_paper_shapes_and_every_entry_fits():
         for target in tuning.TARGETS:
             entry = table[tuning.table_key(kind, target, BF16, shape)]
             assert entry["variant"] in tuning.VARIANTS[kind]
-            blocks = {name: entry[name] for name in ("block_t", "block_r", "block_n")}
+            blocks = {name: entry[name] for name in tuning.BLOCK_NAMES}
             assert tuning.fits(kind, entry["variant"], shape, BF16.itemsize, blocks, target)
             assert entry["modeled_us"] > 0
 
@@ -73,7 +73,7 @@ def test_shipped_table_covers_the_paper_shapes_and_every_entry_fits():
 def test_lookup_uses_the_table_entry_of_the_nearest_tuned_token_count():
     entry = tuning.load_table()[tuning.table_key("svd_matmul", "trn1", BF16, (2048, 2048, 1280, 8192))]
     got = tuning.lookup("svd_matmul", 1800, 2048, 1280, 8192, BF16, "trn1")
-    assert got == {name: entry[name] for name in ("variant", "block_t", "block_r", "block_n")}
+    assert got == {name: entry[name] for name in ("variant",) + tuning.BLOCK_NAMES}
 
 
 def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
@@ -82,9 +82,9 @@ def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
     shape = (512, 14336, 256, 640)
     entry = tuning.lookup("svd_matmul", *shape, BF16, "trn1")
     assert entry["variant"] == "rows"
-    blocks = {name: entry[name] for name in ("block_t", "block_r", "block_n")}
+    blocks = {name: entry[name] for name in tuning.BLOCK_NAMES}
     assert tuning.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks) <= tuning.SBUF_BYTES["trn1"]
-    too_big = dict(blocks, block_r=2048)
+    too_big = dict(blocks, block_k=14336)
     assert not tuning.fits("svd_matmul", "rows", shape, BF16.itemsize, too_big, "trn1")
     t, k, r, n = shape
     with use_target("trn1"), count_only():

@@ -28,6 +28,7 @@ CASES = [
     (600, 100, 130, 1000, BF16),
     (600, 200, 1, 1000, np.float32),
     (130, 100, 1, 1000, BF16),
+    (7, 512, 130, 1000, np.float32),  # K of whole tiles: the permuted K layout in one block
 ]
 
 
@@ -64,7 +65,7 @@ def test_matches_float64_reference(rng, variant, t, k, r, n, dtype):
 def test_small_blocks_cover_every_tile_edge(rng, variant):
     # Several token, rank and N blocks, each ending ragged.
     x, u, v = make_operands(rng, 300, 200, 300, 700, np.float32)
-    y = run_variant(variant, x, u, v, block_t=128, block_r=256, block_n=512)
+    y = run_variant(variant, x, u, v, block_t=128, block_k=256, block_n=512)
     assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
 
 
@@ -128,7 +129,7 @@ def test_integer_inputs_raise_type_error(rng):
         svd_matmul_kernel(x.astype(np.int32), u.astype(np.int32), v.astype(np.int32))
 
 
-@pytest.mark.parametrize("blocks,name", [({"block_t": 100}, "block_t"), ({"block_r": 0}, "block_r"),
+@pytest.mark.parametrize("blocks,name", [({"block_t": 100}, "block_t"), ({"block_k": 0}, "block_k"),
                                          ({"block_n": 64}, "block_n")])
 def test_blocks_must_be_multiples_of_128(rng, blocks, name):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
@@ -136,8 +137,10 @@ def test_blocks_must_be_multiples_of_128(rng, blocks, name):
         svd_matmul_kernel(x, u, v, **blocks)
 
 
-def test_x_rows_staged_in_several_k_segments(rng):
-    # K beyond one staging segment (X_ROW_SEGMENT_TILES x 128 columns), ending ragged.
-    x, u, v = make_operands(rng, 130, 2200, 130, 300, np.float32)
-    y = svd_matmul_kernel(x, u, v)
+@pytest.mark.parametrize("variant", ["normal", "t_in"])
+@pytest.mark.parametrize("t,block_t", [(130, 512), (600, 1024)])
+def test_x_streams_in_several_k_segments(rng, variant, t, block_t):
+    # K beyond one staging segment, ending ragged; with block_t=1024 one token block of two moving chunks.
+    x, u, v = make_operands(rng, t, 2200, 300, 300, np.float32)
+    y = run_variant(variant, x, u, v, block_t=block_t, block_k=256)
     assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5

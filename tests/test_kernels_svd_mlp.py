@@ -62,9 +62,20 @@ def test_activations_differ(rng):
 
 def test_small_blocks_cover_every_tile_edge(rng):
     x, gu, gv, uu, uv, du, dv = make_mlp(rng, 300, 200, 700, 300, 130, 300, np.float32)
-    hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_t=128, block_r=256, block_n=256)
+    hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_t=128, block_k=256, block_n=256)
     assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
-    y = svd_mlp_down_kernel(hT, du, dv, block_t=128, block_r=256, block_n=512)
+    y = svd_mlp_down_kernel(hT, du, dv, block_t=128, block_k=256, block_n=512)
+    assert relative_error(y, reference.svd_mlp_down_ref(hT, du, dv)) <= 1e-5
+
+
+@pytest.mark.parametrize("t", [1, 7])
+def test_whole_blocks_of_features_and_hidden_rows(rng, t):
+    # Feature and K blocks of whole 128-row tiles: the permuted layouts (hᵀ written, and read back, one
+    # contiguous run per partition) rather than the ragged fallback.
+    x, gu, gv, uu, uv, du, dv = make_mlp(rng, t, 256, 512, 130, 130, 130, np.float32)
+    hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_k=256, block_n=256)
+    assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
+    y = svd_mlp_down_kernel(hT, du, dv, block_k=256)
     assert relative_error(y, reference.svd_mlp_down_ref(hT, du, dv)) <= 1e-5
 
 
