@@ -16,19 +16,28 @@ $(STAMP): setup.py
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(PY) examples/quickstart.py
+	$(PY) examples/demo.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# AWS_NEURON_SDK: a checkout of aws-neuron/aws-neuron-sdk, to run AWS's example kernels and check the cost model.
+AWS_NEURON_SDK ?=
 bench: $(STAMP)
-	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/primitive_overhead.py
+	$(PY) benchmarks/emulator_speed.py
+	$(PY) benchmarks/kernel_report.py
+	$(PY) benchmarks/decode_throughput.py
+	if [ -n "$(AWS_NEURON_SDK)" ]; then \
+	  $(PY) benchmarks/aws_examples.py --sdk_path=$(AWS_NEURON_SDK) && \
+	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
+	else echo "AWS_NEURON_SDK not set: skipping benchmarks/aws_examples.py and benchmarks/cost_model_check.py"; fi
 
 # Optional: the same tests through Bazel (2.1 from the npm registry; needs npm, runs offline after that).
 BAZEL := /tmp/jax_neuronmm_bazel/package/bazel-2.1.0-linux-x86_64
 $(BAZEL):
 	mkdir -p /tmp/jax_neuronmm_bazel
-	cd /tmp/jax_neuronmm_bazel && npm pack --silent @bazel/bazel-linux_x64@2.1.0 && tar xzf bazel-bazel-linux_x64-2.1.0.tgz
+	cd /tmp/jax_neuronmm_bazel && npm pack --silent @bazel/bazel-linux_x64@2.1.0 && tar xzf bazel-bazel-linux_x64-2.1.0.tgz && chmod +x $(BAZEL)
 
 BAZEL_TARGETS ?= //...
 bazel-test: $(STAMP) $(BAZEL)
