@@ -79,6 +79,15 @@ def check_blocks(block_t, block_k, block_n):
     check_block("block_n", block_n, pmax)
 
 
+def evict(dst, src, i):
+    """PSUM → SBUF copy with cast: even i on VectorE, odd i on ScalarE (an activation copy), so evictions of
+    consecutive tiles run side by side instead of queueing on one engine."""
+    if i % 2:
+        nisa.activation(dst=dst, op=nl.copy, data=src)
+    else:
+        nisa.tensor_copy(dst=dst, src=src)
+
+
 def load_row_block(w, c0, cs):
     """Columns [c0, c0+cs) of w [R, C] in SBUF as blk[0:rt, ri, 0:cs] = w[R tile ri, c0:c0+cs]."""
     pmax = nl.tile_size.pmax
@@ -158,7 +167,7 @@ def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
             turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
             for s0, ts, rows in row_tiles:
                 nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, columns])
-            nisa.tensor_copy(dst=strip[0:kt, i, c0:c0 + tc], src=turned)
+            evict(strip[0:kt, i, c0:c0 + tc], turned, i)
     return strip, u_rows
 
 
@@ -206,7 +215,7 @@ def stage1(x, x_transposed, t0, tb, factors, block_k):
                     for c, (c0, tc) in enumerate(chunks):
                         out = (xu if last else total)[0:rt, rj, c0:c0 + tc]
                         if first:
-                            nisa.tensor_copy(dst=out, src=accs[m][c])
+                            evict(out, accs[m][c], m * len(chunks) + c)
                         else:
                             nisa.tensor_tensor(dst=out, data1=total[0:rt, rj, c0:c0 + tc], data2=accs[m][c],
                                                op=nl.add)
@@ -230,7 +239,7 @@ def stage2_rows(xu, v, y, t0, tb, block_n):
                                    moving=v_blk[0:rt, rj, c0:c0 + nc], accumulate=rj > 0)
             y_rows = nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows")
             for c, (c0, nc) in enumerate(n_chunks):
-                nisa.tensor_copy(dst=y_rows[0:ts, c0:c0 + nc], src=accs[c])
+                evict(y_rows[0:ts, c0:c0 + nc], accs[c], c)
             del accs
             nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=y_rows)
         del v_blk  # single-buffered: free before the next block is loaded
@@ -256,7 +265,7 @@ def turn_into_rows(tile, rows, columns, nt, tb):
     for s, (s0, ts) in enumerate(spans(tb, nl.tile_size.pmax)):
         turned = nl.ndarray((ts, nt), dtype=tile.dtype, buffer=nl.psum, name="turn_psum")
         nisa.nc_transpose(dst=turned, data=tile[0:nt, s0:s0 + ts])
-        nisa.tensor_copy(dst=rows[s][0:ts, columns], src=turned)
+        evict(rows[s][0:ts, columns], turned, s)
 
 
 def stage2_cols(xu, v, yT, t0, tb, block_n):
@@ -273,7 +282,7 @@ def stage2_cols(xu, v, yT, t0, tb, block_n):
             chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
             yT_tile = nl.ndarray((nt, tb), dtype=yT.dtype, buffer=nl.sbuf, name="yT_tile")
             for i, (c0, tc) in enumerate(chunks):
-                nisa.tensor_copy(dst=yT_tile[0:nt, c0:c0 + tc], src=accs[i])
+                evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
             del accs  # free the PSUM banks before the next tile's accumulators start
             if row is None:
                 nisa.dma_copy(dst=yT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=yT_tile)
@@ -297,7 +306,7 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
             chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
             yT_tile = nl.ndarray((nt, tb), dtype=y.dtype, buffer=nl.sbuf, name="yT_tile")
             for i, (c0, tc) in enumerate(chunks):
-                nisa.tensor_copy(dst=yT_tile[0:nt, c0:c0 + tc], src=accs[i])
+                evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
             del accs  # free the PSUM banks before the next tile's accumulators start
             turn_into_rows(yT_tile, y_rows, slice(j0, j0 + nt), nt, tb)
         for (s0, ts), rows in zip(token_tiles, y_rows):

@@ -37,7 +37,7 @@ PSUM_BANKS = 8
 # smaller ones are a fallback for shapes where nothing else fits.
 BLOCK_T = (512, 1024, 2048)
 BLOCK_T_FALLBACK = (256, 128)
-BLOCK_K = (512, 1024, 2048)
+BLOCK_K = (256, 512, 1024, 2048)
 BLOCK_N = (1024, 2048, 4096)
 DECODE_MAX_TOKENS = 128  # the decode variant is tried only for T up to this
 # Tokens the table is tuned at; lookup maps any T to the nearest of these (in log scale).
