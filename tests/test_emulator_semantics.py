@@ -11,6 +11,8 @@ from nki_kernels import binding, emulator
 from nki_kernels.binding import nki, nisa, nl
 from nki_kernels.emulator import trace
 
+from kernels_for_tests import blocked_matmul
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
@@ -20,31 +22,6 @@ def _rng(seed):
 
 def _f64(x):
     return np.asarray(x, dtype=np.float64)
-
-
-@nki.jit
-def blocked_matmul(lhs_t, rhs):
-    """out[M, N] = lhs_t[K, M].T @ rhs[K, N]; ragged edges by min(...) slicing, output in lhs_t's dtype."""
-    k_total, m_total = lhs_t.shape
-    _, n_total = rhs.shape
-    tk, tm, tn = nl.tile_size.pmax, nl.tile_size.gemm_stationary_fmax, nl.tile_size.gemm_moving_fmax
-    out = nl.ndarray((m_total, n_total), lhs_t.dtype, buffer=nl.shared_hbm)
-    for m in range(0, m_total, tm):
-        mt = min(tm, m_total - m)
-        for n in range(0, n_total, tn):
-            nt = min(tn, n_total - n)
-            acc = nl.ndarray((mt, nt), nl.float32, buffer=nl.psum)
-            for k in range(0, k_total, tk):
-                kt = min(tk, k_total - k)
-                a = nl.ndarray((kt, mt), lhs_t.dtype, buffer=nl.sbuf)
-                b = nl.ndarray((kt, nt), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(a, lhs_t[k:k + kt, m:m + mt])
-                nisa.dma_copy(b, rhs[k:k + kt, n:n + nt])
-                nisa.nc_matmul(acc, a, b)
-            result = nl.ndarray((mt, nt), out.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(result, acc)
-            nisa.dma_copy(out[m:m + mt, n:n + nt], result)
-    return out
 
 
 @pytest.mark.parametrize("k,m,n", [(200, 130, 1000), (100, 7, 1), (128, 128, 512)])
@@ -302,7 +279,7 @@ def test_trace_records_and_listener():
     assert {(r.matmul.contraction, r.matmul.stationary_free, r.matmul.moving_free) for r in matmuls} == {
         (128, 128, 512), (72, 128, 512), (128, 2, 512), (72, 2, 512), (128, 128, 88), (72, 128, 88),
         (128, 2, 88), (72, 2, 88)}
-    assert all(r.line.startswith("test_emulator_semantics.py:") for r in run.records)
+    assert all(r.line.startswith("kernels_for_tests.py:") for r in run.records)
     load = run.records[0]
     assert load.engine == "dma" and load.dma.src_buffer == "hbm" and load.dma.dst_buffer == "sbuf"
     assert load.dma.nbytes == 128 * 128 * 4 and load.dma.contiguous_bytes == 128 * 4

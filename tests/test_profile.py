@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 
 from nki_kernels import emulator
-from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import cost_model, trace
+
+from kernels_for_tests import blocked_matmul
 
 A = trace.Access
 
@@ -102,31 +103,6 @@ def test_run_without_matmuls_or_dmas_reports_zero_fill():
     assert r.latency_us["trn1"] == pytest.approx((cost_model.IOTA_FIXED_CYCLES + 64) / 1.4 / 1e3)
 
 
-@nki.jit
-def _tiled_matmul(lhs_t, rhs):
-    """out[M, N] = lhs_t[K, M].T @ rhs[K, N] in tiles of nl.tile_size; ragged edges by min()."""
-    k_total, m_total = lhs_t.shape
-    _, n_total = rhs.shape
-    tk, tm, tn = nl.tile_size.pmax, nl.tile_size.gemm_stationary_fmax, nl.tile_size.gemm_moving_fmax
-    out = nl.ndarray((m_total, n_total), nl.float32, buffer=nl.shared_hbm)
-    for m in range(0, m_total, tm):
-        mt = min(tm, m_total - m)
-        for n in range(0, n_total, tn):
-            nt = min(tn, n_total - n)
-            acc = nl.ndarray((mt, nt), nl.float32, buffer=nl.psum)
-            for k in range(0, k_total, tk):
-                kt = min(tk, k_total - k)
-                a = nl.ndarray((kt, mt), lhs_t.dtype, buffer=nl.sbuf)
-                b = nl.ndarray((kt, nt), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(a, lhs_t[k:k + kt, m:m + mt])
-                nisa.dma_copy(b, rhs[k:k + kt, n:n + nt])
-                nisa.nc_matmul(acc, a, b)
-            result = nl.ndarray((mt, nt), nl.float32, buffer=nl.sbuf)
-            nisa.tensor_copy(result, acc)
-            nisa.dma_copy(out[m:m + mt, n:n + nt], result)
-    return out
-
-
 @pytest.mark.parametrize("target", ["trn1", "trn2"])
 def test_profile_of_an_emulated_matmul(target):
     k, m, n = 200, 130, 600  # ragged in every dimension: tiles of 128 x 128 x 512
@@ -134,12 +110,12 @@ def test_profile_of_an_emulated_matmul(target):
     lhs_t = rng.standard_normal((k, m)).astype(np.float32)
     rhs = rng.standard_normal((k, n)).astype(np.float32)
     with emulator.use_target(target), emulator.profile() as prof:
-        out = _tiled_matmul(lhs_t, rhs)
+        out = blocked_matmul(lhs_t, rhs)
     np.testing.assert_allclose(out, lhs_t.astype(np.float64).T @ rhs.astype(np.float64), rtol=1e-4, atol=1e-3)
 
     assert len(prof.runs) == 1
     r = prof.runs[0]
-    assert r.target == target and "_tiled_matmul" in r.name
+    assert r.target == target and "blocked_matmul" in r.name
     m_sizes, n_sizes, k_tiles = [128, 2], [512, 88], [128, 72]
     # Every (m, n) tile reloads its lhs and rhs strips per k tile, then stores once.
     tiles = [(mt, nt, kt) for mt in m_sizes for nt in n_sizes for kt in k_tiles]
