@@ -2,9 +2,13 @@
 
     python benchmarks/emulator_speed.py --k=2048 --m=1280 --n=1024 --repeats=3
 
-Runs a blocked bf16 matmul kernel (out[M, N] = lhs_t[K, M].T @ rhs[K, N], 128x128x512 tiles, lhs_t
-tiles hoisted per m-block) and prints instructions, seconds and instructions/second per mode, plus the
-ratio of the two measured side by side in one run.
+Two workloads, each timed in both modes side by side in one run (best of --repeats):
+- matmul: the AWS-style baseline kernel (`baseline_matmul_kernel`, tutorial blocks) on bf16
+  out[M, N] = lhs_t[K, M].T @ rhs[K, N];
+- mlp: the issue's reference workload, one Llama-3.2-1B-sized low-rank MLP layer (hidden 2048, intermediate
+  8192, rank 1280, 128 tokens, bf16) through the fused `svd_mlp_gate_up_kernel` + `svd_mlp_down_kernel` with
+  the block sizes `dispatch.svd_mlp_plan` picks.
+Prints instructions, seconds and instructions/second per workload and mode, and the count-only speed-up.
 """
 
 from __future__ import annotations
@@ -16,43 +20,20 @@ import numpy as np
 from absl import app, flags
 
 from nki_kernels import emulator
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.baseline_matmul import TUTORIAL_BLOCKS, baseline_matmul_kernel
+from nki_kernels.dispatch import svd_mlp_plan
 from nki_kernels.emulator import trace
+from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("k", 2048, "contraction size")
-flags.DEFINE_integer("m", 1280, "rows of the output (stationary side)")
-flags.DEFINE_integer("n", 1024, "columns of the output (moving side)")
-flags.DEFINE_integer("repeats", 3, "timed runs per mode (best is reported)")
+flags.DEFINE_integer("k", 2048, "contraction size of the matmul workload")
+flags.DEFINE_integer("m", 1280, "rows of the matmul output (stationary side)")
+flags.DEFINE_integer("n", 1024, "columns of the matmul output (moving side)")
+flags.DEFINE_integer("repeats", 3, "timed runs per workload and mode (best is reported)")
+flags.DEFINE_string("target", "trn1", "emulated target (trn1 or trn2): block sizes and hardware rules")
 
-
-@nki.jit
-def blocked_matmul(lhs_t, rhs):
-    """out[M, N] = lhs_t[K, M].T @ rhs[K, N] in lhs_t's dtype, fp32 PSUM accumulation."""
-    k_total, m_total = lhs_t.shape
-    _, n_total = rhs.shape
-    tk, tm, tn = nl.tile_size.pmax, nl.tile_size.gemm_stationary_fmax, nl.tile_size.gemm_moving_fmax
-    out = nl.ndarray((m_total, n_total), lhs_t.dtype, buffer=nl.shared_hbm)
-    for m in range(0, m_total, tm):
-        mt = min(tm, m_total - m)
-        lhs_tiles = []
-        for k in range(0, k_total, tk):
-            kt = min(tk, k_total - k)
-            tile = nl.ndarray((kt, mt), lhs_t.dtype, buffer=nl.sbuf)
-            nisa.dma_copy(tile, lhs_t[k:k + kt, m:m + mt])
-            lhs_tiles.append(tile)
-        for n in range(0, n_total, tn):
-            nt = min(tn, n_total - n)
-            acc = nl.ndarray((mt, nt), nl.float32, buffer=nl.psum)
-            for i, k in enumerate(range(0, k_total, tk)):
-                kt = min(tk, k_total - k)
-                moving = nl.ndarray((kt, nt), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(moving, rhs[k:k + kt, n:n + nt])
-                nisa.nc_matmul(acc, lhs_tiles[i], moving)
-            result = nl.ndarray((mt, nt), out.dtype, buffer=nl.sbuf)
-            nisa.tensor_copy(result, acc)
-            nisa.dma_copy(out[m:m + mt, n:n + nt], result)
-    return out
+# The issue's reference layer: Llama-3.2-1B's MLP with every factor at rank 1280.
+MLP_TOKENS, MLP_HIDDEN, MLP_INTERMEDIATE, MLP_RANK = 128, 2048, 8192, 1280
 
 
 def _timed(fn, repeats):
@@ -64,30 +45,65 @@ def _timed(fn, repeats):
     return best
 
 
-def main(argv):
-    del argv
-    rng = np.random.default_rng(0)
-    lhs_t = rng.standard_normal((FLAGS.k, FLAGS.m)).astype(ml_dtypes.bfloat16)
-    rhs = rng.standard_normal((FLAGS.k, FLAGS.n)).astype(ml_dtypes.bfloat16)
+def _instructions(fn):
+    """Instructions the kernel launches in fn() execute, summed over launches."""
     runs = []
     trace.add_listener(runs.append)
     try:
-        blocked_matmul(lhs_t, rhs)
+        fn()
     finally:
         trace.remove_listener(runs.append)
-    instructions = len(runs[0].records)
+    return sum(len(run.records) for run in runs)
+
+
+def _matmul_workload(rng):
+    lhs_t = rng.standard_normal((FLAGS.k, FLAGS.m)).astype(ml_dtypes.bfloat16)
+    rhs = rng.standard_normal((FLAGS.k, FLAGS.n)).astype(ml_dtypes.bfloat16)
+    label = f"baseline bf16 matmul K={FLAGS.k} M={FLAGS.m} N={FLAGS.n}"
+    return label, lambda: baseline_matmul_kernel(lhs_t, rhs, **TUTORIAL_BLOCKS)
+
+
+def _mlp_workload(rng):
+    t, h, i, r = MLP_TOKENS, MLP_HIDDEN, MLP_INTERMEDIATE, MLP_RANK
+
+    def factor(rows, cols):  # scaled so activations stay O(1) through the chain
+        return (rng.standard_normal((rows, cols)) / np.sqrt(rows)).astype(ml_dtypes.bfloat16)
+
+    x = rng.standard_normal((t, h)).astype(ml_dtypes.bfloat16)
+    gate_u, gate_v, up_u, up_v = factor(h, r), factor(r, i), factor(h, r), factor(r, i)
+    down_u, down_v = factor(i, r), factor(r, h)
+    (_, gate_up_kwargs), (_, down_kwargs) = svd_mlp_plan(t, h, i, r, r, r, ml_dtypes.bfloat16, FLAGS.target)
+
+    def layer():
+        hT = svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, **gate_up_kwargs)
+        return svd_mlp_down_kernel(hT, down_u, down_v, **down_kwargs)
+
+    label = (f"low-rank MLP T={t} H={h} I={i} r={r} bf16 (gate_up {gate_up_kwargs}, down {down_kwargs})")
+    return label, layer
+
+
+def _report(label, fn):
+    instructions = _instructions(fn)
 
     def count_only():
         with emulator.count_only():
-            blocked_matmul(lhs_t, rhs)
+            fn()
 
-    numerics_s = _timed(lambda: blocked_matmul(lhs_t, rhs), FLAGS.repeats)
+    numerics_s = _timed(fn, FLAGS.repeats)
     count_s = _timed(count_only, FLAGS.repeats)
-    print(f"blocked bf16 matmul K={FLAGS.k} M={FLAGS.m} N={FLAGS.n}: {instructions} instructions")
+    print(f"{label}: {instructions} instructions")
     print(f"{'mode':<12}{'seconds':>10}{'instr/s':>12}")
     print(f"{'numerics':<12}{numerics_s:>10.3f}{instructions / numerics_s:>12.0f}")
     print(f"{'count-only':<12}{count_s:>10.3f}{instructions / count_s:>12.0f}")
-    print(f"count-only is {numerics_s / count_s:.1f}x faster than numerics")
+    print(f"count-only is {numerics_s / count_s:.1f}x faster than numerics\n")
+
+
+def main(argv):
+    del argv
+    rng = np.random.default_rng(0)
+    with emulator.use_target(FLAGS.target):
+        for workload in (_matmul_workload, _mlp_workload):
+            _report(*workload(rng))
 
 
 if __name__ == "__main__":
