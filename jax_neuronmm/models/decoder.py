@@ -1,7 +1,8 @@
-"""The decoder-only language model skeleton both families share, and its static-shape KV cache.
+"""The decoder-only language model skeleton both families share, its decoder block and static-shape KV cache.
 
-A family subclasses `CausalLM` and provides `embed`, `layers` (each `layer(x, positions, mask, kv, write_index)`),
-`norm` and `unembed`. `CausalLM.__call__` handles positions, padding masks, sliding windows and the cache.
+A family subclasses `CausalLM`, passing its config and a factory for its `DecoderLayer`s, and overrides `embed` /
+`unembed` where it differs (Gemma scales embeddings and soft-caps logits). `CausalLM.__call__` handles positions,
+padding masks, sliding windows and the cache.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.layers import attention_mask
+from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
 
 
 @jax.tree_util.register_dataclass
@@ -36,18 +37,94 @@ class KVCache:
         return self.slot_valid.shape[1]
 
 
+class DecoderLayer(nnx.Module):
+    """One pre-norm decoder block; `layer(x [B, T, hidden], positions, mask, kv, write_index) -> (x, kv)`:
+
+        x = x + attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+
+    With `sandwich` (Gemma 3) the attention and MLP outputs are normed as well:
+
+        x = x + post_attention_layernorm(attn(input_layernorm(x)))
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        intermediate: int,
+        spec: AttentionSpec,
+        *,
+        norm_eps: float,
+        norm_unit_offset: bool,
+        attention_bias: bool,
+        qk_norm_eps: float | None,
+        activation: str,
+        mlp_bias: bool,
+        sandwich: bool,
+        dtype,
+        rngs: nnx.Rngs,
+    ):
+        norm = dict(eps=norm_eps, unit_offset=norm_unit_offset, param_dtype=dtype)
+        self.input_layernorm = RMSNorm(hidden, **norm)
+        self.self_attn = Attention(
+            hidden, spec, use_bias=attention_bias, qk_norm_eps=qk_norm_eps, dtype=dtype, rngs=rngs
+        )
+        self.post_attention_layernorm = RMSNorm(hidden, **norm)
+        if sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(hidden, **norm)
+            self.post_feedforward_layernorm = RMSNorm(hidden, **norm)
+        self.mlp = GatedMLP(hidden, intermediate, activation=activation, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
+        self.sandwich = sandwich
+
+    def __call__(self, x, positions, mask, kv, write_index):
+        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(attn_out)
+            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        else:
+            # Here post_attention_layernorm is the pre-MLP norm (Llama's and Gemma 1's name for it).
+            x = x + attn_out
+            x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, kv
+
+
 class CausalLM(nnx.Module):
-    """Base for decoder-only LMs. Subclasses set self.config, self.compute_dtype, self.layers, self.norm and define
-    embed/unembed."""
+    """Base for decoder-only LMs: token embeddings, `config.num_layers` decoder layers, a final RMSNorm, and an
+    LM head (None when `config.tie_word_embeddings`: logits then come from the embedding matrix).
+
+    make_layer(index, rngs) builds layer `index`. The parts are created in that order (embeddings, layers, norm,
+    head), which fixes how `rngs` (default `nnx.Rngs(0)`) is consumed.
+    """
 
     tokenizer = None  # a `tokenizers.Tokenizer` when loaded from a checkpoint that ships tokenizer.json
     eos_token_ids: tuple[int, ...] = ()  # from the checkpoint config, when loaded from one
 
+    def __init__(self, config, make_layer, *, norm_unit_offset: bool, dtype, rngs: nnx.Rngs | None):
+        rngs = rngs if rngs is not None else nnx.Rngs(0)
+        self.config = config
+        self.compute_dtype = jnp.dtype(dtype)
+        self.embed_tokens = nnx.Embed(
+            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        )
+        self.layers = nnx.List([make_layer(i, rngs) for i in range(config.num_layers)])
+        self.norm = RMSNorm(
+            config.hidden_size, eps=config.rms_norm_eps, unit_offset=norm_unit_offset, param_dtype=dtype
+        )
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
+
     def embed(self, token_ids: jax.Array) -> jax.Array:
-        raise NotImplementedError
+        """Hidden states [B, T, hidden] of token_ids [B, T]."""
+        return self.embed_tokens(token_ids)
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        raise NotImplementedError
+        """Logits [B, T, vocab] of final-normed hidden states [B, T, hidden]."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden)
+        return self.lm_head(hidden)
 
     def attention_specs(self):
         """One `AttentionSpec` per layer."""

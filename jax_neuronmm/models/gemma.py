@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, RopeConfig, linear
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer
+from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 VARIANTS = ("gemma", "gemma3_text")
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -158,7 +158,7 @@ def _gemma3_fields(hf: Mapping[str, Any]) -> dict:
     )
 
 
-class GemmaDecoderLayer(nnx.Module):
+class GemmaDecoderLayer(DecoderLayer):
     def __init__(self, config: GemmaConfig, index: int, *, dtype, rngs: nnx.Rngs):
         sliding = config.layer_type(index) == "sliding_attention"
         scalar = config.query_pre_attn_scalar if config.query_pre_attn_scalar is not None else config.head_dim
@@ -171,61 +171,30 @@ class GemmaDecoderLayer(nnx.Module):
             sliding_window=config.sliding_window if sliding else None,
             logit_softcap=config.attn_logit_softcapping,
         )
-        norm = dict(eps=config.rms_norm_eps, unit_offset=True, param_dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = Attention(
-            config.hidden_size, spec, use_bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None, dtype=dtype, rngs=rngs,
+        super().__init__(
+            config.hidden_size, config.intermediate_size, spec, norm_eps=config.rms_norm_eps,
+            norm_unit_offset=True, attention_bias=config.attention_bias,
+            qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None, activation=config.hidden_act,
+            mlp_bias=False, sandwich=config.is_gemma3, dtype=dtype, rngs=rngs,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        if config.is_gemma3:
-            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
-            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, activation=config.hidden_act, use_bias=False,
-            dtype=dtype, rngs=rngs,
-        )
-        self.sandwich = config.is_gemma3
-
-    def __call__(self, x, positions, mask, kv, write_index):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(attn_out)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        else:
-            # Gemma 1 names its pre-MLP norm post_attention_layernorm (as Llama does).
-            x = x + attn_out
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
 
 
 class Gemma(CausalLM):
     """Gemma 1 / Gemma 3 text causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]`."""
 
     def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.config = config
-        self.compute_dtype = jnp.dtype(dtype)
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        super().__init__(
+            config, lambda index, rngs: GemmaDecoderLayer(config, index, dtype=dtype, rngs=rngs),
+            norm_unit_offset=True, dtype=dtype, rngs=rngs,
         )
-        self.layers = nnx.List(
-            [GemmaDecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)]
-        )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=True, param_dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         # sqrt(hidden) is rounded to the parameter dtype first, as the reference implementation does.
         scale = jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
-        return self.embed_tokens(token_ids) * scale
+        return super().embed(token_ids) * scale
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        logits = self.embed_tokens.attend(hidden) if self.lm_head is None else self.lm_head(hidden)
+        logits = super().unembed(hidden)
         cap = self.config.final_logit_softcapping
         if cap is not None:
             logits = jnp.tanh(logits / cap) * cap

@@ -5,12 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, RopeConfig, linear
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer
+from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +75,7 @@ class LlamaConfig:
         return cls(**{**presets[name], **overrides})
 
 
-class LlamaDecoderLayer(nnx.Module):
+class LlamaDecoderLayer(DecoderLayer):
     def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
         spec = AttentionSpec(
             num_heads=config.num_heads,
@@ -85,46 +84,18 @@ class LlamaDecoderLayer(nnx.Module):
             scaling=config.head_dim**-0.5,
             rope=config.rope,
         )
-        norm = dict(eps=config.rms_norm_eps, unit_offset=False, param_dtype=dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.self_attn = Attention(
-            config.hidden_size, spec, use_bias=config.attention_bias, qk_norm_eps=None, dtype=dtype, rngs=rngs
+        super().__init__(
+            config.hidden_size, config.intermediate_size, spec, norm_eps=config.rms_norm_eps,
+            norm_unit_offset=False, attention_bias=config.attention_bias, qk_norm_eps=None,
+            activation=config.hidden_act, mlp_bias=config.mlp_bias, sandwich=False, dtype=dtype, rngs=rngs,
         )
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, **norm)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, activation=config.hidden_act, use_bias=config.mlp_bias,
-            dtype=dtype, rngs=rngs,
-        )
-
-    def __call__(self, x, positions, mask, kv, write_index):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
-        x = x + attn_out
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
 
 
 class Llama(CausalLM):
     """Llama causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]` (see CausalLM.__call__ for the cache)."""
 
     def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
-        rngs = rngs if rngs is not None else nnx.Rngs(0)
-        self.config = config
-        self.compute_dtype = jnp.dtype(dtype)
-        self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+        super().__init__(
+            config, lambda index, rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs),
+            norm_unit_offset=False, dtype=dtype, rngs=rngs,
         )
-        self.layers = nnx.List([LlamaDecoderLayer(config, dtype=dtype, rngs=rngs) for _ in range(config.num_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, unit_offset=False, param_dtype=dtype)
-        if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype, rngs=rngs)
-
-    def embed(self, token_ids: jax.Array) -> jax.Array:
-        return self.embed_tokens(token_ids)
-
-    def unembed(self, hidden: jax.Array) -> jax.Array:
-        if self.lm_head is None:
-            return self.embed_tokens.attend(hidden)
-        return self.lm_head(hidden)
