@@ -113,6 +113,18 @@ def _same_layout(opcode, line, dst, src, src_name):
                             f"count and elements per partition")
 
 
+def _elementwise_operands(opcode, line, dst, **inputs):
+    """Checks an element-wise instruction's dst and inputs (name=tensor, in argument order): all on chip, each
+    input laid out like dst, and two inputs not both in PSUM."""
+    _on_chip(opcode, line, "dst", dst)
+    for name, t in inputs.items():
+        _on_chip(opcode, line, name, t)
+    for name, t in inputs.items():
+        _same_layout(opcode, line, dst, t, name)
+    if len(inputs) == 2 and all(t.storage.kind == "psum" for t in inputs.values()):
+        _fail(opcode, line, f"{' and '.join(inputs)} cannot both be in PSUM")
+
+
 def _f32_2d(t):
     a = t.array()
     return a.reshape(a.shape[0], -1).astype(np.float32)
@@ -308,9 +320,7 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     opcode = "tensor_copy"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst)
-    _on_chip(opcode, line, "src", src)
-    _same_layout(opcode, line, dst, src, "src")
+    _elementwise_operands(opcode, line, dst, src=src)
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "scalar", "gpsimd"))
     if engine_name == "scalar" and ctx.target == "trn1":
         _fail(opcode, line, "NeuronCore-v2 (trn1) Scalar Engine has no tensor_copy; use nisa.activation with "
@@ -561,13 +571,7 @@ def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
     opcode = "tensor_tensor"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst)
-    _on_chip(opcode, line, "data1", data1)
-    _on_chip(opcode, line, "data2", data2)
-    _same_layout(opcode, line, dst, data1, "data1")
-    _same_layout(opcode, line, dst, data2, "data2")
-    if data1.storage.kind == "psum" and data2.storage.kind == "psum":
-        _fail(opcode, line, "data1 and data2 cannot both be in PSUM")
+    _elementwise_operands(opcode, line, dst, data1=data1, data2=data2)
     name_ = ops.op_name(op)
     fn = ops.binary(op)
     bitvec = name_ in ops.BITVEC
@@ -629,9 +633,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
     opcode = "tensor_scalar"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst)
-    _on_chip(opcode, line, "data", data)
-    _same_layout(opcode, line, dst, data, "data")
+    _elementwise_operands(opcode, line, dst, data=data)
     partitions = data.shape[0]
     if op1 is None and operand1 is not None:
         _fail(opcode, line, "operand1 given without op1 (both must be None when unused)")
@@ -725,9 +727,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     opcode = "activation"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst)
-    _on_chip(opcode, line, "data", data)
-    _same_layout(opcode, line, dst, data, "data")
+    _elementwise_operands(opcode, line, dst, data=data)
     partitions = data.shape[0]
     fn = ops.unary(op)
     _operand(opcode, line, "scale", scale, partitions, require_f32=True)
@@ -767,13 +767,7 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     opcode = "tensor_tensor_scan"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst)
-    _on_chip(opcode, line, "data0", data0)
-    _on_chip(opcode, line, "data1", data1)
-    _same_layout(opcode, line, dst, data0, "data0")
-    _same_layout(opcode, line, dst, data1, "data1")
-    if data0.storage.kind == "psum" and data1.storage.kind == "psum":
-        _fail(opcode, line, "data0 and data1 cannot both be in PSUM")
+    _elementwise_operands(opcode, line, dst, data0=data0, data1=data1)
     _operand(opcode, line, "initial", initial, data0.shape[0])
     first, second = ops.binary(op0, "op0"), ops.binary(op1, "op1")
     if ctx.numerics:
