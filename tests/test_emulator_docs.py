@@ -10,21 +10,10 @@ import pytest
 
 from nki_kernels import emulator
 from nki_kernels.binding import nki, nisa, nl
-from nki_kernels.emulator import NkiHardwareError
 
-HERE = "test_emulator_docs.py:"
+from emulator_helpers import hardware_error_check, rand
 
-
-def _rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def _raises(match_instruction, kernel, *args, **kwargs):
-    with pytest.raises(NkiHardwareError) as info:
-        kernel(*args, **kwargs)
-    message = str(info.value)
-    assert match_instruction in message and HERE in message, message
-    return message
+_raises = hardware_error_check(__file__)
 
 
 def _f64(x):
@@ -46,19 +35,19 @@ def _tiled_matmul(lhs_t, rhs, tile_position, tile_size):
 
 
 def test_matmul_tiling_mode():
-    lhs_t, rhs = _rand((40, 24)), _rand((40, 70), seed=1)
+    lhs_t, rhs = rand((40, 24)), rand((40, 70), seed=1)
     expected = _f64(lhs_t).T @ _f64(rhs)
     np.testing.assert_allclose(_tiled_matmul(lhs_t, rhs, (64, 0), (64, 128)), expected, rtol=1e-5, atol=1e-4)
     assert "both must be set" in _raises("nc_matmul", _tiled_matmul, lhs_t, rhs, (), (64, 128))
     assert "multiple" in _raises("nc_matmul", _tiled_matmul, lhs_t, rhs, (32, 0), (64, 128))
     # quarter tiles exist from NeuronCore-v3 on
-    np.testing.assert_allclose(_tiled_matmul(_rand((30, 20)), _rand((30, 9), seed=2), (32, 96), (32, 32)),
-                               _f64(_rand((30, 20))).T @ _f64(_rand((30, 9), seed=2)), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(_tiled_matmul(rand((30, 20)), rand((30, 9), seed=2), (32, 96), (32, 32)),
+                               _f64(rand((30, 20))).T @ _f64(rand((30, 9), seed=2)), rtol=1e-5, atol=1e-4)
     with emulator.use_target("trn1"):
-        assert "unsupported on trn1" in _raises("nc_matmul", _tiled_matmul, _rand((30, 20)),
-                                                _rand((30, 9), seed=2), (32, 0), (32, 128))
+        assert "unsupported on trn1" in _raises("nc_matmul", _tiled_matmul, rand((30, 20)),
+                                                rand((30, 9), seed=2), (32, 0), (32, 128))
     # the stationary must fit the chosen tile
-    assert "exceeds 64" in _raises("nc_matmul", _tiled_matmul, _rand((100, 8)), _rand((100, 9)), (0, 0),
+    assert "exceeds 64" in _raises("nc_matmul", _tiled_matmul, rand((100, 8)), rand((100, 9)), (0, 0),
                                    (64, 128))
 
 
@@ -79,7 +68,7 @@ def _double_row_matmul(lhs_t, rhs, dtype):
 
 
 def test_matmul_double_row_perf_mode():
-    lhs_t, rhs = _rand((50, 2, 7)), _rand((50, 2, 33), seed=1)
+    lhs_t, rhs = rand((50, 2, 7)), rand((50, 2, 33), seed=1)
     fp8 = ml_dtypes.float8_e4m3
     ref = np.einsum("kjm,kjn->mn", _f64(lhs_t.astype(fp8)), _f64(rhs.astype(fp8)))
     np.testing.assert_allclose(_double_row_matmul(lhs_t, rhs, nl.float8_e4m3), ref, rtol=1e-5, atol=1e-4)
@@ -110,7 +99,7 @@ def _transpose_through_pe(x, use_matmul):
 
 @pytest.mark.parametrize("use_matmul", [True, False])
 def test_pe_transpose_nan_handling_per_target(use_matmul):
-    x = _rand((12, 5))
+    x = rand((12, 5))
     x[3, 1] = np.nan
     expected = _f64(x.astype(ml_dtypes.bfloat16)).T
     got = _transpose_through_pe(x, use_matmul)  # trn2: bit-accurate, the NaN is moved like any value
@@ -134,7 +123,7 @@ def _copy_on(x, engine):
 
 
 def test_tensor_copy_scalar_engine_not_on_trn1():
-    x = _rand((9, 13))
+    x = rand((9, 13))
     np.testing.assert_array_equal(_copy_on(x, nisa.engine.scalar), x.astype(ml_dtypes.bfloat16))
     with emulator.use_target("trn1"):
         assert "nl.copy" in _raises("tensor_copy", _copy_on, x, nisa.engine.scalar)
@@ -157,7 +146,7 @@ def _activation_bias(x, bias_vector):
 
 
 def test_activation_scalar_bias_needs_trn2():
-    x = _rand((7, 11))
+    x = rand((7, 11))
     expected = np.exp(2.0 * _f64(x) + 0.5)
     np.testing.assert_allclose(_activation_bias(x, False), expected, rtol=1e-5)
     with emulator.use_target("trn1"):
@@ -175,7 +164,7 @@ def _dma_with(x, priority, dge, engine):
 
 
 def test_dma_copy_options():
-    x = _rand((6, 10))
+    x = rand((6, 10))
     np.testing.assert_array_equal(_dma_with(x, None, nisa.dge_mode.hwdge, nisa.engine.sync), x)
     assert "only valid with dge_mode=hwdge" in _raises("dma_copy", _dma_with, x, None, nisa.dge_mode.unknown,
                                                        nisa.engine.sync)
@@ -196,7 +185,7 @@ def _dma_transpose_with(x, dge):
 
 
 def test_dma_transpose_dge_modes():
-    x = _rand((16, 40)).astype(ml_dtypes.bfloat16)
+    x = rand((16, 40)).astype(ml_dtypes.bfloat16)
     np.testing.assert_array_equal(_dma_transpose_with(x, nisa.dge_mode.hwdge), x.T)
     assert "src.shape[0] == 16" in _raises("dma_transpose", _dma_transpose_with, x[:12], nisa.dge_mode.hwdge)
     assert "2-byte" in _raises("dma_transpose", _dma_transpose_with, x.astype(np.float32), nisa.dge_mode.hwdge)
@@ -219,7 +208,7 @@ def _scalar_ops(x, op0, operand0, reverse0, op1, operand1, reverse1, engine, dty
 
 
 def test_tensor_scalar_order_unary_and_bitvec():
-    x = _rand((10, 17))
+    x = rand((10, 17))
     u = nisa.engine.unknown
     np.testing.assert_allclose(_scalar_ops(x, nl.subtract, 3.0, True, nl.divide, 2.0, True, u, nl.float32),
                                2.0 / (3.0 - _f64(x)), rtol=1e-5)
@@ -264,7 +253,7 @@ def test_tensor_tensor_int32_is_exact_on_gpsimd():
     np.testing.assert_array_equal(via_fp32, (a.astype(np.float32) + b.astype(np.float32)).astype(np.int32))
     assert not np.array_equal(via_fp32, a + b)
     np.testing.assert_array_equal(_int_tensor_tensor(a, b, nl.bitwise_xor, nisa.engine.unknown), a ^ b)
-    f = _rand((8, 9))
+    f = rand((8, 9))
     assert "integer dtype" in _raises("tensor_tensor", _int_tensor_tensor, f, f, nl.bitwise_xor,
                                       nisa.engine.unknown)
 
@@ -283,7 +272,7 @@ def _reduce(x, op, axis, negate, keepdims, dtype):
 
 
 def test_tensor_reduce_bitvec_negate_keepdims():
-    x = _rand((6, 4, 9))
+    x = rand((6, 4, 9))
     np.testing.assert_allclose(_reduce(x, nl.maximum, (2,), True, True, nl.float32),
                                -_f64(x).max(axis=2, keepdims=True), rtol=1e-6)
     np.testing.assert_allclose(_reduce(x[:, :, :1], nl.add, (1, 2), False, True, nl.float32),
@@ -308,7 +297,7 @@ def test_nl_matmul_without_transpose_x():
         nl.store(out, sb)
         return out
 
-    x, y = _rand((13, 40)), _rand((40, 21), seed=1)
+    x, y = rand((13, 40)), rand((40, 21), seed=1)
     np.testing.assert_allclose(kernel(x, y), _f64(x) @ _f64(y), rtol=1e-5, atol=1e-4)
 
 
@@ -322,7 +311,7 @@ def test_num_programs_defaults_to_axis_0():
         nl.store(out, t)
         return out
 
-    x = _rand((2, 2))
+    x = rand((2, 2))
     np.testing.assert_array_equal(kernel[3, 2](x), [[3, 6]])
     np.testing.assert_array_equal(kernel(x), [[1, 1]])
 
@@ -337,7 +326,7 @@ def test_load_store_buffers():
         nl.store(out, t)
         return out
 
-    x = _rand((5, 3))
+    x = rand((5, 3))
     np.testing.assert_array_equal(kernel(x, False), x)
     assert "must be in HBM" in _raises("nl.load", kernel, x, True)
     assert not hasattr(nl, "ones_like") and not hasattr(nl, "full_like")  # not in nki.language

@@ -2,25 +2,13 @@
 file's line) and a conforming one that runs."""
 
 import numpy as np
-import pytest
 
 from nki_kernels import emulator
 from nki_kernels.binding import nki, nisa, nl
-from nki_kernels.emulator import NkiHardwareError
 
-HERE = "test_emulator_rules.py:"
+from emulator_helpers import hardware_error_check, rand
 
-
-def _rand(shape, dtype=np.float32, seed=0):
-    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
-
-
-def _raises(match_instruction, kernel, *args, **kwargs):
-    with pytest.raises(NkiHardwareError) as info:
-        kernel(*args, **kwargs)
-    message = str(info.value)
-    assert match_instruction in message and HERE in message, message
-    return message
+_raises = hardware_error_check(__file__)
 
 
 @nki.jit
@@ -55,21 +43,21 @@ def test_partition_over_128():
         nisa.dma_copy(out, t)
         return out
 
-    x = _rand((200, 8))
+    x = rand((200, 8))
     message = _raises("nl.ndarray", kernel, x, 129)
     assert "129" in message
     np.testing.assert_array_equal(kernel(x, 128), x[:128])
 
 
 def test_stationary_free_over_128():
-    lhs_t, rhs = _rand((64, 129)), _rand((64, 32), seed=1)
+    lhs_t, rhs = rand((64, 129)), rand((64, 32), seed=1)
     assert "stationary free size 129" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs)
     np.testing.assert_allclose(_matmul_kernel(lhs_t[:, :128], rhs), lhs_t[:, :128].T.astype(np.float64) @ rhs,
                                rtol=1e-5, atol=1e-4)
 
 
 def test_moving_free_over_512():
-    lhs_t, rhs = _rand((32, 16)), _rand((32, 513), seed=1)
+    lhs_t, rhs = rand((32, 16)), rand((32, 513), seed=1)
     assert "moving free size 513" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs)
     np.testing.assert_allclose(_matmul_kernel(lhs_t, rhs[:, :512]), lhs_t.T.astype(np.float64) @ rhs[:, :512],
                                rtol=1e-5, atol=1e-4)
@@ -90,7 +78,7 @@ def _bank_kernel(lhs_t, rhs, column):
 
 
 def test_psum_tile_over_one_bank():
-    lhs_t, rhs = _rand((32, 16)), _rand((32, 512), seed=1)
+    lhs_t, rhs = rand((32, 16)), rand((32, 512), seed=1)
     assert "bank boundary" in _raises("nc_matmul", _bank_kernel, lhs_t, rhs, 256)
     np.testing.assert_allclose(_bank_kernel(lhs_t, rhs, 512), lhs_t.T.astype(np.float64) @ rhs, rtol=1e-5, atol=1e-4)
 
@@ -107,7 +95,7 @@ def test_more_than_8_psum_banks_live():
         nl.store(out, result)
         return out
 
-    x = _rand((128, 64))
+    x = rand((128, 64))
     assert "9 banks" in _raises("dma_copy", kernel, x, 9)
     np.testing.assert_array_equal(kernel(x, 8), x)
 
@@ -130,7 +118,7 @@ def _sbuf_kernel_factory():
 
 def test_sbuf_capacity_per_target():
     kernel = _sbuf_kernel_factory()
-    x = _rand((128, 64))
+    x = rand((128, 64))
     with emulator.use_target("trn1"):
         assert "over the 196608 bytes of trn1" in _raises("dma_copy", kernel, x, 65)
         np.testing.assert_array_equal(kernel(x, 64), x)  # exactly 192 KiB per partition
@@ -159,14 +147,14 @@ def test_sbuf_liveness_reassignment_does_not_accumulate():
         nisa.dma_copy(out, kept[0][:, 0:x.shape[1]])
         return out
 
-    x = _rand((128, 32))
+    x = rand((128, 32))
     with emulator.use_target("trn1"):
         np.testing.assert_array_equal(kernel(x), x + 3.0)
         _raises("dma_copy", holding, x)
 
 
 def test_matmul_operand_and_dst_memory():
-    lhs_t, rhs = _rand((32, 16)), _rand((32, 64), seed=1)
+    lhs_t, rhs = rand((32, 16)), rand((32, 64), seed=1)
     assert "stationary" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs, stationary_buffer="psum")
     assert "dst" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs, dst_buffer="sbuf")
     np.testing.assert_allclose(_matmul_kernel(lhs_t, rhs), lhs_t.T.astype(np.float64) @ rhs, rtol=1e-5, atol=1e-4)
@@ -181,7 +169,7 @@ def test_dma_element_count_mismatch():
         nisa.dma_copy(out, t)
         return out
 
-    x = _rand((16, 10))
+    x = rand((16, 10))
     assert "element counts differ" in _raises("dma_copy", kernel, x, 11)
     np.testing.assert_array_equal(kernel(x, 10), x)
 
@@ -194,7 +182,7 @@ def test_out_of_bounds_slice_is_never_clipped():
         nl.store(out, t)
         return out
 
-    x = _rand((8, 10))
+    x = rand((8, 10))
     assert "out-of-bounds" in _raises("indexing", kernel, x, 11)
     np.testing.assert_array_equal(kernel(x, 10), x)
 
@@ -227,7 +215,7 @@ def _accumulate_kernel(lhs_t, rhs, mode):
 
 
 def test_accumulate_onto_psum_not_written_by_matmul():
-    lhs_t, rhs = _rand((20, 12)), _rand((20, 30), seed=1)
+    lhs_t, rhs = rand((20, 12)), rand((20, 30), seed=1)
     assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_on_fresh")
     assert "non-matmul" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "after_memset")
     assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_after_zeros")
@@ -252,7 +240,7 @@ def test_dtype_rules():
         nl.store(out, result)
         return out
 
-    x = _rand((16, 8))
+    x = rand((16, 8))
     assert "must be float32" in _raises("nc_matmul", kernel, x, nl.bfloat16, nl.bfloat16)
     assert "the other must be too" in _raises("nc_matmul", kernel, x, nl.float32, nl.float32)
     xb = x.astype(np.float32).astype(np.dtype("bfloat16")).astype(np.float64)
@@ -300,7 +288,7 @@ def test_engine_operand_rules():
         nl.store(out, y)
         return out
 
-    x = _rand((16, 24))
+    x = rand((16, 24))
     assert "must be float32" in _raises("tensor_scalar", kernel, x, "bf16_scalar_operand")
     assert "both be in PSUM" in _raises("tensor_tensor", kernel, x, "both_inputs_in_psum")
     np.testing.assert_allclose(kernel(x, "ok"), 4 * x.astype(np.float64), rtol=1e-6)
@@ -316,7 +304,7 @@ def test_vector_engine_transpose_size():
         nl.store(out, tt)
         return out
 
-    x = _rand((40, 33))
+    x = rand((40, 33))
     assert "over the 32x32" in _raises("nc_transpose", kernel, x)
     np.testing.assert_array_equal(kernel(x[:32, :32]), x[:32, :32].T)
 
@@ -330,6 +318,6 @@ def test_dma_cannot_touch_psum():
         nisa.dma_copy(out, staged)
         return out
 
-    x = _rand((8, 8))
+    x = rand((8, 8))
     assert "DMA cannot access PSUM" in _raises("dma_copy", kernel, x, True)
     np.testing.assert_array_equal(kernel(x, False), x)

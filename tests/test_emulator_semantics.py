@@ -11,7 +11,7 @@ from nki_kernels import binding, emulator
 from nki_kernels.binding import nki, nisa, nl
 from nki_kernels.emulator import trace
 
-from kernels_for_tests import blocked_matmul
+from emulator_helpers import blocked_matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -279,7 +279,7 @@ def test_trace_records_and_listener():
     assert {(r.matmul.contraction, r.matmul.stationary_free, r.matmul.moving_free) for r in matmuls} == {
         (128, 128, 512), (72, 128, 512), (128, 2, 512), (72, 2, 512), (128, 128, 88), (72, 128, 88),
         (128, 2, 88), (72, 2, 88)}
-    assert all(r.line.startswith("kernels_for_tests.py:") for r in run.records)
+    assert all(r.line.startswith("emulator_helpers.py:") for r in run.records)
     load = run.records[0]
     assert load.engine == "dma" and load.dma.src_buffer == "hbm" and load.dma.dst_buffer == "sbuf"
     assert load.dma.nbytes == 128 * 128 * 4 and load.dma.contiguous_bytes == 128 * 4

@@ -6,7 +6,7 @@ import pytest
 from nki_kernels import emulator
 from nki_kernels.emulator import cost_model, trace
 
-from kernels_for_tests import blocked_matmul
+from emulator_helpers import blocked_matmul
 
 A = trace.Access
 

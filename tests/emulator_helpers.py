@@ -1,6 +1,35 @@
-"""NKI kernels shared by the emulator tests (not test files themselves)."""
+"""Kernels, inputs and checks shared by the emulator tests (a helper module, not a test file)."""
+
+import os
+
+import numpy as np
+import pytest
 
 from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.emulator import NkiHardwareError
+
+
+def rand(shape, dtype=np.float32, seed=0):
+    """Standard-normal values of `shape` in `dtype`, the same for the same seed."""
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+def hardware_error_check(test_file):
+    """raises(instruction, kernel, *args, **kwargs) -> message for kernels written in `test_file` (its __file__).
+
+    raises() runs kernel(*args, **kwargs), which must raise NkiHardwareError naming `instruction` and a line of
+    `test_file` (where the offending call is written), and returns the error message for further checks.
+    """
+    here = os.path.basename(test_file) + ":"
+
+    def raises(instruction, kernel, *args, **kwargs):
+        with pytest.raises(NkiHardwareError) as info:
+            kernel(*args, **kwargs)
+        message = str(info.value)
+        assert instruction in message and here in message, message
+        return message
+
+    return raises
 
 
 @nki.jit
