@@ -11,10 +11,7 @@ from jax_neuronmm.compress import compress_params, truncated_svd
 from jax_neuronmm.nn import SVDDense
 from jax_neuronmm.nn.linen import SVDMLP
 
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
+from nn_references import gated_mlp64, rel_err
 
 
 def dense_params(rng, k, n, use_bias=True):
@@ -22,16 +19,6 @@ def dense_params(rng, k, n, use_bias=True):
     if use_bias:
         params["bias"] = jnp.asarray(rng.standard_normal(n), jnp.float32)
     return params
-
-
-def gated_mlp64(x, gate, up, down, activation):
-    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
-    g = x @ gate
-    if activation == "silu":
-        act = g / (1 + np.exp(-g))
-    else:
-        act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
-    return (act * (x @ up)) @ down
 
 
 def test_init_param_structure_and_forward(rng):

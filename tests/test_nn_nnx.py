@@ -10,10 +10,7 @@ from jax_neuronmm.compress import compress_params, whitened_svd
 from jax_neuronmm.nn import SVDLinear
 from jax_neuronmm.nn.nnx import SVDMLP
 
-
-def rel_err(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return np.linalg.norm(got - want) / np.linalg.norm(want)
+from nn_references import gated_mlp64, rel_err
 
 
 def random_linear(rng, k, n, use_bias=True):
@@ -32,17 +29,6 @@ def random_module(rng, build):
         if isinstance(param, nnx.Param):
             param.set_value(jnp.asarray(rng.standard_normal(param.shape) / np.sqrt(param.shape[0]), param.dtype))
     return module
-
-
-def gated_mlp64(x, gate, up, down, activation):
-    """float64 numpy gated MLP on dense kernels."""
-    x, gate, up, down = (np.asarray(a, np.float64) for a in (x, gate, up, down))
-    g = x @ gate
-    if activation == "silu":
-        act = g / (1 + np.exp(-g))
-    else:
-        act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
-    return (act * (x @ up)) @ down
 
 
 def test_init_param_structure_and_forward(rng):
