@@ -8,12 +8,31 @@ padding masks, sliding windows and the cache.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
+
+
+def hf_decoder_fields(hf: Mapping[str, Any]) -> dict:
+    """The config fields every family reads alike from a parsed HF config.json: sizes, head counts, RMSNorm eps
+    and attention bias (head_dim defaults to hidden / heads, kv heads to heads)."""
+    num_heads = int(hf["num_attention_heads"])
+    hidden = int(hf["hidden_size"])
+    return dict(
+        vocab_size=int(hf["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(hf["intermediate_size"]),
+        num_layers=int(hf["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
+        head_dim=int(hf.get("head_dim") or hidden // num_heads),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        attention_bias=bool(hf.get("attention_bias", False)),
+    )
 
 
 @jax.tree_util.register_dataclass

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 VARIANTS = ("gemma", "gemma3_text")
@@ -69,20 +69,7 @@ class GemmaConfig:
         model_type = hf.get("model_type")
         if model_type not in VARIANTS:
             raise ValueError(f"model_type: got {model_type!r}, expected one of {VARIANTS}")
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
-        common = dict(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
-            attention_bias=bool(hf.get("attention_bias", False)),
-        )
+        common = dict(hf_decoder_fields(hf), tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)))
         if model_type == "gemma":
             act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
             # Gemma 1 releases say "gelu" but were trained with the tanh approximation (HF maps it the same way).

@@ -8,7 +8,7 @@ from typing import Any, Mapping
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 
@@ -31,24 +31,14 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
         """From a parsed HF config.json of model_type "llama"."""
-        num_heads = int(hf["num_attention_heads"])
-        hidden = int(hf["hidden_size"])
         rope_params = hf.get("rope_parameters") or {}
         if not rope_params:
             rope_params = dict(hf.get("rope_scaling") or {})
             rope_params.setdefault("rope_theta", hf.get("rope_theta", 10000.0))
         return cls(
-            vocab_size=int(hf["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf["intermediate_size"]),
-            num_layers=int(hf["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf.get("head_dim") or hidden // num_heads),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            **hf_decoder_fields(hf),
             rope=RopeConfig.from_hf(rope_params, default_theta=10000.0),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", False)),
             mlp_bias=bool(hf.get("mlp_bias", False)),
             hidden_act=str(hf.get("hidden_act", "silu")),
         )
