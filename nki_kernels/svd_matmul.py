@@ -260,6 +260,16 @@ def stage2_cols_psum(xu, v_blk, r_tiles, columns, nt, tb):
     return chunks, accs
 
 
+def stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, dtype):
+    """SBUF tile [nt, tb] in `dtype` of Yᵀ for V-block columns j0:j0+nt (nt ≤ 128) and tokens 0:tb: the
+    stage2_cols_psum accumulators evicted, their PSUM banks free again once this returns."""
+    chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
+    yT_tile = nl.ndarray((nt, tb), dtype=dtype, buffer=nl.sbuf, name="yT_tile")
+    for i, (c0, tc) in enumerate(chunks):
+        evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
+    return yT_tile
+
+
 def turn_into_rows(tile, rows, columns, nt, tb):
     """rows[s][0:ts, columns] = tile[0:nt, s0:s0+ts]ᵀ for each ≤128-token piece s, through the PE."""
     for s, (s0, ts) in enumerate(spans(tb, nl.tile_size.pmax)):
@@ -279,11 +289,7 @@ def stage2_cols(xu, v, yT, t0, tb, block_n):
         v_blk = load_row_block(v, nb0, nbs)
         row = [nl.ndarray((1, nbs), dtype=yT.dtype, buffer=nl.sbuf, name="yT_row")] if tb == 1 else None
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
-            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
-            yT_tile = nl.ndarray((nt, tb), dtype=yT.dtype, buffer=nl.sbuf, name="yT_tile")
-            for i, (c0, tc) in enumerate(chunks):
-                evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
-            del accs  # free the PSUM banks before the next tile's accumulators start
+            yT_tile = stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, yT.dtype)
             if row is None:
                 nisa.dma_copy(dst=yT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=yT_tile)
             else:
@@ -303,11 +309,7 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
         v_blk = load_row_block(v, nb0, nbs)
         y_rows = [nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows") for _, ts in token_tiles]
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
-            chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
-            yT_tile = nl.ndarray((nt, tb), dtype=y.dtype, buffer=nl.sbuf, name="yT_tile")
-            for i, (c0, tc) in enumerate(chunks):
-                evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
-            del accs  # free the PSUM banks before the next tile's accumulators start
+            yT_tile = stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, y.dtype)
             turn_into_rows(yT_tile, y_rows, slice(j0, j0 + nt), nt, tb)
         for (s0, ts), rows in zip(token_tiles, y_rows):
             nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=rows)
