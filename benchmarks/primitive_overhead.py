@@ -1,11 +1,13 @@
 """Overhead of the svd_matmul primitive vs hand-written (x@u)@v, both jitted, on CPU XLA.
 
-Both run side by side in one process, interleaved, best-of-N wall time per call;
-prints time ratios (target ≤ 1.05).
+Both run side by side in one process, call by call alternately, best-of-N wall
+time per call; prints time ratios (target ≤ 1.05) and whether XLA compiled the
+two to the same optimized HLO (instructions compared without names or metadata).
 
-    python benchmarks/primitive_overhead.py --repeats 30
+    python benchmarks/primitive_overhead.py --repeats 60
 """
 
+import re
 import time
 
 import jax
@@ -14,7 +16,7 @@ from absl import app, flags
 
 import jax_neuronmm as jn
 
-flags.DEFINE_integer("repeats", 30, "Timed calls per implementation and shape.")
+flags.DEFINE_integer("repeats", 60, "Timed calls per implementation and shape.")
 FLAGS = flags.FLAGS
 
 SHAPES = [  # (tokens, K, r, N)
@@ -25,14 +27,34 @@ SHAPES = [  # (tokens, K, r, N)
 ]
 
 
-def best_time(fn, args, repeats):
+def timed_call(fn, args):
+    start = time.perf_counter()
     fn(*args).block_until_ready()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+    return time.perf_counter() - start
+
+
+def best_times_alternating(fns, args, repeats):
+    """Best wall time of each function, calls alternating so machine noise hits all alike."""
+    for fn in fns:
         fn(*args).block_until_ready()
-        best = min(best, time.perf_counter() - start)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            best[i] = min(best[i], timed_call(fn, args))
     return best
+
+
+def hlo_instructions(fn, args):
+    """The optimized HLO's entry instructions with names, metadata and configs stripped."""
+    text = fn.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY"):]
+    lines = []
+    for line in entry.splitlines()[1:]:
+        line = re.sub(r", (metadata|backend_config)=.*", "", line.strip())
+        line = re.sub(r"%[\w.]+", "%", line)
+        if line and line != "}":
+            lines.append(line)
+    return lines
 
 
 def main(argv):
@@ -40,18 +62,17 @@ def main(argv):
     rng = np.random.default_rng(0)
     primitive = jax.jit(jn.svd_matmul)
     handwritten = jax.jit(lambda x, u, v: (x @ u) @ v)
-    print(f"{'tokens':>6} {'K':>5} {'r':>5} {'N':>5} {'svd_matmul ms':>14} {'(x@u)@v ms':>11} {'ratio':>6}")
+    print(f"{'tokens':>6} {'K':>5} {'r':>5} {'N':>5} {'svd_matmul ms':>14} {'(x@u)@v ms':>11} {'ratio':>6} "
+          f"{'same HLO':>8}")
     ratios = []
     for t, k, r, n in SHAPES:
         args = [rng.standard_normal(s).astype(np.float32) for s in ((t, k), (k, r), (r, n))]
-        # Alternate the two so machine noise hits both alike.
-        ours, theirs = [], []
-        for _ in range(3):
-            ours.append(best_time(primitive, args, FLAGS.repeats // 3))
-            theirs.append(best_time(handwritten, args, FLAGS.repeats // 3))
-        ratio = min(ours) / min(theirs)
+        ours, theirs = best_times_alternating([primitive, handwritten], args, FLAGS.repeats)
+        same = hlo_instructions(primitive, args) == hlo_instructions(handwritten, args)
+        ratio = ours / theirs
         ratios.append(ratio)
-        print(f"{t:>6} {k:>5} {r:>5} {n:>5} {min(ours) * 1e3:>14.3f} {min(theirs) * 1e3:>11.3f} {ratio:>6.3f}")
+        print(f"{t:>6} {k:>5} {r:>5} {n:>5} {ours * 1e3:>14.3f} {theirs * 1e3:>11.3f} {ratio:>6.3f} "
+              f"{'yes' if same else 'no':>8}")
     print(f"geometric mean ratio: {np.exp(np.mean(np.log(ratios))):.3f} (target <= 1.05)")
 
 
