@@ -5,9 +5,12 @@ kernel: the left operand arrives transposed; N is blocked outermost, K in sequen
 each K block's rhs tiles are loaded once per N block and its lhsT tiles once per (N, K) block; every
 (M tile, N chunk) accumulates one K block in PSUM and is added into an SBUF accumulator holding the whole
 N block for all M, which goes to HBM in N-block-wide DMAs at the end. Meta-parameters tiles_m / tiles_n /
-tiles_k count tiles (128 / 512 / 128) per block, as in the tutorial. Differences: ragged edges by slicing,
-and the accumulator is float32 (the tutorial's is the output dtype) so the result matches one PSUM
-accumulation; with a single K block PSUM is evicted straight to the output dtype.
+tiles_k count tiles (128 / 512 / 128) per block, as in the tutorial. With `hoist_lhsT=True` (the tutorial's
+"hoist load" step, chosen by `fit_baseline_blocks` when the lhsT block fits SBUF) M blocks go outermost and
+each M block's lhsT K-tiles are loaded once and reused by every N block; for M ≤ tiles_m·128 (few tokens)
+every input byte then crosses HBM once. Differences: ragged edges by slicing, and the accumulator is float32
+(the tutorial's is the output dtype) so the result matches one PSUM accumulation; with a single K block PSUM
+is evicted straight to the output dtype.
 
 Used as (a) the dense baseline x·W = baseline(xᵀ, W) and (b) the unfused low-rank chain
 X·U → HBM → transpose → ·V (`unfused_svd_matmul`: three kernel launches, the rank-r intermediate crossing
@@ -24,19 +27,28 @@ from nki_kernels.svd_mlp import activation_op
 TUTORIAL_BLOCKS = {"tiles_m": 16, "tiles_n": 2, "tiles_k": 8}
 
 
-def baseline_sbuf_bytes(m, k, n, itemsize, tiles_m, tiles_n, tiles_k, pmax=128, moving_fmax=512):
-    """SBUF bytes per partition `baseline_matmul_kernel` keeps live (blocks double-buffered)."""
+def baseline_sbuf_bytes(m, k, n, itemsize, tiles_m, tiles_n, tiles_k, hoist_lhsT=False, pmax=128,
+                        moving_fmax=512):
+    """SBUF bytes per partition `baseline_matmul_kernel` keeps live (streamed blocks double-buffered; a hoisted
+    lhsT block, loaded once per M block, single-buffered)."""
     block_n = min(n, tiles_n * moving_fmax)
-    m_tiles = -(-m // pmax)
+    block_m = min(m, tiles_m * pmax)
+    k_tiles = -(-k // pmax)
     multi_k = k > tiles_k * pmax
-    acc = m_tiles * block_n * (4 if multi_k else itemsize)
-    rhs = min(-(-k // pmax), tiles_k) * block_n * itemsize
-    lhs = min(-(-k // pmax), tiles_k) * min(m, tiles_m * pmax) * itemsize
-    return acc + 2 * (rhs + lhs) + (block_n * itemsize if multi_k else 0)
+    acc_rows = block_m if hoist_lhsT else m
+    acc = -(-acc_rows // pmax) * block_n * (4 if multi_k else itemsize)
+    rhs = min(k_tiles, tiles_k) * block_n * itemsize
+    if hoist_lhsT:
+        lhs = k_tiles * block_m * itemsize
+    else:
+        lhs = 2 * min(k_tiles, tiles_k) * block_m * itemsize
+    return acc + 2 * rhs + lhs + (block_n * itemsize if multi_k else 0)
 
 
 def fit_baseline_blocks(m, k, n, itemsize, sbuf_bytes_per_partition):
-    """The tutorial's meta-parameters, shrunk (tiles_n, then tiles_m, then tiles_k) until the kernel fits SBUF."""
+    """The tutorial's meta-parameters, shrunk (tiles_n, then tiles_m, then tiles_k) until the kernel fits SBUF,
+    plus hoist_lhsT=True when the whole lhsT block of an M block also fits (then each lhsT byte is loaded once
+    per M block instead of once per N block)."""
     blocks = dict(TUTORIAL_BLOCKS)
     order = ("tiles_n", "tiles_m", "tiles_k")
     while baseline_sbuf_bytes(m, k, n, itemsize, **blocks) > sbuf_bytes_per_partition:
@@ -47,12 +59,17 @@ def fit_baseline_blocks(m, k, n, itemsize, sbuf_bytes_per_partition):
         else:
             raise ValueError(f"baseline matmul [{m}, {k}] x [{k}, {n}]: does not fit SBUF even with one tile "
                              f"per block (the whole-M accumulator needs too much); split M")
+    blocks["hoist_lhsT"] = baseline_sbuf_bytes(m, k, n, itemsize, **blocks, hoist_lhsT=True) \
+        <= sbuf_bytes_per_partition
     return blocks
 
 
 @nki.jit
-def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8):
-    """result [M, N] = lhsT [K, M]ᵀ · rhs [K, N] (HBM, row-major); result in lhsT's dtype."""
+def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8, hoist_lhsT=False):
+    """result [M, N] = lhsT [K, M]ᵀ · rhs [K, N] (HBM, row-major); result in lhsT's dtype.
+
+    hoist_lhsT: load each M block's lhsT [K, ≤tiles_m·128] once (all K tiles, kept in SBUF) and run every N
+    block against it, instead of reloading lhsT per (N block, K block)."""
     kernel = "baseline_matmul_kernel"
     check_2d(kernel, "lhsT", lhsT, "[K, M]")
     check_2d(kernel, "rhs", rhs, "[K, N]")
@@ -64,45 +81,62 @@ def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8):
     check_float_dtypes(kernel, lhsT=lhsT, rhs=rhs)
     for name, value in (("tiles_m", tiles_m), ("tiles_n", tiles_n), ("tiles_k", tiles_k)):
         check_block(name, value, 1)
+    if not isinstance(hoist_lhsT, bool):
+        raise TypeError(f"hoist_lhsT: got {hoist_lhsT!r}, expected True or False")
     tile_m = nl.tile_size.gemm_stationary_fmax
     tile_k = nl.tile_size.pmax
     tile_n = nl.tile_size.gemm_moving_fmax
     result = nl.ndarray((m, n), dtype=lhsT.dtype, buffer=nl.shared_hbm, name="result")
-    m_tiles = spans(m, tile_m)
     k_blocks = spans(k, tile_k * tiles_k)
     multi_k = len(k_blocks) > 1
     acc_dtype = nl.float32 if multi_k else lhsT.dtype
-    for n0, nb in spans(n, tile_n * tiles_n):
-        n_chunks = spans(nb, tile_n)
-        accs = [nl.ndarray((mt, nb), dtype=acc_dtype, buffer=nl.sbuf, name="result_acc") for _, mt in m_tiles]
-        for kb, (kb0, kbs) in enumerate(k_blocks):
-            k_tiles = spans(kbs, tile_k)
-            rhs_blk = nl.ndarray((tile_k, len(k_tiles), nb), dtype=rhs.dtype, buffer=nl.sbuf, name="rhs_block")
-            for ki, (k0, kt) in enumerate(k_tiles):
-                nisa.dma_copy(dst=rhs_blk[0:kt, ki, 0:nb], src=rhs[kb0 + k0:kb0 + k0 + kt, n0:n0 + nb])
-            for m0, mb in spans(m, tile_m * tiles_m):
-                lhs_blk = nl.ndarray((tile_k, len(k_tiles), mb), dtype=lhsT.dtype, buffer=nl.sbuf,
-                                     name="lhsT_block")
+    # Hoisted: one pass per M block with its lhsT resident; otherwise one pass over all of M.
+    for om0, oms in spans(m, tile_m * tiles_m) if hoist_lhsT else [(0, m)]:
+        if hoist_lhsT:
+            k_tiles_all = spans(k, tile_k)
+            lhs_resident = nl.ndarray((tile_k, len(k_tiles_all), oms), dtype=lhsT.dtype, buffer=nl.sbuf,
+                                      name="lhsT_resident")
+            for ki, (k0, kt) in enumerate(k_tiles_all):
+                nisa.dma_copy(dst=lhs_resident[0:kt, ki, 0:oms], src=lhsT[k0:k0 + kt, om0:om0 + oms])
+        m_tiles = spans(oms, tile_m)
+        for n0, nb in spans(n, tile_n * tiles_n):
+            n_chunks = spans(nb, tile_n)
+            accs = [nl.ndarray((mt, nb), dtype=acc_dtype, buffer=nl.sbuf, name="result_acc") for _, mt in m_tiles]
+            for kb, (kb0, kbs) in enumerate(k_blocks):
+                k_tiles = spans(kbs, tile_k)
+                rhs_blk = nl.ndarray((tile_k, len(k_tiles), nb), dtype=rhs.dtype, buffer=nl.sbuf,
+                                     name="rhs_block")
                 for ki, (k0, kt) in enumerate(k_tiles):
-                    nisa.dma_copy(dst=lhs_blk[0:kt, ki, 0:mb], src=lhsT[kb0 + k0:kb0 + k0 + kt, m0:m0 + mb])
-                for c0, nc in n_chunks:
-                    for j0, mt in spans(mb, tile_m):
-                        acc = accs[(m0 + j0) // tile_m][0:mt, c0:c0 + nc]
-                        part = nl.ndarray((mt, nc), dtype=nl.float32, buffer=nl.psum, name="result_psum")
+                    nisa.dma_copy(dst=rhs_blk[0:kt, ki, 0:nb], src=rhs[kb0 + k0:kb0 + k0 + kt, n0:n0 + nb])
+                for m0, mb in spans(oms, tile_m * tiles_m):
+                    # lhs_blk[0:kt, first_k_tile + ki, m_off + j] is lhsT row kb0 + k0 + p, column om0 + m0 + j.
+                    if hoist_lhsT:
+                        lhs_blk, first_k_tile, m_off = lhs_resident, kb * tiles_k, m0
+                    else:
+                        lhs_blk, first_k_tile, m_off = nl.ndarray((tile_k, len(k_tiles), mb), dtype=lhsT.dtype,
+                                                                  buffer=nl.sbuf, name="lhsT_block"), 0, 0
                         for ki, (k0, kt) in enumerate(k_tiles):
-                            nisa.nc_matmul(dst=part, stationary=lhs_blk[0:kt, ki, j0:j0 + mt],
-                                           moving=rhs_blk[0:kt, ki, c0:c0 + nc], accumulate=ki > 0)
-                        if kb == 0:
-                            nisa.tensor_copy(dst=acc, src=part)
-                        else:
-                            nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
-        for (m0, mt), acc in zip(m_tiles, accs):
-            if multi_k:
-                out_tile = nl.ndarray((mt, nb), dtype=result.dtype, buffer=nl.sbuf, name="result_tile")
-                nisa.tensor_copy(dst=out_tile, src=acc)
-            else:
-                out_tile = acc
-            nisa.dma_copy(dst=result[m0:m0 + mt, n0:n0 + nb], src=out_tile)
+                            nisa.dma_copy(dst=lhs_blk[0:kt, ki, 0:mb],
+                                          src=lhsT[kb0 + k0:kb0 + k0 + kt, om0 + m0:om0 + m0 + mb])
+                    for c0, nc in n_chunks:
+                        for j0, mt in spans(mb, tile_m):
+                            acc = accs[(m0 + j0) // tile_m][0:mt, c0:c0 + nc]
+                            part = nl.ndarray((mt, nc), dtype=nl.float32, buffer=nl.psum, name="result_psum")
+                            for ki, (k0, kt) in enumerate(k_tiles):
+                                stationary = lhs_blk[0:kt, first_k_tile + ki, m_off + j0:m_off + j0 + mt]
+                                nisa.nc_matmul(dst=part, stationary=stationary,
+                                               moving=rhs_blk[0:kt, ki, c0:c0 + nc], accumulate=ki > 0)
+                            if kb == 0:
+                                nisa.tensor_copy(dst=acc, src=part)
+                            else:
+                                nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+            for (m0, mt), acc in zip(m_tiles, accs):
+                if multi_k:
+                    out_tile = nl.ndarray((mt, nb), dtype=result.dtype, buffer=nl.sbuf, name="result_tile")
+                    nisa.tensor_copy(dst=out_tile, src=acc)
+                else:
+                    out_tile = acc
+                nisa.dma_copy(dst=result[om0 + m0:om0 + m0 + mt, n0:n0 + nb], src=out_tile)
     return result
 
 

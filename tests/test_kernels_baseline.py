@@ -25,6 +25,9 @@ def relative_error(got, want):
     (200, 130, 1000, np.float32, TUTORIAL_BLOCKS),
     (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),  # several M, N and K blocks
     (300, 600, 700, BF16, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),
+    (100, 1, 1000, BF16, {**TUTORIAL_BLOCKS, "hoist_lhsT": True}),
+    (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1, "hoist_lhsT": True}),
+    (300, 130, 1000, BF16, {"tiles_m": 16, "tiles_n": 1, "tiles_k": 2, "hoist_lhsT": True}),
 ])
 def test_baseline_matmul_matches_float64_reference(rng, k, m, n, dtype, blocks):
     lhsT = rng.standard_normal((k, m)).astype(dtype)
@@ -56,16 +59,31 @@ def test_unfused_chain_matches_reference_and_round_trips_the_intermediate(rng, t
     assert prof.hbm_bytes_read + prof.hbm_bytes_written >= minimum + 4 * t * r * size
 
 
+@pytest.mark.parametrize("hoist_lhsT,extra_lhsT_reads", [(False, 4), (True, 1)])
+def test_hoisted_lhsT_is_loaded_once_per_m_block(rng, hoist_lhsT, extra_lhsT_reads):
+    # One M block, 4 N blocks of 512: the tutorial order reads lhsT once per N block, the hoisted order once.
+    k, m, n = 200, 7, 2000
+    lhsT = rng.standard_normal((k, m)).astype(BF16)
+    rhs = rng.standard_normal((k, n)).astype(BF16)
+    with profile() as prof:
+        out = baseline_matmul_kernel(lhsT, rhs, **{**TUTORIAL_BLOCKS, "tiles_n": 1, "hoist_lhsT": hoist_lhsT})
+    assert relative_error(out, reference.matmul_lhsT_ref(lhsT, rhs)) <= TOLERANCE[BF16]
+    assert prof.hbm_bytes_read == (extra_lhsT_reads * k * m + k * n) * BF16.itemsize
+    assert prof.hbm_bytes_written == m * n * BF16.itemsize
+
+
 def test_baseline_rejects_mismatched_contraction(rng):
     with pytest.raises(ValueError, match="rhs has shape"):
         baseline_matmul_kernel(np.ones((100, 7), np.float32), np.ones((99, 10), np.float32))
 
 
 def test_fit_baseline_blocks_keeps_tutorial_blocks_when_they_fit_and_shrinks_otherwise():
-    assert fit_baseline_blocks(2048, 2048, 8192, 2, 192 * 1024) == TUTORIAL_BLOCKS
+    assert fit_baseline_blocks(2048, 2048, 8192, 2, 192 * 1024) == {**TUTORIAL_BLOCKS, "hoist_lhsT": True}
     shrunk = fit_baseline_blocks(8192, 4096, 14336, 2, 192 * 1024)
-    assert shrunk != TUTORIAL_BLOCKS
+    assert {name: shrunk[name] for name in TUTORIAL_BLOCKS} != TUTORIAL_BLOCKS
     assert baseline_sbuf_bytes(8192, 4096, 14336, 2, **shrunk) <= 192 * 1024
+    # A whole lhsT block of 2048 tokens × K = 14336 (448 KiB per partition) does not fit: tutorial order kept.
+    assert fit_baseline_blocks(2048, 14336, 4096, 2, 192 * 1024)["hoist_lhsT"] is False
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
