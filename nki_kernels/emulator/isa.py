@@ -16,7 +16,7 @@ from . import context
 from . import dtypes
 from . import ops
 from .errors import NkiHardwareError
-from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_UNWRITTEN, PSUM_ZEROED, NkiTensor
+from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_ZEROED, NkiTensor
 from .trace import DmaInfo, InstructionRecord, MatmulInfo
 
 
