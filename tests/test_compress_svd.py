@@ -32,6 +32,16 @@ def test_block_aligned_rank_values(k, n, keep, block, expected):
     assert block_aligned_rank(k, n, keep, block) == expected
 
 
+def test_factors_never_outgrow_the_dense_layer():
+    for k, n in [(128, 384), (100, 200), (512, 512), (130, 7), (2048, 8192), (896, 4864), (64, 200)]:
+        for keep in (0.3, 0.5, 0.8, 0.9, 0.99, 1.0):
+            for block in (1, 16, 128):
+                rank = block_aligned_rank(k, n, keep, block)
+                assert rank * (k + n) <= k * n, (k, n, keep, block, rank)
+    # Aligned 128 would be full rank, 133% of the dense parameters; below one block: round(76.8) = 77 (80%).
+    assert block_aligned_rank(128, 384, 0.8) == 77
+
+
 def test_block_aligned_rank_is_aligned_and_clamped():
     for k, n in [(512, 512), (1024, 4096), (4096, 1024), (896, 4864)]:
         for keep in (0.1, 0.3, 0.5, 0.8, 1.0):
@@ -42,7 +52,7 @@ def test_block_aligned_rank_is_aligned_and_clamped():
     # Tiny layers: never 0, never above min(k, n).
     assert block_aligned_rank(3, 2, 0.01) == 1
     assert block_aligned_rank(1, 1000, 1.0) == 1
-    assert block_aligned_rank(130, 7, 1.0) == 7  # budget 6.6 → 7 = min(k, n)
+    assert block_aligned_rank(130, 7, 1.0) == 6  # budget 6.6 → 7 would outgrow the dense 130×7: break-even 6
     assert block_aligned_rank(300, 300, 1.0, block=16) == 144  # 150/16 = 9.375 → 9 blocks
 
 
