@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from nki_kernels import reference
-from nki_kernels.emulator import profile
+from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.emulator import profile, trace
 from nki_kernels.svd_matmul import (svd_matmul_decode_kernel, svd_matmul_kernel, svd_matmul_t_in_kernel,
                                     svd_matmul_t_out_kernel)
 
@@ -102,13 +103,90 @@ def test_hbm_traffic_rereads_weights_once_per_token_block(rng):
     assert run.hbm_bytes_written == t * n * BF16.itemsize
 
 
-def test_rank_intermediate_never_reaches_hbm(rng):
-    # Only DMAs from x, u, v and to y: every HBM byte moved is accounted for by the minimum.
-    x, u, v = make_operands(rng, 130, 200, 130, 1000, BF16)
-    with profile() as prof:
-        svd_matmul_kernel(x, u, v)
-    (run,) = prof.runs
-    assert sum(run.dma_sizes) == run.hbm_bytes_read + run.hbm_bytes_written
+def traced_run(kernel, *args, **kwargs):
+    """The kernel's output and its finished trace.KernelRun (every instruction's accesses)."""
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        out = kernel(*args, **kwargs)
+    finally:
+        trace.remove_listener(runs.append)
+    (run,) = runs
+    return out, run
+
+
+def hbm_traffic_problems(run, t, k, r, n, itemsize):
+    """Why the run's HBM traffic is not exactly: x, u, v each read and never written, one output written and
+    never read, bytes read = x + u + v once, bytes written = y once ([] when it is)."""
+    read, written = set(), set()
+    bytes_read = bytes_written = 0
+    for record in run.records:
+        read |= {access.storage for access in record.reads if access.buffer == "hbm"}
+        written |= {access.storage for access in record.writes if access.buffer == "hbm"}
+        if record.dma is not None:
+            bytes_read += record.dma.nbytes if record.dma.src_buffer == "hbm" else 0
+            bytes_written += record.dma.nbytes if record.dma.dst_buffer == "hbm" else 0
+    problems = []
+    if read & written:
+        problems.append(f"HBM storages both written and read (a scratch round trip): {sorted(read & written)}")
+    if len(read) != 3 or len(written) != 1:
+        problems.append(f"{len(read)} HBM storages read and {len(written)} written, expected x, u, v and y")
+    if bytes_read != (t * k + k * r + r * n) * itemsize:
+        problems.append(f"{bytes_read} HBM bytes read, expected x, u and v once")
+    if bytes_written != t * n * itemsize:
+        problems.append(f"{bytes_written} HBM bytes written, expected y once")
+    return problems
+
+
+@nki.jit
+def spilling_svd_matmul_kernel(x, u, v):
+    """y = x·u·v for single tiles (T, K, r ≤ 128, N ≤ 512) that sends (xu)ᵀ [r, T] through an HBM scratch
+    tensor: the unfused pattern hbm_traffic_problems must catch."""
+    t, k = x.shape
+    r, n = v.shape
+    x_rows = nl.ndarray((t, k), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=x_rows, src=x)
+    xT_psum = nl.ndarray((k, t), dtype=x.dtype, buffer=nl.psum)
+    nisa.nc_transpose(dst=xT_psum, data=x_rows)
+    xT = nl.ndarray((k, t), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=xT, src=xT_psum)
+    u_tile = nl.ndarray((k, r), dtype=u.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=u_tile, src=u)
+    xuT_psum = nl.ndarray((r, t), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=xuT_psum, stationary=u_tile, moving=xT)
+    xuT = nl.ndarray((r, t), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=xuT, src=xuT_psum)
+    scratch = nl.ndarray((r, t), dtype=x.dtype, buffer=nl.hbm)
+    nisa.dma_copy(dst=scratch, src=xuT)
+    xuT_again = nl.ndarray((r, t), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=xuT_again, src=scratch)
+    v_tile = nl.ndarray((r, n), dtype=v.dtype, buffer=nl.sbuf)
+    nisa.dma_copy(dst=v_tile, src=v)
+    y_psum = nl.ndarray((t, n), dtype=nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(dst=y_psum, stationary=xuT_again, moving=v_tile)
+    y_tile = nl.ndarray((t, n), dtype=x.dtype, buffer=nl.sbuf)
+    nisa.tensor_copy(dst=y_tile, src=y_psum)
+    y = nl.ndarray((t, n), dtype=x.dtype, buffer=nl.shared_hbm)
+    nisa.dma_copy(dst=y, src=y_tile)
+    return y
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_rank_intermediate_never_reaches_hbm(rng, variant):
+    t, k, r, n = 130, 200, 130, 1000
+    x, u, v = make_operands(rng, t, k, r, n, BF16)
+    kernel, takes_xT, _ = VARIANTS[variant]
+    _, run = traced_run(kernel, np.ascontiguousarray(x.T) if takes_xT else x, u, v)
+    assert hbm_traffic_problems(run, t, k, r, n, BF16.itemsize) == []
+
+
+def test_hbm_traffic_check_catches_a_spilled_intermediate(rng):
+    t, k, r, n = 7, 100, 30, 200
+    x, u, v = make_operands(rng, t, k, r, n, np.float32)
+    y, run = traced_run(spilling_svd_matmul_kernel, x, u, v)
+    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
+    problems = hbm_traffic_problems(run, t, k, r, n, 4)
+    assert any("both written and read" in p for p in problems) and any("bytes read" in p for p in problems)
 
 
 @pytest.mark.parametrize("bad,message", [
