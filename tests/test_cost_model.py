@@ -75,12 +75,14 @@ def test_single_matmul_cycles(moving_free, stationary_free, dtype, cycles, targe
 
 @pytest.mark.parametrize("rows, cols, cycles", [(128, 32, 128), (16, 100, 64), (8, 20, 20)])
 def test_tensor_engine_transpose_cycles(rows, cols, cycles):
-    # nc_transpose of data [rows, cols] on TensorE: max(P, min(64, F)), also for fp32 data.
+    # nc_transpose of data [rows, cols] on TensorE: max(P, min(64, F)), also for fp32 data. The data is
+    # the stationary operand [rows, cols], a [rows, rows] identity the moving one.
     record = trace.InstructionRecord(
         opcode="nc_transpose", engine="tensor", line="k.py:5", partitions=cols, free_elements=rows,
         dtype="float32", reads=(A(1, "sbuf", 0, rows, 0, cols * 4),),
         writes=(A(2, "psum", 0, cols, 0, rows * 4),),
-        matmul=trace.MatmulInfo(rows, rows, cols, "float32", is_transpose=True))
+        matmul=trace.MatmulInfo(contraction=rows, stationary_free=cols, moving_free=rows,
+                                input_dtype="float32", is_transpose=True))
     assert cost_model.model_latency(_run(record), "trn1") == pytest.approx(_us(cycles, 2.8))
 
 

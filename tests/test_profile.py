@@ -6,7 +6,8 @@ import pytest
 from nki_kernels import emulator
 from nki_kernels.emulator import cost_model, trace
 
-from emulator_helpers import blocked_matmul
+from emulator_helpers import blocked_matmul, rand
+from nki_kernels.binding import nki, nisa, nl
 
 A = trace.Access
 
@@ -134,3 +135,46 @@ def test_profile_of_an_emulated_matmul(target):
     # The modeled time covers at least the fp32 matmul passes and the DMA traffic.
     floor = cost_model.roofline_us(2 * k * m * n, r.hbm_bytes_read + r.hbm_bytes_written, target, "float32")
     assert r.latency_us[target] > floor
+
+
+@nki.jit
+def _transpose_then_matmul(x, w, identity):
+    """x [P, F] -> xT [F, P] by nc_transpose, then nc_matmul(is_transpose=True), then xT.T @ w as a real matmul."""
+    data = nl.load(x)
+    xt_psum = nl.ndarray((x.shape[1], x.shape[0]), nl.float32, buffer=nl.psum)
+    nisa.nc_transpose(xt_psum, data)
+    xt_again = nl.ndarray((x.shape[1], x.shape[0]), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(xt_again, data, nl.load(identity), is_transpose=True)
+    xt = nl.ndarray(xt_psum.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(xt, xt_psum)
+    product = nl.ndarray((x.shape[0], w.shape[1]), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(product, xt, nl.load(w))
+    result = nl.ndarray(product.shape, nl.float32, buffer=nl.sbuf)
+    nisa.tensor_copy(result, product)
+    out = nl.ndarray(product.shape, nl.float32, buffer=nl.shared_hbm)
+    nl.store(out, result)
+    return out
+
+
+def test_transposes_are_tensor_instructions_but_not_matmuls():
+    rows, cols, n = 100, 40, 300
+    x, w = rand((rows, cols), seed=11), rand((cols, n), seed=12)
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        with emulator.profile() as prof:
+            out = _transpose_then_matmul(x, w, np.eye(rows, dtype=np.float32))
+    finally:
+        trace.remove_listener(runs.append)
+    np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
+    # The data [rows, cols] is the stationary operand, the [rows, rows] identity the moving one.
+    infos = [(r.opcode, r.matmul) for r in runs[0].records if r.matmul is not None]
+    assert infos == [("nc_transpose", trace.MatmulInfo(rows, cols, rows, "float32", True)),
+                     ("nc_matmul", trace.MatmulInfo(rows, cols, rows, "float32", True)),
+                     ("nc_matmul", trace.MatmulInfo(cols, rows, n, "float32", False))]
+    r = prof.runs[0]
+    assert (r.matmul_count, r.transposes, prof.matmul_count, prof.transposes) == (1, 2, 1, 2)
+    assert r.engine_counts["tensor"] == 3
+    assert r.pe_fill == pytest.approx(cols * rows / 128**2)  # the real matmul only
+    assert r.moving_fill == pytest.approx(n / 512)
+    assert "transp" in str(prof)

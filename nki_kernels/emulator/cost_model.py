@@ -159,9 +159,11 @@ def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
     n = record.free_elements
     if record.engine == "tensor":
         if record.opcode == "nc_transpose" and record.matmul is not None:
-            # [ISA] nc_transpose on TensorE: "max(P, min(64, F))" for back-to-back transposes,
-            # P = partitions and F = free size of the data (the record's contraction and moving).
-            return max(record.matmul.contraction, min(MM_INIT_CYCLES, record.matmul.moving_free))
+            # [ISA] nc_transpose on TensorE: "max(P, min(64, F))" for back-to-back transposes, also for
+            # fp32, P = partitions and F = free size of the data. The data is the stationary operand
+            # and a [P, P] identity the moving one, so P is the moving free size, F the stationary's.
+            mm = record.matmul
+            return max(mm.moving_free, min(MM_INIT_CYCLES, mm.stationary_free))
         if record.matmul is not None:
             mm = record.matmul
             cycles = max(min(MM_INIT_CYCLES, mm.stationary_free), mm.moving_free)

@@ -550,7 +550,9 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
             a = a.T
         _write(dst, a)
     _mark_psum(dst, PSUM_BY_MATMUL if engine_name == "tensor" else PSUM_BY_OTHER)
-    info = MatmulInfo(rows, rows, cols, dtypes.NAME[data.dtype], True) if engine_name == "tensor" else None
+    # TensorE transposes as a matmul with `data` [rows, cols] as the stationary operand and a [rows, rows]
+    # identity as the moving one (nc_transpose docstring; architecture guide, TensorE alternative use).
+    info = MatmulInfo(rows, cols, rows, dtypes.NAME[data.dtype], True) if engine_name == "tensor" else None
     _record(ctx, opcode, engine_name, line, dst, (data,), matmul=info)
 
 

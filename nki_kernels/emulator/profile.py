@@ -59,6 +59,10 @@ class ModeledLatency(Mapping):
 class RunSummary:
     """Counters and modeled latency of one kernel run.
 
+    matmul_count: TensorE matrix multiplications, transposes excluded.
+    transposes: TensorE transposes (nc_transpose on TensorE, nc_matmul with
+      is_transpose=True): TensorE instructions, scheduled by the cost model, but
+      multiplications by an identity, so not in matmul_count, pe_fill or moving_fill.
     pe_fill: mean over matmuls of contraction * stationary_free / 128**2, the
       fraction of the PE array a matmul occupies (0.0 when there are none).
     moving_fill: mean over matmuls of moving_free / 512.
@@ -77,6 +81,7 @@ class RunSummary:
     dma_count: int
     dma_sizes: tuple[int, ...]
     matmul_count: int
+    transposes: int
     pe_fill: float
     moving_fill: float
     engine_counts: dict[str, int]
@@ -96,7 +101,7 @@ def summarize(run: trace.KernelRun) -> RunSummary:
     engine_counts = {engine: 0 for engine in trace.ENGINES}
     hbm_read = hbm_written = 0
     dma_sizes = []
-    matmul_count = 0
+    matmul_count = transposes = 0
     pe_fill_sum = moving_fill_sum = 0.0
     for record in run.records:
         engine_counts[record.engine] = engine_counts.get(record.engine, 0) + 1
@@ -106,7 +111,9 @@ def summarize(run: trace.KernelRun) -> RunSummary:
                 hbm_read += record.dma.nbytes
             if record.dma.dst_buffer == "hbm":
                 hbm_written += record.dma.nbytes
-        if record.matmul is not None:
+        if record.matmul is not None and record.matmul.is_transpose:
+            transposes += 1
+        elif record.matmul is not None:
             mm = record.matmul
             matmul_count += 1
             pe_fill_sum += mm.contraction * mm.stationary_free / (_PE_ROWS * _PE_COLS)
@@ -121,6 +128,7 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         dma_count=len(dma_sizes),
         dma_sizes=tuple(dma_sizes),
         matmul_count=matmul_count,
+        transposes=transposes,
         pe_fill=pe_fill_sum / matmul_count if matmul_count else 0.0,
         moving_fill=moving_fill_sum / matmul_count if matmul_count else 0.0,
         engine_counts=engine_counts,
@@ -154,6 +162,10 @@ class Profile:
         return sum(r.matmul_count for r in self.runs)
 
     @property
+    def transposes(self) -> int:
+        return sum(r.transposes for r in self.runs)
+
+    @property
     def instructions(self) -> int:
         return sum(r.instructions for r in self.runs)
 
@@ -172,11 +184,11 @@ class Profile:
 
     def __str__(self) -> str:
         header = ("kernel", "instr", "HBM rd KiB", "HBM wr KiB", "DMAs", "avg DMA B",
-                  "matmuls", "PE fill", "mov fill", "T/V/S/G/D", "trn1 us", "trn2 us")
+                  "matmuls", "transp", "PE fill", "mov fill", "T/V/S/G/D", "trn1 us", "trn2 us")
         rows = [header]
         for r in self.runs:
             rows.append(_row(r.name, r.instructions, r.hbm_bytes_read, r.hbm_bytes_written,
-                             r.dma_count, r.mean_dma_bytes, r.matmul_count, r.pe_fill,
+                             r.dma_count, r.mean_dma_bytes, r.matmul_count, r.transposes, r.pe_fill,
                              r.moving_fill, r.engine_counts, r.latency_us))
         if len(self.runs) > 1:
             total_dma_bytes = sum(r.dma_bytes for r in self.runs)
@@ -184,7 +196,7 @@ class Profile:
             rows.append(_row(
                 "TOTAL", self.instructions, self.hbm_bytes_read, self.hbm_bytes_written,
                 self.dma_count, total_dma_bytes / self.dma_count if self.dma_count else 0.0,
-                matmuls,
+                matmuls, self.transposes,
                 sum(r.pe_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
                 sum(r.moving_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
                 self.engine_counts, self.latency_us))
@@ -195,11 +207,11 @@ class Profile:
         return "\n".join(lines)
 
 
-def _row(name, instructions, hbm_read, hbm_written, dma_count, mean_dma, matmuls, pe_fill,
+def _row(name, instructions, hbm_read, hbm_written, dma_count, mean_dma, matmuls, transposes, pe_fill,
          moving_fill, engine_counts, latency_us) -> tuple[str, ...]:
     engines = "/".join(str(engine_counts.get(e, 0)) for e in trace.ENGINES)
     return (name, str(instructions), f"{hbm_read / 1024:.1f}", f"{hbm_written / 1024:.1f}",
-            str(dma_count), f"{mean_dma:.0f}", str(matmuls), f"{pe_fill:.3f}",
+            str(dma_count), f"{mean_dma:.0f}", str(matmuls), str(transposes), f"{pe_fill:.3f}",
             f"{moving_fill:.3f}", engines, f"{latency_us['trn1']:.2f}", f"{latency_us['trn2']:.2f}")
 
 
