@@ -281,13 +281,16 @@ def turn_into_rows(tile, rows, columns, nt, tb):
 def stage2_cols(xu, v, yT, t0, tb, block_n):
     """yT[:, t0:t0+tb] = (X·U·V)ᵀ from the (XU)ᵀ strip, one [≤128 of N, tb] tile at a time.
 
-    A single token's column is turned into one row per N block and written as the contiguous run it is in yT.
+    With T = 1 in all (yT [N, 1]) the token's column is turned into one row per N block and written as the
+    contiguous run it is in yT; a ragged last block of one token out of several is a strided column and goes
+    out as Yᵀ tiles like any other block.
     """
     r, n = v.shape
+    single_token = yT.shape[1] == 1
     r_tiles = spans(r, nl.tile_size.pmax)
     for nb0, nbs in spans(n, block_n):
         v_blk = load_row_block(v, nb0, nbs)
-        row = [nl.ndarray((1, nbs), dtype=yT.dtype, buffer=nl.sbuf, name="yT_row")] if tb == 1 else None
+        row = [nl.ndarray((1, nbs), dtype=yT.dtype, buffer=nl.sbuf, name="yT_row")] if single_token else None
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
             yT_tile = stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, yT.dtype)
             if row is None:

@@ -61,10 +61,11 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
             up_blk = load_row_block(up_v, nb0, nbs)
             # Output features in the k_slots layout: slot s, partition p ↔ feature row p·q + s of the block,
             # so with all tokens in the block each partition writes q whole rows of hᵀ as one run. A single
-            # token's column is instead turned into one row: the contiguous run it is in hᵀ.
+            # token's column (T = 1 in all, not a ragged last block of one) is instead turned into one row: the
+            # contiguous run it is in hᵀ.
             slots = k_slots(nb0, nbs)
             h_block = nl.ndarray((pmax, len(slots), tb), dtype=x.dtype, buffer=nl.sbuf, name="hT_block")
-            row = [nl.ndarray((1, nbs), dtype=x.dtype, buffer=nl.sbuf, name="hT_row")] if tb == 1 else None
+            row = [nl.ndarray((1, nbs), dtype=x.dtype, buffer=nl.sbuf, name="hT_row")] if t == 1 else None
             for s, (nt, features) in enumerate(slots):
                 columns = slice(features.start - nb0, features.stop - nb0, features.step)
                 chunks, gate_accs = stage2_cols_psum(gate_xu, gate_blk, gate_r_tiles, columns, nt, tb)

@@ -70,6 +70,19 @@ def test_small_blocks_cover_every_tile_edge(rng, variant):
     assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
 
 
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_last_token_block_of_one_token(rng, variant):
+    # T = block_t + 1: the last token block holds one token of many, so its Yᵀ column is strided in HBM and must
+    # go out as Yᵀ tiles; only a call with T = 1 takes the single-token row path (a DMA from one partition).
+    t, k, r, n = 513, 200, 130, 1000
+    x, u, v = make_operands(rng, t, k, r, n, np.float32)
+    y, run = traced_run(run_variant, variant, x, u, v, block_t=512)
+    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
+    if VARIANTS[variant][2]:
+        hbm_writes = [record for record in run.records if record.dma and record.dma.dst_buffer == "hbm"]
+        assert all(record.partitions > 1 for record in hbm_writes)
+
+
 def test_layout_references_agree_with_kernels(rng):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
     np.testing.assert_allclose(svd_matmul_t_out_kernel(x, u, v), reference.svd_matmul_t_out_ref(x, u, v),

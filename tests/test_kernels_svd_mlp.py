@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import reference
-from nki_kernels.emulator import profile
+from nki_kernels.emulator import profile, trace
 from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -58,6 +58,25 @@ def test_activations_differ(rng):
     gelu = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, activation="gelu_tanh")
     assert relative_error(gelu, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv, "gelu_tanh")) <= 1e-5
     assert np.abs(silu - gelu).max() > 1e-2
+
+
+def test_last_token_block_of_one_token(rng):
+    # T = block_t + 1: the last token block holds one token of many, so its hᵀ column is strided in HBM and goes
+    # out with the block's other columns; only a call with T = 1 turns it into one row (a DMA from one partition).
+    t, h, i = 513, 200, 1000
+    x, gu, gv, uu, uv, du, dv = make_mlp(rng, t, h, i, 130, 130, 130, np.float32)
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_t=512)
+    finally:
+        trace.remove_listener(runs.append)
+    assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
+    (run,) = runs
+    hbm_writes = [record for record in run.records if record.dma and record.dma.dst_buffer == "hbm"]
+    assert all(record.partitions > 1 for record in hbm_writes)
+    y = svd_mlp_down_kernel(hT, du, dv, block_t=512)
+    assert relative_error(y, reference.svd_mlp_ref(x, gu, gv, uu, uv, du, dv)) <= 1e-5
 
 
 def test_small_blocks_cover_every_tile_edge(rng):
