@@ -1,5 +1,6 @@
 """emulator.profile(): counters of hand-built runs and of a real emulated matmul kernel."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -178,3 +179,24 @@ def test_transposes_are_tensor_instructions_but_not_matmuls():
     assert r.pe_fill == pytest.approx(cols * rows / 128**2)  # the real matmul only
     assert r.moving_fill == pytest.approx(n / 512)
     assert "transp" in str(prof)
+
+
+@nki.jit
+def _casting_round_trip(x_bf16):
+    """bf16 HBM -> fp32 SBUF -> bf16 HBM, both DMAs casting."""
+    wide = nl.ndarray(x_bf16.shape, nl.float32, buffer=nl.sbuf)
+    nisa.dma_copy(wide, x_bf16)
+    out = nl.ndarray(x_bf16.shape, nl.bfloat16, buffer=nl.shared_hbm)
+    nisa.dma_copy(out, wide)
+    return out
+
+
+def test_casting_dmas_count_hbm_bytes_on_the_hbm_side():
+    x = rand((96, 70), dtype=ml_dtypes.bfloat16, seed=13)
+    with emulator.profile() as prof:
+        out = _casting_round_trip(x)
+    np.testing.assert_array_equal(out, x)
+    r = prof.runs[0]
+    assert r.hbm_bytes_read == 2 * x.size  # bf16 read from HBM, though 4 bytes land per element
+    assert r.hbm_bytes_written == 2 * x.size
+    assert r.dma_sizes == (4 * x.size, 2 * x.size)  # bytes written by each DMA

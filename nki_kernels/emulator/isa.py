@@ -214,7 +214,8 @@ def _operand_value(value):
 def _dma_info(dst, src, transpose=False):
     hbm_side = [t for t in (src, dst) if t.storage.kind == "hbm"] or [dst]
     return DmaInfo(nbytes=dst.size * dst.dtype.itemsize, src_buffer=src.storage.kind, dst_buffer=dst.storage.kind,
-                   contiguous_bytes=min(t.contiguous_bytes() for t in hbm_side), transpose=transpose)
+                   contiguous_bytes=min(t.contiguous_bytes() for t in hbm_side), transpose=transpose,
+                   src_nbytes=src.size * src.dtype.itemsize)
 
 
 def _dma_partitions(dst, src):

@@ -66,7 +66,9 @@ class RunSummary:
     pe_fill: mean over matmuls of contraction * stationary_free / 128**2, the
       fraction of the PE array a matmul occupies (0.0 when there are none).
     moving_fill: mean over matmuls of moving_free / 512.
-    dma_sizes: bytes of each DMA, in issue order.
+    hbm_bytes_read / hbm_bytes_written: bytes DMAs read from HBM (source side) and
+      write to HBM (destination side); they differ from dma_sizes for casting DMAs.
+    dma_sizes: bytes each DMA writes (destination side), in issue order.
     engine_counts: instructions per engine, every name of trace.ENGINES present.
     latency_us: modeled latency in µs per target, keys "trn1" and "trn2" (a read-only
       mapping, computed per target on first read).
@@ -107,8 +109,9 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         engine_counts[record.engine] = engine_counts.get(record.engine, 0) + 1
         if record.dma is not None:
             dma_sizes.append(record.dma.nbytes)
+            # A casting DMA reads the source's bytes and writes the destination's.
             if record.dma.src_buffer == "hbm":
-                hbm_read += record.dma.nbytes
+                hbm_read += record.dma.bytes_read
             if record.dma.dst_buffer == "hbm":
                 hbm_written += record.dma.nbytes
         if record.matmul is not None and record.matmul.is_transpose:

@@ -43,11 +43,18 @@ class MatmulInfo:
 
 @dataclasses.dataclass(frozen=True)
 class DmaInfo:
-    nbytes: int  # bytes moved (destination side)
+    nbytes: int  # bytes written (destination side)
     src_buffer: str
     dst_buffer: str
     contiguous_bytes: int  # length of the longest contiguous run on the HBM side
     transpose: bool = False
+    # Bytes read (source side); differs from nbytes when the DMA casts (bf16 HBM -> fp32 SBUF reads
+    # half of what it writes). None: same as nbytes.
+    src_nbytes: Optional[int] = None
+
+    @property
+    def bytes_read(self) -> int:
+        return self.nbytes if self.src_nbytes is None else self.src_nbytes
 
 
 @dataclasses.dataclass(frozen=True)
