@@ -74,10 +74,17 @@ __all__ += ["define_string_enum_state", "is_known_platform"]
 # --- Testing the neuron lowering without the Neuron plugin (tests/test_backend_neuron.py) ---------
 import contextlib as _contextlib  # noqa: E402
 
+import numpy as _np  # noqa: E402
+from jax import ffi as _jax_ffi  # noqa: E402
+from jax._src.interpreters import mlir as _mlir_internal  # noqa: E402
+
 
 @_contextlib.contextmanager
-def stand_in_platform(platform):
-    """Makes JAX know `platform` (as a PJRT plugin would) without any device, for lowering only."""
+def stand_in_platform(platform, primitives=()):
+    """Makes JAX know `platform` (as a PJRT plugin would) without any device, for lowering only.
+
+    On exit the platform is forgotten again, with the lowering rules registered for it for `primitives`.
+    """
     registered = platform in _xla_bridge._backend_factories
     if not registered:
         _xla_bridge._backend_factories[platform] = _xla_bridge.BackendRegistration(lambda: None, -1000, True)
@@ -86,6 +93,19 @@ def stand_in_platform(platform):
     finally:
         if not registered:
             del _xla_bridge._backend_factories[platform]
+            for primitive in primitives:
+                _mlir_internal._platform_specific_lowerings[platform].pop(primitive, None)
 
 
-__all__ += ["stand_in_platform"]
+def lowering_platform(ctx):
+    """The platform a lowering rule is emitting code for ("cpu", "neuron", ...)."""
+    return ctx.module_context.platforms[0]
+
+
+def cpu_host_callback_lowering(ctx, operands, index):
+    """Emits a call of the host callback registered at `index` (see add_host_callback) on the CPU."""
+    rule = _jax_ffi.ffi_lowering("xla_ffi_python_cpu_callback", has_side_effect=False)
+    return rule(ctx, *operands, index=_np.uint64(index))
+
+
+__all__ += ["cpu_host_callback_lowering", "lowering_platform", "stand_in_platform"]

@@ -14,6 +14,8 @@ one backend is lowered again when called under another.
 
 import contextlib
 
+import jax
+
 from jax_neuronmm._compat import define_string_enum_state, is_known_platform
 
 BACKENDS = ("xla", "emulator", "neuron")
@@ -52,7 +54,7 @@ def require_neuron_toolchain():
 def set_backend(name):
     """Sets the backend for this process ("auto", "xla", "emulator" or "neuron")."""
     _check(name)
-    _backend._set(name)
+    jax.config.update("jax_neuronmm_backend", name)
 
 
 @contextlib.contextmanager

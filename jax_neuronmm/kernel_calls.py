@@ -9,9 +9,14 @@ sizes from the token count and shapes.
 
 Operands carry `n_batch` leading batch dims (vmap over stacked weights); each
 batch element is one kernel launch. Token dims are flattened to T.
+
+Kernels write their output in the operands' dtype; `preferred_element_type` is
+applied after, so bf16 operands give bf16-rounded values even when float32 is
+requested (the XLA reference rounds only once, to the requested dtype).
 """
 
 import math
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,6 +38,18 @@ def _namespace(x):
     return np if isinstance(x, np.ndarray) else jnp
 
 
+def _target(xp):
+    """Which chip's tuned blocks to use.
+
+    On the emulator (numpy blocks in a host callback): the emulator's target. On Trainium (traced with JAX
+    arrays): NEURON_PLATFORM_TARGET_OVERRIDE, else trn1, whose smaller SBUF (192 KiB per partition) makes its
+    blocks fit trn2's 224 KiB as well.
+    """
+    if xp is np:
+        return resolve_target()
+    return resolve_target(os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1"))
+
+
 def _split(x, n_batch, feature_dims):
     """x [*B, *T, F...] -> (B tuple, T tuple, flat batch count, flat token count)."""
     batch = x.shape[:n_batch]
@@ -49,7 +66,7 @@ def svd_matmul_kernels(x, u, v, *, n_batch, precision, out_dtype):
     out_shape = batch + tokens + (n,)
     if 0 in (t, k, r, n):
         return xp.zeros(out_shape, out_dtype)
-    kernel, blocks = dispatch.svd_matmul_plan(t, k, r, n, x.dtype, resolve_target())
+    kernel, blocks = dispatch.svd_matmul_plan(t, k, r, n, x.dtype, _target(xp))
     xs, us, vs = x.reshape(n_flat, t, k), u.reshape(n_flat, k, r), v.reshape(n_flat, r, n)
     ys = [kernel(xs[b], us[b], vs[b], **blocks) for b in range(n_flat)]
     return xp.stack(ys).reshape(out_shape).astype(out_dtype)
@@ -67,7 +84,7 @@ def svd_mlp_kernels(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation
         # An empty contraction makes gate and up 0, and act(0) * 0 = 0 for both activations.
         return xp.zeros(out_shape, out_dtype)
     (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(
-        t, h, i, *ranks, x.dtype, resolve_target(), activation=activation)
+        t, h, i, *ranks, x.dtype, _target(xp), activation=activation)
     flat = [a.reshape((n_flat,) + a.shape[n_batch:]) for a in (gate_u, gate_v, up_u, up_v, down_u, down_v)]
     xs = x.reshape(n_flat, t, h)
     ys = []

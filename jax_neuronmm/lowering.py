@@ -16,7 +16,8 @@ is registered only once JAX knows that platform (`ensure_neuron_lowering`).
 """
 
 from jax_neuronmm import kernel_calls, reference, sharding
-from jax_neuronmm._compat import is_known_platform, lower_fun, register_lowering, require_devices_during_lowering
+from jax_neuronmm._compat import (is_known_platform, lower_fun, lowering_platform, register_lowering,
+                                  require_devices_during_lowering)
 from jax_neuronmm.backend import effective_backend
 from jax_neuronmm.svd_matmul import svd_matmul_p
 from jax_neuronmm.svd_mlp import svd_mlp_p
@@ -43,7 +44,7 @@ def local_impl(primitive, platform):
 
 def _rule(primitive):
     def lower(ctx, *operands, **params):
-        platform = ctx.module_context.platforms[0]
+        platform = lowering_platform(ctx)
         backend = effective_backend(platform)
         if backend != "xla":
             kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
@@ -57,7 +58,9 @@ def _rule(primitive):
     return lower
 
 
-for _primitive in (svd_matmul_p, svd_mlp_p):
+PRIMITIVES = (svd_matmul_p, svd_mlp_p)
+
+for _primitive in PRIMITIVES:
     require_devices_during_lowering(_primitive)
     register_lowering(_primitive, _rule(_primitive))
 
@@ -70,11 +73,14 @@ def ensure_neuron_lowering():
     Called at import and again before every bind, so a plugin loaded after
     jax_neuronmm still gets the kernels. Returns whether the rule is registered.
     """
-    if not _neuron_registered and is_known_platform("neuron"):
-        for primitive in (svd_matmul_p, svd_mlp_p):
+    if not is_known_platform("neuron"):
+        _neuron_registered.clear()  # a stand-in platform (tests) may have come and gone
+        return False
+    if not _neuron_registered:
+        for primitive in PRIMITIVES:
             register_lowering(primitive, _rule(primitive), platform="neuron")
         _neuron_registered.append(True)
-    return bool(_neuron_registered)
+    return True
 
 
 ensure_neuron_lowering()

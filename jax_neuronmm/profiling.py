@@ -5,14 +5,13 @@
     print(prof)            # one row per kernel launch, then totals
     prof.calls[0].modeled_us["trn1"]
 
-Kernels run inside host callbacks when the computation executes, so block on
-the results inside the `with` (exiting also waits for pending callbacks).
+Kernels run inside host callbacks when the computation executes: block on the
+results inside the `with` (`.block_until_ready()`); a launch that has not run by
+the time the block exits is not recorded.
 """
 
 import contextlib
 import dataclasses
-
-import jax
 
 from nki_kernels import emulator
 
@@ -78,8 +77,4 @@ class Profile:
 def profile():
     """Records every NKI kernel launch the emulator runs inside the block; yields a `Profile`."""
     with emulator.profile() as recorded:
-        prof = Profile(recorded)
-        try:
-            yield prof
-        finally:
-            jax.effects_barrier()
+        yield Profile(recorded)

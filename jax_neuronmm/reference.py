@@ -46,13 +46,13 @@ def svd_mlp_ref(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="si
     return svd_matmul_ref(hidden, down_u, down_v, n_batch=n_batch, precision=precision, out_dtype=out_dtype)
 
 
-def token_contract(a, b, n_batch, out_dtype):
+def token_contract(a, b, n_batch, precision, out_dtype):
     """Sum over token dims: a [*B, *T, P] , b [*B, *T, Q] -> [*B, P, Q] (weight cotangents)."""
     batch = tuple(range(n_batch))
     tokens = tuple(range(n_batch, a.ndim - 1))
     dims = ((tokens, tokens), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, preferred_element_type=acc).astype(out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc).astype(out_dtype)
 
 
 def swap_last(w):

@@ -4,6 +4,7 @@ Every public entry point validates here, before binding, so bad input fails with
 a message that names the argument, what it got and what was expected.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -52,6 +53,8 @@ def result_dtype(op, input_dtype, preferred_element_type):
         raise TypeError(
             f"{op}: preferred_element_type={dtype.name} is not supported; expected one of {_dtype_names()}"
         )
+    if dtype == np.float64 and not jax.config.jax_enable_x64:
+        raise TypeError(f"{op}: preferred_element_type=float64 needs 64-bit mode (jax_enable_x64); it is off")
     return dtype
 
 

@@ -34,7 +34,8 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm._compat import Primitive, add_host_callback, register_lowering, varying_axes
+from jax_neuronmm._compat import (Primitive, add_host_callback, cpu_host_callback_lowering, lowering_platform,
+                                  register_lowering, varying_axes)
 from jax_neuronmm.shapes import accumulation_dtype
 
 
@@ -247,10 +248,9 @@ def _host_block_call_abstract_eval(*operands, index, shape, dtype):
 
 def _host_block_call_lowering(ctx, *operands, index, shape, dtype):
     del shape, dtype
-    if ctx.module_context.platforms != ("cpu",):
-        raise NotImplementedError(f"host kernels run on the cpu platform, not {ctx.module_context.platforms}")
-    rule = jax.ffi.ffi_lowering("xla_ffi_python_cpu_callback", has_side_effect=False)
-    return rule(ctx, *operands, index=np.uint64(index))
+    if lowering_platform(ctx) != "cpu":
+        raise NotImplementedError(f"host kernels run on the cpu platform, not {lowering_platform(ctx)!r}")
+    return cpu_host_callback_lowering(ctx, operands, index)
 
 
 register_lowering(host_block_call_p, _host_block_call_lowering)

@@ -93,9 +93,9 @@ def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype):
         return [ct_x, None, None]
     if undefined[1]:
         ct_v = batched_dot(ct, swap_last(v), n_batch, precision, target.dtype)  # ȳ·vᵀ [*B, *T, r]
-        return [None, token_contract(x, ct_v, n_batch, target.dtype), None]
+        return [None, token_contract(x, ct_v, n_batch, precision, target.dtype), None]
     xu = batched_dot(x, u, n_batch, precision, x.dtype)  # rounded as in the forward pass
-    return [None, None, token_contract(xu, ct, n_batch, target.dtype)]
+    return [None, None, token_contract(xu, ct, n_batch, precision, target.dtype)]
 
 
 def _batch(args, dims, *, n_batch, **params):

@@ -27,13 +27,14 @@ def custom_call_like_nki(kernel, grid, args, kwargs):
 
 @pytest.fixture
 def neuron_platform():
-    with stand_in_platform("neuron"):
+    with stand_in_platform("neuron", lowering.PRIMITIVES):
         emulator.set_array_frontend(custom_call_like_nki)
         try:
             assert lowering.ensure_neuron_lowering()
             yield
         finally:
             nki_frontend.install()
+    assert not lowering.ensure_neuron_lowering()  # the stand-in is gone, and so is its rule
 
 
 def kernel_calls(text):

@@ -188,3 +188,20 @@ def test_bad_preferred_element_type():
     with pytest.raises(TypeError, match="preferred_element_type=int32"):
         jn.svd_matmul(np.ones((2, 3), np.float32), np.ones((3, 1), np.float32), np.ones((1, 2), np.float32),
                       preferred_element_type=np.int32)
+
+
+def test_float64_result_without_x64_is_refused():
+    x = np.ones((2, 3), np.float32)
+    with pytest.raises(TypeError, match="preferred_element_type=float64 needs 64-bit mode"):
+        jn.svd_matmul(x, np.ones((3, 1), np.float32), np.ones((1, 2), np.float32), preferred_element_type=np.float64)
+
+
+def test_precision_reaches_every_gradient_product(rng):
+    x, u, v = factors(rng, (4,), 8, 2, 6)
+    grads = jax.grad(lambda *a: jn.svd_matmul(*a, precision="highest").sum(), argnums=(0, 1, 2))
+    jaxpr = jax.make_jaxpr(grads)(x, u, v)
+
+    found = [e.params["precision"] for e in jaxpr.eqns if e.primitive.name in ("dot_general", "svd_matmul")]
+    assert len(found) >= 3
+    highest = jax.lax.Precision.HIGHEST
+    assert all(p in (highest, (highest, highest)) for p in found), found
