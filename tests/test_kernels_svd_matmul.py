@@ -137,7 +137,7 @@ def hbm_traffic_problems(run, t, k, r, n, itemsize):
         read |= {access.storage for access in record.reads if access.buffer == "hbm"}
         written |= {access.storage for access in record.writes if access.buffer == "hbm"}
         if record.dma is not None:
-            bytes_read += record.dma.nbytes if record.dma.src_buffer == "hbm" else 0
+            bytes_read += record.dma.bytes_read if record.dma.src_buffer == "hbm" else 0
             bytes_written += record.dma.nbytes if record.dma.dst_buffer == "hbm" else 0
     problems = []
     if read & written:
