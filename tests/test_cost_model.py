@@ -5,6 +5,8 @@ the model: matmul cycles, engine concurrency, dependency ordering, DMA bandwidth
 dependence on transfer size, targets.
 """
 
+import dataclasses
+
 import pytest
 
 from nki_kernels.emulator import cost_model, trace
@@ -25,12 +27,14 @@ def _matmul(stationary, moving, out, *, contraction=128, stationary_free=128, mo
 
 
 def _elementwise(opcode, engine, src, dst, *, free=512, partitions=128, src_buffer="sbuf",
-                 dst_buffer="sbuf", dtype="float32", p_start=0):
+                 dst_buffer="sbuf", dtype="float32", p_start=0, src_dtype=None, inner_contiguous=True):
+    """One-input instruction; src_dtype defaults to dtype (the output's)."""
     return trace.InstructionRecord(
         opcode=opcode, engine=engine, line="k.py:2", partitions=partitions, free_elements=free,
         dtype=dtype,
         reads=(A(src, src_buffer, p_start, p_start + partitions, 0, free * 4),),
-        writes=(A(dst, dst_buffer, p_start, p_start + partitions, 0, free * 4),))
+        writes=(A(dst, dst_buffer, p_start, p_start + partitions, 0, free * 4),),
+        input_dtypes=(dtype if src_dtype is None else src_dtype,), inner_contiguous=inner_contiguous)
 
 
 def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0, hbm_run=None):
@@ -156,6 +160,42 @@ def test_trn2_vector_perf_mode_for_bf16_copies():
     copy = _elementwise("tensor_copy", "vector", 1, 2, free=4096, dtype="bfloat16")
     assert cost_model.model_latency(_run(copy), "trn1") == pytest.approx(_us(4096, 1.12))
     assert cost_model.model_latency(_run(copy), "trn2") == pytest.approx(_us(4096 / 4, 0.96))
+
+
+@pytest.mark.parametrize("opcode", ["tensor_copy", "tensor_scalar"])
+@pytest.mark.parametrize("src_buffer, src_dtype, dtype, inner_contiguous, speedup", [
+    ("sbuf", "float16", "bfloat16", True, 4),    # 1a+1b+1c (input and output dtypes need not match)
+    ("sbuf", "bfloat16", "bfloat16", False, 2),  # 1a+1b, innermost elements strided
+    ("psum", "bfloat16", "bfloat16", True, 2),   # 1b+1c with the input in PSUM
+    ("psum", "bfloat16", "bfloat16", False, 1),  # PSUM and strided: neither case
+    ("psum", "float32", "bfloat16", True, 1),    # fp32 PSUM eviction to bf16: the input is not 16-bit
+    ("sbuf", "float32", "bfloat16", True, 1),
+    ("sbuf", "bfloat16", "float32", True, 1),
+])
+def test_trn2_vector_perf_mode_needs_every_tensor_16_bit(opcode, src_buffer, src_dtype, dtype,
+                                                        inner_contiguous, speedup):
+    # Trainium2 architecture guide, "Vector Engine Performance Mode".
+    record = _elementwise(opcode, "vector", 1, 2, free=4096, src_buffer=src_buffer, dtype=dtype,
+                          src_dtype=src_dtype, inner_contiguous=inner_contiguous)
+    assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(4096 / speedup, 0.96))
+    assert cost_model.model_latency(_run(record), "trn1") == pytest.approx(_us(4096, 1.12))
+
+
+def test_trn2_vector_perf_mode_needs_known_input_dtypes():
+    record = dataclasses.replace(_elementwise("tensor_copy", "vector", 1, 2, free=4096, dtype="bfloat16"),
+                                 input_dtypes=())
+    assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(4096, 0.96))
+
+
+@pytest.mark.parametrize("dtype1, dtype2, speedup", [
+    ("bfloat16", "float16", 2), ("bfloat16", "float32", 1), ("float32", "bfloat16", 1)])
+def test_trn2_tensor_tensor_perf_mode_needs_both_inputs_16_bit(dtype1, dtype2, speedup):
+    # 2x case 2a: both inputs in SBUF, all of input/output tensors in BF16/FP16 (output bf16 here).
+    record = trace.InstructionRecord(
+        opcode="tensor_tensor", engine="vector", line="k.py:4", partitions=128, free_elements=1024,
+        dtype="bfloat16", reads=(A(1, "sbuf", 0, 128, 0, 4096), A(2, "sbuf", 0, 128, 0, 4096)),
+        writes=(A(3, "sbuf", 0, 128, 0, 2048),), input_dtypes=(dtype1, dtype2))
+    assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(2048 / speedup, 0.96))
 
 
 @pytest.mark.parametrize("target, engine_rate", [("trn1", 17.0), ("trn2", min(23.0, 2900.0 / 8 / 16))])

@@ -200,3 +200,42 @@ def test_casting_dmas_count_hbm_bytes_on_the_hbm_side():
     assert r.hbm_bytes_read == 2 * x.size  # bf16 read from HBM, though 4 bytes land per element
     assert r.hbm_bytes_written == 2 * x.size
     assert r.dma_sizes == (4 * x.size, 2 * x.size)  # bytes written by each DMA
+
+
+
+@nki.jit
+def _evictions(x, w):
+    """x [K, M], w [K, N] bf16: x.T @ w into fp32 PSUM, evicted to bf16 SBUF, copied bf16 -> bf16 in SBUF
+    (contiguous, stored) and through a view taking every other column (strided)."""
+    acc = nl.ndarray((x.shape[1], w.shape[1]), nl.float32, buffer=nl.psum)
+    nisa.nc_matmul(acc, nl.load(x), nl.load(w))
+    evicted = nl.ndarray(acc.shape, nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(evicted, acc)
+    copied = nl.ndarray(acc.shape, nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(copied, evicted)
+    every_other = nl.ndarray((x.shape[1], w.shape[1] // 2), nl.bfloat16, buffer=nl.sbuf)
+    nisa.tensor_copy(every_other, evicted[:, ::2])
+    out = nl.ndarray(acc.shape, nl.bfloat16, buffer=nl.shared_hbm)
+    nl.store(out, copied)
+    return out
+
+
+def test_records_carry_input_dtypes_for_the_vector_perf_mode():
+    k, m, n = 64, 96, 512
+    x, w = rand((k, m), dtype=ml_dtypes.bfloat16, seed=14), rand((k, n), dtype=ml_dtypes.bfloat16, seed=15)
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        with emulator.use_target("trn2"):
+            out = _evictions(x, w)
+    finally:
+        trace.remove_listener(runs.append)
+    expected = x.astype(np.float64).T @ w.astype(np.float64)
+    np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
+    copies = [r for r in runs[0].records if r.opcode == "tensor_copy"]
+    assert [(r.input_dtypes, r.dtype, r.inner_contiguous) for r in copies] == [
+        (("float32",), "bfloat16", True), (("bfloat16",), "bfloat16", True), (("bfloat16",), "bfloat16", False)]
+    # trn2 VectorE performance mode: none for the fp32 PSUM eviction, 4x for the contiguous bf16 SBUF copy,
+    # 2x for the strided one.
+    hw = cost_model.HARDWARE["trn2"]
+    assert [cost_model.compute_cycles(r, hw) for r in copies] == [n, n / 4, n / 2 / 2]

@@ -173,19 +173,34 @@ def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
         return IOTA_FIXED_CYCLES + n
     reads_psum = any(a.buffer == "psum" for a in record.reads)
     touches_psum = reads_psum or any(a.buffer == "psum" for a in record.writes)
+    perf_mode = record.engine == "vector" and hw.vector_bf16_perf_mode and _all_bf16_like(record)
     elements_per_cycle = 1.0
     if record.engine == "vector" and record.opcode == "tensor_tensor":
         # [ISA] tensor_tensor on VectorE: N when one input is in PSUM, otherwise 2N (the N case
         # for all-bf16 add/multiply/subtract is not applied: records do not carry the operator).
         elements_per_cycle = 1.0 if reads_psum else 0.5
-        if hw.vector_bf16_perf_mode and not reads_psum and record.dtype in _BF16_LIKE:
-            elements_per_cycle *= 2  # [ARCH2] 2x for SBUF bf16/fp16 tensor_tensor
-    elif record.engine == "vector" and hw.vector_bf16_perf_mode and record.dtype in _BF16_LIKE \
-            and record.opcode in ("tensor_copy", "tensor_scalar"):
-        # [ARCH2] 4x for SBUF bf16/fp16 tensor_copy/tensor_scalar, 2x when PSUM is involved
-        # (record.dtype, the output dtype, stands in for both input and output dtypes).
-        elements_per_cycle = 2.0 if touches_psum else 4.0
+        if perf_mode and not reads_psum:
+            # [ARCH2] "Vector Engine Performance Mode", 2x case 2a: both inputs in SBUF and all of
+            # input/output tensors in BF16/FP16.
+            elements_per_cycle *= 2
+    elif perf_mode and record.opcode in ("tensor_copy", "tensor_scalar"):
+        # [ARCH2] "Vector Engine Performance Mode": all input/output tensors in BF16/FP16 (1b) and
+        # 4x when all are in SBUF (1a) with contiguous innermost free elements (1c); 2x for 1a+1b
+        # without 1c (2x case 1a), or 1b+1c with the input or the output in PSUM (2x case 1b).
+        if not touches_psum:
+            elements_per_cycle = 4.0 if record.inner_contiguous else 2.0
+        elif record.inner_contiguous:
+            elements_per_cycle = 2.0
     return max(MIN_II_CYCLES, n / elements_per_cycle)
+
+
+def _all_bf16_like(record: trace.InstructionRecord) -> bool:
+    """Output and every input data tensor in BF16/FP16 ([ARCH2] performance-mode condition 1b).
+
+    A record without input dtypes cannot show its inputs qualify, so it does not.
+    """
+    return (record.dtype in _BF16_LIKE and bool(record.input_dtypes)
+            and all(d in _BF16_LIKE for d in record.input_dtypes))
 
 
 class _RegionIndex:

@@ -148,8 +148,15 @@ def _mark_psum(dst, state):
         dst.psum_state()[...] = state
 
 
-def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, partitions=None, free=None):
+def _inner_contiguous(t):
+    return t.shape[-1] == 1 or t.strides[-1] == 1
+
+
+def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, partitions=None, free=None,
+            inputs=None):
+    """Append the instruction's record; `inputs` are its input data tensors (default: all of `reads`)."""
     ctx.check_capacity(opcode, line)
+    inputs = reads if inputs is None else inputs
     ctx.run.records.append(InstructionRecord(
         opcode, engine_name, line,
         dst.shape[0] if partitions is None else partitions,
@@ -157,7 +164,9 @@ def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, p
         dtypes.NAME[dst.dtype],
         tuple(r.access() for r in reads),
         (dst.access(),),
-        matmul, dma))
+        matmul, dma,
+        tuple(dtypes.NAME[t.dtype] for t in inputs),
+        _inner_contiguous(dst) and all(_inner_contiguous(t) for t in inputs)))
 
 
 def _engine_name(requested, default, opcode, line, allowed):
@@ -673,7 +682,7 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         _write(dst, result)
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data,) + tuple(o for o in (operand0, operand1) if isinstance(o, NkiTensor))
-    _record(ctx, opcode, engine_name, line, dst, reads)
+    _record(ctx, opcode, engine_name, line, dst, reads, inputs=(data,))
 
 
 def _reduce_axes(opcode, line, data, axis):
@@ -762,7 +771,7 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
             _write(reduce_res, registers[:partitions].copy())
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data,) + tuple(o for o in (bias, scale) if isinstance(o, NkiTensor))
-    _record(ctx, opcode, "scalar", line, dst, reads)
+    _record(ctx, opcode, "scalar", line, dst, reads, inputs=(data,))
 
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):

@@ -69,6 +69,12 @@ class InstructionRecord:
     writes: tuple[Access, ...]
     matmul: Optional[MatmulInfo] = None
     dma: Optional[DmaInfo] = None
+    # numpy dtype names of the input data tensors, in argument order (per-partition scalar operands such
+    # as bias, scale or tensor_scalar's operands excluded); () when not recorded.
+    input_dtypes: tuple[str, ...] = ()
+    # Whether dst and every input data tensor have physically contiguous elements along their innermost
+    # free dimension (a condition of trn2's VectorE performance mode).
+    inner_contiguous: bool = True
 
 
 @dataclasses.dataclass
