@@ -2,6 +2,7 @@
 file's line) and a conforming one that runs."""
 
 import numpy as np
+import pytest
 
 from nki_kernels import emulator
 from nki_kernels.binding import nki, nisa, nl
@@ -321,3 +322,29 @@ def test_dma_cannot_touch_psum():
     x = rand((8, 8))
     assert "DMA cannot access PSUM" in _raises("dma_copy", kernel, x, True)
     np.testing.assert_array_equal(kernel(x, False), x)
+
+
+@nki.jit
+def _activation_kernel(x, opname):
+    t = nl.load(x)
+    y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+    nisa.activation(y, getattr(nl, opname), t)
+    out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
+    nl.store(out, y)
+    return out
+
+
+@pytest.mark.parametrize("opname", ["floor", "ceil", "trunc", "cos", "tan", "negative", "logical_not", "invert",
+                                    "add"])
+def test_activation_only_takes_documented_functions(opname):
+    # Not in the table of activation functions of the NKI ISA docs (nl.floor etc. exist as nl functions).
+    message = _raises("activation", _activation_kernel, rand((8, 6), seed=21), opname)
+    assert f"op {opname} is not an activation function" in message
+
+
+@pytest.mark.parametrize("opname, reference", [("sign", np.sign), ("abs", np.abs), ("square", np.square),
+                                               ("arctan", np.arctan), ("sin", np.sin)])
+def test_activation_runs_documented_functions(opname, reference):
+    x = np.clip(rand((8, 6), seed=22), -1.5, 1.5)  # inside the narrowest valid range ([-pi/2, pi/2], arctan)
+    np.testing.assert_allclose(_activation_kernel(x, opname), reference(x.astype(np.float64)),
+                               rtol=1e-6, atol=1e-6)

@@ -729,6 +729,15 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     _record(ctx, opcode, "vector", line, dst, (data,), free=_free(data))
 
 
+# The functions ScalarE's activation evaluates: table "Supported Activation Functions by NKI ISA" (NKI ISA common
+# fields). The table also lists nl.prelu and nl.gelu_apprx_sigmoid_dx, which the emulator does not implement
+# (ops.unary raises for them); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
+_ACTIVATION_FUNCTIONS = frozenset((
+    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid", "silu",
+    "silu_dx", "tanh", "softplus", "mish", "erf", "erf_dx", "exp", "log", "sin", "arctan", "sqrt", "rsqrt",
+    "reciprocal", "sign", "abs"))
+
+
 def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
                name=None):
     """dst = op(data * scale + bias) on ScalarE in float32; bias a [P, 1] vector (or scalar), scale scalar or [P, 1].
@@ -741,6 +750,10 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     line = context.caller_line()
     _elementwise_operands(opcode, line, dst, data=data)
     partitions = data.shape[0]
+    name_ = ops.op_name(op)
+    if name_ not in _ACTIVATION_FUNCTIONS:
+        _fail(opcode, line, f"op {name_} is not an activation function of the Scalar Engine; expected one of "
+                            f"{sorted(_ACTIVATION_FUNCTIONS)}")
     fn = ops.unary(op)
     _operand(opcode, line, "scale", scale, partitions, require_f32=True)
     if bias is not None:
