@@ -37,6 +37,9 @@ The model is a list scheduler over the run's instruction records:
   ([ARCH1]: "Data within a DMA buffer must be continuous"; each SBUF partition is at least one
   buffer); an HBM->HBM copy uses its contiguous run. The same relative curve is applied to trn1
   and trn2 (the bandwidth guide gives the same 2 KiB / 4 KiB thresholds for both).
+  Buffers below the figure's smallest point (32 B per partition) are charged the time of a 32 B
+  buffer: an extrapolation (the figure stops at 32 B), continuing the fixed per-transfer cost that
+  the curve's lower part shows (throughput doubling with size) rather than inventing a number.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
   kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
   (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
@@ -121,7 +124,8 @@ DMA_PARTITIONS_PER_ENGINE = 8
 # "approaches peak", >= 4 KiB saturates; [PERF] Opt #9: transfers (per engine: 8 partitions)
 # "should be larger than 32KiB" = 4 KiB per partition. Between points the model interpolates
 # log-linearly (a power law between neighbours); below 32 B throughput is taken as proportional
-# to size (the fixed per-transfer cost of the curve's lower part), from 32 KiB up as 1.
+# to size (the fixed per-transfer cost of the curve's lower part), so a smaller buffer takes the
+# time of a 32 B one -- an extrapolation, the figure has no point below 32 B; from 32 KiB up as 1.
 DMA_EFFICIENCY_BY_PARTITION_BYTES = (
     (32, 0.016), (64, 0.029), (128, 0.053), (256, 0.105), (512, 0.209), (1024, 0.423),
     (2048, 0.815), (4096, 0.965), (8192, 0.983), (16384, 0.990), (32768, 1.0),
@@ -307,7 +311,11 @@ class Schedule:
 
 
 def dma_efficiency(buffer_bytes: float) -> float:
-    """Throughput of DMA buffers of `buffer_bytes` relative to the peak (figure nki-dma-intro-1)."""
+    """Throughput of DMA buffers of `buffer_bytes` relative to the peak (figure nki-dma-intro-1).
+
+    Below the figure's smallest point (32 B) throughput scales with size, so every smaller buffer
+    takes the 32 B buffer's time (extrapolated: the figure stops at 32 B).
+    """
     curve = DMA_EFFICIENCY_BY_PARTITION_BYTES
     if buffer_bytes <= 0:
         raise ValueError(f"buffer_bytes: got {buffer_bytes}, expected a positive byte count")
