@@ -78,7 +78,7 @@ def main(argv):
             calibration_ids=ids if FLAGS.method == "whitened" else None)
         print(f"compressed ({FLAGS.method}, keep {FLAGS.keep}, {'+'.join(include)}) in "
               f"{time.perf_counter() - start:.1f} s")
-    eos = model.eos_token_ids[0] if model.eos_token_ids else None
+    eos = model.eos_token_ids or None
     sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=eos,
                     seed=FLAGS.seed)
 

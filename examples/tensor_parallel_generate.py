@@ -5,7 +5,9 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
                        one all-reduce for the whole MLP
   attention            q/k/v v [r, heads·D] split on heads (column parallel), o u [heads·D, r] split on heads
                        (row parallel): one all-reduce
-  everything else      replicated; the batch is split over "data".
+  everything else      replicated. The factors stay sharded through generation; `generate` takes the prompts
+                       to the host and places the batch and the KV cache unsharded, so "data" splits only
+                       the separately compiled MLP shown at the end (batch-split generation is not done yet).
 Generates (same sampling seed) on one device and on the mesh and checks that the tokens are the same. Without accelerators,
 --cpu_devices fakes that many CPU devices (must be set before JAX starts, hence parsed by hand below).
 
@@ -121,8 +123,7 @@ def main(argv):
     sampling = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
     single = np.asarray(models.generate(model, prompts, FLAGS.new_tokens, **sampling))
     sharded_model = shard_model(model, mesh)
-    sharded_prompts = jax.device_put(prompts, NamedSharding(mesh, P("data")))
-    parallel = np.asarray(models.generate(sharded_model, sharded_prompts, FLAGS.new_tokens, **sampling))
+    parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.new_tokens, **sampling))
 
     mlp = sharded_model.layers[0].mlp
     print(f"mesh {dict(mesh.shape)}; layer 0 MLP factor shards: gate v {mlp.gate_proj.v[...].sharding.spec}, "

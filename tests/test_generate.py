@@ -113,6 +113,13 @@ def test_eos_stops_and_fills(llama):
     # Both rows finish immediately when eos is each row's first token.
     both = np.asarray(generate(llama, prompt[:1].repeat(2, 0), 10, eos_id=int(greedy[0, 5])))
     assert both.shape == (2, 6)
+    # Several end tokens: each row stops at whichever of them it emits first; finished rows get the first id.
+    other = next(t for t in range(llama.config.vocab_size) if t not in greedy[:, 5:])
+    multi = np.asarray(generate(llama, prompt, 10, eos_id=[other, eos]))
+    assert (multi[0, row0_first + 1:] == other).all() and multi[0, row0_first] == eos
+    np.testing.assert_array_equal(multi[0, :row0_first], greedy[0, :row0_first])
+    with pytest.raises(ValueError, match="eos_id"):
+        generate(llama, prompt, 3, eos_id=[])
 
 
 def test_bad_arguments(llama):

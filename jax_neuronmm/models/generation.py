@@ -92,15 +92,16 @@ def generate(
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
-    eos_id: int | None = None,
+    eos_id=None,
     seed: int = 0,
     pad_mask=None,
     lengths=None,
 ) -> jax.Array:
     """Continue each prompt of token_ids [B, T] by up to max_new_tokens tokens; returns [B, T + n] int32.
 
-    The result is the prompt as given followed by n new tokens (n == max_new_tokens unless every row produced
-    eos_id earlier; rows that finished first are filled with eos_id). temperature 0 is greedy decoding; otherwise
+    The result is the prompt as given followed by n new tokens (n == max_new_tokens unless every row produced an
+    end token earlier; rows that finished first are filled with the first end token). eos_id: an end-of-sequence
+    id or a sequence of them (Llama 3 instruct ends turns with several), or None. temperature 0 is greedy decoding; otherwise
     tokens are sampled from softmax(logits / temperature), restricted to the top_k most likely and/or to the
     smallest set whose probability reaches top_p, with a PRNG seeded by `seed`.
 
@@ -124,6 +125,7 @@ def generate(
         raise ValueError(f"token_ids: got shape {prompt.shape} dtype {prompt.dtype}, expected int [B, T] with T >= 1")
     mask = _prompt_mask(prompt, pad_mask, lengths)
     batch, tokens = prompt.shape
+    eos_ids = _end_tokens(eos_id, model.config.vocab_size)
 
     graphdef, state = nnx.split(model)
     sampling = dict(greedy=temperature == 0, top_k=top_k, use_top_p=top_p is not None)
@@ -141,14 +143,25 @@ def generate(
     done = jnp.zeros((batch,), bool)
     new_tokens = []
     for step in range(int(max_new_tokens)):
-        if eos_id is not None:
-            next_tokens = jnp.where(done, eos_id, next_tokens)
-            done = done | (next_tokens == eos_id)
+        if eos_ids is not None:
+            next_tokens = jnp.where(done, eos_ids[0], next_tokens)
+            done = done | jnp.isin(next_tokens, eos_ids)
         new_tokens.append(next_tokens)
-        if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+        if step + 1 == max_new_tokens or (eos_ids is not None and bool(done.all())):
             break
         next_tokens, cache = _decode_step(
             graphdef, state, next_tokens, jnp.asarray(next_positions + step), cache,
             jax.random.fold_in(base_key, step + 1), temperature_arr, top_p_arr, **sampling,
         )
     return jnp.concatenate([jnp.asarray(prompt, jnp.int32), jnp.stack(new_tokens, axis=1)], axis=1)
+
+
+def _end_tokens(eos_id, vocab_size):
+    """eos_id (None, an int or a sequence of ints) as an int32 array of ids, or None."""
+    if eos_id is None:
+        return None
+    ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
+    if not ids or any(int(i) != i or not 0 <= i < vocab_size for i in ids):
+        raise ValueError(f"eos_id: got {eos_id!r}, expected None, a token id or a non-empty sequence of ids in "
+                         f"[0, {vocab_size})")
+    return jnp.asarray(ids, jnp.int32)

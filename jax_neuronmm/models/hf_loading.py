@@ -8,6 +8,8 @@ tensor name of each parameter follows from its path; PyTorch linear weights [out
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import os
 from typing import Any
@@ -94,41 +96,42 @@ def load_hf(path: str, dtype=jnp.float32) -> CausalLM:
     abstract = nnx.eval_shape(lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0)))
     graphdef, abstract_state = nnx.split(abstract)
 
-    handles = [safe_open(f, framework="numpy") for f in files]
-    location = {name: handle for handle in handles for name in handle.keys()}
-    prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in location), None)
-    if prefix is None:
-        raise ValueError(
-            f"path: {path!r}: no embedding tensor found (looked for "
-            f"{[p + 'embed_tokens.weight' for p in _DECODER_PREFIXES]})"
-        )
-
-    used, missing, loaded = set(), [], []
-    for param_path, variable in nnx.to_flat_state(abstract_state):
-        name, transposed = _hf_name(param_path)
-        candidates = _LM_HEAD_NAMES if name == "lm_head.weight" else (prefix + name,)
-        full_name = next((c for c in candidates if c in location), None)
-        if full_name is None:
-            missing.append(candidates[0])
-            continue
-        array = location[full_name].get_tensor(full_name)
-        if transposed:
-            array = array.T
-        if array.shape != variable.shape:
+    with contextlib.ExitStack() as open_files:
+        handles = [open_files.enter_context(safe_open(f, framework="numpy")) for f in files]
+        location = {name: handle for handle in handles for name in handle.keys()}
+        prefix = next((p for p in _DECODER_PREFIXES if p + "embed_tokens.weight" in location), None)
+        if prefix is None:
             raise ValueError(
-                f"tensor {full_name!r}: got shape {array.shape} (after transpose: {transposed}), "
-                f"expected {variable.shape} from config.json"
+                f"path: {path!r}: no embedding tensor found (looked for "
+                f"{[p + 'embed_tokens.weight' for p in _DECODER_PREFIXES]})"
             )
-        used.add(full_name)
-        loaded.append((param_path, variable.replace(jnp.asarray(np.asarray(array), dtype=dtype))))
-    if missing:
-        raise ValueError(f"path: {path!r}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
-    unexpected = [
-        n for n in location
-        if n.startswith(prefix) and n not in used and not n.endswith(_IGNORED_SUFFIXES)
-    ]
-    if unexpected:
-        raise ValueError(f"path: {path!r}: checkpoint has tensors the model does not use, e.g. {unexpected[:5]}")
+
+        used, missing, loaded = set(), [], []
+        for param_path, variable in nnx.to_flat_state(abstract_state):
+            name, transposed = _hf_name(param_path)
+            candidates = _LM_HEAD_NAMES if name == "lm_head.weight" else (prefix + name,)
+            full_name = next((c for c in candidates if c in location), None)
+            if full_name is None:
+                missing.append(candidates[0])
+                continue
+            array = location[full_name].get_tensor(full_name)
+            if transposed:
+                array = array.T
+            if array.shape != variable.shape:
+                raise ValueError(
+                    f"tensor {full_name!r}: got shape {array.shape} (after transpose: {transposed}), "
+                    f"expected {variable.shape} from config.json"
+                )
+            used.add(full_name)
+            loaded.append((param_path, variable.replace(jnp.asarray(np.asarray(array), dtype=dtype))))
+        if missing:
+            raise ValueError(f"path: {path!r}: checkpoint lacks {len(missing)} tensors, e.g. {missing[:5]}")
+        unexpected = [
+            n for n in location
+            if n.startswith(prefix) and n not in used and not n.endswith(_IGNORED_SUFFIXES)
+        ]
+        if unexpected:
+            raise ValueError(f"path: {path!r}: checkpoint has tensors the model does not use, e.g. {unexpected[:5]}")
 
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
     model.tokenizer = _load_tokenizer(path)
