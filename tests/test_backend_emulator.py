@@ -165,3 +165,13 @@ def test_emulated_nki_jit_accepts_jax_arrays_like_the_real_one(rng):
     assert len(prof.calls) == 2  # output-shape inference does not count as a launch
     np.testing.assert_allclose(eager, ref64(x, u, v), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jitted, 2 * ref64(x, u, v), rtol=1e-5, atol=1e-5)
+
+
+def test_mlp_with_output_width_unlike_input_width(rng):
+    x = rng.standard_normal((3, 40)).astype(np.float32)
+    shapes = [(40, 6), (6, 96), (40, 6), (6, 96), (96, 5), (5, 72)]  # H = 40 in, 72 out
+    weights = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
+    with jn.use_backend("emulator"), jn.profile() as prof:
+        emulated = jax.jit(jn.svd_mlp)(x, *weights)
+    assert emulated.shape == (3, 72) and len(prof.calls) == 2
+    np.testing.assert_allclose(emulated, jax.jit(jn.svd_mlp)(x, *weights), rtol=2e-5, atol=2e-5)
