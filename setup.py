@@ -33,6 +33,7 @@ setup(
             "transformers>=4.50,<6",
             "torch==2.13.0",
             "flatbuffers>=24,<27",  # jax.export serialization
+            "pyflakes>=3,<5",  # tests/test_emulator_lint.py
         ],
         "examples": ["matplotlib>=3.8,<4"],
     },
