@@ -136,3 +136,12 @@ def test_bad_arguments(llama):
         generate(llama, prompt, 3, temperature=1.0, top_p=0.0)
     with pytest.raises(TypeError, match="model"):
         generate(object(), prompt, 3)
+
+
+def test_logits_at_picks_one_column_per_row(llama):
+    prompt = _prompts(3, 6, seed=11)
+    full = np.asarray(llama(jnp.asarray(prompt)))
+    columns = np.array([5, 0, 3])
+    picked = np.asarray(llama(jnp.asarray(prompt), logits_at=columns))
+    assert picked.shape == (3, 1, full.shape[-1])
+    np.testing.assert_allclose(picked[:, 0], full[np.arange(3), columns], rtol=1e-5, atol=1e-5)

@@ -176,8 +176,12 @@ class CausalLM(nnx.Module):
         positions: jax.Array | None = None,
         token_mask: jax.Array | None = None,
         cache: KVCache | None = None,
+        logits_at: jax.Array | None = None,
     ):
         """Logits [B, T, vocab] for token_ids [B, T] (int).
+
+        logits_at [B] int: only the logits at that column of each row, [B, 1, vocab] (prefill needs just the
+        last real token's; unembedding every position over the vocabulary would be wasted).
 
         positions [B, T]: token positions (default 0..T-1, or continuing after the cache's valid tokens is the
         caller's job). token_mask [B, T] bool: False marks padding (such tokens are never attended to; their own
@@ -214,6 +218,8 @@ class CausalLM(nnx.Module):
             x, (k, v) = layer(x, positions, masks[window], kv, write_index)
             new_keys.append(k)
             new_values.append(v)
+        if logits_at is not None:
+            x = jnp.take_along_axis(x, jnp.asarray(logits_at, jnp.int32)[:, None, None], axis=1)
         logits = self.unembed(self.norm(x))
         if cache is None:
             return logits

@@ -46,11 +46,10 @@ def _prefill(graphdef, state, token_ids, positions, token_mask, cache, key, temp
              use_top_p):
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
-    logits, cache = model(token_ids, positions=positions, token_mask=token_mask, cache=cache)
     tokens = token_ids.shape[1]
     last_real = jnp.argmax(jnp.where(token_mask, jnp.arange(tokens), -1), axis=1)
-    last_logits = jnp.take_along_axis(logits, last_real[:, None, None], axis=1)[:, 0]
-    next_tokens = _sample(last_logits, key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    logits, cache = model(token_ids, positions=positions, token_mask=token_mask, cache=cache, logits_at=last_real)
+    next_tokens = _sample(logits[:, 0], key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
     return next_tokens, cache
 
 
