@@ -95,12 +95,38 @@ def _tensor(opcode, line, name, value):
     return value
 
 
-def _on_chip(opcode, line, name, t, kinds=("sbuf", "psum")):
+def _on_chip(opcode, line, name, t, kinds=("sbuf", "psum"), compute_engine=True):
+    """Checks that t is an on-chip tile of at most 128 partitions; a compute-engine operand (not a DMA one) must
+    also be placed as the engines can stream it (_partition_placement)."""
     _tensor(opcode, line, name, t)
     if t.storage.kind not in kinds:
         _fail(opcode, line, f"{name} {t.describe()} must be in {' or '.join(kinds).upper()}")
     if t.shape[0] > context.PMAX:
         _fail(opcode, line, f"{name} {t.describe()} spans {t.shape[0]} partitions, over {context.PMAX}")
+    if compute_engine:
+        _partition_placement(opcode, line, name, t)
+
+
+def _partition_placement(opcode, line, name, t):
+    """Checks the partitions a compute engine (Tensor/Vector/Scalar/GpSimd) reads or writes of the on-chip tile t.
+
+    Architecture guide (Trainium/Inferentia2), "Accessing SBUF/PSUM tensors using compute engines": no striding
+    along the partition dimension, so a tile occupies consecutive partitions; and its start partition depends on
+    how many it occupies: over 64 must start at 0, 33 to 64 at 0 or 64, 1 to 32 at 0, 32, 64 or 96 (the same
+    rule as nki.isa.nc_stream_shuffle's start partitions). DMA engines are not bound by either.
+    """
+    part_stride = t.storage.part_stride
+    count = t.shape[0]
+    if count > 1 and t.strides[0] != part_stride:
+        _fail(opcode, line, f"{name} {t.describe()} steps {t.strides[0]} elements from one partition row to the "
+                            f"next, expected {part_stride}: compute engines access consecutive partitions (no "
+                            f"striding along the partition dimension)")
+    start = t.offset // part_stride
+    alignment = 128 if count > 64 else 64 if count > 32 else 32
+    if start % alignment:
+        allowed = "0" if count > 64 else "0 or 64" if count > 32 else "0, 32, 64 or 96"
+        _fail(opcode, line, f"{name} {t.describe()} starts at partition {start}; a tile of {count} partitions "
+                            f"must start at partition {allowed}")
 
 
 def _free(t):
@@ -300,7 +326,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     opcode = "dma_transpose"
     ctx = context.current(opcode)
     line = context.caller_line()
-    _on_chip(opcode, line, "dst", dst, kinds=("sbuf",))
+    _on_chip(opcode, line, "dst", dst, kinds=("sbuf",), compute_engine=False)
     _tensor(opcode, line, "src", src)
     # Direct (non-indirect) transposes lower to unknown or hardware DGE only.
     _dma_options(opcode, line, ctx, priority, dge_mode, (_DgeMode.unknown, _DgeMode.hwdge))

@@ -216,6 +216,7 @@ def _elementwise(opname, fn, args, dtype, engine_name, opcode):
     for t in tensors:
         if not t.is_on_chip:
             raise NkiHardwareError(f"nl.{opname} at {line}: {t.describe()} must be in SBUF or PSUM (nl.load it)")
+        _isa._partition_placement(f"nl.{opname}", line, "operand", t)
     shape = _broadcast_shape(opname, tensors)
     out = allocate(shape, tensors[0].dtype if dtype is None else dtype, sbuf)
     if ctx.numerics:
@@ -264,6 +265,7 @@ def _reduce(opname, reducer, x, axis, dtype, keepdims):
     line = context.caller_line()
     if not isinstance(x, NkiTensor) or not x.is_on_chip:
         raise NkiHardwareError(f"nl.{opname} at {line}: x must be an on-chip (SBUF/PSUM) tile")
+    _isa._partition_placement(f"nl.{opname}", line, "x", x)
     axes = _isa._reduce_axes(f"nl.{opname}", line, x, axis)
     if keepdims:
         shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
@@ -337,6 +339,7 @@ def broadcast_to(x, shape, dtype=None):
         raise ValueError(f"nl.broadcast_to: cannot broadcast {list(x.shape)} to {list(shape)}")
     ctx = context.current("nl.broadcast_to")
     line = context.caller_line()
+    _isa._partition_placement("nl.broadcast_to", line, "x", x)
     out = allocate(shape, x.dtype if dtype is None else dtype, sbuf)
     if ctx.numerics:
         _isa._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
