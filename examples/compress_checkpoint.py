@@ -17,6 +17,13 @@ is removed, numeric name parts become list indices), replaces every kernel match
 For --method whitened, --calibration is a safetensors file mapping each layer path (e.g. layers/0/mlp/gate_proj,
 after the prefix is stripped) to the activations [n, in_features] that layer sees. All tensors are held in host
 memory while compressing.
+
+Load the result (Llama / Gemma config.json, default --strip_prefix) as a model with SVD-factored projections at the
+saved ranks, without running any SVD again:
+
+    from jax_neuronmm.models import generate, load_compressed_checkpoint
+    model = load_compressed_checkpoint("/tmp/llama-svd")   # dtype=jnp.bfloat16 for bf16 parameters
+    tokens = generate(model, prompt_ids, 32, eos_id=model.eos_token_ids)
 """
 
 import json

@@ -1,5 +1,7 @@
-"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression."""
+"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression
+(and loading the compressed checkpoints examples/compress_checkpoint.py writes)."""
 
+from jax_neuronmm.models.compressed_loading import load_compressed_checkpoint
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
@@ -21,6 +23,7 @@ __all__ = [
     "compress_model",
     "from_preset",
     "generate",
+    "load_compressed_checkpoint",
     "load_hf",
     "model_from_config",
 ]
