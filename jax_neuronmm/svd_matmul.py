@@ -45,7 +45,7 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
-    _ensure_neuron_lowering()
+    ensure_neuron_lowering_on_bind()
     return svd_matmul_p.bind(
         x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
     )
@@ -114,7 +114,7 @@ ad.primitive_transposes[svd_matmul_p] = _transpose
 batching.primitive_batchers[svd_matmul_p] = _batch
 
 
-def _ensure_neuron_lowering():
+def ensure_neuron_lowering_on_bind():
     # A Neuron plugin may load after this package: register its lowering on first use (lowering imports us).
     from jax_neuronmm.lowering import ensure_neuron_lowering
 

@@ -20,7 +20,7 @@ from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.reference import ACTIVATIONS
 from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.sharding import check_varying_axes, match_varying_axes
-from jax_neuronmm.svd_matmul import svd_matmul_p
+from jax_neuronmm.svd_matmul import ensure_neuron_lowering_on_bind, svd_matmul_p
 
 svd_mlp_p = Primitive("svd_mlp")
 svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
@@ -69,7 +69,7 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
                         rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
-    _ensure_neuron_lowering()
+    ensure_neuron_lowering_on_bind()
     return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
                           precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
 
@@ -107,10 +107,3 @@ def _batch(args, dims, *, n_batch, **params):
 
 ad.primitive_jvps[svd_mlp_p] = _jvp
 batching.primitive_batchers[svd_mlp_p] = _batch
-
-
-def _ensure_neuron_lowering():
-    # A Neuron plugin may load after this package: register its lowering on first use (lowering imports us).
-    from jax_neuronmm.lowering import ensure_neuron_lowering
-
-    ensure_neuron_lowering()

@@ -164,26 +164,37 @@ def load_compressed(path, *, like=None):
 
 def _fill_like(like, flat: dict[tuple, np.ndarray], path: str):
     """The template `like` with every leaf replaced by the loaded array of the same key path."""
-    template = {keys: leaf for keys, leaf in tree.iter_leaves(like)}
-    problems = []
-    missing = [tree.join(keys) for keys in template if keys not in flat]
-    unexpected = [tree.join(keys) for keys in flat if keys not in template]
-    if missing:
-        problems.append(f"missing tensors {missing}")
-    if unexpected:
-        problems.append(f"unexpected tensors {unexpected}")
-    for keys, leaf in template.items():
-        if keys in flat:
-            expected = tree.unwrap(leaf)
-            got = flat[keys]
-            if tuple(expected.shape) != got.shape or np.dtype(expected.dtype) != got.dtype:
-                problems.append(
-                    f"{tree.join(keys)}: file has {got.dtype}{list(got.shape)}, expected "
-                    f"{np.dtype(expected.dtype)}{list(expected.shape)}"
-                )
+    template = {keys: tree.unwrap(leaf) for keys, leaf in tree.iter_leaves(like)}
+    problems = fit_problems(template, flat, check_dtype=True)
     if problems:
         raise CheckpointError(f"checkpoint {path!r} does not match the template: " + "; ".join(problems))
     return tree.rebuild(like, lambda keys, leaf: [(keys[-1] if keys else None, tree.wrap_like(leaf, flat[keys]))])
+
+
+def fit_problems(expected: Mapping[tuple, object], found: Mapping[tuple, np.ndarray], *, check_dtype: bool):
+    """Why tensors `found` (key path -> array) do not fit `expected` (key path -> anything with .shape/.dtype).
+
+    Lists missing and unexpected key paths (the first five of each, with the count) and shape (and, with
+    check_dtype, dtype) mismatches; an empty list means they fit.
+    """
+    problems = []
+    missing = [tree.join(keys) for keys in expected if keys not in found]
+    unexpected = [tree.join(keys) for keys in found if keys not in expected]
+    if missing:
+        problems.append(f"missing tensors {missing[:5]} ({len(missing)} in all)")
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:5]} ({len(unexpected)} in all)")
+    for keys, leaf in expected.items():
+        if keys not in found:
+            continue
+        got = found[keys]
+        same_shape = tuple(leaf.shape) == tuple(got.shape)
+        if check_dtype and not (same_shape and np.dtype(leaf.dtype) == got.dtype):
+            problems.append(f"{tree.join(keys)}: file has {got.dtype}{list(got.shape)}, expected "
+                            f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
+        elif not same_shape:
+            problems.append(f"{tree.join(keys)}: file has shape {list(got.shape)}, expected {list(leaf.shape)}")
+    return problems
 
 
 def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict[str, int]:

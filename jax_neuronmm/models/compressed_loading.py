@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_neuronmm.compress import tree
-from jax_neuronmm.compress.checkpoint import CheckpointError, load_compressed
-from jax_neuronmm.models.compression import _FUSED_ACTIVATIONS, _MLP_PROJECTIONS
+from jax_neuronmm.compress.checkpoint import CheckpointError, fit_problems, load_compressed
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
 from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.hf_loading import _load_tokenizer, model_from_config, read_config
+from jax_neuronmm.models.hf_loading import attach_tokenizer_and_eos, model_from_config, read_config
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
@@ -56,26 +56,13 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
 
     graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
     expected = dict(nnx.to_flat_state(abstract_state))
-    problems = []
-    missing = [tree.join(keys) for keys in expected if keys not in tensors]
-    unexpected = [tree.join(keys) for keys in tensors if keys not in expected]
-    if missing:
-        problems.append(f"missing tensors {missing[:5]} ({len(missing)} in all)")
-    if unexpected:
-        problems.append(f"tensors the model does not use {unexpected[:5]} ({len(unexpected)} in all)")
-    problems += [
-        f"{tree.join(keys)}: file has shape {list(tensors[keys].shape)}, config.json implies {list(variable.shape)}"
-        for keys, variable in expected.items()
-        if keys in tensors and tuple(tensors[keys].shape) != tuple(variable.shape)
-    ]
+    problems = fit_problems(expected, tensors, check_dtype=False)
     if problems:
         raise CheckpointError(f"checkpoint {weights_path!r} does not fit {path}/config.json: " + "; ".join(problems))
 
     loaded = [(keys, variable.replace(jnp.asarray(tensors[keys], dtype=dtype))) for keys, variable in expected.items()]
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    model.tokenizer = _load_tokenizer(path)
-    eos = hf_config.get("eos_token_id", hf_config.get("text_config", {}).get("eos_token_id"))
-    model.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    attach_tokenizer_and_eos(model, path, hf_config)
     return model
 
 
@@ -104,10 +91,11 @@ def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: 
 
     for layer in model.layers:
         mlp = layer.mlp
-        projections = [getattr(mlp, name) for name in _MLP_PROJECTIONS] if isinstance(mlp, GatedMLP) else []
-        fused_activation = _FUSED_ACTIVATIONS.get(getattr(mlp, "activation", None))
-        if (fused_activation is None or not projections
-                or not all(isinstance(p, SVDLinear) and not p.use_bias for p in projections)):
+        if not isinstance(mlp, GatedMLP):
+            continue
+        projections = [getattr(mlp, name) for name in MLP_PROJECTIONS]
+        fused_activation = fused_mlp_activation(mlp)
+        if fused_activation is None or not all(isinstance(p, SVDLinear) for p in projections):
             continue
         gate, up, down = projections
         fused = SVDMLP(

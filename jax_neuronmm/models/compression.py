@@ -14,7 +14,7 @@ from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 INCLUDE_CHOICES = ("mlp", "attention")
 METHODS = ("svd", "whitened")
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
-_MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 # Our activation names -> svd_mlp's; an MLP with any other activation is compressed projection by projection.
 _FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
@@ -104,7 +104,7 @@ def compress_model(
         if "mlp" in include:
             if not isinstance(layer.mlp, GatedMLP):
                 raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
-            targets += [(layer.mlp, name) for name in _MLP_PROJECTIONS]
+            targets += [(layer.mlp, name) for name in MLP_PROJECTIONS]
     activations = (
         _record_inputs(model, targets, calibration_ids) if method == "whitened" else [None] * len(targets)
     )
@@ -123,10 +123,16 @@ def compress_model(
     return model
 
 
+def fused_mlp_activation(mlp: GatedMLP):
+    """svd_mlp's activation name when `mlp` can become one fused SVDMLP (no biases, SiLU or GELU-tanh), else None."""
+    if any(getattr(mlp, name).bias is not None for name in MLP_PROJECTIONS):
+        return None
+    return _FUSED_ACTIVATIONS.get(mlp.activation)
+
+
 def _compress_mlp(mlp: GatedMLP, keep, rank, block, method, calibration):
-    fused_activation = _FUSED_ACTIVATIONS.get(mlp.activation)
-    has_bias = any(getattr(mlp, name).bias is not None for name in _MLP_PROJECTIONS)
-    if fused_activation is not None and not has_bias:
+    fused_activation = fused_mlp_activation(mlp)
+    if fused_activation is not None:
         if rank is None:
             rank_options = dict(keep=keep, block=block)
         else:
@@ -136,7 +142,7 @@ def _compress_mlp(mlp: GatedMLP, keep, rank, block, method, calibration):
         return SVDMLP.from_linears(
             mlp.gate_proj, mlp.up_proj, mlp.down_proj, activation=fused_activation, method=method,
             calibration=calibration[(id(mlp), "gate_proj")], **rank_options)
-    for name in _MLP_PROJECTIONS:
+    for name in MLP_PROJECTIONS:
         linear = getattr(mlp, name)
         setattr(mlp, name, SVDLinear.from_linear(
             linear, method=method, calibration=calibration[(id(mlp), name)],

@@ -134,10 +134,15 @@ def load_hf(path: str, dtype=jnp.float32) -> CausalLM:
             raise ValueError(f"path: {path!r}: checkpoint has tensors the model does not use, e.g. {unexpected[:5]}")
 
     model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    attach_tokenizer_and_eos(model, path, hf_config)
+    return model
+
+
+def attach_tokenizer_and_eos(model: CausalLM, path: str, hf_config: dict[str, Any]) -> None:
+    """Sets model.tokenizer (from path/tokenizer.json, else None) and model.eos_token_ids (a tuple, maybe empty)."""
     model.tokenizer = _load_tokenizer(path)
     eos = hf_config.get("eos_token_id", hf_config.get("text_config", {}).get("eos_token_id"))
     model.eos_token_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return model
 
 
 def _load_tokenizer(path: str):
