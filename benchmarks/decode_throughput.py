@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 
 # One BLAS thread for the SVDs: OpenBLAS threads spinning against each other (and XLA) on a busy 2-core machine
@@ -29,8 +28,6 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from jax_neuronmm import models  # noqa: E402
 from nki_kernels import dispatch, tuning  # noqa: E402

@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import os
 import statistics
-import sys
 import tempfile
 import time
 
@@ -24,13 +23,11 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from nki_kernels import dispatch, tuning  # noqa: E402
-from nki_kernels.baseline_matmul import (baseline_matmul_kernel, dense_mlp, fit_baseline_blocks,  # noqa: E402
+from nki_kernels import dispatch, tuning
+from nki_kernels.baseline_matmul import (baseline_matmul_kernel, dense_mlp, fit_baseline_blocks,
                                          unfused_svd_matmul, unfused_svd_mlp)
-from nki_kernels.emulator import count_only, profile  # noqa: E402
-from nki_kernels.emulator.cost_model import roofline_us  # noqa: E402
+from nki_kernels.emulator import count_only, profile
+from nki_kernels.emulator.cost_model import roofline_us
 
 flags.DEFINE_bool("quick", False, "Llama-3.2-1B only, T in {1, 512}")
 flags.DEFINE_list("models", list(tuning.PAPER_MLP_SHAPES), "models to report (keys of PAPER_MLP_SHAPES)")

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import os
 import statistics
-import sys
 import time
 
 # The factorizations here are small: one BLAS thread avoids OpenBLAS threads spinning against each other (and
@@ -24,8 +23,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax_neuronmm  # noqa: E402
 from jax_neuronmm import models  # noqa: E402

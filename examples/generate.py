@@ -12,18 +12,14 @@ modeled Trainium latency.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import jax_neuronmm  # noqa: E402
-from jax_neuronmm import models  # noqa: E402
+import jax_neuronmm
+from jax_neuronmm import models
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
 flags.DEFINE_string("checkpoint", None, "local HF checkpoint directory; overrides --model/--preset")

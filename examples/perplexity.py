@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import time
 
 import jax
@@ -23,9 +22,7 @@ import numpy as np
 from absl import app, flags
 from flax import nnx
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from jax_neuronmm import models  # noqa: E402
+from jax_neuronmm import models
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
