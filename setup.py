@@ -33,6 +33,7 @@ setup(
             "pytest>=8,<10",
             "hypothesis>=6.100,<7",
             "transformers>=4.50,<6",
+            "accelerate>=1,<2",  # transformers needs it to load GGUF files (the GGUF loader's reference)
             "torch==2.13.0",
             "flatbuffers>=24,<27",  # jax.export serialization
             "pyflakes>=3,<5",  # tests/test_emulator_lint.py
