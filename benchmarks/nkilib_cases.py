@@ -211,7 +211,6 @@ def _attention_block(load, rng):
     over the KV cache (its window's last S_tkg slots replaced by the new tokens), output projection."""
     module = load("nkilib.experimental.transformer.attention_block_tkg")
     types = load("nkilib.core.utils.common_types")
-    nl = emulator.language
     b, s, h, d, heads, s_ctx, s_max, eps = 2, 1, 256, 64, 2, 128, 256, 1e-6
     x = rng.standard_normal((b, s, h)).astype(BF16)
     gamma = (1 + 0.1 * rng.standard_normal((1, h))).astype(BF16)
