@@ -54,8 +54,6 @@ class NKIObject:
     Keyword arguments become attributes; dataclass subclasses bring their own __init__.
     """
 
-    __slots__ = ()
-
     def __init__(self, **kwargs):
         for key, value in kwargs.items():
             setattr(self, key, value)
