@@ -583,9 +583,15 @@ class NkiTensor(NKIObject):
 
 
 def _index_values(index, what, count):
-    """The int64 values of an index tile of `count` elements (zeros when numerics are off)."""
+    """The int64 values of an index tile of `count` elements (zeros when numerics are off); a single index may
+    also be an int or a register (nisa.register_alloc, a loop variable)."""
     if not isinstance(index, NkiTensor):
-        raise TypeError(f"{what}: expected an NKI index tensor, got {type(index).__name__}")
+        if count == 1:
+            try:
+                return np.array([operator.index(index)], dtype=np.int64)
+            except TypeError:
+                pass
+        raise TypeError(f"{what}: expected an NKI index tensor, an int or a register, got {type(index).__name__}")
     if dtypes.is_float(index.dtype):
         raise TypeError(f"{what}: index tensor {index.describe()} must have an integer dtype")
     if index.size != count:
