@@ -229,3 +229,13 @@ def test_kernel_arguments_may_be_lists_of_arrays():
 
     xs = [rand((7, 33), seed=s) for s in range(3)]
     np.testing.assert_allclose(kernel(xs), sum(_f64(x) for x in xs), rtol=1e-5, atol=1e-6)
+
+
+def test_indirect_views_are_trn3_only():
+    @nki.jit
+    def kernel(x):
+        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        return tile.indirect(tile)
+
+    with pytest.raises(NotImplementedError, match="trn3"):
+        kernel(rand((4, 4)))

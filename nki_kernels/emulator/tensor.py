@@ -137,7 +137,7 @@ class NkiTensor(NKIObject):
     """
 
     __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access", "gather",
-                 "indirect")
+                 "dynamic")
 
     def __class_getitem__(cls, shape):
         """`nt.tensor[128, 512]` (and `nt.tensor[shape, dtype]`) in annotations: the tensor type itself."""
@@ -155,7 +155,7 @@ class NkiTensor(NKIObject):
         self._array = None
         self._access = None
         self.gather = gather
-        self.indirect = indirect or gather is not None
+        self.dynamic = indirect or gather is not None
 
     # -- basic properties -------------------------------------------------------------------------
     @property
@@ -206,7 +206,7 @@ class NkiTensor(NKIObject):
         return [[s, n] for s, n in zip(self.strides, self.shape)]
 
     def is_indirect(self):
-        return self.indirect
+        return self.dynamic
 
     # -- numpy view and access region (used by instructions) --------------------------------------
     def array(self):
@@ -279,7 +279,7 @@ class NkiTensor(NKIObject):
             raise NotImplementedError(f"{self.describe()}: a view of a per-partition indirect view is not emulated")
         return NkiTensor(shape, self.dtype if dtype is None else dtype, self.storage, self.buffer, self.name,
                          strides=strides, offset=offset, gather=gather,
-                         indirect=self.indirect if indirect is None else indirect)
+                         indirect=self.dynamic if indirect is None else indirect)
 
     def __getitem__(self, key):
         if not isinstance(key, tuple):
@@ -365,7 +365,7 @@ class NkiTensor(NKIObject):
         vector_offset: a [P, 1] index tile, P = the pattern's first count; partition p of the result starts at
         vector_offset[p] * self.strides[indirect_dim] (replacing the first pattern dimension's own stride).
         """
-        if self.indirect and (scalar_offset is not None or vector_offset is not None):
+        if self.dynamic and (scalar_offset is not None or vector_offset is not None):
             _index_error(self, "an indirect access of a view that is already indirect")
         new_dtype = self.dtype if dtype is None else dtypes.as_dtype(dtype)
         base = self.offset * self.dtype.itemsize
@@ -397,7 +397,12 @@ class NkiTensor(NKIObject):
         if low < 0 or high >= available:
             _index_error(self, f"access pattern {pattern} at offset {start} reaching elements {low}..{high} "
                                f"(storage has {available})")
-        return self._view(shape, strides, start, new_dtype, indirect=self.indirect or scalar_offset is not None)
+        return self._view(shape, strides, start, new_dtype, indirect=self.dynamic or scalar_offset is not None)
+
+    def indirect(self, index, num_elem=None):
+        """Tensor indirection (gather/scatter views for compute engines) exists from NeuronCore-v4 (trn3) on."""
+        raise NotImplementedError(f"{self.describe()}.indirect(): tensor indirection needs NeuronCore-v4 (trn3); "
+                                  f"the emulator targets trn1 and trn2 (use .ap(vector_offset=...) with a DMA)")
 
     def vector_select(self, dim, vector_offset):
         """Per-partition indirect selection of an HBM tensor's dim 0: row p of the result is
@@ -416,7 +421,7 @@ class NkiTensor(NKIObject):
         old, new = self.dtype.itemsize, dtype.itemsize
         if old == new:
             return self._view(self.shape, self.strides, self.offset, dtype)
-        if self.gather is not None or self.indirect:
+        if self.gather is not None or self.dynamic:
             raise ValueError(f"view: {self.describe()} is indirect (dtype views need a direct view)")
         if self.shape[-1] != 1 and self.strides[-1] != 1:
             raise ValueError(f"view: the last dimension of {self.describe()} must be contiguous")
@@ -513,13 +518,13 @@ class NkiTensor(NKIObject):
         value; an indirect view)."""
         dim = dim % self.ndim
         if isinstance(index, NkiTensor):
-            if self.indirect:
+            if self.dynamic:
                 _index_error(self, "a dynamic select of a view that is already indirect")
             if dim == 0 and self.is_on_chip:
                 raise ValueError("select: a dynamic index cannot select the partition dimension of an on-chip tensor")
             value = int(_index_values(index, "index", 1)[0])
             view = self.select(dim, value)
-            view.indirect = True
+            view.dynamic = True
             return view
         key = [slice(None)] * self.ndim
         key[dim] = index
