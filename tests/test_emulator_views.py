@@ -185,16 +185,29 @@ def test_ap_vector_offset_gathers_and_scatters_rows():
     np.testing.assert_array_equal(scattered, expected)
 
 
-def test_vector_offset_out_of_bounds_raises():
+def test_vector_offset_out_of_bounds_raises_or_is_skipped():
     @nki.jit
-    def kernel(table, index):
-        idx = nl.ndarray((2, 1), nl.int32, buffer=nl.sbuf)
+    def kernel(table, index, skip):
+        idx = nl.ndarray((3, 1), nl.int32, buffer=nl.sbuf)
         nisa.dma_copy(idx, index)
-        tile = nl.ndarray((2, 4), table.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(tile, table.ap([[4, 2], [1, 4]], vector_offset=idx, indirect_dim=0))
+        tile = nl.full((3, 4), -1.0, nl.float32, buffer=nl.sbuf)
+        mode = nisa.oob_mode.skip if skip else nisa.oob_mode.error
+        nisa.dma_copy(tile, table.ap([[4, 3], [1, 4]], vector_offset=idx, indirect_dim=0), oob_mode=mode)
+        out = nl.ndarray((3, 4), nl.float32, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, tile)
+        scattered = nl.ndarray(table.shape, table.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(scattered, table)
+        nisa.dma_copy(scattered.ap([[4, 3], [1, 4]], vector_offset=idx, indirect_dim=0), tile, oob_mode=mode)
+        return out, scattered
 
-    with pytest.raises(nki.isa.NkiValidationError, match="vector_offset"):
-        kernel(rand((3, 4)), np.array([[0], [3]], np.int32))
+    table = rand((5, 4), seed=10)
+    index = np.array([[4], [7], [0]], np.int32)  # row 7 is outside the 5-row table
+    with pytest.raises(nki.isa.NkiValidationError, match="out of bounds"):
+        kernel(table, index, False)
+    got, scattered = kernel(table, index, True)
+    np.testing.assert_array_equal(got[[0, 2]], table[[4, 0]])
+    np.testing.assert_array_equal(got[1], np.full(4, -1.0))  # skipped: dst keeps its value
+    np.testing.assert_array_equal(scattered, table)  # rows 4 and 0 written back unchanged, row 7 skipped
 
 
 def test_dynamic_select_reads_the_index_tile():

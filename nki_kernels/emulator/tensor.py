@@ -137,7 +137,7 @@ class NkiTensor(NKIObject):
     """
 
     __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access", "gather",
-                 "dynamic")
+                 "dynamic", "oob")
 
     def __class_getitem__(cls, shape):
         """`nt.tensor[128, 512]` (and `nt.tensor[shape, dtype]`) in annotations: the tensor type itself."""
@@ -156,6 +156,7 @@ class NkiTensor(NKIObject):
         self._access = None
         self.gather = gather
         self.dynamic = indirect or gather is not None
+        self.oob = None  # per-element mask of indirect elements outside the storage (see ap)
 
     # -- basic properties -------------------------------------------------------------------------
     @property
@@ -211,9 +212,11 @@ class NkiTensor(NKIObject):
     # -- numpy view and access region (used by instructions) --------------------------------------
     def array(self):
         """The numpy view of this tensor's elements (None when numerics are off)."""
+        if self.oob is not None:
+            _index_error(self, "an indirect (vector_offset) access out of bounds; nisa.dma_copy with "
+                               "oob_mode=nisa.oob_mode.skip skips such elements")
         if self.gather is not None:
-            flat = self.storage.flat
-            return None if flat is None else flat.view(self.dtype)[self.gather]  # a copy: see write()
+            return self.gathered()
         if self._array is None:
             flat = self.storage.flat
             if flat is None:
@@ -223,10 +226,21 @@ class NkiTensor(NKIObject):
                                      strides=tuple(s * size for s in self.strides))
         return self._array
 
+    def gathered(self):
+        """A copy of an indirect view's elements (out-of-bounds ones read as element 0; see `oob`)."""
+        flat = self.storage.flat
+        return None if flat is None else flat.view(self.dtype)[self.gather]
+
     def write(self, values):
-        """Store values (already of this view's dtype and shape) into the view's elements."""
+        """Store values (already of this view's dtype and shape) into the view's elements (an indirect view's
+        out-of-bounds elements are skipped)."""
         if self.gather is not None:
-            self.storage.flat.view(self.dtype)[self.gather] = values
+            flat = self.storage.flat.view(self.dtype)
+            if self.oob is None:
+                flat[self.gather] = values
+            else:
+                keep = ~self.oob
+                flat[self.gather[keep]] = np.broadcast_to(values, self.shape)[keep]
         else:
             self.array()[...] = values
 
@@ -388,10 +402,11 @@ class NkiTensor(NKIObject):
             for axis, (n, s) in enumerate(zip(shape[1:], strides[1:])):
                 inner = inner + (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (len(shape) - 2 - axis))
             gather = start + rows.reshape((-1,) + (1,) * (len(shape) - 1)) * unit + inner
-            if gather.size and (gather.min() < 0 or gather.max() >= available):
-                _index_error(self, f"vector_offset reaching elements {gather.min()}..{gather.max()} (storage has "
-                                   f"{available})")
-            return self._view(shape, strides, start, new_dtype, gather=gather)
+            outside = (gather < 0) | (gather >= available)
+            view = self._view(shape, strides, start, new_dtype, gather=np.where(outside, 0, gather))
+            if outside.any():  # reading or writing these raises, unless a DMA skips them (oob_mode.skip)
+                view.oob = outside
+            return view
         low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
         high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
         if low < 0 or high >= available:
