@@ -217,6 +217,30 @@ def test_collectives_on_one_core():
         two_ranks(x)
 
 
+def test_implicit_ring_permute_of_one_rank():
+    a, b = rand((7, 33), seed=12), rand((7, 33), seed=13)
+
+    @nki.jit
+    def kernel(a, b):
+        group = nki.collectives.ReplicaGroup([[0]])
+        ta, tb = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf), nl.ndarray(b.shape, b.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(ta, a)
+        nisa.dma_copy(tb, b)
+        reduced = nl.ndarray(a.shape, a.dtype, buffer=nl.sbuf)
+        nki.collectives.collective_permute_implicit_reduce([[ta]], [[tb]], [[reduced]], group, nl.maximum)
+        moved = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nki.collectives.collective_permute_implicit([[a]], [[moved]], group)
+        rank = nki.collectives.collective_permute_implicit_current_processing_rank_id(3, group)
+        out = nl.ndarray(a.shape, a.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, reduced)
+        assert int(rank) == 0
+        return out, moved
+
+    reduced, moved = kernel(a, b)
+    np.testing.assert_array_equal(reduced, np.maximum(a, b))
+    np.testing.assert_array_equal(moved, a)
+
+
 @pytest.mark.parametrize("name", ["nc_matmul_mx", "activate2", "rand2", "exponential", "quantize_mx"])
 def test_trn3_only_instructions_name_the_target(name):
     @nki.jit

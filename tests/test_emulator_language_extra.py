@@ -119,3 +119,17 @@ def test_shared_identity_matrix(n, dtype):
     got = kernel()
     assert got.dtype == dtype
     np.testing.assert_array_equal(_f64(got), np.eye(n))
+
+
+def test_gelu_apprx_sigmoid_dx_is_the_derivative():
+    x = rand((7, 130), seed=11) * 3
+
+    @nki.jit
+    def kernel(x):
+        out = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
+        nisa.activation(out, nl.gelu_apprx_sigmoid_dx, _tile(x))
+        return _store(out)
+
+    xf, h = _f64(x), 1e-5
+    gelu = lambda v: v / (1 + np.exp(-1.702 * v))  # noqa: E731 - the documented sigmoid approximation
+    np.testing.assert_allclose(kernel(x), (gelu(xf + h) - gelu(xf - h)) / (2 * h), rtol=1e-4, atol=1e-5)

@@ -737,10 +737,11 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
 
 
 # The functions ScalarE's activation evaluates: table "Supported Activation Functions by NKI ISA" (NKI ISA common
-# fields). The table also lists nl.prelu and nl.gelu_apprx_sigmoid_dx, which the emulator does not implement
-# (ops.unary raises for them); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
+# fields). The table also lists nl.prelu, which the emulator does not implement (an activate2 function of
+# NeuronCore-v4); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
 _ACTIVATION_FUNCTIONS = frozenset((
-    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid", "silu",
+    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid",
+    "gelu_apprx_sigmoid_dx", "silu",
     "silu_dx", "tanh", "softplus", "mish", "erf", "erf_dx", "exp", "log", "sin", "arctan", "sqrt", "rsqrt",
     "reciprocal", "sign", "abs"))
 
