@@ -316,3 +316,58 @@ def test_instruction_handles_and_sub_version():
     assert nisa.get_nc_sub_version() == 0
     with emulator.use_target("trn1"):
         assert nisa.get_nc_version() == nisa.nc_version.gen2 < nisa.nc_version.gen3  # generations are ordered
+
+
+def test_rand_state_round_trip_and_nl_dropout():
+    x = rand((16, 200), seed=14) + 5.0
+
+    def body(x, state, a, b):
+        nisa.rand_get_state(state)
+        nisa.rand_set_state(state)
+        nisa.rng(a)
+        nisa.rand_set_state(state)
+        nisa.rng(b)
+
+    state, a, b = run_tiles(body, [x], [((16, 6), np.uint32), ((16, 200), np.uint32), ((16, 200), np.uint32)])
+    np.testing.assert_array_equal(a, b)  # restoring a state replays the sequence
+    raises("rand_set_state", run_tiles, lambda s: nisa.rand_set_state(s), [state], [], target="trn1")
+
+    @nki.jit
+    def kernel(x):
+        tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(tile, x)
+        out = nl.ndarray(x.shape, nl.bfloat16, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, nl.dropout(tile, 0.25, dtype=nl.bfloat16))
+        return out
+
+    got = _f64(kernel(x))
+    kept = got != 0
+    np.testing.assert_array_equal(got[kept], _f64(x.astype(BF16))[kept])
+    assert abs((1 - kept.mean()) - 0.25) < 0.03
+
+
+def test_multi_core_instructions_on_one_core():
+    x = rand((4, 8), seed=15)
+
+    def body(x, out):
+        nisa.sendrecv(x, out, send_to_rank=0, recv_from_rank=0, pipe_id=0)
+
+    (got,) = run_tiles(body, [x], [((4, 8), F32)])
+    np.testing.assert_array_equal(got, x)
+
+    def other_core(x, out):
+        nisa.sendrecv(x, out, send_to_rank=1, recv_from_rank=1, pipe_id=0)
+
+    with pytest.raises(NotImplementedError, match="second core"):
+        run_tiles(other_core, [x], [((4, 8), F32)])
+
+    @nki.jit
+    def barrier(x):
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, x)
+        nisa.core_barrier(out, (0, 1))
+        return out
+
+    np.testing.assert_array_equal(barrier(x), x)
+    with emulator.use_target("trn1"), pytest.raises(emulator.NkiHardwareError, match="core_barrier"):
+        barrier(x)

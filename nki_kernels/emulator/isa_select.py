@@ -19,11 +19,6 @@ _COMPARISONS = ("equal", "less", "less_equal", "greater", "greater_equal")
 FP32_MIN = float(np.finfo(np.float32).min)
 
 
-def _values(t):
-    """A tile's elements as [P, F]: float32, or exact integers for integer tiles."""
-    return _f32_2d(t) if dtypes.is_float(t.dtype) else _int_2d(t)
-
-
 def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     """dst[i] = src[i] (or the number src) where predicate[i] != 0 (== 0 with reverse_pred); elsewhere dst keeps its
     value. predicate uint8/16/32; src and dst the same dtype; src and predicate not both in PSUM (VectorE)."""

@@ -41,7 +41,8 @@ def _reduction_result(opcode, line, reduce_res, partitions):
 
 
 def accumulate(ctx, command, reduce_name, values, init=None):
-    """Apply reduce_cmd to the Vector Engine registers and fold values [P, F] into them (float32); returns them."""
+    """Apply reduce_cmd to the Vector Engine registers and fold values [P, F] into them with reduce_name (add,
+    multiply, maximum or minimum; float32); returns the registers of values' partitions."""
     registers = ctx.vector_registers[:values.shape[0]]
     if command in (_ReduceCmd.reset, _ReduceCmd.reset_reduce):
         registers[...] = _IDENTITY[reduce_name]
@@ -49,9 +50,8 @@ def accumulate(ctx, command, reduce_name, values, init=None):
         registers[...] = np.broadcast_to(_operand_value(init), registers.shape)
     if command in (_ReduceCmd.reduce, _ReduceCmd.reset_reduce, _ReduceCmd.load_reduce):
         with np.errstate(all="ignore"):
-            folded = ops.REDUCE[reduce_name](values, axis=1, keepdims=True) if reduce_name != "subtract" else \
-                -np.sum(values, axis=1, keepdims=True)
-            registers[...] = ops.BINARY["add" if reduce_name == "subtract" else reduce_name](registers, folded)
+            folded = ops.REDUCE[reduce_name](values, axis=1, keepdims=True)
+            registers[...] = ops.BINARY[reduce_name](registers, folded)
     return registers
 
 
