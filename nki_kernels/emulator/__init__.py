@@ -1,7 +1,14 @@
 """CPU emulator of AWS's `nki` 0.6 dialect (numpy + ml_dtypes; never imports JAX).
 
-`api` stands in for `nki`, `language` for `nki.language`, `isa` for `nki.isa`. Kernels normally get
+`api` stands in for `nki`, `language` for `nki.language`, `isa` for `nki.isa` (`isa_constants` for
+`nki.isa.constants`), `collectives` for `nki.collectives` (one core: replica groups of one). Kernels normally get
 them through `nki_kernels.binding`; `as_nki()` lets unmodified kernel files `import nki`.
+
+Instruction modules by idea: `isa` (data movement, TensorE, element-wise basics), `isa_vector` (fused and
+accumulating arithmetic, bn_stats), `isa_select` (predicates, masks, top-8), `isa_gather` (gathers, shuffles,
+partition reductions, top-k), `isa_control` (registers, random numbers, DMA compute, multi-core, trn3-only);
+`language` with `language_math` (softmax, rms_norm, where, ...) and `language_control` (register loops,
+constants). `instruction_costs` holds the documented per-instruction costs the cost model consults.
 """
 
 from . import api, isa, language, trace
