@@ -61,6 +61,33 @@ def fit_baseline_blocks(m, k, n, itemsize, sbuf_bytes_per_partition):
     return blocks
 
 
+def _load_k_tiles(src, row0, k_tiles, col0, cols, name):
+    """SBUF block [128, len(k_tiles), cols]: block[0:kt, k_tile, 0:cols] = src[row0 + k0 : +kt, col0 : col0 + cols]."""
+    block = nl.ndarray((nl.tile_size.pmax, len(k_tiles), cols), dtype=src.dtype, buffer=nl.sbuf, name=name)
+    for k_tile, (k0, kt) in enumerate(k_tiles):
+        nisa.dma_copy(dst=block[0:kt, k_tile, 0:cols], src=src[row0 + k0:row0 + k0 + kt, col0:col0 + cols])
+    return block
+
+
+def _accumulate_k_block(accs, lhs_blk, first_k_tile, m_off, rhs_blk, k_tiles, m0, mb, n_chunks, first_k_block):
+    """accs[M tile] (+)= one K block's product for M rows m0:m0+mb of the pass, every N chunk: each (M tile,
+    N chunk) accumulates the block's K tiles in PSUM, then is copied (first K block) or added into its
+    accumulator. lhs_blk[0:kt, first_k_tile + k_tile, m_off + j] is the lhsT element of K tile k_tile, row j."""
+    tile_m = nl.tile_size.gemm_stationary_fmax
+    for c0, nc in n_chunks:
+        for mt0, mt in spans(mb, tile_m):
+            acc = accs[(m0 + mt0) // tile_m][0:mt, c0:c0 + nc]
+            part = nl.ndarray((mt, nc), dtype=nl.float32, buffer=nl.psum, name="result_psum")
+            for k_tile, (_, kt) in enumerate(k_tiles):
+                stationary = lhs_blk[0:kt, first_k_tile + k_tile, m_off + mt0:m_off + mt0 + mt]
+                nisa.nc_matmul(dst=part, stationary=stationary, moving=rhs_blk[0:kt, k_tile, c0:c0 + nc],
+                               accumulate=k_tile > 0)
+            if first_k_block:
+                nisa.tensor_copy(dst=acc, src=part)
+            else:
+                nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+
+
 @nki.jit
 def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8, hoist_lhsT=False):
     """result [M, N] = lhsT [K, M]ᵀ · rhs [K, N] (HBM, row-major); result in lhsT's dtype.
@@ -90,45 +117,22 @@ def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8, hoist
     # Hoisted: one pass per M block with its lhsT resident; otherwise one pass over all of M.
     for pass_m0, pass_ms in spans(m, tile_m * tiles_m) if hoist_lhsT else [(0, m)]:
         if hoist_lhsT:
-            all_k_tiles = spans(k, tile_k)
-            lhs_resident = nl.ndarray((tile_k, len(all_k_tiles), pass_ms), dtype=lhsT.dtype, buffer=nl.sbuf,
-                                      name="lhsT_resident")
-            for k_tile, (k0, kt) in enumerate(all_k_tiles):
-                nisa.dma_copy(dst=lhs_resident[0:kt, k_tile, 0:pass_ms],
-                              src=lhsT[k0:k0 + kt, pass_m0:pass_m0 + pass_ms])
+            lhs_resident = _load_k_tiles(lhsT, 0, spans(k, tile_k), pass_m0, pass_ms, "lhsT_resident")
         m_tiles = spans(pass_ms, tile_m)
         for n0, nb in spans(n, tile_n * tiles_n):
             n_chunks = spans(nb, tile_n)
             accs = [nl.ndarray((mt, nb), dtype=acc_dtype, buffer=nl.sbuf, name="result_acc") for _, mt in m_tiles]
             for k_block, (kb0, kbs) in enumerate(k_blocks):
                 k_tiles = spans(kbs, tile_k)
-                rhs_blk = nl.ndarray((tile_k, len(k_tiles), nb), dtype=rhs.dtype, buffer=nl.sbuf,
-                                     name="rhs_block")
-                for k_tile, (k0, kt) in enumerate(k_tiles):
-                    nisa.dma_copy(dst=rhs_blk[0:kt, k_tile, 0:nb], src=rhs[kb0 + k0:kb0 + k0 + kt, n0:n0 + nb])
+                rhs_blk = _load_k_tiles(rhs, kb0, k_tiles, n0, nb, "rhs_block")
                 for m0, mb in spans(pass_ms, tile_m * tiles_m):
-                    # lhs_blk[0:kt, first_k_tile + k_tile, m_off + j] is lhsT row kb0 + k0 + p, column
-                    # pass_m0 + m0 + j.
                     if hoist_lhsT:
                         lhs_blk, first_k_tile, m_off = lhs_resident, k_block * tiles_k, m0
                     else:
-                        lhs_blk, first_k_tile, m_off = nl.ndarray((tile_k, len(k_tiles), mb), dtype=lhsT.dtype,
-                                                                  buffer=nl.sbuf, name="lhsT_block"), 0, 0
-                        for k_tile, (k0, kt) in enumerate(k_tiles):
-                            nisa.dma_copy(dst=lhs_blk[0:kt, k_tile, 0:mb],
-                                          src=lhsT[kb0 + k0:kb0 + k0 + kt, pass_m0 + m0:pass_m0 + m0 + mb])
-                    for c0, nc in n_chunks:
-                        for mt0, mt in spans(mb, tile_m):
-                            acc = accs[(m0 + mt0) // tile_m][0:mt, c0:c0 + nc]
-                            part = nl.ndarray((mt, nc), dtype=nl.float32, buffer=nl.psum, name="result_psum")
-                            for k_tile, (k0, kt) in enumerate(k_tiles):
-                                stationary = lhs_blk[0:kt, first_k_tile + k_tile, m_off + mt0:m_off + mt0 + mt]
-                                nisa.nc_matmul(dst=part, stationary=stationary,
-                                               moving=rhs_blk[0:kt, k_tile, c0:c0 + nc], accumulate=k_tile > 0)
-                            if k_block == 0:
-                                nisa.tensor_copy(dst=acc, src=part)
-                            else:
-                                nisa.tensor_tensor(dst=acc, data1=acc, data2=part, op=nl.add)
+                        lhs_blk = _load_k_tiles(lhsT, kb0, k_tiles, pass_m0 + m0, mb, "lhsT_block")
+                        first_k_tile, m_off = 0, 0
+                    _accumulate_k_block(accs, lhs_blk, first_k_tile, m_off, rhs_blk, k_tiles, m0, mb, n_chunks,
+                                        first_k_block=k_block == 0)
             for (m0, mt), acc in zip(m_tiles, accs):
                 if multi_k:
                     out_tile = nl.ndarray((mt, nb), dtype=result.dtype, buffer=nl.sbuf, name="result_tile")

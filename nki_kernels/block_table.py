@@ -23,7 +23,7 @@ from nki_kernels.footprint import fits
 from nki_kernels.hardware import check_target
 
 KINDS = ("svd_matmul", "svd_mlp_gate_up", "svd_mlp_down")
-VARIANTS = {"svd_matmul": ("rows", "decode"), "svd_mlp_gate_up": ("cols",), "svd_mlp_down": ("rows",)}
+KERNEL_VARIANTS = {"svd_matmul": ("rows", "decode"), "svd_mlp_gate_up": ("cols",), "svd_mlp_down": ("rows",)}
 TABLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "block_table.json")
 DECODE_MAX_TOKENS = 128  # the decode variant is tried only for T up to this
 # Tokens the table is tuned at; lookup maps any T to the nearest of these (in log scale).
@@ -97,5 +97,5 @@ def lookup(kind, t, k, r, n, dtype, target="trn1", path=TABLE_PATH):
         blocks = {name: entry[name] for name in BLOCK_NAMES}
         if (variant != "decode" or t <= DECODE_MAX_TOKENS) and fits(kind, variant, shape, itemsize, blocks, target):
             return dict(variant=variant, **blocks)
-    variant = VARIANTS[kind][0]
+    variant = KERNEL_VARIANTS[kind][0]
     return dict(variant=variant, **default_blocks(kind, variant, shape, itemsize, target))

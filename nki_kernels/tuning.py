@@ -16,8 +16,8 @@ import os
 import numpy as np
 
 from nki_kernels import emulator, svd_matmul, svd_mlp
-from nki_kernels.block_table import (DECODE_MAX_TOKENS, TABLE_PATH, TUNED_TOKENS, VARIANTS, load_table, save_table,
-                                     table_key)
+from nki_kernels.block_table import (DECODE_MAX_TOKENS, KERNEL_VARIANTS, TABLE_PATH, TUNED_TOKENS, load_table,
+                                     save_table, table_key)
 from nki_kernels.footprint import fits
 from nki_kernels.hardware import TARGETS
 from nki_kernels.paper_shapes import PAPER_MLP_SHAPES, paper_tuning_jobs
@@ -35,7 +35,7 @@ def candidates(kind, shape, itemsize, target):
     t, k, r, n = shape
     # Every block_t ≥ T gives the same kernel; keep the smallest such one.
     block_ts = [b for b in BLOCK_T if b < t] + [b for b in BLOCK_T if b >= t][:1]
-    variants = [v for v in VARIANTS[kind] if v != "decode" or t <= DECODE_MAX_TOKENS]
+    variants = [v for v in KERNEL_VARIANTS[kind] if v != "decode" or t <= DECODE_MAX_TOKENS]
     block_ks = [b for b in BLOCK_K if b < k] + [b for b in BLOCK_K if b >= k][:1]
     block_ns = [b for b in BLOCK_N if b < n] + [b for b in BLOCK_N if b >= n][:1]
     for fallback in ((),) + tuple((b,) for b in BLOCK_T_FALLBACK):
@@ -48,7 +48,8 @@ def candidates(kind, shape, itemsize, target):
     return []
 
 
-def _kernel_and_operands(kind, variant, shape, dtype):
+def kernel_and_operands(kind, variant, shape, dtype):
+    """The kernel a table kind and variant runs, and zero operands of `shape` (T, K, r, N) in its layout."""
     t, k, r, n = shape
     zeros = functools.partial(np.zeros, dtype=dtype)
     if kind == "svd_matmul":
@@ -62,7 +63,7 @@ def _kernel_and_operands(kind, variant, shape, dtype):
 
 def measure(kind, variant, shape, dtype, blocks):
     """The profile's RunSummary of one count-only run of the kernel (modeled µs per target in .latency_us)."""
-    kernel, operands = _kernel_and_operands(kind, variant, shape, dtype)
+    kernel, operands = kernel_and_operands(kind, variant, shape, dtype)
     with emulator.count_only(), emulator.profile() as prof:
         kernel(*operands, **blocks)
     (run,) = prof.runs
