@@ -30,7 +30,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from jax_neuronmm import models  # noqa: E402
-from nki_kernels import dispatch, tuning  # noqa: E402
+from nki_kernels import dispatch, hardware, paper_shapes, ranks  # noqa: E402
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks  # noqa: E402
 from nki_kernels.emulator import count_only, profile  # noqa: E402
 
@@ -40,7 +40,7 @@ flags.DEFINE_integer("vocab_size", 1024, "vocabulary of the measured model (smal
 flags.DEFINE_integer("prompt_len", 8, "prompt tokens")
 flags.DEFINE_integer("new_tokens", 48, "tokens generated per round")
 flags.DEFINE_integer("rounds", 5, "alternating dense / compressed rounds")
-flags.DEFINE_float("keep", tuning.PAPER_KEEP, "fraction of MLP parameters kept")
+flags.DEFINE_float("keep", paper_shapes.PAPER_KEEP, "fraction of MLP parameters kept")
 flags.DEFINE_bool("skip_measured", False, "only the modeled Trainium table")
 flags.DEFINE_bool("skip_modeled", False, "only the measured CPU comparison")
 FLAGS = flags.FLAGS
@@ -100,12 +100,12 @@ def modeled_mlp_us(h, i, r):
     x = np.zeros((1, h), BF16)
     dense_runs = []
     for k, n in ((h, i), (h, i), (i, h)):  # gate, up, down
-        blocks = fit_baseline_blocks(1, k, n, BF16.itemsize, tuning.SBUF_BYTES["trn1"])
+        blocks = fit_baseline_blocks(1, k, n, BF16.itemsize, hardware.SBUF_BYTES_PER_PARTITION["trn1"])
         dense_runs += _counted(lambda: baseline_matmul_kernel(np.zeros((k, 1), BF16), np.zeros((k, n), BF16),
                                                                **blocks))
-    dense = {t: sum(run.latency_us[t] for run in dense_runs) for t in tuning.TARGETS}
+    dense = {t: sum(run.latency_us[t] for run in dense_runs) for t in hardware.TARGETS}
     fused = {}
-    for target in tuning.TARGETS:
+    for target in hardware.TARGETS:
         (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(1, h, i, r, r, r, BF16, target)
         runs = _counted(lambda: gate_up(x, np.zeros((h, r), BF16), np.zeros((r, i), BF16), np.zeros((h, r), BF16),
                                         np.zeros((r, i), BF16), **gate_up_kwargs))
@@ -116,15 +116,15 @@ def modeled_mlp_us(h, i, r):
 
 
 def modeled_table(model_names):
-    print(f"\n## Modeled MLP time per decode token on Trainium (bf16, T = 1, keep {tuning.PAPER_KEEP}; "
+    print(f"\n## Modeled MLP time per decode token on Trainium (bf16, T = 1, keep {paper_shapes.PAPER_KEEP}; "
           "count-only emulator + cost model, not measured)\n")
     print("| model | H | I | rank | trn1 dense µs | trn1 fused µs | trn1 speedup | trn2 dense µs | trn2 fused µs "
           "| trn2 speedup |\n|---|---|---|---|---|---|---|---|---|---|")
     for name in model_names:
-        h, i = tuning.PAPER_MLP_SHAPES[name]
-        r = tuning.block_aligned_rank(h, i, tuning.PAPER_KEEP)
+        h, i = paper_shapes.PAPER_MLP_SHAPES[name]
+        r = ranks.block_aligned_rank(h, i, paper_shapes.PAPER_KEEP)
         dense, fused = modeled_mlp_us(h, i, r)
-        cells = "".join(f"| {dense[t]:.1f} | {fused[t]:.1f} | {dense[t] / fused[t]:.2f}x " for t in tuning.TARGETS)
+        cells = "".join(f"| {dense[t]:.1f} | {fused[t]:.1f} | {dense[t] / fused[t]:.2f}x " for t in hardware.TARGETS)
         print(f"| {name} | {h} | {i} | {r} {cells}|", flush=True)
 
 
@@ -134,7 +134,7 @@ def main(argv):
     if not FLAGS.skip_measured:
         measured_cpu(2 if quick else FLAGS.num_layers, 16 if quick else FLAGS.new_tokens, 3 if quick else FLAGS.rounds)
     if not FLAGS.skip_modeled:
-        names = list(tuning.PAPER_MLP_SHAPES)
+        names = list(paper_shapes.PAPER_MLP_SHAPES)
         modeled_table(names[:2] if quick else names)
 
 

@@ -23,21 +23,21 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
-from nki_kernels import dispatch, tuning
-from nki_kernels.baseline_matmul import (baseline_matmul_kernel, dense_mlp, fit_baseline_blocks,
-                                         unfused_svd_matmul, unfused_svd_mlp)
+from nki_kernels import block_table, dispatch, hardware, paper_shapes, ranks
+from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks
+from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 from nki_kernels.emulator import count_only, profile
 from nki_kernels.emulator.cost_model import roofline_us
 
 flags.DEFINE_bool("quick", False, "Llama-3.2-1B only, T in {1, 512}")
-flags.DEFINE_list("models", list(tuning.PAPER_MLP_SHAPES), "models to report (keys of PAPER_MLP_SHAPES)")
+flags.DEFINE_list("models", list(paper_shapes.PAPER_MLP_SHAPES), "models to report (keys of PAPER_MLP_SHAPES)")
 flags.DEFINE_list("tokens", ["1", "16", "128", "512", "2048"], "token counts T")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     "where the markdown and PNG go")
 FLAGS = flags.FLAGS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-TARGETS = tuning.TARGETS
+TARGETS = hardware.TARGETS
 # Targets stated in the issue, checked (and reported, met or not) at the end.
 DECODE_FLOOR_SLACK = 1.10
 PREFILL_PE_UTILIZATION = 0.85
@@ -139,7 +139,7 @@ class Case:
 
 
 def trn1_fit(m, k, n):
-    return fit_baseline_blocks(m, k, n, BF16.itemsize, tuning.SBUF_BYTES["trn1"])
+    return fit_baseline_blocks(m, k, n, BF16.itemsize, hardware.SBUF_BYTES_PER_PARTITION["trn1"])
 
 
 @dataclasses.dataclass
@@ -163,8 +163,8 @@ class MlpCase:
 
 
 def measure_mlp(model, t):
-    h, i = tuning.PAPER_MLP_SHAPES[model]
-    r = tuning.block_aligned_rank(h, i, tuning.PAPER_KEEP)
+    h, i = paper_shapes.PAPER_MLP_SHAPES[model]
+    r = ranks.block_aligned_rank(h, i, paper_shapes.PAPER_KEEP)
     z = functools.partial(np.zeros, dtype=BF16)
     x, xT = z((t, h)), z((h, t))
     gu, gv, uu, uv, du, dv = z((h, r)), z((r, i)), z((h, r)), z((r, i)), z((i, r)), z((r, h))
@@ -226,8 +226,8 @@ def mlp_markdown(cases):
 def run_cases(models, tokens):
     cases = []
     for model in models:
-        h, i = tuning.PAPER_MLP_SHAPES[model]
-        r = tuning.block_aligned_rank(h, i, tuning.PAPER_KEEP)
+        h, i = paper_shapes.PAPER_MLP_SHAPES[model]
+        r = ranks.block_aligned_rank(h, i, paper_shapes.PAPER_KEEP)
         for projection, (k, n) in (("up", (h, i)), ("down", (i, h))):
             for t in tokens:
                 start = time.time()
@@ -246,7 +246,7 @@ def markdown(cases, quick):
         "",
         "Modeled, not measured: count-only emulator runs, latency from `nki_kernels/emulator/cost_model.py` "
         "(list scheduler over documented engine and DMA rates; kernel launch time is not modeled). bf16, "
-        f"rank = block-aligned at keep {tuning.PAPER_KEEP}. Fused = the kernel and blocks `nki_kernels.dispatch` "
+        f"rank = block-aligned at keep {paper_shapes.PAPER_KEEP}. Fused = the kernel and blocks `nki_kernels.dispatch` "
         "picks; unfused = tutorial matmul X·U → HBM → transpose kernel → ·V (3 launches); dense = tutorial "
         "matmul on W = U·V. HBM ÷ min: bytes moved over X+U+V+Y once (dense: over X+W+Y). PE fill: mean "
         "fraction of the 128×128 array a matmul occupies. Floor: max(flops ÷ peak, minimum bytes ÷ bandwidth).",
@@ -282,10 +282,10 @@ def markdown(cases, quick):
 
 def decode_variant_note():
     """Whether the tuned table ever prefers `svd_matmul_decode_kernel` (variant "decode")."""
-    entries = [e for key, e in tuning.load_table().items() if key.startswith("svd_matmul|")]
+    entries = [e for key, e in block_table.load_table().items() if key.startswith("svd_matmul|")]
     picked = sum(e.get("variant") == "decode" for e in entries)
     return (f"The decode variant (`svd_matmul_decode_kernel`, few tokens as the moving operand) exists and is "
-            f"searched for T ≤ {tuning.DECODE_MAX_TOKENS}; the tuner picks it for {picked} of the "
+            f"searched for T ≤ {block_table.DECODE_MAX_TOKENS}; the tuner picks it for {picked} of the "
             f"{len(entries)} svd_matmul shapes in the table"
             + (", so every row below uses the rows variant." if picked == 0 else "."))
 
@@ -387,8 +387,8 @@ def main(argv):
     models = ["Llama-3.2-1B"] if FLAGS.quick else FLAGS.models
     tokens = [1, 512] if FLAGS.quick else [int(t) for t in FLAGS.tokens]
     for model in models:
-        if model not in tuning.PAPER_MLP_SHAPES:
-            raise ValueError(f"--models: unknown model {model!r}, expected some of {list(tuning.PAPER_MLP_SHAPES)}")
+        if model not in paper_shapes.PAPER_MLP_SHAPES:
+            raise ValueError(f"--models: unknown model {model!r}, expected some of {list(paper_shapes.PAPER_MLP_SHAPES)}")
     cases = run_cases(models, tokens)
     mlp_cases = run_mlp_cases(models, tokens)
     stem = os.path.join(FLAGS.out_dir, "kernel_report_quick" if FLAGS.quick else "kernel_report")

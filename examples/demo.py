@@ -55,21 +55,21 @@ def emulated_generation():
     print(f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
           f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if (on_xla == on_emulator).all() else 'NO'})")
     by_kernel = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
-    for call in prof.calls:
-        row = by_kernel[call.kernel]
+    for call in prof.runs:
+        row = by_kernel[call.name]
         row[0] += 1
-        row[1] += call.modeled_us["trn1"]
-        row[2] += call.modeled_us["trn2"]
-        row[3] += call.hbm_read_bytes + call.hbm_write_bytes
-    print(f"    NKI kernels run on the emulator ({len(prof.calls)} launches: prefill + "
+        row[1] += call.latency_us["trn1"]
+        row[2] += call.latency_us["trn2"]
+        row[3] += call.hbm_bytes_read + call.hbm_bytes_written
+    print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: prefill + "
           f"{FLAGS.emulated_tokens - 1} decode steps x {SMALL['num_layers']} layers x 2 kernels):")
     print(f"    {'kernel':26s} {'launches':>8s} {'HBM MiB':>8s} {'trn1 µs':>9s} {'trn2 µs':>9s}")
     for name, (count, trn1, trn2, hbm) in by_kernel.items():
         print(f"    {name:26s} {count:8d} {hbm / 2**20:8.2f} {trn1:9.1f} {trn2:9.1f}")
     # The first 2 launches per layer are the prefill; the rest are decode steps.
     prefill_launches = 2 * SMALL["num_layers"]
-    decode_calls = prof.calls[prefill_launches:]
-    per_token = sum(c.modeled_us["trn1"] for c in decode_calls) / max(1, len(decode_calls) // prefill_launches)
+    decode_calls = prof.runs[prefill_launches:]
+    per_token = sum(c.latency_us["trn1"] for c in decode_calls) / max(1, len(decode_calls) // prefill_launches)
     print(f"    modeled trn1 MLP time per decode token: {per_token:.1f} µs (fp32 weights; kernel launch time not "
           "modeled)")
 

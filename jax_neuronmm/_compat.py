@@ -20,8 +20,9 @@ def lower_fun(fun, multiple_results):
     return mlir.lower_fun(fun, multiple_results=multiple_results)
 
 
-# --- Sharding support (jax_neuronmm/sharding.py, lowering.py) -------------------------------------
+# --- Sharding support (jax_neuronmm/sharding.py, host_callback.py, lowering.py) ---------------------------------
 from jax._src import dispatch as _dispatch  # noqa: E402
+from jax._src import sharding_impls as _sharding_impls  # noqa: E402
 
 
 def varying_axes(aval):
@@ -49,10 +50,26 @@ def add_host_callback(ctx, host_fn):
     return len(ctx.module_context.host_callbacks) - 1
 
 
-__all__ += ["add_host_callback", "require_devices_during_lowering", "varying_axes"]
+def lowers_whole_arrays(ctx):
+    """True when a custom_partitioning call lowered in `ctx` runs its function on the operands as given (one
+    device, or inside a shard_map manual over every mesh axis); False when the SPMD partitioner calls its
+    partition callback for each device's blocks. Mirrors JAX's custom_partitioning lowering rule."""
+    axis_context = ctx.module_context.axis_context
+    if isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+        if set(axis_context.manual_axes) == set(axis_context.mesh.axis_names):
+            return True
+        devices = axis_context.mesh._flat_devices_tuple
+    elif isinstance(axis_context, _sharding_impls.ShardingContext):
+        devices = axis_context.device_assignment
+    else:
+        devices = None
+    return not devices or len(devices) == 1
 
 
-# --- Backends (jax_neuronmm/backend.py, neuron.py) -----------------------------------------------
+__all__ += ["add_host_callback", "lowers_whole_arrays", "require_devices_during_lowering", "varying_axes"]
+
+
+# --- Backends (jax_neuronmm/backend.py) -----------------------------------------------------------
 from jax._src import config as _config  # noqa: E402
 from jax._src import xla_bridge as _xla_bridge  # noqa: E402
 
@@ -71,30 +88,9 @@ def is_known_platform(platform):
 __all__ += ["define_string_enum_state", "is_known_platform"]
 
 
-# --- Testing the neuron lowering without the Neuron plugin (tests/test_backend_neuron.py) ---------
-import contextlib as _contextlib  # noqa: E402
-
+# --- Lowering rules and the emulator's host callbacks (jax_neuronmm/lowering.py, host_callback.py) ---------
 import numpy as _np  # noqa: E402
 from jax import ffi as _jax_ffi  # noqa: E402
-from jax._src.interpreters import mlir as _mlir_internal  # noqa: E402
-
-
-@_contextlib.contextmanager
-def stand_in_platform(platform, primitives=()):
-    """Makes JAX know `platform` (as a PJRT plugin would) without any device, for lowering only.
-
-    On exit the platform is forgotten again, with the lowering rules registered for it for `primitives`.
-    """
-    registered = platform in _xla_bridge._backend_factories
-    if not registered:
-        _xla_bridge._backend_factories[platform] = _xla_bridge.BackendRegistration(lambda: None, -1000, True)
-    try:
-        yield
-    finally:
-        if not registered:
-            del _xla_bridge._backend_factories[platform]
-            for primitive in primitives:
-                _mlir_internal._platform_specific_lowerings[platform].pop(primitive, None)
 
 
 def lowering_platform(ctx):
@@ -108,4 +104,4 @@ def cpu_host_callback_lowering(ctx, operands, index):
     return rule(ctx, *operands, index=_np.uint64(index))
 
 
-__all__ += ["cpu_host_callback_lowering", "lowering_platform", "stand_in_platform"]
+__all__ += ["cpu_host_callback_lowering", "lowering_platform"]

@@ -1,30 +1,57 @@
-"""Lowering rules: one per primitive, for every platform, shardable.
+"""Lowering machinery that every op file calls once, at its bottom:
 
-Each rule traces the primitive's per-shard computation, `local_impl(primitive,
-platform)`, wrapped by `sharding.partitioned`: on one device (or inside
-shard_map) it runs on the operands as given; under a multi-device jit the SPMD
-partitioner runs it on every device's blocks (see `sharding.py`). Backends (the
-emulator host callback, NKI kernels on Trainium) plug in at `local_impl`, so
-they are partitioned like the XLA reference and only ever see one device's blocks.
-A host backend returns `sharding.HostKernel(numpy_fn)` from `local_impl`.
+    lowering.register(svd_matmul_p, reference=svd_matmul_ref, kernels=SVD_MATMUL_KERNELS,
+                      partitioning=factor_rule)
 
-Backends (`backend.py`): "xla" runs the reference; "emulator" runs the NKI
-kernels (`kernel_calls.py`) on numpy blocks in a host callback; on platform
-"neuron" the same `kernel_calls` functions are traced with JAX arrays, and the
-real `nki.jit` turns each kernel launch into its custom call. The "neuron" rule
-is registered only once JAX knows that platform (`ensure_neuron_lowering`).
+One rule per primitive, for every platform, shardable. The rule traces the primitive's per-shard
+computation, `local_impl(primitive, platform)`, wrapped by `sharding.partitioned`: on one device (or inside
+shard_map) it runs on the operands as given; under a multi-device jit the SPMD partitioner runs it on every
+device's blocks (see `sharding.py`). Backends plug in at `local_impl`, so they are partitioned like the XLA
+reference and only ever see one device's blocks:
+
+- "xla": the op's `reference` (jnp).
+- "emulator": the op's `kernels` (a `kernel_calls.KernelLaunches`) on numpy blocks in a host callback
+  (`host_callback.HostKernel`); shapes no kernel fits fail when the computation is lowered.
+- "neuron": the same `kernels` traced with JAX arrays; the real `nki.jit` turns each launch into its custom call.
+
+The rule is registered for all platforms at once (JAX uses a platform's specific rule when there is one and
+this generic rule otherwise), so a Neuron plugin loaded after this package gets the kernels too: there is no
+separate "neuron" registration.
 """
 
-from jax_neuronmm import kernel_calls, reference, sharding
-from jax_neuronmm._compat import (is_known_platform, lower_fun, lowering_platform, register_lowering,
+import dataclasses
+import functools
+from typing import Callable
+
+from jax_neuronmm import host_callback, kernel_calls, sharding
+from jax_neuronmm._compat import (lower_fun, lowering_platform, lowers_whole_arrays, register_lowering,
                                   require_devices_during_lowering)
 from jax_neuronmm.backend import effective_backend
-from jax_neuronmm.svd_matmul import svd_matmul_p
-from jax_neuronmm.svd_mlp import svd_mlp_p
+from nki_kernels.dispatch import launch_target
 
-_REFERENCES = {svd_matmul_p: reference.svd_matmul_ref, svd_mlp_p: reference.svd_mlp_ref}
-_FACTOR_RULES = {svd_matmul_p: sharding.svd_matmul_rule, svd_mlp_p: sharding.svd_mlp_rule}
-_KERNEL_CALLS = {svd_matmul_p: kernel_calls.svd_matmul_kernels, svd_mlp_p: kernel_calls.svd_mlp_kernels}
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """What `register` was given for one primitive."""
+
+    reference: Callable
+    kernels: kernel_calls.KernelLaunches
+    partitioning: Callable
+
+
+_rules = {}  # primitive -> Rules, filled by register()
+
+
+def register(primitive, *, reference, kernels, partitioning):
+    """Registers the lowering of `primitive` on every platform.
+
+    reference: jnp function `(*operands, **params) -> result`, the XLA backend and the numerics the kernels mirror.
+    kernels: `kernel_calls.KernelLaunches`, the emulator and Trainium backends.
+    partitioning: `(n_batch, x_ndim) -> sharding.FactorRule`, how the operands split over a mesh.
+    """
+    _rules[primitive] = Rules(reference, kernels, partitioning)
+    require_devices_during_lowering(primitive)
+    register_lowering(primitive, functools.partial(_lower, primitive))
 
 
 def local_impl(primitive, platform):
@@ -32,55 +59,39 @@ def local_impl(primitive, platform):
 
     Returns a jnp-traceable callable `(*operands, **params) -> result` with the
     primitive's operands (n_batch leading batch dims included) and params, or a
-    `sharding.HostKernel` whose numpy function takes the same arguments.
+    `host_callback.HostKernel` whose numpy function takes the same arguments.
     """
+    rules = _rules[primitive]
     backend = effective_backend(platform)
     if backend == "xla":
-        return _REFERENCES[primitive]
+        return rules.reference
     if backend == "emulator":
-        return sharding.HostKernel(_KERNEL_CALLS[primitive])
-    return _KERNEL_CALLS[primitive]
+        # The emulator's target is read when the kernels run (as `emulator.use_target` around the call says)
+        # and, for the shape check, when lowering.
+        kernels = rules.kernels
+        return host_callback.HostKernel(
+            lambda *blocks, **params: kernels(*blocks, target=launch_target(emulated=True), **params),
+            check=lambda *operands, **params: kernels.checked_plan(*operands, target=launch_target(emulated=True),
+                                                                   **params))
+    return functools.partial(rules.kernels, target=launch_target(emulated=False))
 
 
-def _rule(primitive):
-    def lower(ctx, *operands, **params):
-        platform = lowering_platform(ctx)
-        backend = effective_backend(platform)
-        if backend != "xla":
-            kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
-        factor_rule = _FACTOR_RULES[primitive](params["n_batch"], ctx.avals_in[0].ndim)
-        local_fn = local_impl(primitive, platform)
-        if isinstance(local_fn, sharding.HostKernel):
-            local_fn = sharding.host_local_fn(ctx, local_fn, params)
-        call = sharding.partitioned(local_fn, factor_rule, params)
-        return lower_fun(call, multiple_results=False)(ctx, *operands)
-
-    return lower
-
-
-PRIMITIVES = (svd_matmul_p, svd_mlp_p)
-
-for _primitive in PRIMITIVES:
-    require_devices_during_lowering(_primitive)
-    register_lowering(_primitive, _rule(_primitive))
-
-_neuron_registered = []
-
-
-def ensure_neuron_lowering():
-    """Registers the kernel lowering for platform "neuron" once the Neuron PJRT plugin made it known.
-
-    Called at import and again before every bind, so a plugin loaded after
-    jax_neuronmm still gets the kernels. Returns whether the rule is registered.
-    """
-    if not is_known_platform("neuron"):
-        _neuron_registered.clear()  # a stand-in platform (tests) may have come and gone
-        return False
-    if not _neuron_registered:
-        for primitive in PRIMITIVES:
-            register_lowering(primitive, _rule(primitive), platform="neuron")
-        _neuron_registered.append(True)
-    return True
-
-
-ensure_neuron_lowering()
+def _lower(primitive, ctx, *operands, **params):
+    platform = lowering_platform(ctx)
+    backend = effective_backend(platform)
+    if backend != "xla":
+        kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
+    factor_rule = _rules[primitive].partitioning(params["n_batch"], ctx.avals_in[0].ndim)
+    local_fn = local_impl(primitive, platform)
+    check_blocks = None
+    if isinstance(local_fn, host_callback.HostKernel):
+        # Shapes no kernel fits fail here, with the reason, rather than in the host callback at run time:
+        # checked on the operands when they are what the kernels get, else on each device's blocks.
+        if local_fn.check is not None:
+            check_blocks = functools.partial(local_fn.check, **params)
+            if lowers_whole_arrays(ctx):
+                check_blocks(*ctx.avals_in)
+                check_blocks = None
+        local_fn = host_callback.host_local_fn(ctx, local_fn, params)
+    call = sharding.partitioned(local_fn, factor_rule, params, check_blocks=check_blocks)
+    return lower_fun(call, multiple_results=False)(ctx, *operands)

@@ -19,7 +19,8 @@ Two ways of writing SPMD programs in JAX, two mechanisms here:
   shardings (a replicated operand is sliced, which is free), weights first, so a
   sharded weight is never gathered. The per-shard computation is whatever
   `lowering.local_impl` returns: the XLA reference, the emulator callback or the
-  NKI kernel, so a host callback sees only its device's blocks (`HostKernel`).
+  NKI kernel, so a host callback sees only its device's blocks (`host_callback.py`).
+  Each op file states its `FactorRule` (`svd_matmul.factor_rule`, `svd_mlp.factor_rule`).
 
 * `jax.shard_map`. The user has already split the arrays; the primitives bind on
   the blocks. `match_varying_axes` casts every operand to the union of the
@@ -34,8 +35,7 @@ import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm._compat import (Primitive, add_host_callback, cpu_host_callback_lowering, lowering_platform,
-                                  register_lowering, varying_axes)
+from jax_neuronmm._compat import varying_axes
 from jax_neuronmm.shapes import accumulation_dtype
 
 
@@ -69,7 +69,11 @@ def check_varying_axes(op, names, avals):
 
 
 class FactorRule:
-    """Which factor each dimension of each operand and of the result belongs to."""
+    """Which factor each dimension of each operand and of the result belongs to.
+
+    reduction: factors summed over (split: one all-reduce or reduce-scatter of the output); need_replication:
+    factors never split (they feed a nonlinearity).
+    """
 
     def __init__(self, operands, result, reduction=(), need_replication=()):
         self.operands = tuple(tuple(f) for f in operands)
@@ -81,30 +85,11 @@ class FactorRule:
         return ", ".join(" ".join(f) for f in self.operands) + " -> " + " ".join(self.result)
 
 
-def _leading_factors(n_batch, x_ndim):
+def leading_factors(n_batch, x_ndim):
+    """Factor names of the leading dims of an op's activations x [*B, *T, F]: (batch names, token names)."""
     batch = tuple(f"b{i}" for i in range(n_batch))
     tokens = tuple(f"t{i}" for i in range(x_ndim - n_batch - 1))
     return batch, tokens
-
-
-def svd_matmul_rule(n_batch, x_ndim):
-    batch, tokens = _leading_factors(n_batch, x_ndim)
-    return FactorRule(
-        operands=(batch + tokens + ("k",), batch + ("k", "r"), batch + ("r", "n")),
-        result=batch + tokens + ("n",),
-        reduction=("k", "r"),
-    )
-
-
-def svd_mlp_rule(n_batch, x_ndim):
-    batch, tokens = _leading_factors(n_batch, x_ndim)
-    return FactorRule(
-        operands=(batch + tokens + ("h",), batch + ("h", "rg"), batch + ("rg", "i"), batch + ("h", "ru"),
-                  batch + ("ru", "i"), batch + ("i", "rd"), batch + ("rd", "o")),
-        result=batch + tokens + ("o",),
-        reduction=("i", "rd"),
-        need_replication=("h", "rg", "ru"),
-    )
 
 
 def _spec_axes(spec, ndim):
@@ -175,11 +160,20 @@ def _scatter_dims(rule, mesh, result_shape, assigned, summed_axes):
     return scatter
 
 
-def partitioned(local_fn, rule, params):
+def _check_blocks(check_blocks, arg_shapes, arg_shardings):
+    if check_blocks is not None:
+        check_blocks(*(jax.ShapeDtypeStruct(sharding.shard_shape(shape.shape), shape.dtype)
+                       for shape, sharding in zip(arg_shapes, arg_shardings)))
+
+
+def partitioned(local_fn, rule, params, check_blocks=None):
     """`local_fn(*operands, **params)` made shardable: a function of the operands.
 
     Under a multi-device jit the partitioner calls `local_fn` on each device's
     blocks; on one device or inside shard_map it calls it on the arrays as given.
+    check_blocks: None, or a function of one device's block shapes (ShapeDtypeStructs) that raises for blocks
+    `local_fn` cannot take; called when the partitioner has chosen the blocks, before `local_fn` is traced on
+    them (on whole arrays the caller checks, see `_compat.lowers_whole_arrays`).
     """
     out_dtype = np.dtype(params["out_dtype"])
 
@@ -191,9 +185,11 @@ def partitioned(local_fn, rule, params):
         arg_shapes = list(arg_shapes)
         if mesh.empty or not all(isinstance(a.sharding, NamedSharding) for a in arg_shapes):
             mesh, arg_shardings, result_sharding = _replicated_fallback(arg_shapes, result_shape)
+            _check_blocks(check_blocks, arg_shapes, arg_shardings)
             return mesh, call.fun, result_sharding, arg_shardings
         assigned = _assign_factor_axes(rule, mesh, arg_shapes, result_shape)
         arg_shardings = tuple(NamedSharding(mesh, _spec(f, assigned)) for f in rule.operands)
+        _check_blocks(check_blocks, arg_shapes, arg_shardings)
         summed_axes = tuple(a for factor in rule.reduction for a in assigned.get(factor, ()))
         scatter = _scatter_dims(rule, mesh, result_shape, assigned, summed_axes)
         result_axes = {**assigned, **{rule.result[d]: axes for d, axes in scatter.items()}}
@@ -222,57 +218,3 @@ def partitioned(local_fn, rule, params):
         need_replication_factors=rule.need_replication,
     )
     return call
-
-
-class HostKernel:
-    """A per-shard computation that runs on the host: `fn(*numpy operands, **params) -> numpy result`.
-
-    What `lowering.local_impl` returns for a backend that is not traceable (the
-    NKI emulator). `jax.pure_callback` cannot serve here: inside a partition it
-    registers with a throwaway module and crashes at run time. `host_local_fn`
-    registers the callback with the executable being lowered instead.
-    """
-
-    def __init__(self, fn):
-        self.fn = fn
-
-
-host_block_call_p = Primitive("neuronmm_host_block_call")
-
-
-@host_block_call_p.def_abstract_eval
-def _host_block_call_abstract_eval(*operands, index, shape, dtype):
-    del index
-    return operands[0].update(shape=shape, dtype=dtype, weak_type=False)
-
-
-def _host_block_call_lowering(ctx, *operands, index, shape, dtype):
-    del shape, dtype
-    if lowering_platform(ctx) != "cpu":
-        raise NotImplementedError(f"host kernels run on the cpu platform, not {lowering_platform(ctx)!r}")
-    return cpu_host_callback_lowering(ctx, operands, index)
-
-
-register_lowering(host_block_call_p, _host_block_call_lowering)
-
-
-def host_local_fn(ctx, kernel, params):
-    """A traceable per-shard computation that calls `kernel.fn` on the host, on the blocks it is given.
-
-    The host returns the result in float32 (float64 for float64 operands), the
-    precision partial sums travel in; the cast to the requested dtype is traced.
-    Result shape: x.shape[:-1] + last_operand.shape[-1:] (true of both primitives).
-    """
-    acc = np.dtype(np.promote_types(accumulation_dtype(ctx.avals_in[0].dtype), params["out_dtype"]))
-    host_params = {**params, "out_dtype": acc}
-
-    def on_host(*blocks):
-        return (np.asarray(kernel.fn(*blocks, **host_params), dtype=acc),)
-
-    index = add_host_callback(ctx, on_host)
-
-    def local(*operands, out_dtype, **unused_params):
-        shape = operands[0].shape[:-1] + operands[-1].shape[-1:]
-        return host_block_call_p.bind(*operands, index=index, shape=shape, dtype=acc).astype(out_dtype)
-
-    return local

@@ -2,11 +2,14 @@
 
 Public form: x [..., K], u [K, r], v [r, N] -> y [..., N]. Internally the
 operands may carry `n_batch` leading dims shared by all three (vmap over stacked
-layers or experts adds them), see `reference.py`.
+layers or experts adds them): x [*B, *T, K], u [*B, K, r], v [*B, r, N].
 
-Rules: abstract eval, JVP (trilinear: one svd_matmul per tangent), transpose
-(w.r.t. x it is svd_matmul with vᵀ, uᵀ; w.r.t. u and v plain contractions over
-tokens), batching. Lowerings are registered in `lowering.py`.
+This file owns the op's whole story, in order: the public function, the primitive
+and its rules (abstract eval, JVP (trilinear: one svd_matmul per tangent),
+transpose (w.r.t. x it is svd_matmul with vᵀ, uᵀ; w.r.t. u and v plain
+contractions over tokens), batching), then its three lowerings' parts (the XLA
+reference, the NKI kernel launches, the sharding factor rule), registered with
+`lowering.register` at the bottom.
 """
 
 import functools
@@ -14,10 +17,12 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from jax_neuronmm import shapes
+from jax_neuronmm import lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
+from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
 from jax_neuronmm.reference import batched_dot, swap_last, token_contract
-from jax_neuronmm.sharding import check_varying_axes, match_varying_axes
+from jax_neuronmm.sharding import FactorRule, check_varying_axes, leading_factors, match_varying_axes
+from nki_kernels import dispatch
 
 svd_matmul_p = Primitive("svd_matmul")
 svd_matmul_p.def_impl(functools.partial(apply_primitive, svd_matmul_p))
@@ -45,7 +50,6 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
-    ensure_neuron_lowering_on_bind()
     return svd_matmul_p.bind(
         x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
     )
@@ -109,13 +113,55 @@ def _batch(args, dims, *, n_batch, **params):
     return _bind(x, u, v, n_batch=n_batch + 1, **params), 0
 
 
+# --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------
+
+
+def svd_matmul_ref(x, u, v, *, n_batch=0, precision=None, out_dtype=None):
+    """(x·u)·v with the intermediate rounded to x's dtype; result in out_dtype (the XLA lowering).
+
+    x [*B, *T, K], u [*B, K, r], v [*B, r, N] -> [*B, *T, N]; B: the n_batch leading dims.
+    """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    xu = batched_dot(x, u, n_batch, precision, x.dtype)
+    return batched_dot(xu, v, n_batch, precision, out_dtype)
+
+
+def _plan(x, u, v, *, target, n_batch, **unused_params):
+    """(kernel, block kwargs) for one launch per batch element, or None when the result is empty."""
+    _, _, _, t = split_leading(x, n_batch, 1)
+    k, r, n = x.shape[-1], u.shape[-1], v.shape[-1]
+    if 0 in (t, k, r, n):
+        return None
+    return dispatch.svd_matmul_plan(t, k, r, n, x.dtype, target)
+
+
+def _run(plan, x, u, v, *, n_batch, precision, out_dtype):
+    """(x·u)·v through the fused kernel: x [*B, *T, K], u [*B, K, r], v [*B, r, N] -> [*B, *T, N]."""
+    del precision  # the kernels always accumulate in fp32 PSUM
+    xp = array_namespace(x)
+    batch, tokens, n_flat, t = split_leading(x, n_batch, 1)
+    k, r, n = x.shape[-1], u.shape[-1], v.shape[-1]
+    out_shape = batch + tokens + (n,)
+    if plan is None:
+        return xp.zeros(out_shape, out_dtype)
+    kernel, blocks = plan
+    xs, us, vs = x.reshape(n_flat, t, k), u.reshape(n_flat, k, r), v.reshape(n_flat, r, n)
+    ys = [kernel(xs[b], us[b], vs[b], **blocks) for b in range(n_flat)]
+    return xp.stack(ys).reshape(out_shape).astype(out_dtype)
+
+
+def factor_rule(n_batch, x_ndim):
+    """x [*B, *T, k], u [*B, k, r], v [*B, r, n] -> [*B, *T, n]; k and r are summed."""
+    batch, tokens = leading_factors(n_batch, x_ndim)
+    return FactorRule(
+        operands=(batch + tokens + ("k",), batch + ("k", "r"), batch + ("r", "n")),
+        result=batch + tokens + ("n",),
+        reduction=("k", "r"),
+    )
+
+
 ad.primitive_jvps[svd_matmul_p] = _jvp
 ad.primitive_transposes[svd_matmul_p] = _transpose
 batching.primitive_batchers[svd_matmul_p] = _batch
-
-
-def ensure_neuron_lowering_on_bind():
-    # A Neuron plugin may load after this package: register its lowering on first use (lowering imports us).
-    from jax_neuronmm.lowering import ensure_neuron_lowering
-
-    ensure_neuron_lowering()
+lowering.register(svd_matmul_p, reference=svd_matmul_ref, kernels=KernelLaunches("svd_matmul", _plan, _run),
+                  partitioning=factor_rule)

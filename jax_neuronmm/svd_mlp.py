@@ -8,6 +8,9 @@ On Trainium it is two kernel calls (gate+up with the activation applied while
 evicting PSUM, written transposed; then down). Its JVP is the JVP of the same
 computation written with `svd_matmul`, so reverse mode runs through svd_matmul
 (and its kernels) and needs no transpose rule of its own.
+
+As `svd_matmul.py`: the public function, the primitive and its rules, then the
+XLA reference, the kernel launches and the factor rule, registered at the bottom.
 """
 
 import functools
@@ -15,12 +18,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_neuronmm import shapes
+from jax_neuronmm import lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
-from jax_neuronmm.reference import ACTIVATIONS
+from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
+from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype
-from jax_neuronmm.sharding import check_varying_axes, match_varying_axes
-from jax_neuronmm.svd_matmul import ensure_neuron_lowering_on_bind, svd_matmul_p
+from jax_neuronmm.sharding import FactorRule, check_varying_axes, leading_factors, match_varying_axes
+from jax_neuronmm.svd_matmul import svd_matmul_p, svd_matmul_ref
+from nki_kernels import dispatch
+from nki_kernels.activations import FUSED_ACTIVATIONS
 
 svd_mlp_p = Primitive("svd_mlp")
 svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
@@ -45,8 +51,8 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
       [..., H_out].
     """
     op = "svd_mlp"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(ACTIVATIONS)}")
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(FUSED_ACTIVATIONS)}")
     x = jnp.asarray(x)
     weights = dict(zip(WEIGHT_NAMES, map(jnp.asarray, (gate_u, gate_v, up_u, up_v, down_u, down_v))))
     shapes.check_float_dtypes(op, {"x": x, **weights})
@@ -69,7 +75,6 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
                         rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
-    ensure_neuron_lowering_on_bind()
     return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
                           precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
 
@@ -87,7 +92,7 @@ def _composite(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_b
     mm = functools.partial(svd_matmul_p.bind, n_batch=n_batch, precision=precision)
     gate = mm(x, gate_u, gate_v, out_dtype=acc)
     up = mm(x, up_u, up_v, out_dtype=acc)
-    hidden = (ACTIVATIONS[activation](gate) * up).astype(x.dtype)
+    hidden = (jnp_activation(activation)(gate) * up).astype(x.dtype)
     return mm(hidden, down_u, down_v, out_dtype=out_dtype)
 
 
@@ -105,5 +110,65 @@ def _batch(args, dims, *, n_batch, **params):
     return svd_mlp_p.bind(*args, n_batch=n_batch + 1, **params), 0
 
 
+# --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------
+
+
+def svd_mlp_ref(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", n_batch=0,
+                precision=None, out_dtype=None):
+    """(act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd; gate and up stay in float32 until the product (the XLA lowering)."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    acc = accumulation_dtype(x.dtype)
+    gate = svd_matmul_ref(x, gate_u, gate_v, n_batch=n_batch, precision=precision, out_dtype=acc)
+    up = svd_matmul_ref(x, up_u, up_v, n_batch=n_batch, precision=precision, out_dtype=acc)
+    hidden = (jnp_activation(activation)(gate) * up).astype(x.dtype)
+    return svd_matmul_ref(hidden, down_u, down_v, n_batch=n_batch, precision=precision, out_dtype=out_dtype)
+
+
+def _plan(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, target, activation, n_batch, **unused_params):
+    """((gate_up kernel, kwargs), (down kernel, kwargs)) per batch element, or None when the result is empty."""
+    _, _, _, t = split_leading(x, n_batch, 1)
+    h, i, h_out = x.shape[-1], gate_v.shape[-1], down_v.shape[-1]
+    ranks = gate_u.shape[-1], up_u.shape[-1], down_u.shape[-1]
+    if 0 in (t, h, i, h_out, *ranks):
+        # An empty contraction makes gate and up 0, and act(0) * 0 = 0 for both activations.
+        return None
+    return dispatch.svd_mlp_plan(t, h, i, *ranks, x.dtype, target, activation=activation)
+
+
+def _run(plan, x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype):
+    """The gated low-rank MLP as two kernel launches per batch element (gate+up → hᵀ [I, T]; down → [T, H])."""
+    del activation, precision  # the plan carries the activation; the kernels accumulate in fp32 PSUM
+    xp = array_namespace(x)
+    batch, tokens, n_flat, t = split_leading(x, n_batch, 1)
+    out_shape = batch + tokens + (down_v.shape[-1],)
+    if plan is None:
+        return xp.zeros(out_shape, out_dtype)
+    (gate_up, gate_up_kwargs), (down, down_kwargs) = plan
+    flat = [a.reshape((n_flat,) + a.shape[n_batch:]) for a in (gate_u, gate_v, up_u, up_v, down_u, down_v)]
+    xs = x.reshape(n_flat, t, x.shape[-1])
+    ys = []
+    for b in range(n_flat):
+        gu, gv, uu, uv, du, dv = (w[b] for w in flat)
+        hidden_t = gate_up(xs[b], gu, gv, uu, uv, **gate_up_kwargs)
+        ys.append(down(hidden_t, du, dv, **down_kwargs))
+    return xp.stack(ys).reshape(out_shape).astype(out_dtype)
+
+
+def factor_rule(n_batch, x_ndim):
+    """x [*B, *T, h], gate_u [*B, h, rg], gate_v [*B, rg, i], up_u [*B, h, ru], up_v [*B, ru, i],
+    down_u [*B, i, rd], down_v [*B, rd, o] -> [*B, *T, o]: i and rd summed (Megatron), h, rg, ru never split
+    (they feed the activation)."""
+    batch, tokens = leading_factors(n_batch, x_ndim)
+    return FactorRule(
+        operands=(batch + tokens + ("h",), batch + ("h", "rg"), batch + ("rg", "i"), batch + ("h", "ru"),
+                  batch + ("ru", "i"), batch + ("i", "rd"), batch + ("rd", "o")),
+        result=batch + tokens + ("o",),
+        reduction=("i", "rd"),
+        need_replication=("h", "rg", "ru"),
+    )
+
+
 ad.primitive_jvps[svd_mlp_p] = _jvp
 batching.primitive_batchers[svd_mlp_p] = _batch
+lowering.register(svd_mlp_p, reference=svd_mlp_ref, kernels=KernelLaunches("svd_mlp", _plan, _run),
+                  partitioning=factor_rule)

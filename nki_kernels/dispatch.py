@@ -3,29 +3,32 @@
     kernel, kwargs = svd_matmul_plan(T, K, r, N, dtype, target="trn1")
     y = kernel(x, u, v, **kwargs)
 
-Plans come from the tuned table (`nki_kernels.tuning.lookup`) and are cached per shape.
+Plans come from the tuned table (`nki_kernels.block_table.lookup`) and are cached per shape. A shape no block
+sizes fit raises ValueError naming the kernel kind, the shape and the target.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so np.dtype("bfloat16") resolves)
 import numpy as np
 
-from nki_kernels import tuning
+from nki_kernels import block_table
+from nki_kernels.activations import check_fused_activation
+from nki_kernels.hardware import canonical_target, check_target
 
-LAYOUTS = ("normal", "t_out", "t_in")
-_FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+KERNEL_DTYPES = ("bfloat16", "float16", "float32")
 
 
 def _dtype_name(dtype):
     try:
         name = np.dtype(dtype).name
     except TypeError:
-        raise TypeError(f"dtype: got {dtype!r}, expected one of {_FLOAT_DTYPES}") from None
-    if name not in _FLOAT_DTYPES:
-        raise TypeError(f"dtype: got {name}, expected one of {_FLOAT_DTYPES}")
+        raise TypeError(f"dtype: got {dtype!r}, expected one of {KERNEL_DTYPES}") from None
+    if name not in KERNEL_DTYPES:
+        raise TypeError(f"dtype: got {name}, expected one of {KERNEL_DTYPES}")
     return name
 
 
@@ -36,39 +39,40 @@ def _check_dims(**dims):
 
 
 def _blocks(entry):
-    return {name: entry[name] for name in tuning.BLOCK_NAMES}
+    return {name: entry[name] for name in block_table.BLOCK_NAMES}
+
+
+def launch_target(emulated):
+    """The chip whose tuned blocks a launch uses.
+
+    Emulated: the emulator's target (the innermost `emulator.use_target`, else NEURON_PLATFORM_TARGET_OVERRIDE,
+    else trn2). On Trainium: NEURON_PLATFORM_TARGET_OVERRIDE, else trn1, whose smaller SBUF (192 KiB per
+    partition) makes its blocks fit trn2's 224 KiB as well.
+    """
+    if emulated:
+        from nki_kernels.emulator.context import resolve_target  # only emulated launches need the emulator
+
+        return resolve_target()
+    return canonical_target(os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn1"))
 
 
 @functools.lru_cache(maxsize=4096)
-def _svd_matmul_plan(t, k, r, n, dtype_name, target, layout):
+def _svd_matmul_plan(t, k, r, n, dtype_name, target):
     from nki_kernels import svd_matmul
 
-    dtype = np.dtype(dtype_name)
-    if layout == "normal":
-        entry = tuning.lookup("svd_matmul", t, k, r, n, dtype, target)
-        kernel = svd_matmul.svd_matmul_decode_kernel if entry["variant"] == "decode" else svd_matmul.svd_matmul_kernel
-        return kernel, _blocks(entry)
-    if layout == "t_in":
-        # Same body as the MLP down kernel, so its tuned entries apply.
-        return svd_matmul.svd_matmul_t_in_kernel, _blocks(tuning.lookup("svd_mlp_down", t, k, r, n, dtype, target))
-    shape = (t, k, r, n)
-    return svd_matmul.svd_matmul_t_out_kernel, tuning.default_blocks("svd_matmul", "cols", shape,
-                                                                      dtype.itemsize, target)
+    entry = block_table.lookup("svd_matmul", t, k, r, n, np.dtype(dtype_name), target)
+    kernel = svd_matmul.svd_matmul_decode_kernel if entry["variant"] == "decode" else svd_matmul.svd_matmul_kernel
+    return kernel, _blocks(entry)
 
 
-def svd_matmul_plan(T, K, r, N, dtype, target="trn1", *, layout="normal"):
-    """(kernel, kwargs) computing x·u·v for x with T tokens and K features, rank r, N outputs.
-
-    layout "normal": kernel(x [T, K], u, v, **kwargs) → y [T, N] (svd_matmul_kernel, or the decode variant
-    where the table says it is faster); "t_out": → yᵀ [N, T]; "t_in": kernel(xᵀ [K, T], u, v) → y [T, N].
-    target: "trn1" or "trn2" (whose SBUF size and cost model the blocks were tuned for).
+def svd_matmul_plan(T, K, r, N, dtype, target="trn1"):
+    """(kernel, kwargs) computing x·u·v for x with T tokens and K features, rank r, N outputs:
+    kernel(x [T, K], u, v, **kwargs) → y [T, N] (svd_matmul_kernel, or the decode variant where the table says
+    it is faster). target: "trn1" or "trn2" (whose SBUF size and cost model the blocks were tuned for).
     """
     _check_dims(T=T, K=K, r=r, N=N)
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout: got {layout!r}, expected one of {LAYOUTS}")
-    if target not in tuning.TARGETS:
-        raise ValueError(f"target: got {target!r}, expected one of {tuning.TARGETS}")
-    kernel, blocks = _svd_matmul_plan(int(T), int(K), int(r), int(N), _dtype_name(dtype), target, layout)
+    check_target(target)
+    kernel, blocks = _svd_matmul_plan(int(T), int(K), int(r), int(N), _dtype_name(dtype), target)
     return kernel, dict(blocks)
 
 
@@ -77,8 +81,8 @@ def _svd_mlp_plan(t, h, i, r_gate_up, r_down, dtype_name, target):
     from nki_kernels import svd_mlp
 
     dtype = np.dtype(dtype_name)
-    gate_up = _blocks(tuning.lookup("svd_mlp_gate_up", t, h, r_gate_up, i, dtype, target))
-    down = _blocks(tuning.lookup("svd_mlp_down", t, i, r_down, h, dtype, target))
+    gate_up = _blocks(block_table.lookup("svd_mlp_gate_up", t, h, r_gate_up, i, dtype, target))
+    down = _blocks(block_table.lookup("svd_mlp_down", t, i, r_down, h, dtype, target))
     return (svd_mlp.svd_mlp_gate_up_kernel, gate_up), (svd_mlp.svd_mlp_down_kernel, down)
 
 
@@ -88,13 +92,9 @@ def svd_mlp_plan(T, H, I, r_gate, r_up, r_down, dtype, target="trn1", *, activat
         hT = gate_up_kernel(x [T, H], gate_u, gate_v, up_u, up_v, **kwargs)   # kwargs include activation
         y = down_kernel(hT, down_u, down_v, **kwargs)                          # y [T, H]
     """
-    from nki_kernels.svd_mlp import ACTIVATIONS
-
     _check_dims(T=T, H=H, I=I, r_gate=r_gate, r_up=r_up, r_down=r_down)
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation: got {activation!r}, expected one of {ACTIVATIONS}")
-    if target not in tuning.TARGETS:
-        raise ValueError(f"target: got {target!r}, expected one of {tuning.TARGETS}")
+    check_fused_activation(activation)
+    check_target(target)
     (gate_up, gate_up_blocks), (down, down_blocks) = _svd_mlp_plan(
         int(T), int(H), int(I), int(max(r_gate, r_up)), int(r_down), _dtype_name(dtype), target)
     return (gate_up, dict(gate_up_blocks, activation=activation)), (down, dict(down_blocks))

@@ -19,13 +19,15 @@ DMAs) and turned on the PE; a single token's Yᵀ column is turned back into a r
 Kernels (all return a new tensor in `nl.shared_hbm`):
   svd_matmul_kernel(x [T,K], u, v)         → y [T, N]   (stage 2 rows)
   svd_matmul_t_out_kernel(x [T,K], u, v)   → yᵀ [N, T]  (stage 2 cols)
-  svd_matmul_t_in_kernel(xT [K,T], u, v)   → y [T, N]   (Xᵀ given: no on-chip transpose of X, except T = 1)
   svd_matmul_decode_kernel(x [T,K], u, v)  → y [T, N]   (stage 2 cols: the few tokens are the moving operand,
                                                          Yᵀ tiles turned back on the PE; for small T)
+The transposed-input variant (xᵀ [K, T] given, so no on-chip transpose of X) is `svd_mlp.svd_mlp_down_kernel`.
 Block sizes are keyword arguments fixed at trace time; `nki_kernels.dispatch` picks them from the tuned table.
 """
 
 from __future__ import annotations
+
+import enum
 
 from nki_kernels.binding import nki, nl, nisa
 
@@ -45,7 +47,7 @@ def check_2d(kernel, name, tensor, layout):
         raise ValueError(f"{kernel}: {name} must be 2-D {layout}, got shape {tuple(tensor.shape)}")
 
 
-def check_float_dtypes(kernel, **tensors):
+def check_operand_dtypes(kernel, **tensors):
     """All operands share one TensorE float dtype (bf16, fp16 or fp32)."""
     supported = (nl.bfloat16, nl.float16, nl.float32)
     names = list(tensors)
@@ -135,8 +137,8 @@ def stage_x_rows(x, x_transposed, t0, tb, k0, ks):
 def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
     """Xᵀ strip and U rows of K rows [k0, k0+ks) for one token block, in the k_slots layout.
 
-    strip[0:kt, i, 0:tb] = X[tokens, K rows of slot i]ᵀ; for each u in factors, rows[0:kt, i, 0:r] =
-    u[K rows of slot i, :] (permuted blocks: one DMA whose per-partition run is q full rows of U). Xᵀ tiles
+    strip[0:kt, slot, 0:tb] = X[tokens, K rows of the slot]ᵀ; for each u in factors, rows[0:kt, slot, 0:r] =
+    u[K rows of the slot, :] (permuted blocks: one DMA whose per-partition run is q full rows of U). Xᵀ tiles
     come straight from Xᵀ when it is given (T > 1); otherwise X rows are staged and turned on the PE, one
     eviction per ≤512-token chunk.
     """
@@ -149,8 +151,8 @@ def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
         # All tokens: the block of Xᵀ is contiguous, so each partition reads its q rows as one run.
         nisa.dma_copy(dst=strip, src=x[k0:k0 + ks, 0:tb].reshape((pmax, len(slots), tb)))
     elif direct:
-        for i, (kt, k_rows) in enumerate(slots):
-            nisa.dma_copy(dst=strip[0:kt, i, 0:tb], src=x[k_rows, t0:t0 + tb])
+        for slot, (kt, k_rows) in enumerate(slots):
+            nisa.dma_copy(dst=strip[0:kt, slot, 0:tb], src=x[k_rows, t0:t0 + tb])
     u_rows = []
     for u in factors:
         r = u.shape[1]
@@ -158,67 +160,70 @@ def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
         if ks % pmax == 0:
             nisa.dma_copy(dst=rows, src=u[k0:k0 + ks, 0:r].reshape((pmax, len(slots), r)))
         else:
-            for i, (kt, k_rows) in enumerate(slots):
-                nisa.dma_copy(dst=rows[0:kt, i, 0:r], src=u[k_rows, 0:r])
+            for slot, (kt, k_rows) in enumerate(slots):
+                nisa.dma_copy(dst=rows[0:kt, slot, 0:r], src=u[k_rows, 0:r])
         u_rows.append(rows)
-    for i, (kt, k_rows) in enumerate(slots):
+    for slot, (kt, k_rows) in enumerate(slots):
         columns = slice(k_rows.start - k0, k_rows.stop - k0, k_rows.step)
         for c0, tc, row_tiles in staged or ():
             turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
             for s0, ts, rows in row_tiles:
                 nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, columns])
-            evict(strip[0:kt, i, c0:c0 + tc], turned, i)
+            evict(strip[0:kt, slot, c0:c0 + tc], turned, slot)
     return strip, u_rows
 
 
 def stage1(x, x_transposed, t0, tb, factors, block_k):
-    """(X·U)ᵀ of one token block for each U in `factors`, kept in SBUF: xu[0:rt, rj, 0:tb], rank tile rj on
-    the partitions (one X load serves every factor).
+    """(X·U)ᵀ of one token block for each U in `factors`, kept in SBUF: xu[0:rt, rank_tile, 0:tb], rank tile
+    on the partitions (one X load serves every factor).
 
     K is walked in blocks of block_k rows. Within a block, groups of rank tiles (as many accumulators as PSUM
     holds beside one transpose tile) accumulate over the block's K tiles, K loop outermost; with several K
     blocks the partial sums add up in a float32 SBUF accumulator and the last add writes xu.
     """
     pmax = nl.tile_size.pmax
-    rank_tile = nl.tile_size.gemm_stationary_fmax
+    rank_tile_size = nl.tile_size.gemm_stationary_fmax
     k = factors[0].shape[0]
-    chunks = spans(tb, nl.tile_size.gemm_moving_fmax)
-    group = max(1, (nl.tile_size.psum_num_banks - 1) // len(chunks))
+    token_chunks = spans(tb, nl.tile_size.gemm_moving_fmax)
+    tiles_per_group = max(1, (nl.tile_size.psum_num_banks - 1) // len(token_chunks))
     k_blocks = spans(k, block_k)
     xus, totals = [], []
     for u in factors:
-        r_count = len(spans(u.shape[1], rank_tile))
-        xus.append(nl.ndarray((pmax, r_count, tb), dtype=u.dtype, buffer=nl.sbuf, name="xuT_strip"))
-        totals.append(nl.ndarray((pmax, r_count, tb), dtype=nl.float32, buffer=nl.sbuf, name="xuT_total")
+        rank_tile_count = len(spans(u.shape[1], rank_tile_size))
+        xus.append(nl.ndarray((pmax, rank_tile_count, tb), dtype=u.dtype, buffer=nl.sbuf, name="xuT_strip"))
+        totals.append(nl.ndarray((pmax, rank_tile_count, tb), dtype=nl.float32, buffer=nl.sbuf, name="xuT_total")
                       if len(k_blocks) > 1 else None)
     upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[0])
-    for b, (k0, ks) in enumerate(k_blocks):
+    for k_block, (k0, ks) in enumerate(k_blocks):
         strip, u_rows = upcoming
         upcoming = None
-        if b + 1 < len(k_blocks):
-            upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[b + 1])
-        first, last = b == 0, b == len(k_blocks) - 1
+        if k_block + 1 < len(k_blocks):
+            upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[k_block + 1])
+        first, last = k_block == 0, k_block == len(k_blocks) - 1
         slots = k_slots(k0, ks)
         for u, rows, xu, total in zip(factors, u_rows, xus, totals):
-            rank_tiles = spans(u.shape[1], rank_tile)
-            for g0 in range(0, len(rank_tiles), group):
-                members = rank_tiles[g0:g0 + group]
-                accs = [[nl.ndarray((rt, tc), dtype=nl.float32, buffer=nl.psum, name="xuT_psum")
-                         for _, tc in chunks] for _, rt in members]
-                for i, (kt, _) in enumerate(slots):
-                    for m, (j0, rt) in enumerate(members):
-                        for c, (c0, tc) in enumerate(chunks):
-                            nisa.nc_matmul(dst=accs[m][c], stationary=rows[0:kt, i, j0:j0 + rt],
-                                           moving=strip[0:kt, i, c0:c0 + tc], accumulate=i > 0)
-                for m, (j0, rt) in enumerate(members):
-                    rj = g0 + m
-                    for c, (c0, tc) in enumerate(chunks):
-                        out = (xu if last else total)[0:rt, rj, c0:c0 + tc]
+            rank_tiles = spans(u.shape[1], rank_tile_size)
+            for group_start in range(0, len(rank_tiles), tiles_per_group):
+                group = rank_tiles[group_start:group_start + tiles_per_group]
+                accs = [[nl.ndarray((rank_size, chunk_size), dtype=nl.float32, buffer=nl.psum, name="xuT_psum")
+                         for _, chunk_size in token_chunks] for _, rank_size in group]
+                for slot, (kt, _) in enumerate(slots):
+                    for member, (rank_start, rank_size) in enumerate(group):
+                        for chunk, (chunk_start, chunk_size) in enumerate(token_chunks):
+                            nisa.nc_matmul(dst=accs[member][chunk],
+                                           stationary=rows[0:kt, slot, rank_start:rank_start + rank_size],
+                                           moving=strip[0:kt, slot, chunk_start:chunk_start + chunk_size],
+                                           accumulate=slot > 0)
+                for member, (_, rank_size) in enumerate(group):
+                    rank_tile = group_start + member
+                    for chunk, (chunk_start, chunk_size) in enumerate(token_chunks):
+                        tokens = slice(chunk_start, chunk_start + chunk_size)
+                        out = (xu if last else total)[0:rank_size, rank_tile, tokens]
                         if first:
-                            evict(out, accs[m][c], m * len(chunks) + c)
+                            evict(out, accs[member][chunk], member * len(token_chunks) + chunk)
                         else:
-                            nisa.tensor_tensor(dst=out, data1=total[0:rt, rj, c0:c0 + tc], data2=accs[m][c],
-                                               op=nl.add)
+                            nisa.tensor_tensor(dst=out, data1=total[0:rank_size, rank_tile, tokens],
+                                               data2=accs[member][chunk], op=nl.add)
                 del accs  # free the PSUM banks before the next group's
         del strip, u_rows, rows  # free this K block before the one after next is loaded
     return xus
@@ -233,13 +238,13 @@ def stage2_rows(xu, v, y, t0, tb, block_n):
         n_chunks = spans(nbs, nl.tile_size.gemm_moving_fmax)
         for s0, ts in spans(tb, nl.tile_size.gemm_stationary_fmax):
             accs = [nl.ndarray((ts, nc), dtype=nl.float32, buffer=nl.psum, name="y_psum") for _, nc in n_chunks]
-            for rj, (r0, rt) in enumerate(r_tiles):
-                for c, (c0, nc) in enumerate(n_chunks):
-                    nisa.nc_matmul(dst=accs[c], stationary=xu[0:rt, rj, s0:s0 + ts],
-                                   moving=v_blk[0:rt, rj, c0:c0 + nc], accumulate=rj > 0)
+            for rank_tile, (r0, rt) in enumerate(r_tiles):
+                for chunk, (c0, nc) in enumerate(n_chunks):
+                    nisa.nc_matmul(dst=accs[chunk], stationary=xu[0:rt, rank_tile, s0:s0 + ts],
+                                   moving=v_blk[0:rt, rank_tile, c0:c0 + nc], accumulate=rank_tile > 0)
             y_rows = nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows")
-            for c, (c0, nc) in enumerate(n_chunks):
-                evict(y_rows[0:ts, c0:c0 + nc], accs[c], c)
+            for chunk, (c0, nc) in enumerate(n_chunks):
+                evict(y_rows[0:ts, c0:c0 + nc], accs[chunk], chunk)
             del accs
             nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=y_rows)
         del v_blk  # single-buffered: free before the next block is loaded
@@ -253,10 +258,10 @@ def stage2_cols_psum(xu, v_blk, r_tiles, columns, nt, tb):
     """
     chunks = spans(tb, nl.tile_size.gemm_moving_fmax)
     accs = [nl.ndarray((nt, tc), dtype=nl.float32, buffer=nl.psum, name="yT_psum") for _, tc in chunks]
-    for rj, (r0, rt) in enumerate(r_tiles):
-        for i, (c0, tc) in enumerate(chunks):
-            nisa.nc_matmul(dst=accs[i], stationary=v_blk[0:rt, rj, columns],
-                           moving=xu[0:rt, rj, c0:c0 + tc], accumulate=rj > 0)
+    for rank_tile, (r0, rt) in enumerate(r_tiles):
+        for chunk, (c0, tc) in enumerate(chunks):
+            nisa.nc_matmul(dst=accs[chunk], stationary=v_blk[0:rt, rank_tile, columns],
+                           moving=xu[0:rt, rank_tile, c0:c0 + tc], accumulate=rank_tile > 0)
     return chunks, accs
 
 
@@ -265,8 +270,8 @@ def stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, dtype):
     stage2_cols_psum accumulators evicted, their PSUM banks free again once this returns."""
     chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
     yT_tile = nl.ndarray((nt, tb), dtype=dtype, buffer=nl.sbuf, name="yT_tile")
-    for i, (c0, tc) in enumerate(chunks):
-        evict(yT_tile[0:nt, c0:c0 + tc], accs[i], j0 // nl.tile_size.pmax + i)
+    for chunk, (c0, tc) in enumerate(chunks):
+        evict(yT_tile[0:nt, c0:c0 + tc], accs[chunk], j0 // nl.tile_size.pmax + chunk)
     return yT_tile
 
 
@@ -319,23 +324,31 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
         del v_blk, y_rows  # single-buffered: free before the next block is loaded
 
 
-def svd_matmul_body(kernel, x, u, v, x_transposed, y_transposed, decode, block_t, block_k, block_n):
-    """Shared body of the svd_matmul kernels: validation, token blocking, the two stages."""
+class Stage2(enum.Enum):
+    """How stage 2 contracts the (XU)ᵀ strip with V, and so the layout it writes."""
+
+    ROWS = "rows"  # stationary (XU)ᵀ, moving V → y [T, N]
+    COLS = "cols"  # stationary V, moving (XU)ᵀ → yᵀ [N, T]
+    COLS_TO_ROWS = "cols_to_rows"  # as COLS, each Yᵀ tile turned back on the PE → y [T, N] (decode)
+
+
+def svd_matmul_body(kernel, x, u, v, *, x_transposed, stage2, block_t, block_k, block_n):
+    """Shared body of the svd_matmul kernels: validation, token blocking, the two stages.
+
+    x_transposed: x is xᵀ [K, T] in HBM (else x [T, K]); stage2: a Stage2, which also fixes the output layout.
+    """
     check_2d(kernel, "xT" if x_transposed else "x", x, "[K, T]" if x_transposed else "[T, K]")
     k, t = (x.shape[0], x.shape[1]) if x_transposed else (x.shape[1], x.shape[0])
     _, n = check_factors(kernel, "xT.shape[0]" if x_transposed else "x.shape[1]", k, u, v)
-    check_float_dtypes(kernel, **{"xT" if x_transposed else "x": x, "u": u, "v": v})
+    check_operand_dtypes(kernel, **{"xT" if x_transposed else "x": x, "u": u, "v": v})
     check_blocks(block_t, block_k, block_n)
+    y_transposed = stage2 is Stage2.COLS
     out_shape = (n, t) if y_transposed else (t, n)
     out = nl.ndarray(out_shape, dtype=x.dtype, buffer=nl.shared_hbm, name="yT" if y_transposed else "y")
+    write_stage2 = {Stage2.ROWS: stage2_rows, Stage2.COLS: stage2_cols, Stage2.COLS_TO_ROWS: stage2_cols_to_rows}
     for t0, tb in spans(t, block_t):
         (xu,) = stage1(x, x_transposed, t0, tb, [u], block_k)
-        if y_transposed:
-            stage2_cols(xu, v, out, t0, tb, block_n)
-        elif decode:
-            stage2_cols_to_rows(xu, v, out, t0, tb, block_n)
-        else:
-            stage2_rows(xu, v, out, t0, tb, block_n)
+        write_stage2[stage2](xu, v, out, t0, tb, block_n)
         del xu  # dead before the next token block's stage 1
     return out
 
@@ -347,19 +360,16 @@ def svd_matmul_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     block_t: tokens per block (the (XU)ᵀ strip held in SBUF); block_k: rows of X and U per K block; block_n:
     columns of V per DMA block. All multiples of 128. T ≤ block_t reads X, U, V once and writes Y once.
     """
-    return svd_matmul_body("svd_matmul_kernel", x, u, v, False, False, False, block_t, block_k, block_n)
+    return svd_matmul_body("svd_matmul_kernel", x, u, v, x_transposed=False, stage2=Stage2.ROWS,
+                           block_t=block_t, block_k=block_k, block_n=block_n)
 
 
 @nki.jit
 def svd_matmul_t_out_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
-    """yᵀ [N, T] = (x [T, K] · u [K, r] · v [r, N])ᵀ: the layout a following t_in kernel consumes."""
-    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, False, True, False, block_t, block_k, block_n)
-
-
-@nki.jit
-def svd_matmul_t_in_kernel(xT, u, v, *, block_t=512, block_k=1024, block_n=2048):
-    """y [T, N] = xT [K, T]ᵀ · u [K, r] · v [r, N]: Xᵀ given, so no on-chip transpose of X (T > 1)."""
-    return svd_matmul_body("svd_matmul_t_in_kernel", xT, u, v, True, False, False, block_t, block_k, block_n)
+    """yᵀ [N, T] = (x [T, K] · u [K, r] · v [r, N])ᵀ: the layout a following transposed-input kernel
+    (svd_mlp_down_kernel) consumes."""
+    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, x_transposed=False, stage2=Stage2.COLS,
+                           block_t=block_t, block_k=block_k, block_n=block_n)
 
 
 @nki.jit
@@ -371,4 +381,5 @@ def svd_matmul_decode_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048
     the PE cycles saved are hidden while the extra evictions are not; dispatch picks it only where the tuned
     table does.
     """
-    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, False, False, True, block_t, block_k, block_n)
+    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, x_transposed=False, stage2=Stage2.COLS_TO_ROWS,
+                           block_t=block_t, block_k=block_k, block_n=block_n)

@@ -13,21 +13,17 @@ No rank-r intermediate touches HBM; the only intermediate in HBM is hᵀ (T·I e
 
 from __future__ import annotations
 
+from nki_kernels.activations import ACTIVATIONS, check_fused_activation
 from nki_kernels.binding import nki, nl, nisa
-from nki_kernels.svd_matmul import (check_2d, check_blocks, check_factors, check_float_dtypes, k_slots,
+from nki_kernels.svd_matmul import (Stage2, check_2d, check_blocks, check_factors, check_operand_dtypes, k_slots,
                                     load_row_block, spans, stage1, stage2_cols_psum, svd_matmul_body,
                                     turn_into_rows)
 
-ACTIVATIONS = ("silu", "gelu_tanh")
-
 
 def activation_op(activation):
-    """The ScalarE activation function for a name in ACTIVATIONS."""
-    if activation == "silu":
-        return nl.silu
-    if activation == "gelu_tanh":
-        return nl.gelu_apprx_tanh
-    raise ValueError(f"activation: got {activation!r}, expected one of {ACTIVATIONS}")
+    """The ScalarE activation function for a fused activation name (`activations.FUSED_ACTIVATIONS`)."""
+    check_fused_activation(activation)
+    return getattr(nl, ACTIVATIONS[activation].nl_op)
 
 
 @nki.jit
@@ -48,42 +44,45 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
     if i_gate != i_up:
         raise ValueError(f"{kernel}: gate_v has {i_gate} columns but up_v has {i_up}; both must be the "
                          f"intermediate size I")
-    check_float_dtypes(kernel, x=x, gate_u=gate_u, gate_v=gate_v, up_u=up_u, up_v=up_v)
+    check_operand_dtypes(kernel, x=x, gate_u=gate_u, gate_v=gate_v, up_u=up_u, up_v=up_v)
     check_blocks(block_t, block_k, block_n)
     pmax = nl.tile_size.pmax
     hT = nl.ndarray((i_gate, t), dtype=x.dtype, buffer=nl.shared_hbm, name="hT")
-    gate_r_tiles = spans(gate_v.shape[0], pmax)
-    up_r_tiles = spans(up_v.shape[0], pmax)
+    gate_rank_tiles = spans(gate_v.shape[0], pmax)
+    up_rank_tiles = spans(up_v.shape[0], pmax)
     for t0, tb in spans(t, block_t):
         gate_xu, up_xu = stage1(x, False, t0, tb, [gate_u, up_u], block_k)  # one X load for both
-        for nb0, nbs in spans(i_gate, block_n):
-            gate_blk = load_row_block(gate_v, nb0, nbs)
-            up_blk = load_row_block(up_v, nb0, nbs)
+        for feature_start, feature_count in spans(i_gate, block_n):
+            gate_blk = load_row_block(gate_v, feature_start, feature_count)
+            up_blk = load_row_block(up_v, feature_start, feature_count)
             # Output features in the k_slots layout: slot s, partition p ↔ feature row p·q + s of the block,
             # so with all tokens in the block each partition writes q whole rows of hᵀ as one run. A single
             # token's column (T = 1 in all, not a ragged last block of one) is instead turned into one row: the
             # contiguous run it is in hᵀ.
-            slots = k_slots(nb0, nbs)
+            slots = k_slots(feature_start, feature_count)
             h_block = nl.ndarray((pmax, len(slots), tb), dtype=x.dtype, buffer=nl.sbuf, name="hT_block")
-            row = [nl.ndarray((1, nbs), dtype=x.dtype, buffer=nl.sbuf, name="hT_row")] if t == 1 else None
-            for s, (nt, features) in enumerate(slots):
-                columns = slice(features.start - nb0, features.stop - nb0, features.step)
-                chunks, gate_accs = stage2_cols_psum(gate_xu, gate_blk, gate_r_tiles, columns, nt, tb)
-                _, up_accs = stage2_cols_psum(up_xu, up_blk, up_r_tiles, columns, nt, tb)
-                for c, (c0, tc) in enumerate(chunks):
-                    act = nl.ndarray((nt, tc), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
-                    nisa.activation(dst=act, op=op, data=gate_accs[c])
-                    nisa.tensor_tensor(dst=h_block[0:nt, s, c0:c0 + tc], data1=act, data2=up_accs[c],
-                                       op=nl.multiply)
+            row = ([nl.ndarray((1, feature_count), dtype=x.dtype, buffer=nl.sbuf, name="hT_row")] if t == 1
+                   else None)
+            whole_tiles = feature_count % pmax == 0
+            for slot, (slot_rows, features) in enumerate(slots):
+                columns = slice(features.start - feature_start, features.stop - feature_start, features.step)
+                chunks, gate_accs = stage2_cols_psum(gate_xu, gate_blk, gate_rank_tiles, columns, slot_rows, tb)
+                _, up_accs = stage2_cols_psum(up_xu, up_blk, up_rank_tiles, columns, slot_rows, tb)
+                for chunk, (chunk_start, chunk_size) in enumerate(chunks):
+                    act = nl.ndarray((slot_rows, chunk_size), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
+                    nisa.activation(dst=act, op=op, data=gate_accs[chunk])
+                    nisa.tensor_tensor(dst=h_block[0:slot_rows, slot, chunk_start:chunk_start + chunk_size],
+                                       data1=act, data2=up_accs[chunk], op=nl.multiply)
                 del gate_accs, up_accs  # free the PSUM banks before the next tile's accumulators start
                 if row is not None:
-                    turn_into_rows(h_block[0:nt, s, 0:1], row, columns, nt, tb)
-                elif nbs % pmax or tb != t:
-                    nisa.dma_copy(dst=hT[features, t0:t0 + tb], src=h_block[0:nt, s, 0:tb])
+                    turn_into_rows(h_block[0:slot_rows, slot, 0:1], row, columns, slot_rows, tb)
+                elif not whole_tiles or tb != t:
+                    nisa.dma_copy(dst=hT[features, t0:t0 + tb], src=h_block[0:slot_rows, slot, 0:tb])
             if row is not None:
-                nisa.dma_copy(dst=hT[nb0:nb0 + nbs, t0], src=row[0])
-            elif nbs % pmax == 0 and tb == t:
-                nisa.dma_copy(dst=hT[nb0:nb0 + nbs, 0:t].reshape((pmax, len(slots), t)), src=h_block)
+                nisa.dma_copy(dst=hT[feature_start:feature_start + feature_count, t0], src=row[0])
+            elif whole_tiles and tb == t:
+                nisa.dma_copy(dst=hT[feature_start:feature_start + feature_count, 0:t].reshape(
+                    (pmax, len(slots), t)), src=h_block)
             del gate_blk, up_blk, h_block  # single-buffered: free before the next blocks are loaded
         del gate_xu, up_xu  # dead before the next token block's stage 1
     return hT
@@ -91,5 +90,9 @@ def svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, *, activation="silu", 
 
 @nki.jit
 def svd_mlp_down_kernel(hT, down_u, down_v, *, block_t=512, block_k=1024, block_n=2048):
-    """y [T, H] = hT [I, T]ᵀ · down_u [I, rd] · down_v [rd, H]; y in hT's dtype, row-major."""
-    return svd_matmul_body("svd_mlp_down_kernel", hT, down_u, down_v, True, False, False, block_t, block_k, block_n)
+    """y [T, H] = hT [I, T]ᵀ · down_u [I, rd] · down_v [rd, H]; y in hT's dtype, row-major.
+
+    The transposed-input fused matmul: Xᵀ = hᵀ is given, so X needs no on-chip transpose (except for T = 1).
+    """
+    return svd_matmul_body("svd_mlp_down_kernel", hT, down_u, down_v, x_transposed=True, stage2=Stage2.ROWS,
+                           block_t=block_t, block_k=block_k, block_n=block_n)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import jax_neuronmm as jn
+from nki_kernels import emulator
 from nki_kernels.svd_matmul import svd_matmul_kernel
 
 
@@ -38,11 +39,11 @@ def test_jitted_svd_matmul_runs_the_kernel_and_matches_xla(rng, tokens, k, r, n)
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = np.asarray(fn(x, u, v))
     xla = np.asarray(fn(x, u, v))
-    assert [c.kernel for c in prof.calls] in (["svd_matmul_kernel"], ["svd_matmul_decode_kernel"])
-    call = prof.calls[0]
+    assert [c.name for c in prof.runs] in (["svd_matmul_kernel"], ["svd_matmul_decode_kernel"])
+    call = prof.runs[0]
     minimum = 4 * (x.size + u.size + v.size)
-    assert call.hbm_read_bytes >= minimum and call.hbm_write_bytes >= 4 * x.size // k * n
-    assert call.matmuls > 0 and call.modeled_us["trn1"] > 0 and call.modeled_us["trn2"] > 0
+    assert call.hbm_bytes_read >= minimum and call.hbm_bytes_written >= 4 * x.size // k * n
+    assert call.matmul_count > 0 and call.latency_us["trn1"] > 0 and call.latency_us["trn2"] > 0
     np.testing.assert_allclose(emulated, xla, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(emulated - 1.0, ref64(x, u, v), rtol=1e-5, atol=1e-5)
 
@@ -62,10 +63,10 @@ def test_switching_backend_relowers_a_jitted_function(rng):
     fn(x, u, v)  # compiled for the default backend first
     with jn.use_backend("emulator"), jn.profile() as prof:
         fn(x, u, v).block_until_ready()
-    assert len(prof.calls) == 1
+    assert len(prof.runs) == 1
     with jn.profile() as after:
         fn(x, u, v).block_until_ready()
-    assert len(after.calls) == 0
+    assert len(after.runs) == 0
 
 
 def test_grads_run_through_kernels_and_match_xla(rng):
@@ -75,7 +76,7 @@ def test_grads_run_through_kernels_and_match_xla(rng):
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = [np.asarray(g) for g in loss(x, u, v)]
     # The loss is linear, so the forward product is dead code; x̄ = w·vᵀ·uᵀ is the one kernel launch.
-    assert [c.kernel for c in prof.calls] == ["svd_matmul_kernel"]
+    assert [c.name for c in prof.runs] == ["svd_matmul_kernel"]
     x64, u64, v64, w64 = (a.astype(np.float64) for a in (x, u, v, w))
     want = [w64 @ v64.T @ u64.T, x64.T @ (w64 @ v64.T), (x64 @ u64).T @ w64]
     for got, expected in zip(emulated, want):
@@ -88,7 +89,7 @@ def test_vmap_over_stacked_weights_launches_once_per_layer(rng):
     vs = (rng.standard_normal((3, 3, 16)) / 2).astype(np.float32)
     with jn.use_backend("emulator"), jn.profile() as prof:
         y = jax.jit(jax.vmap(jn.svd_matmul, in_axes=(None, 0, 0)))(x, us, vs)
-    assert len(prof.calls) == 3
+    assert len(prof.runs) == 3
     for i in range(3):
         np.testing.assert_allclose(y[i], ref64(x, us[i], vs[i]), rtol=1e-5, atol=1e-5)
 
@@ -104,7 +105,7 @@ def test_scan_over_layers_on_the_emulator(rng):
 
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = jax.jit(model)(x, us, vs)
-    assert len(prof.calls) == layers
+    assert len(prof.runs) == layers
     np.testing.assert_allclose(emulated, jax.jit(model)(x, us, vs), rtol=1e-5, atol=1e-5)
 
 
@@ -114,7 +115,7 @@ def test_jitted_mlp_is_two_kernel_calls(rng, activation):
     fn = jax.jit(lambda *a: jn.svd_mlp(*a, activation=activation))
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = fn(*args)
-    assert [c.kernel for c in prof.calls] == ["svd_mlp_gate_up_kernel", "svd_mlp_down_kernel"]
+    assert [c.name for c in prof.runs] == ["svd_mlp_gate_up_kernel", "svd_mlp_down_kernel"]
     np.testing.assert_allclose(emulated, fn(*args), rtol=2e-5, atol=2e-5)
 
 
@@ -123,7 +124,7 @@ def test_mlp_grad_on_the_emulator_matches_xla(rng):
     grad = jax.jit(jax.grad(lambda *a: jnp.sum(jn.svd_mlp(*a) ** 2), argnums=tuple(range(7))))
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = grad(*args)
-    assert len(prof.calls) >= 3
+    assert len(prof.runs) >= 3
     for got, want in zip(emulated, grad(*args)):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
 
@@ -148,7 +149,7 @@ def test_environment_variable_selects_the_backend():
             "x = np.arange(12, dtype=np.float32).reshape(3, 4); u = np.ones((4, 2), np.float32)\n"
             "with jn.profile() as p:\n"
             "    jax.jit(jn.svd_matmul)(x, u, u.T).block_until_ready()\n"
-            "print(jn.get_backend(), [c.kernel for c in p.calls])\n")
+            "print(jn.get_backend(), [c.name for c in p.runs])\n")
     env = dict(os.environ, JAX_NEURONMM_BACKEND="emulator", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[-2] == "emulator ['svd_matmul_kernel']"
@@ -162,7 +163,7 @@ def test_emulated_nki_jit_accepts_jax_arrays_like_the_real_one(rng):
         jitted = jax.jit(lambda *a: svd_matmul_kernel(*a) * 2.0)(x, u, v)
         jitted.block_until_ready()
     assert isinstance(eager, jax.Array) and eager.shape == (7, 300)
-    assert len(prof.calls) == 2  # output-shape inference does not count as a launch
+    assert len(prof.runs) == 2  # output-shape inference does not count as a launch
     np.testing.assert_allclose(eager, ref64(x, u, v), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(jitted, 2 * ref64(x, u, v), rtol=1e-5, atol=1e-5)
 
@@ -173,5 +174,21 @@ def test_mlp_with_output_width_unlike_input_width(rng):
     weights = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = jax.jit(jn.svd_mlp)(x, *weights)
-    assert emulated.shape == (3, 72) and len(prof.calls) == 2
+    assert emulated.shape == (3, 72) and len(prof.runs) == 2
     np.testing.assert_allclose(emulated, jax.jit(jn.svd_mlp)(x, *weights), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("op", ["svd_matmul", "svd_mlp"])
+def test_shape_no_kernel_fits_fails_when_lowering_naming_op_shape_and_target(op):
+    # Rank 100000: no block sizes fit SBUF. The reason comes as a ValueError when the computation is lowered,
+    # not as a CpuCallback error when it runs.
+    S = jax.ShapeDtypeStruct
+    f32 = jnp.float32
+    if op == "svd_matmul":
+        args = (S((7, 100), f32), S((100, 100000), f32), S((100000, 130), f32))
+    else:
+        args = (S((7, 100), f32), S((100, 100000), f32), S((100000, 200), f32), S((100, 13), f32),
+                S((13, 200), f32), S((200, 13), f32), S((13, 100), f32))
+    with jn.use_backend("emulator"), emulator.use_target("trn1"), \
+            pytest.raises(ValueError, match=rf"^{op}: .*\(100, 100000\).* on trn1: .*no block sizes fit"):
+        jax.jit(getattr(jn, op)).lower(*args)

@@ -5,10 +5,12 @@ import numpy as np
 import pytest
 
 from nki_kernels import reference
-from nki_kernels.baseline_matmul import (TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes, dense_mlp,
-                                         fit_baseline_blocks, gated_activation_kernel, transpose_kernel,
-                                         unfused_svd_matmul, unfused_svd_mlp)
+from nki_kernels.activations import ACTIVATIONS
+from nki_kernels.baseline_matmul import TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes, fit_baseline_blocks
+from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 from nki_kernels.emulator import profile
+from nki_kernels.gated_activation import gated_activation_kernel
+from nki_kernels.transpose import transpose_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOLERANCE = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
@@ -34,13 +36,13 @@ def test_baseline_matmul_matches_float64_reference(rng, k, m, n, dtype, blocks):
     rhs = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
     out = baseline_matmul_kernel(lhsT, rhs, **blocks)
     assert out.shape == (m, n) and out.dtype == np.dtype(dtype)
-    assert relative_error(out, reference.matmul_lhsT_ref(lhsT, rhs)) <= TOLERANCE[np.dtype(dtype)]
+    assert relative_error(out, reference.matmul_lhsT_f64(lhsT, rhs)) <= TOLERANCE[np.dtype(dtype)]
 
 
 @pytest.mark.parametrize("m,n", [(1, 130), (7, 1000), (600, 130)])
 def test_transpose_kernel_is_exact(rng, m, n):
     a = rng.standard_normal((m, n)).astype(BF16)
-    np.testing.assert_array_equal(transpose_kernel(a).astype(np.float64), reference.transpose_ref(a))
+    np.testing.assert_array_equal(transpose_kernel(a).astype(np.float64), reference.transpose_f64(a))
 
 
 @pytest.mark.parametrize("t,k,r,n,dtype", [(1, 100, 130, 1000, np.float32), (130, 200, 1, 1000, BF16),
@@ -51,7 +53,7 @@ def test_unfused_chain_matches_reference_and_round_trips_the_intermediate(rng, t
     v = (rng.standard_normal((r, n)) / np.sqrt(r)).astype(dtype)
     with profile() as prof:
         y = unfused_svd_matmul(np.ascontiguousarray(x.T), u, v)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(dtype)]
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= TOLERANCE[np.dtype(dtype)]
     assert [run.name for run in prof.runs] == ["baseline_matmul_kernel", "transpose_kernel", "baseline_matmul_kernel"]
     size = np.dtype(dtype).itemsize
     # x·u written, read and written transposed, read again: four extra crossings of T·r elements.
@@ -67,7 +69,7 @@ def test_hoisted_lhsT_is_loaded_once_per_m_block(rng, hoist_lhsT, extra_lhsT_rea
     rhs = rng.standard_normal((k, n)).astype(BF16)
     with profile() as prof:
         out = baseline_matmul_kernel(lhsT, rhs, **{**TUTORIAL_BLOCKS, "tiles_n": 1, "hoist_lhsT": hoist_lhsT})
-    assert relative_error(out, reference.matmul_lhsT_ref(lhsT, rhs)) <= TOLERANCE[BF16]
+    assert relative_error(out, reference.matmul_lhsT_f64(lhsT, rhs)) <= TOLERANCE[BF16]
     assert prof.hbm_bytes_read == (extra_lhsT_reads * k * m + k * n) * BF16.itemsize
     assert prof.hbm_bytes_written == m * n * BF16.itemsize
 
@@ -90,7 +92,7 @@ def test_fit_baseline_blocks_keeps_tutorial_blocks_when_they_fit_and_shrinks_oth
 def test_gated_activation_kernel(rng, activation):
     gate, up = (rng.standard_normal((130, 700)).astype(np.float32) for _ in range(2))
     h = gated_activation_kernel(gate, up, activation=activation, block_f=256)
-    want = reference.ACTIVATIONS_REF[activation](gate) * up.astype(np.float64)
+    want = ACTIVATIONS[activation].reference(gate) * up.astype(np.float64)
     assert relative_error(h, want) <= 1e-5
 
 
@@ -99,7 +101,7 @@ def test_unfused_and_dense_mlp_baselines_match_reference(rng):
     x = rng.standard_normal((t, h)).astype(np.float32)
     factors = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
                for s in [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]]
-    want = reference.svd_mlp_ref(x, *factors, "gelu_tanh")
+    want = reference.svd_mlp_f64(x, *factors, "gelu_tanh")
     xT = np.ascontiguousarray(x.T)
     with profile() as prof:
         y = unfused_svd_mlp(xT, *factors, activation="gelu_tanh")

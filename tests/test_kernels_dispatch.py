@@ -4,7 +4,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nki_kernels import dispatch, reference, svd_matmul, svd_mlp, tuning
+from nki_kernels import (block_table, dispatch, footprint, hardware, paper_shapes, ranks, reference, svd_matmul, svd_mlp,
+                         tuning)
 from nki_kernels.emulator import count_only, use_target
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -14,16 +15,14 @@ def relative_error(got, want):
     return np.abs(np.asarray(got).astype(np.float64) - want).max() / np.abs(want).max()
 
 
-@pytest.mark.parametrize("layout", dispatch.LAYOUTS)
-def test_svd_matmul_plan_runs_and_matches_reference(rng, layout):
+def test_svd_matmul_plan_runs_and_matches_reference(rng):
     t, k, r, n = 7, 200, 130, 1000
     x = rng.standard_normal((t, k)).astype(np.float32)
     u = (rng.standard_normal((k, r)) / np.sqrt(k)).astype(np.float32)
     v = (rng.standard_normal((r, n)) / np.sqrt(r)).astype(np.float32)
-    kernel, kwargs = dispatch.svd_matmul_plan(t, k, r, n, np.float32, layout=layout)
-    out = kernel(np.ascontiguousarray(x.T) if layout == "t_in" else x, u, v, **kwargs)
-    y = out.T if layout == "t_out" else out
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
+    kernel, kwargs = dispatch.svd_matmul_plan(t, k, r, n, np.float32)
+    y = kernel(x, u, v, **kwargs)
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= 1e-5
 
 
 def test_svd_mlp_plan_is_two_kernels_matching_reference(rng):
@@ -35,7 +34,7 @@ def test_svd_mlp_plan_is_two_kernels_matching_reference(rng):
                                                                             activation="gelu_tanh")
     assert gate_up is svd_mlp.svd_mlp_gate_up_kernel and down is svd_mlp.svd_mlp_down_kernel
     y = down(gate_up(x, gu, gv, uu, uv, **gate_up_kwargs), du, dv, **down_kwargs)
-    assert relative_error(y, reference.svd_mlp_ref(x, gu, gv, uu, uv, du, dv, "gelu_tanh")) <= 1e-2
+    assert relative_error(y, reference.svd_mlp_f64(x, gu, gv, uu, uv, du, dv, "gelu_tanh")) <= 1e-2
 
 
 def test_plans_are_cached_and_callers_cannot_corrupt_the_cache():
@@ -51,7 +50,6 @@ def test_plans_are_cached_and_callers_cannot_corrupt_the_cache():
     (lambda: dispatch.svd_matmul_plan(0, 10, 10, 10, np.float32), ValueError, "T: got 0"),
     (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.int32), TypeError, "dtype: got int32"),
     (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.float32, target="trn9"), ValueError, "target"),
-    (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.float32, layout="nt"), ValueError, "layout"),
     (lambda: dispatch.svd_mlp_plan(1, 10, 10, 1, 1, 1, np.float32, activation="relu"), ValueError, "activation"),
 ])
 def test_bad_plan_arguments(call, error, message):
@@ -60,32 +58,32 @@ def test_bad_plan_arguments(call, error, message):
 
 
 def test_shipped_table_covers_the_paper_shapes_and_every_entry_fits():
-    table = tuning.load_table()
-    for kind, shape in tuning.paper_tuning_jobs():
-        for target in tuning.TARGETS:
-            entry = table[tuning.table_key(kind, target, BF16, shape)]
-            assert entry["variant"] in tuning.VARIANTS[kind]
-            blocks = {name: entry[name] for name in tuning.BLOCK_NAMES}
-            assert tuning.fits(kind, entry["variant"], shape, BF16.itemsize, blocks, target)
+    table = block_table.load_table()
+    for kind, shape in paper_shapes.paper_tuning_jobs():
+        for target in hardware.TARGETS:
+            entry = table[block_table.table_key(kind, target, BF16, shape)]
+            assert entry["variant"] in block_table.KERNEL_VARIANTS[kind]
+            blocks = {name: entry[name] for name in block_table.BLOCK_NAMES}
+            assert footprint.fits(kind, entry["variant"], shape, BF16.itemsize, blocks, target)
             assert entry["modeled_us"] > 0
 
 
 def test_lookup_uses_the_table_entry_of_the_nearest_tuned_token_count():
-    entry = tuning.load_table()[tuning.table_key("svd_matmul", "trn1", BF16, (2048, 2048, 1280, 8192))]
-    got = tuning.lookup("svd_matmul", 1800, 2048, 1280, 8192, BF16, "trn1")
-    assert got == {name: entry[name] for name in ("variant",) + tuning.BLOCK_NAMES}
+    entry = block_table.load_table()[block_table.table_key("svd_matmul", "trn1", BF16, (2048, 2048, 1280, 8192))]
+    got = block_table.lookup("svd_matmul", 1800, 2048, 1280, 8192, BF16, "trn1")
+    assert got == {name: entry[name] for name in ("variant",) + block_table.BLOCK_NAMES}
 
 
 def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
     # K = 14336 makes the Xᵀ strip and U blocks large: the footprint filter must shrink the blocks enough
     # for the emulator's SBUF check (trn1, the smaller SBUF) to pass.
     shape = (512, 14336, 256, 640)
-    entry = tuning.lookup("svd_matmul", *shape, BF16, "trn1")
+    entry = block_table.lookup("svd_matmul", *shape, BF16, "trn1")
     assert entry["variant"] == "rows"
-    blocks = {name: entry[name] for name in tuning.BLOCK_NAMES}
-    assert tuning.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks) <= tuning.SBUF_BYTES["trn1"]
+    blocks = {name: entry[name] for name in block_table.BLOCK_NAMES}
+    assert footprint.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks) <= hardware.SBUF_BYTES_PER_PARTITION["trn1"]
     too_big = dict(blocks, block_k=14336)
-    assert not tuning.fits("svd_matmul", "rows", shape, BF16.itemsize, too_big, "trn1")
+    assert not footprint.fits("svd_matmul", "rows", shape, BF16.itemsize, too_big, "trn1")
     t, k, r, n = shape
     with use_target("trn1"), count_only():
         y = svd_matmul.svd_matmul_kernel(np.zeros((t, k), BF16), np.zeros((k, r), BF16), np.zeros((r, n), BF16),
@@ -96,7 +94,7 @@ def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
 def test_tuner_picks_the_fastest_candidate_per_target():
     shape = (16, 256, 128, 1024)
     best = tuning.tune("svd_matmul", shape, BF16)
-    for target in tuning.TARGETS:
+    for target in hardware.TARGETS:
         measured = [tuning.measure("svd_matmul", variant, shape, BF16, blocks).latency_us[target]
                     for variant, blocks in tuning.candidates("svd_matmul", shape, BF16.itemsize, target)]
         assert len(measured) > 1
@@ -104,5 +102,5 @@ def test_tuner_picks_the_fastest_candidate_per_target():
 
 
 def test_block_aligned_rank_matches_the_paper_formula():
-    assert tuning.block_aligned_rank(2048, 8192, 0.8) == 1280
-    assert tuning.block_aligned_rank(4096, 14336, 0.8) == 2560
+    assert ranks.block_aligned_rank(2048, 8192, 0.8) == 1280
+    assert ranks.block_aligned_rank(4096, 14336, 0.8) == 2560

@@ -7,8 +7,8 @@ import pytest
 from nki_kernels import reference
 from nki_kernels.binding import nki, nisa, nl
 from nki_kernels.emulator import profile, trace
-from nki_kernels.svd_matmul import (svd_matmul_decode_kernel, svd_matmul_kernel, svd_matmul_t_in_kernel,
-                                    svd_matmul_t_out_kernel)
+from nki_kernels.svd_matmul import svd_matmul_decode_kernel, svd_matmul_kernel, svd_matmul_t_out_kernel
+from nki_kernels.svd_mlp import svd_mlp_down_kernel
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOLERANCE = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
@@ -17,7 +17,7 @@ TOLERANCE = {np.dtype(np.float32): 1e-5, BF16: 1e-2}
 VARIANTS = {
     "normal": (svd_matmul_kernel, False, False),
     "t_out": (svd_matmul_t_out_kernel, False, True),
-    "t_in": (svd_matmul_t_in_kernel, True, False),
+    "t_in": (svd_mlp_down_kernel, True, False),  # the transposed-input fused matmul
     "decode": (svd_matmul_decode_kernel, False, False),
 }
 
@@ -59,7 +59,7 @@ def test_matches_float64_reference(rng, variant, t, k, r, n, dtype):
     y = run_variant(variant, x, u, v)
     assert y.shape == (t, n)
     assert y.dtype == np.dtype(dtype)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(dtype)]
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= TOLERANCE[np.dtype(dtype)]
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -67,7 +67,7 @@ def test_small_blocks_cover_every_tile_edge(rng, variant):
     # Several token, rank and N blocks, each ending ragged.
     x, u, v = make_operands(rng, 300, 200, 300, 700, np.float32)
     y = run_variant(variant, x, u, v, block_t=128, block_k=256, block_n=512)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= 1e-5
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -77,7 +77,7 @@ def test_last_token_block_of_one_token(rng, variant):
     t, k, r, n = 513, 200, 130, 1000
     x, u, v = make_operands(rng, t, k, r, n, np.float32)
     y, run = traced_run(run_variant, variant, x, u, v, block_t=512)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
     if VARIANTS[variant][2]:
         hbm_writes = [record for record in run.records if record.dma and record.dma.dst_buffer == "hbm"]
         assert all(record.partitions > 1 for record in hbm_writes)
@@ -85,10 +85,10 @@ def test_last_token_block_of_one_token(rng, variant):
 
 def test_layout_references_agree_with_kernels(rng):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
-    np.testing.assert_allclose(svd_matmul_t_out_kernel(x, u, v), reference.svd_matmul_t_out_ref(x, u, v),
+    np.testing.assert_allclose(svd_matmul_t_out_kernel(x, u, v), reference.svd_matmul_t_out_f64(x, u, v),
                                rtol=1e-5, atol=1e-5)
     xT = np.ascontiguousarray(x.T)
-    np.testing.assert_allclose(svd_matmul_t_in_kernel(xT, u, v), reference.svd_matmul_t_in_ref(xT, u, v),
+    np.testing.assert_allclose(svd_mlp_down_kernel(xT, u, v), reference.svd_mlp_down_f64(xT, u, v),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -197,7 +197,7 @@ def test_hbm_traffic_check_catches_a_spilled_intermediate(rng):
     t, k, r, n = 7, 100, 30, 200
     x, u, v = make_operands(rng, t, k, r, n, np.float32)
     y, run = traced_run(spilling_svd_matmul_kernel, x, u, v)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= TOLERANCE[np.dtype(np.float32)]
     problems = hbm_traffic_problems(run, t, k, r, n, 4)
     assert any("both written and read" in p for p in problems) and any("bytes read" in p for p in problems)
 
@@ -234,4 +234,4 @@ def test_x_streams_in_several_k_segments(rng, variant, t, block_t):
     # K beyond one staging segment, ending ragged; with block_t=1024 one token block of two moving chunks.
     x, u, v = make_operands(rng, t, 2200, 300, 300, np.float32)
     y = run_variant(variant, x, u, v, block_t=block_t, block_k=256)
-    assert relative_error(y, reference.svd_matmul_ref(x, u, v)) <= 1e-5
+    assert relative_error(y, reference.svd_matmul_f64(x, u, v)) <= 1e-5

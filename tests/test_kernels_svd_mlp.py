@@ -40,14 +40,14 @@ def test_two_kernel_mlp_matches_float64_reference(rng, activation, t, h, i, rg, 
     x, gu, gv, uu, uv, du, dv = make_mlp(rng, t, h, i, rg, ru, rd, dtype)
     hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, activation=activation)
     assert hT.shape == (i, t) and hT.dtype == np.dtype(dtype)
-    want_hT = reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv, activation)
+    want_hT = reference.svd_mlp_gate_up_f64(x, gu, gv, uu, uv, activation)
     assert relative_error(hT, want_hT) <= TOLERANCE[np.dtype(dtype)]
     y = svd_mlp_down_kernel(hT, du, dv)
     assert y.shape == (t, h) and y.dtype == np.dtype(dtype)
     # The down kernel against its own reference on the kernel's hᵀ (isolates it from the gate/up rounding) ...
-    assert relative_error(y, reference.svd_mlp_down_ref(hT, du, dv)) <= TOLERANCE[np.dtype(dtype)]
+    assert relative_error(y, reference.svd_mlp_down_f64(hT, du, dv)) <= TOLERANCE[np.dtype(dtype)]
     # ... and the whole MLP end to end.
-    want_y = reference.svd_mlp_ref(x, gu, gv, uu, uv, du, dv, activation)
+    want_y = reference.svd_mlp_f64(x, gu, gv, uu, uv, du, dv, activation)
     assert relative_error(y, want_y) <= TOLERANCE[np.dtype(dtype)]
 
 
@@ -56,7 +56,7 @@ def test_activations_differ(rng):
     x, gu, gv, uu, uv, _, _ = make_mlp(rng, 7, 100, 1000, 130, 130, 130, np.float32)
     silu = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, activation="silu")
     gelu = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, activation="gelu_tanh")
-    assert relative_error(gelu, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv, "gelu_tanh")) <= 1e-5
+    assert relative_error(gelu, reference.svd_mlp_gate_up_f64(x, gu, gv, uu, uv, "gelu_tanh")) <= 1e-5
     assert np.abs(silu - gelu).max() > 1e-2
 
 
@@ -71,20 +71,20 @@ def test_last_token_block_of_one_token(rng):
         hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_t=512)
     finally:
         trace.remove_listener(runs.append)
-    assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
+    assert relative_error(hT, reference.svd_mlp_gate_up_f64(x, gu, gv, uu, uv)) <= 1e-5
     (run,) = runs
     hbm_writes = [record for record in run.records if record.dma and record.dma.dst_buffer == "hbm"]
     assert all(record.partitions > 1 for record in hbm_writes)
     y = svd_mlp_down_kernel(hT, du, dv, block_t=512)
-    assert relative_error(y, reference.svd_mlp_ref(x, gu, gv, uu, uv, du, dv)) <= 1e-5
+    assert relative_error(y, reference.svd_mlp_f64(x, gu, gv, uu, uv, du, dv)) <= 1e-5
 
 
 def test_small_blocks_cover_every_tile_edge(rng):
     x, gu, gv, uu, uv, du, dv = make_mlp(rng, 300, 200, 700, 300, 130, 300, np.float32)
     hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_t=128, block_k=256, block_n=256)
-    assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
+    assert relative_error(hT, reference.svd_mlp_gate_up_f64(x, gu, gv, uu, uv)) <= 1e-5
     y = svd_mlp_down_kernel(hT, du, dv, block_t=128, block_k=256, block_n=512)
-    assert relative_error(y, reference.svd_mlp_down_ref(hT, du, dv)) <= 1e-5
+    assert relative_error(y, reference.svd_mlp_down_f64(hT, du, dv)) <= 1e-5
 
 
 @pytest.mark.parametrize("t", [1, 7])
@@ -93,9 +93,9 @@ def test_whole_blocks_of_features_and_hidden_rows(rng, t):
     # contiguous run per partition) rather than the ragged fallback.
     x, gu, gv, uu, uv, du, dv = make_mlp(rng, t, 256, 512, 130, 130, 130, np.float32)
     hT = svd_mlp_gate_up_kernel(x, gu, gv, uu, uv, block_k=256, block_n=256)
-    assert relative_error(hT, reference.svd_mlp_gate_up_ref(x, gu, gv, uu, uv)) <= 1e-5
+    assert relative_error(hT, reference.svd_mlp_gate_up_f64(x, gu, gv, uu, uv)) <= 1e-5
     y = svd_mlp_down_kernel(hT, du, dv, block_k=256)
-    assert relative_error(y, reference.svd_mlp_down_ref(hT, du, dv)) <= 1e-5
+    assert relative_error(y, reference.svd_mlp_down_f64(hT, du, dv)) <= 1e-5
 
 
 @pytest.mark.parametrize("t", [1, 130, 512])

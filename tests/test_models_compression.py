@@ -99,4 +99,4 @@ def test_emulator_backend_generates_the_same_tokens():
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
         got = np.asarray(generate(model, prompt, 3))
     np.testing.assert_array_equal(got, expected)
-    assert len(prof.calls) >= 3 and prof.modeled_us["trn1"] > 0
+    assert len(prof.runs) >= 3 and prof.latency_us["trn1"] > 0

@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_neuronmm as jn
 from jax_neuronmm import lowering
-from jax_neuronmm.sharding import HostKernel
+from jax_neuronmm.host_callback import HostKernel
 from jax_neuronmm.svd_mlp import WEIGHT_NAMES
 
 DEVICE_COUNT = 8
@@ -167,8 +167,34 @@ def matmul_emulator_backend_runs_kernels_on_blocks():
     np.testing.assert_allclose(sharded, _matmul_f64(x, u, v), rtol=1e-4, atol=1e-4)
     assert collectives == [("all-reduce", "f32[7,40]")], collectives
     block_bytes = 4 * (7 * 16 + 16 * 24 + 24 * 40)  # x, u, v blocks read once each
-    assert len(prof.calls) == DEVICE_COUNT, [c.kernel for c in prof.calls]
-    assert {c.hbm_read_bytes for c in prof.calls} == {block_bytes}, [c.hbm_read_bytes for c in prof.calls]
+    assert len(prof.runs) == DEVICE_COUNT, [c.name for c in prof.runs]
+    assert {c.hbm_bytes_read for c in prof.runs} == {block_bytes}, [c.hbm_bytes_read for c in prof.runs]
+
+
+@check
+def emulator_blocks_no_kernel_fits_fail_when_compiling():
+    # Rank 400000 split over "model" (4) is 100000 per device: no block sizes fit. The blocks are known only
+    # once the partitioner has chosen them, so the reason (op, block shapes, target) comes when compiling, from
+    # the partition callback, not inside a host callback at run time.
+    S = jax.ShapeDtypeStruct
+    mesh = _mesh()
+
+    def operands(rank):
+        return (S((8, 100), jnp.float32, sharding=NamedSharding(mesh, P("data"))),
+                S((100, rank), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+                S((rank, 8), jnp.float32, sharding=NamedSharding(mesh, P("model"))))
+
+    with jn.use_backend("emulator"):
+        # 100000 in all is 25000 per device, which fits: the blocks are checked, not the whole arrays.
+        jax.jit(lambda *a: jn.svd_matmul(*a)).lower(*operands(100000)).compile()
+        try:
+            jax.jit(lambda *a: jn.svd_matmul(*a)).lower(*operands(400000)).compile()
+        except Exception as error:  # JAX reports a partition callback's error as a JaxRuntimeError
+            message = str(error)
+        else:
+            raise AssertionError("no error")
+    assert re.search(r"svd_matmul: operands of shapes \(4, 100\), \(100, 100000\), \(100000, 8\) cannot run as "
+                     r"NKI kernels on trn2: .*no block sizes fit", message), message
 
 
 @check
@@ -180,7 +206,7 @@ def mlp_emulator_backend_megatron_two_kernels_per_device():
         sharded, collectives = _run_layout(fn, (x, *weights), specs)
     np.testing.assert_allclose(sharded, _mlp_f64(x, *weights), rtol=1e-4, atol=1e-4)
     assert [op for op, _ in collectives] == ["all-reduce"], collectives
-    names = sorted(c.kernel for c in prof.calls)
+    names = sorted(c.name for c in prof.runs)
     assert names == ["svd_mlp_down_kernel"] * DEVICE_COUNT + ["svd_mlp_gate_up_kernel"] * DEVICE_COUNT, names
 
 

@@ -17,6 +17,9 @@ import warnings
 import numpy as np
 import scipy.linalg
 
+# The one rank rule, shared with the kernels' tuner (nki_kernels cannot import this package).
+from nki_kernels.ranks import block_aligned_rank, check_keep  # noqa: F401  (public here as compress.block_aligned_rank)
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_DAMPING = 1e-6
@@ -33,31 +36,6 @@ class WhitenedFactors:
     u: np.ndarray
     v: np.ndarray
     damping_added: float
-
-
-def block_aligned_rank(k: int, n: int, keep: float, block: int = 128) -> int:
-    """The rank r at which u [k, r] + v [r, n] hold about `keep`·k·n parameters, rounded to a multiple of `block`.
-
-    r = round(k·n·keep / ((k+n)·block))·block, clamped to [1, min(k, n)]. Block-aligned ranks fill the 128-row
-    tiles of the Trainium PE array. Small layers, where the aligned rank rounds to 0 (budget under half a block),
-    fall back to the unaligned rank round(k·n·keep / (k+n)), still clamped to [1, min(k, n)].
-
-    The factors never hold more parameters than the dense layer: a rank rounded past the break-even rank
-    k·n / (k+n) is lowered to the largest block multiple under it (or, below one block, to the break-even rank
-    itself). Only layers too thin for any rank to save parameters (k·n / (k+n) < 1) get rank 1 regardless.
-    """
-    for name, value in (("k", k), ("n", n), ("block", block)):
-        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    check_keep(keep)
-    budget = k * n * keep / (k + n)
-    break_even = (k * n) // (k + n)
-    rank = round(budget / block) * block
-    if rank > break_even:
-        rank = (break_even // block) * block
-    if rank < 1:
-        rank = min(round(budget), break_even)
-    return int(min(max(rank, 1), min(k, n)))
 
 
 def truncated_svd(w, rank: int) -> tuple[np.ndarray, np.ndarray]:
@@ -178,11 +156,6 @@ def _as_activations(activations, w_shape: tuple[int, ...]) -> np.ndarray:
     if not np.all(np.isfinite(x)):
         raise ValueError(f"activations contain NaN or Inf values (shape {x.shape})")
     return x
-
-
-def check_keep(keep) -> None:
-    if not isinstance(keep, numbers.Real) or isinstance(keep, bool) or not 0 < keep <= 1:
-        raise ValueError(f"keep must be a fraction of parameters in (0, 1], got {keep!r}")
 
 
 def check_rank(rank, w_shape: tuple[int, ...]) -> None:

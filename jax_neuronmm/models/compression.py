@@ -10,13 +10,12 @@ from jax_neuronmm.compress import svd
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
 INCLUDE_CHOICES = ("mlp", "attention")
 METHODS = ("svd", "whitened")
 _ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
-# Our activation names -> svd_mlp's; an MLP with any other activation is compressed projection by projection.
-_FUSED_ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 class _InputRecorder(nnx.Module):
@@ -127,7 +126,9 @@ def fused_mlp_activation(mlp: GatedMLP):
     """svd_mlp's activation name when `mlp` can become one fused SVDMLP (no biases, SiLU or GELU-tanh), else None."""
     if any(getattr(mlp, name).bias is not None for name in MLP_PROJECTIONS):
         return None
-    return _FUSED_ACTIVATIONS.get(mlp.activation)
+    # An MLP whose activation the kernels do not apply is compressed projection by projection.
+    activation = HF_ACTIVATIONS.get(mlp.activation)
+    return activation if activation in FUSED_ACTIVATIONS else None
 
 
 def _compress_mlp(mlp: GatedMLP, keep, rank, block, method, calibration):

@@ -15,8 +15,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_neuronmm.reference import jnp_activation
+from nki_kernels.activations import HF_ACTIVATIONS
+
 ROPE_KINDS = ("default", "linear", "llama3")
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh", "gelu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,13 +91,10 @@ def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Arra
 
 
 def activation_fn(name: str):
-    if name == "silu":
-        return jax.nn.silu
-    if name == "gelu_pytorch_tanh":
-        return lambda x: jax.nn.gelu(x, approximate=True)
-    if name == "gelu":
-        return lambda x: jax.nn.gelu(x, approximate=False)
-    raise ValueError(f"hidden_act: got {name!r}, expected one of {ACTIVATIONS}")
+    """The jnp function of an HF `hidden_act` name."""
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(f"hidden_act: got {name!r}, expected one of {tuple(HF_ACTIVATIONS)}")
+    return jnp_activation(HF_ACTIVATIONS[name])
 
 
 class RMSNorm(nnx.Module):

@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_neuronmm.compress import svd
-from jax_neuronmm.reference import ACTIVATIONS
+from jax_neuronmm.reference import jnp_activation
+from nki_kernels.activations import FUSED_ACTIVATIONS
 
 
 def factorize_kernel(kernel, *, rank=None, keep=None, method="svd", calibration=None, block=128,
@@ -34,8 +35,8 @@ def factorize_kernel(kernel, *, rank=None, keep=None, method="svd", calibration=
 
 def gated_hidden(x, gate_kernel, up_kernel, activation: str) -> np.ndarray:
     """act(x·Wg) * (x·Wu) [n, I] in float32: the inputs the down projection of a gated MLP sees."""
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(f"activation must be one of {sorted(FUSED_ACTIVATIONS)}, got {activation!r}")
     x = np.asarray(x, np.float32)
     if x.ndim != 2 or x.shape[-1] != np.shape(gate_kernel)[0]:
         raise ValueError(
@@ -44,7 +45,7 @@ def gated_hidden(x, gate_kernel, up_kernel, activation: str) -> np.ndarray:
         )
     gate = x @ np.asarray(gate_kernel, np.float32)
     up = x @ np.asarray(up_kernel, np.float32)
-    return np.asarray(ACTIVATIONS[activation](jnp.asarray(gate))) * up
+    return np.asarray(jnp_activation(activation)(jnp.asarray(gate))) * up
 
 
 def three_ranks(rank) -> tuple[int, int, int]:

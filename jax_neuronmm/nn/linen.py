@@ -18,9 +18,9 @@ from flax.linen import dtypes
 
 from jax_neuronmm.compress import svd
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
-from jax_neuronmm.reference import ACTIVATIONS
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nn.initializers.lecun_normal()
 
@@ -111,8 +111,8 @@ class SVDMLP(nn.Module):
 
     @nn.compact
     def __call__(self, inputs):
-        if self.activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {self.activation!r}")
+        if self.activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(FUSED_ACTIVATIONS)}, got {self.activation!r}")
         in_features = inputs.shape[-1]
         out_features = in_features if self.out_features is None else self.out_features
         ranks = three_ranks(self.rank)

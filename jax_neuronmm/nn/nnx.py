@@ -13,9 +13,9 @@ from flax.linen import dtypes
 
 from jax_neuronmm.compress import svd
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
-from jax_neuronmm.reference import ACTIVATIONS
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nnx.initializers.lecun_normal()
 
@@ -85,8 +85,8 @@ class SVDMLP(nnx.Module):
     def __init__(self, in_features: int, intermediate_features: int, rank, *, out_features: int | None = None,
                  activation: str = "silu", dtype=None, param_dtype=jnp.float32, precision=None,
                  u_init=default_factor_init, v_init=default_factor_init, rngs: nnx.Rngs):
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(ACTIVATIONS)}, got {activation!r}")
+        if activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(FUSED_ACTIVATIONS)}, got {activation!r}")
         out_features = in_features if out_features is None else out_features
         gate_rank, up_rank, down_rank = three_ranks(rank)
         common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision, u_init=u_init,

@@ -17,16 +17,16 @@ import threading
 
 import numpy as np
 
+from nki_kernels import hardware
+
 from . import trace
 from .errors import NkiHardwareError
 
-TARGETS = ("trn1", "trn2")
-_TARGET_ALIASES = {"trn1": "trn1", "inf2": "trn1", "gen2": "trn1", "trn2": "trn2", "gen3": "trn2"}
-# SBUF bytes per partition: 24 MiB / 128 on trn1, 28 MiB / 128 on trn2 (AWS architecture guides).
-SBUF_BYTES_PER_PARTITION = {"trn1": 192 * 1024, "trn2": 224 * 1024}
-PSUM_BANK_BYTES = 2048  # 16 KiB per partition = 8 banks of 2 KiB (512 fp32)
-PSUM_BANKS = 8
-PMAX = 128
+# The chip's sizes, from the one module of hardware facts (isa.py, tensor.py, language.py read them here).
+SBUF_BYTES_PER_PARTITION = hardware.SBUF_BYTES_PER_PARTITION
+PSUM_BANK_BYTES = hardware.PSUM_BANK_BYTES
+PSUM_BANKS = hardware.PSUM_BANKS
+PMAX = hardware.PMAX
 
 _EMULATOR_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -40,10 +40,7 @@ def resolve_target(target=None):
         if _target_override:
             return _target_override[-1]
         target = os.environ.get("NEURON_PLATFORM_TARGET_OVERRIDE", "trn2")
-    name = _TARGET_ALIASES.get(str(target).strip().lower())
-    if name is None:
-        raise ValueError(f"target: unsupported NKI target {target!r}; expected one of {sorted(_TARGET_ALIASES)}")
-    return name
+    return hardware.canonical_target(target)
 
 
 @contextlib.contextmanager

@@ -8,7 +8,7 @@ Sources (AWS Neuron documentation, repository aws-neuron/aws-neuron-sdk):
   [DMA]   nki/get-started/about/nki-dma-overview.rst and nki/deep-dives/nki-dma-bandwidth-guide.rst
   [PERF]  nki/deep-dives/nki_perf_guide.rst
   [HBM]   trn1: 820 GB/s per chip, 2 NeuronCores; trn2: 2.9 TB/s per chip, 8 NeuronCores
-          (Trn1 / Trn2 architecture pages of the Neuron docs; project DESIGN.md)
+          (Trn1 / Trn2 architecture pages of the Neuron docs)
 
 The model is a list scheduler over the run's instruction records:
 - Compute engines (tensor, vector, scalar, gpsimd) execute their instructions in program order;

@@ -1,0 +1,64 @@
+"""How much SBUF and PSUM a fused kernel keeps live for a shape and block sizes (the tuner's filter).
+
+Kinds of kernel (shape = (T, K, r, N) in each kind's own terms; see `block_table.KINDS`). The model follows the
+emulator's liveness rule: a tensor lives until its last reference is dropped.
+"""
+
+from __future__ import annotations
+
+from nki_kernels.hardware import MOVING_FMAX, PMAX, PSUM_BANKS, SBUF_BYTES_PER_PARTITION
+
+
+def _tiles(n, size=PMAX):
+    return -(-n // size)
+
+
+def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n):
+    """Peak SBUF bytes per partition the kernel keeps live (the emulator's liveness rule: a tensor lives until
+    its last reference is dropped).
+
+    Stage 1 holds the (XU)ᵀ strip(s), a float32 accumulator when K spans several blocks, and two K blocks
+    (the current one and the next being loaded) of Xᵀ and full-width U rows, plus the next block's staged X
+    rows. Stage 2 holds the strip(s), one V block per factor, and the output tiles.
+    """
+    tb = min(block_t, t)
+    factors = 2 if kind == "svd_mlp_gate_up" else 1
+    kb = _tiles(min(block_k, k))
+    xu = _tiles(r) * tb * itemsize
+    total = _tiles(r) * tb * 4 if k > block_k else 0
+    k_block = kb * tb * itemsize + factors * kb * r * itemsize
+    staged = 0 if (kind == "svd_mlp_down" and tb > 1) else _tiles(tb) * min(block_k, k) * itemsize
+    stage1 = factors * (xu + total) + 2 * k_block + staged
+    v_block = _tiles(r) * min(block_n, n) * itemsize
+    if kind == "svd_mlp_gate_up":
+        # hᵀ block (block_n features in the k_slots layout), the activation tile, a single token's row.
+        out_tiles = (_tiles(min(block_n, n)) * tb * itemsize + min(tb, MOVING_FMAX) * 4
+                     + (min(block_n, n) * itemsize if tb == 1 else 0))
+    elif variant == "rows":
+        out_tiles = min(block_n, n) * itemsize
+    elif variant == "decode":
+        out_tiles = _tiles(tb) * min(block_n, n) * itemsize + tb * itemsize
+    else:
+        out_tiles = tb * itemsize + (min(block_n, n) * itemsize if tb == 1 else 0)
+    stage2 = factors * (xu + v_block) + out_tiles
+    return max(stage1, stage2)
+
+
+def psum_banks(kind, variant, t, k, r, n, block_t, block_k, block_n):
+    """Peak PSUM banks live at once: stage 1 groups its rank tiles to fit beside one transpose tile; stage 2
+    holds one accumulator per 512 columns (rows) or per ≤512-token chunk and factor (cols)."""
+    tb = min(block_t, t)
+    chunks = _tiles(tb, MOVING_FMAX)
+    stage1 = max(1, (PSUM_BANKS - 1) // chunks) * chunks + 1
+    if kind == "svd_mlp_gate_up":
+        return max(stage1, 2 * chunks + (1 if tb == 1 else 0))
+    if variant == "rows":
+        return max(stage1, _tiles(min(block_n, n), MOVING_FMAX))
+    return max(stage1, chunks + 1)
+
+
+def fits(kind, variant, shape, itemsize, blocks, target):
+    """Whether `blocks` keep the kernel within `target`'s SBUF and PSUM for `shape` (T, K, r, N)."""
+    t, k, r, n = shape
+    return (sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks) <= SBUF_BYTES_PER_PARTITION[target]
+            and psum_banks(kind, variant, t, k, r, n, **blocks) <= PSUM_BANKS)
