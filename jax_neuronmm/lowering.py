@@ -15,7 +15,7 @@ real `nki.jit` turns each kernel launch into its custom call. The "neuron" rule
 is registered only once JAX knows that platform (`ensure_neuron_lowering`).
 """
 
-from jax_neuronmm import kernel_calls, reference, sharding
+from jax_neuronmm import explicit_sharding, kernel_calls, reference, sharding
 from jax_neuronmm._compat import (is_known_platform, lower_fun, lowering_platform, register_lowering,
                                   require_devices_during_lowering)
 from jax_neuronmm.backend import effective_backend
@@ -44,6 +44,7 @@ def local_impl(primitive, platform):
 
 def _rule(primitive):
     def lower(ctx, *operands, **params):
+        params = explicit_sharding.local_params(params)
         platform = lowering_platform(ctx)
         backend = effective_backend(platform)
         if backend != "xla":
@@ -53,7 +54,8 @@ def _rule(primitive):
         if isinstance(local_fn, sharding.HostKernel):
             local_fn = sharding.host_local_fn(ctx, local_fn, params)
         call = sharding.partitioned(local_fn, factor_rule, params)
-        return lower_fun(call, multiple_results=False)(ctx, *operands)
+        results = lower_fun(call, multiple_results=False)(explicit_sharding.local_context(ctx), *operands)
+        return explicit_sharding.constrain_results(ctx, results)
 
     return lower
 

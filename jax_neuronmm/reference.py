@@ -20,12 +20,16 @@ ACTIVATIONS = {
 }
 
 
-def batched_dot(a, b, n_batch, precision, out_dtype):
-    """a [*B, *T, K] · b [*B, K, N] -> [*B, *T, N], accumulated in float32/64."""
+def batched_dot(a, b, n_batch, precision, out_dtype, out_sharding=None):
+    """a [*B, *T, K] · b [*B, K, N] -> [*B, *T, N], accumulated in float32/64.
+
+    out_sharding: the result's sharding under Explicit mesh axes (as in lax.dot_general).
+    """
     batch = tuple(range(n_batch))
     dims = (((a.ndim - 1,), (n_batch,)), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc).astype(out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
+                           out_sharding=out_sharding).astype(out_dtype)
 
 
 def svd_matmul_ref(x, u, v, *, n_batch=0, precision=None, out_dtype=None):
@@ -46,13 +50,17 @@ def svd_mlp_ref(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="si
     return svd_matmul_ref(hidden, down_u, down_v, n_batch=n_batch, precision=precision, out_dtype=out_dtype)
 
 
-def token_contract(a, b, n_batch, precision, out_dtype):
-    """Sum over token dims: a [*B, *T, P] , b [*B, *T, Q] -> [*B, P, Q] (weight cotangents)."""
+def token_contract(a, b, n_batch, precision, out_dtype, out_sharding=None):
+    """Sum over token dims: a [*B, *T, P] , b [*B, *T, Q] -> [*B, P, Q] (weight cotangents).
+
+    out_sharding: the result's sharding under Explicit mesh axes (as in lax.dot_general).
+    """
     batch = tuple(range(n_batch))
     tokens = tuple(range(n_batch, a.ndim - 1))
     dims = ((tokens, tokens), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc).astype(out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
+                           out_sharding=out_sharding).astype(out_dtype)
 
 
 def swap_last(w):
