@@ -252,6 +252,26 @@ def explicit_shard_map_tokens_sharded_both_backends_and_grads():
 
 
 @check
+def explicit_shard_map_matmul_layouts_both_backends():
+    # The user's own column/row/rank-parallel svd_matmul on blocks: K- and r-split layouts psum the partial sums.
+    mesh = _mesh("explicit")
+    summed = {"column": False, "row": True, "rank": True}
+    for name, needs_psum in summed.items():
+        layout = LAYOUTS[name]
+        args = layout.operands()
+        per_block = (lambda *b: jax.lax.psum(jn.svd_matmul(*b), "model")) if needs_psum else jn.svd_matmul
+        apply = _explicit_shard_map(per_block, layout.specs, layout.result_spec)
+        with jax.set_mesh(mesh):
+            placed = _place(mesh, args, layout.specs)
+            for backend in BACKENDS:
+                with jn.use_backend(backend):
+                    result = apply(*placed)
+                np.testing.assert_allclose(np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4,
+                                           err_msg=f"{name} {backend}")
+                assert jax.typeof(result).sharding.spec == layout.result_spec, (name, jax.typeof(result))
+
+
+@check
 def explicit_shard_map_megatron_mlp_both_backends():
     args = mlp_operands("sm_mlp", tokens=(4, 3))
     apply = _explicit_shard_map(lambda *blocks: jax.lax.psum(jn.svd_mlp(*blocks), "model"), MEGATRON, P("data"))
