@@ -228,6 +228,21 @@ def explicit_vmap_over_stacked_layers_and_over_tokens():
     np.testing.assert_allclose(np.asarray(y), matmul_f64(x, us[0], vs[0, :, :40]), rtol=1e-4, atol=1e-4)
 
 
+@check
+def mixed_mesh_explicit_data_auto_model_row_parallel():
+    # Types name only the Explicit "data" axis; the partitioner still sees K split over the Auto "model" axis.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    args = matmul_operands("mixed")
+    for backend in BACKENDS:
+        with jax.set_mesh(mesh), jn.use_backend(backend):
+            placed = _place(mesh, args, (P("data", "model"), P("model"), P()))
+            jitted = jax.jit(jn.svd_matmul)
+            result = jitted(*placed)
+            assert jax.typeof(result).sharding.spec == P("data", None), jax.typeof(result)
+            assert collectives(jitted.lower(*placed).compile().as_text()) == [("all-reduce", "f32[7,40]")]
+        np.testing.assert_allclose(np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4, err_msg=backend)
+
+
 def _explicit_shard_map(fn, in_specs, out_specs, **kwargs):
     return jax.jit(jax.shard_map(fn, mesh=_mesh("explicit"), in_specs=in_specs, out_specs=out_specs, **kwargs))
 
