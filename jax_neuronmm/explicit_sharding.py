@@ -143,8 +143,7 @@ def batched_out_sharding(out_sharding, dim, batched, batched_dim):
     """vmap: `out_sharding` with a new result dim at `dim`, split like dim `batched_dim` of `batched`."""
     if out_sharding is None:
         return None
-    entries = list(_entries(jax.typeof(batched)))
-    new = entries[batched_dim] if batched_dim is not None else ()
+    new = _entries(jax.typeof(batched))[batched_dim]
     spec_entries = [() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in out_sharding.spec]
     if {a for e in spec_entries for a in e} & set(new):
         new = ()
