@@ -105,3 +105,11 @@ def cpu_host_callback_lowering(ctx, operands, index):
 
 
 __all__ += ["cpu_host_callback_lowering", "lowering_platform"]
+
+
+# --- Sharding in types: Explicit mesh axes (jax_neuronmm/explicit_sharding.py) -------------------
+from jax._src.core import ShardingTypeError  # noqa: E402
+from jax._src.interpreters.mlir import lower_with_sharding_in_types  # noqa: E402
+from jax._src.sharding_impls import canonicalize_sharding  # noqa: E402
+
+__all__ += ["ShardingTypeError", "canonicalize_sharding", "lower_with_sharding_in_types"]

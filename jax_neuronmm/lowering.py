@@ -23,7 +23,7 @@ import dataclasses
 import functools
 from typing import Callable
 
-from jax_neuronmm import host_callback, kernel_calls, sharding
+from jax_neuronmm import explicit_sharding, host_callback, kernel_calls, sharding
 from jax_neuronmm._compat import (lower_fun, lowering_platform, lowers_whole_arrays, register_lowering,
                                   require_devices_during_lowering)
 from jax_neuronmm.backend import effective_backend
@@ -77,6 +77,7 @@ def local_impl(primitive, platform):
 
 
 def _lower(primitive, ctx, *operands, **params):
+    params = explicit_sharding.local_params(params)
     platform = lowering_platform(ctx)
     backend = effective_backend(platform)
     if backend != "xla":
@@ -94,4 +95,5 @@ def _lower(primitive, ctx, *operands, **params):
                 check_blocks = None
         local_fn = host_callback.host_local_fn(ctx, local_fn, params)
     call = sharding.partitioned(local_fn, factor_rule, params, check_blocks=check_blocks)
-    return lower_fun(call, multiple_results=False)(ctx, *operands)
+    results = lower_fun(call, multiple_results=False)(explicit_sharding.local_context(ctx), *operands)
+    return explicit_sharding.constrain_results(ctx, results)

@@ -23,21 +23,29 @@ def jnp_activation(name):
     return functools.partial(getattr(jax.nn, function), **kwargs)
 
 
-def batched_dot(a, b, n_batch, precision, out_dtype):
-    """a [*B, *T, K] · b [*B, K, N] -> [*B, *T, N], accumulated in float32/64."""
+def batched_dot(a, b, n_batch, precision, out_dtype, out_sharding=None):
+    """a [*B, *T, K] · b [*B, K, N] -> [*B, *T, N], accumulated in float32/64.
+
+    out_sharding: the result's sharding under Explicit mesh axes (as in lax.dot_general).
+    """
     batch = tuple(range(n_batch))
     dims = (((a.ndim - 1,), (n_batch,)), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc).astype(out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
+                           out_sharding=out_sharding).astype(out_dtype)
 
 
-def token_contract(a, b, n_batch, precision, out_dtype):
-    """Sum over token dims: a [*B, *T, P] , b [*B, *T, Q] -> [*B, P, Q] (weight cotangents)."""
+def token_contract(a, b, n_batch, precision, out_dtype, out_sharding=None):
+    """Sum over token dims: a [*B, *T, P] , b [*B, *T, Q] -> [*B, P, Q] (weight cotangents).
+
+    out_sharding: the result's sharding under Explicit mesh axes (as in lax.dot_general).
+    """
     batch = tuple(range(n_batch))
     tokens = tuple(range(n_batch, a.ndim - 1))
     dims = ((tokens, tokens), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc).astype(out_dtype)
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
+                           out_sharding=out_sharding).astype(out_dtype)
 
 
 def swap_last(w):

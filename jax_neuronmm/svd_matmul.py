@@ -14,10 +14,11 @@ reference, the NKI kernel launches, the sharding factor rule), registered with
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_neuronmm import lowering, shapes
+from jax_neuronmm import explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
 from jax_neuronmm.reference import batched_dot, swap_last, token_contract
@@ -28,7 +29,7 @@ svd_matmul_p = Primitive("svd_matmul")
 svd_matmul_p.def_impl(functools.partial(apply_primitive, svd_matmul_p))
 
 
-def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
+def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None, out_sharding=None):
     """Low-rank product (x·u)·v as one fused operation.
 
     Args:
@@ -38,6 +39,9 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
       precision: None, a `jax.lax.Precision` (or its name), or a pair of them.
       preferred_element_type: dtype of the result; defaults to x's dtype.
         Products accumulate in float32 either way (float64 for float64 inputs).
+      out_sharding: as in `jnp.matmul`: None, a NamedSharding or a PartitionSpec of the
+        result under Explicit mesh axes; needed when K or r is split in both operands
+        that contract it (see explicit_sharding.py).
 
     Returns:
       [..., N] in `preferred_element_type` (or x's dtype).
@@ -49,9 +53,11 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None):
     shapes.check_matrix(op, "u", u, rows=x.shape[-1], rows_from="x.shape[-1] (K)")
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
+    out_sharding = explicit_sharding.check_out_sharding(op, out_sharding, x.ndim)
     x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
     return svd_matmul_p.bind(
-        x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype
+        x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype,
+        out_sharding=out_sharding,
     )
 
 
@@ -60,10 +66,12 @@ def _bind(x, u, v, **params):
 
 
 @svd_matmul_p.def_abstract_eval
-def _abstract_eval(x, u, v, *, n_batch, precision, out_dtype):
+def _abstract_eval(x, u, v, *, n_batch, precision, out_dtype, out_sharding):
     del precision
     check_varying_axes("svd_matmul", ("x", "u", "v"), (x, u, v))
-    return x.update(shape=x.shape[:-1] + v.shape[-1:], dtype=out_dtype, weak_type=False)
+    sharding = explicit_sharding.result_sharding("svd_matmul", factor_rule(n_batch, x.ndim), ("x", "u", "v"),
+                                                 (x, u, v), out_sharding)
+    return x.update(shape=x.shape[:-1] + v.shape[-1:], dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
 def _jvp(primals, tangents, **params):
@@ -82,7 +90,7 @@ def _jvp(primals, tangents, **params):
     return y, functools.reduce(jnp.add, terms)
 
 
-def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype):
+def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype, out_sharding):
     undefined = [ad.is_undefined_primal(a) for a in (x, u, v)]
     if sum(undefined) != 1:
         raise NotImplementedError("svd_matmul is linear in one operand at a time")
@@ -93,24 +101,33 @@ def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype):
     if undefined[0]:
         # y = x·u·v  =>  x̄ = ȳ·vᵀ·uᵀ: again a fused low-rank product.
         ct_x = _bind(ct, swap_last(v), swap_last(u), n_batch=n_batch, precision=precision,
-                     out_dtype=np.dtype(target.dtype))
+                     out_dtype=np.dtype(target.dtype), out_sharding=explicit_sharding.sharding_of(target))
         return [ct_x, None, None]
+    # Under Explicit mesh axes cotangents are typed like their primals (as lax.dot_general's transpose does).
     if undefined[1]:
-        ct_v = batched_dot(ct, swap_last(v), n_batch, precision, target.dtype)  # ȳ·vᵀ [*B, *T, r]
-        return [None, token_contract(x, ct_v, n_batch, precision, target.dtype), None]
-    xu = batched_dot(x, u, n_batch, precision, x.dtype)  # rounded as in the forward pass
-    return [None, None, token_contract(xu, ct, n_batch, precision, target.dtype)]
+        ct_v = batched_dot(ct, swap_last(v), n_batch, precision, target.dtype,  # ȳ·vᵀ [*B, *T, r]
+                           out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(ct), target, -1))
+        return [None, token_contract(x, ct_v, n_batch, precision, target.dtype,
+                                     out_sharding=explicit_sharding.sharding_of(target)), None]
+    xu = batched_dot(x, u, n_batch, precision, x.dtype,  # rounded as in the forward pass
+                     out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(x), target, -2))
+    return [None, None, token_contract(xu, ct, n_batch, precision, target.dtype,
+                                       out_sharding=explicit_sharding.sharding_of(target))]
 
 
-def _batch(args, dims, *, n_batch, **params):
+def _batch(args, dims, *, n_batch, out_sharding, **params):
     x, u, v = args
     bx, bu, bv = dims
     if bu is None and bv is None:
         # Only activations are batched: the new axis is one more token dim.
-        return _bind(jnp.moveaxis(x, bx, n_batch), u, v, n_batch=n_batch, **params), n_batch
+        out_sharding = explicit_sharding.batched_out_sharding(out_sharding, n_batch, x, bx)
+        return _bind(jnp.moveaxis(x, bx, n_batch), u, v, n_batch=n_batch, out_sharding=out_sharding,
+                     **params), n_batch
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    batched = next(i for i, d in enumerate(dims) if d is not None)
+    out_sharding = explicit_sharding.batched_out_sharding(out_sharding, 0, args[batched], dims[batched])
     x, u, v = (batching.bdim_at_front(a, d, size) for a, d in zip(args, dims))
-    return _bind(x, u, v, n_batch=n_batch + 1, **params), 0
+    return _bind(x, u, v, n_batch=n_batch + 1, out_sharding=out_sharding, **params), 0
 
 
 # --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------

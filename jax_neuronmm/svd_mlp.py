@@ -18,7 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_neuronmm import lowering, shapes
+from jax_neuronmm import explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
 from jax_neuronmm.reference import jnp_activation
@@ -35,7 +35,7 @@ WEIGHT_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
 
 
 def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", precision=None,
-            preferred_element_type=None):
+            preferred_element_type=None, out_sharding=None):
     """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
 
     Args:
@@ -46,6 +46,8 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
       activation: "silu" (Llama) or "gelu_tanh" (Gemma), applied to the gate.
       precision: as in `svd_matmul`.
       preferred_element_type: dtype of the result; defaults to x's dtype.
+      out_sharding: as in `svd_matmul`; needed under Explicit mesh axes when the
+        intermediate size I or the down rank is split on both sides (Megatron layout).
 
     Returns:
       [..., H_out].
@@ -74,26 +76,31 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
     shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1],
                         rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
+    out_sharding = explicit_sharding.check_out_sharding(op, out_sharding, x.ndim)
     x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
     return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
-                          precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype)
+                          precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype,
+                          out_sharding=out_sharding)
 
 
 @svd_mlp_p.def_abstract_eval
-def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype):
+def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype, out_sharding):
     check_varying_axes("svd_mlp", ("x",) + WEIGHT_NAMES, (x,) + weights)
+    sharding = explicit_sharding.result_sharding("svd_mlp", factor_rule(n_batch, x.ndim), ("x",) + WEIGHT_NAMES,
+                                                 (x,) + weights, out_sharding)
     down_v = weights[-1]
-    return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False)
+    return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
-def _composite(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype):
+def _composite(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype,
+               out_sharding):
     """svd_mlp written with svd_matmul; numerically the same as the fused op."""
     acc = accumulation_dtype(x.dtype)
     mm = functools.partial(svd_matmul_p.bind, n_batch=n_batch, precision=precision)
-    gate = mm(x, gate_u, gate_v, out_dtype=acc)
-    up = mm(x, up_u, up_v, out_dtype=acc)
+    gate = mm(x, gate_u, gate_v, out_dtype=acc, out_sharding=None)
+    up = mm(x, up_u, up_v, out_dtype=acc, out_sharding=None)
     hidden = (jnp_activation(activation)(gate) * up).astype(x.dtype)
-    return mm(hidden, down_u, down_v, out_dtype=out_dtype)
+    return mm(hidden, down_u, down_v, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
 def _jvp(primals, tangents, **params):
@@ -101,13 +108,16 @@ def _jvp(primals, tangents, **params):
     return jax.jvp(functools.partial(_composite, **params), tuple(primals), tangents)
 
 
-def _batch(args, dims, *, n_batch, **params):
+def _batch(args, dims, *, n_batch, out_sharding, **params):
     if all(d is None for d in dims[1:]):
+        out_sharding = explicit_sharding.batched_out_sharding(out_sharding, n_batch, args[0], dims[0])
         x = jnp.moveaxis(args[0], dims[0], n_batch)
-        return svd_mlp_p.bind(x, *args[1:], n_batch=n_batch, **params), n_batch
+        return svd_mlp_p.bind(x, *args[1:], n_batch=n_batch, out_sharding=out_sharding, **params), n_batch
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
+    batched = next(i for i, d in enumerate(dims) if d is not None)
+    out_sharding = explicit_sharding.batched_out_sharding(out_sharding, 0, args[batched], dims[batched])
     args = [batching.bdim_at_front(a, d, size) for a, d in zip(args, dims)]
-    return svd_mlp_p.bind(*args, n_batch=n_batch + 1, **params), 0
+    return svd_mlp_p.bind(*args, n_batch=n_batch + 1, out_sharding=out_sharding, **params), 0
 
 
 # --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------

@@ -6,13 +6,7 @@ check in CHECKS and prints one JSON line {check name: null or the failure}. Each
 """
 
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
-import traceback
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -25,9 +19,13 @@ import jax_neuronmm as jn
 from jax_neuronmm import lowering
 from jax_neuronmm.host_callback import HostKernel
 from jax_neuronmm.svd_mlp import WEIGHT_NAMES
-
-DEVICE_COUNT = 8
-RESULT_MARKER = "SHARDING_CHECKS_JSON "
+from spmd_helpers import DEVICE_COUNT, checks_in_subprocess, run_checks
+from spmd_helpers import collectives as _collectives
+from spmd_helpers import matmul_f64 as _matmul_f64
+from spmd_helpers import matmul_operands as _matmul_operands
+from spmd_helpers import mlp_f64 as _mlp_f64
+from spmd_helpers import mlp_operands as _mlp_operands
+from spmd_helpers import rng as _rng
 
 # ---------------------------------------------------------------------------------------------------------------
 # The checks (run in the 8-device subprocess only).
@@ -46,16 +44,6 @@ def _mesh():
     return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 
-def _rng(name):
-    return np.random.default_rng(zlib.crc32(name.encode()))
-
-
-def _collectives(compiled_text):
-    """[(op, result shape)] for every collective in compiled HLO text."""
-    pattern = r"= (\S+) (all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)(?:-start)?\("
-    return [(op, shape.split("{")[0]) for shape, op in re.findall(pattern, compiled_text)]
-
-
 def _run_layout(fn, args, specs, out_spec=None):
     shardings = [NamedSharding(_mesh(), s) for s in specs]
     out = None if out_spec is None else NamedSharding(_mesh(), out_spec)
@@ -63,15 +51,6 @@ def _run_layout(fn, args, specs, out_spec=None):
     placed = [jax.device_put(a, s) for a, s in zip(args, shardings)]
     collectives = _collectives(jitted.lower(*placed).compile().as_text())
     return np.asarray(jitted(*placed)), collectives
-
-
-def _matmul_operands(name, tokens=(14,), k=64, r=24, n=40, dtype="float32"):
-    rng = _rng(name)
-    return [rng.standard_normal(s).astype(dtype) for s in (tokens + (k,), (k, r), (r, n))]
-
-
-def _matmul_f64(x, u, v):
-    return x.astype(np.float64) @ u.astype(np.float64) @ v.astype(np.float64)
 
 
 def _assert_matmul_layout(name, specs, expected, out_spec=None, **shape):
@@ -210,19 +189,6 @@ def mlp_emulator_backend_megatron_two_kernels_per_device():
     assert names == ["svd_mlp_down_kernel"] * DEVICE_COUNT + ["svd_mlp_gate_up_kernel"] * DEVICE_COUNT, names
 
 
-def _mlp_operands(name, tokens=(2, 6), hidden=48, rank=(16, 12, 20), inter=64, out=48, dtype="float32"):
-    rng = _rng(name)
-    rg, ru, rd = rank
-    shapes = [tokens + (hidden,), (hidden, rg), (rg, inter), (hidden, ru), (ru, inter), (inter, rd), (rd, out)]
-    return [(rng.standard_normal(s) / np.sqrt(s[-2] if len(s) == 2 else 1)).astype(dtype) for s in shapes]
-
-
-def _mlp_f64(x, gu, gv, uu, uv, du, dv):
-    x, gu, gv, uu, uv, du, dv = (a.astype(np.float64) for a in (x, gu, gv, uu, uv, du, dv))
-    gate = x @ gu @ gv
-    return (gate / (1 + np.exp(-gate)) * (x @ uu @ uv)) @ du @ dv
-
-
 MEGATRON = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
 
 
@@ -310,7 +276,8 @@ def shard_map_direct_bind_with_mismatched_varying_axes_raises():
     x, u, v = _matmul_operands("bind", tokens=(16,))
 
     def direct(x, u, v):
-        return jn.svd_matmul_p.bind(x, u, v, n_batch=0, precision=None, out_dtype=np.dtype("float32"))
+        return jn.svd_matmul_p.bind(x, u, v, n_batch=0, precision=None, out_dtype=np.dtype("float32"),
+                                    out_sharding=None)
 
     try:
         _shard_map(direct, (P("data"), P(), P()), P("data"))(x, u, v)
@@ -320,30 +287,13 @@ def shard_map_direct_bind_with_mismatched_varying_axes_raises():
         raise AssertionError("binding with mismatched varying axes did not raise")
 
 
-def _run_all_checks():
-    results = {}
-    for name, fn in CHECKS.items():
-        try:
-            fn()
-            results[name] = None
-        except Exception:  # report every check, not just the first failure
-            results[name] = traceback.format_exc()
-    print(RESULT_MARKER + json.dumps(results), flush=True)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # The pytest side: one subprocess for all checks.
 
 
 @pytest.fixture(scope="module")
 def check_results():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={DEVICE_COUNT}").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    done = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
-    assert done.returncode == 0 and lines, f"subprocess failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+    return checks_in_subprocess(__file__)
 
 
 @pytest.mark.parametrize("name", sorted(CHECKS))
@@ -353,4 +303,4 @@ def test_sharding(check_results, name):
 
 
 if __name__ == "__main__":
-    _run_all_checks()
+    run_checks(CHECKS)

@@ -12,8 +12,8 @@ import numpy as np
 from . import context
 from . import dtypes
 from . import ops
-from .isa import (PSUM_BY_OTHER, _dma_info, _dma_partitions, _f32_2d, _fail, _free, _mark_psum, _on_chip, _operand,
-                  _record, _tensor, _write)
+from .isa_core import (PSUM_BY_OTHER, _dma_info, _dma_partitions, _f32_2d, _fail, _free, _mark_psum, _on_chip,
+                       _operand, _record, _tensor, _write, dma_copy)
 from .isa_constants import engine as _Engine
 from .isa_constants import oob_mode as _OobMode
 from .tensor import NKIObject, NkiTensor
@@ -284,7 +284,6 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=None, n
     if send_to_rank != 0 or recv_from_rank != 0:
         raise NotImplementedError(f"{opcode} at {line}: exchanging with rank {send_to_rank}/{recv_from_rank} needs a "
                                   f"second core; the emulator runs one")
-    from .isa import dma_copy
     dma_copy(dst, src)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from . import context
 from . import dtypes
 from . import ops
-from .isa import PSUM_BY_OTHER, _f32_2d, _fail, _free, _int_2d, _mark_psum, _on_chip, _record, _write
+from .isa_core import PSUM_BY_OTHER, _f32_2d, _fail, _free, _int_2d, _mark_psum, _on_chip, _record, _write
 
 _GROUP = 16  # partitions per GpSimd core
 

@@ -13,8 +13,8 @@ import numpy as np
 from . import context
 from . import dtypes
 from . import ops
-from .isa import (PSUM_BY_OTHER, _elementwise_operands, _f32_2d, _fail, _free, _mark_psum, _on_chip, _operand,
-                  _operand_value, _record, _write, activation)
+from .isa_core import (PSUM_BY_OTHER, _elementwise_operands, _f32_2d, _fail, _free, _mark_psum, _on_chip, _operand,
+                       _operand_value, _record, _write, activation)
 from .isa_constants import reduce_cmd as _ReduceCmd
 from .tensor import NkiTensor
 

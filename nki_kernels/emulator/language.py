@@ -14,6 +14,7 @@ import numpy as np
 from . import context
 from . import dtypes as _dtypes
 from . import isa as _isa
+from . import isa_core as _core
 from . import ops as _ops
 from .errors import NkiHardwareError
 from .tensor import DynSlice, MemoryRegion, NKIObject, NkiTensor, allocate
@@ -151,7 +152,7 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
 
 def _filled(shape, value, dtype, buffer, name):
     t = allocate(shape, dtype, buffer, name)
-    if _isa._integer(t.dtype) and isinstance(value, (float, np.floating)) and float(value).is_integer():
+    if _core._integer(t.dtype) and isinstance(value, (float, np.floating)) and float(value).is_integer():
         value = int(value)  # nl.full's value is converted to the tensor's dtype; memset itself matches strictly
     if t.is_on_chip:
         _isa.memset(t, value)
@@ -223,15 +224,15 @@ def _elementwise(opname, fn, args, dtype, engine_name, opcode):
     for t in tensors:
         if not t.is_on_chip:
             raise NkiHardwareError(f"nl.{opname} at {line}: {t.describe()} must be in SBUF or PSUM (nl.load it)")
-        _isa._partition_placement(f"nl.{opname}", line, "operand", t)
+        _core._partition_placement(f"nl.{opname}", line, "operand", t)
     shape = _broadcast_shape(opname, tensors)
     out = allocate(shape, tensors[0].dtype if dtype is None else dtype, sbuf)
     if ctx.numerics:
         values = [a.array().astype(np.float32) if isinstance(a, NkiTensor) else np.float32(a) for a in args]
         with np.errstate(all="ignore"):
             result = np.broadcast_to(fn(*values), shape)
-        _isa._write(out, result)
-    _isa._record(ctx, opcode, engine_name, line, out, tuple(tensors))
+        _core._write(out, result)
+    _core._record(ctx, opcode, engine_name, line, out, tuple(tensors))
     return out
 
 
@@ -287,8 +288,8 @@ def _reduce(opname, reducer, x, axis, dtype, keepdims):
     line = context.caller_line()
     if not isinstance(x, NkiTensor) or not x.is_on_chip:
         raise NkiHardwareError(f"nl.{opname} at {line}: x must be an on-chip (SBUF/PSUM) tile")
-    _isa._partition_placement(f"nl.{opname}", line, "x", x)
-    axes = _isa._reduce_axes(f"nl.{opname}", line, x, axis)
+    _core._partition_placement(f"nl.{opname}", line, "x", x)
+    axes = _core._reduce_axes(f"nl.{opname}", line, x, axis)
     if keepdims:
         shape = tuple(1 if d in axes else n for d, n in enumerate(x.shape))
     else:
@@ -298,8 +299,8 @@ def _reduce(opname, reducer, x, axis, dtype, keepdims):
     out = allocate(shape, x.dtype if dtype is None else dtype, sbuf)
     if ctx.numerics:
         with np.errstate(all="ignore"):
-            _isa._write(out, reducer(x.array().astype(np.float32), axis=axes))
-    _isa._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_isa._free(x))
+            _core._write(out, reducer(x.array().astype(np.float32), axis=axes))
+    _core._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_core._free(x))
     return out
 
 
@@ -329,7 +330,7 @@ def var(x, axis, dtype=None, keepdims=False):
 
 def transpose(x, dtype=None):
     """A new PSUM tile holding the 2-D transpose of the SBUF tile x (TensorE)."""
-    out = allocate((_isa._free(x), x.shape[0]), x.dtype, psum)
+    out = allocate((_core._free(x), x.shape[0]), x.dtype, psum)
     _isa.nc_transpose(out, x)
     return out if dtype is None or _dtypes.as_dtype(dtype) == x.dtype else copy(out, dtype=dtype)
 
@@ -345,7 +346,7 @@ def matmul(x, y, transpose_x=False):
         staged = allocate(x_t.shape, x.dtype, sbuf)
         _isa.tensor_copy(staged, x_t)
         x = staged
-    out = allocate((_isa._free(x), _isa._free(y)), float32, psum)
+    out = allocate((_core._free(x), _core._free(y)), float32, psum)
     _isa.nc_matmul(out, x, y)
     return out
 
@@ -361,11 +362,11 @@ def broadcast_to(x, shape, dtype=None):
         raise ValueError(f"nl.broadcast_to: cannot broadcast {list(x.shape)} to {list(shape)}")
     ctx = context.current("nl.broadcast_to")
     line = context.caller_line()
-    _isa._partition_placement("nl.broadcast_to", line, "x", x)
+    _core._partition_placement("nl.broadcast_to", line, "x", x)
     out = allocate(shape, x.dtype if dtype is None else dtype, sbuf)
     if ctx.numerics:
-        _isa._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
-    _isa._record(ctx, "tensor_copy", "vector", line, out, (x,))
+        _core._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
+    _core._record(ctx, "tensor_copy", "vector", line, out, (x,))
     return out
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from . import context
 from . import dtypes as _dtypes
-from . import isa as _isa
+from . import isa_core as _core
 from .isa_control import VirtualRegister
 from .tensor import NkiTensor, allocate
 
@@ -111,9 +111,9 @@ def shared_identity_matrix(n, dtype=_dtypes.uint8, dst=None):
     n = operator.index(n)
     if dst is None:
         dst = allocate((n, n), dtype, "sbuf")
-    elif not isinstance(dst, NkiTensor) or dst.storage.kind != "sbuf" or dst.shape[0] != n or _isa._free(dst) != n:
+    elif not isinstance(dst, NkiTensor) or dst.storage.kind != "sbuf" or dst.shape[0] != n or _core._free(dst) != n:
         raise ValueError(f"nl.shared_identity_matrix: dst must be an [{n}, {n}] SBUF tile, got {dst!r}")
     if ctx.numerics:
-        _isa._write(dst, np.eye(n, dtype=np.float32))
-    _isa._record(ctx, "affine_select", "gpsimd", line, dst, ())
+        _core._write(dst, np.eye(n, dtype=np.float32))
+    _core._record(ctx, "affine_select", "gpsimd", line, dst, ())
     return dst

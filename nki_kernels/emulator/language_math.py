@@ -9,6 +9,7 @@ import numpy as np
 from . import context
 from . import dtypes as _dtypes
 from . import isa as _isa
+from . import isa_core as _core
 from .errors import NkiHardwareError
 from .tensor import NkiTensor, allocate
 
@@ -18,7 +19,7 @@ def _tile(opname, line, label, x):
         raise TypeError(f"nl.{opname}: {label} must be an NKI tensor, got {type(x).__name__}")
     if not x.is_on_chip:
         raise NkiHardwareError(f"nl.{opname} at {line}: {label} {x.describe()} must be in SBUF or PSUM (load it)")
-    _isa._partition_placement(f"nl.{opname}", line, label, x)
+    _core._partition_placement(f"nl.{opname}", line, label, x)
     return x
 
 
@@ -41,13 +42,13 @@ def where(condition, x, y, dtype=None):
     like = x if isinstance(x, NkiTensor) else y if isinstance(y, NkiTensor) else condition
     out = _out(shape, like, dtype)
     if ctx.numerics:
-        _isa._write(out, np.broadcast_to(np.where(_values(condition) != 0, _values(x), _values(y)), shape))
-    _isa._record(ctx, "select_reduce", "vector", line, out, tuple(tensors))
+        _core._write(out, np.broadcast_to(np.where(_values(condition) != 0, _values(x), _values(y)), shape))
+    _core._record(ctx, "select_reduce", "vector", line, out, tuple(tensors))
     return out
 
 
 def _axes(opname, line, x, axis):
-    return _isa._reduce_axes(f"nl.{opname}", line, x, axis)
+    return _core._reduce_axes(f"nl.{opname}", line, x, axis)
 
 
 def softmax(x, axis=-1, dtype=None):
@@ -62,10 +63,10 @@ def softmax(x, axis=-1, dtype=None):
         values = _values(x)
         with np.errstate(all="ignore"):
             shifted = np.exp(values - values.max(axis=axes, keepdims=True))
-            _isa._write(out, shifted / shifted.sum(axis=axes, keepdims=True))
-    _isa._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_isa._free(x))
-    _isa._record(ctx, "activation", "scalar", line, out, (x,))
-    _isa._record(ctx, "tensor_scalar", "vector", line, out, (out,))
+            _core._write(out, shifted / shifted.sum(axis=axes, keepdims=True))
+    _core._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_core._free(x))
+    _core._record(ctx, "activation", "scalar", line, out, (x,))
+    _core._record(ctx, "tensor_scalar", "vector", line, out, (out,))
     return out
 
 
@@ -90,9 +91,9 @@ def rms_norm(x, w, axis, n, epsilon=1e-06, dtype=None, compute_dtype=None):
         if compute_dtype is not None:
             squares = squares.astype(_dtypes.as_dtype(compute_dtype)).astype(np.float32)
         with np.errstate(all="ignore"):
-            _isa._write(out, values / np.sqrt(squares / np.float32(n) + np.float32(epsilon)) * _values(w))
-    _isa._record(ctx, "activation", "scalar", line, out, (x,))
-    _isa._record(ctx, "tensor_tensor", "vector", line, out, (x, w))
+            _core._write(out, values / np.sqrt(squares / np.float32(n) + np.float32(epsilon)) * _values(w))
+    _core._record(ctx, "activation", "scalar", line, out, (x,))
+    _core._record(ctx, "tensor_tensor", "vector", line, out, (x, w))
     return out
 
 
@@ -106,8 +107,8 @@ def all(x, axis, dtype=None):
     shape = shape + (1,) * (2 - len(shape)) if len(shape) < 2 else shape
     out = _out(shape, x, dtype)
     if ctx.numerics:
-        _isa._write(out, np.all(_values(x) != 0, axis=axes).astype(np.float32))
-    _isa._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_isa._free(x))
+        _core._write(out, np.all(_values(x) != 0, axis=axes).astype(np.float32))
+    _core._record(ctx, "tensor_reduce", "vector", line, out, (x,), free=_core._free(x))
     return out
 
 
@@ -134,9 +135,9 @@ def rand(shape, dtype, buffer="sbuf", name=""):
     line = context.caller_line()
     out = allocate(shape, dtype, buffer, name)
     if ctx.numerics:
-        _isa._write(out, ctx.random.random(size=out.shape, dtype=np.float32))
+        _core._write(out, ctx.random.random(size=out.shape, dtype=np.float32))
     if out.is_on_chip:
-        _isa._record(ctx, "rng", "vector", line, out, ())
+        _core._record(ctx, "rng", "vector", line, out, ())
     return out
 
 
@@ -156,12 +157,12 @@ def gather_flattened(data, indices, axis=0, dtype=None):
     out = _out(indices.shape, data, dtype)
     if ctx.numerics:
         source = data.array().reshape(data.shape[0], -1)
-        picks = _isa._int_2d(indices).astype(np.int64)
+        picks = _core._int_2d(indices).astype(np.int64)
         if picks.size and (picks.min() < 0 or picks.max() >= source.shape[1]):
             raise NkiHardwareError(f"nl.gather_flattened at {line}: index outside [0, {source.shape[1]})")
-        _isa._write(out, np.take_along_axis(source, picks, axis=1).astype(np.float32)
+        _core._write(out, np.take_along_axis(source, picks, axis=1).astype(np.float32)
                     if _dtypes.is_float(out.dtype) else np.take_along_axis(source, picks, axis=1))
-    _isa._record(ctx, "nc_n_gather", "gpsimd", line, out, (data, indices), free=_isa._free(indices))
+    _core._record(ctx, "nc_n_gather", "gpsimd", line, out, (data, indices), free=_core._free(indices))
     return out
 
 
@@ -190,8 +191,8 @@ def rsqrt(x, dtype=None):
     out = _out(x.shape, x, dtype)
     if ctx.numerics:
         with np.errstate(all="ignore"):
-            _isa._write(out, (1.0 / np.sqrt(x.array().astype(np.float64))).astype(np.float32))
-    _isa._record(ctx, "activation", "gpsimd", line, out, (x,))
+            _core._write(out, (1.0 / np.sqrt(x.array().astype(np.float64))).astype(np.float32))
+    _core._record(ctx, "activation", "gpsimd", line, out, (x,))
     return out
 
 

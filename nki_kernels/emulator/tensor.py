@@ -126,6 +126,16 @@ def _index_error(tensor, what):
                            f"(out-of-bounds indices are never clipped)")
 
 
+_item_assignment = None  # (view, value) -> None, installed by isa.py
+
+
+def install_item_assignment(assign):
+    """Sets the instructions `tile[key] = value` runs; isa.py calls this, since the instructions build on
+    tensors and tensors cannot import them."""
+    global _item_assignment
+    _item_assignment = assign
+
+
 class NkiTensor(NKIObject):
     """A view of a storage: `shape`, `strides` and `offset` in elements of the view's `dtype` (which may
     reinterpret the storage's bytes, `view`), `buffer` (an nl memory region).
@@ -355,21 +365,9 @@ class NkiTensor(NKIObject):
         return self._view(tuple(shape), tuple(strides), offset)
 
     def __setitem__(self, key, value):
-        """`tile[key] = value` (the language guide's style): copies the tile `value` (an NKI tensor, by
-        nisa.tensor_copy on chip or nisa.dma_copy when HBM is involved) or fills with a number (nisa.memset)."""
-        from . import isa  # isa builds on tensors
-        view = self[key]
-        if isinstance(value, NkiTensor):
-            if view.is_on_chip and value.is_on_chip:
-                isa.tensor_copy(view, value)
-            else:
-                isa.dma_copy(view, value)
-        elif isinstance(value, (bool, int, float, np.number)):
-            if not view.is_on_chip:
-                raise TypeError(f"{self.describe()}: item assignment of a number needs an on-chip tile (memset)")
-            isa.memset(view, value)
-        else:
-            raise TypeError(f"item assignment: expected an NKI tensor or a number, got {type(value).__name__}")
+        """`tile[key] = value` (the language guide's style): runs the copy or memset instruction that
+        `isa` installs (see install_item_assignment)."""
+        _item_assignment(self[key], value)
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
         """Explicit access pattern [[stride, count], ...] over this tensor's storage, in elements of `dtype`

@@ -1,0 +1,333 @@
+"""JAX's sharding in types: svd_matmul and svd_mlp under Auto and Explicit mesh axes on 8 CPU devices.
+
+Every layout the README lists (tokens-, N-, K-, r-sharded svd_matmul and the Megatron svd_mlp) x {Auto,
+Explicit} x {xla, emulator}: the result against float64 numpy, its type, the collectives of the compiled HLO
+(Explicit gives the same as Auto: weights never gathered), and gradients. Then out_sharding's errors,
+vmap, and jax.shard_map over an Explicit mesh. Like test_sharding_spmd.py, the checks run in one 8-device
+subprocess (`python tests/test_sharding_explicit.py`) and each pytest test reports one check.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jax_neuronmm as jn
+from jax_neuronmm._compat import ShardingTypeError
+from spmd_helpers import (checks_in_subprocess, collectives, matmul_f64, matmul_operands, mlp_f64, mlp_operands, rng,
+                          run_checks)
+
+CHECKS = {}
+BACKENDS = ("xla", "emulator")
+MESH_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
+
+
+def _mesh(kind):
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(MESH_TYPES[kind],) * 2)
+
+
+class Layout:
+    """Operand specs of one layout, the out_sharding it needs under Explicit axes (None: the result's type
+    follows from the operands'), the result's spec under Explicit axes, and the collectives expected."""
+
+    def __init__(self, op, operands, specs, out_spec, result_spec, expected):
+        self.op, self.operands, self.specs = op, operands, specs
+        self.out_spec, self.result_spec, self.expected = out_spec, result_spec, expected
+
+
+MEGATRON = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
+LAYOUTS = {
+    "tokens": Layout(jn.svd_matmul, lambda: matmul_operands("tokens"), (P("data"), P(), P()), None,
+                     P("data", None), []),
+    "column": Layout(jn.svd_matmul, lambda: matmul_operands("column", n=44), (P("data"), P(), P(None, "model")),
+                     None, P("data", "model"), []),
+    "row": Layout(jn.svd_matmul, lambda: matmul_operands("row"), (P("data", "model"), P("model"), P()),
+                  P("data"), P("data", None), [("all-reduce", "f32[7,40]")]),
+    "row_reduce_scatter": Layout(jn.svd_matmul, lambda: matmul_operands("row_rs"), (P(None, "model"), P("model"), P()),
+                                 P(None, "model"), P(None, "model"), [("reduce-scatter", "f32[14,10]")]),
+    "rank": Layout(jn.svd_matmul, lambda: matmul_operands("rank"), (P("data"), P(None, "model"), P("model")),
+                   P("data"), P("data", None), [("all-reduce", "f32[7,40]")]),
+    "megatron_mlp": Layout(jn.svd_mlp, lambda: mlp_operands("megatron"), MEGATRON, P("data"), P("data", None, None),
+                           [("all-reduce", "f32[1,6,48]")]),
+}
+
+
+def _reference(layout, args):
+    return (mlp_f64 if layout.op is jn.svd_mlp else matmul_f64)(*args)
+
+
+def _call(layout, mesh_kind):
+    """The op as a user writes it: out_sharding under Explicit axes; under Auto, a jit out_sharding."""
+    if mesh_kind == "explicit":
+        return lambda *a: layout.op(*a, out_sharding=layout.out_spec), None
+    out = None if layout.out_spec is None else NamedSharding(_mesh("auto"), layout.out_spec)
+    return lambda *a: layout.op(*a), out
+
+
+def _place(mesh, args, specs):
+    return [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+
+
+def _check_layout(name, mesh_kind, backend):
+    layout = LAYOUTS[name]
+    args = layout.operands()
+    mesh = _mesh(mesh_kind)
+    fn, out = _call(layout, mesh_kind)
+    with jax.set_mesh(mesh), jn.use_backend(backend):
+        placed = _place(mesh, args, layout.specs)
+        jitted = jax.jit(fn, out_shardings=out)
+        result = jitted(*placed)
+        found = collectives(jitted.lower(*placed).compile().as_text())
+    reference = _reference(layout, args)
+    np.testing.assert_allclose(np.asarray(result), reference, rtol=1e-4, atol=1e-5 * np.abs(reference).max())
+    assert found == layout.expected, f"collectives {found}, expected {layout.expected}"
+    if mesh_kind == "explicit":
+        assert jax.typeof(result).sharding.spec == layout.result_spec, jax.typeof(result)
+        assert result.sharding.spec == layout.result_spec, result.sharding
+
+
+def _gathered_weights(found, weights):
+    """The all-gathers in `found` whose result is a whole weight (or its transpose)."""
+    shapes = {tuple(w.shape) for w in weights} | {tuple(w.shape[::-1]) for w in weights}
+    return [c for c in found if c[0] == "all-gather" and tuple(map(int, c[1][4:-1].split(","))) in shapes]
+
+
+def _check_layout_grads(name, mesh_kind, backend):
+    # Reverse mode: gradients typed like their primals, weights never gathered (a cotangent may be: with the
+    # output N-split, ȳ·vᵀ needs all of ȳ's columns).
+    layout = LAYOUTS[name]
+    args = layout.operands()
+    mesh = _mesh(mesh_kind)
+    fn, _ = _call(layout, mesh_kind)
+    cotangent = rng(name + "_ct").standard_normal(_reference(layout, args).shape).astype(np.float32)
+    loss = lambda *a: jnp.sum(fn(*a) * cotangent)
+    argnums = tuple(range(len(args)))
+    with jax.set_mesh(mesh), jn.use_backend(backend):
+        placed = _place(mesh, args, layout.specs)
+        grad = jax.jit(jax.grad(loss, argnums=argnums))
+        grads = grad(*placed)
+        found = collectives(grad.lower(*placed).compile().as_text())
+    reference_op = jn.svd_mlp_ref if layout.op is jn.svd_mlp else jn.svd_matmul_ref
+    with jax.enable_x64(True):
+        expected = jax.grad(lambda *a: jnp.sum(reference_op(*a) * cotangent),
+                            argnums=argnums)(*(a.astype(np.float64) for a in args))
+    for index, (got, want, spec) in enumerate(zip(grads, expected, layout.specs)):
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"gradient {index}")
+        if mesh_kind == "explicit":
+            padded = P(*spec, *(None,) * (got.ndim - len(spec)))
+            assert jax.typeof(got).sharding.spec == padded, (index, jax.typeof(got))
+    assert not _gathered_weights(found, args[1:]), found
+
+
+for _name in LAYOUTS:
+    for _kind in MESH_TYPES:
+        for _backend in BACKENDS:
+            CHECKS[f"{_name}_{_kind}_{_backend}"] = lambda n=_name, k=_kind, b=_backend: _check_layout(n, k, b)
+        CHECKS[f"{_name}_{_kind}_xla_grads"] = lambda n=_name, k=_kind: _check_layout_grads(n, k, "xla")
+    CHECKS[f"{_name}_explicit_emulator_grads"] = lambda n=_name: _check_layout_grads(n, "explicit", "emulator")
+
+
+def check(fn):
+    CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _raises(error, fn, *fragments):
+    try:
+        fn()
+    except error as err:
+        assert all(f in str(err) for f in fragments), err
+    else:
+        raise AssertionError(f"no {error.__name__}")
+
+
+@check
+def explicit_row_parallel_without_out_sharding_asks_for_it():
+    # The bug: on the XLA backend this was dot_general's error from inside the lowering.
+    mesh = _mesh("explicit")
+    layout = LAYOUTS["row"]
+    for backend in BACKENDS:
+        with jax.set_mesh(mesh), jn.use_backend(backend):
+            placed = _place(mesh, layout.operands(), layout.specs)
+            _raises(ShardingTypeError, lambda: jax.jit(jn.svd_matmul)(*placed), "svd_matmul", "out_sharding",
+                    "x dim 1 and u dim 0")
+
+
+@check
+def explicit_megatron_mlp_without_out_sharding_asks_for_it():
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, mlp_operands("mlp_ask"), MEGATRON)
+        _raises(ShardingTypeError, lambda: jax.jit(jn.svd_mlp)(*placed), "svd_mlp", "out_sharding",
+                "down_u dim 0")
+
+
+@check
+def explicit_inconsistent_splits_of_one_dimension_raise():
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, matmul_operands("inconsistent"), (P(None, "model"), P("data"), P()))
+        _raises(ShardingTypeError, lambda: jn.svd_matmul(*placed), "svd_matmul", "same mesh axes")
+
+
+@check
+def out_sharding_bad_values_raise_naming_the_argument():
+    explicit = _mesh("explicit")
+    with jax.set_mesh(explicit):
+        x, u, v = _place(explicit, matmul_operands("bad"), (P(), P(), P()))
+        _raises(TypeError, lambda: jn.svd_matmul(x, u, v, out_sharding="model"), "svd_matmul", "out_sharding")
+        _raises(ValueError, lambda: jn.svd_matmul(x, u, v, out_sharding=P(None, None, "model")), "svd_matmul",
+                "out_sharding", "2 dims")
+    # As jnp.matmul: a PartitionSpec needs a mesh set with jax.set_mesh, and may only name Explicit axes.
+    _raises(ValueError, lambda: jn.svd_matmul(*matmul_operands("bad"), out_sharding=P("model")), "svd_matmul",
+            "out_sharding")
+    auto = _mesh("auto")
+    with jax.set_mesh(auto):
+        args = _place(auto, mlp_operands("bad"), MEGATRON)
+        _raises(ValueError, lambda: jn.svd_mlp(*args, out_sharding=P("data")), "svd_mlp", "out_sharding", "Auto")
+
+
+@check
+def explicit_result_type_is_known_at_trace_time():
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        x, u, v = _place(mesh, matmul_operands("trace", n=44), (P("data"), P(), P(None, "model")))
+        assert jax.eval_shape(jn.svd_matmul, x, u, v).sharding.spec == P("data", "model")
+        x, u, v = _place(mesh, matmul_operands("trace"), (P("data", "model"), P("model"), P()))
+        typed = jax.eval_shape(lambda *a: jn.svd_matmul(*a, out_sharding=P(None, "model")), x, u, v)
+        assert typed.sharding.spec == P(None, "model")
+
+
+@check
+def explicit_vmap_over_stacked_layers_and_over_tokens():
+    mesh = _mesh("explicit")
+    stream = rng("vmap")
+    x = stream.standard_normal((3, 14, 64)).astype(np.float32)
+    us = stream.standard_normal((3, 64, 24)).astype(np.float32)
+    vs = stream.standard_normal((3, 24, 44)).astype(np.float32)
+    with jax.set_mesh(mesh):
+        # Stacked layers, column-parallel: no communication, layer dim unsplit.
+        px, pu, pv = _place(mesh, (x, us, vs), (P(None, "data"), P(), P(None, None, "model")))
+        stacked = jax.jit(jax.vmap(jn.svd_matmul))
+        y = stacked(px, pu, pv)
+        assert jax.typeof(y).sharding.spec == P(None, "data", "model"), jax.typeof(y)
+        assert collectives(stacked.lower(px, pu, pv).compile().as_text()) == []
+        np.testing.assert_allclose(np.asarray(y), np.einsum("btk,bkr,brn->btn", *(a.astype(np.float64)
+                                   for a in (x, us, vs))), rtol=1e-4, atol=1e-4)
+        # vmap over a token dim, row-parallel: the per-example out_sharding gains the vmapped dim.
+        px, pu, pv = _place(mesh, (x, us[0], vs[0, :, :40]), (P(None, "data", "model"), P("model"), P()))
+        over_tokens = jax.jit(jax.vmap(lambda x, u, v: jn.svd_matmul(x, u, v, out_sharding=P("data")),
+                                       in_axes=(0, None, None)))
+        y = over_tokens(px, pu, pv)
+        assert jax.typeof(y).sharding.spec == P(None, "data", None), jax.typeof(y)
+        assert collectives(over_tokens.lower(px, pu, pv).compile().as_text()) == [("all-reduce", "f32[3,7,40]")]
+    np.testing.assert_allclose(np.asarray(y), matmul_f64(x, us[0], vs[0, :, :40]), rtol=1e-4, atol=1e-4)
+
+
+@check
+def mixed_mesh_explicit_data_auto_model_row_parallel():
+    # Types name only the Explicit "data" axis; the partitioner still sees K split over the Auto "model" axis.
+    mesh = jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit, AxisType.Auto))
+    args = matmul_operands("mixed")
+    for backend in BACKENDS:
+        with jax.set_mesh(mesh), jn.use_backend(backend):
+            placed = _place(mesh, args, (P("data", "model"), P("model"), P()))
+            jitted = jax.jit(jn.svd_matmul)
+            result = jitted(*placed)
+            assert jax.typeof(result).sharding.spec == P("data", None), jax.typeof(result)
+            assert collectives(jitted.lower(*placed).compile().as_text()) == [("all-reduce", "f32[7,40]")]
+        np.testing.assert_allclose(np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4, err_msg=backend)
+
+
+def _explicit_shard_map(fn, in_specs, out_specs, **kwargs):
+    return jax.jit(jax.shard_map(fn, mesh=_mesh("explicit"), in_specs=in_specs, out_specs=out_specs, **kwargs))
+
+
+@check
+def explicit_shard_map_tokens_sharded_both_backends_and_grads():
+    x, u, v = matmul_operands("sm_tokens", tokens=(16,))
+    tokens = P(("data", "model"))
+    cotangent = rng("sm_tokens_ct").standard_normal((16, 40)).astype(np.float32)
+    apply = _explicit_shard_map(jn.svd_matmul, (tokens, P(), P()), tokens)
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, (x, u, v), (tokens, P(), P()))
+        for backend in BACKENDS:
+            with jn.use_backend(backend):
+                np.testing.assert_allclose(np.asarray(apply(*placed)), matmul_f64(x, u, v), rtol=1e-4, atol=1e-4)
+        ct = jax.device_put(cotangent, NamedSharding(mesh, tokens))
+        dx, du, dv = jax.grad(lambda *a: jnp.sum(apply(*a) * ct), argnums=(0, 1, 2))(*placed)
+    x, u, v, cotangent = (a.astype(np.float64) for a in (x, u, v, cotangent))
+    for got, want in ((dx, cotangent @ v.T @ u.T), (du, x.T @ cotangent @ v.T), (dv, (x @ u).T @ cotangent)):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@check
+def explicit_shard_map_matmul_layouts_both_backends():
+    # The user's own column/row/rank-parallel svd_matmul on blocks: K- and r-split layouts psum the partial sums.
+    mesh = _mesh("explicit")
+    summed = {"column": False, "row": True, "rank": True}
+    for name, needs_psum in summed.items():
+        layout = LAYOUTS[name]
+        args = layout.operands()
+        per_block = (lambda *b: jax.lax.psum(jn.svd_matmul(*b), "model")) if needs_psum else jn.svd_matmul
+        apply = _explicit_shard_map(per_block, layout.specs, layout.result_spec)
+        with jax.set_mesh(mesh):
+            placed = _place(mesh, args, layout.specs)
+            for backend in BACKENDS:
+                with jn.use_backend(backend):
+                    result = apply(*placed)
+                np.testing.assert_allclose(np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4,
+                                           err_msg=f"{name} {backend}")
+                assert jax.typeof(result).sharding.spec == layout.result_spec, (name, jax.typeof(result))
+
+
+@check
+def explicit_shard_map_megatron_mlp_both_backends():
+    args = mlp_operands("sm_mlp", tokens=(4, 3))
+    apply = _explicit_shard_map(lambda *blocks: jax.lax.psum(jn.svd_mlp(*blocks), "model"), MEGATRON, P("data"))
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, args, MEGATRON)
+        for backend in BACKENDS:
+            with jn.use_backend(backend):
+                np.testing.assert_allclose(np.asarray(apply(*placed)), mlp_f64(*args), rtol=1e-4, atol=1e-4)
+
+
+@check
+def explicit_partial_shard_map_manual_model_axis_explicit_data_axis():
+    # Manual over "model" only: inside, the blocks' types still say tokens are split over the Explicit "data".
+    args = mlp_operands("sm_partial", tokens=(4, 3))
+    mesh = _mesh("explicit")
+
+    def tp_mlp(*blocks):
+        y = jn.svd_mlp(*blocks)
+        assert jax.typeof(y).sharding.spec[0] == "data", jax.typeof(y)
+        return jax.lax.psum(y, "model")
+
+    specs = (P(), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
+    apply = _explicit_shard_map(tp_mlp, specs, P(), axis_names={"model"})
+    with jax.set_mesh(mesh):
+        placed = _place(mesh, args, (P("data"),) + (P(),) * 6)
+        for backend in BACKENDS:
+            with jn.use_backend(backend):
+                np.testing.assert_allclose(np.asarray(apply(*placed)), mlp_f64(*args), rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def check_results():
+    return checks_in_subprocess(__file__)
+
+
+@pytest.mark.parametrize("name", sorted(CHECKS))
+def test_explicit_sharding(check_results, name):
+    failure = check_results[name]
+    assert failure is None, failure
+
+
+if __name__ == "__main__":
+    run_checks(CHECKS)
