@@ -4,12 +4,10 @@ never replaces a user's file; every loader error names the file and what is wron
 import json
 import os
 import shutil
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
 from flax import nnx
 
 from jax_neuronmm.compress import CheckpointError
