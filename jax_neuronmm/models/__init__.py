@@ -1,7 +1,12 @@
 """Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, and
 compressed checkpoint directories (compress_checkpoint writes them, load_compressed_checkpoint loads them)."""
 
-from jax_neuronmm.models.compressed_loading import compress_checkpoint, load_compressed_checkpoint
+from jax_neuronmm.models.compressed_loading import (
+    compress_checkpoint,
+    is_compressed_checkpoint,
+    load_checkpoint,
+    load_compressed_checkpoint,
+)
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
@@ -24,6 +29,8 @@ __all__ = [
     "compress_model",
     "from_preset",
     "generate",
+    "is_compressed_checkpoint",
+    "load_checkpoint",
     "load_compressed_checkpoint",
     "load_hf",
     "load_tokenizer",

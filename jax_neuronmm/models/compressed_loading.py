@@ -19,10 +19,12 @@ import shutil
 
 import jax.numpy as jnp
 import numpy as np
+import safetensors
 from flax import nnx
 
 from jax_neuronmm.compress import tree
 from jax_neuronmm.compress.checkpoint import (
+    FORMAT,
     CheckpointError,
     fit_problems,
     load_compressed,
@@ -115,6 +117,25 @@ def _report(dense: CausalLM, compressed: CausalLM, *, method, keep, rank) -> Com
             params_after=int(u.size + factors[path + ("v",)].size),
             relative_error=float(np.linalg.norm(w - approx) / np.linalg.norm(w))))
     return CompressionReport(method=method, keep=keep, rank=rank, layers=tuple(layers))
+
+
+def is_compressed_checkpoint(path) -> bool:
+    """Whether the directory `path` holds a model.safetensors written by `save_compressed` (read from its header)."""
+    weights_path = os.path.join(os.fspath(path), CHECKPOINT_FILE)
+    if not os.path.isfile(weights_path):
+        return False
+    try:
+        with safetensors.safe_open(weights_path, framework="numpy") as reader:
+            return (reader.metadata() or {}).get("format") == FORMAT
+    except Exception:  # unreadable: not ours; the loader reports what is wrong
+        return False
+
+
+def load_checkpoint(path, dtype=jnp.float32) -> CausalLM:
+    """`load_compressed_checkpoint(path)` when `path` is a compressed checkpoint directory, else `load_hf(path)`."""
+    if is_compressed_checkpoint(path):
+        return load_compressed_checkpoint(path, dtype=dtype)
+    return load_hf(os.fspath(path), dtype=dtype)
 
 
 def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
