@@ -75,7 +75,7 @@ def save_compressed(path, params, *, report: CompressionReport | None = None,
             raise TypeError(f"params leaf {name!r} is {type(value).__name__}, expected an array")
         if name in tensors:
             raise ValueError(f"two params leaves share the tensor name {name!r} (keys {paths[name]} and {list(keys)})")
-        tensors[name] = np.ascontiguousarray(np.asarray(value))
+        tensors[name] = np.require(np.asarray(value), requirements="C")  # keeps 0-d arrays 0-d
         paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
     if not tensors:
         raise ValueError("params has no array leaves to save")
@@ -250,7 +250,7 @@ def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict
 
 
 def _digest(array: np.ndarray) -> str:
-    contiguous = np.ascontiguousarray(array)
+    contiguous = np.require(array, requirements="C")
     digest = hashlib.sha256(f"{contiguous.dtype.str}|{list(contiguous.shape)}|".encode())
     digest.update(contiguous.reshape(-1).view(np.uint8))
     return digest.hexdigest()
