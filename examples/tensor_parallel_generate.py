@@ -43,8 +43,6 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_neuronmm import models  # noqa: E402
-from jax_neuronmm.nn import SVDLinear  # noqa: E402
-from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
 
 flags.DEFINE_integer("cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).",
                      lower_bound=1)
@@ -72,18 +70,6 @@ MEGATRON_LAYOUT = (
     (r"self_attn/(q_proj|k_proj|v_proj)/bias$", P("model")),
     (r"self_attn/o_proj/u$", P("model", None)),
 )
-
-
-def compress(model, keep):
-    """Replaces every decoder layer's MLP by an SVDMLP and its attention projections by SVDLinear layers."""
-    for layer in model.layers:
-        mlp = layer.mlp
-        layer.mlp = SVDMLP.from_linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj, activation=mlp.activation,
-                                        keep=keep)
-        attention = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(attention, name, SVDLinear.from_linear(getattr(attention, name), keep=keep))
-    return model
 
 
 def shard_model(model, mesh):
@@ -119,7 +105,8 @@ def main(argv):
         config = models.LlamaConfig.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=16)
         model = models.Llama(config, rngs=nnx.Rngs(FLAGS.seed))
     check_layout(model.config, mesh)
-    model = compress(model, FLAGS.keep)
+    # Every MLP becomes an SVDMLP, every attention projection an SVDLinear.
+    model = models.compress_model(model, keep=FLAGS.keep, include=("mlp", "attention"))
 
     rng = np.random.default_rng(FLAGS.seed)
     prompts = rng.integers(0, model.config.vocab_size, size=(FLAGS.batch, FLAGS.prompt_tokens), dtype=np.int32)
