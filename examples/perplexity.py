@@ -1,6 +1,6 @@
 """Perplexity of a dense model and its SVD-compressed versions on a local text file.
 
-    python examples/perplexity.py --checkpoint /path/to/Llama-3.2-1B --keep 0.6,0.8,0.9
+    python examples/perplexity.py --checkpoint_dir /path/to/Llama-3.2-1B --keep 0.6,0.8,0.9
     python examples/perplexity.py --preset tiny --method whitened     # random init: only the relative change means much
 
 The text (default: the shipped public-domain sample, examples/data/sample.txt) is tokenized with the checkpoint's
@@ -27,17 +27,28 @@ from jax_neuronmm import models
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
-flags.DEFINE_string("checkpoint", None, "local HF checkpoint directory; overrides --model/--preset")
-flags.DEFINE_enum("preset", "tiny", list(models.presets.PRESETS), "random-init shape when no --checkpoint")
-flags.DEFINE_integer("num_layers", None, "override the preset's layer count")
+flags.DEFINE_string("checkpoint_dir", None, "local HF checkpoint directory; overrides --model/--preset")
+flags.DEFINE_enum("preset", "tiny", list(models.presets.PRESETS),
+                  f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}")
+flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
 flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file to score")
-flags.DEFINE_list("keep", ["0.5", "0.8", "0.9"], "parameter fractions to compare against dense")
+flags.DEFINE_list("keep", ["0.5", "0.8", "0.9"], "parameter fractions to compare against dense, each in (0, 1]")
 flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "factorization")
 flags.DEFINE_bool("compress_attention", False, "also factor the attention projections")
-flags.DEFINE_integer("block", 128, "rank alignment (block_aligned_rank)")
-flags.DEFINE_integer("seq_len", 128, "tokens per window")
-flags.DEFINE_integer("calibration_windows", 4, "windows used to calibrate --method whitened")
+flags.DEFINE_integer("block", 128, "rank alignment (block_aligned_rank)", lower_bound=1)
+flags.DEFINE_integer("seq_len", 128, "tokens per window", lower_bound=2)
+flags.DEFINE_integer("calibration_windows", 4, "windows used to calibrate --method whitened", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "init seed for --preset")
+
+
+def _fractions(values) -> bool:
+    try:
+        return bool(values) and all(0 < float(value) <= 1 for value in values)
+    except ValueError:
+        return False
+
+
+flags.register_validator("keep", _fractions, message="--keep must be numbers in (0, 1], comma separated")
 FLAGS = flags.FLAGS
 
 _nll_sum = nnx.jit(lambda model, ids: _window_nll(model, ids))
@@ -66,9 +77,12 @@ def perplexity(model, windows: np.ndarray) -> float:
 
 def main(argv):
     del argv
-    if FLAGS.checkpoint:
-        model = models.load_hf(FLAGS.checkpoint)
+    if FLAGS.checkpoint_dir:
+        model = models.load_hf(FLAGS.checkpoint_dir)
     else:
+        if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
+            raise app.UsageError(f"--preset {FLAGS.preset}: family {FLAGS.model} has presets "
+                                 f"{models.presets.FAMILY_PRESETS[FLAGS.model]}")
         overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
         model = models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides)
     with open(FLAGS.text, encoding="utf-8") as f:

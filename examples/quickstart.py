@@ -4,6 +4,9 @@ Shows the jaxpr (one svd_matmul equation), the error against the dense product i
 replaces, and the parameter savings.
 
     python examples/quickstart.py --tokens 64 --in_features 1024 --out_features 4096 --keep 0.5
+
+The rank is the library's rule, `compress.block_aligned_rank(K, N, keep, block)`: the kept parameter fraction
+rounded to a multiple of --block (the 128-row PE array), as `compress_model` and `compress_checkpoint` choose it.
 """
 
 import jax
@@ -12,12 +15,15 @@ import numpy as np
 from absl import app, flags
 
 import jax_neuronmm as jn
+from jax_neuronmm import compress
 
-flags.DEFINE_integer("tokens", 64, "Tokens (rows of x).")
-flags.DEFINE_integer("in_features", 1024, "K: input features.")
-flags.DEFINE_integer("out_features", 4096, "N: output features.")
-flags.DEFINE_float("keep", 0.5, "Fraction of the dense weight's parameters kept by the factors.")
+flags.DEFINE_integer("tokens", 64, "Tokens (rows of x).", lower_bound=1)
+flags.DEFINE_integer("in_features", 1024, "K: input features.", lower_bound=1)
+flags.DEFINE_integer("out_features", 4096, "N: output features.", lower_bound=1)
+flags.DEFINE_float("keep", 0.5, "Fraction of the dense weight's parameters kept by the factors, in (0, 1].")
+flags.DEFINE_integer("block", 128, "Rank alignment (compress.block_aligned_rank).", lower_bound=1)
 flags.DEFINE_integer("seed", 0, "Random seed.")
+flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 FLAGS = flags.FLAGS
 
 
@@ -33,7 +39,7 @@ def main(argv):
     del argv
     rng = np.random.default_rng(FLAGS.seed)
     k, n = FLAGS.in_features, FLAGS.out_features
-    rank = max(1, round(k * n * FLAGS.keep / (k + n)))
+    rank = compress.block_aligned_rank(k, n, FLAGS.keep, FLAGS.block)  # the library's rank rule
     w = low_rank_weight(rng, k, n)
     left, sigma, right = np.linalg.svd(w, full_matrices=False)
     u = (left[:, :rank] * np.sqrt(sigma[:rank])).astype(np.float32)

@@ -11,8 +11,8 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
 Generates (same sampling seed) on one device and on the mesh and checks that the tokens are the same. Without accelerators,
 --cpu_devices fakes that many CPU devices (must be set before JAX starts, hence parsed by hand below).
 
-    python examples/tensor_parallel_generate.py --data 2 --model 4 --keep 0.5 --new_tokens 12
-    python examples/tensor_parallel_generate.py --checkpoint /path/to/hf/llama   # a local HF checkpoint
+    python examples/tensor_parallel_generate.py --data 2 --model 4 --keep 0.5 --max_new_tokens 12
+    python examples/tensor_parallel_generate.py --checkpoint_dir /path/to/hf/llama   # a local HF checkpoint
 """
 
 import os
@@ -43,19 +43,23 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_neuronmm import models  # noqa: E402
-from jax_neuronmm.nn import SVDLinear  # noqa: E402
-from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
 
-flags.DEFINE_integer("cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).")
-flags.DEFINE_integer("data", 2, "Size of the data axis (batch split).")
-flags.DEFINE_integer("model", 4, "Size of the model axis (tensor parallel).")
-flags.DEFINE_string("checkpoint", None, "Local HF Llama checkpoint directory; default: a random tiny Llama.")
-flags.DEFINE_float("keep", 0.5, "Fraction of each projection's parameters kept by its SVD factors.")
-flags.DEFINE_integer("batch", 4, "Prompts (random token ids).")
-flags.DEFINE_integer("prompt_tokens", 7, "Tokens per prompt.")
-flags.DEFINE_integer("new_tokens", 12, "Tokens to generate.")
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature (0: greedy); both runs sample with the same seed.")
+flags.DEFINE_integer("cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).",
+                     lower_bound=1)
+flags.DEFINE_integer("data", 2, "Size of the data axis (batch split).", lower_bound=1)
+flags.DEFINE_integer("model", 4, "Size of the model axis (tensor parallel).", lower_bound=1)
+flags.DEFINE_string("checkpoint_dir", None, "Local HF Llama checkpoint directory; default: a random tiny Llama.")
+flags.DEFINE_float("keep", 0.5, "Fraction of each projection's parameters kept by its SVD factors, in (0, 1].")
+flags.DEFINE_integer("batch", 4, "Prompts (random token ids).", lower_bound=1)
+flags.DEFINE_integer("prompt_tokens", 7, "Tokens per prompt.", lower_bound=1)
+flags.DEFINE_integer("max_new_tokens", 12, "Tokens to generate.", lower_bound=1)
+flags.DEFINE_float("temperature", 0.8, "Sampling temperature (0: greedy); both runs sample with the same seed.",
+                   lower_bound=0.0)
 flags.DEFINE_integer("seed", 0, "Random seed (model init and prompts).")
+flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
+flags.register_multi_flags_validator(
+    ["batch", "data"], lambda values: values["data"] < 1 or values["batch"] % values["data"] == 0,
+    message="--data must divide --batch")
 FLAGS = flags.FLAGS
 
 # Megatron layout: (parameter path regex, spec). The first match wins; parameters matching none are replicated.
@@ -66,18 +70,6 @@ MEGATRON_LAYOUT = (
     (r"self_attn/(q_proj|k_proj|v_proj)/bias$", P("model")),
     (r"self_attn/o_proj/u$", P("model", None)),
 )
-
-
-def compress(model, keep):
-    """Replaces every decoder layer's MLP by an SVDMLP and its attention projections by SVDLinear layers."""
-    for layer in model.layers:
-        mlp = layer.mlp
-        layer.mlp = SVDMLP.from_linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj, activation=mlp.activation,
-                                        keep=keep)
-        attention = layer.self_attn
-        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            setattr(attention, name, SVDLinear.from_linear(getattr(attention, name), keep=keep))
-    return model
 
 
 def shard_model(model, mesh):
@@ -97,33 +89,32 @@ def check_layout(config, mesh):
     for name, count in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
                         ("intermediate_size", config.intermediate_size)):
         if count % model_size:
-            raise ValueError(f"--model={model_size} must divide the model's {name} = {count}")
+            raise app.UsageError(f"--model={model_size} must divide the model's {name} = {count}")
 
 
 def main(argv):
     del argv
     if FLAGS.data * FLAGS.model > jax.device_count():
-        raise ValueError(f"--data * --model = {FLAGS.data * FLAGS.model} exceeds the {jax.device_count()} devices")
-    if FLAGS.batch % FLAGS.data:
-        raise ValueError(f"--data={FLAGS.data} must divide --batch={FLAGS.batch}")
+        raise app.UsageError(f"--data * --model = {FLAGS.data * FLAGS.model} exceeds the {jax.device_count()} devices")
     devices = np.array(jax.devices()[:FLAGS.data * FLAGS.model]).reshape(FLAGS.data, FLAGS.model)
     mesh = Mesh(devices, ("data", "model"))
 
-    if FLAGS.checkpoint:
-        model = models.load_hf(FLAGS.checkpoint)
+    if FLAGS.checkpoint_dir:
+        model = models.load_hf(FLAGS.checkpoint_dir)
     else:
         config = models.LlamaConfig.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=16)
         model = models.Llama(config, rngs=nnx.Rngs(FLAGS.seed))
     check_layout(model.config, mesh)
-    model = compress(model, FLAGS.keep)
+    # Every MLP becomes an SVDMLP, every attention projection an SVDLinear.
+    model = models.compress_model(model, keep=FLAGS.keep, include=("mlp", "attention"))
 
     rng = np.random.default_rng(FLAGS.seed)
     prompts = rng.integers(0, model.config.vocab_size, size=(FLAGS.batch, FLAGS.prompt_tokens), dtype=np.int32)
 
     sampling = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
-    single = np.asarray(models.generate(model, prompts, FLAGS.new_tokens, **sampling))
+    single = np.asarray(models.generate(model, prompts, FLAGS.max_new_tokens, **sampling))
     sharded_model = shard_model(model, mesh)
-    parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.new_tokens, **sampling))
+    parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.max_new_tokens, **sampling))
 
     mlp = sharded_model.layers[0].mlp
     print(f"mesh {dict(mesh.shape)}; layer 0 MLP factor shards: gate v {mlp.gate_proj.v[...].sharding.spec}, "

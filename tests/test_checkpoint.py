@@ -2,6 +2,10 @@
 
 import json
 import os
+import stat
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -73,14 +77,66 @@ def test_nnx_round_trip_into_template(rng, tmp_path):
     assert set(plain["layers"]) == {0, 1}
 
 
-def test_overwrite_is_atomic_when_saving_fails(rng, tmp_path):
+def test_overwrite_is_atomic_when_saving_fails_mid_write(rng, tmp_path, monkeypatch):
     params, report = compressed_linen(rng)
     path = tmp_path / "model.safetensors"
     save_compressed(path, params, report=report)
     before = path.read_bytes()
-    with pytest.raises(TypeError, match="params leaf 'params/bad' is str"):
-        save_compressed(path, {"params": {"bad": "not an array"}})
+    seen_temporaries = []
+
+    def write_half_then_fail(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\x00" * 1000)  # a partly written file under the temporary name
+        seen_temporaries.append(sorted(os.listdir(tmp_path)))
+        raise OSError("disk full")
+
+    monkeypatch.setattr(safetensors.numpy, "save_file", write_half_then_fail)
+    with pytest.raises(OSError, match="disk full"):
+        save_compressed(path, params, report=report, overwrite=True)
+    assert len(seen_temporaries) == 1 and len(seen_temporaries[0]) == 2  # the temporary existed mid-write
     assert path.read_bytes() == before and os.listdir(tmp_path) == ["model.safetensors"]
+
+
+def test_existing_file_is_kept_unless_overwrite(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"the user's own file")
+    with pytest.raises(FileExistsError, match="model.safetensors.*overwrite=True"):
+        save_compressed(path, params, report=report)
+    assert path.read_bytes() == b"the user's own file"
+    save_compressed(path, params, report=report, overwrite=True)
+    assert load_compressed(path)[1].ranks == report.ranks
+
+
+def test_saved_file_gets_the_umask_mode_not_0600(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    previous = os.umask(0o022)
+    try:
+        save_compressed(tmp_path / "model.safetensors", params, report=report)
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(os.stat(tmp_path / "model.safetensors").st_mode) == 0o644
+
+
+def test_temporary_of_a_killed_save_is_removed_by_the_next_save(rng, tmp_path):
+    params, report = compressed_linen(rng)
+    path = tmp_path / "model.safetensors"
+    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal
+        from jax_neuronmm.compress.checkpoint import write_atomically
+        def write(temporary):
+            with open(temporary, "wb") as f:
+                f.write(b"\\x00" * 100000)
+            os.kill(os.getpid(), signal.SIGKILL)
+        write_atomically({str(path)!r}, write)
+    """)], capture_output=True, text=True, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    leftovers = os.listdir(tmp_path)
+    assert len(leftovers) == 1 and leftovers[0].startswith(".model.safetensors.") and leftovers[0].endswith(".tmp")
+    (tmp_path / ".other.safetensors.1.ab.tmp").write_bytes(b"not ours to remove")  # another file's name
+    (tmp_path / "notes.tmp").write_bytes(b"the user's")
+    save_compressed(path, params, report=report)
+    assert sorted(os.listdir(tmp_path)) == [".other.safetensors.1.ab.tmp", "model.safetensors", "notes.tmp"]
 
 
 def test_missing_file_and_directory(tmp_path):

@@ -145,3 +145,31 @@ def test_logits_at_picks_one_column_per_row(llama):
     picked = np.asarray(llama(jnp.asarray(prompt), logits_at=columns))
     assert picked.shape == (3, 1, full.shape[-1])
     np.testing.assert_allclose(picked[:, 0], full[np.arange(3), columns], rtol=1e-5, atol=1e-5)
+
+
+def test_out_of_range_token_ids_are_rejected(llama):
+    vocab = llama.config.vocab_size
+    prompt = _prompts(1, 3, seed=12)
+    # Used to return the prompt followed by zeros (vocab) or to embed the last row (-1).
+    for bad in (vocab, -1, vocab + 1000):
+        ids = prompt.copy()
+        ids[0, 1] = bad
+        with pytest.raises(ValueError, match=rf"token_ids: token id {bad} is outside the vocabulary range "
+                                             rf"\[0, {vocab}\)"):
+            generate(llama, ids, 3)
+        with pytest.raises(ValueError, match=rf"token_ids: token id {bad} is outside"):
+            llama(jnp.asarray(ids))  # the public model call, eager
+    assert np.asarray(generate(llama, prompt, 2)).shape == (1, 5)
+
+
+def test_context_length_and_temperature_are_checked(llama):
+    context = llama.config.max_position_embeddings
+    assert context == 512
+    prompt = _prompts(1, 10, seed=13)
+    with pytest.raises(ValueError, match=r"10 prompt tokens \+ 503 new tokens exceed the model's context of 512"):
+        generate(llama, prompt, context - 9)
+    for temperature in (float("nan"), float("inf"), -0.5):
+        with pytest.raises(ValueError, match="temperature: got .*, expected a finite number >= 0"):
+            generate(llama, prompt, 3, temperature=temperature)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(llama, prompt, 3, temperature=1.0, top_p=float("nan"))

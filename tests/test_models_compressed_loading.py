@@ -1,75 +1,43 @@
-"""load_compressed_checkpoint: the output of examples/compress_checkpoint.py loads back as compress_model's model."""
+"""compress_checkpoint / load_compressed_checkpoint: the directory loads back as compress_model's model; the output
+never replaces a user's file; every loader error names the file and what is wrong."""
 
 import json
 import os
 import shutil
-import sys
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import safetensors.numpy
 from flax import nnx
 
 from jax_neuronmm.compress import CheckpointError
-from jax_neuronmm.models import GatedMLP, compress_model, generate, load_compressed_checkpoint, load_hf
-from jax_neuronmm.models.hf_loading import model_from_config
+from jax_neuronmm.compress import load_compressed, save_compressed
+from jax_neuronmm.models import (
+    GatedMLP,
+    compress_checkpoint,
+    compress_model,
+    generate,
+    load_compressed_checkpoint,
+    load_hf,
+)
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
-EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
-HF_CONFIG = {
-    "model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 136, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": [5, 7],
-}
+from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
+
 KEEP, BLOCK = 0.5, 16
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 _logits = nnx.jit(lambda model, ids: model(ids))
 
 
-def _compress_checkpoint_module():
-    sys.path.insert(0, EXAMPLES)
-    try:
-        import compress_checkpoint
-    finally:
-        sys.path.pop(0)
-    return compress_checkpoint
-
-
-def write_hf_checkpoint(rng, directory):
-    """A random Llama of HF_CONFIG's shapes in PyTorch layout (model.*, [out, in] weights), with a tokenizer."""
-    import tokenizers
-
-    abstract = nnx.eval_shape(lambda: model_from_config(HF_CONFIG, rngs=nnx.Rngs(0)))
-    tensors = {}
-    for path, variable in nnx.to_flat_state(nnx.state(abstract)):
-        *modules, leaf = (str(key) for key in path)
-        if leaf == "kernel":  # [in, out] in our layout
-            weight = rng.standard_normal(variable.shape) / np.sqrt(variable.shape[0])
-            name, array = ".".join(modules) + ".weight", weight.T
-        elif leaf == "embedding":
-            name, array = ".".join(modules) + ".weight", rng.standard_normal(variable.shape)
-        else:  # norm weights: away from 1 so a misplaced norm shows
-            name, array = ".".join(modules) + "." + leaf, 1 + 0.3 * rng.standard_normal(variable.shape)
-        tensors[name if name.startswith("lm_head.") else "model." + name] = np.ascontiguousarray(array, np.float32)
-    os.makedirs(directory)
-    safetensors.numpy.save_file(tensors, os.path.join(directory, "model.safetensors"))
-    with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(HF_CONFIG, f)
-    vocab = {f"w{i}": i for i in range(HF_CONFIG["vocab_size"])}
-    tokenizer = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="w0"))
-    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tokenizer.save(os.path.join(directory, "tokenizer.json"))
-
-
-@pytest.mark.parametrize(("include_regex", "include"), [
-    (None, ("mlp",)),
-    (r"(?:^|/)(?:mlp|self_attn)/", ("mlp", "attention")),
-], ids=["mlp", "mlp+attention"])
-def test_loads_what_compress_model_builds(rng, tmp_path, include_regex, include):
+@pytest.mark.parametrize("include", [("mlp",), ("mlp", "attention")], ids=["mlp", "mlp+attention"])
+def test_loads_what_compress_model_builds(rng, tmp_path, include):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    options = {} if include_regex is None else {"include": include_regex}
-    _compress_checkpoint_module().compress_checkpoint(
-        str(tmp_path / "hf"), str(tmp_path / "out"), keep=KEEP, block=BLOCK, progress=False, **options)
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK, include=include)
+    assert sorted(os.listdir(tmp_path / "out")) == [
+        "compression_report.json", "config.json", "model.safetensors", "tokenizer.json"]
+    assert len(report.layers) == 2 * (3 + 4 * ("attention" in include))
+    assert all(0 < layer.relative_error < 1 for layer in report.layers)
+    assert load_compressed(tmp_path / "out" / "model.safetensors")[1].ranks == report.ranks
 
     loaded = load_compressed_checkpoint(tmp_path / "out")
     dense = load_hf(str(tmp_path / "hf"))
@@ -96,8 +64,7 @@ def test_loads_what_compress_model_builds(rng, tmp_path, include_regex, include)
 
 def test_bfloat16_load(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    _compress_checkpoint_module().compress_checkpoint(
-        str(tmp_path / "hf"), str(tmp_path / "out"), keep=KEEP, block=BLOCK, progress=False)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
     model = load_compressed_checkpoint(tmp_path / "out", dtype=jnp.bfloat16)
     assert model.layers[1].mlp.down_proj.u.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(2).integers(0, HF_CONFIG["vocab_size"], size=(1, 7)))
@@ -119,8 +86,7 @@ def test_not_a_compressed_checkpoint(rng, tmp_path):
     with pytest.raises(CheckpointError, match="not written by save_compressed"):
         load_compressed_checkpoint(tmp_path / "hf")
 
-    _compress_checkpoint_module().compress_checkpoint(
-        str(tmp_path / "hf"), str(tmp_path / "out"), keep=KEEP, block=BLOCK, progress=False)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
     shutil.copytree(tmp_path / "out", tmp_path / "deeper")
     (tmp_path / "deeper" / "config.json").write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": 3}))
     with pytest.raises(CheckpointError, match=r"missing tensors \['layers/2/"):
@@ -132,9 +98,15 @@ def test_not_a_compressed_checkpoint(rng, tmp_path):
 
 def test_partially_factored_mlp_stays_unfused(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    _compress_checkpoint_module().compress_checkpoint(
-        str(tmp_path / "hf"), str(tmp_path / "out"), rank=8, include=r"layers/1/mlp/(?:gate|up)_proj",
-        progress=False)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    # Keep only layer 1's gate and up projections factored (compress_model factors whole MLPs).
+    params, _ = load_compressed(tmp_path / "out" / "model.safetensors")
+    dense_model = load_hf(tmp_path / "hf")
+    for layer, names in ((0, MLP_NAMES), (1, ("down_proj",))):
+        for name in names:
+            kernel = np.asarray(getattr(dense_model.layers[layer].mlp, name).kernel[...])
+            params["layers"][layer]["mlp"][name] = {"kernel": kernel}
+    save_compressed(tmp_path / "out" / "model.safetensors", params, overwrite=True)
     model = load_compressed_checkpoint(tmp_path / "out")
     assert isinstance(model.layers[0].mlp, GatedMLP) and isinstance(model.layers[0].mlp.gate_proj, nnx.Linear)
     mlp = model.layers[1].mlp
@@ -144,5 +116,79 @@ def test_partially_factored_mlp_stays_unfused(rng, tmp_path):
     x = np.random.default_rng(3).standard_normal((4, HF_CONFIG["hidden_size"]))
     u, v = (np.asarray(mlp.gate_proj.u[...], np.float64), np.asarray(mlp.gate_proj.v[...], np.float64))
     np.testing.assert_allclose(np.asarray(mlp.gate_proj(jnp.asarray(x, jnp.float32))), x @ u @ v, atol=1e-4)
-    dense = load_hf(str(tmp_path / "hf")).layers[1].mlp.gate_proj.kernel[...]
+    dense = dense_model.layers[1].mlp.gate_proj.kernel[...]
     assert np.linalg.norm(u @ v - np.asarray(dense)) < np.linalg.norm(np.asarray(dense))  # a truncation of it
+
+
+def _listing(directory):
+    return {name: (directory / name).read_bytes() for name in sorted(os.listdir(directory))}
+
+
+def test_output_never_replaces_a_users_file(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    source = _listing(tmp_path / "hf")
+    # The source directory itself (the CLI used to overwrite model.safetensors there, then crash).
+    for out in (tmp_path / "hf", tmp_path / "hf" / ".." / "hf"):
+        with pytest.raises(FileExistsError, match=f"out_dir: '{out}' is the source checkpoint directory"):
+            compress_checkpoint(tmp_path / "hf", out, keep=KEEP, block=BLOCK)
+    assert _listing(tmp_path / "hf") == source
+    # A directory holding a file the output would write: refused before anything is written.
+    os.makedirs(tmp_path / "busy")
+    (tmp_path / "busy" / "tokenizer.json").write_text("the user's tokenizer")
+    (tmp_path / "busy" / "notes.txt").write_text("unrelated")
+    with pytest.raises(FileExistsError, match=r"out_dir: '.*busy' already holds \['tokenizer.json'\]"):
+        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", keep=KEEP, block=BLOCK)
+    assert _listing(tmp_path / "busy") == {"notes.txt": b"unrelated", "tokenizer.json": b"the user's tokenizer"}
+    # Unrelated files may stay; a second run into a finished output directory is refused.
+    os.remove(tmp_path / "busy" / "tokenizer.json")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "busy", keep=KEEP, block=BLOCK)
+    written = _listing(tmp_path / "busy")
+    with pytest.raises(FileExistsError, match="already holds"):
+        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", rank=4)
+    assert _listing(tmp_path / "busy") == written and _listing(tmp_path / "hf") == source
+    with pytest.raises(ValueError, match="keep, rank: got keep=0.5 and rank=4"):
+        compress_checkpoint(tmp_path / "hf", tmp_path / "other", keep=0.5, rank=4)
+
+
+def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    (tmp_path / "out" / "config.json").write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": 1}))
+    # Used to be an IndexError from walking to layers[1].
+    with pytest.raises(CheckpointError, match=r"model.safetensors' has factors u, v at layers/1/mlp/"
+                                              r"(gate|up|down)_proj, but the model config.json describes"):
+        load_compressed_checkpoint(tmp_path / "out")
+
+
+@pytest.mark.parametrize("loader", ["load_hf", "load_compressed_checkpoint"])
+def test_loader_errors_name_the_file(rng, tmp_path, loader):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    if loader == "load_hf":
+        path, load = tmp_path / "hf", load_hf
+    else:
+        compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+        path, load = tmp_path / "out", load_compressed_checkpoint
+    config, weights, tokenizer = (path / name for name in ("config.json", "model.safetensors", "tokenizer.json"))
+    good = {file: file.read_bytes() for file in (config, weights, tokenizer)}
+
+    config.write_text('{"model_type": "llama", "vocab_size": 97,')
+    with pytest.raises(ValueError, match=f"{config}: not valid JSON"):
+        load(path)
+    config.write_text(json.dumps({k: v for k, v in HF_CONFIG.items() if k != "hidden_size"}))
+    with pytest.raises(ValueError, match=f"{config}: lacks the required field 'hidden_size'"):
+        load(path)
+    config.write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": "two"}))
+    with pytest.raises(ValueError, match=f"{config}: .*'two'"):
+        load(path)
+    config.write_bytes(good[config])
+
+    tokenizer.write_text('{"model": {"type": "WordLevel"')
+    with pytest.raises(ValueError, match=f"{tokenizer}: not a readable tokenizers file"):
+        load(path)
+    tokenizer.write_bytes(good[tokenizer])
+
+    weights.write_bytes(good[weights][:-200])  # truncated
+    with pytest.raises(CheckpointError, match=f"{weights}'?:? (is )?corrupt"):
+        load(path)
+    weights.write_bytes(good[weights])
+    assert load(path).tokenizer.encode("w3").ids == [3]

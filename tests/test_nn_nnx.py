@@ -193,3 +193,35 @@ def test_bad_arguments(rng):
     linear.kernel.set_value(linear.kernel[...].at[0, 0].set(jnp.inf))
     with pytest.raises(ValueError, match="NaN or Inf"):
         SVDLinear.from_linear(linear, rank=3)
+
+
+@pytest.mark.parametrize("build", [
+    lambda: nnx.Conv(3, 2, kernel_size=(3, 3), rngs=nnx.Rngs(0)),
+    lambda: nnx.LinearGeneral((4, 5), 6, axis=(-2, -1), rngs=nnx.Rngs(0)),
+    lambda: None,
+], ids=["Conv", "LinearGeneral", "None"])
+def test_from_linear_rejects_what_is_not_a_linear(build):
+    # Conv used to give a layer with u of shape (3, 3, 3, 2); LinearGeneral and None failed far away.
+    with pytest.raises(TypeError, match=r"linear: got (Conv|LinearGeneral|NoneType), expected an nnx.Linear"):
+        SVDLinear.from_linear(build(), rank=2)
+
+
+def test_from_linears_rejects_mismatched_projections(rng):
+    gate, up, down = random_linear(rng, 40, 70, False), random_linear(rng, 40, 70, False), random_linear(rng, 70, 40, False)
+    with pytest.raises(ValueError, match=r"gate_proj, up_proj, down_proj: got \(in, out\) features .*'up_proj': \(40, 50\)"):
+        SVDMLP.from_linears(gate, random_linear(rng, 40, 50, False), down, rank=4)
+    with pytest.raises(ValueError, match=r"'down_proj': \(60, 40\)"):
+        SVDMLP.from_linears(gate, up, random_linear(rng, 60, 40, False), rank=4)
+    with pytest.raises(TypeError, match="down_proj: got NoneType, expected Linear"):
+        SVDMLP.from_linears(gate, up, None, rank=4)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        SVDMLP.from_linears(gate, up, down, rank=4, activation="relu6")
+    # from_projections assembles SVDLinear layers as they are, with the same checks.
+    layers = [SVDLinear.from_linear(linear, rank=4) for linear in (gate, up, down)]
+    mlp = SVDMLP.from_projections(*layers, activation="silu")
+    assert mlp.gate_proj is layers[0] and (mlp.down_proj.in_features, mlp.down_proj.out_features) == (70, 40)
+    with pytest.raises(TypeError, match="gate_proj: got Linear, expected SVDLinear"):
+        SVDMLP.from_projections(gate, *layers[1:])
+    with pytest.raises(ValueError, match="up_proj"):
+        SVDMLP.from_projections(layers[0], SVDLinear.from_linear(random_linear(rng, 40, 50, False), rank=4),
+                                layers[2])

@@ -9,18 +9,21 @@ holds:
   sha256       JSON {tensor name: hex digest of "dtype|shape|" + the tensor's bytes}
   report       JSON of the `CompressionReport` (when one was given)
   user         JSON of the caller's own string metadata
-Files are written to a temporary file in the target directory and moved into place with os.replace, so a crash
-never leaves a half-written checkpoint under the final name. Loading verifies every checksum. No pickle anywhere.
+Files are written to a temporary file in the target directory (`write_atomically`) and moved into place with
+os.replace, so a crash never leaves a half-written checkpoint under the final name; an existing file is replaced
+only when the caller says `overwrite=True`. Loading verifies every checksum. No pickle anywhere.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import tempfile
-from collections.abc import Mapping
+import re
+import secrets
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import safetensors
@@ -48,16 +51,19 @@ class CheckpointInfo:
 
 
 def save_compressed(path, params, *, report: CompressionReport | None = None,
-                    metadata: Mapping[str, str] | None = None) -> None:
+                    metadata: Mapping[str, str] | None = None, overwrite: bool = False) -> None:
     """Write params (Linen dicts, NNX State, lists; leaves numpy/JAX arrays or NNX Variables) to `path`.
 
     `report` (from `compress_params`) supplies method and keep and must agree with the ranks found in params;
     without it the file records method "none". `metadata` is extra string → string data kept under "user".
+    An existing file at `path` is replaced (atomically) only with `overwrite=True`; otherwise FileExistsError.
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {directory!r} does not exist")
+    if os.path.lexists(path) and not overwrite:
+        raise FileExistsError(f"cannot save checkpoint {path!r}: the file exists (pass overwrite=True to replace it)")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise TypeError(f"metadata must map str to str, got {dict(metadata)!r}")
 
@@ -69,7 +75,7 @@ def save_compressed(path, params, *, report: CompressionReport | None = None,
             raise TypeError(f"params leaf {name!r} is {type(value).__name__}, expected an array")
         if name in tensors:
             raise ValueError(f"two params leaves share the tensor name {name!r} (keys {paths[name]} and {list(keys)})")
-        tensors[name] = np.ascontiguousarray(np.asarray(value))
+        tensors[name] = np.require(np.asarray(value), requirements="C")  # keeps 0-d arrays 0-d
         paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
     if not tensors:
         raise ValueError("params has no array leaves to save")
@@ -89,16 +95,52 @@ def save_compressed(path, params, *, report: CompressionReport | None = None,
     if report is not None:
         header["report"] = json.dumps(report.to_dict())
 
-    handle, temporary = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    os.close(handle)
+    write_atomically(path, lambda temporary: safetensors.numpy.save_file(tensors, temporary, metadata=header))
+
+
+def write_atomically(path, write: Callable[[str], None]) -> None:
+    """Calls write(temporary) on a fresh file next to `path`, fsyncs it and renames it onto `path`.
+
+    The temporary file is created with the mode a normal new file gets (0666 minus the umask, so a process under
+    another user can read a checkpoint when the umask allows), named ".<name>.<pid>.<random>.tmp". If `write`
+    fails it is removed; temporaries that a killed earlier save of the same `path` left behind (their process is
+    gone) are removed first. Replaces `path` if it exists: callers decide whether that is allowed.
+    """
+    path = os.fspath(path)
+    directory, name = os.path.split(os.path.abspath(path))
+    _remove_stale_temporaries(directory, name)
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies, unlike mkstemp
     try:
-        safetensors.numpy.save_file(tensors, temporary, metadata=header)
+        normal_mode = os.stat(temporary).st_mode
+        write(temporary)
+        os.chmod(temporary, normal_mode)  # writers such as safetensors' may recreate the file as 0600
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
         os.replace(temporary, path)
     except BaseException:
         os.unlink(temporary)
         raise
+
+
+def _remove_stale_temporaries(directory: str, name: str) -> None:
+    """Removes ".<name>.<pid>.<hex>.tmp" files in `directory` whose writing process no longer runs."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]+\.tmp")
+    for entry in os.listdir(directory):
+        match = pattern.fullmatch(entry)
+        if match and not _process_alive(int(match.group(1))):
+            with contextlib.suppress(FileNotFoundError):  # another save may have removed it meanwhile
+                os.unlink(os.path.join(directory, entry))
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, under another user
+        return True
+    return True
 
 
 def load_compressed(path, *, like=None):
@@ -208,7 +250,7 @@ def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict
 
 
 def _digest(array: np.ndarray) -> str:
-    contiguous = np.ascontiguousarray(array)
+    contiguous = np.require(array, requirements="C")
     digest = hashlib.sha256(f"{contiguous.dtype.str}|{list(contiguous.shape)}|".encode())
     digest.update(contiguous.reshape(-1).view(np.uint8))
     return digest.hexdigest()

@@ -1,12 +1,17 @@
-"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression
-(and loading the compressed checkpoints examples/compress_checkpoint.py writes)."""
+"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, and
+compressed checkpoint directories (compress_checkpoint writes them, load_compressed_checkpoint loads them)."""
 
-from jax_neuronmm.models.compressed_loading import load_compressed_checkpoint
+from jax_neuronmm.models.compressed_loading import (
+    compress_checkpoint,
+    is_compressed_checkpoint,
+    load_checkpoint,
+    load_compressed_checkpoint,
+)
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.generation import generate
-from jax_neuronmm.models.hf_loading import load_hf, model_from_config
+from jax_neuronmm.models.hf_loading import load_hf, load_tokenizer, model_from_config
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.presets import from_preset
@@ -20,10 +25,14 @@ __all__ = [
     "Llama",
     "LlamaConfig",
     "RopeConfig",
+    "compress_checkpoint",
     "compress_model",
     "from_preset",
     "generate",
+    "is_compressed_checkpoint",
+    "load_checkpoint",
     "load_compressed_checkpoint",
     "load_hf",
+    "load_tokenizer",
     "model_from_config",
 ]

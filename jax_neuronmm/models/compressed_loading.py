@@ -1,93 +1,194 @@
-"""Load a compressed checkpoint directory (written by examples/compress_checkpoint.py) back into an NNX model.
+"""Compressed checkpoint directories: `compress_checkpoint` writes one from a local HF checkpoint,
+`load_compressed_checkpoint` loads it back as an NNX model.
 
-The directory holds the HF config.json (and tokenizer files) next to `model.safetensors`, written by
-`jax_neuronmm.compress.save_compressed` in Flax layout: dense kernels [in, out] under ".../kernel", each compressed
-projection as u [in, r] and v [r, out] under its module path (e.g. layers/0/mlp/gate_proj/u). The ranks are read
-from the u/v shapes, so no SVD runs: the model is built abstractly from config.json, each factored projection is
-swapped for an `SVDLinear` at its saved rank (a gated MLP whose three projections are all factored becomes one
-fused `SVDMLP`, as `compress_model` does), and the parameters are filled from the file.
+The directory holds the HF config.json (and tokenizer files) copied from the source, `compression_report.json`,
+and `model.safetensors` written by `jax_neuronmm.compress.save_compressed` in our (Flax) layout: the model's
+`nnx.state` after `compress_model`, dense kernels [in, out] under ".../kernel", each compressed projection as
+u [in, r] and v [r, out] under its module path (e.g. layers/0/mlp/gate_proj/u). HF names are translated once, by
+`load_hf` (hf_loading.flax_keys). Loading reads the ranks from the u/v shapes, so no SVD runs: the model is built
+abstractly from config.json, each factored projection is swapped for an `SVDLinear` at its saved rank (a gated MLP
+whose three projections are all factored becomes one fused `SVDMLP`, as `compress_model` does), and the
+parameters are filled from the file.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 
 import jax.numpy as jnp
+import numpy as np
+import safetensors
 from flax import nnx
 
 from jax_neuronmm.compress import tree
-from jax_neuronmm.compress.checkpoint import CheckpointError, fit_problems, load_compressed
-from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
+from jax_neuronmm.compress.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    fit_problems,
+    load_compressed,
+    save_compressed,
+    write_atomically,
+)
+from jax_neuronmm.compress.params import CompressionReport, LayerReport
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation
 from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.hf_loading import attach_tokenizer_and_eos, model_from_config, read_config
+from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 CHECKPOINT_FILE = "model.safetensors"
-# Buffers some HF checkpoints carry that our models recompute (compress_checkpoint copies them through).
-_IGNORED_SUFFIX = ("rotary_emb", "inv_freq")
+REPORT_FILE = "compression_report.json"
+# Copied unchanged from the source directory when present.
+COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "tokenizer.model")
+DEFAULT_KEEP = 0.8
+
+
+def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: int | str | None = None,
+                        method: str = "svd", include=("mlp",), calibration_ids=None, block: int = 128,
+                        dtype=jnp.float32) -> CompressionReport:
+    """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
+
+    keep / rank / method / include / calibration_ids [B, T] / block are `compress_model`'s (keep defaults to 0.8;
+    give at most one of keep and rank). dtype: the parameter dtype the model is loaded, factored and saved in.
+    Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
+
+    Nothing the user has is replaced: before anything is read or written, raises FileExistsError naming the
+    directory when out_dir is src_dir or already holds a file the output would write (model.safetensors,
+    compression_report.json, the copied config / tokenizer files).
+    """
+    src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
+    if keep is not None and rank is not None:
+        raise ValueError(f"keep, rank: got keep={keep!r} and rank={rank!r}, expected at most one")
+    if keep is None and rank is None:
+        keep = DEFAULT_KEEP
+    read_config(src_dir)  # a missing source fails before out_dir is looked at
+    copied = [name for name in COPIED_FILES if os.path.isfile(os.path.join(src_dir, name))]
+    _check_output_dir(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
+
+    dense = load_hf(src_dir, dtype=dtype)
+    compressed = compress_model(dense, keep=keep, method=method, calibration_ids=calibration_ids, include=include,
+                                rank=rank, block=block)
+    report = _report(dense, compressed, method=method, keep=keep if rank is None else None,
+                     rank=rank if isinstance(rank, int) else None)
+
+    os.makedirs(out_dir, exist_ok=True)
+    save_compressed(os.path.join(out_dir, CHECKPOINT_FILE), nnx.state(compressed), report=report, metadata={
+        "source": os.path.abspath(src_dir), "include": ",".join((include,) if isinstance(include, str) else include),
+        "block": str(block), "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
+    })
+    write_atomically(os.path.join(out_dir, REPORT_FILE), lambda temporary: _write_json(temporary, report.to_dict()))
+    for name in copied:
+        write_atomically(os.path.join(out_dir, name),
+                         lambda temporary, name=name: shutil.copyfile(os.path.join(src_dir, name), temporary))
+    return report
+
+
+def _write_json(path: str, value) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(value, f, indent=1)
+
+
+def _check_output_dir(src_dir: str, out_dir: str, outputs: list[str]) -> None:
+    if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
+        raise FileExistsError(f"out_dir: {out_dir!r} is the source checkpoint directory; writing there would replace "
+                         "the original files. Choose a new directory (nothing was written)")
+    existing = [name for name in outputs if os.path.lexists(os.path.join(out_dir, name))]
+    if existing:
+        raise FileExistsError(f"out_dir: {out_dir!r} already holds {existing}, which the compressed checkpoint "
+                              "would replace. Choose a new or empty directory (nothing was written)")
+
+
+def _report(dense: CausalLM, compressed: CausalLM, *, method, keep, rank) -> CompressionReport:
+    """Per factored projection: its shape, rank, parameter counts and ‖W − u·v‖_F / ‖W‖_F."""
+    kernels = {keys[:-1]: variable for keys, variable in nnx.to_flat_state(nnx.state(dense)) if keys[-1] == "kernel"}
+    factors = dict(nnx.to_flat_state(nnx.state(compressed)))
+    layers = []
+    for keys, u in factors.items():
+        if keys[-1] != "u":
+            continue
+        path = keys[:-1]
+        w = np.asarray(kernels[path][...], np.float64)
+        approx = np.asarray(u[...], np.float64) @ np.asarray(factors[path + ("v",)][...], np.float64)
+        layers.append(LayerReport(
+            path=tree.join(path), shape=w.shape, rank=int(u.shape[-1]), params_before=w.size,
+            params_after=int(u.size + factors[path + ("v",)].size),
+            relative_error=float(np.linalg.norm(w - approx) / np.linalg.norm(w))))
+    return CompressionReport(method=method, keep=keep, rank=rank, layers=tuple(layers))
+
+
+def is_compressed_checkpoint(path) -> bool:
+    """Whether the directory `path` holds a model.safetensors written by `save_compressed` (read from its header)."""
+    weights_path = os.path.join(os.fspath(path), CHECKPOINT_FILE)
+    if not os.path.isfile(weights_path):
+        return False
+    try:
+        with safetensors.safe_open(weights_path, framework="numpy") as reader:
+            return (reader.metadata() or {}).get("format") == FORMAT
+    except Exception:  # unreadable: not ours; the loader reports what is wrong
+        return False
+
+
+def load_checkpoint(path, dtype=jnp.float32) -> CausalLM:
+    """`load_compressed_checkpoint(path)` when `path` is a compressed checkpoint directory, else `load_hf(path)`."""
+    if is_compressed_checkpoint(path):
+        return load_compressed_checkpoint(path, dtype=dtype)
+    return load_hf(os.fspath(path), dtype=dtype)
 
 
 def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
-    """Load the output directory of examples/compress_checkpoint.py as a Llama or Gemma model in `dtype`.
+    """Load a directory written by `compress_checkpoint` as a Llama or Gemma model in `dtype`.
 
     Returns the model (`model(token_ids [B, T]) -> logits [B, T, vocab]`) with the same module structure
-    `compress_model` gives at the saved ranks; `model.tokenizer` and `model.eos_token_ids` are set as `load_hf`
-    sets them. Raises FileNotFoundError when `path` is not a directory or lacks config.json / model.safetensors,
-    `jax_neuronmm.compress.CheckpointError` (a ValueError) when model.safetensors was not written by
-    save_compressed, is corrupt, or does not fit the model config.json describes.
+    `compress_model` gives at the saved ranks, with the tokenizer and end-of-sequence ids `load_hf` gives. Raises
+    FileNotFoundError when `path` is not a directory or lacks config.json / model.safetensors, ValueError naming
+    the file for a malformed config.json or tokenizer.json, `jax_neuronmm.compress.CheckpointError` (a
+    ValueError) naming the file when model.safetensors was not written by save_compressed, is corrupt, or does not
+    fit the model config.json describes.
     """
     path = os.fspath(path)
-    hf_config = read_config(path)
+    read_config(path)
     weights_path = os.path.join(path, CHECKPOINT_FILE)
     if not os.path.isfile(weights_path):
         raise FileNotFoundError(
-            f"path: {path!r} has no {CHECKPOINT_FILE}; expected the output_dir of examples/compress_checkpoint.py"
+            f"path: {path!r} has no {CHECKPOINT_FILE}; expected a directory written by models.compress_checkpoint"
         )
     params, _ = load_compressed(weights_path)
-    tensors = {keys: array for keys, array in tree.iter_leaves(params) if keys[-2:] != _IGNORED_SUFFIX}
+    tensors = dict(tree.iter_leaves(params))
     ranks = {keys[:-1]: int(u.shape[-1]) for keys, u in tensors.items()
              if keys[-1] == "u" and keys[:-1] + ("v",) in tensors}
 
-    def build():
-        model = model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0))
-        _factor_projections(model, ranks, weights_path)
-        return model
-
-    graphdef, abstract_state = nnx.split(nnx.eval_shape(build))
+    model = abstract_model(path, dtype)
+    _factor_projections(model, ranks, weights_path)
+    graphdef, abstract_state = nnx.split(model)
     expected = dict(nnx.to_flat_state(abstract_state))
     problems = fit_problems(expected, tensors, check_dtype=False)
     if problems:
         raise CheckpointError(f"checkpoint {weights_path!r} does not fit {path}/config.json: " + "; ".join(problems))
-
     loaded = [(keys, variable.replace(jnp.asarray(tensors[keys], dtype=dtype))) for keys, variable in expected.items()]
-    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    attach_tokenizer_and_eos(model, path, hf_config)
-    return model
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
 
 
 def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: str) -> None:
     """Swap each nnx.Linear named by a key of `ranks` for an SVDLinear of that rank; fuse fully factored MLPs."""
-    rngs = nnx.Rngs(0)
+    dense_kernels = {keys[:-1] for keys, _ in nnx.to_flat_state(nnx.state(model)) if keys[-1] == "kernel"}
     for keys, rank in ranks.items():
+        if keys not in dense_kernels:
+            raise CheckpointError(
+                f"checkpoint {weights_path!r} has factors u, v at {tree.join(keys)}, but the model config.json "
+                "describes has no dense projection there (does config.json belong to this checkpoint?)"
+            )
         parent = model
         for key in keys[:-1]:
-            parent = parent[key] if isinstance(key, int) else getattr(parent, key, None)
-        name = keys[-1]
-        linear = getattr(parent, name, None) if isinstance(name, str) else None
-        if not isinstance(linear, nnx.Linear):
-            raise CheckpointError(
-                f"checkpoint {weights_path!r} has factors u, v at {tree.join(keys)}, but the model built from "
-                f"config.json has {type(linear).__name__} there, expected a dense projection (nnx.Linear)"
-            )
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        linear = getattr(parent, keys[-1])
         try:
-            factored = SVDLinear(
-                linear.in_features, linear.out_features, rank, use_bias=linear.bias is not None,
-                dtype=linear.dtype, param_dtype=linear.param_dtype, precision=linear.precision,
-                preferred_element_type=linear.preferred_element_type, rngs=rngs)
-        except ValueError as error:
+            factored = nnx.eval_shape(lambda linear=linear, rank=rank: SVDLinear.like(linear, rank))
+        except (TypeError, ValueError) as error:
             raise CheckpointError(f"checkpoint {weights_path!r}: {tree.join(keys)}: {error}") from error
-        setattr(parent, name, factored)
+        setattr(parent, keys[-1], factored)
 
     for layer in model.layers:
         mlp = layer.mlp
@@ -95,12 +196,5 @@ def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: 
             continue
         projections = [getattr(mlp, name) for name in MLP_PROJECTIONS]
         fused_activation = fused_mlp_activation(mlp)
-        if fused_activation is None or not all(isinstance(p, SVDLinear) for p in projections):
-            continue
-        gate, up, down = projections
-        fused = SVDMLP(
-            gate.in_features, gate.out_features, (gate.rank, up.rank, down.rank), out_features=down.out_features,
-            activation=fused_activation, dtype=gate.dtype, param_dtype=gate.param_dtype, precision=gate.precision,
-            rngs=rngs)
-        fused.gate_proj, fused.up_proj, fused.down_proj = projections
-        layer.mlp = fused
+        if fused_activation is not None and all(isinstance(p, SVDLinear) for p in projections):
+            layer.mlp = SVDMLP.from_projections(*projections, activation=fused_activation)

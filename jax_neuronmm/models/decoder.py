@@ -14,14 +14,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
 
 
 def hf_decoder_fields(hf: Mapping[str, Any]) -> dict:
-    """The config fields every family reads alike from a parsed HF config.json: sizes, head counts, RMSNorm eps
-    and attention bias (head_dim defaults to hidden / heads, kv heads to heads)."""
+    """The config fields every family reads alike from a parsed HF config.json: sizes, head counts, RMSNorm eps,
+    attention bias and context length (head_dim defaults to hidden / heads, kv heads to heads)."""
     num_heads = int(hf["num_attention_heads"])
     hidden = int(hf["hidden_size"])
+    max_positions = hf.get("max_position_embeddings")
     return dict(
         vocab_size=int(hf["vocab_size"]),
         hidden_size=hidden,
@@ -32,7 +34,14 @@ def hf_decoder_fields(hf: Mapping[str, Any]) -> dict:
         head_dim=int(hf.get("head_dim") or hidden // num_heads),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         attention_bias=bool(hf.get("attention_bias", False)),
+        max_position_embeddings=None if max_positions is None else int(max_positions),
     )
+
+
+def eos_token_ids_of(hf: Mapping[str, Any]) -> tuple[int, ...]:
+    """The end-of-sequence ids a parsed HF config.json names (top level or text_config), as a tuple (maybe empty)."""
+    eos = hf.get("eos_token_id", (hf.get("text_config") or {}).get("eos_token_id"))
+    return tuple(int(i) for i in eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
 
 
 @jax.tree_util.register_dataclass
@@ -112,16 +121,21 @@ class CausalLM(nnx.Module):
     LM head (None when `config.tie_word_embeddings`: logits then come from the embedding matrix).
 
     make_layer(index, rngs) builds layer `index`. The parts are created in that order (embeddings, layers, norm,
-    head), which fixes how `rngs` (default `nnx.Rngs(0)`) is consumed.
+    head), which fixes how `rngs` (default `nnx.Rngs(0)`) is consumed. `dtype` is the parameter and activation
+    dtype. `tokenizer` (a `tokenizers.Tokenizer` or None) and `eos_token_ids` (a tuple, maybe empty) are what a
+    checkpoint ships with; the loaders pass them, random-init models have none.
     """
 
-    tokenizer = None  # a `tokenizers.Tokenizer` when loaded from a checkpoint that ships tokenizer.json
-    eos_token_ids: tuple[int, ...] = ()  # from the checkpoint config, when loaded from one
-
-    def __init__(self, config, make_layer, *, norm_unit_offset: bool, dtype, rngs: nnx.Rngs | None):
+    def __init__(self, config, make_layer, *, norm_unit_offset: bool, dtype, rngs: nnx.Rngs | None, tokenizer=None,
+                 eos_token_ids=()):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
-        self.compute_dtype = jnp.dtype(dtype)
+        self.dtype = jnp.dtype(dtype)
+        self.tokenizer = tokenizer
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        bad_eos = [i for i in self.eos_token_ids if not 0 <= i < config.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_ids: got {bad_eos}, expected ids in [0, {config.vocab_size})")
         self.embed_tokens = nnx.Embed(
             config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
             embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
@@ -148,11 +162,6 @@ class CausalLM(nnx.Module):
     def attention_specs(self):
         """One `AttentionSpec` per layer."""
         return [layer.self_attn.spec for layer in self.layers]
-
-    @property
-    def dtype(self):
-        """Parameter and activation dtype chosen at construction."""
-        return self.compute_dtype
 
     def init_cache(self, batch: int, max_length: int) -> KVCache:
         """An empty cache of `max_length` slots for `batch` sequences, in the model's dtype."""
@@ -187,7 +196,12 @@ class CausalLM(nnx.Module):
         caller's job). token_mask [B, T] bool: False marks padding (such tokens are never attended to; their own
         logits are meaningless). With a cache, returns (logits, updated cache) and writes this call's tokens at
         slots [cache.length, cache.length + T).
+
+        Concrete token_ids outside [0, vocab_size) raise ValueError (under jit the ids are abstract and unchecked:
+        `generate` checks its prompts before tracing).
         """
+        if not isinstance(token_ids, jax.core.Tracer):
+            check_token_ids(token_ids, self.config.vocab_size, name="token_ids")
         token_ids = jnp.asarray(token_ids)
         if token_ids.ndim != 2 or not jnp.issubdtype(token_ids.dtype, jnp.integer):
             raise ValueError(f"token_ids: got shape {token_ids.shape} dtype {token_ids.dtype}, expected int [B, T]")

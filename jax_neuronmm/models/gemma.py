@@ -41,6 +41,7 @@ class GemmaConfig:
     final_logit_softcapping: float | None = None
     tie_word_embeddings: bool = True
     attention_bias: bool = False
+    max_position_embeddings: int | None = None  # the context length; None: unknown (generate does not check it)
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
@@ -82,29 +83,40 @@ class GemmaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "GemmaConfig":
-        """Random-init shapes: "gemma-tiny", "gemma-1b" (Gemma-2B, the smallest Gemma 1), "gemma3-tiny",
-        "gemma3-1b" (Gemma-3-1B)."""
-        gemma3_pattern = tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(26))
+        """Random-init shapes: "gemma-tiny", "gemma-2b" (Gemma 1 2B), "gemma3-tiny", "gemma3-270m" (Gemma 3
+        270M) and "gemma3-1b" (Gemma 3 1B), as their published config.json files give them."""
+
+        def gemma3_pattern(layers):  # five sliding-window layers, then one full-attention layer
+            return tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
+
+        gemma3_common = dict(
+            variant="gemma3_text", vocab_size=262144, num_heads=4, num_kv_heads=1, head_dim=256,
+            rope=RopeConfig(theta=1e6), local_rope=RopeConfig(theta=1e4), sliding_window=512,
+            query_pre_attn_scalar=256, max_position_embeddings=32768,
+        )
         presets = {
             "gemma-tiny": dict(
                 variant="gemma", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
-                num_heads=4, num_kv_heads=1, head_dim=32,
+                num_heads=4, num_kv_heads=1, head_dim=32, max_position_embeddings=512,
             ),
-            "gemma-1b": dict(
+            "gemma-2b": dict(
                 variant="gemma", vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_layers=18,
-                num_heads=8, num_kv_heads=1, head_dim=256,
+                num_heads=8, num_kv_heads=1, head_dim=256, max_position_embeddings=8192,
             ),
             "gemma3-tiny": dict(
                 variant="gemma3_text", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=3,
                 num_heads=4, num_kv_heads=2, head_dim=32, rope=RopeConfig(theta=1e6),
                 local_rope=RopeConfig(theta=1e4), sliding_window=8, query_pre_attn_scalar=32,
                 layer_types=("sliding_attention", "sliding_attention", "full_attention"),
+                max_position_embeddings=512,
+            ),
+            "gemma3-270m": dict(
+                gemma3_common, hidden_size=640, intermediate_size=2048, num_layers=18,
+                layer_types=gemma3_pattern(18),
             ),
             "gemma3-1b": dict(
-                variant="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
-                num_heads=4, num_kv_heads=1, head_dim=256, rope=RopeConfig(theta=1e6),
-                local_rope=RopeConfig(theta=1e4), sliding_window=512, query_pre_attn_scalar=256,
-                layer_types=gemma3_pattern,
+                gemma3_common, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                layer_types=gemma3_pattern(26),
             ),
         }
         if name not in presets:
@@ -169,15 +181,17 @@ class GemmaDecoderLayer(DecoderLayer):
 class Gemma(CausalLM):
     """Gemma 1 / Gemma 3 text causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]`."""
 
-    def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None,
+                 eos_token_ids=()):
         super().__init__(
             config, lambda index, rngs: GemmaDecoderLayer(config, index, dtype=dtype, rngs=rngs),
             norm_unit_offset=True, dtype=dtype, rngs=rngs,
+            tokenizer=tokenizer, eos_token_ids=eos_token_ids,
         )
 
     def embed(self, token_ids: jax.Array) -> jax.Array:
         # sqrt(hidden) is rounded to the parameter dtype first, as the reference implementation does.
-        scale = jnp.asarray(self.config.hidden_size**0.5, self.compute_dtype)
+        scale = jnp.asarray(self.config.hidden_size**0.5, self.dtype)
         return super().embed(token_ids) * scale
 
     def unembed(self, hidden: jax.Array) -> jax.Array:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 from flax import nnx
 
 from jax_neuronmm.models.decoder import CausalLM, KVCache
+from jax_neuronmm.models.validation import check_token_ids
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -108,13 +110,17 @@ def generate(
     lengths[b] tokens are real). Left padding (pads first) and right padding both work: pads are never attended
     to and positions count real tokens only, so each row decodes as it would alone. New tokens always start at
     column T, so with right padding a row's pads stay between its prompt and its continuation.
+
+    Raises ValueError for token ids outside [0, vocab_size), T + max_new_tokens beyond the model's context
+    (`config.max_position_embeddings`, when known), a NaN, infinite or negative temperature, and other bad
+    arguments (each message names the argument).
     """
     if not isinstance(model, CausalLM):
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
     if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: got {max_new_tokens!r}, expected an integer >= 1")
-    if temperature < 0:
-        raise ValueError(f"temperature: got {temperature}, expected >= 0")
+    if not math.isfinite(temperature) or temperature < 0:  # NaN would sample from NaN logits: all zeros
+        raise ValueError(f"temperature: got {temperature}, expected a finite number >= 0")
     if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
         raise ValueError(f"top_k: got {top_k}, expected None or 1..{model.config.vocab_size}")
     if top_p is not None and not 0 < top_p <= 1:
@@ -122,8 +128,13 @@ def generate(
     prompt = np.asarray(token_ids)
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not np.issubdtype(prompt.dtype, np.integer):
         raise ValueError(f"token_ids: got shape {prompt.shape} dtype {prompt.dtype}, expected int [B, T] with T >= 1")
+    check_token_ids(prompt, model.config.vocab_size, name="token_ids")
     mask = _prompt_mask(prompt, pad_mask, lengths)
     batch, tokens = prompt.shape
+    context = model.config.max_position_embeddings
+    if context is not None and tokens + max_new_tokens > context:
+        raise ValueError(f"token_ids, max_new_tokens: {tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+                         f"model's context of {context} positions (max_position_embeddings)")
     eos_ids = _end_tokens(eos_id, model.config.vocab_size)
 
     graphdef, state = nnx.split(model)

@@ -25,6 +25,7 @@ class LlamaConfig:
     rope: RopeConfig = RopeConfig(theta=500000.0)
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    max_position_embeddings: int | None = None  # the context length; None: unknown (generate does not check it)
     mlp_bias: bool = False
     hidden_act: str = "silu"
 
@@ -53,11 +54,12 @@ class LlamaConfig:
         presets = {
             "tiny": dict(
                 vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=32, rope=llama3_rope, tie_word_embeddings=True,
+                head_dim=32, rope=llama3_rope, tie_word_embeddings=True, max_position_embeddings=512,
             ),
             "1b": dict(
                 vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
                 num_kv_heads=8, head_dim=64, rope=llama3_rope, tie_word_embeddings=True,
+                max_position_embeddings=131072,
             ),
         }
         if name not in presets:
@@ -84,8 +86,10 @@ class LlamaDecoderLayer(DecoderLayer):
 class Llama(CausalLM):
     """Llama causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]` (see CausalLM.__call__ for the cache)."""
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None,
+                 eos_token_ids=()):
         super().__init__(
             config, lambda index, rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs),
             norm_unit_offset=False, dtype=dtype, rngs=rngs,
+            tokenizer=tokenizer, eos_token_ids=eos_token_ids,
         )

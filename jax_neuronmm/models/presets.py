@@ -9,17 +9,20 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 
-FAMILIES = ("llama", "gemma", "gemma3")
-PRESETS = ("tiny", "1b")
+# family -> its presets: "tiny" (tests, demos) and the published shapes (Llama-3.2-1B, Gemma 1 2B, Gemma 3 270M
+# and 1B).
+FAMILY_PRESETS = {"llama": ("tiny", "1b"), "gemma": ("tiny", "2b"), "gemma3": ("tiny", "270m", "1b")}
+FAMILIES = tuple(FAMILY_PRESETS)
+PRESETS = tuple(dict.fromkeys(name for names in FAMILY_PRESETS.values() for name in names))  # every preset name
 
 
 def from_preset(family: str, preset: str, *, dtype=jnp.float32, seed: int = 0, **overrides) -> CausalLM:
-    """A random-init model: family "llama" | "gemma" | "gemma3", preset "tiny" | "1b" (Llama-3.2-1B, Gemma-2B,
-    Gemma-3-1B shapes). `overrides` replace config fields (e.g. num_layers=2, vocab_size=4096)."""
+    """A random-init model of `family` ("llama" | "gemma" | "gemma3") with the shape `preset` names (see
+    FAMILY_PRESETS). `overrides` replace config fields (e.g. num_layers=2, vocab_size=4096)."""
     if family not in FAMILIES:
         raise ValueError(f"family: got {family!r}, expected one of {FAMILIES}")
-    if preset not in PRESETS:
-        raise ValueError(f"preset: got {preset!r}, expected one of {PRESETS}")
+    if preset not in FAMILY_PRESETS[family]:
+        raise ValueError(f"preset: got {preset!r}, expected one of {FAMILY_PRESETS[family]} for family {family!r}")
     rngs = nnx.Rngs(seed)
     if family == "llama":
         return Llama(LlamaConfig.preset(preset, **overrides), dtype=dtype, rngs=rngs)

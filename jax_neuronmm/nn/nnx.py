@@ -60,17 +60,47 @@ class SVDLinear(nnx.Module):
         Exactly one of rank / keep (fraction of parameters kept, rank from `block_aligned_rank`). method "svd" or
         "whitened"; for "whitened", calibration is the layer's input activations [n, in_features].
         """
+        _check_linear(linear, "linear")
         u, v = factorize_kernel(linear.kernel[...], rank=rank, keep=keep, method=method, calibration=calibration,
                                 block=block, damping=damping)
-        layer = nnx.eval_shape(lambda: cls(
-            linear.in_features, linear.out_features, u.shape[-1], use_bias=linear.bias is not None,
-            dtype=linear.dtype, param_dtype=linear.param_dtype, precision=linear.precision,
-            preferred_element_type=linear.preferred_element_type, rngs=nnx.Rngs(0)))
+        layer = nnx.eval_shape(lambda: cls.like(linear, u.shape[-1]))
         layer.u.set_value(jnp.asarray(u))
         layer.v.set_value(jnp.asarray(v))
         if linear.bias is not None:
             layer.bias.set_value(jnp.asarray(linear.bias[...]))
         return layer
+
+    @classmethod
+    def like(cls, linear: nnx.Linear, rank: int, *, rngs: nnx.Rngs | None = None) -> SVDLinear:
+        """A randomly initialized SVDLinear of `rank` with `linear`'s features, bias use, dtypes and precision
+        (abstract under `nnx.eval_shape`; callers fill the factors)."""
+        _check_linear(linear, "linear")
+        return cls(linear.in_features, linear.out_features, rank, use_bias=linear.bias is not None,
+                   dtype=linear.dtype, param_dtype=linear.param_dtype, precision=linear.precision,
+                   preferred_element_type=linear.preferred_element_type,
+                   rngs=rngs if rngs is not None else nnx.Rngs(0))
+
+
+def _check_linear(linear, name: str) -> None:
+    if not isinstance(linear, nnx.Linear):
+        raise TypeError(f"{name}: got {type(linear).__name__}, expected an nnx.Linear (kernel [in_features, "
+                        "out_features]); convolutions and LinearGeneral are not supported")
+
+
+def _check_gated_projections(gate_proj, up_proj, down_proj, expected_type) -> None:
+    """TypeError / ValueError unless gate/up [K → I] and down [I → N] are bias-free `expected_type` layers."""
+    projections = (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj))
+    for name, layer in projections:
+        if not isinstance(layer, expected_type):
+            raise TypeError(f"{name}: got {type(layer).__name__}, expected {expected_type.__name__}")
+        if layer.bias is not None:
+            raise ValueError(f"{name} has a bias; svd_mlp's projections are bias-free")
+    shapes = {name: (layer.in_features, layer.out_features) for name, layer in projections}
+    if (up_proj.in_features, up_proj.out_features) != shapes["gate_proj"] or \
+            down_proj.in_features != gate_proj.out_features:
+        raise ValueError(
+            f"gate_proj, up_proj, down_proj: got (in, out) features {shapes}, expected gate_proj and up_proj "
+            "[K → I] and down_proj [I → N] (same K and I)")
 
 
 class SVDMLP(nnx.Module):
@@ -114,9 +144,9 @@ class SVDMLP(nnx.Module):
         calibration is the MLP's input activations [n, in_features]; the down projection is calibrated on
         act(x·Wg)*(x·Wu) computed from the dense layers.
         """
-        for name, linear in (("gate_proj", gate_proj), ("up_proj", up_proj), ("down_proj", down_proj)):
-            if linear.bias is not None:
-                raise ValueError(f"{name} has a bias; svd_mlp's projections are bias-free")
+        _check_gated_projections(gate_proj, up_proj, down_proj, nnx.Linear)
+        if activation not in FUSED_ACTIVATIONS:
+            raise ValueError(f"activation must be one of {sorted(FUSED_ACTIVATIONS)}, got {activation!r}")
         ranks = three_ranks(rank) if rank is not None else (None, None, None)
         down_calibration = None
         if method == "whitened" and calibration is not None:
@@ -128,9 +158,19 @@ class SVDMLP(nnx.Module):
                 (gate_proj, ranks[0], calibration), (up_proj, ranks[1], calibration),
                 (down_proj, ranks[2], down_calibration))
         ]
+        return cls.from_projections(*converted, activation=activation)
+
+    @classmethod
+    def from_projections(cls, gate_proj: SVDLinear, up_proj: SVDLinear, down_proj: SVDLinear, *,
+                         activation: str = "silu") -> SVDMLP:
+        """The SVDMLP made of three bias-free SVDLinear layers as they are (their factors are kept, not copied).
+
+        gate_proj, up_proj: [in_features → intermediate]; down_proj: [intermediate → out_features].
+        """
+        _check_gated_projections(gate_proj, up_proj, down_proj, SVDLinear)
         mlp = nnx.eval_shape(lambda: cls(
-            gate_proj.in_features, gate_proj.out_features, tuple(layer.rank for layer in converted),
+            gate_proj.in_features, gate_proj.out_features, (gate_proj.rank, up_proj.rank, down_proj.rank),
             out_features=down_proj.out_features, activation=activation, dtype=gate_proj.dtype,
             param_dtype=gate_proj.param_dtype, precision=gate_proj.precision, rngs=nnx.Rngs(0)))
-        mlp.gate_proj, mlp.up_proj, mlp.down_proj = converted
+        mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
