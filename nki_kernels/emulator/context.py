@@ -107,6 +107,10 @@ class KernelContext:
         self.shared_hbm_cursor = 0
         self.active = True
         self.activation_registers = np.zeros((PMAX, 1), dtype=np.float32)  # ScalarE reduce registers
+        self.vector_registers = np.zeros((PMAX, 1), dtype=np.float32)  # VectorE accumulation registers
+        # Random bits of rng / dropout / nl.rand: numpy's PCG64 seeded by set_rng_seed / nl.random_seed (0 until
+        # then); the same seed gives the same numbers, not the hardware's XORWOW sequence.
+        self.random = np.random.default_rng(0)
 
     def new_storage_id(self):
         self.next_storage_id += 1

@@ -7,12 +7,13 @@ off in count-only mode), rounds into the destination dtype, and appends one trac
 
 from __future__ import annotations
 
-import enum
 import math
 
 import numpy as np
 
 from . import context
+from . import isa_constants as constants
+from .isa_constants import dge_mode, dma_engine, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd
 from . import dtypes
 from . import ops
 from .errors import NkiHardwareError
@@ -20,61 +21,15 @@ from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_ZEROED, NkiTensor
 from .trace import DmaInfo, InstructionRecord, MatmulInfo
 
 
-class engine(enum.Enum):
-    unknown = 0
-    tensor = 1
-    scalar = 2
-    gpsimd = 3
-    dma = 4
-    vector = 5
-    sync = 6
-
-
 _Engine = engine  # instructions take a parameter named `engine`
+_ReduceCmd = reduce_cmd
+_DgeMode = dge_mode  # instructions take a parameter named `dge_mode`
 
 tensor_engine = engine.tensor
 vector_engine = engine.vector
 scalar_engine = engine.scalar
 gpsimd_engine = engine.gpsimd
 unknown_engine = engine.unknown
-
-
-class reduce_cmd(enum.Enum):
-    idle = 0
-    reset = 1
-    reduce = 2
-    reset_reduce = 3
-    load_reduce = 4
-
-
-_ReduceCmd = reduce_cmd
-
-
-class dge_mode(enum.Enum):
-    unknown = 0
-    swdge = 1
-    hwdge = 2
-    none = 3
-
-
-_DgeMode = dge_mode  # instructions take a parameter named `dge_mode`
-
-
-class oob_mode(enum.Enum):
-    error = 0
-    skip = 1
-
-
-class matmul_perf_mode(enum.Enum):
-    none = "none"
-    double_row = "double_row"
-
-
-class nc_version(enum.Enum):
-    gen2 = 2
-    gen3 = 3
-    gen4 = 4
-
 
 NkiValidationError = NkiHardwareError
 
@@ -115,7 +70,7 @@ def _partition_placement(opcode, line, name, t):
     how many it occupies: over 64 must start at 0, 33 to 64 at 0 or 64, 1 to 32 at 0, 32, 64 or 96 (the same
     rule as nki.isa.nc_stream_shuffle's start partitions). DMA engines are not bound by either.
     """
-    part_stride = t.storage.part_stride
+    part_stride = t.part_stride
     count = t.shape[0]
     if count > 1 and t.strides[0] != part_stride:
         _fail(opcode, line, f"{name} {t.describe()} steps {t.strides[0]} elements from one partition row to the "
@@ -166,7 +121,7 @@ def _write(dst, values):
         with np.errstate(invalid="ignore"):
             values = np.clip(np.rint(np.nan_to_num(values)), info.min, info.max)
     with np.errstate(invalid="ignore", over="ignore"):
-        arr[...] = values
+        dst.write(values.astype(dst.dtype) if dst.gather is not None else values)
 
 
 def _mark_psum(dst, state):
@@ -179,8 +134,9 @@ def _inner_contiguous(t):
 
 
 def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, partitions=None, free=None,
-            inputs=None):
-    """Append the instruction's record; `inputs` are its input data tensors (default: all of `reads`)."""
+            inputs=None, extra_writes=()):
+    """Append the instruction's record; `inputs` are its input data tensors (default: all of `reads`);
+    `extra_writes` are tensors it writes besides dst (None entries skipped)."""
     ctx.check_capacity(opcode, line)
     inputs = reads if inputs is None else inputs
     ctx.run.records.append(InstructionRecord(
@@ -189,7 +145,7 @@ def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, p
         _free(dst) if free is None else free,
         dtypes.NAME[dst.dtype],
         tuple(r.access() for r in reads),
-        (dst.access(),),
+        (dst.access(),) + tuple(t.access() for t in extra_writes if t is not None),
         matmul, dma,
         tuple(dtypes.NAME[t.dtype] for t in inputs),
         _inner_contiguous(dst) and all(_inner_contiguous(t) for t in inputs)))
@@ -262,11 +218,14 @@ def _dma_options(opcode, line, ctx, priority, mode, allowed_modes):
     """priority exists from NeuronCore-v4 (trn3) on; hardware DGE from NeuronCore-v3 (trn2) on."""
     if priority is not None:
         _fail(opcode, line, f"priority={priority!r}: DMA priority is NeuronCore-v4+ only, not {ctx.target}")
+    if isinstance(mode, int) and not isinstance(mode, bool) and mode in {m.value for m in _DgeMode}:
+        mode = _DgeMode(mode)  # kernels may pass the enum's value (nki-library writes dge_mode=3 for none)
     if not isinstance(mode, _DgeMode) or mode not in allowed_modes:
         _fail(opcode, line, f"dge_mode {mode!r} is not valid here; expected one of "
                             f"{[m.name for m in allowed_modes]}")
     if mode is _DgeMode.hwdge and ctx.target == "trn1":
         _fail(opcode, line, "dge_mode=hwdge (hardware DGE) needs NeuronCore-v3 or newer, not trn1")
+    return mode
 
 
 def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
@@ -281,7 +240,7 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     line = context.caller_line()
     _tensor(opcode, line, "dst", dst)
     _tensor(opcode, line, "src", src)
-    _dma_options(opcode, line, ctx, priority, dge_mode, tuple(_DgeMode))
+    dge_mode = _dma_options(opcode, line, ctx, priority, dge_mode, tuple(_DgeMode))
     if engine is not None and engine is not _Engine.unknown:
         if dge_mode is not _DgeMode.hwdge:
             _fail(opcode, line, f"engine={engine!r} is only valid with dge_mode=hwdge")
@@ -296,6 +255,9 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dst.size != src.size:
         _fail(opcode, line, f"element counts differ: dst {dst.describe()} has {dst.size}, "
                             f"src {src.describe()} has {src.size}")
+    if dge_mode is _DgeMode.hwdge and dst.dtype != src.dtype:
+        _fail(opcode, line, f"dge_mode=hwdge moves raw bytes: src {src.dtype.name} and dst {dst.dtype.name} must "
+                            f"have the same dtype (reinterpret with .view(), or use swdge / none to cast)")
     if ctx.numerics:
         values = src.array()
         if values.dtype != dst.dtype:
@@ -329,7 +291,7 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     _on_chip(opcode, line, "dst", dst, kinds=("sbuf",), compute_engine=False)
     _tensor(opcode, line, "src", src)
     # Direct (non-indirect) transposes lower to unknown or hardware DGE only.
-    _dma_options(opcode, line, ctx, priority, dge_mode, (_DgeMode.unknown, _DgeMode.hwdge))
+    dge_mode = _dma_options(opcode, line, ctx, priority, dge_mode, (_DgeMode.unknown, _DgeMode.hwdge))
     if src.storage.kind == "psum":
         _fail(opcode, line, f"src {src.describe()} must be in HBM or SBUF")
     default = _DMA_TRANSPOSE_AXES.get(src.ndim)
@@ -379,6 +341,11 @@ def memset(dst, value, engine=engine.unknown, name=None):
     _on_chip(opcode, line, "dst", dst)
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "gpsimd"))
     _gpsimd_psum(opcode, line, engine_name, dst)
+    if not isinstance(value, (bool, int, float, np.number)):
+        raise TypeError(f"{opcode} at {line}: value must be a number, got {type(value).__name__}")
+    if _integer(dst.dtype) and isinstance(value, (float, np.floating)):
+        _fail(opcode, line, f"value {value!r} is a float but dst {dst.describe()} is an integer tile; pass an "
+                            f"integer literal (NKI 0.3+ matches types strictly)")
     if ctx.numerics:
         _write(dst, np.full(dst.shape, value, dtype=np.float32 if dtypes.is_float(dst.dtype) else dst.dtype))
     _mark_psum(dst, PSUM_ZEROED if value == 0 else PSUM_BY_OTHER)
@@ -834,3 +801,16 @@ def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, rev
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data0, data1) + ((initial,) if isinstance(initial, NkiTensor) else ())
     _record(ctx, opcode, "vector", line, dst, reads)
+
+
+# The rest of the instruction set, by idea (they build on the helpers above).
+from .isa_control import (NkiInstruction, VirtualRegister, activate2, core_barrier, dma_compute, dropout,  # noqa: E402
+                          exponential, get_nc_sub_version, nc_matmul_mx, quantize_mx, rand2, rand_get_state,
+                          rand_set_state, register_alloc, register_load, register_move, register_store, rng, sendrecv,
+                          set_rng_seed)
+from .isa_gather import (local_gather, nc_n_gather, nc_stream_shuffle, nonzero_with_count, sequence_bounds,  # noqa: E402
+                         tensor_partition_reduce, topk)
+from .isa_select import (affine_select, max8, nc_find_index8, nc_match_replace8, range_select,  # noqa: E402
+                         select_reduce, tensor_copy_predicated)
+from .isa_vector import (activation_reduce, bn_aggr, bn_stats, reciprocal, scalar_tensor_tensor,  # noqa: E402
+                         tensor_scalar_cumulative, tensor_scalar_reduce)

@@ -77,6 +77,22 @@ class Kernel:
     def __repr__(self):
         return f"<nki.jit kernel {self.fn.__qualname__} grid={self.grid}>"
 
+    def with_schedule(self, schedule):
+        """This kernel with extra dependency edges [(name, name or [names]), ...]: instruction `name` runs after
+        the named ones. The emulator issues instructions in program order, so the edges are checked and kept."""
+        edges = []
+        for entry in schedule:
+            if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+                raise ValueError(f"with_schedule: each entry must be a pair (name, name or [names]), got {entry!r}")
+            consumer, producers = entry
+            producers = [producers] if isinstance(producers, str) else list(producers)
+            if not isinstance(consumer, str) or not all(isinstance(p, str) for p in producers):
+                raise TypeError(f"with_schedule: instruction names must be strings, got {entry!r}")
+            edges.append((consumer, tuple(producers)))
+        options = dict(self.options)
+        options["schedule"] = tuple(options.get("schedule", ())) + tuple(edges)
+        return Kernel(self.fn, self.grid, options)
+
     def __call__(self, *args, **kwargs):
         if context.current_or_none() is not None:
             return self.fn(*args, **kwargs)  # a kernel called from inside a kernel is inlined
@@ -94,7 +110,11 @@ class Kernel:
 
 
 def jit(fn=None, **options):
-    """Decorator: `@nki.jit` or `@nki.jit(**options)`; options are accepted and kept, not interpreted."""
+    """Decorator: `@nki.jit` or `@nki.jit(**options)`; options are accepted and kept, not interpreted, except
+    platform_target, an error since NKI 0.3 (set NEURON_PLATFORM_TARGET_OVERRIDE, or use_target here)."""
+    if "platform_target" in options:
+        raise TypeError(f"nki.jit: platform_target={options['platform_target']!r} is no longer accepted (removed in "
+                        f"NKI 0.3); set the NEURON_PLATFORM_TARGET_OVERRIDE environment variable instead")
     if fn is None:
         return lambda f: Kernel(f, (), options)
     if isinstance(fn, Kernel):

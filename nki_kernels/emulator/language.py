@@ -16,7 +16,7 @@ from . import dtypes as _dtypes
 from . import isa as _isa
 from . import ops as _ops
 from .errors import NkiHardwareError
-from .tensor import DynSlice, MemoryRegion, NkiTensor, allocate
+from .tensor import DynSlice, MemoryRegion, NKIObject, NkiTensor, allocate
 
 # -- dtypes ------------------------------------------------------------------------------------------
 bool_ = _dtypes.bool_
@@ -24,6 +24,9 @@ int8, int16, int32 = _dtypes.int8, _dtypes.int16, _dtypes.int32
 uint8, uint16, uint32 = _dtypes.uint8, _dtypes.uint16, _dtypes.uint32
 float16, float32, tfloat32, bfloat16 = _dtypes.float16, _dtypes.float32, _dtypes.tfloat32, _dtypes.bfloat16
 float8_e4m3, float8_e4m3fn, float8_e5m2 = _dtypes.float8_e4m3, _dtypes.float8_e4m3fn, _dtypes.float8_e5m2
+float8_e8m0fnu = _dtypes.float8_e8m0fnu
+float8_e5m2_x4, float8_e4m3fn_x4 = _dtypes.float8_e5m2_x4, _dtypes.float8_e4m3fn_x4
+float4_e2m1fn_x4 = _dtypes.float4_e2m1fn_x4
 
 # -- buffers -----------------------------------------------------------------------------------------
 sbuf = MemoryRegion.sbuf
@@ -146,6 +149,8 @@ def ndarray(shape, dtype, buffer=sbuf, name="", address=None):
 
 def _filled(shape, value, dtype, buffer, name):
     t = allocate(shape, dtype, buffer, name)
+    if _isa._integer(t.dtype) and isinstance(value, (float, np.floating)) and float(value).is_integer():
+        value = int(value)  # nl.full's value is converted to the tensor's dtype; memset itself matches strictly
     if t.is_on_chip:
         _isa.memset(t, value)
     elif t.array() is not None:
@@ -260,6 +265,21 @@ for _name in _ops.BINARY:
 del _name
 
 
+class _Operator:
+    """An operator name with no tile function of its own (nl.average, nl.prelu, nl.bypass): an `op` argument."""
+
+    def __init__(self, name):
+        self.nki_op = name
+
+    def __repr__(self):
+        return f"nl.{self.nki_op}"
+
+
+average = _Operator("average")  # tensor_partition_reduce
+prelu = _Operator("prelu")  # activation functions of NeuronCore-v4 (activate2)
+bypass = _Operator("bypass")
+
+
 def _reduce(opname, reducer, x, axis, dtype, keepdims):
     ctx = context.current(f"nl.{opname}")
     line = context.caller_line()
@@ -360,3 +380,10 @@ def broadcast_to(x, shape, dtype=None):
 
 def expand_dims(x, axis):
     return x.expand_dim(operator.index(axis))
+
+
+# Multi-step tile functions, random tiles, control flow and constants (nl.rsqrt there replaces the generated one).
+from .language_control import (dynamic_range, fori_loop, no_reorder, shared_constant,  # noqa: E402
+                               shared_identity_matrix, while_loop)
+from .language_math import (all, dropout, gather_flattened, load_transpose2d, rand, random_seed,  # noqa: E402
+                            rms_norm, rsqrt, softmax, where)

@@ -1,12 +1,13 @@
-"""`as_nki()`: make `import nki`, `nki.language`, `nki.isa`, `nki.typing` resolve to the emulator."""
+"""`as_nki()`: make `import nki`, `nki.language`, `nki.isa`, `nki.isa.constants`, `nki.typing`, `nki.collectives` resolve to the emulator."""
 
 import contextlib
 import sys
 
-from . import api, isa, language, nki_typing
+from . import api, collectives, isa, isa_constants, language, nki_typing
 from ._real import load_real_nki
 
-_MODULES = {"nki": api, "nki.language": language, "nki.isa": isa, "nki.typing": nki_typing}
+_MODULES = {"nki": api, "nki.language": language, "nki.isa": isa, "nki.isa.constants": isa_constants,
+            "nki.typing": nki_typing, "nki.collectives": collectives}
 
 
 @contextlib.contextmanager

@@ -48,6 +48,19 @@ def as_region(buffer):
     return region
 
 
+class NKIObject:
+    """`nl.NKIObject`: base class of NKI kernel dataclasses and configuration objects (and of NkiTensor).
+
+    Keyword arguments become attributes; dataclass subclasses bring their own __init__.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, **kwargs):
+        for key, value in kwargs.items():
+            setattr(self, key, value)
+
+
 class DynSlice:
     """`nl.ds(start, size)`: the slice start:start+size."""
 
@@ -115,12 +128,25 @@ def _index_error(tensor, what):
                            f"(out-of-bounds indices are never clipped)")
 
 
-class NkiTensor:
-    """A view of a storage: `shape`, `strides` and `offset` in elements, `dtype`, `buffer` (an nl memory region)."""
+class NkiTensor(NKIObject):
+    """A view of a storage: `shape`, `strides` and `offset` in elements of the view's `dtype` (which may
+    reinterpret the storage's bytes, `view`), `buffer` (an nl memory region).
 
-    __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access")
+    Indirect views (dynamic `select`, `vector_select`, `ap` with scalar / vector offsets) resolve their offsets
+    from the index tile's values when the view is created, which is when a kernel builds it for the instruction
+    that uses it. A per-partition (vector) offset gives a view that is no strided pattern: it carries the flat
+    element index of every element (`gather`), read by gathering and written by scattering.
+    """
 
-    def __init__(self, shape, dtype, storage, buffer=MemoryRegion.sbuf, name="", *, strides=None, offset=0):
+    __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access", "gather",
+                 "indirect")
+
+    def __class_getitem__(cls, shape):
+        """`nt.tensor[128, 512]` (and `nt.tensor[shape, dtype]`) in annotations: the tensor type itself."""
+        return cls
+
+    def __init__(self, shape, dtype, storage, buffer=MemoryRegion.sbuf, name="", *, strides=None, offset=0,
+                 gather=None, indirect=False):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.storage = storage
@@ -130,6 +156,8 @@ class NkiTensor:
         self.offset = offset
         self._array = None
         self._access = None
+        self.gather = gather
+        self.indirect = indirect or gather is not None
 
     # -- basic properties -------------------------------------------------------------------------
     @property
@@ -144,6 +172,17 @@ class NkiTensor:
     def kind(self):
         """'hbm', 'sbuf' or 'psum'."""
         return self.storage.kind
+
+    @property
+    def part_stride(self):
+        """Elements of this view's dtype in one partition row of its storage (the whole storage for HBM)."""
+        storage = self.storage
+        return storage.part_stride * storage.dtype.itemsize // self.dtype.itemsize
+
+    @property
+    def storage_elements(self):
+        """Elements of this view's dtype in its storage."""
+        return self.storage.size * self.storage.dtype.itemsize // self.dtype.itemsize
 
     @property
     def is_on_chip(self):
@@ -169,11 +208,14 @@ class NkiTensor:
         return [[s, n] for s, n in zip(self.strides, self.shape)]
 
     def is_indirect(self):
-        return False
+        return self.indirect
 
     # -- numpy view and access region (used by instructions) --------------------------------------
     def array(self):
         """The numpy view of this tensor's elements (None when numerics are off)."""
+        if self.gather is not None:
+            flat = self.storage.flat
+            return None if flat is None else flat.view(self.dtype)[self.gather]  # a copy: see write()
         if self._array is None:
             flat = self.storage.flat
             if flat is None:
@@ -183,8 +225,17 @@ class NkiTensor:
                                      strides=tuple(s * size for s in self.strides))
         return self._array
 
+    def write(self, values):
+        """Store values (already of this view's dtype and shape) into the view's elements."""
+        if self.gather is not None:
+            self.storage.flat.view(self.dtype)[self.gather] = values
+        else:
+            self.array()[...] = values
+
     def psum_state(self):
         """Per-element PSUM write state (PSUM_* constants) of this view, writable."""
+        if self.gather is not None or self.dtype.itemsize != self.storage.dtype.itemsize:
+            raise NotImplementedError(f"{self.describe()}: indirect or reinterpreted views of PSUM are not emulated")
         return np.ndarray(self.shape, np.uint8, buffer=self.storage.psum_state, offset=self.offset,
                           strides=self.strides)
 
@@ -193,11 +244,19 @@ class NkiTensor:
             storage = self.storage
             size = self.dtype.itemsize
             offset = self.offset
-            if storage.kind == "hbm":
+            if self.gather is not None:  # the span of the gathered elements
+                low, high = (int(self.gather.min()), int(self.gather.max())) if self.gather.size else (0, 0)
+                if storage.kind == "hbm":
+                    self._access = Access(storage.id, "hbm", 0, 1, low * size, (high + 1) * size)
+                else:
+                    part_stride = self.part_stride
+                    self._access = Access(storage.id, storage.kind, low // part_stride, high // part_stride + 1, 0,
+                                          part_stride * size)
+            elif storage.kind == "hbm":
                 extent = sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1
                 self._access = Access(storage.id, "hbm", 0, 1, offset * size, (offset + extent) * size)
             else:
-                part_stride = storage.part_stride
+                part_stride = self.part_stride
                 free_extent = sum((n - 1) * s for n, s in zip(self.shape[1:], self.strides[1:])) + 1
                 first = offset % part_stride
                 last_partition = (offset + (self.shape[0] - 1) * self.strides[0]) // part_stride
@@ -217,9 +276,12 @@ class NkiTensor:
         return run * self.dtype.itemsize
 
     # -- views --------------------------------------------------------------------------------------
-    def _view(self, shape, strides, offset, dtype=None):
+    def _view(self, shape, strides, offset, dtype=None, gather=None, indirect=None):
+        if self.gather is not None:
+            raise NotImplementedError(f"{self.describe()}: a view of a per-partition indirect view is not emulated")
         return NkiTensor(shape, self.dtype if dtype is None else dtype, self.storage, self.buffer, self.name,
-                         strides=strides, offset=offset)
+                         strides=strides, offset=offset, gather=gather,
+                         indirect=self.indirect if indirect is None else indirect)
 
     def __getitem__(self, key):
         if not isinstance(key, tuple):
@@ -281,25 +343,126 @@ class NkiTensor:
         return self._view(tuple(shape), tuple(strides), offset)
 
     def __setitem__(self, key, value):
-        raise TypeError("NKI tensors are written by ISA instructions (nisa.*) or nl.store, not by item assignment")
+        """`tile[key] = value` (the language guide's style): copies the tile `value` (an NKI tensor, by
+        nisa.tensor_copy on chip or nisa.dma_copy when HBM is involved) or fills with a number (nisa.memset)."""
+        from . import isa  # isa builds on tensors
+        view = self[key]
+        if isinstance(value, NkiTensor):
+            if view.is_on_chip and value.is_on_chip:
+                isa.tensor_copy(view, value)
+            else:
+                isa.dma_copy(view, value)
+        elif isinstance(value, (bool, int, float, np.number)):
+            if not view.is_on_chip:
+                raise TypeError(f"{self.describe()}: item assignment of a number needs an on-chip tile (memset)")
+            isa.memset(view, value)
+        else:
+            raise TypeError(f"item assignment: expected an NKI tensor or a number, got {type(value).__name__}")
 
     def ap(self, pattern, offset=None, scalar_offset=None, vector_offset=None, indirect_dim=0, dtype=None):
-        """Explicit access pattern [[stride, count], ...] over this tensor's storage (element units)."""
-        if scalar_offset is not None or vector_offset is not None:
-            raise NotImplementedError("ap(): indirect (scalar_offset / vector_offset) access is not emulated")
-        if dtype is not None and dtypes.as_dtype(dtype).itemsize != self.dtype.itemsize:
-            raise NotImplementedError("ap(dtype=...): only same-size reinterpretation is emulated")
+        """Explicit access pattern [[stride, count], ...] over this tensor's storage, in elements of `dtype`
+        (default this view's; another size reinterprets the bytes, the base offset rescaled to it).
+
+        scalar_offset: a one-element index tile; adds value * self.strides[indirect_dim] to the start.
+        vector_offset: a [P, 1] index tile, P = the pattern's first count; partition p of the result starts at
+        vector_offset[p] * self.strides[indirect_dim] (replacing the first pattern dimension's own stride).
+        """
+        if self.indirect and (scalar_offset is not None or vector_offset is not None):
+            _index_error(self, "an indirect access of a view that is already indirect")
+        new_dtype = self.dtype if dtype is None else dtypes.as_dtype(dtype)
+        base = self.offset * self.dtype.itemsize
+        if base % new_dtype.itemsize:
+            _index_error(self, f"reinterpretation as {new_dtype.name} at byte offset {base} (not aligned)")
+        base //= new_dtype.itemsize
         strides = tuple(operator.index(p[0]) for p in pattern)
         shape = tuple(operator.index(p[1]) for p in pattern)
         if any(n < 1 for n in shape):
             _index_error(self, f"access pattern {pattern} with a count below 1")
-        start = self.offset + (0 if offset is None else operator.index(offset))
+        start = base + (0 if offset is None else operator.index(offset))
+        unit = self.strides[indirect_dim] * self.dtype.itemsize // new_dtype.itemsize \
+            if (scalar_offset is not None or vector_offset is not None) else 0
+        if scalar_offset is not None:
+            start += _index_values(scalar_offset, "scalar_offset", 1)[0] * unit
+        available = self.storage.size * self.storage.dtype.itemsize // new_dtype.itemsize
+        if vector_offset is not None:
+            rows = _index_values(vector_offset, "vector_offset", shape[0])
+            inner = np.zeros(shape[1:], dtype=np.int64)
+            for axis, (n, s) in enumerate(zip(shape[1:], strides[1:])):
+                inner = inner + (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (len(shape) - 2 - axis))
+            gather = start + rows.reshape((-1,) + (1,) * (len(shape) - 1)) * unit + inner
+            if gather.size and (gather.min() < 0 or gather.max() >= available):
+                _index_error(self, f"vector_offset reaching elements {gather.min()}..{gather.max()} (storage has "
+                                   f"{available})")
+            return self._view(shape, strides, start, new_dtype, gather=gather)
         low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
         high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
-        if low < 0 or high >= self.storage.size:
+        if low < 0 or high >= available:
             _index_error(self, f"access pattern {pattern} at offset {start} reaching elements {low}..{high} "
-                               f"(storage has {self.storage.size})")
-        return self._view(shape, strides, start, None if dtype is None else dtypes.as_dtype(dtype))
+                               f"(storage has {available})")
+        return self._view(shape, strides, start, new_dtype, indirect=self.indirect or scalar_offset is not None)
+
+    def vector_select(self, dim, vector_offset):
+        """Per-partition indirect selection of an HBM tensor's dim 0: row p of the result is
+        self[vector_offset[p]]; the result's dim 0 has vector_offset.shape[0] rows."""
+        if dim != 0:
+            raise ValueError(f"vector_select: dim must be 0, got {dim}")
+        if self.is_on_chip:
+            raise ValueError(f"vector_select: only HBM tensors, got {self.describe()}")
+        pattern = [[self.strides[0], vector_offset.shape[0]]] + [[s, n] for s, n in zip(self.strides[1:],
+                                                                                          self.shape[1:])]
+        return self.ap(pattern, offset=0, vector_offset=vector_offset, indirect_dim=0)
+
+    def view(self, dtype):
+        """The same bytes as `dtype`: the last dimension scales by the ratio of the dtype sizes."""
+        dtype = dtypes.as_dtype(dtype)
+        old, new = self.dtype.itemsize, dtype.itemsize
+        if old == new:
+            return self._view(self.shape, self.strides, self.offset, dtype)
+        if self.gather is not None or self.indirect:
+            raise ValueError(f"view: {self.describe()} is indirect (dtype views need a direct view)")
+        if self.shape[-1] != 1 and self.strides[-1] != 1:
+            raise ValueError(f"view: the last dimension of {self.describe()} must be contiguous")
+        last = self.shape[-1] * old
+        if last % new or (self.offset * old) % new or any((s * old) % new for s in self.strides[:-1]):
+            raise ValueError(f"view: {self.describe()} cannot be reinterpreted as {dtype.name} (last dimension of "
+                             f"{last} bytes or strides not divisible by {new})")
+        strides = tuple(s * old // new for s in self.strides[:-1]) + (1,)
+        return self._view(self.shape[:-1] + (last // new,), strides, self.offset * old // new, dtype)
+
+    reinterpret_cast = view
+
+    def rearrange(self, src_pattern, dst_pattern, fixed_sizes=None):
+        """einops-style split / reorder / merge: `t.rearrange(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})`."""
+        fixed = dict(fixed_sizes or {})
+        if len(src_pattern) != self.ndim:
+            raise ValueError(f"rearrange: src_pattern {src_pattern} has {len(src_pattern)} entries for a "
+                             f"{self.ndim}-D tensor")
+        view = self
+        names = []
+        dim = 0
+        for entry in src_pattern:
+            group = (entry,) if isinstance(entry, str) else tuple(entry)
+            if len(group) > 1:
+                sizes = [fixed.get(name, -1) for name in group]
+                view = view.reshape_dim(dim, sizes)
+            for name in group:
+                fixed[name] = view.shape[dim]
+                names.append(name)
+                dim += 1
+        flat_dst = [name for entry in dst_pattern for name in ((entry,) if isinstance(entry, str) else entry)]
+        if sorted(flat_dst) != sorted(names):
+            raise ValueError(f"rearrange: dst_pattern {dst_pattern} must name the dims of src_pattern {src_pattern}")
+        view = view.permute(tuple(names.index(name) for name in flat_dst))
+        dim = 0
+        for entry in dst_pattern:
+            count = 1 if isinstance(entry, str) else len(entry)
+            if count > 1:
+                view = view.flatten_dims(dim, dim + count - 1)
+            elif count == 0:
+                view = view.expand_dim(dim)
+                count = 1
+            dim += 1
+        return view
 
     def _check_dim(self, dim, what):
         if not -self.ndim <= dim < self.ndim:
@@ -313,8 +476,12 @@ class NkiTensor:
         dims = tuple(dims)
         if sorted(dims) != list(range(self.ndim)):
             raise ValueError(f"permute: {dims} is not a permutation of range({self.ndim})")
-        if self.is_on_chip and dims[0] != 0:
+        if (self.is_on_chip or self.gather is not None) and dims[0] != 0:
             raise ValueError("permute: the partition dimension of an on-chip tensor must stay first")
+        if self.gather is not None:
+            return NkiTensor(tuple(self.shape[d] for d in dims), self.dtype, self.storage, self.buffer, self.name,
+                             strides=tuple(self.strides[d] for d in dims), offset=self.offset,
+                             gather=self.gather.transpose(dims))
         return self._view(tuple(self.shape[d] for d in dims), tuple(self.strides[d] for d in dims), self.offset)
 
     def broadcast(self, dim, size):
@@ -344,9 +511,18 @@ class NkiTensor:
         return self[tuple(key)]
 
     def select(self, dim, index):
-        if isinstance(index, NkiTensor):
-            raise NotImplementedError("select: dynamic (tensor) indices are not emulated")
+        """Remove dim at `index`: an int, or a one-element index tile (dynamic selection, resolved from its
+        value; an indirect view)."""
         dim = dim % self.ndim
+        if isinstance(index, NkiTensor):
+            if self.indirect:
+                _index_error(self, "a dynamic select of a view that is already indirect")
+            if dim == 0 and self.is_on_chip:
+                raise ValueError("select: a dynamic index cannot select the partition dimension of an on-chip tensor")
+            value = int(_index_values(index, "index", 1)[0])
+            view = self.select(dim, value)
+            view.indirect = True
+            return view
         key = [slice(None)] * self.ndim
         key[dim] = index
         view = self[tuple(key)]
@@ -373,8 +549,28 @@ class NkiTensor:
         return self._view(shape, _default_strides(shape), self.offset)
 
     def reshape_dim(self, dim, shape):
+        """Split dim into `shape` (one entry may be -1); always a valid view, whatever the strides."""
         dim = dim % self.ndim
-        return self.reshape(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:])
+        shape = [operator.index(n) for n in shape]
+        n = self.shape[dim]
+        if shape.count(-1) > 1:
+            raise ValueError(f"reshape_dim: at most one -1 in {shape}")
+        if -1 in shape:
+            known = math.prod(m for m in shape if m != -1)
+            if known == 0 or n % known:
+                raise ValueError(f"reshape_dim: cannot split size {n} into {shape}")
+            shape[shape.index(-1)] = n // known
+        if math.prod(shape) != n:
+            raise ValueError(f"reshape_dim: {shape} does not multiply to dim {dim}'s size {n}")
+        if dim == 0 and self.is_on_chip and len(shape) != 1:
+            raise ValueError("reshape_dim: cannot split the partition dimension of an on-chip tensor")
+        strides = []
+        step = self.strides[dim]
+        for m in reversed(shape):
+            strides.append(step)
+            step *= m
+        return self._view(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:],
+                          self.strides[:dim] + tuple(reversed(strides)) + self.strides[dim + 1:], self.offset)
 
     def flatten_dims(self, start_dim, end_dim):
         if self.is_on_chip and start_dim == 0:
@@ -386,6 +582,20 @@ class NkiTensor:
         return self._view(self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1:],
                           self.strides[:start_dim] + (self.strides[end_dim],) + self.strides[end_dim + 1:],
                           self.offset)
+
+
+def _index_values(index, what, count):
+    """The int64 values of an index tile of `count` elements (zeros when numerics are off)."""
+    if not isinstance(index, NkiTensor):
+        raise TypeError(f"{what}: expected an NKI index tensor, got {type(index).__name__}")
+    if dtypes.is_float(index.dtype):
+        raise TypeError(f"{what}: index tensor {index.describe()} must have an integer dtype")
+    if index.size != count:
+        raise ValueError(f"{what}: index tensor {index.describe()} must have {count} element(s)")
+    values = index.array()
+    if values is None:
+        return np.zeros(count, dtype=np.int64)
+    return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
 def allocate(shape, dtype, buffer, name="", data=None):
