@@ -108,7 +108,7 @@ IOTA_FIXED_CYCLES = 150
 # [ARCH1] VectorE: "with every instruction depending on the output tile of the previous
 # instruction, we need to add a static instruction overhead of 100 engine cycles"; [PERF] gives
 # the same ~100-cycle static overhead for ScalarE. Applied to Vector/Scalar/GpSimd instructions
-# whose start waits on a data dependency.
+# whose start waits on a data dependency, the engine's own previous instruction included.
 DEPENDENT_OVERHEAD_CYCLES = 100
 # [DMA bandwidth guide] "every DMA transfer incurs descriptor setup, synchronization, and
 # semaphore-to-start latency (~1300 ns cross-engine)".
@@ -179,7 +179,12 @@ def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
     touches_psum = reads_psum or any(a.buffer == "psum" for a in record.writes)
     perf_mode = record.engine == "vector" and hw.vector_bf16_perf_mode and _all_bf16_like(record)
     elements_per_cycle = 1.0
-    if record.engine == "vector" and record.opcode == "tensor_tensor":
+    if record.engine == "vector" and record.opcode != "tensor_tensor" and len(record.input_dtypes) >= 2:
+        # [ARCH1] VectorE cost model: "If there are two input tiles, the instruction can execute in
+        # roughly 2N cycles" (tensor_tensor_scan, scalar_tensor_tensor, ...); the PSUM exception
+        # below is documented for tensor_tensor only.
+        elements_per_cycle = 0.5
+    elif record.engine == "vector" and record.opcode == "tensor_tensor":
         # [ISA] tensor_tensor on VectorE: N when one input is in PSUM, otherwise 2N (the N case
         # for all-bf16 add/multiply/subtract is not applied: records do not carry the operator).
         elements_per_cycle = 1.0 if reads_psum else 0.5
@@ -439,7 +444,9 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
             ghz = _engine_ghz(hw, record.engine)
             cycles = compute_cycles(record, hw)
             free = engine_free[record.engine]
-            if record.engine != "tensor" and ready > free:
+            if record.engine != "tensor" and ready > 0.0 and ready >= free:
+                # Waiting on a dependency, including the engine's own previous instruction
+                # (then ready == free): the documented static overhead applies.
                 ready += DEPENDENT_OVERHEAD_CYCLES / ghz
             start = max(free, ready)
             finish = start + cycles / ghz

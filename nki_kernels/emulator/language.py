@@ -349,7 +349,8 @@ def matmul(x, y, transpose_x=False):
 
 
 def broadcast_to(x, shape, dtype=None):
-    """A new SBUF tile of `shape` (same rank as x; size-1 dims, the partition dim included, are repeated)."""
+    """A new tile of `shape` (same rank as x; size-1 dims, the partition dim included, are repeated): a partition
+    broadcast is a TensorE matmul into PSUM (SBUF when over one bank), a free-dim one a VectorE copy into SBUF."""
     shape = tuple(shape)
     if not isinstance(x, NkiTensor) or len(shape) != x.ndim:
         raise ValueError(f"nl.broadcast_to: expected a tile of rank {len(shape)}, got {x!r}")
