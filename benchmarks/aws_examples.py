@@ -1,10 +1,14 @@
-"""Run AWS's new-dialect NKI example kernels, unmodified, on the emulator against numpy references.
+"""Run AWS's new-dialect NKI kernels, unmodified, on the emulator against numpy references.
 
     python benchmarks/aws_examples.py --sdk_path=/path/to/aws-neuron-sdk
+    python benchmarks/aws_examples.py --nki_library=/path/to/nki-library
 
 `--sdk_path` is a checkout of github.com/aws-neuron/aws-neuron-sdk (the kernels are imported from its
 nki/examples folder inside `nki_kernels.emulator.as_nki()`; nothing of theirs is copied here).
-Prints one line per example: PASS, FAIL (with the reason) or SKIP (why it cannot run anywhere).
+`--nki_library` is a checkout of github.com/aws-neuron/nki-library: its kernels (RMSNorm, RoPE, cumsum, max,
+decode attention, the attention block, the dense MLPs and the transformer_tkg megakernel) are imported from
+the checkout the same way (benchmarks/nkilib_cases.py). Either flag or both.
+Prints one line per kernel: PASS, FAIL (with the reason) or SKIP (why it cannot run anywhere).
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ import ml_dtypes
 import numpy as np
 from absl import app, flags
 
+import nkilib_cases  # sibling module: the script's folder is on sys.path
 from nki_kernels import emulator
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("sdk_path", None, "checkout of aws-neuron/aws-neuron-sdk", required=True)
+flags.DEFINE_string("sdk_path", None, "checkout of aws-neuron/aws-neuron-sdk (its nki/examples kernels)")
+flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library (its src/nkilib_src/nkilib kernels)")
 
 BF16 = ml_dtypes.bfloat16
 
@@ -179,11 +185,10 @@ def run_case(case, examples_dir, index, rng):
         os.environ.update(saved_env)
 
 
-def main(argv):
-    del argv
-    examples_dir = os.path.join(FLAGS.sdk_path, "nki", "examples")
+def _run_sdk_examples(sdk_path):
+    examples_dir = os.path.join(sdk_path, "nki", "examples")
     if not os.path.isdir(examples_dir):
-        sys.exit(f"--sdk_path: {FLAGS.sdk_path!r} has no nki/examples folder")
+        sys.exit(f"--sdk_path: {sdk_path!r} has no nki/examples folder")
     rng = np.random.default_rng(0)
     passed = 0
     runnable = 0
@@ -196,6 +201,26 @@ def main(argv):
         passed += not reason
         print(f"PASS  {case.name}" if not reason else f"FAIL  {case.name}: {reason}")
     print(f"{passed}/{runnable} runnable examples pass")
+
+
+def _run_nki_library(checkout):
+    try:
+        results = nkilib_cases.run_cases(checkout)
+    except ValueError as error:
+        sys.exit(str(error))
+    for name, reason in results:
+        print(f"PASS  nkilib {name}" if not reason else f"FAIL  nkilib {name}: {reason}")
+    print(f"{sum(not reason for _, reason in results)}/{len(results)} nki-library kernels pass")
+
+
+def main(argv):
+    del argv
+    if not FLAGS.sdk_path and not FLAGS.nki_library:
+        sys.exit("give --sdk_path (aws-neuron-sdk checkout) and/or --nki_library (nki-library checkout)")
+    if FLAGS.sdk_path:
+        _run_sdk_examples(FLAGS.sdk_path)
+    if FLAGS.nki_library:
+        _run_nki_library(FLAGS.nki_library)
 
 
 if __name__ == "__main__":

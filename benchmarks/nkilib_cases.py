@@ -87,11 +87,214 @@ def _max(load, rng):
     return (values, _f64(indices)), expected, 0, 0
 
 
+def _attention_ref(q, k_active, v_active, k_prior, v_prior, mask, s_prior):
+    """Decode attention over the cache window [0, s_prior) whose last s_active slots hold the active K/V.
+
+    q [B, d, H, s_a], k_active [B, d, s_a], v_active [B, 1, s_a, d], k_prior [B, 1, d, S], v_prior [B, 1, S, d],
+    mask [s_prior, B, H, s_a] (1 = attend). Returns [B, H, d, s_a].
+    """
+    s_active = q.shape[-1]
+    keys = _f64(k_prior)[:, 0, :, :s_prior].copy()  # [B, d, s_prior]
+    values = _f64(v_prior)[:, 0, :s_prior].copy()  # [B, s_prior, d]
+    keys[:, :, s_prior - s_active:] = _f64(k_active)
+    values[:, s_prior - s_active:] = _f64(v_active)[:, 0]
+    scores = np.einsum("bdk,bdhs->bhks", keys, _f64(q))  # [B, H, s_prior, s_a]
+    scores = np.where(np.transpose(mask, (1, 2, 0, 3)) != 0, scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=2, keepdims=True))
+    weights /= weights.sum(axis=2, keepdims=True)
+    return np.einsum("bhks,bkd->bhds", weights, values)
+
+
+def _attention_tkg(load, rng):
+    module = load("nkilib.core.attention.attention_tkg")
+    utils = load("nkilib.core.attention.attention_tkg_utils")
+    allocator = load("nkilib.core.utils.allocator")
+    nl = emulator.language
+    b, h, s_active, s_prior, full, d = 2, 2, 1, 128, 256, 64
+    # Without fused RoPE the kernel takes Q and K already in SBUF (qk_in_sb).
+    cfg = utils.AttnTKGConfig(bs=b, q_head=h, s_active=s_active, curr_sprior=s_prior, full_sprior=full, d_head=d,
+                              block_len=0, qk_in_sb=True)
+    q = (rng.standard_normal((b, d, h, s_active)) / np.sqrt(d)).astype(BF16)
+    k_active = rng.standard_normal((b, d, s_active)).astype(BF16)
+    v_active = rng.standard_normal((b, 1, s_active, d)).astype(BF16)
+    k_prior = rng.standard_normal((b, 1, d, full)).astype(BF16)
+    v_prior = rng.standard_normal((b, 1, full, d)).astype(BF16)
+    lengths = rng.integers(s_active + 1, s_prior, size=b)  # valid cache length per sequence
+    mask = np.zeros((s_prior, b, h, s_active), dtype=np.uint8)
+    for i, n in enumerate(lengths):
+        mask[:n, i] = 1
+        mask[s_prior - s_active:, i] = 1  # the active tokens
+    @emulator.jit
+    def driver(q_flat, k_flat, v_active, k_prior, v_prior, mask):
+        sbm = allocator.SbufManager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, allocator.Logger("SBM"))
+        sbm.open_scope()
+        q_sb = nl.ndarray(q_flat.shape, dtype=q_flat.dtype, buffer=nl.sbuf)
+        k_sb = nl.ndarray(k_flat.shape, dtype=k_flat.dtype, buffer=nl.sbuf)
+        q_sb[...] = q_flat
+        k_sb[...] = k_flat
+        out = nl.ndarray((b, h, d, s_active), dtype=q_flat.dtype, buffer=nl.shared_hbm)
+        result, _ = module.attention_tkg(q_sb, k_sb, v_active, k_prior, v_prior, mask, out, cfg, sbm)
+        sbm.close_scope()
+        return result
+
+    q_flat = np.ascontiguousarray(q.transpose(1, 0, 2, 3).reshape(d, b * h * s_active))  # [d, (b, h, s)]
+    k_flat = np.ascontiguousarray(k_active.transpose(1, 0, 2).reshape(d, b * s_active))  # [d, (b, s)]
+    expected = _attention_ref(q, k_active, v_active, k_prior, v_prior, mask, s_prior)
+    return driver(q_flat, k_flat, v_active, k_prior, v_prior, mask), expected, 3e-2, 3e-2
+
+
+def _silu(x):
+    return x / (1.0 + np.exp(-x))
+
+
+def _mlp_case(module_name, function, b, s, h, i):
+    """A dense SiLU-gated MLP kernel of nkilib on x [b, s, h], weights gate/up [h, i], down [i, h]."""
+
+    def run(load, rng):
+        kernel = getattr(load(module_name), function)
+        parameters = load("nkilib.core.mlp.mlp_parameters")
+        allocator = load("nkilib.core.utils.allocator")
+        nl = emulator.language
+        x = rng.standard_normal((b, s, h)).astype(BF16)
+        gate = (rng.standard_normal((h, i)) / np.sqrt(h)).astype(BF16)
+        up = (rng.standard_normal((h, i)) / np.sqrt(h)).astype(BF16)
+        down = (rng.standard_normal((i, h)) / np.sqrt(i)).astype(BF16)
+
+        @emulator.jit
+        def driver(x, gate, up, down):
+            out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
+            if function == "mlp":
+                return kernel(x, gate, up, down)[0]
+            params = parameters.MLPParameters(hidden_tensor=x, gate_proj_weights_tensor=gate,
+                                              up_proj_weights_tensor=up, down_proj_weights_tensor=down)
+            if function == "mlp_cte":
+                kernel(params, out, None)  # writes `out`, returns nothing
+                return out
+            sbm = allocator.SbufManager(0, 200 * 1024, allocator.Logger(function))  # as the `mlp` entry point does
+            return kernel(params, out, None, sbm)[0]
+
+        xf = _f64(x)
+        expected = (_silu(xf @ _f64(gate)) * (xf @ _f64(up))) @ _f64(down)
+        return driver(x, gate, up, down), expected, 3e-2, 3e-2
+
+    return run
+
+
+def _rope_halves(x, cos, sin):
+    """RoPE on the first axis (d) of x [d, ...] with cos/sin [d/2, ...] broadcast against x's halves."""
+    half = x.shape[0] // 2
+    x1, x2 = x[:half], x[half:]
+    return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=0)
+
+
+def _rms_rows(x, gamma, eps):
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(gamma).reshape(-1)
+
+
+def _attention_block_ref(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out, eps):
+    """x [B, S, H]; w_qkv [H, d (heads + 2)] (Q heads, then K, then V); k_cache / v_cache [B, 1, S_max, d];
+    mask [S_ctx, B, heads, S]. Returns the projected attention output [B * S, H]."""
+    b, s, h = x.shape
+    s_ctx, heads, d = mask.shape[0], mask.shape[2], w_qkv.shape[1] // (mask.shape[2] + 2)
+    normed = _rms_rows(_f64(x).reshape(b * s, h), gamma, eps)
+    qkv = (normed @ _f64(w_qkv)).reshape(b, s, heads + 2, d).transpose(3, 0, 2, 1)  # [d, B, heads + 2, S]
+    c, sn = _f64(cos)[:, :, None, :], _f64(sin)[:, :, None, :]
+    q = _rope_halves(qkv[:, :, :heads], c, sn).transpose(1, 0, 2, 3) / np.sqrt(d)  # [B, d, heads, S]
+    k_new = _rope_halves(qkv[:, :, heads:heads + 1], c, sn)[:, :, 0].transpose(1, 0, 2)  # [B, d, S]
+    v_new = qkv[:, :, heads + 1].transpose(1, 2, 0)[:, None]  # [B, 1, S, d]
+    attn = _attention_ref(q, k_new, v_new, _f64(k_cache).transpose(0, 1, 3, 2), v_cache, mask, s_ctx)
+    return attn.transpose(0, 3, 1, 2).reshape(b * s, heads * d) @ _f64(w_out)
+
+
+def _attention_block(load, rng):
+    """nkilib's fused decode attention block (experimental/transformer): RMSNorm, QKV projection, RoPE, attention
+    over the KV cache (its window's last S_tkg slots replaced by the new tokens), output projection."""
+    module = load("nkilib.experimental.transformer.attention_block_tkg")
+    types = load("nkilib.core.utils.common_types")
+    b, s, h, d, heads, s_ctx, s_max, eps = 2, 1, 256, 64, 2, 128, 256, 1e-6
+    x = rng.standard_normal((b, s, h)).astype(BF16)
+    gamma = (1 + 0.1 * rng.standard_normal((1, h))).astype(BF16)
+    w_qkv = (rng.standard_normal((h, d * (heads + 2))) / np.sqrt(h)).astype(BF16)
+    w_out = (rng.standard_normal((heads * d, h)) / np.sqrt(heads * d)).astype(BF16)
+    angle = rng.uniform(0, 2 * np.pi, (d // 2, b, s))
+    cos, sin = np.cos(angle).astype(BF16), np.sin(angle).astype(BF16)
+    k_cache = rng.standard_normal((b, 1, s_max, d)).astype(BF16)
+    v_cache = rng.standard_normal((b, 1, s_max, d)).astype(BF16)
+    lengths = rng.integers(s + 1, s_ctx, size=b)
+    mask = np.zeros((s_ctx, b, heads, s), dtype=np.uint8)
+    for i, n in enumerate(lengths):
+        mask[:n, i] = 1
+        mask[s_ctx - s:, i] = 1
+
+    @emulator.jit
+    def driver(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out):
+        none = types.QuantizationType.NONE
+        out = module.attention_block_tkg(
+            X=x, X_hidden_dim_actual=None, rmsnorm_X_enabled=True, rmsnorm_X_eps=eps, rmsnorm_X_gamma=gamma,
+            W_qkv=w_qkv, bias_qkv=None, quantization_type_qkv=none, weight_dequant_scale_qkv=None,
+            input_dequant_scale_qkv=None, rmsnorm_QK_pre_rope_enabled=False, rmsnorm_QK_pre_rope_eps=eps,
+            rmsnorm_QK_pre_rope_W_Q=None, rmsnorm_QK_pre_rope_W_K=None, cos=cos, sin=sin,
+            rope_contiguous_layout=True, rmsnorm_QK_post_rope_enabled=False, rmsnorm_QK_post_rope_eps=eps,
+            rmsnorm_QK_post_rope_W_Q=None, rmsnorm_QK_post_rope_W_K=None, K_cache_transposed=False,
+            active_blocks_table=None, K_cache=k_cache, V_cache=v_cache, attention_mask=mask, sink=None,
+            update_cache=False, kv_cache_update_idx=None, W_out=w_out, bias_out=None, quantization_type_out=none,
+            weight_dequant_scale_out=None, input_dequant_scale_out=None, transposed_out=False, out_in_sb=False)
+        return out[0]
+
+    expected = _attention_block_ref(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out, eps)
+    got = driver(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out)
+    return got, expected, 4e-2, 4e-2
+
+
+def _transformer_tkg(load, rng):
+    """nkilib's decode megakernel (experimental/transformer/transformer_tkg.py): num_layers of attention block +
+    residual + RMSNorm SiLU MLP + residual, collectives over replica groups of one (this core), no cache update."""
+    module = load("nkilib.experimental.transformer.transformer_tkg")
+    layers, b, s, h, d, heads, i, s_ctx, s_max, eps = 2, 2, 1, 256, 64, 2, 384, 128, 256, 1e-6
+    x = rng.standard_normal((b, s, h)).astype(BF16)
+
+    def weights(shape, fan_in):
+        return [(rng.standard_normal(shape) / np.sqrt(fan_in)).astype(BF16) for _ in range(layers)]
+
+    w_qkv, w_out = weights((h, d * (heads + 2)), h), weights((heads * d, h), heads * d)
+    w_gate, w_up, w_down = weights((h, i), h), weights((h, i), h), weights((i, h), i)
+    g_qkv = [(1 + 0.1 * rng.standard_normal((1, h))).astype(BF16) for _ in range(layers)]
+    g_mlp = [(1 + 0.1 * rng.standard_normal((1, h))).astype(BF16) for _ in range(layers)]
+    k_caches = [rng.standard_normal((b, 1, d, s_max)).astype(BF16) for _ in range(layers)]  # transposed K cache
+    v_caches = [rng.standard_normal((b, 1, s_max, d)).astype(BF16) for _ in range(layers)]
+    angle = rng.uniform(0, 2 * np.pi, (d // 2, b, s))
+    cos, sin = np.cos(angle).astype(BF16), np.sin(angle).astype(BF16)
+    mask = np.zeros((s_ctx, b, heads, s), dtype=np.uint8)
+    for j, n in enumerate(rng.integers(s + 1, s_ctx, size=b)):
+        mask[:n, j] = 1
+        mask[s_ctx - s:, j] = 1
+    mask_active = np.ones((s, b, heads, s), dtype=np.uint8)
+    kernel = emulator.jit(module.transformer_tkg)
+    got = kernel(x, w_qkv, w_out, w_gate, w_up, w_down, g_qkv, g_mlp, k_caches, v_caches, cos, sin, mask,
+                 mask_active, None, num_layers=layers, eps=eps, replica_groups=[[0]])
+    current = _f64(x).reshape(b * s, h)
+    for layer in range(layers):
+        k_cache = _f64(k_caches[layer]).transpose(0, 1, 3, 2)
+        current = current + _attention_block_ref(current.reshape(b, s, h), g_qkv[layer], w_qkv[layer], cos, sin,
+                                                 k_cache, v_caches[layer], mask, w_out[layer], eps)
+        normed = _rms_rows(current, g_mlp[layer], eps)
+        current = current + (_silu(normed @ _f64(w_gate[layer])) * (normed @ _f64(w_up[layer]))) @ _f64(w_down[layer])
+    return got, current.reshape(b, s, h), 5e-2, 5e-2
+
+
 CASES = [
     LibraryCase("RMSNorm (rmsnorm_tkg)", _rmsnorm),
     LibraryCase("RoPE", _rope),
     LibraryCase("cumsum", _cumsum),
     LibraryCase("max (cascaded_max)", _max),
+    LibraryCase("decode attention (attention_tkg)", _attention_tkg),
+    LibraryCase("decode attention block (attention_block_tkg)", _attention_block),
+    LibraryCase("dense MLP, entry point (mlp)", _mlp_case("nkilib.core.mlp.mlp", "mlp", 1, 3, 512, 640)),
+    LibraryCase("dense MLP, decode (mlp_tkg)", _mlp_case("nkilib.core.mlp.mlp_tkg.mlp_tkg", "mlp_tkg", 1, 3, 512,
+                                                         640)),
+    LibraryCase("decode megakernel (transformer_tkg)", _transformer_tkg),
+    LibraryCase("dense MLP, prefill (mlp_cte)", _mlp_case("nkilib.core.mlp.mlp_cte.mlp_cte", "mlp_cte", 1, 130, 512,
+                                                          640)),
 ]
 
 

@@ -53,7 +53,7 @@ import bisect
 import dataclasses
 import math
 
-from . import trace
+from . import instruction_costs, trace
 
 TARGETS = ("trn1", "trn2")
 
@@ -160,6 +160,8 @@ def _engine_ghz(hw: Hardware, engine: str) -> float:
 
 def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
     """Engine cycles a non-DMA instruction occupies its engine ([ISA] cost formulas)."""
+    if (listed := instruction_costs.cycles(record)) is not None:  # per-instruction table (documented costs)
+        return listed
     n = record.free_elements
     if record.engine == "tensor":
         if record.opcode == "nc_transpose" and record.matmul is not None:

@@ -814,3 +814,17 @@ from .isa_select import (affine_select, max8, nc_find_index8, nc_match_replace8,
                          select_reduce, tensor_copy_predicated)
 from .isa_vector import (activation_reduce, bn_aggr, bn_stats, reciprocal, scalar_tensor_tensor,  # noqa: E402
                          tensor_scalar_cumulative, tensor_scalar_reduce)
+
+__all__ = [
+    "NkiInstruction", "NkiValidationError", "VirtualRegister", "activate2", "activation", "activation_reduce",
+    "affine_select", "bn_aggr", "bn_stats", "constants", "core_barrier", "dge_mode", "dma_compute",
+    "dma_copy", "dma_engine", "dma_transpose", "dropout", "engine", "exponential", "get_nc_sub_version",
+    "get_nc_version", "gpsimd_engine", "iota", "local_gather", "matmul_perf_mode", "max8", "memset",
+    "nc_find_index8", "nc_match_replace8", "nc_matmul", "nc_matmul_mx", "nc_n_gather", "nc_stream_shuffle",
+    "nc_transpose", "nc_version", "nonzero_with_count", "oob_mode", "quantize_mx", "rand2", "rand_get_state",
+    "rand_set_state", "range_select", "reciprocal", "reduce_cmd", "register_alloc", "register_load",
+    "register_move", "register_store", "rng", "scalar_engine", "scalar_tensor_tensor", "select_reduce",
+    "sendrecv", "sequence_bounds", "set_rng_seed", "tensor_copy", "tensor_copy_predicated", "tensor_engine",
+    "tensor_partition_reduce", "tensor_reduce", "tensor_scalar", "tensor_scalar_cumulative",
+    "tensor_scalar_reduce", "tensor_tensor", "tensor_tensor_scan", "topk", "unknown_engine", "vector_engine"
+]

@@ -196,6 +196,9 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
         def convert(name, value):
             if isinstance(value, (np.ndarray, Spec)):
                 return _input_tensor(ctx, name, value)
+            if isinstance(value, (list, tuple)) and any(isinstance(v, (np.ndarray, Spec)) for v in value):
+                # lists of tensors (per-layer weights) are kernel arguments too
+                return type(value)(convert(f"{name}[{i}]", v) for i, v in enumerate(value))
             return value
 
         tensor_args = [convert(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)]

@@ -388,3 +388,16 @@ from .language_control import (dynamic_range, fori_loop, no_reorder, shared_cons
                                shared_identity_matrix, while_loop)
 from .language_math import (all, dropout, gather_flattened, load_transpose2d, rand, random_seed,  # noqa: E402
                             rms_norm, rsqrt, softmax, where)
+
+__all__ = [
+    "NKIObject", "NkiTensor", "affine_range", "all", "average", "bfloat16", "bool_", "broadcast_to", "bypass",
+    "device_print", "dropout", "ds", "dynamic_range", "empty_like", "expand_dims", "float16", "float32",
+    "float4_e2m1fn_x4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fn_x4", "float8_e5m2", "float8_e5m2_x4",
+    "float8_e8m0fnu", "fori_loop", "full", "gather_flattened", "hbm", "int16", "int32", "int8", "is_hbm",
+    "is_on_chip", "is_psum", "is_sbuf", "load", "load_transpose2d", "matmul", "max", "mean", "min", "ndarray",
+    "no_reorder", "num_programs", "ones", "prelu", "private_hbm", "prod", "program_id", "program_ndim",
+    "psum", "rand", "random_seed", "rms_norm", "rsqrt", "sbuf", "sequential_range", "shared_constant",
+    "shared_hbm", "shared_identity_matrix", "softmax", "static_range", "store", "sum", "tfloat32",
+    "tile_size", "transpose", "uint16", "uint32", "uint8", "var", "where", "while_loop", "zeros", "zeros_like"
+]
+__all__ += [name for name in (*_ops.UNARY, *_ops.BINARY) if name not in __all__]  # the generated tile functions
