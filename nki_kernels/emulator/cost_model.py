@@ -40,6 +40,18 @@ The model is a list scheduler over the run's instruction records:
   Buffers below the figure's smallest point (32 B per partition) are charged the time of a 32 B
   buffer: an extrapolation (the figure stops at 32 B), continuing the fixed per-transfer cost that
   the curve's lower part shows (throughput doubling with size) rather than inventing a number.
+- Compute instructions: [ISA]/[ARCH1] costs (compute_cycles). VectorE instructions with two input tiles take
+  ~2N cycles ([ARCH1] "If there are two input tiles ... roughly 2N"; tensor_tensor N when one input is in
+  PSUM [ISA]); an instruction whose start waits on a dependency, the engine's own previous instruction
+  included, pays the documented 100-cycle static overhead. A partition broadcast (nl.broadcast_to) is a
+  TensorE matmul into PSUM (the emulator records it so), so its consumer reads one input from PSUM.
+- Known gap: on the trn1 matmul tutorial the model is +47% on nki_matmul_tiled, whose 256 B-per-partition
+  loads the curve below charges ~4x the per-byte engine time of 1 KiB ones; the published trn1 latencies of
+  the tiled, hoisted and blocked tutorial kernels all move HBM bytes at 103-105 GB/s whatever their buffer
+  sizes, and the DMA overview's own profile of a [128, 128] bf16 load shows 97 ns of engine time per 2 KiB
+  engine share (near peak) inside ~1 us end to end, i.e. the curve's low end is mostly latency. Which
+  transfers overlap that latency (queue assignment is the compiler's) is not documented, and charging it as
+  latency instead of occupancy makes the 1 KiB-buffer kernels 2x too fast, so the curve is kept.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
   kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
   (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
