@@ -6,8 +6,8 @@
 `--sdk_path` is a checkout of github.com/aws-neuron/aws-neuron-sdk (the kernels are imported from its
 nki/examples folder inside `nki_kernels.emulator.as_nki()`; nothing of theirs is copied here).
 `--nki_library` is a checkout of github.com/aws-neuron/nki-library: its kernels (RMSNorm, RoPE, cumsum, max,
-decode attention, the attention block, the dense MLPs and the transformer_tkg megakernel) are imported from
-the checkout the same way (benchmarks/nkilib_cases.py). Either flag or both.
+top-k, nonzero indices, decode attention, the attention block, the dense MLPs and the transformer_tkg
+megakernel) are imported from the checkout the same way (benchmarks/nkilib_cases.py). Either flag or both.
 Prints one line per kernel: PASS, FAIL (with the reason) or SKIP (why it cannot run anywhere).
 """
 

@@ -187,6 +187,28 @@ def _rope_halves(x, cos, sin):
     return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=0)
 
 
+def _nonzero_indices(load, rng):
+    """find_nonzero_indices on an LNC2 grid (two programs, columns split between them): per column the row
+    indices of its nonzero entries, -1 padded, and their counts (GpSimd nonzero_with_count)."""
+    module = load("nkilib.core.subkernels.find_nonzero_indices")
+    x = (rng.random((256, 8)) < 0.3).astype(np.float32) * rng.standard_normal((256, 8)).astype(np.float32)
+    indices, counts = module.find_nonzero_indices[2](x)
+    expected = np.full((8, 256), -1.0)
+    for c in range(8):
+        found = np.flatnonzero(x[:, c])
+        expected[c, :found.size] = found
+    return (_f64(indices), _f64(counts).reshape(-1)), (expected, _f64((x != 0).sum(axis=0))), 0, 0
+
+
+def _rotational_topk(load, rng):
+    """nkilib's top-k (rotational method, LNC2 grid) over a 1000-entry vocabulary for B x S = 2 rows."""
+    module = load("nkilib.core.topk.rotational_topk")
+    x = rng.standard_normal((1, 2, 1000)).astype(np.float32)
+    values, indices = module.topk[2](x, 8)
+    order = np.argsort(-x, axis=-1, kind="stable")[..., :8]
+    return (_f64(values), _f64(indices)), (np.take_along_axis(_f64(x), order, -1), _f64(order)), 0, 0
+
+
 def _rms_rows(x, gamma, eps):
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * _f64(gamma).reshape(-1)
 
@@ -287,6 +309,8 @@ CASES = [
     LibraryCase("RoPE", _rope),
     LibraryCase("cumsum", _cumsum),
     LibraryCase("max (cascaded_max)", _max),
+    LibraryCase("nonzero indices (find_nonzero_indices, LNC2)", _nonzero_indices),
+    LibraryCase("top-k (rotational_topk, LNC2)", _rotational_topk),
     LibraryCase("decode attention (attention_tkg)", _attention_tkg),
     LibraryCase("decode attention block (attention_block_tkg)", _attention_block),
     LibraryCase("dense MLP, entry point (mlp)", _mlp_case("nkilib.core.mlp.mlp", "mlp", 1, 3, 512, 640)),

@@ -60,3 +60,33 @@ def blocked_matmul(lhs_t, rhs):
             nisa.tensor_copy(result, acc)
             nisa.dma_copy(out[m:m + mt, n:n + nt], result)
     return out
+
+
+def run_tiles(body, inputs, outputs, target=None):
+    """Run body(*input_tiles, *output_tiles) in a kernel on SBUF copies of `inputs` (numpy arrays, partition dim
+    first) and return the `outputs` tiles ((shape, dtype) pairs, allocated in SBUF) as numpy arrays.
+
+    A one-instruction test harness: the body issues the instructions under test; loads and stores are DMAs.
+    """
+    from nki_kernels import emulator
+
+    @nki.jit
+    def kernel(*arrays):
+        tiles = []
+        for array in arrays:
+            tile = nl.ndarray(array.shape, array.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(tile, array)
+            tiles.append(tile)
+        results = [nl.ndarray(shape, dtype, buffer=nl.sbuf) for shape, dtype in outputs]
+        body(*tiles, *results)
+        stored = []
+        for tile in results:
+            out = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
+            nisa.dma_copy(out, tile)
+            stored.append(out)
+        return tuple(stored)
+
+    if target is None:
+        return kernel(*inputs)
+    with emulator.use_target(target):
+        return kernel(*inputs)

@@ -1,17 +1,17 @@
 """`nki.collectives` on the emulator: one NeuronCore, so every replica group holds only this rank.
 
 The emulator runs one core: a collective over a group of one rank is a copy (all_reduce, all_gather,
-reduce_scatter, all_to_all, permutations onto oneself), done by DMA. Groups naming other ranks raise.
+reduce_scatter, all_to_all, permutations onto oneself), done by DMA (tensor_copy for SBUF tensors). Groups naming
+other ranks raise; so do the variable-length collectives (all_gather_v, all_to_all_v).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
-
 from . import context
 from . import isa as _isa
+from .isa_control import VirtualRegister
 from .tensor import NKIObject, NkiTensor
 
 
@@ -73,14 +73,66 @@ def collective_permute(srcs, dsts, source_target_pairs, priority=None, name=None
     _copy_all("collective_permute", srcs, dsts)
 
 
+def _one_tensor_per_channel(what, *lists):
+    pairs = []
+    for channel in zip(*lists):
+        if any(len(inner) != 1 for inner in channel):
+            raise ValueError(f"nki.collectives.{what}: each channel takes exactly one tensor per list")
+        pairs.append(tuple(inner[0] for inner in channel))
+    return pairs
+
+
+def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group, channel_ids=(0,), priority=None,
+                                name=None):
+    """Ring send to the successor / receive from the predecessor; in a ring of one, each channel's dst = src."""
+    _check_group("collective_permute_implicit", replica_group)
+    for src, dst in _one_tensor_per_channel("collective_permute_implicit", srcs_by_channel, dsts_by_channel):
+        _copy_all("collective_permute_implicit", [src], [dst])
+
+
+def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_by_channel, replica_group, op,
+                                       channel_ids=(0,), priority=None, name=None):
+    """dst = op(src0, src1) of the predecessor; in a ring of one, of this rank (VectorE on chip, else by DMA)."""
+    _check_group("collective_permute_implicit_reduce", replica_group)
+    if getattr(op, "nki_op", op) not in ("add", "minimum", "maximum"):
+        raise ValueError(f"nki.collectives.collective_permute_implicit_reduce: op must be nl.add, nl.minimum or "
+                         f"nl.maximum, got {op!r}")
+    for src0, src1, dst in _one_tensor_per_channel("collective_permute_implicit_reduce", srcs0_by_channel,
+                                                   srcs1_by_channel, dsts_by_channel):
+        if dst.is_on_chip:
+            _isa.tensor_tensor(dst, src0, src1, op)
+        else:
+            if getattr(op, "nki_op", op) != "add":
+                raise NotImplementedError("collective_permute_implicit_reduce: HBM tensors are reduced by DMA "
+                                          "compute, which adds only")
+            _isa.dma_compute(dst, [src0, src1], op)
+
+
+def collective_permute_implicit_current_processing_rank_id(iteration_id, replica_group, channel_id=0, name=None):
+    """The rank whose data a ring step processes: with one rank, always this one (a register holding 0)."""
+    _check_group("collective_permute_implicit_current_processing_rank_id", replica_group)
+    return VirtualRegister(0)
+
+
+def _variable_length(what):
+    def collective(*args, **kwargs):
+        raise NotImplementedError(f"nki.collectives.{what}: the variable-length metadata tensor layout is not "
+                                  f"emulated")
+
+    collective.__name__ = collective.__qualname__ = what
+    return collective
+
+
+all_gather_v = _variable_length("all_gather_v")
+all_to_all_v = _variable_length("all_to_all_v")
+
+
 def rank_id(name=None):
-    """This core's rank (0) as a [1, 1] int32 SBUF tile, usable as a dynamic index."""
-    from .tensor import allocate
+    """This core's rank in the group: a register holding 0 (one core), usable as a dynamic index."""
     context.current("nki.collectives.rank_id")
-    tile = allocate((1, 1), np.int32, "sbuf")
-    _isa.memset(tile, 0)
-    return tile
+    return VirtualRegister(0)
 
 
-__all__ = ["ReplicaGroup", "all_gather", "all_reduce", "all_to_all", "collective_permute", "rank_id",
-           "reduce_scatter"]
+__all__ = ["ReplicaGroup", "all_gather", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v",
+           "collective_permute", "collective_permute_implicit", "collective_permute_implicit_current_processing_rank_id",
+           "collective_permute_implicit_reduce", "rank_id", "reduce_scatter"]

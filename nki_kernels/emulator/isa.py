@@ -22,6 +22,7 @@ from .trace import DmaInfo, InstructionRecord, MatmulInfo
 
 
 _Engine = engine  # instructions take a parameter named `engine`
+_OobMode = oob_mode
 _ReduceCmd = reduce_cmd
 _DgeMode = dge_mode  # instructions take a parameter named `dge_mode`
 
@@ -113,9 +114,8 @@ def _f32_2d(t):
 
 def _write(dst, values):
     """Store float32 (or exact) values into dst, rounding to dst.dtype; integers round to nearest and saturate."""
-    arr = dst.array()
-    if values.shape != arr.shape:
-        values = values.reshape(arr.shape)
+    if values.shape != dst.shape:
+        values = values.reshape(dst.shape)
     if not dtypes.is_float(dst.dtype) and dst.dtype != dtypes.bool_ and dtypes.is_float(values.dtype):
         info = np.iinfo(dst.dtype)
         with np.errstate(invalid="ignore"):
@@ -258,11 +258,25 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
     if dge_mode is _DgeMode.hwdge and dst.dtype != src.dtype:
         _fail(opcode, line, f"dge_mode=hwdge moves raw bytes: src {src.dtype.name} and dst {dst.dtype.name} must "
                             f"have the same dtype (reinterpret with .view(), or use swdge / none to cast)")
+    if not isinstance(oob_mode, _OobMode):
+        _fail(opcode, line, f"oob_mode {oob_mode!r} must be a nisa.oob_mode")
     if ctx.numerics:
-        values = src.array()
-        if values.dtype != dst.dtype:
-            values = values.astype(np.float32)
-        _write(dst, values)
+        if (src.oob is not None or dst.oob is not None) and oob_mode is _OobMode.skip:
+            # Out-of-bounds indirect elements are skipped: their dst elements keep their values.
+            keep = np.ones(dst.size, dtype=bool)
+            for t in (src, dst):
+                if t.oob is not None:
+                    keep &= ~t.oob.reshape(-1)
+            values = src.gathered() if src.gather is not None else src.array()
+            current = dst.gathered() if dst.gather is not None else dst.array()
+            values = np.where(keep, values.reshape(-1).astype(np.float32), current.reshape(-1).astype(np.float32)) \
+                if values.dtype != dst.dtype else np.where(keep, values.reshape(-1), current.reshape(-1))
+            _write(dst, values)
+        else:
+            values = src.array()
+            if values.dtype != dst.dtype:
+                values = values.astype(np.float32)
+            _write(dst, values)
     partitions, free = _dma_partitions(dst, src)
     _record(ctx, opcode, "dma", line, dst, (src,), dma=_dma_info(dst, src), partitions=partitions, free=free)
 
@@ -723,10 +737,11 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
 
 
 # The functions ScalarE's activation evaluates: table "Supported Activation Functions by NKI ISA" (NKI ISA common
-# fields). The table also lists nl.prelu and nl.gelu_apprx_sigmoid_dx, which the emulator does not implement
-# (ops.unary raises for them); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
+# fields). The table also lists nl.prelu, which the emulator does not implement (an activate2 function of
+# NeuronCore-v4); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
 _ACTIVATION_FUNCTIONS = frozenset((
-    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid", "silu",
+    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid",
+    "gelu_apprx_sigmoid_dx", "silu",
     "silu_dx", "tanh", "softplus", "mish", "erf", "erf_dx", "exp", "log", "sin", "arctan", "sqrt", "rsqrt",
     "reciprocal", "sign", "abs"))
 

@@ -28,6 +28,8 @@ float8_e8m0fnu = _dtypes.float8_e8m0fnu
 float8_e5m2_x4, float8_e4m3fn_x4 = _dtypes.float8_e5m2_x4, _dtypes.float8_e4m3fn_x4
 float4_e2m1fn_x4 = _dtypes.float4_e2m1fn_x4
 
+DType = np.dtype  # the type of nl dtypes (annotations)
+
 # -- buffers -----------------------------------------------------------------------------------------
 sbuf = MemoryRegion.sbuf
 psum = MemoryRegion.psum
@@ -390,6 +392,7 @@ from .language_math import (all, dropout, gather_flattened, load_transpose2d, ra
                             rms_norm, rsqrt, softmax, where)
 
 __all__ = [
+    "DType",
     "NKIObject", "NkiTensor", "affine_range", "all", "average", "bfloat16", "bool_", "broadcast_to", "bypass",
     "device_print", "dropout", "ds", "dynamic_range", "empty_like", "expand_dims", "float16", "float32",
     "float4_e2m1fn_x4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fn_x4", "float8_e5m2", "float8_e5m2_x4",

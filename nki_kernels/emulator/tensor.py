@@ -54,8 +54,6 @@ class NKIObject:
     Keyword arguments become attributes; dataclass subclasses bring their own __init__.
     """
 
-    __slots__ = ()
-
     def __init__(self, **kwargs):
         for key, value in kwargs.items():
             setattr(self, key, value)
@@ -139,7 +137,7 @@ class NkiTensor(NKIObject):
     """
 
     __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access", "gather",
-                 "indirect")
+                 "dynamic", "oob")
 
     def __class_getitem__(cls, shape):
         """`nt.tensor[128, 512]` (and `nt.tensor[shape, dtype]`) in annotations: the tensor type itself."""
@@ -157,7 +155,8 @@ class NkiTensor(NKIObject):
         self._array = None
         self._access = None
         self.gather = gather
-        self.indirect = indirect or gather is not None
+        self.dynamic = indirect or gather is not None
+        self.oob = None  # per-element mask of indirect elements outside the storage (see ap)
 
     # -- basic properties -------------------------------------------------------------------------
     @property
@@ -208,14 +207,16 @@ class NkiTensor(NKIObject):
         return [[s, n] for s, n in zip(self.strides, self.shape)]
 
     def is_indirect(self):
-        return self.indirect
+        return self.dynamic
 
     # -- numpy view and access region (used by instructions) --------------------------------------
     def array(self):
         """The numpy view of this tensor's elements (None when numerics are off)."""
+        if self.oob is not None:
+            _index_error(self, "an indirect (vector_offset) access out of bounds; nisa.dma_copy with "
+                               "oob_mode=nisa.oob_mode.skip skips such elements")
         if self.gather is not None:
-            flat = self.storage.flat
-            return None if flat is None else flat.view(self.dtype)[self.gather]  # a copy: see write()
+            return self.gathered()
         if self._array is None:
             flat = self.storage.flat
             if flat is None:
@@ -225,10 +226,21 @@ class NkiTensor(NKIObject):
                                      strides=tuple(s * size for s in self.strides))
         return self._array
 
+    def gathered(self):
+        """A copy of an indirect view's elements (out-of-bounds ones read as element 0; see `oob`)."""
+        flat = self.storage.flat
+        return None if flat is None else flat.view(self.dtype)[self.gather]
+
     def write(self, values):
-        """Store values (already of this view's dtype and shape) into the view's elements."""
+        """Store values (already of this view's dtype and shape) into the view's elements (an indirect view's
+        out-of-bounds elements are skipped)."""
         if self.gather is not None:
-            self.storage.flat.view(self.dtype)[self.gather] = values
+            flat = self.storage.flat.view(self.dtype)
+            if self.oob is None:
+                flat[self.gather] = values
+            else:
+                keep = ~self.oob
+                flat[self.gather[keep]] = np.broadcast_to(values, self.shape)[keep]
         else:
             self.array()[...] = values
 
@@ -281,7 +293,7 @@ class NkiTensor(NKIObject):
             raise NotImplementedError(f"{self.describe()}: a view of a per-partition indirect view is not emulated")
         return NkiTensor(shape, self.dtype if dtype is None else dtype, self.storage, self.buffer, self.name,
                          strides=strides, offset=offset, gather=gather,
-                         indirect=self.indirect if indirect is None else indirect)
+                         indirect=self.dynamic if indirect is None else indirect)
 
     def __getitem__(self, key):
         if not isinstance(key, tuple):
@@ -367,7 +379,7 @@ class NkiTensor(NKIObject):
         vector_offset: a [P, 1] index tile, P = the pattern's first count; partition p of the result starts at
         vector_offset[p] * self.strides[indirect_dim] (replacing the first pattern dimension's own stride).
         """
-        if self.indirect and (scalar_offset is not None or vector_offset is not None):
+        if self.dynamic and (scalar_offset is not None or vector_offset is not None):
             _index_error(self, "an indirect access of a view that is already indirect")
         new_dtype = self.dtype if dtype is None else dtypes.as_dtype(dtype)
         base = self.offset * self.dtype.itemsize
@@ -390,16 +402,22 @@ class NkiTensor(NKIObject):
             for axis, (n, s) in enumerate(zip(shape[1:], strides[1:])):
                 inner = inner + (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (len(shape) - 2 - axis))
             gather = start + rows.reshape((-1,) + (1,) * (len(shape) - 1)) * unit + inner
-            if gather.size and (gather.min() < 0 or gather.max() >= available):
-                _index_error(self, f"vector_offset reaching elements {gather.min()}..{gather.max()} (storage has "
-                                   f"{available})")
-            return self._view(shape, strides, start, new_dtype, gather=gather)
+            outside = (gather < 0) | (gather >= available)
+            view = self._view(shape, strides, start, new_dtype, gather=np.where(outside, 0, gather))
+            if outside.any():  # reading or writing these raises, unless a DMA skips them (oob_mode.skip)
+                view.oob = outside
+            return view
         low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
         high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
         if low < 0 or high >= available:
             _index_error(self, f"access pattern {pattern} at offset {start} reaching elements {low}..{high} "
                                f"(storage has {available})")
-        return self._view(shape, strides, start, new_dtype, indirect=self.indirect or scalar_offset is not None)
+        return self._view(shape, strides, start, new_dtype, indirect=self.dynamic or scalar_offset is not None)
+
+    def indirect(self, index, num_elem=None):
+        """Tensor indirection (gather/scatter views for compute engines) exists from NeuronCore-v4 (trn3) on."""
+        raise NotImplementedError(f"{self.describe()}.indirect(): tensor indirection needs NeuronCore-v4 (trn3); "
+                                  f"the emulator targets trn1 and trn2 (use .ap(vector_offset=...) with a DMA)")
 
     def vector_select(self, dim, vector_offset):
         """Per-partition indirect selection of an HBM tensor's dim 0: row p of the result is
@@ -418,7 +436,7 @@ class NkiTensor(NKIObject):
         old, new = self.dtype.itemsize, dtype.itemsize
         if old == new:
             return self._view(self.shape, self.strides, self.offset, dtype)
-        if self.gather is not None or self.indirect:
+        if self.gather is not None or self.dynamic:
             raise ValueError(f"view: {self.describe()} is indirect (dtype views need a direct view)")
         if self.shape[-1] != 1 and self.strides[-1] != 1:
             raise ValueError(f"view: the last dimension of {self.describe()} must be contiguous")
@@ -515,13 +533,13 @@ class NkiTensor(NKIObject):
         value; an indirect view)."""
         dim = dim % self.ndim
         if isinstance(index, NkiTensor):
-            if self.indirect:
+            if self.dynamic:
                 _index_error(self, "a dynamic select of a view that is already indirect")
             if dim == 0 and self.is_on_chip:
                 raise ValueError("select: a dynamic index cannot select the partition dimension of an on-chip tensor")
             value = int(_index_values(index, "index", 1)[0])
             view = self.select(dim, value)
-            view.indirect = True
+            view.dynamic = True
             return view
         key = [slice(None)] * self.ndim
         key[dim] = index
@@ -585,9 +603,15 @@ class NkiTensor(NKIObject):
 
 
 def _index_values(index, what, count):
-    """The int64 values of an index tile of `count` elements (zeros when numerics are off)."""
+    """The int64 values of an index tile of `count` elements (zeros when numerics are off); a single index may
+    also be an int or a register (nisa.register_alloc, a loop variable)."""
     if not isinstance(index, NkiTensor):
-        raise TypeError(f"{what}: expected an NKI index tensor, got {type(index).__name__}")
+        if count == 1:
+            try:
+                return np.array([operator.index(index)], dtype=np.int64)
+            except TypeError:
+                pass
+        raise TypeError(f"{what}: expected an NKI index tensor, an int or a register, got {type(index).__name__}")
     if dtypes.is_float(index.dtype):
         raise TypeError(f"{what}: index tensor {index.describe()} must have an integer dtype")
     if index.size != count:
