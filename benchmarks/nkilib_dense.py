@@ -42,10 +42,12 @@ def _nkilib(source):
                 del sys.modules[name]
 
 
-def dense_mlp_runs(source: str, t: int, h: int, i: int, dtype):
+def dense_mlp_runs(source: str, t: int, h: int, i: int, dtype, force_cte: bool = False):
     """(kernel name, profiled runs) of nkilib's dense SiLU MLP on x [1, t, h], gate/up [h, i], down [i, h].
 
-    Raises whatever the kernel raises; `describe_failure` turns it into one line for the report.
+    The kernel is the one nkilib's `mlp` picks (`mlp_tkg` for few tokens, else `mlp_cte`), or `mlp_cte` with
+    its documented `force_cte_mode` when force_cte. Raises whatever the kernel raises; `describe_failure`
+    turns it into one line for the report.
     """
     with _nkilib(source) as load:
         parameters = load("nkilib.core.mlp.mlp_parameters")
@@ -57,7 +59,8 @@ def dense_mlp_runs(source: str, t: int, h: int, i: int, dtype):
         @emulator.jit
         def driver(x, gate, up, down):
             params = parameters.MLPParameters(hidden_tensor=x, gate_proj_weights_tensor=gate,
-                                              up_proj_weights_tensor=up, down_proj_weights_tensor=down)
+                                              up_proj_weights_tensor=up, down_proj_weights_tensor=down,
+                                              force_cte_mode=force_cte)
             name = "mlp_tkg" if parameters.is_mlp_tkg(params) else "mlp_cte"
             holder["name"] = name
             kernel = getattr(load(f"nkilib.core.mlp.{name}.{name}"), name)
@@ -67,7 +70,23 @@ def dense_mlp_runs(source: str, t: int, h: int, i: int, dtype):
 
         with emulator.count_only(), emulator.profile() as prof:
             driver(x, gate, up, down)
-        return holder.get("name", "mlp"), prof.runs
+        return holder.get("name", "mlp") + (" (force_cte_mode)" if force_cte else ""), prof.runs
+
+
+# mlp_cte tiles the tokens so that one token tile's up/gate outputs over the whole (per-core) intermediate size
+# fit the 8 PSUM banks (8 x 2 KiB / 4 B = 4096 fp32 per partition); a larger intermediate gives it a zero-sized
+# token tile, and its SBUF heap bounds the slice further for large hidden sizes. nkilib's MLPs are deployed
+# tensor-parallel, each core holding a slice of the intermediate size: the report tries these slice widths.
+SLICE_WIDTHS = (4096, 2048, 1024, 512)
+
+
+def intermediate_shards(i: int, width: int) -> list[int]:
+    """Split i into the fewest slices of at most `width`, multiples of 128 where i allows."""
+    count = -(-i // width)
+    blocks, rest = divmod(i, 128)
+    sizes = [128 * (blocks // count + (k < blocks % count)) for k in range(count)]
+    sizes[-1] += rest
+    return sizes
 
 
 def describe_failure(error: BaseException) -> str:
