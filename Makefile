@@ -24,16 +24,24 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # AWS_NEURON_SDK: a checkout of aws-neuron/aws-neuron-sdk, to run AWS's example kernels and check the cost model.
+# NKI_LIBRARY: a checkout of aws-neuron/nki-library, to run its kernels unmodified on the emulator and add its
+# dense MLP to the kernel report as "dense (nkilib)".
 AWS_NEURON_SDK ?=
+NKI_LIBRARY ?=
 bench: $(STAMP)
 	$(PY) benchmarks/primitive_overhead.py
 	$(PY) benchmarks/emulator_speed.py
-	$(PY) benchmarks/kernel_report.py
+	$(PY) benchmarks/kernel_report.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/decode_throughput.py
+	$(PY) benchmarks/compress_speed.py
+	$(PY) benchmarks/accuracy_report.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \
-	  $(PY) benchmarks/aws_examples.py --sdk_path=$(AWS_NEURON_SDK) && \
 	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
-	else echo "AWS_NEURON_SDK not set: skipping benchmarks/aws_examples.py and benchmarks/cost_model_check.py"; fi
+	else echo "AWS_NEURON_SDK not set: skipping benchmarks/cost_model_check.py"; fi
+	if [ -n "$(AWS_NEURON_SDK)$(NKI_LIBRARY)" ]; then \
+	  $(PY) benchmarks/aws_examples.py $(if $(AWS_NEURON_SDK),--sdk_path=$(AWS_NEURON_SDK)) \
+	    $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY)); \
+	else echo "AWS_NEURON_SDK and NKI_LIBRARY not set: skipping benchmarks/aws_examples.py"; fi
 
 # Optional: the same tests through Bazel (2.1 from the npm registry; needs npm, runs offline after that).
 BAZEL := /tmp/jax_neuronmm_bazel/package/bazel-2.1.0-linux-x86_64

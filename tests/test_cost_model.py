@@ -151,6 +151,32 @@ def test_tensor_tensor_costs_2n_from_sbuf_and_n_with_psum_input():
     assert cost_model.model_latency(_run(tt("psum")), "trn1") == pytest.approx(_us(1024, 1.12))
 
 
+def test_back_to_back_dependent_instructions_on_one_engine_pay_the_static_overhead():
+    # The second reads the first's output on the same engine: it starts when the engine frees (ready ==
+    # free), and the documented 100-cycle overhead for an instruction depending on the previous one applies.
+    first = _elementwise("tensor_scalar", "vector", 1, 2, free=1000)
+    second = _elementwise("tensor_scalar", "vector", 2, 3, free=1000)
+    independent = _elementwise("tensor_scalar", "vector", 4, 5, free=1000)
+    overhead = _us(cost_model.DEPENDENT_OVERHEAD_CYCLES, 1.12)
+    dependent = cost_model.schedule(_run(first, second), "trn1")
+    assert dependent.start_us[1] == pytest.approx(_us(1000, 1.12) + overhead)
+    assert cost_model.model_latency(_run(first, independent), "trn1") == pytest.approx(2 * _us(1000, 1.12))
+
+
+@pytest.mark.parametrize("free", [1, 7, 130, 1000])
+def test_two_input_vector_instructions_cost_2n(free):
+    # [ARCH1]: two input tiles take roughly 2N VectorE cycles; tensor_tensor_scan reads data0 and data1.
+    scan = trace.InstructionRecord(
+        opcode="tensor_tensor_scan", engine="vector", line="k.py:5", partitions=128, free_elements=free,
+        dtype="float32", reads=(A(1, "sbuf", 0, 128, 0, 4 * free), A(2, "psum", 0, 128, 0, 4 * free)),
+        writes=(A(3, "sbuf", 0, 128, 0, 4 * free),), input_dtypes=("float32", "float32"))
+    one_input = dataclasses.replace(scan, reads=scan.reads[:1], input_dtypes=("float32",))
+    assert cost_model.model_latency(_run(scan), "trn1") == pytest.approx(
+        _us(max(cost_model.MIN_II_CYCLES, 2 * free), 1.12))
+    assert cost_model.model_latency(_run(one_input), "trn1") == pytest.approx(
+        _us(max(cost_model.MIN_II_CYCLES, free), 1.12))
+
+
 def test_small_instruction_pays_min_initiation_interval():
     run = _run(_elementwise("activation", "scalar", 1, 2, free=3))
     assert cost_model.model_latency(run, "trn1") == pytest.approx(_us(cost_model.MIN_II_CYCLES, 1.4))

@@ -386,7 +386,9 @@ def test_tensor_tensor_scan_and_broadcast_to():
         a, b, r = nl.load(decay), nl.load(drive), nl.load(row)  # r: [1, F]
         scanned = nl.ndarray(decay.shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_tensor_scan(scanned, a, b, initial=0.5, op0=nl.multiply, op1=nl.add)
-        wide = nl.broadcast_to(r, decay.shape)
+        # A partition broadcast is a TensorE matmul: its tile lands in PSUM, so it is copied to SBUF to be stored.
+        wide = nl.ndarray(decay.shape, nl.float32, buffer=nl.sbuf)
+        nisa.tensor_copy(wide, nl.broadcast_to(r, decay.shape))
         outs = []
         for t in (scanned, wide):
             o = nl.ndarray(decay.shape, nl.float32, buffer=nl.shared_hbm)

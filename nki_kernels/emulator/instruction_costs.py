@@ -1,9 +1,10 @@
 """Engine cycles of the instructions whose documented cost differs from the cost model's default.
 
 The default (cost_model.compute_cycles) streams N elements per partition at one per cycle with a floor of MIN_II
-cycles, which is the documented cost of most element-wise Vector/Scalar/GpSimd instructions and is what the
-instructions without a documented figure (reciprocal, scalar_tensor_tensor, select_reduce, range_select,
-max8, nc_find_index8, bn_stats, local_gather, ...) are charged. Sources:
+cycles (2N for VectorE instructions with two input tiles, such as scalar_tensor_tensor, by the architecture
+guide's rule), which is the documented cost of most element-wise Vector/Scalar/GpSimd instructions and is what the
+instructions without a documented figure (reciprocal, select_reduce, range_select, max8, nc_find_index8,
+bn_stats, local_gather, ...) are charged. Sources:
   [ISA-0.6]  nki.isa docstrings of NKI 0.6 (aws-neuron-sdk, nki/api/nki/isa/__init__.py)
   [ISA-0.1]  "Estimated instruction cost" of the NKI 0.1 nki.isa reference (general/nki/api, Neuron 2.23)
 """

@@ -352,7 +352,8 @@ def matmul(x, y, transpose_x=False):
 
 
 def broadcast_to(x, shape, dtype=None):
-    """A new SBUF tile of `shape` (same rank as x; size-1 dims, the partition dim included, are repeated)."""
+    """A new tile of `shape` (same rank as x; size-1 dims, the partition dim included, are repeated): a partition
+    broadcast is a TensorE matmul into PSUM (SBUF when over one bank), a free-dim one a VectorE copy into SBUF."""
     shape = tuple(shape)
     if not isinstance(x, NkiTensor) or len(shape) != x.ndim:
         raise ValueError(f"nl.broadcast_to: expected a tile of rank {len(shape)}, got {x!r}")
@@ -363,10 +364,21 @@ def broadcast_to(x, shape, dtype=None):
     ctx = context.current("nl.broadcast_to")
     line = context.caller_line()
     _core._partition_placement("nl.broadcast_to", line, "x", x)
-    out = allocate(shape, x.dtype if dtype is None else dtype, sbuf)
+    out_dtype = x.dtype if dtype is None else _dtypes.as_dtype(dtype)
+    free = math.prod(shape[1:])
+    # A partition broadcast runs on TensorE: NKI issues nc_matmul(ones[1, M], x) under the hood (arch guide,
+    # TensorE "Alternative Use Case"), so the tile lands in PSUM when it fits one bank and a bank is free.
+    on_tensor = x.shape[0] == 1 and shape[0] > 1
+    in_psum = (on_tensor and free * out_dtype.itemsize <= context.PSUM_BANK_BYTES
+               and ctx.psum_banks_live < context.PSUM_BANKS)
+    out = allocate(shape, out_dtype, psum if in_psum else sbuf)
     if ctx.numerics:
         _core._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
-    _core._record(ctx, "tensor_copy", "vector", line, out, (x,))
+    if on_tensor:
+        info = _core.MatmulInfo(1, shape[0], free, _dtypes.NAME[x.dtype])
+        _core._record(ctx, "nc_matmul", "tensor", line, out, (x,), matmul=info)
+    else:
+        _core._record(ctx, "tensor_copy", "vector", line, out, (x,))
     return out
 
 

@@ -18,13 +18,9 @@ import contextlib
 import dataclasses
 from collections.abc import Iterator, Mapping
 
-from . import cost_model, trace
+from nki_kernels import hardware
 
-# PE array geometry: 128 x 128 processing elements, moving tile up to 512
-# columns (NKI docs: nl.tile_size.pmax, gemm_stationary_fmax, gemm_moving_fmax).
-_PE_ROWS = 128
-_PE_COLS = 128
-_MOVING_FMAX = 512
+from . import cost_model, trace
 
 
 class ModeledLatency(Mapping):
@@ -119,8 +115,8 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         elif record.matmul is not None:
             mm = record.matmul
             matmul_count += 1
-            pe_fill_sum += mm.contraction * mm.stationary_free / (_PE_ROWS * _PE_COLS)
-            moving_fill_sum += mm.moving_free / _MOVING_FMAX
+            pe_fill_sum += mm.contraction * mm.stationary_free / (hardware.PMAX * hardware.STATIONARY_FMAX)
+            moving_fill_sum += mm.moving_free / hardware.MOVING_FMAX
     return RunSummary(
         name=run.name,
         target=run.target,
