@@ -18,6 +18,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import gguf
+import gguf.quants
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -51,14 +53,27 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
     Raises FileNotFoundError for a missing file and ValueError naming the file and the field for an unsupported
     architecture, tokenizer or tensor type, a missing or misshapen tensor, and a truncated or corrupt file.
     """
-    reader = _open(path)
-    metadata = _Metadata(reader, path)
-    tensors = {t.name: t for t in reader.tensors}
-    hf_config = gguf_config(metadata, tensors)
+    with tqdm(total=2, desc=f"Reading {os.path.basename(path)}", unit="step", leave=False) as bar:
+        reader = _open(path)
+        metadata = _Metadata(reader, path)
+        tensors = {t.name: t for t in reader.tensors}
+        hf_config = gguf_config(metadata, tensors)
+        bar.total += len(tensors)
+        bar.update(1)
+        bar.set_description(f"Dequantizing {os.path.basename(path)}")
+        graphdef, loaded = _load_tensors(path, metadata.architecture, hf_config, tensors, dtype, bar)
+        bar.set_description(f"Building the tokenizer of {os.path.basename(path)}")
+        tokenizer = gguf_tokenizer(metadata) if "tokenizer.ggml.tokens" in metadata else None
+        bar.update(1)
+    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
+    model.tokenizer = tokenizer
+    eos = hf_config.get("eos_token_id")
+    model.eos_token_ids = () if eos is None else (int(eos),)
+    return model
 
-    import gguf
 
-    architecture = metadata.architecture
+def _load_tensors(path: str, architecture: str, hf_config: dict, tensors: dict, dtype, bar):
+    """(graphdef, [(param path, loaded variable)]) of the model hf_config describes, from the file's tensors."""
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == architecture)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
     abstract = nnx.eval_shape(lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0)))
@@ -66,8 +81,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
     flat = nnx.to_flat_state(abstract_state)
 
     used, missing, loaded = set(), [], []
-    for param_path, variable in tqdm(flat, desc=f"Dequantizing {os.path.basename(path)}", unit="tensor",
-                                     leave=False):
+    for param_path, variable in flat:
         name, transposed = _gguf_name(param_path, name_map)
         if name not in tensors:
             missing.append(name)
@@ -87,6 +101,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
             )
         used.add(name)
         loaded.append((param_path, variable.replace(jnp.asarray(array, dtype=dtype))))
+        bar.update(1)
     if missing:
         raise ValueError(f"{path!r}: the file lacks {len(missing)} tensors the model needs, e.g. {missing[:5]}")
     # rope_freqs carries the llama3 RoPE scaling, already read into the config.
@@ -94,20 +109,27 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
     if unexpected:
         raise ValueError(f"{path!r}: the file has tensors the model does not use, e.g. {unexpected[:5]}")
 
-    model = nnx.merge(graphdef, nnx.from_flat_state(loaded))
-    model.tokenizer = gguf_tokenizer(metadata) if "tokenizer.ggml.tokens" in metadata else None
-    eos = hf_config.get("eos_token_id")
-    model.eos_token_ids = () if eos is None else (int(eos),)
-    return model
+    return graphdef, loaded
+
+
+class _Reader(gguf.GGUFReader):
+    """GGUFReader on a plain ndarray view of its memmap: the reader slices the file once per vocabulary entry
+    (three arrays of 262144 for Gemma 3), and np.memmap slices cost ~3x more than plain ndarray slices."""
+
+    @property
+    def data(self):
+        return self._plain
+
+    @data.setter
+    def data(self, value):
+        self._plain = value.view(np.ndarray)
 
 
 def _open(path: str):
-    from gguf import GGUFReader
-
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: {path!r} is not a file (expected a GGUF file)")
     try:
-        return GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct/numpy errors alike on a bad file
         raise ValueError(f"{path!r}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") \
             from e
@@ -238,13 +260,10 @@ def _gguf_name(param_path: tuple, name_map) -> tuple[str, bool]:
 
 def _dequantize(tensor, path: str) -> np.ndarray:
     """The float32 values of a GGUF tensor, in numpy order (GGUF lists dimensions innermost first)."""
-    from gguf import GGML_QUANT_SIZES
-    from gguf.quants import dequantize
-
     qtype = tensor.tensor_type
     if qtype.name in _INTEGER_TYPES:
         raise ValueError(f"{path!r}: tensor {tensor.name!r} has type {qtype.name}, expected a float or quantized type")
-    block, block_bytes = GGML_QUANT_SIZES[qtype]
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     count = int(np.prod(tensor.shape))
     if tensor.data.nbytes != count // block * block_bytes:
         raise ValueError(
@@ -252,7 +271,7 @@ def _dequantize(tensor, path: str) -> np.ndarray:
             f"{tensor.data.nbytes} bytes, expected {count // block * block_bytes} (truncated file?)"
         )
     try:
-        values = dequantize(tensor.data, qtype)
+        values = gguf.quants.dequantize(tensor.data, qtype)
     except NotImplementedError as e:
         raise ValueError(
             f"{path!r}: tensor {tensor.name!r} has type {qtype.name}, which the gguf package cannot dequantize"

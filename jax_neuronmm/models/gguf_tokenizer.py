@@ -15,6 +15,8 @@ tokens, so that both are matched whole in text. BOS (and EOS) are added as `toke
 
 from __future__ import annotations
 
+import operator
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 KINDS = ("llama", "gpt2")
@@ -91,11 +93,14 @@ def _merges_from_scores(vocab: dict[str, int], scores: dict[str, float]) -> list
     then longer right piece, then vocabulary order), as SentencePiece BPE applies them."""
     merges = []
     for token, score in scores.items():
+        if len(token) < 2:
+            continue
         pairs = [(token[:i], token[i:]) for i in range(1, len(token)) if token[:i] in vocab and token[i:] in vocab]
-        pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
-        merges.extend((left, right, score) for left, right in pairs)
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)  # stable: ties keep vocabulary order
-    return [(left, right) for left, right, _ in merges]
+        if len(pairs) > 1:
+            pairs.sort(key=lambda p: (vocab[p[0]], vocab[p[1]]))
+        merges += [(score, len(left), len(right), left, right) for left, right in pairs]
+    merges.sort(key=operator.itemgetter(0, 1, 2), reverse=True)  # stable: ties keep vocabulary order
+    return [(left, right) for _, _, _, left, right in merges]
 
 
 def _bytes_to_unicode() -> dict[int, str]:
