@@ -19,7 +19,7 @@ import transformers
 from flax import nnx
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from jax_neuronmm.models import load_gguf
+from jax_neuronmm.models import RopeConfig, load_gguf
 
 Q = gguf.GGMLQuantizationType
 _logits = nnx.jit(lambda model, ids: model(ids))
@@ -95,8 +95,9 @@ def _byte_level_vocab():
 
 # --- file writers -----------------------------------------------------------------------------------------------
 
-def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int):
-    """Writes a random GGUF model of `arch` to `path` the way llama.cpp lays it out."""
+def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int, rope_freqs=None):
+    """Writes a random GGUF model of `arch` to `path` the way llama.cpp lays it out (with `rope_freqs`, llama.cpp's
+    table of per-frequency RoPE divisors, as tensor rope_freqs.weight)."""
     rng = np.random.default_rng(seed)
     s = GEMMA3_SHAPES if arch == "gemma3" else SHAPES
     gemma = arch.startswith("gemma")
@@ -173,6 +174,8 @@ def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int
                 (b + "post_attention_norm.weight", (s["hidden"],), "norm", None),
                 (b + "post_ffw_norm.weight", (s["hidden"],), "norm", None),
             ]
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     for name, shape, kind, heads in tensors:
         if kind == "matrix":
             qtype = next(types_cycle)
@@ -307,6 +310,32 @@ def test_config_and_eos_from_metadata(case):
     shapes = GEMMA3_SHAPES if CASES[name][0] == "gemma3" else SHAPES
     assert model.config.num_layers == shapes["layers"] and model.config.head_dim == shapes["head_dim"]
     assert model.config.tie_word_embeddings == CASES[name][1]
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+
+
+def _llama3_divisors(head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for LLAMA3_ROPE: plain / scaled inverse frequency per pair of dimensions."""
+    plain = RopeConfig(theta=10000.0).inverse_frequencies(head_dim).astype(np.float64)
+    return plain / RopeConfig.from_hf(LLAMA3_ROPE, 10000.0).inverse_frequencies(head_dim)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    path = str(tmp_path / "llama3.gguf")
+    divisors = _llama3_divisors(SHAPES["head_dim"])
+    assert divisors.max() == pytest.approx(8.0) and divisors.min() == pytest.approx(1.0)  # all three bands present
+    _write(path, "llama", tied=True, bias=False, tokenizer="gpt2", seed=5, rope_freqs=divisors)
+    assert load_gguf(path).config.rope == RopeConfig.from_hf(LLAMA3_ROPE, 10000.0)
+
+
+def test_unknown_rope_freqs_table_is_refused(tmp_path):
+    path = str(tmp_path / "ropefreqs.gguf")
+    divisors = _llama3_divisors(SHAPES["head_dim"]) * np.linspace(1.0, 1.5, SHAPES["head_dim"] // 2)
+    _write(path, "llama", tied=True, bias=False, tokenizer="gpt2", seed=5, rope_freqs=divisors)
+    with pytest.raises(ValueError, match=r"ropefreqs\.gguf.*rope_freqs\.weight"):
+        load_gguf(path)
 
 
 # --- errors ---------------------------------------------------------------------------------------------------------
