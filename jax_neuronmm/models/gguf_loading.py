@@ -57,7 +57,7 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
         reader = _open(path)
         metadata = _Metadata(reader, path)
         tensors = {t.name: t for t in reader.tensors}
-        hf_config = gguf_config(metadata, tensors)
+        hf_config = _hf_config(metadata, tensors)
         bar.total += len(tensors)
         bar.update(1)
         bar.set_description(f"Dequantizing {os.path.basename(path)}")
@@ -163,7 +163,7 @@ class _Metadata:
         return self.require(full) if required else self.get(full, default)
 
 
-def gguf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
+def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
     """The HF config dict (model_type llama, gemma or gemma3_text) that the GGUF metadata (and, for the llama3
     RoPE scaling and the presence of biases and an LM head, the tensors by name) describes."""
     arch = metadata.architecture
@@ -174,6 +174,8 @@ def gguf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
     num_heads = int(metadata.arch("attention.head_count", required=True))
     hidden = int(metadata.arch("embedding_length", required=True))
     vocab = metadata.arch("vocab_size")
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = tensors["token_embd.weight"].shape[-1]  # GGUF lists dimensions innermost first: [hidden, vocab]
     if vocab is None:
         vocab = len(metadata.require("tokenizer.ggml.tokens"))
     config = dict(
