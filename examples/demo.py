@@ -187,8 +187,8 @@ def emulated_tokens(compressed, tokenizer):
     decode = prof.calls[len(prof.calls) // n:]  # the first 1/n of the launches are the prefill's
     steps = max(1, n - 1)
     trn1, trn2 = (sum(c.modeled_us[chip] for c in decode) / steps for chip in ("trn1", "trn2"))
-    print(f"    modeled MLP time per decode token ({layers} fused svd_mlp kernels, fp32 weights, launch overhead not "
-          f"modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
+    print(f"    modeled MLP time per decode token ({layers} layers x 2 fused svd_mlp kernels, fp32 weights, launch "
+          f"overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
 
 
 def cpu_speed(dense, compressed, tokenizer):
