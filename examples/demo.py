@@ -39,7 +39,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import jax_neuronmm  # noqa: E402
 from jax_neuronmm import compress, models  # noqa: E402
-from jax_neuronmm.models.compression import fused_mlp_activation  # noqa: E402
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation  # noqa: E402
 from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
@@ -115,7 +115,10 @@ def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     if all(isinstance(layer.mlp, SVDMLP) for layer in model.layers):
         os.makedirs(FLAGS.cache_dir, exist_ok=True)
-        compress.save_compressed(cache, {"layers": {i: nnx.state(layer.mlp) for i, layer in enumerate(model.layers)}})
+        factors = {i: {name: {"u": np.asarray(getattr(layer.mlp, name).u[...]),
+                              "v": np.asarray(getattr(layer.mlp, name).v[...])} for name in MLP_PROJECTIONS}
+                   for i, layer in enumerate(model.layers)}
+        compress.save_compressed(cache, {"layers": factors})
         print(f"; factors cached in {cache} (delete it to compress again)")
     else:
         print(" (not cached: some MLPs are not fused SVDMLPs)")
@@ -123,18 +126,22 @@ def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
 
 
 def _from_cache(dense, cache: str):
-    params, info = compress.load_compressed(cache)
+    """A copy of `dense` whose MLPs are SVDMLPs holding the cached factors (ranks from their shapes)."""
+    factors = compress.load_compressed(cache)[0]["layers"]
     model = nnx.clone(dense)
     activation = fused_mlp_activation(dense.layers[0].mlp)
     for i, layer in enumerate(model.layers):
-        gate, down = layer.mlp.gate_proj, layer.mlp.down_proj
-        ranks = tuple(info.ranks[f"layers/{i}/{name}"] for name in ("gate_proj", "up_proj", "down_proj"))
-        layer.mlp = SVDMLP(gate.in_features, gate.out_features, ranks, out_features=down.out_features,
-                           activation=activation, rngs=nnx.Rngs(0))
-    like = {"layers": {i: nnx.state(layer.mlp) for i, layer in enumerate(model.layers)}}
-    loaded, _ = compress.load_compressed(cache, like=like)
-    for i, layer in enumerate(model.layers):
-        nnx.update(layer.mlp, loaded["layers"][i])
+        saved = factors[i]
+        ranks = tuple(saved[name]["u"].shape[1] for name in MLP_PROJECTIONS)
+        mlp = SVDMLP(layer.mlp.gate_proj.in_features, layer.mlp.gate_proj.out_features, ranks,
+                     out_features=layer.mlp.down_proj.out_features, activation=activation, rngs=nnx.Rngs(0))
+        for name in MLP_PROJECTIONS:
+            projection = getattr(mlp, name)
+            for factor in ("u", "v"):
+                if saved[name][factor].shape != getattr(projection, factor).shape:
+                    raise ValueError(f"layer {i} {name}.{factor}: cached shape {saved[name][factor].shape}")
+                getattr(projection, factor).value = jnp.asarray(saved[name][factor])
+        layer.mlp = mlp
     return model
 
 
