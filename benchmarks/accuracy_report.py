@@ -197,6 +197,9 @@ def main(argv):
                                      seconds=seconds)
         print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
               flush=True)
+        if os.path.exists(json_path):  # keep rows that another run (e.g. with other --configs) wrote meanwhile
+            with open(json_path) as f:
+                results["rows"] = {**json.load(f)["rows"], **results["rows"]}
         _write_atomic(json_path, json.dumps(results, indent=1).encode())
         render(results)
         del compressed
