@@ -49,9 +49,9 @@ LADDER = (
     ("whitened", "whitened", ()),
     ("+ sequential", "whitened", ("sequential",)),
     ("+ refit", "whitened", ("sequential", "refit")),
-    ("+ local fine-tune", "whitened", ("sequential", "refit", "local")),
-    ("+ distill (recommended)", "whitened", ("sequential", "refit", "local", "distill")),
-    ("+ allocate", "whitened", ("allocate", "sequential", "refit", "local", "distill")),
+    ("+ local fine-tune", "whitened", ("sequential", "local")),
+    ("+ distill (recommended)", "whitened", ("sequential", "local", "distill")),
+    ("+ allocate", "whitened", ("allocate", "sequential", "local", "distill")),
     ("plain SVD", "svd", ()),
 )
 
