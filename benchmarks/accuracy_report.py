@@ -50,7 +50,7 @@ LADDER = (
     ("+ sequential", "whitened", ("sequential",)),
     ("+ refit", "whitened", ("sequential", "refit")),
     ("+ local fine-tune", "whitened", ("sequential", "local")),
-    ("+ distill (recommended)", "whitened", ("sequential", "local", "distill")),
+    ("+ distill", "whitened", ("sequential", "local", "distill")),
     ("+ allocate", "whitened", ("allocate", "sequential", "local", "distill")),
     ("plain SVD", "svd", ()),
 )
