@@ -1,15 +1,17 @@
 """Compress a local Hugging Face Llama / Gemma checkpoint into a directory of SVD factors (`models.compress_checkpoint`).
 
     python examples/compress_checkpoint.py --checkpoint_dir ~/llama --output_dir /tmp/llama-svd --keep 0.8
-    python examples/compress_checkpoint.py ... --method whitened          # calibrated on examples/data/sample.txt
-    python examples/compress_checkpoint.py ... --method whitened --calibration_text my_corpus.txt
+    python examples/compress_checkpoint.py ... --calibration_text my_corpus.txt   # calibrate on your own text
+    python examples/compress_checkpoint.py ... --method whitened --steps sequential,distill
+    python examples/compress_checkpoint.py ... --method svd                       # plain SVD, no calibration
 
 Writes <output_dir>/model.safetensors (every parameter in our layout, each compressed projection as u [in, r] and
 v [r, out], with method / keep / ranks / per-tensor sha256 in the header), compression_report.json (rank, params
 before/after, relative error per projection) and copies config.json and the tokenizer files. The output directory
-must be new or hold none of these files: the source checkpoint is never touched. For --method whitened the text
-of --calibration_text is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has none) and its first
---calibration_windows windows of --calibration_tokens tokens calibrate the whitening.
+must be new or hold none of these files: the source checkpoint is never touched. The default method is the
+calibrated pipeline `compress_model` recommends; for every method but svd the text of --calibration_text (default:
+the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has none) and its first
+--calibration_windows windows of --calibration_tokens tokens calibrate the compression.
 
 Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
 examples/generate.py --checkpoint_dir OUT:
@@ -19,7 +21,6 @@ examples/generate.py --checkpoint_dir OUT:
     tokens = generate(model, prompt_ids, 32, eos_id=model.eos_token_ids)
 """
 
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,21 +28,26 @@ from absl import app, flags
 
 from jax_neuronmm import models
 
-DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
 flags.DEFINE_string("checkpoint_dir", None, "Local HF checkpoint directory (config.json + *.safetensors).")
 flags.DEFINE_string("output_dir", None, "New directory to write the compressed checkpoint into.")
 flags.DEFINE_float("keep", models.compressed_loading.DEFAULT_KEEP,
                    "Fraction of each compressed projection's parameters to keep, in (0, 1].")
 flags.DEFINE_integer("rank", None, "One rank for every compressed projection (instead of --keep).", lower_bound=1)
-flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "Plain truncated SVD or SVD-LLM whitened SVD.")
+flags.DEFINE_enum("method", "recommended", ["recommended", "svd", "whitened"],
+                  "recommended: the calibrated pipeline compress_model runs by default (whitened SVD + its recommended "
+                  "recovery steps); svd: plain truncated SVD, no calibration; whitened: SVD-LLM whitening with --steps.")
+flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(models.compression.STEPS)}.")
 flags.DEFINE_list("include", ["mlp"], "What to compress: mlp and/or attention.")
-flags.DEFINE_string("calibration_text", DEFAULT_TEXT, "For --method whitened: UTF-8 text that calibrates it.")
+flags.DEFINE_string("calibration_text", models.compression.CALIBRATION_TEXT,
+                    "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).")
 flags.DEFINE_integer("calibration_windows", 8, "Windows of the calibration text used.", lower_bound=1)
 flags.DEFINE_integer("calibration_tokens", 128, "Tokens per calibration window.", lower_bound=2)
 flags.DEFINE_integer("block", 128, "Rank alignment used with --keep.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the compressed checkpoint.")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
+flags.register_validator("steps", lambda steps: steps is None or set(steps) <= set(models.compression.STEPS),
+                         message=f"--steps takes steps from {list(models.compression.STEPS)}")
 flags.register_validator("include", lambda parts: bool(parts) and set(parts) <= {"mlp", "attention"},
                          message="--include takes mlp and/or attention")
 FLAGS = flags.FLAGS
@@ -65,16 +71,19 @@ def main(argv):
     del argv
     if FLAGS.rank is not None and FLAGS["keep"].present:
         raise app.UsageError("give --keep or --rank, not both")
+    if FLAGS.steps is not None and FLAGS.method != "whitened":
+        raise app.UsageError("--steps needs --method whitened (--method recommended picks its own steps)")
     ids = None
-    if FLAGS.method == "whitened":
+    if FLAGS.method != "svd":
         ids = calibration_ids(FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows,
                               FLAGS.calibration_tokens)
     elif FLAGS["calibration_text"].present:
-        raise app.UsageError("--calibration_text is only used by --method whitened")
+        raise app.UsageError("--calibration_text calibrates every method but svd")
     try:
         report = models.compress_checkpoint(
             FLAGS.checkpoint_dir, FLAGS.output_dir, keep=None if FLAGS.rank is not None else FLAGS.keep,
-            rank=FLAGS.rank, method=FLAGS.method, include=tuple(FLAGS.include), calibration_ids=ids,
+            rank=FLAGS.rank, method=None if FLAGS.method == "recommended" else FLAGS.method, steps=FLAGS.steps,
+            include=tuple(FLAGS.include), calibration_ids=ids,
             block=FLAGS.block, dtype=jnp.dtype(FLAGS.dtype))
     except (FileExistsError, FileNotFoundError) as error:  # a refused output directory, a missing source
         raise app.UsageError(str(error)) from error

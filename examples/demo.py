@@ -229,7 +229,7 @@ def real_model_demo(path: str):
 
 def random_emulated_generation():
     model = models.from_preset("llama", "tiny", seed=0, **SMALL)
-    compressed = models.compress_model(model, keep=FLAGS.keep)
+    compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
     mlp = compressed.layers[0].mlp
     print(f"[1] Llama {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, MLP {SMALL['intermediate_size']}:"
           f" MLPs compressed at keep {FLAGS.keep} -> rank {mlp.gate_proj.rank} (gate/up), {mlp.down_proj.rank} "
@@ -256,7 +256,7 @@ def random_emulated_generation():
 def random_timed_comparison():
     model = models.from_preset("llama", "tiny", seed=1, **MEDIUM)
     start = time.perf_counter()
-    compressed = models.compress_model(model, keep=FLAGS.keep)
+    compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
     print(f"\n[2] Llama {MEDIUM['num_layers']} layers, hidden {MEDIUM['hidden_size']}, MLP "
           f"{MEDIUM['intermediate_size']} on CPU XLA (compressed in {time.perf_counter() - start:.1f} s)")
     prompt = np.random.default_rng(1).integers(0, MEDIUM["vocab_size"], size=(1, 8))

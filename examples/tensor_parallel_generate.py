@@ -106,7 +106,7 @@ def main(argv):
         model = models.Llama(config, rngs=nnx.Rngs(FLAGS.seed))
     check_layout(model.config, mesh)
     # Every MLP becomes an SVDMLP, every attention projection an SVDLinear.
-    model = models.compress_model(model, keep=FLAGS.keep, include=("mlp", "attention"))
+    model = models.compress_model(model, keep=FLAGS.keep, method="svd", include=("mlp", "attention"))
 
     rng = np.random.default_rng(FLAGS.seed)
     prompts = rng.integers(0, model.config.vocab_size, size=(FLAGS.batch, FLAGS.prompt_tokens), dtype=np.int32)

@@ -8,6 +8,7 @@ import sys
 
 from jax_neuronmm.compress import load_compressed
 from jax_neuronmm.models import load_compressed_checkpoint
+from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
@@ -25,7 +26,8 @@ def listing(directory):
 def test_cli_compresses_and_loads_back(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     out = tmp_path / "out"
-    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={out}", "--keep=0.5", "--block=16")
+    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={out}", "--keep=0.5", "--block=16",
+                 "--method=svd")
     assert result.returncode == 0, result.stderr
     assert "layers/1/mlp/up_proj" in result.stdout and f"wrote {out}" in result.stdout
     assert sorted(os.listdir(out)) == ["compression_report.json", "config.json", "model.safetensors",
@@ -49,6 +51,24 @@ def test_whitened_calibrates_on_text(rng, tmp_path):
     assert result.returncode == 0, result.stderr
     _, info = load_compressed(tmp_path / "out" / "model.safetensors")
     assert info.method == "whitened" and set(info.ranks.values()) == {8}
+
+
+def test_default_is_the_recommended_calibrated_pipeline(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{i}" for i in rng.integers(0, HF_CONFIG["vocab_size"], size=400)))
+    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--rank=8",
+                 f"--calibration_text={text}", "--calibration_tokens=50")
+    assert result.returncode == 0, result.stderr
+    _, info = load_compressed(tmp_path / "out" / "model.safetensors")
+    assert info.method == "+".join((RECOMMENDED_METHOD, *RECOMMENDED_STEPS))
+
+
+def test_steps_need_the_whitened_method(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--steps=sequential")
+    assert result.returncode != 0 and "--steps needs --method whitened" in result.stderr
+    assert not (tmp_path / "out").exists()
 
 
 def test_refuses_to_write_into_the_source_or_over_files(rng, tmp_path):

