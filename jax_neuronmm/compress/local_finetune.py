@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jax_neuronmm.reference import ACTIVATIONS
+from jax_neuronmm.reference import jnp_activation
+from nki_kernels.activations import ACTIVATIONS
 
 FACTOR_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
 
@@ -41,7 +42,7 @@ class LocalFinetuneOptions:
 
 def gated_mlp_output(factors: dict, x, activation: str):
     """act(x·Ug·Vg) * (x·Uu·Vu) · Ud·Vd for x [n, K] with factors named as FACTOR_NAMES (jnp, float32)."""
-    act = ACTIVATIONS[activation]
+    act = jnp_activation(activation)
     hidden = act(x @ factors["gate_u"] @ factors["gate_v"]) * (x @ factors["up_u"] @ factors["up_v"])
     return hidden @ factors["down_u"] @ factors["down_v"]
 
