@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 import time
 
 import jax
@@ -26,6 +25,7 @@ from absl import app, flags
 from flax import nnx
 
 from jax_neuronmm import models
+from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions
 from jax_neuronmm.models import compression
@@ -97,11 +97,11 @@ def windows_of(model, path: str, count: int, seq_len: int) -> tuple[np.ndarray, 
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    def write(temporary):
+        with open(temporary, "wb") as f:
+            f.write(data)
+
+    write_atomically(path, write)
 
 
 def render(results: dict) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import tempfile
 import time
 
 import numpy as np
@@ -21,6 +20,7 @@ import scipy.linalg
 from absl import app, flags
 
 from jax_neuronmm import models
+from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress import svd
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -63,11 +63,11 @@ def timed_linalg(totals: dict):
 
 
 def _write_atomic(path: str, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), prefix=".tmp-")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
+    def write(temporary):
+        with open(temporary, "wb") as f:
+            f.write(data)
+
+    write_atomically(path, write)
 
 
 def main(argv):

@@ -21,6 +21,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential
+from jax_neuronmm.compress.local_finetune import check_adam_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,12 +35,7 @@ class DistillOptions:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: got {value!r}, expected a positive int")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate: got {self.learning_rate!r}, expected a positive number")
+        check_adam_options(self)
 
 
 def is_factor(path, value) -> bool:

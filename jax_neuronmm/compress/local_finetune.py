@@ -21,6 +21,17 @@ from nki_kernels.activations import ACTIVATIONS
 FACTOR_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
 
 
+def check_adam_options(options) -> None:
+    """ValueError naming the field unless options.steps and options.batch are positive ints and
+    options.learning_rate is positive (the fine-tuning options of local_finetune and distill)."""
+    for name in ("steps", "batch"):
+        value = getattr(options, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: got {value!r}, expected a positive int")
+    if not options.learning_rate > 0:
+        raise ValueError(f"learning_rate: got {options.learning_rate!r}, expected a positive number")
+
+
 @dataclasses.dataclass(frozen=True)
 class LocalFinetuneOptions:
     """steps: Adam steps per MLP; batch: calibration tokens per step; learning_rate: Adam's, relative to each
@@ -32,12 +43,7 @@ class LocalFinetuneOptions:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: got {value!r}, expected a positive int")
-        if not self.learning_rate > 0:
-            raise ValueError(f"learning_rate: got {self.learning_rate!r}, expected a positive number")
+        check_adam_options(self)
 
 
 def gated_mlp_output(factors: dict, x, activation: str):
