@@ -33,7 +33,7 @@ import math
 import jax
 import numpy as np
 from jax.experimental.custom_partitioning import custom_partitioning
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import AxisType, NamedSharding, PartitionSpec, use_abstract_mesh
 
 from jax_neuronmm._compat import varying_axes
 from jax_neuronmm.shapes import accumulation_dtype
@@ -199,15 +199,21 @@ def partitioned(local_fn, rule, params, check_blocks=None):
         scattered = {a for axes in scatter.values() for a in axes}
         all_reduced = tuple(a for a in summed_axes if a not in scattered)
 
+        # The per-device body sees blocks, as a shard_map body does: lowered under the mesh with every axis
+        # Manual, its ops (the collectives' reduction bodies too) carry no sharding annotations, which JAX 0.12
+        # rejects inside a reduction when the mesh has Explicit axes.
+        manual = mesh.abstract_mesh.update_axis_types({name: AxisType.Manual for name in mesh.axis_names})
+
         def per_shard(*blocks):
-            # Partial sums leave the device in float32 (PSUM precision), rounded once after the sum.
-            acc = np.promote_types(accumulation_dtype(blocks[0].dtype), out_dtype)
-            partial_sum = local_fn(*blocks, **{**params, "out_dtype": acc})
-            for dim, axes in scatter.items():
-                partial_sum = jax.lax.psum_scatter(partial_sum, axes, scatter_dimension=dim, tiled=True)
-            if all_reduced:
-                partial_sum = jax.lax.psum(partial_sum, all_reduced)
-            return partial_sum.astype(out_dtype)
+            with use_abstract_mesh(manual):
+                # Partial sums leave the device in float32 (PSUM precision), rounded once after the sum.
+                acc = np.promote_types(accumulation_dtype(blocks[0].dtype), out_dtype)
+                partial_sum = local_fn(*blocks, **{**params, "out_dtype": acc})
+                for dim, axes in scatter.items():
+                    partial_sum = jax.lax.psum_scatter(partial_sum, axes, scatter_dimension=dim, tiled=True)
+                if all_reduced:
+                    partial_sum = jax.lax.psum(partial_sum, all_reduced)
+                return partial_sum.astype(out_dtype)
 
         return mesh, per_shard, result_sharding, arg_shardings
 
