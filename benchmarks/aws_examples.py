@@ -144,19 +144,6 @@ def _import(path, index):
     return module
 
 
-def _compare(got, expected, rtol, atol):
-    got = got if isinstance(got, (tuple, list)) else (got,)
-    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-    if len(got) != len(expected):
-        return f"{len(got)} outputs, expected {len(expected)}"
-    for i, (g, e) in enumerate(zip(got, expected)):
-        if g.shape != e.shape:
-            return f"output {i} shape {g.shape}, expected {e.shape}"
-        if not np.allclose(_f64(g), e, rtol=rtol, atol=atol):
-            return f"output {i} differs: max |error| {np.nanmax(np.abs(_f64(g) - e)):.3g}"
-    return ""
-
-
 def run_case(case, examples_dir, index, rng):
     """'' when the case passes, else why not."""
     path = os.path.join(examples_dir, case.file)
@@ -176,7 +163,7 @@ def run_case(case, examples_dir, index, rng):
                 raise
             if case.expect_error is not None:
                 return f"expected {case.expect_error.__name__}, the kernel ran"
-            return _compare(got, case.reference(*args, **kwargs), case.rtol, case.atol)
+            return nkilib_cases.compare_outputs(got, case.reference(*args, **kwargs), case.rtol, case.atol)
     except Exception as error:  # noqa: BLE001 - the runner reports every failure and goes on
         frame = traceback.extract_tb(error.__traceback__)[-1]
         return f"{type(error).__name__}: {error} (at {os.path.basename(frame.filename)}:{frame.lineno})"

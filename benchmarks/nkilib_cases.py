@@ -322,7 +322,8 @@ CASES = [
 ]
 
 
-def _compare(got, expected, rtol, atol):
+def compare_outputs(got, expected, rtol, atol):
+    """'' when every output of `got` matches its float64 `expected` within rtol / atol, else the first mismatch."""
     got = got if isinstance(got, (tuple, list)) else (got,)
     expected = expected if isinstance(expected, (tuple, list)) else (expected,)
     if len(got) != len(expected):
@@ -351,7 +352,7 @@ def run_cases(checkout, cases=None, seed=0):
             for case in cases or CASES:
                 try:
                     got, expected, rtol, atol = case.run(importlib.import_module, rng)
-                    results.append((case.name, _compare(got, expected, rtol, atol)))
+                    results.append((case.name, compare_outputs(got, expected, rtol, atol)))
                 except Exception as error:  # noqa: BLE001 - every failure is reported with its place
                     frames = traceback.extract_tb(error.__traceback__)
                     frame = frames[-1]
