@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_neuronmm import decoder_math
 from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
 
@@ -49,13 +50,14 @@ def eos_token_ids_of(hf: Mapping[str, Any]) -> tuple[int, ...]:
 class KVCache:
     """Keys and values of every layer in fixed-size slot arrays (one static shape for the whole generation).
 
-    keys, values: per layer [B, S, kv_heads, head_dim]. slot_valid [B, S] bool: slot holds a real (non-pad) token.
+    keys, values: all layers stacked, [L, B, S, kv_heads, head_dim] (one array each, so a decode step over all
+    layers updates them in place). slot_valid [B, S] bool: slot holds a real (non-pad) token.
     slot_positions [B, S] int32: that token's position. length: int32 scalar, slots written so far (the next write
     goes to slot `length`; all rows write the same slot, padding is expressed through slot_valid).
     """
 
-    keys: tuple[jax.Array, ...]
-    values: tuple[jax.Array, ...]
+    keys: jax.Array
+    values: jax.Array
     slot_valid: jax.Array
     slot_positions: jax.Array
     length: jax.Array
@@ -63,6 +65,13 @@ class KVCache:
     @property
     def max_length(self) -> int:
         return self.slot_valid.shape[1]
+
+    def key_slots(self, positions: jax.Array, token_mask: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(slot_valid, slot_positions) [B, S] once this call's tokens (positions, token_mask [B, T]) are written
+        at slots [length, length + T)."""
+        start = (0, self.length)
+        return (jax.lax.dynamic_update_slice(self.slot_valid, token_mask, start),
+                jax.lax.dynamic_update_slice(self.slot_positions, positions, start))
 
 
 class DecoderLayer(nnx.Module):
@@ -104,16 +113,17 @@ class DecoderLayer(nnx.Module):
         self.mlp = GatedMLP(hidden, intermediate, activation=activation, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
         self.sandwich = sandwich
 
-    def __call__(self, x, positions, mask, kv, write_index):
-        attn_out, kv = self.self_attn(self.input_layernorm(x), positions, mask, kv, write_index)
+    def norms(self) -> tuple[RMSNorm, ...]:
+        """The hidden-size norms in `decoder_math.decoder_layer` order (2, or 4 with sandwich)."""
+        names = ("input_layernorm", "post_attention_layernorm")
         if self.sandwich:
-            x = x + self.post_attention_layernorm(attn_out)
-            x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        else:
-            # Here post_attention_layernorm is the pre-MLP norm (Llama's and Gemma 1's name for it).
-            x = x + attn_out
-            x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, kv
+            names += ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+        return tuple(getattr(self, name) for name in names)
+
+    def __call__(self, x, positions, mask, kv, write_index):
+        return decoder_math.decoder_layer(
+            x, norms=self.norms(), attention=lambda h: self.self_attn(h, positions, mask, kv, write_index),
+            mlp=self.mlp, sandwich=self.sandwich)
 
 
 class CausalLM(nnx.Module):
@@ -165,14 +175,13 @@ class CausalLM(nnx.Module):
 
     def init_cache(self, batch: int, max_length: int) -> KVCache:
         """An empty cache of `max_length` slots for `batch` sequences, in the model's dtype."""
-        keys, values = [], []
-        for spec in self.attention_specs():
-            shape = (batch, max_length, spec.num_kv_heads, spec.head_dim)
-            keys.append(jnp.zeros(shape, self.dtype))
-            values.append(jnp.zeros(shape, self.dtype))
+        specs = self.attention_specs()
+        if len({(spec.num_kv_heads, spec.head_dim) for spec in specs}) != 1:
+            raise ValueError("layers: every layer needs the same kv heads and head_dim for one stacked KV cache")
+        shape = (len(specs), batch, max_length, specs[0].num_kv_heads, specs[0].head_dim)
         return KVCache(
-            keys=tuple(keys),
-            values=tuple(values),
+            keys=jnp.zeros(shape, self.dtype),
+            values=jnp.zeros(shape, self.dtype),
             slot_valid=jnp.zeros((batch, max_length), bool),
             slot_positions=jnp.zeros((batch, max_length), jnp.int32),
             length=jnp.zeros((), jnp.int32),
@@ -218,8 +227,7 @@ class CausalLM(nnx.Module):
             key_valid, key_positions, write_index = token_mask, positions, None
         else:
             write_index = cache.length
-            key_valid = jax.lax.dynamic_update_slice(cache.slot_valid, token_mask, (0, write_index))
-            key_positions = jax.lax.dynamic_update_slice(cache.slot_positions, positions, (0, write_index))
+            key_valid, key_positions = cache.key_slots(positions, token_mask)
 
         masks = {}
         x = self.embed(token_ids)
@@ -238,8 +246,8 @@ class CausalLM(nnx.Module):
         if cache is None:
             return logits
         new_cache = KVCache(
-            keys=tuple(new_keys),
-            values=tuple(new_values),
+            keys=jnp.stack(new_keys),
+            values=jnp.stack(new_values),
             slot_valid=key_valid,
             slot_positions=key_positions,
             length=cache.length + tokens,

@@ -1,6 +1,7 @@
 """Building blocks shared by the Llama and Gemma families (Flax NNX).
 
-Layouts: activations are [batch, tokens, features]; a linear layer's kernel is [in_features, out_features]
+The math lives in `jax_neuronmm.decoder_math` (shared with the decode-step primitive); these modules hold the
+parameters and call it. Layouts: activations are [batch, tokens, features]; a linear layer's kernel is [in_features, out_features]
 (x @ kernel), the transpose of a PyTorch `nn.Linear.weight`. Attention heads are [batch, tokens, heads, head_dim].
 """
 
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_neuronmm import decoder_math
 from jax_neuronmm.reference import jnp_activation
 from nki_kernels.activations import HF_ACTIVATIONS
 
@@ -77,17 +79,9 @@ class RopeConfig:
         return inv_freq
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, rope: RopeConfig) -> jax.Array:
-    """Rotate x [B, T, heads, head_dim] by positions [B, T] (rotate-half convention, as HF checkpoints use)."""
-    head_dim = x.shape[-1]
-    inv_freq = jnp.asarray(rope.inverse_frequencies(head_dim))
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, head_dim/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
-    cos = jnp.cos(angles).astype(x.dtype)
-    sin = jnp.sin(angles).astype(x.dtype)
-    half = head_dim // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    return x * cos + rotated * sin
+def rope_tables(positions: jax.Array, rope: RopeConfig, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, head_dim] float32 of positions [B, T] under `rope` (rotate-half, as HF checkpoints use)."""
+    return decoder_math.rope_tables(positions, rope.inverse_frequencies(head_dim))
 
 
 def activation_fn(name: str):
@@ -111,12 +105,7 @@ class RMSNorm(nnx.Module):
         self.weight = nnx.Param(init((dim,), param_dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x32 = x.astype(jnp.float32)
-        normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        weight = self.weight[...]
-        if self.unit_offset:
-            return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
-        return weight * normed.astype(x.dtype)
+        return decoder_math.rms_norm(x, self.weight[...], eps=self.eps, unit_offset=self.unit_offset)
 
 
 def linear(in_features: int, out_features: int, *, use_bias: bool, dtype, rngs: nnx.Rngs) -> nnx.Linear:
@@ -147,8 +136,8 @@ class GatedMLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        act = activation_fn(self.activation)
-        return self.down_proj(act(self.gate_proj(x)) * self.up_proj(x))
+        return decoder_math.gated_mlp(x, gate_proj=self.gate_proj, up_proj=self.up_proj, down_proj=self.down_proj,
+                                      activation=HF_ACTIVATIONS[self.activation])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,28 +219,9 @@ class Attention(nnx.Module):
         [write_index, write_index + T). Returns (output [B, T, hidden], (keys, values)).
         """
         spec = self.spec
-        batch, tokens, _ = x.shape
-        q = self.q_proj(x).reshape(batch, tokens, spec.num_heads, spec.head_dim)
-        k = self.k_proj(x).reshape(batch, tokens, spec.num_kv_heads, spec.head_dim)
-        v = self.v_proj(x).reshape(batch, tokens, spec.num_kv_heads, spec.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = apply_rope(q, positions, spec.rope)
-        k = apply_rope(k, positions, spec.rope)
-        if kv is not None:
-            start = (0, write_index, 0, 0)
-            k = jax.lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
-            v = jax.lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
-        groups = spec.num_heads // spec.num_kv_heads
-        q = q.reshape(batch, tokens, spec.num_kv_heads, groups, spec.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", q, k.astype(q.dtype)) * jnp.asarray(spec.scaling, q.dtype)
-        scores = scores.astype(jnp.float32)
-        if spec.logit_softcap is not None:
-            scores = jnp.tanh(scores / spec.logit_softcap) * spec.logit_softcap
-        # Masked scores get the most negative float (not -inf) so a row with no visible key stays finite.
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(x.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", weights, v.astype(x.dtype))
-        out = out.reshape(batch, tokens, spec.num_heads * spec.head_dim)
-        return self.o_proj(out), (k, v)
+        cos, sin = rope_tables(positions, spec.rope, spec.head_dim)
+        return decoder_math.self_attention(
+            x, q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj, o_proj=self.o_proj, q_norm=self.q_norm,
+            k_norm=self.k_norm, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            scaling=spec.scaling, logit_softcap=spec.logit_softcap, cos=cos, sin=sin,
+            bias=decoder_math.mask_bias(mask), kv=kv, write_index=write_index)

@@ -1,0 +1,134 @@
+"""The math of one decoder layer as pure jnp functions, written once for the models and the decode-step primitive.
+
+`models.layers` / `models.decoder` (the NNX modules) and `decode_step`'s XLA lowering (a `lax.scan` over stacked
+layer weights) both call these, so a decode step through the primitive computes what the model's own forward
+computes. Projections, norms and the MLP are passed in as callables (an NNX submodule, or a closure over one
+layer's slice of the stacked weights), which keeps compression's input recorders and factored modules working.
+
+Layouts: activations [B, T, features]; heads [B, T, heads, head_dim]; caches [B, S, kv_heads, head_dim];
+RoPE tables cos / sin [B, T, head_dim] float32 (rotate-half, halves duplicated); mask biases [B, T, S] float32
+(0 where the key slot is visible, float32 min where not).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jax_neuronmm.reference import jnp_activation
+
+MASKED = float(jnp.finfo(jnp.float32).min)  # the bias of an invisible key: a row with no visible key stays finite
+
+
+def rms_norm(x, weight, *, eps: float, unit_offset: bool):
+    """RMS normalization of x [..., F] over its last axis with weight [F].
+
+    unit_offset=False (Llama): weight * normalize(x in fp32).astype(x.dtype).
+    unit_offset=True (Gemma): (normalize(x) * (1 + weight)) all in fp32, then cast to x.dtype.
+    """
+    x32 = x.astype(jnp.float32)
+    normed = x32 * lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    if unit_offset:
+        return (normed * (1.0 + weight.astype(jnp.float32))).astype(x.dtype)
+    return weight * normed.astype(x.dtype)
+
+
+def linear(x, kernel):
+    """x [..., K] @ kernel [K, N] in x's dtype (as `nnx.Linear` without bias computes it)."""
+    return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def rope_tables(positions, inverse_frequencies):
+    """(cos, sin) [B, T, head_dim] float32 of positions [B, T] and inverse frequencies [head_dim // 2]."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inverse_frequencies, jnp.float32)
+    angles = jnp.concatenate([angles, angles], axis=-1)
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate x [B, T, heads, head_dim] by tables [B, T, head_dim] (rounded to x's dtype first)."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    return x * cos[:, :, None, :].astype(x.dtype) + rotated * sin[:, :, None, :].astype(x.dtype)
+
+
+def mask_bias(visible):
+    """[..., T, S] float32 additive attention bias of a bool visibility mask: 0 visible, MASKED not."""
+    return jnp.where(visible, jnp.float32(0), jnp.float32(MASKED))
+
+
+def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None):
+    """Grouped-query attention of q [B, T, heads, D] over keys / values [B, S, kv_heads, D] -> [B, T, heads·D].
+
+    Scores (q·k)·scaling in q's dtype, then float32: soft-capped (tanh(s / cap)·cap) when logit_softcap is set,
+    plus bias [B, T, S]; softmax over S; weights rounded to q's dtype. Query head h reads kv head h // G.
+    """
+    batch, tokens, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[2]
+    groups = num_heads // num_kv_heads
+    q = q.reshape(batch, tokens, num_kv_heads, groups, head_dim)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * jnp.asarray(scaling, q.dtype)
+    scores = scores.astype(jnp.float32)
+    if logit_softcap is not None:
+        scores = jnp.tanh(scores / logit_softcap) * logit_softcap
+    weights = jax.nn.softmax(scores + bias[:, None, None, :, :], axis=-1).astype(q.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(q.dtype))
+    return out.reshape(batch, tokens, num_heads * head_dim)
+
+
+def self_attention(x, *, q_proj: Callable, k_proj: Callable, v_proj: Callable, o_proj: Callable,
+                   q_norm: Callable | None, k_norm: Callable | None, num_heads: int, num_kv_heads: int,
+                   head_dim: int, scaling: float, logit_softcap: float | None, cos, sin, bias, kv, write_index):
+    """Self-attention of x [B, T, hidden] -> (output [B, T, hidden], (keys, values)).
+
+    q/k/v projections, optional per-head q/k norms (over head_dim), RoPE from cos / sin, then attention over the
+    keys: with kv None this call's own keys (S == T); with kv = (keys, values) [B, S, kv_heads, D] this call's
+    keys / values are first written at slots [write_index, write_index + T). bias [B, T, S].
+    """
+    batch, tokens, _ = x.shape
+    q = q_proj(x).reshape(batch, tokens, num_heads, head_dim)
+    k = k_proj(x).reshape(batch, tokens, num_kv_heads, head_dim)
+    v = v_proj(x).reshape(batch, tokens, num_kv_heads, head_dim)
+    if q_norm is not None:
+        q = q_norm(q)
+        k = k_norm(k)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    if kv is not None:
+        start = (0, write_index, 0, 0)
+        k = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
+        v = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+    out = attend(q, k, v, bias, scaling=scaling, logit_softcap=logit_softcap)
+    return o_proj(out), (k, v)
+
+
+def gated_mlp(x, *, gate_proj: Callable, up_proj: Callable, down_proj: Callable, activation: str):
+    """down_proj(act(gate_proj(x)) * up_proj(x)), everything in x's dtype; activation: an activations.py name."""
+    return down_proj(jnp_activation(activation)(gate_proj(x)) * up_proj(x))
+
+
+def decoder_layer(x, *, norms, attention: Callable, mlp: Callable, sandwich: bool):
+    """One pre-norm decoder block x [B, T, hidden] -> (x, kv); attention(h) -> (y, kv), mlp(h) -> y.
+
+    norms: callables (input, post_attention) or, with sandwich (Gemma 3), (input, post_attention, pre_feedforward,
+    post_feedforward):
+        x = x + attn(norms[0](x));             x = x + mlp(norms[1](x))
+        x = x + norms[1](attn(norms[0](x)));   x = x + norms[3](mlp(norms[2](x)))    (sandwich)
+    """
+    attn_out, kv = attention(norms[0](x))
+    if sandwich:
+        x = x + norms[1](attn_out)
+        x = x + norms[3](mlp(norms[2](x)))
+    else:
+        # Here norms[1] is the pre-MLP norm (Llama's and Gemma 1's post_attention_layernorm).
+        x = x + attn_out
+        x = x + mlp(norms[1](x))
+    return x, kv
+
+
+def soft_cap(x, cap: float | None):
+    """tanh(x / cap)·cap, or x when cap is None."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
