@@ -14,6 +14,9 @@ reference and only ever see one device's blocks:
   (`host_callback.HostKernel`); shapes no kernel fits fail when the computation is lowered.
 - "neuron": the same `kernels` traced with JAX arrays; the real `nki.jit` turns each launch into its custom call.
 
+Ops with several results that run on whole arrays on one device (the decode step over all layers) register with
+`register_whole` instead: no partitioning rule; the emulator backend runs their kernels in one host callback.
+
 The rule is registered for all platforms at once (JAX uses a platform's specific rule when there is one and
 this generic rule otherwise), so a Neuron plugin loaded after this package gets the kernels too: there is no
 separate "neuron" registration.
@@ -23,9 +26,11 @@ import dataclasses
 import functools
 from typing import Callable
 
+import numpy as np
+
 from jax_neuronmm import explicit_sharding, host_callback, kernel_calls, sharding
-from jax_neuronmm._compat import (lower_fun, lowering_platform, lowers_whole_arrays, register_lowering,
-                                  require_devices_during_lowering)
+from jax_neuronmm._compat import (add_host_callback, cpu_host_callback_lowering, lower_fun, lowering_platform,
+                                  lowers_whole_arrays, register_lowering, require_devices_during_lowering)
 from jax_neuronmm.backend import effective_backend
 from nki_kernels.dispatch import launch_target
 
@@ -36,7 +41,7 @@ class Rules:
 
     reference: Callable
     kernels: kernel_calls.KernelLaunches
-    partitioning: Callable
+    partitioning: Callable | None
 
 
 _rules = {}  # primitive -> Rules, filled by register()
@@ -97,3 +102,35 @@ def _lower(primitive, ctx, *operands, **params):
     call = sharding.partitioned(local_fn, factor_rule, params, check_blocks=check_blocks)
     results = lower_fun(call, multiple_results=False)(explicit_sharding.local_context(ctx), *operands)
     return explicit_sharding.constrain_results(ctx, results)
+
+
+def register_whole(primitive, *, reference, kernels):
+    """Registers the lowering of a multiple-result `primitive` whose kernels take whole arrays on one device.
+
+    reference: jnp function `(*operands, **params) -> results`, the XLA backend.
+    kernels: `kernel_calls.KernelLaunches` whose run returns the results; "emulator" runs it in one host
+    callback (results cast to the primitive's result dtypes), "neuron" traces it with JAX arrays.
+    """
+    _rules[primitive] = Rules(reference, kernels, None)
+    register_lowering(primitive, functools.partial(_lower_whole, primitive))
+
+
+def _lower_whole(primitive, ctx, *operands, **params):
+    rules = _rules[primitive]
+    backend = effective_backend(lowering_platform(ctx))
+    if backend == "xla":
+        return lower_fun(functools.partial(rules.reference, **params), multiple_results=True)(ctx, *operands)
+    kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
+    target = launch_target(emulated=backend == "emulator")
+    if backend == "neuron":
+        return lower_fun(functools.partial(rules.kernels, target=target, **params),
+                         multiple_results=True)(ctx, *operands)
+    rules.kernels.checked_plan(*ctx.avals_in, target=target, **params)  # fails here, not inside the callback
+    dtypes = [np.dtype(aval.dtype) for aval in ctx.avals_out]
+
+    def on_host(*arrays):
+        # The emulator's target is read when the kernels run (as `emulator.use_target` around the call says).
+        results = rules.kernels(*arrays, target=launch_target(emulated=True), **params)
+        return tuple(np.asarray(r, dtype=d) for r, d in zip(results, dtypes))
+
+    return cpu_host_callback_lowering(ctx, operands, add_host_callback(ctx, on_host))

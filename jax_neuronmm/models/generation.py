@@ -1,5 +1,10 @@
 """Autoregressive generation with a static-shape KV cache: one jitted prefill, one jitted decode step.
 
+Prefill runs the model's own forward; each decode step after it is one `decode_step` primitive over all layers
+(`models.decode`: the weights are stacked once per generate call), so on the emulator and Trainium backends a
+decode step is one kernel launch. Models the decode-step kernels do not cover (biases, see
+`decode.unsupported_reason`) decode through their own forward.
+
 The cache has T + max_new_tokens slots from the start, so every decode step sees the same shapes and the step is
 compiled once per (model structure, batch, prompt length, max_new_tokens, sampling mode), never per token.
 `TRACE_COUNTS` counts how often each jitted function was traced (tests use it to prove that).
@@ -16,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_neuronmm.models import decode
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.validation import check_token_ids
 
@@ -56,12 +62,16 @@ def _prefill(graphdef, state, token_ids, positions, token_mask, cache, key, temp
 
 
 @functools.partial(
-    jax.jit, static_argnames=("graphdef", "greedy", "top_k", "use_top_p"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("graphdef", "plan", "greedy", "top_k", "use_top_p"), donate_argnames=("cache",)
 )
-def _decode_step(graphdef, state, tokens, positions, cache, key, temperature, top_p, *, greedy, top_k, use_top_p):
+def _decode_step(graphdef, state, weights, tokens, positions, cache, key, temperature, top_p, *, plan, greedy, top_k,
+                 use_top_p):
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
-    logits, cache = model(tokens[:, None], positions=positions[:, None], cache=cache)
+    if plan is None:  # a model the decode-step kernels do not cover (decode.unsupported_reason)
+        logits, cache = model(tokens[:, None], positions=positions[:, None], cache=cache)
+    else:
+        logits, cache = decode.decode(model, plan, weights, tokens[:, None], positions[:, None], cache)
     next_tokens = _sample(logits[:, 0], key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
     return next_tokens, cache
 
@@ -138,6 +148,8 @@ def generate(
     eos_ids = _end_tokens(eos_id, model.config.vocab_size)
 
     graphdef, state = nnx.split(model)
+    plan = decode.decode_plan(model)
+    weights = None if plan is None else decode.stack_weights(model, plan)
     sampling = dict(greedy=temperature == 0, top_k=top_k, use_top_p=top_p is not None)
     temperature_arr = jnp.float32(max(temperature, 1e-6))
     top_p_arr = jnp.float32(1.0 if top_p is None else top_p)
@@ -160,8 +172,8 @@ def generate(
         if step + 1 == max_new_tokens or (eos_ids is not None and bool(done.all())):
             break
         next_tokens, cache = _decode_step(
-            graphdef, state, next_tokens, jnp.asarray(next_positions + step), cache,
-            jax.random.fold_in(base_key, step + 1), temperature_arr, top_p_arr, **sampling,
+            graphdef, state, weights, next_tokens, jnp.asarray(next_positions + step), cache,
+            jax.random.fold_in(base_key, step + 1), temperature_arr, top_p_arr, plan=plan, **sampling,
         )
     return jnp.concatenate([jnp.asarray(prompt, jnp.int32), jnp.stack(new_tokens, axis=1)], axis=1)
 

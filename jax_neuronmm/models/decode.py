@@ -1,0 +1,200 @@
+"""A CausalLM's decode steps through the `decode_step` primitive (every layer, final norm and LM head in one op).
+
+    plan = decode_plan(model)                  # None: the model is not covered (see `unsupported_reason`)
+    weights = stack_weights(model, plan)       # once per generate call: [L, ...] stacks, head = embedding.T
+    logits, cache = decode(model, plan, weights, token_ids, positions, cache)   # per step, under jit
+
+Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
+`SVDMLP` factors). Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
+holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
+dense layers become factors (W, I) or (I, W) of rank min(K, N). Not covered (generate keeps the model's own
+forward for them): attention or MLP biases, an MLP activation the kernels do not fuse, layers that differ in
+norm eps or query scaling.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_neuronmm import decoder_math
+from jax_neuronmm.decode_step import decode_step
+from jax_neuronmm.models.decoder import CausalLM, KVCache
+from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
+from jax_neuronmm.nn.nnx import SVDLinear, SVDMLP
+from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
+from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+
+ATTENTION = ("q", "k", "v", "o")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePlan:
+    """What a model's decode step is specialized on (hashable: a static jit argument).
+
+    ropes[i]: the RoPE config of table i (spec.layer_rope indexes it); windows[i]: the sliding window (None =
+    full causal) of mask i (spec.layer_mask indexes it).
+    """
+
+    spec: DecodeSpec
+    ropes: tuple[RopeConfig, ...]
+    windows: tuple[int | None, ...]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class DecodeWeights:
+    """A model's weights as `decode_step` takes them: norms [L, NN, H], qk_norms [L, 2, D] or None,
+    projections (one per name in PROJECTIONS: dense [L, K, N] or (u [L, K, Rmax], v [L, Rmax, N])),
+    final_norm [H], head dense [H, V] or (u [H, r], v [r, V])."""
+
+    norms: jax.Array
+    qk_norms: jax.Array | None
+    projections: tuple
+    final_norm: jax.Array
+    head: jax.Array | tuple
+
+
+def _projection_modules(layer):
+    attn, mlp = layer.self_attn, layer.mlp
+    modules = {name: getattr(attn, f"{name}_proj") for name in ATTENTION}
+    modules.update({name: getattr(mlp, f"{name}_proj") for name in ("gate", "up", "down")})
+    return modules
+
+
+def _activation(mlp):
+    if isinstance(mlp, SVDMLP):
+        return mlp.activation
+    if isinstance(mlp, GatedMLP):
+        return HF_ACTIVATIONS.get(mlp.activation)
+    return None
+
+
+def unsupported_reason(model: CausalLM) -> str | None:
+    """Why `model`'s decode steps cannot run as one `decode_step`, or None when they can."""
+    layers = list(model.layers)
+    for index, layer in enumerate(layers):
+        for name, module in _projection_modules(layer).items():
+            if not isinstance(module, (nnx.Linear, SVDLinear)):
+                return f"layer {index} {name}_proj is a {type(module).__name__}"
+            if module.bias is not None:
+                return f"layer {index} {name}_proj has a bias (the decode-step kernels have none)"
+        if _activation(layer.mlp) not in FUSED_ACTIVATIONS:
+            return f"layer {index}: MLP activation {getattr(layer.mlp, 'activation', None)!r} is not fused"
+    norms = [norm for layer in layers for norm in layer.norms()] + [model.norm]
+    norms += [n for layer in layers for n in (layer.self_attn.q_norm, layer.self_attn.k_norm) if n is not None]
+    if len({(n.eps, n.unit_offset) for n in norms}) != 1:
+        return "the norms differ in eps or unit offset"
+    specs = model.attention_specs()
+    if len({(s.num_heads, s.num_kv_heads, s.head_dim, s.scaling, s.logit_softcap) for s in specs}) != 1:
+        return "the layers' attention differs in heads, head_dim, scaling or soft-capping"
+    if len({layer.sandwich for layer in layers}) != 1 or len({_activation(layer.mlp) for layer in layers}) != 1:
+        return "the layers differ in norm placement or activation"
+    if len({(layer.self_attn.q_norm is None) for layer in layers}) != 1:
+        return "some layers have QK-norm and some do not"
+    if model.lm_head is not None and (not isinstance(model.lm_head, (nnx.Linear, SVDLinear))
+                                      or model.lm_head.bias is not None):
+        return "the LM head is not a bias-free linear layer"
+    return None
+
+
+def decode_plan(model: CausalLM) -> DecodePlan | None:
+    """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack."""
+    if unsupported_reason(model) is not None:
+        return None
+    layers, specs, config = list(model.layers), model.attention_specs(), model.config
+    ropes = tuple(dict.fromkeys(s.rope for s in specs))
+    windows = tuple(dict.fromkeys(s.sliding_window for s in specs))
+    ranks = []
+    for name in PROJECTIONS:
+        modules = [_projection_modules(layer)[name] for layer in layers]
+        if any(isinstance(m, SVDLinear) for m in modules):
+            ranks.append(tuple(m.rank if isinstance(m, SVDLinear) else min(m.in_features, m.out_features)
+                               for m in modules))
+        else:
+            ranks.append(None)
+    first, attn = specs[0], layers[0].self_attn
+    spec = DecodeSpec(
+        num_layers=len(layers), hidden=config.hidden_size, num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=config.intermediate_size,
+        vocab=config.vocab_size, norm_eps=model.norm.eps, norm_unit_offset=model.norm.unit_offset,
+        qk_norm=attn.q_norm is not None, sandwich=layers[0].sandwich, activation=_activation(layers[0].mlp),
+        query_scaling=float(first.scaling), attn_logit_softcap=first.logit_softcap,
+        final_logit_softcap=getattr(config, "final_logit_softcapping", None),
+        layer_rope=tuple(ropes.index(s.rope) for s in specs),
+        layer_mask=tuple(windows.index(s.sliding_window) for s in specs),
+        ranks=tuple(ranks), head_rank=model.lm_head.rank if isinstance(model.lm_head, SVDLinear) else None,
+    )
+    return DecodePlan(spec, ropes, windows)
+
+
+def _factors(module, dtype):
+    """(u [K, r], v [r, N]) of an SVDLinear, or of a dense nnx.Linear exactly: (W, I) or (I, W)."""
+    if isinstance(module, SVDLinear):
+        return module.u[...].astype(dtype), module.v[...].astype(dtype)
+    kernel = module.kernel[...].astype(dtype)
+    k_in, n_out = kernel.shape
+    if n_out <= k_in:
+        return kernel, jnp.eye(n_out, dtype=dtype)
+    return jnp.eye(k_in, dtype=dtype), kernel
+
+
+def _stack_factors(pairs):
+    """[(u [K, r_l], v [r_l, N])] -> (u [L, K, Rmax], v [L, Rmax, N]), zero padded to the largest rank."""
+    rmax = max(u.shape[1] for u, _ in pairs)
+    us = [jnp.pad(u, ((0, 0), (0, rmax - u.shape[1]))) for u, _ in pairs]
+    vs = [jnp.pad(v, ((0, rmax - v.shape[0]), (0, 0))) for _, v in pairs]
+    return jnp.stack(us), jnp.stack(vs)
+
+
+def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
+    """The model's weights stacked over layers, in its dtype (call once per generate call, outside jit)."""
+    dtype, spec, layers = model.dtype, plan.spec, list(model.layers)
+    projections = []
+    for name, ranks in zip(PROJECTIONS, spec.ranks):
+        modules = [_projection_modules(layer)[name] for layer in layers]
+        if ranks is None:
+            projections.append(jnp.stack([m.kernel[...].astype(dtype) for m in modules]))
+        else:
+            projections.append(_stack_factors([_factors(m, dtype) for m in modules]))
+    norms = jnp.stack([jnp.stack([n.weight[...].astype(dtype) for n in layer.norms()]) for layer in layers])
+    qk_norms = None
+    if spec.qk_norm:
+        qk_norms = jnp.stack([jnp.stack([layer.self_attn.q_norm.weight[...], layer.self_attn.k_norm.weight[...]])
+                              for layer in layers]).astype(dtype)
+    if model.lm_head is None:
+        head = model.embed_tokens.embedding[...].astype(dtype).T  # tied: transposed once per generate call
+    elif isinstance(model.lm_head, SVDLinear):
+        head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
+    else:
+        head = model.lm_head.kernel[...].astype(dtype)
+    return DecodeWeights(norms=norms, qk_norms=qk_norms, projections=tuple(projections),
+                         final_norm=model.norm.weight[...].astype(dtype), head=head)
+
+
+def step_tables(plan: DecodePlan, positions, key_positions, key_valid):
+    """(cos, sin [NR, B, T, D] float32, mask_bias [NM, B, T, S] float32) of queries at positions [B, T] over the
+    cache's key slots (key_positions, key_valid [B, S]), as `CausalLM.__call__` builds them."""
+    head_dim = plan.spec.head_dim
+    tables = [rope_tables(positions, rope, head_dim) for rope in plan.ropes]
+    masks = [decoder_math.mask_bias(attention_mask(positions, key_positions, key_valid, window))
+             for window in plan.windows]
+    return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables]), jnp.stack(masks)
+
+
+def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids, positions, cache: KVCache):
+    """`model(token_ids, positions=positions, cache=cache)` as one `decode_step`: (logits [B, T, V] float32,
+    updated cache); token_ids, positions [B, T], all tokens real (decode steps have no padding)."""
+    token_mask = jnp.ones(token_ids.shape, bool)
+    key_valid, key_positions = cache.key_slots(positions, token_mask)
+    cos, sin, bias = step_tables(plan, positions, key_positions, key_valid)
+    logits, keys, values = decode_step(
+        model.embed(token_ids), weights.norms, weights.qk_norms, *weights.projections, cache.keys, cache.values,
+        jnp.reshape(cache.length, (1, 1)).astype(jnp.int32), cos, sin, bias, weights.final_norm, weights.head,
+        spec=plan.spec)
+    cache = KVCache(keys=keys, values=values, slot_valid=key_valid, slot_positions=key_positions,
+                    length=cache.length + token_ids.shape[1])
+    return logits, cache
