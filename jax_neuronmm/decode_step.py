@@ -163,7 +163,7 @@ def _batch(args, dims, *, spec):
             return decode_step_p.bind(*full, spec=spec)
 
         sliced = [jnp.moveaxis(args[i], dims[i], 0) for i in batched]
-        return lax.map(one, sliced), [0, 1, 1]
+        return lax.map(one, sliced), [0, 0, 0]
     folded = []
     for name, a, d in zip(names, args, dims):
         if name not in ROW_OPERANDS:

@@ -151,7 +151,13 @@ def _stack_factors(pairs):
 
 
 def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
-    """The model's weights stacked over layers, in its dtype (call once per generate call, outside jit)."""
+    """The model's weights stacked over layers, in its dtype (once per generate call; compiled once per model
+    structure)."""
+    return _stack_weights(model, plan)
+
+
+@nnx.jit(static_argnums=(1,))
+def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     dtype, spec, layers = model.dtype, plan.spec, list(model.layers)
     projections = []
     for name, ranks in zip(PROJECTIONS, spec.ranks):
