@@ -31,7 +31,11 @@ RING_SLOT_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 64 * 1024
 # PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BYTES = 4 * 2048
-HEAD_COLUMNS = 2048  # logits columns per head block (4 PSUM banks of float32)
+HEAD_COLUMNS = 2048
+# Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
+# engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
+# transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
+WEIGHT_DMA_PARTITIONS = 128
 
 
 def feature_layout(features, group=1):
@@ -97,7 +101,8 @@ class WeightRing:
             raise ValueError(f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
                              f"{self.slot_elements}-element ring slot")
         block = slot[0:partitions, 0:per_partition * columns].reshape((partitions, per_partition, columns))
-        nisa.dma_copy(dst=block, src=src)
+        for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
+            nisa.dma_copy(dst=block[p0:p0 + ps], src=src[p0:p0 + ps])
         return block
 
 
@@ -109,26 +114,44 @@ def column_tiles(layout, rows, dtype, name, zero=True):
     return cols
 
 
-def _row_view(rows_hbm, k0, ks, partitions, count):
-    """rows_hbm[:, k0:k0+ks] ([R, F] in HBM) as [partitions, count, R]: element [p, i, r] = feature
-    k0 + p·count + i of row r."""
-    return rows_hbm[:, k0:k0 + ks].reshape_dim(1, (partitions, count)).permute((1, 2, 0))
-
-
 def load_columns(cols, rows_hbm, layout):
-    """cols ← rows_hbm [R, F] (HBM) in `layout`, one DMA per block (casting to cols' dtype)."""
-    rows = rows_hbm.shape[0]
-    for k0, ks, s0, count, partitions in layout_blocks(layout):
-        nisa.dma_copy(dst=cols[0:partitions, s0:s0 + count, 0:rows], src=_row_view(rows_hbm, k0, ks, partitions,
-                                                                                    count))
+    """cols ← rows_hbm [R, F] (HBM) in `layout`: one contiguous DMA of the rows onto R partitions (casting to
+    cols' dtype), then PE transposes, one per slot (a per-element strided DMA would cost ~2 bytes per DMA
+    buffer), evicted one PSUM bank at a time."""
+    rows, features = rows_hbm.shape
+    pmax = nl.tile_size.pmax
+    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    nisa.dma_copy(dst=staged, src=rows_hbm)
+    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (padded_rows(rows) * cols.dtype.itemsize))
+    for c0 in range(0, len(layout), per_bank):
+        chunk = layout[c0:c0 + per_bank]
+        turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum,
+                            name="cols_psum")
+        for j, (size, feats) in enumerate(chunk):
+            nisa.nc_transpose(dst=turned[0:size, j, 0:rows], data=staged[0:rows, feats])
+        for s0, count, size in slot_runs(layout, c0, c0 + len(chunk)):
+            nisa.tensor_copy(dst=cols[0:size, s0:s0 + count, 0:rows],
+                             src=turned[0:size, s0 - c0:s0 - c0 + count, 0:rows])
+        del turned
 
 
 def store_columns(rows_hbm, cols, layout):
-    """rows_hbm [R, F] (HBM) ← cols in `layout`, one DMA per block."""
-    rows = rows_hbm.shape[0]
+    """rows_hbm [R, F] (HBM) ← cols in `layout`: PE transposes into rows on R partitions, one contiguous DMA."""
+    rows, features = rows_hbm.shape
+    pmax = nl.tile_size.pmax
+    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
     for k0, ks, s0, count, partitions in layout_blocks(layout):
-        nisa.dma_copy(dst=_row_view(rows_hbm, k0, ks, partitions, count),
-                      src=cols[0:partitions, s0:s0 + count, 0:rows])
+        # Within a block, partition p of slot i is feature k0 + p·count + i.
+        block_rows = staged[0:rows, k0:k0 + ks].reshape_dim(1, (partitions, count))
+        for c0 in range(0, count, per_bank):
+            n = min(per_bank, count - c0)
+            turned = nl.ndarray((rows, n, pmax), dtype=cols.dtype, buffer=nl.psum, name="rows_psum")
+            for j in range(n):
+                nisa.nc_transpose(dst=turned[0:rows, j, 0:partitions], data=cols[0:partitions, s0 + c0 + j, 0:rows])
+            nisa.tensor_copy(dst=block_rows[:, :, c0:c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1)))
+            del turned
+    nisa.dma_copy(dst=rows_hbm, src=staged)
 
 
 def slot_runs(layout, first=0, last=None):

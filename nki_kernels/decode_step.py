@@ -374,16 +374,16 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_slot_byt
     ring = _ring_kwargs(ring_slot_bytes, ring_slots)
     with contextlib.nullcontext() if numerics else count_only():
         if composition == "looped":
-            return decode_step_kernel(*operands, spec=spec, **ring)
+            return _launch(decode_step_kernel, *operands, spec=spec, **ring)
         ops = dict(zip(OPERAND_NAMES, operands))
         if composition == "per_layer":
             x, k_cache, v_cache = ops["x"], ops["k_cache"], ops["v_cache"]
             layer_ops = [ops[name] for name in ("norms", "qk_norms") + PROJECTIONS]
             for layer in range(spec.num_layers):
-                x, k_cache, v_cache = decoder_layer_kernel(
+                x, k_cache, v_cache = _launch(decoder_layer_kernel, 
                     x, *layer_ops, k_cache, v_cache, ops["write_index"], ops["cos"], ops["sin"], ops["mask_bias"],
                     spec=spec, layer=layer, **ring)
-            return lm_head_kernel(x, ops["final_norm"], ops["head"], spec=spec, **ring), k_cache, v_cache
+            return _launch(lm_head_kernel, x, ops["final_norm"], ops["head"], spec=spec, **ring), k_cache, v_cache
         return _run_per_op(composition == "today", ops, spec, ring)
 
 
@@ -396,10 +396,10 @@ def _run_per_op(today, ops, spec, ring):
     k_cache, v_cache = ops["k_cache"], ops["v_cache"]
 
     def norm(src, layer, j, out_dtype):
-        return norm_kernel(src, ops["norms"], index=(layer, j), spec=spec, out_dtype=out_dtype)
+        return _launch(norm_kernel, src, ops["norms"], index=(layer, j), spec=spec, out_dtype=out_dtype)
 
     def project(src, name, layer, out_dtype):
-        return projection_kernel(src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype,
+        return _launch(projection_kernel, src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype,
                                  **ring)
 
     for layer in range(spec.num_layers):
@@ -411,24 +411,30 @@ def _run_per_op(today, ops, spec, ring):
         y = project(attn, "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")
-        x = add_kernel(x, y)
+        x = _launch(add_kernel, x, y)
         h = norm(x, layer, 2 if spec.sandwich else 1, model)
         factored = all(spec.rank(name, layer) is not None for name in _MLP)
         if today and factored:
             r = {name: spec.rank(name, layer) for name in _MLP}
             u = {name: _factor_slice(ops[name][0], layer, r[name], 1) for name in _MLP}
             vv = {name: _factor_slice(ops[name][1], layer, r[name], 0) for name in _MLP}
-            hT = svd_mlp_gate_up_kernel(h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation)
-            m = svd_mlp_down_kernel(hT, u["down"], vv["down"])
+            hT = _launch(svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation)
+            m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
         else:
             gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)
-            m = project(gated_activation_kernel(gate, up, activation=spec.activation), "down", layer, "float32")
+            m = project(_launch(gated_activation_kernel, gate, up, activation=spec.activation), "down", layer, "float32")
         if spec.sandwich:
             m = norm(m, layer, 3, "float32")
-        x = add_kernel(x, m)
-    h = norm_kernel(x, ops["final_norm"], index=(), spec=spec, out_dtype=model)
-    logits = head_kernel(h, ops["head"], spec=spec, **ring)
+        x = _launch(add_kernel, x, m)
+    h = _launch(norm_kernel, x, ops["final_norm"], index=(), spec=spec, out_dtype=model)
+    logits = _launch(head_kernel, h, ops["head"], spec=spec, **ring)
     return logits.reshape(b, t, spec.vocab), k_cache, v_cache
+
+
+def _launch(kernel, *args, **kwargs):
+    """One emulated launch (numpy arrays or count-only Spec placeholders as tensor arguments)."""
+    from nki_kernels.emulator.kernel import run
+    return run(kernel, args, kwargs)
 
 
 def _spec_like(placeholder, shape):
