@@ -130,7 +130,7 @@ def check_caches(got, before, new_rows, w, t):
 
 
 # (head_dim, heads, kv_heads, S, B, T, write slot, qk_norm, softcap, dtype): ragged S, write in the middle and at
-# the end, D below a tile (several heads per tile), one tile, and two tiles per head.
+# the end, D below a tile (several heads per tile) and two tiles per head.
 CASES = [
     (32, 4, 2, 10, 3, 2, 4, True, None, np.float32),
     (64, 4, 1, 130, 1, 1, 129, False, 30.0, np.float32),
@@ -138,6 +138,8 @@ CASES = [
     (256, 4, 2, 10, 3, 1, 3, False, 50.0, np.float32),
     (32, 4, 1, 130, 3, 2, 64, False, 20.0, np.float32),
     (64, 4, 2, 130, 3, 1, 60, True, 20.0, BF16),
+    # S >= 256: cache blocks of several slots per partition (the permuted slot order of the scores)
+    (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
 ]
 
 
