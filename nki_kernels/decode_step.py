@@ -11,8 +11,9 @@ at slots [write_index, write_index + T).
       first blocks load while layer l computes), then the final norm and the LM head from the same ring.
 (ii)  decoder_layer_kernel(..., layer=l) per layer (hidden state in HBM, float32, between launches), then
       lm_head_kernel.
-(i)   one kernel per op: norm_kernel, projection_kernel, add_kernel, gated_activation_kernel (act·mul),
-      ATTN's per-op attention kernels, norm_kernel + head_kernel; activations in HBM between launches.
+(i)   one kernel per op: norm_kernel, projection_kernel, decode_attention's rope_kernel, cache_write_kernel and
+      attention_kernel, add_kernel, gated_activation_kernel (act·mul), norm_kernel + head_kernel; activations
+      in HBM between launches.
 "today": (i), except a factored MLP runs the existing fused svd_mlp kernels.
 `run_decode_step` runs any of them on the emulator (or count-only); under `emulator.profile()` each launch is
 one run.
@@ -85,6 +86,7 @@ class StepContext:
         self.ring = dl.WeightRing(dtype, ring_slot_bytes, ring_slots)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
+        self.attention = decode_attention.AttentionConstants(spec)
 
 
 def _rows(tensor, rows):
@@ -122,7 +124,7 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
         project(h, lay.hidden, name, layout, dl.copy_into(qkv[name]))
     del h
     attn = decode_attention.attention(qkv["q"], qkv["k"], qkv["v"], k_cache, v_cache, layer, write_index, cos, sin,
-                                      mask_bias, qk_norms, spec)
+                                      mask_bias, qk_norms, spec, constants=ctx.attention)
     del qkv
     if attn.dtype != ctx.dtype:
         cast = dl.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
@@ -405,10 +407,13 @@ def _run_per_op(today, ops, spec, ring):
     for layer in range(spec.num_layers):
         h = norm(x, layer, 0, model)
         q, k, v = (project(h, name, layer, model) for name in ("q", "k", "v"))
-        attn, k_cache, v_cache = decode_attention.attention_per_op(
-            q, k, v, k_cache, v_cache, layer, ops["write_index"], ops["cos"], ops["sin"], ops["mask_bias"],
-            ops["qk_norms"], spec)
-        y = project(attn, "o", layer, "float32")
+        q, k = _launch(decode_attention.rope_kernel, q.reshape(b, t, -1), k.reshape(b, t, -1), ops["cos"],
+                       ops["sin"], ops["qk_norms"], layer=layer, spec=spec)
+        k_cache, v_cache = _launch(decode_attention.cache_write_kernel, k, v.reshape(b, t, -1), k_cache, v_cache,
+                                   ops["write_index"], layer=layer)
+        attn = _launch(decode_attention.attention_kernel, q, k_cache, v_cache, ops["mask_bias"], layer=layer,
+                       spec=spec)
+        y = project(attn.reshape(rows, -1), "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")
         x = _launch(add_kernel, x, y)
