@@ -12,9 +12,9 @@ layout (ATTN's contract), the hidden state and the MLP intermediate use `choose_
 
 Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column tiles MOVING ([≤128 of K, R]), so
 PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `WeightRing`: a fixed number of
-preallocated SBUF slots taken round robin by a counter that never resets, so the next blocks (of this layer or
+preallocated SBUF ring filled round robin by a cursor that never resets, so the next blocks (of this layer or
 the next one) load while the current ones are multiplied: with a list-scheduled DMA model a load waits only for
-the matmuls of the block that last used its slot (prefetch depth = ring slots). Matmul operands are in the model
+the matmuls that read the bytes it overwrites (prefetch depth = the ring's size). Matmul operands are in the model
 dtype; PSUM, norms and the residual stream are float32. Column tiles that feed a norm or the residual stream are
 zeroed when allocated, so whole-tile instructions may cover a ragged slot's unused partitions.
 """
@@ -26,8 +26,8 @@ from nki_kernels.svd_matmul import k_slots, spans
 
 # Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
 RUN_ELEMENTS = 4096
-# Ring slot size per partition and the SBUF left to everything else (activations, attention's tiles).
-RING_SLOT_BYTES = 32 * 1024
+# Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
+RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 64 * 1024
 # PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BYTES = 4 * 2048
@@ -35,7 +35,7 @@ HEAD_COLUMNS = 2048
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
 # transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
-WEIGHT_DMA_PARTITIONS = 128
+WEIGHT_DMA_PARTITIONS = 32
 
 
 def feature_layout(features, group=1):
@@ -79,28 +79,39 @@ def padded_rows(rows):
 
 
 class WeightRing:
-    """`count` preallocated SBUF slots of `slot_bytes` per partition, taken round robin (the counter never resets,
-    so it carries across layers and into the head)."""
+    """A preallocated SBUF ring of `ring_bytes` per partition that weight blocks (at most `block_bytes` per
+    partition each) are loaded into one after another, round robin: a block takes the next free stretch, starting
+    over at the front when the rest of the ring is too short. The cursor never resets, so it carries across
+    layers and into the head: a load waits only for the matmuls that read the bytes it overwrites, i.e. the
+    ring's whole size is prefetch, however small the blocks (a ring of fixed-size slots would hold as few small
+    blocks as large ones).
+    """
 
-    def __init__(self, dtype, slot_bytes=None, count=None):
-        slot_bytes = RING_SLOT_BYTES if slot_bytes is None else slot_bytes
-        if count is None:
-            count = (nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES) // slot_bytes
-        if count < 1 or slot_bytes < 1:
-            raise ValueError(f"WeightRing: got {count} slots of {slot_bytes} bytes, expected at least one slot")
-        self.slot_elements = slot_bytes // dtype.itemsize
-        self.slots = [nl.ndarray((nl.tile_size.pmax, self.slot_elements), dtype=dtype, buffer=nl.sbuf,
-                                 name=f"weight_ring{i}") for i in range(count)]
-        self.counter = 0
+    def __init__(self, dtype, block_bytes=None, ring_bytes=None):
+        block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
+        if ring_bytes is None:
+            ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES
+        if not 0 < block_bytes <= ring_bytes:
+            raise ValueError(f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
+                             f"0 < block_bytes <= ring_bytes")
+        self.slot_elements = block_bytes // dtype.itemsize  # the largest block, per partition
+        self.ring_elements = ring_bytes // dtype.itemsize
+        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf,
+                               name="weight_ring")
+        self.cursor = 0
 
     def load(self, src, partitions, per_partition, columns):
-        """The next slot as [partitions, per_partition, columns], filled from the HBM view `src` (same shape)."""
-        slot = self.slots[self.counter % len(self.slots)]
-        self.counter += 1
-        if per_partition * columns > self.slot_elements:
+        """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
+        (same shape)."""
+        size = per_partition * columns
+        if size > self.slot_elements:
             raise ValueError(f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
-                             f"{self.slot_elements}-element ring slot")
-        block = slot[0:partitions, 0:per_partition * columns].reshape((partitions, per_partition, columns))
+                             f"{self.slot_elements}-element block limit")
+        if self.cursor + size > self.ring_elements:
+            self.cursor = 0
+        block = self.ring[0:partitions, self.cursor:self.cursor + size].reshape((partitions, per_partition,
+                                                                                 columns))
+        self.cursor += size
         for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
             nisa.dma_copy(dst=block[p0:p0 + ps], src=src[p0:p0 + ps])
         return block

@@ -78,12 +78,12 @@ class Layouts:
 class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype, layouts, the weight ring, norm constants."""
 
-    def __init__(self, spec, rows, dtype, ring_slot_bytes, ring_slots):
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes):
         self.spec = spec
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        self.ring = dl.WeightRing(dtype, ring_slot_bytes, ring_slots)
+        self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = decode_attention.AttentionConstants(spec)
@@ -195,24 +195,24 @@ def check_operands(kernel, operands, spec):
     return ops
 
 
-def _ring_kwargs(ring_slot_bytes, ring_slots):
-    return dict(ring_slot_bytes=ring_slot_bytes, ring_slots=ring_slots)
+def _ring_kwargs(ring_block_bytes, ring_bytes):
+    return dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
 
 
 @nki.jit
 def decode_step_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin,
-                       mask_bias, final_norm, head, *, spec, ring_slot_bytes=None, ring_slots=None):
+                       mask_bias, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     """(iii) The whole decode step in one kernel: logits [B, T, V] float32, and the caches (written in place).
 
-    ring_slot_bytes / ring_slots: weight ring geometry (default: 32 KiB slots filling the target's SBUF less
-    decode_layer.SBUF_RESERVED_BYTES).
+    ring_block_bytes / ring_bytes: weight ring geometry per partition (default: blocks of up to 32 KiB in a ring
+    filling the target's SBUF less decode_layer.SBUF_RESERVED_BYTES).
     """
     operands = (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin, mask_bias,
                 final_norm, head)
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_slot_bytes, ring_slots)
+    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     weights = {name: ops[name] for name in PROJECTIONS}
@@ -233,14 +233,14 @@ def _head(ctx, hidden, final_norm, head, out_rows):
 
 @nki.jit
 def decoder_layer_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin,
-                         mask_bias, *, spec, layer, ring_slot_bytes=None, ring_slots=None):
+                         mask_bias, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
     """(ii) Decoder layer `layer`: x [B, T, H] (any float dtype) → (x' [B, T, H] float32, k_cache, v_cache)."""
     check_spec(spec)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise ValueError(f"decoder_layer_kernel: layer={layer!r}, expected an int in [0, {spec.num_layers})")
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_slot_bytes, ring_slots)
+    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     weights = dict(zip(PROJECTIONS, (q, k, v, o, gate, up, down)))
@@ -251,12 +251,12 @@ def decoder_layer_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache
 
 
 @nki.jit
-def lm_head_kernel(x, final_norm, head, *, spec, ring_slot_bytes=None, ring_slots=None):
+def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     """(ii) Final norm and LM head: x [B, T, H] → logits [B, T, V] float32 (final softcap applied)."""
     check_spec(spec)
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(head), ring_slot_bytes, ring_slots)
+    ctx = StepContext(spec, rows, weight_dtype(head), ring_block_bytes, ring_bytes)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -291,7 +291,7 @@ def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
 
 
 @nki.jit
-def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_slot_bytes=None, ring_slots=None):
+def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_block_bytes=None, ring_bytes=None):
     """x [R, K] rows @ layer `layer` of a stacked projection (dense [L, K, N], or [u, v] at `rank`) → [R, N]."""
     rows, k = x.shape
     w = layer_weight(weight, layer, rank)
@@ -299,7 +299,7 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
     n = (w if rank is None else w[1]).shape[-1]
     in_layout = dl.feature_layout(k, dl.choose_group(k, n if rank is None else rank))
     out_layout = dl.feature_layout(n)
-    ring = dl.WeightRing(dtype, ring_slot_bytes, ring_slots)
+    ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
     xc = dl.column_tiles(in_layout, rows, dtype, "x", zero=False)
     dl.load_columns(xc, x, in_layout)
     odt = _out_dtype(out_dtype)
@@ -328,7 +328,7 @@ def add_kernel(x, y):
 
 
 @nki.jit
-def head_kernel(h, head, *, spec, ring_slot_bytes=None, ring_slots=None):
+def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     """h [R, H] (normed rows) @ head (dense [H, V] or [u, v] at spec.head_rank) → logits [R, V] float32 with the
     final softcap."""
     check_spec(spec)
@@ -336,7 +336,7 @@ def head_kernel(h, head, *, spec, ring_slot_bytes=None, ring_slots=None):
     dtype = weight_dtype(head)
     width = spec.vocab if spec.head_rank is None else spec.head_rank
     layout = dl.feature_layout(features, dl.choose_group(features, width))
-    ring = dl.WeightRing(dtype, ring_slot_bytes, ring_slots)
+    ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
     hc = dl.column_tiles(layout, rows, dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -364,7 +364,7 @@ def _factor_slice(tensor, layer, rank, axis):
     return np.ascontiguousarray(part[:, :rank] if axis == 1 else part[:rank])
 
 
-def run_decode_step(composition, operands, spec, *, numerics=True, ring_slot_bytes=None, ring_slots=None):
+def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
     """Run one decode step as `composition` (one of COMPOSITIONS) on the emulator: (logits [B, T, V] float32,
     k_cache, v_cache). operands: numpy arrays as in the module docstring (lists for factors), or emulator
     `Spec` placeholders with numerics=False (a count-only trace: no weight memory, NaN-filled results)."""
@@ -373,7 +373,7 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_slot_byt
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
     check_spec(spec)
-    ring = _ring_kwargs(ring_slot_bytes, ring_slots)
+    ring = _ring_kwargs(ring_block_bytes, ring_bytes)
     with contextlib.nullcontext() if numerics else count_only():
         if composition == "looped":
             return _launch(decode_step_kernel, *operands, spec=spec, **ring)
