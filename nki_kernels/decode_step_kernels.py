@@ -1,4 +1,4 @@
-"""One decode step over all decoder layers as NKI kernels, composed three ways (issue 15), and a runner.
+"""One decode step over all decoder layers as NKI kernels, for three compositions (issue 15).
 
 Operands (positional, nki_kernels/decode_spec.py's contract): x [B, T, H], norms [L, NN, H], qk_norms [L, 2, D] or
 None, q, k, v, o, gate, up, down (each dense [L, K, N] or [u [L, K, Rmax], v [L, Rmax, N]]), k_cache, v_cache
@@ -7,7 +7,7 @@ None, q, k, v, o, gate, up, down (each dense [L, K, N] or [u [L, K, Rmax], v [L,
 at slots [write_index, write_index + T).
 
 (iii) decode_step_kernel: one kernel; an outer loop over layers with the hidden state (float32 column tiles) on
-      chip throughout, weights streaming through one WeightRing whose counter carries across layers (layer l+1's
+      chip throughout, weights streaming through one WeightRing whose cursor carries across layers (layer l+1's
       first blocks load while layer l computes), then the final norm and the LM head from the same ring.
 (ii)  decoder_layer_kernel(..., layer=l) per layer (hidden state in HBM, float32, between launches), then
       lm_head_kernel.
@@ -15,7 +15,9 @@ at slots [write_index, write_index + T).
       attention_kernel, add_kernel, gated_activation_kernel (act·mul), norm_kernel + head_kernel; activations
       in HBM between launches.
 "today": (i), except a factored MLP runs the existing fused svd_mlp kernels.
-nki_kernels.decode_step runs them in sequence (`run_decode_step`) and re-exports them.
+nki_kernels.decode_step runs them in sequence (`run_decode_step`) and re-exports them. Layouts, the ring and the
+subroutines: nki_kernels.decode_layer (the hidden state and the MLP intermediate are row-grouped column tiles, see
+there; q, k, v and the attention output natural ones, decode_attention's contract).
 Ragged per-layer ranks: factors are stacked to the largest rank, layer l reads only the first ranks[l] columns of
 u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth.
 """
