@@ -35,6 +35,7 @@ from jax_neuronmm.kernel_calls import KernelLaunches
 from jax_neuronmm.svd_matmul import svd_matmul_ref
 from jax_neuronmm.svd_mlp import svd_mlp_ref
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.decode_step_kernels import OPERAND_NAMES, check_operands, decode_step_kernel
 
 decode_step_p = Primitive("decode_step")
 decode_step_p.multiple_results = True
@@ -241,28 +242,25 @@ def decode_step_ref(*operands, spec: DecodeSpec):
     return decoder_math.soft_cap(logits, spec.final_logit_softcap).astype(jnp.float32), k_cache, v_cache
 
 
-def _plan(*operands, target, spec):
-    """The looped kernel, after the checks of what it takes (B·T <= 128 rows)."""
-    from nki_kernels import decode_step as kernels
-
+def _kernel_operands(operands, spec):
+    """The flat operands as decode_step_kernel takes them: qk_norms None when absent, factors as [u, v] lists."""
     named = dict(zip(operand_names(spec), operands))
-    rows = named["x"].shape[0] * named["x"].shape[1]
-    if rows > 128:
-        raise ValueError(f"x: B·T = {rows} rows, the kernel takes at most 128 (one partition tile)")
-    del target  # one kernel serves trn1 and trn2
-    return kernels.decode_step_kernel
+    named.setdefault("qk_norms", None)
+    grouped = _grouped(named, spec)
+    return [list(grouped[name]) if isinstance(grouped.get(name), tuple) else grouped.get(name, named.get(name))
+            for name in OPERAND_NAMES]
+
+
+def _plan(*operands, target, spec):
+    """The looped kernel, once its own operand checks pass (they also limit B·T to one partition tile)."""
+    del target  # one kernel serves trn1 and trn2; the emulator reads its target when the kernel runs
+    check_operands("decode_step_kernel", _kernel_operands(operands, spec), spec)
+    return decode_step_kernel
 
 
 def _run(kernel, *operands, spec):
-    """One launch of the looped kernel; factored weights travel as [u, v] lists, as the kernel takes them."""
-    named = dict(zip(operand_names(spec), operands))
-    weights = _grouped(named, spec)
-    args = [named["x"], named["norms"], named.get("qk_norms")]
-    args += [list(w) if isinstance(w, tuple) else w for w in (weights[name] for name in PROJECTIONS)]
-    args += [named[name] for name in ("k_cache", "v_cache", "write_index", "cos", "sin", "mask_bias", "final_norm")]
-    head = weights["head"]
-    args.append(list(head) if isinstance(head, tuple) else head)
-    return kernel(*args, spec=spec)
+    """One launch of the looped kernel for the whole step."""
+    return kernel(*_kernel_operands(operands, spec), spec=spec)
 
 
 ad.primitive_jvps[decode_step_p] = _jvp
