@@ -7,8 +7,9 @@ founding text), and the demo shows:
 
 1. a prompt's greedy continuation, dense and compressed side by side;
 2. perplexity of both on the second half of the text, which no calibration step saw;
-3. a few tokens of the compressed model generated on the "emulator" backend: every MLP runs as the project's
-   fused NKI kernel on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per token;
+3. a few tokens of the compressed model generated on the "emulator" backend: the prompt's MLPs run as the
+   project's fused NKI kernels and every decode step as one looped NKI kernel over all layers (`decode_step`), on
+   the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per step;
 4. dense vs compressed decode tokens/s on CPU XLA.
 
 The compressed MLP factors are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
@@ -170,6 +171,13 @@ def held_out_perplexity(dense, compressed, held_out: np.ndarray):
           f"(x{values['compressed'] / values['dense']:.2f})")
 
 
+def decode_step_time(prof) -> tuple[int, float, float]:
+    """(decode steps, modeled trn1 µs and trn2 µs per step) of the one-launch decode steps in a profile."""
+    steps = [run for run in prof.runs if run.name == "decode_step_kernel"]
+    trn1, trn2 = (sum(run.latency_us[chip] for run in steps) / max(1, len(steps)) for chip in ("trn1", "trn2"))
+    return len(steps), trn1, trn2
+
+
 def emulated_tokens(compressed, tokenizer):
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
@@ -182,13 +190,12 @@ def emulated_tokens(compressed, tokenizer):
     print(f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
           f"{tokenizer.decode(on_emulator[0, prompt.shape[1]:].tolist())!r}; same tokens as XLA: "
           f"{'yes' if (on_xla == on_emulator).all() else 'NO'}")
-    print(f"    NKI kernel launches ({len(prof.runs)}: prefill + {n - 1} decode steps x {layers} layers):")
+    print(f"    NKI kernel launches ({len(prof.runs)}: the prefill's fused MLP kernels, 2 x {layers} layers, then "
+          f"{n - 1} decode steps of one kernel each, every layer + final norm + LM head):")
     print(textwrap.indent(prof.grouped(), "    "))
-    decode = prof.runs[len(prof.runs) // n:]  # the first 1/n of the launches are the prefill's
-    steps = max(1, n - 1)
-    trn1, trn2 = (sum(c.latency_us[chip] for c in decode) / steps for chip in ("trn1", "trn2"))
-    print(f"    modeled MLP time per decode token ({layers} layers x 2 fused svd_mlp kernels, fp32 weights, launch "
-          f"overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
+    steps, trn1, trn2 = decode_step_time(prof)
+    print(f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
+          f"LM head, fp32 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
 
 
 def cpu_speed(dense, compressed, tokenizer):
@@ -245,15 +252,12 @@ def random_emulated_generation():
     seconds = time.perf_counter() - start
     print(f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
           f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if (on_xla == on_emulator).all() else 'NO'})")
-    print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: prefill + "
-          f"{FLAGS.random_emulated_tokens - 1} decode steps x {SMALL['num_layers']} layers x 2 kernels):")
+    print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: the prefill's fused MLP kernels, 2 x "
+          f"{SMALL['num_layers']} layers, then {FLAGS.random_emulated_tokens - 1} decode steps of one kernel each):")
     print(textwrap.indent(prof.grouped(), "    "))
-    # The first 2 launches per layer are the prefill; the rest are decode steps.
-    prefill_launches = 2 * SMALL["num_layers"]
-    decode_calls = prof.runs[prefill_launches:]
-    per_token = sum(c.latency_us["trn1"] for c in decode_calls) / max(1, len(decode_calls) // prefill_launches)
-    print(f"    modeled trn1 MLP time per decode token: {per_token:.1f} µs (fp32 weights; kernel launch time not "
-          "modeled)")
+    steps, trn1, _ = decode_step_time(prof)
+    print(f"    modeled trn1 time per decode step (one looped kernel: every layer, final norm and LM head): "
+          f"{trn1:.1f} µs (fp32 weights; kernel launch time not modeled)")
 
 
 def random_timed_comparison():

@@ -1,5 +1,6 @@
 """decode_step: the primitive's XLA lowering equals the models' own cached forward (Llama, Gemma 1, Gemma 3; dense
-and compressed with per-layer ranks), under jit and vmap; bad operands name the argument; generate uses it."""
+and compressed with per-layer ranks), under jit and vmap; bad operands name the argument; the emulator's looped
+kernel equals XLA and the float64 reference; generate runs each decode step as one launch, with XLA's tokens."""
 
 import functools
 
@@ -9,10 +10,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_neuronmm
 from jax_neuronmm import decode_step
 from jax_neuronmm.decode_step import ROW_OPERANDS, decode_step_p, operand_names
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate
 from jax_neuronmm.nn.nnx import SVDLinear, SVDMLP
+from nki_kernels import reference
 from nki_kernels.activations import HF_ACTIVATIONS
 
 VOCAB = 97
@@ -169,13 +172,12 @@ def _split_rows(args, names):
     return out, in_axes
 
 
-@pytest.mark.parametrize("name", ["llama-compressed", "gemma3"])
-def test_vmap_over_rows_folds_them_into_the_batch(name, rng):
-    model = _model(name)
+def test_vmap_over_rows_folds_them_into_the_batch(rng):
+    model = _model("gemma3-compressed")
     plan = decode.decode_plan(model)
     args = _operands(model, plan, *_step_inputs(model, rng, 1))
     names = operand_names(plan.spec)
-    flat = [x for a in args if a is not None for x in (a if isinstance(a, tuple) else (a,))]
+    flat = _flat(args)
     want = decode_step_p.bind(*flat, spec=plan.spec)
     split, in_axes = _split_rows(flat, names)
     bind = functools.partial(decode_step_p.bind, spec=plan.spec)
@@ -244,16 +246,6 @@ def test_it_is_inference_only(rng):
         jax.grad(lambda x: decode_step(x, *args[1:], spec=plan.spec)[0].sum())(args[0])
 
 
-def test_generate_on_a_compressed_model_equals_full_recompute():
-    # (test_generate.py covers dense Llama and Gemma 3: generate's decode steps go through decode_step there too.)
-    model = _model("llama-compressed")
-    prompt = np.random.default_rng(4).integers(0, VOCAB, size=(2, 5))
-    got = np.asarray(generate(model, prompt, 8))
-    full = np.asarray(nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(got))).argmax(-1)
-    np.testing.assert_array_equal(got[:, 5:], full[:, 4:-1])
-    assert len(set(got[:, 5:].ravel().tolist())) > 3
-
-
 def test_models_with_biases_keep_their_own_decode():
     model = _llama(attention_bias=True)
     assert decode.decode_plan(model) is None
@@ -262,3 +254,52 @@ def test_models_with_biases_keep_their_own_decode():
     got = np.asarray(generate(model, prompt, 5))
     full = np.asarray(model(jnp.asarray(got))).argmax(-1)
     np.testing.assert_array_equal(got[:, 4:], full[:, 3:-1])
+
+
+def _flat(args):
+    return [x for a in args if a is not None for x in (a if isinstance(a, tuple) else (a,))]
+
+
+@pytest.mark.parametrize("name", ["llama-compressed", "gemma3"])
+def test_emulator_kernel_equals_xla_and_the_float64_reference(name, rng):
+    model = _model(name)
+    plan = decode.decode_plan(model)
+    args = _operands(model, plan, *_step_inputs(model, rng, 1))
+    step = jax.jit(functools.partial(decode_step, spec=plan.spec))
+    on_xla = step(*args)
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        on_emulator = jax.block_until_ready(step(*args))
+    assert [run.name for run in prof.runs] == ["decode_step_kernel"]
+    kernel_args = [list(a) if isinstance(a, tuple) else (None if a is None else np.asarray(a)) for a in args]
+    want = reference.decode_step_f64(kernel_args, plan.spec)
+    for got_xla, got_emulator, f64 in zip(on_xla, on_emulator, want):
+        np.testing.assert_allclose(got_xla, f64, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(got_emulator, f64, rtol=1e-4, atol=1e-4)
+    # vmap over rows folds them into one launch.
+    split, in_axes = _split_rows(_flat(args), operand_names(plan.spec))
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        folded = jax.block_until_ready(jax.jit(jax.vmap(lambda *a: tuple(decode_step_p.bind(*a, spec=plan.spec)),
+                                                        in_axes=in_axes, out_axes=(0, 1, 1)))(*split))
+    assert len(prof.runs) == 1
+    np.testing.assert_allclose(folded[0].reshape(on_emulator[0].shape), on_emulator[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama-compressed", "gemma3"])
+def test_generate_on_the_emulator_is_one_launch_per_decode_step(name):
+    model = _model(name)
+    prompt = np.random.default_rng(6).integers(0, VOCAB, size=(2, 5))
+    steps = 5
+    on_xla = np.asarray(generate(model, prompt, steps))
+    # Each new token is the argmax of a cache-free forward over everything before it (test_generate.py checks the
+    # same for dense Llama and Gemma 3, whose decode steps go through decode_step too).
+    full = np.asarray(nnx.jit(lambda m, ids: m(ids))(model, jnp.asarray(on_xla))).argmax(-1)
+    np.testing.assert_array_equal(on_xla[:, 5:], full[:, 4:-1])
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        on_emulator = np.asarray(generate(model, prompt, steps))
+    np.testing.assert_array_equal(on_emulator, on_xla)
+    names = [run.name for run in prof.runs]
+    first = names.index("decode_step_kernel")
+    # The prefill's kernels (the compressed model's svd_matmul / svd_mlp; none for a dense one), then exactly one
+    # launch per decode step.
+    assert names[first:] == ["decode_step_kernel"] * (steps - 1)
+    assert "decode_step_kernel" not in names[:first] and (first > 0) == ("compressed" in name)

@@ -41,11 +41,12 @@ def test_generate_on_the_emulator_prints_one_row_per_kernel(tmp_path):
     result = run("generate.py", *args)
     assert result.returncode == 0, result.stderr
     out = result.stdout
-    rows = [line for line in out.splitlines() if line.startswith("svd_")]
-    # One row per kernel of the fused MLP, each launched 4 times (prefill + 3 decode steps); used to be a row per
-    # launch.
+    rows = [line for line in out.splitlines() if line.startswith(("svd_", "decode_step_kernel"))]
+    # One row per kernel (used to be a row per launch): the fused MLP's kernels once (prefill), then the looped
+    # decode-step kernel once per decode step.
     assert rows and len(rows) == len({row.split()[0] for row in rows})
-    assert [int(row.split()[1]) for row in rows] == [4] * len(rows)
+    assert {row.split()[0]: int(row.split()[1]) for row in rows} == {
+        "svd_mlp_gate_up_kernel": 1, "svd_mlp_down_kernel": 1, "decode_step_kernel": 3}
     def launch_table(text):  # the header row of the per-launch table
         return [line for line in text.splitlines() if line.startswith("kernel") and "avg DMA B" in line]
 
