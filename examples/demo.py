@@ -255,7 +255,7 @@ def random_emulated_generation():
     print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: the prefill's fused MLP kernels, 2 x "
           f"{SMALL['num_layers']} layers, then {FLAGS.random_emulated_tokens - 1} decode steps of one kernel each):")
     print(textwrap.indent(prof.grouped(), "    "))
-    steps, trn1, _ = decode_step_time(prof)
+    _, trn1, _ = decode_step_time(prof)
     print(f"    modeled trn1 time per decode step (one looped kernel: every layer, final norm and LM head): "
           f"{trn1:.1f} µs (fp32 weights; kernel launch time not modeled)")
 

@@ -192,7 +192,7 @@ def _projection(weight):
     return lambda h: decoder_math.linear(h, weight)
 
 
-def _grouped(named, spec):
+def _grouped(named):
     """{projection or "head": array or (u, v)} from the flat named operands."""
     out = {}
     for name in PROJECTIONS + ("head",):
@@ -207,7 +207,7 @@ def decode_step_ref(*operands, spec: DecodeSpec):
     factored in all three projections runs as `svd_mlp_ref`, the XLA lowering of the compressed models' SVDMLP.
     """
     named = dict(zip(operand_names(spec), operands))
-    weights = _grouped(named, spec)
+    weights = _grouped(named)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     write_index = named["write_index"][0, 0]
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
@@ -244,11 +244,9 @@ def decode_step_ref(*operands, spec: DecodeSpec):
 
 def _kernel_operands(operands, spec):
     """The flat operands as decode_step_kernel takes them: qk_norms None when absent, factors as [u, v] lists."""
-    named = dict(zip(operand_names(spec), operands))
-    named.setdefault("qk_norms", None)
-    grouped = _grouped(named, spec)
-    return [list(grouped[name]) if isinstance(grouped.get(name), tuple) else grouped.get(name, named.get(name))
-            for name in OPERAND_NAMES]
+    named = {"qk_norms": None, **dict(zip(operand_names(spec), operands))}
+    named.update({name: list(w) if isinstance(w, tuple) else w for name, w in _grouped(named).items()})
+    return [named[name] for name in OPERAND_NAMES]
 
 
 def _plan(*operands, target, spec):
