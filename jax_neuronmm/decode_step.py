@@ -10,7 +10,8 @@ The operands are those of `nki_kernels.decode_step.decode_step_kernel` (layouts 
     using the first spec.ranks[...][l] columns / rows (the rest zeros),
   k_cache, v_cache [L, B, S, kv_heads, D] (this step's keys / values are written at slots
     [write_index, write_index + T)), write_index [1, 1] int32,
-  cos, sin [NR, B, T, D] float32 (layer l reads table spec.layer_rope[l]), mask_bias [NM, B, T, S] float32
+  cos, sin [NR, B, T, D] float32, rotate-half tables with duplicated halves (the kernel reads the first half; layer
+    l reads table spec.layer_rope[l]), mask_bias [NM, B, T, S] float32
     (layer l reads spec.layer_mask[l]), final_norm [H], head: dense [H, V] or a pair (u [H, r], v [r, V]).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
