@@ -40,8 +40,11 @@ def _random_model(cls, config, seed):
 
 def _compressed(model, ranks, dense_k_in_layer=None):
     """A copy whose attention projections and MLPs are truncated-SVD factors of rank ranks[layer] (MLP: r, r + 3,
-    r + 1); k_proj of layer `dense_k_in_layer` stays dense (a projection factored in some layers only)."""
+    r + 1); k_proj of layer `dense_k_in_layer` stays dense (a projection factored in some layers only); an untied
+    LM head is factored at rank 23."""
     model = nnx.clone(model)
+    if model.lm_head is not None:
+        model.lm_head = SVDLinear.from_linear(model.lm_head, rank=23)
     for index, (layer, rank) in enumerate(zip(model.layers, ranks)):
         for name in ATTENTION:
             if not (name == "k_proj" and index == dense_k_in_layer):
@@ -73,7 +76,7 @@ def _gemma3():
 MODELS = {
     "llama": _llama,
     "gemma3": _gemma3,
-    # Untied head, and k_proj dense in layer 0 but factored in layer 1.
+    # Untied, factored head, and k_proj dense in layer 0 but factored in layer 1.
     "llama-compressed": lambda: _compressed(_llama(tie_word_embeddings=False), (7, 19), dense_k_in_layer=0),
     "gemma-compressed": lambda: _compressed(_gemma(), (11, 5)),
     "gemma3-compressed": lambda: _compressed(_gemma3(), (5, 13, 9)),
@@ -130,6 +133,7 @@ def test_xla_lowering_equals_the_models_cached_forward(name, tokens, rng):
     assert plan is not None, decode.unsupported_reason(model)
     if "compressed" in name:
         assert plan.spec.ranks[0] is not None and len(set(plan.spec.ranks[0])) > 1  # per-layer ranks differ
+    assert (plan.spec.head_rank == 23) == (name == "llama-compressed")
     ids, positions, cache = _step_inputs(model, rng, tokens)
     want_logits, want = _cached_forward(model, ids, positions, cache)
     got_logits, got = jax.jit(decode.decode, static_argnums=(1,))(model, plan, decode.stack_weights(model, plan),
