@@ -18,7 +18,9 @@ The model is a list scheduler over the run's instruction records:
   an instruction starts at max(engine free time, finish of every earlier instruction it depends on).
 - Dependencies are RAW, WAR and WAW overlaps of the records' Access regions (per storage, partition
   range x byte range). Two DMA writes to HBM never order each other: HBM regions are flattened
-  byte spans that over-approximate strided tiles, and kernels write each output element once.
+  byte spans that over-approximate strided tiles, and kernels write each output element once. An HBM
+  access at a runtime offset (`.ap(..., scalar_offset=...)`, e.g. a KV-cache write at the step's slot)
+  covers its whole tensor: the slot is data, so every later read of the tensor waits for the write.
 - DMA: each transfer is split over ceil(partitions / 8) DMA engines, at most 16 [DMA: "each DMA
   engine corresponds to 8 partition lanes"; a 4-partition load is measured on a single engine, a
   128-partition one on all 16]. Each engine serves its share at the documented per-engine
