@@ -38,6 +38,8 @@ from nki_kernels.svd_matmul import spans
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
 PSUM_BANK_BYTES = 2048
+# Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
+MASKED_SCORE = -3.0e38
 
 
 def check_head_dim(head_dim):
@@ -334,6 +336,17 @@ def score_chunks(blocks):
     return chunks
 
 
+def spread_columns(values, partitions, constants):
+    """PSUM [partitions, n] fp32 whose every partition holds values [n, 1] (a column) as a row: onesᵀ·diag."""
+    n = values.shape[0]
+    pmax = nl.tile_size.pmax
+    diag = nl.ndarray((n, n), dtype=nl.float32, buffer=nl.sbuf, name="spread_diag")
+    nisa.tensor_scalar(dst=diag, data=constants.shift[0:n, pmax:pmax + n], op0=nl.multiply, operand0=values)
+    spread = nl.ndarray((partitions, n), dtype=nl.float32, buffer=nl.psum, name="spread_psum")
+    nisa.nc_matmul(dst=spread, stationary=constants.ones[0:n, 0:partitions], moving=diag)
+    return spread
+
+
 def prepare_queries(q, spec, batch, dtype, constants):
     """qs [Dp, nd, B, kv, G, T] in `dtype`: each kv head's query heads of each row b with the head dim on
     partitions 0..Dp-1 (stationary [Dp, G·T] per (tile, b, g)), times query_scaling."""
@@ -387,21 +400,28 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
         by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
     blocks = slot_blocks(s, kv * d * dtype.itemsize)
     chunks = score_chunks(blocks)
-    wt_per_bank = max(1, PSUM_BANK_BYTES // (gt * dtype.itemsize))
+    # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
+    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
+    first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
+    per_bank = max(1, PSUM_BANK_BYTES // (4 * gt))
     for b in range(batch):
-        k_blocks, v_blocks = [], []
+        masks = []
         for s0, np_, q in blocks:
-            for cache, loaded in ((k_cache, k_blocks), (v_cache, v_blocks)):
+            # visible[p, i, t] = mask_bias[mask, b, t, s0 + p·q + i]: q consecutive floats per partition and t.
+            visible = nl.ndarray((np_, q, t), dtype=nl.float32, buffer=nl.sbuf, name="attn_mask")
+            nisa.dma_copy(dst=visible, src=mask_bias.ap([[q, np_], [1, q], [s, t]],
+                                                        offset=((mask * batch + b) * t) * s + s0))
+            masks.append(visible)
+        k_blocks, v_blocks = [], []
+        for cache, loaded in ((k_cache, k_blocks), (v_cache, v_blocks)):
+            for s0, np_, q in blocks:
                 tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
                 nisa.dma_copy(dst=tile, src=cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d)))
                 loaded.append(tile)
-        bias = nl.ndarray((gt, s), dtype=nl.float32, buffer=nl.sbuf, name="attn_mask")
-        nisa.dma_copy(dst=bias, src=mask_bias.ap([[0, g_size], [s, t], [1, s]], offset=((mask * batch + b) * t) * s))
         for g in range(kv):
             keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-            scores = nl.ndarray((gt, s), dtype=nl.float32, buffer=nl.sbuf, name="scores")
             for n, (index, i0, ni, c0) in enumerate(chunks):
-                s0, np_, q = blocks[index]
+                np_ = blocks[index][1]
                 width = ni * np_
                 for k in range(nd):
                     turned = nl.ndarray((dp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
@@ -413,66 +433,68 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
                         nisa.activation(dst=keys[0:dp, k, c0:c0 + width], op=nl.copy, data=turned)
                     else:
                         nisa.tensor_copy(dst=keys[0:dp, k, c0:c0 + width], src=turned)
-                acc = nl.ndarray((gt, width), dtype=nl.float32, buffer=nl.psum, name="scores_psum")
-                for k in range(nd):
-                    nisa.nc_matmul(dst=acc, stationary=qs[0:dp, k, b, g], moving=keys[0:dp, k, c0:c0 + width],
-                                   accumulate=k > 0)
-                visible = bias[:, s0:s0 + np_ * q].reshape_dim(1, (np_, q)).permute((0, 2, 1))[:, i0:i0 + ni, :]
-                out = scores[:, c0:c0 + width]
-                if spec.attn_logit_softcap:
-                    cap = float(spec.attn_logit_softcap)
-                    nisa.activation(dst=out, op=nl.tanh, data=acc, scale=1.0 / cap)
-                    nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                              operand1=visible)
-                else:
-                    nisa.tensor_tensor(dst=out, data1=acc, data2=visible, op=nl.add)
-                del acc
-            del keys
-            neg_max = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
-            nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=scores, axis=1, negate=True)
-            weights = nl.ndarray((gt, s), dtype=dtype, buffer=nl.sbuf, name="attn_weights")
-            total = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="weights_sum")
-            nisa.activation(dst=weights, op=nl.exp, data=scores, bias=neg_max, reduce_op=nl.add, reduce_res=total,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            del scores
-            # weightsᵀ: one [np, G·T] piece per slot column, in score order.
-            pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-            weights_t = nl.ndarray((pmax, len(pieces), gt), dtype=dtype, buffer=nl.sbuf, name="weightsT")
-            first_piece = 0
-            for index, (_, np_, q) in enumerate(blocks):
-                column0 = chunks[[c[0] for c in chunks].index(index)][3]
-                for i0, ni in spans(q, wt_per_bank):
-                    turned = nl.ndarray((np_, ni, gt), dtype=dtype, buffer=nl.psum, name="weightsT_psum")
+            # scoresᵀ [slots, G·T] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+            scores = nl.ndarray((pmax, len(pieces), g_size, t), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
+            for index, (s0, np_, q) in enumerate(blocks):
+                if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
+                    nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
+                column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
+                for i0, ni in spans(q, per_bank):
+                    acc = nl.ndarray((np_, ni, g_size, t), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
                     for j in range(ni):
                         c = column0 + (i0 + j) * np_
-                        nisa.nc_transpose(dst=turned[0:np_, j, 0:gt], data=weights[0:gt, c:c + np_])
-                    nisa.tensor_copy(dst=weights_t[0:np_, first_piece + i0:first_piece + i0 + ni, :], src=turned)
-                first_piece += q
-            del weights
-            # 1/sum on every partition: onesᵀ·diag(1/sum).
-            recip = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
-            nisa.reciprocal(dst=recip, data=total)
-            diag = nl.ndarray((gt, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip_diag")
-            nisa.tensor_scalar(dst=diag, data=constants.shift[0:gt, pmax:pmax + gt], op0=nl.multiply, operand0=recip)
-            spread = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="recip_psum")
-            nisa.nc_matmul(dst=spread, stationary=constants.ones[0:gt, 0:dp], moving=diag)
-            scale = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip_bcast")
-            nisa.tensor_copy(dst=scale, src=spread)
-            del spread
+                        for k in range(nd):
+                            nisa.nc_matmul(dst=acc[0:np_, j], stationary=keys[0:dp, k, c:c + np_],
+                                           moving=qs[0:dp, k, b, g], accumulate=k > 0)
+                    out = scores[0:np_, first_piece[index] + i0:first_piece[index] + i0 + ni]
+                    visible = masks[index][0:np_, i0:i0 + ni, :].expand_dim(2).broadcast(2, g_size)
+                    if spec.attn_logit_softcap:
+                        cap = float(spec.attn_logit_softcap)
+                        nisa.activation(dst=out, op=nl.tanh, data=acc, scale=1.0 / cap)
+                        nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
+                                                  operand1=visible)
+                    else:
+                        nisa.tensor_tensor(dst=out, data1=acc, data2=visible, op=nl.add)
+                    del acc
+            del keys
+            # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
+            by_column = scores.flatten_dims(2, 3).permute((0, 2, 1))  # [128, G·T, pieces]
+            column_max = nl.ndarray((pmax, gt), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
+            nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=by_column, axis=2)
+            turned = nl.ndarray((gt, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
+            nisa.nc_transpose(dst=turned, data=column_max)
+            neg_max = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
+            nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
+            del turned
+            shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, G·T]: -max of each column
+            flat = scores.flatten_dims(2, 3)
+            nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
+            del shift
+            weights = nl.ndarray((pmax, len(pieces), gt), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+            nisa.activation(dst=weights, op=nl.exp, data=flat)
+            del scores, flat, by_column
+            # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
+            partial = nl.ndarray((pmax, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
+            nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
+            total = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
+            nisa.nc_matmul(dst=total, stationary=constants.ones[0:pmax, 0:dp], moving=partial)
+            scale = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
+            nisa.reciprocal(dst=scale, data=total)
+            del total
             for k in range(nd):
                 acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
                 for p_index, (index, i) in enumerate(pieces):
                     np_ = blocks[index][1]
                     f0 = g * d + k * pmax
                     nisa.nc_matmul(dst=acc, stationary=v_blocks[index][0:np_, i, f0:f0 + dp],
-                                   moving=weights_t[0:np_, p_index, 0:gt], accumulate=p_index > 0)
+                                   moving=weights[0:np_, p_index, 0:gt], accumulate=p_index > 0)
                 if by_head is None:
                     dst = attn.reshape_dim(1, (kv, g_size, nd))[:, g, :, k, b * t:(b + 1) * t]
                 else:
                     dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
                 nisa.tensor_tensor(dst=dst, data1=acc, data2=scale, op=nl.multiply)
                 del acc
-        del k_blocks, v_blocks, bias
+        del k_blocks, v_blocks, masks
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
         heads_per_tile = pmax // d
