@@ -209,25 +209,31 @@ def per_head(columns, table, features, head_dim):
 def rms_norm_heads(x, features, weights, spec, constants):
     """x (fp32 column tiles of `features` = n·D features) normalized over each head's D features in place:
     x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout (already 1 + w)."""
-    pmax = nl.tile_size.pmax
     d = spec.head_dim
     parts, tiles = column_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
+    groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
     squares = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_squares")
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
-    groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
     eps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_eps")
     nisa.memset(dst=eps, value=float(spec.norm_eps))
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
-    for g0, gn in spans(groups, per_bank):
-        mean = nl.ndarray((parts, gn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
-        for j in range(gn):
-            for k in range(nd):
-                nisa.nc_matmul(dst=mean[0:parts, j, 0:r], stationary=constants.head_mean[0:parts, 0:parts],
-                               moving=squares[0:parts, (g0 + j) * nd + k, 0:r], accumulate=k > 0)
-        nisa.activation(dst=rstd[0:parts, g0:g0 + gn, :], op=nl.rsqrt, data=mean, bias=eps)
+    # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
+    per_bank = max(nd, (PSUM_BANK_BYTES // (4 * r)) // nd * nd)
+    for t0, tn in spans(tiles, per_bank):
+        mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
+        for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
+            nisa.nc_matmul(dst=mean[0:parts, c0:c0 + cn, :], stationary=constants.head_mean[0:parts, 0:parts],
+                           moving=squares[0:parts, t0 + c0:t0 + c0 + cn, :])
+        out = rstd[0:parts, t0 // nd:(t0 + tn) // nd, :]
+        if nd > 1:  # a head's mean is the sum of its tiles' partial means
+            total = nl.ndarray((parts, tn // nd, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_mean")
+            nisa.tensor_reduce(dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)),
+                               axis=3)
+            nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=eps)
+        else:
+            nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=eps)
     view = x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd))
     nisa.tensor_tensor(dst=view, data1=view, data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
     xw, w = per_head(x, weights, features, d)
@@ -248,13 +254,12 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
         nisa.tensor_tensor(dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply,
                            engine=engine)
     if constants.rotate is not None:
-        # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per tile.
-        per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
+        # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per ≤512 columns.
+        per_bank = max(1, nl.tile_size.gemm_moving_fmax // r)
         for t0, tn in spans(tiles, per_bank):
             turned = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="rope_psum")
-            for j in range(tn):
-                nisa.nc_matmul(dst=turned[0:parts, j, 0:r], stationary=constants.rotate[0:parts, 0:parts],
-                               moving=x_sin[0:parts, t0 + j, 0:r])
+            nisa.nc_matmul(dst=turned, stationary=constants.rotate[0:parts, 0:parts],
+                           moving=x_sin[0:parts, t0:t0 + tn, :])
             nisa.tensor_tensor(dst=out[0:parts, t0:t0 + tn, :], data1=x_cos[0:parts, t0:t0 + tn, :], data2=turned,
                                op=nl.add)
     else:
@@ -267,45 +272,55 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     return out
 
 
-def norm_rope_qk(qT, kT, layer, cos, sin, qk_norm_weights, spec, constants):
-    """(q, k) fp32 column tiles after the optional head-dim RMSNorm and RoPE (tables of layer `layer`)."""
+def load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows):
+    """(cos, sin, norm weights) of layer `layer` as fp32 column tiles for norm_rope: cos/sin [128, nd, R] (table
+    spec.layer_rope[layer]); weights [128, nd, 2] (q_norm, k_norm; 1 + w with norm_unit_offset) or None."""
     d = spec.head_dim
-    r = qT.shape[2]
     _, batch, t, _ = cos.shape
-    table = spec.layer_rope[layer]
-    cos_t = load_head_table(cos, table * batch * t * d, r, d, "rope_cos")
-    sin_t = load_head_table(sin, table * batch * t * d, r, d, "rope_sin")
-    out = []
-    for which, (x, features) in enumerate(((qT, spec.num_heads * d), (kT, spec.num_kv_heads * d))):
-        parts, tiles = column_tiles(features)
-        x32 = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_f32")
-        nisa.tensor_copy(dst=x32[0:parts, :, :], src=x[0:parts, 0:tiles, 0:r])
-        if spec.qk_norm:
-            weights = load_head_table(qk_norm_weights, (layer * 2 + which) * d, 1, d, "qk_norm_weight")
-            if spec.norm_unit_offset:
-                nisa.tensor_scalar(dst=weights, data=weights, op0=nl.add, operand0=1.0)
-            rms_norm_heads(x32, features, weights, spec, constants)
-        out.append(rope_heads(x32, features, cos_t, sin_t, spec, constants, "qk_rope"))
-    return out[0], out[1]
+    first = spec.layer_rope[layer] * batch * t * d
+    cos_t = load_head_table(cos, first, rows, d, "rope_cos")
+    sin_t = load_head_table(sin, first, rows, d, "rope_sin")
+    weights = None
+    if spec.qk_norm:
+        weights = load_head_table(qk_norm_weights, layer * 2 * d, 2, d, "qk_norm_weights")
+        if spec.norm_unit_offset:
+            nisa.tensor_scalar(dst=weights, data=weights, op0=nl.add, operand0=1.0)
+    return cos_t, sin_t, weights
 
 
-def write_cache(kT, vT, k_cache, v_cache, layer, write_index):
-    """k_cache[layer, b, w:w+T] = k rows, v_cache likewise, IN PLACE, w = write_index[0, 0] read at run time.
+def norm_rope(x, which, tables, spec, constants):
+    """fp32 column tiles of q (which = 0) or k (which = 1) after the optional head-dim RMSNorm and RoPE, from
+    x (column tiles, any float dtype) and load_rope_tables' tables."""
+    d = spec.head_dim
+    features = (spec.num_heads, spec.num_kv_heads)[which] * d
+    parts, tiles = column_tiles(features)
+    r = x.shape[2]
+    cos_t, sin_t, weights = tables
+    x32 = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_f32")
+    nisa.tensor_copy(dst=x32[0:parts, :, :], src=x[0:parts, 0:tiles, 0:r])
+    if spec.qk_norm:
+        rms_norm_heads(x32, features, weights[:, :, which:which + 1], spec, constants)
+    return rope_heads(x32, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
 
-    kT, vT: column tiles of kv_heads·D features (any float dtype; cast to the cache dtype). One DMA per cache:
-    every row's T slots of kv_heads·D values are one contiguous run in HBM.
-    """
-    _, batch, s, kv, d = k_cache.shape
-    r = kT.shape[2]
-    t = r // batch
+
+def load_write_index(write_index):
+    """The [1, 1] int32 write slot in SBUF, for DMA offsets read at run time."""
     index = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="write_index")
     nisa.dma_copy(dst=index, src=write_index)
-    for columns, cache in ((vT, v_cache), (kT, k_cache)):
-        rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
-        columns_to_rows(columns, rows)
-        slots = cache.ap([[s * kv * d, batch], [kv * d, t], [1, kv * d]], offset=layer * batch * s * kv * d,
-                         scalar_offset=index, indirect_dim=2)
-        nisa.dma_copy(dst=slots, src=rows)
+    return index
+
+
+def write_rows(columns, cache, layer, index):
+    """cache[layer, b, w:w+T] = the rows of `columns` (column tiles of kv_heads·D features, any float dtype, cast
+    to the cache dtype) IN PLACE, w = index[0, 0] (load_write_index) read at run time: one DMA, since every
+    row's T slots of kv_heads·D values are one contiguous run in HBM."""
+    _, batch, s, kv, d = cache.shape
+    r = columns.shape[2]
+    rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
+    columns_to_rows(columns, rows)
+    slots = cache.ap([[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]], offset=layer * batch * s * kv * d,
+                     scalar_offset=index, indirect_dim=2)
+    nisa.dma_copy(dst=slots, src=rows)
 
 
 def slot_blocks(s, slot_bytes):
@@ -568,9 +583,12 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
-    q, k = norm_rope_qk(qT, kT, layer, cos, sin, qk_norm_weights, spec, constants)
-    write_cache(k, vT, k_cache, v_cache, layer, write_index)
-    return attend(q, k_cache, v_cache, layer, mask_bias, spec, constants)
+    index = load_write_index(write_index)
+    # The cache reads wait for the writes (same HBM bytes): v goes out first, k as soon as it is rotated.
+    write_rows(vT, v_cache, layer, index)
+    tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
+    write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
+    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, spec, constants)
 
 
 # -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
@@ -588,9 +606,10 @@ def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     _rows_count(k, "k", spec.num_kv_heads * d)
-    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
     constants = AttentionConstants(spec)
-    q_out, k_out = norm_rope_qk(qT, kT, layer, cos, sin, qk_norms, spec, constants)
+    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
+    tables = load_rope_tables(cos, sin, qk_norms, layer, spec, qT.shape[2])
+    q_out, k_out = norm_rope(qT, 0, tables, spec, constants), norm_rope(kT, 1, tables, spec, constants)
     q_rows = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm, name="q_rope")
     k_rows = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm, name="k_rope")
     store_columns(q_out, q_rows)
@@ -605,8 +624,9 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
     features = k_cache.shape[3] * k_cache.shape[4]
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
-    write_cache(load_columns(k, name="k_columns"), load_columns(v, name="v_columns"), k_cache, v_cache, layer,
-                write_index)
+    index = load_write_index(write_index)
+    write_rows(load_columns(k, name="k_columns"), k_cache, layer, index)
+    write_rows(load_columns(v, name="v_columns"), v_cache, layer, index)
     return k_cache, v_cache
 
 
@@ -617,8 +637,8 @@ def attention_kernel(q, k_cache, v_cache, mask_bias, *, layer, spec):
     softmax and weights·V as attention()."""
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
-    qT = load_columns(q, dtype=nl.float32, name="q_columns")
     constants = AttentionConstants(spec)
+    qT = load_columns(q, dtype=nl.float32, name="q_columns")
     attn = attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_columns(attn, out)
