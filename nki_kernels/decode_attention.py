@@ -393,7 +393,30 @@ def prepare_queries(q, spec, batch, dtype, constants):
     return qs
 
 
-def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
+def turn_keys(k_blocks, blocks, chunks, g, d, dtype):
+    """Kᵀ [Dp, nd, S] of kv head g in score order (score_chunks) from cache blocks, by PE transposes; PSUM
+    evictions alternate between VectorE and ScalarE."""
+    pmax = nl.tile_size.pmax
+    dp, nd = head_tiles(d)
+    s = sum(np_ * q for _, np_, q in blocks)
+    keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+    for n, (index, i0, ni, c0) in enumerate(chunks):
+        np_ = blocks[index][1]
+        width = ni * np_
+        for k in range(nd):
+            turned = nl.ndarray((dp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
+            for j in range(ni):
+                f0 = g * d + k * pmax
+                nisa.nc_transpose(dst=turned[0:dp, j * np_:(j + 1) * np_],
+                                  data=k_blocks[index][0:np_, i0 + j, f0:f0 + dp])
+            if (n + k) % 2:
+                nisa.activation(dst=keys[0:dp, k, c0:c0 + width], op=nl.copy, data=turned)
+            else:
+                nisa.tensor_copy(dst=keys[0:dp, k, c0:c0 + width], src=turned)
+    return keys
+
+
+def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_first=False):
     """attnT column tiles [128, ceil(heads·D/128), R] in the cache dtype: softmax(q·Kᵀ·scaling (softcapped) +
     mask)·V of each row's T queries over all S slots of layer `layer`'s cache. qT: fp32 column tiles of the
     rotated (and normed) queries."""
@@ -419,6 +442,15 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
     first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
     per_bank = max(1, PSUM_BANK_BYTES // (4 * gt))
+    # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
+    # np consecutive columns in score order (PE transposes).
+    transposing = dtype.itemsize == 2
+    key_columns = []
+    for index, (s0, np_, q) in enumerate(blocks):
+        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
+        for i in range(q):
+            key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
+                               else slice(column0 + i * np_, column0 + (i + 1) * np_))
     for b in range(batch):
         masks = []
         for s0, np_, q in blocks:
@@ -427,39 +459,34 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
             nisa.dma_copy(dst=visible, src=mask_bias.ap([[q, np_], [1, q], [s, t]],
                                                         offset=((mask * batch + b) * t) * s + s0))
             masks.append(visible)
-        k_blocks, v_blocks = [], []
-        for cache, loaded in ((k_cache, k_blocks), (v_cache, v_blocks)):
+        # Cache reads: Kᵀ of every kv head straight from HBM by a transposing DMA (2-byte dtypes), else K blocks
+        # turned on the PE; V blocks as they are. values_first: V's write went out before k's.
+        reads = [("v", v_cache), ("k", k_cache)] if values_first else [("k", k_cache), ("v", v_cache)]
+        k_blocks, v_blocks, key_tiles = [], [], []
+        for which, cache in reads:
+            if which == "k" and transposing:
+                for g in range(kv):
+                    keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+                    nisa.dma_transpose(dst=keys, src=cache[layer, b, :, g, :].reshape_dim(1, (nd, dp)))
+                    key_tiles.append(keys)
+                continue
             for s0, np_, q in blocks:
                 tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
                 nisa.dma_copy(dst=tile, src=cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d)))
-                loaded.append(tile)
+                (k_blocks if which == "k" else v_blocks).append(tile)
         for g in range(kv):
-            keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-            for n, (index, i0, ni, c0) in enumerate(chunks):
-                np_ = blocks[index][1]
-                width = ni * np_
-                for k in range(nd):
-                    turned = nl.ndarray((dp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
-                    for j in range(ni):
-                        f0 = g * d + k * pmax
-                        nisa.nc_transpose(dst=turned[0:dp, j * np_:(j + 1) * np_],
-                                          data=k_blocks[index][0:np_, i0 + j, f0:f0 + dp])
-                    if (n + k) % 2:
-                        nisa.activation(dst=keys[0:dp, k, c0:c0 + width], op=nl.copy, data=turned)
-                    else:
-                        nisa.tensor_copy(dst=keys[0:dp, k, c0:c0 + width], src=turned)
+            keys = key_tiles[g] if transposing else turn_keys(k_blocks, blocks, chunks, g, d, dtype)
             # scoresᵀ [slots, G·T] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
             scores = nl.ndarray((pmax, len(pieces), g_size, t), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
             for index, (s0, np_, q) in enumerate(blocks):
                 if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
                     nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
-                column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
                 for i0, ni in spans(q, per_bank):
                     acc = nl.ndarray((np_, ni, g_size, t), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
                     for j in range(ni):
-                        c = column0 + (i0 + j) * np_
+                        columns = key_columns[first_piece[index] + i0 + j]
                         for k in range(nd):
-                            nisa.nc_matmul(dst=acc[0:np_, j], stationary=keys[0:dp, k, c:c + np_],
+                            nisa.nc_matmul(dst=acc[0:np_, j], stationary=keys[0:dp, k, columns],
                                            moving=qs[0:dp, k, b, g], accumulate=k > 0)
                     out = scores[0:np_, first_piece[index] + i0:first_piece[index] + i0 + ni]
                     visible = masks[index][0:np_, i0:i0 + ni, :].expand_dim(2).broadcast(2, g_size)
@@ -588,7 +615,8 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     write_rows(vT, v_cache, layer, index)
     tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
     write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
-    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, spec, constants)
+    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, spec, constants,
+                  values_first=True)
 
 
 # -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
