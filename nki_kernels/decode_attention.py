@@ -465,10 +465,11 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
         k_blocks, v_blocks, key_tiles = [], [], []
         for which, cache in reads:
             if which == "k" and transposing:
-                for g in range(kv):
-                    keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-                    nisa.dma_transpose(dst=keys, src=cache[layer, b, :, g, :].reshape_dim(1, (nd, dp)))
-                    key_tiles.append(keys)
+                key_tiles = [nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT") for _ in range(kv)]
+                for s0, np_, q in blocks:  # a DMA per block, so scores start before the last block is in
+                    for g in range(kv):
+                        nisa.dma_transpose(dst=key_tiles[g][:, :, s0:s0 + np_ * q],
+                                           src=cache[layer, b, s0:s0 + np_ * q, g, :].reshape_dim(1, (nd, dp)))
                 continue
             for s0, np_, q in blocks:
                 tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
