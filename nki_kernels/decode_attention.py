@@ -393,6 +393,32 @@ def prepare_queries(q, spec, batch, dtype, constants):
     return qs
 
 
+def load_mask_columns(mask_bias, mask, b, blocks, pieces):
+    """fp32 [128, pieces, T]: element [p, n, t] = mask_bias[mask, b, t, slot] for the slot at partition p of
+    score piece n (slot s0 + p·q + i of piece (block, i)). The row's [T, S] bias is one contiguous DMA; the
+    permutation is done by PE transposes of strided columns."""
+    pmax = nl.tile_size.pmax
+    _, batch, t, s = mask_bias.shape
+    rows = nl.ndarray((t, s), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
+    nisa.dma_copy(dst=rows, src=mask_bias[mask, b])
+    columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
+    per_bank = max(1, PSUM_BANK_BYTES // (4 * t))
+    groups = []  # runs of pieces of one block, at most a PSUM bank each
+    for n, (index, i) in enumerate(pieces):
+        if groups and groups[-1][0] == index and len(groups[-1][1]) < per_bank:
+            groups[-1][1].append((n, i))
+        else:
+            groups.append((index, [(n, i)]))
+    for index, members in groups:
+        s0, np_, q = blocks[index]
+        turned = nl.ndarray((np_, len(members), t), dtype=nl.float32, buffer=nl.psum, name="mask_psum")
+        for j, (_, i) in enumerate(members):
+            nisa.nc_transpose(dst=turned[0:np_, j, 0:t], data=rows[0:t, s0 + i:s0 + np_ * q:q])
+        first = members[0][0]
+        nisa.tensor_copy(dst=columns[0:np_, first:first + len(members), :], src=turned)
+    return columns
+
+
 def turn_keys(k_blocks, blocks, chunks, g, d, dtype):
     """Kᵀ [Dp, nd, S] of kv head g in score order (score_chunks) from cache blocks, by PE transposes; PSUM
     evictions alternate between VectorE and ScalarE."""
@@ -452,13 +478,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
             key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
                                else slice(column0 + i * np_, column0 + (i + 1) * np_))
     for b in range(batch):
-        masks = []
-        for s0, np_, q in blocks:
-            # visible[p, i, t] = mask_bias[mask, b, t, s0 + p·q + i]: q consecutive floats per partition and t.
-            visible = nl.ndarray((np_, q, t), dtype=nl.float32, buffer=nl.sbuf, name="attn_mask")
-            nisa.dma_copy(dst=visible, src=mask_bias.ap([[q, np_], [1, q], [s, t]],
-                                                        offset=((mask * batch + b) * t) * s + s0))
-            masks.append(visible)
+        visible = load_mask_columns(mask_bias, mask, b, blocks, pieces)
         # Cache reads: Kᵀ of every kv head straight from HBM by a transposing DMA (2-byte dtypes), else K blocks
         # turned on the PE; V blocks as they are. values_first: V's write went out before k's.
         reads = [("v", v_cache), ("k", k_cache)] if values_first else [("k", k_cache), ("v", v_cache)]
@@ -473,7 +493,10 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                 continue
             for s0, np_, q in blocks:
                 tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
-                nisa.dma_copy(dst=tile, src=cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d)))
+                source = cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d))
+                # Two DMAs per block: work on the first slot columns starts while the rest arrives.
+                for i0, ni in spans(q, -(-q // 2)):
+                    nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
                 (k_blocks if which == "k" else v_blocks).append(tile)
         for g in range(kv):
             keys = key_tiles[g] if transposing else turn_keys(k_blocks, blocks, chunks, g, d, dtype)
@@ -490,14 +513,15 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                             nisa.nc_matmul(dst=acc[0:np_, j], stationary=keys[0:dp, k, columns],
                                            moving=qs[0:dp, k, b, g], accumulate=k > 0)
                     out = scores[0:np_, first_piece[index] + i0:first_piece[index] + i0 + ni]
-                    visible = masks[index][0:np_, i0:i0 + ni, :].expand_dim(2).broadcast(2, g_size)
+                    piece0 = first_piece[index] + i0
+                    bias = visible[0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, g_size)
                     if spec.attn_logit_softcap:
                         cap = float(spec.attn_logit_softcap)
                         nisa.activation(dst=out, op=nl.tanh, data=acc, scale=1.0 / cap)
                         nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                                  operand1=visible)
+                                                  operand1=bias)
                     else:
-                        nisa.tensor_tensor(dst=out, data1=acc, data2=visible, op=nl.add)
+                        nisa.tensor_tensor(dst=out, data1=acc, data2=bias, op=nl.add)
                     del acc
             del keys
             # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
@@ -537,7 +561,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                     dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
                 nisa.tensor_tensor(dst=dst, data1=acc, data2=scale, op=nl.multiply)
                 del acc
-        del k_blocks, v_blocks, masks
+        del k_blocks, v_blocks, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
         heads_per_tile = pmax // d
