@@ -143,16 +143,19 @@ def rows_to_columns(rows, columns):
 
 
 def columns_to_rows(columns, rows):
-    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns), one eviction
-    (with cast to rows' dtype) per PSUM bank."""
+    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns); evictions (with
+    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions)."""
     pmax = nl.tile_size.pmax
     r, f = rows.shape[0], rows.shape[1]
-    per_bank = PSUM_BANK_BYTES // columns.dtype.itemsize
-    for c0, cw in spans(f, max(pmax, per_bank - per_bank % pmax)):
+    step = nl.tile_size.gemm_moving_fmax
+    for n, (c0, cw) in enumerate(spans(f, step)):
         turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
         for f0, pt in spans(cw, pmax):
             nisa.nc_transpose(dst=turned[0:r, f0:f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        nisa.tensor_copy(dst=rows[0:r, c0:c0 + cw], src=turned)
+        if n % 2:
+            nisa.activation(dst=rows[0:r, c0:c0 + cw], op=nl.copy, data=turned)
+        else:
+            nisa.tensor_copy(dst=rows[0:r, c0:c0 + cw], src=turned)
 
 
 def load_columns(x, dtype=None, name="x_columns"):
