@@ -365,34 +365,45 @@ def spread_columns(values, partitions, constants):
     return spread
 
 
+def kv_head_place(g, d):
+    """(partition offset, first column tile) of kv head g's features in column tiles of kv_heads·D features."""
+    pmax = nl.tile_size.pmax
+    return (g * d) % pmax, (g * d) // pmax
+
+
 def prepare_queries(q, spec, batch, dtype, constants):
-    """qs [Dp, nd, B, kv, G, T] in `dtype`: each kv head's query heads of each row b with the head dim on
-    partitions 0..Dp-1 (stationary [Dp, G·T] per (tile, b, g)), times query_scaling."""
+    """qs [128, nd, B, kv, G, T] in `dtype`, times query_scaling: the query heads of kv head g of row b with
+    their head dim on the same partitions as g's features in the keys' column tiles (partitions o..o+Dp-1,
+    o = kv_head_place(g, D)[0]), so each (tile, b, g) is a stationary [Dp, G·T] contracting against Kᵀ."""
     d = spec.head_dim
+    pmax = nl.tile_size.pmax
     dp, nd = head_tiles(d)
     heads, kv = spec.num_heads, spec.num_kv_heads
     g_size = heads // kv
     r = q.shape[2]
     t = r // batch
-    qs = nl.ndarray((dp, nd, batch, kv, g_size, t), dtype=dtype, buffer=nl.sbuf, name="attn_queries")
-    if d >= nl.tile_size.pmax:
+    qs = nl.ndarray((pmax, nd, batch, kv, g_size, t), dtype=dtype, buffer=nl.sbuf, name="attn_queries")
+    if d >= pmax:
         source = q.reshape_dim(1, (kv, g_size, nd))
         for k in range(nd):
             nisa.activation(dst=qs[:, k].permute((0, 2, 3, 1, 4)), op=nl.copy,
                             data=source[:, :, :, k, :].reshape_dim(3, (batch, t)), scale=float(spec.query_scaling))
         return qs
+    # Head h moves from partitions o_h.. of its tile to o_g..: a shift matmul whose output rows below o_g are 0.
     parts, _ = column_tiles(heads * d)
-    by_head = qs[:, 0].permute((0, 2, 3, 1, 4)).flatten_dims(1, 2)  # [D, heads, B, T]
     per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
-    for h0, hn in spans(heads, per_bank):
-        moved = nl.ndarray((dp, hn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
-        for j in range(hn):
-            offset = ((h0 + j) * d) % nl.tile_size.pmax
-            nisa.nc_matmul(dst=moved[0:dp, j, 0:r],
-                           stationary=constants.shift[0:parts, 128 + offset:128 + offset + dp],
-                           moving=q[0:parts, (h0 + j) * d // nl.tile_size.pmax, 0:r])
-        nisa.activation(dst=by_head[:, h0:h0 + hn], op=nl.copy, data=moved.reshape_dim(2, (batch, t)),
-                        scale=float(spec.query_scaling))
+    for g in range(kv):
+        o_g, _ = kv_head_place(g, d)
+        by_head = qs[o_g:o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
+        for j0, jn in spans(g_size, per_bank):
+            moved = nl.ndarray((o_g + d, jn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
+            for j in range(jn):
+                h = g * g_size + j0 + j
+                o_h = (h * d) % pmax
+                nisa.nc_matmul(dst=moved[:, j, :], moving=q[0:parts, h * d // pmax, 0:r],
+                               stationary=constants.shift[0:parts, pmax - o_g + o_h:pmax + o_h + d])
+            nisa.activation(dst=by_head[:, j0:j0 + jn], op=nl.copy,
+                            data=moved[o_g:o_g + d].reshape_dim(2, (batch, t)), scale=float(spec.query_scaling))
     return qs
 
 
@@ -422,26 +433,24 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces):
     return columns
 
 
-def turn_keys(k_blocks, blocks, chunks, g, d, dtype):
-    """Kᵀ [Dp, nd, S] of kv head g in score order (score_chunks) from cache blocks, by PE transposes; PSUM
-    evictions alternate between VectorE and ScalarE."""
-    pmax = nl.tile_size.pmax
-    dp, nd = head_tiles(d)
+def turn_keys(k_blocks, blocks, chunks, features, dtype):
+    """Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads (F = kv_heads·D features) in score order
+    (score_chunks) from cache blocks, by PE transposes; PSUM evictions alternate between VectorE and ScalarE."""
+    kp, kt = column_tiles(features)
     s = sum(np_ * q for _, np_, q in blocks)
-    keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+    keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
     for n, (index, i0, ni, c0) in enumerate(chunks):
         np_ = blocks[index][1]
         width = ni * np_
-        for k in range(nd):
-            turned = nl.ndarray((dp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
+        for k in range(kt):
+            turned = nl.ndarray((kp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
             for j in range(ni):
-                f0 = g * d + k * pmax
-                nisa.nc_transpose(dst=turned[0:dp, j * np_:(j + 1) * np_],
-                                  data=k_blocks[index][0:np_, i0 + j, f0:f0 + dp])
+                nisa.nc_transpose(dst=turned[0:kp, j * np_:(j + 1) * np_],
+                                  data=k_blocks[index][0:np_, i0 + j, k * kp:(k + 1) * kp])
             if (n + k) % 2:
-                nisa.activation(dst=keys[0:dp, k, c0:c0 + width], op=nl.copy, data=turned)
+                nisa.activation(dst=keys[0:kp, k, c0:c0 + width], op=nl.copy, data=turned)
             else:
-                nisa.tensor_copy(dst=keys[0:dp, k, c0:c0 + width], src=turned)
+                nisa.tensor_copy(dst=keys[0:kp, k, c0:c0 + width], src=turned)
     return keys
 
 
@@ -465,6 +474,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
     by_head = None
     if d < pmax:
         by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
+    kp, kt = column_tiles(kv * d)
     blocks = slot_blocks(s, kv * d * dtype.itemsize)
     chunks = score_chunks(blocks)
     # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
@@ -482,17 +492,17 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                                else slice(column0 + i * np_, column0 + (i + 1) * np_))
     for b in range(batch):
         visible = load_mask_columns(mask_bias, mask, b, blocks, pieces)
-        # Cache reads: Kᵀ of every kv head straight from HBM by a transposing DMA (2-byte dtypes), else K blocks
-        # turned on the PE; V blocks as they are. values_first: V's write went out before k's.
+        # Cache reads: Kᵀ (column tiles of all kv heads' features) straight from HBM by a transposing DMA (2-byte
+        # dtypes), else K blocks turned on the PE; V blocks as they are. values_first: V's write went out before k's.
         reads = [("v", v_cache), ("k", k_cache)] if values_first else [("k", k_cache), ("v", v_cache)]
-        k_blocks, v_blocks, key_tiles = [], [], []
+        k_blocks, v_blocks, keys = [], [], None
         for which, cache in reads:
             if which == "k" and transposing:
-                key_tiles = [nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT") for _ in range(kv)]
+                keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
                 for s0, np_, q in blocks:  # a DMA per block, so scores start before the last block is in
-                    for g in range(kv):
-                        nisa.dma_transpose(dst=key_tiles[g][:, :, s0:s0 + np_ * q],
-                                           src=cache[layer, b, s0:s0 + np_ * q, g, :].reshape_dim(1, (nd, dp)))
+                    n = np_ * q
+                    nisa.dma_transpose(dst=keys[:, :, s0:s0 + n],
+                                       src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
                 continue
             for s0, np_, q in blocks:
                 tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
@@ -501,8 +511,10 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                 for i0, ni in spans(q, -(-q // 2)):
                     nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
                 (k_blocks if which == "k" else v_blocks).append(tile)
+        if not transposing:
+            keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
         for g in range(kv):
-            keys = key_tiles[g] if transposing else turn_keys(k_blocks, blocks, chunks, g, d, dtype)
+            o_g, tile_g = kv_head_place(g, d)
             # scoresᵀ [slots, G·T] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
             scores = nl.ndarray((pmax, len(pieces), g_size, t), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
             for index, (s0, np_, q) in enumerate(blocks):
@@ -513,8 +525,8 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                     for j in range(ni):
                         columns = key_columns[first_piece[index] + i0 + j]
                         for k in range(nd):
-                            nisa.nc_matmul(dst=acc[0:np_, j], stationary=keys[0:dp, k, columns],
-                                           moving=qs[0:dp, k, b, g], accumulate=k > 0)
+                            nisa.nc_matmul(dst=acc[0:np_, j], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
+                                           stationary=keys[o_g:o_g + dp, tile_g + k, columns])
                     out = scores[0:np_, first_piece[index] + i0:first_piece[index] + i0 + ni]
                     piece0 = first_piece[index] + i0
                     bias = visible[0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, g_size)
@@ -526,7 +538,6 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                     else:
                         nisa.tensor_tensor(dst=out, data1=acc, data2=bias, op=nl.add)
                     del acc
-            del keys
             # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
             by_column = scores.flatten_dims(2, 3).permute((0, 2, 1))  # [128, G·T, pieces]
             column_max = nl.ndarray((pmax, gt), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
@@ -564,7 +575,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                     dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
                 nisa.tensor_tensor(dst=dst, data1=acc, data2=scale, op=nl.multiply)
                 del acc
-        del k_blocks, v_blocks, visible
+        del k_blocks, v_blocks, keys, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
         heads_per_tile = pmax // d
