@@ -454,6 +454,87 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
     return keys
 
 
+def softmax_pass(qs, keys, v_blocks, visible, attn, by_head, b, g0, gn, blocks, pieces, key_columns, spec,
+                 constants):
+    """Scores, softmax and weights·V of row b for kv heads g0 .. g0+gn-1 together (gn·G·T ≤ 128 columns), into
+    attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later)."""
+    pmax = nl.tile_size.pmax
+    d = spec.head_dim
+    dtype = keys.dtype
+    dp, nd = head_tiles(d)
+    g_size = spec.num_heads // spec.num_kv_heads
+    t = visible.shape[2]
+    gt = g_size * t
+    columns = gn * gt
+    first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
+    per_bank = max(1, PSUM_BANK_BYTES // (4 * columns))
+    # scoresᵀ [slots, (g, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+    scores = nl.ndarray((pmax, len(pieces), gn, gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
+    for index, (s0, np_, q) in enumerate(blocks):
+        if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
+            nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
+        for i0, ni in spans(q, per_bank):
+            acc = nl.ndarray((np_, ni, gn, gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
+            for j in range(ni):
+                slots = key_columns[first_piece[index] + i0 + j]
+                for g in range(g0, g0 + gn):
+                    o_g, tile_g = kv_head_place(g, d)
+                    for k in range(nd):
+                        nisa.nc_matmul(dst=acc[0:np_, j, g - g0], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
+                                       stationary=keys[o_g:o_g + dp, tile_g + k, slots])
+            piece0 = first_piece[index] + i0
+            out = scores[0:np_, piece0:piece0 + ni].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
+            bias = visible[0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, gn * g_size)
+            logits = acc.reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, gn·G, T]
+            if spec.attn_logit_softcap:
+                cap = float(spec.attn_logit_softcap)
+                nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
+                nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
+                                          operand1=bias)
+            else:
+                nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
+            del acc
+    # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
+    flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
+    column_max = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
+    nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=flat.permute((0, 2, 1)), axis=2)
+    turned = nl.ndarray((columns, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
+    nisa.nc_transpose(dst=turned, data=column_max)
+    neg_max = nl.ndarray((columns, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
+    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
+    del turned
+    shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, columns]: -max of each column
+    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
+    del shift
+    weights = nl.ndarray((pmax, len(pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+    nisa.activation(dst=weights, op=nl.exp, data=flat)
+    del scores, flat
+    # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
+    partial = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
+    total = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
+    nisa.nc_matmul(dst=total, stationary=constants.ones[0:pmax, 0:dp], moving=partial)
+    scale = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
+    nisa.reciprocal(dst=scale, data=total)
+    del total
+    kv, nq_tiles = spec.num_kv_heads, attn.shape[1]
+    for g in range(g0, g0 + gn):
+        mine = slice((g - g0) * gt, (g - g0 + 1) * gt)
+        for k in range(nd):
+            acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
+            for p_index, (index, i) in enumerate(pieces):
+                np_ = blocks[index][1]
+                f0 = g * d + k * pmax
+                nisa.nc_matmul(dst=acc, stationary=v_blocks[index][0:np_, i, f0:f0 + dp],
+                               moving=weights[0:np_, p_index, mine], accumulate=p_index > 0)
+            if by_head is None:
+                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t:(b + 1) * t]
+            else:
+                dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
+            nisa.tensor_tensor(dst=dst, data1=acc, data2=scale[:, mine], op=nl.multiply)
+            del acc
+
+
 def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_first=False):
     """attnT column tiles [128, ceil(heads·D/128), R] in the cache dtype: softmax(q·Kᵀ·scaling (softcapped) +
     mask)·V of each row's T queries over all S slots of layer `layer`'s cache. qT: fp32 column tiles of the
@@ -479,8 +560,8 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
     chunks = score_chunks(blocks)
     # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * gt))
+    # kv heads whose softmax runs together: their G·T query columns side by side, at most 128.
+    kv_per_pass = max(1, pmax // gt)
     # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
     # np consecutive columns in score order (PE transposes).
     transposing = dtype.itemsize == 2
@@ -513,68 +594,9 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
                 (k_blocks if which == "k" else v_blocks).append(tile)
         if not transposing:
             keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
-        for g in range(kv):
-            o_g, tile_g = kv_head_place(g, d)
-            # scoresᵀ [slots, G·T] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
-            scores = nl.ndarray((pmax, len(pieces), g_size, t), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
-            for index, (s0, np_, q) in enumerate(blocks):
-                if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
-                    nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
-                for i0, ni in spans(q, per_bank):
-                    acc = nl.ndarray((np_, ni, g_size, t), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
-                    for j in range(ni):
-                        columns = key_columns[first_piece[index] + i0 + j]
-                        for k in range(nd):
-                            nisa.nc_matmul(dst=acc[0:np_, j], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
-                                           stationary=keys[o_g:o_g + dp, tile_g + k, columns])
-                    out = scores[0:np_, first_piece[index] + i0:first_piece[index] + i0 + ni]
-                    piece0 = first_piece[index] + i0
-                    bias = visible[0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, g_size)
-                    if spec.attn_logit_softcap:
-                        cap = float(spec.attn_logit_softcap)
-                        nisa.activation(dst=out, op=nl.tanh, data=acc, scale=1.0 / cap)
-                        nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                                  operand1=bias)
-                    else:
-                        nisa.tensor_tensor(dst=out, data1=acc, data2=bias, op=nl.add)
-                    del acc
-            # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
-            by_column = scores.flatten_dims(2, 3).permute((0, 2, 1))  # [128, G·T, pieces]
-            column_max = nl.ndarray((pmax, gt), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
-            nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=by_column, axis=2)
-            turned = nl.ndarray((gt, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
-            nisa.nc_transpose(dst=turned, data=column_max)
-            neg_max = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
-            nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
-            del turned
-            shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, G·T]: -max of each column
-            flat = scores.flatten_dims(2, 3)
-            nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
-            del shift
-            weights = nl.ndarray((pmax, len(pieces), gt), dtype=dtype, buffer=nl.sbuf, name="weightsT")
-            nisa.activation(dst=weights, op=nl.exp, data=flat)
-            del scores, flat, by_column
-            # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
-            partial = nl.ndarray((pmax, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
-            nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
-            total = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
-            nisa.nc_matmul(dst=total, stationary=constants.ones[0:pmax, 0:dp], moving=partial)
-            scale = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
-            nisa.reciprocal(dst=scale, data=total)
-            del total
-            for k in range(nd):
-                acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
-                for p_index, (index, i) in enumerate(pieces):
-                    np_ = blocks[index][1]
-                    f0 = g * d + k * pmax
-                    nisa.nc_matmul(dst=acc, stationary=v_blocks[index][0:np_, i, f0:f0 + dp],
-                                   moving=weights[0:np_, p_index, 0:gt], accumulate=p_index > 0)
-                if by_head is None:
-                    dst = attn.reshape_dim(1, (kv, g_size, nd))[:, g, :, k, b * t:(b + 1) * t]
-                else:
-                    dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
-                nisa.tensor_tensor(dst=dst, data1=acc, data2=scale, op=nl.multiply)
-                del acc
+        for g0, gn in spans(kv, kv_per_pass):
+            softmax_pass(qs, keys, v_blocks, visible, attn, by_head, b, g0, gn, blocks, pieces, key_columns, spec,
+                         constants)
         del k_blocks, v_blocks, keys, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
