@@ -38,6 +38,8 @@ from nki_kernels.svd_matmul import spans
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
 PSUM_BANK_BYTES = 2048
+# Per-partition SBUF bytes for the cache tiles (Kᵀ and V) of the rows attended together.
+ROWS_SBUF_BYTES = 65536
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
 
@@ -454,45 +456,79 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
     return keys
 
 
-def softmax_pass(qs, keys, v_blocks, visible, attn, by_head, b, g0, gn, blocks, pieces, key_columns, spec,
-                 constants):
-    """Scores, softmax and weights·V of row b for kv heads g0 .. g0+gn-1 together (gn·G·T ≤ 128 columns), into
-    attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later)."""
+def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first):
+    """(Kᵀ, V blocks) of row b: Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads' F = kv·D features
+    (2-byte dtypes: slots in cache order, by a transposing DMA per block; else in score order, K blocks turned on
+    the PE), V blocks [np, q, F] (slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs first (its write
+    went out before k's)."""
+    _, _, s, kv, d = k_cache.shape
+    dtype = k_cache.dtype
+    kp, kt = column_tiles(kv * d)
+    keys, k_blocks, v_blocks = None, [], []
+    for which in ("v", "k") if values_first else ("k", "v"):
+        cache = k_cache if which == "k" else v_cache
+        if which == "k" and dtype.itemsize == 2:
+            keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+            for s0, np_, q in blocks:  # a DMA per block, so scores start before the last block is in
+                n = np_ * q
+                nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
+            continue
+        for s0, np_, q in blocks:
+            tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
+            source = cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d))
+            # Two DMAs per block: work on the first slot columns starts while the rest arrives.
+            for i0, ni in spans(q, -(-q // 2)):
+                nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
+            (k_blocks if which == "k" else v_blocks).append(tile)
+    if keys is None:
+        keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
+    return keys, v_blocks
+
+
+def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns, spec, constants):
+    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
+    by side, at most 128), into attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later).
+    keys, values, visible: per row b, attend's Kᵀ tile, V blocks and mask columns."""
     pmax = nl.tile_size.pmax
     d = spec.head_dim
-    dtype = keys.dtype
     dp, nd = head_tiles(d)
     g_size = spec.num_heads // spec.num_kv_heads
-    t = visible.shape[2]
+    b0 = units[0][0]
+    dtype = keys[b0].dtype
+    t = visible[b0].shape[2]
     gt = g_size * t
-    columns = gn * gt
+    columns = len(units) * gt
+    rows = sorted({b for b, _ in units})
+    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in rows}  # consecutive per row
     first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
     per_bank = max(1, PSUM_BANK_BYTES // (4 * columns))
-    # scoresᵀ [slots, (g, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
-    scores = nl.ndarray((pmax, len(pieces), gn, gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
+    # scoresᵀ [slots, (unit, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+    scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
     for index, (s0, np_, q) in enumerate(blocks):
         if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
             nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
         for i0, ni in spans(q, per_bank):
-            acc = nl.ndarray((np_, ni, gn, gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
+            acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
             for j in range(ni):
                 slots = key_columns[first_piece[index] + i0 + j]
-                for g in range(g0, g0 + gn):
+                for u, (b, g) in enumerate(units):
                     o_g, tile_g = kv_head_place(g, d)
                     for k in range(nd):
-                        nisa.nc_matmul(dst=acc[0:np_, j, g - g0], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
-                                       stationary=keys[o_g:o_g + dp, tile_g + k, slots])
+                        nisa.nc_matmul(dst=acc[0:np_, j, u], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
+                                       stationary=keys[b][o_g:o_g + dp, tile_g + k, slots])
             piece0 = first_piece[index] + i0
-            out = scores[0:np_, piece0:piece0 + ni].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
-            bias = visible[0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, gn * g_size)
-            logits = acc.reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, gn·G, T]
-            if spec.attn_logit_softcap:
-                cap = float(spec.attn_logit_softcap)
-                nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
-                nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                          operand1=bias)
-            else:
-                nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
+            for b in rows:
+                u0, un = row_units[b][0], len(row_units[b])
+                out = scores[0:np_, piece0:piece0 + ni, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
+                bias = visible[b][0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+                logits = acc[:, :, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
+                if spec.attn_logit_softcap:
+                    cap = float(spec.attn_logit_softcap)
+                    nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
+                    nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
+                                              operand1=bias)
+                else:
+                    nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
             del acc
     # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
     flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
@@ -518,14 +554,14 @@ def softmax_pass(qs, keys, v_blocks, visible, attn, by_head, b, g0, gn, blocks, 
     nisa.reciprocal(dst=scale, data=total)
     del total
     kv, nq_tiles = spec.num_kv_heads, attn.shape[1]
-    for g in range(g0, g0 + gn):
-        mine = slice((g - g0) * gt, (g - g0 + 1) * gt)
+    for u, (b, g) in enumerate(units):
+        mine = slice(u * gt, (u + 1) * gt)
         for k in range(nd):
             acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
             for p_index, (index, i) in enumerate(pieces):
                 np_ = blocks[index][1]
                 f0 = g * d + k * pmax
-                nisa.nc_matmul(dst=acc, stationary=v_blocks[index][0:np_, i, f0:f0 + dp],
+                nisa.nc_matmul(dst=acc, stationary=values[b][index][0:np_, i, f0:f0 + dp],
                                moving=weights[0:np_, p_index, mine], accumulate=p_index > 0)
             if by_head is None:
                 dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t:(b + 1) * t]
@@ -555,13 +591,10 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
     by_head = None
     if d < pmax:
         by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
-    kp, kt = column_tiles(kv * d)
     blocks = slot_blocks(s, kv * d * dtype.itemsize)
     chunks = score_chunks(blocks)
     # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    # kv heads whose softmax runs together: their G·T query columns side by side, at most 128.
-    kv_per_pass = max(1, pmax // gt)
     # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
     # np consecutive columns in score order (PE transposes).
     transposing = dtype.itemsize == 2
@@ -571,33 +604,20 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
         for i in range(q):
             key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
                                else slice(column0 + i * np_, column0 + (i + 1) * np_))
-    for b in range(batch):
-        visible = load_mask_columns(mask_bias, mask, b, blocks, pieces)
-        # Cache reads: Kᵀ (column tiles of all kv heads' features) straight from HBM by a transposing DMA (2-byte
-        # dtypes), else K blocks turned on the PE; V blocks as they are. values_first: V's write went out before k's.
-        reads = [("v", v_cache), ("k", k_cache)] if values_first else [("k", k_cache), ("v", v_cache)]
-        k_blocks, v_blocks, keys = [], [], None
-        for which, cache in reads:
-            if which == "k" and transposing:
-                keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-                for s0, np_, q in blocks:  # a DMA per block, so scores start before the last block is in
-                    n = np_ * q
-                    nisa.dma_transpose(dst=keys[:, :, s0:s0 + n],
-                                       src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
-                continue
-            for s0, np_, q in blocks:
-                tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
-                source = cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d))
-                # Two DMAs per block: work on the first slot columns starts while the rest arrives.
-                for i0, ni in spans(q, -(-q // 2)):
-                    nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
-                (k_blocks if which == "k" else v_blocks).append(tile)
-        if not transposing:
-            keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
-        for g0, gn in spans(kv, kv_per_pass):
-            softmax_pass(qs, keys, v_blocks, visible, attn, by_head, b, g0, gn, blocks, pieces, key_columns, spec,
-                         constants)
-        del k_blocks, v_blocks, keys, visible
+    # Rows whose (row, kv head) units share softmax passes: as many as fit 128 query columns and the SBUF budget
+    # for their cache tiles.
+    row_bytes = 2 * s * kv * d * dtype.itemsize // pmax
+    rows_per_pass = max(1, min(pmax // (kv * gt) if kv * gt <= pmax else 1, ROWS_SBUF_BYTES // row_bytes))
+    for r0, rn in spans(batch, rows_per_pass):
+        keys, values, visible = {}, {}, {}
+        for b in range(r0, r0 + rn):
+            visible[b] = load_mask_columns(mask_bias, mask, b, blocks, pieces)
+            keys[b], values[b] = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first)
+        units = [(b, g) for b in range(r0, r0 + rn) for g in range(kv)]
+        for u0, un in spans(len(units), max(1, pmax // gt)):
+            softmax_pass(units[u0:u0 + un], qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns,
+                         spec, constants)
+        del keys, values, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
         heads_per_tile = pmax // d
