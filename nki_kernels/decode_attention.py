@@ -38,8 +38,6 @@ from nki_kernels.svd_matmul import spans
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
 PSUM_BANK_BYTES = 2048
-# Per-partition SBUF bytes for the cache tiles (Kᵀ and V) of the rows attended together.
-ROWS_SBUF_BYTES = 65536
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
 
@@ -604,19 +602,14 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
         for i in range(q):
             key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
                                else slice(column0 + i * np_, column0 + (i + 1) * np_))
-    # Rows whose (row, kv head) units share softmax passes: as many as fit 128 query columns and the SBUF budget
-    # for their cache tiles.
-    row_bytes = 2 * s * kv * d * dtype.itemsize // pmax
-    rows_per_pass = max(1, min(pmax // (kv * gt) if kv * gt <= pmax else 1, ROWS_SBUF_BYTES // row_bytes))
-    for r0, rn in spans(batch, rows_per_pass):
-        keys, values, visible = {}, {}, {}
-        for b in range(r0, r0 + rn):
-            visible[b] = load_mask_columns(mask_bias, mask, b, blocks, pieces)
-            keys[b], values[b] = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first)
-        units = [(b, g) for b in range(r0, r0 + rn) for g in range(kv)]
-        for u0, un in spans(len(units), max(1, pmax // gt)):
-            softmax_pass(units[u0:u0 + un], qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns,
-                         spec, constants)
+    # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
+    # heads as fit 128 query columns.
+    for b in range(batch):
+        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces)}
+        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first)
+        for g0, gn in spans(kv, max(1, pmax // gt)):
+            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, {b: keys}, {b: values}, visible, attn, by_head,
+                         blocks, pieces, key_columns, spec, constants)
         del keys, values, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
