@@ -11,22 +11,30 @@ this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables (
 spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask spec.layer_mask[layer];
 qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset) or None.
 
-How the work is laid out (the cost model charges a decode step mostly for the cache bytes it reads):
+How the work is laid out (at decode the cache read dominates; the cost model charges DMAs by their contiguous
+run per partition):
 - Norm and RoPE stay in column tiles (few free elements per instruction). The per-head mean square is a
   cross-partition sum: one matmul with a block-of-ones matrix (1/D inside each head's partitions). Rotate-half
   crosses partitions when D <= 128: one matmul with a signed permutation; for D >= 256 it swaps whole tiles.
-- The new k and v are turned into rows on the PE and written with one DMA per cache at slots
-  [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM).
-- The cache is then read (after the write: the same HBM bytes) in blocks whose every partition holds several
-  consecutive slots (one long contiguous run per partition, one DMA per block), so slot p·q + i of a block sits
-  at partition p, slot column i. Scores use the permuted slot order (i major): K columns are turned on the PE
-  per slot column i, the mask is read through the same permutation, and V needs none (its slots stay on the
-  partitions, matching the turned weights).
-- Per row b and kv head g: scores [G·T, S] = qᵀ [D, G·T] stationary × Kᵀ [D, ≤512 slots] moving, accumulated
-  over D tiles, + mask (tanh softcap first when set); softmax in fp32 along the free axis (exp with its row sum
-  on ScalarE); weightsᵀ per ≤128 slots on the PE; attnᵀ [D, G·T] = V [slots, D] stationary × weightsᵀ moving,
-  accumulated over slots, so the output lands features-on-partitions; the 1/sum is broadcast over the D
-  partitions by a ones matmul against diag(1/sum). query_scaling is folded into q.
+- v, then the rotated k, are turned into rows on the PE and written with one DMA per cache at slots
+  [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM). The cache
+  reads come after the writes (the same HBM bytes), V's first since its write goes out first.
+- The cache is read in blocks whose partition p holds slots s0 + p·q .. s0 + p·q + q - 1 (one long contiguous
+  run per partition). A score "piece" is one slot column i of a block: slots s0 + p·q + i on partitions p.
+  Scores are computed transposed, slots on partitions: scoresᵀ [np ≤ 128, G·T] = Kᵀ [D, np] stationary ×
+  q [D, G·T] moving, accumulated over D tiles. Kᵀ (all kv heads' features as column tiles) comes straight from
+  HBM by a transposing DMA for 2-byte dtypes, else from PE transposes of the K blocks. The mask row is one DMA,
+  put in piece order by PE transposes; query_scaling is folded into q; tanh softcap before the mask.
+- Softmax over slots = over partitions and pieces: per-partition max over pieces, then a PE transpose and a
+  free-axis max; -max is spread back over the partitions by onesᵀ·diag(-max) (a matmul); exp on ScalarE; column
+  sums by onesᵀ·(per-partition sums), which also spreads them over the output's D partitions. The weights are
+  already [slots, G·T], the moving operand of attnᵀ [D, G·T] = V [np, D] stationary × weights, accumulated over
+  pieces: the output lands features-on-partitions (D < 128: head h is moved to its partitions (h·D) mod 128 by a
+  shift matmul). All kv heads of a row whose G·T columns fit 128 share one softmax pass.
+
+Entry points: `attention` (a subroutine for fused kernels; its pieces norm_rope, write_rows and attend are
+usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernels, `rope_kernel`,
+`cache_write_kernel` and `attention_kernel`.
 """
 
 from __future__ import annotations
