@@ -475,7 +475,7 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first):
         cache = k_cache if which == "k" else v_cache
         if which == "k" and dtype.itemsize == 2:
             keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-            for s0, np_, q in blocks:  # a DMA per block, so scores start before the last block is in
+            for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
                 n = np_ * q
                 nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
             continue
@@ -515,11 +515,11 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
             nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
         for i0, ni in spans(q, per_bank):
             acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
-            for j in range(ni):
-                slots = key_columns[first_piece[index] + i0 + j]
-                for u, (b, g) in enumerate(units):
-                    o_g, tile_g = kv_head_place(g, d)
-                    for k in range(nd):
+            for k in range(nd):
+                for j in range(ni):
+                    slots = key_columns[first_piece[index] + i0 + j]
+                    for u, (b, g) in enumerate(units):
+                        o_g, tile_g = kv_head_place(g, d)
                         nisa.nc_matmul(dst=acc[0:np_, j, u], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
                                        stationary=keys[b][o_g:o_g + dp, tile_g + k, slots])
             piece0 = first_piece[index] + i0
