@@ -74,7 +74,8 @@ class AttentionConstants:
     shift [128, 256]: shift[p, c] = 1 iff c = p + 128, so shift[:, 128:256] is the identity, shift[0:128,
     128+o : 128+o+D] moves partitions o..o+D-1 to 0..D-1 and shift[0:D, 128-o : 256-o] moves them back.
     ones [128, 128]; rotate [128, 128] (D <= 128): rotate-half as stationary.T @ x; head_mean [128, 128]: 1/D
-    where two partitions hold features of the same head (D <= 128), 1/D everywhere for D >= 256.
+    where two partitions hold features of the same head (D <= 128), 1/D everywhere for D >= 256; eps [128, 1]
+    (spec.norm_eps, the RMSNorm's bias).
     """
 
     def __init__(self, spec):
@@ -88,11 +89,13 @@ class AttentionConstants:
         nisa.memset(dst=self.shift, value=1.0)
         nisa.affine_select(dst=self.shift, pattern=[[1, 2 * pmax]], channel_multiplier=-1, on_true_tile=self.shift,
                            on_false_value=0.0, cmp_op=nl.equal, offset=-pmax)
-        self.rotate = self.head_mean = None
+        self.rotate = self.head_mean = self.eps = None
         if d <= pmax:
             self.rotate = self._rotate_half(d)
         if spec.qk_norm:
             self.head_mean = self._head_mean(d)
+            self.eps = nl.ndarray((pmax, 1), dtype=f32, buffer=nl.sbuf, name="attn_norm_eps")
+            nisa.memset(dst=self.eps, value=float(spec.norm_eps))
 
     def _rotate_half(self, d):
         """rotate[src, dst] = -1 where dst is in a head's first half and src = dst + D/2; +1 where dst is in
@@ -218,8 +221,9 @@ def per_head(columns, table, features, head_dim):
 # -- the pieces ----------------------------------------------------------------------------------------------
 
 def rms_norm_heads(x, features, weights, spec, constants):
-    """x (fp32 column tiles of `features` = n·D features) normalized over each head's D features in place:
-    x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout (already 1 + w)."""
+    """fp32 column tiles of x (column tiles of `features` = n·D features, any float dtype) normalized over each
+    head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
+    (already 1 + w)."""
     d = spec.head_dim
     parts, tiles = column_tiles(features)
     _, nd = head_tiles(d)
@@ -227,8 +231,6 @@ def rms_norm_heads(x, features, weights, spec, constants):
     groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
     squares = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_squares")
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
-    eps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_eps")
-    nisa.memset(dst=eps, value=float(spec.norm_eps))
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
     # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
     per_bank = max(nd, (PSUM_BANK_BYTES // (4 * r)) // nd * nd)
@@ -242,13 +244,16 @@ def rms_norm_heads(x, features, weights, spec, constants):
             total = nl.ndarray((parts, tn // nd, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_mean")
             nisa.tensor_reduce(dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)),
                                axis=3)
-            nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=eps)
+            nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=constants.eps[0:parts])
         else:
-            nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=eps)
-    view = x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd))
-    nisa.tensor_tensor(dst=view, data1=view, data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
-    xw, w = per_head(x, weights, features, d)
+            nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
+    normed = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
+    view = normed[0:parts].reshape_dim(1, (groups, nd))
+    nisa.tensor_tensor(dst=view, data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
+                       data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
+    xw, w = per_head(normed, weights, features, d)
     nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply)
+    return normed
 
 
 def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
@@ -304,14 +309,10 @@ def norm_rope(x, which, tables, spec, constants):
     x (column tiles, any float dtype) and load_rope_tables' tables."""
     d = spec.head_dim
     features = (spec.num_heads, spec.num_kv_heads)[which] * d
-    parts, tiles = column_tiles(features)
-    r = x.shape[2]
     cos_t, sin_t, weights = tables
-    x32 = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_f32")
-    nisa.tensor_copy(dst=x32[0:parts, :, :], src=x[0:parts, 0:tiles, 0:r])
     if spec.qk_norm:
-        rms_norm_heads(x32, features, weights[:, :, which:which + 1], spec, constants)
-    return rope_heads(x32, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
+        x = rms_norm_heads(x, features, weights[:, :, which:which + 1], spec, constants)
+    return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
 
 
 def load_write_index(write_index):
