@@ -124,12 +124,31 @@ def whitening(activations, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndar
     x = np.asarray(activations)
     if x.ndim != 2:
         raise ValueError(f"activations must have shape [n, K], got shape {x.shape}")
-    x = _as_activations(x, (x.shape[1], 1))
     with single_threaded_blas():
-        chol, damping_added = _damped_cholesky(x.T @ x, damping)
+        return whitening_of_gram(gram(x), x.shape[0], damping=damping)
+
+
+def gram(activations) -> np.ndarray:
+    """XᵀX [K, K] in float64 for activations X [n, K] (checked finite): `whitening_of_gram`'s input.
+
+    Leaves numpy's BLAS threads as they are (unlike the other functions here): it is meant to run on a worker
+    thread, and the thread-count pin is process-wide, so the caller holds `single_threaded_blas` around it."""
+    x = np.asarray(activations)
+    if x.ndim != 2:
+        raise ValueError(f"activations must have shape [n, K], got shape {x.shape}")
+    x = _as_activations(x, (x.shape[1], 1))
+    return x.T @ x
+
+
+def whitening_of_gram(gram_matrix: np.ndarray, tokens: int, *, damping: float = DEFAULT_DAMPING
+                      ) -> tuple[np.ndarray, float]:
+    """`whitening` from a precomputed `gram` XᵀX [K, K] of `tokens` rows (so the Gram product can run elsewhere,
+    e.g. on a worker thread while the caller factors another layer)."""
+    with single_threaded_blas():
+        chol, damping_added = _damped_cholesky(gram_matrix, damping)
     if damping_added > 0:
-        message = (f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
-                   f"added {damping_added:.3g}·mean(diag) to its diagonal")
+        message = (f"calibration Gram matrix XᵀX (K={gram_matrix.shape[0]}, {tokens} tokens) is not positive "
+                   f"definite; added {damping_added:.3g}·mean(diag) to its diagonal")
         warnings.warn(message, WhiteningDampedWarning, stacklevel=2)
         logger.warning(message)
     return chol, damping_added
@@ -142,7 +161,11 @@ def whitened_decomposition(w, chol) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     if w64.ndim != 2 or chol.shape != (w64.shape[0], w64.shape[0]):
         raise ValueError(f"w must be [K, N] with a whitening factor [K, K]; got w {w64.shape}, factor {chol.shape}")
     with single_threaded_blas():
-        return np.linalg.svd(chol.T @ w64, full_matrices=False)
+        # Sᵀ·w as (wᵀ·S)ᵀ with a triangular product (half a general one's work); the transposes are F-ordered views
+        # of the C-ordered arrays, so BLAS copies nothing.
+        whitened = scipy.linalg.blas.dtrmm(1.0, np.asarray(chol, np.float64).T, w64.T, side=1, lower=False,
+                                           trans_a=True).T
+        return np.linalg.svd(whitened, full_matrices=False)
 
 
 def whitened_factors(w, chol, rank: int, decomposition=None) -> tuple[np.ndarray, np.ndarray]:
