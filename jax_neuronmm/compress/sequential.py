@@ -18,6 +18,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -95,12 +96,19 @@ def svd_linear(linear: nnx.Linear, u, v) -> SVDLinear:
 def calibration_batch(model, ids):
     """(hidden [B, T, hidden] after the embedding, positions [B, T], {sliding window: mask [B, T, T]})."""
     ids = jnp.asarray(ids, jnp.int32)
-    batch, tokens = ids.shape
+    windows = tuple(dict.fromkeys(layer.self_attn.spec.sliding_window for layer in model.layers))
+    positions, masks = _positions_and_masks(ids.shape, windows)
+    return model.embed(ids), positions, dict(zip(windows, masks))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _positions_and_masks(shape, windows):
+    """positions [B, T] and one mask [B, T, T] per window, compiled as one program (run eagerly, each op
+    would compile on its own)."""
+    batch, tokens = shape
     positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
     valid = jnp.ones((batch, tokens), bool)
-    windows = {layer.self_attn.spec.sliding_window for layer in model.layers}
-    masks = {window: attention_mask(positions, positions, valid, window) for window in windows}
-    return model.embed(ids), positions, masks
+    return positions, tuple(attention_mask(positions, positions, valid, window) for window in windows)
 
 
 def compress_layers(model, dense, calibration_ids, include, ranks, method: str, options: LayerwiseOptions,
@@ -123,7 +131,7 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
         bar.close()
         return
     x_compressed, positions, masks = calibration_batch(model, calibration_ids)
-    # The whitening of the dense model's own activations (one-shot, not sequential) is computed with them.
+    # Without `sequential`, whitening uses the dense model's own activations: their Gram products come with them.
     dense_grams = method == "whitened" and not options.sequential
     dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include), dense_grams)
     with svd.single_threaded_blas(), contextlib.closing(dense_passes), bar:
@@ -163,27 +171,26 @@ def _dense_calibration(layers, x, positions, masks, taps, grams: bool):
     """Yields, for each of the dense `layers` in order, ([inputs [n, K] float32 recorded at `taps`], [their
     `svd.gram` XᵀX when `grams`, else None]), the layers fed their own outputs starting from x.
 
-    Layer i + 1's pass (the compiled forward and the Gram products) runs on a worker thread while the caller
-    factors layer i, so on a multi-core host it overlaps the caller's single-threaded LAPACK calls. The caller
-    holds `svd.single_threaded_blas` while iterating (the pin is process-wide; the worker does not touch it).
+    Before yielding layer i it runs layer i + 1's compiled pass (alone, so XLA's threads compete with nothing of
+    ours) and hands that pass's Gram products to a worker thread, where they overlap the caller's single-threaded
+    LAPACK calls on layer i. The caller holds `svd.single_threaded_blas` while iterating (the pin is
+    process-wide; the worker does not touch it).
     """
-    def run(layer, x):
-        output, inputs = record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
-        return output, inputs, [svd.gram(recorded) if grams else None for recorded in inputs]
+    def forward(layer, x):
+        return record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
 
-    import os
-    if os.environ.get("NOTHREAD"):
-        for layer in layers:
-            x, inputs, products = run(layer, x)
-            yield inputs, products
-        return
+    def products(inputs):
+        return [svd.gram(recorded) if grams else None for recorded in inputs]
+
     with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-        pending = worker.submit(run, layers[0], x)
+        x, inputs = forward(layers[0], x)
+        pending = worker.submit(products, inputs)
         for index in range(len(layers)):
-            output, inputs, products = pending.result()
+            current = inputs, pending.result()
             if index + 1 < len(layers):
-                pending = worker.submit(run, layers[index + 1], output)
-            yield inputs, products
+                x, inputs = forward(layers[index + 1], x)
+                pending = worker.submit(products, inputs)
+            yield current
 
 
 def _whitening(inputs, gram, damping):
