@@ -117,14 +117,9 @@ def _gemma3_mixed_layers():
 
 def test_calibration_pass_compiles_once_per_layer_structure(caplog):
     model = _gemma3_mixed_layers()
-    # The global flag, not the thread-local jax.log_compiles context: the passes run on a worker thread.
-    jax.config.update("jax_log_compiles", True)
-    try:
-        with caplog.at_level(logging.WARNING):
-            compress_model(model, keep=0.5, method="whitened", calibration_ids=_ids(3, 61, seed=4), block=8,
-                           include=("mlp", "attention"), progress=False)
-    finally:
-        jax.config.update("jax_log_compiles", False)
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        compress_model(model, keep=0.5, method="whitened", calibration_ids=_ids(3, 61, seed=4), block=8,
+                       include=("mlp", "attention"), progress=False)
     compiles = [record for record in caplog.records if "_tapped_forward" in record.getMessage()
                 and "Compiling" in record.getMessage()]
     # Six layers, one pass each, two structures (sliding / full attention): two compilations, not six.

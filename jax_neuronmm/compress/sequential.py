@@ -15,8 +15,6 @@ compressed attention's output, and down_proj on the hidden activations of the co
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import dataclasses
 import functools
 
@@ -131,20 +129,18 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
         bar.close()
         return
     x_compressed, positions, masks = calibration_batch(model, calibration_ids)
-    # Without `sequential`, whitening uses the dense model's own activations: their Gram products come with them.
-    dense_grams = method == "whitened" and not options.sequential
-    dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include), dense_grams)
-    with svd.single_threaded_blas(), contextlib.closing(dense_passes), bar:
-        for index, (layer, (dense_inputs, grams)) in enumerate(zip(model.layers, dense_passes)):
+    dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include))
+    with bar:
+        for index, (layer, dense_inputs) in enumerate(zip(model.layers, dense_passes)):
             mask = masks[layer.self_attn.spec.sliding_window]
 
             def compressed_inputs(tap):
                 return record_inputs(layer, x_compressed, positions, mask, [tap])[1][0]
 
             if "attention" in include:
-                for group, dense_in, gram in zip(ATTENTION_GROUPS, dense_inputs, grams):
+                for group, dense_in in zip(ATTENTION_GROUPS, dense_inputs):
                     inputs = compressed_inputs(("self_attn", group[0])) if options.sequential else dense_in
-                    chol = _whitening(inputs, gram, options.damping) if method == "whitened" else None
+                    chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
                     for name in group:
                         linear = getattr(layer.self_attn, name)
                         u, v = _factor(linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in,
@@ -153,8 +149,8 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
             if "mlp" in include:
                 dense_in, dense_hidden = dense_inputs[-2:]
                 inputs = compressed_inputs(("mlp", "gate_proj")) if options.sequential else dense_in
-                layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, dense_hidden, grams[-2:], ranks,
-                                          method, options, fused_activation)
+                layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options,
+                                          fused_activation)
             if options.sequential:
                 x_compressed = record_inputs(layer, x_compressed, positions, mask, [])[0]
             bar.update()
@@ -167,37 +163,12 @@ def _taps(include) -> list:
     return taps + [("mlp", "gate_proj"), ("mlp", "down_proj")] if "mlp" in include else taps
 
 
-def _dense_calibration(layers, x, positions, masks, taps, grams: bool):
-    """Yields, for each of the dense `layers` in order, ([inputs [n, K] float32 recorded at `taps`], [their
-    `svd.gram` XᵀX when `grams`, else None]), the layers fed their own outputs starting from x.
-
-    Before yielding layer i it runs layer i + 1's compiled pass (alone, so XLA's threads compete with nothing of
-    ours) and hands that pass's Gram products to a worker thread, where they overlap the caller's single-threaded
-    LAPACK calls on layer i. The caller holds `svd.single_threaded_blas` while iterating (the pin is
-    process-wide; the worker does not touch it).
-    """
-    def forward(layer, x):
-        return record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
-
-    def products(inputs):
-        return [svd.gram(recorded) if grams else None for recorded in inputs]
-
-    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as worker:
-        x, inputs = forward(layers[0], x)
-        pending = worker.submit(products, inputs)
-        for index in range(len(layers)):
-            current = inputs, pending.result()
-            if index + 1 < len(layers):
-                x, inputs = forward(layers[index + 1], x)
-                pending = worker.submit(products, inputs)
-            yield current
-
-
-def _whitening(inputs, gram, damping):
-    """`svd.whitening` factor of inputs [n, K], from their precomputed Gram XᵀX when given."""
-    if gram is None:
-        return svd.whitening(inputs, damping=damping)[0]
-    return svd.whitening_of_gram(gram, inputs.shape[0], damping=damping)[0]
+def _dense_calibration(layers, x, positions, masks, taps):
+    """Yields, for each of the dense `layers` in order, [inputs [n, K] float32 recorded at `taps`], the layers fed
+    their own outputs starting from x (one compiled pass per layer)."""
+    for layer in layers:
+        x, inputs = record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
+        yield inputs
 
 
 def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING,
@@ -208,12 +179,12 @@ def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DE
     groups = list(ATTENTION_GROUPS) if "attention" in include else []
     groups += [("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else []
     spectra = {}
-    dense_passes = _dense_calibration(dense.layers, x, positions, masks, _taps(include), True)
+    dense_passes = _dense_calibration(dense.layers, x, positions, masks, _taps(include))
     bar = tqdm(total=len(dense.layers), desc="whitened spectra", disable=not progress, unit="layer")
-    with svd.single_threaded_blas(), contextlib.closing(dense_passes), bar:
-        for index, (layer, (inputs, grams)) in enumerate(zip(dense.layers, dense_passes)):
-            for group, group_inputs, gram in zip(groups, inputs, grams):
-                chol = _whitening(group_inputs, gram, damping)
+    with bar:
+        for index, (layer, inputs) in enumerate(zip(dense.layers, dense_passes)):
+            for group, group_inputs in zip(groups, inputs):
+                chol = svd.whitening(group_inputs, damping=damping)[0]
                 parent = layer.mlp if group[0] in MLP_PROJECTIONS else layer.self_attn
                 for name in group:
                     spectra[(index, name)] = svd.whitened_decomposition(getattr(parent, name).kernel[...], chol)[1]
@@ -255,13 +226,12 @@ def _gated_hidden(x, gate, up, activation):
     return np.asarray(activation_fn(activation)(jnp.asarray(project(gate))), np.float32) * project(up)
 
 
-def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, grams, ranks, method, options,
+def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, ranks, method, options,
                   fused_activation):
     """The factored MLP. inputs / dense_inputs [n, hidden]: what the compressed / dense model feed it;
-    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs; grams: the Gram matrices of
-    (inputs, down_proj's inputs) when precomputed, else None."""
+    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs."""
     kernels = {name: np.asarray(getattr(mlp, name).kernel[...], np.float32) for name in MLP_PROJECTIONS}
-    chol = _whitening(inputs, grams[0], options.damping) if method == "whitened" else None
+    chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
     factors = {}
     for name in ("gate_proj", "up_proj"):
         factors[name] = _factor(kernels[name], ranks[(index, name)], method, chol, inputs, dense_inputs, options)
@@ -269,7 +239,7 @@ def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, gram
         hidden = _gated_hidden(inputs, factors["gate_proj"], factors["up_proj"], mlp.activation)
     else:
         hidden = dense_hidden
-    down_chol = _whitening(hidden, grams[1], options.damping) if method == "whitened" else None
+    down_chol = svd.whitening(hidden, damping=options.damping)[0] if method == "whitened" else None
     factors["down_proj"] = _factor(kernels["down_proj"], ranks[(index, "down_proj")], method, down_chol, hidden,
                                    dense_hidden, options)
     fused = fused_activation(mlp)

@@ -124,31 +124,12 @@ def whitening(activations, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndar
     x = np.asarray(activations)
     if x.ndim != 2:
         raise ValueError(f"activations must have shape [n, K], got shape {x.shape}")
-    with single_threaded_blas():
-        return whitening_of_gram(gram(x), x.shape[0], damping=damping)
-
-
-def gram(activations) -> np.ndarray:
-    """XᵀX [K, K] in float64 for activations X [n, K] (checked finite): `whitening_of_gram`'s input.
-
-    Leaves numpy's BLAS threads as they are (unlike the other functions here): it is meant to run on a worker
-    thread, and the thread-count pin is process-wide, so the caller holds `single_threaded_blas` around it."""
-    x = np.asarray(activations)
-    if x.ndim != 2:
-        raise ValueError(f"activations must have shape [n, K], got shape {x.shape}")
     x = _as_activations(x, (x.shape[1], 1))
-    return x.T @ x
-
-
-def whitening_of_gram(gram_matrix: np.ndarray, tokens: int, *, damping: float = DEFAULT_DAMPING
-                      ) -> tuple[np.ndarray, float]:
-    """`whitening` from a precomputed `gram` XᵀX [K, K] of `tokens` rows (so the Gram product can run elsewhere,
-    e.g. on a worker thread while the caller factors another layer)."""
     with single_threaded_blas():
-        chol, damping_added = _damped_cholesky(gram_matrix, damping)
+        chol, damping_added = _damped_cholesky(x.T @ x, damping)
     if damping_added > 0:
-        message = (f"calibration Gram matrix XᵀX (K={gram_matrix.shape[0]}, {tokens} tokens) is not positive "
-                   f"definite; added {damping_added:.3g}·mean(diag) to its diagonal")
+        message = (f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
+                   f"added {damping_added:.3g}·mean(diag) to its diagonal")
         warnings.warn(message, WhiteningDampedWarning, stacklevel=2)
         logger.warning(message)
     return chol, damping_added
