@@ -1,0 +1,121 @@
+"""A decode step over all layers, composed three ways, run on the emulator: `run_decode_step(composition, ...)`.
+
+The kernels (decode_step_kernel, decoder_layer_kernel, lm_head_kernel and the per-op kernels) live in
+nki_kernels.decode_step_kernels, whose docstring describes them and the operands; they are re-exported here (kernel
+modules never import the emulator, which this runner needs).
+
+Each kernel launch is one emulated run (one row of `emulator.profile()`); activations cross HBM between launches
+as numpy arrays. With numerics=False the launches are count-only traces and operands may be emulator `Spec`
+placeholders (shape and dtype, no memory), so full-size models trace without their weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+
+from nki_kernels import decode_attention
+from nki_kernels.decode_spec import PROJECTIONS
+from nki_kernels.decode_step_kernels import (COMPOSITIONS, MLP_PROJECTIONS, OPERAND_NAMES, add_kernel, check_spec,
+                                             decode_step_kernel, decoder_layer_kernel, head_kernel, lm_head_kernel,
+                                             norm_kernel, projection_kernel, weight_dtype)
+from nki_kernels.emulator import count_only
+from nki_kernels.emulator.kernel import Spec, run
+from nki_kernels.gated_activation import gated_activation_kernel
+from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
+
+__all__ = ["COMPOSITIONS", "OPERAND_NAMES", "add_kernel", "decode_step_kernel", "decoder_layer_kernel", "head_kernel",
+           "lm_head_kernel", "norm_kernel", "projection_kernel", "run_decode_step"]
+
+
+def _factor_slice(tensor, layer, rank, axis):
+    """Layer `layer` of stacked factor `tensor`, cut to `rank` along axis (1: u's columns, 0: v's rows), as a
+    standalone array (or a count-only Spec placeholder) for kernels that take exact factors."""
+    if isinstance(tensor, Spec):
+        shape = list(tensor.shape[1:])
+        shape[axis] = rank
+        return Spec(shape, tensor.dtype)
+    part = tensor[layer]
+    return np.ascontiguousarray(part[:, :rank] if axis == 1 else part[:rank])
+
+
+def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
+    """Run one decode step as `composition` (one of COMPOSITIONS) on the emulator: (logits [B, T, V] float32,
+    k_cache, v_cache). operands: numpy arrays as in the module docstring (lists for factors), or emulator
+    `Spec` placeholders with numerics=False (a count-only trace: no weight memory, NaN-filled results)."""
+    if composition not in COMPOSITIONS:
+        raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
+    check_spec(spec)
+    ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
+    with contextlib.nullcontext() if numerics else count_only():
+        if composition == "looped":
+            return _launch(decode_step_kernel, *operands, spec=spec, **ring)
+        ops = dict(zip(OPERAND_NAMES, operands))
+        if composition == "per_layer":
+            x, k_cache, v_cache = ops["x"], ops["k_cache"], ops["v_cache"]
+            layer_ops = [ops[name] for name in ("norms", "qk_norms") + PROJECTIONS]
+            for layer in range(spec.num_layers):
+                x, k_cache, v_cache = _launch(decoder_layer_kernel, 
+                    x, *layer_ops, k_cache, v_cache, ops["write_index"], ops["cos"], ops["sin"], ops["mask_bias"],
+                    spec=spec, layer=layer, **ring)
+            return _launch(lm_head_kernel, x, ops["final_norm"], ops["head"], spec=spec, **ring), k_cache, v_cache
+        return _run_per_op(composition == "today", ops, spec, ring)
+
+
+def _run_per_op(today, ops, spec, ring):
+    b, t, h_features = ops["x"].shape
+    rows = b * t
+    model = np.dtype(weight_dtype(ops["q"])).name
+    x = np.asarray(ops["x"]).reshape(rows, h_features) if isinstance(ops["x"], np.ndarray) else \
+        _spec_like(ops["x"], (rows, h_features))
+    k_cache, v_cache = ops["k_cache"], ops["v_cache"]
+
+    def norm(src, layer, j, out_dtype):
+        return _launch(norm_kernel, src, ops["norms"], index=(layer, j), spec=spec, out_dtype=out_dtype)
+
+    def project(src, name, layer, out_dtype):
+        return _launch(projection_kernel, src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype,
+                                 **ring)
+
+    for layer in range(spec.num_layers):
+        h = norm(x, layer, 0, model)
+        q, k, v = (project(h, name, layer, model) for name in ("q", "k", "v"))
+        q, k = _launch(decode_attention.rope_kernel, q.reshape(b, t, -1), k.reshape(b, t, -1), ops["cos"],
+                       ops["sin"], ops["qk_norms"], layer=layer, spec=spec)
+        k_cache, v_cache = _launch(decode_attention.cache_write_kernel, k, v.reshape(b, t, -1), k_cache, v_cache,
+                                   ops["write_index"], layer=layer)
+        attn = _launch(decode_attention.attention_kernel, q, k_cache, v_cache, ops["mask_bias"], layer=layer,
+                       spec=spec)
+        y = project(attn.reshape(rows, -1), "o", layer, "float32")
+        if spec.sandwich:
+            y = norm(y, layer, 1, "float32")
+        x = _launch(add_kernel, x, y)
+        h = norm(x, layer, 2 if spec.sandwich else 1, model)
+        factored = all(spec.rank(name, layer) is not None for name in MLP_PROJECTIONS)
+        if today and factored:
+            r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
+            u = {name: _factor_slice(ops[name][0], layer, r[name], 1) for name in MLP_PROJECTIONS}
+            vv = {name: _factor_slice(ops[name][1], layer, r[name], 0) for name in MLP_PROJECTIONS}
+            hT = _launch(svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"],
+                         activation=spec.activation)
+            m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
+        else:
+            gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)
+            hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)
+            m = project(hidden, "down", layer, "float32")
+        if spec.sandwich:
+            m = norm(m, layer, 3, "float32")
+        x = _launch(add_kernel, x, m)
+    h = _launch(norm_kernel, x, ops["final_norm"], index=(), spec=spec, out_dtype=model)
+    logits = _launch(head_kernel, h, ops["head"], spec=spec, **ring)
+    return logits.reshape(b, t, spec.vocab), k_cache, v_cache
+
+
+def _launch(kernel, *args, **kwargs):
+    """One emulated launch (numpy arrays or count-only Spec placeholders as tensor arguments)."""
+    return run(kernel, args, kwargs)
+
+
+def _spec_like(placeholder, shape):
+    return Spec(shape, placeholder.dtype)
