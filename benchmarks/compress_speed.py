@@ -83,6 +83,7 @@ def main(argv):
     if FLAGS.unpinned:
         runs.append(("svd, BLAS threads unpinned", "svd", None, False))
     rows = []
+    load_start = os.getloadavg()[0]
     for label, method, calibration, pinned in runs:
         totals = {}
         pin = svd.single_threaded_blas
@@ -106,7 +107,9 @@ def main(argv):
         f"Random model of Gemma 3 270M's shape ({FLAGS.num_layers} of its 18 layers, 640 -> 2048 MLPs, vocabulary "
         f"262144), keep 0.8, MLPs only ({3 * FLAGS.num_layers} projections); whitened calibrated on {FLAGS.calibration_windows} x {FLAGS.seq_len} random tokens. "
         f"LAPACK time = the summed wall time of numpy.linalg.svd / cholesky / solve and scipy.linalg.solve_triangular "
-        f"calls made during the same compress_model call. {FLAGS.load_note}",
+        f"calls made during the same compress_model call. Machine: {os.cpu_count()} cores, 1-minute load average "
+        f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (the other processes' load slows "
+        f"both columns). {FLAGS.load_note}",
         "",
         "| run | compress_model (s) | linear algebra (s) | ratio | split |",
         "|---|---|---|---|---|",

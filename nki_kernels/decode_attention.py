@@ -11,22 +11,30 @@ this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables (
 spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask spec.layer_mask[layer];
 qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset) or None.
 
-How the work is laid out (the cost model charges a decode step mostly for the cache bytes it reads):
+How the work is laid out (at decode the cache read dominates; the cost model charges DMAs by their contiguous
+run per partition):
 - Norm and RoPE stay in column tiles (few free elements per instruction). The per-head mean square is a
   cross-partition sum: one matmul with a block-of-ones matrix (1/D inside each head's partitions). Rotate-half
   crosses partitions when D <= 128: one matmul with a signed permutation; for D >= 256 it swaps whole tiles.
-- The new k and v are turned into rows on the PE and written with one DMA per cache at slots
-  [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM).
-- The cache is then read (after the write: the same HBM bytes) in blocks whose every partition holds several
-  consecutive slots (one long contiguous run per partition, one DMA per block), so slot p·q + i of a block sits
-  at partition p, slot column i. Scores use the permuted slot order (i major): K columns are turned on the PE
-  per slot column i, the mask is read through the same permutation, and V needs none (its slots stay on the
-  partitions, matching the turned weights).
-- Per row b and kv head g: scores [G·T, S] = qᵀ [D, G·T] stationary × Kᵀ [D, ≤512 slots] moving, accumulated
-  over D tiles, + mask (tanh softcap first when set); softmax in fp32 along the free axis (exp with its row sum
-  on ScalarE); weightsᵀ per ≤128 slots on the PE; attnᵀ [D, G·T] = V [slots, D] stationary × weightsᵀ moving,
-  accumulated over slots, so the output lands features-on-partitions; the 1/sum is broadcast over the D
-  partitions by a ones matmul against diag(1/sum). query_scaling is folded into q.
+- v, then the rotated k, are turned into rows on the PE and written with one DMA per cache at slots
+  [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM). The cache
+  reads come after the writes (the same HBM bytes), V's first since its write goes out first.
+- The cache is read in blocks whose partition p holds slots s0 + p·q .. s0 + p·q + q - 1 (one long contiguous
+  run per partition). A score "piece" is one slot column i of a block: slots s0 + p·q + i on partitions p.
+  Scores are computed transposed, slots on partitions: scoresᵀ [np ≤ 128, G·T] = Kᵀ [D, np] stationary ×
+  q [D, G·T] moving, accumulated over D tiles. Kᵀ (all kv heads' features as column tiles) comes straight from
+  HBM by a transposing DMA for 2-byte dtypes, else from PE transposes of the K blocks. The mask row is one DMA,
+  put in piece order by PE transposes; query_scaling is folded into q; tanh softcap before the mask.
+- Softmax over slots = over partitions and pieces: per-partition max over pieces, then a PE transpose and a
+  free-axis max; -max is spread back over the partitions by onesᵀ·diag(-max) (a matmul); exp on ScalarE; column
+  sums by onesᵀ·(per-partition sums), which also spreads them over the output's D partitions. The weights are
+  already [slots, G·T], the moving operand of attnᵀ [D, G·T] = V [np, D] stationary × weights, accumulated over
+  pieces: the output lands features-on-partitions (D < 128: head h is moved to its partitions (h·D) mod 128 by a
+  shift matmul). All kv heads of a row whose G·T columns fit 128 share one softmax pass.
+
+Entry points: `attention` (a subroutine for fused kernels; its pieces norm_rope, write_rows and attend are
+usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernels, `rope_kernel`,
+`cache_write_kernel` and `attention_kernel`.
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ from nki_kernels.svd_matmul import spans
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
 PSUM_BANK_BYTES = 2048
+# Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
+MASKED_SCORE = -3.0e38
 
 
 def check_head_dim(head_dim):
@@ -64,7 +74,8 @@ class AttentionConstants:
     shift [128, 256]: shift[p, c] = 1 iff c = p + 128, so shift[:, 128:256] is the identity, shift[0:128,
     128+o : 128+o+D] moves partitions o..o+D-1 to 0..D-1 and shift[0:D, 128-o : 256-o] moves them back.
     ones [128, 128]; rotate [128, 128] (D <= 128): rotate-half as stationary.T @ x; head_mean [128, 128]: 1/D
-    where two partitions hold features of the same head (D <= 128), 1/D everywhere for D >= 256.
+    where two partitions hold features of the same head (D <= 128), 1/D everywhere for D >= 256; eps [128, 1]
+    (spec.norm_eps, the RMSNorm's bias).
     """
 
     def __init__(self, spec):
@@ -78,11 +89,13 @@ class AttentionConstants:
         nisa.memset(dst=self.shift, value=1.0)
         nisa.affine_select(dst=self.shift, pattern=[[1, 2 * pmax]], channel_multiplier=-1, on_true_tile=self.shift,
                            on_false_value=0.0, cmp_op=nl.equal, offset=-pmax)
-        self.rotate = self.head_mean = None
+        self.rotate = self.head_mean = self.eps = None
         if d <= pmax:
             self.rotate = self._rotate_half(d)
         if spec.qk_norm:
             self.head_mean = self._head_mean(d)
+            self.eps = nl.ndarray((pmax, 1), dtype=f32, buffer=nl.sbuf, name="attn_norm_eps")
+            nisa.memset(dst=self.eps, value=float(spec.norm_eps))
 
     def _rotate_half(self, d):
         """rotate[src, dst] = -1 where dst is in a head's first half and src = dst + D/2; +1 where dst is in
@@ -141,16 +154,19 @@ def rows_to_columns(rows, columns):
 
 
 def columns_to_rows(columns, rows):
-    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns), one eviction
-    (with cast to rows' dtype) per PSUM bank."""
+    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns); evictions (with
+    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions)."""
     pmax = nl.tile_size.pmax
     r, f = rows.shape[0], rows.shape[1]
-    per_bank = PSUM_BANK_BYTES // columns.dtype.itemsize
-    for c0, cw in spans(f, max(pmax, per_bank - per_bank % pmax)):
+    step = nl.tile_size.gemm_moving_fmax
+    for n, (c0, cw) in enumerate(spans(f, step)):
         turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
         for f0, pt in spans(cw, pmax):
             nisa.nc_transpose(dst=turned[0:r, f0:f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        nisa.tensor_copy(dst=rows[0:r, c0:c0 + cw], src=turned)
+        if n % 2:
+            nisa.activation(dst=rows[0:r, c0:c0 + cw], op=nl.copy, data=turned)
+        else:
+            nisa.tensor_copy(dst=rows[0:r, c0:c0 + cw], src=turned)
 
 
 def load_columns(x, dtype=None, name="x_columns"):
@@ -205,31 +221,39 @@ def per_head(columns, table, features, head_dim):
 # -- the pieces ----------------------------------------------------------------------------------------------
 
 def rms_norm_heads(x, features, weights, spec, constants):
-    """x (fp32 column tiles of `features` = n·D features) normalized over each head's D features in place:
-    x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout (already 1 + w)."""
-    pmax = nl.tile_size.pmax
+    """fp32 column tiles of x (column tiles of `features` = n·D features, any float dtype) normalized over each
+    head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
+    (already 1 + w)."""
     d = spec.head_dim
     parts, tiles = column_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
+    groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
     squares = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_squares")
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
-    groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
-    eps = nl.ndarray((parts, 1), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_eps")
-    nisa.memset(dst=eps, value=float(spec.norm_eps))
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
-    for g0, gn in spans(groups, per_bank):
-        mean = nl.ndarray((parts, gn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
-        for j in range(gn):
-            for k in range(nd):
-                nisa.nc_matmul(dst=mean[0:parts, j, 0:r], stationary=constants.head_mean[0:parts, 0:parts],
-                               moving=squares[0:parts, (g0 + j) * nd + k, 0:r], accumulate=k > 0)
-        nisa.activation(dst=rstd[0:parts, g0:g0 + gn, :], op=nl.rsqrt, data=mean, bias=eps)
-    view = x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd))
-    nisa.tensor_tensor(dst=view, data1=view, data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
-    xw, w = per_head(x, weights, features, d)
+    # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
+    per_bank = max(nd, (PSUM_BANK_BYTES // (4 * r)) // nd * nd)
+    for t0, tn in spans(tiles, per_bank):
+        mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
+        for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
+            nisa.nc_matmul(dst=mean[0:parts, c0:c0 + cn, :], stationary=constants.head_mean[0:parts, 0:parts],
+                           moving=squares[0:parts, t0 + c0:t0 + c0 + cn, :])
+        out = rstd[0:parts, t0 // nd:(t0 + tn) // nd, :]
+        if nd > 1:  # a head's mean is the sum of its tiles' partial means
+            total = nl.ndarray((parts, tn // nd, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_mean")
+            nisa.tensor_reduce(dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)),
+                               axis=3)
+            nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=constants.eps[0:parts])
+        else:
+            nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
+    normed = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
+    view = normed[0:parts].reshape_dim(1, (groups, nd))
+    nisa.tensor_tensor(dst=view, data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
+                       data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
+    xw, w = per_head(normed, weights, features, d)
     nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply)
+    return normed
 
 
 def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
@@ -246,13 +270,12 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
         nisa.tensor_tensor(dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply,
                            engine=engine)
     if constants.rotate is not None:
-        # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per tile.
-        per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
+        # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per ≤512 columns.
+        per_bank = max(1, nl.tile_size.gemm_moving_fmax // r)
         for t0, tn in spans(tiles, per_bank):
             turned = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="rope_psum")
-            for j in range(tn):
-                nisa.nc_matmul(dst=turned[0:parts, j, 0:r], stationary=constants.rotate[0:parts, 0:parts],
-                               moving=x_sin[0:parts, t0 + j, 0:r])
+            nisa.nc_matmul(dst=turned, stationary=constants.rotate[0:parts, 0:parts],
+                           moving=x_sin[0:parts, t0:t0 + tn, :])
             nisa.tensor_tensor(dst=out[0:parts, t0:t0 + tn, :], data1=x_cos[0:parts, t0:t0 + tn, :], data2=turned,
                                op=nl.add)
     else:
@@ -265,45 +288,51 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     return out
 
 
-def norm_rope_qk(qT, kT, layer, cos, sin, qk_norm_weights, spec, constants):
-    """(q, k) fp32 column tiles after the optional head-dim RMSNorm and RoPE (tables of layer `layer`)."""
+def load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows):
+    """(cos, sin, norm weights) of layer `layer` as fp32 column tiles for norm_rope: cos/sin [128, nd, R] (table
+    spec.layer_rope[layer]); weights [128, nd, 2] (q_norm, k_norm; 1 + w with norm_unit_offset) or None."""
     d = spec.head_dim
-    r = qT.shape[2]
     _, batch, t, _ = cos.shape
-    table = spec.layer_rope[layer]
-    cos_t = load_head_table(cos, table * batch * t * d, r, d, "rope_cos")
-    sin_t = load_head_table(sin, table * batch * t * d, r, d, "rope_sin")
-    out = []
-    for which, (x, features) in enumerate(((qT, spec.num_heads * d), (kT, spec.num_kv_heads * d))):
-        parts, tiles = column_tiles(features)
-        x32 = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_f32")
-        nisa.tensor_copy(dst=x32[0:parts, :, :], src=x[0:parts, 0:tiles, 0:r])
-        if spec.qk_norm:
-            weights = load_head_table(qk_norm_weights, (layer * 2 + which) * d, 1, d, "qk_norm_weight")
-            if spec.norm_unit_offset:
-                nisa.tensor_scalar(dst=weights, data=weights, op0=nl.add, operand0=1.0)
-            rms_norm_heads(x32, features, weights, spec, constants)
-        out.append(rope_heads(x32, features, cos_t, sin_t, spec, constants, "qk_rope"))
-    return out[0], out[1]
+    first = spec.layer_rope[layer] * batch * t * d
+    cos_t = load_head_table(cos, first, rows, d, "rope_cos")
+    sin_t = load_head_table(sin, first, rows, d, "rope_sin")
+    weights = None
+    if spec.qk_norm:
+        weights = load_head_table(qk_norm_weights, layer * 2 * d, 2, d, "qk_norm_weights")
+        if spec.norm_unit_offset:
+            nisa.tensor_scalar(dst=weights, data=weights, op0=nl.add, operand0=1.0)
+    return cos_t, sin_t, weights
 
 
-def write_cache(kT, vT, k_cache, v_cache, layer, write_index):
-    """k_cache[layer, b, w:w+T] = k rows, v_cache likewise, IN PLACE, w = write_index[0, 0] read at run time.
+def norm_rope(x, which, tables, spec, constants):
+    """fp32 column tiles of q (which = 0) or k (which = 1) after the optional head-dim RMSNorm and RoPE, from
+    x (column tiles, any float dtype) and load_rope_tables' tables."""
+    d = spec.head_dim
+    features = (spec.num_heads, spec.num_kv_heads)[which] * d
+    cos_t, sin_t, weights = tables
+    if spec.qk_norm:
+        x = rms_norm_heads(x, features, weights[:, :, which:which + 1], spec, constants)
+    return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
 
-    kT, vT: column tiles of kv_heads·D features (any float dtype; cast to the cache dtype). One DMA per cache:
-    every row's T slots of kv_heads·D values are one contiguous run in HBM.
-    """
-    _, batch, s, kv, d = k_cache.shape
-    r = kT.shape[2]
-    t = r // batch
+
+def load_write_index(write_index):
+    """The [1, 1] int32 write slot in SBUF, for DMA offsets read at run time."""
     index = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="write_index")
     nisa.dma_copy(dst=index, src=write_index)
-    for columns, cache in ((vT, v_cache), (kT, k_cache)):
-        rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
-        columns_to_rows(columns, rows)
-        slots = cache.ap([[s * kv * d, batch], [kv * d, t], [1, kv * d]], offset=layer * batch * s * kv * d,
-                         scalar_offset=index, indirect_dim=2)
-        nisa.dma_copy(dst=slots, src=rows)
+    return index
+
+
+def write_rows(columns, cache, layer, index):
+    """cache[layer, b, w:w+T] = the rows of `columns` (column tiles of kv_heads·D features, any float dtype, cast
+    to the cache dtype) IN PLACE, w = index[0, 0] (load_write_index) read at run time: one DMA, since every
+    row's T slots of kv_heads·D values are one contiguous run in HBM."""
+    _, batch, s, kv, d = cache.shape
+    r = columns.shape[2]
+    rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
+    columns_to_rows(columns, rows)
+    slots = cache.ap([[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]], offset=layer * batch * s * kv * d,
+                     scalar_offset=index, indirect_dim=2)
+    nisa.dma_copy(dst=slots, src=rows)
 
 
 def slot_blocks(s, slot_bytes):
@@ -334,38 +363,222 @@ def score_chunks(blocks):
     return chunks
 
 
+def spread_columns(values, partitions, constants):
+    """PSUM [partitions, n] fp32 whose every partition holds values [n, 1] (a column) as a row: onesᵀ·diag."""
+    n = values.shape[0]
+    pmax = nl.tile_size.pmax
+    diag = nl.ndarray((n, n), dtype=nl.float32, buffer=nl.sbuf, name="spread_diag")
+    nisa.tensor_scalar(dst=diag, data=constants.shift[0:n, pmax:pmax + n], op0=nl.multiply, operand0=values)
+    spread = nl.ndarray((partitions, n), dtype=nl.float32, buffer=nl.psum, name="spread_psum")
+    nisa.nc_matmul(dst=spread, stationary=constants.ones[0:n, 0:partitions], moving=diag)
+    return spread
+
+
+def kv_head_place(g, d):
+    """(partition offset, first column tile) of kv head g's features in column tiles of kv_heads·D features."""
+    pmax = nl.tile_size.pmax
+    return (g * d) % pmax, (g * d) // pmax
+
+
 def prepare_queries(q, spec, batch, dtype, constants):
-    """qs [Dp, nd, B, kv, G, T] in `dtype`: each kv head's query heads of each row b with the head dim on
-    partitions 0..Dp-1 (stationary [Dp, G·T] per (tile, b, g)), times query_scaling."""
+    """qs [128, nd, B, kv, G, T] in `dtype`, times query_scaling: the query heads of kv head g of row b with
+    their head dim on the same partitions as g's features in the keys' column tiles (partitions o..o+Dp-1,
+    o = kv_head_place(g, D)[0]), so each (tile, b, g) is a stationary [Dp, G·T] contracting against Kᵀ."""
     d = spec.head_dim
+    pmax = nl.tile_size.pmax
     dp, nd = head_tiles(d)
     heads, kv = spec.num_heads, spec.num_kv_heads
     g_size = heads // kv
     r = q.shape[2]
     t = r // batch
-    qs = nl.ndarray((dp, nd, batch, kv, g_size, t), dtype=dtype, buffer=nl.sbuf, name="attn_queries")
-    if d >= nl.tile_size.pmax:
+    qs = nl.ndarray((pmax, nd, batch, kv, g_size, t), dtype=dtype, buffer=nl.sbuf, name="attn_queries")
+    if d >= pmax:
         source = q.reshape_dim(1, (kv, g_size, nd))
         for k in range(nd):
             nisa.activation(dst=qs[:, k].permute((0, 2, 3, 1, 4)), op=nl.copy,
                             data=source[:, :, :, k, :].reshape_dim(3, (batch, t)), scale=float(spec.query_scaling))
         return qs
+    # Head h moves from partitions o_h.. of its tile to o_g..: a shift matmul whose output rows below o_g are 0.
     parts, _ = column_tiles(heads * d)
-    by_head = qs[:, 0].permute((0, 2, 3, 1, 4)).flatten_dims(1, 2)  # [D, heads, B, T]
     per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
-    for h0, hn in spans(heads, per_bank):
-        moved = nl.ndarray((dp, hn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
-        for j in range(hn):
-            offset = ((h0 + j) * d) % nl.tile_size.pmax
-            nisa.nc_matmul(dst=moved[0:dp, j, 0:r],
-                           stationary=constants.shift[0:parts, 128 + offset:128 + offset + dp],
-                           moving=q[0:parts, (h0 + j) * d // nl.tile_size.pmax, 0:r])
-        nisa.activation(dst=by_head[:, h0:h0 + hn], op=nl.copy, data=moved.reshape_dim(2, (batch, t)),
-                        scale=float(spec.query_scaling))
+    for g in range(kv):
+        o_g, _ = kv_head_place(g, d)
+        by_head = qs[o_g:o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
+        for j0, jn in spans(g_size, per_bank):
+            moved = nl.ndarray((o_g + d, jn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
+            for j in range(jn):
+                h = g * g_size + j0 + j
+                o_h = (h * d) % pmax
+                nisa.nc_matmul(dst=moved[:, j, :], moving=q[0:parts, h * d // pmax, 0:r],
+                               stationary=constants.shift[0:parts, pmax - o_g + o_h:pmax + o_h + d])
+            nisa.activation(dst=by_head[:, j0:j0 + jn], op=nl.copy,
+                            data=moved[o_g:o_g + d].reshape_dim(2, (batch, t)), scale=float(spec.query_scaling))
     return qs
 
 
-def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
+def load_mask_columns(mask_bias, mask, b, blocks, pieces):
+    """fp32 [128, pieces, T]: element [p, n, t] = mask_bias[mask, b, t, slot] for the slot at partition p of
+    score piece n (slot s0 + p·q + i of piece (block, i)). The row's [T, S] bias is one contiguous DMA; the
+    permutation is done by PE transposes of strided columns."""
+    pmax = nl.tile_size.pmax
+    _, batch, t, s = mask_bias.shape
+    rows = nl.ndarray((t, s), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
+    nisa.dma_copy(dst=rows, src=mask_bias[mask, b])
+    columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
+    per_bank = max(1, PSUM_BANK_BYTES // (4 * t))
+    groups = []  # runs of pieces of one block, at most a PSUM bank each
+    for n, (index, i) in enumerate(pieces):
+        if groups and groups[-1][0] == index and len(groups[-1][1]) < per_bank:
+            groups[-1][1].append((n, i))
+        else:
+            groups.append((index, [(n, i)]))
+    for index, members in groups:
+        s0, np_, q = blocks[index]
+        turned = nl.ndarray((np_, len(members), t), dtype=nl.float32, buffer=nl.psum, name="mask_psum")
+        for j, (_, i) in enumerate(members):
+            nisa.nc_transpose(dst=turned[0:np_, j, 0:t], data=rows[0:t, s0 + i:s0 + np_ * q:q])
+        first = members[0][0]
+        nisa.tensor_copy(dst=columns[0:np_, first:first + len(members), :], src=turned)
+    return columns
+
+
+def turn_keys(k_blocks, blocks, chunks, features, dtype):
+    """Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads (F = kv_heads·D features) in score order
+    (score_chunks) from cache blocks, by PE transposes; PSUM evictions alternate between VectorE and ScalarE."""
+    kp, kt = column_tiles(features)
+    s = sum(np_ * q for _, np_, q in blocks)
+    keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+    for n, (index, i0, ni, c0) in enumerate(chunks):
+        np_ = blocks[index][1]
+        width = ni * np_
+        for k in range(kt):
+            turned = nl.ndarray((kp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
+            for j in range(ni):
+                nisa.nc_transpose(dst=turned[0:kp, j * np_:(j + 1) * np_],
+                                  data=k_blocks[index][0:np_, i0 + j, k * kp:(k + 1) * kp])
+            if (n + k) % 2:
+                nisa.activation(dst=keys[0:kp, k, c0:c0 + width], op=nl.copy, data=turned)
+            else:
+                nisa.tensor_copy(dst=keys[0:kp, k, c0:c0 + width], src=turned)
+    return keys
+
+
+def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first):
+    """(Kᵀ, V blocks) of row b: Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads' F = kv·D features
+    (2-byte dtypes: slots in cache order, by a transposing DMA per block; else in score order, K blocks turned on
+    the PE), V blocks [np, q, F] (slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs first (its write
+    went out before k's)."""
+    _, _, s, kv, d = k_cache.shape
+    dtype = k_cache.dtype
+    kp, kt = column_tiles(kv * d)
+    keys, k_blocks, v_blocks = None, [], []
+    for which in ("v", "k") if values_first else ("k", "v"):
+        cache = k_cache if which == "k" else v_cache
+        if which == "k" and dtype.itemsize == 2:
+            keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+            for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
+                n = np_ * q
+                nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
+            continue
+        for s0, np_, q in blocks:
+            tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
+            source = cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d))
+            # Two DMAs per block: work on the first slot columns starts while the rest arrives.
+            for i0, ni in spans(q, -(-q // 2)):
+                nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
+            (k_blocks if which == "k" else v_blocks).append(tile)
+    if keys is None:
+        keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
+    return keys, v_blocks
+
+
+def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns, spec, constants):
+    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
+    by side, at most 128), into attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later).
+    keys, values, visible: per row b, attend's Kᵀ tile, V blocks and mask columns."""
+    pmax = nl.tile_size.pmax
+    d = spec.head_dim
+    dp, nd = head_tiles(d)
+    g_size = spec.num_heads // spec.num_kv_heads
+    b0 = units[0][0]
+    dtype = keys[b0].dtype
+    t = visible[b0].shape[2]
+    gt = g_size * t
+    columns = len(units) * gt
+    rows = sorted({b for b, _ in units})
+    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in rows}  # consecutive per row
+    first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
+    per_bank = max(1, PSUM_BANK_BYTES // (4 * columns))
+    # scoresᵀ [slots, (unit, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+    scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
+    for index, (s0, np_, q) in enumerate(blocks):
+        if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
+            nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
+        for i0, ni in spans(q, per_bank):
+            acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
+            for k in range(nd):
+                for j in range(ni):
+                    slots = key_columns[first_piece[index] + i0 + j]
+                    for u, (b, g) in enumerate(units):
+                        o_g, tile_g = kv_head_place(g, d)
+                        nisa.nc_matmul(dst=acc[0:np_, j, u], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
+                                       stationary=keys[b][o_g:o_g + dp, tile_g + k, slots])
+            piece0 = first_piece[index] + i0
+            for b in rows:
+                u0, un = row_units[b][0], len(row_units[b])
+                out = scores[0:np_, piece0:piece0 + ni, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
+                bias = visible[b][0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+                logits = acc[:, :, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
+                if spec.attn_logit_softcap:
+                    cap = float(spec.attn_logit_softcap)
+                    nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
+                    nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
+                                              operand1=bias)
+                else:
+                    nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
+            del acc
+    # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
+    flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
+    column_max = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
+    nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=flat.permute((0, 2, 1)), axis=2)
+    turned = nl.ndarray((columns, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
+    nisa.nc_transpose(dst=turned, data=column_max)
+    neg_max = nl.ndarray((columns, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
+    nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
+    del turned
+    shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, columns]: -max of each column
+    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
+    del shift
+    weights = nl.ndarray((pmax, len(pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+    nisa.activation(dst=weights, op=nl.exp, data=flat)
+    del scores, flat
+    # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
+    partial = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
+    total = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
+    nisa.nc_matmul(dst=total, stationary=constants.ones[0:pmax, 0:dp], moving=partial)
+    scale = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
+    nisa.reciprocal(dst=scale, data=total)
+    del total
+    kv, nq_tiles = spec.num_kv_heads, attn.shape[1]
+    for u, (b, g) in enumerate(units):
+        mine = slice(u * gt, (u + 1) * gt)
+        for k in range(nd):
+            acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
+            for p_index, (index, i) in enumerate(pieces):
+                np_ = blocks[index][1]
+                f0 = g * d + k * pmax
+                nisa.nc_matmul(dst=acc, stationary=values[b][index][0:np_, i, f0:f0 + dp],
+                               moving=weights[0:np_, p_index, mine], accumulate=p_index > 0)
+            if by_head is None:
+                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t:(b + 1) * t]
+            else:
+                dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
+            nisa.tensor_tensor(dst=dst, data1=acc, data2=scale[:, mine], op=nl.multiply)
+            del acc
+
+
+def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_first=False):
     """attnT column tiles [128, ceil(heads·D/128), R] in the cache dtype: softmax(q·Kᵀ·scaling (softcapped) +
     mask)·V of each row's T queries over all S slots of layer `layer`'s cache. qT: fp32 column tiles of the
     rotated (and normed) queries."""
@@ -387,92 +600,26 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants):
         by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
     blocks = slot_blocks(s, kv * d * dtype.itemsize)
     chunks = score_chunks(blocks)
-    wt_per_bank = max(1, PSUM_BANK_BYTES // (gt * dtype.itemsize))
+    # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
+    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
+    # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
+    # np consecutive columns in score order (PE transposes).
+    transposing = dtype.itemsize == 2
+    key_columns = []
+    for index, (s0, np_, q) in enumerate(blocks):
+        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
+        for i in range(q):
+            key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
+                               else slice(column0 + i * np_, column0 + (i + 1) * np_))
+    # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
+    # heads as fit 128 query columns.
     for b in range(batch):
-        k_blocks, v_blocks = [], []
-        for s0, np_, q in blocks:
-            for cache, loaded in ((k_cache, k_blocks), (v_cache, v_blocks)):
-                tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
-                nisa.dma_copy(dst=tile, src=cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d)))
-                loaded.append(tile)
-        bias = nl.ndarray((gt, s), dtype=nl.float32, buffer=nl.sbuf, name="attn_mask")
-        nisa.dma_copy(dst=bias, src=mask_bias.ap([[0, g_size], [s, t], [1, s]], offset=((mask * batch + b) * t) * s))
-        for g in range(kv):
-            keys = nl.ndarray((dp, nd, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
-            scores = nl.ndarray((gt, s), dtype=nl.float32, buffer=nl.sbuf, name="scores")
-            for n, (index, i0, ni, c0) in enumerate(chunks):
-                s0, np_, q = blocks[index]
-                width = ni * np_
-                for k in range(nd):
-                    turned = nl.ndarray((dp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
-                    for j in range(ni):
-                        f0 = g * d + k * pmax
-                        nisa.nc_transpose(dst=turned[0:dp, j * np_:(j + 1) * np_],
-                                          data=k_blocks[index][0:np_, i0 + j, f0:f0 + dp])
-                    if (n + k) % 2:
-                        nisa.activation(dst=keys[0:dp, k, c0:c0 + width], op=nl.copy, data=turned)
-                    else:
-                        nisa.tensor_copy(dst=keys[0:dp, k, c0:c0 + width], src=turned)
-                acc = nl.ndarray((gt, width), dtype=nl.float32, buffer=nl.psum, name="scores_psum")
-                for k in range(nd):
-                    nisa.nc_matmul(dst=acc, stationary=qs[0:dp, k, b, g], moving=keys[0:dp, k, c0:c0 + width],
-                                   accumulate=k > 0)
-                visible = bias[:, s0:s0 + np_ * q].reshape_dim(1, (np_, q)).permute((0, 2, 1))[:, i0:i0 + ni, :]
-                out = scores[:, c0:c0 + width]
-                if spec.attn_logit_softcap:
-                    cap = float(spec.attn_logit_softcap)
-                    nisa.activation(dst=out, op=nl.tanh, data=acc, scale=1.0 / cap)
-                    nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                              operand1=visible)
-                else:
-                    nisa.tensor_tensor(dst=out, data1=acc, data2=visible, op=nl.add)
-                del acc
-            del keys
-            neg_max = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
-            nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=scores, axis=1, negate=True)
-            weights = nl.ndarray((gt, s), dtype=dtype, buffer=nl.sbuf, name="attn_weights")
-            total = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="weights_sum")
-            nisa.activation(dst=weights, op=nl.exp, data=scores, bias=neg_max, reduce_op=nl.add, reduce_res=total,
-                            reduce_cmd=nisa.reduce_cmd.reset_reduce)
-            del scores
-            # weightsᵀ: one [np, G·T] piece per slot column, in score order.
-            pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-            weights_t = nl.ndarray((pmax, len(pieces), gt), dtype=dtype, buffer=nl.sbuf, name="weightsT")
-            first_piece = 0
-            for index, (_, np_, q) in enumerate(blocks):
-                column0 = chunks[[c[0] for c in chunks].index(index)][3]
-                for i0, ni in spans(q, wt_per_bank):
-                    turned = nl.ndarray((np_, ni, gt), dtype=dtype, buffer=nl.psum, name="weightsT_psum")
-                    for j in range(ni):
-                        c = column0 + (i0 + j) * np_
-                        nisa.nc_transpose(dst=turned[0:np_, j, 0:gt], data=weights[0:gt, c:c + np_])
-                    nisa.tensor_copy(dst=weights_t[0:np_, first_piece + i0:first_piece + i0 + ni, :], src=turned)
-                first_piece += q
-            del weights
-            # 1/sum on every partition: onesᵀ·diag(1/sum).
-            recip = nl.ndarray((gt, 1), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
-            nisa.reciprocal(dst=recip, data=total)
-            diag = nl.ndarray((gt, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip_diag")
-            nisa.tensor_scalar(dst=diag, data=constants.shift[0:gt, pmax:pmax + gt], op0=nl.multiply, operand0=recip)
-            spread = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="recip_psum")
-            nisa.nc_matmul(dst=spread, stationary=constants.ones[0:gt, 0:dp], moving=diag)
-            scale = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip_bcast")
-            nisa.tensor_copy(dst=scale, src=spread)
-            del spread
-            for k in range(nd):
-                acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
-                for p_index, (index, i) in enumerate(pieces):
-                    np_ = blocks[index][1]
-                    f0 = g * d + k * pmax
-                    nisa.nc_matmul(dst=acc, stationary=v_blocks[index][0:np_, i, f0:f0 + dp],
-                                   moving=weights_t[0:np_, p_index, 0:gt], accumulate=p_index > 0)
-                if by_head is None:
-                    dst = attn.reshape_dim(1, (kv, g_size, nd))[:, g, :, k, b * t:(b + 1) * t]
-                else:
-                    dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
-                nisa.tensor_tensor(dst=dst, data1=acc, data2=scale, op=nl.multiply)
-                del acc
-        del k_blocks, v_blocks, bias
+        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces)}
+        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first)
+        for g0, gn in spans(kv, max(1, pmax // gt)):
+            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, {b: keys}, {b: values}, visible, attn, by_head,
+                         blocks, pieces, key_columns, spec, constants)
+        del keys, values, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
         heads_per_tile = pmax // d
@@ -546,9 +693,13 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
-    q, k = norm_rope_qk(qT, kT, layer, cos, sin, qk_norm_weights, spec, constants)
-    write_cache(k, vT, k_cache, v_cache, layer, write_index)
-    return attend(q, k_cache, v_cache, layer, mask_bias, spec, constants)
+    index = load_write_index(write_index)
+    # The cache reads wait for the writes (same HBM bytes): v goes out first, k as soon as it is rotated.
+    write_rows(vT, v_cache, layer, index)
+    tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
+    write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
+    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, spec, constants,
+                  values_first=True)
 
 
 # -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
@@ -566,9 +717,10 @@ def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     _rows_count(k, "k", spec.num_kv_heads * d)
-    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
     constants = AttentionConstants(spec)
-    q_out, k_out = norm_rope_qk(qT, kT, layer, cos, sin, qk_norms, spec, constants)
+    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
+    tables = load_rope_tables(cos, sin, qk_norms, layer, spec, qT.shape[2])
+    q_out, k_out = norm_rope(qT, 0, tables, spec, constants), norm_rope(kT, 1, tables, spec, constants)
     q_rows = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm, name="q_rope")
     k_rows = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm, name="k_rope")
     store_columns(q_out, q_rows)
@@ -583,8 +735,9 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
     features = k_cache.shape[3] * k_cache.shape[4]
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
-    write_cache(load_columns(k, name="k_columns"), load_columns(v, name="v_columns"), k_cache, v_cache, layer,
-                write_index)
+    index = load_write_index(write_index)
+    write_rows(load_columns(k, name="k_columns"), k_cache, layer, index)
+    write_rows(load_columns(v, name="v_columns"), v_cache, layer, index)
     return k_cache, v_cache
 
 
@@ -595,8 +748,8 @@ def attention_kernel(q, k_cache, v_cache, mask_bias, *, layer, spec):
     softmax and weights·V as attention()."""
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
-    qT = load_columns(q, dtype=nl.float32, name="q_columns")
     constants = AttentionConstants(spec)
+    qT = load_columns(q, dtype=nl.float32, name="q_columns")
     attn = attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_columns(attn, out)

@@ -26,6 +26,9 @@ from nki_kernels.svd_matmul import k_slots, spans
 
 # Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
 RUN_ELEMENTS = 4096
+# Largest group: a grouped block of output features (128·group wide) times a grouped input's rows per partition
+# stays within a ring block (8·1024 elements: float32 at RING_BLOCK_BYTES).
+MAX_GROUP = 8
 # Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
 RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 64 * 1024
@@ -63,13 +66,13 @@ def layout_blocks(layout):
 
 def choose_group(features, row_elements):
     """Group for a vector of `features` contracted against weights with `row_elements` columns: the smallest
-    divisor g of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it); 1 when
-    features is not a multiple of 128."""
+    divisor g ≤ MAX_GROUP of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it);
+    1 when features is not a multiple of 128."""
     pmax = nl.tile_size.pmax
     if features % pmax:
         return 1
     tiles = features // pmax
-    divisors = [d for d in range(1, tiles + 1) if tiles % d == 0]
+    divisors = [d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0]
     return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
 
 
@@ -125,14 +128,11 @@ def column_tiles(layout, rows, dtype, name, zero=True):
     return cols
 
 
-def load_columns(cols, rows_hbm, layout):
-    """cols ← rows_hbm [R, F] (HBM) in `layout`: one contiguous DMA of the rows onto R partitions (casting to
-    cols' dtype), then PE transposes, one per slot (a per-element strided DMA would cost ~2 bytes per DMA
-    buffer), evicted one PSUM bank at a time."""
-    rows, features = rows_hbm.shape
+def rows_to_columns(cols, staged, layout):
+    """cols (column tiles of `layout`) ← staged [R, F] rows in SBUF (same dtype): one PE transpose per slot,
+    evicted one PSUM bank at a time."""
+    rows = staged.shape[0]
     pmax = nl.tile_size.pmax
-    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
-    nisa.dma_copy(dst=staged, src=rows_hbm)
     per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (padded_rows(rows) * cols.dtype.itemsize))
     for c0 in range(0, len(layout), per_bank):
         chunk = layout[c0:c0 + per_bank]
@@ -146,11 +146,10 @@ def load_columns(cols, rows_hbm, layout):
         del turned
 
 
-def store_columns(rows_hbm, cols, layout):
-    """rows_hbm [R, F] (HBM) ← cols in `layout`: PE transposes into rows on R partitions, one contiguous DMA."""
-    rows, features = rows_hbm.shape
+def columns_to_rows(staged, cols, layout):
+    """staged [R, F] rows in SBUF (same dtype) ← cols (column tiles of `layout`): one PE transpose per slot."""
+    rows = staged.shape[0]
     pmax = nl.tile_size.pmax
-    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
     per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
     for k0, ks, s0, count, partitions in layout_blocks(layout):
         # Within a block, partition p of slot i is feature k0 + p·count + i.
@@ -162,7 +161,32 @@ def store_columns(rows_hbm, cols, layout):
                 nisa.nc_transpose(dst=turned[0:rows, j, 0:partitions], data=cols[0:partitions, s0 + c0 + j, 0:rows])
             nisa.tensor_copy(dst=block_rows[:, :, c0:c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1)))
             del turned
+
+
+def load_columns(cols, rows_hbm, layout):
+    """cols ← rows_hbm [R, F] (HBM) in `layout`: one contiguous DMA of the rows onto R partitions (casting to
+    cols' dtype), then PE transposes (a per-element strided DMA would cost ~2 bytes per DMA buffer)."""
+    staged = nl.ndarray(tuple(rows_hbm.shape), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    nisa.dma_copy(dst=staged, src=rows_hbm)
+    rows_to_columns(cols, staged, layout)
+
+
+def store_columns(rows_hbm, cols, layout):
+    """rows_hbm [R, F] (HBM) ← cols in `layout`: PE transposes into rows on R partitions, one contiguous DMA."""
+    staged = nl.ndarray(tuple(rows_hbm.shape), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    columns_to_rows(staged, cols, layout)
     nisa.dma_copy(dst=rows_hbm, src=staged)
+
+
+def relayout(cols, layout, new_layout, rows):
+    """cols (column tiles of `layout`) as column tiles of `new_layout`, on chip through rows (two PE transposes
+    per slot): e.g. the attention output regrouped so the o projection reads long runs of its weight rows."""
+    features = sum(size for size, _ in layout)
+    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="relayout_rows")
+    columns_to_rows(staged, cols, layout)
+    out = column_tiles(new_layout, rows, cols.dtype, "relayout_cols", zero=False)
+    rows_to_columns(out, staged, new_layout)
+    return out
 
 
 def slot_runs(layout, first=0, last=None):

@@ -97,11 +97,13 @@ def _run_per_op(today, ops, spec, ring):
             r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
             u = {name: _factor_slice(ops[name][0], layer, r[name], 1) for name in MLP_PROJECTIONS}
             vv = {name: _factor_slice(ops[name][1], layer, r[name], 0) for name in MLP_PROJECTIONS}
-            hT = _launch(svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation)
+            hT = _launch(svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"],
+                         activation=spec.activation)
             m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
         else:
             gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)
-            m = project(_launch(gated_activation_kernel, gate, up, activation=spec.activation), "down", layer, "float32")
+            hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)
+            m = project(hidden, "down", layer, "float32")
         if spec.sandwich:
             m = norm(m, layer, 3, "float32")
         x = _launch(add_kernel, x, m)

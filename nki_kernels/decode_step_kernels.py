@@ -60,8 +60,8 @@ def _min_row_elements(spec, names):
 
 
 class Layouts:
-    """Feature layouts of one spec: hidden (grouped for q/k/v/gate/up rows), intermediate (for down), and the
-    natural layouts of q, k/v and the attention output (ATTN's contract)."""
+    """Feature layouts of one spec: hidden (grouped for q/k/v/gate/up rows), intermediate (for down), attention
+    output (for o), and the natural layouts of q and k/v (decode_attention's contract)."""
 
     def __init__(self, spec):
         head_width = spec.vocab if spec.head_rank is None else spec.head_rank
@@ -70,6 +70,9 @@ class Layouts:
         self.inter = dl.feature_layout(spec.intermediate,
                                        dl.choose_group(spec.intermediate, _min_row_elements(spec, ("down",))))
         self.q = dl.feature_layout(spec.num_heads * spec.head_dim)
+        # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
+        self.attn = dl.feature_layout(spec.num_heads * spec.head_dim,
+                                      dl.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))))
         self.kv = dl.feature_layout(spec.num_kv_heads * spec.head_dim)
 
 
@@ -128,18 +131,20 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
         cast = dl.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
         nisa.tensor_copy(dst=cast[:, :, 0:rows], src=attn[:, :, 0:rows])
         attn = cast
+    if lay.attn != lay.q:
+        attn = dl.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
     mlp = [layer_weight(weights[name], layer, rank) for name, rank in zip(MLP_PROJECTIONS, ranks)]
     if spec.sandwich:
         y = dl.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
-        project(attn, lay.q, "o", lay.hidden, dl.copy_into(y))
+        project(attn, lay.attn, "o", lay.hidden, dl.copy_into(y))
         _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = dl.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
         dl.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, dl.copy_into(m))
         _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
     else:
-        project(attn, lay.q, "o", lay.hidden, dl.add_into(x))
+        project(attn, lay.attn, "o", lay.hidden, dl.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
         dl.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, dl.add_into(x))
 

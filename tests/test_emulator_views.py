@@ -159,6 +159,38 @@ def test_ap_with_scalar_offset_and_dtype_reinterpretation():
         np.testing.assert_array_equal(halves[0], x[0].view(BF16)[:6])
 
 
+def test_scalar_offset_write_orders_every_later_read_of_the_tensor():
+    """A write at a runtime slot may hit any slot on hardware, so the cost model must make a read of another
+    slot wait for it (the emulated index value says nothing about other runs)."""
+    from nki_kernels.emulator import cost_model, trace
+
+    @nki.jit
+    def kernel(cache, index, row):
+        idx = nl.ndarray((1, 1), nl.int32, buffer=nl.sbuf)
+        nisa.dma_copy(idx, index)
+        new = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(new, row)
+        nisa.dma_copy(cache.ap([[cache.shape[1], 1], [1, cache.shape[1]]], offset=0, scalar_offset=idx,
+                               indirect_dim=0), new)
+        other = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.sbuf)
+        nisa.dma_copy(other, cache[cache.shape[0] - 1:cache.shape[0], :])  # a slot the write did not touch
+        out = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.shared_hbm)
+        nisa.dma_copy(out, other)
+        return out
+
+    cache, row = rand((6, 40), seed=8), rand((1, 40), seed=9)
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        got = kernel(cache, np.array([[1]], np.int32), row)
+    finally:
+        trace.remove_listener(runs.append)
+    np.testing.assert_array_equal(got, cache[-1:])
+    sched = cost_model.schedule(runs[-1], "trn1")
+    write, read = 2, 3  # record order: index load, row load, slot write, slot read, store
+    assert sched.start_us[read] >= sched.finish_us[write]
+
+
 def test_ap_vector_offset_gathers_and_scatters_rows():
     rows, cols, picks = 50, 12, 7
 

@@ -1,12 +1,17 @@
 """compress_model: full rank reproduces the dense model, error falls as keep grows, whitening, emulator run."""
 
+import logging
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 import jax_neuronmm
+from jax_neuronmm.compress import svd
 from jax_neuronmm.models import Gemma, GemmaConfig, GatedMLP, Llama, LlamaConfig, compress_model, generate
+from jax_neuronmm.models.layers import activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 _logits = nnx.jit(lambda model, ids: model(ids))
@@ -100,3 +105,48 @@ def test_emulator_backend_generates_the_same_tokens():
         got = np.asarray(generate(model, prompt, 3))
     np.testing.assert_array_equal(got, expected)
     assert len(prof.runs) >= 3 and prof.latency_us["trn1"] > 0
+
+
+def _gemma3_mixed_layers():
+    """Six layers, two attention structures (sliding window and full): shapes no other test compiles."""
+    types = ("sliding_attention",) * 4 + ("full_attention", "sliding_attention")
+    config = GemmaConfig.preset("gemma3-tiny", vocab_size=211, hidden_size=72, intermediate_size=152, num_layers=6,
+                                layer_types=types)
+    return Gemma(config, rngs=nnx.Rngs(3))
+
+
+def test_calibration_pass_compiles_once_per_layer_structure(caplog):
+    model = _gemma3_mixed_layers()
+    with jax.log_compiles(True), caplog.at_level(logging.WARNING):
+        compress_model(model, keep=0.5, method="whitened", calibration_ids=_ids(3, 61, seed=4), block=8,
+                       include=("mlp", "attention"), progress=False)
+    compiles = [record for record in caplog.records if "_tapped_forward" in record.getMessage()
+                and "Compiling" in record.getMessage()]
+    # Six layers, one pass each, two structures (sliding / full attention): two compilations, not six.
+    assert len(compiles) == 2, [record.getMessage()[:120] for record in compiles]
+
+
+def test_whitened_mlp_factors_match_a_numpy_reference():
+    """Layer 0's MLP factors equal whitened_svd on the float64 numpy reference of its inputs (the normed hidden
+    state, and act(x·gate)·(x·up) for down_proj), which the compiled calibration pass records."""
+    model = _gemma3_mixed_layers()
+    batch, tokens = 4, 41  # 164 tokens: more than the 152 features of down_proj's input, so XᵀX is definite
+    ids = _ids(batch, tokens, seed=5)
+    layer = model.layers[0]
+    x = model.embed(jnp.asarray(ids, jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(tokens), (batch, tokens))
+    mask = attention_mask(positions, positions, jnp.ones((batch, tokens), bool), layer.self_attn.spec.sliding_window)
+    h = x + layer.post_attention_layernorm(layer.self_attn(layer.input_layernorm(x), positions, mask, None, None)[0])
+    mlp_in = np.asarray(layer.pre_feedforward_layernorm(h), np.float64).reshape(-1, 72)
+    gate, up, down = (np.asarray(getattr(layer.mlp, name).kernel[...], np.float64)
+                      for name in ("gate_proj", "up_proj", "down_proj"))
+    hidden = np.asarray(activation_fn(layer.mlp.activation)(jnp.asarray(mlp_in @ gate, jnp.float32)),
+                        np.float64) * (mlp_in @ up)
+    rank = 24
+    compressed = compress_model(model, rank=rank, method="whitened", calibration_ids=ids, progress=False)
+    mlp = compressed.layers[0].mlp
+    for kernel, inputs, factored in ((gate, mlp_in, mlp.gate_proj), (down, hidden, mlp.down_proj)):
+        ref_u, ref_v = svd.whitened_svd(kernel, inputs, rank)
+        got = inputs @ np.asarray(factored.u[...], np.float64) @ np.asarray(factored.v[...], np.float64)
+        want = inputs @ ref_u @ ref_v
+        np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0)

@@ -16,7 +16,9 @@ compressed attention's output, and down_proj on the hidden activations of the co
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -44,31 +46,39 @@ class LayerwiseOptions:
 
 
 class _Recorder(nnx.Module):
-    """Wraps a linear layer and appends each input it sees to `sink` as numpy [n, in_features] float32."""
+    """Wraps a linear layer and appends each input it sees to `sink`, reshaped to [n, in_features]."""
 
     def __init__(self, inner: nnx.Module, sink: list):
         self.inner = inner
         self.sink = sink
 
     def __call__(self, x):
-        self.sink.append(np.asarray(x, np.float32).reshape(-1, x.shape[-1]))
+        self.sink.append(x.reshape(-1, x.shape[-1]))
         return self.inner(x)
 
 
-def record_inputs(run, targets):
-    """(run()'s result, [inputs [n, in_features] that each (parent, attribute) linear in `targets` received]),
-    run eagerly (the recorders read concrete values). The linears are put back afterwards."""
-    originals = [getattr(parent, name) for parent, name in targets]
-    sinks = [[] for _ in originals]
-    recorders = [_Recorder(original, sink) for original, sink in zip(originals, sinks)]
-    for (parent, name), recorder in zip(targets, recorders):
-        setattr(parent, name, recorder)
-    try:
-        result = run()
-    finally:
-        for (parent, name), original in zip(targets, originals):
-            setattr(parent, name, original)
-    return result, [sink[-1] for sink in sinks]
+def _tapped_forward(graphdef, state, x, positions, mask, taps):
+    """Traced body of `record_inputs`: the layer rebuilt from (graphdef, state), its output and the inputs of the
+    projections at `taps`."""
+    layer = nnx.merge(graphdef, state)
+    sinks = [[] for _ in taps]
+    for (parent, name), sink in zip(taps, sinks):
+        module = getattr(layer, parent)
+        setattr(module, name, _Recorder(getattr(module, name), sink))
+    return layer(x, positions, mask, None, None)[0], [sink[-1] for sink in sinks]
+
+
+# One compilation per layer structure (graphdef: the modules and static fields such as the sliding window) and
+# shapes: the decoder layers of a family share it, so calibrating an 18-layer model compiles one or two passes.
+_tapped_forward_jit = jax.jit(_tapped_forward, static_argnums=(0, 5))
+
+
+def record_inputs(layer, x, positions, mask, taps):
+    """(layer(x, positions, mask)'s output [B, T, hidden], [the input [B*T, in_features] each projection at `taps`
+    received, float32 numpy]), compiled. taps: (submodule, projection) attribute names, e.g. ("mlp", "gate_proj")."""
+    graphdef, state = nnx.split(layer)
+    output, inputs = _tapped_forward_jit(graphdef, state, x, positions, mask, tuple(taps))
+    return output, [np.asarray(recorded, np.float32) for recorded in inputs]
 
 
 def svd_linear(linear: nnx.Linear, u, v) -> SVDLinear:
@@ -84,12 +94,19 @@ def svd_linear(linear: nnx.Linear, u, v) -> SVDLinear:
 def calibration_batch(model, ids):
     """(hidden [B, T, hidden] after the embedding, positions [B, T], {sliding window: mask [B, T, T]})."""
     ids = jnp.asarray(ids, jnp.int32)
-    batch, tokens = ids.shape
+    windows = tuple(dict.fromkeys(layer.self_attn.spec.sliding_window for layer in model.layers))
+    positions, masks = _positions_and_masks(ids.shape, windows)
+    return model.embed(ids), positions, dict(zip(windows, masks))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _positions_and_masks(shape, windows):
+    """positions [B, T] and one mask [B, T, T] per window, compiled as one program (run eagerly, each op
+    would compile on its own)."""
+    batch, tokens = shape
     positions = jnp.broadcast_to(jnp.arange(tokens, dtype=jnp.int32), (batch, tokens))
     valid = jnp.ones((batch, tokens), bool)
-    windows = {layer.self_attn.spec.sliding_window for layer in model.layers}
-    masks = {window: attention_mask(positions, positions, valid, window) for window in windows}
-    return model.embed(ids), positions, masks
+    return positions, tuple(attention_mask(positions, positions, valid, window) for window in windows)
 
 
 def compress_layers(model, dense, calibration_ids, include, ranks, method: str, options: LayerwiseOptions,
@@ -101,47 +118,57 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
     None only for method "svd" without refit / local / sequential (then no model is run).
     """
     needs_data = method == "whitened" or options.refit or options.local is not None or options.sequential
-    if needs_data:
-        x_compressed, positions, masks = calibration_batch(model, calibration_ids)
-        x_dense = x_compressed
-    for index in tqdm(range(len(model.layers)), desc=f"compressing ({method})", disable=not progress, unit="layer"):
-        layer, dense_layer = model.layers[index], dense.layers[index]
-        if not needs_data:
+    for layer in model.layers:
+        if "mlp" in include and not isinstance(layer.mlp, GatedMLP):
+            raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
+    bar = tqdm(total=len(model.layers), desc=f"compressing ({method})", disable=not progress, unit="layer")
+    if not needs_data:
+        for index, layer in enumerate(model.layers):
             _factor_without_data(layer, include, ranks, index, fused_activation)
-            continue
-        mask = masks[layer.self_attn.spec.sliding_window]
+            bar.update()
+        bar.close()
+        return
+    x_compressed, positions, masks = calibration_batch(model, calibration_ids)
+    dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include))
+    with bar:
+        for index, (layer, dense_inputs) in enumerate(zip(model.layers, dense_passes)):
+            mask = masks[layer.self_attn.spec.sliding_window]
 
-        def run_dense():
-            return dense_layer(x_dense, positions, mask, None, None)[0]
+            def compressed_inputs(tap):
+                return record_inputs(layer, x_compressed, positions, mask, [tap])[1][0]
 
-        def run_compressed():
-            return layer(x_compressed if options.sequential else x_dense, positions, mask, None, None)[0]
+            if "attention" in include:
+                for group, dense_in in zip(ATTENTION_GROUPS, dense_inputs):
+                    inputs = compressed_inputs(("self_attn", group[0])) if options.sequential else dense_in
+                    chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
+                    for name in group:
+                        linear = getattr(layer.self_attn, name)
+                        u, v = _factor(linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in,
+                                       options)
+                        setattr(layer.self_attn, name, svd_linear(linear, u, v))
+            if "mlp" in include:
+                dense_in, dense_hidden = dense_inputs[-2:]
+                inputs = compressed_inputs(("mlp", "gate_proj")) if options.sequential else dense_in
+                layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options,
+                                          fused_activation)
+            if options.sequential:
+                x_compressed = record_inputs(layer, x_compressed, positions, mask, [])[0]
+            bar.update()
 
-        dense_taps = []
-        if "attention" in include:
-            dense_taps += [(dense_layer.self_attn, group[0]) for group in ATTENTION_GROUPS]
-        if "mlp" in include:
-            dense_taps.append((dense_layer.mlp, "gate_proj"))
-        x_dense_next, dense_inputs = record_inputs(run_dense, dense_taps)
-        if "attention" in include:
-            for group, dense_in in zip(ATTENTION_GROUPS, dense_inputs):
-                inputs = (record_inputs(run_compressed, [(layer.self_attn, group[0])])[1][0] if options.sequential
-                          else dense_in)
-                chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
-                for name in group:
-                    linear = getattr(layer.self_attn, name)
-                    u, v = _factor(linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in, options)
-                    setattr(layer.self_attn, name, svd_linear(linear, u, v))
-        if "mlp" in include:
-            if not isinstance(layer.mlp, GatedMLP):
-                raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
-            dense_in = dense_inputs[-1]
-            inputs = (record_inputs(run_compressed, [(layer.mlp, "gate_proj")])[1][0] if options.sequential
-                      else dense_in)
-            layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, ranks, method, options, fused_activation)
-        if options.sequential:
-            x_compressed = run_compressed()
-        x_dense = x_dense_next
+
+def _taps(include) -> list:
+    """The (submodule, projection) inputs calibration records: the first projection of each attention group, and
+    the MLP's gate_proj and down_proj (the gated hidden)."""
+    taps = [("self_attn", group[0]) for group in ATTENTION_GROUPS] if "attention" in include else []
+    return taps + [("mlp", "gate_proj"), ("mlp", "down_proj")] if "mlp" in include else taps
+
+
+def _dense_calibration(layers, x, positions, masks, taps):
+    """Yields, for each of the dense `layers` in order, [inputs [n, K] float32 recorded at `taps`], the layers fed
+    their own outputs starting from x (one compiled pass per layer)."""
+    for layer in layers:
+        x, inputs = record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
+        yield inputs
 
 
 def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING,
@@ -149,27 +176,19 @@ def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DE
     """{(layer_index, projection_name): whitened singular values σ [min(K, N)]} of every projection `include`
     selects, on the dense model's own activations (the input of rank allocation)."""
     x, positions, masks = calibration_batch(dense, calibration_ids)
+    groups = list(ATTENTION_GROUPS) if "attention" in include else []
+    groups += [("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else []
     spectra = {}
-    for index in tqdm(range(len(dense.layers)), desc="whitened spectra", disable=not progress, unit="layer"):
-        layer = dense.layers[index]
-        taps = [(layer.self_attn, group[0]) for group in ATTENTION_GROUPS] if "attention" in include else []
-        if "mlp" in include:
-            taps.append((layer.mlp, "gate_proj"))
-        x_next, inputs = record_inputs(
-            lambda: layer(x, positions, masks[layer.self_attn.spec.sliding_window], None, None)[0], taps)
-        groups = list(ATTENTION_GROUPS) if "attention" in include else []
-        if "mlp" in include:
-            mlp = layer.mlp
-            groups.append(("gate_proj", "up_proj"))
-            inputs.append(_gated_hidden(inputs[-1], mlp.gate_proj.kernel[...], mlp.up_proj.kernel[...],
-                                        mlp.activation))
-            groups.append(("down_proj",))
-        for group, group_inputs in zip(groups, inputs):
-            chol = svd.whitening(group_inputs, damping=damping)[0]
-            parent = layer.mlp if group[0] in MLP_PROJECTIONS else layer.self_attn
-            for name in group:
-                spectra[(index, name)] = svd.whitened_decomposition(getattr(parent, name).kernel[...], chol)[1]
-        x = x_next
+    dense_passes = _dense_calibration(dense.layers, x, positions, masks, _taps(include))
+    bar = tqdm(total=len(dense.layers), desc="whitened spectra", disable=not progress, unit="layer")
+    with bar:
+        for index, (layer, inputs) in enumerate(zip(dense.layers, dense_passes)):
+            for group, group_inputs in zip(groups, inputs):
+                chol = svd.whitening(group_inputs, damping=damping)[0]
+                parent = layer.mlp if group[0] in MLP_PROJECTIONS else layer.self_attn
+                for name in group:
+                    spectra[(index, name)] = svd.whitened_decomposition(getattr(parent, name).kernel[...], chol)[1]
+            bar.update()
     return spectra
 
 
@@ -193,8 +212,6 @@ def _factor_without_data(layer, include, ranks, index, fused_activation):
                 setattr(layer.self_attn, name, svd_linear(linear, *svd.truncated_svd(linear.kernel[...],
                                                                                     ranks[(index, name)])))
     if "mlp" in include:
-        if not isinstance(layer.mlp, GatedMLP):
-            raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
         mlp = layer.mlp
         factors = {name: svd.truncated_svd(getattr(mlp, name).kernel[...], ranks[(index, name)])
                    for name in MLP_PROJECTIONS}
@@ -209,13 +226,15 @@ def _gated_hidden(x, gate, up, activation):
     return np.asarray(activation_fn(activation)(jnp.asarray(project(gate))), np.float32) * project(up)
 
 
-def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, ranks, method, options, fused_activation):
+def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, ranks, method, options,
+                  fused_activation):
+    """The factored MLP. inputs / dense_inputs [n, hidden]: what the compressed / dense model feed it;
+    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs."""
     kernels = {name: np.asarray(getattr(mlp, name).kernel[...], np.float32) for name in MLP_PROJECTIONS}
     chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
     factors = {}
     for name in ("gate_proj", "up_proj"):
         factors[name] = _factor(kernels[name], ranks[(index, name)], method, chol, inputs, dense_inputs, options)
-    dense_hidden = _gated_hidden(dense_inputs, kernels["gate_proj"], kernels["up_proj"], mlp.activation)
     if options.sequential:  # down_proj sees what the compressed gate/up produce
         hidden = _gated_hidden(inputs, factors["gate_proj"], factors["up_proj"], mlp.activation)
     else:

@@ -142,7 +142,11 @@ def whitened_decomposition(w, chol) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     if w64.ndim != 2 or chol.shape != (w64.shape[0], w64.shape[0]):
         raise ValueError(f"w must be [K, N] with a whitening factor [K, K]; got w {w64.shape}, factor {chol.shape}")
     with single_threaded_blas():
-        return np.linalg.svd(chol.T @ w64, full_matrices=False)
+        # Sᵀ·w as (wᵀ·S)ᵀ with a triangular product (half a general one's work); the transposes are F-ordered views
+        # of the C-ordered arrays, so BLAS copies nothing.
+        whitened = scipy.linalg.blas.dtrmm(1.0, np.asarray(chol, np.float64).T, w64.T, side=1, lower=False,
+                                           trans_a=True).T
+        return np.linalg.svd(whitened, full_matrices=False)
 
 
 def whitened_factors(w, chol, rank: int, decomposition=None) -> tuple[np.ndarray, np.ndarray]:

@@ -7,6 +7,9 @@ Sources (AWS Neuron documentation, repository aws-neuron/aws-neuron-sdk):
           (Neuron 2.23 release, general/nki/api/nki/isa/__init__.py)
   [DMA]   nki/get-started/about/nki-dma-overview.rst and nki/deep-dives/nki-dma-bandwidth-guide.rst
   [PERF]  nki/deep-dives/nki_perf_guide.rst
+  [KOPT]  nki/guides/tutorials/kernel-optimization.rst (trn2 profiles of the matmul tutorial's kernels)
+  [PROFILE] tools/neuron-explorer/profile-schema-reference.rst (profile summary fields)
+  [DGE]   nki/deep-dives/nki-dge.rst
   [HBM]   trn1: 820 GB/s per chip, 2 NeuronCores; trn2: 2.9 TB/s per chip, 8 NeuronCores
           (Trn1 / Trn2 architecture pages of the Neuron docs)
 
@@ -15,7 +18,9 @@ The model is a list scheduler over the run's instruction records:
   an instruction starts at max(engine free time, finish of every earlier instruction it depends on).
 - Dependencies are RAW, WAR and WAW overlaps of the records' Access regions (per storage, partition
   range x byte range). Two DMA writes to HBM never order each other: HBM regions are flattened
-  byte spans that over-approximate strided tiles, and kernels write each output element once.
+  byte spans that over-approximate strided tiles, and kernels write each output element once. An HBM
+  access at a runtime offset (`.ap(..., scalar_offset=...)`, e.g. a KV-cache write at the step's slot)
+  covers its whole tensor: the slot is data, so every later read of the tensor waits for the write.
 - DMA: each transfer is split over ceil(partitions / 8) DMA engines, at most 16 [DMA: "each DMA
   engine corresponds to 8 partition lanes"; a 4-partition load is measured on a single engine, a
   128-partition one on all 16]. Each engine serves its share at the documented per-engine
@@ -45,13 +50,39 @@ The model is a list scheduler over the run's instruction records:
   PSUM [ISA]); an instruction whose start waits on a dependency, the engine's own previous instruction
   included, pays the documented 100-cycle static overhead. A partition broadcast (nl.broadcast_to) is a
   TensorE matmul into PSUM (the emulator records it so), so its consumer reads one input from PSUM.
-- Known gap: on the trn1 matmul tutorial the model is +47% on nki_matmul_tiled, whose 256 B-per-partition
-  loads the curve below charges ~4x the per-byte engine time of 1 KiB ones; the published trn1 latencies of
-  the tiled, hoisted and blocked tutorial kernels all move HBM bytes at 103-105 GB/s whatever their buffer
-  sizes, and the DMA overview's own profile of a [128, 128] bf16 load shows 97 ns of engine time per 2 KiB
-  engine share (near peak) inside ~1 us end to end, i.e. the curve's low end is mostly latency. Which
-  transfers overlap that latency (queue assignment is the compiler's) is not documented, and charging it as
-  latency instead of occupancy makes the 1 KiB-buffer kernels 2x too fast, so the curve is kept.
+- Known gap (kept, not fitted away): nki_matmul_tiled is modeled at 1.47x its published trn1 latency
+  (bf16) and 1.45x its trn2 profile ([KOPT], fp32); every other published case is within ±30%. The kernel
+  differs from the hoisted one by re-loading lhsT [128, 128] tiles, rows 256 B (bf16) / 512 B (fp32) that
+  lie 8 / 16 KiB apart in HBM, which the curve charges ~4x the engine time per byte of the rhs [128, 512]
+  tiles (1 / 2 KiB rows). Both published sources show them costing about the same per byte: trn1, tiled
+  minus hoisted is 8.84 ms for 0.94 GiB more = 7.1 B/ns per engine, against 6.4 over the whole hoisted
+  kernel; trn2, the profiles' summed packet durations ([PROFILE] dma_packet_time; [KOPT] figures
+  v2-dma.png 519.58 ms, v3-dma.png 402.07 ms) grow by 117.5 ms for 1.9 GiB = 17.1 B/ns per engine, against
+  22.0 for the hoisted kernel (peak 23), while the model books 926 ms of engine time on the tiled kernel.
+  Checked against the documents, none giving a cause that can be modeled without a fitted number:
+  (a) DMA buffer size. Each SBUF partition is at least one buffer and a buffer is contiguous [ARCH1]; the
+      tiles' rows are not contiguous with each other in HBM, so 256 B (512 B) is the buffer on both sides.
+      The [DMA] Example 2 transfer of 2 KiB per engine covers 8 rows that are adjacent in HBM (a whole
+      [128, 128] tensor), which these rows are not.
+  (b) What the curve's x axis measures. Its points are proportional to bytes per partition within ±7%
+      from 64 B to 2 KiB: every [128, F <= 2 KiB] transfer in it takes one fixed time, ~1.15 us at trn1
+      rates (0.85 us at trn2). Its 256 B point is Example 2's [128, 128] bf16 load, whose profile
+      (figure nki-dma-intro-5.png) shows 97 ns of engine time per 2 KiB share within ~1.2 us from trigger
+      to completion: the curve's low end is mostly latency, not engine occupancy, as the trn2 packet times
+      above also show. Whether the figure's HBM side is contiguous across partitions is not stated; if it
+      is (as in the page's examples), strided rows can only be slower, so this cannot lower the cost.
+  (c) Engines and queues. A 128-partition load uses all 16 engines (Example 2), as modeled. Which queue a
+      load goes to follows its trigger engine and descriptor mode [DMA], chosen by the compiler; nothing
+      documented says whether one iteration's lhsT and rhs loads share a queue.
+  (d) Loop structure. The kernel re-loads each lhsT tile for every n; the published tiled latency exceeds
+      the hoisted one by about those bytes, so the compiler does not hoist them. Independent loads
+      already overlap in the model.
+  Charging only bytes / (0.92 x peak) (Example 2) as occupancy and the rest of the curve's time as
+  latency gives the trn2 cases 0.82 (tiled) and 0.99 (hoisted) but the trn1 tutorial kernels 0.41-0.42
+  (tiled, hoisted, blocked); fully optimized and the Mamba kernels do not move. Those trn1 latencies need
+  ~6.5 B/ns per engine (38% of the documented 17) whatever the row size, and what keeps trn1's engines
+  idle (host-built descriptors read from HBM [DGE], queue order, how many loads the compiler keeps in
+  flight) has no documented figures, so the curve stays charged as occupancy.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
   kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
   (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or

@@ -274,6 +274,10 @@ class NkiTensor(NKIObject):
                     part_stride = self.part_stride
                     self._access = Access(storage.id, storage.kind, low // part_stride, high // part_stride + 1, 0,
                                           part_stride * size)
+            elif storage.kind == "hbm" and self.dynamic:
+                # A runtime offset (scalar_offset) can land anywhere in the tensor on hardware: order the access
+                # against every access of it, not just the slots this emulated run's index value happened to hit.
+                self._access = Access(storage.id, "hbm", 0, 1, 0, storage.size * storage.dtype.itemsize)
             elif storage.kind == "hbm":
                 extent = sum((n - 1) * s for n, s in zip(self.shape, self.strides)) + 1
                 self._access = Access(storage.id, "hbm", 0, 1, offset * size, (offset + extent) * size)
