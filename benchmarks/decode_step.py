@@ -269,7 +269,10 @@ def measure_nkilib(source: str, model: Model, batch: int, cache_len: int, one_la
     try:
         with emulator.as_nki():
             sys.path.insert(0, source)
-            module = importlib.import_module("nkilib.experimental.transformer.transformer_tkg")
+            try:
+                module = importlib.import_module("nkilib.experimental.transformer.transformer_tkg")
+            except Exception as error:  # noqa: BLE001 - a checkout that does not import is reported, not fatal
+                return Measured({}, calls, 0.0, note=f"transformer_tkg does not import: {_describe(error)}")
             kernel = emulator.jit(module.transformer_tkg)
 
             def call(num_layers, target):
@@ -513,7 +516,7 @@ def targets_table(res: Results) -> list[str]:
              "|---|---|" + "---|" * len(sweep)]
     for name, t, cells in target_rows(res):
         if not cells:
-            lines.append(f"| {name} | {t} " + "| not evaluated (did not run) " * len(sweep) + "|")
+            lines.append(f"| {name} | {t} " + "| not evaluated: the peer did not run on this target " * len(sweep) + "|")
             continue
         lines.append(f"| {name} | {t} " + "".join(
             f"| {'met' if cells[o][0] else 'NOT met'}: {cells[o][1]} " for o in sweep) + "|")
@@ -593,7 +596,10 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
 
 
 def nkilib_note(res: Results) -> str:
-    notes = sorted({m.note for m in res.nkilib.values()})
+    notes = {}
+    for (name, b, s), measured in res.nkilib.items():
+        notes.setdefault(name, f"{name} (batch {b}, S {s}): {measured.note}")
+    notes = list(notes.values())
     text = ("AWS nki-library's `experimental/transformer/transformer_tkg.py` (all layers of a dense decode step in "
             "one kernel: attention block with RMSNorm, fused QKV, RoPE, KV-cache update and output projection, "
             "residual, RMSNorm + SiLU-gated MLP, residual; collectives over a replica group of one core), imported "
@@ -614,7 +620,7 @@ def nkilib_note(res: Results) -> str:
             "Llama's.")
     if notes:
         text += " Per model and shape: " + " | ".join(notes) + "."
-    for name, b, s, whole, split in res.one_call:
+    for name, b, s, whole, split in res.nkilib_one_call:
         gains = ", ".join(f"{t} {split.kernel_us[t] / whole.kernel_us[t]:.2f}x" for t in whole.kernel_us)
         text += (f" Where all layers ran in one call ({name}, batch {b}, S {s}), that call is faster than "
                  f"one-layer calls by {gains} at 0 µs per launch (cross-layer overlap inside one kernel): where the "
