@@ -52,3 +52,85 @@ def matmul_lhsT_f64(lhsT, rhs) -> np.ndarray:
 def transpose_f64(a) -> np.ndarray:
     """a [M, N] → aᵀ [N, M]."""
     return _f64(a).T
+
+
+def _rms_norm_f64(x, weight, eps, unit_offset) -> np.ndarray:
+    """RMSNorm over the last axis: x·rsqrt(mean(x²)+eps) times w (or 1 + w)."""
+    w = _f64(weight)
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * ((1.0 + w) if unit_offset else w)
+
+
+def _projection_f64(h, weight, layer, rank) -> np.ndarray:
+    """h [..., K] @ layer `layer` of a dense [L, K, N] weight or of factors [u [L, K, Rmax], v [L, Rmax, N]]
+    (the first `rank` columns of u / rows of v)."""
+    if rank is None:
+        return h @ _f64(weight[layer])
+    u, v = weight
+    return (h @ _f64(u[layer][:, :rank])) @ _f64(v[layer][:rank])
+
+
+def _rotate_half(x) -> np.ndarray:
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def decode_step_f64(operands, spec):
+    """One decode step over all layers (the layer math of nki_kernels.decode_spec's contract) in float64.
+
+    operands: the positional operands of decode_step_kernel, (x [B, T, H], norms [L, NN, H], qk_norms [L, 2, D] or
+    None, q, k, v, o, gate, up, down (each dense [L, K, N] or [u, v]), k_cache, v_cache [L, B, S, kv, D],
+    write_index [1, 1], cos, sin [NR, B, T, D], mask_bias [NM, B, T, S], final_norm [H], head [H, V] or [u, v]).
+    Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
+    arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
+    """
+    (x, norms, qk_norms, q_w, k_w, v_w, o_w, gate_w, up_w, down_w, k_cache, v_cache, write_index, cos, sin,
+     mask_bias, final_norm, head) = operands
+    weights = dict(zip(("q", "k", "v", "o", "gate", "up", "down"), (q_w, k_w, v_w, o_w, gate_w, up_w, down_w)))
+    eps, unit = spec.norm_eps, spec.norm_unit_offset
+    x = _f64(x)
+    b, t, _ = x.shape
+    heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
+    group = heads // kv_heads
+    k_cache, v_cache = _f64(k_cache).copy(), _f64(v_cache).copy()
+    start = int(np.asarray(write_index).reshape(-1)[0])
+    act = ACTIVATIONS[spec.activation].reference
+
+    def project(h, name, layer):
+        return _projection_f64(h, weights[name], layer, spec.rank(name, layer))
+
+    for layer in range(spec.num_layers):
+        h = _rms_norm_f64(x, norms[layer, 0], eps, unit)
+        q = project(h, "q", layer).reshape(b, t, heads, d)
+        k = project(h, "k", layer).reshape(b, t, kv_heads, d)
+        v = project(h, "v", layer).reshape(b, t, kv_heads, d)
+        if spec.qk_norm:
+            q = _rms_norm_f64(q, qk_norms[layer, 0], eps, unit)
+            k = _rms_norm_f64(k, qk_norms[layer, 1], eps, unit)
+        table = spec.layer_rope[layer]
+        c, s = _f64(cos[table])[:, :, None, :], _f64(sin[table])[:, :, None, :]
+        q = q * c + _rotate_half(q) * s
+        k = k * c + _rotate_half(k) * s
+        k_cache[layer, :, start:start + t] = k
+        v_cache[layer, :, start:start + t] = v
+        scores = np.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv_heads, group, d), k_cache[layer])
+        scores = scores * spec.query_scaling
+        if spec.attn_logit_softcap is not None:
+            scores = np.tanh(scores / spec.attn_logit_softcap) * spec.attn_logit_softcap
+        scores = scores + _f64(mask_bias[spec.layer_mask[layer]])[:, None, None, :, :]
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        attn = np.einsum("bkgts,bskd->btkgd", probs, v_cache[layer]).reshape(b, t, heads * d)
+        y = project(attn, "o", layer)
+        if spec.sandwich:
+            x = x + _rms_norm_f64(y, norms[layer, 1], eps, unit)
+            h = _rms_norm_f64(x, norms[layer, 2], eps, unit)
+        else:
+            x = x + y
+            h = _rms_norm_f64(x, norms[layer, 1], eps, unit)
+        mlp = project(act(project(h, "gate", layer)) * project(h, "up", layer), "down", layer)
+        x = x + (_rms_norm_f64(mlp, norms[layer, 3], eps, unit) if spec.sandwich else mlp)
+    h = _rms_norm_f64(x, final_norm, eps, unit)
+    logits = h @ _f64(head) if spec.head_rank is None else (h @ _f64(head[0])) @ _f64(head[1])
+    if spec.final_logit_softcap is not None:
+        logits = np.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
+    return logits, k_cache, v_cache

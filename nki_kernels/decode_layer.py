@@ -1,0 +1,376 @@
+"""NKI subroutines of a decode step (plain functions called inside @nki.jit kernels; see decode_step.py).
+
+Layout ("column tiles", nki_kernels/decode_spec.py's contract): F features of R rows (R = B·T ≤ 128) live in
+SBUF as cols[0:size_s, s, 0:R] for slot s of a *feature layout*, a tuple of (size, features) per slot, `features`
+a slice whose p-th element is the feature on partition p. `feature_layout(F, 1)` is the contract's natural
+tiling (slot i ↔ features i·128 .. i·128+127, the last slot ragged). With a group g > 1, each block of 128·g
+features is permuted so that partition p holds g consecutive features (slot i of the block ↔ features
+p·g + i): a weight whose rows follow that layout is read with g whole rows per partition, one contiguous run of
+g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v: N = 256). The layout of a
+vector only matters to the projections that contract over it; q, k, v and the attention output keep the natural
+layout (ATTN's contract), the hidden state and the MLP intermediate use `choose_group`'s.
+
+Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column tiles MOVING ([≤128 of K, R]), so
+PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `WeightRing`: a fixed number of
+preallocated SBUF ring filled round robin by a cursor that never resets, so the next blocks (of this layer or
+the next one) load while the current ones are multiplied: with a list-scheduled DMA model a load waits only for
+the matmuls that read the bytes it overwrites (prefetch depth = the ring's size). Matmul operands are in the model
+dtype; PSUM, norms and the residual stream are float32. Column tiles that feed a norm or the residual stream are
+zeroed when allocated, so whole-tile instructions may cover a ragged slot's unused partitions.
+"""
+
+from __future__ import annotations
+
+from nki_kernels.binding import nl, nisa
+from nki_kernels.svd_matmul import k_slots, spans
+
+# Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
+RUN_ELEMENTS = 4096
+# Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
+RING_BLOCK_BYTES = 32 * 1024
+SBUF_RESERVED_BYTES = 64 * 1024
+# PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
+PROJECTION_PSUM_BYTES = 4 * 2048
+HEAD_COLUMNS = 2048
+# Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
+# engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
+# transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
+WEIGHT_DMA_PARTITIONS = 32
+
+
+def feature_layout(features, group=1):
+    """((size, features slice), ...) per slot: blocks of 128·group features, partition p of slot i of a block ↔
+    feature block_start + p·group + i; a ragged block (not a multiple of 128) in natural 128-feature tiles."""
+    slots = []
+    for k0, ks in spans(features, nl.tile_size.pmax * group):
+        slots.extend(k_slots(k0, ks))
+    return tuple(slots)
+
+
+def layout_blocks(layout):
+    """[(k0, ks, first slot, slots, partitions)]: runs of slots whose features form one contiguous range
+    [k0, k0+ks) (one permuted block, or one natural tile): what one DMA of rows can cover."""
+    blocks = []
+    s = 0
+    while s < len(layout):
+        size, feats = layout[s]
+        step = feats.step or 1
+        count = step  # a permuted block has `step` slots of 128 features each
+        blocks.append((feats.start, size * step, s, count, size))
+        s += count
+    return blocks
+
+
+def choose_group(features, row_elements):
+    """Group for a vector of `features` contracted against weights with `row_elements` columns: the smallest
+    divisor g of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it); 1 when
+    features is not a multiple of 128."""
+    pmax = nl.tile_size.pmax
+    if features % pmax:
+        return 1
+    tiles = features // pmax
+    divisors = [d for d in range(1, tiles + 1) if tiles % d == 0]
+    return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
+
+
+def padded_rows(rows):
+    """Rows rounded up to a power of two, so per-slot accumulators of a PSUM tensor never straddle a bank."""
+    return 1 << (rows - 1).bit_length()
+
+
+class WeightRing:
+    """A preallocated SBUF ring of `ring_bytes` per partition that weight blocks (at most `block_bytes` per
+    partition each) are loaded into one after another, round robin: a block takes the next free stretch, starting
+    over at the front when the rest of the ring is too short. The cursor never resets, so it carries across
+    layers and into the head: a load waits only for the matmuls that read the bytes it overwrites, i.e. the
+    ring's whole size is prefetch, however small the blocks (a ring of fixed-size slots would hold as few small
+    blocks as large ones).
+    """
+
+    def __init__(self, dtype, block_bytes=None, ring_bytes=None):
+        block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
+        if ring_bytes is None:
+            ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES
+        if not 0 < block_bytes <= ring_bytes:
+            raise ValueError(f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
+                             f"0 < block_bytes <= ring_bytes")
+        self.slot_elements = block_bytes // dtype.itemsize  # the largest block, per partition
+        self.ring_elements = ring_bytes // dtype.itemsize
+        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf,
+                               name="weight_ring")
+        self.cursor = 0
+
+    def load(self, src, partitions, per_partition, columns):
+        """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
+        (same shape)."""
+        size = per_partition * columns
+        if size > self.slot_elements:
+            raise ValueError(f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
+                             f"{self.slot_elements}-element block limit")
+        if self.cursor + size > self.ring_elements:
+            self.cursor = 0
+        block = self.ring[0:partitions, self.cursor:self.cursor + size].reshape((partitions, per_partition,
+                                                                                 columns))
+        self.cursor += size
+        for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
+            nisa.dma_copy(dst=block[p0:p0 + ps], src=src[p0:p0 + ps])
+        return block
+
+
+def column_tiles(layout, rows, dtype, name, zero=True):
+    """A fresh [128, slots, rows] SBUF tile for `layout`; zeroed (see the module docstring) unless zero=False."""
+    cols = nl.ndarray((nl.tile_size.pmax, len(layout), rows), dtype=dtype, buffer=nl.sbuf, name=name)
+    if zero:
+        nisa.memset(dst=cols, value=0.0)
+    return cols
+
+
+def load_columns(cols, rows_hbm, layout):
+    """cols ← rows_hbm [R, F] (HBM) in `layout`: one contiguous DMA of the rows onto R partitions (casting to
+    cols' dtype), then PE transposes, one per slot (a per-element strided DMA would cost ~2 bytes per DMA
+    buffer), evicted one PSUM bank at a time."""
+    rows, features = rows_hbm.shape
+    pmax = nl.tile_size.pmax
+    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    nisa.dma_copy(dst=staged, src=rows_hbm)
+    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (padded_rows(rows) * cols.dtype.itemsize))
+    for c0 in range(0, len(layout), per_bank):
+        chunk = layout[c0:c0 + per_bank]
+        turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum,
+                            name="cols_psum")
+        for j, (size, feats) in enumerate(chunk):
+            nisa.nc_transpose(dst=turned[0:size, j, 0:rows], data=staged[0:rows, feats])
+        for s0, count, size in slot_runs(layout, c0, c0 + len(chunk)):
+            nisa.tensor_copy(dst=cols[0:size, s0:s0 + count, 0:rows],
+                             src=turned[0:size, s0 - c0:s0 - c0 + count, 0:rows])
+        del turned
+
+
+def store_columns(rows_hbm, cols, layout):
+    """rows_hbm [R, F] (HBM) ← cols in `layout`: PE transposes into rows on R partitions, one contiguous DMA."""
+    rows, features = rows_hbm.shape
+    pmax = nl.tile_size.pmax
+    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
+    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
+    for k0, ks, s0, count, partitions in layout_blocks(layout):
+        # Within a block, partition p of slot i is feature k0 + p·count + i.
+        block_rows = staged[0:rows, k0:k0 + ks].reshape_dim(1, (partitions, count))
+        for c0 in range(0, count, per_bank):
+            n = min(per_bank, count - c0)
+            turned = nl.ndarray((rows, n, pmax), dtype=cols.dtype, buffer=nl.psum, name="rows_psum")
+            for j in range(n):
+                nisa.nc_transpose(dst=turned[0:rows, j, 0:partitions], data=cols[0:partitions, s0 + c0 + j, 0:rows])
+            nisa.tensor_copy(dst=block_rows[:, :, c0:c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1)))
+            del turned
+    nisa.dma_copy(dst=rows_hbm, src=staged)
+
+
+def slot_runs(layout, first=0, last=None):
+    """[(s0, count, size)]: maximal runs of consecutive slots of equal size in layout[first:last], so an
+    element-wise step over column tiles is one instruction per run."""
+    runs = []
+    for s in range(first, len(layout) if last is None else last):
+        size = layout[s][0]
+        if runs and runs[-1][2] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([s, 1, size])
+    return [tuple(r) for r in runs]
+
+
+def load_norm_weights(norms_hbm, layout, unit_offset):
+    """norms_hbm [NN, F] (HBM) as float32 column tiles [128, slots, NN] (+1 with unit_offset); zero padding."""
+    count = norms_hbm.shape[0]
+    w = column_tiles(layout, count, nl.float32, "norm_weights")
+    load_columns(w, norms_hbm, layout)
+    if unit_offset:
+        for s0, n, size in slot_runs(layout):
+            nisa.tensor_scalar(dst=w[0:size, s0:s0 + n, 0:count], data=w[0:size, s0:s0 + n, 0:count],
+                               op0=nl.add, operand0=1.0)
+    return w
+
+
+class NormConstants:
+    """What every RMSNorm reuses: a ones [128, 128] float32 stationary (cross-partition sums) and eps as a
+    [128, 1] bias vector (trn1's ScalarE takes no scalar bias)."""
+
+    def __init__(self, eps):
+        pmax = nl.tile_size.pmax
+        self.ones = nl.ndarray((pmax, pmax), dtype=nl.float32, buffer=nl.sbuf, name="ones")
+        nisa.memset(dst=self.ones, value=1.0)
+        self.eps = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="norm_eps")
+        nisa.memset(dst=self.eps, value=float(eps))
+
+
+def rms_norm(dst, x, weight, layout, rows, consts, features=None):
+    """dst = x·rsqrt(mean(x²) + eps)·weight over the features of `layout`, per row.
+
+    x: float32 column tiles with zero padding; weight: [128, slots, 1] float32 (already 1 + w for unit-offset
+    norms); dst: column tiles in any dtype (a matmul operand in the model dtype, or float32).
+    Sum of squares: squares summed over the slots on VectorE, then over partitions by a ones matmul, which leaves
+    the total on every partition (no broadcast needed).
+    """
+    pmax = nl.tile_size.pmax
+    slots = len(layout)
+    features = sum(size for size, _ in layout) if features is None else features
+    squares = nl.ndarray((pmax, rows, slots), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
+    x_by_row = x[:, :, 0:rows].permute((0, 2, 1))
+    nisa.tensor_tensor(dst=squares, data1=x_by_row, data2=x_by_row, op=nl.multiply)
+    partial = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_partial")
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
+    total = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.psum, name="norm_total")
+    nisa.nc_matmul(dst=total, stationary=consts.ones, moving=partial, accumulate=False)
+    rstd = nl.ndarray((pmax, 1, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_rstd")
+    nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
+    scaled = nl.ndarray((pmax, slots, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
+    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, slots), op=nl.multiply)
+    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows),
+                       op=nl.multiply)
+
+
+def _column_chunks(out_layout, in_count_max, slot_elements, rows):
+    """Output blocks grouped into chunks of consecutive features whose weight block (in_count_max rows per
+    partition × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BYTES:
+    [(n0, width, first slot, slots)]."""
+    max_slots = PROJECTION_PSUM_BYTES // (padded_rows(rows) * 4)
+    chunks = []
+    for k0, ks, s0, count, _ in layout_blocks(out_layout):
+        if (chunks and chunks[-1][0] + chunks[-1][1] == k0
+                and (chunks[-1][1] + ks) * in_count_max <= slot_elements and chunks[-1][3] + count <= max_slots):
+            chunks[-1][1] += ks
+            chunks[-1][3] += count
+        else:
+            chunks.append([k0, ks, s0, count])
+    return [tuple(c) for c in chunks]
+
+
+def projection(x, in_layout, w, out_layout, rows, ring, evict):
+    """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
+
+    x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
+    chunk); each input block's slots feed every output slot of the chunk. evict(psum, s0, count, size) is
+    called once per run of equal-size output slots with the float32 accumulators psum [size, count, rows]
+    (slots s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
+    """
+    pmax = nl.tile_size.pmax
+    k, n = w.shape
+    in_blocks = layout_blocks(in_layout)
+    in_count_max = max(count for _, _, _, count, _ in in_blocks)
+    rows_pad = padded_rows(rows)
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, in_count_max, ring.slot_elements, rows):
+        acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
+        for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+            block = ring.load(w[k0:k0 + ks, n0:n0 + width].reshape_dim(0, (partitions, count)), partitions, count,
+                              width)
+            for j in range(out_count):
+                size, feats = out_layout[out_s0 + j]
+                columns = slice(feats.start - n0, feats.stop - n0, feats.step)
+                for i in range(count):
+                    nisa.nc_matmul(dst=acc[0:size, j, 0:rows], stationary=block[0:partitions, i, columns],
+                                   moving=x[0:partitions, s0 + i, 0:rows], accumulate=b > 0 or i > 0)
+            del block
+        for s0, count, size in slot_runs(out_layout, out_s0, out_s0 + out_count):
+            evict(acc[0:size, s0 - out_s0:s0 - out_s0 + count, 0:rows], s0, count, size)
+        del acc
+
+
+def copy_into(dst, op=None):
+    """An evict for `projection`: dst[slots] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+    def evict(psum, s0, count, size):
+        view = dst[0:size, s0:s0 + count, 0:psum.shape[2]]
+        if op is None:
+            nisa.tensor_copy(dst=view, src=psum)
+        else:
+            nisa.activation(dst=view, op=op, data=psum)
+    return evict
+
+
+def add_into(dst):
+    """An evict for `projection`: dst[slots] += psum (the residual add, float32)."""
+    def evict(psum, s0, count, size):
+        view = dst[0:size, s0:s0 + count, 0:psum.shape[2]]
+        nisa.tensor_tensor(dst=view, data1=view, data2=psum, op=nl.add)
+    return evict
+
+
+def multiply_into(dst, other):
+    """An evict for `projection`: dst[slots] = other[slots] * psum (the gated MLP's act(gate)·up)."""
+    def evict(psum, s0, count, size):
+        rows = psum.shape[2]
+        nisa.tensor_tensor(dst=dst[0:size, s0:s0 + count, 0:rows], data1=other[0:size, s0:s0 + count, 0:rows],
+                           data2=psum, op=nl.multiply)
+    return evict
+
+
+def project(x, in_layout, weight, rank, out_layout, rows, ring, evict):
+    """`projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
+    of one layer): stage 1 leaves (x·u)ᵀ in SBUF as column tiles over the rank (rank on the partitions, grouped
+    for v's rows), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
+    if rank is None:
+        projection(x, in_layout, weight, out_layout, rows, ring, evict)
+        return
+    u, v = weight
+    rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
+    xu = column_tiles(rank_layout, rows, u.dtype, "xuT", zero=False)
+    projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
+    projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
+
+
+def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
+    """down(act(h·gate) * (h·up)) with h column tiles of hidden_layout (model dtype); ranks (gate, up, down),
+    None where dense. act(gate) is applied by ScalarE evicting PSUM; VectorE multiplies by up straight from
+    PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `projection`'s,
+    for the down projection's output (hidden features in hidden_layout)."""
+    act = column_tiles(inter_layout, rows, nl.float32, "mlp_act", zero=False)
+    project(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op))
+    hidden = column_tiles(inter_layout, rows, h.dtype, "mlp_hidden", zero=False)
+    project(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act))
+    del act
+    project(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
+
+
+def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
+    """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
+
+    x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
+    logits rows [R, ≤512] directly. Head blocks of HEAD_COLUMNS columns stream through the ring.
+    """
+    k, v = w.shape
+    in_blocks = layout_blocks(layout)
+    in_count_max = max(count for _, _, _, count, _ in in_blocks)
+    moving = nl.tile_size.gemm_moving_fmax
+    columns = min(HEAD_COLUMNS, max(moving, ring.slot_elements // in_count_max // moving * moving))
+    for v0, vc in spans(v, columns):
+        acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+        for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+            block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+            for i in range(count):
+                for c0, cs in spans(vc, moving):
+                    nisa.nc_matmul(dst=acc[0:rows, c0:c0 + cs], stationary=x[0:partitions, s0 + i, 0:rows],
+                                   moving=block[0:partitions, i, c0:c0 + cs], accumulate=b > 0 or i > 0)
+            del block
+        logits = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+        if softcap is None:
+            nisa.tensor_copy(dst=logits, src=acc)
+        else:
+            nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
+            nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
+        del acc
+        nisa.dma_copy(dst=out_rows[0:rows, v0:v0 + vc], src=logits)
+
+
+def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):
+    """Final norm of the hidden state x (float32 column tiles) and the LM head into out_rows [R, V] (HBM,
+    float32): dense head [H, V], or factors [u [H, r], v [r, V]] (stage 1 as a projection, stage 2 as the
+    dense head from the on-chip (x·u)ᵀ)."""
+    dtype = head.dtype if head_rank is None else head[0].dtype
+    h = column_tiles(layout, rows, dtype, "final_normed", zero=False)
+    rms_norm(h, x, final_norm_w, layout, rows, consts)
+    if head_rank is None:
+        head_projection(h, layout, head, rows, ring, out_rows, softcap)
+        return
+    u, v = head
+    rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
+    xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
+    projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
+    head_projection(xu, rank_layout, v[0:head_rank, :], rows, ring, out_rows, softcap)

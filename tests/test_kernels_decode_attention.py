@@ -1,0 +1,188 @@
+"""Decode attention (nki_kernels.decode_attention) on the emulator against a float64 reference of the spec.
+
+The reference follows DECODE_STEP_SPEC.md: optional RMSNorm over head_dim (1 + w), rotate-half RoPE from the
+tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores (q·k)·scaling, optional tanh softcap,
++ mask bias, softmax over all S slots, weights·V.
+"""
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from nki_kernels.binding import nki, nl
+from nki_kernels.decode_attention import (attention, attention_kernel, cache_write_kernel, load_columns,
+                                          rope_kernel, store_columns)
+from nki_kernels.decode_spec import DecodeSpec
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+TOLERANCE = {np.dtype(np.float32): 2e-5, BF16: 3e-2}
+LAYERS = 2
+LAYER = 1  # uses rope table 0 and mask 1 (below), so table indexing is exercised
+
+
+def make_spec(heads, kv, d, qk_norm, softcap):
+    return DecodeSpec(num_layers=LAYERS, hidden=64, num_heads=heads, num_kv_heads=kv, head_dim=d, intermediate=64,
+                      vocab=32, norm_eps=1e-6, norm_unit_offset=True, qk_norm=qk_norm, sandwich=False,
+                      activation="gelu_tanh", query_scaling=d ** -0.5, attn_logit_softcap=softcap,
+                      final_logit_softcap=None, layer_rope=(1, 0), layer_mask=(0, 1))
+
+
+def make_operands(rng, spec, s, b, t, w, dtype):
+    d, heads, kv = spec.head_dim, spec.num_heads, spec.num_kv_heads
+    q = rng.standard_normal((b, t, heads * d)).astype(dtype)
+    k = rng.standard_normal((b, t, kv * d)).astype(dtype)
+    v = rng.standard_normal((b, t, kv * d)).astype(dtype)
+    k_cache = rng.standard_normal((LAYERS, b, s, kv, d)).astype(dtype)
+    v_cache = rng.standard_normal((LAYERS, b, s, kv, d)).astype(dtype)
+    write_index = np.array([[w]], dtype=np.int32)
+    positions = w + np.arange(t)[None, :] + rng.integers(0, 5, size=(b, 1))  # row offsets: padded rows
+    tables = []
+    for base in (10000.0, 100.0):
+        inv_freq = base ** (-np.arange(0, d, 2) / d)
+        angles = positions[..., None] * inv_freq
+        angles = np.concatenate([angles, angles], axis=-1)
+        tables.append((np.cos(angles), np.sin(angles)))
+    cos = np.stack([c for c, _ in tables]).astype(np.float32)
+    sin = np.stack([s_ for _, s_ in tables]).astype(np.float32)
+    # Mask 0: causal over the written slots with per-row padding; mask 1: a sliding window of 3 slots.
+    slot = np.arange(s)
+    query_slot = (w + np.arange(t))[None, :, None]
+    padding = rng.integers(0, max(1, w // 2) + 1, size=(b, 1, 1))
+    causal = (slot <= query_slot) & (slot >= padding)
+    window = (slot <= query_slot) & (slot > query_slot - 3)
+    lowest = np.finfo(np.float32).min
+    mask_bias = np.stack([np.where(causal, 0.0, lowest), np.where(window & np.ones((b, 1, 1), bool), 0.0, lowest)])
+    qk_norms = (0.5 * rng.standard_normal((LAYERS, 2, d))).astype(dtype) if spec.qk_norm else None
+    return q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias.astype(np.float32), qk_norms
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def reference_norm_rope(q, k, cos, sin, qk_norms, spec, layer):
+    """(q [B, T, heads, D], k [B, T, kv, D]) in float64 after the optional RMSNorm and RoPE."""
+    b, t, _ = q.shape
+    d = spec.head_dim
+    q = q.astype(np.float64).reshape(b, t, spec.num_heads, d)
+    k = k.astype(np.float64).reshape(b, t, spec.num_kv_heads, d)
+    if spec.qk_norm:
+        def norm(x, w):
+            w = w.astype(np.float64)
+            return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + spec.norm_eps) * (1.0 + w)
+        q, k = norm(q, qk_norms[layer, 0]), norm(k, qk_norms[layer, 1])
+    c = cos[spec.layer_rope[layer]].astype(np.float64)[:, :, None, :]
+    s = sin[spec.layer_rope[layer]].astype(np.float64)[:, :, None, :]
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def reference_attend(q, k_layer, v_layer, mask, spec):
+    """attn [B, T, heads·D] float64 of q [B, T, heads, D] over caches [B, S, kv, D] with mask [B, T, S]."""
+    b, t, heads, d = q.shape
+    g = heads // spec.num_kv_heads
+    keys = np.repeat(k_layer.astype(np.float64), g, axis=2)
+    values = np.repeat(v_layer.astype(np.float64), g, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, keys) * spec.query_scaling
+    if spec.attn_logit_softcap:
+        scores = np.tanh(scores / spec.attn_logit_softcap) * spec.attn_logit_softcap
+    scores = scores + mask.astype(np.float64)[:, None]
+    scores -= scores.max(axis=-1, keepdims=True)
+    weights = np.exp(scores)
+    weights /= weights.sum(axis=-1, keepdims=True)
+    return np.einsum("bhts,bshd->bthd", weights, values).reshape(b, t, heads * d)
+
+
+def reference(operands, spec, layer):
+    """(attn float64, k rows written, v rows written) of one layer's decode attention."""
+    q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms = operands
+    b, t, _ = q.shape
+    w = int(write_index[0, 0])
+    q64, k64 = reference_norm_rope(q, k, cos, sin, qk_norms, spec, layer)
+    new_k = k64.astype(k_cache.dtype)  # the cache holds the model dtype
+    new_v = v.reshape(new_k.shape)
+    k_layer, v_layer = k_cache[layer].copy(), v_cache[layer].copy()
+    k_layer[:, w:w + t], v_layer[:, w:w + t] = new_k, new_v
+    attn = reference_attend(q64, k_layer, v_layer, mask_bias[spec.layer_mask[layer]], spec)
+    return attn, new_k, new_v
+
+
+@nki.jit
+def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
+    """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
+    attnT = attention(load_columns(q), load_columns(k), load_columns(v), k_cache, v_cache, layer, write_index, cos,
+                      sin, mask_bias, qk_norms, spec)
+    out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
+    store_columns(attnT, out)
+    return out, k_cache, v_cache
+
+
+def relative_error(got, want):
+    return np.abs(np.asarray(got, dtype=np.float64) - want).max() / np.abs(want).max()
+
+
+def check_caches(got, before, new_rows, w, t):
+    """The cache equals `before` except slots [w, w+t) of layer LAYER, which hold new_rows exactly."""
+    expected = before.copy()
+    expected[LAYER, :, w:w + t] = new_rows
+    np.testing.assert_array_equal(got.view(np.uint8) if got.dtype == BF16 else got,
+                                  expected.view(np.uint8) if expected.dtype == BF16 else expected)
+
+
+# (head_dim, heads, kv_heads, S, B, T, write slot, qk_norm, softcap, dtype): ragged S, write in the middle and at
+# the end, D below a tile (several heads per tile) and two tiles per head.
+CASES = [
+    (32, 4, 2, 10, 3, 2, 4, True, None, np.float32),
+    (64, 4, 1, 130, 1, 1, 129, False, 30.0, np.float32),
+    (256, 4, 1, 130, 1, 2, 128, True, None, np.float32),
+    (256, 4, 2, 10, 3, 1, 3, False, 50.0, np.float32),
+    (32, 4, 1, 130, 3, 2, 64, False, 20.0, np.float32),
+    (64, 4, 2, 130, 3, 1, 60, True, 20.0, BF16),
+    # S >= 256: cache blocks of several slots per partition (the permuted slot order of the scores)
+    (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
+]
+
+
+@pytest.mark.parametrize("d,heads,kv,s,b,t,w,qk_norm,softcap,dtype", CASES)
+def test_attention_matches_float64_reference(rng, d, heads, kv, s, b, t, w, qk_norm, softcap, dtype):
+    spec = make_spec(heads, kv, d, qk_norm, softcap)
+    operands = make_operands(rng, spec, s, b, t, w, np.dtype(dtype))
+    attn, k_cache, v_cache = attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+    want, new_k, new_v = reference(operands, spec, LAYER)
+    assert attn.shape == (b, t, heads * d) and attn.dtype == np.dtype(dtype)
+    assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
+    if dtype == np.float32:
+        assert np.abs(k_cache[LAYER, :, w:w + t] - new_k).max() < 1e-5
+        new_k = k_cache[LAYER, :, w:w + t]  # fp32 rounding of norm and RoPE; exactness checked for bf16
+    check_caches(k_cache, operands[3], new_k, w, t)
+    check_caches(v_cache, operands[4], new_v, w, t)
+
+
+@pytest.mark.parametrize("d,heads,kv,s,b,t,w,qk_norm,softcap,dtype", [CASES[0], CASES[2]])
+def test_per_op_kernels_compose_to_the_reference(rng, d, heads, kv, s, b, t, w, qk_norm, softcap, dtype):
+    spec = make_spec(heads, kv, d, qk_norm, softcap)
+    operands = make_operands(rng, spec, s, b, t, w, np.dtype(dtype))
+    q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms = operands
+    q_rope, k_rope = rope_kernel(q, k, cos, sin, qk_norms, layer=LAYER, spec=spec)
+    q64, k64 = reference_norm_rope(q, k, cos, sin, qk_norms, spec, LAYER)
+    assert relative_error(q_rope, q64.reshape(q.shape)) < 1e-5
+    assert relative_error(k_rope, k64.reshape(k.shape)) < 1e-5
+    k_out, v_out = cache_write_kernel(k_rope, v, k_cache, v_cache, write_index, layer=LAYER)
+    check_caches(k_out, k_cache, k_rope.reshape(b, t, kv, d), w, t)
+    check_caches(v_out, v_cache, v.reshape(b, t, kv, d), w, t)
+    attn = attention_kernel(q_rope, k_out, v_out, mask_bias, layer=LAYER, spec=spec)
+    want, _, _ = reference(operands, spec, LAYER)
+    assert relative_error(attn, want) < 1e-4
+
+
+def test_rejects_bad_operands(rng):
+    spec = make_spec(4, 2, 32, False, None)
+    operands = list(make_operands(rng, spec, 10, 1, 1, 2, np.dtype(np.float32)))
+    operands[5] = np.array([[2]], dtype=np.int16)
+    with pytest.raises(ValueError, match="write_index"):
+        attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+    operands[5] = np.array([[2]], dtype=np.int32)
+    with pytest.raises(ValueError, match="layer"):
+        attention_layer_kernel(*operands, layer=LAYERS, spec=spec)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention_layer_kernel(*operands, layer=LAYER, spec=make_spec(4, 2, 48, False, None))
