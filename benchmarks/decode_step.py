@@ -25,6 +25,7 @@ import contextlib
 import dataclasses
 import importlib
 import io
+import json
 import os
 import sys
 import tempfile
@@ -48,8 +49,12 @@ flags.DEFINE_list("batches", ["1", "8"], "batch sizes (rows, one new token each)
 flags.DEFINE_list("cache_lengths", ["128", "512", "2048"], "KV-cache lengths S")
 flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library for the 'dense (nkilib megakernel)' "
                     "peer (its experimental transformer_tkg); without it the report says so")
-flags.DEFINE_integer("full_trace_max_layers", 18, "models with more layers are traced at two smaller layer counts "
-                     "and extrapolated linearly in L (checked against a full trace of Gemma 3 270M)")
+flags.DEFINE_list("extrapolated_models", ["Llama-3.2-1B", "Llama-3.1-8B"], "models traced at one and two repeats of "
+                  "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
+                  "the others are traced at full depth")
+flags.DEFINE_string("cache_file", None, "JSON-lines file of finished cases: cases found there are not traced "
+                    "again, new ones are appended (to resume a run or split it over processes by --models; only "
+                    "valid for the same kernels)")
 flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
                     "where the markdown and PNG go")
 FLAGS = flags.FLAGS
@@ -203,7 +208,10 @@ class Measured:
     extrapolated: tuple = ()
     note: str = ""
 
-    def latency_us(self, target: str, overhead_us: float) -> float:
+    def latency_us(self, target: str, overhead_us: float) -> float | None:
+        """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
+        if target not in self.kernel_us:
+            return None
         return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
 
     @classmethod
@@ -223,7 +231,8 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
 
     return Measured({t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
                     at(m1.launches, m2.launches), at(m1.hbm_bytes, m2.hbm_bytes),
-                    {t: m2.head_us[t] for t in m2.head_us}, extrapolated=(l1, l2), note=m2.note)
+                    {t: m2.head_us[t] for t in m2.head_us}, extrapolated=(l1, l2),
+                    note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)))
 
 
 def _profiled(fn: Callable, target: str):
@@ -238,9 +247,16 @@ def measure_ours(model: Model, composition: str, compressed: bool, batch: int, c
     decode_step = importlib.import_module("nki_kernels.decode_step")
     spec = decode_spec(model, num_layers, compressed)
     operands = operand_specs(spec, batch, cache_len)
-    runs = {t: _profiled(lambda: decode_step.run_decode_step(composition, operands, spec, numerics=False), t)
-            for t in TARGETS}
-    return Measured.from_runs(runs)
+    runs, failures = {}, []
+    for t in TARGETS:
+        try:
+            runs[t] = _profiled(lambda: decode_step.run_decode_step(composition, operands, spec, numerics=False), t)
+        except emulator.NkiHardwareError as error:  # a hardware limit of this target: reported, the rest stands
+            failures.append(f"{t}: {_describe(error)}")
+    note = "did not run on " + "; ".join(failures) if failures else ""
+    if not runs:
+        return Measured({}, 0, 0.0, note=note)
+    return Measured.from_runs(runs, note=note)
 
 
 def nkilib_shards(model: Model) -> tuple[int, int, int]:
@@ -328,12 +344,11 @@ def check_nkilib_checkout(checkout: str) -> str:
     return source
 
 
-def traced_layers(model: Model, max_layers: int) -> tuple[int, ...]:
-    """The layer counts to trace: all of them, or two multiples of the layer pattern to extrapolate from."""
-    if model.num_layers <= max_layers:
+def traced_layers(model: Model, extrapolated: bool) -> tuple[int, ...]:
+    """The layer counts to trace: all of them, or one and two repeats of the layer pattern to extrapolate from."""
+    if not extrapolated or 2 * model.layer_period >= model.num_layers:
         return (model.num_layers,)
-    p = model.layer_period
-    return (2 * p, 4 * p) if 4 * p < model.num_layers else (p, 2 * p)
+    return (model.layer_period, 2 * model.layer_period)
 
 
 def measure_depths(measure: Callable[[int], Measured], model: Model, depths: tuple[int, ...]) -> Measured:
@@ -362,13 +377,40 @@ class Results:
         return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
 
 
-def run_all(models: list[Model], batches, cache_lengths, nkilib_source, max_layers) -> Results:
-    cases = [(m, c, b, s, comp) for m in models for b in batches for s in cache_lengths for c in (False, True)
+class CaseCache:
+    """Finished cases in a JSON-lines file (None: no file): key -> Measured; each new case is appended at once."""
+
+    def __init__(self, path: str | None):
+        self.path, self.cases = path, {}
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        entry = json.loads(line)
+                        fields = entry["measured"]
+                        fields["extrapolated"] = tuple(fields["extrapolated"])
+                        self.cases[entry["key"]] = Measured(**fields)
+
+    def get(self, key: str, compute: Callable[[], Measured]) -> Measured:
+        if key not in self.cases:
+            self.cases[key] = compute()
+            if self.path:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"key": key, "measured": dataclasses.asdict(self.cases[key])}) + "\n")
+        return self.cases[key]
+
+
+def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None) -> Results:
+    cache = cache or CaseCache(None)
+    # Batch-1 cases first (the targets), the deepest model last.
+    cases = [(m, c, b, s, comp) for b in batches for m in models for s in cache_lengths for c in (False, True)
              for comp in COMPOSITIONS]
     ours, peer = {}, {}
     for m, c, b, s, comp in tqdm(cases, desc="decode-step compositions", unit="case"):
-        ours[(m.name, c, b, s, comp)] = measure_depths(
-            lambda layers: measure_ours(m, comp, c, b, s, layers), m, traced_layers(m, max_layers))
+        depths = traced_layers(m, m.name in extrapolated)
+        ours[(m.name, c, b, s, comp)] = cache.get(
+            f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
+            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths))
     status = "no --nki_library checkout given"
     if nkilib_source:
         status = f"run from {nkilib_source}"
@@ -387,18 +429,24 @@ def run_all(models: list[Model], batches, cache_lengths, nkilib_source, max_laye
     if gemma is not None:
         # Extrapolation check: Gemma 3 270M traced in full vs extrapolated from 6 and 12 layers.
         b, s = batches[0], cache_lengths[min(1, len(cache_lengths) - 1)]
-        depths = (gemma.layer_period, 2 * gemma.layer_period)
+        depths = traced_layers(gemma, True)
         for c in (False, True):
             for comp in tqdm(COMPOSITIONS, desc=f"extrapolation check ({'compressed' if c else 'dense'})",
                              unit="case"):
                 full = ours[(gemma.name, c, b, s, comp)]
-                guess = measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers), gemma, depths)
+                guess = cache.get(f"{gemma.name}|{gemma.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
+                                  lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers),
+                                                         gemma, depths))
                 check.append((comp, c, b, s, full, guess))
     return Results(ours, peer, status, check, models, one_call)
 
 
-def _fmt_us(x):
-    return "–" if x is None else f"{x:.1f}"
+def _tokens(batch, latency_us):
+    return "–" if latency_us is None else f"{batch / latency_us * 1e6:,.0f}"
+
+
+def _ratio(slow_us, fast_us):
+    return "–" if slow_us is None or fast_us is None else f"{slow_us / fast_us:.2f}x"
 
 
 def _row_values(latency_us, batch, nbytes, target):
@@ -448,11 +496,11 @@ def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[
             rows = {comp: res.ours[(model.name, c, batch, cache_len, comp)] for comp in COMPOSITIONS}
             for comp, m in rows.items():
                 lines.append(f"| {'compressed' if c else 'dense'} {LABELS[comp]} tok/s | {t} | {m.launches:.0f} "
-                             + "".join(f"| {batch / m.latency_us(t, o) * 1e6:,.0f} " for o in sweep) + "|")
+                             + "".join(f"| {_tokens(batch, m.latency_us(t, o))} " for o in sweep) + "|")
             looped = rows["looped"]
             for other in ("per_op", "per_layer", "today"):
                 lines.append(f"| {'compressed' if c else 'dense'} looped ÷ {other} speedup | {t} | "
-                             + "".join(f"| {rows[other].latency_us(t, o) / looped.latency_us(t, o):.2f}x "
+                             + "".join(f"| {_ratio(rows[other].latency_us(t, o), looped.latency_us(t, o))} "
                                        for o in sweep) + "|")
             if not c:
                 peer = [res.nkilib_step_us(model.name, batch, cache_len, t, o) for o in sweep]
@@ -475,27 +523,39 @@ def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict]]:
             def lat(m, c, s, comp):
                 return res.ours[(m, c, batch, s, comp)].latency_us(t, o)
 
-            peak = [(peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t), m, s, c)
-                    for m, s in shapes for c in (False, True)]
-            worst = min(peak)
-            cells["peak"][o] = (worst[0] >= PEAK_FRACTION, f"{100 * worst[0]:.0f}% ({worst[1]}, S {worst[2]}, "
-                                                           f"{'compressed' if worst[3] else 'dense'})")
+            def worst(name, values, met, text):
+                """The smallest of values [(value, *where)] (None values: a composition that did not run)."""
+                ran = [v for v in values if v[0] is not None]
+                if ran:
+                    w = min(ran)
+                    missing = len(values) - len(ran)
+                    cells[name][o] = (met(w[0]) and not missing,
+                                      text(w) + (f"; {missing} shape(s) did not run" if missing else ""))
+
+            def ratio(slow, fast):
+                return None if slow is None or fast is None else slow / fast
+
+            def where(c):
+                return "compressed" if c else "dense"
+
+            worst("peak", [(None if lat(m, c, s, "looped") is None else
+                            peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
+                            m, s, c) for m, s in shapes for c in (False, True)],
+                  lambda v: v >= PEAK_FRACTION, lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})")
             gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
             for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
-                ratios = [(lat(m, c, s, other) / lat(m, c, s, "looped"), s, c) for m, s in gemma for c in (False, True)]
-                if ratios:
-                    w = min(ratios)
-                    cells[other][o] = (w[0] >= goal, f"{w[0]:.2f}x (S {w[1]}, {'compressed' if w[2] else 'dense'})")
-            ratios = [(lat(m, False, s, "looped") / lat(m, True, s, "looped"), m, s) for m, s in shapes]
-            w = min(ratios)
-            cells["compressed"][o] = (w[0] >= COMPRESSED_OVER_DENSE, f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+                worst(other, [(ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c) for m, s in gemma
+                              for c in (False, True)],
+                      lambda v, goal=goal: v >= goal, lambda w: f"{w[0]:.2f}x (S {w[1]}, {where(w[2])})")
+            worst("compressed", [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s)
+                                 for m, s in shapes],
+                  lambda v: v >= COMPRESSED_OVER_DENSE, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
             peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
-            peer = [(us, m, s) for us, m, s in peer if us is not None]
-            if peer:
-                wc = min((us / lat(m, True, s, "looped"), m, s) for us, m, s in peer)
-                wd = min((us / lat(m, False, s, "looped"), m, s) for us, m, s in peer)
-                cells["nkilib_c"][o] = (wc[0] > 1.0, f"{wc[0]:.2f}x ({wc[1]}, S {wc[2]})")
-                cells["nkilib_d"][o] = (wd[0] >= 1 / WITHIN_NKILIB, f"{wd[0]:.2f}x ({wd[1]}, S {wd[2]})")
+            if any(us is not None for us, _, _ in peer):
+                worst("nkilib_c", [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
+                      lambda v: v > 1.0, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+                worst("nkilib_d", [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
+                      lambda v: v >= 1 / WITHIN_NKILIB, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
         rows += [
             (f"looped ≥ {PEAK_FRACTION:.0%} of peak bandwidth (worst batch-1 shape)", t, cells["peak"]),
             (f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)", t, cells["per_op"]),
@@ -516,7 +576,8 @@ def targets_table(res: Results) -> list[str]:
              "|---|---|" + "---|" * len(sweep)]
     for name, t, cells in target_rows(res):
         if not cells:
-            lines.append(f"| {name} | {t} " + "| not evaluated: the peer did not run on this target " * len(sweep) + "|")
+            why = "| not evaluated: no nkilib peer on this target (no --nki_library, or it does not run here) "
+            lines.append(f"| {name} | {t} " + why * len(sweep) + "|")
             continue
         lines.append(f"| {name} | {t} " + "".join(
             f"| {'met' if cells[o][0] else 'NOT met'}: {cells[o][1]} " for o in sweep) + "|")
@@ -530,7 +591,8 @@ def extrapolation_lines(res: Results) -> list[str]:
         f"| {t} " for t in TARGETS) + "| launches |", "|---|---|---|---|---|" + "---|" * len(TARGETS)]
     for comp, c, b, s, full, guess in res.extrapolation_check:
         lines.append(f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} | "
-                     + "".join(f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} " for t in TARGETS)
+                     + "".join(f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} " if t in guess.kernel_us
+                               and t in full.kernel_us else "| – " for t in TARGETS)
                      + f"| {guess.launches:.1f} vs {full.launches:.0f} |")
     return lines
 
@@ -587,6 +649,10 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
         lines += [f"### {m.name} (L {m.num_layers}, H {m.hidden}, heads {m.num_heads}/{m.num_kv_heads}, D "
                   f"{m.head_dim}, I {m.intermediate}, V {m.vocab}; {m.source})", "",
                   *shape_table(res, m, batches, cache_lengths, 0.0), ""]
+    failed = [f"- {model}, {'compressed' if c else 'dense'}, batch {b}, S {s}, {LABELS[comp]}: {m.note}"
+              for (model, c, b, s, comp), m in res.ours.items() if m.note]
+    if failed:
+        lines += ["## Did not run (– in the tables)", "", *failed, ""]
     lines += ["## The peer: dense (nkilib megakernel)", "", nkilib_note(res), "",
               "## Layer-count extrapolation check", "",
               "Models deeper than the traced depth are traced at two layer counts (multiples of the layer pattern) "
@@ -645,6 +711,8 @@ def plot(res: Results, batches, cache_lengths, path):
         for comp in COMPOSITIONS:
             for c, style in ((False, "-o"), (True, "--s")):
                 m = res.ours[(first.name, c, b0, s0, comp)]
+                if t not in m.kernel_us:
+                    continue
                 ax.plot(sweep, [b0 / m.latency_us(t, o) * 1e6 for o in sweep], style, color=colors[comp],
                         label=f"{'compressed' if c else 'dense'} {LABELS[comp]}")
         peer = [res.nkilib_step_us(first.name, b0, s0, t, o) for o in sweep]
@@ -657,9 +725,10 @@ def plot(res: Results, batches, cache_lengths, path):
         ax = axes[1][col]
         for m in res.models:
             for c, style in ((False, "-o"), (True, "--s")):
-                ax.plot(cache_lengths, [100 * peak_fraction(must_move_bytes(m, c, b0, s),
-                                                            res.ours[(m.name, c, b0, s, "looped")].latency_us(t, 0.0),
-                                                            t) for s in cache_lengths],
+                points = [(s, res.ours[(m.name, c, b0, s, "looped")].latency_us(t, 0.0)) for s in cache_lengths]
+                points = [(s, us) for s, us in points if us is not None]
+                ax.plot([s for s, _ in points],
+                        [100 * peak_fraction(must_move_bytes(m, c, b0, s), us, t) for s, us in points],
                         style, label=f"{m.name} {'compressed' if c else 'dense'}")
         ax.axhline(100 * PEAK_FRACTION, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
@@ -717,12 +786,15 @@ def main(argv):
             source = check_nkilib_checkout(FLAGS.nki_library)
         except ValueError as error:
             raise app.UsageError(str(error)) from None
-    depths = {m.name: ("full trace" if traced_layers(m, FLAGS.full_trace_max_layers) == (m.num_layers,) else
-                       f"traced at {traced_layers(m, FLAGS.full_trace_max_layers)} layers, extrapolated to "
-                       f"{m.num_layers}") for m in models}
+    extrapolated = set(FLAGS.extrapolated_models)
+    unknown = sorted(extrapolated - set(MODELS))
+    if unknown:
+        raise app.UsageError(f"--extrapolated_models: unknown {unknown}, expected some of {list(MODELS)}")
+    depths = {m.name: ("full trace" if traced_layers(m, m.name in extrapolated) == (m.num_layers,) else
+                       f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}") for m in models}
     if FLAGS.quick:
         depths = {m.name: "2 layers only (quick smoke run)" for m in models}
-    res = run_all(models, batches, cache_lengths, source, FLAGS.full_trace_max_layers)
+    res = run_all(models, batches, cache_lengths, source, extrapolated, CaseCache(FLAGS.cache_file))
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths)
     _write(stem + ".md", lambda f: f.write(text))
