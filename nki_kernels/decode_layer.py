@@ -339,7 +339,10 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_COLUMNS, max(moving, ring.slot_elements // in_count_max // moving * moving))
+    columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
+    if columns >= moving:
+        columns -= columns % moving  # whole moving tiles per block
+    columns = max(1, columns)
     for v0, vc in spans(v, columns):
         acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):

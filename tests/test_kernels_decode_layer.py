@@ -1,0 +1,118 @@
+"""The decode-step subroutines (nki_kernels.decode_layer) inside small test kernels, against float64 numpy.
+
+Natural (ragged) and row-grouped layouts, dense and factored projections into layouts of another group, the gated
+MLP, the LM head with a softcap, and rows ↔ column tiles round trips; a small weight ring so blocks wrap.
+"""
+
+import numpy as np
+import pytest
+
+from nki_kernels import decode_layer as dl
+from nki_kernels.activations import ACTIVATIONS
+from nki_kernels.binding import nki, nl
+from nki_kernels.svd_mlp import activation_op
+
+
+@nki.jit
+def norm_project_kernel(x, norm_w, w, u, v, *, rank, group_in, group_out, unit_offset, softcap):
+    """Returns (norm(x)·w + norm(x)·u[:, :rank]·v[:rank], softcap(norm(x)·w) through the head path)."""
+    rows, h = x.shape
+    n = w.shape[1]
+    layout, out_layout = dl.feature_layout(h, group_in), dl.feature_layout(n, group_out)
+    ring = dl.WeightRing(w.dtype, block_bytes=4096, ring_bytes=10000)
+    consts = dl.NormConstants(1e-6)
+    xc = dl.column_tiles(layout, rows, nl.float32, "x")
+    dl.load_columns(xc, x, layout)
+    wc = dl.load_norm_weights(norm_w, layout, unit_offset)
+    hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
+    dl.rms_norm(hc, xc, wc[:, :, 0:1], layout, rows, consts)
+    y = dl.column_tiles(out_layout, rows, nl.float32, "y")
+    dl.project(hc, layout, w, None, out_layout, rows, ring, dl.copy_into(y))
+    dl.project(hc, layout, [u, v], rank, out_layout, rows, ring, dl.add_into(y))
+    out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
+    dl.store_columns(out, y, out_layout)
+    logits = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    dl.head_projection(hc, layout, w, rows, ring, logits, softcap)
+    return out, logits
+
+
+@nki.jit
+def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_i):
+    """x + down(act(x·gate) * (x·up)) with a factored down projection, x rows [R, H]."""
+    rows, h = x.shape
+    i = gate.shape[1]
+    hidden, inter = dl.feature_layout(h, group_h), dl.feature_layout(i, group_i)
+    ring = dl.WeightRing(gate.dtype, block_bytes=8192, ring_bytes=20000)
+    xc = dl.column_tiles(hidden, rows, nl.float32, "x")
+    dl.load_columns(xc, x, hidden)
+    hc = dl.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
+    dl.load_columns(hc, x, hidden)
+    dl.gated_mlp(hc, hidden, gate, up, [down_u, down_v], (None, None, rank), inter, rows, ring,
+                 activation_op(activation), dl.add_into(xc))
+    out = nl.ndarray((rows, h), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
+    dl.store_columns(out, xc, hidden)
+    return out
+
+
+def f32(rng, shape, scale=1.0):
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+def rms_norm_f64(x, w, unit_offset, eps=1e-6):
+    x = x.astype(np.float64)
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * ((1 + w) if unit_offset else w)
+
+
+@pytest.mark.parametrize("rows, h, n, rank, group_in, group_out, unit_offset, softcap", [
+    (3, 200, 300, 37, 1, 1, False, None),   # ragged natural tiles
+    (1, 256, 384, 130, 2, 3, True, 3.0),     # grouped in and out, rank over a tile
+    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1
+])
+def test_norm_and_projections(rng, rows, h, n, rank, group_in, group_out, unit_offset, softcap):
+    x, norm_w = f32(rng, (rows, h)), f32(rng, (1, h), 0.3)
+    w, u, v = f32(rng, (h, n), h ** -0.5), f32(rng, (h, rank + 5), h ** -0.5), f32(rng, (rank + 5, n), rank ** -0.5)
+    out, logits = norm_project_kernel(x, norm_w, w, u, v, rank=rank, group_in=group_in, group_out=group_out,
+                                      unit_offset=unit_offset, softcap=softcap)
+    hn = rms_norm_f64(x, norm_w[0].astype(np.float64), unit_offset)
+    want = hn @ w + (hn @ u[:, :rank]) @ v[:rank]
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    head = hn @ w
+    if softcap:
+        head = np.tanh(head / softcap) * softcap
+    np.testing.assert_allclose(logits, head, rtol=1e-5, atol=1e-5 * np.abs(head).max())
+
+
+@pytest.mark.parametrize("rows, h, i, rank, activation, group_h, group_i", [
+    (3, 200, 200, 50, "silu", 1, 1),
+    (2, 256, 512, 129, "gelu_tanh", 2, 4),
+])
+def test_gated_mlp(rng, rows, h, i, rank, activation, group_h, group_i):
+    x = f32(rng, (rows, h))
+    gate, up = f32(rng, (h, i), h ** -0.5), f32(rng, (h, i), h ** -0.5)
+    down_u, down_v = f32(rng, (i, rank), i ** -0.5), f32(rng, (rank, h), rank ** -0.5)
+    out = mlp_kernel(x, gate, up, down_u, down_v, rank=rank, activation=activation, group_h=group_h,
+                     group_i=group_i)
+    x64 = x.astype(np.float64)
+    act = ACTIVATIONS[activation].reference
+    want = x64 + ((act(x64 @ gate) * (x64 @ up)) @ down_u) @ down_v
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def test_layouts_cover_every_feature_once():
+    for features, group in ((200, 1), (640, 5), (384, 3), (300, 2)):
+        layout = dl.feature_layout(features, group)
+        covered = np.concatenate([np.arange(features)[feats] for _, feats in layout])
+        assert sorted(covered) == list(range(features))
+        assert all(size == len(range(features)[feats]) for size, feats in layout)
+    assert dl.choose_group(640, 256) == 5 and dl.choose_group(2048, 640) == 8 and dl.choose_group(200, 10) == 1
+
+
+def test_ring_rejects_a_block_over_its_limit(rng):
+    @nki.jit
+    def kernel(w):
+        ring = dl.WeightRing(w.dtype, block_bytes=1024, ring_bytes=4096)
+        ring.load(w.reshape_dim(0, (128, 1)), 128, 1, w.shape[1])
+        return w
+
+    with pytest.raises(ValueError, match="block limit"):
+        kernel(f32(rng, (128, 300)))
