@@ -52,6 +52,9 @@ flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library for
 flags.DEFINE_list("extrapolated_models", ["Llama-3.2-1B", "Llama-3.1-8B"], "models traced at one and two repeats of "
                   "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
                   "the others are traced at full depth")
+flags.DEFINE_list("compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)")
+flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not "
+                  "traced")
 flags.DEFINE_string("cache_file", None, "JSON-lines file of finished cases: cases found there are not traced "
                     "again, new ones are appended (to resume a run or split it over processes by --models; only "
                     "valid for the same kernels)")
@@ -377,11 +380,15 @@ class Results:
         return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
 
 
-class CaseCache:
-    """Finished cases in a JSON-lines file (None: no file): key -> Measured; each new case is appended at once."""
+NOT_TRACED = "not traced in this run (run time on this machine)"
 
-    def __init__(self, path: str | None):
-        self.path, self.cases = path, {}
+
+class CaseCache:
+    """Finished cases in a JSON-lines file (None: no file): key -> Measured; each new case is appended at once.
+    cached_only: cases not in the file are not traced but come back as NOT_TRACED placeholders."""
+
+    def __init__(self, path: str | None, cached_only: bool = False):
+        self.path, self.cases, self.cached_only = path, {}, cached_only
         if path and os.path.exists(path):
             with open(path, encoding="utf-8") as f:
                 for line in f:
@@ -391,7 +398,10 @@ class CaseCache:
                         fields["extrapolated"] = tuple(fields["extrapolated"])
                         self.cases[entry["key"]] = Measured(**fields)
 
-    def get(self, key: str, compute: Callable[[], Measured]) -> Measured:
+    def get(self, key: str, compute: Callable[[], Measured], traced: bool = True) -> Measured:
+        """The cached case, else compute() (appended to the file), else (not traced) a placeholder."""
+        if key not in self.cases and (self.cached_only or not traced):
+            return Measured({}, 0, 0.0, note=NOT_TRACED)
         if key not in self.cases:
             self.cases[key] = compute()
             if self.path:
@@ -400,7 +410,8 @@ class CaseCache:
         return self.cases[key]
 
 
-def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None) -> Results:
+def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None,
+            traced=COMPOSITIONS) -> Results:
     cache = cache or CaseCache(None)
     # Batch-1 cases first (the targets), the deepest model last.
     cases = [(m, c, b, s, comp) for b in batches for m in models for s in cache_lengths for c in (False, True)
@@ -410,13 +421,14 @@ def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapol
         depths = traced_layers(m, m.name in extrapolated)
         ours[(m.name, c, b, s, comp)] = cache.get(
             f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
-            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths))
+            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths),
+            traced=comp in traced)
     status = "no --nki_library checkout given"
     if nkilib_source:
         status = f"run from {nkilib_source}"
         for m, b, s in tqdm([(m, b, s) for m in models for b in batches for s in cache_lengths],
                             desc="nkilib transformer_tkg", unit="case"):
-            peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)
+            peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)  # seconds each: never cached
     one_call = []
     for (name, b, s), measured in peer.items():
         if (b, s) == (batches[0], cache_lengths[min(1, len(cache_lengths) - 1)]) and measured.kernel_us \
@@ -434,6 +446,8 @@ def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapol
             for comp in tqdm(COMPOSITIONS, desc=f"extrapolation check ({'compressed' if c else 'dense'})",
                              unit="case"):
                 full = ours[(gemma.name, c, b, s, comp)]
+                if not full.kernel_us:
+                    continue
                 guess = cache.get(f"{gemma.name}|{gemma.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
                                   lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers),
                                                          gemma, depths))
@@ -576,7 +590,7 @@ def targets_table(res: Results) -> list[str]:
              "|---|---|" + "---|" * len(sweep)]
     for name, t, cells in target_rows(res):
         if not cells:
-            why = "| not evaluated: no nkilib peer on this target (no --nki_library, or it does not run here) "
+            why = "| not evaluated (no peer figure) "
             lines.append(f"| {name} | {t} " + why * len(sweep) + "|")
             continue
         lines.append(f"| {name} | {t} " + "".join(
@@ -650,7 +664,11 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
                   f"{m.head_dim}, I {m.intermediate}, V {m.vocab}; {m.source})", "",
                   *shape_table(res, m, batches, cache_lengths, 0.0), ""]
     failed = [f"- {model}, {'compressed' if c else 'dense'}, batch {b}, S {s}, {LABELS[comp]}: {m.note}"
-              for (model, c, b, s, comp), m in res.ours.items() if m.note]
+              for (model, c, b, s, comp), m in res.ours.items() if m.note and m.note != NOT_TRACED]
+    untraced = [f"{model} {'compressed' if c else 'dense'} b{b} S{s} {comp}"
+                for (model, c, b, s, comp), m in res.ours.items() if m.note == NOT_TRACED]
+    if untraced:
+        failed.append(f"- {NOT_TRACED}: " + ", ".join(untraced))
     if failed:
         lines += ["## Did not run (– in the tables)", "", *failed, ""]
     lines += ["## The peer: dense (nkilib megakernel)", "", nkilib_note(res), "",
@@ -671,10 +689,11 @@ def nkilib_note(res: Results) -> str:
             "residual, RMSNorm + SiLU-gated MLP, residual; collectives over a replica group of one core), imported "
             "unmodified from a scratch copy of the checkout outside this repository, count-only on the same "
             f"emulator: {res.nkilib_status}. The checkout has two bugs that stop it from importing or running; the "
-            "scratch copy fixes exactly these two lines and nothing else: `core/mlp/mlp.py` (a duplicated tail of "
-            "the `mlp` docstring at line 203 that does not parse: deleted) and `core/mlp/mlp_tkg/"
-            "mlp_tkg_constants.py` (the dataclass field `remainderIFused` is never passed: passed as `remainderI`; "
-            "nothing reads it). Its constraints: one KV head per call and a head dimension on partitions (≤ 128); "
+            "scratch copy fixes exactly these two places and nothing else: `core/mlp/mlp.py` (lines 202-214, a "
+            "blank line and a second copy of the last 11 lines of the `mlp` docstring after its closing quotes, an "
+            "IndentationError at line 203: deleted) and `core/mlp/mlp_tkg/mlp_tkg_constants.py` (the required "
+            "dataclass field `remainderIFused` is never passed, a TypeError: one line added passing "
+            "`remainderIFused=remainderI`; nothing reads the field). Its constraints: one KV head per call and a head dimension on partitions (≤ 128); "
             "it is written for tensor parallelism, so each model runs as one call per KV head (Gemma 3 270M's "
             "256-wide heads as 128-wide halves: two calls), each call with its heads' share of q/k/v/o and an "
             "intermediate slice of the MLP, back to back on one core (the all-reduce between shards is not "
@@ -794,7 +813,13 @@ def main(argv):
                        f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}") for m in models}
     if FLAGS.quick:
         depths = {m.name: "2 layers only (quick smoke run)" for m in models}
-    res = run_all(models, batches, cache_lengths, source, extrapolated, CaseCache(FLAGS.cache_file))
+    traced = tuple(FLAGS.compositions)
+    if not set(traced) <= set(COMPOSITIONS):
+        raise app.UsageError(f"--compositions: got {FLAGS.compositions}, expected some of {list(COMPOSITIONS)}")
+    if FLAGS.cached_only and not FLAGS.cache_file:
+        raise app.UsageError("--cached_only needs --cache_file")
+    res = run_all(models, batches, cache_lengths, source, extrapolated,
+                  CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths)
     _write(stem + ".md", lambda f: f.write(text))
