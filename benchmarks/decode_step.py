@@ -43,7 +43,8 @@ from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec, run as run_kernel
 
-flags.DEFINE_bool("quick", False, "Gemma 3 270M at 2 layers, batch 1, cache 128: a smoke run")
+flags.DEFINE_bool("quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a "
+                  "smoke run")
 flags.DEFINE_list("models", None, "models to report (keys of MODELS); default all")
 flags.DEFINE_list("batches", ["1", "8"], "batch sizes (rows, one new token each)")
 flags.DEFINE_list("cache_lengths", ["128", "512", "2048"], "KV-cache lengths S")
@@ -797,7 +798,7 @@ def main(argv):
     models = [MODELS[n] for n in names]
     batches, cache_lengths = _ints(FLAGS.batches, "batches"), _ints(FLAGS.cache_lengths, "cache_lengths")
     if FLAGS.quick:
-        models = [dataclasses.replace(MODELS["Gemma 3 270M"], num_layers=2)]
+        models = [dataclasses.replace(MODELS["Gemma 3 270M"], num_layers=2, vocab=8192)]
         batches, cache_lengths = [1], [128]
     source = None
     if FLAGS.nki_library:
@@ -812,7 +813,7 @@ def main(argv):
     depths = {m.name: ("full trace" if traced_layers(m, m.name in extrapolated) == (m.num_layers,) else
                        f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}") for m in models}
     if FLAGS.quick:
-        depths = {m.name: "2 layers only (quick smoke run)" for m in models}
+        depths = {m.name: "2 layers and an 8192-token vocabulary only (quick smoke run)" for m in models}
     traced = tuple(FLAGS.compositions)
     if not set(traced) <= set(COMPOSITIONS):
         raise app.UsageError(f"--compositions: got {FLAGS.compositions}, expected some of {list(COMPOSITIONS)}")
