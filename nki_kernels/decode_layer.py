@@ -26,6 +26,9 @@ from nki_kernels.svd_matmul import k_slots, spans
 
 # Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
 RUN_ELEMENTS = 4096
+# Largest group: a grouped block of output features (128·group wide) times a grouped input's rows per partition
+# stays within a ring block (8·1024 elements: float32 at RING_BLOCK_BYTES).
+MAX_GROUP = 8
 # Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
 RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 64 * 1024
@@ -63,13 +66,13 @@ def layout_blocks(layout):
 
 def choose_group(features, row_elements):
     """Group for a vector of `features` contracted against weights with `row_elements` columns: the smallest
-    divisor g of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it); 1 when
-    features is not a multiple of 128."""
+    divisor g ≤ MAX_GROUP of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it);
+    1 when features is not a multiple of 128."""
     pmax = nl.tile_size.pmax
     if features % pmax:
         return 1
     tiles = features // pmax
-    divisors = [d for d in range(1, tiles + 1) if tiles % d == 0]
+    divisors = [d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0]
     return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
 
 

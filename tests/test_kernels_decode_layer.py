@@ -105,6 +105,7 @@ def test_layouts_cover_every_feature_once():
         assert sorted(covered) == list(range(features))
         assert all(size == len(range(features)[feats]) for size, feats in layout)
     assert dl.choose_group(640, 256) == 5 and dl.choose_group(2048, 640) == 8 and dl.choose_group(200, 10) == 1
+    assert dl.choose_group(4096, 1024) == 4 and dl.choose_group(4096, 8) == dl.MAX_GROUP
 
 
 def test_ring_rejects_a_block_over_its_limit(rng):
