@@ -606,10 +606,11 @@ def targets_table(res: Results) -> list[str]:
 def extrapolation_lines(res: Results) -> list[str]:
     if not res.extrapolation_check:
         return ["Every model here was traced at full depth."]
-    lines = ["| composition | model | batch, S | depths traced | extrapolated ÷ full trace " + "".join(
-        f"| {t} " for t in TARGETS) + "| launches |", "|---|---|---|---|---|" + "---|" * len(TARGETS)]
+    lines = ["| composition | model | batch, S | depths traced " + "".join(
+        f"| {t}: extrapolated ÷ full trace " for t in TARGETS) + "| launches: extrapolated vs full |",
+        "|---|---|---|---|" + "---|" * len(TARGETS) + "---|"]
     for comp, c, b, s, full, guess in res.extrapolation_check:
-        lines.append(f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} | "
+        lines.append(f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} "
                      + "".join(f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} " if t in guess.kernel_us
                                and t in full.kernel_us else "| – " for t in TARGETS)
                      + f"| {guess.launches:.1f} vs {full.launches:.0f} |")
@@ -716,6 +717,18 @@ def nkilib_note(res: Results) -> str:
                  f"one-layer calls by {gains} at 0 µs per launch (cross-layer overlap inside one kernel): where the "
                  "peer had to run as one-layer calls, its figures are pessimistic by about that much, and the "
                  "launch-overhead sweep charges it one launch per layer and shard.")
+        for t, gain in ((t, split.kernel_us[t] / whole.kernel_us[t]) for t in whole.kernel_us):
+            adjusted = []
+            for (model, pb, ps), peer in sorted(res.nkilib.items()):
+                ours = res.ours.get((model, False, pb, ps, "looped"))
+                head = res.ours.get((model, False, pb, ps, "per_layer"))
+                if "one-layer calls" in peer.note and pb == 1 and t in peer.kernel_us and ours is not None \
+                        and t in ours.kernel_us and t in head.head_us:
+                    peer_us = peer.kernel_us[t] / gain + head.head_us[t]
+                    adjusted.append(f"{model} S {ps}: {peer_us / ours.kernel_us[t]:.2f}x")
+            if adjusted:
+                text += (f" With the peer's one-layer-call time divided by that {gain:.2f}x ({t}, 0 µs per launch), "
+                         "peer ÷ our dense looped kernel at batch 1 would be " + ", ".join(adjusted) + ".")
     return text
 
 
