@@ -774,6 +774,7 @@ def plot(res: Results, batches, cache_lengths, path):
         ax.set_xlabel("KV-cache length S")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=6)
+    axes[0][-1].legend(fontsize=6)
     axes[1][0].legend(fontsize=6)
     fig.suptitle("Decode step, modeled (emulator cost model, bf16; compressed = keep 0.8)")
     fig.tight_layout()
