@@ -56,6 +56,8 @@ flags.DEFINE_list("extrapolated_models", ["Llama-3.2-1B", "Llama-3.1-8B"], "mode
 flags.DEFINE_list("compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)")
 flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not "
                   "traced")
+flags.DEFINE_string("run_time_note", "", "how the cases were traced, for a report assembled with --cached_only (its "
+                    "own run time covers the assembly only)")
 flags.DEFINE_string("cache_file", None, "JSON-lines file of finished cases: cases found there are not traced "
                     "again, new ones are appended (to resume a run or split it over processes by --models; only "
                     "valid for the same kernels)")
@@ -617,7 +619,8 @@ def extrapolation_lines(res: Results) -> list[str]:
     return lines
 
 
-def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float, depths: dict) -> str:
+def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float, depths: dict,
+             run_time_note: str = "") -> str:
     sweep = ", ".join(f"{o:g}" for o in launch.LAUNCH_OVERHEAD_SWEEP_US)
     lines = [
         "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
@@ -649,7 +652,8 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
         "chip's HBM bandwidth, 16 DMA engines) = 272 GB/s on trn1 (DMA-bound: 16 × 17 GB/s), 362.5 GB/s on trn2 "
         "(2.9 TB/s ÷ 8 cores). tok/s = batch ÷ latency, per NeuronCore.",
         f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
-        f"- Run time of this benchmark: {elapsed_s / 60:.1f} min on this machine.",
+        f"- Run time of this benchmark: {elapsed_s / 60:.1f} min on this machine"
+        + (f" (assembling cached cases; {run_time_note})." if run_time_note else "."),
         "",
         "## Targets (issue 15, batch 1), at each assumed per-launch overhead",
         "",
@@ -842,7 +846,7 @@ def main(argv):
     res = run_all(models, batches, cache_lengths, source, extrapolated,
                   CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
-    text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths)
+    text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)
     _write(stem + ".md", lambda f: f.write(text))
     plot(res, batches, cache_lengths, stem + ".png")
     print("\n".join(targets_table(res)))
