@@ -32,7 +32,7 @@ test: $(STAMP)
 
 # AWS_NEURON_SDK: a checkout of aws-neuron/aws-neuron-sdk, to run AWS's example kernels and check the cost model.
 # NKI_LIBRARY: a checkout of aws-neuron/nki-library, to run its kernels unmodified on the emulator and add its
-# dense MLP to the kernel report as "dense (nkilib)".
+# dense MLP to the kernel report as "dense (nkilib)" and its transformer_tkg megakernel to the decode-step report.
 AWS_NEURON_SDK ?=
 NKI_LIBRARY ?=
 bench: $(STAMP)
@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/emulator_speed.py
 	$(PY) benchmarks/kernel_report.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/decode_throughput.py
+	$(PY) benchmarks/decode_step.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/compress_speed.py
 	$(PY) benchmarks/accuracy_report.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \

@@ -1,0 +1,857 @@
+"""Decode step over all layers: one kernel per op vs one per layer vs one looped kernel, modeled on trn1 / trn2.
+
+For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (their published config.json), batch 1 and 8, one new token
+per row, KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and
+the LM head factored at `nki_kernels.ranks.block_aligned_rank`), each composition of issue 15 runs on the
+emulator in count-only mode (`nki_kernels.decode_step.run_decode_step`, operands are shape/dtype placeholders, no
+weight memory): per_op (i), per_layer (ii), looped (iii) and today (per-op kernels, fused svd_mlp kernels for
+the MLP). The peer "dense (nkilib megakernel)" is AWS nki-library's experimental transformer_tkg, run from a
+local checkout (`--nki_library`) on the same emulator.
+
+Latency of a composition = sum of its launches' modeled latencies (each launch scheduled on its own, so its
+pipeline fill and drain count) + launches x a per-launch overhead (`nki_kernels.emulator.launch`: no public
+Trainium figure, so 0, 2, 5, 10, 20 µs are swept). % of peak bandwidth = bytes that must move ÷ latency ÷ the
+core's peak DMA-to-HBM rate.
+
+    python benchmarks/decode_step.py --nki_library=/path/to/nki-library     # everything
+    python benchmarks/decode_step.py --quick                                # one shape, a few seconds
+
+Writes benchmarks/results/decode_step{,_quick}.md and .png. All numbers are modeled, not measured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import io
+import json
+import os
+import sys
+import tempfile
+import time
+from typing import Callable
+
+import ml_dtypes
+import numpy as np
+from absl import app, flags
+from tqdm import tqdm
+
+from nki_kernels import emulator, hardware, ranks
+from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.emulator import launch
+from nki_kernels.emulator.cost_model import roofline_us
+from nki_kernels.emulator.kernel import Spec, run as run_kernel
+
+flags.DEFINE_bool("quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a "
+                  "smoke run")
+flags.DEFINE_list("models", None, "models to report (keys of MODELS); default all")
+flags.DEFINE_list("batches", ["1", "8"], "batch sizes (rows, one new token each)")
+flags.DEFINE_list("cache_lengths", ["128", "512", "2048"], "KV-cache lengths S")
+flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library for the 'dense (nkilib megakernel)' "
+                    "peer (its experimental transformer_tkg); without it the report says so")
+flags.DEFINE_list("extrapolated_models", ["Llama-3.2-1B", "Llama-3.1-8B"], "models traced at one and two repeats of "
+                  "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
+                  "the others are traced at full depth")
+flags.DEFINE_list("compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)")
+flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not "
+                  "traced")
+flags.DEFINE_string("run_time_note", "", "how the cases were traced, for a report assembled with --cached_only (its "
+                    "own run time covers the assembly only)")
+flags.DEFINE_string("cache_file", None, "JSON-lines file of finished cases: cases found there are not traced "
+                    "again, new ones are appended (to resume a run or split it over processes by --models; only "
+                    "valid for the same kernels)")
+flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
+                    "where the markdown and PNG go")
+FLAGS = flags.FLAGS
+
+TARGETS = hardware.TARGETS
+BF16 = np.dtype(ml_dtypes.bfloat16)
+KEEP = 0.8
+COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
+NKILIB = "nkilib"  # the peer's row label in tables: "dense (nkilib megakernel)"
+# Issue 15's targets (modeled, batch 1).
+PEAK_FRACTION = 0.90
+OVER_PER_OP = 1.5
+OVER_PER_LAYER = 1.15
+COMPRESSED_OVER_DENSE = 1.2
+WITHIN_NKILIB = 1.05
+# nki-library's attention_block_tkg holds the head dimension on partitions (at most 128) and one KV head per call.
+NKILIB_MAX_HEAD_DIM = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """Decoder shapes from a published config.json (the `source`)."""
+
+    name: str
+    source: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    norm_eps: float
+    gemma3: bool  # Gemma 3 layer variants (unit-offset norms, QK-norm, sandwich norms, 5 local : 1 global)
+    sliding_window: int | None = None
+
+    @property
+    def layer_period(self) -> int:
+        """Layers after which the layer pattern repeats (what layer-count extrapolation must step by)."""
+        return 6 if self.gemma3 else 1
+
+    def is_local(self, layer: int) -> bool:
+        return self.gemma3 and (layer + 1) % 6 != 0
+
+
+MODELS = {
+    "Gemma 3 270M": Model("Gemma 3 270M", "google/gemma-3-270m config.json", 18, 640, 4, 1, 256, 2048, 262144, 1e-6,
+                          gemma3=True, sliding_window=512),
+    "Llama-3.2-1B": Model("Llama-3.2-1B", "meta-llama/Llama-3.2-1B config.json", 16, 2048, 32, 8, 64, 8192, 128256,
+                          1e-5, gemma3=False),
+    "Llama-3.1-8B": Model("Llama-3.1-8B", "meta-llama/Llama-3.1-8B config.json", 32, 4096, 32, 8, 128, 14336, 128256,
+                          1e-5, gemma3=False),
+}
+
+
+def decode_spec(model: Model, num_layers: int, compressed: bool) -> DecodeSpec:
+    """The DecodeSpec of `model`'s first num_layers layers; compressed: every projection and the head factored at
+    the block-aligned rank keeping KEEP of its parameters (the same rank in every layer)."""
+    probe = DecodeSpec(num_layers=1, hidden=model.hidden, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                       head_dim=model.head_dim, intermediate=model.intermediate, vocab=model.vocab,
+                       norm_eps=model.norm_eps, norm_unit_offset=False, qk_norm=False, sandwich=False,
+                       activation="silu", query_scaling=1.0, attn_logit_softcap=None, final_logit_softcap=None,
+                       layer_rope=(0,), layer_mask=(0,))
+    layer_ranks = (None,) * len(PROJECTIONS)
+    head_rank = None
+    if compressed:
+        layer_ranks = tuple((ranks.block_aligned_rank(probe.in_features(p), probe.out_features(p), KEEP),) * num_layers
+                            for p in PROJECTIONS)
+        head_rank = ranks.block_aligned_rank(model.hidden, model.vocab, KEEP)
+    local = tuple(int(not model.is_local(layer)) for layer in range(num_layers))  # table 0 local, 1 global
+    return DecodeSpec(
+        num_layers=num_layers, hidden=model.hidden, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim, intermediate=model.intermediate, vocab=model.vocab, norm_eps=model.norm_eps,
+        norm_unit_offset=model.gemma3, qk_norm=model.gemma3, sandwich=model.gemma3,
+        activation="gelu_tanh" if model.gemma3 else "silu",
+        # Gemma 3: query_pre_attn_scalar = head_dim; Llama: 1/sqrt(head_dim). Neither soft-caps.
+        query_scaling=model.head_dim ** -0.5, attn_logit_softcap=None, final_logit_softcap=None,
+        layer_rope=local if model.gemma3 else (0,) * num_layers,
+        layer_mask=local if model.gemma3 else (0,) * num_layers,
+        ranks=layer_ranks, head_rank=head_rank)
+
+
+def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
+    """Shape/dtype placeholders of run_decode_step's operands, in the contract's order (bf16 model dtype)."""
+    L, H, D = spec.num_layers, spec.hidden, spec.head_dim
+
+    def weight(name):
+        k, n = spec.in_features(name), spec.out_features(name)
+        ranks_of = spec.ranks[PROJECTIONS.index(name)]
+        if ranks_of is None:
+            return Spec((L, k, n), BF16)
+        r = max(ranks_of)
+        return [Spec((L, k, r), BF16), Spec((L, r, n), BF16)]
+
+    head = (Spec((H, spec.vocab), BF16) if spec.head_rank is None
+            else [Spec((H, spec.head_rank), BF16), Spec((spec.head_rank, spec.vocab), BF16)])
+    cache = (L, batch, cache_len, spec.num_kv_heads, D)
+    return (Spec((batch, tokens, H), BF16), Spec((L, spec.num_norms, H), BF16),
+            Spec((L, 2, D), BF16) if spec.qk_norm else None,
+            *(weight(name) for name in PROJECTIONS),
+            Spec(cache, BF16), Spec(cache, BF16), Spec((1, 1), np.int32),
+            Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
+            Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
+            Spec((spec.num_masks, batch, tokens, cache_len), np.float32),
+            Spec((H,), BF16), head)
+
+
+def must_move_bytes(model: Model, compressed: bool, batch: int, cache_len: int, layers_only: bool = False,
+                    tokens: int = 1) -> int:
+    """Bytes a decode step cannot avoid moving between HBM and the core (bf16 weights and cache, fp32 logits).
+
+    weights read once (every projection: K·N dense or r·(K + N) factored; the norm weights; with the head: final
+    norm and head, H·V or r·(H + V)) + KV cache: 2 (k, v) · B · kv_heads · D per visible slot per layer, read
+    (min(S, window) slots in sliding-window layers, S in the others) + the step's T slots written + logits
+    written, B·T·V fp32. layers_only (the nkilib megakernel's scope): no final norm, head or logits, but the
+    hidden state B·T·H written once. The step's small inputs (token embeddings, RoPE tables, mask, write index)
+    are left out (under 0.1% here).
+    """
+    spec = decode_spec(model, 1, compressed)
+    per_layer = 0
+    for name in PROJECTIONS:
+        k, n, r = spec.in_features(name), spec.out_features(name), spec.rank(name, 0)
+        per_layer += k * n if r is None else r * (k + n)
+    per_layer += spec.num_norms * model.hidden + (2 * model.head_dim if model.gemma3 else 0)
+    weights = model.num_layers * per_layer
+    slot = 2 * batch * model.num_kv_heads * model.head_dim  # k and v of one slot, every row
+    visible = sum(min(cache_len, model.sliding_window) if model.is_local(layer) else cache_len
+                  for layer in range(model.num_layers))
+    kv = slot * (visible + model.num_layers * tokens)
+    total = (weights + kv) * BF16.itemsize
+    if layers_only:
+        return total + batch * tokens * model.hidden * BF16.itemsize
+    head = model.hidden * model.vocab if spec.head_rank is None else spec.head_rank * (model.hidden + model.vocab)
+    return total + (model.hidden + head) * BF16.itemsize + batch * tokens * model.vocab * 4
+
+
+def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:
+    """nbytes ÷ latency ÷ the core's peak DMA-to-HBM rate (min of its HBM share and its 16 DMA engines)."""
+    return roofline_us(0, nbytes, target) / latency_us
+
+
+@dataclasses.dataclass
+class Measured:
+    """One composition at one shape: modeled µs of its launches per target (overhead excluded), launches, HBM
+    bytes the kernels moved. `extrapolated` names the layer counts traced when not traced at full depth."""
+
+    kernel_us: dict  # target -> sum of launch latencies (µs); a target missing: did not run there
+    launches: float
+    hbm_bytes: float
+    head_us: dict = dataclasses.field(default_factory=dict)  # target -> µs of the LM-head launch (per_layer only)
+    extrapolated: tuple = ()
+    note: str = ""
+
+    def latency_us(self, target: str, overhead_us: float) -> float | None:
+        """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
+        if target not in self.kernel_us:
+            return None
+        return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
+
+    @classmethod
+    def from_runs(cls, runs_by_target: dict, note: str = "") -> "Measured":
+        first = next(iter(runs_by_target.values()))
+        head = {t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel")
+                for t, runs in runs_by_target.items()}
+        return cls({t: launch.composition_latency_us(runs, t, 0.0) for t, runs in runs_by_target.items()},
+                   len(first), sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
+                   {t: us for t, us in head.items() if us}, note=note)
+
+
+def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Measured:
+    """Linear in L through (l1, m1) and (l2, m2), evaluated at `layers`."""
+    def at(a, b):
+        return a + (b - a) * (layers - l1) / (l2 - l1)
+
+    return Measured({t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
+                    at(m1.launches, m2.launches), at(m1.hbm_bytes, m2.hbm_bytes),
+                    {t: m2.head_us[t] for t in m2.head_us}, extrapolated=(l1, l2),
+                    note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)))
+
+
+def _profiled(fn: Callable, target: str):
+    with emulator.use_target(target), emulator.count_only(), emulator.profile() as prof:
+        fn()
+    return prof.runs
+
+
+def measure_ours(model: Model, composition: str, compressed: bool, batch: int, cache_len: int,
+                 num_layers: int) -> Measured:
+    """One composition of our kernels on `num_layers` layers, count-only, on each target."""
+    decode_step = importlib.import_module("nki_kernels.decode_step")
+    spec = decode_spec(model, num_layers, compressed)
+    operands = operand_specs(spec, batch, cache_len)
+    runs, failures = {}, []
+    for t in TARGETS:
+        try:
+            runs[t] = _profiled(lambda: decode_step.run_decode_step(composition, operands, spec, numerics=False), t)
+        except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
+            failures.append(f"{t}: {_describe(error)}")
+    note = "did not run on " + "; ".join(failures) if failures else ""
+    if not runs:
+        return Measured({}, 0, 0.0, note=note)
+    return Measured.from_runs(runs, note=note)
+
+
+def nkilib_shards(model: Model) -> tuple[int, int, int]:
+    """(calls, head_dim, intermediate per call) for nkilib's transformer_tkg at `model`'s shape: one call per KV
+    head (the kernel takes one), as tensor-parallel shards run back to back on one core; a head dimension above 128
+    is split into 128-wide heads (the same weight and cache bytes and matmul flops; more softmax rows)."""
+    split = max(1, model.head_dim // NKILIB_MAX_HEAD_DIM)
+    if model.head_dim % split or model.head_dim // split > NKILIB_MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {model.head_dim}: nkilib needs a head dim <= {NKILIB_MAX_HEAD_DIM} or a multiple "
+                         f"of it")
+    calls = model.num_kv_heads * split
+    if model.intermediate % calls:
+        raise ValueError(f"intermediate {model.intermediate} does not split over {calls} nkilib calls")
+    return calls, model.head_dim // split, model.intermediate // calls
+
+
+def measure_nkilib(source: str, model: Model, batch: int, cache_len: int, one_layer_calls: bool = False) -> Measured:
+    """nkilib's transformer_tkg (layers only), count-only, on each target where it runs (it asserts NeuronCore-v3
+    or later). One call per shard runs all layers; where that fails (or with one_layer_calls), each shard runs
+    one-layer calls (the layers are identical, so one is traced and repeated), and the note says why."""
+    calls, d, i = nkilib_shards(model)
+    group = model.num_heads // model.num_kv_heads
+    h, b = model.hidden, batch
+    runs, failures, per_layer_calls = {}, [], []
+    saved_path, saved_modules = list(sys.path), set(sys.modules)
+    try:
+        with emulator.as_nki():
+            sys.path.insert(0, source)
+            try:
+                module = importlib.import_module("nkilib.experimental.transformer.transformer_tkg")
+            except Exception as error:  # noqa: BLE001 - a checkout that does not import is reported, not fatal
+                return Measured({}, calls, 0.0, note=f"transformer_tkg does not import: {_describe(error)}")
+            kernel = emulator.jit(module.transformer_tkg)
+
+            def call(num_layers, target):
+                def layers(shape):
+                    return [Spec(shape, BF16) for _ in range(num_layers)]
+
+                args = (Spec((b, 1, h), BF16), layers((h, d * (group + 2))), layers((group * d, h)),
+                        layers((h, i)), layers((h, i)), layers((i, h)), layers((1, h)), layers((1, h)),
+                        layers((b, 1, d, cache_len)), layers((b, 1, cache_len, d)), Spec((d // 2, b, 1), BF16),
+                        Spec((d // 2, b, 1), BF16), Spec((cache_len, b, group, 1), np.uint8),
+                        Spec((1, b, group, 1), np.uint8), Spec((b, 1), np.int32))
+                kwargs = dict(num_layers=num_layers, eps=model.norm_eps, replica_groups=[[0]])
+                # nkilib's allocator prints its SBUF plan at every call; the report needs none of it.
+                with contextlib.redirect_stdout(io.StringIO()):
+                    return _profiled(lambda: run_kernel(kernel, args, kwargs, numerics=False), target)
+
+            for target in TARGETS:
+                try:
+                    if one_layer_calls:
+                        raise RuntimeError("one-layer calls asked for")
+                    runs[target] = call(model.num_layers, target) * calls
+                except Exception as error:  # noqa: BLE001 - reported in the table; ours still stand
+                    whole = _describe(error)
+                    try:
+                        runs[target] = call(1, target) * (calls * model.num_layers)
+                        per_layer_calls.append(f"{target}: all {model.num_layers} layers in one call failed "
+                                               f"({whole}), so {model.num_layers} one-layer calls per shard")
+                    except Exception as error:  # noqa: BLE001
+                        failures.append(f"{target}: {_describe(error)}")
+    finally:
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if name == "nkilib" or name.startswith("nkilib."):
+                del sys.modules[name]
+    note = f"{calls} shard{'s' if calls > 1 else ''} of {group} heads x {d}, 1 KV head, MLP slice {i}"
+    if per_layer_calls:
+        note += "; " + "; ".join(per_layer_calls)
+    if failures:
+        note += "; did not run on " + "; ".join(failures)
+    if not runs:
+        return Measured({}, calls, 0.0, note=note)
+    return Measured.from_runs(runs, note=note)
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
+
+
+def check_nkilib_checkout(checkout: str) -> str:
+    source = os.path.join(os.path.expanduser(checkout), "src", "nkilib_src")
+    if not os.path.isdir(os.path.join(source, "nkilib", "experimental", "transformer")):
+        raise ValueError(f"--nki_library: {checkout!r} has no src/nkilib_src/nkilib/experimental/transformer folder")
+    return source
+
+
+def traced_layers(model: Model, extrapolated: bool) -> tuple[int, ...]:
+    """The layer counts to trace: all of them, or one and two repeats of the layer pattern to extrapolate from."""
+    if not extrapolated or 2 * model.layer_period >= model.num_layers:
+        return (model.num_layers,)
+    return (model.layer_period, 2 * model.layer_period)
+
+
+def measure_depths(measure: Callable[[int], Measured], model: Model, depths: tuple[int, ...]) -> Measured:
+    """measure(layers) at full depth, or extrapolated linearly from the two traced depths."""
+    if depths == (model.num_layers,):
+        return measure(model.num_layers)
+    (l1, l2) = depths
+    return extrapolate(measure(l1), l1, measure(l2), l2, model.num_layers)
+
+
+@dataclasses.dataclass
+class Results:
+    ours: dict  # (model, compressed, batch, cache_len, composition) -> Measured
+    nkilib: dict  # (model, batch, cache_len) -> Measured (layers only)
+    nkilib_status: str  # which checkout ran, or why the peer is missing
+    extrapolation_check: list  # (composition, compressed, batch, S, full Measured, extrapolated Measured)
+    models: list
+    nkilib_one_call: list = dataclasses.field(default_factory=list)  # (model, b, S, one call, one-layer calls)
+
+    def nkilib_step_us(self, model, batch, cache_len, target, overhead_us) -> float | None:
+        """The peer's whole step: its layers + our dense LM-head launch (the same head time as ours), or None."""
+        peer = self.nkilib.get((model, batch, cache_len))
+        ours = self.ours.get((model, False, batch, cache_len, "per_layer"))
+        if peer is None or target not in peer.kernel_us or ours is None or target not in ours.head_us:
+            return None
+        return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
+
+
+NOT_TRACED = "not traced in this run (run time on this machine)"
+
+
+class CaseCache:
+    """Finished cases in a JSON-lines file (None: no file): key -> Measured; each new case is appended at once.
+    cached_only: cases not in the file are not traced but come back as NOT_TRACED placeholders."""
+
+    def __init__(self, path: str | None, cached_only: bool = False):
+        self.path, self.cases, self.cached_only = path, {}, cached_only
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8") as f:
+                for line in f:
+                    if line.strip():
+                        entry = json.loads(line)
+                        fields = entry["measured"]
+                        fields["extrapolated"] = tuple(fields["extrapolated"])
+                        self.cases[entry["key"]] = Measured(**fields)
+
+    def get(self, key: str, compute: Callable[[], Measured], traced: bool = True) -> Measured:
+        """The cached case, else compute() (appended to the file), else (not traced) a placeholder."""
+        if key not in self.cases and (self.cached_only or not traced):
+            return Measured({}, 0, 0.0, note=NOT_TRACED)
+        if key not in self.cases:
+            self.cases[key] = compute()
+            if self.path:
+                with open(self.path, "a", encoding="utf-8") as f:
+                    f.write(json.dumps({"key": key, "measured": dataclasses.asdict(self.cases[key])}) + "\n")
+        return self.cases[key]
+
+
+def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None,
+            traced=COMPOSITIONS) -> Results:
+    cache = cache or CaseCache(None)
+    # Batch-1 cases first (the targets), the deepest model last.
+    cases = [(m, c, b, s, comp) for b in batches for m in models for s in cache_lengths for c in (False, True)
+             for comp in COMPOSITIONS]
+    ours, peer = {}, {}
+    for m, c, b, s, comp in tqdm(cases, desc="decode-step compositions", unit="case"):
+        depths = traced_layers(m, m.name in extrapolated)
+        ours[(m.name, c, b, s, comp)] = cache.get(
+            f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
+            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths),
+            traced=comp in traced)
+    status = "no --nki_library checkout given"
+    if nkilib_source:
+        status = f"run from {nkilib_source}"
+        for m, b, s in tqdm([(m, b, s) for m in models for b in batches for s in cache_lengths],
+                            desc="nkilib transformer_tkg", unit="case"):
+            peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)  # seconds each: never cached
+    one_call = []
+    for (name, b, s), measured in peer.items():
+        if (b, s) == (batches[0], cache_lengths[min(1, len(cache_lengths) - 1)]) and measured.kernel_us \
+                and "one-layer calls" not in measured.note:
+            # What running all layers in one call gains the peer over one-layer calls, where both run.
+            model = next(m for m in models if m.name == name)
+            one_call.append((name, b, s, measured, measure_nkilib(nkilib_source, model, b, s, one_layer_calls=True)))
+    check = []
+    gemma = next((m for m in models if m.gemma3 and m.num_layers >= 3 * m.layer_period), None)
+    if gemma is not None and 1 in batches:
+        # Extrapolation check: Gemma 3 270M traced in full vs extrapolated from 6 and 12 layers, batch 1.
+        b, s = 1, cache_lengths[min(1, len(cache_lengths) - 1)]
+        depths = traced_layers(gemma, True)
+        for c in (False, True):
+            for comp in tqdm(COMPOSITIONS, desc=f"extrapolation check ({'compressed' if c else 'dense'})",
+                             unit="case"):
+                full = ours[(gemma.name, c, b, s, comp)]
+                if not full.kernel_us:
+                    continue
+                guess = cache.get(f"{gemma.name}|{gemma.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
+                                  lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers),
+                                                         gemma, depths))
+                check.append((comp, c, b, s, full, guess))
+    return Results(ours, peer, status, check, models, one_call)
+
+
+def _tokens(batch, latency_us):
+    return "–" if latency_us is None else f"{batch / latency_us * 1e6:,.0f}"
+
+
+def _ratio(slow_us, fast_us):
+    return "–" if slow_us is None or fast_us is None else f"{slow_us / fast_us:.2f}x"
+
+
+def _row_values(latency_us, batch, nbytes, target):
+    if latency_us is None:
+        return "– / – / –"
+    return f"{latency_us:.1f} / {batch / latency_us * 1e6:,.0f} / {100 * peak_fraction(nbytes, latency_us, target):.0f}%"
+
+
+LABELS = {"per_op": "(i) per_op", "per_layer": "(ii) per_layer", "looped": "(iii) looped", "today": "today"}
+
+
+def shape_table(res: Results, model: Model, batches, cache_lengths, overhead_us) -> list[str]:
+    lines = [
+        "| batch | S | model | composition | launches | HBM MB moved / must move "
+        + "".join(f"| {t} µs / tok/s / % peak " for t in TARGETS) + "|",
+        "|---|---|---|---|---|---|" + "---|" * len(TARGETS),
+    ]
+    for b in batches:
+        for s in cache_lengths:
+            for c in (False, True):
+                need = must_move_bytes(model, c, b, s)
+                for comp in COMPOSITIONS:
+                    m = res.ours[(model.name, c, b, s, comp)]
+                    if not m.kernel_us:
+                        lines.append(f"| {b} | {s} | {'compressed' if c else 'dense'} | {LABELS[comp]} | – | – / "
+                                     f"{need / 1e6:.1f} " + "| – " * len(TARGETS) + "|")
+                        continue
+                    lines.append(
+                        f"| {b} | {s} | {'compressed' if c else 'dense'} | {LABELS[comp]} | {m.launches:.0f} "
+                        f"| {m.hbm_bytes / 1e6:.1f} / {need / 1e6:.1f} "
+                        + "".join(f"| {_row_values(m.latency_us(t, overhead_us), b, need, t)} " for t in TARGETS)
+                        + "|")
+            peer = res.nkilib.get((model.name, b, s))
+            if peer is not None:
+                need = must_move_bytes(model, False, b, s)
+                lines.append(
+                    f"| {b} | {s} | dense (nkilib megakernel) | transformer_tkg + our LM head | {peer.launches + 1:.0f} "
+                    f"| {peer.hbm_bytes / 1e6:.1f} + head / {need / 1e6:.1f} "
+                    + "".join(f"| {_row_values(res.nkilib_step_us(model.name, b, s, t, overhead_us), b, need, t)} "
+                              for t in TARGETS) + "|")
+    return lines
+
+
+def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[str]:
+    """tokens/s per composition at each assumed per-launch overhead, and the looped kernel's speedups."""
+    sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
+    lines = [f"| {model.name}, batch {batch}, S {cache_len} | target | launches "
+             + "".join(f"| {o:g} µs " for o in sweep) + "|", "|---|---|---|" + "---|" * len(sweep)]
+    for c in (False, True):
+        for t in TARGETS:
+            rows = {comp: res.ours[(model.name, c, batch, cache_len, comp)] for comp in COMPOSITIONS}
+            for comp, m in rows.items():
+                lines.append(f"| {'compressed' if c else 'dense'} {LABELS[comp]} tok/s | {t} | {m.launches:.0f} "
+                             + "".join(f"| {_tokens(batch, m.latency_us(t, o))} " for o in sweep) + "|")
+            looped = rows["looped"]
+            for other in ("per_op", "per_layer", "today"):
+                lines.append(f"| {'compressed' if c else 'dense'} looped ÷ {other} speedup | {t} | "
+                             + "".join(f"| {_ratio(rows[other].latency_us(t, o), looped.latency_us(t, o))} "
+                                       for o in sweep) + "|")
+            if not c:
+                peer = [res.nkilib_step_us(model.name, batch, cache_len, t, o) for o in sweep]
+                if peer[0] is not None:
+                    p = res.nkilib[(model.name, batch, cache_len)]
+                    lines.append(f"| dense (nkilib megakernel) + our head tok/s | {t} | {p.launches + 1:.0f} "
+                                 + "".join(f"| {batch / us * 1e6:,.0f} " for us in peer) + "|")
+    return lines
+
+
+def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict]]:
+    """(target, hardware, {overhead: (met, worst value text)}) for each issue-15 target on batch-1 shapes."""
+    rows = []
+    keys = [k for k in res.ours if k[2] == batch]
+    shapes = sorted({(k[0], k[3]) for k in keys}, key=lambda x: (x[0], x[1]))
+    model_of = {m.name: m for m in res.models}
+    for t in TARGETS:
+        cells = {name: {} for name in ("peak", "per_op", "per_layer", "compressed", "nkilib_c", "nkilib_d")}
+        for o in launch.LAUNCH_OVERHEAD_SWEEP_US:
+            def lat(m, c, s, comp):
+                return res.ours[(m, c, batch, s, comp)].latency_us(t, o)
+
+            def worst(name, values, met, text):
+                """The smallest of values [(value, *where)] (None values: a composition that did not run)."""
+                ran = [v for v in values if v[0] is not None]
+                if ran:
+                    w = min(ran)
+                    missing = len(values) - len(ran)
+                    status = ("NOT met" if not met(w[0]) else
+                              f"met where it ran ({missing} shape(s) did not)" if missing else "met")
+                    cells[name][o] = (status, text(w))
+
+            def ratio(slow, fast):
+                return None if slow is None or fast is None else slow / fast
+
+            def where(c):
+                return "compressed" if c else "dense"
+
+            worst("peak", [(None if lat(m, c, s, "looped") is None else
+                            peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
+                            m, s, c) for m, s in shapes for c in (False, True)],
+                  lambda v: v >= PEAK_FRACTION, lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})")
+            gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
+            for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
+                worst(other, [(ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c) for m, s in gemma
+                              for c in (False, True)],
+                      lambda v, goal=goal: v >= goal, lambda w: f"{w[0]:.2f}x (S {w[1]}, {where(w[2])})")
+            worst("compressed", [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s)
+                                 for m, s in shapes],
+                  lambda v: v >= COMPRESSED_OVER_DENSE, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+            peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
+            if any(us is not None for us, _, _ in peer):
+                worst("nkilib_c", [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
+                      lambda v: v > 1.0, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+                worst("nkilib_d", [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
+                      lambda v: v >= 1 / WITHIN_NKILIB, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+        rows += [
+            (f"looped ≥ {PEAK_FRACTION:.0%} of peak bandwidth (worst batch-1 shape)", t, cells["peak"]),
+            (f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)", t, cells["per_op"]),
+            (f"looped ≥ {OVER_PER_LAYER}x faster than per_layer on Gemma 3 270M (worst S)", t, cells["per_layer"]),
+            (f"compressed looped ≥ {COMPRESSED_OVER_DENSE}x faster than dense looped (worst shape)", t,
+             cells["compressed"]),
+            ("compressed looped faster than the nkilib megakernel at every shape (peer ÷ ours, worst)", t,
+             cells["nkilib_c"]),
+            (f"dense looped within {WITHIN_NKILIB - 1:.0%} of the nkilib megakernel or faster (peer ÷ ours ≥ "
+             f"{1 / WITHIN_NKILIB:.3f}, worst)", t, cells["nkilib_d"]),
+        ]
+    return rows
+
+
+def targets_table(res: Results) -> list[str]:
+    sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
+    lines = ["| target (batch 1) | hw " + "".join(f"| {o:g} µs/launch " for o in sweep) + "|",
+             "|---|---|" + "---|" * len(sweep)]
+    for name, t, cells in target_rows(res):
+        if not cells:
+            why = "| not evaluated (no peer figure) "
+            lines.append(f"| {name} | {t} " + why * len(sweep) + "|")
+            continue
+        lines.append(f"| {name} | {t} " + "".join(f"| {cells[o][0]}: {cells[o][1]} " for o in sweep) + "|")
+    return lines
+
+
+def extrapolation_lines(res: Results) -> list[str]:
+    if not res.extrapolation_check:
+        return ["Every model here was traced at full depth."]
+    lines = ["| composition | model | batch, S | depths traced " + "".join(
+        f"| {t}: extrapolated ÷ full trace " for t in TARGETS) + "| launches: extrapolated vs full |",
+        "|---|---|---|---|" + "---|" * len(TARGETS) + "---|"]
+    for comp, c, b, s, full, guess in res.extrapolation_check:
+        lines.append(f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} "
+                     + "".join(f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} " if t in guess.kernel_us
+                               and t in full.kernel_us else "| – " for t in TARGETS)
+                     + f"| {guess.launches:.1f} vs {full.launches:.0f} |")
+    return lines
+
+
+def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float, depths: dict,
+             run_time_note: str = "") -> str:
+    sweep = ", ".join(f"{o:g}" for o in launch.LAUNCH_OVERHEAD_SWEEP_US)
+    lines = [
+        "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
+        "",
+        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode_step."
+        "run_decode_step(composition, operands, spec, numerics=False)` on shape/dtype placeholders), latency from "
+        "`nki_kernels/emulator/cost_model.py` per launch, composed by `nki_kernels/emulator/launch.py`. bf16 "
+        "weights and cache, one new token per row, fp32 logits. Compressed = keep 0.8: every projection of every "
+        "layer and the LM head factored at `nki_kernels.ranks.block_aligned_rank(K, N, 0.8)` (the same rank in "
+        "every layer). Compositions: (i) per_op = one kernel per op, the hidden state in HBM between them; (ii) "
+        "per_layer = one fused kernel per layer, then the LM-head kernel; (iii) looped = one kernel for all "
+        "layers, final norm and LM head; today = per-op kernels except the MLP, which is the fused svd_mlp "
+        "kernels when compressed (per-op projection kernels when dense).",
+        "",
+        "- **Latency** of a composition = Σ modeled latency of its launches (each launch scheduled on its own, so "
+        "its pipeline fill and drain count) + launches × per-launch overhead. **No public source gives a "
+        "per-launch overhead for a NeuronCore** (searched: the Neuron docs, runtime release notes, vllm-neuron "
+        "design notes; the nearest figures are a 437 µs host-side gap between synchronous NEFF executions and a "
+        "\"20 µs\" trn3 NEFF-start improvement, neither of them the cost of a kernel boundary; the kernel-looping "
+        "paper, arXiv 2410.23668, measures SN40L and H100): the overhead is an assumption, swept over "
+        f"{sweep} µs. Tables without a sweep use 0 µs (kernels only).",
+        "- **Bytes that must move** (per step) = weights read once (projections K·N dense or r·(K+N) factored, "
+        "norm weights, final norm, LM head H·V or r·(H+V)) + KV cache: k and v of every visible slot read "
+        "(min(S, 512) slots in Gemma 3's sliding-window layers, S in the others) and the step's slot written, "
+        "2·B·kv_heads·D per slot per layer + logits written (B·V fp32). Token embeddings, RoPE tables and masks "
+        "are left out (< 0.1%). Our kernels read all S slots in sliding-window layers too (the mask hides them), "
+        "so their % of peak at S = 2048 on Gemma 3 counts only the bytes that had to move.",
+        "- **% of peak** = must-move bytes ÷ latency ÷ the core's peak DMA-to-HBM rate: min(its share of the "
+        "chip's HBM bandwidth, 16 DMA engines) = 272 GB/s on trn1 (DMA-bound: 16 × 17 GB/s), 362.5 GB/s on trn2 "
+        "(2.9 TB/s ÷ 8 cores). tok/s = batch ÷ latency, per NeuronCore.",
+        f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
+        f"- Run time of this benchmark: {elapsed_s / 60:.1f} min on this machine"
+        + (f" (assembling cached cases; {run_time_note})." if run_time_note else "."),
+        "",
+        "## Targets (issue 15, batch 1), at each assumed per-launch overhead",
+        "",
+        *targets_table(res),
+        "",
+    ]
+    first = res.models[0]
+    b0 = batches[0]
+    lines += [f"## Headline: {first.name}, batch {b0} (0 µs per launch)", "",
+              *shape_table(res, first, [b0], cache_lengths, 0.0), ""]
+    lines += ["## Launch-overhead sweep (assumed per-launch overhead)", ""]
+    for m in res.models:
+        s = cache_lengths[min(1, len(cache_lengths) - 1)]
+        lines += [*sweep_table(res, m, b0, s), ""]
+    lines += ["## Every shape (0 µs per launch)", ""]
+    for m in res.models:
+        lines += [f"### {m.name} (L {m.num_layers}, H {m.hidden}, heads {m.num_heads}/{m.num_kv_heads}, D "
+                  f"{m.head_dim}, I {m.intermediate}, V {m.vocab}; {m.source})", "",
+                  *shape_table(res, m, batches, cache_lengths, 0.0), ""]
+    failed = [f"- {model}, {'compressed' if c else 'dense'}, batch {b}, S {s}, {LABELS[comp]}: {m.note}"
+              for (model, c, b, s, comp), m in res.ours.items() if m.note and m.note != NOT_TRACED]
+    untraced = [f"{model} {'compressed' if c else 'dense'} b{b} S{s} {comp}"
+                for (model, c, b, s, comp), m in res.ours.items() if m.note == NOT_TRACED]
+    if untraced:
+        failed.append(f"- {NOT_TRACED}: " + ", ".join(untraced))
+    if failed:
+        lines += ["## Did not run (– in the tables)", "", *failed, ""]
+    lines += ["## The peer: dense (nkilib megakernel)", "", nkilib_note(res), "",
+              "## Layer-count extrapolation check", "",
+              "Models deeper than the traced depth are traced at two layer counts (multiples of the layer pattern) "
+              "and extrapolated linearly in L (latency, launches and bytes). The check traces Gemma 3 270M both ways:",
+              "", *extrapolation_lines(res), ""]
+    return "\n".join(lines) + "\n"
+
+
+def nkilib_note(res: Results) -> str:
+    notes = {}
+    for (name, b, s), measured in res.nkilib.items():
+        notes.setdefault(name, f"{name} (batch {b}, S {s}): {measured.note}")
+    notes = list(notes.values())
+    text = ("AWS nki-library's `experimental/transformer/transformer_tkg.py` (all layers of a dense decode step in "
+            "one kernel: attention block with RMSNorm, fused QKV, RoPE, KV-cache update and output projection, "
+            "residual, RMSNorm + SiLU-gated MLP, residual; collectives over a replica group of one core), imported "
+            "unmodified from a scratch copy of the checkout outside this repository, count-only on the same "
+            f"emulator: {res.nkilib_status}. The checkout has two bugs that stop it from importing or running; the "
+            "scratch copy fixes exactly these two places and nothing else: `core/mlp/mlp.py` (lines 202-214, a "
+            "blank line and a second copy of the last 11 lines of the `mlp` docstring after its closing quotes, an "
+            "IndentationError at line 203: deleted) and `core/mlp/mlp_tkg/mlp_tkg_constants.py` (the required "
+            "dataclass field `remainderIFused` is never passed, a TypeError: one line added passing "
+            "`remainderIFused=remainderI`; nothing reads the field). Its constraints: one KV head per call and a head dimension on partitions (≤ 128); "
+            "it is written for tensor parallelism, so each model runs as one call per KV head (Gemma 3 270M's "
+            "256-wide heads as 128-wide halves: two calls), each call with its heads' share of q/k/v/o and an "
+            "intermediate slice of the MLP, back to back on one core (the all-reduce between shards is not "
+            "charged; the same weight and cache bytes and matmul flops as the model). It asserts NeuronCore-v3 or "
+            "later (trn2), so it has no trn1 figures. It covers the layers only; the comparison adds the same LM "
+            "head to it: our `lm_head_kernel` launch (final norm + dense head, from composition (ii) at the same "
+            "shape) plus one launch, i.e. peer step = transformer_tkg calls + our head. Its layers differ from "
+            "Gemma 3's (no QK-norm, sandwich norms or sliding window; SiLU instead of GELU-tanh); they are "
+            "Llama's.")
+    if notes:
+        text += " Per model and shape: " + " | ".join(notes) + "."
+    for name, b, s, whole, split in res.nkilib_one_call:
+        gains = ", ".join(f"{t} {split.kernel_us[t] / whole.kernel_us[t]:.2f}x" for t in whole.kernel_us)
+        text += (f" Where all layers ran in one call ({name}, batch {b}, S {s}), that call is faster than "
+                 f"one-layer calls by {gains} at 0 µs per launch (cross-layer overlap inside one kernel): where the "
+                 "peer had to run as one-layer calls, its figures are pessimistic by about that much, and the "
+                 "launch-overhead sweep charges it one launch per layer and shard.")
+        for t, gain in ((t, split.kernel_us[t] / whole.kernel_us[t]) for t in whole.kernel_us):
+            adjusted = []
+            for (model, pb, ps), peer in sorted(res.nkilib.items()):
+                ours = res.ours.get((model, False, pb, ps, "looped"))
+                head = res.ours.get((model, False, pb, ps, "per_layer"))
+                if "one-layer calls" in peer.note and pb == 1 and t in peer.kernel_us and ours is not None \
+                        and t in ours.kernel_us and t in head.head_us:
+                    peer_us = peer.kernel_us[t] / gain + head.head_us[t]
+                    adjusted.append(f"{model} S {ps}: {peer_us / ours.kernel_us[t]:.2f}x")
+            if adjusted:
+                text += (f" With the peer's one-layer-call time divided by that {gain:.2f}x ({t}, 0 µs per launch), "
+                         "peer ÷ our dense looped kernel at batch 1 would be " + ", ".join(adjusted) + ".")
+    return text
+
+
+def plot(res: Results, batches, cache_lengths, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, len(TARGETS), figsize=(12, 8))
+    sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
+    first, b0 = res.models[0], batches[0]
+    s0 = cache_lengths[min(1, len(cache_lengths) - 1)]
+    colors = dict(zip(COMPOSITIONS, ("tab:red", "tab:orange", "tab:green", "tab:gray")))
+    for col, t in enumerate(TARGETS):
+        ax = axes[0][col]
+        for comp in COMPOSITIONS:
+            for c, style in ((False, "-o"), (True, "--s")):
+                m = res.ours[(first.name, c, b0, s0, comp)]
+                if t not in m.kernel_us:
+                    continue
+                ax.plot(sweep, [b0 / m.latency_us(t, o) * 1e6 for o in sweep], style, color=colors[comp],
+                        label=f"{'compressed' if c else 'dense'} {LABELS[comp]}")
+        peer = [res.nkilib_step_us(first.name, b0, s0, t, o) for o in sweep]
+        if peer[0] is not None:
+            ax.plot(sweep, [b0 / us * 1e6 for us in peer], ":^", color="black", label="dense (nkilib megakernel)")
+        ax.set_title(f"{t}: {first.name}, batch {b0}, S {s0}: tok/s vs assumed µs per launch", fontsize=9)
+        ax.set_xlabel("per-launch overhead (µs, assumed)")
+        ax.set_ylabel("tokens/s per NeuronCore (modeled)")
+        ax.grid(alpha=0.3)
+        ax = axes[1][col]
+        for m in res.models:
+            for c, style in ((False, "-o"), (True, "--s")):
+                points = [(s, res.ours[(m.name, c, b0, s, "looped")].latency_us(t, 0.0)) for s in cache_lengths]
+                points = [(s, us) for s, us in points if us is not None]
+                ax.plot([s for s, _ in points],
+                        [100 * peak_fraction(must_move_bytes(m, c, b0, s), us, t) for s, us in points],
+                        style, label=f"{m.name} {'compressed' if c else 'dense'}")
+        ax.axhline(100 * PEAK_FRACTION, color="gray", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 105)
+        ax.set_title(f"{t}: looped kernel, % of peak HBM bandwidth, batch {b0}, 0 µs/launch", fontsize=9)
+        ax.set_xlabel("KV-cache length S")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=6)
+    axes[0][-1].legend(fontsize=6)
+    axes[1][0].legend(fontsize=6)
+    fig.suptitle("Decode step, modeled (emulator cost model, bf16; compressed = keep 0.8)")
+    fig.tight_layout()
+    _write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
+    plt.close(fig)
+
+
+def _write(path, write, binary=False):
+    """Atomic: a temporary file next to `path`, renamed onto it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp.", suffix=os.path.splitext(path)[1])
+    try:
+        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def _ints(values, name):
+    try:
+        out = [int(v) for v in values]
+    except ValueError:
+        raise app.UsageError(f"--{name}: expected positive integers, got {values}") from None
+    if not out or min(out) < 1:
+        raise app.UsageError(f"--{name}: expected positive integers, got {values}")
+    return out
+
+
+def main(argv):
+    del argv
+    start = time.time()
+    names = FLAGS.models or list(MODELS)
+    unknown = [n for n in names if n not in MODELS]
+    if unknown:
+        raise app.UsageError(f"--models: unknown {unknown}, expected some of {list(MODELS)}")
+    models = [MODELS[n] for n in names]
+    batches, cache_lengths = _ints(FLAGS.batches, "batches"), _ints(FLAGS.cache_lengths, "cache_lengths")
+    if FLAGS.quick:
+        # Its own name: case-cache keys name a model, its depth, the case and the traced depths.
+        models = [dataclasses.replace(MODELS["Gemma 3 270M"], name="Gemma 3 270M (2 layers, V 8192)", num_layers=2,
+                                      vocab=8192)]
+        batches, cache_lengths = [1], [128]
+    source = None
+    if FLAGS.nki_library:
+        try:
+            source = check_nkilib_checkout(FLAGS.nki_library)
+        except ValueError as error:
+            raise app.UsageError(str(error)) from None
+    extrapolated = set(FLAGS.extrapolated_models)
+    unknown = sorted(extrapolated - set(MODELS))
+    if unknown:
+        raise app.UsageError(f"--extrapolated_models: unknown {unknown}, expected some of {list(MODELS)}")
+    depths = {m.name: ("full trace" if traced_layers(m, m.name in extrapolated) == (m.num_layers,) else
+                       f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}") for m in models}
+    if FLAGS.quick:
+        depths = {m.name: "2 layers and an 8192-token vocabulary only (quick smoke run)" for m in models}
+    traced = tuple(FLAGS.compositions)
+    if not set(traced) <= set(COMPOSITIONS):
+        raise app.UsageError(f"--compositions: got {FLAGS.compositions}, expected some of {list(COMPOSITIONS)}")
+    if FLAGS.cached_only and not FLAGS.cache_file:
+        raise app.UsageError("--cached_only needs --cache_file")
+    res = run_all(models, batches, cache_lengths, source, extrapolated,
+                  CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced)
+    stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
+    text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)
+    _write(stem + ".md", lambda f: f.write(text))
+    plot(res, batches, cache_lengths, stem + ".png")
+    print("\n".join(targets_table(res)))
+    print(f"wrote {stem}.md and {stem}.png ({(time.time() - start) / 60:.1f} min)")
+
+
+if __name__ == "__main__":
+    app.run(main)

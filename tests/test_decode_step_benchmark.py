@@ -1,0 +1,98 @@
+"""benchmarks/decode_step.py: the bytes a decode step must move (counted by hand here), the specs and operand
+placeholders it builds for each model, the nkilib peer's sharding, and a --quick smoke run of the whole script."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+sys.path.insert(0, BENCHMARKS)
+
+import decode_step as bench  # noqa: E402
+
+from nki_kernels.decode_spec import PROJECTIONS  # noqa: E402
+
+
+def test_must_move_bytes_of_llama_1b_dense_counted_by_hand():
+    m = bench.MODELS["Llama-3.2-1B"]
+    h, i, kv, d, v, layers = 2048, 8192, 8, 64, 128256, 16
+    per_layer = h * h + 2 * h * kv * d + h * h + 3 * h * i + 2 * h  # q, k + v, o, MLP, two norms
+    for batch, s in ((1, 128), (8, 2048), (3, 130)):
+        kv_bytes = 2 * batch * kv * d * layers * (s + 1)  # every visible slot read, this step's written
+        expected = 2 * (layers * per_layer + kv_bytes + h + h * v) + 4 * batch * v
+        assert bench.must_move_bytes(m, False, batch, s) == expected
+        layers_only = 2 * (layers * per_layer + kv_bytes + batch * h)
+        assert bench.must_move_bytes(m, False, batch, s, layers_only=True) == layers_only
+
+
+def test_must_move_bytes_of_gemma3_counts_the_sliding_window_and_the_factors():
+    m = bench.MODELS["Gemma 3 270M"]
+    dense_2048 = bench.must_move_bytes(m, False, 1, 2048)
+    dense_512 = bench.must_move_bytes(m, False, 1, 512)
+    # 15 sliding-window layers read 512 slots at either length, the 3 global layers 2048 instead of 512.
+    assert dense_2048 - dense_512 == 2 * 2 * 1 * 1 * 256 * 3 * (2048 - 512)
+    spec = bench.decode_spec(m, 18, True)
+    factored = sum(r * (spec.in_features(p) + spec.out_features(p))
+                   for p, r in zip(PROJECTIONS, (spec.rank(p, 0) for p in PROJECTIONS)))
+    dense = sum(spec.in_features(p) * spec.out_features(p) for p in PROJECTIONS)
+    head = (640 * 262144, spec.head_rank * (640 + 262144))
+    assert bench.must_move_bytes(m, False, 1, 128) - bench.must_move_bytes(m, True, 1, 128) == \
+        2 * (18 * (dense - factored) + head[0] - head[1])
+
+
+@pytest.mark.parametrize("name", list(bench.MODELS))
+@pytest.mark.parametrize("compressed", [False, True])
+def test_specs_and_operands_follow_the_contract(name, compressed):
+    m = bench.MODELS[name]
+    spec = bench.decode_spec(m, 7, compressed)
+    assert spec.num_layers == 7 and len(spec.layer_rope) == 7
+    ops = bench.operand_specs(spec, 3, 130)
+    assert len(ops) == 18
+    assert ops[0].shape == (3, 1, m.hidden)
+    assert ops[10].shape == ops[11].shape == (7, 3, 130, m.num_kv_heads, m.head_dim)
+    assert ops[15].shape == (spec.num_masks, 3, 1, 130)
+    for name_, op in zip(PROJECTIONS, ops[3:10]):
+        k, n = spec.in_features(name_), spec.out_features(name_)
+        if compressed:
+            r = spec.rank(name_, 0)
+            assert [o.shape for o in op] == [(7, k, r), (7, r, n)] and r * (k + n) < k * n
+        else:
+            assert op.shape == (7, k, n)
+    if compressed:
+        assert [o.shape for o in ops[17]] == [(m.hidden, spec.head_rank), (spec.head_rank, m.vocab)]
+    else:
+        assert ops[17].shape == (m.hidden, m.vocab)
+    if m.gemma3:
+        # Layers 6, 12, ... are global (table 1), the rest local (table 0).
+        assert spec.layer_mask == (0, 0, 0, 0, 0, 1, 0) == spec.layer_rope and spec.sandwich and spec.qk_norm
+
+
+def test_nkilib_shards_keep_the_model_s_bytes():
+    for m in bench.MODELS.values():
+        calls, d, i = bench.nkilib_shards(m)
+        group = m.num_heads // m.num_kv_heads
+        assert d <= 128 and i * calls == m.intermediate
+        assert calls * (group + 2) * d == (m.num_heads + 2 * m.num_kv_heads) * m.head_dim  # q, k, v columns
+
+
+def test_extrapolation_is_linear_in_layers():
+    a = bench.Measured({"trn1": 10.0, "trn2": 8.0}, 3, 100.0)
+    b = bench.Measured({"trn1": 16.0, "trn2": 12.0}, 5, 180.0)
+    c = bench.extrapolate(a, 2, b, 4, 18)
+    assert c.kernel_us == {"trn1": 58.0, "trn2": 40.0} and c.launches == 19 and c.hbm_bytes == 740.0
+    assert c.latency_us("trn2", 5.0) == 40.0 + 19 * 5.0
+
+
+def test_quick_run_writes_the_report(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--quick",
+                             f"--out_dir={tmp_path}"], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "decode_step_quick.md").read_text()
+    for composition in bench.COMPOSITIONS:
+        assert bench.LABELS[composition] in text
+    assert "modeled, not measured" in text and (tmp_path / "decode_step_quick.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--models=GPT-5"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--models" in bad.stderr and "Traceback" not in bad.stderr
