@@ -463,6 +463,18 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
     return keys
 
 
+def cache_sbuf_bytes(k_cache):
+    """SBUF bytes per partition that `attend` holds for one row's cache tiles (Kᵀ column tiles and V blocks, plus
+    the K blocks turned on the PE for 4-byte dtypes), for a k_cache [L, B, S, kv_heads, D]."""
+    _, _, s, kv, d = k_cache.shape
+    itemsize = k_cache.dtype.itemsize
+    _, kt = column_tiles(kv * d)
+    block_columns = sum(q for _, _, q in slot_blocks(s, kv * d * itemsize))
+    keys = kt * s * itemsize
+    values = block_columns * kv * d * itemsize
+    return keys + values * (1 if itemsize == 2 else 2)
+
+
 def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first):
     """(Kᵀ, V blocks) of row b: Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads' F = kv·D features
     (2-byte dtypes: slots in cache order, by a transposing DMA per block; else in score order, K blocks turned on

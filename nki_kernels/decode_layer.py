@@ -90,10 +90,12 @@ class WeightRing:
     blocks as large ones).
     """
 
-    def __init__(self, dtype, block_bytes=None, ring_bytes=None):
+    def __init__(self, dtype, block_bytes=None, ring_bytes=None, beside_bytes=0):
+        """beside_bytes: SBUF per partition that other tiles hold beside SBUF_RESERVED_BYTES while the ring is in
+        use (attention's cache tiles); the default ring takes the rest."""
         block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
         if ring_bytes is None:
-            ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES
+            ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES - beside_bytes
         if not 0 < block_bytes <= ring_bytes:
             raise ValueError(f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
                              f"0 < block_bytes <= ring_bytes")

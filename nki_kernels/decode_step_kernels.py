@@ -79,12 +79,14 @@ class Layouts:
 class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype, layouts, the weight ring, norm constants."""
 
-    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes):
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None):
+        """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF)."""
         self.spec = spec
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
+        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache)
+        self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = decode_attention.AttentionConstants(spec)
@@ -211,7 +213,7 @@ def decode_step_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, 
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes)
+    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes, k_cache)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     weights = {name: ops[name] for name in PROJECTIONS}
@@ -239,7 +241,7 @@ def decoder_layer_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache
         raise ValueError(f"decoder_layer_kernel: layer={layer!r}, expected an int in [0, {spec.num_layers})")
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes)
+    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes, k_cache)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     weights = dict(zip(PROJECTIONS, (q, k, v, o, gate, up, down)))

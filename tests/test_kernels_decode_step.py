@@ -13,7 +13,7 @@ import pytest
 from nki_kernels import reference
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
 from nki_kernels.decode_step import COMPOSITIONS, run_decode_step
-from nki_kernels.emulator import profile
+from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 
 BF16 = ml_dtypes.bfloat16
@@ -136,6 +136,21 @@ def test_count_only_trace_with_placeholders():
     head_bytes = 2 * spec.head_rank * (spec.hidden + spec.vocab)
     assert prof.runs[0].hbm_bytes_read > head_bytes
     assert prof.runs[0].latency_us["trn2"] > 0
+
+
+def test_default_ring_leaves_sbuf_for_a_long_cache():
+    """The default weight ring keeps attention's cache tiles out of its SBUF: 8 kv heads of 128 over 2048 slots in
+    bf16 take 64 KiB per partition per row, which overflowed trn1's SBUF when the ring took all but 64 KiB."""
+    spec = DecodeSpec(num_layers=1, hidden=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate=256,
+                      vocab=300, norm_eps=1e-5, norm_unit_offset=False, qk_norm=False, sandwich=False,
+                      activation="silu", query_scaling=128 ** -0.5, attn_logit_softcap=None, final_logit_softcap=None,
+                      layer_rope=(0,), layer_mask=(0,))
+    operands = [op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else
+                Spec(op.shape, op.dtype) for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)]
+    for target in ("trn1", "trn2"):
+        with use_target(target):
+            logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
+        assert logits.shape == (1, 1, spec.vocab)
 
 
 def test_rejects_bad_arguments(rng):
