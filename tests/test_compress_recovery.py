@@ -6,10 +6,11 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.allocation import allocate_ranks
-from jax_neuronmm.compress.distill import DistillOptions, centered_logit_error, distill_factors
+from jax_neuronmm.compress.distill import DistillOptions, centered_logit_error, distill_factors, is_factor
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
 from jax_neuronmm.compress.refit import refit_v
 from jax_neuronmm.models import from_preset
@@ -120,6 +121,38 @@ def test_distill_lowers_the_logit_error(tiny):
                     progress=False)
     after = centered_logit_error(compressed, model, calibration)
     assert after < 0.9 * before
+
+
+def _factors(model):
+    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, is_factor))}
+
+
+def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
+    model, calibration, _ = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    start = centered_logit_error(compressed, model, calibration)
+    seen = []
+    distill_factors(compressed, model, calibration, DistillOptions(steps=6, batch=8, learning_rate=3e-3),
+                    progress=False, on_step=lambda done, m: seen.append((done, centered_logit_error(m, model,
+                                                                                                      calibration))))
+    assert [done for done, _ in seen] == list(range(1, 7))
+    assert len({error for _, error in seen}) == 6  # the callback saw the factors change at every step
+    assert seen[-1][1] < start
+    np.testing.assert_allclose(centered_logit_error(compressed, model, calibration), seen[-1][1], rtol=1e-6)
+
+
+def test_distill_keeps_the_starting_factors_when_training_raises_the_loss(tiny):
+    model, calibration, _ = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    before = _factors(compressed)
+    errors = []
+    distill_factors(compressed, model, calibration, DistillOptions(steps=3, batch=2, learning_rate=3.0),
+                    progress=False, on_step=lambda done, m: errors.append(centered_logit_error(m, model, calibration)))
+    assert errors[-1] > centered_logit_error(compressed, model, calibration)  # it did diverge, and was undone
+    after = _factors(compressed)
+    assert after.keys() == before.keys()
+    for key in before:
+        np.testing.assert_array_equal(after[key], before[key])
 
 
 @pytest.mark.parametrize("steps", [("sequential",), ("refit",), ("allocate",), ("sequential", "refit", "local")])

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -68,9 +69,11 @@ def centered_logit_error(model, dense, ids) -> float:
 
 
 def distill_factors(model, dense, calibration_ids, options: DistillOptions = DistillOptions(), *,
-                    progress: bool = True) -> None:
+                    progress: bool = True, on_step: Callable[[int, object], None] | None = None) -> None:
     """Trains `model`'s factors in place for options.steps Adam steps towards `dense`'s logits on
-    calibration_ids [B, T]; keeps the factors it started from if training raised the loss on the whole set."""
+    calibration_ids [B, T]; keeps the factors it started from if training raised the loss on the whole set.
+    on_step(steps_done, model), when given, runs after every step with the model holding the current factors
+    (to watch held-out loss)."""
     ids = np.asarray(calibration_ids, np.int32)
     gram = logit_gram(dense)
     targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i:i + 1])) for i in range(ids.shape[0])])
@@ -97,16 +100,18 @@ def distill_factors(model, dense, calibration_ids, options: DistillOptions = Dis
     def full_loss(factors):
         return float(np.mean([loss_jit(factors, rest, ids[i:i + 1], targets[i:i + 1]) for i in range(ids.shape[0])]))
 
-    start = factors
+    start = jax.tree.map(lambda x: x, factors)  # detached: split's State shares the model's Variables
     rng = np.random.default_rng(options.seed)
     batch = min(options.batch, ids.shape[0])
     bar = tqdm(range(options.steps), desc="distilling factors", disable=not progress, unit="step")
-    for _ in bar:
+    for done in bar:
         rows = rng.choice(ids.shape[0], batch, replace=False)
         factors, state, loss = step(factors, state, rest, ids[rows], targets[rows])
         bar.set_postfix(loss=f"{float(loss):.4f}")
-    if full_loss(factors) < full_loss(start):
-        nnx.update(model, factors)
+        if on_step is not None:
+            nnx.update(model, factors)
+            on_step(done + 1, model)
+    nnx.update(model, factors if full_loss(factors) < full_loss(start) else start)
 
 
 @functools.partial(nnx.jit)
