@@ -428,7 +428,7 @@ def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapol
             traced=comp in traced)
     status = "no --nki_library checkout given"
     if nkilib_source:
-        status = f"run from {nkilib_source}"
+        status = "run from the --nki_library checkout"
         for m, b, s in tqdm([(m, b, s) for m in models for b in batches for s in cache_lengths],
                             desc="nkilib transformer_tkg", unit="case"):
             peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)  # seconds each: never cached

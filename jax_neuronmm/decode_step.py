@@ -3,8 +3,8 @@
     logits, k_cache, v_cache = decode_step(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache,
                                            write_index, cos, sin, mask_bias, final_norm, head, spec=spec)
 
-The operands are those of `nki_kernels.decode_step.decode_step_kernel` (layouts in /work/cache's contract and
-`nki_kernels.decode_spec`; `spec` is a `DecodeSpec`), with L = spec.num_layers:
+The operands are those of `nki_kernels.decode_step.decode_step_kernel` (layouts in the docstrings of
+`nki_kernels.decode_step_kernels` and `nki_kernels.decode_spec`; `spec` is a `DecodeSpec`), with L = spec.num_layers:
   x [B, T, H] (embedded tokens), norms [L, 2 or 4, H], qk_norms [L, 2, D] or None,
   q, k, v, o, gate, up, down: each a dense [L, K, N] or a factored pair (u [L, K, Rmax], v [L, Rmax, N]), layer l
     using the first spec.ranks[...][l] columns / rows (the rest zeros),
