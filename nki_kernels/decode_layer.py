@@ -1,14 +1,14 @@
 """NKI subroutines of a decode step (plain functions called inside @nki.jit kernels; see decode_step.py).
 
-Layout ("column tiles", nki_kernels/decode_spec.py's contract): F features of R rows (R = B·T ≤ 128) live in
+Layout ("column tiles"): F features of R rows (R = B·T ≤ 128) live in
 SBUF as cols[0:size_s, s, 0:R] for slot s of a *feature layout*, a tuple of (size, features) per slot, `features`
-a slice whose p-th element is the feature on partition p. `feature_layout(F, 1)` is the contract's natural
+a slice whose p-th element is the feature on partition p. `feature_layout(F, 1)` is the natural
 tiling (slot i ↔ features i·128 .. i·128+127, the last slot ragged). With a group g > 1, each block of 128·g
 features is permuted so that partition p holds g consecutive features (slot i of the block ↔ features
 p·g + i): a weight whose rows follow that layout is read with g whole rows per partition, one contiguous run of
 g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v: N = 256). The layout of a
 vector only matters to the projections that contract over it; q, k, v and the attention output keep the natural
-layout (ATTN's contract), the hidden state and the MLP intermediate use `choose_group`'s.
+layout (what decode_attention takes and returns), the hidden state and the MLP intermediate use `choose_group`'s.
 
 Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column tiles MOVING ([≤128 of K, R]), so
 PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `WeightRing`: a fixed number of
