@@ -27,8 +27,8 @@ import importlib
 import io
 import json
 import os
+import pathlib
 import sys
-import tempfile
 import time
 from typing import Callable
 
@@ -37,6 +37,7 @@ import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
+from jax_neuronmm.compress.checkpoint import write_atomically
 from nki_kernels import emulator, hardware, ranks
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
 from nki_kernels.emulator import launch
@@ -782,22 +783,8 @@ def plot(res: Results, batches, cache_lengths, path):
     axes[1][0].legend(fontsize=6)
     fig.suptitle("Decode step, modeled (emulator cost model, bf16; compressed = keep 0.8)")
     fig.tight_layout()
-    _write(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
+    write_atomically(path, lambda temporary: fig.savefig(temporary, format="png", dpi=110))
     plt.close(fig)
-
-
-def _write(path, write, binary=False):
-    """Atomic: a temporary file next to `path`, renamed onto it."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp.", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def _ints(values, name):
@@ -845,9 +832,11 @@ def main(argv):
         raise app.UsageError("--cached_only needs --cache_file")
     res = run_all(models, batches, cache_lengths, source, extrapolated,
                   CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)
-    _write(stem + ".md", lambda f: f.write(text))
+    write_atomically(stem + ".md",
+                     lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
     plot(res, batches, cache_lengths, stem + ".png")
     print("\n".join(targets_table(res)))
     print(f"wrote {stem}.md and {stem}.png ({(time.time() - start) / 60:.1f} min)")

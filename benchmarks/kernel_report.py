@@ -18,8 +18,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import pathlib
 import statistics
-import tempfile
 import time
 
 import ml_dtypes
@@ -27,6 +27,7 @@ import numpy as np
 from absl import app, flags
 
 import nkilib_dense
+from jax_neuronmm.compress.checkpoint import write_atomically
 from nki_kernels import block_table, dispatch, hardware, paper_shapes, ranks
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks
 from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
@@ -551,21 +552,8 @@ def plot(cases, path):
     axes[0][0].legend(fontsize=7)
     fig.suptitle("NeuronMM fused X·U·V kernels (emulator cost model, bf16, keep 0.8)")
     fig.tight_layout()
-    write_atomically(path, lambda f: fig.savefig(f, format="png", dpi=110), binary=True)
+    write_atomically(path, lambda temporary: fig.savefig(temporary, format="png", dpi=110))
     plt.close(fig)
-
-
-def write_atomically(path, write, binary=False):
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp.", suffix=os.path.splitext(path)[1])
-    try:
-        with os.fdopen(fd, "wb" if binary else "w", **({} if binary else {"encoding": "utf-8"})) as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def main(argv):
@@ -577,9 +565,11 @@ def main(argv):
             raise ValueError(f"--models: unknown model {model!r}, expected some of {list(paper_shapes.PAPER_MLP_SHAPES)}")
     cases = run_cases(models, tokens)
     mlp_cases = run_mlp_cases(models, tokens)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "kernel_report_quick" if FLAGS.quick else "kernel_report")
     text = markdown(cases, FLAGS.quick, mlp_cases) + "\n" + mlp_markdown(mlp_cases)
-    write_atomically(stem + ".md", lambda f: f.write(text))
+    write_atomically(stem + ".md",
+                     lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
     plot(cases, stem + ".png")
     print("\n".join(headline_lines(cases, mlp_cases)))
     print("\n".join(target_lines(cases)))
