@@ -185,18 +185,23 @@ def decode_step_time(prof) -> tuple[int, float, float]:
     return len(steps), trn1, trn2
 
 
+def generate_on_emulator(model, prompt, n):
+    """(tokens on the emulator backend, whether they equal XLA's, seconds of emulation, the kernels' profile)."""
+    on_xla = np.asarray(models.generate(model, prompt, n))
+    start = time.perf_counter()
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        on_emulator = np.asarray(models.generate(model, prompt, n))
+    return on_emulator, bool((on_xla == on_emulator).all()), time.perf_counter() - start, prof
+
+
 def emulated_tokens(compressed, tokenizer):
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
-    on_xla = np.asarray(models.generate(compressed, prompt, n))
-    start = time.perf_counter()
-    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
-        on_emulator = np.asarray(models.generate(compressed, prompt, n))
-    seconds = time.perf_counter() - start
+    on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)
     layers = len(compressed.layers)
     print(f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
           f"{tokenizer.decode(on_emulator[0, prompt.shape[1]:].tolist())!r}; same tokens as XLA: "
-          f"{'yes' if (on_xla == on_emulator).all() else 'NO'}")
+          f"{'yes' if same else 'NO'}")
     print(f"    NKI kernel launches ({len(prof.runs)}: the prefill's fused MLP kernels, 2 x {layers} layers, then "
           f"{n - 1} decode steps of one kernel each, every layer + final norm + LM head):")
     print(textwrap.indent(prof.grouped(), "    "))
@@ -252,13 +257,9 @@ def random_emulated_generation():
           f" MLPs compressed at keep {FLAGS.keep} -> rank {mlp.gate_proj.rank} (gate/up), {mlp.down_proj.rank} "
           "(down), block-aligned to the 128-row PE array")
     prompt = np.random.default_rng(0).integers(0, SMALL["vocab_size"], size=(1, 5))
-    on_xla = np.asarray(models.generate(compressed, prompt, FLAGS.random_emulated_tokens))
-    start = time.perf_counter()
-    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
-        on_emulator = np.asarray(models.generate(compressed, prompt, FLAGS.random_emulated_tokens))
-    seconds = time.perf_counter() - start
+    on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, FLAGS.random_emulated_tokens)
     print(f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
-          f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if (on_xla == on_emulator).all() else 'NO'})")
+          f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if same else 'NO'})")
     print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: the prefill's fused MLP kernels, 2 x "
           f"{SMALL['num_layers']} layers, then {FLAGS.random_emulated_tokens - 1} decode steps of one kernel each):")
     print(textwrap.indent(prof.grouped(), "    "))
