@@ -5,7 +5,9 @@
 
 Within the same run, every numpy.linalg / scipy.linalg call the library makes (SVD, Cholesky, solves, triangular
 solves) is timed through a wrapper, so the ratio compress time / linear-algebra time is measured side by side on
-the same machine state. Target: <= 1.5x.
+the same machine state. compress_model runs two factorizations at a time (one per core), so each call's wall time
+there includes sharing the machine; the calls are therefore also replayed one at a time, single-threaded, right
+after, and the ratio is taken against that serial sum (the stricter measure). Target: <= 1.5x.
 """
 
 from __future__ import annotations
@@ -39,13 +41,15 @@ _TIMED = ((np.linalg, "svd"), (np.linalg, "cholesky"), (np.linalg, "solve"), (sc
 
 
 @contextlib.contextmanager
-def timed_linalg(totals: dict):
-    """Adds the seconds spent in each of _TIMED's functions to totals[name] while active."""
+def timed_linalg(totals: dict, calls: list):
+    """Adds the seconds spent in each of _TIMED's functions to totals[name] while active, and appends each call
+    (name, function, args, kwargs) to calls for `replay_serially`."""
     originals = {name: getattr(module, name) for module, name in _TIMED}
 
     def wrap(name, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
+            calls.append((name, fn, args, kwargs))
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -60,6 +64,18 @@ def timed_linalg(totals: dict):
     finally:
         for module, name in _TIMED:
             setattr(module, name, originals[name])
+
+
+def replay_serially(calls: list) -> dict:
+    """{name: seconds} of the recorded LAPACK calls run again one after another with BLAS on one thread (none
+    of them modifies its inputs, so the recorded arguments are still what the library passed)."""
+    totals = {}
+    with svd.single_threaded_blas():
+        for name, fn, args, kwargs in calls:
+            start = time.perf_counter()
+            fn(*args, **kwargs)
+            totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+    return totals
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -85,21 +101,23 @@ def main(argv):
     rows = []
     load_start = os.getloadavg()[0]
     for label, method, calibration, pinned in runs:
-        totals = {}
+        totals, calls = {}, []
         pin = svd.single_threaded_blas
         if not pinned:
             svd.single_threaded_blas = contextlib.nullcontext
         try:
-            with timed_linalg(totals):
+            with timed_linalg(totals, calls):
                 start = time.perf_counter()
                 models.compress_model(model, 0.8, method=method, calibration_ids=calibration, progress=False)
                 seconds = time.perf_counter() - start
         finally:
             svd.single_threaded_blas = pin
-        linalg = sum(totals.values())
-        rows.append((label, seconds, linalg, totals))
-        print(f"{label}: compress_model {seconds:.1f} s, linalg {linalg:.1f} s, ratio {seconds / linalg:.2f}",
+        serial = replay_serially(calls)
+        rows.append((label, seconds, sum(totals.values()), serial))
+        print(f"{label}: compress_model {seconds:.1f} s, linalg in the run {sum(totals.values()):.1f} s, "
+              f"replayed serially {sum(serial.values()):.1f} s, ratio {seconds / sum(serial.values()):.2f}",
               flush=True)
+        del calls
 
     lines = [
         "# compress_model speed vs its LAPACK calls (benchmarks/compress_speed.py)",
@@ -107,22 +125,30 @@ def main(argv):
         f"Random model of Gemma 3 270M's shape ({FLAGS.num_layers} of its 18 layers, 640 -> 2048 MLPs, vocabulary "
         f"262144), keep 0.8, MLPs only ({3 * FLAGS.num_layers} projections); whitened calibrated on {FLAGS.calibration_windows} x {FLAGS.seq_len} random tokens. "
         f"LAPACK time = the summed wall time of numpy.linalg.svd / cholesky / solve and scipy.linalg.solve_triangular "
-        f"calls made during the same compress_model call. Machine: {os.cpu_count()} cores, 1-minute load average "
+        f"calls made during the same compress_model call: as timed inside the run (where two run at a time, one per "
+        f"core, each slowed by sharing the machine) and replayed one at a time right after (the ratio's "
+        f"denominator). Machine: {os.cpu_count()} cores, 1-minute load average "
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (the other processes' load slows "
         f"both columns). {FLAGS.load_note}",
         "",
-        "| run | compress_model (s) | linear algebra (s) | ratio | split |",
-        "|---|---|---|---|---|",
+        "How compress_model keeps to its LAPACK time (jax_neuronmm/compress/sequential.py): BLAS is pinned to one "
+        "thread and two factorizations run side by side (LAPACK releases the GIL); the next layer's compiled "
+        "calibration pass is dispatched before this layer is factored, so JAX computes it meanwhile; one "
+        "compilation serves every layer of a structure; factored modules are built from the arrays directly.",
+        "",
+        "| run | compress_model (s) | LAPACK in the run (s) | LAPACK replayed serially (s) | ratio | serial split |",
+        "|---|---|---|---|---|---|",
     ]
-    for label, seconds, linalg, totals in rows:
-        split = ", ".join(f"{k} {v:.1f}" for k, v in sorted(totals.items()))
-        lines.append(f"| {label} | {seconds:.1f} | {linalg:.1f} | {seconds / linalg:.2f} | {split} |")
+    for label, seconds, in_run, serial in rows:
+        split = ", ".join(f"{k} {v:.1f}" for k, v in sorted(serial.items()))
+        linalg = sum(serial.values())
+        lines.append(f"| {label} | {seconds:.1f} | {in_run:.1f} | {linalg:.1f} | {seconds / linalg:.2f} | {split} |")
     lines += ["", "Target (issue 11 item 9): ratio <= 1.5.", ""]
     _write_atomic(os.path.join(RESULTS, "compress_speed.md"), "\n".join(lines).encode())
     fig, ax = plt.subplots(figsize=(7, 3))
     labels = [row[0] for row in rows]
     ax.barh(labels, [row[1] for row in rows], label="compress_model")
-    ax.barh(labels, [row[2] for row in rows], label="of which LAPACK calls")
+    ax.barh(labels, [sum(row[3].values()) for row in rows], label="its LAPACK calls, one at a time")
     ax.set_xlabel("seconds")
     ax.legend()
     fig.tight_layout()

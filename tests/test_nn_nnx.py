@@ -225,3 +225,21 @@ def test_from_linears_rejects_mismatched_projections(rng):
     with pytest.raises(ValueError, match="up_proj"):
         SVDMLP.from_projections(layers[0], SVDLinear.from_linear(random_linear(rng, 40, 50, False), rank=4),
                                 layers[2])
+
+
+def test_from_factors_keeps_the_given_factors_and_the_bias(rng):
+    linear = random_linear(rng, 37, 53)
+    linear.param_dtype = jnp.bfloat16
+    u, v = rng.standard_normal((37, 11)), rng.standard_normal((11, 53))  # float64, cast to the param dtype
+    layer = SVDLinear.from_factors(linear, u, v)
+    assert layer.u.dtype == layer.v.dtype == jnp.bfloat16 and layer.rank == 11
+    np.testing.assert_array_equal(np.asarray(layer.u[...], np.float64), np.asarray(jnp.asarray(u, jnp.bfloat16), np.float64))
+    np.testing.assert_array_equal(np.asarray(layer.bias[...]), np.asarray(linear.bias[...]))
+    x = rng.standard_normal((5, 37)).astype(np.float32)
+    expected = x.astype(np.float64) @ np.asarray(layer.u[...], np.float64) @ np.asarray(layer.v[...], np.float64) \
+        + np.asarray(linear.bias[...], np.float64)
+    assert rel_err(layer(jnp.asarray(x)), expected) < 2e-2
+    with pytest.raises(ValueError, match=r"u, v: got shapes \(37, 11\) and \(12, 53\), expected \[37, r\] and \[r, 53\]"):
+        SVDLinear.from_factors(linear, u, rng.standard_normal((12, 53)))
+    with pytest.raises(ValueError, match=r"u, v: got shapes \(36, 11\)"):
+        SVDLinear.from_factors(linear, rng.standard_normal((36, 11)), v)

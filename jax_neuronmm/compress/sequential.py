@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from concurrent import futures
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp
-from jax_neuronmm.compress.projections import ATTENTION_GROUPS, MLP_PROJECTIONS
+from jax_neuronmm.compress.projections import ATTENTION_GROUPS, ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.refit import DEFAULT_RIDGE, refit_v
 from jax_neuronmm.models.layers import GatedMLP, activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
@@ -76,19 +77,19 @@ _tapped_forward_jit = jax.jit(_tapped_forward, static_argnums=(0, 5))
 def record_inputs(layer, x, positions, mask, taps):
     """(layer(x, positions, mask)'s output [B, T, hidden], [the input [B*T, in_features] each projection at `taps`
     received, float32 numpy]), compiled. taps: (submodule, projection) attribute names, e.g. ("mlp", "gate_proj")."""
+    output, inputs = _dispatch_pass(layer, x, positions, mask, taps)
+    return output, _to_host(inputs)
+
+
+def _dispatch_pass(layer, x, positions, mask, taps):
+    """`record_inputs` without waiting: JAX runs the pass asynchronously and the recorded inputs stay device
+    arrays until `_to_host`."""
     graphdef, state = nnx.split(layer)
-    output, inputs = _tapped_forward_jit(graphdef, state, x, positions, mask, tuple(taps))
-    return output, [np.asarray(recorded, np.float32) for recorded in inputs]
+    return _tapped_forward_jit(graphdef, state, x, positions, mask, tuple(taps))
 
 
-def svd_linear(linear: nnx.Linear, u, v) -> SVDLinear:
-    """An SVDLinear with factors u [K, r], v [r, N] and `linear`'s bias, dtypes and precision."""
-    layer = nnx.eval_shape(lambda: SVDLinear.like(linear, u.shape[-1]))
-    layer.u.set_value(jnp.asarray(u, linear.param_dtype))
-    layer.v.set_value(jnp.asarray(v, linear.param_dtype))
-    if linear.bias is not None:
-        layer.bias.set_value(jnp.asarray(linear.bias[...]))
-    return layer
+def _to_host(inputs) -> list:
+    return [np.asarray(recorded, np.float32) for recorded in inputs]
 
 
 def calibration_batch(model, ids):
@@ -123,14 +124,13 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
             raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
     bar = tqdm(total=len(model.layers), desc=f"compressing ({method})", disable=not progress, unit="layer")
     if not needs_data:
-        for index, layer in enumerate(model.layers):
-            _factor_without_data(layer, include, ranks, index, fused_activation)
-            bar.update()
-        bar.close()
+        with bar:
+            _factor_without_data(model.layers, include, ranks, fused_activation, bar)
         return
     x_compressed, positions, masks = calibration_batch(model, calibration_ids)
     dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include))
-    with bar:
+    # BLAS pinned to one thread once for both lanes (threadpoolctl's limits are process-wide).
+    with bar, svd.single_threaded_blas(), futures.ThreadPoolExecutor(1, thread_name_prefix="factor") as lane:
         for index, (layer, dense_inputs) in enumerate(zip(model.layers, dense_passes)):
             mask = masks[layer.self_attn.spec.sliding_window]
 
@@ -145,12 +145,12 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
                         linear = getattr(layer.self_attn, name)
                         u, v = _factor(linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in,
                                        options)
-                        setattr(layer.self_attn, name, svd_linear(linear, u, v))
+                        setattr(layer.self_attn, name, SVDLinear.from_factors(linear, u, v))
             if "mlp" in include:
                 dense_in, dense_hidden = dense_inputs[-2:]
                 inputs = compressed_inputs(("mlp", "gate_proj")) if options.sequential else dense_in
                 layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options,
-                                          fused_activation)
+                                          fused_activation, lane)
             if options.sequential:
                 x_compressed = record_inputs(layer, x_compressed, positions, mask, [])[0]
             bar.update()
@@ -165,10 +165,19 @@ def _taps(include) -> list:
 
 def _dense_calibration(layers, x, positions, masks, taps):
     """Yields, for each of the dense `layers` in order, [inputs [n, K] float32 recorded at `taps`], the layers fed
-    their own outputs starting from x (one compiled pass per layer)."""
+    their own outputs starting from x (one compiled pass per layer).
+
+    The next layer's pass is dispatched before a layer's inputs are yielded, so JAX computes it on its own threads
+    while the caller factors this layer on the host (single-threaded LAPACK): the passes cost almost no wall time.
+    """
+    pending = None
     for layer in layers:
-        x, inputs = record_inputs(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
-        yield inputs
+        x, inputs = _dispatch_pass(layer, x, positions, masks[layer.self_attn.spec.sliding_window], taps)
+        if pending is not None:
+            yield _to_host(pending)
+        pending = inputs
+    if pending is not None:
+        yield _to_host(pending)
 
 
 def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING,
@@ -204,18 +213,25 @@ def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, decomposi
     return u, v
 
 
-def _factor_without_data(layer, include, ranks, index, fused_activation):
-    if "attention" in include:
-        for group in ATTENTION_GROUPS:
-            for name in group:
-                linear = getattr(layer.self_attn, name)
-                setattr(layer.self_attn, name, svd_linear(linear, *svd.truncated_svd(linear.kernel[...],
-                                                                                    ranks[(index, name)])))
-    if "mlp" in include:
-        mlp = layer.mlp
-        factors = {name: svd.truncated_svd(getattr(mlp, name).kernel[...], ranks[(index, name)])
-                   for name in MLP_PROJECTIONS}
-        layer.mlp = _mlp_module(mlp, factors, fused_activation(mlp))
+def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
+    """Plain SVD of every projection `include` selects, two at a time (one per core; LAPACK releases the GIL),
+    each layer's modules replaced once its factors are ready."""
+    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + \
+        ([("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else [])
+    with svd.single_threaded_blas(), futures.ThreadPoolExecutor(2, thread_name_prefix="factor") as pool:
+        jobs = [{name: pool.submit(svd.truncated_svd, np.asarray(getattr(getattr(layer, parent), name).kernel[...]),
+                                   ranks[(index, name)])
+                 for parent, name in selected}
+                for index, layer in enumerate(layers)]
+        for layer, factors in zip(layers, jobs):
+            factors = {name: job.result() for name, job in factors.items()}
+            if "attention" in include:
+                for name in ATTENTION_PROJECTIONS:
+                    setattr(layer.self_attn, name,
+                            SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
+            if "mlp" in include:
+                layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
+            bar.update()
 
 
 def _gated_hidden(x, gate, up, activation):
@@ -227,21 +243,34 @@ def _gated_hidden(x, gate, up, activation):
 
 
 def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, ranks, method, options,
-                  fused_activation):
+                  fused_activation, lane: futures.Executor):
     """The factored MLP. inputs / dense_inputs [n, hidden]: what the compressed / dense model feed it;
-    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs."""
+    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs.
+
+    Factorizations that do not depend on each other run two at a time, one on `lane` (an executor with one
+    worker): numpy's LAPACK releases the GIL, so single-threaded factorizations use two cores side by side.
+    """
     kernels = {name: np.asarray(getattr(mlp, name).kernel[...], np.float32) for name in MLP_PROJECTIONS}
-    chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
-    factors = {}
-    for name in ("gate_proj", "up_proj"):
-        factors[name] = _factor(kernels[name], ranks[(index, name)], method, chol, inputs, dense_inputs, options)
+    whitened = method == "whitened"
+
+    def factor(name, chol, x, dense_x):
+        return _factor(kernels[name], ranks[(index, name)], method, chol, x, dense_x, options)
+
+    def factor_down(hidden):
+        chol = svd.whitening(hidden, damping=options.damping)[0] if whitened else None
+        return factor("down_proj", chol, hidden, dense_hidden)
+
+    # Without sequential, down_proj sees the dense model's hidden activations: it is factored beside gate/up.
+    down = None if options.sequential else lane.submit(factor_down, dense_hidden)
+    chol = svd.whitening(inputs, damping=options.damping)[0] if whitened else None
+    up = lane.submit(factor, "up_proj", chol, inputs, dense_inputs) if options.sequential else None
+    factors = {"gate_proj": factor("gate_proj", chol, inputs, dense_inputs)}
+    factors["up_proj"] = up.result() if up is not None else factor("up_proj", chol, inputs, dense_inputs)
     if options.sequential:  # down_proj sees what the compressed gate/up produce
-        hidden = _gated_hidden(inputs, factors["gate_proj"], factors["up_proj"], mlp.activation)
+        factors["down_proj"] = factor_down(_gated_hidden(inputs, factors["gate_proj"], factors["up_proj"],
+                                                         mlp.activation))
     else:
-        hidden = dense_hidden
-    down_chol = svd.whitening(hidden, damping=options.damping)[0] if method == "whitened" else None
-    factors["down_proj"] = _factor(kernels["down_proj"], ranks[(index, "down_proj")], method, down_chol, hidden,
-                                   dense_hidden, options)
+        factors["down_proj"] = down.result()
     fused = fused_activation(mlp)
     if options.local is not None and fused is not None:
         flat = {f"{name.split('_')[0]}_{part}": value
@@ -254,7 +283,7 @@ def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, rank
 
 def _mlp_module(mlp: GatedMLP, factors: dict, fused: str | None):
     """SVDMLP (fused svd_mlp) when `fused` names its activation, else the GatedMLP with three SVDLinear."""
-    converted = {name: svd_linear(getattr(mlp, name), *factors[name]) for name in MLP_PROJECTIONS}
+    converted = {name: SVDLinear.from_factors(getattr(mlp, name), *factors[name]) for name in MLP_PROJECTIONS}
     if fused is None:
         for name, layer in converted.items():
             setattr(mlp, name, layer)

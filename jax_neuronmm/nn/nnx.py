@@ -63,12 +63,27 @@ class SVDLinear(nnx.Module):
         _check_linear(linear, "linear")
         u, v = factorize_kernel(linear.kernel[...], rank=rank, keep=keep, method=method, calibration=calibration,
                                 block=block, damping=damping)
-        layer = nnx.eval_shape(lambda: cls.like(linear, u.shape[-1]))
-        layer.u.set_value(jnp.asarray(u))
-        layer.v.set_value(jnp.asarray(v))
-        if linear.bias is not None:
-            layer.bias.set_value(jnp.asarray(linear.bias[...]))
-        return layer
+        return cls.from_factors(linear, u, v)
+
+    @classmethod
+    def from_factors(cls, linear: nnx.Linear, u, v) -> SVDLinear:
+        """The SVDLinear with factors u [in_features, r], v [r, out_features] (cast to `linear`'s param_dtype) and
+        `linear`'s bias (copied), dtypes and precision. Built directly from the arrays: nothing is traced or drawn
+        at random."""
+        _check_linear(linear, "linear")
+        rank = u.shape[-1] if u.ndim == 2 else None
+        if rank is None or u.shape != (linear.in_features, rank) or v.shape != (rank, linear.out_features):
+            raise ValueError(f"u, v: got shapes {u.shape} and {v.shape}, expected [{linear.in_features}, r] and "
+                             f"[r, {linear.out_features}] for a {linear.in_features} -> {linear.out_features} linear")
+
+        def given(array):
+            return lambda key, shape, dtype: jnp.asarray(array, dtype)
+
+        bias = linear.bias[...] if linear.bias is not None else None
+        return cls(linear.in_features, linear.out_features, rank, use_bias=bias is not None, dtype=linear.dtype,
+                   param_dtype=linear.param_dtype, precision=linear.precision,
+                   preferred_element_type=linear.preferred_element_type, u_init=given(u), v_init=given(v),
+                   bias_init=lambda key, shape, dtype: jnp.asarray(bias), rngs=nnx.Rngs(0))
 
     @classmethod
     def like(cls, linear: nnx.Linear, rank: int, *, rngs: nnx.Rngs | None = None) -> SVDLinear:
@@ -168,9 +183,11 @@ class SVDMLP(nnx.Module):
         gate_proj, up_proj: [in_features → intermediate]; down_proj: [intermediate → out_features].
         """
         _check_gated_projections(gate_proj, up_proj, down_proj, SVDLinear)
-        mlp = nnx.eval_shape(lambda: cls(
-            gate_proj.in_features, gate_proj.out_features, (gate_proj.rank, up_proj.rank, down_proj.rank),
-            out_features=down_proj.out_features, activation=activation, dtype=gate_proj.dtype,
-            param_dtype=gate_proj.param_dtype, precision=gate_proj.precision, rngs=nnx.Rngs(0)))
+        # Built with zero factors (cheaper than tracing the random initializers) and then given the layers.
+        zeros = nnx.initializers.zeros_init()
+        mlp = cls(gate_proj.in_features, gate_proj.out_features, (gate_proj.rank, up_proj.rank, down_proj.rank),
+                  out_features=down_proj.out_features, activation=activation, dtype=gate_proj.dtype,
+                  param_dtype=gate_proj.param_dtype, precision=gate_proj.precision, u_init=zeros, v_init=zeros,
+                  rngs=nnx.Rngs(0))
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
