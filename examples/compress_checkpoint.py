@@ -11,7 +11,8 @@ before/after, relative error per projection) and copies config.json and the toke
 must be new or hold none of these files: the source checkpoint is never touched. The default method is the
 calibrated pipeline `compress_model` recommends; for every method but svd the text of --calibration_text (default:
 the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has none) and its first
---calibration_windows windows of --calibration_tokens tokens calibrate the compression.
+--calibration_windows windows of --calibration_tokens tokens calibrate the compression (the distill step trains on its
+first --distill_windows windows).
 
 Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
 examples/generate.py --checkpoint_dir OUT:
@@ -43,6 +44,8 @@ flags.DEFINE_string("calibration_text", models.compression.CALIBRATION_TEXT,
                     "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).")
 flags.DEFINE_integer("calibration_windows", 8, "Windows of the calibration text used.", lower_bound=1)
 flags.DEFINE_integer("calibration_tokens", 128, "Tokens per calibration window.", lower_bound=2)
+flags.DEFINE_integer("distill_windows", 160, "Windows of the calibration text the distill step trains on (more "
+                     "than layer-wise calibration uses: distillation gains from more text).", lower_bound=1)
 flags.DEFINE_integer("block", 128, "Rank alignment used with --keep.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the compressed checkpoint.")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
@@ -73,17 +76,22 @@ def main(argv):
         raise app.UsageError("give --keep or --rank, not both")
     if FLAGS.steps is not None and FLAGS.method != "whitened":
         raise app.UsageError("--steps needs --method whitened (--method recommended picks its own steps)")
-    ids = None
+    ids = distill_ids = None
     if FLAGS.method != "svd":
         ids = calibration_ids(FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows,
                               FLAGS.calibration_tokens)
+        steps = models.compression.resolve_pipeline(None if FLAGS.method == "recommended" else FLAGS.method,
+                                                    FLAGS.steps, ids)[1]
+        if "distill" in steps:
+            distill_ids = calibration_ids(FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.distill_windows,
+                                          FLAGS.calibration_tokens)
     elif FLAGS["calibration_text"].present:
         raise app.UsageError("--calibration_text calibrates every method but svd")
     try:
         report = models.compress_checkpoint(
             FLAGS.checkpoint_dir, FLAGS.output_dir, keep=None if FLAGS.rank is not None else FLAGS.keep,
             rank=FLAGS.rank, method=None if FLAGS.method == "recommended" else FLAGS.method, steps=FLAGS.steps,
-            include=tuple(FLAGS.include), calibration_ids=ids,
+            include=tuple(FLAGS.include), calibration_ids=ids, distill_ids=distill_ids,
             block=FLAGS.block, dtype=jnp.dtype(FLAGS.dtype))
     except (FileExistsError, FileNotFoundError) as error:  # a refused output directory, a missing source
         raise app.UsageError(str(error)) from error

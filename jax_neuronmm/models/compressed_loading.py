@@ -48,12 +48,11 @@ DEFAULT_KEEP = 0.8
 
 def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: int | str | None = None,
                         method: str | None = None, steps=None, include=("mlp",), calibration_ids=None,
-                        block: int = 128,
-                        dtype=jnp.float32) -> CompressionReport:
+                        distill_ids=None, block: int = 128, dtype=jnp.float32) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
-    keep / rank / method / steps / include / calibration_ids [B, T] / block are `compress_model`'s (keep defaults to 0.8;
-    give at most one of keep and rank). dtype: the parameter dtype the model is loaded, factored and saved in.
+    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block are `compress_model`'s
+    (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the model is loaded, factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
     Nothing the user has is replaced: before anything is read or written, raises FileExistsError naming the
@@ -72,7 +71,7 @@ def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: in
     dense = load_hf(src_dir, dtype=dtype)
     method, steps = resolve_pipeline(method, steps, calibration_ids)
     compressed = compress_model(dense, keep=keep, method=method, steps=steps, calibration_ids=calibration_ids,
-                                include=include, rank=rank, block=block)
+                                distill_ids=distill_ids, include=include, rank=rank, block=block)
     report = _report(dense, compressed, method="+".join((method, *steps)), keep=keep if rank is None else None,
                      rank=rank if isinstance(rank, int) else None)
 

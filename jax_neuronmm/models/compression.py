@@ -57,14 +57,18 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
         if calibration_ids is None:
             raise ValueError(f"calibration_ids: method={method!r} with steps {steps} needs calibration token ids "
                              f"[B, T]")
-        ids = np.asarray(calibration_ids)
-        if ids.ndim != 2 or ids.size == 0:
-            raise ValueError(f"calibration_ids: got shape {ids.shape}, expected int token ids [B, T]")
-        calibration_ids = check_token_ids(ids, model.config.vocab_size, name="calibration_ids")
+        calibration_ids = _check_ids(model, calibration_ids, "calibration_ids")
     elif calibration_ids is not None:
         raise ValueError("calibration_ids: only used by method='whitened' or recovery steps; got it with "
                          "method='svd' and no steps")
     return include, steps, calibration_ids
+
+
+def _check_ids(model, ids, name: str) -> np.ndarray:
+    ids = np.asarray(ids)
+    if ids.ndim != 2 or ids.size == 0:
+        raise ValueError(f"{name}: got shape {ids.shape}, expected int token ids [B, T]")
+    return check_token_ids(ids, model.config.vocab_size, name=name)
 
 
 def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
@@ -116,6 +120,7 @@ def compress_model(
     block: int = 128,
     local: local_finetune.LocalFinetuneOptions | None = None,
     distill: distillation.DistillOptions | None = None,
+    distill_ids=None,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -129,7 +134,9 @@ def compress_model(
     calibration_ids): "allocate" (ranks across projections under one budget by whitened truncation error,
     block-aligned), "sequential" (each layer calibrated on the compressed layers' outputs), "refit" (closed-form
     ridge update of v towards the dense outputs), "local" (per-MLP fine-tuning of the factors; options in `local`),
-    "distill" (end-to-end fine-tuning of all factors from the dense logits; options in `distill`).
+    "distill" (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
+    distill_ids [B', T'] when given, else on calibration_ids: distillation gains from more text than layer-wise
+    calibration needs, which costs a forward pass and a Gram matrix per token).
 
     Without method: with calibration_ids, the recommended pipeline (RECOMMENDED_METHOD + RECOMMENDED_STEPS);
     without, plain SVD and a `NoCalibrationWarning`. Each gated MLP becomes one `SVDMLP` (the fused svd_mlp
@@ -141,11 +148,17 @@ def compress_model(
     method, steps = resolve_pipeline(method, steps, calibration_ids)
     include, steps, calibration_ids = _check_arguments(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids)
+    if distill_ids is not None:
+        if "distill" not in steps:
+            raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
+        distill_ids = _check_ids(model, distill_ids, "distill_ids")
     with svd.single_threaded_blas():
-        return _compress(model, keep, method, calibration_ids, include, steps, rank, block, local, distill, progress)
+        return _compress(model, keep, method, calibration_ids, include, steps, rank, block, local, distill,
+                         calibration_ids if distill_ids is None else distill_ids, progress)
 
 
-def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, progress):
+def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids,
+              progress):
     model = nnx.clone(dense)
     spectra = sequential.whitened_spectra(dense, calibration_ids, include, progress=progress) if "allocate" in steps else None
     ranks = _ranks(model, include, keep, rank, block, spectra)
@@ -155,7 +168,7 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
     sequential.compress_layers(model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation,
                     progress=progress)
     if "distill" in steps:
-        distillation.distill_factors(model, dense, calibration_ids, distill or distillation.DistillOptions(),
+        distillation.distill_factors(model, dense, distill_ids, distill or distillation.DistillOptions(),
                                      progress=progress)
     return model
 
