@@ -85,7 +85,7 @@ class StepContext:
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache)
+        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
