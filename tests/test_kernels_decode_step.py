@@ -128,7 +128,7 @@ def windowed_operands(rng, spec, b, t, s, w, dtype):
     visible = (slot <= query) & (slot > query - WINDOW) & (slot >= pad)
     operands[15] = operands[15].copy()
     operands[15][1] = np.where(visible, 0.0, np.finfo(np.float32).min)
-    span = spec.window_slots(1, s, t)
+    span = min(s, WINDOW + t - 1)
     start = min(max(w + t - span, 0), s - span)
     outside = np.ones(s, dtype=bool)
     outside[start:start + span] = False
