@@ -27,7 +27,8 @@ run per partition):
   run per partition). A score "piece" is one slot column i of a block: slots s0 + p·q + i on partitions p.
   Scores are computed transposed, slots on partitions: scoresᵀ [np ≤ 128, G·T] = Kᵀ [D, np] stationary ×
   q [D, G·T] moving, accumulated over D tiles. Kᵀ (all kv heads' features as column tiles) comes straight from
-  HBM by a transposing DMA for 2-byte dtypes, else from PE transposes of the K blocks. The mask row is one DMA,
+  HBM by a transposing DMA for 2-byte dtypes when it carries CACHE_RUN_BYTES per partition, else from PE
+  transposes of the K blocks (short windows: the K blocks' DMAs run at full rate, the transposing one would not). The mask row is one DMA,
   put in piece order by PE transposes; query_scaling is folded into q; tanh softcap before the mask.
 - Softmax over slots = over partitions and pieces: per-partition max over pieces, then a PE transpose and a
   free-axis max; -max is spread back over the partitions by onesᵀ·diag(-max) (a matmul); exp on ScalarE; column
@@ -49,6 +50,9 @@ from nki_kernels.svd_matmul import spans
 
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
+# Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
+# on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
+CACHE_RUN_BYTES = 4096
 PSUM_BANK_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
@@ -341,18 +345,33 @@ def write_rows(columns, cache, layer, index):
 
 def slot_blocks(s, slot_bytes):
     """[(s0, np, q)]: cache blocks covering slots 0..S-1; block slot s0 + p·q + i lives at partition p < np,
-    slot column i < q. Whole-partition blocks take up to CACHE_BLOCK_BYTES per partition; a last block of
-    S mod 128 slots has one slot per partition."""
+    slot column i < q. A block holds at least q_min slots per partition (each of its two DMAs CACHE_RUN_BYTES
+    per partition) and at most CACHE_BLOCK_BYTES: on all 128 partitions while the slots last, then on fewer
+    partitions (a short cache: fewer DMA engines, but each at full rate); what is left below q_min slots, one
+    slot per partition."""
     pmax = nl.tile_size.pmax
     q_max = max(1, CACHE_BLOCK_BYTES // slot_bytes)
+    q_min = min(q_max, -(-2 * CACHE_RUN_BYTES // slot_bytes))
     blocks, s0 = [], 0
-    while s - s0 >= pmax:
+    while s - s0 >= pmax * q_min:
         q = min(q_max, (s - s0) // pmax)
         blocks.append((s0, pmax, q))
         s0 += pmax * q
+    if s - s0 >= q_min:
+        np_ = (s - s0) // q_min
+        blocks.append((s0, np_, q_min))
+        s0 += np_ * q_min
     if s0 < s:
         blocks.append((s0, s - s0, 1))
     return blocks
+
+
+def keys_by_dma_transpose(blocks, features, dtype):
+    """Whether Kᵀ comes from transposing DMAs of the cache (2-byte dtypes, when they carry at least
+    CACHE_RUN_BYTES per partition: kv·D/128 tiles × the window's slots) rather than PE transposes of K blocks."""
+    _, kt = column_tiles(features)
+    slots = sum(np_ * q for _, np_, q in blocks)
+    return dtype.itemsize == 2 and kt * slots * dtype.itemsize >= CACHE_RUN_BYTES
 
 
 def score_chunks(blocks):
@@ -493,20 +512,22 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     the K blocks turned on the PE for 4-byte dtypes), for a k_cache [L, B, S, kv_heads, D], T = tokens, at the
     widest window any layer reads."""
     _, _, slots, kv, d = k_cache.shape
-    s = max(spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask)
     itemsize = k_cache.dtype.itemsize
     _, kt = column_tiles(kv * d)
-    block_columns = sum(q for _, _, q in slot_blocks(s, kv * d * itemsize))
-    keys = kt * s * itemsize
-    values = block_columns * kv * d * itemsize
-    return keys + values * (1 if itemsize == 2 else 2)
+    largest = 0
+    for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
+        blocks = slot_blocks(s, kv * d * itemsize)
+        values = sum(q for _, _, q in blocks) * kv * d * itemsize
+        k_blocks = 0 if keys_by_dma_transpose(blocks, kv * d, k_cache.dtype) else values
+        largest = max(largest, kt * s * itemsize + values + k_blocks)
+    return largest
 
 
 def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     """(Kᵀ, V blocks) of row b's window (slots start + 0 .. start + span - 1, `blocks` over the span; start from
     load_window_start, None: slot 0): Kᵀ column tiles [min(F, 128), ceil(F/128), span] of all kv heads' F = kv·D
-    features (2-byte dtypes: slots in cache order, by a transposing DMA per block; else in score order, K blocks
-    turned on the PE), V blocks [np, q, F] (window slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs
+    features (keys_by_dma_transpose: slots in cache order, by a transposing DMA per block; else in score order, K
+    blocks turned on the PE), V blocks [np, q, F] (window slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs
     first (its write went out before k's)."""
     _, batch, slots, kv, d = k_cache.shape
     dtype = k_cache.dtype
@@ -517,7 +538,7 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     keys, k_blocks, v_blocks = None, [], []
     for which in ("v", "k") if values_first else ("k", "v"):
         cache = k_cache if which == "k" else v_cache
-        if which == "k" and dtype.itemsize == 2:
+        if which == "k" and keys_by_dma_transpose(blocks, f, dtype):
             keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
             for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
                 n = np_ * q
@@ -652,7 +673,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
     # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
     # np consecutive columns in score order (PE transposes).
-    transposing = dtype.itemsize == 2
+    transposing = keys_by_dma_transpose(blocks, kv * d, dtype)
     key_columns = []
     for index, (s0, np_, q) in enumerate(blocks):
         column0 = next(c0 for (n, _, _, c0) in chunks if n == index)

@@ -76,6 +76,16 @@ def choose_group(features, row_elements):
     return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
 
 
+def head_group(features):
+    """Group for the LM head's input vector: all of it in one layout block where it fits (≤ 128·MAX_GROUP
+    features, a multiple of 128), so every head DMA block holds all K rows and can be as wide as a ring block."""
+    pmax = nl.tile_size.pmax
+    if features % pmax:
+        return 1
+    tiles = features // pmax
+    return max(d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0)
+
+
 def padded_rows(rows):
     """Rows rounded up to a power of two, so per-slot accumulators of a PSUM tensor never straddle a bank."""
     return 1 << (rows - 1).bit_length()
@@ -359,17 +369,33 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
 
     x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
-    logits rows [R, ≤512] directly. Head blocks of HEAD_COLUMNS columns stream through the ring.
+    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks stream through the ring: when one layout
+    block holds all K rows (head_group), a block is as wide as a ring block allows (longer runs of each weight
+    row per DMA) and each PSUM chunk completes inside it; else blocks of HEAD_COLUMNS, accumulated over K blocks.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
+    columns = ring.slot_elements // in_count_max
+    if len(in_blocks) > 1:
+        columns = min(HEAD_COLUMNS, columns)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
     for v0, vc in spans(v, columns):
+        if len(in_blocks) == 1:
+            k0, ks, s0, count, partitions = in_blocks[0]
+            block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+            for c0, cw in spans(vc, HEAD_COLUMNS):
+                acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+                for i in range(count):
+                    for m0, ms in spans(cw, moving):
+                        nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
+                                       moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms], accumulate=i > 0)
+                _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
+            del block
+            continue
         acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
             block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
@@ -378,14 +404,18 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
                     nisa.nc_matmul(dst=acc[0:rows, c0:c0 + cs], stationary=x[0:partitions, s0 + i, 0:rows],
                                    moving=block[0:partitions, i, c0:c0 + cs], accumulate=b > 0 or i > 0)
             del block
-        logits = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
-        if softcap is None:
-            nisa.tensor_copy(dst=logits, src=acc)
-        else:
-            nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
-            nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
-        del acc
-        nisa.dma_copy(dst=out_rows[0:rows, v0:v0 + vc], src=logits)
+        _store_logits(acc, out_rows[0:rows, v0:v0 + vc], softcap)
+
+
+def _store_logits(acc, out, softcap):
+    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM), soft-capped when softcap is set."""
+    logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+    if softcap is None:
+        nisa.tensor_copy(dst=logits, src=acc)
+    else:
+        nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
+        nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
+    nisa.dma_copy(dst=out, src=logits)
 
 
 def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):
@@ -399,6 +429,8 @@ def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_ro
         head_projection(h, layout, head, rows, ring, out_rows, softcap)
         return
     u, v = head
+    # Two-block rank layout: the factored head's wide single blocks (32 KiB per partition) leave the ring too few
+    # blocks of prefetch to keep the DMA queues busy (modeled: slower than 4 KiB runs in smaller blocks).
     rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
     xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
     projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))

@@ -335,8 +335,8 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     check_spec(spec)
     rows, features = h.shape
     dtype = weight_dtype(head)
-    width = spec.vocab if spec.head_rank is None else spec.head_rank
-    layout = dl.feature_layout(features, dl.choose_group(features, width))
+    layout = dl.feature_layout(features, dl.head_group(features) if spec.head_rank is None else
+                               dl.choose_group(features, spec.head_rank))
     ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
     hc = dl.column_tiles(layout, rows, dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)

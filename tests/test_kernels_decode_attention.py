@@ -144,7 +144,8 @@ CASES = [
     (64, 4, 2, 130, 3, 1, 60, True, 20.0, BF16),
     # S >= 256: cache blocks of several slots per partition (the permuted slot order of the scores)
     (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
-    (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys by transposing DMA
+    (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys turned on the PE
+    (128, 8, 8, 300, 1, 1, 299, False, None, BF16),  # bf16 keys by transposing DMA (8 tiles x 300 slots)
 ]
 
 
