@@ -35,6 +35,8 @@ SBUF_RESERVED_BYTES = 64 * 1024
 # PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BYTES = 4 * 2048
 HEAD_COLUMNS = 2048
+# Head block width: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring block allows.
+HEAD_RUN_COLUMNS = 4096
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
 # transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
@@ -369,42 +371,32 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
 
     x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
-    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks stream through the ring: when one layout
-    block holds all K rows (head_group), a block is as wide as a ring block allows (longer runs of each weight
-    row per DMA) and each PSUM chunk completes inside it; else blocks of HEAD_COLUMNS, accumulated over K blocks.
+    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
+    through the ring HEAD_RUN_COLUMNS wide where a ring block allows (8 KiB runs of each bf16 weight row per DMA,
+    while blocks stay small enough for several in the ring); each PSUM chunk accumulates over the K blocks of its
+    columns.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = ring.slot_elements // in_count_max
-    if len(in_blocks) > 1:
-        columns = min(HEAD_COLUMNS, columns)
+    columns = min(HEAD_RUN_COLUMNS, ring.slot_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
     for v0, vc in spans(v, columns):
-        if len(in_blocks) == 1:
-            k0, ks, s0, count, partitions = in_blocks[0]
-            block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
-            for c0, cw in spans(vc, HEAD_COLUMNS):
-                acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+        blocks = [ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+                  for k0, ks, _, count, partitions in in_blocks]
+        for c0, cw in spans(vc, HEAD_COLUMNS):
+            acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
                 for i in range(count):
                     for m0, ms in spans(cw, moving):
                         nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
-                                       moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms], accumulate=i > 0)
-                _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
-            del block
-            continue
-        acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-        for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-            block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
-            for i in range(count):
-                for c0, cs in spans(vc, moving):
-                    nisa.nc_matmul(dst=acc[0:rows, c0:c0 + cs], stationary=x[0:partitions, s0 + i, 0:rows],
-                                   moving=block[0:partitions, i, c0:c0 + cs], accumulate=b > 0 or i > 0)
-            del block
-        _store_logits(acc, out_rows[0:rows, v0:v0 + vc], softcap)
+                                       moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms],
+                                       accumulate=b > 0 or i > 0)
+            _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
+        del blocks
 
 
 def _store_logits(acc, out, softcap):
@@ -429,8 +421,6 @@ def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_ro
         head_projection(h, layout, head, rows, ring, out_rows, softcap)
         return
     u, v = head
-    # Two-block rank layout: the factored head's wide single blocks (32 KiB per partition) leave the ring too few
-    # blocks of prefetch to keep the DMA queues busy (modeled: slower than 4 KiB runs in smaller blocks).
     rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
     xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
     projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
