@@ -372,15 +372,19 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
 
     x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
     logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
-    through the ring HEAD_RUN_COLUMNS wide where a ring block allows (8 KiB runs of each bf16 weight row per DMA,
-    while blocks stay small enough for several in the ring); each PSUM chunk accumulates over the K blocks of its
-    columns.
+    through the ring HEAD_RUN_COLUMNS wide where a ring block allows and a column range's blocks take at most a
+    third of the ring (8 KiB runs of each bf16 weight row per DMA, with prefetch), else HEAD_COLUMNS wide; each
+    PSUM chunk accumulates over the K blocks of its columns.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
     columns = min(HEAD_RUN_COLUMNS, ring.slot_elements // in_count_max)
+    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
+        # A column range's blocks must leave the ring room for the next two (prefetch), e.g. a factored head of
+        # rank ~1600: narrower blocks then.
+        columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
