@@ -2,7 +2,8 @@
 
 The reference follows DECODE_STEP_SPEC.md: optional RMSNorm over head_dim (1 + w), rotate-half RoPE from the
 tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores (q·k)·scaling, optional tanh softcap,
-+ mask bias, softmax over all S slots, weights·V.
++ mask bias, softmax over all S slots, weights·V (with a window, the kernel reads only the slots the mask can
+make visible: the rest are NaN in the windowed tests).
 """
 
 import dataclasses
