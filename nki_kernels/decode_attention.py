@@ -28,8 +28,9 @@ run per partition):
   Scores are computed transposed, slots on partitions: scoresᵀ [np ≤ 128, G·T] = Kᵀ [D, np] stationary ×
   q [D, G·T] moving, accumulated over D tiles. Kᵀ (all kv heads' features as column tiles) comes straight from
   HBM by a transposing DMA for 2-byte dtypes when it carries CACHE_RUN_BYTES per partition, else from PE
-  transposes of the K blocks (short windows: the K blocks' DMAs run at full rate, the transposing one would not). The mask row is one DMA,
-  put in piece order by PE transposes; query_scaling is folded into q; tanh softcap before the mask.
+  transposes of the K blocks (short windows: the K blocks' DMAs run at full rate, the transposing one would
+  not). The mask row is one DMA, put in piece order by PE transposes; query_scaling is folded into q; tanh
+  softcap before the mask.
 - Softmax over slots = over partitions and pieces: per-partition max over pieces, then a PE transpose and a
   free-axis max; -max is spread back over the partitions by onesᵀ·diag(-max) (a matmul); exp on ScalarE; column
   sums by onesᵀ·(per-partition sums), which also spreads them over the output's D partitions. The weights are
@@ -509,8 +510,8 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
 
 def cache_sbuf_bytes(k_cache, spec, tokens):
     """SBUF bytes per partition that `attend` holds for one row's cache tiles (Kᵀ column tiles and V blocks, plus
-    the K blocks turned on the PE for 4-byte dtypes), for a k_cache [L, B, S, kv_heads, D], T = tokens, at the
-    widest window any layer reads."""
+    the K blocks when they are turned on the PE, keys_by_dma_transpose), for a k_cache [L, B, S, kv_heads, D],
+    T = tokens, at the window of any layer that needs the most."""
     _, _, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
     _, kt = column_tiles(kv * d)
@@ -758,7 +759,8 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     qT [128, ceil(heads·D/128), R], kT and vT [128, ceil(kv·D/128), R]: SBUF column tiles (any float dtype) of
     this step's projections. layer: static int. Other operands in HBM as the module docstring says. Writes k
     (normed, rotated) and v into the caches at [write_index, write_index + T) IN PLACE, then attends over the
-    slots its mask can make visible (attend). constants: AttentionConstants(spec), built once per kernel when attention runs for several layers.
+    slots its mask can make visible (attend). constants: AttentionConstants(spec), built once per kernel when
+    attention runs for several layers.
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
