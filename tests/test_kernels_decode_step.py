@@ -218,6 +218,9 @@ def test_default_ring_leaves_sbuf_for_a_long_cache():
 
 
 def test_rejects_bad_arguments(rng):
+    for windows in ((4,), (None, 0), (None, 2.5)):
+        with pytest.raises(ValueError, match="mask_windows"):
+            DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": windows})
     operands = make_operands(rng, LLAMA, 1, 1, 8, 3, np.float32)
     with pytest.raises(ValueError, match="composition"):
         run_decode_step("fused", operands, LLAMA)
