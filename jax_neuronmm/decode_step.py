@@ -12,7 +12,9 @@ The operands are those of `nki_kernels.decode_step.decode_step_kernel` (layouts 
     [write_index, write_index + T)), write_index [1, 1] int32,
   cos, sin [NR, B, T, D] float32, rotate-half tables with duplicated halves (the kernel reads the first half; layer
     l reads table spec.layer_rope[l]), mask_bias [NM, B, T, S] float32
-    (layer l reads spec.layer_mask[l]), final_norm [H], head: dense [H, V] or a pair (u [H, r], v [r, V]).
+    (layer l reads spec.layer_mask[l]; with spec.mask_windows the kernels read only the window of slots ending at
+    each query's slot, so the mask must hide every slot outside it), final_norm [H], head: dense [H, V] or a pair
+    (u [H, r], v [r, V]).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
 Backends: "xla" lowers to a `lax.scan` over the layers of `decoder_math.decoder_layer`, the same function the

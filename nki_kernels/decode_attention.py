@@ -19,12 +19,18 @@ run per partition):
 - v, then the rotated k, are turned into rows on the PE and written with one DMA per cache at slots
   [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM). The cache
   reads come after the writes (the same HBM bytes), V's first since its write goes out first.
+- A mask with a window (spec.mask_windows) makes only the last window_slots slots up to the last query's slot
+  visible: attention reads just those (cache and mask bias), from a first slot computed on chip from write_index
+  (clamped into the cache) and applied as a runtime DMA offset, so one compiled kernel serves every step.
+  Slots below are relative to the window's first slot.
 - The cache is read in blocks whose partition p holds slots s0 + p·q .. s0 + p·q + q - 1 (one long contiguous
   run per partition). A score "piece" is one slot column i of a block: slots s0 + p·q + i on partitions p.
   Scores are computed transposed, slots on partitions: scoresᵀ [np ≤ 128, G·T] = Kᵀ [D, np] stationary ×
   q [D, G·T] moving, accumulated over D tiles. Kᵀ (all kv heads' features as column tiles) comes straight from
-  HBM by a transposing DMA for 2-byte dtypes, else from PE transposes of the K blocks. The mask row is one DMA,
-  put in piece order by PE transposes; query_scaling is folded into q; tanh softcap before the mask.
+  HBM by a transposing DMA for 2-byte dtypes when it carries CACHE_RUN_BYTES per partition, else from PE
+  transposes of the K blocks (short windows: the K blocks' DMAs run at full rate, the transposing one would
+  not). The mask row is one DMA, put in piece order by PE transposes; query_scaling is folded into q; tanh
+  softcap before the mask.
 - Softmax over slots = over partitions and pieces: per-partition max over pieces, then a PE transpose and a
   free-axis max; -max is spread back over the partitions by onesᵀ·diag(-max) (a matmul); exp on ScalarE; column
   sums by onesᵀ·(per-partition sums), which also spreads them over the output's D partitions. The weights are
@@ -45,6 +51,9 @@ from nki_kernels.svd_matmul import spans
 
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
 CACHE_BLOCK_BYTES = 16384
+# Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
+# on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
+CACHE_RUN_BYTES = 4096
 PSUM_BANK_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
@@ -337,18 +346,33 @@ def write_rows(columns, cache, layer, index):
 
 def slot_blocks(s, slot_bytes):
     """[(s0, np, q)]: cache blocks covering slots 0..S-1; block slot s0 + p·q + i lives at partition p < np,
-    slot column i < q. Whole-partition blocks take up to CACHE_BLOCK_BYTES per partition; a last block of
-    S mod 128 slots has one slot per partition."""
+    slot column i < q. A block holds at least q_min slots per partition (each of its two DMAs CACHE_RUN_BYTES
+    per partition) and at most CACHE_BLOCK_BYTES: on all 128 partitions while the slots last, then on fewer
+    partitions (a short cache: fewer DMA engines, but each at full rate); what is left below q_min slots, one
+    slot per partition."""
     pmax = nl.tile_size.pmax
     q_max = max(1, CACHE_BLOCK_BYTES // slot_bytes)
+    q_min = min(q_max, -(-2 * CACHE_RUN_BYTES // slot_bytes))
     blocks, s0 = [], 0
-    while s - s0 >= pmax:
+    while s - s0 >= pmax * q_min:
         q = min(q_max, (s - s0) // pmax)
         blocks.append((s0, pmax, q))
         s0 += pmax * q
+    if s - s0 >= q_min:
+        np_ = (s - s0) // q_min
+        blocks.append((s0, np_, q_min))
+        s0 += np_ * q_min
     if s0 < s:
         blocks.append((s0, s - s0, 1))
     return blocks
+
+
+def keys_by_dma_transpose(blocks, features, dtype):
+    """Whether Kᵀ comes from transposing DMAs of the cache (2-byte dtypes, when they carry at least
+    CACHE_RUN_BYTES per partition: kv·D/128 tiles × the window's slots) rather than PE transposes of K blocks."""
+    _, kt = column_tiles(features)
+    slots = sum(np_ * q for _, np_, q in blocks)
+    return dtype.itemsize == 2 and kt * slots * dtype.itemsize >= CACHE_RUN_BYTES
 
 
 def score_chunks(blocks):
@@ -416,14 +440,35 @@ def prepare_queries(q, spec, batch, dtype, constants):
     return qs
 
 
-def load_mask_columns(mask_bias, mask, b, blocks, pieces):
-    """fp32 [128, pieces, T]: element [p, n, t] = mask_bias[mask, b, t, slot] for the slot at partition p of
-    score piece n (slot s0 + p·q + i of piece (block, i)). The row's [T, S] bias is one contiguous DMA; the
-    permutation is done by PE transposes of strided columns."""
+def load_window_start(index, span, slots, tokens):
+    """The first slot of the window of `span` slots a row's `tokens` queries can see (DecodeSpec.window_slots):
+    the window ends at the last query's slot, write_index + T - 1, clamped into [0, S - span]; an SBUF [1, 1]
+    int32 computed at run time from the write slot tile (load_write_index), or None when span = S (a static 0)."""
+    if span == slots:
+        return None
+    start = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="window_start")
+    nisa.tensor_scalar(dst=start, data=index, op0=nl.add, operand0=tokens - span, op1=nl.maximum, operand1=0)
+    nisa.tensor_scalar(dst=start, data=start, op0=nl.minimum, operand0=slots - span)
+    return start
+
+
+def window_view(tensor, first, pattern, start, slot_axis):
+    """The HBM view `pattern` of `tensor` from element `first`, moved by start (load_window_start) slots along
+    axis slot_axis at run time, or static when start is None."""
+    if start is None:
+        return tensor.ap(pattern, offset=first)
+    return tensor.ap(pattern, offset=first, scalar_offset=start, indirect_dim=slot_axis)
+
+
+def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
+    """fp32 [128, pieces, T]: element [p, n, t] = mask_bias[mask, b, t, start + slot] for the window slot at
+    partition p of score piece n (slot s0 + p·q + i of piece (block, i)). The row's [T, window] bias is one DMA
+    (T contiguous runs); the permutation is done by PE transposes of strided columns."""
     pmax = nl.tile_size.pmax
     _, batch, t, s = mask_bias.shape
-    rows = nl.ndarray((t, s), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
-    nisa.dma_copy(dst=rows, src=mask_bias[mask, b])
+    span = sum(np_ * q for _, np_, q in blocks)
+    rows = nl.ndarray((t, span), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
+    nisa.dma_copy(dst=rows, src=window_view(mask_bias, (mask * batch + b) * t * s, [[s, t], [1, span]], start, 3))
     columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
     per_bank = max(1, PSUM_BANK_BYTES // (4 * t))
     groups = []  # runs of pieces of one block, at most a PSUM bank each
@@ -463,41 +508,50 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
     return keys
 
 
-def cache_sbuf_bytes(k_cache):
+def cache_sbuf_bytes(k_cache, spec, tokens):
     """SBUF bytes per partition that `attend` holds for one row's cache tiles (Kᵀ column tiles and V blocks, plus
-    the K blocks turned on the PE for 4-byte dtypes), for a k_cache [L, B, S, kv_heads, D]."""
-    _, _, s, kv, d = k_cache.shape
+    the K blocks when they are turned on the PE, keys_by_dma_transpose), for a k_cache [L, B, S, kv_heads, D],
+    T = tokens, at the window of any layer that needs the most."""
+    _, _, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
     _, kt = column_tiles(kv * d)
-    block_columns = sum(q for _, _, q in slot_blocks(s, kv * d * itemsize))
-    keys = kt * s * itemsize
-    values = block_columns * kv * d * itemsize
-    return keys + values * (1 if itemsize == 2 else 2)
+    largest = 0
+    for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
+        blocks = slot_blocks(s, kv * d * itemsize)
+        values = sum(q for _, _, q in blocks) * kv * d * itemsize
+        k_blocks = 0 if keys_by_dma_transpose(blocks, kv * d, k_cache.dtype) else values
+        largest = max(largest, kt * s * itemsize + values + k_blocks)
+    return largest
 
 
-def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first):
-    """(Kᵀ, V blocks) of row b: Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads' F = kv·D features
-    (2-byte dtypes: slots in cache order, by a transposing DMA per block; else in score order, K blocks turned on
-    the PE), V blocks [np, q, F] (slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs first (its write
-    went out before k's)."""
-    _, _, s, kv, d = k_cache.shape
+def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
+    """(Kᵀ, V blocks) of row b's window (slots start + 0 .. start + span - 1, `blocks` over the span; start from
+    load_window_start, None: slot 0): Kᵀ column tiles [min(F, 128), ceil(F/128), span] of all kv heads' F = kv·D
+    features (keys_by_dma_transpose: slots in cache order, by a transposing DMA per block; else in score order, K
+    blocks turned on the PE), V blocks [np, q, F] (window slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs
+    first (its write went out before k's)."""
+    _, batch, slots, kv, d = k_cache.shape
     dtype = k_cache.dtype
-    kp, kt = column_tiles(kv * d)
+    f = kv * d
+    kp, kt = column_tiles(f)
+    s = sum(np_ * q for _, np_, q in blocks)
+    row = (layer * batch + b) * slots * f  # element of the row's slot 0
     keys, k_blocks, v_blocks = None, [], []
     for which in ("v", "k") if values_first else ("k", "v"):
         cache = k_cache if which == "k" else v_cache
-        if which == "k" and dtype.itemsize == 2:
+        if which == "k" and keys_by_dma_transpose(blocks, f, dtype):
             keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
             for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
                 n = np_ * q
-                nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=cache[layer, b, s0:s0 + n, :, :].reshape((n, kt, kp)))
+                source = window_view(cache, row + s0 * f, [[f, n], [kp, kt], [1, kp]], start, 2)
+                nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=source)
             continue
         for s0, np_, q in blocks:
-            tile = nl.ndarray((np_, q, kv * d), dtype=dtype, buffer=nl.sbuf, name="cache_block")
-            source = cache[layer, b, s0:s0 + np_ * q, :, :].reshape((np_, q, kv * d))
+            tile = nl.ndarray((np_, q, f), dtype=dtype, buffer=nl.sbuf, name="cache_block")
             # Two DMAs per block: work on the first slot columns starts while the rest arrives.
             for i0, ni in spans(q, -(-q // 2)):
-                nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source[:, i0:i0 + ni, :])
+                source = window_view(cache, row + (s0 + i0) * f, [[q * f, np_], [f, ni], [1, f]], start, 2)
+                nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source)
             (k_blocks if which == "k" else v_blocks).append(tile)
     if keys is None:
         keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
@@ -590,10 +644,12 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
             del acc
 
 
-def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_first=False):
+def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, values_first=False):
     """attnT column tiles [128, ceil(heads·D/128), R] in the cache dtype: softmax(q·Kᵀ·scaling (softcapped) +
-    mask)·V of each row's T queries over all S slots of layer `layer`'s cache. qT: fp32 column tiles of the
-    rotated (and normed) queries."""
+    mask)·V of each row's T queries over the slots of layer `layer`'s cache its mask can make visible: all S, or
+    with spec.mask_windows the window of spec.window_slots(...) slots ending at the last query's slot (from the
+    write slot tile `index`, load_write_index, at run time). qT: fp32 column tiles of the rotated (and normed)
+    queries."""
     pmax = nl.tile_size.pmax
     _, batch, s, kv, d = k_cache.shape
     dtype = k_cache.dtype
@@ -605,18 +661,20 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
     gt = g_size * t
     q_parts, q_tiles = column_tiles(heads * d)
     mask = spec.layer_mask[layer]
+    span = spec.window_slots(mask, s, t)
+    start = load_window_start(index, span, s, t)
     qs = prepare_queries(qT, spec, batch, dtype, constants)
     attn = nl.ndarray((pmax, q_tiles, r), dtype=dtype, buffer=nl.sbuf, name="attnT")
     by_head = None
     if d < pmax:
         by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
-    blocks = slot_blocks(s, kv * d * dtype.itemsize)
+    blocks = slot_blocks(span, kv * d * dtype.itemsize)
     chunks = score_chunks(blocks)
     # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
     # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
     # np consecutive columns in score order (PE transposes).
-    transposing = dtype.itemsize == 2
+    transposing = keys_by_dma_transpose(blocks, kv * d, dtype)
     key_columns = []
     for index, (s0, np_, q) in enumerate(blocks):
         column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
@@ -626,8 +684,8 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants, *, values_fi
     # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
     # heads as fit 128 query columns.
     for b in range(batch):
-        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces)}
-        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first)
+        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces, start)}
+        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start)
         for g0, gn in spans(kv, max(1, pmax // gt)):
             softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, {b: keys}, {b: values}, visible, attn, by_head,
                          blocks, pieces, key_columns, spec, constants)
@@ -700,8 +758,9 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
 
     qT [128, ceil(heads·D/128), R], kT and vT [128, ceil(kv·D/128), R]: SBUF column tiles (any float dtype) of
     this step's projections. layer: static int. Other operands in HBM as the module docstring says. Writes k
-    (normed, rotated) and v into the caches at [write_index, write_index + T) IN PLACE, then attends over all S
-    slots. constants: AttentionConstants(spec), built once per kernel when attention runs for several layers.
+    (normed, rotated) and v into the caches at [write_index, write_index + T) IN PLACE, then attends over the
+    slots its mask can make visible (attend). constants: AttentionConstants(spec), built once per kernel when
+    attention runs for several layers.
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
@@ -710,8 +769,8 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     write_rows(vT, v_cache, layer, index)
     tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
     write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
-    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, spec, constants,
-                  values_first=True)
+    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, index, spec,
+                  constants, values_first=True)
 
 
 # -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
@@ -754,15 +813,16 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
 
 
 @nki.jit
-def attention_kernel(q, k_cache, v_cache, mask_bias, *, layer, spec):
+def attention_kernel(q, k_cache, v_cache, write_index, mask_bias, *, layer, spec):
     """attn rows [B, T, heads·D] (cache dtype) of rotated queries q [B, T, heads·D] over layer `layer` of the
-    caches [L, B, S, kv, D] with mask_bias [NM, B, T, S] table spec.layer_mask[layer]; scaling, softcap,
-    softmax and weights·V as attention()."""
+    caches [L, B, S, kv, D] with mask_bias [NM, B, T, S] table spec.layer_mask[layer]; write_index [1, 1] int32
+    (this step's first slot) places a windowed mask's slots; scaling, softcap, softmax and weights·V as
+    attention()."""
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     constants = AttentionConstants(spec)
     qT = load_columns(q, dtype=nl.float32, name="q_columns")
-    attn = attend(qT, k_cache, v_cache, layer, mask_bias, spec, constants)
+    attn = attend(qT, k_cache, v_cache, layer, mask_bias, load_write_index(write_index), spec, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_columns(attn, out)
     return out

@@ -35,6 +35,8 @@ SBUF_RESERVED_BYTES = 64 * 1024
 # PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BYTES = 4 * 2048
 HEAD_COLUMNS = 2048
+# Head block width: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring block allows.
+HEAD_RUN_COLUMNS = 4096
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
 # transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
@@ -74,6 +76,16 @@ def choose_group(features, row_elements):
     tiles = features // pmax
     divisors = [d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0]
     return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
+
+
+def head_group(features):
+    """Group for the LM head's input vector: all of it in one layout block where it fits (≤ 128·MAX_GROUP
+    features, a multiple of 128), so every head DMA block holds all K rows and can be as wide as a ring block."""
+    pmax = nl.tile_size.pmax
+    if features % pmax:
+        return 1
+    tiles = features // pmax
+    return max(d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0)
 
 
 def padded_rows(rows):
@@ -359,33 +371,47 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
 
     x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
-    logits rows [R, ≤512] directly. Head blocks of HEAD_COLUMNS columns stream through the ring.
+    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
+    through the ring HEAD_RUN_COLUMNS wide where a ring block allows and a column range's blocks take at most a
+    third of the ring (8 KiB runs of each bf16 weight row per DMA, with prefetch), else HEAD_COLUMNS wide; each
+    PSUM chunk accumulates over the K blocks of its columns.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
+    columns = min(HEAD_RUN_COLUMNS, ring.slot_elements // in_count_max)
+    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
+        # A column range's blocks must leave the ring room for the next two (prefetch), e.g. a factored head of
+        # rank ~1600: narrower blocks then.
+        columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
     for v0, vc in spans(v, columns):
-        acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-        for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-            block = ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
-            for i in range(count):
-                for c0, cs in spans(vc, moving):
-                    nisa.nc_matmul(dst=acc[0:rows, c0:c0 + cs], stationary=x[0:partitions, s0 + i, 0:rows],
-                                   moving=block[0:partitions, i, c0:c0 + cs], accumulate=b > 0 or i > 0)
-            del block
-        logits = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
-        if softcap is None:
-            nisa.tensor_copy(dst=logits, src=acc)
-        else:
-            nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
-            nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
-        del acc
-        nisa.dma_copy(dst=out_rows[0:rows, v0:v0 + vc], src=logits)
+        blocks = [ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+                  for k0, ks, _, count, partitions in in_blocks]
+        for c0, cw in spans(vc, HEAD_COLUMNS):
+            acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
+                for i in range(count):
+                    for m0, ms in spans(cw, moving):
+                        nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
+                                       moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms],
+                                       accumulate=b > 0 or i > 0)
+            _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
+        del blocks
+
+
+def _store_logits(acc, out, softcap):
+    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM), soft-capped when softcap is set."""
+    logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+    if softcap is None:
+        nisa.tensor_copy(dst=logits, src=acc)
+    else:
+        nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
+        nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
+    nisa.dma_copy(dst=out, src=logits)
 
 
 def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):

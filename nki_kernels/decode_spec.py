@@ -25,6 +25,11 @@ class DecodeSpec:
     ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
     the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]).
     head_rank: None for a dense LM head, else the rank of its factors.
+    mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
+    a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
+    in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
+    kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
+    write_index at run time, so one compiled kernel serves every step.
     """
 
     num_layers: int
@@ -46,6 +51,7 @@ class DecodeSpec:
     layer_mask: tuple[int, ...]
     ranks: tuple[tuple[int, ...] | None, ...] = (None,) * len(PROJECTIONS)
     head_rank: int | None = None
+    mask_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab"):
@@ -79,6 +85,11 @@ class DecodeSpec:
             raise ValueError(f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
                              f"[1, {min(self.hidden, self.vocab)}]")
 
+        if self.mask_windows and (len(self.mask_windows) != self.num_masks or any(
+                w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)):
+            raise ValueError(f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
+                             f"entries (one per mask table), each None or a window of slots >= 1")
+
     @property
     def num_norms(self) -> int:
         """Per-layer hidden-size norms: input and post-attention, plus pre/post-feedforward with sandwich."""
@@ -91,6 +102,12 @@ class DecodeSpec:
     @property
     def num_masks(self) -> int:
         return max(self.layer_mask) + 1
+
+    def window_slots(self, mask: int, slots: int, tokens: int) -> int:
+        """How many consecutive cache slots (of `slots`) mask table `mask` can make visible to a row's `tokens`
+        queries: all of them without a window, else min(slots, W + tokens - 1)."""
+        window = self.mask_windows[mask] if self.mask_windows else None
+        return slots if window is None else min(slots, window + tokens - 1)
 
     def in_features(self, projection: str) -> int:
         """K of a projection's [K, N] weight."""

@@ -85,8 +85,8 @@ def _run_per_op(today, ops, spec, ring):
                        ops["sin"], ops["qk_norms"], layer=layer, spec=spec)
         k_cache, v_cache = _launch(decode_attention.cache_write_kernel, k, v.reshape(b, t, -1), k_cache, v_cache,
                                    ops["write_index"], layer=layer)
-        attn = _launch(decode_attention.attention_kernel, q, k_cache, v_cache, ops["mask_bias"], layer=layer,
-                       spec=spec)
+        attn = _launch(decode_attention.attention_kernel, q, k_cache, v_cache, ops["write_index"], ops["mask_bias"],
+                       layer=layer, spec=spec)
         y = project(attn.reshape(rows, -1), "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")

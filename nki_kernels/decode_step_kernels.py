@@ -85,7 +85,7 @@ class StepContext:
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache)
+        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
@@ -335,8 +335,8 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     check_spec(spec)
     rows, features = h.shape
     dtype = weight_dtype(head)
-    width = spec.vocab if spec.head_rank is None else spec.head_rank
-    layout = dl.feature_layout(features, dl.choose_group(features, width))
+    layout = dl.feature_layout(features, dl.head_group(features) if spec.head_rank is None else
+                               dl.choose_group(features, spec.head_rank))
     ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
     hc = dl.column_tiles(layout, rows, dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)

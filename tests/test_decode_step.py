@@ -307,3 +307,42 @@ def test_generate_on_the_emulator_is_one_launch_per_decode_step(name):
     # launch per decode step.
     assert names[first:] == ["decode_step_kernel"] * (steps - 1)
     assert "decode_step_kernel" not in names[:first] and (first > 0) == ("compressed" in name)
+
+
+def test_sliding_windows_on_the_emulator_with_right_padding(rng):
+    """Gemma 3's sliding layers read only their window on the emulator (decode_plan sets spec.mask_windows). With
+    right padding the pads between a row's prompt and its continuation lie inside the window's slot span:
+    widen_windows covers them, and the logits equal XLA's (the unwidened window drops visible keys)."""
+    model = _model("gemma3")
+    plan = decode.decode_plan(model)
+    assert plan.spec.mask_windows == tuple(plan.windows) and 4 in plan.windows
+    ids = rng.integers(0, VOCAB, size=(2, 6))
+    mask = np.ones((2, 6), bool)
+    mask[0, 3:] = False  # row 0: 3 prompt tokens, then 3 pads
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    cache = model.init_cache(2, 12)
+    _, cache = _cached_forward(model, jnp.asarray(ids), jnp.asarray(positions), cache, jnp.asarray(mask))
+    step_ids = jnp.asarray(rng.integers(0, VOCAB, size=(2, 1)))
+    step_positions = jnp.asarray(mask.sum(axis=1)[:, None], jnp.int32)
+    weights = decode.stack_weights(model, plan)
+    run = jax.jit(decode.decode, static_argnums=(1,))
+    want, _ = run(model, plan, weights, step_ids, step_positions, cache)
+    widened = decode.widen_windows(plan, 3)
+    assert widened.spec.mask_windows == tuple(None if w is None else w + 3 for w in plan.windows)
+    with jax_neuronmm.use_backend("emulator"):
+        got, _ = run(model, widened, weights, step_ids, step_positions, cache)
+        narrow, _ = run(model, plan, weights, step_ids, step_positions, cache)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    assert np.abs(np.asarray(narrow[0]) - np.asarray(want[0])).max() > 1e-3  # row 0's prompt keys dropped
+    np.testing.assert_allclose(narrow[1], want[1], rtol=1e-4, atol=1e-4)  # row 1 has no pads
+    with pytest.raises(ValueError, match="pad_slots"):
+        decode.widen_windows(plan, -1)
+
+
+
+def test_pad_slots_counts_pads_after_a_rows_first_token():
+    mask = np.array([[False, False, True, True, True], [True, True, False, False, False], [True, False, True, True,
+                                                                                              False]])
+    assert decode.pad_slots(mask[:1]) == 0  # left padding: the window's slots hold consecutive positions
+    assert decode.pad_slots(mask) == 3
+    assert decode.pad_slots(mask[2:]) == 2

@@ -67,6 +67,10 @@ def test_specs_and_operands_follow_the_contract(name, compressed):
     if m.gemma3:
         # Layers 6, 12, ... are global (table 1), the rest local (table 0).
         assert spec.layer_mask == (0, 0, 0, 0, 0, 1, 0) == spec.layer_rope and spec.sandwich and spec.qk_norm
+        assert spec.mask_windows == (m.sliding_window, None)  # the local layers read only their window
+        assert bench.decode_spec(m, 5, compressed).mask_windows == (m.sliding_window,)
+    else:
+        assert spec.mask_windows == ()
 
 
 def test_nkilib_shards_keep_the_model_s_bytes():

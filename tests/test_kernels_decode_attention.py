@@ -2,14 +2,19 @@
 
 The reference follows DECODE_STEP_SPEC.md: optional RMSNorm over head_dim (1 + w), rotate-half RoPE from the
 tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores (q·k)·scaling, optional tanh softcap,
-+ mask bias, softmax over all S slots, weights·V.
++ mask bias, softmax over all S slots, weights·V (with a window, the kernel reads only the slots the mask can
+make visible: the rest are NaN in the windowed tests).
 """
+
+import dataclasses
 
 import ml_dtypes
 import numpy as np
 import pytest
 
 from nki_kernels.binding import nki, nl
+from nki_kernels.emulator import count_only, profile
+from nki_kernels.emulator.kernel import Spec, run
 from nki_kernels.decode_attention import (attention, attention_kernel, cache_write_kernel, load_columns,
                                           rope_kernel, store_columns)
 from nki_kernels.decode_spec import DecodeSpec
@@ -140,7 +145,8 @@ CASES = [
     (64, 4, 2, 130, 3, 1, 60, True, 20.0, BF16),
     # S >= 256: cache blocks of several slots per partition (the permuted slot order of the scores)
     (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
-    (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys by transposing DMA
+    (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys turned on the PE
+    (128, 8, 8, 300, 1, 1, 299, False, None, BF16),  # bf16 keys by transposing DMA (8 tiles x 300 slots)
 ]
 
 
@@ -171,9 +177,79 @@ def test_per_op_kernels_compose_to_the_reference(rng, d, heads, kv, s, b, t, w, 
     k_out, v_out = cache_write_kernel(k_rope, v, k_cache, v_cache, write_index, layer=LAYER)
     check_caches(k_out, k_cache, k_rope.reshape(b, t, kv, d), w, t)
     check_caches(v_out, v_cache, v.reshape(b, t, kv, d), w, t)
-    attn = attention_kernel(q_rope, k_out, v_out, mask_bias, layer=LAYER, spec=spec)
+    attn = attention_kernel(q_rope, k_out, v_out, write_index, mask_bias, layer=LAYER, spec=spec)
     want, _, _ = reference(operands, spec, LAYER)
     assert relative_error(attn, want) < 1e-4
+
+
+def windowed_operands(rng, spec, s, b, t, w, window, dtype):
+    """(kernel operands, reference operands) with mask 1 a sliding window of `window` slots per query over
+    left-padded rows (row b's first pad_b <= w slots hold no token, so rows sit at different positions). In the
+    kernel's copy, layer LAYER's cache slots outside the window the kernel may read are NaN: reading one would
+    poison the scores."""
+    operands = list(make_operands(rng, spec, s, b, t, w, dtype))
+    slot = np.arange(s)
+    query = (w + np.arange(t))[None, :, None]
+    pad = rng.integers(0, min(w, 3) + 1, size=(b, 1, 1))
+    visible = (slot <= query) & (slot > query - window) & (slot >= pad)
+    operands[8] = operands[8].copy()
+    operands[8][1] = np.where(visible, 0.0, np.finfo(np.float32).min)
+    span = min(s, window + t - 1)
+    start = min(max(w + t - span, 0), s - span)
+    outside = np.ones(s, dtype=bool)
+    outside[start:start + span] = False
+    poisoned = list(operands)
+    for i in (3, 4):
+        poisoned[i] = operands[i].copy()
+        poisoned[i][LAYER][:, outside] = np.nan
+    return poisoned, operands
+
+
+# (head_dim, heads, kv_heads, S, B, T, write slot, window, dtype): the window's first slot clamped to 0 (before
+# and at the window's edge), inside the cache (past the edge, T = 2, ragged S), clamped to S - window at the end
+# (slots blocked several per partition); bf16 keys by transposing DMA.
+WINDOW_CASES = [
+    (64, 4, 1, 20, 3, 1, 2, 5, np.float32),
+    (64, 4, 1, 20, 3, 1, 4, 5, np.float32),
+    (32, 4, 2, 130, 3, 2, 64, 7, np.float32),
+    (256, 4, 1, 300, 2, 1, 299, 260, BF16),
+    (256, 4, 1, 300, 1, 2, 150, 130, BF16),
+    (64, 4, 2, 300, 2, 2, 200, 150, np.float32),
+]
+
+
+@pytest.mark.parametrize("d,heads,kv,s,b,t,w,window,dtype", WINDOW_CASES)
+def test_windowed_attention_reads_only_the_window(rng, d, heads, kv, s, b, t, w, window, dtype):
+    spec = dataclasses.replace(make_spec(heads, kv, d, True, 20.0), mask_windows=(None, window))
+    poisoned, operands = windowed_operands(rng, spec, s, b, t, w, window, np.dtype(dtype))
+    want, new_k, new_v = reference(operands, spec, LAYER)
+    attn, k_cache, v_cache = attention_layer_kernel(*poisoned, layer=LAYER, spec=spec)
+    assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
+    if dtype == np.float32:
+        new_k = k_cache[LAYER, :, w:w + t]
+    check_caches(k_cache, poisoned[3], new_k, w, t)
+    check_caches(v_cache, poisoned[4], new_v, w, t)
+    # The per-op kernel takes the same window.
+    q_rope, _ = rope_kernel(*(operands[i] for i in (0, 1, 6, 7, 9)), layer=LAYER, spec=spec)
+    attn = attention_kernel(q_rope, k_cache, v_cache, poisoned[5], poisoned[8], layer=LAYER, spec=spec)
+    assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)] + 1e-4
+
+
+@pytest.mark.parametrize("s,t,window", [(300, 1, 64), (2048, 1, 512), (130, 2, 40)])
+def test_windowed_attention_moves_only_the_window(s, t, window):
+    """Count-only: the cache and mask bytes read shrink by exactly the slots outside the window."""
+    b, d, heads, kv = 2, 256, 4, 1
+    dtype = np.dtype(BF16)
+    spec = make_spec(heads, kv, d, True, None)
+    args = (Spec((b, t, heads * d), dtype), Spec((LAYERS, b, s, kv, d), dtype), Spec((LAYERS, b, s, kv, d), dtype),
+            np.array([[s // 2]], dtype=np.int32), Spec((2, b, t, s), np.float32))
+    read = {}
+    for windows in ((), (None, window)):
+        with count_only(), profile() as prof:
+            run(attention_kernel, args, dict(layer=LAYER, spec=dataclasses.replace(spec, mask_windows=windows)))
+        read[windows] = prof.runs[0].hbm_bytes_read
+    span = window + t - 1
+    assert read[()] - read[(None, window)] == b * (s - span) * (2 * kv * d * dtype.itemsize + t * 4)
 
 
 def test_rejects_bad_operands(rng):

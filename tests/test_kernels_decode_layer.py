@@ -117,3 +117,29 @@ def test_ring_rejects_a_block_over_its_limit(rng):
 
     with pytest.raises(ValueError, match="block limit"):
         kernel(f32(rng, (128, 300)))
+
+
+@nki.jit
+def head_kernel(h, w, *, block_bytes, softcap):
+    """head_projection of rows h [R, K] (one layout block: all K rows in every head block) by w [K, V]."""
+    rows, k = h.shape
+    layout = dl.feature_layout(k, dl.head_group(k))
+    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=2 * block_bytes)
+    hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
+    dl.load_columns(hc, h, layout)
+    logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    dl.head_projection(hc, layout, w, rows, ring, logits, softcap)
+    return logits
+
+
+@pytest.mark.parametrize("rows, k, v, softcap", [(2, 256, 5000, None), (1, 640, 4700, 3.0)])
+def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
+    """A head block holding all K rows spans several HEAD_COLUMNS PSUM chunks (and a ragged last one)."""
+    assert len(dl.layout_blocks(dl.feature_layout(k, dl.head_group(k)))) == 1
+    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
+    count = dl.head_group(k)  # rows per partition of the one layout block
+    logits = head_kernel(h, w, block_bytes=4 * count * (dl.HEAD_COLUMNS + 512), softcap=softcap)  # 2560 columns
+    want = h.astype(np.float64) @ w
+    if softcap:
+        want = np.tanh(want / softcap) * softcap
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

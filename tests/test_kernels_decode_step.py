@@ -113,6 +113,70 @@ def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, 
         assert len(prof.runs) > 4 * spec.num_layers  # one launch per op
 
 
+WINDOW = 4
+GEMMA3_WINDOWED = DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": (None, WINDOW)})  # layers 0 and 2 slide
+
+
+def windowed_operands(rng, spec, b, t, s, w, dtype):
+    """(kernel operands, reference operands): mask 1 a sliding window of WINDOW positions per query over
+    left-padded rows (row b's first pad_b <= w slots hold no token: rows at different positions); in the kernel's
+    copy the sliding layers' cache slots outside the window the kernels may read are NaN."""
+    operands = make_operands(rng, spec, b, t, s, w, dtype)
+    slot = np.arange(s)
+    query = (w + np.arange(t))[None, :, None]
+    pad = rng.integers(0, min(w, 3) + 1, size=(b, 1, 1))
+    visible = (slot <= query) & (slot > query - WINDOW) & (slot >= pad)
+    operands[15] = operands[15].copy()
+    operands[15][1] = np.where(visible, 0.0, np.finfo(np.float32).min)
+    span = min(s, WINDOW + t - 1)
+    start = min(max(w + t - span, 0), s - span)
+    outside = np.ones(s, dtype=bool)
+    outside[start:start + span] = False
+    sliding = [layer for layer, mask in enumerate(spec.layer_mask) if mask == 1]
+    poisoned = list(operands)
+    for i in (10, 11):
+        poisoned[i] = operands[i].copy()
+        for layer in sliding:
+            poisoned[i][layer][:, outside] = np.nan
+    return poisoned, operands
+
+
+# (B, T, S, write slot): the window clamped to slot 0 (before and at its edge), inside the cache (past the edge,
+# T = 2) and clamped to S - window at the end; ragged S.
+WINDOW_CASES = [(2, 1, 13, 1), (2, 1, 13, 3), (3, 2, 13, 6), (1, 1, 13, 12)]
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("b, t, s, w", WINDOW_CASES)
+def test_sliding_window_layers_read_only_the_window(rng, composition, b, t, s, w):
+    spec = GEMMA3_WINDOWED
+    poisoned, operands = windowed_operands(rng, spec, b, t, s, w, np.float32)
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    logits, k_cache, v_cache = run_decode_step(composition, poisoned, spec, **RING)
+    assert relative_error(logits, want_logits) < 3e-5
+    check_cache(k_cache, poisoned[10], want_k, w, t, 3e-5)
+    check_cache(v_cache, poisoned[11], want_v, w, t, 3e-5)
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_count_only_sliding_layers_move_only_the_window(composition):
+    """HBM bytes read drop by exactly the cache and mask slots outside the window, in each sliding layer."""
+    b, t, s = 2, 1, 300
+    spec = GEMMA3_DENSE
+    operands = [op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else
+                [Spec(f.shape, f.dtype) for f in op] if isinstance(op, list) else Spec(op.shape, op.dtype)
+                for op in make_operands(np.random.default_rng(0), spec, b, t, s, 200, BF16)]
+    read = {}
+    for windows in ((), (None, WINDOW)):
+        with profile() as prof:
+            run_decode_step(composition, operands, DecodeSpec(**{**spec.__dict__, "mask_windows": windows}),
+                            numerics=False)
+        read[windows] = sum(run.hbm_bytes_read for run in prof.runs)
+    sliding = spec.layer_mask.count(1)
+    slot_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2 + t * 4  # k and v (bf16), the mask bias (fp32)
+    assert read[()] - read[(None, WINDOW)] == sliding * b * (s - WINDOW) * slot_bytes
+
+
 def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
     spec = DecodeSpec(**{**GEMMA3.__dict__, "num_layers": 1, "layer_rope": (0,), "layer_mask": (0,),
                          "ranks": tuple(None if r is None else r[:1] for r in GEMMA3.ranks)})
@@ -154,6 +218,9 @@ def test_default_ring_leaves_sbuf_for_a_long_cache():
 
 
 def test_rejects_bad_arguments(rng):
+    for windows in ((4,), (None, 0), (None, 2.5)):
+        with pytest.raises(ValueError, match="mask_windows"):
+            DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": windows})
     operands = make_operands(rng, LLAMA, 1, 1, 8, 3, np.float32)
     with pytest.raises(ValueError, match="composition"):
         run_decode_step("fused", operands, LLAMA)

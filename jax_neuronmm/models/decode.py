@@ -4,6 +4,9 @@
     weights = stack_weights(model, plan)       # once per generate call: [L, ...] stacks, head = embedding.T
     logits, cache = decode(model, plan, weights, token_ids, positions, cache)   # per step, under jit
 
+Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
+them by the pad slots among a row's tokens (`widen_windows(plan, pad_slots(token_mask))`).
+
 Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
 `SVDMLP` factors). Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
 holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
@@ -18,6 +21,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jax_neuronmm import decoder_math
@@ -127,8 +131,30 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
         layer_rope=tuple(ropes.index(s.rope) for s in specs),
         layer_mask=tuple(windows.index(s.sliding_window) for s in specs),
         ranks=tuple(ranks), head_rank=model.lm_head.rank if isinstance(model.lm_head, SVDLinear) else None,
+        # A row's cache slots hold consecutive positions (left padding, no padding): a window of W positions is
+        # W slots (widen_windows when pad slots lie among a row's tokens).
+        mask_windows=windows if any(w is not None for w in windows) else (),
     )
     return DecodePlan(spec, ropes, windows)
+
+
+def pad_slots(token_mask) -> int:
+    """The most pad slots lying after a row's first real token in a prompt's token_mask [B, T] (numpy bool, True =
+    real): 0 for left padding or none, the pads between prompt and continuation for right padding."""
+    after_first = np.cumsum(token_mask, axis=1) > 0
+    return int((after_first & ~token_mask).sum(axis=1).max())
+
+
+def widen_windows(plan: DecodePlan, pad_slots: int) -> DecodePlan:
+    """`plan` for caches where up to pad_slots pad slots lie after a row's first real token (right padding: the
+    pads between a prompt and its continuation): the kernels' sliding windows cover W + pad_slots slots, so every
+    slot a window of W positions makes visible is still read."""
+    if pad_slots < 0:
+        raise ValueError(f"pad_slots: got {pad_slots}, expected >= 0")
+    if not plan.spec.mask_windows or pad_slots == 0:
+        return plan
+    windows = tuple(None if w is None else w + pad_slots for w in plan.spec.mask_windows)
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, mask_windows=windows))
 
 
 def _factors(module, dtype):

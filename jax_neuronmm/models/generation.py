@@ -149,6 +149,8 @@ def generate(
 
     graphdef, state = nnx.split(model)
     plan = decode.decode_plan(model)
+    if plan is not None:  # pads among a row's tokens sit inside its sliding windows' slot span
+        plan = decode.widen_windows(plan, decode.pad_slots(mask))
     weights = None if plan is None else decode.stack_weights(model, plan)
     sampling = dict(greedy=temperature == 0, top_k=top_k, use_top_p=top_p is not None)
     temperature_arr = jnp.float32(max(temperature, 1e-6))
