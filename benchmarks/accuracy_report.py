@@ -93,16 +93,34 @@ recommended pipeline (3.53x whitened alone; target 1.3x). MLP + attention at kee
 recommended pipeline there is not measured)."""
 
 
+# Rank granularity of the rows at keep 0.9 and 0.7. With the default 128 (the PE array's tile), every keep from
+# about 0.66 to 0.92 gives Gemma 3 270M's 640 x 2048 MLP projections the same rank, 384 (block_aligned_rank rounds
+# 487.6 * keep to a multiple of 128), so those rows would repeat keep 0.8's; 32 keeps them apart.
+FINE_BLOCK = 32
+
+
 def configurations():
-    """(name, keep, include, method, steps) in the order they are run, most telling first: the ladder at keep 0.8,
-    MLP only; then whitened and recommended at the other keeps and with attention."""
-    out = [(f"mlp 0.8 {label}", 0.8, ("mlp",), method, steps) for label, method, steps in LADDER]
-    for keep in (0.6, 0.9, 0.7):
-        out += [(f"mlp {keep} whitened", keep, ("mlp",), "whitened", ()),
-                (f"mlp {keep} recommended", keep, ("mlp",), "whitened", RECOMMENDED_STEPS)]
-    out += [("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", ()),
-            ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS)]
+    """(name, keep, include, method, steps, block) in the order they are run, most telling first: the ladder at
+    keep 0.8, MLP only; then whitened and recommended at the other keeps and with attention."""
+    out = [(f"mlp 0.8 {label}", 0.8, ("mlp",), method, steps, 128) for label, method, steps in LADDER]
+    out += [("mlp 0.6 whitened", 0.6, ("mlp",), "whitened", (), 128),
+            ("mlp 0.6 recommended", 0.6, ("mlp",), "whitened", RECOMMENDED_STEPS, 128)]
+    for keep in (0.9, 0.7):
+        out += [(f"mlp {keep} whitened (block {FINE_BLOCK})", keep, ("mlp",), "whitened", (), FINE_BLOCK),
+                (f"mlp {keep} recommended (block {FINE_BLOCK})", keep, ("mlp",), "whitened", RECOMMENDED_STEPS,
+                 FINE_BLOCK)]
+    out += [("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", (), 128),
+            ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS, 128)]
     return out
+
+
+def mlp_parameters_kept(dense, compressed) -> float:
+    """Parameters of the compressed model's MLP projections / the dense model's."""
+    from jax_neuronmm.compress.projections import MLP_PROJECTIONS
+    before = sum(getattr(layer.mlp, name).kernel.size for layer in dense.layers for name in MLP_PROJECTIONS)
+    after = sum(getattr(layer.mlp, name).u.size + getattr(layer.mlp, name).v.size
+                for layer in compressed.layers for name in MLP_PROJECTIONS)
+    return after / before
 
 
 _window_nll = nnx.jit(lambda model, ids: _nll(model, ids))
@@ -166,12 +184,15 @@ def render(results: dict) -> None:
         "",
         f"Dense perplexity: **{dense:.3f}**.",
         "",
-        "| configuration | keep | compressed | method + steps | perplexity | x dense | compress time (s) | load avg |",
-        "|---|---|---|---|---|---|---|---|",
+        "| configuration | keep | block | MLP params kept | compressed | method + steps | perplexity | x dense | "
+        "compress time (s) | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         steps = "+".join(row["steps"]) or "-"
-        lines.append(f"| {name} | {row['keep']} | {'+'.join(row['include'])} | {row['method']} {steps} | "
+        kept = f"{row['mlp_kept']:.3f}" if "mlp_kept" in row else "-"
+        lines.append(f"| {name} | {row['keep']} | {row.get('block', 128)} | {kept} | {'+'.join(row['include'])} | "
+                     f"{row['method']} {steps} | "
                      f"{row['ppl']:.3f} | {row['ppl'] / dense:.3f} | {row['seconds']:.0f} | {row.get('load', '?')} |")
     for name, row in rows.items():
         if "curve" in row:  # held-out perplexity during distillation, measured through distill_factors' on_step
@@ -208,13 +229,13 @@ def render(results: dict) -> None:
         axes[0].set_xlabel("perplexity / dense (log)")
         axes[0].set_title("keep 0.8, MLP only: recovery ladder")
     for label, steps in (("whitened", []), ("recommended", list(RECOMMENDED_STEPS))):
-        points = sorted((row["keep"], row["ppl"] / dense) for row in rows.values()
+        points = sorted((row.get("mlp_kept", row["keep"]), row["ppl"] / dense) for row in rows.values()
                         if row["include"] == ["mlp"] and row["method"] == "whitened" and row["steps"] == steps
                         and row.get("distill_windows", meta["distill_windows"]) == meta["distill_windows"])
         if points:
             axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
     axes[1].set_yscale("log")
-    axes[1].set_xlabel("keep")
+    axes[1].set_xlabel("MLP parameters kept")
     axes[1].set_ylabel("perplexity / dense (log)")
     axes[1].legend()
     axes[1].set_title("perplexity vs keep")
@@ -260,18 +281,19 @@ def main(argv):
         distill_windows=int(distill_ids.shape[0]),
         load_note=FLAGS.load_note or "see the commit message for the machine load")
     print(f"dense perplexity {results['meta']['dense_ppl']:.3f}", flush=True)
-    for name, keep, include, method, steps in configurations():
+    for name, keep, include, method, steps, block in configurations():
         if name in results["rows"] or (FLAGS.configs and name not in FLAGS.configs):
             continue
         load_before, start = os.getloadavg()[0], time.perf_counter()
         compressed = models.compress_model(
             model, keep, method=method, calibration_ids=calibration if (method == "whitened" or steps) else None,
-            include=include, steps=steps, local=local, distill=distill,
+            include=include, steps=steps, local=local, distill=distill, block=block,
             distill_ids=distill_ids if "distill" in steps else None)
         seconds = time.perf_counter() - start
         ppl = perplexity(compressed, evaluation)
         results["rows"][name] = dict(keep=keep, include=list(include), method=method, steps=list(steps), ppl=ppl,
-                                     seconds=seconds, load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}")
+                                     seconds=seconds, load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
+                                     block=block, mlp_kept=mlp_parameters_kept(model, compressed))
         if "distill" in steps:
             results["rows"][name].update(distill_top_k=distill.top_k, distill_windows=int(distill_ids.shape[0]))
         print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
