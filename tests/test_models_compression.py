@@ -1,6 +1,7 @@
 """compress_model: full rank reproduces the dense model, error falls as keep grows, whitening, emulator run."""
 
 import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +11,8 @@ from flax import nnx
 
 import jax_neuronmm
 from jax_neuronmm.compress import svd
-from jax_neuronmm.models import Gemma, GemmaConfig, GatedMLP, Llama, LlamaConfig, compress_model, generate
+from jax_neuronmm.models import Gemma, GemmaConfig, GatedMLP, Llama, LlamaConfig, compress_model, from_preset, generate
+from jax_neuronmm.models.compression import RankRoundingWarning
 from jax_neuronmm.models.layers import activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
@@ -150,3 +152,14 @@ def test_whitened_mlp_factors_match_a_numpy_reference():
         got = inputs @ np.asarray(factored.u[...], np.float64) @ np.asarray(factored.v[...], np.float64)
         want = inputs @ ref_u @ ref_v
         np.testing.assert_allclose(got, want, atol=2e-4 * np.abs(want).max(), rtol=0)
+
+
+def test_compress_model_warns_when_block_rounding_moves_the_kept_fraction():
+    # hidden 64, MLP 256: budget 64*256*keep/320 = 46.1 at keep 0.9; block 32 rounds it to 32 (0.625 kept).
+    model = from_preset("gemma3", "tiny", num_layers=1, vocab_size=300, hidden_size=64, intermediate_size=256)
+    with pytest.warns(RankRoundingWarning, match=r"keep=0.9: ranks rounded to multiples of block=32 keep 0.625"):
+        compress_model(model, 0.9, method="svd", block=32, progress=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RankRoundingWarning)
+        compress_model(model, 0.9, method="svd", block=8, progress=False)  # rank 48: 0.9375 kept
+        compress_model(model, rank=32, method="svd", progress=False)  # an explicit rank is what was asked

@@ -38,6 +38,14 @@ class NoCalibrationWarning(UserWarning):
     """compress_model ran without calibration_ids: plain SVD, which on real checkpoints loses far more accuracy."""
 
 
+class RankRoundingWarning(UserWarning):
+    """Rounding ranks to multiples of `block` kept a fraction of the parameters far from the requested `keep`."""
+
+
+# How far the kept fraction may drift from keep before compress_model warns.
+KEEP_TOLERANCE = 0.05
+
+
 def _check_arguments(model, keep, rank, method, steps, include, calibration_ids):
     if rank is None:
         svd.check_keep(keep)
@@ -91,6 +99,13 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
             ranks[(index, name)] = svd.block_aligned_rank(k, n, keep, block)
         else:
             ranks[(index, name)] = min(k, n) if rank == "full" else rank
+    if rank is None:
+        kept = sum(r * (k + n) for r, (k, n) in zip(ranks.values(), shapes)) / sum(k * n for k, n in shapes)
+        if abs(kept - keep) > KEEP_TOLERANCE:
+            # e.g. 640 x 2048 projections: every keep from about 0.66 to 0.92 rounds to rank 384 at block 128.
+            warnings.warn(f"keep={keep}: ranks rounded to multiples of block={block} keep {kept:.3f} of the "
+                          f"compressed projections' parameters; a smaller block follows keep more closely",
+                          RankRoundingWarning, stacklevel=4)
     return ranks
 
 
