@@ -83,8 +83,9 @@ float32 reductions under different machine load) and in the end-of-training chec
 kept the trained factors both times. The curve of the earlier, logit-error-only run (table above) flattened after
 about 40 steps; with 80 windows the held-out perplexity still fell at 60 steps (1.357x at 20, 1.337x at 40, 1.328x
 at 60), so more steps and text are the next lever. The recommended pipeline is whitened + sequential + distill with
-these defaults. Its wall time in the table was taken on 2 cores shared with the test suite and two benchmark jobs
-(load 4-5); the "mlp 0.9/0.7 recommended" rows ran alone (their load column), the closest to an idle measurement.
+these defaults. Its wall time: "mlp 0.7 recommended (block 32)" ran with nothing else on the machine, 605 s
+(about 10 minutes on 2 cores, within the 15 the issue allows); "mlp 0.9 recommended (block 32)" 724 s, 5 minutes of
+it beside a test run; the keep 0.8 and 0.6 rows shared the cores with the test suite and two other jobs (load 4-5).
 
 Keep 0.9 and 0.7: at the default block of 128 both give rank 384 like keep 0.8 (block_aligned_rank rounds
 487.6 x keep to a multiple of 128), so they are measured at block 32 (rank 448 and 352); compress_model now warns
