@@ -28,6 +28,7 @@ from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions
+from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.models import compression
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
@@ -125,7 +126,6 @@ def configurations():
 
 def mlp_parameters_kept(dense, compressed) -> float:
     """Parameters of the compressed model's MLP projections / the dense model's."""
-    from jax_neuronmm.compress.projections import MLP_PROJECTIONS
     before = sum(getattr(layer.mlp, name).kernel.size for layer in dense.layers for name in MLP_PROJECTIONS)
     after = sum(getattr(layer.mlp, name).u.size + getattr(layer.mlp, name).v.size
                 for layer in compressed.layers for name in MLP_PROJECTIONS)
