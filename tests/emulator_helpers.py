@@ -90,3 +90,19 @@ def run_tiles(body, inputs, outputs, target=None):
         return kernel(*inputs)
     with emulator.use_target(target):
         return kernel(*inputs)
+
+
+def sliding_window_case(rng, s, b, t, w, window):
+    """(mask bias [B, T, S] float32, outside [S] bool) for a decode step writing slots w..w+T-1 of an S-slot cache:
+    each query sees the `window` slots up to its own over left-padded rows (row b's first pad_b <= w slots hold no
+    token, so rows sit at different positions); `outside` marks the slots a sliding-window kernel must not read
+    (its span of min(S, window + T - 1) slots, clamped into the cache, is False)."""
+    slot = np.arange(s)
+    query = (w + np.arange(t))[None, :, None]
+    pad = rng.integers(0, min(w, 3) + 1, size=(b, 1, 1))
+    visible = (slot <= query) & (slot > query - window) & (slot >= pad)
+    span = min(s, window + t - 1)
+    start = min(max(w + t - span, 0), s - span)
+    outside = np.ones(s, dtype=bool)
+    outside[start:start + span] = False
+    return np.where(visible, 0.0, np.finfo(np.float32).min).astype(np.float32), outside

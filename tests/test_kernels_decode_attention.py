@@ -19,6 +19,8 @@ from nki_kernels.decode_attention import (attention, attention_kernel, cache_wri
                                           rope_kernel, store_columns)
 from nki_kernels.decode_spec import DecodeSpec
 
+from emulator_helpers import sliding_window_case
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOLERANCE = {np.dtype(np.float32): 2e-5, BF16: 3e-2}
 LAYERS = 2
@@ -188,16 +190,8 @@ def windowed_operands(rng, spec, s, b, t, w, window, dtype):
     kernel's copy, layer LAYER's cache slots outside the window the kernel may read are NaN: reading one would
     poison the scores."""
     operands = list(make_operands(rng, spec, s, b, t, w, dtype))
-    slot = np.arange(s)
-    query = (w + np.arange(t))[None, :, None]
-    pad = rng.integers(0, min(w, 3) + 1, size=(b, 1, 1))
-    visible = (slot <= query) & (slot > query - window) & (slot >= pad)
     operands[8] = operands[8].copy()
-    operands[8][1] = np.where(visible, 0.0, np.finfo(np.float32).min)
-    span = min(s, window + t - 1)
-    start = min(max(w + t - span, 0), s - span)
-    outside = np.ones(s, dtype=bool)
-    outside[start:start + span] = False
+    operands[8][1], outside = sliding_window_case(rng, s, b, t, w, window)
     poisoned = list(operands)
     for i in (3, 4):
         poisoned[i] = operands[i].copy()

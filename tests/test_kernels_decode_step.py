@@ -16,6 +16,8 @@ from nki_kernels.decode_step import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 
+from emulator_helpers import sliding_window_case
+
 BF16 = ml_dtypes.bfloat16
 RING = dict(ring_block_bytes=4096, ring_bytes=10000)  # a few blocks: the cursor wraps inside every layer
 
@@ -122,16 +124,8 @@ def windowed_operands(rng, spec, b, t, s, w, dtype):
     left-padded rows (row b's first pad_b <= w slots hold no token: rows at different positions); in the kernel's
     copy the sliding layers' cache slots outside the window the kernels may read are NaN."""
     operands = make_operands(rng, spec, b, t, s, w, dtype)
-    slot = np.arange(s)
-    query = (w + np.arange(t))[None, :, None]
-    pad = rng.integers(0, min(w, 3) + 1, size=(b, 1, 1))
-    visible = (slot <= query) & (slot > query - WINDOW) & (slot >= pad)
     operands[15] = operands[15].copy()
-    operands[15][1] = np.where(visible, 0.0, np.finfo(np.float32).min)
-    span = min(s, WINDOW + t - 1)
-    start = min(max(w + t - span, 0), s - span)
-    outside = np.ones(s, dtype=bool)
-    outside[start:start + span] = False
+    operands[15][1], outside = sliding_window_case(rng, s, b, t, w, WINDOW)
     sliding = [layer for layer, mask in enumerate(spec.layer_mask) if mask == 1]
     poisoned = list(operands)
     for i in (10, 11):
