@@ -13,6 +13,7 @@ stopped and resumed. --render_only re-renders without running anything.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -26,7 +27,7 @@ from flax import nnx
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.compress.distill import DistillOptions, distill_factors
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions
 from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.models import compression
@@ -48,6 +49,9 @@ flags.DEFINE_float("distill_learning_rate", DistillOptions.learning_rate, "disti
 flags.DEFINE_integer("distill_top_k", DistillOptions.top_k, "tokens per position of distillation's KL term")
 flags.DEFINE_integer("distill_windows", 80, "calibration-file windows distillation trains on (the first of them "
                      "are the calibration windows; windows 81-88 stay unseen)")
+flags.DEFINE_integer("curve_steps", 240, "steps of the distillation curve run past the 15-minute budget (0: none)")
+flags.DEFINE_float("curve_learning_rate", 6e-4, "learning rate of the distillation curve run")
+flags.DEFINE_integer("curve_every", 20, "steps between the curve run's held-out evaluations")
 flags.DEFINE_list("configs", None, "only these configuration names (default: all)")
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
@@ -124,6 +128,39 @@ def configurations():
     return out
 
 
+def curve_name(steps: int) -> str:
+    """The report row of the distillation curve run (keep 0.8, MLP only, whitened + sequential, then distill)."""
+    return f"mlp 0.8 distill curve ({steps} steps)"
+
+
+def measure_curve(model, calibration, distill_ids, evaluation, options: DistillOptions, every: int) -> dict:
+    """The recommended pipeline at keep 0.8, MLP only, run as its two calls (compress_model's sequential step, then
+    distill_factors, which compress_model's "distill" step calls) so that held-out perplexity is measured every
+    `every` steps. Returns the report row: points (steps, seconds, perplexity); seconds count from the start of
+    compression and leave the evaluations out."""
+    load_before, start = os.getloadavg()[0], time.perf_counter()
+    compressed = models.compress_model(model, 0.8, method="whitened", calibration_ids=calibration, include=("mlp",),
+                                       steps=("sequential",))
+    evaluating = [0.0]  # seconds spent in evaluations so far
+    points = []
+
+    def on_step(done, student):
+        if done % every == 0:
+            before = time.perf_counter()
+            points.append((done, before - start - evaluating[0], perplexity(student, evaluation)))
+            evaluating[0] += time.perf_counter() - before
+            print(f"distillation curve: step {done}, perplexity {points[-1][2]:.3f}", flush=True)
+
+    distill_factors(compressed, model, distill_ids, options, on_step=on_step)
+    seconds = time.perf_counter() - start - evaluating[0]
+    return dict(keep=0.8, include=["mlp"], method="whitened", steps=["sequential", "distill"],
+                ppl=perplexity(compressed, evaluation), seconds=seconds,
+                load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", block=128,
+                mlp_kept=mlp_parameters_kept(model, compressed), distill_steps=options.steps,
+                distill_learning_rate=options.learning_rate, distill_top_k=options.top_k,
+                distill_windows=int(distill_ids.shape[0]), points=points)
+
+
 def mlp_parameters_kept(dense, compressed) -> float:
     """Parameters of the compressed model's MLP projections / the dense model's."""
     before = sum(getattr(layer.mlp, name).kernel.size for layer in dense.layers for name in MLP_PROJECTIONS)
@@ -166,6 +203,18 @@ def _write_atomic(path: str, data: bytes) -> None:
     write_atomically(path, write)
 
 
+# The distillation settings a row records (a row of the recommended pipeline counts only with the report's).
+DISTILL_SETTINGS = ("distill_steps", "distill_learning_rate", "distill_top_k", "distill_windows")
+
+
+def is_recommended(row: dict, meta: dict) -> bool:
+    """Whether a row ran the recommended pipeline with the report's settings, MLP only (the curve run, with its own
+    learning rate and step count, does not count)."""
+    return (row["include"] == ["mlp"] and row["method"] == RECOMMENDED_METHOD
+            and row["steps"] == list(RECOMMENDED_STEPS) and "points" not in row
+            and all(row.get(key) == meta[key] for key in DISTILL_SETTINGS))
+
+
 def render(results: dict) -> None:
     import matplotlib
 
@@ -188,7 +237,8 @@ def render(results: dict) -> None:
         f"of {meta['distill_batch']} windows, learning rate {meta['distill_learning_rate']}, the centered-logit "
         f"error plus the KL on the teacher's top {meta['distill_top_k']} tokens, on the calibration file's first "
         f"{meta['distill_windows']} windows (rows marked \"logit error only, 16 windows\": the KL term left out, "
-        f"trained on the 16 calibration windows; an earlier session's pipeline). Times: wall-clock of "
+        f"trained on the 16 calibration windows, 60 steps at 2e-4; rows marked \"60 steps, lr 2e-4\": the "
+        f"previous defaults). Times: wall-clock of "
         f"`compress_model` on CPU; {meta['load_note']}",
         "",
         f"Dense perplexity: **{dense:.3f}**.",
@@ -211,13 +261,18 @@ def render(results: dict) -> None:
                       "| steps | calibration-file held-out | evaluation |", "|---|---|---|"]
             lines += [f"| {steps} | {held_out / curve['dense_held_out_ppl']:.3f} | {ppl / dense:.3f} |"
                       for steps, held_out, ppl in curve["points"]]
+    for name, row in rows.items():
+        if "points" in row:
+            lines += ["", f"Distillation steps of \"{name}\" (learning rate {row['distill_learning_rate']}, the "
+                      "pipeline's other settings; seconds from the start of compression, evaluations left out; "
+                      "perplexity x dense on the evaluation text)" + (f"; {row['note']}" if "note" in row else "")
+                      + ":", "",
+                      "| steps | seconds | x dense |", "|---|---|---|"]
+            lines += [f"| {steps} | {seconds:.0f} | {ppl / dense:.3f} |" for steps, seconds, ppl in row["points"]]
     lines += ["", f"Recommended pipeline today: {RECOMMENDED_METHOD} + {'+'.join(RECOMMENDED_STEPS)}.", ""]
     lines += ["Targets (issue 13), keep 0.8 and 0.6, MLP only, recommended pipeline:", ""]
     for keep, target in TARGETS:
-        measured = [row["ppl"] / dense for row in rows.values() if row["keep"] == keep and row["include"] == ["mlp"]
-                    and row["method"] == RECOMMENDED_METHOD and row["steps"] == list(RECOMMENDED_STEPS)
-                    and (row["distill_top_k"], row["distill_windows"]) == (meta["distill_top_k"],
-                                                                           meta["distill_windows"])]
+        measured = [row["ppl"] / dense for row in rows.values() if is_recommended(row, meta) and row["keep"] == keep]
         verdict = ("not measured" if not measured else
                    f"{'met' if measured[0] <= target else '**NOT met**'}: {measured[0]:.2f}x")
         lines.append(f"- keep {keep}: <= {target}x dense: {verdict}")
@@ -229,7 +284,7 @@ def render(results: dict) -> None:
     _write_atomic(os.path.join(RESULTS, "accuracy_report.md"), "\n".join(lines).encode())
 
     ladder = [(name, row) for name, row in rows.items() if name.startswith("mlp 0.8 ")]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
     if ladder:
         axes[0].barh([n.removeprefix("mlp 0.8 ") for n, _ in ladder], [r["ppl"] / dense for _, r in ladder])
         axes[0].set_xscale("log")
@@ -237,10 +292,11 @@ def render(results: dict) -> None:
         axes[0].invert_yaxis()
         axes[0].set_xlabel("perplexity / dense (log)")
         axes[0].set_title("keep 0.8, MLP only: recovery ladder")
-    for label, steps in (("whitened", []), ("recommended", list(RECOMMENDED_STEPS))):
+    for label, chosen in (("whitened", lambda row: row["include"] == ["mlp"] and row["method"] == "whitened"
+                                                    and not row["steps"]),
+                          ("recommended", lambda row: is_recommended(row, meta))):
         points = sorted((row.get("mlp_kept", row["keep"]), row["ppl"] / dense) for row in rows.values()
-                        if row["include"] == ["mlp"] and row["method"] == "whitened" and row["steps"] == steps
-                        and row.get("distill_windows", meta["distill_windows"]) == meta["distill_windows"])
+                        if chosen(row))
         if points:
             axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
     axes[1].set_yscale("log")
@@ -248,6 +304,16 @@ def render(results: dict) -> None:
     axes[1].set_ylabel("perplexity / dense (log)")
     axes[1].legend()
     axes[1].set_title("perplexity vs keep")
+    for name, row in rows.items():
+        if "points" in row:
+            axes[2].plot([seconds / 60 for _, seconds, _ in row["points"]], [ppl / dense for *_, ppl in row["points"]],
+                         marker="o", label=name)
+            axes[2].axvline(15, color="k", ls=":", lw=1)
+            axes[2].axhline(1.10, color="k", ls="--", lw=1)
+            axes[2].set_xlabel("minutes from the start of compression (2 CPU cores)")
+            axes[2].set_ylabel("perplexity / dense")
+            axes[2].set_title("keep 0.8, MLP only: distillation past the 15-minute budget")
+            axes[2].legend()
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "accuracy_report.png.tmp"), dpi=90, format="png")
     os.replace(os.path.join(RESULTS, "accuracy_report.png.tmp"), os.path.join(RESULTS, "accuracy_report.png"))
@@ -304,15 +370,26 @@ def main(argv):
                                      seconds=seconds, load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
                                      block=block, mlp_kept=mlp_parameters_kept(model, compressed))
         if "distill" in steps:
-            results["rows"][name].update(distill_top_k=distill.top_k, distill_windows=int(distill_ids.shape[0]))
+            results["rows"][name].update(distill_steps=distill.steps, distill_learning_rate=distill.learning_rate,
+                                         distill_top_k=distill.top_k, distill_windows=int(distill_ids.shape[0]))
         print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
               flush=True)
-        if os.path.exists(json_path):  # keep rows that another run (e.g. with other --configs) wrote meanwhile
-            with open(json_path) as f:
-                results["rows"] = {**json.load(f)["rows"], **results["rows"]}
-        _write_atomic(json_path, json.dumps(results, indent=1).encode())
-        render(results)
+        _save(json_path, results)
         del compressed
+    name = curve_name(FLAGS.curve_steps)
+    if FLAGS.curve_steps and name not in results["rows"] and (not FLAGS.configs or name in FLAGS.configs):
+        curve = dataclasses.replace(distill, steps=FLAGS.curve_steps, learning_rate=FLAGS.curve_learning_rate)
+        results["rows"][name] = measure_curve(model, calibration, distill_ids, evaluation, curve, FLAGS.curve_every)
+        _save(json_path, results)
+
+
+def _save(json_path: str, results: dict) -> None:
+    """Writes the JSON (keeping rows that another run, e.g. with other --configs, wrote meanwhile) and renders."""
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            results["rows"] = {**json.load(f)["rows"], **results["rows"]}
+    _write_atomic(json_path, json.dumps(results, indent=1).encode())
+    render(results)
 
 
 if __name__ == "__main__":
