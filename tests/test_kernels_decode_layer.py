@@ -120,11 +120,11 @@ def test_ring_rejects_a_block_over_its_limit(rng):
 
 
 @nki.jit
-def head_kernel(h, w, *, block_bytes, softcap):
-    """head_projection of rows h [R, K] (one layout block: all K rows in every head block) by w [K, V]."""
+def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
+    """head_projection of rows h [R, K] (K in feature_layout(K, group)) by w [K, V]."""
     rows, k = h.shape
-    layout = dl.feature_layout(k, dl.head_group(k))
-    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=2 * block_bytes)
+    layout = dl.feature_layout(k, group)
+    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=ring_bytes)
     hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -138,8 +138,24 @@ def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
     assert len(dl.layout_blocks(dl.feature_layout(k, dl.head_group(k)))) == 1
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
     count = dl.head_group(k)  # rows per partition of the one layout block
-    logits = head_kernel(h, w, block_bytes=4 * count * (dl.HEAD_COLUMNS + 512), softcap=softcap)  # 2560 columns
+    block_bytes = 4 * count * (dl.HEAD_COLUMNS + 512)  # 2560 columns
+    logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=2 * block_bytes, group=count, softcap=softcap)
     want = h.astype(np.float64) @ w
     if softcap:
         want = np.tanh(want / softcap) * softcap
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows, k, group, v", [(3, 1000, 1, 1300), (1, 1024, 2, 2100)])
+def test_head_blocks_of_a_column_range_over_the_ring(rng, rows, k, group, v):
+    """Several layout blocks of K rows whose head blocks for one column range need more than the whole ring (as
+    when attention's cache tiles shrink the looped kernel's ring at a long cache): each block must be multiplied
+    before the ring wraps onto it."""
+    block_bytes, ring_bytes = 4096, 3 * 4096  # float32: blocks of 1024 elements per partition, a ring of 3
+    blocks = dl.layout_blocks(dl.feature_layout(k, group))
+    columns = min(dl.HEAD_COLUMNS, 1024 // max(count for _, _, _, count, _ in blocks))
+    assert len(blocks) > 1 and sum(count for _, _, _, count, _ in blocks) * columns > ring_bytes // 4
+    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
+    logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=ring_bytes, group=group, softcap=None)
+    want = h.astype(np.float64) @ w
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
