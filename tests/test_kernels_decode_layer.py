@@ -66,7 +66,7 @@ def rms_norm_f64(x, w, unit_offset, eps=1e-6):
 @pytest.mark.parametrize("rows, h, n, rank, group_in, group_out, unit_offset, softcap", [
     (3, 200, 300, 37, 1, 1, False, None),   # ragged natural tiles
     (1, 256, 384, 130, 2, 3, True, 3.0),     # grouped in and out, rank over a tile
-    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1
+    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1; 5-row blocks split 4 + 1
 ])
 def test_norm_and_projections(rng, rows, h, n, rank, group_in, group_out, unit_offset, softcap):
     x, norm_w = f32(rng, (rows, h)), f32(rng, (1, h), 0.3)
@@ -106,6 +106,15 @@ def test_layouts_cover_every_feature_once():
         assert all(size == len(range(features)[feats]) for size, feats in layout)
     assert dl.choose_group(640, 256) == 5 and dl.choose_group(2048, 640) == 8 and dl.choose_group(200, 10) == 1
     assert dl.choose_group(4096, 1024) == 4 and dl.choose_group(4096, 8) == dl.MAX_GROUP
+
+
+def test_rows_per_block_keeps_whole_rows():
+    """A weight block takes whole rows (one contiguous run per partition) where a layout block's rows do not fit a
+    slot at the full width: e.g. u [4096, 2560] of a factored gate after 8-row groups, 6 rows of 2560 (not 2048 +
+    512 columns); unchanged where they fit; one row when a row alone exceeds the slot."""
+    assert dl.rows_per_block(8, 2560, 16384) == 6
+    assert dl.rows_per_block(4, 4096, 16384) == 4 and dl.rows_per_block(5, 256, 1024) == 4  # the latter: test above
+    assert dl.rows_per_block(4, 14336, 16384) == 1 and dl.rows_per_block(8, 40000, 16384) == 1
 
 
 def test_ring_rejects_a_block_over_its_limit(rng):
