@@ -551,7 +551,7 @@ def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
         if not bounds:
             return "–"
         b = min(bounds)
-        return f"≤ {b[0]:.2f}x ({describe(b)}){': unreachable' if b[0] < goal else ''}"
+        return f"≤ {b[0]:.3f}x ({describe(b)}){': unreachable' if b[0] < goal else ''}"
 
     cells = {}
     for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
@@ -605,10 +605,10 @@ def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]
             for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
                 worst(other, [(ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c) for m, s in gemma
                               for c in (False, True)],
-                      lambda v, goal=goal: v >= goal, lambda w: f"{w[0]:.2f}x (S {w[1]}, {where(w[2])})")
+                      lambda v, goal=goal: v >= goal, lambda w: f"{w[0]:.3f}x (S {w[1]}, {where(w[2])})")
             worst("compressed", [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s)
                                  for m, s in shapes],
-                  lambda v: v >= COMPRESSED_OVER_DENSE, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+                  lambda v: v >= COMPRESSED_OVER_DENSE, lambda w: f"{w[0]:.3f}x ({w[1]}, S {w[2]})")
             peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
             if any(us is not None for us, _, _ in peer):
                 worst("nkilib_c", [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],

@@ -91,7 +91,7 @@ def test_extrapolation_is_linear_in_layers():
 
 def test_ratio_bounds_at_peak_on_a_synthetic_case():
     """per_layer at 1.1x / 1.3x its roofline (dense / compressed): looped ÷ per_layer can reach at most 1.10x
-    (under the 1.15x goal: unreachable); compressed ÷ dense looped at most dense ÷ compressed must-move bytes."""
+    (1.100x, under the 1.15x goal: unreachable); compressed ÷ dense looped at most dense ÷ compressed must-move bytes."""
     m = bench.MODELS["Gemma 3 270M"]
     need = {c: bench.must_move_bytes(m, c, 1, 128) for c in (False, True)}
     slow = {"per_op": 2.0, "per_layer": {False: 1.1, True: 1.3}, "looped": 1.0, "today": 2.0}
@@ -104,11 +104,11 @@ def test_ratio_bounds_at_peak_on_a_synthetic_case():
     res = bench.Results(ours, {}, "none", [], [m])
     for t in bench.TARGETS:
         cells = bench.bound_cells(res, t)
-        assert cells["per_layer"] == "≤ 1.10x (S 128, dense): unreachable"
-        assert cells["per_op"] == "≤ 2.00x (S 128, dense)"
-        assert cells["compressed"] == f"≤ {need[False] / need[True]:.2f}x (Gemma 3 270M, S 128)"
+        assert cells["per_layer"] == "≤ 1.100x (S 128, dense): unreachable"
+        assert cells["per_op"] == "≤ 2.000x (S 128, dense)"
+        assert cells["compressed"] == f"≤ {need[False] / need[True]:.3f}x (Gemma 3 270M, S 128)"
     table = "\n".join(bench.targets_table(res))
-    assert "| ≤ 1.10x (S 128, dense): unreachable |" in table and table.count("unreachable") == len(bench.TARGETS)
+    assert "| ≤ 1.100x (S 128, dense): unreachable |" in table and table.count("unreachable") == len(bench.TARGETS)
 
 
 def test_quick_run_writes_the_report(tmp_path):
