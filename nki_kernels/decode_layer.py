@@ -35,7 +35,8 @@ SBUF_RESERVED_BYTES = 64 * 1024
 # PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BYTES = 4 * 2048
 HEAD_COLUMNS = 2048
-# Head block width: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring block allows.
+# Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
+# block allows and the range's blocks fit a third of the ring (see head_projection).
 HEAD_RUN_COLUMNS = 4096
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
@@ -266,15 +267,15 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
                        op=nl.multiply)
 
 
-def _column_chunks(out_layout, in_count_max, slot_elements, rows):
-    """Output blocks grouped into chunks of consecutive features whose weight block (in_count_max rows per
-    partition × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BYTES:
+def _column_chunks(out_layout, per_block, slot_elements, rows):
+    """Output blocks grouped into chunks of consecutive features whose weight block (per_block rows per partition
+    × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BYTES:
     [(n0, width, first slot, slots)]."""
     max_slots = PROJECTION_PSUM_BYTES // (padded_rows(rows) * 4)
     chunks = []
     for k0, ks, s0, count, _ in layout_blocks(out_layout):
         if (chunks and chunks[-1][0] + chunks[-1][1] == k0
-                and (chunks[-1][1] + ks) * in_count_max <= slot_elements and chunks[-1][3] + count <= max_slots):
+                and (chunks[-1][1] + ks) * per_block <= slot_elements and chunks[-1][3] + count <= max_slots):
             chunks[-1][1] += ks
             chunks[-1][3] += count
         else:
@@ -282,31 +283,44 @@ def _column_chunks(out_layout, in_count_max, slot_elements, rows):
     return [tuple(c) for c in chunks]
 
 
+def rows_per_block(in_count_max, n, slot_elements):
+    """Weight rows per partition in one ring block of a projection with N = n columns: an input layout block's
+    rows where they fit a slot at the full width, else as many whole rows as a slot holds (at least one). Whole
+    rows are one contiguous run per partition; cutting the columns instead leaves runs of the chunk's width
+    (e.g. a factored gate's u [4096, 2560] in 8-row blocks: 2048 + 512 columns, the 1 KiB runs at 42% of the DMA
+    rate)."""
+    if n * in_count_max <= slot_elements:
+        return in_count_max
+    return max(1, min(in_count_max, slot_elements // n))
+
+
 def projection(x, in_layout, w, out_layout, rows, ring, evict):
     """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
 
     x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
-    chunk); each input block's slots feed every output slot of the chunk. evict(psum, s0, count, size) is
-    called once per run of equal-size output slots with the float32 accumulators psum [size, count, rows]
+    chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit a
+    slot at the full width; each block's slots feed every output slot of the chunk. evict(psum, s0, count, size)
+    is called once per run of equal-size output slots with the float32 accumulators psum [size, count, rows]
     (slots s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
     """
     pmax = nl.tile_size.pmax
     k, n = w.shape
     in_blocks = layout_blocks(in_layout)
-    in_count_max = max(count for _, _, _, count, _ in in_blocks)
+    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.slot_elements)
     rows_pad = padded_rows(rows)
-    for n0, width, out_s0, out_count in _column_chunks(out_layout, in_count_max, ring.slot_elements, rows):
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.slot_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-            block = ring.load(w[k0:k0 + ks, n0:n0 + width].reshape_dim(0, (partitions, count)), partitions, count,
-                              width)
-            for j in range(out_count):
-                size, feats = out_layout[out_s0 + j]
-                columns = slice(feats.start - n0, feats.stop - n0, feats.step)
-                for i in range(count):
-                    nisa.nc_matmul(dst=acc[0:size, j, 0:rows], stationary=block[0:partitions, i, columns],
-                                   moving=x[0:partitions, s0 + i, 0:rows], accumulate=b > 0 or i > 0)
-            del block
+            view = w[k0:k0 + ks, n0:n0 + width].reshape_dim(0, (partitions, count))
+            for i0, ic in spans(count, per_block):
+                block = ring.load(view if ic == count else view[:, i0:i0 + ic, :], partitions, ic, width)
+                for j in range(out_count):
+                    size, feats = out_layout[out_s0 + j]
+                    columns = slice(feats.start - n0, feats.stop - n0, feats.step)
+                    for i in range(ic):
+                        nisa.nc_matmul(dst=acc[0:size, j, 0:rows], stationary=block[0:partitions, i, columns],
+                                       moving=x[0:partitions, s0 + i0 + i, 0:rows], accumulate=b > 0 or i0 + i > 0)
+                del block
         for s0, count, size in slot_runs(out_layout, out_s0, out_s0 + out_count):
             evict(acc[0:size, s0 - out_s0:s0 - out_s0 + count, 0:rows], s0, count, size)
         del acc
@@ -372,9 +386,12 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
 
     x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
     logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
-    through the ring HEAD_RUN_COLUMNS wide where a ring block allows and a column range's blocks take at most a
-    third of the ring (8 KiB runs of each bf16 weight row per DMA, with prefetch), else HEAD_COLUMNS wide; each
-    PSUM chunk accumulates over the K blocks of its columns.
+    through the ring column range by column range. A range at most HEAD_COLUMNS wide is one PSUM chunk: each of its
+    blocks is multiplied as soon as it loads and is then free, so only the ring's prefetch is in flight, whatever
+    the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16 weight row per DMA, where a ring
+    block allows) spans several PSUM chunks that each accumulate over all its blocks, so they stay live together:
+    it is used only where they take at most a third of the ring (the rest prefetches the next ranges), else ranges
+    are HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
@@ -382,23 +399,35 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     moving = nl.tile_size.gemm_moving_fmax
     columns = min(HEAD_RUN_COLUMNS, ring.slot_elements // in_count_max)
     if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
-        # A column range's blocks must leave the ring room for the next two (prefetch), e.g. a factored head of
-        # rank ~1600: narrower blocks then.
+        # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
         columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
+
+    def load(v0, vc, k0, ks, count, partitions):
+        return ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+
+    def multiply(acc, block, b, s0, count, partitions, c0, cw):
+        for i in range(count):
+            for m0, ms in spans(cw, moving):
+                nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
+                               moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms], accumulate=b > 0 or i > 0)
+
     for v0, vc in spans(v, columns):
-        blocks = [ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
-                  for k0, ks, _, count, partitions in in_blocks]
+        if vc <= HEAD_COLUMNS:
+            acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+                block = load(v0, vc, k0, ks, count, partitions)
+                multiply(acc, block, b, s0, count, partitions, 0, vc)
+                del block
+            _store_logits(acc, out_rows[0:rows, v0:v0 + vc], softcap)
+            continue
+        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
         for c0, cw in spans(vc, HEAD_COLUMNS):
             acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
             for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
-                for i in range(count):
-                    for m0, ms in spans(cw, moving):
-                        nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
-                                       moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms],
-                                       accumulate=b > 0 or i > 0)
+                multiply(acc, block, b, s0, count, partitions, c0, cw)
             _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
         del blocks
 

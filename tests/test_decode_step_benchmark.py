@@ -89,6 +89,28 @@ def test_extrapolation_is_linear_in_layers():
     assert c.latency_us("trn2", 5.0) == 40.0 + 19 * 5.0
 
 
+def test_ratio_bounds_at_peak_on_a_synthetic_case():
+    """per_layer at 1.1x / 1.3x its roofline (dense / compressed): looped ÷ per_layer can reach at most 1.10x
+    (1.100x, under the 1.15x goal: unreachable); compressed ÷ dense looped at most dense ÷ compressed must-move bytes."""
+    m = bench.MODELS["Gemma 3 270M"]
+    need = {c: bench.must_move_bytes(m, c, 1, 128) for c in (False, True)}
+    slow = {"per_op": 2.0, "per_layer": {False: 1.1, True: 1.3}, "looped": 1.0, "today": 2.0}
+    ours = {}
+    for c in (False, True):
+        for comp in bench.COMPOSITIONS:
+            k = slow[comp][c] if isinstance(slow[comp], dict) else slow[comp]
+            ours[(m.name, c, 1, 128, comp)] = bench.Measured(
+                {t: k * bench.roofline_us(0, need[c], t) for t in bench.TARGETS}, 1, float(need[c]))
+    res = bench.Results(ours, {}, "none", [], [m])
+    for t in bench.TARGETS:
+        cells = bench.bound_cells(res, t)
+        assert cells["per_layer"] == "≤ 1.100x (S 128, dense): unreachable"
+        assert cells["per_op"] == "≤ 2.000x (S 128, dense)"
+        assert cells["compressed"] == f"≤ {need[False] / need[True]:.3f}x (Gemma 3 270M, S 128)"
+    table = "\n".join(bench.targets_table(res))
+    assert "| ≤ 1.100x (S 128, dense): unreachable |" in table and table.count("unreachable") == len(bench.TARGETS)
+
+
 def test_quick_run_writes_the_report(tmp_path):
     result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--quick",
                              f"--out_dir={tmp_path}"], capture_output=True, text=True, timeout=900)

@@ -66,7 +66,7 @@ def rms_norm_f64(x, w, unit_offset, eps=1e-6):
 @pytest.mark.parametrize("rows, h, n, rank, group_in, group_out, unit_offset, softcap", [
     (3, 200, 300, 37, 1, 1, False, None),   # ragged natural tiles
     (1, 256, 384, 130, 2, 3, True, 3.0),     # grouped in and out, rank over a tile
-    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1
+    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1; 5-row blocks split 4 + 1
 ])
 def test_norm_and_projections(rng, rows, h, n, rank, group_in, group_out, unit_offset, softcap):
     x, norm_w = f32(rng, (rows, h)), f32(rng, (1, h), 0.3)
@@ -108,6 +108,15 @@ def test_layouts_cover_every_feature_once():
     assert dl.choose_group(4096, 1024) == 4 and dl.choose_group(4096, 8) == dl.MAX_GROUP
 
 
+def test_rows_per_block_keeps_whole_rows():
+    """A weight block takes whole rows (one contiguous run per partition) where a layout block's rows do not fit a
+    slot at the full width: e.g. u [4096, 2560] of a factored gate after 8-row groups, 6 rows of 2560 (not 2048 +
+    512 columns); unchanged where they fit; one row when a row alone exceeds the slot."""
+    assert dl.rows_per_block(8, 2560, 16384) == 6
+    assert dl.rows_per_block(4, 4096, 16384) == 4 and dl.rows_per_block(5, 256, 1024) == 4  # the latter: test above
+    assert dl.rows_per_block(4, 14336, 16384) == 1 and dl.rows_per_block(8, 40000, 16384) == 1
+
+
 def test_ring_rejects_a_block_over_its_limit(rng):
     @nki.jit
     def kernel(w):
@@ -120,11 +129,11 @@ def test_ring_rejects_a_block_over_its_limit(rng):
 
 
 @nki.jit
-def head_kernel(h, w, *, block_bytes, softcap):
-    """head_projection of rows h [R, K] (one layout block: all K rows in every head block) by w [K, V]."""
+def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
+    """head_projection of rows h [R, K] (K in feature_layout(K, group)) by w [K, V]."""
     rows, k = h.shape
-    layout = dl.feature_layout(k, dl.head_group(k))
-    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=2 * block_bytes)
+    layout = dl.feature_layout(k, group)
+    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=ring_bytes)
     hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -138,8 +147,24 @@ def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
     assert len(dl.layout_blocks(dl.feature_layout(k, dl.head_group(k)))) == 1
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
     count = dl.head_group(k)  # rows per partition of the one layout block
-    logits = head_kernel(h, w, block_bytes=4 * count * (dl.HEAD_COLUMNS + 512), softcap=softcap)  # 2560 columns
+    block_bytes = 4 * count * (dl.HEAD_COLUMNS + 512)  # 2560 columns
+    logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=2 * block_bytes, group=count, softcap=softcap)
     want = h.astype(np.float64) @ w
     if softcap:
         want = np.tanh(want / softcap) * softcap
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("rows, k, group, v", [(3, 1000, 1, 1300), (1, 1024, 2, 2100)])
+def test_head_blocks_of_a_column_range_over_the_ring(rng, rows, k, group, v):
+    """Several layout blocks of K rows whose head blocks for one column range need more than the whole ring (as
+    when attention's cache tiles shrink the looped kernel's ring at a long cache): each block must be multiplied
+    before the ring wraps onto it."""
+    block_bytes, ring_bytes = 4096, 3 * 4096  # float32: blocks of 1024 elements per partition, a ring of 3
+    blocks = dl.layout_blocks(dl.feature_layout(k, group))
+    columns = min(dl.HEAD_COLUMNS, 1024 // max(count for _, _, _, count, _ in blocks))
+    assert len(blocks) > 1 and sum(count for _, _, _, count, _ in blocks) * columns > ring_bytes // 4
+    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
+    logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=ring_bytes, group=group, softcap=None)
+    want = h.astype(np.float64) @ w
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
