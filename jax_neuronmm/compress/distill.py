@@ -40,9 +40,9 @@ class DistillOptions:
     (the update of a factor is about learning_rate·RMS(factor) per entry); seed: the order of sequences;
     top_k: tokens per position of the KL term (0: the centered-logit error alone)."""
 
-    steps: int = 60
+    steps: int = 90
     batch: int = 2
-    learning_rate: float = 2e-4
+    learning_rate: float = 6e-4
     seed: int = 0
     top_k: int = 64
 
