@@ -91,14 +91,14 @@ The defaults are now 90 steps at learning rate 6e-4 (were 60 at 2e-4, rows marke
 the curve run (table above: 240 steps at 6e-4 from the same sequential model): 6e-4 matches 2e-4 at 60 steps
 (1.325x vs 1.328x) and keeps improving after (1.302x at 80, 1.297x at 100). With them the recommended pipeline gives
 1.29x at keep 0.8 (was 1.36x) and 1.91x at keep 0.6 (was 2.13x), in 1045 s and 926 s with a kernel benchmark on one
-of the 2 cores (load 2.5; the 60-step pipeline took 605 s alone, and the 30 steps added cost about 3.3 s each
-under that load).
+of the 2 cores (load 2.5); at block 32, 1.17x at keep 0.9 (was 1.21x) and 1.37x at keep 0.7 (was 1.42x), in 705 s
+and 703 s with nothing else on the machine: under 12 of the 15 minutes the issue allows.
 
 Why the targets are out of reach in the budget: every distillation step is a forward and backward pass of the model
 over 2 windows of 256 tokens (about 300 GFLOP, 3-5 s on 2 cores), so 15 minutes buy about 90 steps after the
 sequential compression (about 2 minutes) and the teacher's hidden states and top-k logits (a few minutes). Past the budget the curve flattens:
 1.297x at 100 steps, 1.276x at 200, 1.264x at 240 (33 minutes), gaining about 0.01x per 20 steps. Even keeping 92%
-of the MLP parameters (keep 0.9, block 32) the recommended pipeline gave 1.21x (60 steps, lr 2e-4). Reaching 1.10x at keep 0.8 needs
+of the MLP parameters (keep 0.9, block 32) the recommended pipeline gives 1.17x. Reaching 1.10x at keep 0.8 needs
 far more fine-tuning (steps and text) than 2 CPU cores give in 15 minutes: a run on an accelerator, which
 distill_factors supports (it runs on JAX's default device) and this machine does not have.
 
