@@ -78,14 +78,15 @@ tokens: the ridge refit of v 2.10x, local per-MLP fine-tuning 1.89x. Rank alloca
 (the PE tile) keeps every projection at rank 384: moving a 128-row block between projections never paid, so
 "+ allocate" equals "+ sequential".
 
-End-to-end distillation of all factors after whitened + sequential recovers the most. Its two changes of the last session,
-measured one at a time in one process from the same sequential model (keep 0.8; 60 Adam steps of 2 windows,
+End-to-end distillation of all factors after whitened + sequential recovers the most. Its two changes of the last
+session, measured one at a time in one process from the same sequential model (keep 0.8; 60 Adam steps of 2 windows,
 learning rate 2e-4 relative to each factor's RMS; evaluation text): the centered-logit error alone, on the 16
-calibration windows: 1.475x (as in the earlier session); + the KL term on the teacher's top 64 tokens: 1.390x;
-+ training on the calibration file's first 80 windows instead of 16: 1.328x. The report's own row of that
-configuration ("mlp 0.8 + distill (60 steps, lr 2e-4)") measured 1.359x. We found no configuration difference between the two runs
-besides the end-of-training check (on 80 vs 16 sequences; both kept the trained factors), so we read the gap as
-run-to-run spread (threaded float32 reductions under different machine load); not investigated further.
+calibration windows: 1.475x (as in the earlier session); + the KL term on the teacher's top 64 tokens: 1.390x; +
+training on the calibration file's first 80 windows instead of 16: 1.328x. The report's own row of that
+configuration ("mlp 0.8 + distill (60 steps, lr 2e-4)") measured 1.359x. We found no configuration difference
+between the two runs besides the end-of-training check (on 80 vs 16 sequences; both kept the trained factors), so we
+read the gap as run-to-run spread (threaded float32 reductions under different machine load); not investigated
+further.
 
 The defaults are now 90 steps at learning rate 6e-4 (were 60 at 2e-4, rows marked "60 steps, lr 2e-4"), chosen from
 the curve run (table above: 240 steps at 6e-4 from the same sequential model): 6e-4 matches 2e-4 at 60 steps
@@ -96,11 +97,11 @@ and 703 s with nothing else on the machine: under 12 of the 15 minutes the issue
 
 Why the targets are out of reach in the budget: every distillation step is a forward and backward pass of the model
 over 2 windows of 256 tokens (about 300 GFLOP, 3-5 s on 2 cores), so 15 minutes buy about 90 steps after the
-sequential compression (about 2 minutes) and the teacher's hidden states and top-k logits (a few minutes). Past the budget the curve flattens:
-1.297x at 100 steps, 1.276x at 200, 1.264x at 240 (33 minutes), gaining about 0.01x per 20 steps. Even keeping 92%
-of the MLP parameters (keep 0.9, block 32) the recommended pipeline gives 1.17x. Reaching 1.10x at keep 0.8 needs
-far more fine-tuning (steps and text) than 2 CPU cores give in 15 minutes: a run on an accelerator, which
-distill_factors supports (it runs on JAX's default device) and this machine does not have.
+sequential compression (about 2 minutes) and the teacher's hidden states and top-k logits (a few minutes). Past the
+budget the curve flattens: 1.297x at 100 steps, 1.276x at 200, 1.264x at 240 (33 minutes), gaining about 0.01x per
+20 steps. Even keeping 92% of the MLP parameters (keep 0.9, block 32) the recommended pipeline gives 1.17x. Reaching
+1.10x at keep 0.8 needs far more fine-tuning (steps and text) than 2 CPU cores give in 15 minutes: a run on an
+accelerator, which distill_factors supports (it runs on JAX's default device) and this machine does not have.
 
 Keep 0.9 and 0.7: at the default block of 128 both give rank 384 like keep 0.8 (block_aligned_rank rounds
 487.6 x keep to a multiple of 128), so they are measured at block 32 (rank 448 and 352); compress_model now warns
@@ -358,7 +359,8 @@ def main(argv):
     if "dense_ppl" not in results["meta"]:
         results["meta"]["dense_ppl"] = perplexity(model, evaluation)
     results["meta"].update(
-        checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf", seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
+        checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf",
+        seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
         calibration_tokens=int(calibration.size), calibration_file_tokens=calibration_file_tokens,
         eval_windows=FLAGS.eval_windows, eval_tokens=int(evaluation.size), eval_file_tokens=eval_file_tokens,
         local_steps=local.steps, distill_steps=distill.steps, distill_batch=distill.batch,
