@@ -535,6 +535,11 @@ def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[
     return lines
 
 
+def where(compressed: bool) -> str:
+    """A target cell's name for the model variant."""
+    return "compressed" if compressed else "dense"
+
+
 def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
     """{target key: text} of the physical upper bound at 0 µs per launch of each ratio target on `t`, at the shape
     where it is lowest: other ÷ looped ≤ other's latency ÷ latency at peak (must-move bytes at the peak rate: a
@@ -543,9 +548,6 @@ def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
     model_of = {m.name: m for m in res.models}
     shapes = sorted({(k[0], k[3]) for k in res.ours if k[2] == batch})
     gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
-
-    def where(c):
-        return "compressed" if c else "dense"
 
     def text(bounds, goal, describe):
         if not bounds:
@@ -593,9 +595,6 @@ def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]
 
             def ratio(slow, fast):
                 return None if slow is None or fast is None else slow / fast
-
-            def where(c):
-                return "compressed" if c else "dense"
 
             worst("peak", [(None if lat(m, c, s, "looped") is None else
                             peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
