@@ -27,7 +27,10 @@ $(DEMO_STAMP): $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
 
+# Lint and format first (ruff.toml: the house width, 120): CI fails on drift before spending time on the tests.
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q tests
 
 # AWS_NEURON_SDK: a checkout of aws-neuron/aws-neuron-sdk, to run AWS's example kernels and check the cost model.

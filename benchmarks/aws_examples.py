@@ -18,13 +18,13 @@ import importlib.util
 import os
 import sys
 import traceback
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import ml_dtypes
+import nkilib_cases  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
-import nkilib_cases  # sibling module: the script's folder is on sys.path
 from nki_kernels import emulator
 
 FLAGS = flags.FLAGS
@@ -38,12 +38,12 @@ BF16 = ml_dtypes.bfloat16
 class Case:
     name: str
     file: str  # relative to nki/examples
-    kernel: Optional[str]  # attribute of the module; None: importing the module is the test
+    kernel: str | None  # attribute of the module; None: importing the module is the test
     make_args: Callable = None  # rng -> (args, kwargs)
     reference: Callable = None  # (*args, **kwargs) -> expected output(s)
     rtol: float = 1e-5
     atol: float = 1e-5
-    expect_error: Optional[type] = None  # the example demonstrates a violation
+    expect_error: type | None = None  # the example demonstrates a violation
     skip: str = ""
 
 
@@ -54,6 +54,7 @@ def _f64(x):
 def _matmul_args(k, m, n):
     def make(rng):
         return ((rng.standard_normal((k, m)).astype(BF16), rng.standard_normal((k, n)).astype(BF16)), {})
+
     return make
 
 
@@ -65,6 +66,7 @@ def _pool_ref(reduce):
     def ref(x, pool):
         c, h, w = x.shape
         return reduce(_f64(x).reshape(c, h // pool, pool, w // pool, pool), axis=(2, 4))
+
     return ref
 
 
@@ -84,7 +86,7 @@ def _mamba_ref(delta, u, a, b, c):
     out = np.zeros_like(delta)
     for batch in range(delta.shape[0]):
         for state in range(a.shape[1]):
-            decay = np.exp(delta[batch] * a[:, state:state + 1])
+            decay = np.exp(delta[batch] * a[:, state : state + 1])
             drive = delta[batch] * u[batch] * b[batch, state][None, :]
             h = np.zeros(delta.shape[1])
             for t in range(delta.shape[2]):
@@ -99,41 +101,114 @@ CASES = [
     Case("matmul basic", MM, "nki_matmul_basic_", _matmul_args(128, 64, 512), _matmul_ref, 2e-2, 2e-1),
     Case("matmul tiled", MM, "nki_matmul_tiled_", _matmul_args(256, 256, 1024), _matmul_ref, 2e-2, 2e-1),
     Case("matmul hoist load", MM, "nki_matmul_hoist_load_", _matmul_args(256, 256, 1024), _matmul_ref, 2e-2, 2e-1),
-    Case("matmul block free dimension", MM, "nki_matmul_block_free_dimension_", _matmul_args(256, 512, 2048),
-         _matmul_ref, 2e-2, 2e-1),
-    Case("matmul fully optimized", MM, "nki_matmul_fully_optimized_", _matmul_args(2048, 2048, 1024),
-         _matmul_ref, 2e-2, 5e-1),
-    Case("tensor addition", "tensor_addition/tensor_addition_nki_kernels.py", "nki_tensor_add",
-         lambda rng: ((rng.standard_normal((256, 1024)).astype(BF16), rng.standard_normal((256, 1024)).astype(BF16)),
-                      {}),
-         lambda a, b: _f64(a) + _f64(b), 1e-2, 1e-2),
-    Case("transpose2d", "transpose2d/transpose2d_nki_kernels.py", "tensor_transpose2D_kernel_",
-         lambda rng: ((rng.integers(-100, 100, (5, 3 * 4)).astype(np.int8), (3, 4)), {}),
-         lambda a, shape: a.reshape(a.shape[0], *shape).transpose(0, 2, 1).reshape(a.shape[0], -1), 0, 0),
-    Case("average_pool2d", "average_pool2d/average_pool2d_nki_kernels.py", "tensor_avgpool_kernel",
-         lambda rng: ((rng.standard_normal((3, 6, 8)).astype(np.float32), 2), {}), _pool_ref(np.mean)),
-    Case("index case 1 (split even/odd columns)", "index-case-1.py", "tensor_split_kernel_",
-         lambda rng: ((rng.standard_normal((4, 5)).astype(BF16),), {}),
-         lambda x: (_f64(x)[:, 0::2], _f64(x)[:, 1::2]), 0, 0),
-    Case("index case 3 (max pool)", "index-case-3.py", "tensor_maxpool_kernel_",
-         lambda rng: ((rng.standard_normal((2, 6, 6)).astype(BF16), 2), {}), _pool_ref(np.max), 0, 0),
-    Case("layout pass (exp)", "layout-pass.py", "tensor_exp_kernel_",
-         lambda rng: ((rng.standard_normal((128, 512)).astype(np.float32),), {}), lambda x: np.exp(_f64(x)), 1e-5),
-    Case("layout violation (256 partitions)", "layout-violation.py", "tensor_exp_kernel_",
-         lambda rng: ((rng.standard_normal((256, 512)).astype(np.float32),), {}), None,
-         expect_error=emulator.NkiHardwareError),
-    Case("getting started baremetal", "getting_started_baremetal.py", "nki_tensor_add_kernel",
-         lambda rng: ((rng.standard_normal((4, 3)).astype(np.float16), rng.standard_normal((4, 3)).astype(np.float16)),
-                      {}),
-         lambda a, b: _f64(a) + _f64(b), 1e-3, 1e-3),
+    Case(
+        "matmul block free dimension",
+        MM,
+        "nki_matmul_block_free_dimension_",
+        _matmul_args(256, 512, 2048),
+        _matmul_ref,
+        2e-2,
+        2e-1,
+    ),
+    Case(
+        "matmul fully optimized",
+        MM,
+        "nki_matmul_fully_optimized_",
+        _matmul_args(2048, 2048, 1024),
+        _matmul_ref,
+        2e-2,
+        5e-1,
+    ),
+    Case(
+        "tensor addition",
+        "tensor_addition/tensor_addition_nki_kernels.py",
+        "nki_tensor_add",
+        lambda rng: (
+            (rng.standard_normal((256, 1024)).astype(BF16), rng.standard_normal((256, 1024)).astype(BF16)),
+            {},
+        ),
+        lambda a, b: _f64(a) + _f64(b),
+        1e-2,
+        1e-2,
+    ),
+    Case(
+        "transpose2d",
+        "transpose2d/transpose2d_nki_kernels.py",
+        "tensor_transpose2D_kernel_",
+        lambda rng: ((rng.integers(-100, 100, (5, 3 * 4)).astype(np.int8), (3, 4)), {}),
+        lambda a, shape: a.reshape(a.shape[0], *shape).transpose(0, 2, 1).reshape(a.shape[0], -1),
+        0,
+        0,
+    ),
+    Case(
+        "average_pool2d",
+        "average_pool2d/average_pool2d_nki_kernels.py",
+        "tensor_avgpool_kernel",
+        lambda rng: ((rng.standard_normal((3, 6, 8)).astype(np.float32), 2), {}),
+        _pool_ref(np.mean),
+    ),
+    Case(
+        "index case 1 (split even/odd columns)",
+        "index-case-1.py",
+        "tensor_split_kernel_",
+        lambda rng: ((rng.standard_normal((4, 5)).astype(BF16),), {}),
+        lambda x: (_f64(x)[:, 0::2], _f64(x)[:, 1::2]),
+        0,
+        0,
+    ),
+    Case(
+        "index case 3 (max pool)",
+        "index-case-3.py",
+        "tensor_maxpool_kernel_",
+        lambda rng: ((rng.standard_normal((2, 6, 6)).astype(BF16), 2), {}),
+        _pool_ref(np.max),
+        0,
+        0,
+    ),
+    Case(
+        "layout pass (exp)",
+        "layout-pass.py",
+        "tensor_exp_kernel_",
+        lambda rng: ((rng.standard_normal((128, 512)).astype(np.float32),), {}),
+        lambda x: np.exp(_f64(x)),
+        1e-5,
+    ),
+    Case(
+        "layout violation (256 partitions)",
+        "layout-violation.py",
+        "tensor_exp_kernel_",
+        lambda rng: ((rng.standard_normal((256, 512)).astype(np.float32),), {}),
+        None,
+        expect_error=emulator.NkiHardwareError,
+    ),
+    Case(
+        "getting started baremetal",
+        "getting_started_baremetal.py",
+        "nki_tensor_add_kernel",
+        lambda rng: (
+            (rng.standard_normal((4, 3)).astype(np.float16), rng.standard_normal((4, 3)).astype(np.float16)),
+            {},
+        ),
+        lambda a, b: _f64(a) + _f64(b),
+        1e-3,
+        1e-3,
+    ),
     Case("fused mamba v1", MAMBA, "mamba_v1", _mamba_args, _mamba_ref, 1e-4, 1e-4),
     Case("fused mamba v2", MAMBA, "mamba_v2", _mamba_args, _mamba_ref, 1e-4, 1e-4),
     Case("fused mamba v3", MAMBA, "mamba_v3", _mamba_args, _mamba_ref, 1e-4, 1e-4),
     Case("simulate example (asserts on import)", "simulate/nki_simulate_example.py", None),
-    Case("layout loop", "layout-loop.py", None,
-         skip="legacy dialect fragment (imports torch_neuronx.nki_jit, uses undefined i_f)"),
-    Case("layout dynamic loop", "layout-dynamic-loop.py", None,
-         skip="documentation fragment with a syntax error (unclosed parenthesis), not runnable"),
+    Case(
+        "layout loop",
+        "layout-loop.py",
+        None,
+        skip="legacy dialect fragment (imports torch_neuronx.nki_jit, uses undefined i_f)",
+    ),
+    Case(
+        "layout dynamic loop",
+        "layout-dynamic-loop.py",
+        None,
+        skip="documentation fragment with a syntax error (unclosed parenthesis), not runnable",
+    ),
 ]
 
 

@@ -22,8 +22,8 @@ import scipy.linalg
 from absl import app, flags
 
 from jax_neuronmm import models
-from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress import svd
+from jax_neuronmm.compress.checkpoint import write_atomically
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -35,8 +35,17 @@ flags.DEFINE_string("load_note", "", "machine load during the run, printed in th
 FLAGS = flags.FLAGS
 
 # Gemma 3 270M: 18 layers, hidden 640, MLP 2048, 4 query heads and 1 KV head of 256, vocabulary 262144.
-SHAPE = dict(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18, num_heads=4,
-             num_kv_heads=1, head_dim=256, query_pre_attn_scalar=256, sliding_window=512)
+SHAPE = dict(
+    vocab_size=262144,
+    hidden_size=640,
+    intermediate_size=2048,
+    num_layers=18,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=256,
+    query_pre_attn_scalar=256,
+    sliding_window=512,
+)
 _TIMED = ((np.linalg, "svd"), (np.linalg, "cholesky"), (np.linalg, "solve"), (scipy.linalg, "solve_triangular"))
 
 
@@ -55,6 +64,7 @@ def timed_linalg(totals: dict, calls: list):
                 return fn(*args, **kwargs)
             finally:
                 totals[name] = totals.get(name, 0.0) + time.perf_counter() - start
+
         return timed
 
     for module, name in _TIMED:
@@ -114,16 +124,19 @@ def main(argv):
             svd.single_threaded_blas = pin
         serial = replay_serially(calls)
         rows.append((label, seconds, sum(totals.values()), serial))
-        print(f"{label}: compress_model {seconds:.1f} s, linalg in the run {sum(totals.values()):.1f} s, "
-              f"replayed serially {sum(serial.values()):.1f} s, ratio {seconds / sum(serial.values()):.2f}",
-              flush=True)
+        print(
+            f"{label}: compress_model {seconds:.1f} s, linalg in the run {sum(totals.values()):.1f} s, "
+            f"replayed serially {sum(serial.values()):.1f} s, ratio {seconds / sum(serial.values()):.2f}",
+            flush=True,
+        )
         del calls
 
     lines = [
         "# compress_model speed vs its LAPACK calls (benchmarks/compress_speed.py)",
         "",
         f"Random model of Gemma 3 270M's shape ({FLAGS.num_layers} of its 18 layers, 640 -> 2048 MLPs, vocabulary "
-        f"262144), keep 0.8, MLPs only ({3 * FLAGS.num_layers} projections); whitened calibrated on {FLAGS.calibration_windows} x {FLAGS.seq_len} random tokens. "
+        f"262144), keep 0.8, MLPs only ({3 * FLAGS.num_layers} projections); whitened calibrated on "
+        f"{FLAGS.calibration_windows} x {FLAGS.seq_len} random tokens. "
         f"LAPACK time = the summed wall time of numpy.linalg.svd / cholesky / solve and scipy.linalg.solve_triangular "
         f"calls made during the same compress_model call: as timed inside the run (where two run at a time, one per "
         f"core, each slowed by sharing the machine) and replayed one at a time right after (the ratio's "

@@ -17,7 +17,7 @@ import dataclasses
 import importlib.util
 import os
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -65,24 +65,34 @@ class Case:
 
 def _matmul_case(kernel, published_ms, dtype=ml_dtypes.bfloat16, target="trn1", source=MATMUL_SOURCE):
     k, m, n = 8192, 4096, 8192
+
     def make():
         return (np.zeros((k, m), dtype), np.zeros((k, n), dtype))
+
     name = f"matmul_{kernel.removeprefix('nki_matmul_').rstrip('_')}"
     if source != MATMUL_SOURCE:
         name += f"_{np.dtype(dtype).name}_{target}"
-    return Case(name, MATMUL_FILE, kernel, make, published_ms * 1e3, target, source, 2.0 * k * m * n,
-                np.dtype(dtype).name)
+    return Case(
+        name, MATMUL_FILE, kernel, make, published_ms * 1e3, target, source, 2.0 * k * m * n, np.dtype(dtype).name
+    )
 
 
 def _mamba_case(kernel, channels, seq_len, published_us):
     batch, state = 1, 16
+
     def make():
         f32 = np.float32
-        return (np.zeros((batch, channels, seq_len), f32), np.zeros((batch, channels, seq_len), f32),
-                np.zeros((channels, state), f32), np.zeros((batch, state, seq_len), f32),
-                np.zeros((batch, state, seq_len), f32))
-    return Case(f"{kernel}_c{channels}_s{seq_len}", MAMBA_FILE, kernel, make, published_us, "trn1",
-                MAMBA_SOURCE, 0.0, "float32")
+        return (
+            np.zeros((batch, channels, seq_len), f32),
+            np.zeros((batch, channels, seq_len), f32),
+            np.zeros((channels, state), f32),
+            np.zeros((batch, state, seq_len), f32),
+            np.zeros((batch, state, seq_len), f32),
+        )
+
+    return Case(
+        f"{kernel}_c{channels}_s{seq_len}", MAMBA_FILE, kernel, make, published_us, "trn1", MAMBA_SOURCE, 0.0, "float32"
+    )
 
 
 CASES = [
@@ -143,8 +153,10 @@ def main(argv):
     unknown = set(FLAGS.cases) - {c.name for c in CASES}
     if unknown:
         raise ValueError(f"--cases: unknown {sorted(unknown)}, expected names from {[c.name for c in CASES]}")
-    header = (f"{'case':34s} {'published':>12s} {'on':>4s} {'model trn1':>11s} {'model trn2':>11s} "
-              f"{'ratio':>6s} {'roofline':>9s} {'instr':>7s} {'HBM MiB':>8s} {'DMA eff':>7s} {'emul s':>7s}")
+    header = (
+        f"{'case':34s} {'published':>12s} {'on':>4s} {'model trn1':>11s} {'model trn2':>11s} "
+        f"{'ratio':>6s} {'roofline':>9s} {'instr':>7s} {'HBM MiB':>8s} {'DMA eff':>7s} {'emul s':>7s}"
+    )
     print(header)
     print("-" * len(header))
     ratios = {}
@@ -158,19 +170,24 @@ def main(argv):
         floor = cost_model.roofline_us(case.flops, hbm, case.target, case.matmul_dtype)
         ratio = run.latency_us[case.target] / case.published_us
         ratios[case.name] = ratio
-        print(f"{case.name:34s} {case.published_us:10.1f}us {case.target:>4s} "
-              f"{run.latency_us['trn1']:9.1f}us {run.latency_us['trn2']:9.1f}us {ratio:6.2f} "
-              f"{floor:7.1f}us {run.instructions:7d} {hbm / 2**20:8.1f} {dma_efficiency:7.3f} "
-              f"{emulated_s:7.1f}")
+        print(
+            f"{case.name:34s} {case.published_us:10.1f}us {case.target:>4s} "
+            f"{run.latency_us['trn1']:9.1f}us {run.latency_us['trn2']:9.1f}us {ratio:6.2f} "
+            f"{floor:7.1f}us {run.instructions:7d} {hbm / 2**20:8.1f} {dma_efficiency:7.3f} "
+            f"{emulated_s:7.1f}"
+        )
     if ratios:
         values = list(ratios.values())
         worst = max(ratios, key=lambda name: abs(ratios[name] - 1.0))
         outside = [name for name, r in ratios.items() if abs(r - 1.0) > TOLERANCE]
-        print(f"\nmodeled / published on the published target: geometric mean "
-              f"{float(np.exp(np.mean(np.log(values)))):.2f}, min {min(values):.2f}, max {max(values):.2f} "
-              f"over {len(values)} kernels")
-        print(f"worst: {worst} {ratios[worst]:.2f}; outside ±{TOLERANCE:.0%}: "
-              f"{', '.join(outside) if outside else 'none'}")
+        print(
+            f"\nmodeled / published on the published target: geometric mean "
+            f"{float(np.exp(np.mean(np.log(values)))):.2f}, min {min(values):.2f}, max {max(values):.2f} "
+            f"over {len(values)} kernels"
+        )
+        print(
+            f"worst: {worst} {ratios[worst]:.2f}; outside ±{TOLERANCE:.0%}: {', '.join(outside) if outside else 'none'}"
+        )
     print("sources:", MATMUL_SOURCE, "|", KERNEL_OPT_SOURCE, "|", MAMBA_SOURCE)
 
 

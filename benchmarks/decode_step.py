@@ -30,7 +30,7 @@ import os
 import pathlib
 import sys
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -42,28 +42,47 @@ from nki_kernels import emulator, hardware, ranks
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
-from nki_kernels.emulator.kernel import Spec, run as run_kernel
+from nki_kernels.emulator.kernel import Spec
+from nki_kernels.emulator.kernel import run as run_kernel
 
-flags.DEFINE_bool("quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a "
-                  "smoke run")
+flags.DEFINE_bool(
+    "quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a smoke run"
+)
 flags.DEFINE_list("models", None, "models to report (keys of MODELS); default all")
 flags.DEFINE_list("batches", ["1", "8"], "batch sizes (rows, one new token each)")
 flags.DEFINE_list("cache_lengths", ["128", "512", "2048"], "KV-cache lengths S")
-flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library for the 'dense (nkilib megakernel)' "
-                    "peer (its experimental transformer_tkg); without it the report says so")
-flags.DEFINE_list("extrapolated_models", ["Llama-3.2-1B", "Llama-3.1-8B"], "models traced at one and two repeats of "
-                  "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
-                  "the others are traced at full depth")
-flags.DEFINE_list("compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)")
-flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not "
-                  "traced")
-flags.DEFINE_string("run_time_note", "", "how the cases were traced, for a report assembled with --cached_only (its "
-                    "own run time covers the assembly only)")
-flags.DEFINE_string("cache_file", None, "JSON-lines file of finished cases: cases found there are not traced "
-                    "again, new ones are appended (to resume a run or split it over processes by --models; only "
-                    "valid for the same kernels)")
-flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    "where the markdown and PNG go")
+flags.DEFINE_string(
+    "nki_library",
+    None,
+    "checkout of aws-neuron/nki-library for the 'dense (nkilib megakernel)' "
+    "peer (its experimental transformer_tkg); without it the report says so",
+)
+flags.DEFINE_list(
+    "extrapolated_models",
+    ["Llama-3.2-1B", "Llama-3.1-8B"],
+    "models traced at one and two repeats of "
+    "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
+    "the others are traced at full depth",
+)
+flags.DEFINE_list(
+    "compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)"
+)
+flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not traced")
+flags.DEFINE_string(
+    "run_time_note",
+    "",
+    "how the cases were traced, for a report assembled with --cached_only (its own run time covers the assembly only)",
+)
+flags.DEFINE_string(
+    "cache_file",
+    None,
+    "JSON-lines file of finished cases: cases found there are not traced "
+    "again, new ones are appended (to resume a run or split it over processes by --models; only "
+    "valid for the same kernels)",
+)
+flags.DEFINE_string(
+    "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the markdown and PNG go"
+)
 FLAGS = flags.FLAGS
 
 TARGETS = hardware.TARGETS
@@ -108,42 +127,85 @@ class Model:
 
 
 MODELS = {
-    "Gemma 3 270M": Model("Gemma 3 270M", "google/gemma-3-270m config.json", 18, 640, 4, 1, 256, 2048, 262144, 1e-6,
-                          gemma3=True, sliding_window=512),
-    "Llama-3.2-1B": Model("Llama-3.2-1B", "meta-llama/Llama-3.2-1B config.json", 16, 2048, 32, 8, 64, 8192, 128256,
-                          1e-5, gemma3=False),
-    "Llama-3.1-8B": Model("Llama-3.1-8B", "meta-llama/Llama-3.1-8B config.json", 32, 4096, 32, 8, 128, 14336, 128256,
-                          1e-5, gemma3=False),
+    "Gemma 3 270M": Model(
+        "Gemma 3 270M",
+        "google/gemma-3-270m config.json",
+        18,
+        640,
+        4,
+        1,
+        256,
+        2048,
+        262144,
+        1e-6,
+        gemma3=True,
+        sliding_window=512,
+    ),
+    "Llama-3.2-1B": Model(
+        "Llama-3.2-1B", "meta-llama/Llama-3.2-1B config.json", 16, 2048, 32, 8, 64, 8192, 128256, 1e-5, gemma3=False
+    ),
+    "Llama-3.1-8B": Model(
+        "Llama-3.1-8B", "meta-llama/Llama-3.1-8B config.json", 32, 4096, 32, 8, 128, 14336, 128256, 1e-5, gemma3=False
+    ),
 }
 
 
 def decode_spec(model: Model, num_layers: int, compressed: bool) -> DecodeSpec:
     """The DecodeSpec of `model`'s first num_layers layers; compressed: every projection and the head factored at
     the block-aligned rank keeping KEEP of its parameters (the same rank in every layer)."""
-    probe = DecodeSpec(num_layers=1, hidden=model.hidden, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-                       head_dim=model.head_dim, intermediate=model.intermediate, vocab=model.vocab,
-                       norm_eps=model.norm_eps, norm_unit_offset=False, qk_norm=False, sandwich=False,
-                       activation="silu", query_scaling=1.0, attn_logit_softcap=None, final_logit_softcap=None,
-                       layer_rope=(0,), layer_mask=(0,))
+    probe = DecodeSpec(
+        num_layers=1,
+        hidden=model.hidden,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        intermediate=model.intermediate,
+        vocab=model.vocab,
+        norm_eps=model.norm_eps,
+        norm_unit_offset=False,
+        qk_norm=False,
+        sandwich=False,
+        activation="silu",
+        query_scaling=1.0,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        layer_rope=(0,),
+        layer_mask=(0,),
+    )
     layer_ranks = (None,) * len(PROJECTIONS)
     head_rank = None
     if compressed:
-        layer_ranks = tuple((ranks.block_aligned_rank(probe.in_features(p), probe.out_features(p), KEEP),) * num_layers
-                            for p in PROJECTIONS)
+        layer_ranks = tuple(
+            (ranks.block_aligned_rank(probe.in_features(p), probe.out_features(p), KEEP),) * num_layers
+            for p in PROJECTIONS
+        )
         head_rank = ranks.block_aligned_rank(model.hidden, model.vocab, KEEP)
     local = tuple(int(not model.is_local(layer)) for layer in range(num_layers))  # table 0 local, 1 global
     # The sliding-window layers read only the window's slots (the cache's slots hold consecutive positions).
-    windows = (model.sliding_window, None)[:max(local) + 1] if model.gemma3 else ()
+    windows = (model.sliding_window, None)[: max(local) + 1] if model.gemma3 else ()
     return DecodeSpec(
-        num_layers=num_layers, hidden=model.hidden, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim, intermediate=model.intermediate, vocab=model.vocab, norm_eps=model.norm_eps,
-        norm_unit_offset=model.gemma3, qk_norm=model.gemma3, sandwich=model.gemma3,
+        num_layers=num_layers,
+        hidden=model.hidden,
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        intermediate=model.intermediate,
+        vocab=model.vocab,
+        norm_eps=model.norm_eps,
+        norm_unit_offset=model.gemma3,
+        qk_norm=model.gemma3,
+        sandwich=model.gemma3,
         activation="gelu_tanh" if model.gemma3 else "silu",
         # Gemma 3: query_pre_attn_scalar = head_dim; Llama: 1/sqrt(head_dim). Neither soft-caps.
-        query_scaling=model.head_dim ** -0.5, attn_logit_softcap=None, final_logit_softcap=None,
+        query_scaling=model.head_dim**-0.5,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
         layer_rope=local if model.gemma3 else (0,) * num_layers,
         layer_mask=local if model.gemma3 else (0,) * num_layers,
-        ranks=layer_ranks, head_rank=head_rank, mask_windows=windows)
+        ranks=layer_ranks,
+        head_rank=head_rank,
+        mask_windows=windows,
+    )
 
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
@@ -158,21 +220,31 @@ def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1)
         r = max(ranks_of)
         return [Spec((L, k, r), BF16), Spec((L, r, n), BF16)]
 
-    head = (Spec((H, spec.vocab), BF16) if spec.head_rank is None
-            else [Spec((H, spec.head_rank), BF16), Spec((spec.head_rank, spec.vocab), BF16)])
+    head = (
+        Spec((H, spec.vocab), BF16)
+        if spec.head_rank is None
+        else [Spec((H, spec.head_rank), BF16), Spec((spec.head_rank, spec.vocab), BF16)]
+    )
     cache = (L, batch, cache_len, spec.num_kv_heads, D)
-    return (Spec((batch, tokens, H), BF16), Spec((L, spec.num_norms, H), BF16),
-            Spec((L, 2, D), BF16) if spec.qk_norm else None,
-            *(weight(name) for name in PROJECTIONS),
-            Spec(cache, BF16), Spec(cache, BF16), Spec((1, 1), np.int32),
-            Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
-            Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
-            Spec((spec.num_masks, batch, tokens, cache_len), np.float32),
-            Spec((H,), BF16), head)
+    return (
+        Spec((batch, tokens, H), BF16),
+        Spec((L, spec.num_norms, H), BF16),
+        Spec((L, 2, D), BF16) if spec.qk_norm else None,
+        *(weight(name) for name in PROJECTIONS),
+        Spec(cache, BF16),
+        Spec(cache, BF16),
+        Spec((1, 1), np.int32),
+        Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
+        Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
+        Spec((spec.num_masks, batch, tokens, cache_len), np.float32),
+        Spec((H,), BF16),
+        head,
+    )
 
 
-def must_move_bytes(model: Model, compressed: bool, batch: int, cache_len: int, layers_only: bool = False,
-                    tokens: int = 1) -> int:
+def must_move_bytes(
+    model: Model, compressed: bool, batch: int, cache_len: int, layers_only: bool = False, tokens: int = 1
+) -> int:
     """Bytes a decode step cannot avoid moving between HBM and the core (bf16 weights and cache, fp32 logits).
 
     weights read once (every projection: K·N dense or r·(K + N) factored; the norm weights; with the head: final
@@ -190,8 +262,10 @@ def must_move_bytes(model: Model, compressed: bool, batch: int, cache_len: int, 
     per_layer += spec.num_norms * model.hidden + (2 * model.head_dim if model.gemma3 else 0)
     weights = model.num_layers * per_layer
     slot = 2 * batch * model.num_kv_heads * model.head_dim  # k and v of one slot, every row
-    visible = sum(min(cache_len, model.sliding_window) if model.is_local(layer) else cache_len
-                  for layer in range(model.num_layers))
+    visible = sum(
+        min(cache_len, model.sliding_window) if model.is_local(layer) else cache_len
+        for layer in range(model.num_layers)
+    )
     kv = slot * (visible + model.num_layers * tokens)
     total = (weights + kv) * BF16.itemsize
     if layers_only:
@@ -224,24 +298,34 @@ class Measured:
         return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
 
     @classmethod
-    def from_runs(cls, runs_by_target: dict, note: str = "") -> "Measured":
+    def from_runs(cls, runs_by_target: dict, note: str = "") -> Measured:
         first = next(iter(runs_by_target.values()))
-        head = {t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel")
-                for t, runs in runs_by_target.items()}
-        return cls({t: launch.composition_latency_us(runs, t, 0.0) for t, runs in runs_by_target.items()},
-                   len(first), sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
-                   {t: us for t, us in head.items() if us}, note=note)
+        head = {
+            t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
+        }
+        return cls(
+            {t: launch.composition_latency_us(runs, t, 0.0) for t, runs in runs_by_target.items()},
+            len(first),
+            sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
+            {t: us for t, us in head.items() if us},
+            note=note,
+        )
 
 
 def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Measured:
     """Linear in L through (l1, m1) and (l2, m2), evaluated at `layers`."""
+
     def at(a, b):
         return a + (b - a) * (layers - l1) / (l2 - l1)
 
-    return Measured({t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
-                    at(m1.launches, m2.launches), at(m1.hbm_bytes, m2.hbm_bytes),
-                    {t: m2.head_us[t] for t in m2.head_us}, extrapolated=(l1, l2),
-                    note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)))
+    return Measured(
+        {t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
+        at(m1.launches, m2.launches),
+        at(m1.hbm_bytes, m2.hbm_bytes),
+        {t: m2.head_us[t] for t in m2.head_us},
+        extrapolated=(l1, l2),
+        note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
+    )
 
 
 def _profiled(fn: Callable, target: str):
@@ -250,8 +334,9 @@ def _profiled(fn: Callable, target: str):
     return prof.runs
 
 
-def measure_ours(model: Model, composition: str, compressed: bool, batch: int, cache_len: int,
-                 num_layers: int) -> Measured:
+def measure_ours(
+    model: Model, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
+) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target."""
     decode_step = importlib.import_module("nki_kernels.decode_step")
     spec = decode_spec(model, num_layers, compressed)
@@ -274,8 +359,9 @@ def nkilib_shards(model: Model) -> tuple[int, int, int]:
     is split into 128-wide heads (the same weight and cache bytes and matmul flops; more softmax rows)."""
     split = max(1, model.head_dim // NKILIB_MAX_HEAD_DIM)
     if model.head_dim % split or model.head_dim // split > NKILIB_MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {model.head_dim}: nkilib needs a head dim <= {NKILIB_MAX_HEAD_DIM} or a multiple "
-                         f"of it")
+        raise ValueError(
+            f"head_dim {model.head_dim}: nkilib needs a head dim <= {NKILIB_MAX_HEAD_DIM} or a multiple of it"
+        )
     calls = model.num_kv_heads * split
     if model.intermediate % calls:
         raise ValueError(f"intermediate {model.intermediate} does not split over {calls} nkilib calls")
@@ -304,11 +390,23 @@ def measure_nkilib(source: str, model: Model, batch: int, cache_len: int, one_la
                 def layers(shape):
                     return [Spec(shape, BF16) for _ in range(num_layers)]
 
-                args = (Spec((b, 1, h), BF16), layers((h, d * (group + 2))), layers((group * d, h)),
-                        layers((h, i)), layers((h, i)), layers((i, h)), layers((1, h)), layers((1, h)),
-                        layers((b, 1, d, cache_len)), layers((b, 1, cache_len, d)), Spec((d // 2, b, 1), BF16),
-                        Spec((d // 2, b, 1), BF16), Spec((cache_len, b, group, 1), np.uint8),
-                        Spec((1, b, group, 1), np.uint8), Spec((b, 1), np.int32))
+                args = (
+                    Spec((b, 1, h), BF16),
+                    layers((h, d * (group + 2))),
+                    layers((group * d, h)),
+                    layers((h, i)),
+                    layers((h, i)),
+                    layers((i, h)),
+                    layers((1, h)),
+                    layers((1, h)),
+                    layers((b, 1, d, cache_len)),
+                    layers((b, 1, cache_len, d)),
+                    Spec((d // 2, b, 1), BF16),
+                    Spec((d // 2, b, 1), BF16),
+                    Spec((cache_len, b, group, 1), np.uint8),
+                    Spec((1, b, group, 1), np.uint8),
+                    Spec((b, 1), np.int32),
+                )
                 kwargs = dict(num_layers=num_layers, eps=model.norm_eps, replica_groups=[[0]])
                 # nkilib's allocator prints its SBUF plan at every call; the report needs none of it.
                 with contextlib.redirect_stdout(io.StringIO()):
@@ -323,8 +421,10 @@ def measure_nkilib(source: str, model: Model, batch: int, cache_len: int, one_la
                     whole = _describe(error)
                     try:
                         runs[target] = call(1, target) * (calls * model.num_layers)
-                        per_layer_calls.append(f"{target}: all {model.num_layers} layers in one call failed "
-                                               f"({whole}), so {model.num_layers} one-layer calls per shard")
+                        per_layer_calls.append(
+                            f"{target}: all {model.num_layers} layers in one call failed "
+                            f"({whole}), so {model.num_layers} one-layer calls per shard"
+                        )
                     except Exception as error:  # noqa: BLE001
                         failures.append(f"{target}: {_describe(error)}")
     finally:
@@ -416,29 +516,43 @@ class CaseCache:
         return self.cases[key]
 
 
-def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None,
-            traced=COMPOSITIONS) -> Results:
+def run_all(
+    models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None, traced=COMPOSITIONS
+) -> Results:
     cache = cache or CaseCache(None)
     # Batch-1 cases first (the targets), the deepest model last.
-    cases = [(m, c, b, s, comp) for b in batches for m in models for s in cache_lengths for c in (False, True)
-             for comp in COMPOSITIONS]
+    cases = [
+        (m, c, b, s, comp)
+        for b in batches
+        for m in models
+        for s in cache_lengths
+        for c in (False, True)
+        for comp in COMPOSITIONS
+    ]
     ours, peer = {}, {}
     for m, c, b, s, comp in tqdm(cases, desc="decode-step compositions", unit="case"):
         depths = traced_layers(m, m.name in extrapolated)
         ours[(m.name, c, b, s, comp)] = cache.get(
             f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
             lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths),
-            traced=comp in traced)
+            traced=comp in traced,
+        )
     status = "no --nki_library checkout given"
     if nkilib_source:
         status = "run from the --nki_library checkout"
-        for m, b, s in tqdm([(m, b, s) for m in models for b in batches for s in cache_lengths],
-                            desc="nkilib transformer_tkg", unit="case"):
+        for m, b, s in tqdm(
+            [(m, b, s) for m in models for b in batches for s in cache_lengths],
+            desc="nkilib transformer_tkg",
+            unit="case",
+        ):
             peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)  # seconds each: never cached
     one_call = []
     for (name, b, s), measured in peer.items():
-        if (b, s) == (batches[0], cache_lengths[min(1, len(cache_lengths) - 1)]) and measured.kernel_us \
-                and "one-layer calls" not in measured.note:
+        if (
+            (b, s) == (batches[0], cache_lengths[min(1, len(cache_lengths) - 1)])
+            and measured.kernel_us
+            and "one-layer calls" not in measured.note
+        ):
             # What running all layers in one call gains the peer over one-layer calls, where both run.
             model = next(m for m in models if m.name == name)
             one_call.append((name, b, s, measured, measure_nkilib(nkilib_source, model, b, s, one_layer_calls=True)))
@@ -449,14 +563,14 @@ def run_all(models: list[Model], batches, cache_lengths, nkilib_source, extrapol
         b, s = 1, cache_lengths[min(1, len(cache_lengths) - 1)]
         depths = traced_layers(gemma, True)
         for c in (False, True):
-            for comp in tqdm(COMPOSITIONS, desc=f"extrapolation check ({'compressed' if c else 'dense'})",
-                             unit="case"):
+            for comp in tqdm(COMPOSITIONS, desc=f"extrapolation check ({'compressed' if c else 'dense'})", unit="case"):
                 full = ours[(gemma.name, c, b, s, comp)]
                 if not full.kernel_us:
                     continue
-                guess = cache.get(f"{gemma.name}|{gemma.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
-                                  lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers),
-                                                         gemma, depths))
+                guess = cache.get(
+                    f"{gemma.name}|{gemma.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
+                    lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers), gemma, depths),
+                )
                 check.append((comp, c, b, s, full, guess))
     return Results(ours, peer, status, check, models, one_call)
 
@@ -472,7 +586,9 @@ def _ratio(slow_us, fast_us):
 def _row_values(latency_us, batch, nbytes, target):
     if latency_us is None:
         return "– / – / –"
-    return f"{latency_us:.1f} / {batch / latency_us * 1e6:,.0f} / {100 * peak_fraction(nbytes, latency_us, target):.0f}%"
+    return (
+        f"{latency_us:.1f} / {batch / latency_us * 1e6:,.0f} / {100 * peak_fraction(nbytes, latency_us, target):.0f}%"
+    )
 
 
 LABELS = {"per_op": "(i) per_op", "per_layer": "(ii) per_layer", "looped": "(iii) looped", "today": "today"}
@@ -481,7 +597,8 @@ LABELS = {"per_op": "(i) per_op", "per_layer": "(ii) per_layer", "looped": "(iii
 def shape_table(res: Results, model: Model, batches, cache_lengths, overhead_us) -> list[str]:
     lines = [
         "| batch | S | model | composition | launches | HBM MB moved / must move "
-        + "".join(f"| {t} µs / tok/s / % peak " for t in TARGETS) + "|",
+        + "".join(f"| {t} µs / tok/s / % peak " for t in TARGETS)
+        + "|",
         "|---|---|---|---|---|---|" + "---|" * len(TARGETS),
     ]
     for b in batches:
@@ -491,47 +608,67 @@ def shape_table(res: Results, model: Model, batches, cache_lengths, overhead_us)
                 for comp in COMPOSITIONS:
                     m = res.ours[(model.name, c, b, s, comp)]
                     if not m.kernel_us:
-                        lines.append(f"| {b} | {s} | {'compressed' if c else 'dense'} | {LABELS[comp]} | – | – / "
-                                     f"{need / 1e6:.1f} " + "| – " * len(TARGETS) + "|")
+                        lines.append(
+                            f"| {b} | {s} | {'compressed' if c else 'dense'} | {LABELS[comp]} | – | – / "
+                            f"{need / 1e6:.1f} " + "| – " * len(TARGETS) + "|"
+                        )
                         continue
                     lines.append(
                         f"| {b} | {s} | {'compressed' if c else 'dense'} | {LABELS[comp]} | {m.launches:.0f} "
                         f"| {m.hbm_bytes / 1e6:.1f} / {need / 1e6:.1f} "
                         + "".join(f"| {_row_values(m.latency_us(t, overhead_us), b, need, t)} " for t in TARGETS)
-                        + "|")
+                        + "|"
+                    )
             peer = res.nkilib.get((model.name, b, s))
             if peer is not None:
                 need = must_move_bytes(model, False, b, s)
                 lines.append(
-                    f"| {b} | {s} | dense (nkilib megakernel) | transformer_tkg + our LM head | {peer.launches + 1:.0f} "
+                    f"| {b} | {s} | dense (nkilib megakernel) | transformer_tkg + our LM head "
+                    f"| {peer.launches + 1:.0f} "
                     f"| {peer.hbm_bytes / 1e6:.1f} + head / {need / 1e6:.1f} "
-                    + "".join(f"| {_row_values(res.nkilib_step_us(model.name, b, s, t, overhead_us), b, need, t)} "
-                              for t in TARGETS) + "|")
+                    + "".join(
+                        f"| {_row_values(res.nkilib_step_us(model.name, b, s, t, overhead_us), b, need, t)} "
+                        for t in TARGETS
+                    )
+                    + "|"
+                )
     return lines
 
 
 def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[str]:
     """tokens/s per composition at each assumed per-launch overhead, and the looped kernel's speedups."""
     sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
-    lines = [f"| {model.name}, batch {batch}, S {cache_len} | target | launches "
-             + "".join(f"| {o:g} µs " for o in sweep) + "|", "|---|---|---|" + "---|" * len(sweep)]
+    lines = [
+        f"| {model.name}, batch {batch}, S {cache_len} | target | launches "
+        + "".join(f"| {o:g} µs " for o in sweep)
+        + "|",
+        "|---|---|---|" + "---|" * len(sweep),
+    ]
     for c in (False, True):
         for t in TARGETS:
             rows = {comp: res.ours[(model.name, c, batch, cache_len, comp)] for comp in COMPOSITIONS}
             for comp, m in rows.items():
-                lines.append(f"| {'compressed' if c else 'dense'} {LABELS[comp]} tok/s | {t} | {m.launches:.0f} "
-                             + "".join(f"| {_tokens(batch, m.latency_us(t, o))} " for o in sweep) + "|")
+                lines.append(
+                    f"| {'compressed' if c else 'dense'} {LABELS[comp]} tok/s | {t} | {m.launches:.0f} "
+                    + "".join(f"| {_tokens(batch, m.latency_us(t, o))} " for o in sweep)
+                    + "|"
+                )
             looped = rows["looped"]
             for other in ("per_op", "per_layer", "today"):
-                lines.append(f"| {'compressed' if c else 'dense'} looped ÷ {other} speedup | {t} | "
-                             + "".join(f"| {_ratio(rows[other].latency_us(t, o), looped.latency_us(t, o))} "
-                                       for o in sweep) + "|")
+                lines.append(
+                    f"| {'compressed' if c else 'dense'} looped ÷ {other} speedup | {t} | "
+                    + "".join(f"| {_ratio(rows[other].latency_us(t, o), looped.latency_us(t, o))} " for o in sweep)
+                    + "|"
+                )
             if not c:
                 peer = [res.nkilib_step_us(model.name, batch, cache_len, t, o) for o in sweep]
                 if peer[0] is not None:
                     p = res.nkilib[(model.name, batch, cache_len)]
-                    lines.append(f"| dense (nkilib megakernel) + our head tok/s | {t} | {p.launches + 1:.0f} "
-                                 + "".join(f"| {batch / us * 1e6:,.0f} " for us in peer) + "|")
+                    lines.append(
+                        f"| dense (nkilib megakernel) + our head tok/s | {t} | {p.launches + 1:.0f} "
+                        + "".join(f"| {batch / us * 1e6:,.0f} " for us in peer)
+                        + "|"
+                    )
     return lines
 
 
@@ -564,8 +701,10 @@ def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
                 if us is not None:
                     bounds.append((us / roofline_us(0, must_move_bytes(model_of[m], c, batch, s), t), s, c))
         cells[other] = text(bounds, goal, lambda b: f"S {b[1]}, {where(b[2])}")
-    bounds = [(must_move_bytes(model_of[m], False, batch, s) / must_move_bytes(model_of[m], True, batch, s), m, s)
-              for m, s in shapes]
+    bounds = [
+        (must_move_bytes(model_of[m], False, batch, s) / must_move_bytes(model_of[m], True, batch, s), m, s)
+        for m, s in shapes
+    ]
     cells["compressed"] = text(bounds, COMPRESSED_OVER_DENSE, lambda b: f"{b[1]}, S {b[2]}")
     return cells
 
@@ -580,6 +719,7 @@ def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]
     for t in TARGETS:
         cells = {name: {} for name in ("peak", "per_op", "per_layer", "compressed", "nkilib_c", "nkilib_d")}
         for o in launch.LAUNCH_OVERHEAD_SWEEP_US:
+
             def lat(m, c, s, comp):
                 return res.ours[(m, c, batch, s, comp)].latency_us(t, o)
 
@@ -589,79 +729,148 @@ def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]
                 if ran:
                     w = min(ran)
                     missing = len(values) - len(ran)
-                    status = ("NOT met" if not met(w[0]) else
-                              f"met where it ran ({missing} shape(s) did not)" if missing else "met")
+                    status = (
+                        "NOT met"
+                        if not met(w[0])
+                        else f"met where it ran ({missing} shape(s) did not)"
+                        if missing
+                        else "met"
+                    )
                     cells[name][o] = (status, text(w))
 
             def ratio(slow, fast):
                 return None if slow is None or fast is None else slow / fast
 
-            worst("peak", [(None if lat(m, c, s, "looped") is None else
-                            peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
-                            m, s, c) for m, s in shapes for c in (False, True)],
-                  lambda v: v >= PEAK_FRACTION, lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})")
+            worst(
+                "peak",
+                [
+                    (
+                        None
+                        if lat(m, c, s, "looped") is None
+                        else peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
+                        m,
+                        s,
+                        c,
+                    )
+                    for m, s in shapes
+                    for c in (False, True)
+                ],
+                lambda v: v >= PEAK_FRACTION,
+                lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})",
+            )
             gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
             for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
-                worst(other, [(ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c) for m, s in gemma
-                              for c in (False, True)],
-                      lambda v, goal=goal: v >= goal, lambda w: f"{w[0]:.3f}x (S {w[1]}, {where(w[2])})")
-            worst("compressed", [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s)
-                                 for m, s in shapes],
-                  lambda v: v >= COMPRESSED_OVER_DENSE, lambda w: f"{w[0]:.3f}x ({w[1]}, S {w[2]})")
+                worst(
+                    other,
+                    [
+                        (ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c)
+                        for m, s in gemma
+                        for c in (False, True)
+                    ],
+                    lambda v, goal=goal: v >= goal,
+                    lambda w: f"{w[0]:.3f}x (S {w[1]}, {where(w[2])})",
+                )
+            worst(
+                "compressed",
+                [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s) for m, s in shapes],
+                lambda v: v >= COMPRESSED_OVER_DENSE,
+                lambda w: f"{w[0]:.3f}x ({w[1]}, S {w[2]})",
+            )
             peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
             if any(us is not None for us, _, _ in peer):
-                worst("nkilib_c", [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
-                      lambda v: v > 1.0, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
-                worst("nkilib_d", [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
-                      lambda v: v >= 1 / WITHIN_NKILIB, lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})")
+                worst(
+                    "nkilib_c",
+                    [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
+                    lambda v: v > 1.0,
+                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
+                )
+                worst(
+                    "nkilib_d",
+                    [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
+                    lambda v: v >= 1 / WITHIN_NKILIB,
+                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
+                )
         bounds = bound_cells(res, t, batch)
         rows += [
             (f"looped ≥ {PEAK_FRACTION:.0%} of peak bandwidth (worst batch-1 shape)", t, cells["peak"], "–"),
-            (f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)", t, cells["per_op"],
-             bounds["per_op"]),
-            (f"looped ≥ {OVER_PER_LAYER}x faster than per_layer on Gemma 3 270M (worst S)", t, cells["per_layer"],
-             bounds["per_layer"]),
-            (f"compressed looped ≥ {COMPRESSED_OVER_DENSE}x faster than dense looped (worst shape)", t,
-             cells["compressed"], bounds["compressed"]),
-            ("compressed looped faster than the nkilib megakernel at every shape (peer ÷ ours, worst)", t,
-             cells["nkilib_c"], "–"),
-            (f"dense looped within {WITHIN_NKILIB - 1:.0%} of the nkilib megakernel or faster (peer ÷ ours ≥ "
-             f"{1 / WITHIN_NKILIB:.3f}, worst)", t, cells["nkilib_d"], "–"),
+            (
+                f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)",
+                t,
+                cells["per_op"],
+                bounds["per_op"],
+            ),
+            (
+                f"looped ≥ {OVER_PER_LAYER}x faster than per_layer on Gemma 3 270M (worst S)",
+                t,
+                cells["per_layer"],
+                bounds["per_layer"],
+            ),
+            (
+                f"compressed looped ≥ {COMPRESSED_OVER_DENSE}x faster than dense looped (worst shape)",
+                t,
+                cells["compressed"],
+                bounds["compressed"],
+            ),
+            (
+                "compressed looped faster than the nkilib megakernel at every shape (peer ÷ ours, worst)",
+                t,
+                cells["nkilib_c"],
+                "–",
+            ),
+            (
+                f"dense looped within {WITHIN_NKILIB - 1:.0%} of the nkilib megakernel or faster (peer ÷ ours ≥ "
+                f"{1 / WITHIN_NKILIB:.3f}, worst)",
+                t,
+                cells["nkilib_d"],
+                "–",
+            ),
         ]
     return rows
 
 
 def targets_table(res: Results) -> list[str]:
     sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
-    lines = ["| target (batch 1) | hw | bound at 0 µs/launch (looped at 100% of peak; lowest shape) "
-             + "".join(f"| {o:g} µs/launch " for o in sweep) + "|",
-             "|---|---|---|" + "---|" * len(sweep)]
+    lines = [
+        "| target (batch 1) | hw | bound at 0 µs/launch (looped at 100% of peak; lowest shape) "
+        + "".join(f"| {o:g} µs/launch " for o in sweep)
+        + "|",
+        "|---|---|---|" + "---|" * len(sweep),
+    ]
     for name, t, cells, bound in target_rows(res):
         if not cells:
             why = "| not evaluated (no peer figure) "
             lines.append(f"| {name} | {t} | {bound} " + why * len(sweep) + "|")
             continue
-        lines.append(f"| {name} | {t} | {bound} " + "".join(f"| {cells[o][0]}: {cells[o][1]} " for o in sweep)
-                     + "|")
+        lines.append(f"| {name} | {t} | {bound} " + "".join(f"| {cells[o][0]}: {cells[o][1]} " for o in sweep) + "|")
     return lines
 
 
 def extrapolation_lines(res: Results) -> list[str]:
     if not res.extrapolation_check:
         return ["Every model here was traced at full depth."]
-    lines = ["| composition | model | batch, S | depths traced " + "".join(
-        f"| {t}: extrapolated ÷ full trace " for t in TARGETS) + "| launches: extrapolated vs full |",
-        "|---|---|---|---|" + "---|" * len(TARGETS) + "---|"]
+    lines = [
+        "| composition | model | batch, S | depths traced "
+        + "".join(f"| {t}: extrapolated ÷ full trace " for t in TARGETS)
+        + "| launches: extrapolated vs full |",
+        "|---|---|---|---|" + "---|" * len(TARGETS) + "---|",
+    ]
     for comp, c, b, s, full, guess in res.extrapolation_check:
-        lines.append(f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} "
-                     + "".join(f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} " if t in guess.kernel_us
-                               and t in full.kernel_us else "| – " for t in TARGETS)
-                     + f"| {guess.launches:.1f} vs {full.launches:.0f} |")
+        lines.append(
+            f"| {LABELS[comp]} | {'compressed' if c else 'dense'} | {b}, {s} | {guess.extrapolated} "
+            + "".join(
+                f"| {guess.kernel_us[t] / full.kernel_us[t]:.4f} "
+                if t in guess.kernel_us and t in full.kernel_us
+                else "| – "
+                for t in TARGETS
+            )
+            + f"| {guess.launches:.1f} vs {full.launches:.0f} |"
+        )
     return lines
 
 
-def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float, depths: dict,
-             run_time_note: str = "") -> str:
+def markdown(
+    res: Results, batches, cache_lengths, quick: bool, elapsed_s: float, depths: dict, run_time_note: str = ""
+) -> str:
     sweep = ", ".join(f"{o:g}" for o in launch.LAUNCH_OVERHEAD_SWEEP_US)
     lines = [
         "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
@@ -680,7 +889,7 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
         "its pipeline fill and drain count) + launches × per-launch overhead. **No public source gives a "
         "per-launch overhead for a NeuronCore** (searched: the Neuron docs, runtime release notes, vllm-neuron "
         "design notes; the nearest figures are a 437 µs host-side gap between synchronous NEFF executions and a "
-        "\"20 µs\" trn3 NEFF-start improvement, neither of them the cost of a kernel boundary; the kernel-looping "
+        '"20 µs" trn3 NEFF-start improvement, neither of them the cost of a kernel boundary; the kernel-looping '
         "paper, arXiv 2410.23668, measures SN40L and H100): the overhead is an assumption, swept over "
         f"{sweep} µs. Tables without a sweep use 0 µs (kernels only).",
         "- **Bytes that must move** (per step) = weights read once (projections K·N dense or r·(K+N) factored, "
@@ -701,7 +910,7 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
         "",
         "The bound column: the most a ratio target can reach at 0 µs per launch, at the shape where that is lowest "
         "(other ÷ looped ≤ other's latency ÷ must-move bytes at the peak rate; compressed ÷ dense looped ≤ dense ÷ "
-        "compressed must-move bytes); \"unreachable\": under the goal, so no looped kernel meets it there at 0 µs "
+        'compressed must-move bytes); "unreachable": under the goal, so no looped kernel meets it there at 0 µs '
         "per launch (launch overhead slows only the many-launch side, so the bound rises with it).",
         "",
         *targets_table(res),
@@ -709,30 +918,52 @@ def markdown(res: Results, batches, cache_lengths, quick: bool, elapsed_s: float
     ]
     first = res.models[0]
     b0 = batches[0]
-    lines += [f"## Headline: {first.name}, batch {b0} (0 µs per launch)", "",
-              *shape_table(res, first, [b0], cache_lengths, 0.0), ""]
+    lines += [
+        f"## Headline: {first.name}, batch {b0} (0 µs per launch)",
+        "",
+        *shape_table(res, first, [b0], cache_lengths, 0.0),
+        "",
+    ]
     lines += ["## Launch-overhead sweep (assumed per-launch overhead)", ""]
     for m in res.models:
         s = cache_lengths[min(1, len(cache_lengths) - 1)]
         lines += [*sweep_table(res, m, b0, s), ""]
     lines += ["## Every shape (0 µs per launch)", ""]
     for m in res.models:
-        lines += [f"### {m.name} (L {m.num_layers}, H {m.hidden}, heads {m.num_heads}/{m.num_kv_heads}, D "
-                  f"{m.head_dim}, I {m.intermediate}, V {m.vocab}; {m.source})", "",
-                  *shape_table(res, m, batches, cache_lengths, 0.0), ""]
-    failed = [f"- {model}, {'compressed' if c else 'dense'}, batch {b}, S {s}, {LABELS[comp]}: {m.note}"
-              for (model, c, b, s, comp), m in res.ours.items() if m.note and m.note != NOT_TRACED]
-    untraced = [f"{model} {'compressed' if c else 'dense'} b{b} S{s} {comp}"
-                for (model, c, b, s, comp), m in res.ours.items() if m.note == NOT_TRACED]
+        lines += [
+            f"### {m.name} (L {m.num_layers}, H {m.hidden}, heads {m.num_heads}/{m.num_kv_heads}, D "
+            f"{m.head_dim}, I {m.intermediate}, V {m.vocab}; {m.source})",
+            "",
+            *shape_table(res, m, batches, cache_lengths, 0.0),
+            "",
+        ]
+    failed = [
+        f"- {model}, {'compressed' if c else 'dense'}, batch {b}, S {s}, {LABELS[comp]}: {m.note}"
+        for (model, c, b, s, comp), m in res.ours.items()
+        if m.note and m.note != NOT_TRACED
+    ]
+    untraced = [
+        f"{model} {'compressed' if c else 'dense'} b{b} S{s} {comp}"
+        for (model, c, b, s, comp), m in res.ours.items()
+        if m.note == NOT_TRACED
+    ]
     if untraced:
         failed.append(f"- {NOT_TRACED}: " + ", ".join(untraced))
     if failed:
         lines += ["## Did not run (– in the tables)", "", *failed, ""]
-    lines += ["## The peer: dense (nkilib megakernel)", "", nkilib_note(res), "",
-              "## Layer-count extrapolation check", "",
-              "Models deeper than the traced depth are traced at two layer counts (multiples of the layer pattern) "
-              "and extrapolated linearly in L (latency, launches and bytes). The check traces Gemma 3 270M both ways:",
-              "", *extrapolation_lines(res), ""]
+    lines += [
+        "## The peer: dense (nkilib megakernel)",
+        "",
+        nkilib_note(res),
+        "",
+        "## Layer-count extrapolation check",
+        "",
+        "Models deeper than the traced depth are traced at two layer counts (multiples of the layer pattern) "
+        "and extrapolated linearly in L (latency, launches and bytes). The check traces Gemma 3 270M both ways:",
+        "",
+        *extrapolation_lines(res),
+        "",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -741,45 +972,58 @@ def nkilib_note(res: Results) -> str:
     for (name, b, s), measured in res.nkilib.items():
         notes.setdefault(name, f"{name} (batch {b}, S {s}): {measured.note}")
     notes = list(notes.values())
-    text = ("AWS nki-library's `experimental/transformer/transformer_tkg.py` (all layers of a dense decode step in "
-            "one kernel: attention block with RMSNorm, fused QKV, RoPE, KV-cache update and output projection, "
-            "residual, RMSNorm + SiLU-gated MLP, residual; collectives over a replica group of one core), imported "
-            "unmodified from a scratch copy of the checkout outside this repository, count-only on the same "
-            f"emulator: {res.nkilib_status}. The checkout has two bugs that stop it from importing or running; the "
-            "scratch copy fixes exactly these two places and nothing else: `core/mlp/mlp.py` (lines 202-214, a "
-            "blank line and a second copy of the last 11 lines of the `mlp` docstring after its closing quotes, an "
-            "IndentationError at line 203: deleted) and `core/mlp/mlp_tkg/mlp_tkg_constants.py` (the required "
-            "dataclass field `remainderIFused` is never passed, a TypeError: one line added passing "
-            "`remainderIFused=remainderI`; nothing reads the field). Its constraints: one KV head per call and a head dimension on partitions (≤ 128); "
-            "it is written for tensor parallelism, so each model runs as one call per KV head (Gemma 3 270M's "
-            "256-wide heads as 128-wide halves: two calls), each call with its heads' share of q/k/v/o and an "
-            "intermediate slice of the MLP, back to back on one core (the all-reduce between shards is not "
-            "charged; the same weight and cache bytes and matmul flops as the model). It asserts NeuronCore-v3 or "
-            "later (trn2), so it has no trn1 figures. It covers the layers only; the comparison adds the same LM "
-            "head to it: our `lm_head_kernel` launch (final norm + dense head, from composition (ii) at the same "
-            "shape) plus one launch, i.e. peer step = transformer_tkg calls + our head. Its layers differ from "
-            "Gemma 3's (no QK-norm, sandwich norms or sliding window; SiLU instead of GELU-tanh); they are "
-            "Llama's.")
+    text = (
+        "AWS nki-library's `experimental/transformer/transformer_tkg.py` (all layers of a dense decode step in "
+        "one kernel: attention block with RMSNorm, fused QKV, RoPE, KV-cache update and output projection, "
+        "residual, RMSNorm + SiLU-gated MLP, residual; collectives over a replica group of one core), imported "
+        "unmodified from a scratch copy of the checkout outside this repository, count-only on the same "
+        f"emulator: {res.nkilib_status}. The checkout has two bugs that stop it from importing or running; the "
+        "scratch copy fixes exactly these two places and nothing else: `core/mlp/mlp.py` (lines 202-214, a "
+        "blank line and a second copy of the last 11 lines of the `mlp` docstring after its closing quotes, an "
+        "IndentationError at line 203: deleted) and `core/mlp/mlp_tkg/mlp_tkg_constants.py` (the required "
+        "dataclass field `remainderIFused` is never passed, a TypeError: one line added passing "
+        "`remainderIFused=remainderI`; nothing reads the field). Its constraints: one KV head per call and a "
+        "head dimension on partitions (≤ 128); it is written for tensor parallelism, so each model runs as "
+        "one call per KV head (Gemma 3 270M's "
+        "256-wide heads as 128-wide halves: two calls), each call with its heads' share of q/k/v/o and an "
+        "intermediate slice of the MLP, back to back on one core (the all-reduce between shards is not "
+        "charged; the same weight and cache bytes and matmul flops as the model). It asserts NeuronCore-v3 or "
+        "later (trn2), so it has no trn1 figures. It covers the layers only; the comparison adds the same LM "
+        "head to it: our `lm_head_kernel` launch (final norm + dense head, from composition (ii) at the same "
+        "shape) plus one launch, i.e. peer step = transformer_tkg calls + our head. Its layers differ from "
+        "Gemma 3's (no QK-norm, sandwich norms or sliding window; SiLU instead of GELU-tanh); they are "
+        "Llama's."
+    )
     if notes:
         text += " Per model and shape: " + " | ".join(notes) + "."
     for name, b, s, whole, split in res.nkilib_one_call:
         gains = ", ".join(f"{t} {split.kernel_us[t] / whole.kernel_us[t]:.2f}x" for t in whole.kernel_us)
-        text += (f" Where all layers ran in one call ({name}, batch {b}, S {s}), that call is faster than "
-                 f"one-layer calls by {gains} at 0 µs per launch (cross-layer overlap inside one kernel): where the "
-                 "peer had to run as one-layer calls, its figures are pessimistic by about that much, and the "
-                 "launch-overhead sweep charges it one launch per layer and shard.")
+        text += (
+            f" Where all layers ran in one call ({name}, batch {b}, S {s}), that call is faster than "
+            f"one-layer calls by {gains} at 0 µs per launch (cross-layer overlap inside one kernel): where the "
+            "peer had to run as one-layer calls, its figures are pessimistic by about that much, and the "
+            "launch-overhead sweep charges it one launch per layer and shard."
+        )
         for t, gain in ((t, split.kernel_us[t] / whole.kernel_us[t]) for t in whole.kernel_us):
             adjusted = []
             for (model, pb, ps), peer in sorted(res.nkilib.items()):
                 ours = res.ours.get((model, False, pb, ps, "looped"))
                 head = res.ours.get((model, False, pb, ps, "per_layer"))
-                if "one-layer calls" in peer.note and pb == 1 and t in peer.kernel_us and ours is not None \
-                        and t in ours.kernel_us and t in head.head_us:
+                if (
+                    "one-layer calls" in peer.note
+                    and pb == 1
+                    and t in peer.kernel_us
+                    and ours is not None
+                    and t in ours.kernel_us
+                    and t in head.head_us
+                ):
                     peer_us = peer.kernel_us[t] / gain + head.head_us[t]
                     adjusted.append(f"{model} S {ps}: {peer_us / ours.kernel_us[t]:.2f}x")
             if adjusted:
-                text += (f" With the peer's one-layer-call time divided by that {gain:.2f}x ({t}, 0 µs per launch), "
-                         "peer ÷ our dense looped kernel at batch 1 would be " + ", ".join(adjusted) + ".")
+                text += (
+                    f" With the peer's one-layer-call time divided by that {gain:.2f}x ({t}, 0 µs per launch), "
+                    "peer ÷ our dense looped kernel at batch 1 would be " + ", ".join(adjusted) + "."
+                )
     return text
 
 
@@ -801,8 +1045,13 @@ def plot(res: Results, batches, cache_lengths, path):
                 m = res.ours[(first.name, c, b0, s0, comp)]
                 if t not in m.kernel_us:
                     continue
-                ax.plot(sweep, [b0 / m.latency_us(t, o) * 1e6 for o in sweep], style, color=colors[comp],
-                        label=f"{'compressed' if c else 'dense'} {LABELS[comp]}")
+                ax.plot(
+                    sweep,
+                    [b0 / m.latency_us(t, o) * 1e6 for o in sweep],
+                    style,
+                    color=colors[comp],
+                    label=f"{'compressed' if c else 'dense'} {LABELS[comp]}",
+                )
         peer = [res.nkilib_step_us(first.name, b0, s0, t, o) for o in sweep]
         if peer[0] is not None:
             ax.plot(sweep, [b0 / us * 1e6 for us in peer], ":^", color="black", label="dense (nkilib megakernel)")
@@ -815,9 +1064,12 @@ def plot(res: Results, batches, cache_lengths, path):
             for c, style in ((False, "-o"), (True, "--s")):
                 points = [(s, res.ours[(m.name, c, b0, s, "looped")].latency_us(t, 0.0)) for s in cache_lengths]
                 points = [(s, us) for s, us in points if us is not None]
-                ax.plot([s for s, _ in points],
-                        [100 * peak_fraction(must_move_bytes(m, c, b0, s), us, t) for s, us in points],
-                        style, label=f"{m.name} {'compressed' if c else 'dense'}")
+                ax.plot(
+                    [s for s, _ in points],
+                    [100 * peak_fraction(must_move_bytes(m, c, b0, s), us, t) for s, us in points],
+                    style,
+                    label=f"{m.name} {'compressed' if c else 'dense'}",
+                )
         ax.axhline(100 * PEAK_FRACTION, color="gray", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_ylim(0, 105)
@@ -854,8 +1106,11 @@ def main(argv):
     batches, cache_lengths = _ints(FLAGS.batches, "batches"), _ints(FLAGS.cache_lengths, "cache_lengths")
     if FLAGS.quick:
         # Its own name: case-cache keys name a model, its depth, the case and the traced depths.
-        models = [dataclasses.replace(MODELS["Gemma 3 270M"], name="Gemma 3 270M (2 layers, V 8192)", num_layers=2,
-                                      vocab=8192)]
+        models = [
+            dataclasses.replace(
+                MODELS["Gemma 3 270M"], name="Gemma 3 270M (2 layers, V 8192)", num_layers=2, vocab=8192
+            )
+        ]
         batches, cache_lengths = [1], [128]
     source = None
     if FLAGS.nki_library:
@@ -867,8 +1122,14 @@ def main(argv):
     unknown = sorted(extrapolated - set(MODELS))
     if unknown:
         raise app.UsageError(f"--extrapolated_models: unknown {unknown}, expected some of {list(MODELS)}")
-    depths = {m.name: ("full trace" if traced_layers(m, m.name in extrapolated) == (m.num_layers,) else
-                       f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}") for m in models}
+    depths = {
+        m.name: (
+            "full trace"
+            if traced_layers(m, m.name in extrapolated) == (m.num_layers,)
+            else f"traced at {traced_layers(m, True)} layers, extrapolated to {m.num_layers}"
+        )
+        for m in models
+    }
     if FLAGS.quick:
         depths = {m.name: "2 layers and an 8192-token vocabulary only (quick smoke run)" for m in models}
     traced = tuple(FLAGS.compositions)
@@ -876,13 +1137,13 @@ def main(argv):
         raise app.UsageError(f"--compositions: got {FLAGS.compositions}, expected some of {list(COMPOSITIONS)}")
     if FLAGS.cached_only and not FLAGS.cache_file:
         raise app.UsageError("--cached_only needs --cache_file")
-    res = run_all(models, batches, cache_lengths, source, extrapolated,
-                  CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced)
+    res = run_all(
+        models, batches, cache_lengths, source, extrapolated, CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced
+    )
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)
-    write_atomically(stem + ".md",
-                     lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
+    write_atomically(stem + ".md", lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
     plot(res, batches, cache_lengths, stem + ".png")
     print("\n".join(targets_table(res)))
     print(f"wrote {stem}.md and {stem}.png ({(time.time() - start) / 60:.1f} min)")

@@ -50,8 +50,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def measured_cpu(num_layers, new_tokens, rounds):
-    model = models.from_preset("llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size,
-                               tie_word_embeddings=False)
+    model = models.from_preset(
+        "llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size, tie_word_embeddings=False
+    )
     start = time.perf_counter()
     compressed_mlp = models.compress_model(model, keep=FLAGS.keep, method="svd", include=("mlp",))
     # Attention factored on top of the MLP-compressed model: its MLP factors are reused as they are.
@@ -77,16 +78,22 @@ def measured_cpu(num_layers, new_tokens, rounds):
             seconds[name].append(decode_seconds(m))
     rates = {name: (new_tokens - 1) / statistics.median(s) for name, s in seconds.items()}
     params = {name: sum(x.size for x in jax.tree.leaves(nnx.state(m, nnx.Param))) for name, m in contenders.items()}
-    print(f"\n## Measured decode on CPU XLA (fp32, batch 1, {num_layers} layers at Llama-3.2-1B width, "
-          f"vocab {FLAGS.vocab_size}, median of {rounds} alternating rounds of {new_tokens - 1} decode steps)\n")
+    print(
+        f"\n## Measured decode on CPU XLA (fp32, batch 1, {num_layers} layers at Llama-3.2-1B width, "
+        f"vocab {FLAGS.vocab_size}, median of {rounds} alternating rounds of {new_tokens - 1} decode steps)\n"
+    )
     # Batch-1 decode is memory bound, so the parameter ratio is about the best speedup to expect.
-    print("| model | parameters | decode tokens/s | speed ÷ dense | parameter ratio (ceiling) | target >= "
-          f"{TARGET_RATIO}x |\n|---|---|---|---|---|---|")
+    print(
+        "| model | parameters | decode tokens/s | speed ÷ dense | parameter ratio (ceiling) | target >= "
+        f"{TARGET_RATIO}x |\n|---|---|---|---|---|---|"
+    )
     for name in contenders:
         ratio = rates[name] / rates["dense"]
         verdict = "" if name == "dense" else ("met" if ratio >= TARGET_RATIO else "NOT met")
-        print(f"| {name} | {params[name] / 1e6:.1f} M | {rates[name]:.2f} | {ratio:.3f}x | "
-              f"{params['dense'] / params[name]:.3f}x | {verdict} |")
+        print(
+            f"| {name} | {params[name] / 1e6:.1f} M | {rates[name]:.2f} | {ratio:.3f}x | "
+            f"{params['dense'] / params[name]:.3f}x | {verdict} |"
+        )
 
 
 def _counted(fn):
@@ -101,25 +108,37 @@ def modeled_mlp_us(h, i, r):
     dense_runs = []
     for k, n in ((h, i), (h, i), (i, h)):  # gate, up, down
         blocks = fit_baseline_blocks(1, k, n, BF16.itemsize, hardware.SBUF_BYTES_PER_PARTITION["trn1"])
-        dense_runs += _counted(lambda: baseline_matmul_kernel(np.zeros((k, 1), BF16), np.zeros((k, n), BF16),
-                                                               **blocks))
+        dense_runs += _counted(lambda: baseline_matmul_kernel(np.zeros((k, 1), BF16), np.zeros((k, n), BF16), **blocks))
     dense = {t: sum(run.latency_us[t] for run in dense_runs) for t in hardware.TARGETS}
     fused = {}
     for target in hardware.TARGETS:
         (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(1, h, i, r, r, r, BF16, target)
-        runs = _counted(lambda: gate_up(x, np.zeros((h, r), BF16), np.zeros((r, i), BF16), np.zeros((h, r), BF16),
-                                        np.zeros((r, i), BF16), **gate_up_kwargs))
-        runs += _counted(lambda: down(np.zeros((i, 1), BF16), np.zeros((i, r), BF16), np.zeros((r, h), BF16),
-                                      **down_kwargs))
+        runs = _counted(
+            lambda: gate_up(
+                x,
+                np.zeros((h, r), BF16),
+                np.zeros((r, i), BF16),
+                np.zeros((h, r), BF16),
+                np.zeros((r, i), BF16),
+                **gate_up_kwargs,
+            )
+        )
+        runs += _counted(
+            lambda: down(np.zeros((i, 1), BF16), np.zeros((i, r), BF16), np.zeros((r, h), BF16), **down_kwargs)
+        )
         fused[target] = sum(run.latency_us[target] for run in runs)
     return dense, fused
 
 
 def modeled_table(model_names):
-    print(f"\n## Modeled MLP time per decode token on Trainium (bf16, T = 1, keep {paper_shapes.PAPER_KEEP}; "
-          "count-only emulator + cost model, not measured)\n")
-    print("| model | H | I | rank | trn1 dense µs | trn1 fused µs | trn1 speedup | trn2 dense µs | trn2 fused µs "
-          "| trn2 speedup |\n|---|---|---|---|---|---|---|---|---|---|")
+    print(
+        f"\n## Modeled MLP time per decode token on Trainium (bf16, T = 1, keep {paper_shapes.PAPER_KEEP}; "
+        "count-only emulator + cost model, not measured)\n"
+    )
+    print(
+        "| model | H | I | rank | trn1 dense µs | trn1 fused µs | trn1 speedup | trn2 dense µs | trn2 fused µs "
+        "| trn2 speedup |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     for name in model_names:
         h, i = paper_shapes.PAPER_MLP_SHAPES[name]
         r = ranks.block_aligned_rank(h, i, paper_shapes.PAPER_KEEP)

@@ -78,7 +78,7 @@ def _mlp_workload(rng):
         hT = svd_mlp_gate_up_kernel(x, gate_u, gate_v, up_u, up_v, **gate_up_kwargs)
         return svd_mlp_down_kernel(hT, down_u, down_v, **down_kwargs)
 
-    label = (f"low-rank MLP T={t} H={h} I={i} r={r} bf16 (gate_up {gate_up_kwargs}, down {down_kwargs})")
+    label = f"low-rank MLP T={t} H={h} I={i} r={r} bf16 (gate_up {gate_up_kwargs}, down {down_kwargs})"
     return label, layer
 
 

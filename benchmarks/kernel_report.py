@@ -23,10 +23,10 @@ import statistics
 import time
 
 import ml_dtypes
+import nkilib_dense
 import numpy as np
 from absl import app, flags
 
-import nkilib_dense
 from jax_neuronmm.compress.checkpoint import write_atomically
 from nki_kernels import block_table, dispatch, hardware, paper_shapes, ranks
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks
@@ -37,10 +37,14 @@ from nki_kernels.emulator.cost_model import roofline_us
 flags.DEFINE_bool("quick", False, "Llama-3.2-1B only, T in {1, 512}")
 flags.DEFINE_list("models", list(paper_shapes.PAPER_MLP_SHAPES), "models to report (keys of PAPER_MLP_SHAPES)")
 flags.DEFINE_list("tokens", ["1", "16", "128", "512", "2048"], "token counts T")
-flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library for the 'dense (nkilib)' MLP baseline; "
-                    "without it the report says so")
-flags.DEFINE_string("out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"),
-                    "where the markdown and PNG go")
+flags.DEFINE_string(
+    "nki_library",
+    None,
+    "checkout of aws-neuron/nki-library for the 'dense (nkilib)' MLP baseline; without it the report says so",
+)
+flags.DEFINE_string(
+    "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the markdown and PNG go"
+)
 FLAGS = flags.FLAGS
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -79,9 +83,12 @@ class Measured:
 def summarize(runs, latency_us=None):
     matmuls = sum(r.matmul_count for r in runs)
     pe_fill = sum(r.pe_fill * r.matmul_count for r in runs) / matmuls if matmuls else 0.0
-    return Measured(hbm_bytes=sum(r.hbm_bytes_read + r.hbm_bytes_written for r in runs), matmuls=matmuls,
-                    pe_fill=pe_fill,
-                    latency_us=latency_us or {t: sum(r.latency_us[t] for r in runs) for t in TARGETS})
+    return Measured(
+        hbm_bytes=sum(r.hbm_bytes_read + r.hbm_bytes_written for r in runs),
+        matmuls=matmuls,
+        pe_fill=pe_fill,
+        latency_us=latency_us or {t: sum(r.latency_us[t] for r in runs) for t in TARGETS},
+    )
 
 
 def run_counted(fn):
@@ -100,15 +107,17 @@ def measure_fused(t, k, r, n):
         if key not in cache:
             cache[key] = run_counted(lambda: kernel(x, u, v, **kwargs))
         runs_by_target[target] = cache[key]
-    return summarize(runs_by_target["trn1"], {target: runs_by_target[target][0].latency_us[target]
-                                              for target in TARGETS})
+    return summarize(
+        runs_by_target["trn1"], {target: runs_by_target[target][0].latency_us[target] for target in TARGETS}
+    )
 
 
 def measure_unfused(t, k, r, n):
     # Baseline blocks fitted to trn1's (smaller) SBUF, so the same blocks serve both targets.
     xT, u, v = np.zeros((k, t), BF16), np.zeros((k, r), BF16), np.zeros((r, n), BF16)
-    return summarize(run_counted(lambda: unfused_svd_matmul(xT, u, v, xu_blocks=trn1_fit(t, k, r),
-                                                            y_blocks=trn1_fit(t, r, n))))
+    return summarize(
+        run_counted(lambda: unfused_svd_matmul(xT, u, v, xu_blocks=trn1_fit(t, k, r), y_blocks=trn1_fit(t, r, n)))
+    )
 
 
 def measure_dense(t, k, n):
@@ -184,8 +193,9 @@ class MlpCase:
     @property
     def min_bytes(self):
         """X, the six factors and Y once, plus hᵀ written by the first kernel and read by the second."""
-        return (self.t * self.h + 3 * self.r * (self.h + self.i) + self.t * self.h + 2 * self.i * self.t) \
-            * BF16.itemsize
+        return (
+            self.t * self.h + 3 * self.r * (self.h + self.i) + self.t * self.h + 2 * self.i * self.t
+        ) * BF16.itemsize
 
     def floor_us(self, target):
         return roofline_us(6 * self.t * self.r * (self.h + self.i), self.min_bytes, target)
@@ -222,9 +232,12 @@ def measure_mlp(model, t):
     for target in TARGETS:
         (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(t, h, i, r, r, r, BF16, target)
         runs_by_target[target] = run_counted(
-            lambda: down(gate_up(x, gu, gv, uu, uv, **gate_up_kwargs), du, dv, **down_kwargs))
-    fused = summarize(runs_by_target["trn1"], {target: sum(run.latency_us[target] for run in runs_by_target[target])
-                                               for target in TARGETS})
+            lambda: down(gate_up(x, gu, gv, uu, uv, **gate_up_kwargs), du, dv, **down_kwargs)
+        )
+    fused = summarize(
+        runs_by_target["trn1"],
+        {target: sum(run.latency_us[target] for run in runs_by_target[target]) for target in TARGETS},
+    )
     unfused = summarize(run_counted(lambda: unfused_svd_mlp(xT, gu, gv, uu, uv, du, dv, blocks=trn1_fit)))
     dense = summarize(run_counted(lambda: dense_mlp(xT, z((h, i)), z((h, i)), z((i, h)), blocks=trn1_fit)))
     nkilib, note = measure_nkilib_mlp(t, h, i)
@@ -245,8 +258,10 @@ def _nkilib_slices(source, t, h, i, target, failures):
                     runs += shard_runs * shards.count(size)
                     break
                 except Exception as error:  # noqa: BLE001 - reported in the table, the other baselines still stand
-                    failures.append(f"{'mlp_cte forced' if force_cte else 'default kernel'} on {target}, slices of "
-                                    f"≤ {width}: {nkilib_dense.describe_failure(error)}")
+                    failures.append(
+                        f"{'mlp_cte forced' if force_cte else 'default kernel'} on {target}, slices of "
+                        f"≤ {width}: {nkilib_dense.describe_failure(error)}"
+                    )
             else:
                 break
         else:
@@ -274,8 +289,9 @@ def measure_nkilib_mlp(t, h, i):
     if not runs_by_target:
         return None, note
     first = next(iter(runs_by_target.values()))
-    return summarize(first, {target: sum(run.latency_us[target] for run in runs)
-                             for target, runs in runs_by_target.items()}), note
+    return summarize(
+        first, {target: sum(run.latency_us[target] for run in runs) for target, runs in runs_by_target.items()}
+    ), note
 
 
 def run_mlp_cases(models, tokens):
@@ -285,9 +301,12 @@ def run_mlp_cases(models, tokens):
             start = time.time()
             case = measure_mlp(model, t)
             cases.append(case)
-            print(f"{model:13s} MLP  T={t:5d}  fused {case.fused.latency_us['trn1']:9.1f} µs  "
-                  f"unfused {case.unfused.latency_us['trn1']:9.1f}  dense {case.dense.latency_us['trn1']:9.1f}"
-                  f"  (trn1; {time.time() - start:.1f} s)", flush=True)
+            print(
+                f"{model:13s} MLP  T={t:5d}  fused {case.fused.latency_us['trn1']:9.1f} µs  "
+                f"unfused {case.unfused.latency_us['trn1']:9.1f}  dense {case.dense.latency_us['trn1']:9.1f}"
+                f"  (trn1; {time.time() - start:.1f} s)",
+                flush=True,
+            )
     return cases
 
 
@@ -308,8 +327,11 @@ def mlp_markdown(cases):
         "",
     ]
     if notes:
-        lines += ["Dense (nkilib) is missing (–) where it did not run (nkilib documents its kernels for trn2 and "
-                  "trn3): " + " | ".join(notes), ""]
+        lines += [
+            "Dense (nkilib) is missing (–) where it did not run (nkilib documents its kernels for trn2 and "
+            "trn3): " + " | ".join(notes),
+            "",
+        ]
     lines += [
         "| model | T | H | I | r | HBM ÷ min fused | HBM MB fused / unfused / dense tutorial / nkilib "
         "| trn1 µs fused / unfused / dense tutorial / nkilib / fused floor / dense floor "
@@ -319,22 +341,32 @@ def mlp_markdown(cases):
     ]
     dash = "–"
     for c in cases:
+
         def nk(target, c=c):
             return f"{c.nkilib.latency_us[target]:.1f}" if c.nkilib and target in c.nkilib.latency_us else dash
+
         lines.append(
             f"| {c.model} | {c.t} | {c.h} | {c.i} | {c.r} | {c.fused.hbm_bytes / c.min_bytes:.3f} "
             f"| {c.fused.hbm_bytes / 1e6:.1f} / {c.unfused.hbm_bytes / 1e6:.1f} / {c.dense.hbm_bytes / 1e6:.1f} / "
-            f"{c.nkilib.hbm_bytes / 1e6:.1f} " if c.nkilib is not None else
-            f"| {c.model} | {c.t} | {c.h} | {c.i} | {c.r} | {c.fused.hbm_bytes / c.min_bytes:.3f} "
+            f"{c.nkilib.hbm_bytes / 1e6:.1f} "
+            if c.nkilib is not None
+            else f"| {c.model} | {c.t} | {c.h} | {c.i} | {c.r} | {c.fused.hbm_bytes / c.min_bytes:.3f} "
             f"| {c.fused.hbm_bytes / 1e6:.1f} / {c.unfused.hbm_bytes / 1e6:.1f} / {c.dense.hbm_bytes / 1e6:.1f} / "
-            f"{dash} ")
+            f"{dash} "
+        )
         lines[-1] += "".join(
             f"| {c.fused.latency_us[target]:.1f} / {c.unfused.latency_us[target]:.1f} / "
             f"{c.dense.latency_us[target]:.1f} / {nk(target)} / {c.floor_us(target):.1f} / "
-            f"{c.dense_floor_us(target):.1f} " for target in TARGETS)
+            f"{c.dense_floor_us(target):.1f} "
+            for target in TARGETS
+        )
         lines[-1] += (
-            "| " + " / ".join(f"{c.unfused.latency_us[t] / c.fused.latency_us[t]:.2f}" for t in TARGETS)
-            + " | " + " / ".join(f"{c.best_dense(t)[1] / c.fused.latency_us[t]:.2f}" for t in TARGETS) + " |")
+            "| "
+            + " / ".join(f"{c.unfused.latency_us[t] / c.fused.latency_us[t]:.2f}" for t in TARGETS)
+            + " | "
+            + " / ".join(f"{c.best_dense(t)[1] / c.fused.latency_us[t]:.2f}" for t in TARGETS)
+            + " |"
+        )
     lines.append("")
     lines += [f"- {line}" for line in dense_lines(cases, "MLP")]
     return "\n".join(lines) + "\n"
@@ -347,11 +379,15 @@ def dense_lines(cases, what):
         best = [c.best_dense(target)[1] if hasattr(c, "best_dense") else c.dense.latency_us[target] for c in cases]
         ratios = [b / c.fused.latency_us[target] for b, c in zip(best, cases)]
         wins = sum(r > 1.0 for r in ratios)
-        lines.append(f"{target} {what}: fused beats the best dense kernel in {wins}/{len(cases)} cases, by "
-                     f"{statistics.geometric_mean(ratios):.2f}x geometric mean (min {min(ratios):.2f}x, max "
-                     f"{max(ratios):.2f}x)")
-        for label, sel in ((f"decode (T ≤ {DECODE_MAX_T})", [k for k, c in enumerate(cases) if c.t <= DECODE_MAX_T]),
-                           (f"prefill (T ≥ {PREFILL_MIN_T})", [k for k, c in enumerate(cases) if c.t >= PREFILL_MIN_T])):
+        lines.append(
+            f"{target} {what}: fused beats the best dense kernel in {wins}/{len(cases)} cases, by "
+            f"{statistics.geometric_mean(ratios):.2f}x geometric mean (min {min(ratios):.2f}x, max "
+            f"{max(ratios):.2f}x)"
+        )
+        for label, sel in (
+            (f"decode (T ≤ {DECODE_MAX_T})", [k for k, c in enumerate(cases) if c.t <= DECODE_MAX_T]),
+            (f"prefill (T ≥ {PREFILL_MIN_T})", [k for k, c in enumerate(cases) if c.t >= PREFILL_MIN_T]),
+        ):
             if not sel:
                 continue
             part = [ratios[k] for k in sel]
@@ -362,7 +398,9 @@ def dense_lines(cases, what):
                 f"{target} {what}, {label}: vs best dense {statistics.geometric_mean(part):.2f}x (min {min(part):.2f}x,"
                 f" max {max(part):.2f}x); fused ÷ its floor {statistics.mean(fused_floor):.2f} (worst "
                 f"{max(fused_floor):.2f}); best dense ÷ dense floor {statistics.mean(dense_floor):.2f} (best "
-                f"{min(dense_floor):.2f}); fused vs a dense kernel at its floor {statistics.geometric_mean(vs_floor):.2f}x")
+                f"{min(dense_floor):.2f}); fused vs a dense kernel at its floor "
+                f"{statistics.geometric_mean(vs_floor):.2f}x"
+            )
     return lines
 
 
@@ -374,12 +412,24 @@ def run_cases(models, tokens):
         for projection, (k, n) in (("up", (h, i)), ("down", (i, h))):
             for t in tokens:
                 start = time.time()
-                case = Case(model, projection, t, k, r, n, measure_fused(t, k, r, n), measure_unfused(t, k, r, n),
-                            measure_dense(t, k, n))
+                case = Case(
+                    model,
+                    projection,
+                    t,
+                    k,
+                    r,
+                    n,
+                    measure_fused(t, k, r, n),
+                    measure_unfused(t, k, r, n),
+                    measure_dense(t, k, n),
+                )
                 cases.append(case)
-                print(f"{model:13s} {projection:4s} T={t:5d}  fused {case.fused.latency_us['trn1']:9.1f} µs  "
-                      f"unfused {case.unfused.latency_us['trn1']:9.1f}  dense {case.dense.latency_us['trn1']:9.1f}"
-                      f"  (trn1; {time.time() - start:.1f} s)", flush=True)
+                print(
+                    f"{model:13s} {projection:4s} T={t:5d}  fused {case.fused.latency_us['trn1']:9.1f} µs  "
+                    f"unfused {case.unfused.latency_us['trn1']:9.1f}  dense {case.dense.latency_us['trn1']:9.1f}"
+                    f"  (trn1; {time.time() - start:.1f} s)",
+                    flush=True,
+                )
     return cases
 
 
@@ -394,20 +444,25 @@ def headline_lines(cases, mlp_cases):
             ratios = [b / c.fused.latency_us[target] for b, c in zip(best, sel)]
             bound = [c.dense_floor_us(target) / c.fused.latency_us[target] for c in sel]
             decode = [k for k, c in enumerate(sel) if c.t <= DECODE_MAX_T]
-            verdict = ("beats" if min(ratios) > 1.0 else
-                       "does not always beat" if max(ratios) > 1.0 else "does not beat")
+            verdict = "beats" if min(ratios) > 1.0 else "does not always beat" if max(ratios) > 1.0 else "does not beat"
             lines.append(
                 f"{target}, {what}: the fused kernel {verdict} the best dense kernel that ran "
                 f"({sum(r > 1.0 for r in ratios)}/{len(ratios)} cases), by {statistics.geometric_mean(ratios):.2f}x "
                 f"geometric mean (min {min(ratios):.2f}x, max {max(ratios):.2f}x"
-                + (f"; decode T ≤ {DECODE_MAX_T}: {statistics.geometric_mean([ratios[k] for k in decode]):.2f}x"
-                   if decode else "")
+                + (
+                    f"; decode T ≤ {DECODE_MAX_T}: {statistics.geometric_mean([ratios[k] for k in decode]):.2f}x"
+                    if decode
+                    else ""
+                )
                 + f"). Against a dense kernel running at its floor it would be "
                 f"{statistics.geometric_mean(bound):.2f}x (min {min(bound):.2f}x, max {max(bound):.2f}x"
                 + (f"; decode {statistics.geometric_mean([bound[k] for k in decode]):.2f}x" if decode else "")
                 + "): the best dense kernel here runs at "
                 f"{statistics.geometric_mean([b / c.dense_floor_us(target) for b, c in zip(best, sel)]):.2f}x its "
-                f"floor, the fused one at {statistics.geometric_mean([c.fused.latency_us[target] / c.floor_us(target) for c in sel]):.2f}x its own.")
+                f"floor, the fused one at "
+                f"{statistics.geometric_mean([c.fused.latency_us[target] / c.floor_us(target) for c in sel]):.2f}x "
+                "its own."
+            )
     return lines
 
 
@@ -431,8 +486,7 @@ def markdown(cases, quick, mlp_cases=()):
         "the baselines use the tutorial's blocks (tiles_m 16, tiles_n 2, tiles_k 8) shrunk until they fit trn1's "
         "SBUF, not tuned per shape, with the lhsT block hoisted out of the N loop when it fits (the tutorial's "
         "hoist-load step), and accumulate K blocks in a float32 SBUF accumulator (the tutorial's is in the output "
-        "dtype, bf16 here). "
-        + decode_variant_note(),
+        "dtype, bf16 here). " + decode_variant_note(),
         "",
         "| model | proj | T | K | r | N | HBM ÷ min fused / unfused / dense | matmuls fused / unfused / dense "
         "| PE fill fused | trn1 µs fused / unfused / dense / fused floor / dense floor "
@@ -442,8 +496,16 @@ def markdown(cases, quick, mlp_cases=()):
     ]
     for c in cases:
         dense_min = (c.t * c.k + c.k * c.n + c.t * c.n) * BF16.itemsize
-        lat = {t: (c.fused.latency_us[t], c.unfused.latency_us[t], c.dense.latency_us[t], c.floor_us(t),
-                   c.dense_floor_us(t)) for t in TARGETS}
+        lat = {
+            t: (
+                c.fused.latency_us[t],
+                c.unfused.latency_us[t],
+                c.dense.latency_us[t],
+                c.floor_us(t),
+                c.dense_floor_us(t),
+            )
+            for t in TARGETS
+        }
         lines.append(
             f"| {c.model} | {c.projection} | {c.t} | {c.k} | {c.r} | {c.n} "
             f"| {c.fused.hbm_bytes / c.min_bytes:.3f} / {c.unfused.hbm_bytes / c.min_bytes:.3f} / "
@@ -451,13 +513,19 @@ def markdown(cases, quick, mlp_cases=()):
             f"| {c.fused.matmuls} / {c.unfused.matmuls} / {c.dense.matmuls} | {c.fused.pe_fill:.3f} "
             + "".join(f"| {a:.1f} / {b:.1f} / {d:.1f} / {f:.1f} / {g:.1f} " for a, b, d, f, g in lat.values())
             + f"| {lat['trn1'][1] / lat['trn1'][0]:.2f} / {lat['trn2'][1] / lat['trn2'][0]:.2f} "
-            f"| {lat['trn1'][2] / lat['trn1'][0]:.2f} / {lat['trn2'][2] / lat['trn2'][0]:.2f} |")
+            f"| {lat['trn1'][2] / lat['trn1'][0]:.2f} / {lat['trn2'][2] / lat['trn2'][0]:.2f} |"
+        )
     lines += ["", "## Targets", ""] + [f"- {line}" for line in target_lines(cases)]
-    lines += ["", "## Against dense", "",
-              "nkilib has no standalone dense matmul kernel, so per projection the best dense kernel is the "
-              "tutorial matmul; the whole-MLP section below adds nkilib's dense MLP. Dense floor = max(2·T·K·N ÷ "
-              "peak, (X + W + Y) bytes ÷ bandwidth); \"fused vs a dense kernel at its floor\" is that floor ÷ the "
-              "fused latency, the most the fused kernel can gain over any dense kernel.", ""]
+    lines += [
+        "",
+        "## Against dense",
+        "",
+        "nkilib has no standalone dense matmul kernel, so per projection the best dense kernel is the "
+        "tutorial matmul; the whole-MLP section below adds nkilib's dense MLP. Dense floor = max(2·T·K·N ÷ "
+        'peak, (X + W + Y) bytes ÷ bandwidth); "fused vs a dense kernel at its floor" is that floor ÷ the '
+        "fused latency, the most the fused kernel can gain over any dense kernel.",
+        "",
+    ]
     lines += [f"- {line}" for line in dense_lines(cases, "projection")]
     lines += ["", calibration_note()]
     return "\n".join(lines) + "\n"
@@ -467,55 +535,71 @@ def decode_variant_note():
     """Whether the tuned table ever prefers `svd_matmul_decode_kernel` (variant "decode")."""
     entries = [e for key, e in block_table.load_table().items() if key.startswith("svd_matmul|")]
     picked = sum(e.get("variant") == "decode" for e in entries)
-    return (f"The decode variant (`svd_matmul_decode_kernel`, few tokens as the moving operand) exists and is "
-            f"searched for T ≤ {block_table.DECODE_MAX_TOKENS}; the tuner picks it for {picked} of the "
-            f"{len(entries)} svd_matmul shapes in the table"
-            + (", so every row below uses the rows variant." if picked == 0 else "."))
+    return (
+        f"The decode variant (`svd_matmul_decode_kernel`, few tokens as the moving operand) exists and is "
+        f"searched for T ≤ {block_table.DECODE_MAX_TOKENS}; the tuner picks it for {picked} of the "
+        f"{len(entries)} svd_matmul shapes in the table"
+        + (", so every row below uses the rows variant." if picked == 0 else ".")
+    )
 
 
 def speedup_summary(cases, target):
     speedups = [c.unfused.latency_us[target] / c.fused.latency_us[target] for c in cases]
-    return (f"mean {statistics.mean(speedups):.2f}x (geometric {statistics.geometric_mean(speedups):.2f}x, "
-            f"min {min(speedups):.2f}x, max {max(speedups):.2f}x; {len(speedups)} cases)")
+    return (
+        f"mean {statistics.mean(speedups):.2f}x (geometric {statistics.geometric_mean(speedups):.2f}x, "
+        f"min {min(speedups):.2f}x, max {max(speedups):.2f}x; {len(speedups)} cases)"
+    )
 
 
 def target_lines(cases):
     lines = []
     small = [c for c in cases if c.t <= 512]
     exact = [c for c in small if c.fused.hbm_bytes == c.min_bytes]
-    lines.append(f"fused HBM traffic = minimum for T ≤ 512: {len(exact)}/{len(small)} cases "
-                 f"({'met' if small and len(exact) == len(small) else 'NOT met'})")
+    lines.append(
+        f"fused HBM traffic = minimum for T ≤ 512: {len(exact)}/{len(small)} cases "
+        f"({'met' if small and len(exact) == len(small) else 'NOT met'})"
+    )
     for target in TARGETS:
         speedups = [c.unfused.latency_us[target] / c.fused.latency_us[target] for c in cases]
         mean = statistics.mean(speedups)
-        lines.append(f"{target}: mean modeled speedup over unfused {mean:.2f}x (geometric "
-                     f"{statistics.geometric_mean(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x;"
-                     f" target ≥ {SPEEDUP_OVER_UNFUSED}x: {'met' if mean >= SPEEDUP_OVER_UNFUSED else 'NOT met'})")
-        for label, sel in ((f"decode / small T (T ≤ {DECODE_MAX_T})", [c for c in cases if c.t <= DECODE_MAX_T]),
-                           (f"prefill (T ≥ {PREFILL_MIN_T})", [c for c in cases if c.t >= PREFILL_MIN_T])):
+        lines.append(
+            f"{target}: mean modeled speedup over unfused {mean:.2f}x (geometric "
+            f"{statistics.geometric_mean(speedups):.2f}x, min {min(speedups):.2f}x, max {max(speedups):.2f}x;"
+            f" target ≥ {SPEEDUP_OVER_UNFUSED}x: {'met' if mean >= SPEEDUP_OVER_UNFUSED else 'NOT met'})"
+        )
+        for label, sel in (
+            (f"decode / small T (T ≤ {DECODE_MAX_T})", [c for c in cases if c.t <= DECODE_MAX_T]),
+            (f"prefill (T ≥ {PREFILL_MIN_T})", [c for c in cases if c.t >= PREFILL_MIN_T]),
+        ):
             if sel:
                 lines.append(f"{target}: speedup over unfused, {label}: {speedup_summary(sel, target)}")
         decode = [c.fused.latency_us[target] / c.hbm_floor_us(target) for c in cases if c.t == 1]
         if decode:
             worst = max(decode)
-            lines.append(f"{target}: decode (T = 1) fused latency ÷ HBM floor: worst {worst:.3f}, mean "
-                         f"{statistics.mean(decode):.3f} (target ≤ {DECODE_FLOOR_SLACK}: "
-                         f"{'met' if worst <= DECODE_FLOOR_SLACK else 'NOT met'})")
+            lines.append(
+                f"{target}: decode (T = 1) fused latency ÷ HBM floor: worst {worst:.3f}, mean "
+                f"{statistics.mean(decode):.3f} (target ≤ {DECODE_FLOOR_SLACK}: "
+                f"{'met' if worst <= DECODE_FLOOR_SLACK else 'NOT met'})"
+            )
         prefill = [c.pe_utilization(target) for c in cases if c.t >= 2048]
         if prefill:
             worst = min(prefill)
-            lines.append(f"{target}: T ≥ 2048 PE utilization (peak-rate flop time ÷ latency): worst {worst:.3f}, "
-                         f"mean {statistics.mean(prefill):.3f} (target ≥ {PREFILL_PE_UTILIZATION}: "
-                         f"{'met' if worst >= PREFILL_PE_UTILIZATION else 'NOT met'})")
+            lines.append(
+                f"{target}: T ≥ 2048 PE utilization (peak-rate flop time ÷ latency): worst {worst:.3f}, "
+                f"mean {statistics.mean(prefill):.3f} (target ≥ {PREFILL_PE_UTILIZATION}: "
+                f"{'met' if worst >= PREFILL_PE_UTILIZATION else 'NOT met'})"
+            )
     return lines
 
 
 def calibration_note():
     ratios = ", ".join(f"{name} {ratio}" for name, ratio in COST_MODEL_CALIBRATION.items())
-    return (f"Error band of the latencies above: on AWS's public tutorial kernels the same cost model gives "
-            f"modeled ÷ published latency of {ratios} (geometric mean {COST_MODEL_CALIBRATION_GEOMEAN:.2f}; "
-            f"`benchmarks/cost_model_check.py`). The latency targets are judged against modeled numbers with "
-            f"that error.")
+    return (
+        f"Error band of the latencies above: on AWS's public tutorial kernels the same cost model gives "
+        f"modeled ÷ published latency of {ratios} (geometric mean {COST_MODEL_CALIBRATION_GEOMEAN:.2f}; "
+        f"`benchmarks/cost_model_check.py`). The latency targets are judged against modeled numbers with "
+        f"that error."
+    )
 
 
 def plot(cases, path):
@@ -533,14 +617,27 @@ def plot(cases, path):
                 if not sel:
                     continue
                 ts = [c.t for c in sel]
-                line, = axes[0][col].plot(ts, [c.dense.latency_us[target] / c.fused.latency_us[target] for c in sel],
-                                          style, label=f"{model} {projection}")
-                axes[0][col].plot(ts, [c.dense_floor_us(target) / c.fused.latency_us[target] for c in sel], ":",
-                                  color=line.get_color())
-                axes[1][col].plot(ts, [c.fused.latency_us[target] / c.floor_us(target) for c in sel], style,
-                                  color=line.get_color())
-                axes[1][col].plot(ts, [c.dense.latency_us[target] / c.dense_floor_us(target) for c in sel], ":",
-                                  color=line.get_color())
+                (line,) = axes[0][col].plot(
+                    ts,
+                    [c.dense.latency_us[target] / c.fused.latency_us[target] for c in sel],
+                    style,
+                    label=f"{model} {projection}",
+                )
+                axes[0][col].plot(
+                    ts,
+                    [c.dense_floor_us(target) / c.fused.latency_us[target] for c in sel],
+                    ":",
+                    color=line.get_color(),
+                )
+                axes[1][col].plot(
+                    ts, [c.fused.latency_us[target] / c.floor_us(target) for c in sel], style, color=line.get_color()
+                )
+                axes[1][col].plot(
+                    ts,
+                    [c.dense.latency_us[target] / c.dense_floor_us(target) for c in sel],
+                    ":",
+                    color=line.get_color(),
+                )
         axes[0][col].axhline(1.0, color="gray", lw=0.8)
         axes[0][col].set_title(f"{target}: fused speedup over best dense (dotted: over dense floor)", fontsize=9)
         axes[1][col].axhline(1.0, color="gray", lw=0.8)
@@ -562,14 +659,15 @@ def main(argv):
     tokens = [1, 512] if FLAGS.quick else [int(t) for t in FLAGS.tokens]
     for model in models:
         if model not in paper_shapes.PAPER_MLP_SHAPES:
-            raise ValueError(f"--models: unknown model {model!r}, expected some of {list(paper_shapes.PAPER_MLP_SHAPES)}")
+            raise ValueError(
+                f"--models: unknown model {model!r}, expected some of {list(paper_shapes.PAPER_MLP_SHAPES)}"
+            )
     cases = run_cases(models, tokens)
     mlp_cases = run_mlp_cases(models, tokens)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "kernel_report_quick" if FLAGS.quick else "kernel_report")
     text = markdown(cases, FLAGS.quick, mlp_cases) + "\n" + mlp_markdown(mlp_cases)
-    write_atomically(stem + ".md",
-                     lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
+    write_atomically(stem + ".md", lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
     plot(cases, stem + ".png")
     print("\n".join(headline_lines(cases, mlp_cases)))
     print("\n".join(target_lines(cases)))

@@ -12,7 +12,7 @@ import importlib
 import os
 import sys
 import traceback
-from typing import Callable
+from collections.abc import Callable
 
 import ml_dtypes
 import numpy as np
@@ -96,8 +96,8 @@ def _attention_ref(q, k_active, v_active, k_prior, v_prior, mask, s_prior):
     s_active = q.shape[-1]
     keys = _f64(k_prior)[:, 0, :, :s_prior].copy()  # [B, d, s_prior]
     values = _f64(v_prior)[:, 0, :s_prior].copy()  # [B, s_prior, d]
-    keys[:, :, s_prior - s_active:] = _f64(k_active)
-    values[:, s_prior - s_active:] = _f64(v_active)[:, 0]
+    keys[:, :, s_prior - s_active :] = _f64(k_active)
+    values[:, s_prior - s_active :] = _f64(v_active)[:, 0]
     scores = np.einsum("bdk,bdhs->bhks", keys, _f64(q))  # [B, H, s_prior, s_a]
     scores = np.where(np.transpose(mask, (1, 2, 0, 3)) != 0, scores, -np.inf)
     weights = np.exp(scores - scores.max(axis=2, keepdims=True))
@@ -112,8 +112,9 @@ def _attention_tkg(load, rng):
     nl = emulator.language
     b, h, s_active, s_prior, full, d = 2, 2, 1, 128, 256, 64
     # Without fused RoPE the kernel takes Q and K already in SBUF (qk_in_sb).
-    cfg = utils.AttnTKGConfig(bs=b, q_head=h, s_active=s_active, curr_sprior=s_prior, full_sprior=full, d_head=d,
-                              block_len=0, qk_in_sb=True)
+    cfg = utils.AttnTKGConfig(
+        bs=b, q_head=h, s_active=s_active, curr_sprior=s_prior, full_sprior=full, d_head=d, block_len=0, qk_in_sb=True
+    )
     q = (rng.standard_normal((b, d, h, s_active)) / np.sqrt(d)).astype(BF16)
     k_active = rng.standard_normal((b, d, s_active)).astype(BF16)
     v_active = rng.standard_normal((b, 1, s_active, d)).astype(BF16)
@@ -123,7 +124,8 @@ def _attention_tkg(load, rng):
     mask = np.zeros((s_prior, b, h, s_active), dtype=np.uint8)
     for i, n in enumerate(lengths):
         mask[:n, i] = 1
-        mask[s_prior - s_active:, i] = 1  # the active tokens
+        mask[s_prior - s_active :, i] = 1  # the active tokens
+
     @emulator.jit
     def driver(q_flat, k_flat, v_active, k_prior, v_prior, mask):
         sbm = allocator.SbufManager(0, nl.tile_size.total_available_sbuf_size - 16 * 1024, allocator.Logger("SBM"))
@@ -165,8 +167,9 @@ def _mlp_case(module_name, function, b, s, h, i):
             out = nl.ndarray(x.shape, dtype=x.dtype, buffer=nl.shared_hbm)
             if function == "mlp":
                 return kernel(x, gate, up, down)[0]
-            params = parameters.MLPParameters(hidden_tensor=x, gate_proj_weights_tensor=gate,
-                                              up_proj_weights_tensor=up, down_proj_weights_tensor=down)
+            params = parameters.MLPParameters(
+                hidden_tensor=x, gate_proj_weights_tensor=gate, up_proj_weights_tensor=up, down_proj_weights_tensor=down
+            )
             if function == "mlp_cte":
                 kernel(params, out, None)  # writes `out`, returns nothing
                 return out
@@ -196,7 +199,7 @@ def _nonzero_indices(load, rng):
     expected = np.full((8, 256), -1.0)
     for c in range(8):
         found = np.flatnonzero(x[:, c])
-        expected[c, :found.size] = found
+        expected[c, : found.size] = found
     return (_f64(indices), _f64(counts).reshape(-1)), (expected, _f64((x != 0).sum(axis=0))), 0, 0
 
 
@@ -222,7 +225,7 @@ def _attention_block_ref(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_ou
     qkv = (normed @ _f64(w_qkv)).reshape(b, s, heads + 2, d).transpose(3, 0, 2, 1)  # [d, B, heads + 2, S]
     c, sn = _f64(cos)[:, :, None, :], _f64(sin)[:, :, None, :]
     q = _rope_halves(qkv[:, :, :heads], c, sn).transpose(1, 0, 2, 3) / np.sqrt(d)  # [B, d, heads, S]
-    k_new = _rope_halves(qkv[:, :, heads:heads + 1], c, sn)[:, :, 0].transpose(1, 0, 2)  # [B, d, S]
+    k_new = _rope_halves(qkv[:, :, heads : heads + 1], c, sn)[:, :, 0].transpose(1, 0, 2)  # [B, d, S]
     v_new = qkv[:, :, heads + 1].transpose(1, 2, 0)[:, None]  # [B, 1, S, d]
     attn = _attention_ref(q, k_new, v_new, _f64(k_cache).transpose(0, 1, 3, 2), v_cache, mask, s_ctx)
     return attn.transpose(0, 3, 1, 2).reshape(b * s, heads * d) @ _f64(w_out)
@@ -246,21 +249,49 @@ def _attention_block(load, rng):
     mask = np.zeros((s_ctx, b, heads, s), dtype=np.uint8)
     for i, n in enumerate(lengths):
         mask[:n, i] = 1
-        mask[s_ctx - s:, i] = 1
+        mask[s_ctx - s :, i] = 1
 
     @emulator.jit
     def driver(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out):
         none = types.QuantizationType.NONE
         out = module.attention_block_tkg(
-            X=x, X_hidden_dim_actual=None, rmsnorm_X_enabled=True, rmsnorm_X_eps=eps, rmsnorm_X_gamma=gamma,
-            W_qkv=w_qkv, bias_qkv=None, quantization_type_qkv=none, weight_dequant_scale_qkv=None,
-            input_dequant_scale_qkv=None, rmsnorm_QK_pre_rope_enabled=False, rmsnorm_QK_pre_rope_eps=eps,
-            rmsnorm_QK_pre_rope_W_Q=None, rmsnorm_QK_pre_rope_W_K=None, cos=cos, sin=sin,
-            rope_contiguous_layout=True, rmsnorm_QK_post_rope_enabled=False, rmsnorm_QK_post_rope_eps=eps,
-            rmsnorm_QK_post_rope_W_Q=None, rmsnorm_QK_post_rope_W_K=None, K_cache_transposed=False,
-            active_blocks_table=None, K_cache=k_cache, V_cache=v_cache, attention_mask=mask, sink=None,
-            update_cache=False, kv_cache_update_idx=None, W_out=w_out, bias_out=None, quantization_type_out=none,
-            weight_dequant_scale_out=None, input_dequant_scale_out=None, transposed_out=False, out_in_sb=False)
+            X=x,
+            X_hidden_dim_actual=None,
+            rmsnorm_X_enabled=True,
+            rmsnorm_X_eps=eps,
+            rmsnorm_X_gamma=gamma,
+            W_qkv=w_qkv,
+            bias_qkv=None,
+            quantization_type_qkv=none,
+            weight_dequant_scale_qkv=None,
+            input_dequant_scale_qkv=None,
+            rmsnorm_QK_pre_rope_enabled=False,
+            rmsnorm_QK_pre_rope_eps=eps,
+            rmsnorm_QK_pre_rope_W_Q=None,
+            rmsnorm_QK_pre_rope_W_K=None,
+            cos=cos,
+            sin=sin,
+            rope_contiguous_layout=True,
+            rmsnorm_QK_post_rope_enabled=False,
+            rmsnorm_QK_post_rope_eps=eps,
+            rmsnorm_QK_post_rope_W_Q=None,
+            rmsnorm_QK_post_rope_W_K=None,
+            K_cache_transposed=False,
+            active_blocks_table=None,
+            K_cache=k_cache,
+            V_cache=v_cache,
+            attention_mask=mask,
+            sink=None,
+            update_cache=False,
+            kv_cache_update_idx=None,
+            W_out=w_out,
+            bias_out=None,
+            quantization_type_out=none,
+            weight_dequant_scale_out=None,
+            input_dequant_scale_out=None,
+            transposed_out=False,
+            out_in_sb=False,
+        )
         return out[0]
 
     expected = _attention_block_ref(x, gamma, w_qkv, cos, sin, k_cache, v_cache, mask, w_out, eps)
@@ -289,16 +320,44 @@ def _transformer_tkg(load, rng):
     mask = np.zeros((s_ctx, b, heads, s), dtype=np.uint8)
     for j, n in enumerate(rng.integers(s + 1, s_ctx, size=b)):
         mask[:n, j] = 1
-        mask[s_ctx - s:, j] = 1
+        mask[s_ctx - s :, j] = 1
     mask_active = np.ones((s, b, heads, s), dtype=np.uint8)
     kernel = emulator.jit(module.transformer_tkg)
-    got = kernel(x, w_qkv, w_out, w_gate, w_up, w_down, g_qkv, g_mlp, k_caches, v_caches, cos, sin, mask,
-                 mask_active, None, num_layers=layers, eps=eps, replica_groups=[[0]])
+    got = kernel(
+        x,
+        w_qkv,
+        w_out,
+        w_gate,
+        w_up,
+        w_down,
+        g_qkv,
+        g_mlp,
+        k_caches,
+        v_caches,
+        cos,
+        sin,
+        mask,
+        mask_active,
+        None,
+        num_layers=layers,
+        eps=eps,
+        replica_groups=[[0]],
+    )
     current = _f64(x).reshape(b * s, h)
     for layer in range(layers):
         k_cache = _f64(k_caches[layer]).transpose(0, 1, 3, 2)
-        current = current + _attention_block_ref(current.reshape(b, s, h), g_qkv[layer], w_qkv[layer], cos, sin,
-                                                 k_cache, v_caches[layer], mask, w_out[layer], eps)
+        current = current + _attention_block_ref(
+            current.reshape(b, s, h),
+            g_qkv[layer],
+            w_qkv[layer],
+            cos,
+            sin,
+            k_cache,
+            v_caches[layer],
+            mask,
+            w_out[layer],
+            eps,
+        )
         normed = _rms_rows(current, g_mlp[layer], eps)
         current = current + (_silu(normed @ _f64(w_gate[layer])) * (normed @ _f64(w_up[layer]))) @ _f64(w_down[layer])
     return got, current.reshape(b, s, h), 5e-2, 5e-2
@@ -314,11 +373,11 @@ CASES = [
     LibraryCase("decode attention (attention_tkg)", _attention_tkg),
     LibraryCase("decode attention block (attention_block_tkg)", _attention_block),
     LibraryCase("dense MLP, entry point (mlp)", _mlp_case("nkilib.core.mlp.mlp", "mlp", 1, 3, 512, 640)),
-    LibraryCase("dense MLP, decode (mlp_tkg)", _mlp_case("nkilib.core.mlp.mlp_tkg.mlp_tkg", "mlp_tkg", 1, 3, 512,
-                                                         640)),
+    LibraryCase("dense MLP, decode (mlp_tkg)", _mlp_case("nkilib.core.mlp.mlp_tkg.mlp_tkg", "mlp_tkg", 1, 3, 512, 640)),
     LibraryCase("decode megakernel (transformer_tkg)", _transformer_tkg),
-    LibraryCase("dense MLP, prefill (mlp_cte)", _mlp_case("nkilib.core.mlp.mlp_cte.mlp_cte", "mlp_cte", 1, 130, 512,
-                                                          640)),
+    LibraryCase(
+        "dense MLP, prefill (mlp_cte)", _mlp_case("nkilib.core.mlp.mlp_cte.mlp_cte", "mlp_cte", 1, 130, 512, 640)
+    ),
 ]
 
 
@@ -356,8 +415,12 @@ def run_cases(checkout, cases=None, seed=0):
                 except Exception as error:  # noqa: BLE001 - every failure is reported with its place
                     frames = traceback.extract_tb(error.__traceback__)
                     frame = frames[-1]
-                    results.append((case.name, f"{type(error).__name__}: {error} "
-                                               f"(at {os.path.basename(frame.filename)}:{frame.lineno})"))
+                    results.append(
+                        (
+                            case.name,
+                            f"{type(error).__name__}: {error} (at {os.path.basename(frame.filename)}:{frame.lineno})",
+                        )
+                    )
     finally:
         sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:

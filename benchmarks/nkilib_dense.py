@@ -58,9 +58,13 @@ def dense_mlp_runs(source: str, t: int, h: int, i: int, dtype, force_cte: bool =
 
         @emulator.jit
         def driver(x, gate, up, down):
-            params = parameters.MLPParameters(hidden_tensor=x, gate_proj_weights_tensor=gate,
-                                              up_proj_weights_tensor=up, down_proj_weights_tensor=down,
-                                              force_cte_mode=force_cte)
+            params = parameters.MLPParameters(
+                hidden_tensor=x,
+                gate_proj_weights_tensor=gate,
+                up_proj_weights_tensor=up,
+                down_proj_weights_tensor=down,
+                force_cte_mode=force_cte,
+            )
             name = "mlp_tkg" if parameters.is_mlp_tkg(params) else "mlp_cte"
             holder["name"] = name
             kernel = getattr(load(f"nkilib.core.mlp.{name}.{name}"), name)

@@ -47,7 +47,7 @@ def best_times_alternating(fns, args, repeats):
 def hlo_instructions(fn, args):
     """The optimized HLO's entry instructions with names, metadata and configs stripped."""
     text = fn.lower(*args).compile().as_text()
-    entry = text[text.index("ENTRY"):]
+    entry = text[text.index("ENTRY") :]
     lines = []
     for line in entry.splitlines()[1:]:
         line = re.sub(r", (metadata|backend_config)=.*", "", line.strip())
@@ -62,8 +62,10 @@ def main(argv):
     rng = np.random.default_rng(0)
     primitive = jax.jit(jn.svd_matmul)
     handwritten = jax.jit(lambda x, u, v: (x @ u) @ v)
-    print(f"{'tokens':>6} {'K':>5} {'r':>5} {'N':>5} {'svd_matmul ms':>14} {'(x@u)@v ms':>11} {'ratio':>6} "
-          f"{'same HLO':>8}")
+    print(
+        f"{'tokens':>6} {'K':>5} {'r':>5} {'N':>5} {'svd_matmul ms':>14} {'(x@u)@v ms':>11} {'ratio':>6} "
+        f"{'same HLO':>8}"
+    )
     ratios = []
     for t, k, r, n in SHAPES:
         args = [rng.standard_normal(s).astype(np.float32) for s in ((t, k), (k, r), (r, n))]
@@ -71,8 +73,10 @@ def main(argv):
         same = hlo_instructions(primitive, args) == hlo_instructions(handwritten, args)
         ratio = ours / theirs
         ratios.append(ratio)
-        print(f"{t:>6} {k:>5} {r:>5} {n:>5} {ours * 1e3:>14.3f} {theirs * 1e3:>11.3f} {ratio:>6.3f} "
-              f"{'yes' if same else 'no':>8}")
+        print(
+            f"{t:>6} {k:>5} {r:>5} {n:>5} {ours * 1e3:>14.3f} {theirs * 1e3:>11.3f} {ratio:>6.3f} "
+            f"{'yes' if same else 'no':>8}"
+        )
     print(f"geometric mean ratio: {np.exp(np.mean(np.log(ratios))):.3f} (target <= 1.05)")
 
 

@@ -1,4 +1,5 @@
-"""Compress a local Hugging Face Llama / Gemma checkpoint into a directory of SVD factors (`models.compress_checkpoint`).
+"""Compress a local Hugging Face Llama / Gemma checkpoint into a directory of SVD factors
+(`models.compress_checkpoint`).
 
     python examples/compress_checkpoint.py --checkpoint_dir ~/llama --output_dir /tmp/llama-svd --keep 0.8
     python examples/compress_checkpoint.py ... --calibration_text my_corpus.txt   # calibrate on your own text
@@ -10,7 +11,8 @@ v [r, out], with method / keep / ranks / per-tensor sha256 in the header), compr
 before/after, relative error per projection) and copies config.json and the tokenizer files. The output directory
 must be new or hold none of these files: the source checkpoint is never touched. The default method is the
 calibrated pipeline `compress_model` recommends; for every method but svd the text of --calibration_text (default:
-the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has none) and its first
+the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has none)
+and its first
 --calibration_windows windows of --calibration_tokens tokens calibrate the compression (the distill step trains on its
 first --distill_windows windows).
 
@@ -22,37 +24,56 @@ examples/generate.py --checkpoint_dir OUT:
     tokens = generate(model, prompt_ids, 32, eos_id=model.eos_token_ids)
 """
 
-
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
 from jax_neuronmm import models
 
-
 flags.DEFINE_string("checkpoint_dir", None, "Local HF checkpoint directory (config.json + *.safetensors).")
 flags.DEFINE_string("output_dir", None, "New directory to write the compressed checkpoint into.")
-flags.DEFINE_float("keep", models.compressed_loading.DEFAULT_KEEP,
-                   "Fraction of each compressed projection's parameters to keep, in (0, 1].")
+flags.DEFINE_float(
+    "keep",
+    models.compressed_loading.DEFAULT_KEEP,
+    "Fraction of each compressed projection's parameters to keep, in (0, 1].",
+)
 flags.DEFINE_integer("rank", None, "One rank for every compressed projection (instead of --keep).", lower_bound=1)
-flags.DEFINE_enum("method", "recommended", ["recommended", "svd", "whitened"],
-                  "recommended: the calibrated pipeline compress_model runs by default (whitened SVD + its recommended "
-                  "recovery steps); svd: plain truncated SVD, no calibration; whitened: SVD-LLM whitening with --steps.")
+flags.DEFINE_enum(
+    "method",
+    "recommended",
+    ["recommended", "svd", "whitened"],
+    "recommended: the calibrated pipeline compress_model runs by default (whitened SVD + its recommended "
+    "recovery steps); svd: plain truncated SVD, no calibration; whitened: SVD-LLM whitening with --steps.",
+)
 flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(models.compression.STEPS)}.")
 flags.DEFINE_list("include", ["mlp"], "What to compress: mlp and/or attention.")
-flags.DEFINE_string("calibration_text", models.compression.CALIBRATION_TEXT,
-                    "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).")
+flags.DEFINE_string(
+    "calibration_text",
+    models.compression.CALIBRATION_TEXT,
+    "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).",
+)
 flags.DEFINE_integer("calibration_windows", 8, "Windows of the calibration text used.", lower_bound=1)
 flags.DEFINE_integer("calibration_tokens", 128, "Tokens per calibration window.", lower_bound=2)
-flags.DEFINE_integer("distill_windows", 160, "Windows of the calibration text the distill step trains on (more "
-                     "than layer-wise calibration uses: distillation gains from more text).", lower_bound=1)
+flags.DEFINE_integer(
+    "distill_windows",
+    160,
+    "Windows of the calibration text the distill step trains on (more "
+    "than layer-wise calibration uses: distillation gains from more text).",
+    lower_bound=1,
+)
 flags.DEFINE_integer("block", 128, "Rank alignment used with --keep.", lower_bound=1)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the compressed checkpoint.")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
-flags.register_validator("steps", lambda steps: steps is None or set(steps) <= set(models.compression.STEPS),
-                         message=f"--steps takes steps from {list(models.compression.STEPS)}")
-flags.register_validator("include", lambda parts: bool(parts) and set(parts) <= {"mlp", "attention"},
-                         message="--include takes mlp and/or attention")
+flags.register_validator(
+    "steps",
+    lambda steps: steps is None or set(steps) <= set(models.compression.STEPS),
+    message=f"--steps takes steps from {list(models.compression.STEPS)}",
+)
+flags.register_validator(
+    "include",
+    lambda parts: bool(parts) and set(parts) <= {"mlp", "attention"},
+    message="--include takes mlp and/or attention",
+)
 FLAGS = flags.FLAGS
 
 
@@ -61,12 +82,16 @@ def calibration_ids(checkpoint_dir: str, text_path: str, windows: int, tokens: i
     with open(text_path, encoding="utf-8") as f:
         text = f.read()
     tokenizer = models.load_tokenizer(checkpoint_dir)
-    ids = np.array(tokenizer.encode(text).ids) if tokenizer is not None else np.frombuffer(
-        text.encode("utf-8"), np.uint8).astype(np.int64)
+    ids = (
+        np.array(tokenizer.encode(text).ids)
+        if tokenizer is not None
+        else np.frombuffer(text.encode("utf-8"), np.uint8).astype(np.int64)
+    )
     count = min(windows, len(ids) // tokens)
     if count < 1:
-        raise app.UsageError(f"--calibration_text {text_path}: {len(ids)} tokens, fewer than one window of "
-                             f"--calibration_tokens={tokens}")
+        raise app.UsageError(
+            f"--calibration_text {text_path}: {len(ids)} tokens, fewer than one window of --calibration_tokens={tokens}"
+        )
     return ids[: count * tokens].reshape(count, tokens)
 
 
@@ -78,21 +103,32 @@ def main(argv):
         raise app.UsageError("--steps needs --method whitened (--method recommended picks its own steps)")
     ids = distill_ids = None
     if FLAGS.method != "svd":
-        ids = calibration_ids(FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows,
-                              FLAGS.calibration_tokens)
-        steps = models.compression.resolve_pipeline(None if FLAGS.method == "recommended" else FLAGS.method,
-                                                    FLAGS.steps, ids)[1]
+        ids = calibration_ids(
+            FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows, FLAGS.calibration_tokens
+        )
+        steps = models.compression.resolve_pipeline(
+            None if FLAGS.method == "recommended" else FLAGS.method, FLAGS.steps, ids
+        )[1]
         if "distill" in steps:
-            distill_ids = calibration_ids(FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.distill_windows,
-                                          FLAGS.calibration_tokens)
+            distill_ids = calibration_ids(
+                FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.distill_windows, FLAGS.calibration_tokens
+            )
     elif FLAGS["calibration_text"].present:
         raise app.UsageError("--calibration_text calibrates every method but svd")
     try:
         report = models.compress_checkpoint(
-            FLAGS.checkpoint_dir, FLAGS.output_dir, keep=None if FLAGS.rank is not None else FLAGS.keep,
-            rank=FLAGS.rank, method=None if FLAGS.method == "recommended" else FLAGS.method, steps=FLAGS.steps,
-            include=tuple(FLAGS.include), calibration_ids=ids, distill_ids=distill_ids,
-            block=FLAGS.block, dtype=jnp.dtype(FLAGS.dtype))
+            FLAGS.checkpoint_dir,
+            FLAGS.output_dir,
+            keep=None if FLAGS.rank is not None else FLAGS.keep,
+            rank=FLAGS.rank,
+            method=None if FLAGS.method == "recommended" else FLAGS.method,
+            steps=FLAGS.steps,
+            include=tuple(FLAGS.include),
+            calibration_ids=ids,
+            distill_ids=distill_ids,
+            block=FLAGS.block,
+            dtype=jnp.dtype(FLAGS.dtype),
+        )
     except (FileExistsError, FileNotFoundError) as error:  # a refused output directory, a missing source
         raise app.UsageError(str(error)) from error
     print(report)

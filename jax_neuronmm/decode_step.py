@@ -48,8 +48,28 @@ OP = "decode_step"
 ROW_OPERANDS = {"x": 0, "k_cache": 1, "v_cache": 1, "cos": 1, "sin": 1, "mask_bias": 1}  # name -> its B axis
 
 
-def decode_step(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin, mask_bias,
-                final_norm, head, *, spec: DecodeSpec):
+def decode_step(
+    x,
+    norms,
+    qk_norms,
+    q,
+    k,
+    v,
+    o,
+    gate,
+    up,
+    down,
+    k_cache,
+    v_cache,
+    write_index,
+    cos,
+    sin,
+    mask_bias,
+    final_norm,
+    head,
+    *,
+    spec: DecodeSpec,
+):
     """One decode step over all layers; returns (logits [B, T, V] float32, k_cache, v_cache). See the module
     docstring for the operands; bad operands raise ValueError / TypeError naming the argument."""
     if not isinstance(spec, DecodeSpec):
@@ -63,8 +83,15 @@ def decode_step(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache
         raise ValueError(f"{OP}: qk_norms: expected None since spec.qk_norm is False")
     for name, weight in zip(PROJECTIONS, (q, k, v, o, gate, up, down)):
         named.update(_weight_operands(name, weight, spec.ranks[PROJECTIONS.index(name)] is not None))
-    named.update(k_cache=k_cache, v_cache=v_cache, write_index=write_index, cos=cos, sin=sin, mask_bias=mask_bias,
-                 final_norm=final_norm)
+    named.update(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        write_index=write_index,
+        cos=cos,
+        sin=sin,
+        mask_bias=mask_bias,
+        final_norm=final_norm,
+    )
     named.update(_weight_operands("head", head, spec.head_rank is not None))
     operands = [jnp.asarray(a) for a in named.values()]
     return tuple(decode_step_p.bind(*operands, spec=spec))
@@ -73,8 +100,10 @@ def decode_step(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache
 def _weight_operands(name, weight, factored):
     if factored:
         if not isinstance(weight, (tuple, list)) or len(weight) != 2:
-            raise ValueError(f"{OP}: {name}: expected a factored pair (u, v) since the spec gives its ranks; got "
-                             f"{type(weight).__name__}")
+            raise ValueError(
+                f"{OP}: {name}: expected a factored pair (u, v) since the spec gives its ranks; got "
+                f"{type(weight).__name__}"
+            )
         return {f"{name}.u": weight[0], f"{name}.v": weight[1]}
     if isinstance(weight, (tuple, list)):
         raise ValueError(f"{OP}: {name}: got a pair, expected one dense array since the spec gives it no ranks")
@@ -102,9 +131,15 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int) -> di
         else:
             shapes[f"{name}.u"], shapes[f"{name}.v"] = (L, k_in, max(ranks)), (L, max(ranks), n_out)
     cache = (L, batch, slots, s.num_kv_heads, s.head_dim)
-    shapes.update(k_cache=cache, v_cache=cache, write_index=(1, 1), cos=(s.num_rope_tables, batch, tokens, s.head_dim),
-                  sin=(s.num_rope_tables, batch, tokens, s.head_dim), mask_bias=(s.num_masks, batch, tokens, slots),
-                  final_norm=(s.hidden,))
+    shapes.update(
+        k_cache=cache,
+        v_cache=cache,
+        write_index=(1, 1),
+        cos=(s.num_rope_tables, batch, tokens, s.head_dim),
+        sin=(s.num_rope_tables, batch, tokens, s.head_dim),
+        mask_bias=(s.num_masks, batch, tokens, slots),
+        final_norm=(s.hidden,),
+    )
     if s.head_rank is None:
         shapes["head"] = (s.hidden, s.vocab)
     else:
@@ -121,21 +156,31 @@ def _check_operands(operands, spec):
     x, cache = named["x"], named["k_cache"]
     if x.ndim != 3 or cache.ndim != 5:
         bad = "x" if x.ndim != 3 else "k_cache"
-        raise ValueError(f"{OP}: {bad}: got shape {tuple(named[bad].shape)}, expected "
-                         f"{'[B, T, hidden]' if bad == 'x' else '[L, B, S, kv_heads, head_dim]'}")
+        raise ValueError(
+            f"{OP}: {bad}: got shape {tuple(named[bad].shape)}, expected "
+            f"{'[B, T, hidden]' if bad == 'x' else '[L, B, S, kv_heads, head_dim]'}"
+        )
     want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2])
     dtype = np.dtype(x.dtype)
     if dtype not in (np.float16, np.float32, np.float64) and dtype.name != "bfloat16":
         raise TypeError(f"{OP}: x: got dtype {dtype.name}, expected a float dtype (the model's)")
     for name, a in named.items():
         if tuple(a.shape) != want[name]:
-            raise ValueError(f"{OP}: {name}: got shape {tuple(a.shape)}, expected {want[name]} (from the spec and "
-                             f"x [B, T, H] = {tuple(x.shape)}, k_cache slots S = {cache.shape[2]})")
-        expected = {"write_index": np.dtype(np.int32), "cos": np.dtype(np.float32), "sin": np.dtype(np.float32),
-                    "mask_bias": np.dtype(np.float32)}.get(name, dtype)
+            raise ValueError(
+                f"{OP}: {name}: got shape {tuple(a.shape)}, expected {want[name]} (from the spec and "
+                f"x [B, T, H] = {tuple(x.shape)}, k_cache slots S = {cache.shape[2]})"
+            )
+        expected = {
+            "write_index": np.dtype(np.int32),
+            "cos": np.dtype(np.float32),
+            "sin": np.dtype(np.float32),
+            "mask_bias": np.dtype(np.float32),
+        }.get(name, dtype)
         if np.dtype(a.dtype) != expected:
-            raise TypeError(f"{OP}: {name}: got dtype {np.dtype(a.dtype).name}, expected {expected.name}"
-                            + ("" if name in ("write_index", "cos", "sin", "mask_bias") else " (x's dtype)"))
+            raise TypeError(
+                f"{OP}: {name}: got dtype {np.dtype(a.dtype).name}, expected {expected.name}"
+                + ("" if name in ("write_index", "cos", "sin", "mask_bias") else " (x's dtype)")
+            )
     return named
 
 
@@ -149,8 +194,10 @@ def _abstract_eval(*operands, spec):
 
 def _jvp(primals, tangents, *, spec):
     del primals, tangents, spec
-    raise TypeError(f"{OP} is inference only: it has no derivative (differentiate the model's own forward, which "
-                    "computes the same step, instead)")
+    raise TypeError(
+        f"{OP} is inference only: it has no derivative (differentiate the model's own forward, which "
+        "computes the same step, instead)"
+    )
 
 
 def _batch(args, dims, *, spec):
@@ -176,11 +223,11 @@ def _batch(args, dims, *, spec):
         axis = ROW_OPERANDS[name]
         a = batching.bdim_at_front(a, d, size)  # [n, ...]; an unbatched row operand is broadcast
         a = jnp.moveaxis(a, 0, axis)  # [..., n, B, ...]
-        folded.append(a.reshape(a.shape[:axis] + (size * a.shape[axis + 1],) + a.shape[axis + 2:]))
+        folded.append(a.reshape(a.shape[:axis] + (size * a.shape[axis + 1],) + a.shape[axis + 2 :]))
     logits, k_cache, v_cache = decode_step_p.bind(*folded, spec=spec)
 
     def unfold(a, axis):
-        return a.reshape(a.shape[:axis] + (size, a.shape[axis] // size) + a.shape[axis + 1:])
+        return a.reshape(a.shape[:axis] + (size, a.shape[axis] // size) + a.shape[axis + 1 :])
 
     return [unfold(logits, 0), unfold(k_cache, 1), unfold(v_cache, 1)], [0, 1, 1]
 
@@ -216,8 +263,7 @@ def decode_step_ref(*operands, spec: DecodeSpec):
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
     layer_mask = jnp.asarray(spec.layer_mask, jnp.int32)
     per_layer = {name: weights[name] for name in PROJECTIONS}
-    xs = (per_layer, named["norms"], named.get("qk_norms"), named["k_cache"], named["v_cache"], layer_rope,
-          layer_mask)
+    xs = (per_layer, named["norms"], named.get("qk_norms"), named["k_cache"], named["v_cache"], layer_rope, layer_mask)
     mlp_factored = all(spec.ranks[PROJECTIONS.index(name)] is not None for name in ("gate", "up", "down"))
 
     def layer(x, xs):
@@ -227,18 +273,39 @@ def decode_step_ref(*operands, spec: DecodeSpec):
             factors = [f for name in ("gate", "up", "down") for f in projections[name]]
             mlp = lambda h: svd_mlp_ref(h, *factors, activation=spec.activation)  # noqa: E731
         else:
-            mlp = functools.partial(decoder_math.gated_mlp, gate_proj=proj["gate"], up_proj=proj["up"],
-                                    down_proj=proj["down"], activation=spec.activation)
+            mlp = functools.partial(
+                decoder_math.gated_mlp,
+                gate_proj=proj["gate"],
+                up_proj=proj["up"],
+                down_proj=proj["down"],
+                activation=spec.activation,
+            )
         attention = functools.partial(
-            decoder_math.self_attention, q_proj=proj["q"], k_proj=proj["k"], v_proj=proj["v"], o_proj=proj["o"],
+            decoder_math.self_attention,
+            q_proj=proj["q"],
+            k_proj=proj["k"],
+            v_proj=proj["v"],
+            o_proj=proj["o"],
             q_norm=None if qk_norms is None else functools.partial(norm, weight=qk_norms[0]),
             k_norm=None if qk_norms is None else functools.partial(norm, weight=qk_norms[1]),
-            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            scaling=spec.query_scaling, logit_softcap=spec.attn_logit_softcap, cos=named["cos"][rope],
-            sin=named["sin"][rope], bias=named["mask_bias"][mask], kv=(k_cache, v_cache), write_index=write_index)
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            scaling=spec.query_scaling,
+            logit_softcap=spec.attn_logit_softcap,
+            cos=named["cos"][rope],
+            sin=named["sin"][rope],
+            bias=named["mask_bias"][mask],
+            kv=(k_cache, v_cache),
+            write_index=write_index,
+        )
         return decoder_math.decoder_layer(
-            x, norms=[functools.partial(norm, weight=norms[i]) for i in range(spec.num_norms)], attention=attention,
-            mlp=mlp, sandwich=spec.sandwich)
+            x,
+            norms=[functools.partial(norm, weight=norms[i]) for i in range(spec.num_norms)],
+            attention=attention,
+            mlp=mlp,
+            sandwich=spec.sandwich,
+        )
 
     x, (k_cache, v_cache) = lax.scan(layer, named["x"], xs)
     logits = _projection(weights["head"])(norm(x, named["final_norm"]))

@@ -12,7 +12,7 @@ RoPE tables cos / sin [B, T, head_dim] float32 (rotate-half, halves duplicated);
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -79,9 +79,26 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
-def self_attention(x, *, q_proj: Callable, k_proj: Callable, v_proj: Callable, o_proj: Callable,
-                   q_norm: Callable | None, k_norm: Callable | None, num_heads: int, num_kv_heads: int,
-                   head_dim: int, scaling: float, logit_softcap: float | None, cos, sin, bias, kv, write_index):
+def self_attention(
+    x,
+    *,
+    q_proj: Callable,
+    k_proj: Callable,
+    v_proj: Callable,
+    o_proj: Callable,
+    q_norm: Callable | None,
+    k_norm: Callable | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    scaling: float,
+    logit_softcap: float | None,
+    cos,
+    sin,
+    bias,
+    kv,
+    write_index,
+):
     """Self-attention of x [B, T, hidden] -> (output [B, T, hidden], (keys, values)).
 
     q/k/v projections, optional per-head q/k norms (over head_dim), RoPE from cos / sin, then attention over the

@@ -55,8 +55,10 @@ def check_out_sharding(op, out_sharding, ndim):
     if out_sharding is None:
         return None
     if not isinstance(out_sharding, (NamedSharding, PartitionSpec)):
-        raise TypeError(f"{op}: out_sharding has type {type(out_sharding).__name__}; expected a "
-                        "jax.sharding.NamedSharding, a jax.sharding.PartitionSpec or None")
+        raise TypeError(
+            f"{op}: out_sharding has type {type(out_sharding).__name__}; expected a "
+            "jax.sharding.NamedSharding, a jax.sharding.PartitionSpec or None"
+        )
     try:
         sharding = canonicalize_sharding(out_sharding, op)
     except ValueError as err:
@@ -65,8 +67,10 @@ def check_out_sharding(op, out_sharding, ndim):
         return None
     spec = sharding.spec
     if spec.unreduced or spec.reduced:
-        raise ValueError(f"{op}: out_sharding={spec} has unreduced/reduced axes; expected a plain split (the op "
-                         "completes its own sums)")
+        raise ValueError(
+            f"{op}: out_sharding={spec} has unreduced/reduced axes; expected a plain split (the op "
+            "completes its own sums)"
+        )
     if len(spec) > ndim:
         raise ValueError(f"{op}: out_sharding={spec} has {len(spec)} entries; the result has {ndim} dims")
     return NamedSharding(sharding.mesh, PartitionSpec(*spec, *(None,) * (ndim - len(spec))))
@@ -80,8 +84,9 @@ def result_sharding(op, rule, names, avals, out_sharding):
     mesh = _common_mesh(op, names, avals)
     if out_sharding is not None:
         if not mesh.empty and out_sharding.mesh != mesh:
-            raise ShardingTypeError(f"{op}: out_sharding is on mesh {out_sharding.mesh}; the operands are typed "
-                                    f"on {mesh}")
+            raise ShardingTypeError(
+                f"{op}: out_sharding is on mesh {out_sharding.mesh}; the operands are typed on {mesh}"
+            )
         return out_sharding
     split = {}  # factor -> (operand name, dim, axes)
     sides = {}  # summed factor -> {"left"/"right": (operand name, dim)}
@@ -93,27 +98,32 @@ def result_sharding(op, rule, names, avals, out_sharding):
             if seen[2] != axes:
                 raise ShardingTypeError(
                     f"{op}: {seen[0]} (dim {seen[1]}) is split over {seen[2]} but {name} (dim {dim}) over "
-                    f"{axes}; both are the same dimension {factor!r} and must be split over the same mesh axes")
+                    f"{axes}; both are the same dimension {factor!r} and must be split over the same mesh axes"
+                )
             if factor not in rule.result:
                 side = "left" if dim == len(factors) - 1 else "right"
                 sides.setdefault(factor, {}).setdefault(side, (name, dim))
     entries = tuple(split[f][2] if f in split else () for f in rule.result)
     partial = {f: s for f, s in sides.items() if len(s) == 2}
     if partial:
-        summed = "; ".join(f"{s['left'][0]} dim {s['left'][1]} and {s['right'][0]} dim {s['right'][1]} over "
-                           f"{split[f][2]}" for f, s in partial.items())
+        summed = "; ".join(
+            f"{s['left'][0]} dim {s['left'][1]} and {s['right'][0]} dim {s['right'][1]} over {split[f][2]}"
+            for f, s in partial.items()
+        )
         raise ShardingTypeError(
             f"{op}: summed dimensions are split on both sides of their contraction ({summed}), so the result is "
             f"partial sums and it is ambiguous how it should be sharded. Pass out_sharding, e.g. "
             f"out_sharding={_spec(entries)} for an all-reduce into that layout, or split one more result dim "
-            "over the summed axes for a reduce-scatter")
+            "over the summed axes for a reduce-scatter"
+        )
     owners = {}
     for factor, axes in zip(rule.result, entries):
         for axis in axes:
             if axis in owners:
                 raise ShardingTypeError(
                     f"{op}: the result would split two dims ({owners[axis]!r} from {split[owners[axis]][0]}, "
-                    f"{factor!r} from {split[factor][0]}) over mesh axis {axis!r}; pass out_sharding")
+                    f"{factor!r} from {split[factor][0]}) over mesh axis {axis!r}; pass out_sharding"
+                )
             owners[axis] = factor
     return NamedSharding(mesh, _spec(entries))
 

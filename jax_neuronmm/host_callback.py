@@ -7,8 +7,13 @@ device's blocks like any other backend.
 
 import numpy as np
 
-from jax_neuronmm._compat import Primitive, add_host_callback, cpu_host_callback_lowering, lowering_platform, \
-    register_lowering
+from jax_neuronmm._compat import (
+    Primitive,
+    add_host_callback,
+    cpu_host_callback_lowering,
+    lowering_platform,
+    register_lowering,
+)
 from jax_neuronmm.shapes import accumulation_dtype
 
 

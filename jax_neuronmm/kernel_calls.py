@@ -17,7 +17,7 @@ requested (the XLA reference rounds only once, to the requested dtype).
 
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +28,10 @@ from nki_kernels.dispatch import KERNEL_DTYPES
 def check_kernel_dtype(backend, dtype):
     """The kernels take bf16/fp16/fp32 (TensorE has no float64)."""
     if np.dtype(dtype).name not in KERNEL_DTYPES:
-        raise TypeError(f"backend {backend!r} runs NKI kernels, which take {', '.join(KERNEL_DTYPES)} operands; "
-                        f"got {np.dtype(dtype).name}. Use backend 'xla' for it.")
+        raise TypeError(
+            f"backend {backend!r} runs NKI kernels, which take {', '.join(KERNEL_DTYPES)} operands; "
+            f"got {np.dtype(dtype).name}. Use backend 'xla' for it."
+        )
 
 
 def array_namespace(x):
@@ -40,7 +42,7 @@ def array_namespace(x):
 def split_leading(x, n_batch, feature_dims):
     """x [*B, *T, F...] -> (B tuple, T tuple, flat batch count, flat token count)."""
     batch = x.shape[:n_batch]
-    tokens = x.shape[n_batch:x.ndim - feature_dims]
+    tokens = x.shape[n_batch : x.ndim - feature_dims]
     return batch, tokens, math.prod(batch), math.prod(tokens)
 
 
@@ -64,8 +66,9 @@ class KernelLaunches:
             return self.plan(*operands, target=target, **params)
         except ValueError as error:
             shapes = ", ".join(str(tuple(a.shape)) for a in operands)
-            raise ValueError(f"{self.op}: operands of shapes {shapes} cannot run as NKI kernels on {target}: "
-                             f"{error}") from None
+            raise ValueError(
+                f"{self.op}: operands of shapes {shapes} cannot run as NKI kernels on {target}: {error}"
+            ) from None
 
     def __call__(self, *operands, target, **params):
         return self.run(self.checked_plan(*operands, target=target, **params), *operands, **params)

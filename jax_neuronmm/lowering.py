@@ -24,13 +24,20 @@ separate "neuron" registration.
 
 import dataclasses
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
 from jax_neuronmm import explicit_sharding, host_callback, kernel_calls, sharding
-from jax_neuronmm._compat import (add_host_callback, cpu_host_callback_lowering, lower_fun, lowering_platform,
-                                  lowers_whole_arrays, register_lowering, require_devices_during_lowering)
+from jax_neuronmm._compat import (
+    add_host_callback,
+    cpu_host_callback_lowering,
+    lower_fun,
+    lowering_platform,
+    lowers_whole_arrays,
+    register_lowering,
+    require_devices_during_lowering,
+)
 from jax_neuronmm.backend import effective_backend
 from nki_kernels.dispatch import launch_target
 
@@ -76,8 +83,10 @@ def local_impl(primitive, platform):
         kernels = rules.kernels
         return host_callback.HostKernel(
             lambda *blocks, **params: kernels(*blocks, target=launch_target(emulated=True), **params),
-            check=lambda *operands, **params: kernels.checked_plan(*operands, target=launch_target(emulated=True),
-                                                                   **params))
+            check=lambda *operands, **params: kernels.checked_plan(
+                *operands, target=launch_target(emulated=True), **params
+            ),
+        )
     return functools.partial(rules.kernels, target=launch_target(emulated=False))
 
 
@@ -123,8 +132,9 @@ def _lower_whole(primitive, ctx, *operands, **params):
     kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
     target = launch_target(emulated=backend == "emulator")
     if backend == "neuron":
-        return lower_fun(functools.partial(rules.kernels, target=target, **params),
-                         multiple_results=True)(ctx, *operands)
+        return lower_fun(functools.partial(rules.kernels, target=target, **params), multiple_results=True)(
+            ctx, *operands
+        )
     rules.kernels.checked_plan(*ctx.avals_in, target=target, **params)  # fails here, not inside the callback
     dtypes = [np.dtype(aval.dtype) for aval in ctx.avals_out]
 

@@ -20,8 +20,9 @@ def run_kernel_with_jax_arrays(kernel, grid, args, kwargs):
     """Runs `kernel[grid](*args, **kwargs)` with JAX array arguments through a host callback."""
     launch = kernel[grid] if grid else kernel
     positions = [i for i, a in enumerate(args) if _is_array(a)]
-    specs = emulator.output_specs(kernel, [jax.ShapeDtypeStruct(a.shape, a.dtype) if _is_array(a) else a
-                                           for a in args], kwargs, grid or None)
+    specs = emulator.output_specs(
+        kernel, [jax.ShapeDtypeStruct(a.shape, a.dtype) if _is_array(a) else a for a in args], kwargs, grid or None
+    )
     result_shapes = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in specs]
 
     def on_host(*arrays):
@@ -32,8 +33,7 @@ def run_kernel_with_jax_arrays(kernel, grid, args, kwargs):
         outputs = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         return tuple(np.asarray(o, dtype=s.dtype) for o, s in zip(outputs, result_shapes))
 
-    outputs = jax.pure_callback(on_host, tuple(result_shapes), *[args[i] for i in positions],
-                                vmap_method="sequential")
+    outputs = jax.pure_callback(on_host, tuple(result_shapes), *[args[i] for i in positions], vmap_method="sequential")
     return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
 

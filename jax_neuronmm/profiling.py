@@ -50,19 +50,25 @@ class Profile:
         rows = collections.defaultdict(list)
         for run in self._recorded.runs:
             rows[run.name].append(run)
-        header = f"{'kernel':28s} {'launches':>8s} {'instr':>9s} {'HBM MiB':>9s} {'matmuls':>8s} {'PE fill':>7s} " \
-                 f"{'T/V/S/G/D':>16s} {'trn1 us':>10s} {'trn2 us':>10s}"
+        header = (
+            f"{'kernel':28s} {'launches':>8s} {'instr':>9s} {'HBM MiB':>9s} {'matmuls':>8s} {'PE fill':>7s} "
+            f"{'T/V/S/G/D':>16s} {'trn1 us':>10s} {'trn2 us':>10s}"
+        )
         lines = [header, "-" * len(header)]
         for kernel, runs in rows.items():
             matmuls = sum(r.matmul_count for r in runs)
             fill = sum(r.pe_fill * r.matmul_count for r in runs) / matmuls if matmuls else 0.0
             hbm = sum(r.hbm_bytes_read + r.hbm_bytes_written for r in runs) / 2**20
             # engine_counts lists the engines in T/V/S/G/D order, as the per-launch table prints them.
-            engines = "/".join(str(sum(r.engine_counts.get(engine, 0) for r in runs)) for engine in runs[0].engine_counts)
-            lines.append(f"{kernel:28s} {len(runs):8d} {sum(r.instructions for r in runs):9d} {hbm:9.2f} "
-                         f"{matmuls:8d} {fill:7.3f} {engines:>16s} "
-                         f"{sum(r.latency_us['trn1'] for r in runs):10.2f} "
-                         f"{sum(r.latency_us['trn2'] for r in runs):10.2f}")
+            engines = "/".join(
+                str(sum(r.engine_counts.get(engine, 0) for r in runs)) for engine in runs[0].engine_counts
+            )
+            lines.append(
+                f"{kernel:28s} {len(runs):8d} {sum(r.instructions for r in runs):9d} {hbm:9.2f} "
+                f"{matmuls:8d} {fill:7.3f} {engines:>16s} "
+                f"{sum(r.latency_us['trn1'] for r in runs):10.2f} "
+                f"{sum(r.latency_us['trn2'] for r in runs):10.2f}"
+            )
         return "\n".join(lines)
 
     def __len__(self):

@@ -31,8 +31,9 @@ def batched_dot(a, b, n_batch, precision, out_dtype, out_sharding=None):
     batch = tuple(range(n_batch))
     dims = (((a.ndim - 1,), (n_batch,)), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
-                           out_sharding=out_sharding).astype(out_dtype)
+    return lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=acc, out_sharding=out_sharding
+    ).astype(out_dtype)
 
 
 def token_contract(a, b, n_batch, precision, out_dtype, out_sharding=None):
@@ -44,8 +45,9 @@ def token_contract(a, b, n_batch, precision, out_dtype, out_sharding=None):
     tokens = tuple(range(n_batch, a.ndim - 1))
     dims = ((tokens, tokens), (batch, batch))
     acc = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=acc,
-                           out_sharding=out_sharding).astype(out_dtype)
+    return lax.dot_general(
+        a, b, dims, precision=precision, preferred_element_type=acc, out_sharding=out_sharding
+    ).astype(out_dtype)
 
 
 def swap_last(w):

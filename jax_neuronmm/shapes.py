@@ -21,8 +21,7 @@ def check_float_dtypes(op, named):
     for name, arr in named.items():
         if np.dtype(arr.dtype) not in [np.dtype(d) for d in COMPUTE_DTYPES]:
             raise TypeError(
-                f"{op}: {name} has dtype {np.dtype(arr.dtype).name}; expected a float dtype "
-                f"({_dtype_names()})"
+                f"{op}: {name} has dtype {np.dtype(arr.dtype).name}; expected a float dtype ({_dtype_names()})"
             )
     dtypes = {name: np.dtype(arr.dtype) for name, arr in named.items()}
     if len(set(dtypes.values())) > 1:
@@ -35,9 +34,7 @@ def check_matrix(op, name, arr, rows=None, rows_from=None):
     if arr.ndim != 2:
         raise ValueError(f"{op}: {name} must be 2-D, got shape {tuple(arr.shape)}")
     if rows is not None and arr.shape[0] != rows:
-        raise ValueError(
-            f"{op}: {name} has shape {tuple(arr.shape)}; its first dim must equal {rows_from} = {rows}"
-        )
+        raise ValueError(f"{op}: {name} has shape {tuple(arr.shape)}; its first dim must equal {rows_from} = {rows}")
 
 
 def check_activations(op, name, x):
@@ -50,9 +47,7 @@ def result_dtype(op, input_dtype, preferred_element_type):
         return np.dtype(input_dtype)
     dtype = np.dtype(preferred_element_type)
     if dtype not in [np.dtype(d) for d in COMPUTE_DTYPES]:
-        raise TypeError(
-            f"{op}: preferred_element_type={dtype.name} is not supported; expected one of {_dtype_names()}"
-        )
+        raise TypeError(f"{op}: preferred_element_type={dtype.name} is not supported; expected one of {_dtype_names()}")
     if dtype == np.float64 and not jax.config.jax_enable_x64:
         raise TypeError(f"{op}: preferred_element_type=float64 needs 64-bit mode (jax_enable_x64); it is off")
     return dtype

@@ -48,8 +48,7 @@ def match_varying_axes(*operands):
     axes = [varying_axes(jax.typeof(a)) for a in operands]
     union = frozenset().union(*axes)
     return tuple(
-        jax.lax.pcast(a, tuple(union - own), to="varying") if union - own else a
-        for a, own in zip(operands, axes)
+        jax.lax.pcast(a, tuple(union - own), to="varying") if union - own else a for a, own in zip(operands, axes)
     )
 
 
@@ -153,8 +152,12 @@ def _scatter_dims(rule, mesh, result_shape, assigned, summed_axes):
         return {}
     scatter, free = {}, set(summed_axes)
     for dim, (factor, axes) in enumerate(zip(rule.result, _spec_axes(requested.spec, len(rule.result)))):
-        if (axes and factor not in assigned and set(axes) <= free
-                and result_shape.shape[dim] % math.prod(mesh.shape[a] for a in axes) == 0):
+        if (
+            axes
+            and factor not in assigned
+            and set(axes) <= free
+            and result_shape.shape[dim] % math.prod(mesh.shape[a] for a in axes) == 0
+        ):
             scatter[dim] = axes
             free -= set(axes)
     return scatter
@@ -162,8 +165,12 @@ def _scatter_dims(rule, mesh, result_shape, assigned, summed_axes):
 
 def _check_blocks(check_blocks, arg_shapes, arg_shardings):
     if check_blocks is not None:
-        check_blocks(*(jax.ShapeDtypeStruct(sharding.shard_shape(shape.shape), shape.dtype)
-                       for shape, sharding in zip(arg_shapes, arg_shardings)))
+        check_blocks(
+            *(
+                jax.ShapeDtypeStruct(sharding.shard_shape(shape.shape), shape.dtype)
+                for shape, sharding in zip(arg_shapes, arg_shardings)
+            )
+        )
 
 
 def partitioned(local_fn, rule, params, check_blocks=None):

@@ -56,7 +56,12 @@ def svd_matmul(x, u, v, *, precision=None, preferred_element_type=None, out_shar
     out_sharding = explicit_sharding.check_out_sharding(op, out_sharding, x.ndim)
     x, u, v = match_varying_axes(x, u, v)  # inside shard_map: see sharding.py
     return svd_matmul_p.bind(
-        x, u, v, n_batch=0, precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype,
+        x,
+        u,
+        v,
+        n_batch=0,
+        precision=shapes.canonical_precision(op, precision),
+        out_dtype=out_dtype,
         out_sharding=out_sharding,
     )
 
@@ -69,8 +74,9 @@ def _bind(x, u, v, **params):
 def _abstract_eval(x, u, v, *, n_batch, precision, out_dtype, out_sharding):
     del precision
     check_varying_axes("svd_matmul", ("x", "u", "v"), (x, u, v))
-    sharding = explicit_sharding.result_sharding("svd_matmul", factor_rule(n_batch, x.ndim), ("x", "u", "v"),
-                                                 (x, u, v), out_sharding)
+    sharding = explicit_sharding.result_sharding(
+        "svd_matmul", factor_rule(n_batch, x.ndim), ("x", "u", "v"), (x, u, v), out_sharding
+    )
     return x.update(shape=x.shape[:-1] + v.shape[-1:], dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
@@ -100,19 +106,46 @@ def _transpose(ct, x, u, v, *, n_batch, precision, out_dtype, out_sharding):
     ct = ct.astype(target.dtype)
     if undefined[0]:
         # y = x·u·v  =>  x̄ = ȳ·vᵀ·uᵀ: again a fused low-rank product.
-        ct_x = _bind(ct, swap_last(v), swap_last(u), n_batch=n_batch, precision=precision,
-                     out_dtype=np.dtype(target.dtype), out_sharding=explicit_sharding.sharding_of(target))
+        ct_x = _bind(
+            ct,
+            swap_last(v),
+            swap_last(u),
+            n_batch=n_batch,
+            precision=precision,
+            out_dtype=np.dtype(target.dtype),
+            out_sharding=explicit_sharding.sharding_of(target),
+        )
         return [ct_x, None, None]
     # Under Explicit mesh axes cotangents are typed like their primals (as lax.dot_general's transpose does).
     if undefined[1]:
-        ct_v = batched_dot(ct, swap_last(v), n_batch, precision, target.dtype,  # ȳ·vᵀ [*B, *T, r]
-                           out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(ct), target, -1))
-        return [None, token_contract(x, ct_v, n_batch, precision, target.dtype,
-                                     out_sharding=explicit_sharding.sharding_of(target)), None]
-    xu = batched_dot(x, u, n_batch, precision, x.dtype,  # rounded as in the forward pass
-                     out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(x), target, -2))
-    return [None, None, token_contract(xu, ct, n_batch, precision, target.dtype,
-                                       out_sharding=explicit_sharding.sharding_of(target))]
+        ct_v = batched_dot(
+            ct,
+            swap_last(v),
+            n_batch,
+            precision,
+            target.dtype,  # ȳ·vᵀ [*B, *T, r]
+            out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(ct), target, -1),
+        )
+        return [
+            None,
+            token_contract(
+                x, ct_v, n_batch, precision, target.dtype, out_sharding=explicit_sharding.sharding_of(target)
+            ),
+            None,
+        ]
+    xu = batched_dot(
+        x,
+        u,
+        n_batch,
+        precision,
+        x.dtype,  # rounded as in the forward pass
+        out_sharding=explicit_sharding.rank_intermediate_sharding(jax.typeof(x), target, -2),
+    )
+    return [
+        None,
+        None,
+        token_contract(xu, ct, n_batch, precision, target.dtype, out_sharding=explicit_sharding.sharding_of(target)),
+    ]
 
 
 def _batch(args, dims, *, n_batch, out_sharding, **params):
@@ -121,8 +154,7 @@ def _batch(args, dims, *, n_batch, out_sharding, **params):
     if bu is None and bv is None:
         # Only activations are batched: the new axis is one more token dim.
         out_sharding = explicit_sharding.batched_out_sharding(out_sharding, n_batch, x, bx)
-        return _bind(jnp.moveaxis(x, bx, n_batch), u, v, n_batch=n_batch, out_sharding=out_sharding,
-                     **params), n_batch
+        return _bind(jnp.moveaxis(x, bx, n_batch), u, v, n_batch=n_batch, out_sharding=out_sharding, **params), n_batch
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     batched = next(i for i, d in enumerate(dims) if d is not None)
     out_sharding = explicit_sharding.batched_out_sharding(out_sharding, 0, args[batched], dims[batched])
@@ -180,5 +212,6 @@ def factor_rule(n_batch, x_ndim):
 ad.primitive_jvps[svd_matmul_p] = _jvp
 ad.primitive_transposes[svd_matmul_p] = _transpose
 batching.primitive_batchers[svd_matmul_p] = _batch
-lowering.register(svd_matmul_p, reference=svd_matmul_ref, kernels=KernelLaunches("svd_matmul", _plan, _run),
-                  partitioning=factor_rule)
+lowering.register(
+    svd_matmul_p, reference=svd_matmul_ref, kernels=KernelLaunches("svd_matmul", _plan, _run), partitioning=factor_rule
+)

@@ -34,8 +34,20 @@ svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
 WEIGHT_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
 
 
-def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", precision=None,
-            preferred_element_type=None, out_sharding=None):
+def svd_mlp(
+    x,
+    gate_u,
+    gate_v,
+    up_u,
+    up_v,
+    down_u,
+    down_v,
+    *,
+    activation="silu",
+    precision=None,
+    preferred_element_type=None,
+    out_sharding=None,
+):
     """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
 
     Args:
@@ -61,8 +73,7 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
     shapes.check_activations(op, "x", x)
     hidden = x.shape[-1]
     shapes.check_matrix(op, "gate_u", weights["gate_u"], rows=hidden, rows_from="x.shape[-1] (H)")
-    shapes.check_matrix(op, "gate_v", weights["gate_v"], rows=weights["gate_u"].shape[1],
-                        rows_from="gate_u.shape[1]")
+    shapes.check_matrix(op, "gate_v", weights["gate_v"], rows=weights["gate_u"].shape[1], rows_from="gate_u.shape[1]")
     shapes.check_matrix(op, "up_u", weights["up_u"], rows=hidden, rows_from="x.shape[-1] (H)")
     shapes.check_matrix(op, "up_v", weights["up_v"], rows=weights["up_u"].shape[1], rows_from="up_u.shape[1]")
     intermediate = weights["gate_v"].shape[1]
@@ -71,29 +82,37 @@ def svd_mlp(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu",
             f"{op}: up_v has shape {tuple(weights['up_v'].shape)}; its second dim must equal "
             f"gate_v.shape[1] (intermediate size I) = {intermediate}"
         )
-    shapes.check_matrix(op, "down_u", weights["down_u"], rows=intermediate,
-                        rows_from="gate_v.shape[1] (intermediate size I)")
-    shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1],
-                        rows_from="down_u.shape[1]")
+    shapes.check_matrix(
+        op, "down_u", weights["down_u"], rows=intermediate, rows_from="gate_v.shape[1] (intermediate size I)"
+    )
+    shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1], rows_from="down_u.shape[1]")
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     out_sharding = explicit_sharding.check_out_sharding(op, out_sharding, x.ndim)
     x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
-    return svd_mlp_p.bind(x, *weights, activation=activation, n_batch=0,
-                          precision=shapes.canonical_precision(op, precision), out_dtype=out_dtype,
-                          out_sharding=out_sharding)
+    return svd_mlp_p.bind(
+        x,
+        *weights,
+        activation=activation,
+        n_batch=0,
+        precision=shapes.canonical_precision(op, precision),
+        out_dtype=out_dtype,
+        out_sharding=out_sharding,
+    )
 
 
 @svd_mlp_p.def_abstract_eval
 def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype, out_sharding):
     check_varying_axes("svd_mlp", ("x",) + WEIGHT_NAMES, (x,) + weights)
-    sharding = explicit_sharding.result_sharding("svd_mlp", factor_rule(n_batch, x.ndim), ("x",) + WEIGHT_NAMES,
-                                                 (x,) + weights, out_sharding)
+    sharding = explicit_sharding.result_sharding(
+        "svd_mlp", factor_rule(n_batch, x.ndim), ("x",) + WEIGHT_NAMES, (x,) + weights, out_sharding
+    )
     down_v = weights[-1]
     return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
-def _composite(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype,
-               out_sharding):
+def _composite(
+    x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype, out_sharding
+):
     """svd_mlp written with svd_matmul; numerically the same as the fused op."""
     acc = accumulation_dtype(x.dtype)
     mm = functools.partial(svd_matmul_p.bind, n_batch=n_batch, precision=precision)
@@ -123,8 +142,9 @@ def _batch(args, dims, *, n_batch, out_sharding, **params):
 # --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------
 
 
-def svd_mlp_ref(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", n_batch=0,
-                precision=None, out_dtype=None):
+def svd_mlp_ref(
+    x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", n_batch=0, precision=None, out_dtype=None
+):
     """(act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd; gate and up stay in float32 until the product (the XLA lowering)."""
     out_dtype = x.dtype if out_dtype is None else out_dtype
     acc = accumulation_dtype(x.dtype)
@@ -170,8 +190,15 @@ def factor_rule(n_batch, x_ndim):
     (they feed the activation)."""
     batch, tokens = leading_factors(n_batch, x_ndim)
     return FactorRule(
-        operands=(batch + tokens + ("h",), batch + ("h", "rg"), batch + ("rg", "i"), batch + ("h", "ru"),
-                  batch + ("ru", "i"), batch + ("i", "rd"), batch + ("rd", "o")),
+        operands=(
+            batch + tokens + ("h",),
+            batch + ("h", "rg"),
+            batch + ("rg", "i"),
+            batch + ("h", "ru"),
+            batch + ("ru", "i"),
+            batch + ("i", "rd"),
+            batch + ("rd", "o"),
+        ),
         result=batch + tokens + ("o",),
         reduction=("i", "rd"),
         need_replication=("h", "rg", "ru"),
@@ -180,5 +207,6 @@ def factor_rule(n_batch, x_ndim):
 
 ad.primitive_jvps[svd_mlp_p] = _jvp
 batching.primitive_batchers[svd_mlp_p] = _batch
-lowering.register(svd_mlp_p, reference=svd_mlp_ref, kernels=KernelLaunches("svd_mlp", _plan, _run),
-                  partitioning=factor_rule)
+lowering.register(
+    svd_mlp_p, reference=svd_mlp_ref, kernels=KernelLaunches("svd_mlp", _plan, _run), partitioning=factor_rule
+)

@@ -11,7 +11,7 @@ Each entry is keyed by the name `svd_mlp(activation=...)` takes and says what th
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,8 +43,7 @@ class Activation:
 
 ACTIVATIONS = {
     "silu": Activation("silu", "silu", ("silu", {}), silu_f64),
-    "gelu_tanh": Activation("gelu_pytorch_tanh", "gelu_apprx_tanh", ("gelu", {"approximate": True}),
-                            gelu_tanh_f64),
+    "gelu_tanh": Activation("gelu_pytorch_tanh", "gelu_apprx_tanh", ("gelu", {"approximate": True}), gelu_tanh_f64),
     "gelu": Activation("gelu", None, ("gelu", {"approximate": False}), None),
 }
 

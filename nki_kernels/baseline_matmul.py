@@ -17,15 +17,16 @@ is evicted straight to the output dtype.
 
 from __future__ import annotations
 
-from nki_kernels.binding import nki, nl, nisa
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.hardware import MOVING_FMAX, PMAX
 from nki_kernels.svd_matmul import check_2d, check_block, check_operand_dtypes, spans
 
 TUTORIAL_BLOCKS = {"tiles_m": 16, "tiles_n": 2, "tiles_k": 8}
 
 
-def baseline_sbuf_bytes(m, k, n, itemsize, tiles_m, tiles_n, tiles_k, hoist_lhsT=False, pmax=PMAX,
-                        moving_fmax=MOVING_FMAX):
+def baseline_sbuf_bytes(
+    m, k, n, itemsize, tiles_m, tiles_n, tiles_k, hoist_lhsT=False, pmax=PMAX, moving_fmax=MOVING_FMAX
+):
     """SBUF bytes per partition `baseline_matmul_kernel` keeps live (streamed blocks double-buffered; a hoisted
     lhsT block, loaded once per M block, single-buffered)."""
     block_n = min(n, tiles_n * moving_fmax)
@@ -54,10 +55,11 @@ def fit_baseline_blocks(m, k, n, itemsize, sbuf_bytes_per_partition):
                 blocks[name] //= 2
                 break
         else:
-            raise ValueError(f"baseline matmul [{m}, {k}] x [{k}, {n}]: does not fit SBUF even with one tile "
-                             f"per block (the whole-M accumulator needs too much); split M")
-    blocks["hoist_lhsT"] = baseline_sbuf_bytes(m, k, n, itemsize, **blocks, hoist_lhsT=True) \
-        <= sbuf_bytes_per_partition
+            raise ValueError(
+                f"baseline matmul [{m}, {k}] x [{k}, {n}]: does not fit SBUF even with one tile "
+                f"per block (the whole-M accumulator needs too much); split M"
+            )
+    blocks["hoist_lhsT"] = baseline_sbuf_bytes(m, k, n, itemsize, **blocks, hoist_lhsT=True) <= sbuf_bytes_per_partition
     return blocks
 
 
@@ -65,7 +67,7 @@ def _load_k_tiles(src, row0, k_tiles, col0, cols, name):
     """SBUF block [128, len(k_tiles), cols]: block[0:kt, k_tile, 0:cols] = src[row0 + k0 : +kt, col0 : col0 + cols]."""
     block = nl.ndarray((nl.tile_size.pmax, len(k_tiles), cols), dtype=src.dtype, buffer=nl.sbuf, name=name)
     for k_tile, (k0, kt) in enumerate(k_tiles):
-        nisa.dma_copy(dst=block[0:kt, k_tile, 0:cols], src=src[row0 + k0:row0 + k0 + kt, col0:col0 + cols])
+        nisa.dma_copy(dst=block[0:kt, k_tile, 0:cols], src=src[row0 + k0 : row0 + k0 + kt, col0 : col0 + cols])
     return block
 
 
@@ -76,12 +78,13 @@ def _accumulate_k_block(accs, lhs_blk, first_k_tile, m_off, rhs_blk, k_tiles, m0
     tile_m = nl.tile_size.gemm_stationary_fmax
     for c0, nc in n_chunks:
         for mt0, mt in spans(mb, tile_m):
-            acc = accs[(m0 + mt0) // tile_m][0:mt, c0:c0 + nc]
+            acc = accs[(m0 + mt0) // tile_m][0:mt, c0 : c0 + nc]
             part = nl.ndarray((mt, nc), dtype=nl.float32, buffer=nl.psum, name="result_psum")
             for k_tile, (_, kt) in enumerate(k_tiles):
-                stationary = lhs_blk[0:kt, first_k_tile + k_tile, m_off + mt0:m_off + mt0 + mt]
-                nisa.nc_matmul(dst=part, stationary=stationary, moving=rhs_blk[0:kt, k_tile, c0:c0 + nc],
-                               accumulate=k_tile > 0)
+                stationary = lhs_blk[0:kt, first_k_tile + k_tile, m_off + mt0 : m_off + mt0 + mt]
+                nisa.nc_matmul(
+                    dst=part, stationary=stationary, moving=rhs_blk[0:kt, k_tile, c0 : c0 + nc], accumulate=k_tile > 0
+                )
             if first_k_block:
                 nisa.tensor_copy(dst=acc, src=part)
             else:
@@ -99,8 +102,10 @@ def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8, hoist
     check_2d(kernel, "rhs", rhs, "[K, N]")
     k, m = lhsT.shape
     if rhs.shape[0] != k:
-        raise ValueError(f"{kernel}: rhs has shape {tuple(rhs.shape)}, expected {k} rows to match lhsT "
-                         f"shape {tuple(lhsT.shape)} (contraction on the rows of both)")
+        raise ValueError(
+            f"{kernel}: rhs has shape {tuple(rhs.shape)}, expected {k} rows to match lhsT "
+            f"shape {tuple(lhsT.shape)} (contraction on the rows of both)"
+        )
     n = rhs.shape[1]
     check_operand_dtypes(kernel, lhsT=lhsT, rhs=rhs)
     for name, value in (("tiles_m", tiles_m), ("tiles_n", tiles_n), ("tiles_k", tiles_k)):
@@ -131,13 +136,23 @@ def baseline_matmul_kernel(lhsT, rhs, *, tiles_m=16, tiles_n=2, tiles_k=8, hoist
                     else:
                         lhs_blk = _load_k_tiles(lhsT, kb0, k_tiles, pass_m0 + m0, mb, "lhsT_block")
                         first_k_tile, m_off = 0, 0
-                    _accumulate_k_block(accs, lhs_blk, first_k_tile, m_off, rhs_blk, k_tiles, m0, mb, n_chunks,
-                                        first_k_block=k_block == 0)
+                    _accumulate_k_block(
+                        accs,
+                        lhs_blk,
+                        first_k_tile,
+                        m_off,
+                        rhs_blk,
+                        k_tiles,
+                        m0,
+                        mb,
+                        n_chunks,
+                        first_k_block=k_block == 0,
+                    )
             for (m0, mt), acc in zip(m_tiles, accs):
                 if multi_k:
                     out_tile = nl.ndarray((mt, nb), dtype=result.dtype, buffer=nl.sbuf, name="result_tile")
                     nisa.tensor_copy(dst=out_tile, src=acc)
                 else:
                     out_tile = acc
-                nisa.dma_copy(dst=result[pass_m0 + m0:pass_m0 + m0 + mt, n0:n0 + nb], src=out_tile)
+                nisa.dma_copy(dst=result[pass_m0 + m0 : pass_m0 + m0 + mt, n0 : n0 + nb], src=out_tile)
     return result

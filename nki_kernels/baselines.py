@@ -15,10 +15,12 @@ from nki_kernels.transpose import transpose_kernel
 def unfused_svd_mlp(xT, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", blocks=None):
     """y [T, H] of the gated low-rank MLP without fusion: gate and up as unfused chains, the gated activation,
     a transpose, and down as an unfused chain (11 launches). `blocks(m, k, n)` → baseline meta-parameters."""
+
     def chain(lhsT, u, v):
         t, (k, r), n = lhsT.shape[1], u.shape, v.shape[1]
-        return unfused_svd_matmul(lhsT, u, v, xu_blocks=blocks(t, k, r) if blocks else None,
-                                  y_blocks=blocks(t, r, n) if blocks else None)
+        return unfused_svd_matmul(
+            lhsT, u, v, xu_blocks=blocks(t, k, r) if blocks else None, y_blocks=blocks(t, r, n) if blocks else None
+        )
 
     h = gated_activation_kernel(chain(xT, gate_u, gate_v), chain(xT, up_u, up_v), activation=activation)
     return chain(transpose_kernel(h), down_u, down_v)
@@ -26,6 +28,7 @@ def unfused_svd_mlp(xT, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activatio
 
 def dense_mlp(xT, gate_w, up_w, down_w, *, activation="silu", blocks=None):
     """y [T, H] of the dense gated MLP with the baseline matmul (5 launches). `blocks(m, k, n)` as above."""
+
     def matmul(lhsT, w):
         k, m = lhsT.shape
         return baseline_matmul_kernel(lhsT, w, **(blocks(m, k, w.shape[1]) if blocks else TUTORIAL_BLOCKS))

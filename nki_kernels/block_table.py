@@ -40,8 +40,10 @@ def default_blocks(kind, variant, shape, itemsize, target):
                 blocks = dict(block_t=block_t, block_k=block_k, block_n=block_n)
                 if fits(kind, variant, shape, itemsize, blocks, target):
                     return blocks
-    raise ValueError(f"{kind} {shape}: no block sizes fit {target}'s SBUF; the shape is too large for one kernel "
-                     f"(K = {shape[1]}, r = {shape[2]})")
+    raise ValueError(
+        f"{kind} {shape}: no block sizes fit {target}'s SBUF; the shape is too large for one kernel "
+        f"(K = {shape[1]}, r = {shape[2]})"
+    )
 
 
 def table_key(kind, target, dtype, shape):
@@ -49,7 +51,7 @@ def table_key(kind, target, dtype, shape):
     return f"{kind}|{target}|{np.dtype(dtype).name}|T={t}|K={k}|r={r}|N={n}"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(path=TABLE_PATH):
     """The tuned table: {key: entry}. Missing file → empty table (lookup falls back to defaults)."""
     if not os.path.exists(path):
@@ -60,9 +62,11 @@ def load_table(path=TABLE_PATH):
 
 def save_table(entries, path=TABLE_PATH):
     """Write the table atomically (temp file in the same folder, then os.replace)."""
-    payload = {"about": "Block sizes tuned on the emulator's cost model by nki_kernels.tuning; "
-                        "keys kind|target|dtype|T|K|r|N.",
-               "entries": dict(sorted(entries.items()))}
+    payload = {
+        "about": "Block sizes tuned on the emulator's cost model by nki_kernels.tuning; "
+        "keys kind|target|dtype|T|K|r|N.",
+        "entries": dict(sorted(entries.items())),
+    }
     folder = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=folder, prefix=".block_table.", suffix=".json")
     try:

@@ -45,7 +45,7 @@ usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernel
 
 from __future__ import annotations
 
-from nki_kernels.binding import nki, nl, nisa
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode_spec import DecodeSpec
 from nki_kernels.svd_matmul import spans
 
@@ -61,8 +61,10 @@ MASKED_SCORE = -3.0e38
 
 def check_head_dim(head_dim):
     if head_dim % 2 or not (128 % head_dim == 0 or head_dim % 256 == 0):
-        raise ValueError(f"DecodeSpec.head_dim: got {head_dim}, expected an even divisor of 128 or a multiple of "
-                         f"256 (heads must not straddle partition tiles; rotate-half halves must be whole tiles)")
+        raise ValueError(
+            f"DecodeSpec.head_dim: got {head_dim}, expected an even divisor of 128 or a multiple of "
+            f"256 (heads must not straddle partition tiles; rotate-half halves must be whole tiles)"
+        )
 
 
 def head_tiles(head_dim):
@@ -96,8 +98,15 @@ class AttentionConstants:
         nisa.memset(dst=self.ones, value=1.0)
         self.shift = nl.ndarray((pmax, 2 * pmax), dtype=f32, buffer=nl.sbuf, name="attn_shift")
         nisa.memset(dst=self.shift, value=1.0)
-        nisa.affine_select(dst=self.shift, pattern=[[1, 2 * pmax]], channel_multiplier=-1, on_true_tile=self.shift,
-                           on_false_value=0.0, cmp_op=nl.equal, offset=-pmax)
+        nisa.affine_select(
+            dst=self.shift,
+            pattern=[[1, 2 * pmax]],
+            channel_multiplier=-1,
+            on_true_tile=self.shift,
+            on_false_value=0.0,
+            cmp_op=nl.equal,
+            offset=-pmax,
+        )
         self.rotate = self.head_mean = self.eps = None
         if d <= pmax:
             self.rotate = self._rotate_half(d)
@@ -116,10 +125,24 @@ class AttentionConstants:
         nisa.memset(dst=minus, value=-1.0)
         halves = rotate.reshape_dim(1, (heads, 2, half))
         # dst = (h, 0, e) takes src h·D + D/2 + e; dst = (h, 1, e) takes src h·D + e.
-        nisa.affine_select(dst=halves[:, :, 0, :], pattern=[[-d, heads], [-1, half]], channel_multiplier=1,
-                           on_true_tile=minus, on_false_value=0.0, cmp_op=nl.equal, offset=-half)
-        nisa.affine_select(dst=halves[:, :, 1, :], pattern=[[-d, heads], [-1, half]], channel_multiplier=1,
-                           on_true_tile=self.ones[:, 0:pmax // 2], on_false_value=0.0, cmp_op=nl.equal, offset=0)
+        nisa.affine_select(
+            dst=halves[:, :, 0, :],
+            pattern=[[-d, heads], [-1, half]],
+            channel_multiplier=1,
+            on_true_tile=minus,
+            on_false_value=0.0,
+            cmp_op=nl.equal,
+            offset=-half,
+        )
+        nisa.affine_select(
+            dst=halves[:, :, 1, :],
+            pattern=[[-d, heads], [-1, half]],
+            channel_multiplier=1,
+            on_true_tile=self.ones[:, 0 : pmax // 2],
+            on_false_value=0.0,
+            cmp_op=nl.equal,
+            offset=0,
+        )
         return rotate
 
     def _head_mean(self, d):
@@ -132,10 +155,24 @@ class AttentionConstants:
         # member[h, p] = 1 iff partition p holds a feature of head h; head_mean = memberᵀ·member / D.
         member = nl.ndarray((heads, pmax), dtype=nl.float32, buffer=nl.sbuf, name="attn_head_member")
         nisa.memset(dst=member, value=1.0)
-        nisa.affine_select(dst=member, pattern=[[1, pmax]], channel_multiplier=-d, on_true_tile=member,
-                           on_false_value=0.0, cmp_op=nl.greater_equal, offset=0)
-        nisa.affine_select(dst=member, pattern=[[1, pmax]], channel_multiplier=-d, on_true_tile=member,
-                           on_false_value=0.0, cmp_op=nl.less, offset=-d)
+        nisa.affine_select(
+            dst=member,
+            pattern=[[1, pmax]],
+            channel_multiplier=-d,
+            on_true_tile=member,
+            on_false_value=0.0,
+            cmp_op=nl.greater_equal,
+            offset=0,
+        )
+        nisa.affine_select(
+            dst=member,
+            pattern=[[1, pmax]],
+            channel_multiplier=-d,
+            on_true_tile=member,
+            on_false_value=0.0,
+            cmp_op=nl.less,
+            offset=-d,
+        )
         same = nl.ndarray((pmax, pmax), dtype=nl.float32, buffer=nl.psum, name="attn_same_head_psum")
         nisa.nc_matmul(dst=same, stationary=member, moving=member)
         nisa.activation(dst=head_mean, op=nl.copy, data=same, scale=1.0 / d)
@@ -144,6 +181,7 @@ class AttentionConstants:
 
 # -- layout helpers ---------------------------------------------------------------------------------------
 
+
 def rows_to_columns(rows, columns):
     """columns[0:pt, i, 0:R] = rows[0:R, i·128 : i·128 + pt]ᵀ (rows SBUF [R, F], columns SBUF [128, nt, R]) by
     PE transposes in rows' dtype, one eviction (with cast) per PSUM bank of whole tiles."""
@@ -151,15 +189,15 @@ def rows_to_columns(rows, columns):
     r, f = rows.shape[0], rows.shape[1]
     tiles = spans(f, pmax)
     per_bank = max(1, PSUM_BANK_BYTES // (r * rows.dtype.itemsize))
-    groups = [tiles[i:i + per_bank] for i in range(0, len(tiles), per_bank)]
+    groups = [tiles[i : i + per_bank] for i in range(0, len(tiles), per_bank)]
     if len(groups[-1]) > 1 and groups[-1][-1][1] != pmax:  # a ragged last tile is evicted alone
         groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
     for group in groups:
         pt, first = group[0][1], group[0][0] // pmax
         turned = nl.ndarray((pt, len(group), r), dtype=rows.dtype, buffer=nl.psum, name="columns_psum")
         for j, (f0, _) in enumerate(group):
-            nisa.nc_transpose(dst=turned[0:pt, j, 0:r], data=rows[0:r, f0:f0 + pt])
-        nisa.tensor_copy(dst=columns[0:pt, first:first + len(group), 0:r], src=turned)
+            nisa.nc_transpose(dst=turned[0:pt, j, 0:r], data=rows[0:r, f0 : f0 + pt])
+        nisa.tensor_copy(dst=columns[0:pt, first : first + len(group), 0:r], src=turned)
 
 
 def columns_to_rows(columns, rows):
@@ -171,11 +209,11 @@ def columns_to_rows(columns, rows):
     for n, (c0, cw) in enumerate(spans(f, step)):
         turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
         for f0, pt in spans(cw, pmax):
-            nisa.nc_transpose(dst=turned[0:r, f0:f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
+            nisa.nc_transpose(dst=turned[0:r, f0 : f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
         if n % 2:
-            nisa.activation(dst=rows[0:r, c0:c0 + cw], op=nl.copy, data=turned)
+            nisa.activation(dst=rows[0:r, c0 : c0 + cw], op=nl.copy, data=turned)
         else:
-            nisa.tensor_copy(dst=rows[0:r, c0:c0 + cw], src=turned)
+            nisa.tensor_copy(dst=rows[0:r, c0 : c0 + cw], src=turned)
 
 
 def load_columns(x, dtype=None, name="x_columns"):
@@ -229,6 +267,7 @@ def per_head(columns, table, features, head_dim):
 
 # -- the pieces ----------------------------------------------------------------------------------------------
 
+
 def rms_norm_heads(x, features, weights, spec, constants):
     """fp32 column tiles of x (column tiles of `features` = n·D features, any float dtype) normalized over each
     head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
@@ -246,20 +285,28 @@ def rms_norm_heads(x, features, weights, spec, constants):
     for t0, tn in spans(tiles, per_bank):
         mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
         for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
-            nisa.nc_matmul(dst=mean[0:parts, c0:c0 + cn, :], stationary=constants.head_mean[0:parts, 0:parts],
-                           moving=squares[0:parts, t0 + c0:t0 + c0 + cn, :])
-        out = rstd[0:parts, t0 // nd:(t0 + tn) // nd, :]
+            nisa.nc_matmul(
+                dst=mean[0:parts, c0 : c0 + cn, :],
+                stationary=constants.head_mean[0:parts, 0:parts],
+                moving=squares[0:parts, t0 + c0 : t0 + c0 + cn, :],
+            )
+        out = rstd[0:parts, t0 // nd : (t0 + tn) // nd, :]
         if nd > 1:  # a head's mean is the sum of its tiles' partial means
             total = nl.ndarray((parts, tn // nd, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_mean")
-            nisa.tensor_reduce(dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)),
-                               axis=3)
+            nisa.tensor_reduce(
+                dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)), axis=3
+            )
             nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=constants.eps[0:parts])
         else:
             nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
     normed = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
     view = normed[0:parts].reshape_dim(1, (groups, nd))
-    nisa.tensor_tensor(dst=view, data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
-                       data2=rstd.expand_dim(2).broadcast(2, nd), op=nl.multiply)
+    nisa.tensor_tensor(
+        dst=view,
+        data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
+        data2=rstd.expand_dim(2).broadcast(2, nd),
+        op=nl.multiply,
+    )
     xw, w = per_head(normed, weights, features, d)
     nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply)
     return normed
@@ -276,17 +323,20 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     out = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=name)
     for product, table, engine in ((x_cos, cos_t, nisa.vector_engine), (x_sin, sin_t, nisa.gpsimd_engine)):
         xv, tv = per_head(x, table, features, d)
-        nisa.tensor_tensor(dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply,
-                           engine=engine)
+        nisa.tensor_tensor(
+            dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply, engine=engine
+        )
     if constants.rotate is not None:
         # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per ≤512 columns.
         per_bank = max(1, nl.tile_size.gemm_moving_fmax // r)
         for t0, tn in spans(tiles, per_bank):
             turned = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="rope_psum")
-            nisa.nc_matmul(dst=turned, stationary=constants.rotate[0:parts, 0:parts],
-                           moving=x_sin[0:parts, t0:t0 + tn, :])
-            nisa.tensor_tensor(dst=out[0:parts, t0:t0 + tn, :], data1=x_cos[0:parts, t0:t0 + tn, :], data2=turned,
-                               op=nl.add)
+            nisa.nc_matmul(
+                dst=turned, stationary=constants.rotate[0:parts, 0:parts], moving=x_sin[0:parts, t0 : t0 + tn, :]
+            )
+            nisa.tensor_tensor(
+                dst=out[0:parts, t0 : t0 + tn, :], data1=x_cos[0:parts, t0 : t0 + tn, :], data2=turned, op=nl.add
+            )
     else:
         half = nd // 2
         xc = x_cos.reshape_dim(1, (tiles // nd, 2, half))
@@ -320,7 +370,7 @@ def norm_rope(x, which, tables, spec, constants):
     features = (spec.num_heads, spec.num_kv_heads)[which] * d
     cos_t, sin_t, weights = tables
     if spec.qk_norm:
-        x = rms_norm_heads(x, features, weights[:, :, which:which + 1], spec, constants)
+        x = rms_norm_heads(x, features, weights[:, :, which : which + 1], spec, constants)
     return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
 
 
@@ -339,8 +389,12 @@ def write_rows(columns, cache, layer, index):
     r = columns.shape[2]
     rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
     columns_to_rows(columns, rows)
-    slots = cache.ap([[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]], offset=layer * batch * s * kv * d,
-                     scalar_offset=index, indirect_dim=2)
+    slots = cache.ap(
+        [[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]],
+        offset=layer * batch * s * kv * d,
+        scalar_offset=index,
+        indirect_dim=2,
+    )
     nisa.dma_copy(dst=slots, src=rows)
 
 
@@ -392,7 +446,7 @@ def spread_columns(values, partitions, constants):
     n = values.shape[0]
     pmax = nl.tile_size.pmax
     diag = nl.ndarray((n, n), dtype=nl.float32, buffer=nl.sbuf, name="spread_diag")
-    nisa.tensor_scalar(dst=diag, data=constants.shift[0:n, pmax:pmax + n], op0=nl.multiply, operand0=values)
+    nisa.tensor_scalar(dst=diag, data=constants.shift[0:n, pmax : pmax + n], op0=nl.multiply, operand0=values)
     spread = nl.ndarray((partitions, n), dtype=nl.float32, buffer=nl.psum, name="spread_psum")
     nisa.nc_matmul(dst=spread, stationary=constants.ones[0:n, 0:partitions], moving=diag)
     return spread
@@ -419,24 +473,35 @@ def prepare_queries(q, spec, batch, dtype, constants):
     if d >= pmax:
         source = q.reshape_dim(1, (kv, g_size, nd))
         for k in range(nd):
-            nisa.activation(dst=qs[:, k].permute((0, 2, 3, 1, 4)), op=nl.copy,
-                            data=source[:, :, :, k, :].reshape_dim(3, (batch, t)), scale=float(spec.query_scaling))
+            nisa.activation(
+                dst=qs[:, k].permute((0, 2, 3, 1, 4)),
+                op=nl.copy,
+                data=source[:, :, :, k, :].reshape_dim(3, (batch, t)),
+                scale=float(spec.query_scaling),
+            )
         return qs
     # Head h moves from partitions o_h.. of its tile to o_g..: a shift matmul whose output rows below o_g are 0.
     parts, _ = column_tiles(heads * d)
     per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
     for g in range(kv):
         o_g, _ = kv_head_place(g, d)
-        by_head = qs[o_g:o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
+        by_head = qs[o_g : o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
         for j0, jn in spans(g_size, per_bank):
             moved = nl.ndarray((o_g + d, jn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
             for j in range(jn):
                 h = g * g_size + j0 + j
                 o_h = (h * d) % pmax
-                nisa.nc_matmul(dst=moved[:, j, :], moving=q[0:parts, h * d // pmax, 0:r],
-                               stationary=constants.shift[0:parts, pmax - o_g + o_h:pmax + o_h + d])
-            nisa.activation(dst=by_head[:, j0:j0 + jn], op=nl.copy,
-                            data=moved[o_g:o_g + d].reshape_dim(2, (batch, t)), scale=float(spec.query_scaling))
+                nisa.nc_matmul(
+                    dst=moved[:, j, :],
+                    moving=q[0:parts, h * d // pmax, 0:r],
+                    stationary=constants.shift[0:parts, pmax - o_g + o_h : pmax + o_h + d],
+                )
+            nisa.activation(
+                dst=by_head[:, j0 : j0 + jn],
+                op=nl.copy,
+                data=moved[o_g : o_g + d].reshape_dim(2, (batch, t)),
+                scale=float(spec.query_scaling),
+            )
     return qs
 
 
@@ -481,9 +546,9 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
         s0, np_, q = blocks[index]
         turned = nl.ndarray((np_, len(members), t), dtype=nl.float32, buffer=nl.psum, name="mask_psum")
         for j, (_, i) in enumerate(members):
-            nisa.nc_transpose(dst=turned[0:np_, j, 0:t], data=rows[0:t, s0 + i:s0 + np_ * q:q])
+            nisa.nc_transpose(dst=turned[0:np_, j, 0:t], data=rows[0:t, s0 + i : s0 + np_ * q : q])
         first = members[0][0]
-        nisa.tensor_copy(dst=columns[0:np_, first:first + len(members), :], src=turned)
+        nisa.tensor_copy(dst=columns[0:np_, first : first + len(members), :], src=turned)
     return columns
 
 
@@ -499,12 +564,14 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
         for k in range(kt):
             turned = nl.ndarray((kp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
             for j in range(ni):
-                nisa.nc_transpose(dst=turned[0:kp, j * np_:(j + 1) * np_],
-                                  data=k_blocks[index][0:np_, i0 + j, k * kp:(k + 1) * kp])
+                nisa.nc_transpose(
+                    dst=turned[0:kp, j * np_ : (j + 1) * np_],
+                    data=k_blocks[index][0:np_, i0 + j, k * kp : (k + 1) * kp],
+                )
             if (n + k) % 2:
-                nisa.activation(dst=keys[0:kp, k, c0:c0 + width], op=nl.copy, data=turned)
+                nisa.activation(dst=keys[0:kp, k, c0 : c0 + width], op=nl.copy, data=turned)
             else:
-                nisa.tensor_copy(dst=keys[0:kp, k, c0:c0 + width], src=turned)
+                nisa.tensor_copy(dst=keys[0:kp, k, c0 : c0 + width], src=turned)
     return keys
 
 
@@ -544,14 +611,14 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
             for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
                 n = np_ * q
                 source = window_view(cache, row + s0 * f, [[f, n], [kp, kt], [1, kp]], start, 2)
-                nisa.dma_transpose(dst=keys[:, :, s0:s0 + n], src=source)
+                nisa.dma_transpose(dst=keys[:, :, s0 : s0 + n], src=source)
             continue
         for s0, np_, q in blocks:
             tile = nl.ndarray((np_, q, f), dtype=dtype, buffer=nl.sbuf, name="cache_block")
             # Two DMAs per block: work on the first slot columns starts while the rest arrives.
             for i0, ni in spans(q, -(-q // 2)):
                 source = window_view(cache, row + (s0 + i0) * f, [[q * f, np_], [f, ni], [1, f]], start, 2)
-                nisa.dma_copy(dst=tile[:, i0:i0 + ni, :], src=source)
+                nisa.dma_copy(dst=tile[:, i0 : i0 + ni, :], src=source)
             (k_blocks if which == "k" else v_blocks).append(tile)
     if keys is None:
         keys = turn_keys(k_blocks, blocks, chunks, kv * d, dtype)
@@ -579,7 +646,7 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
     for index, (s0, np_, q) in enumerate(blocks):
         if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
-            nisa.memset(dst=scores[:, first_piece[index]:first_piece[index] + q], value=MASKED_SCORE)
+            nisa.memset(dst=scores[:, first_piece[index] : first_piece[index] + q], value=MASKED_SCORE)
         for i0, ni in spans(q, per_bank):
             acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
             for k in range(nd):
@@ -587,19 +654,24 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
                     slots = key_columns[first_piece[index] + i0 + j]
                     for u, (b, g) in enumerate(units):
                         o_g, tile_g = kv_head_place(g, d)
-                        nisa.nc_matmul(dst=acc[0:np_, j, u], moving=qs[o_g:o_g + dp, k, b, g], accumulate=k > 0,
-                                       stationary=keys[b][o_g:o_g + dp, tile_g + k, slots])
+                        nisa.nc_matmul(
+                            dst=acc[0:np_, j, u],
+                            moving=qs[o_g : o_g + dp, k, b, g],
+                            accumulate=k > 0,
+                            stationary=keys[b][o_g : o_g + dp, tile_g + k, slots],
+                        )
             piece0 = first_piece[index] + i0
             for b in rows:
                 u0, un = row_units[b][0], len(row_units[b])
-                out = scores[0:np_, piece0:piece0 + ni, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
-                bias = visible[b][0:np_, piece0:piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
-                logits = acc[:, :, u0:u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
+                out = scores[0:np_, piece0 : piece0 + ni, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
+                bias = visible[b][0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+                logits = acc[:, :, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
                 if spec.attn_logit_softcap:
                     cap = float(spec.attn_logit_softcap)
                     nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
-                    nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add,
-                                              operand1=bias)
+                    nisa.scalar_tensor_tensor(
+                        dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add, operand1=bias
+                    )
                 else:
                     nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
             del acc
@@ -634,12 +706,16 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
             for p_index, (index, i) in enumerate(pieces):
                 np_ = blocks[index][1]
                 f0 = g * d + k * pmax
-                nisa.nc_matmul(dst=acc, stationary=values[b][index][0:np_, i, f0:f0 + dp],
-                               moving=weights[0:np_, p_index, mine], accumulate=p_index > 0)
+                nisa.nc_matmul(
+                    dst=acc,
+                    stationary=values[b][index][0:np_, i, f0 : f0 + dp],
+                    moving=weights[0:np_, p_index, mine],
+                    accumulate=p_index > 0,
+                )
             if by_head is None:
-                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t:(b + 1) * t]
+                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t : (b + 1) * t]
             else:
-                dst = by_head[:, g * g_size:(g + 1) * g_size, b * t:(b + 1) * t]
+                dst = by_head[:, g * g_size : (g + 1) * g_size, b * t : (b + 1) * t]
             nisa.tensor_tensor(dst=dst, data1=acc, data2=scale[:, mine], op=nl.multiply)
             del acc
 
@@ -679,16 +755,29 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     for index, (s0, np_, q) in enumerate(blocks):
         column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
         for i in range(q):
-            key_columns.append(slice(s0 + i, s0 + np_ * q, q) if transposing
-                               else slice(column0 + i * np_, column0 + (i + 1) * np_))
+            key_columns.append(
+                slice(s0 + i, s0 + np_ * q, q) if transposing else slice(column0 + i * np_, column0 + (i + 1) * np_)
+            )
     # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
     # heads as fit 128 query columns.
     for b in range(batch):
         visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces, start)}
         keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start)
         for g0, gn in spans(kv, max(1, pmax // gt)):
-            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, {b: keys}, {b: values}, visible, attn, by_head,
-                         blocks, pieces, key_columns, spec, constants)
+            softmax_pass(
+                [(b, g) for g in range(g0, g0 + gn)],
+                qs,
+                {b: keys},
+                {b: values},
+                visible,
+                attn,
+                by_head,
+                blocks,
+                pieces,
+                key_columns,
+                spec,
+                constants,
+            )
         del keys, values, visible
     if by_head is not None:
         # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
@@ -698,8 +787,12 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
             members = range(i * heads_per_tile, min(heads, (i + 1) * heads_per_tile))
             for n, h in enumerate(members):
                 offset = (h * d) % pmax
-                nisa.nc_matmul(dst=placed, stationary=constants.shift[0:d, pmax - offset:pmax - offset + q_parts],
-                               moving=by_head[0:d, h, 0:r], accumulate=n > 0)
+                nisa.nc_matmul(
+                    dst=placed,
+                    stationary=constants.shift[0:d, pmax - offset : pmax - offset + q_parts],
+                    moving=by_head[0:d, h, 0:r],
+                    accumulate=n > 0,
+                )
             nisa.tensor_copy(dst=attn[0:q_parts, i, :], src=placed)
     return attn
 
@@ -711,19 +804,26 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise ValueError(f"layer: got {layer!r}, expected a static int in [0, {spec.num_layers})")
     cache_shape = tuple(k_cache.shape)
-    if len(cache_shape) != 5 or cache_shape[0] != spec.num_layers or cache_shape[3:] != (spec.num_kv_heads,
-                                                                                           spec.head_dim):
-        raise ValueError(f"k_cache: got shape {cache_shape}, expected [L={spec.num_layers}, B, S, "
-                         f"kv_heads={spec.num_kv_heads}, D={spec.head_dim}]")
+    if (
+        len(cache_shape) != 5
+        or cache_shape[0] != spec.num_layers
+        or cache_shape[3:] != (spec.num_kv_heads, spec.head_dim)
+    ):
+        raise ValueError(
+            f"k_cache: got shape {cache_shape}, expected [L={spec.num_layers}, B, S, "
+            f"kv_heads={spec.num_kv_heads}, D={spec.head_dim}]"
+        )
     if tuple(v_cache.shape) != cache_shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(f"v_cache: got {tuple(v_cache.shape)} {v_cache.dtype}, expected k_cache's {cache_shape} "
-                         f"{k_cache.dtype}")
+        raise ValueError(
+            f"v_cache: got {tuple(v_cache.shape)} {v_cache.dtype}, expected k_cache's {cache_shape} {k_cache.dtype}"
+        )
     _, batch, s, _, d = cache_shape
     if tuple(write_index.shape) != (1, 1) or write_index.dtype != nl.int32:
         raise ValueError(f"write_index: got {tuple(write_index.shape)} {write_index.dtype}, expected [1, 1] int32")
     if len(cos.shape) != 4 or cos.shape[1] != batch or cos.shape[3] != d or cos.shape[0] < spec.num_rope_tables:
-        raise ValueError(f"cos: got shape {tuple(cos.shape)}, expected [NR >= {spec.num_rope_tables}, B={batch}, T, "
-                         f"D={d}]")
+        raise ValueError(
+            f"cos: got shape {tuple(cos.shape)}, expected [NR >= {spec.num_rope_tables}, B={batch}, T, D={d}]"
+        )
     t = cos.shape[2]
     if tuple(sin.shape) != tuple(cos.shape):
         raise ValueError(f"sin: got shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
@@ -731,28 +831,38 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
         if table.dtype != nl.float32:
             raise TypeError(f"{name}: got dtype {table.dtype}, expected float32")
     if tuple(mask_bias.shape[1:]) != (batch, t, s) or mask_bias.shape[0] < spec.num_masks:
-        raise ValueError(f"mask_bias: got shape {tuple(mask_bias.shape)}, expected [NM >= {spec.num_masks}, "
-                         f"B={batch}, T={t}, S={s}]")
+        raise ValueError(
+            f"mask_bias: got shape {tuple(mask_bias.shape)}, expected [NM >= {spec.num_masks}, B={batch}, T={t}, S={s}]"
+        )
     r = batch * t
     g_size = spec.num_heads // spec.num_kv_heads
     if r > nl.tile_size.pmax or g_size * t > nl.tile_size.pmax:
-        raise ValueError(f"cos: B·T = {r} rows and G·T = {g_size * t} queries per kv head must each be at most "
-                         f"{nl.tile_size.pmax}")
-    for name, x, features in (("qT", qT, spec.num_heads * d), ("kT", kT, spec.num_kv_heads * d),
-                              ("vT", vT, spec.num_kv_heads * d)):
+        raise ValueError(
+            f"cos: B·T = {r} rows and G·T = {g_size * t} queries per kv head must each be at most {nl.tile_size.pmax}"
+        )
+    for name, x, features in (
+        ("qT", qT, spec.num_heads * d),
+        ("kT", kT, spec.num_kv_heads * d),
+        ("vT", vT, spec.num_kv_heads * d),
+    ):
         if x is None:
             continue
         expected = (nl.tile_size.pmax, -(-features // nl.tile_size.pmax), r)
         if tuple(x.shape) != expected:
-            raise ValueError(f"{name}: got shape {tuple(x.shape)}, expected column tiles {list(expected)} "
-                             f"({features} features, B·T = {r} rows)")
+            raise ValueError(
+                f"{name}: got shape {tuple(x.shape)}, expected column tiles {list(expected)} "
+                f"({features} features, B·T = {r} rows)"
+            )
     if spec.qk_norm and (qk_norm_weights is None or tuple(qk_norm_weights.shape) != (spec.num_layers, 2, d)):
-        raise ValueError(f"qk_norm_weights: got {None if qk_norm_weights is None else tuple(qk_norm_weights.shape)}"
-                         f", expected [L={spec.num_layers}, 2, D={d}] (spec.qk_norm is set)")
+        raise ValueError(
+            f"qk_norm_weights: got {None if qk_norm_weights is None else tuple(qk_norm_weights.shape)}"
+            f", expected [L={spec.num_layers}, 2, D={d}] (spec.qk_norm is set)"
+        )
 
 
-def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, *,
-              constants=None):
+def attention(
+    qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, *, constants=None
+):
     """One layer's attention at decode, inside a kernel; returns attnT column tiles [128, ceil(heads·D/128), R]
     in the cache dtype (ready as the o projection's moving operand).
 
@@ -769,11 +879,21 @@ def attention(qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_b
     write_rows(vT, v_cache, layer, index)
     tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
     write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
-    return attend(norm_rope(qT, 0, tables, spec, constants), k_cache, v_cache, layer, mask_bias, index, spec,
-                  constants, values_first=True)
+    return attend(
+        norm_rope(qT, 0, tables, spec, constants),
+        k_cache,
+        v_cache,
+        layer,
+        mask_bias,
+        index,
+        spec,
+        constants,
+        values_first=True,
+    )
 
 
 # -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
+
 
 def _rows_count(x, name, features):
     if len(x.shape) != 3 or x.shape[2] != features:

@@ -21,7 +21,7 @@ zeroed when allocated, so whole-tile instructions may cover a ragged slot's unus
 
 from __future__ import annotations
 
-from nki_kernels.binding import nl, nisa
+from nki_kernels.binding import nisa, nl
 from nki_kernels.svd_matmul import k_slots, spans
 
 # Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
@@ -110,12 +110,13 @@ class WeightRing:
         if ring_bytes is None:
             ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES - beside_bytes
         if not 0 < block_bytes <= ring_bytes:
-            raise ValueError(f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
-                             f"0 < block_bytes <= ring_bytes")
+            raise ValueError(
+                f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
+                f"0 < block_bytes <= ring_bytes"
+            )
         self.slot_elements = block_bytes // dtype.itemsize  # the largest block, per partition
         self.ring_elements = ring_bytes // dtype.itemsize
-        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf,
-                               name="weight_ring")
+        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf, name="weight_ring")
         self.cursor = 0
 
     def load(self, src, partitions, per_partition, columns):
@@ -123,15 +124,16 @@ class WeightRing:
         (same shape)."""
         size = per_partition * columns
         if size > self.slot_elements:
-            raise ValueError(f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
-                             f"{self.slot_elements}-element block limit")
+            raise ValueError(
+                f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
+                f"{self.slot_elements}-element block limit"
+            )
         if self.cursor + size > self.ring_elements:
             self.cursor = 0
-        block = self.ring[0:partitions, self.cursor:self.cursor + size].reshape((partitions, per_partition,
-                                                                                 columns))
+        block = self.ring[0:partitions, self.cursor : self.cursor + size].reshape((partitions, per_partition, columns))
         self.cursor += size
         for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
-            nisa.dma_copy(dst=block[p0:p0 + ps], src=src[p0:p0 + ps])
+            nisa.dma_copy(dst=block[p0 : p0 + ps], src=src[p0 : p0 + ps])
         return block
 
 
@@ -150,14 +152,14 @@ def rows_to_columns(cols, staged, layout):
     pmax = nl.tile_size.pmax
     per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (padded_rows(rows) * cols.dtype.itemsize))
     for c0 in range(0, len(layout), per_bank):
-        chunk = layout[c0:c0 + per_bank]
-        turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum,
-                            name="cols_psum")
+        chunk = layout[c0 : c0 + per_bank]
+        turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum, name="cols_psum")
         for j, (size, feats) in enumerate(chunk):
             nisa.nc_transpose(dst=turned[0:size, j, 0:rows], data=staged[0:rows, feats])
         for s0, count, size in slot_runs(layout, c0, c0 + len(chunk)):
-            nisa.tensor_copy(dst=cols[0:size, s0:s0 + count, 0:rows],
-                             src=turned[0:size, s0 - c0:s0 - c0 + count, 0:rows])
+            nisa.tensor_copy(
+                dst=cols[0:size, s0 : s0 + count, 0:rows], src=turned[0:size, s0 - c0 : s0 - c0 + count, 0:rows]
+            )
         del turned
 
 
@@ -168,13 +170,15 @@ def columns_to_rows(staged, cols, layout):
     per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
     for k0, ks, s0, count, partitions in layout_blocks(layout):
         # Within a block, partition p of slot i is feature k0 + p·count + i.
-        block_rows = staged[0:rows, k0:k0 + ks].reshape_dim(1, (partitions, count))
+        block_rows = staged[0:rows, k0 : k0 + ks].reshape_dim(1, (partitions, count))
         for c0 in range(0, count, per_bank):
             n = min(per_bank, count - c0)
             turned = nl.ndarray((rows, n, pmax), dtype=cols.dtype, buffer=nl.psum, name="rows_psum")
             for j in range(n):
                 nisa.nc_transpose(dst=turned[0:rows, j, 0:partitions], data=cols[0:partitions, s0 + c0 + j, 0:rows])
-            nisa.tensor_copy(dst=block_rows[:, :, c0:c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1)))
+            nisa.tensor_copy(
+                dst=block_rows[:, :, c0 : c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1))
+            )
             del turned
 
 
@@ -224,8 +228,9 @@ def load_norm_weights(norms_hbm, layout, unit_offset):
     load_columns(w, norms_hbm, layout)
     if unit_offset:
         for s0, n, size in slot_runs(layout):
-            nisa.tensor_scalar(dst=w[0:size, s0:s0 + n, 0:count], data=w[0:size, s0:s0 + n, 0:count],
-                               op0=nl.add, operand0=1.0)
+            nisa.tensor_scalar(
+                dst=w[0:size, s0 : s0 + n, 0:count], data=w[0:size, s0 : s0 + n, 0:count], op0=nl.add, operand0=1.0
+            )
     return w
 
 
@@ -263,8 +268,7 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
     nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
     scaled = nl.ndarray((pmax, slots, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
     nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, slots), op=nl.multiply)
-    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows),
-                       op=nl.multiply)
+    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
 
 
 def _column_chunks(out_layout, per_block, slot_elements, rows):
@@ -274,8 +278,12 @@ def _column_chunks(out_layout, per_block, slot_elements, rows):
     max_slots = PROJECTION_PSUM_BYTES // (padded_rows(rows) * 4)
     chunks = []
     for k0, ks, s0, count, _ in layout_blocks(out_layout):
-        if (chunks and chunks[-1][0] + chunks[-1][1] == k0
-                and (chunks[-1][1] + ks) * per_block <= slot_elements and chunks[-1][3] + count <= max_slots):
+        if (
+            chunks
+            and chunks[-1][0] + chunks[-1][1] == k0
+            and (chunks[-1][1] + ks) * per_block <= slot_elements
+            and chunks[-1][3] + count <= max_slots
+        ):
             chunks[-1][1] += ks
             chunks[-1][3] += count
         else:
@@ -311,46 +319,60 @@ def projection(x, in_layout, w, out_layout, rows, ring, evict):
     for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.slot_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-            view = w[k0:k0 + ks, n0:n0 + width].reshape_dim(0, (partitions, count))
+            view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
             for i0, ic in spans(count, per_block):
-                block = ring.load(view if ic == count else view[:, i0:i0 + ic, :], partitions, ic, width)
+                block = ring.load(view if ic == count else view[:, i0 : i0 + ic, :], partitions, ic, width)
                 for j in range(out_count):
                     size, feats = out_layout[out_s0 + j]
                     columns = slice(feats.start - n0, feats.stop - n0, feats.step)
                     for i in range(ic):
-                        nisa.nc_matmul(dst=acc[0:size, j, 0:rows], stationary=block[0:partitions, i, columns],
-                                       moving=x[0:partitions, s0 + i0 + i, 0:rows], accumulate=b > 0 or i0 + i > 0)
+                        nisa.nc_matmul(
+                            dst=acc[0:size, j, 0:rows],
+                            stationary=block[0:partitions, i, columns],
+                            moving=x[0:partitions, s0 + i0 + i, 0:rows],
+                            accumulate=b > 0 or i0 + i > 0,
+                        )
                 del block
         for s0, count, size in slot_runs(out_layout, out_s0, out_s0 + out_count):
-            evict(acc[0:size, s0 - out_s0:s0 - out_s0 + count, 0:rows], s0, count, size)
+            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size)
         del acc
 
 
 def copy_into(dst, op=None):
     """An evict for `projection`: dst[slots] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+
     def evict(psum, s0, count, size):
-        view = dst[0:size, s0:s0 + count, 0:psum.shape[2]]
+        view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
         if op is None:
             nisa.tensor_copy(dst=view, src=psum)
         else:
             nisa.activation(dst=view, op=op, data=psum)
+
     return evict
 
 
 def add_into(dst):
     """An evict for `projection`: dst[slots] += psum (the residual add, float32)."""
+
     def evict(psum, s0, count, size):
-        view = dst[0:size, s0:s0 + count, 0:psum.shape[2]]
+        view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
         nisa.tensor_tensor(dst=view, data1=view, data2=psum, op=nl.add)
+
     return evict
 
 
 def multiply_into(dst, other):
     """An evict for `projection`: dst[slots] = other[slots] * psum (the gated MLP's act(gate)·up)."""
+
     def evict(psum, s0, count, size):
         rows = psum.shape[2]
-        nisa.tensor_tensor(dst=dst[0:size, s0:s0 + count, 0:rows], data1=other[0:size, s0:s0 + count, 0:rows],
-                           data2=psum, op=nl.multiply)
+        nisa.tensor_tensor(
+            dst=dst[0:size, s0 : s0 + count, 0:rows],
+            data1=other[0:size, s0 : s0 + count, 0:rows],
+            data2=psum,
+            op=nl.multiply,
+        )
+
     return evict
 
 
@@ -406,13 +428,17 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     columns = max(1, columns)
 
     def load(v0, vc, k0, ks, count, partitions):
-        return ring.load(w[k0:k0 + ks, v0:v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+        return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
 
     def multiply(acc, block, b, s0, count, partitions, c0, cw):
         for i in range(count):
             for m0, ms in spans(cw, moving):
-                nisa.nc_matmul(dst=acc[0:rows, m0:m0 + ms], stationary=x[0:partitions, s0 + i, 0:rows],
-                               moving=block[0:partitions, i, c0 + m0:c0 + m0 + ms], accumulate=b > 0 or i > 0)
+                nisa.nc_matmul(
+                    dst=acc[0:rows, m0 : m0 + ms],
+                    stationary=x[0:partitions, s0 + i, 0:rows],
+                    moving=block[0:partitions, i, c0 + m0 : c0 + m0 + ms],
+                    accumulate=b > 0 or i > 0,
+                )
 
     for v0, vc in spans(v, columns):
         if vc <= HEAD_COLUMNS:
@@ -421,14 +447,14 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
                 block = load(v0, vc, k0, ks, count, partitions)
                 multiply(acc, block, b, s0, count, partitions, 0, vc)
                 del block
-            _store_logits(acc, out_rows[0:rows, v0:v0 + vc], softcap)
+            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap)
             continue
         blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
         for c0, cw in spans(vc, HEAD_COLUMNS):
             acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
             for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
                 multiply(acc, block, b, s0, count, partitions, c0, cw)
-            _store_logits(acc, out_rows[0:rows, v0 + c0:v0 + c0 + cw], softcap)
+            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap)
         del blocks
 
 

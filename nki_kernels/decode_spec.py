@@ -59,8 +59,9 @@ class DecodeSpec:
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a positive int")
         if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"DecodeSpec.num_heads: got {self.num_heads}, expected a multiple of num_kv_heads="
-                             f"{self.num_kv_heads}")
+            raise ValueError(
+                f"DecodeSpec.num_heads: got {self.num_heads}, expected a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         check_fused_activation(self.activation, "DecodeSpec.activation")
         for name in ("layer_rope", "layer_mask"):
             value = getattr(self, name)
@@ -71,24 +72,33 @@ class DecodeSpec:
             if value is not None and not value > 0:
                 raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected None or a positive float")
         if len(self.ranks) != len(PROJECTIONS):
-            raise ValueError(f"DecodeSpec.ranks: got {len(self.ranks)} entries, expected one per projection "
-                             f"{PROJECTIONS}")
+            raise ValueError(
+                f"DecodeSpec.ranks: got {len(self.ranks)} entries, expected one per projection {PROJECTIONS}"
+            )
         for name, ranks in zip(PROJECTIONS, self.ranks):
             if ranks is None:
                 continue
             limit = min(self.in_features(name), self.out_features(name))
             if len(ranks) != self.num_layers or any(not isinstance(r, int) or not 1 <= r <= limit for r in ranks):
-                raise ValueError(f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} ranks in "
-                                 f"[1, {limit}]")
-        if self.head_rank is not None and not (isinstance(self.head_rank, int)
-                                               and 1 <= self.head_rank <= min(self.hidden, self.vocab)):
-            raise ValueError(f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
-                             f"[1, {min(self.hidden, self.vocab)}]")
+                raise ValueError(
+                    f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} ranks in [1, {limit}]"
+                )
+        if self.head_rank is not None and not (
+            isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.vocab)
+        ):
+            raise ValueError(
+                f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
+                f"[1, {min(self.hidden, self.vocab)}]"
+            )
 
-        if self.mask_windows and (len(self.mask_windows) != self.num_masks or any(
-                w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)):
-            raise ValueError(f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
-                             f"entries (one per mask table), each None or a window of slots >= 1")
+        if self.mask_windows and (
+            len(self.mask_windows) != self.num_masks
+            or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)
+        ):
+            raise ValueError(
+                f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
+                f"entries (one per mask table), each None or a window of slots >= 1"
+            )
 
     @property
     def num_norms(self) -> int:
@@ -111,14 +121,27 @@ class DecodeSpec:
 
     def in_features(self, projection: str) -> int:
         """K of a projection's [K, N] weight."""
-        return {"q": self.hidden, "k": self.hidden, "v": self.hidden, "o": self.num_heads * self.head_dim,
-                "gate": self.hidden, "up": self.hidden, "down": self.intermediate}[projection]
+        return {
+            "q": self.hidden,
+            "k": self.hidden,
+            "v": self.hidden,
+            "o": self.num_heads * self.head_dim,
+            "gate": self.hidden,
+            "up": self.hidden,
+            "down": self.intermediate,
+        }[projection]
 
     def out_features(self, projection: str) -> int:
         """N of a projection's [K, N] weight."""
-        return {"q": self.num_heads * self.head_dim, "k": self.num_kv_heads * self.head_dim,
-                "v": self.num_kv_heads * self.head_dim, "o": self.hidden, "gate": self.intermediate,
-                "up": self.intermediate, "down": self.hidden}[projection]
+        return {
+            "q": self.num_heads * self.head_dim,
+            "k": self.num_kv_heads * self.head_dim,
+            "v": self.num_kv_heads * self.head_dim,
+            "o": self.hidden,
+            "gate": self.intermediate,
+            "up": self.intermediate,
+            "down": self.hidden,
+        }[projection]
 
     def rank(self, projection: str, layer: int) -> int | None:
         """The rank of `projection` in `layer`, or None when it is dense."""

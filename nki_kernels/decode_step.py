@@ -17,16 +17,37 @@ import numpy as np
 
 from nki_kernels import decode_attention
 from nki_kernels.decode_spec import PROJECTIONS
-from nki_kernels.decode_step_kernels import (COMPOSITIONS, MLP_PROJECTIONS, OPERAND_NAMES, add_kernel, check_spec,
-                                             decode_step_kernel, decoder_layer_kernel, head_kernel, lm_head_kernel,
-                                             norm_kernel, projection_kernel, weight_dtype)
+from nki_kernels.decode_step_kernels import (
+    COMPOSITIONS,
+    MLP_PROJECTIONS,
+    OPERAND_NAMES,
+    add_kernel,
+    check_spec,
+    decode_step_kernel,
+    decoder_layer_kernel,
+    head_kernel,
+    lm_head_kernel,
+    norm_kernel,
+    projection_kernel,
+    weight_dtype,
+)
 from nki_kernels.emulator import count_only
 from nki_kernels.emulator.kernel import Spec, run
 from nki_kernels.gated_activation import gated_activation_kernel
 from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
 
-__all__ = ["COMPOSITIONS", "OPERAND_NAMES", "add_kernel", "decode_step_kernel", "decoder_layer_kernel", "head_kernel",
-           "lm_head_kernel", "norm_kernel", "projection_kernel", "run_decode_step"]
+__all__ = [
+    "COMPOSITIONS",
+    "OPERAND_NAMES",
+    "add_kernel",
+    "decode_step_kernel",
+    "decoder_layer_kernel",
+    "head_kernel",
+    "lm_head_kernel",
+    "norm_kernel",
+    "projection_kernel",
+    "run_decode_step",
+]
 
 
 def _factor_slice(tensor, layer, rank, axis):
@@ -56,9 +77,20 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
             x, k_cache, v_cache = ops["x"], ops["k_cache"], ops["v_cache"]
             layer_ops = [ops[name] for name in ("norms", "qk_norms") + PROJECTIONS]
             for layer in range(spec.num_layers):
-                x, k_cache, v_cache = _launch(decoder_layer_kernel, 
-                    x, *layer_ops, k_cache, v_cache, ops["write_index"], ops["cos"], ops["sin"], ops["mask_bias"],
-                    spec=spec, layer=layer, **ring)
+                x, k_cache, v_cache = _launch(
+                    decoder_layer_kernel,
+                    x,
+                    *layer_ops,
+                    k_cache,
+                    v_cache,
+                    ops["write_index"],
+                    ops["cos"],
+                    ops["sin"],
+                    ops["mask_bias"],
+                    spec=spec,
+                    layer=layer,
+                    **ring,
+                )
             return _launch(lm_head_kernel, x, ops["final_norm"], ops["head"], spec=spec, **ring), k_cache, v_cache
         return _run_per_op(composition == "today", ops, spec, ring)
 
@@ -67,26 +99,53 @@ def _run_per_op(today, ops, spec, ring):
     b, t, h_features = ops["x"].shape
     rows = b * t
     model = np.dtype(weight_dtype(ops["q"])).name
-    x = np.asarray(ops["x"]).reshape(rows, h_features) if isinstance(ops["x"], np.ndarray) else \
-        _spec_like(ops["x"], (rows, h_features))
+    x = (
+        np.asarray(ops["x"]).reshape(rows, h_features)
+        if isinstance(ops["x"], np.ndarray)
+        else _spec_like(ops["x"], (rows, h_features))
+    )
     k_cache, v_cache = ops["k_cache"], ops["v_cache"]
 
     def norm(src, layer, j, out_dtype):
         return _launch(norm_kernel, src, ops["norms"], index=(layer, j), spec=spec, out_dtype=out_dtype)
 
     def project(src, name, layer, out_dtype):
-        return _launch(projection_kernel, src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype,
-                                 **ring)
+        return _launch(
+            projection_kernel, src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype, **ring
+        )
 
     for layer in range(spec.num_layers):
         h = norm(x, layer, 0, model)
         q, k, v = (project(h, name, layer, model) for name in ("q", "k", "v"))
-        q, k = _launch(decode_attention.rope_kernel, q.reshape(b, t, -1), k.reshape(b, t, -1), ops["cos"],
-                       ops["sin"], ops["qk_norms"], layer=layer, spec=spec)
-        k_cache, v_cache = _launch(decode_attention.cache_write_kernel, k, v.reshape(b, t, -1), k_cache, v_cache,
-                                   ops["write_index"], layer=layer)
-        attn = _launch(decode_attention.attention_kernel, q, k_cache, v_cache, ops["write_index"], ops["mask_bias"],
-                       layer=layer, spec=spec)
+        q, k = _launch(
+            decode_attention.rope_kernel,
+            q.reshape(b, t, -1),
+            k.reshape(b, t, -1),
+            ops["cos"],
+            ops["sin"],
+            ops["qk_norms"],
+            layer=layer,
+            spec=spec,
+        )
+        k_cache, v_cache = _launch(
+            decode_attention.cache_write_kernel,
+            k,
+            v.reshape(b, t, -1),
+            k_cache,
+            v_cache,
+            ops["write_index"],
+            layer=layer,
+        )
+        attn = _launch(
+            decode_attention.attention_kernel,
+            q,
+            k_cache,
+            v_cache,
+            ops["write_index"],
+            ops["mask_bias"],
+            layer=layer,
+            spec=spec,
+        )
         y = project(attn.reshape(rows, -1), "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")
@@ -97,8 +156,9 @@ def _run_per_op(today, ops, spec, ring):
             r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
             u = {name: _factor_slice(ops[name][0], layer, r[name], 1) for name in MLP_PROJECTIONS}
             vv = {name: _factor_slice(ops[name][1], layer, r[name], 0) for name in MLP_PROJECTIONS}
-            hT = _launch(svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"],
-                         activation=spec.activation)
+            hT = _launch(
+                svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation
+            )
             m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
         else:
             gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)

@@ -26,13 +26,16 @@ from __future__ import annotations
 
 from nki_kernels import decode_attention
 from nki_kernels import decode_layer as dl
-from nki_kernels.binding import nki, nl, nisa
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
-OPERAND_NAMES = ("x", "norms", "qk_norms") + PROJECTIONS + (
-    "k_cache", "v_cache", "write_index", "cos", "sin", "mask_bias", "final_norm", "head")
+OPERAND_NAMES = (
+    ("x", "norms", "qk_norms")
+    + PROJECTIONS
+    + ("k_cache", "v_cache", "write_index", "cos", "sin", "mask_bias", "final_norm", "head")
+)
 MLP_PROJECTIONS = ("gate", "up", "down")
 
 
@@ -67,12 +70,15 @@ class Layouts:
         head_width = spec.vocab if spec.head_rank is None else spec.head_rank
         hidden_rows = min(_min_row_elements(spec, ("q", "k", "v", "gate", "up")), head_width)
         self.hidden = dl.feature_layout(spec.hidden, dl.choose_group(spec.hidden, hidden_rows))
-        self.inter = dl.feature_layout(spec.intermediate,
-                                       dl.choose_group(spec.intermediate, _min_row_elements(spec, ("down",))))
+        self.inter = dl.feature_layout(
+            spec.intermediate, dl.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
+        )
         self.q = dl.feature_layout(spec.num_heads * spec.head_dim)
         # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
-        self.attn = dl.feature_layout(spec.num_heads * spec.head_dim,
-                                      dl.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))))
+        self.attn = dl.feature_layout(
+            spec.num_heads * spec.head_dim,
+            dl.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))),
+        )
         self.kv = dl.feature_layout(spec.num_kv_heads * spec.head_dim)
 
 
@@ -99,7 +105,7 @@ def _rows(tensor, rows):
 
 def _normed(ctx, x, weights, j, dtype, name):
     h = dl.column_tiles(ctx.layouts.hidden, ctx.rows, dtype, name, zero=dtype == nl.float32)
-    dl.rms_norm(h, x, weights[:, :, j:j + 1], ctx.layouts.hidden, ctx.rows, ctx.consts)
+    dl.rms_norm(h, x, weights[:, :, j : j + 1], ctx.layouts.hidden, ctx.rows, ctx.consts)
     return h
 
 
@@ -117,8 +123,7 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
 
     def project(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
-        dl.project(src, src_layout, layer_weight(weights[name], layer, rank), rank, out_layout, rows, ctx.ring,
-                   evict)
+        dl.project(src, src_layout, layer_weight(weights[name], layer, rank), rank, out_layout, rows, ctx.ring, evict)
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
     qkv = {}
@@ -126,8 +131,21 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
         qkv[name] = dl.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
         project(h, lay.hidden, name, layout, dl.copy_into(qkv[name]))
     del h
-    attn = decode_attention.attention(qkv["q"], qkv["k"], qkv["v"], k_cache, v_cache, layer, write_index, cos, sin,
-                                      mask_bias, qk_norms, spec, constants=ctx.attention)
+    attn = decode_attention.attention(
+        qkv["q"],
+        qkv["k"],
+        qkv["v"],
+        k_cache,
+        v_cache,
+        layer,
+        write_index,
+        cos,
+        sin,
+        mask_bias,
+        qk_norms,
+        spec,
+        constants=ctx.attention,
+    )
     del qkv
     if attn.dtype != ctx.dtype:
         cast = dl.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
@@ -159,8 +177,9 @@ def check_operands(kernel, operands, spec):
     ops = dict(zip(OPERAND_NAMES, operands))
     x = ops["x"]
     if len(x.shape) != 3 or x.shape[2] != spec.hidden or x.shape[0] * x.shape[1] > nl.tile_size.pmax:
-        raise ValueError(f"{kernel}: x has shape {tuple(x.shape)}, expected [B, T, {spec.hidden}] with B·T <= "
-                         f"{nl.tile_size.pmax}")
+        raise ValueError(
+            f"{kernel}: x has shape {tuple(x.shape)}, expected [B, T, {spec.hidden}] with B·T <= {nl.tile_size.pmax}"
+        )
     b, t = x.shape[0], x.shape[1]
     L, H, D = spec.num_layers, spec.hidden, spec.head_dim
     expect = {"norms": (L, spec.num_norms, H), "final_norm": (H,), "write_index": (1, 1)}
@@ -178,21 +197,33 @@ def check_operands(kernel, operands, spec):
         else:
             rmax = weight[0].shape[-1]
             if rmax < max(ranks) or tuple(weight[0].shape) != (L, k, rmax) or tuple(weight[1].shape) != (L, rmax, n):
-                raise ValueError(f"{kernel}: {name} factors have shapes {tuple(weight[0].shape)}, "
-                                 f"{tuple(weight[1].shape)}, expected [{L}, {k}, Rmax], [{L}, Rmax, {n}] with Rmax >= "
-                                 f"{max(ranks)}")
+                raise ValueError(
+                    f"{kernel}: {name} factors have shapes {tuple(weight[0].shape)}, "
+                    f"{tuple(weight[1].shape)}, expected [{L}, {k}, Rmax], [{L}, Rmax, {n}] with Rmax >= "
+                    f"{max(ranks)}"
+                )
     if spec.head_rank is None:
         expect["head"] = (H, spec.vocab)
-    elif (not isinstance(ops["head"], (list, tuple)) or tuple(ops["head"][0].shape) != (H, spec.head_rank)
-          or tuple(ops["head"][1].shape) != (spec.head_rank, spec.vocab)):
+    elif (
+        not isinstance(ops["head"], (list, tuple))
+        or tuple(ops["head"][0].shape) != (H, spec.head_rank)
+        or tuple(ops["head"][1].shape) != (spec.head_rank, spec.vocab)
+    ):
         raise ValueError(f"{kernel}: head must be [u [{H}, {spec.head_rank}], v [{spec.head_rank}, {spec.vocab}]]")
     cache = ops["k_cache"].shape
     if len(cache) != 5 or tuple(cache[:2]) != (L, b) or tuple(cache[3:]) != (spec.num_kv_heads, D):
-        raise ValueError(f"{kernel}: k_cache has shape {tuple(cache)}, expected [{L}, {b}, S, {spec.num_kv_heads}, "
-                         f"{D}]")
+        raise ValueError(
+            f"{kernel}: k_cache has shape {tuple(cache)}, expected [{L}, {b}, S, {spec.num_kv_heads}, {D}]"
+        )
     s = cache[2]
-    expect.update({"v_cache": tuple(cache), "cos": (spec.num_rope_tables, b, t, D),
-                   "sin": (spec.num_rope_tables, b, t, D), "mask_bias": (spec.num_masks, b, t, s)})
+    expect.update(
+        {
+            "v_cache": tuple(cache),
+            "cos": (spec.num_rope_tables, b, t, D),
+            "sin": (spec.num_rope_tables, b, t, D),
+            "mask_bias": (spec.num_masks, b, t, s),
+        }
+    )
     for name, shape in expect.items():
         if isinstance(ops[name], (list, tuple)) or tuple(ops[name].shape) != shape:
             got = type(ops[name]).__name__ if isinstance(ops[name], (list, tuple)) else tuple(ops[name].shape)
@@ -201,15 +232,55 @@ def check_operands(kernel, operands, spec):
 
 
 @nki.jit
-def decode_step_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin,
-                       mask_bias, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
+def decode_step_kernel(
+    x,
+    norms,
+    qk_norms,
+    q,
+    k,
+    v,
+    o,
+    gate,
+    up,
+    down,
+    k_cache,
+    v_cache,
+    write_index,
+    cos,
+    sin,
+    mask_bias,
+    final_norm,
+    head,
+    *,
+    spec,
+    ring_block_bytes=None,
+    ring_bytes=None,
+):
     """(iii) The whole decode step in one kernel: logits [B, T, V] float32, and the caches (written in place).
 
     ring_block_bytes / ring_bytes: weight ring geometry per partition (default: blocks of up to 32 KiB in a ring
     filling the target's SBUF less decode_layer.SBUF_RESERVED_BYTES).
     """
-    operands = (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin, mask_bias,
-                final_norm, head)
+    operands = (
+        x,
+        norms,
+        qk_norms,
+        q,
+        k,
+        v,
+        o,
+        gate,
+        up,
+        down,
+        k_cache,
+        v_cache,
+        write_index,
+        cos,
+        sin,
+        mask_bias,
+        final_norm,
+        head,
+    )
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = x.shape
     rows = b * t
@@ -218,8 +289,7 @@ def decode_step_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, 
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     weights = {name: ops[name] for name in PROJECTIONS}
     for layer in range(spec.num_layers):
-        decoder_layer(ctx, hidden, layer, weights, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms,
-                      norms)
+        decoder_layer(ctx, hidden, layer, weights, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, norms)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
     _head(ctx, hidden, final_norm, head, _rows(logits, rows))
     return logits, k_cache, v_cache
@@ -228,13 +298,44 @@ def decode_step_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, 
 def _head(ctx, hidden, final_norm, head, out_rows):
     spec = ctx.spec
     final_w = dl.load_norm_weights(final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset)
-    dl.lm_head(hidden, ctx.layouts.hidden, final_w, head, spec.head_rank, ctx.rows, ctx.ring, ctx.consts, out_rows,
-               spec.final_logit_softcap)
+    dl.lm_head(
+        hidden,
+        ctx.layouts.hidden,
+        final_w,
+        head,
+        spec.head_rank,
+        ctx.rows,
+        ctx.ring,
+        ctx.consts,
+        out_rows,
+        spec.final_logit_softcap,
+    )
 
 
 @nki.jit
-def decoder_layer_kernel(x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache, v_cache, write_index, cos, sin,
-                         mask_bias, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
+def decoder_layer_kernel(
+    x,
+    norms,
+    qk_norms,
+    q,
+    k,
+    v,
+    o,
+    gate,
+    up,
+    down,
+    k_cache,
+    v_cache,
+    write_index,
+    cos,
+    sin,
+    mask_bias,
+    *,
+    spec,
+    layer,
+    ring_block_bytes=None,
+    ring_bytes=None,
+):
     """(ii) Decoder layer `layer`: x [B, T, H] (any float dtype) → (x' [B, T, H] float32, k_cache, v_cache)."""
     check_spec(spec)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
@@ -266,6 +367,7 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
 
 
 # -- (i) per-op kernels: rows [R, F] in HBM between launches ----------------------------------------------------
+
 
 def _out_dtype(name):
     return {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}[name]
@@ -321,8 +423,8 @@ def add_kernel(x, y):
     dl.load_columns(xc, x, layout)
     dl.load_columns(yc, y, layout)
     for s0, count, size in dl.slot_runs(layout):
-        view = xc[0:size, s0:s0 + count, 0:rows]
-        nisa.tensor_tensor(dst=view, data1=view, data2=yc[0:size, s0:s0 + count, 0:rows], op=nl.add)
+        view = xc[0:size, s0 : s0 + count, 0:rows]
+        nisa.tensor_tensor(dst=view, data1=view, data2=yc[0:size, s0 : s0 + count, 0:rows], op=nl.add)
     out = nl.ndarray((rows, features), dtype=nl.float32, buffer=nl.shared_hbm, name="sum_rows")
     dl.store_columns(out, xc, layout)
     return out
@@ -335,8 +437,9 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     check_spec(spec)
     rows, features = h.shape
     dtype = weight_dtype(head)
-    layout = dl.feature_layout(features, dl.head_group(features) if spec.head_rank is None else
-                               dl.choose_group(features, spec.head_rank))
+    layout = dl.feature_layout(
+        features, dl.head_group(features) if spec.head_rank is None else dl.choose_group(features, spec.head_rank)
+    )
     ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
     hc = dl.column_tiles(layout, rows, dtype, "h", zero=False)
     dl.load_columns(hc, h, layout)
@@ -349,4 +452,3 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
         dl.projection(hc, layout, head[0], rank_layout, rows, ring, dl.copy_into(xu))
         dl.head_projection(xu, rank_layout, head[1], rows, ring, out, spec.final_logit_softcap)
     return out
-

@@ -89,12 +89,13 @@ def _svd_mlp_plan(t, h, i, r_gate_up, r_down, dtype_name, target):
 def svd_mlp_plan(T, H, I, r_gate, r_up, r_down, dtype, target="trn1", *, activation="silu"):
     """((gate_up_kernel, kwargs), (down_kernel, kwargs)) for the two-kernel low-rank MLP:
 
-        hT = gate_up_kernel(x [T, H], gate_u, gate_v, up_u, up_v, **kwargs)   # kwargs include activation
-        y = down_kernel(hT, down_u, down_v, **kwargs)                          # y [T, H]
+    hT = gate_up_kernel(x [T, H], gate_u, gate_v, up_u, up_v, **kwargs)   # kwargs include activation
+    y = down_kernel(hT, down_u, down_v, **kwargs)                          # y [T, H]
     """
     _check_dims(T=T, H=H, I=I, r_gate=r_gate, r_up=r_up, r_down=r_down)
     check_fused_activation(activation)
     check_target(target)
     (gate_up, gate_up_blocks), (down, down_blocks) = _svd_mlp_plan(
-        int(T), int(H), int(I), int(max(r_gate, r_up)), int(r_down), _dtype_name(dtype), target)
+        int(T), int(H), int(I), int(max(r_gate, r_up)), int(r_down), _dtype_name(dtype), target
+    )
     return (gate_up, dict(gate_up_blocks, activation=activation)), (down, dict(down_blocks))

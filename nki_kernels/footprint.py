@@ -32,8 +32,11 @@ def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n):
     v_block = _tiles(r) * min(block_n, n) * itemsize
     if kind == "svd_mlp_gate_up":
         # hᵀ block (block_n features in the k_slots layout), the activation tile, a single token's row.
-        out_tiles = (_tiles(min(block_n, n)) * tb * itemsize + min(tb, MOVING_FMAX) * 4
-                     + (min(block_n, n) * itemsize if tb == 1 else 0))
+        out_tiles = (
+            _tiles(min(block_n, n)) * tb * itemsize
+            + min(tb, MOVING_FMAX) * 4
+            + (min(block_n, n) * itemsize if tb == 1 else 0)
+        )
     elif variant == "rows":
         out_tiles = min(block_n, n) * itemsize
     elif variant == "decode":
@@ -60,5 +63,7 @@ def psum_banks(kind, variant, t, k, r, n, block_t, block_k, block_n):
 def fits(kind, variant, shape, itemsize, blocks, target):
     """Whether `blocks` keep the kernel within `target`'s SBUF and PSUM for `shape` (T, K, r, N)."""
     t, k, r, n = shape
-    return (sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks) <= SBUF_BYTES_PER_PARTITION[target]
-            and psum_banks(kind, variant, t, k, r, n, **blocks) <= PSUM_BANKS)
+    return (
+        sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks) <= SBUF_BYTES_PER_PARTITION[target]
+        and psum_banks(kind, variant, t, k, r, n, **blocks) <= PSUM_BANKS
+    )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nki_kernels.binding import nki, nl, nisa
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.svd_matmul import check_2d, check_block, check_operand_dtypes, spans
 from nki_kernels.svd_mlp import activation_op
 
@@ -24,11 +24,11 @@ def gated_activation_kernel(gate, up, *, activation="silu", block_f=2048):
         for f0, fs in spans(i, block_f):
             gate_tile = nl.ndarray((ts, fs), dtype=gate.dtype, buffer=nl.sbuf, name="gate_tile")
             up_tile = nl.ndarray((ts, fs), dtype=up.dtype, buffer=nl.sbuf, name="up_tile")
-            nisa.dma_copy(dst=gate_tile, src=gate[t0:t0 + ts, f0:f0 + fs])
-            nisa.dma_copy(dst=up_tile, src=up[t0:t0 + ts, f0:f0 + fs])
+            nisa.dma_copy(dst=gate_tile, src=gate[t0 : t0 + ts, f0 : f0 + fs])
+            nisa.dma_copy(dst=up_tile, src=up[t0 : t0 + ts, f0 : f0 + fs])
             act = nl.ndarray((ts, fs), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
             nisa.activation(dst=act, op=op, data=gate_tile)
             h_tile = nl.ndarray((ts, fs), dtype=gate.dtype, buffer=nl.sbuf, name="h_tile")
             nisa.tensor_tensor(dst=h_tile, data1=act, data2=up_tile, op=nl.multiply)
-            nisa.dma_copy(dst=h[t0:t0 + ts, f0:f0 + fs], src=h_tile)
+            nisa.dma_copy(dst=h[t0 : t0 + ts, f0 : f0 + fs], src=h_tile)
     return h

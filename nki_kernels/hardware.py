@@ -19,7 +19,7 @@ PSUM_BANKS = 8
 
 
 def canonical_target(target):
-    """"trn1" or "trn2" for any name in TARGET_ALIASES (case and spaces ignored); ValueError naming `target`."""
+    """ "trn1" or "trn2" for any name in TARGET_ALIASES (case and spaces ignored); ValueError naming `target`."""
     name = TARGET_ALIASES.get(str(target).strip().lower())
     if name is None:
         raise ValueError(f"target: unsupported NKI target {target!r}; expected one of {sorted(TARGET_ALIASES)}")

@@ -24,6 +24,10 @@ def paper_tuning_jobs(models=tuple(PAPER_MLP_SHAPES), tokens=TUNED_TOKENS):
         h, i = PAPER_MLP_SHAPES[model]
         r = block_aligned_rank(h, i, PAPER_KEEP)
         for t in tokens:
-            jobs += [("svd_matmul", (t, h, r, i)), ("svd_matmul", (t, i, r, h)),
-                     ("svd_mlp_gate_up", (t, h, r, i)), ("svd_mlp_down", (t, i, r, h))]
+            jobs += [
+                ("svd_matmul", (t, h, r, i)),
+                ("svd_matmul", (t, i, r, h)),
+                ("svd_mlp_gate_up", (t, h, r, i)),
+                ("svd_mlp_down", (t, i, r, h)),
+            ]
     return jobs

@@ -83,8 +83,26 @@ def decode_step_f64(operands, spec):
     Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
     arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
     """
-    (x, norms, qk_norms, q_w, k_w, v_w, o_w, gate_w, up_w, down_w, k_cache, v_cache, write_index, cos, sin,
-     mask_bias, final_norm, head) = operands
+    (
+        x,
+        norms,
+        qk_norms,
+        q_w,
+        k_w,
+        v_w,
+        o_w,
+        gate_w,
+        up_w,
+        down_w,
+        k_cache,
+        v_cache,
+        write_index,
+        cos,
+        sin,
+        mask_bias,
+        final_norm,
+        head,
+    ) = operands
     weights = dict(zip(("q", "k", "v", "o", "gate", "up", "down"), (q_w, k_w, v_w, o_w, gate_w, up_w, down_w)))
     eps, unit = spec.norm_eps, spec.norm_unit_offset
     x = _f64(x)
@@ -110,8 +128,8 @@ def decode_step_f64(operands, spec):
         c, s = _f64(cos[table])[:, :, None, :], _f64(sin[table])[:, :, None, :]
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
-        k_cache[layer, :, start:start + t] = k
-        v_cache[layer, :, start:start + t] = v
+        k_cache[layer, :, start : start + t] = k
+        v_cache[layer, :, start : start + t] = v
         scores = np.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv_heads, group, d), k_cache[layer])
         scores = scores * spec.query_scaling
         if spec.attn_logit_softcap is not None:

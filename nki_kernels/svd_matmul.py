@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import enum
 
-from nki_kernels.binding import nki, nl, nisa
+from nki_kernels.binding import nisa, nki, nl
 
 
 def spans(total, step):
@@ -57,8 +57,9 @@ def check_operand_dtypes(kernel, **tensors):
         if dtype not in supported:
             raise TypeError(f"{kernel}: {name} has dtype {dtype}, expected bfloat16, float16 or float32")
         if dtype != first:
-            raise TypeError(f"{kernel}: {name} has dtype {dtype} but {names[0]} has {first}; "
-                            f"all operands must share one dtype")
+            raise TypeError(
+                f"{kernel}: {name} has dtype {dtype} but {names[0]} has {first}; all operands must share one dtype"
+            )
 
 
 def check_factors(kernel, k_name, k, u, v, u_name="u", v_name="v"):
@@ -66,11 +67,12 @@ def check_factors(kernel, k_name, k, u, v, u_name="u", v_name="v"):
     check_2d(kernel, u_name, u, "[K, r]")
     check_2d(kernel, v_name, v, "[r, N]")
     if u.shape[0] != k:
-        raise ValueError(f"{kernel}: {u_name} has shape {tuple(u.shape)}, expected {k} rows to match "
-                         f"{k_name} = {k}")
+        raise ValueError(f"{kernel}: {u_name} has shape {tuple(u.shape)}, expected {k} rows to match {k_name} = {k}")
     if v.shape[0] != u.shape[1]:
-        raise ValueError(f"{kernel}: {v_name} has shape {tuple(v.shape)}, expected {u.shape[1]} rows to match "
-                         f"the rank (columns of {u_name})")
+        raise ValueError(
+            f"{kernel}: {v_name} has shape {tuple(v.shape)}, expected {u.shape[1]} rows to match "
+            f"the rank (columns of {u_name})"
+        )
     return u.shape[1], v.shape[1]
 
 
@@ -96,7 +98,7 @@ def load_row_block(w, c0, cs):
     row_tiles = spans(w.shape[0], pmax)
     blk = nl.ndarray((pmax, len(row_tiles), cs), dtype=w.dtype, buffer=nl.sbuf, name="weight_block")
     for ri, (r0, rt) in enumerate(row_tiles):
-        nisa.dma_copy(dst=blk[0:rt, ri, 0:cs], src=w[r0:r0 + rt, c0:c0 + cs])
+        nisa.dma_copy(dst=blk[0:rt, ri, 0:cs], src=w[r0 : r0 + rt, c0 : c0 + cs])
     return blk
 
 
@@ -127,7 +129,7 @@ def stage_x_rows(x, x_transposed, t0, tb, k0, ks):
         for s0, ts in spans(tc, pmax):
             rows = nl.ndarray((ts, ks), dtype=x.dtype, buffer=nl.sbuf, name="x_rows")
             first = t0 + c0 + s0
-            src = x[k0:k0 + ks, first] if x_transposed else x[first:first + ts, k0:k0 + ks]
+            src = x[k0 : k0 + ks, first] if x_transposed else x[first : first + ts, k0 : k0 + ks]
             nisa.dma_copy(dst=rows, src=src)
             row_tiles.append((s0, ts, rows))
         staged.append((c0, tc, row_tiles))
@@ -149,16 +151,16 @@ def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
     staged = None if direct else stage_x_rows(x, x_transposed, t0, tb, k0, ks)
     if direct and ks % pmax == 0 and tb == x.shape[1]:
         # All tokens: the block of Xᵀ is contiguous, so each partition reads its q rows as one run.
-        nisa.dma_copy(dst=strip, src=x[k0:k0 + ks, 0:tb].reshape((pmax, len(slots), tb)))
+        nisa.dma_copy(dst=strip, src=x[k0 : k0 + ks, 0:tb].reshape((pmax, len(slots), tb)))
     elif direct:
         for slot, (kt, k_rows) in enumerate(slots):
-            nisa.dma_copy(dst=strip[0:kt, slot, 0:tb], src=x[k_rows, t0:t0 + tb])
+            nisa.dma_copy(dst=strip[0:kt, slot, 0:tb], src=x[k_rows, t0 : t0 + tb])
     u_rows = []
     for u in factors:
         r = u.shape[1]
         rows = nl.ndarray((pmax, len(slots), r), dtype=u.dtype, buffer=nl.sbuf, name="u_rows")
         if ks % pmax == 0:
-            nisa.dma_copy(dst=rows, src=u[k0:k0 + ks, 0:r].reshape((pmax, len(slots), r)))
+            nisa.dma_copy(dst=rows, src=u[k0 : k0 + ks, 0:r].reshape((pmax, len(slots), r)))
         else:
             for slot, (kt, k_rows) in enumerate(slots):
                 nisa.dma_copy(dst=rows[0:kt, slot, 0:r], src=u[k_rows, 0:r])
@@ -168,8 +170,8 @@ def load_k_block(x, x_transposed, t0, tb, factors, k0, ks):
         for c0, tc, row_tiles in staged or ():
             turned = nl.ndarray((kt, tc), dtype=x.dtype, buffer=nl.psum, name="xT_psum")
             for s0, ts, rows in row_tiles:
-                nisa.nc_transpose(dst=turned[0:kt, s0:s0 + ts], data=rows[0:ts, columns])
-            evict(strip[0:kt, slot, c0:c0 + tc], turned, slot)
+                nisa.nc_transpose(dst=turned[0:kt, s0 : s0 + ts], data=rows[0:ts, columns])
+            evict(strip[0:kt, slot, c0 : c0 + tc], turned, slot)
     return strip, u_rows
 
 
@@ -191,8 +193,11 @@ def stage1(x, x_transposed, t0, tb, factors, block_k):
     for u in factors:
         rank_tile_count = len(spans(u.shape[1], rank_tile_size))
         xus.append(nl.ndarray((pmax, rank_tile_count, tb), dtype=u.dtype, buffer=nl.sbuf, name="xuT_strip"))
-        totals.append(nl.ndarray((pmax, rank_tile_count, tb), dtype=nl.float32, buffer=nl.sbuf, name="xuT_total")
-                      if len(k_blocks) > 1 else None)
+        totals.append(
+            nl.ndarray((pmax, rank_tile_count, tb), dtype=nl.float32, buffer=nl.sbuf, name="xuT_total")
+            if len(k_blocks) > 1
+            else None
+        )
     upcoming = load_k_block(x, x_transposed, t0, tb, factors, *k_blocks[0])
     for k_block, (k0, ks) in enumerate(k_blocks):
         strip, u_rows = upcoming
@@ -204,16 +209,23 @@ def stage1(x, x_transposed, t0, tb, factors, block_k):
         for u, rows, xu, total in zip(factors, u_rows, xus, totals):
             rank_tiles = spans(u.shape[1], rank_tile_size)
             for group_start in range(0, len(rank_tiles), tiles_per_group):
-                group = rank_tiles[group_start:group_start + tiles_per_group]
-                accs = [[nl.ndarray((rank_size, chunk_size), dtype=nl.float32, buffer=nl.psum, name="xuT_psum")
-                         for _, chunk_size in token_chunks] for _, rank_size in group]
+                group = rank_tiles[group_start : group_start + tiles_per_group]
+                accs = [
+                    [
+                        nl.ndarray((rank_size, chunk_size), dtype=nl.float32, buffer=nl.psum, name="xuT_psum")
+                        for _, chunk_size in token_chunks
+                    ]
+                    for _, rank_size in group
+                ]
                 for slot, (kt, _) in enumerate(slots):
                     for member, (rank_start, rank_size) in enumerate(group):
                         for chunk, (chunk_start, chunk_size) in enumerate(token_chunks):
-                            nisa.nc_matmul(dst=accs[member][chunk],
-                                           stationary=rows[0:kt, slot, rank_start:rank_start + rank_size],
-                                           moving=strip[0:kt, slot, chunk_start:chunk_start + chunk_size],
-                                           accumulate=slot > 0)
+                            nisa.nc_matmul(
+                                dst=accs[member][chunk],
+                                stationary=rows[0:kt, slot, rank_start : rank_start + rank_size],
+                                moving=strip[0:kt, slot, chunk_start : chunk_start + chunk_size],
+                                accumulate=slot > 0,
+                            )
                 for member, (_, rank_size) in enumerate(group):
                     rank_tile = group_start + member
                     for chunk, (chunk_start, chunk_size) in enumerate(token_chunks):
@@ -222,8 +234,12 @@ def stage1(x, x_transposed, t0, tb, factors, block_k):
                         if first:
                             evict(out, accs[member][chunk], member * len(token_chunks) + chunk)
                         else:
-                            nisa.tensor_tensor(dst=out, data1=total[0:rank_size, rank_tile, tokens],
-                                               data2=accs[member][chunk], op=nl.add)
+                            nisa.tensor_tensor(
+                                dst=out,
+                                data1=total[0:rank_size, rank_tile, tokens],
+                                data2=accs[member][chunk],
+                                op=nl.add,
+                            )
                 del accs  # free the PSUM banks before the next group's
         del strip, u_rows, rows  # free this K block before the one after next is loaded
     return xus
@@ -240,13 +256,17 @@ def stage2_rows(xu, v, y, t0, tb, block_n):
             accs = [nl.ndarray((ts, nc), dtype=nl.float32, buffer=nl.psum, name="y_psum") for _, nc in n_chunks]
             for rank_tile, (r0, rt) in enumerate(r_tiles):
                 for chunk, (c0, nc) in enumerate(n_chunks):
-                    nisa.nc_matmul(dst=accs[chunk], stationary=xu[0:rt, rank_tile, s0:s0 + ts],
-                                   moving=v_blk[0:rt, rank_tile, c0:c0 + nc], accumulate=rank_tile > 0)
+                    nisa.nc_matmul(
+                        dst=accs[chunk],
+                        stationary=xu[0:rt, rank_tile, s0 : s0 + ts],
+                        moving=v_blk[0:rt, rank_tile, c0 : c0 + nc],
+                        accumulate=rank_tile > 0,
+                    )
             y_rows = nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows")
             for chunk, (c0, nc) in enumerate(n_chunks):
-                evict(y_rows[0:ts, c0:c0 + nc], accs[chunk], chunk)
+                evict(y_rows[0:ts, c0 : c0 + nc], accs[chunk], chunk)
             del accs
-            nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=y_rows)
+            nisa.dma_copy(dst=y[t0 + s0 : t0 + s0 + ts, nb0 : nb0 + nbs], src=y_rows)
         del v_blk  # single-buffered: free before the next block is loaded
 
 
@@ -260,8 +280,12 @@ def stage2_cols_psum(xu, v_blk, r_tiles, columns, nt, tb):
     accs = [nl.ndarray((nt, tc), dtype=nl.float32, buffer=nl.psum, name="yT_psum") for _, tc in chunks]
     for rank_tile, (r0, rt) in enumerate(r_tiles):
         for chunk, (c0, tc) in enumerate(chunks):
-            nisa.nc_matmul(dst=accs[chunk], stationary=v_blk[0:rt, rank_tile, columns],
-                           moving=xu[0:rt, rank_tile, c0:c0 + tc], accumulate=rank_tile > 0)
+            nisa.nc_matmul(
+                dst=accs[chunk],
+                stationary=v_blk[0:rt, rank_tile, columns],
+                moving=xu[0:rt, rank_tile, c0 : c0 + tc],
+                accumulate=rank_tile > 0,
+            )
     return chunks, accs
 
 
@@ -271,7 +295,7 @@ def stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, dtype):
     chunks, accs = stage2_cols_psum(xu, v_blk, r_tiles, slice(j0, j0 + nt), nt, tb)
     yT_tile = nl.ndarray((nt, tb), dtype=dtype, buffer=nl.sbuf, name="yT_tile")
     for chunk, (c0, tc) in enumerate(chunks):
-        evict(yT_tile[0:nt, c0:c0 + tc], accs[chunk], j0 // nl.tile_size.pmax + chunk)
+        evict(yT_tile[0:nt, c0 : c0 + tc], accs[chunk], j0 // nl.tile_size.pmax + chunk)
     return yT_tile
 
 
@@ -279,7 +303,7 @@ def turn_into_rows(tile, rows, columns, nt, tb):
     """rows[s][0:ts, columns] = tile[0:nt, s0:s0+ts]ᵀ for each ≤128-token piece s, through the PE."""
     for s, (s0, ts) in enumerate(spans(tb, nl.tile_size.pmax)):
         turned = nl.ndarray((ts, nt), dtype=tile.dtype, buffer=nl.psum, name="turn_psum")
-        nisa.nc_transpose(dst=turned, data=tile[0:nt, s0:s0 + ts])
+        nisa.nc_transpose(dst=turned, data=tile[0:nt, s0 : s0 + ts])
         evict(rows[s][0:ts, columns], turned, s)
 
 
@@ -299,11 +323,11 @@ def stage2_cols(xu, v, yT, t0, tb, block_n):
         for j0, nt in spans(nbs, nl.tile_size.gemm_stationary_fmax):
             yT_tile = stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, yT.dtype)
             if row is None:
-                nisa.dma_copy(dst=yT[nb0 + j0:nb0 + j0 + nt, t0:t0 + tb], src=yT_tile)
+                nisa.dma_copy(dst=yT[nb0 + j0 : nb0 + j0 + nt, t0 : t0 + tb], src=yT_tile)
             else:
                 turn_into_rows(yT_tile, row, slice(j0, j0 + nt), nt, tb)
         if row is not None:
-            nisa.dma_copy(dst=yT[nb0:nb0 + nbs, t0], src=row[0])
+            nisa.dma_copy(dst=yT[nb0 : nb0 + nbs, t0], src=row[0])
         del v_blk  # single-buffered: free before the next block is loaded
 
 
@@ -320,7 +344,7 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n):
             yT_tile = stage2_cols_tile(xu, v_blk, r_tiles, j0, nt, tb, y.dtype)
             turn_into_rows(yT_tile, y_rows, slice(j0, j0 + nt), nt, tb)
         for (s0, ts), rows in zip(token_tiles, y_rows):
-            nisa.dma_copy(dst=y[t0 + s0:t0 + s0 + ts, nb0:nb0 + nbs], src=rows)
+            nisa.dma_copy(dst=y[t0 + s0 : t0 + s0 + ts, nb0 : nb0 + nbs], src=rows)
         del v_blk, y_rows  # single-buffered: free before the next block is loaded
 
 
@@ -360,16 +384,34 @@ def svd_matmul_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     block_t: tokens per block (the (XU)ᵀ strip held in SBUF); block_k: rows of X and U per K block; block_n:
     columns of V per DMA block. All multiples of 128. T ≤ block_t reads X, U, V once and writes Y once.
     """
-    return svd_matmul_body("svd_matmul_kernel", x, u, v, x_transposed=False, stage2=Stage2.ROWS,
-                           block_t=block_t, block_k=block_k, block_n=block_n)
+    return svd_matmul_body(
+        "svd_matmul_kernel",
+        x,
+        u,
+        v,
+        x_transposed=False,
+        stage2=Stage2.ROWS,
+        block_t=block_t,
+        block_k=block_k,
+        block_n=block_n,
+    )
 
 
 @nki.jit
 def svd_matmul_t_out_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048):
     """yᵀ [N, T] = (x [T, K] · u [K, r] · v [r, N])ᵀ: the layout a following transposed-input kernel
     (svd_mlp_down_kernel) consumes."""
-    return svd_matmul_body("svd_matmul_t_out_kernel", x, u, v, x_transposed=False, stage2=Stage2.COLS,
-                           block_t=block_t, block_k=block_k, block_n=block_n)
+    return svd_matmul_body(
+        "svd_matmul_t_out_kernel",
+        x,
+        u,
+        v,
+        x_transposed=False,
+        stage2=Stage2.COLS,
+        block_t=block_t,
+        block_k=block_k,
+        block_n=block_n,
+    )
 
 
 @nki.jit
@@ -381,5 +423,14 @@ def svd_matmul_decode_kernel(x, u, v, *, block_t=512, block_k=1024, block_n=2048
     the PE cycles saved are hidden while the extra evictions are not; dispatch picks it only where the tuned
     table does.
     """
-    return svd_matmul_body("svd_matmul_decode_kernel", x, u, v, x_transposed=False, stage2=Stage2.COLS_TO_ROWS,
-                           block_t=block_t, block_k=block_k, block_n=block_n)
+    return svd_matmul_body(
+        "svd_matmul_decode_kernel",
+        x,
+        u,
+        v,
+        x_transposed=False,
+        stage2=Stage2.COLS_TO_ROWS,
+        block_t=block_t,
+        block_k=block_k,
+        block_n=block_n,
+    )

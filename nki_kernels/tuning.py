@@ -16,8 +16,15 @@ import os
 import numpy as np
 
 from nki_kernels import emulator, svd_matmul, svd_mlp
-from nki_kernels.block_table import (DECODE_MAX_TOKENS, KERNEL_VARIANTS, TABLE_PATH, TUNED_TOKENS, load_table,
-                                     save_table, table_key)
+from nki_kernels.block_table import (
+    DECODE_MAX_TOKENS,
+    KERNEL_VARIANTS,
+    TABLE_PATH,
+    TUNED_TOKENS,
+    load_table,
+    save_table,
+    table_key,
+)
 from nki_kernels.footprint import fits
 from nki_kernels.hardware import TARGETS
 from nki_kernels.paper_shapes import PAPER_MLP_SHAPES, paper_tuning_jobs
@@ -39,9 +46,13 @@ def candidates(kind, shape, itemsize, target):
     block_ks = [b for b in BLOCK_K if b < k] + [b for b in BLOCK_K if b >= k][:1]
     block_ns = [b for b in BLOCK_N if b < n] + [b for b in BLOCK_N if b >= n][:1]
     for fallback in ((),) + tuple((b,) for b in BLOCK_T_FALLBACK):
-        found = [(variant, dict(block_t=block_t, block_k=block_k, block_n=block_n))
-                 for variant in variants for block_t in (fallback or block_ts)
-                 for block_k in block_ks for block_n in block_ns]
+        found = [
+            (variant, dict(block_t=block_t, block_k=block_k, block_n=block_n))
+            for variant in variants
+            for block_t in (fallback or block_ts)
+            for block_k in block_ks
+            for block_n in block_ns
+        ]
         found = [(v, b) for v, b in found if fits(kind, v, shape, itemsize, b, target)]
         if found:
             return found
@@ -56,8 +67,13 @@ def kernel_and_operands(kind, variant, shape, dtype):
         kernel = svd_matmul.svd_matmul_decode_kernel if variant == "decode" else svd_matmul.svd_matmul_kernel
         return kernel, (zeros((t, k)), zeros((k, r)), zeros((r, n)))
     if kind == "svd_mlp_gate_up":
-        return svd_mlp.svd_mlp_gate_up_kernel, (zeros((t, k)), zeros((k, r)), zeros((r, n)), zeros((k, r)),
-                                               zeros((r, n)))
+        return svd_mlp.svd_mlp_gate_up_kernel, (
+            zeros((t, k)),
+            zeros((k, r)),
+            zeros((r, n)),
+            zeros((k, r)),
+            zeros((r, n)),
+        )
     return svd_mlp.svd_mlp_down_kernel, (zeros((k, t)), zeros((k, r)), zeros((r, n)))
 
 

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import NkiHardwareError
 
 
@@ -53,12 +53,12 @@ def blocked_matmul(lhs_t, rhs):
                 kt = min(tk, k_total - k)
                 a = nl.ndarray((kt, mt), lhs_t.dtype, buffer=nl.sbuf)
                 b = nl.ndarray((kt, nt), rhs.dtype, buffer=nl.sbuf)
-                nisa.dma_copy(a, lhs_t[k:k + kt, m:m + mt])
-                nisa.dma_copy(b, rhs[k:k + kt, n:n + nt])
+                nisa.dma_copy(a, lhs_t[k : k + kt, m : m + mt])
+                nisa.dma_copy(b, rhs[k : k + kt, n : n + nt])
                 nisa.nc_matmul(acc, a, b)
             result = nl.ndarray((mt, nt), out.dtype, buffer=nl.sbuf)
             nisa.tensor_copy(result, acc)
-            nisa.dma_copy(out[m:m + mt, n:n + nt], result)
+            nisa.dma_copy(out[m : m + mt, n : n + nt], result)
     return out
 
 
@@ -104,5 +104,5 @@ def sliding_window_case(rng, s, b, t, w, window):
     span = min(s, window + t - 1)
     start = min(max(w + t - span, 0), s - span)
     outside = np.ones(s, dtype=bool)
-    outside[start:start + span] = False
+    outside[start : start + span] = False
     return np.where(visible, 0.0, np.finfo(np.float32).min).astype(np.float32), outside

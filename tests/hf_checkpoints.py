@@ -11,9 +11,19 @@ from flax import nnx
 from jax_neuronmm.models.hf_loading import model_from_config
 
 HF_CONFIG = {
-    "model_type": "llama", "vocab_size": 97, "hidden_size": 64, "intermediate_size": 136, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-5,
-    "rope_theta": 10000.0, "tie_word_embeddings": False, "eos_token_id": [5, 7], "max_position_embeddings": 64,
+    "model_type": "llama",
+    "vocab_size": 97,
+    "hidden_size": 64,
+    "intermediate_size": 136,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": [5, 7],
+    "max_position_embeddings": 64,
 }
 
 

@@ -17,5 +17,5 @@ def gated_mlp64(x, gate, up, down, activation):
     if activation == "silu":
         act = g / (1 + np.exp(-g))
     else:
-        act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
+        act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
     return (act * (x @ up)) @ down

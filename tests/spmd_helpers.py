@@ -75,4 +75,4 @@ def checks_in_subprocess(module_file):
     done = subprocess.run([sys.executable, module_file], env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
     assert done.returncode == 0 and lines, f"subprocess failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1][len(RESULT_MARKER):])
+    return json.loads(lines[-1][len(RESULT_MARKER) :])

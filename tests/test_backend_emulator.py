@@ -25,7 +25,8 @@ def factors(rng, tokens, k, r, n, dtype=np.float32):
 def mlp_factors(rng, tokens, hidden, inter, rank, dtype=np.float32):
     shapes = [(hidden, rank), (rank, inter), (hidden, rank), (rank, inter), (inter, rank), (rank, hidden)]
     return [rng.standard_normal(tokens + (hidden,)).astype(dtype)] + [
-        (rng.standard_normal(s) / np.sqrt(s[0])).astype(dtype) for s in shapes]
+        (rng.standard_normal(s) / np.sqrt(s[0])).astype(dtype) for s in shapes
+    ]
 
 
 def ref64(x, u, v):
@@ -145,11 +146,13 @@ def test_backend_names_are_checked():
 
 
 def test_environment_variable_selects_the_backend():
-    code = ("import jax, numpy as np, jax_neuronmm as jn\n"
-            "x = np.arange(12, dtype=np.float32).reshape(3, 4); u = np.ones((4, 2), np.float32)\n"
-            "with jn.profile() as p:\n"
-            "    jax.jit(jn.svd_matmul)(x, u, u.T).block_until_ready()\n"
-            "print(jn.get_backend(), [c.name for c in p.runs])\n")
+    code = (
+        "import jax, numpy as np, jax_neuronmm as jn\n"
+        "x = np.arange(12, dtype=np.float32).reshape(3, 4); u = np.ones((4, 2), np.float32)\n"
+        "with jn.profile() as p:\n"
+        "    jax.jit(jn.svd_matmul)(x, u, u.T).block_until_ready()\n"
+        "print(jn.get_backend(), [c.name for c in p.runs])\n"
+    )
     env = dict(os.environ, JAX_NEURONMM_BACKEND="emulator", JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split("\n")[-2] == "emulator ['svd_matmul_kernel']"
@@ -187,8 +190,18 @@ def test_shape_no_kernel_fits_fails_when_lowering_naming_op_shape_and_target(op)
     if op == "svd_matmul":
         args = (S((7, 100), f32), S((100, 100000), f32), S((100000, 130), f32))
     else:
-        args = (S((7, 100), f32), S((100, 100000), f32), S((100000, 200), f32), S((100, 13), f32),
-                S((13, 200), f32), S((200, 13), f32), S((13, 100), f32))
-    with jn.use_backend("emulator"), emulator.use_target("trn1"), \
-            pytest.raises(ValueError, match=rf"^{op}: .*\(100, 100000\).* on trn1: .*no block sizes fit"):
+        args = (
+            S((7, 100), f32),
+            S((100, 100000), f32),
+            S((100000, 200), f32),
+            S((100, 13), f32),
+            S((13, 200), f32),
+            S((200, 13), f32),
+            S((13, 100), f32),
+        )
+    with (
+        jn.use_backend("emulator"),
+        emulator.use_target("trn1"),
+        pytest.raises(ValueError, match=rf"^{op}: .*\(100, 100000\).* on trn1: .*no block sizes fit"),
+    ):
         jax.jit(getattr(jn, op)).lower(*args)

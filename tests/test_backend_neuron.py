@@ -10,18 +10,22 @@ import re
 import jax
 import numpy as np
 import pytest
+from neuron_platform import stand_in_platform
 
 import jax_neuronmm as jn
 from jax_neuronmm import nki_frontend
 from jax_neuronmm._compat import is_known_platform
-from neuron_platform import stand_in_platform
 from nki_kernels import emulator
 
 
 def custom_call_like_nki(kernel, grid, args, kwargs):
     specs = emulator.output_specs(kernel, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args], kwargs)
-    call = jax.ffi.ffi_call("AwsNeuronCustomNativeKernel", [jax.ShapeDtypeStruct(s, d) for s, d in specs],
-                            custom_call_api_version=2, legacy_backend_config=kernel.__name__)
+    call = jax.ffi.ffi_call(
+        "AwsNeuronCustomNativeKernel",
+        [jax.ShapeDtypeStruct(s, d) for s, d in specs],
+        custom_call_api_version=2,
+        legacy_backend_config=kernel.__name__,
+    )
     outputs = call(*args)
     return outputs[0] if len(outputs) == 1 else outputs
 

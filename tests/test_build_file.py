@@ -204,9 +204,7 @@ def test_every_test_file_has_exactly_one_py_test(repo_targets):
 
 
 def test_every_script_has_a_py_binary(repo_targets):
-    binary_sources = {
-        _file_name(src) for t in repo_targets.values() if t["kind"] == "py_binary" for src in t["srcs"]
-    }
+    binary_sources = {_file_name(src) for t in repo_targets.values() if t["kind"] == "py_binary" for src in t["srcs"]}
     scripts = [path for path in _python_files(REPO_ROOT) if re.fullmatch(r"(examples|benchmarks)/[^/]+\.py", path)]
     assert [path for path in scripts if path not in binary_sources] == []
 

@@ -20,14 +20,20 @@ from jax_neuronmm.nn import SVDLinear
 
 
 def compressed_linen(rng):
-    params = {"params": {
-        "embed": {"embedding": jnp.asarray(rng.standard_normal((20, 24)), jnp.bfloat16)},
-        "layers_0": {"mlp": {
-            "up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 70)), jnp.float32)},
-            "down_proj": {"kernel": jnp.asarray(rng.standard_normal((70, 24)), jnp.float32),
-                          "bias": jnp.asarray(rng.standard_normal(24), jnp.float32)},
-        }},
-    }}
+    params = {
+        "params": {
+            "embed": {"embedding": jnp.asarray(rng.standard_normal((20, 24)), jnp.bfloat16)},
+            "layers_0": {
+                "mlp": {
+                    "up_proj": {"kernel": jnp.asarray(rng.standard_normal((24, 70)), jnp.float32)},
+                    "down_proj": {
+                        "kernel": jnp.asarray(rng.standard_normal((70, 24)), jnp.float32),
+                        "bias": jnp.asarray(rng.standard_normal(24), jnp.float32),
+                    },
+                }
+            },
+        }
+    }
     return compress_params(params, keep=0.5, progress=False)
 
 
@@ -121,7 +127,11 @@ def test_saved_file_gets_the_umask_mode_not_0600(rng, tmp_path):
 def test_temporary_of_a_killed_save_is_removed_by_the_next_save(rng, tmp_path):
     params, report = compressed_linen(rng)
     path = tmp_path / "model.safetensors"
-    killed = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+    killed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         import os, signal
         from jax_neuronmm.compress.checkpoint import write_atomically
         def write(temporary):
@@ -129,7 +139,12 @@ def test_temporary_of_a_killed_save_is_removed_by_the_next_save(rng, tmp_path):
                 f.write(b"\\x00" * 100000)
             os.kill(os.getpid(), signal.SIGKILL)
         write_atomically({str(path)!r}, write)
-    """)], capture_output=True, text=True, timeout=120)
+    """),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert killed.returncode == -9, killed.stderr
     leftovers = os.listdir(tmp_path)
     assert len(leftovers) == 1 and leftovers[0].startswith(".model.safetensors.") and leftovers[0].endswith(".tmp")
@@ -210,8 +225,9 @@ def test_template_mismatch_is_reported(rng, tmp_path):
 
 def test_report_must_match_params(rng, tmp_path):
     params, report = compressed_linen(rng)
-    other, other_report = compress_params({"mlp": {"kernel": np.ones((8, 8), np.float32) + np.eye(8)}},
-                                          rank=2, progress=False)
+    other, other_report = compress_params(
+        {"mlp": {"kernel": np.ones((8, 8), np.float32) + np.eye(8)}}, rank=2, progress=False
+    )
     with pytest.raises(ValueError, match="report ranks"):
         save_compressed(tmp_path / "x.safetensors", params, report=other_report)
     with pytest.raises(TypeError, match="metadata must map str to str"):

@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
+from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
+
 from jax_neuronmm.compress import load_compressed
 from jax_neuronmm.models import load_compressed_checkpoint
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
-
-from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compress_checkpoint.py")
 
@@ -26,16 +26,17 @@ def listing(directory):
 def test_cli_compresses_and_loads_back(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     out = tmp_path / "out"
-    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={out}", "--keep=0.5", "--block=16",
-                 "--method=svd")
+    result = run(
+        f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={out}", "--keep=0.5", "--block=16", "--method=svd"
+    )
     assert result.returncode == 0, result.stderr
     assert "layers/1/mlp/up_proj" in result.stdout and f"wrote {out}" in result.stdout
-    assert sorted(os.listdir(out)) == ["compression_report.json", "config.json", "model.safetensors",
-                                       "tokenizer.json"]
+    assert sorted(os.listdir(out)) == ["compression_report.json", "config.json", "model.safetensors", "tokenizer.json"]
     _, info = load_compressed(out / "model.safetensors")
     assert info.method == "svd" and info.keep == 0.5
-    assert info.ranks == {f"layers/{i}/mlp/{name}": 16 for i in range(2) for name in ("down_proj", "gate_proj",
-                                                                                      "up_proj")}
+    assert info.ranks == {
+        f"layers/{i}/mlp/{name}": 16 for i in range(2) for name in ("down_proj", "gate_proj", "up_proj")
+    }
     with open(out / "compression_report.json") as f:
         assert [layer["rank"] for layer in json.load(f)["layers"]] == [16] * 6
     model = load_compressed_checkpoint(out)
@@ -46,8 +47,14 @@ def test_whitened_calibrates_on_text(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"w{i}" for i in rng.integers(0, HF_CONFIG["vocab_size"], size=400)))
-    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--rank=8",
-                 "--method=whitened", f"--calibration_text={text}", "--calibration_tokens=50")
+    result = run(
+        f"--checkpoint_dir={tmp_path / 'hf'}",
+        f"--output_dir={tmp_path / 'out'}",
+        "--rank=8",
+        "--method=whitened",
+        f"--calibration_text={text}",
+        "--calibration_tokens=50",
+    )
     assert result.returncode == 0, result.stderr
     _, info = load_compressed(tmp_path / "out" / "model.safetensors")
     assert info.method == "whitened" and set(info.ranks.values()) == {8}
@@ -57,8 +64,13 @@ def test_default_is_the_recommended_calibrated_pipeline(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     text = tmp_path / "calibration.txt"
     text.write_text(" ".join(f"w{i}" for i in rng.integers(0, HF_CONFIG["vocab_size"], size=400)))
-    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--rank=8",
-                 f"--calibration_text={text}", "--calibration_tokens=50")
+    result = run(
+        f"--checkpoint_dir={tmp_path / 'hf'}",
+        f"--output_dir={tmp_path / 'out'}",
+        "--rank=8",
+        f"--calibration_text={text}",
+        "--calibration_tokens=50",
+    )
     assert result.returncode == 0, result.stderr
     _, info = load_compressed(tmp_path / "out" / "model.safetensors")
     assert info.method == "+".join((RECOMMENDED_METHOD, *RECOMMENDED_STEPS))

@@ -15,29 +15,47 @@ from jax_neuronmm.nn import SVDDense
 
 def linen_params(rng, hidden=48, intermediate=100, layers=2):
     """A Linen-style variables dict: attention + gated MLP per layer, plus an embedding."""
+
     def dense(k, n, bias=False):
         entry = {"kernel": jnp.asarray(rng.standard_normal((k, n)), jnp.float32)}
         if bias:
             entry["bias"] = jnp.asarray(rng.standard_normal(n), jnp.float32)
         return entry
+
     params = {"embed": {"embedding": jnp.asarray(rng.standard_normal((30, hidden)), jnp.float32)}}
     for index in range(layers):
         params[f"layers_{index}"] = {
             "attn": {"q_proj": dense(hidden, hidden), "o_proj": dense(hidden, hidden, bias=True)},
-            "mlp": {"gate_proj": dense(hidden, intermediate), "up_proj": dense(hidden, intermediate),
-                    "down_proj": dense(intermediate, hidden, bias=True)},
+            "mlp": {
+                "gate_proj": dense(hidden, intermediate),
+                "up_proj": dense(hidden, intermediate),
+                "down_proj": dense(intermediate, hidden, bias=True),
+            },
         }
     return {"params": params}
 
 
 def test_default_include_matches_mlp_projections_only():
     pattern = re.compile(DEFAULT_INCLUDE)
-    for path in ["params/layers_0/mlp/gate_proj/kernel", "layers/3/mlp/down_proj/kernel",
-                 "params/MlpBlock_0/Dense_0/kernel", "model/h/0/ffn/fc1/kernel", "params/feed_forward/w1/kernel",
-                 "blocks/0/fc2/kernel", "transformer/h/0/c_fc/kernel", "params/layer/up/kernel"]:
+    for path in [
+        "params/layers_0/mlp/gate_proj/kernel",
+        "layers/3/mlp/down_proj/kernel",
+        "params/MlpBlock_0/Dense_0/kernel",
+        "model/h/0/ffn/fc1/kernel",
+        "params/feed_forward/w1/kernel",
+        "blocks/0/fc2/kernel",
+        "transformer/h/0/c_fc/kernel",
+        "params/layer/up/kernel",
+    ]:
         assert pattern.search(path), path
-    for path in ["params/layers_0/attn/q_proj/kernel", "params/lm_head/kernel", "params/embed/embedding",
-                 "params/self_attention/out/kernel", "params/upsample/kernel", "params/downsample/kernel"]:
+    for path in [
+        "params/layers_0/attn/q_proj/kernel",
+        "params/lm_head/kernel",
+        "params/embed/embedding",
+        "params/self_attention/out/kernel",
+        "params/upsample/kernel",
+        "params/downsample/kernel",
+    ]:
         assert not pattern.search(path), path
 
 
@@ -58,7 +76,8 @@ def test_linen_tree_replaces_mlp_kernels_by_factors(rng):
         np.testing.assert_array_equal(layer["mlp"]["down_proj"]["bias"], old["mlp"]["down_proj"]["bias"])
     np.testing.assert_array_equal(new["params"]["embed"]["embedding"], params["params"]["embed"]["embedding"])
     assert [layer.path for layer in report.layers] == [
-        f"params/layers_{i}/mlp/{name}" for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")]
+        f"params/layers_{i}/mlp/{name}" for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")
+    ]
 
 
 def test_report_counts_and_errors(rng):
@@ -72,7 +91,7 @@ def test_report_counts_and_errors(rng):
         assert layer.params_before == k * n and layer.params_after == rank * (k + n)
         kernel = np.asarray(params["params"]["layers_0"]["mlp"][layer.path.split("/")[-1]]["kernel"], np.float64)
         sigma = np.linalg.svd(kernel, compute_uv=False)
-        want = np.sqrt(np.sum(sigma[rank:] ** 2) / np.sum(sigma ** 2))
+        want = np.sqrt(np.sum(sigma[rank:] ** 2) / np.sum(sigma**2))
         np.testing.assert_allclose(layer.relative_error, want, rtol=1e-4)
         assert layer.output_error is None and layer.damping == 0.0
     assert report.params_before == 3 * 64 * 200 and report.params_after == 3 * rank * 264
@@ -86,8 +105,9 @@ def test_nnx_state_keeps_variable_types(rng):
     class Block(nnx.Module):
         def __init__(self, rngs):
             self.attn = nnx.Linear(24, 24, rngs=rngs)
-            self.mlp = nnx.Dict(gate_proj=nnx.Linear(24, 50, use_bias=False, rngs=rngs),
-                                down_proj=nnx.Linear(50, 24, rngs=rngs))
+            self.mlp = nnx.Dict(
+                gate_proj=nnx.Linear(24, 50, use_bias=False, rngs=rngs), down_proj=nnx.Linear(50, 24, rngs=rngs)
+            )
             self.layers = nnx.List([nnx.Linear(24, 24, rngs=rngs)])
 
     state = nnx.state(Block(nnx.Rngs(int(rng.integers(1 << 30)))))
@@ -103,8 +123,14 @@ def test_nnx_state_keeps_variable_types(rng):
 
 
 def test_include_regex_and_stacked_kernels(rng):
-    stacked = {"params": {"scan": {"mlp": {"wi": {"kernel": rng.standard_normal((3, 40, 30)).astype(np.float32)}},
-                                   "attn": {"kernel": rng.standard_normal((3, 30, 30)).astype(np.float32)}}}}
+    stacked = {
+        "params": {
+            "scan": {
+                "mlp": {"wi": {"kernel": rng.standard_normal((3, 40, 30)).astype(np.float32)}},
+                "attn": {"kernel": rng.standard_normal((3, 30, 30)).astype(np.float32)},
+            }
+        }
+    }
     new, report = compress_params(stacked, rank=5, include=r"scan/", progress=False)
     assert new["params"]["scan"]["mlp"]["wi"]["u"].shape == (3, 40, 5)
     assert isinstance(new["params"]["scan"]["mlp"]["wi"]["u"], np.ndarray)  # numpy stays numpy
@@ -121,8 +147,11 @@ def test_whitened_method_uses_calibration(rng):
     mixing = np.linalg.qr(rng.standard_normal((32, 32)))[0] * np.logspace(0, -2, 32)
     x = rng.standard_normal((400, 32)) @ mixing.T
     hidden_x = rng.standard_normal((400, 64))
-    calibration = {"params/layers_0/mlp/gate_proj": x, "params/layers_0/mlp/up_proj/kernel": x,
-                   "params/layers_0/mlp/down_proj": hidden_x}
+    calibration = {
+        "params/layers_0/mlp/gate_proj": x,
+        "params/layers_0/mlp/up_proj/kernel": x,
+        "params/layers_0/mlp/down_proj": hidden_x,
+    }
     new, report = compress_params(params, rank=6, method="whitened", calibration=calibration, progress=False)
     mlp = params["params"]["layers_0"]["mlp"]
     u_want, v_want = whitened_svd(np.asarray(mlp["gate_proj"]["kernel"]), x, 6)
@@ -146,18 +175,21 @@ def test_deterministic(rng):
     assert first_report == second_report
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(), "exactly one of keep= or rank="),
-    (dict(keep=0.5, rank=4), "exactly one of keep= or rank="),
-    (dict(keep=0.0), "keep"),
-    (dict(keep=1.2), "keep"),
-    (dict(rank=0), "rank"),
-    (dict(rank=49), r"params/layers_0/mlp/gate_proj/kernel: rank"),
-    (dict(rank=4, method="qr"), "method"),
-    (dict(rank=4, method="whitened"), "calibration"),
-    (dict(rank=4, calibration={"x": np.ones((2, 2))}), "calibration"),
-    (dict(rank=4, include=r"nothing_here"), "matched no kernel"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(), "exactly one of keep= or rank="),
+        (dict(keep=0.5, rank=4), "exactly one of keep= or rank="),
+        (dict(keep=0.0), "keep"),
+        (dict(keep=1.2), "keep"),
+        (dict(rank=0), "rank"),
+        (dict(rank=49), r"params/layers_0/mlp/gate_proj/kernel: rank"),
+        (dict(rank=4, method="qr"), "method"),
+        (dict(rank=4, method="whitened"), "calibration"),
+        (dict(rank=4, calibration={"x": np.ones((2, 2))}), "calibration"),
+        (dict(rank=4, include=r"nothing_here"), "matched no kernel"),
+    ],
+)
 def test_bad_arguments(rng, kwargs, match):
     with pytest.raises(ValueError, match=match):
         compress_params(linen_params(rng, layers=1), progress=False, **kwargs)
@@ -165,8 +197,10 @@ def test_bad_arguments(rng, kwargs, match):
 
 def test_bad_calibration_and_weights(rng):
     params = linen_params(rng, hidden=16, intermediate=20, layers=1)
-    good = {f"params/layers_0/mlp/{name}": rng.standard_normal((50, 16 if name != "down_proj" else 20))
-            for name in ("gate_proj", "up_proj", "down_proj")}
+    good = {
+        f"params/layers_0/mlp/{name}": rng.standard_normal((50, 16 if name != "down_proj" else 20))
+        for name in ("gate_proj", "up_proj", "down_proj")
+    }
     missing = dict(good)
     del missing["params/layers_0/mlp/up_proj"]
     with pytest.raises(ValueError, match="no activations for layer 'params/layers_0/mlp/up_proj'"):
@@ -178,7 +212,8 @@ def test_bad_calibration_and_weights(rng):
     with pytest.raises(ValueError, match="down_proj/kernel: activations must have shape \\[n, 20\\]"):
         compress_params(params, rank=3, method="whitened", calibration=wrong_width, progress=False)
     params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"] = (
-        params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"].at[2, 3].set(jnp.nan))
+        params["params"]["layers_0"]["mlp"]["up_proj"]["kernel"].at[2, 3].set(jnp.nan)
+    )
     with pytest.raises(ValueError, match="up_proj/kernel: w contains NaN or Inf"):
         compress_params(params, rank=3, progress=False)
 
@@ -216,11 +251,16 @@ def test_compressed_model_error_shrinks_with_rank(rng):
 
 def test_nnx_sharding_names_map_to_megatron_factor_layout(rng):
     def param(shape, names):
-        return nnx.Param(jnp.asarray(rng.standard_normal(shape), jnp.float32), out_sharding=names,
-                         eager_sharding=False)
+        return nnx.Param(jnp.asarray(rng.standard_normal(shape), jnp.float32), out_sharding=names, eager_sharding=False)
 
-    state = nnx.State({"mlp": {"up_proj": {"kernel": param((16, 40), (None, "model"))},
-                               "down_proj": {"kernel": param((40, 16), ("model", None))}}})
+    state = nnx.State(
+        {
+            "mlp": {
+                "up_proj": {"kernel": param((16, 40), (None, "model"))},
+                "down_proj": {"kernel": param((40, 16), ("model", None))},
+            }
+        }
+    )
     new, _ = compress_params(state, rank=4, progress=False)
     up, down = new["mlp"]["up_proj"], new["mlp"]["down_proj"]
     assert up["u"].get_metadata()["out_sharding"] == (None, None)

@@ -91,8 +91,10 @@ def test_local_finetune_lowers_mlp_output_error():
     rng = np.random.default_rng(4)
     k, i, n = 24, 40, 1000
     x = _correlated(rng, n, k).astype(np.float32)
-    dense = {name: rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[0])
-             for name, shape in (("gate", (k, i)), ("up", (k, i)), ("down", (i, k)))}
+    dense = {
+        name: rng.standard_normal(shape).astype(np.float32) / np.sqrt(shape[0])
+        for name, shape in (("gate", (k, i)), ("up", (k, i)), ("down", (i, k)))
+    }
     gate, up = x.astype(np.float64) @ dense["gate"], x.astype(np.float64) @ dense["up"]
     target = ((ACTIVATIONS["gelu_tanh"].reference(gate) * up) @ dense["down"]).astype(np.float32)
     factors = {}
@@ -100,7 +102,9 @@ def test_local_finetune_lowers_mlp_output_error():
         u, v = svd.truncated_svd(dense[name], rank)
         factors[f"{name}_u"], factors[f"{name}_v"] = u, v
     before = relative_error(factors, x, target, "gelu_tanh")
-    tuned = finetune_mlp(factors, x, target, "gelu_tanh", LocalFinetuneOptions(steps=150, batch=256, learning_rate=3e-3))
+    tuned = finetune_mlp(
+        factors, x, target, "gelu_tanh", LocalFinetuneOptions(steps=150, batch=256, learning_rate=3e-3)
+    )
     after = relative_error(tuned, x, target, "gelu_tanh")
     assert after < 0.8 * before
     assert {key: value.shape for key, value in tuned.items()} == {key: value.shape for key, value in factors.items()}
@@ -117,8 +121,9 @@ def test_distill_lowers_the_logit_error(tiny):
     model, calibration, _ = tiny
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     before = centered_logit_error(compressed, model, calibration)
-    distill_factors(compressed, model, calibration, DistillOptions(steps=40, batch=8, learning_rate=3e-3),
-                    progress=False)
+    distill_factors(
+        compressed, model, calibration, DistillOptions(steps=40, batch=8, learning_rate=3e-3), progress=False
+    )
     after = centered_logit_error(compressed, model, calibration)
     assert after < 0.9 * before
 
@@ -136,13 +141,19 @@ def _top_k_kl64(student, teacher, ids, k):
 def test_distill_top_k_term_lowers_the_kl_on_the_teachers_likely_tokens(tiny):
     model, calibration, _ = tiny
     ids = jnp.asarray(calibration[:8])
-    before = _top_k_kl64(compress_model(model, 0.5, method="svd", block=8, progress=False)(ids), model(ids),
-                         calibration[:8], 7)
+    before = _top_k_kl64(
+        compress_model(model, 0.5, method="svd", block=8, progress=False)(ids), model(ids), calibration[:8], 7
+    )
     kls = []
     for top_k in (0, 7):
         compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
-        distill_factors(compressed, model, calibration, DistillOptions(steps=30, batch=8, learning_rate=3e-3,
-                                                                       top_k=top_k), progress=False)
+        distill_factors(
+            compressed,
+            model,
+            calibration,
+            DistillOptions(steps=30, batch=8, learning_rate=3e-3, top_k=top_k),
+            progress=False,
+        )
         kls.append(_top_k_kl64(compressed(ids), model(ids), calibration[:8], 7))
     # The KL term targets exactly this quantity: it lowers it more than the centered-logit error alone does.
     assert kls[1] < 0.7 * before and kls[1] < kls[0]
@@ -155,11 +166,21 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
     with pytest.raises(ValueError, match=r"distill_ids: token id 300 is outside the vocabulary range \[0, 300\)"):
         compress_model(model, 0.5, calibration_ids=calibration, distill_ids=calibration + 1, block=8, progress=False)
     with pytest.raises(ValueError, match="distill_ids: only used by the 'distill' step"):
-        compress_model(model, 0.5, method="whitened", calibration_ids=calibration, distill_ids=calibration,
-                       steps=("sequential",), block=8, progress=False)
+        compress_model(
+            model,
+            0.5,
+            method="whitened",
+            calibration_ids=calibration,
+            distill_ids=calibration,
+            steps=("sequential",),
+            block=8,
+            progress=False,
+        )
     seen = []
-    monkeypatch.setattr("jax_neuronmm.compress.distill.distill_factors",
-                        lambda compressed, dense, ids, options, progress: seen.append(np.asarray(ids)))
+    monkeypatch.setattr(
+        "jax_neuronmm.compress.distill.distill_factors",
+        lambda compressed, dense, ids, options, progress: seen.append(np.asarray(ids)),
+    )
     compress_model(model, 0.5, calibration_ids=calibration[:4], distill_ids=calibration[4:], block=8, progress=False)
     compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False)
     np.testing.assert_array_equal(seen[0], calibration[4:])
@@ -175,9 +196,14 @@ def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     start = centered_logit_error(compressed, model, calibration)
     seen = []
-    distill_factors(compressed, model, calibration, DistillOptions(steps=6, batch=8, learning_rate=3e-3),
-                    progress=False, on_step=lambda done, m: seen.append((done, centered_logit_error(m, model,
-                                                                                                      calibration))))
+    distill_factors(
+        compressed,
+        model,
+        calibration,
+        DistillOptions(steps=6, batch=8, learning_rate=3e-3),
+        progress=False,
+        on_step=lambda done, m: seen.append((done, centered_logit_error(m, model, calibration))),
+    )
     assert [done for done, _ in seen] == list(range(1, 7))
     assert len({error for _, error in seen}) == 6  # the callback saw the factors change at every step
     assert seen[-1][1] < start
@@ -189,8 +215,14 @@ def test_distill_keeps_the_starting_factors_when_training_raises_the_loss(tiny):
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     before = _factors(compressed)
     errors = []
-    distill_factors(compressed, model, calibration, DistillOptions(steps=3, batch=2, learning_rate=3.0),
-                    progress=False, on_step=lambda done, m: errors.append(centered_logit_error(m, model, calibration)))
+    distill_factors(
+        compressed,
+        model,
+        calibration,
+        DistillOptions(steps=3, batch=2, learning_rate=3.0),
+        progress=False,
+        on_step=lambda done, m: errors.append(centered_logit_error(m, model, calibration)),
+    )
     assert errors[-1] > centered_logit_error(compressed, model, calibration)  # it did diverge, and was undone
     after = _factors(compressed)
     assert after.keys() == before.keys()
@@ -201,9 +233,17 @@ def test_distill_keeps_the_starting_factors_when_training_raises_the_loss(tiny):
 @pytest.mark.parametrize("steps", [("sequential",), ("refit",), ("allocate",), ("sequential", "refit", "local")])
 def test_compress_model_steps_build_fused_mlps_within_budget(tiny, steps):
     model, calibration, evaluation = tiny
-    compressed = compress_model(model, 0.5, method="whitened", calibration_ids=calibration, block=8, steps=steps,
-                                include=("mlp", "attention"), progress=False,
-                                local=LocalFinetuneOptions(steps=5, batch=64))
+    compressed = compress_model(
+        model,
+        0.5,
+        method="whitened",
+        calibration_ids=calibration,
+        block=8,
+        steps=steps,
+        include=("mlp", "attention"),
+        progress=False,
+        local=LocalFinetuneOptions(steps=5, batch=64),
+    )
     dense_params = sum(layer.mlp.gate_proj.kernel.size * 3 for layer in model.layers)
     factored = 0
     for layer in compressed.layers:
@@ -220,8 +260,15 @@ def test_compress_model_without_method(tiny):
         compress_model(model, 0.5, block=8, progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoCalibrationWarning)
-        recommended = compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False,
-                                     local=LocalFinetuneOptions(steps=2), distill=DistillOptions(steps=2))
+        recommended = compress_model(
+            model,
+            0.5,
+            calibration_ids=calibration[:4],
+            block=8,
+            progress=False,
+            local=LocalFinetuneOptions(steps=2),
+            distill=DistillOptions(steps=2),
+        )
     assert isinstance(recommended.layers[0].mlp, SVDMLP)
 
 

@@ -20,14 +20,17 @@ def correlated_activations(rng, n, k, decay=3.0, mixing=None):
     return rng.standard_normal((n, k)) @ mixing.T, mixing
 
 
-@pytest.mark.parametrize("k, n, keep, block, expected", [
-    (4096, 14336, 0.5, 128, 1536),   # 4096·14336·0.5/(18432·128) = 12.44 → 12 blocks
-    (4096, 4096, 1.0, 128, 2048),
-    (4096, 11008, 0.25, 128, 768),   # 5.86 blocks → 6
-    (100, 60, 0.5, 128, 19),         # budget 18.75 is under half a block: unaligned fallback, round(18.75)
-    (1000, 200, 1.0, 128, 128),      # budget 166.7 = 1.30 blocks → 1 block
-    (4096, 4096, 0.02, 128, 41),     # budget 40.96 = 0.32 blocks → 0: unaligned fallback, round(40.96)
-])
+@pytest.mark.parametrize(
+    "k, n, keep, block, expected",
+    [
+        (4096, 14336, 0.5, 128, 1536),  # 4096·14336·0.5/(18432·128) = 12.44 → 12 blocks
+        (4096, 4096, 1.0, 128, 2048),
+        (4096, 11008, 0.25, 128, 768),  # 5.86 blocks → 6
+        (100, 60, 0.5, 128, 19),  # budget 18.75 is under half a block: unaligned fallback, round(18.75)
+        (1000, 200, 1.0, 128, 128),  # budget 166.7 = 1.30 blocks → 1 block
+        (4096, 4096, 0.02, 128, 41),  # budget 40.96 = 0.32 blocks → 0: unaligned fallback, round(40.96)
+    ],
+)
 def test_block_aligned_rank_values(k, n, keep, block, expected):
     assert block_aligned_rank(k, n, keep, block) == expected
 
@@ -56,14 +59,17 @@ def test_block_aligned_rank_is_aligned_and_clamped():
     assert block_aligned_rank(300, 300, 1.0, block=16) == 144  # 150/16 = 9.375 → 9 blocks
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(k=0, n=4, keep=0.5), "k"),
-    (dict(k=4, n=-1, keep=0.5), "n"),
-    (dict(k=4, n=4, keep=0.0), "keep"),
-    (dict(k=4, n=4, keep=1.5), "keep"),
-    (dict(k=4, n=4, keep=float("nan")), "keep"),
-    (dict(k=4, n=4, keep=0.5, block=0), "block"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(k=0, n=4, keep=0.5), "k"),
+        (dict(k=4, n=-1, keep=0.5), "n"),
+        (dict(k=4, n=4, keep=0.0), "keep"),
+        (dict(k=4, n=4, keep=1.5), "keep"),
+        (dict(k=4, n=4, keep=float("nan")), "keep"),
+        (dict(k=4, n=4, keep=0.5, block=0), "block"),
+    ],
+)
 def test_block_aligned_rank_bad_input(kwargs, name):
     with pytest.raises(ValueError, match=name):
         block_aligned_rank(**kwargs)
@@ -184,12 +190,15 @@ def test_whitened_damps_and_reports_rank_deficient_gram(rng):
     assert full.damping_added == 0.0
 
 
-@pytest.mark.parametrize("activations, match", [
-    (np.ones((10, 7)), "activations must have shape"),
-    (np.ones(20), "activations must have shape"),
-    (np.full((30, 20), np.nan), "NaN or Inf"),
-    (np.zeros((30, 20)), "all zero"),
-])
+@pytest.mark.parametrize(
+    "activations, match",
+    [
+        (np.ones((10, 7)), "activations must have shape"),
+        (np.ones(20), "activations must have shape"),
+        (np.full((30, 20), np.nan), "NaN or Inf"),
+        (np.zeros((30, 20)), "all zero"),
+    ],
+)
 def test_whitened_bad_activations(rng, activations, match):
     with pytest.raises(ValueError, match=match):
         whitened_svd(rng.standard_normal((20, 10)), activations, 3)

@@ -14,27 +14,52 @@ from nki_kernels.emulator import cost_model, trace
 A = trace.Access
 
 
-def _matmul(stationary, moving, out, *, contraction=128, stationary_free=128, moving_free=512,
-            dtype="bfloat16"):
+def _matmul(stationary, moving, out, *, contraction=128, stationary_free=128, moving_free=512, dtype="bfloat16"):
     itemsize = 4 if dtype == "float32" else 2
     return trace.InstructionRecord(
-        opcode="nc_matmul", engine="tensor", line="k.py:1", partitions=contraction,
-        free_elements=moving_free, dtype="float32",
-        reads=(A(stationary, "sbuf", 0, contraction, 0, stationary_free * itemsize),
-               A(moving, "sbuf", 0, contraction, 0, moving_free * itemsize)),
+        opcode="nc_matmul",
+        engine="tensor",
+        line="k.py:1",
+        partitions=contraction,
+        free_elements=moving_free,
+        dtype="float32",
+        reads=(
+            A(stationary, "sbuf", 0, contraction, 0, stationary_free * itemsize),
+            A(moving, "sbuf", 0, contraction, 0, moving_free * itemsize),
+        ),
         writes=(A(out, "psum", 0, stationary_free, 0, moving_free * 4),),
-        matmul=trace.MatmulInfo(contraction, stationary_free, moving_free, dtype))
+        matmul=trace.MatmulInfo(contraction, stationary_free, moving_free, dtype),
+    )
 
 
-def _elementwise(opcode, engine, src, dst, *, free=512, partitions=128, src_buffer="sbuf",
-                 dst_buffer="sbuf", dtype="float32", p_start=0, src_dtype=None, inner_contiguous=True):
+def _elementwise(
+    opcode,
+    engine,
+    src,
+    dst,
+    *,
+    free=512,
+    partitions=128,
+    src_buffer="sbuf",
+    dst_buffer="sbuf",
+    dtype="float32",
+    p_start=0,
+    src_dtype=None,
+    inner_contiguous=True,
+):
     """One-input instruction; src_dtype defaults to dtype (the output's)."""
     return trace.InstructionRecord(
-        opcode=opcode, engine=engine, line="k.py:2", partitions=partitions, free_elements=free,
+        opcode=opcode,
+        engine=engine,
+        line="k.py:2",
+        partitions=partitions,
+        free_elements=free,
         dtype=dtype,
         reads=(A(src, src_buffer, p_start, p_start + partitions, 0, free * 4),),
         writes=(A(dst, dst_buffer, p_start, p_start + partitions, 0, free * 4),),
-        input_dtypes=(dtype if src_dtype is None else src_dtype,), inner_contiguous=inner_contiguous)
+        input_dtypes=(dtype if src_dtype is None else src_dtype,),
+        inner_contiguous=inner_contiguous,
+    )
 
 
 def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0, hbm_run=None):
@@ -43,11 +68,21 @@ def _dma(src, dst, nbytes, *, partitions=128, to_hbm=False, hbm_offset=0, hbm_ru
     hbm = A(src if not to_hbm else dst, "hbm", 0, 1, hbm_offset, hbm_offset + nbytes)
     sbuf = A(dst if not to_hbm else src, "sbuf", 0, partitions, 0, per_partition)
     return trace.InstructionRecord(
-        opcode="dma_copy", engine="dma", line="k.py:3", partitions=partitions,
-        free_elements=per_partition // 2, dtype="bfloat16",
-        reads=(sbuf,) if to_hbm else (hbm,), writes=(hbm,) if to_hbm else (sbuf,),
-        dma=trace.DmaInfo(nbytes, "sbuf" if to_hbm else "hbm", "hbm" if to_hbm else "sbuf",
-                          per_partition if hbm_run is None else hbm_run))
+        opcode="dma_copy",
+        engine="dma",
+        line="k.py:3",
+        partitions=partitions,
+        free_elements=per_partition // 2,
+        dtype="bfloat16",
+        reads=(sbuf,) if to_hbm else (hbm,),
+        writes=(hbm,) if to_hbm else (sbuf,),
+        dma=trace.DmaInfo(
+            nbytes,
+            "sbuf" if to_hbm else "hbm",
+            "hbm" if to_hbm else "sbuf",
+            per_partition if hbm_run is None else hbm_run,
+        ),
+    )
 
 
 # Bytes per partition at which the documented DMA throughput curve is at its peak (32 KiB).
@@ -62,18 +97,20 @@ def _us(cycles, ghz):
     return cycles / ghz / 1e3
 
 
-@pytest.mark.parametrize("moving_free, stationary_free, dtype, cycles", [
-    (512, 128, "bfloat16", 512),
-    (200, 128, "bfloat16", 200),
-    (32, 128, "bfloat16", 64),      # below MM_INIT_LATENCY: max(N, 64)
-    (32, 16, "bfloat16", 32),       # tiny stationary: max(min(64, 16), 32)
-    (512, 128, "float32", 4 * 512),  # fp32 operands: 4x
-    (32, 128, "float32", 4 * 64),
-])
+@pytest.mark.parametrize(
+    "moving_free, stationary_free, dtype, cycles",
+    [
+        (512, 128, "bfloat16", 512),
+        (200, 128, "bfloat16", 200),
+        (32, 128, "bfloat16", 64),  # below MM_INIT_LATENCY: max(N, 64)
+        (32, 16, "bfloat16", 32),  # tiny stationary: max(min(64, 16), 32)
+        (512, 128, "float32", 4 * 512),  # fp32 operands: 4x
+        (32, 128, "float32", 4 * 64),
+    ],
+)
 @pytest.mark.parametrize("target, ghz", [("trn1", 2.8), ("trn2", 2.4)])
 def test_single_matmul_cycles(moving_free, stationary_free, dtype, cycles, target, ghz):
-    run = _run(_matmul(1, 2, 3, stationary_free=stationary_free, moving_free=moving_free,
-                       dtype=dtype))
+    run = _run(_matmul(1, 2, 3, stationary_free=stationary_free, moving_free=moving_free, dtype=dtype))
     assert cost_model.model_latency(run, target) == pytest.approx(_us(cycles, ghz))
 
 
@@ -82,11 +119,18 @@ def test_tensor_engine_transpose_cycles(rows, cols, cycles):
     # nc_transpose of data [rows, cols] on TensorE: max(P, min(64, F)), also for fp32 data. The data is
     # the stationary operand [rows, cols], a [rows, rows] identity the moving one.
     record = trace.InstructionRecord(
-        opcode="nc_transpose", engine="tensor", line="k.py:5", partitions=cols, free_elements=rows,
-        dtype="float32", reads=(A(1, "sbuf", 0, rows, 0, cols * 4),),
+        opcode="nc_transpose",
+        engine="tensor",
+        line="k.py:5",
+        partitions=cols,
+        free_elements=rows,
+        dtype="float32",
+        reads=(A(1, "sbuf", 0, rows, 0, cols * 4),),
         writes=(A(2, "psum", 0, cols, 0, rows * 4),),
-        matmul=trace.MatmulInfo(contraction=rows, stationary_free=cols, moving_free=rows,
-                                input_dtype="float32", is_transpose=True))
+        matmul=trace.MatmulInfo(
+            contraction=rows, stationary_free=cols, moving_free=rows, input_dtype="float32", is_transpose=True
+        ),
+    )
     assert cost_model.model_latency(_run(record), "trn1") == pytest.approx(_us(cycles, 2.8))
 
 
@@ -143,10 +187,16 @@ def test_disjoint_partitions_of_one_tensor_do_not_depend():
 def test_tensor_tensor_costs_2n_from_sbuf_and_n_with_psum_input():
     def tt(src_buffer):
         return trace.InstructionRecord(
-            opcode="tensor_tensor", engine="vector", line="k.py:4", partitions=128,
-            free_elements=1024, dtype="float32",
+            opcode="tensor_tensor",
+            engine="vector",
+            line="k.py:4",
+            partitions=128,
+            free_elements=1024,
+            dtype="float32",
             reads=(A(1, src_buffer, 0, 128, 0, 4096), A(2, "sbuf", 0, 128, 0, 4096)),
-            writes=(A(3, "sbuf", 0, 128, 0, 4096),))
+            writes=(A(3, "sbuf", 0, 128, 0, 4096),),
+        )
+
     assert cost_model.model_latency(_run(tt("sbuf")), "trn1") == pytest.approx(_us(2048, 1.12))
     assert cost_model.model_latency(_run(tt("psum")), "trn1") == pytest.approx(_us(1024, 1.12))
 
@@ -167,14 +217,23 @@ def test_back_to_back_dependent_instructions_on_one_engine_pay_the_static_overhe
 def test_two_input_vector_instructions_cost_2n(free):
     # [ARCH1]: two input tiles take roughly 2N VectorE cycles; tensor_tensor_scan reads data0 and data1.
     scan = trace.InstructionRecord(
-        opcode="tensor_tensor_scan", engine="vector", line="k.py:5", partitions=128, free_elements=free,
-        dtype="float32", reads=(A(1, "sbuf", 0, 128, 0, 4 * free), A(2, "psum", 0, 128, 0, 4 * free)),
-        writes=(A(3, "sbuf", 0, 128, 0, 4 * free),), input_dtypes=("float32", "float32"))
+        opcode="tensor_tensor_scan",
+        engine="vector",
+        line="k.py:5",
+        partitions=128,
+        free_elements=free,
+        dtype="float32",
+        reads=(A(1, "sbuf", 0, 128, 0, 4 * free), A(2, "psum", 0, 128, 0, 4 * free)),
+        writes=(A(3, "sbuf", 0, 128, 0, 4 * free),),
+        input_dtypes=("float32", "float32"),
+    )
     one_input = dataclasses.replace(scan, reads=scan.reads[:1], input_dtypes=("float32",))
     assert cost_model.model_latency(_run(scan), "trn1") == pytest.approx(
-        _us(max(cost_model.MIN_II_CYCLES, 2 * free), 1.12))
+        _us(max(cost_model.MIN_II_CYCLES, 2 * free), 1.12)
+    )
     assert cost_model.model_latency(_run(one_input), "trn1") == pytest.approx(
-        _us(max(cost_model.MIN_II_CYCLES, free), 1.12))
+        _us(max(cost_model.MIN_II_CYCLES, free), 1.12)
+    )
 
 
 def test_small_instruction_pays_min_initiation_interval():
@@ -189,38 +248,60 @@ def test_trn2_vector_perf_mode_for_bf16_copies():
 
 
 @pytest.mark.parametrize("opcode", ["tensor_copy", "tensor_scalar"])
-@pytest.mark.parametrize("src_buffer, src_dtype, dtype, inner_contiguous, speedup", [
-    ("sbuf", "float16", "bfloat16", True, 4),    # 1a+1b+1c (input and output dtypes need not match)
-    ("sbuf", "bfloat16", "bfloat16", False, 2),  # 1a+1b, innermost elements strided
-    ("psum", "bfloat16", "bfloat16", True, 2),   # 1b+1c with the input in PSUM
-    ("psum", "bfloat16", "bfloat16", False, 1),  # PSUM and strided: neither case
-    ("psum", "float32", "bfloat16", True, 1),    # fp32 PSUM eviction to bf16: the input is not 16-bit
-    ("sbuf", "float32", "bfloat16", True, 1),
-    ("sbuf", "bfloat16", "float32", True, 1),
-])
-def test_trn2_vector_perf_mode_needs_every_tensor_16_bit(opcode, src_buffer, src_dtype, dtype,
-                                                        inner_contiguous, speedup):
+@pytest.mark.parametrize(
+    "src_buffer, src_dtype, dtype, inner_contiguous, speedup",
+    [
+        ("sbuf", "float16", "bfloat16", True, 4),  # 1a+1b+1c (input and output dtypes need not match)
+        ("sbuf", "bfloat16", "bfloat16", False, 2),  # 1a+1b, innermost elements strided
+        ("psum", "bfloat16", "bfloat16", True, 2),  # 1b+1c with the input in PSUM
+        ("psum", "bfloat16", "bfloat16", False, 1),  # PSUM and strided: neither case
+        ("psum", "float32", "bfloat16", True, 1),  # fp32 PSUM eviction to bf16: the input is not 16-bit
+        ("sbuf", "float32", "bfloat16", True, 1),
+        ("sbuf", "bfloat16", "float32", True, 1),
+    ],
+)
+def test_trn2_vector_perf_mode_needs_every_tensor_16_bit(
+    opcode, src_buffer, src_dtype, dtype, inner_contiguous, speedup
+):
     # Trainium2 architecture guide, "Vector Engine Performance Mode".
-    record = _elementwise(opcode, "vector", 1, 2, free=4096, src_buffer=src_buffer, dtype=dtype,
-                          src_dtype=src_dtype, inner_contiguous=inner_contiguous)
+    record = _elementwise(
+        opcode,
+        "vector",
+        1,
+        2,
+        free=4096,
+        src_buffer=src_buffer,
+        dtype=dtype,
+        src_dtype=src_dtype,
+        inner_contiguous=inner_contiguous,
+    )
     assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(4096 / speedup, 0.96))
     assert cost_model.model_latency(_run(record), "trn1") == pytest.approx(_us(4096, 1.12))
 
 
 def test_trn2_vector_perf_mode_needs_known_input_dtypes():
-    record = dataclasses.replace(_elementwise("tensor_copy", "vector", 1, 2, free=4096, dtype="bfloat16"),
-                                 input_dtypes=())
+    record = dataclasses.replace(
+        _elementwise("tensor_copy", "vector", 1, 2, free=4096, dtype="bfloat16"), input_dtypes=()
+    )
     assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(4096, 0.96))
 
 
-@pytest.mark.parametrize("dtype1, dtype2, speedup", [
-    ("bfloat16", "float16", 2), ("bfloat16", "float32", 1), ("float32", "bfloat16", 1)])
+@pytest.mark.parametrize(
+    "dtype1, dtype2, speedup", [("bfloat16", "float16", 2), ("bfloat16", "float32", 1), ("float32", "bfloat16", 1)]
+)
 def test_trn2_tensor_tensor_perf_mode_needs_both_inputs_16_bit(dtype1, dtype2, speedup):
     # 2x case 2a: both inputs in SBUF, all of input/output tensors in BF16/FP16 (output bf16 here).
     record = trace.InstructionRecord(
-        opcode="tensor_tensor", engine="vector", line="k.py:4", partitions=128, free_elements=1024,
-        dtype="bfloat16", reads=(A(1, "sbuf", 0, 128, 0, 4096), A(2, "sbuf", 0, 128, 0, 4096)),
-        writes=(A(3, "sbuf", 0, 128, 0, 2048),), input_dtypes=(dtype1, dtype2))
+        opcode="tensor_tensor",
+        engine="vector",
+        line="k.py:4",
+        partitions=128,
+        free_elements=1024,
+        dtype="bfloat16",
+        reads=(A(1, "sbuf", 0, 128, 0, 4096), A(2, "sbuf", 0, 128, 0, 4096)),
+        writes=(A(3, "sbuf", 0, 128, 0, 2048),),
+        input_dtypes=(dtype1, dtype2),
+    )
     assert cost_model.model_latency(_run(record), "trn2") == pytest.approx(_us(2048 / speedup, 0.96))
 
 
@@ -239,8 +320,7 @@ def test_many_dmas_are_bandwidth_bound():
     assert cost_model.model_latency(run, "trn1") == pytest.approx(expected_ns / 1e3)
 
 
-@pytest.mark.parametrize("partitions, engines",
-                         [(1, 1), (4, 1), (8, 1), (9, 2), (64, 8), (100, 13), (128, 16)])
+@pytest.mark.parametrize("partitions, engines", [(1, 1), (4, 1), (8, 1), (9, 2), (64, 8), (100, 13), (128, 16)])
 def test_one_dma_engine_per_eight_partitions(partitions, engines):
     # NKI DMA overview: each engine serves 8 partition lanes; a [4, 4096] load runs on one engine.
     nbytes = partitions * FULL_RATE_BYTES
@@ -250,8 +330,7 @@ def test_one_dma_engine_per_eight_partitions(partitions, engines):
 
 
 # Throughput relative to 32 KiB per partition, read off the NKI DMA overview figure (p_dim = 128).
-DOCUMENTED_CURVE = [(32, 0.016), (256, 0.105), (512, 0.209), (1024, 0.423), (2048, 0.815),
-                    (4096, 0.965), (8192, 0.983)]
+DOCUMENTED_CURVE = [(32, 0.016), (256, 0.105), (512, 0.209), (1024, 0.423), (2048, 0.815), (4096, 0.965), (8192, 0.983)]
 
 
 @pytest.mark.parametrize("per_partition, efficiency", DOCUMENTED_CURVE)
@@ -267,8 +346,7 @@ def test_small_dmas_cost_more_per_byte_than_large_ones():
     sizes = [4, 16, 32, 48, 100, 256, 384, 1000, 1024, 3000, 4096, 10000, 32768]
     per_byte = []
     for per_partition in sizes:
-        engines, busy_ns = cost_model.dma_transfer_ns(_dma(1, 2, 128 * per_partition),
-                                                      cost_model.HARDWARE["trn1"])
+        engines, busy_ns = cost_model.dma_transfer_ns(_dma(1, 2, 128 * per_partition), cost_model.HARDWARE["trn1"])
         assert engines == 16
         per_byte.append(busy_ns / (128 * per_partition))
     assert all(a > b for a, b in zip(per_byte, per_byte[1:]))
@@ -287,8 +365,9 @@ def test_below_the_smallest_measured_size_a_dma_costs_a_fixed_time():
 
 
 def test_between_measured_sizes_efficiency_lies_between_neighbours():
-    for (x0, y0), (x1, y1) in zip(cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES,
-                                  cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES[1:]):
+    for (x0, y0), (x1, y1) in zip(
+        cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES, cost_model.DMA_EFFICIENCY_BY_PARTITION_BYTES[1:]
+    ):
         assert cost_model.dma_efficiency(x0) == pytest.approx(y0)
         assert y0 < cost_model.dma_efficiency((x0 + x1) / 2) < y1
     assert cost_model.dma_efficiency(1 << 20) == 1.0
@@ -309,9 +388,17 @@ def test_short_hbm_runs_set_the_dma_buffer_size():
 def test_hbm_to_hbm_copy_uses_its_contiguous_run():
     def copy(run_bytes):
         return trace.InstructionRecord(
-            opcode="dma_copy", engine="dma", line="k.py:6", partitions=1, free_elements=32768,
-            dtype="float32", reads=(A(1, "hbm", 0, 1, 0, 131072),), writes=(A(2, "hbm", 0, 1, 0, 131072),),
-            dma=trace.DmaInfo(131072, "hbm", "hbm", run_bytes))
+            opcode="dma_copy",
+            engine="dma",
+            line="k.py:6",
+            partitions=1,
+            free_elements=32768,
+            dtype="float32",
+            reads=(A(1, "hbm", 0, 1, 0, 131072),),
+            writes=(A(2, "hbm", 0, 1, 0, 131072),),
+            dma=trace.DmaInfo(131072, "hbm", "hbm", run_bytes),
+        )
+
     hw = cost_model.HARDWARE["trn1"]
     assert cost_model.dma_transfer_ns(copy(131072), hw) == (1, pytest.approx(131072 / 17.0))
     assert cost_model.dma_transfer_ns(copy(512), hw) == (1, pytest.approx(131072 / (17.0 * 0.209)))
@@ -319,8 +406,8 @@ def test_hbm_to_hbm_copy_uses_its_contiguous_run():
 
 def test_dma_waiting_on_compute_does_not_block_independent_dma():
     act = _elementwise("activation", "scalar", 1, 2, free=65536)
-    store = _dma(2, 3, 128 * 65536 * 4, to_hbm=True)   # waits for the activation
-    load = _dma(4, 5, 128 * 2048)                        # independent, issued later
+    store = _dma(2, 3, 128 * 65536 * 4, to_hbm=True)  # waits for the activation
+    load = _dma(4, 5, 128 * 2048)  # independent, issued later
     sched = cost_model.schedule(_run(act, store, load), "trn1")
     assert sched.start_us[1] == pytest.approx(_us(65536, 1.4))
     assert sched.start_us[2] == 0.0
@@ -342,8 +429,9 @@ def test_load_after_store_to_same_hbm_waits():
 
 def test_trn2_is_slower_per_matmul_but_faster_per_dma_than_trn1():
     matmuls = _run(*[_matmul(1, 2, 3) for _ in range(4)])
-    assert cost_model.model_latency(matmuls, "trn2") / cost_model.model_latency(matmuls, "trn1") \
-        == pytest.approx(2.8 / 2.4)
+    assert cost_model.model_latency(matmuls, "trn2") / cost_model.model_latency(matmuls, "trn1") == pytest.approx(
+        2.8 / 2.4
+    )
     dmas = _run(*[_dma(1, 10 + i, 128 * 8192, hbm_offset=i * 128 * 8192) for i in range(8)])
     assert cost_model.model_latency(dmas, "trn2") < cost_model.model_latency(dmas, "trn1")
 
@@ -352,8 +440,7 @@ def test_roofline():
     # 1 GFLOP of bf16 on trn1: 1e9 / (128*128*2*2.8e9) s; 1 MB over min(410, 16*17) GB/s.
     assert cost_model.roofline_us(1e9, 0, "trn1") == pytest.approx(1e9 / (128 * 128 * 2 * 2.8e3))
     assert cost_model.roofline_us(0, 1e6, "trn1") == pytest.approx(1e6 / 272.0 / 1e3)
-    assert cost_model.roofline_us(1e9, 0, "trn2", "float32") == \
-        pytest.approx(4 * 1e9 / (128 * 128 * 2 * 2.4e3))
+    assert cost_model.roofline_us(1e9, 0, "trn2", "float32") == pytest.approx(4 * 1e9 / (128 * 128 * 2 * 2.4e3))
     assert cost_model.roofline_us(0, 1e6, "trn2") == pytest.approx(1e6 / 362.5 / 1e3)
 
 

@@ -14,7 +14,7 @@ import jax_neuronmm
 from jax_neuronmm import decode_step
 from jax_neuronmm.decode_step import ROW_OPERANDS, decode_step_p, operand_names
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate
-from jax_neuronmm.nn.nnx import SVDLinear, SVDMLP
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels import reference
 from nki_kernels.activations import HF_ACTIVATIONS
 
@@ -50,8 +50,13 @@ def _compressed(model, ranks, dense_k_in_layer=None):
             if not (name == "k_proj" and index == dense_k_in_layer):
                 setattr(layer.self_attn, name, SVDLinear.from_linear(getattr(layer.self_attn, name), rank=rank))
         mlp = layer.mlp
-        layer.mlp = SVDMLP.from_linears(mlp.gate_proj, mlp.up_proj, mlp.down_proj, rank=(rank, rank + 3, rank + 1),
-                                        activation=HF_ACTIVATIONS[mlp.activation])
+        layer.mlp = SVDMLP.from_linears(
+            mlp.gate_proj,
+            mlp.up_proj,
+            mlp.down_proj,
+            rank=(rank, rank + 3, rank + 1),
+            activation=HF_ACTIVATIONS[mlp.activation],
+        )
     return model
 
 
@@ -68,8 +73,9 @@ def _gemma():
 @functools.cache
 def _gemma3():
     # Window 4 < the cache positions used below, soft-capping on: every Gemma 3 variant of the step is exercised.
-    config = GemmaConfig.preset("gemma3-tiny", **SIZES, sliding_window=4, attn_logit_softcapping=4.0,
-                                final_logit_softcapping=10.0)
+    config = GemmaConfig.preset(
+        "gemma3-tiny", **SIZES, sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=10.0
+    )
     return _random_model(Gemma, config, seed=2)
 
 
@@ -115,8 +121,20 @@ def _operands(model, plan, ids, positions, cache):
     """The operands of one decode step, in `decode_step`'s order."""
     weights = decode.stack_weights(model, plan)
     x, cos, sin, bias = _step_operands(model, plan, ids, positions, cache)
-    return [x, weights.norms, weights.qk_norms, *weights.projections, cache.keys, cache.values,
-            jnp.reshape(cache.length, (1, 1)), cos, sin, bias, weights.final_norm, weights.head]
+    return [
+        x,
+        weights.norms,
+        weights.qk_norms,
+        *weights.projections,
+        cache.keys,
+        cache.values,
+        jnp.reshape(cache.length, (1, 1)),
+        cos,
+        sin,
+        bias,
+        weights.final_norm,
+        weights.head,
+    ]
 
 
 @nnx.jit(static_argnums=(1,))
@@ -125,8 +143,10 @@ def _step_operands(model, plan, ids, positions, cache):
     return (model.embed(ids), *decode.step_tables(plan, positions, key_positions, key_valid))
 
 
-@pytest.mark.parametrize(("name", "tokens"), [("llama", 1), ("gemma3", 1), ("llama-compressed", 1),
-                                              ("gemma-compressed", 1), ("gemma3-compressed", 3)])
+@pytest.mark.parametrize(
+    ("name", "tokens"),
+    [("llama", 1), ("gemma3", 1), ("llama-compressed", 1), ("gemma-compressed", 1), ("gemma3-compressed", 3)],
+)
 def test_xla_lowering_equals_the_models_cached_forward(name, tokens, rng):
     model = _model(name)
     plan = decode.decode_plan(model)
@@ -136,14 +156,15 @@ def test_xla_lowering_equals_the_models_cached_forward(name, tokens, rng):
     assert (plan.spec.head_rank == 23) == (name == "llama-compressed")
     ids, positions, cache = _step_inputs(model, rng, tokens)
     want_logits, want = _cached_forward(model, ids, positions, cache)
-    got_logits, got = jax.jit(decode.decode, static_argnums=(1,))(model, plan, decode.stack_weights(model, plan),
-                                                                   ids, positions, cache)
+    got_logits, got = jax.jit(decode.decode, static_argnums=(1,))(
+        model, plan, decode.stack_weights(model, plan), ids, positions, cache
+    )
     assert got_logits.dtype == jnp.float32 and got_logits.shape == (2, tokens, VOCAB)
     np.testing.assert_allclose(got_logits, want_logits, rtol=2e-5, atol=2e-5)
     assert float(jnp.std(want_logits)) > 0.3  # logits that vary: the comparison proves something
     for field in ("keys", "values"):
         np.testing.assert_allclose(getattr(got, field), getattr(want, field), rtol=2e-5, atol=2e-6)
-        assert float(jnp.abs(getattr(got, field)[:, :, 6:6 + tokens]).min()) > 0  # this step's slots written
+        assert float(jnp.abs(getattr(got, field)[:, :, 6 : 6 + tokens]).min()) > 0  # this step's slots written
     for field in ("slot_valid", "slot_positions", "length"):
         np.testing.assert_array_equal(getattr(got, field), getattr(want, field))
 
@@ -168,7 +189,7 @@ def _split_rows(args, names):
     for name, a in zip(names, args):
         if name in ROW_OPERANDS:
             axis = ROW_OPERANDS[name]
-            out.append(a.reshape(a.shape[:axis] + (2, 1) + a.shape[axis + 1:]))
+            out.append(a.reshape(a.shape[:axis] + (2, 1) + a.shape[axis + 1 :]))
             in_axes.append(axis)
         else:
             out.append(a)
@@ -282,8 +303,11 @@ def test_emulator_kernel_equals_xla_and_the_float64_reference(name, rng):
     # vmap over rows folds them into one launch.
     split, in_axes = _split_rows(_flat(args), operand_names(plan.spec))
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
-        folded = jax.block_until_ready(jax.jit(jax.vmap(lambda *a: tuple(decode_step_p.bind(*a, spec=plan.spec)),
-                                                        in_axes=in_axes, out_axes=(0, 1, 1)))(*split))
+        folded = jax.block_until_ready(
+            jax.jit(
+                jax.vmap(lambda *a: tuple(decode_step_p.bind(*a, spec=plan.spec)), in_axes=in_axes, out_axes=(0, 1, 1))
+            )(*split)
+        )
     assert len(prof.runs) == 1
     np.testing.assert_allclose(folded[0].reshape(on_emulator[0].shape), on_emulator[0], rtol=1e-5, atol=1e-5)
 
@@ -339,10 +363,10 @@ def test_sliding_windows_on_the_emulator_with_right_padding(rng):
         decode.widen_windows(plan, -1)
 
 
-
 def test_pad_slots_counts_pads_after_a_rows_first_token():
-    mask = np.array([[False, False, True, True, True], [True, True, False, False, False], [True, False, True, True,
-                                                                                              False]])
+    mask = np.array(
+        [[False, False, True, True, True], [True, True, False, False, False], [True, False, True, True, False]]
+    )
     assert decode.pad_slots(mask[:1]) == 0  # left padding: the window's slots hold consecutive positions
     assert decode.pad_slots(mask) == 3
     assert decode.pad_slots(mask[2:]) == 2

@@ -34,12 +34,15 @@ def test_must_move_bytes_of_gemma3_counts_the_sliding_window_and_the_factors():
     # 15 sliding-window layers read 512 slots at either length, the 3 global layers 2048 instead of 512.
     assert dense_2048 - dense_512 == 2 * 2 * 1 * 1 * 256 * 3 * (2048 - 512)
     spec = bench.decode_spec(m, 18, True)
-    factored = sum(r * (spec.in_features(p) + spec.out_features(p))
-                   for p, r in zip(PROJECTIONS, (spec.rank(p, 0) for p in PROJECTIONS)))
+    factored = sum(
+        r * (spec.in_features(p) + spec.out_features(p))
+        for p, r in zip(PROJECTIONS, (spec.rank(p, 0) for p in PROJECTIONS))
+    )
     dense = sum(spec.in_features(p) * spec.out_features(p) for p in PROJECTIONS)
     head = (640 * 262144, spec.head_rank * (640 + 262144))
-    assert bench.must_move_bytes(m, False, 1, 128) - bench.must_move_bytes(m, True, 1, 128) == \
-        2 * (18 * (dense - factored) + head[0] - head[1])
+    assert bench.must_move_bytes(m, False, 1, 128) - bench.must_move_bytes(m, True, 1, 128) == 2 * (
+        18 * (dense - factored) + head[0] - head[1]
+    )
 
 
 @pytest.mark.parametrize("name", list(bench.MODELS))
@@ -91,7 +94,8 @@ def test_extrapolation_is_linear_in_layers():
 
 def test_ratio_bounds_at_peak_on_a_synthetic_case():
     """per_layer at 1.1x / 1.3x its roofline (dense / compressed): looped ÷ per_layer can reach at most 1.10x
-    (1.100x, under the 1.15x goal: unreachable); compressed ÷ dense looped at most dense ÷ compressed must-move bytes."""
+    (1.100x, under the 1.15x goal: unreachable); compressed ÷ dense looped at most dense ÷ compressed
+    must-move bytes."""
     m = bench.MODELS["Gemma 3 270M"]
     need = {c: bench.must_move_bytes(m, c, 1, 128) for c in (False, True)}
     slow = {"per_op": 2.0, "per_layer": {False: 1.1, True: 1.3}, "looped": 1.0, "today": 2.0}
@@ -100,7 +104,8 @@ def test_ratio_bounds_at_peak_on_a_synthetic_case():
         for comp in bench.COMPOSITIONS:
             k = slow[comp][c] if isinstance(slow[comp], dict) else slow[comp]
             ours[(m.name, c, 1, 128, comp)] = bench.Measured(
-                {t: k * bench.roofline_us(0, need[c], t) for t in bench.TARGETS}, 1, float(need[c]))
+                {t: k * bench.roofline_us(0, need[c], t) for t in bench.TARGETS}, 1, float(need[c])
+            )
     res = bench.Results(ours, {}, "none", [], [m])
     for t in bench.TARGETS:
         cells = bench.bound_cells(res, t)
@@ -112,13 +117,21 @@ def test_ratio_bounds_at_peak_on_a_synthetic_case():
 
 
 def test_quick_run_writes_the_report(tmp_path):
-    result = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--quick",
-                             f"--out_dir={tmp_path}"], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--quick", f"--out_dir={tmp_path}"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     text = (tmp_path / "decode_step_quick.md").read_text()
     for composition in bench.COMPOSITIONS:
         assert bench.LABELS[composition] in text
     assert "modeled, not measured" in text and (tmp_path / "decode_step_quick.png").stat().st_size > 0
-    bad = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--models=GPT-5"],
-                         capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--models=GPT-5"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode != 0 and "--models" in bad.stderr and "Traceback" not in bad.stderr

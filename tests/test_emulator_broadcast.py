@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import profile, trace
 
 
@@ -18,6 +18,7 @@ def _broadcast_kernel(partitions):
         out = nl.ndarray(wide.shape, nl.float32, buffer=nl.shared_hbm)
         nl.store(out, staged)
         return out
+
     return kernel
 
 
@@ -36,12 +37,16 @@ def _records(kernel, *args):
 def test_partition_broadcast_is_a_tensor_engine_matmul(partitions, free):
     row = np.random.default_rng(free).standard_normal((1, free)).astype(np.float32)
     got, records = _records(_broadcast_kernel(partitions), row)
-    np.testing.assert_array_equal(np.asarray(got, np.float64),
-                                  np.broadcast_to(row.astype(np.float64), (partitions, free)))
+    np.testing.assert_array_equal(
+        np.asarray(got, np.float64), np.broadcast_to(row.astype(np.float64), (partitions, free))
+    )
     (broadcast,) = [r for r in records if r.engine == "tensor"]
     assert broadcast.opcode == "nc_matmul"
     assert (broadcast.matmul.contraction, broadcast.matmul.stationary_free, broadcast.matmul.moving_free) == (
-        1, partitions, free)
+        1,
+        partitions,
+        free,
+    )
     # Into PSUM when the tile fits one 2 KiB bank per partition, else into SBUF.
     assert broadcast.writes[0].buffer == ("psum" if free * 4 <= 2048 else "sbuf")
     assert not [r for r in records if r.engine == "vector" and r.opcode == "tensor_copy" and r.reads[0].p_stop == 1]

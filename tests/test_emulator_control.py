@@ -5,11 +5,10 @@ jit(platform_target=...), nl.rsqrt on PSUM)."""
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand, run_tiles
 
 from nki_kernels import emulator
-from nki_kernels.binding import nki, nisa, nl
-
-from emulator_helpers import hardware_error_check, rand, run_tiles
+from nki_kernels.binding import nisa, nki, nl
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
@@ -131,8 +130,9 @@ def test_rng_is_seeded_and_truncates_to_the_dtype():
     assert len(np.unique(a)) > 6000  # 32 random bits per element
     assert c.dtype == np.uint8 and len(np.unique(c)) > 200
     raises("rng", run_tiles, lambda out: nisa.rng(out), [], [((4, 4), np.float32)])
-    raises("rng", run_tiles, lambda out: nisa.rng(out, engine=nisa.engine.gpsimd), [], [((4, 4), np.int32)],
-           target="trn1")
+    raises(
+        "rng", run_tiles, lambda out: nisa.rng(out, engine=nisa.engine.gpsimd), [], [((4, 4), np.int32)], target="trn1"
+    )
 
 
 def test_dropout_rate_and_nl_rand_range():
@@ -203,6 +203,7 @@ def test_collectives_on_one_core():
     x = rand((5, 6), seed=7)
     with emulator.as_nki():
         import nki as nki_module  # the emulator under the real package's name
+
         assert nki_module.collectives.ReplicaGroup is nki.collectives.ReplicaGroup
     got, got2 = kernel(x)
     np.testing.assert_array_equal(got, x)

@@ -7,11 +7,10 @@ conforming one checked against float64 numpy; each documented semantic is checke
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand
 
 from nki_kernels import emulator
-from nki_kernels.binding import nki, nisa, nl
-
-from emulator_helpers import hardware_error_check, rand
+from nki_kernels.binding import nisa, nki, nl
 
 _raises = hardware_error_check(__file__)
 
@@ -21,6 +20,7 @@ def _f64(x):
 
 
 # -- nc_matmul ---------------------------------------------------------------------------------------
+
 
 @nki.jit
 def _tiled_matmul(lhs_t, rhs, tile_position, tile_size):
@@ -41,14 +41,18 @@ def test_matmul_tiling_mode():
     assert "both must be set" in _raises("nc_matmul", _tiled_matmul, lhs_t, rhs, (), (64, 128))
     assert "multiple" in _raises("nc_matmul", _tiled_matmul, lhs_t, rhs, (32, 0), (64, 128))
     # quarter tiles exist from NeuronCore-v3 on
-    np.testing.assert_allclose(_tiled_matmul(rand((30, 20)), rand((30, 9), seed=2), (32, 96), (32, 32)),
-                               _f64(rand((30, 20))).T @ _f64(rand((30, 9), seed=2)), rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        _tiled_matmul(rand((30, 20)), rand((30, 9), seed=2), (32, 96), (32, 32)),
+        _f64(rand((30, 20))).T @ _f64(rand((30, 9), seed=2)),
+        rtol=1e-5,
+        atol=1e-4,
+    )
     with emulator.use_target("trn1"):
-        assert "unsupported on trn1" in _raises("nc_matmul", _tiled_matmul, rand((30, 20)),
-                                                rand((30, 9), seed=2), (32, 0), (32, 128))
+        assert "unsupported on trn1" in _raises(
+            "nc_matmul", _tiled_matmul, rand((30, 20)), rand((30, 9), seed=2), (32, 0), (32, 128)
+        )
     # the stationary must fit the chosen tile
-    assert "exceeds 64" in _raises("nc_matmul", _tiled_matmul, rand((100, 8)), rand((100, 9)), (0, 0),
-                                   (64, 128))
+    assert "exceeds 64" in _raises("nc_matmul", _tiled_matmul, rand((100, 8)), rand((100, 9)), (0, 0), (64, 128))
 
 
 @nki.jit
@@ -112,6 +116,7 @@ def test_pe_transpose_nan_handling_per_target(use_matmul):
 
 # -- engines and targets -----------------------------------------------------------------------------
 
+
 @nki.jit
 def _copy_on(x, engine):
     t = nl.load(x)
@@ -166,13 +171,13 @@ def _dma_with(x, priority, dge, engine):
 def test_dma_copy_options():
     x = rand((6, 10))
     np.testing.assert_array_equal(_dma_with(x, None, nisa.dge_mode.hwdge, nisa.engine.sync), x)
-    assert "only valid with dge_mode=hwdge" in _raises("dma_copy", _dma_with, x, None, nisa.dge_mode.unknown,
-                                                       nisa.engine.sync)
+    assert "only valid with dge_mode=hwdge" in _raises(
+        "dma_copy", _dma_with, x, None, nisa.dge_mode.unknown, nisa.engine.sync
+    )
     assert "engine.sync or" in _raises("dma_copy", _dma_with, x, None, nisa.dge_mode.hwdge, nisa.engine.vector)
     assert "NeuronCore-v4" in _raises("dma_copy", _dma_with, x, 1, nisa.dge_mode.unknown, nisa.engine.unknown)
     with emulator.use_target("trn1"):
-        assert "NeuronCore-v3" in _raises("dma_copy", _dma_with, x, None, nisa.dge_mode.hwdge,
-                                          nisa.engine.unknown)
+        assert "NeuronCore-v3" in _raises("dma_copy", _dma_with, x, None, nisa.dge_mode.hwdge, nisa.engine.unknown)
 
 
 @nki.jit
@@ -195,13 +200,15 @@ def test_dma_transpose_dge_modes():
 
 # -- vector-engine semantics -------------------------------------------------------------------------
 
+
 @nki.jit
 def _scalar_ops(x, op0, operand0, reverse0, op1, operand1, reverse1, engine, dtype):
     t = nl.ndarray(x.shape, dtype, buffer=nl.sbuf)
     nisa.dma_copy(t, x)
     y = nl.ndarray(x.shape, dtype, buffer=nl.sbuf)
-    nisa.tensor_scalar(y, t, op0, operand0, reverse0=reverse0, op1=op1, operand1=operand1, reverse1=reverse1,
-                       engine=engine)
+    nisa.tensor_scalar(
+        y, t, op0, operand0, reverse0=reverse0, op1=op1, operand1=operand1, reverse1=reverse1, engine=engine
+    )
     out = nl.ndarray(x.shape, dtype, buffer=nl.shared_hbm)
     nl.store(out, y)
     return out
@@ -210,27 +217,34 @@ def _scalar_ops(x, op0, operand0, reverse0, op1, operand1, reverse1, engine, dty
 def test_tensor_scalar_order_unary_and_bitvec():
     x = rand((10, 17))
     u = nisa.engine.unknown
-    np.testing.assert_allclose(_scalar_ops(x, nl.subtract, 3.0, True, nl.divide, 2.0, True, u, nl.float32),
-                               2.0 / (3.0 - _f64(x)), rtol=1e-5)
-    np.testing.assert_allclose(_scalar_ops(x, nl.abs, None, False, nl.multiply, -2.0, False, u, nl.float32),
-                               -2.0 * np.abs(_f64(x)), rtol=1e-6)
-    assert "unary" in _raises("tensor_scalar", _scalar_ops, x, nl.abs, 1.0, False, None, None, False, u,
-                              nl.float32)
-    ints = np.random.default_rng(3).integers(-2**30, 2**30, (10, 17)).astype(np.int32)
+    np.testing.assert_allclose(
+        _scalar_ops(x, nl.subtract, 3.0, True, nl.divide, 2.0, True, u, nl.float32), 2.0 / (3.0 - _f64(x)), rtol=1e-5
+    )
+    np.testing.assert_allclose(
+        _scalar_ops(x, nl.abs, None, False, nl.multiply, -2.0, False, u, nl.float32), -2.0 * np.abs(_f64(x)), rtol=1e-6
+    )
+    assert "unary" in _raises("tensor_scalar", _scalar_ops, x, nl.abs, 1.0, False, None, None, False, u, nl.float32)
+    ints = np.random.default_rng(3).integers(-(2**30), 2**30, (10, 17)).astype(np.int32)
     np.testing.assert_array_equal(
         _scalar_ops(ints, nl.bitwise_and, 0x0F0F0F0F, False, nl.left_shift, 2, False, u, nl.int32),
-        (ints & 0x0F0F0F0F) << 2)
-    assert "bitvec or both arithmetic" in _raises("tensor_scalar", _scalar_ops, ints, nl.bitwise_and, 3,
-                                                       False, nl.add, 1.0, False, u, nl.int32)
-    assert "integer dtype" in _raises("tensor_scalar", _scalar_ops, x, nl.bitwise_and, 3, False, None, None,
-                                      False, u, nl.float32)
-    assert "Vector Engine only" in _raises("tensor_scalar", _scalar_ops, ints, nl.bitwise_or, 3, False, None,
-                                           None, False, nisa.engine.gpsimd, nl.int32)
+        (ints & 0x0F0F0F0F) << 2,
+    )
+    assert "bitvec or both arithmetic" in _raises(
+        "tensor_scalar", _scalar_ops, ints, nl.bitwise_and, 3, False, nl.add, 1.0, False, u, nl.int32
+    )
+    assert "integer dtype" in _raises(
+        "tensor_scalar", _scalar_ops, x, nl.bitwise_and, 3, False, None, None, False, u, nl.float32
+    )
+    assert "Vector Engine only" in _raises(
+        "tensor_scalar", _scalar_ops, ints, nl.bitwise_or, 3, False, None, None, False, nisa.engine.gpsimd, nl.int32
+    )
     s = nisa.engine.scalar
-    np.testing.assert_allclose(_scalar_ops(x, nl.multiply, 3.0, False, nl.add, 1.0, False, s, nl.float32),
-                               3.0 * _f64(x) + 1.0, rtol=1e-6)
-    assert "multiply/add" in _raises("tensor_scalar", _scalar_ops, x, nl.subtract, 3.0, False, None, None,
-                                     False, s, nl.float32)
+    np.testing.assert_allclose(
+        _scalar_ops(x, nl.multiply, 3.0, False, nl.add, 1.0, False, s, nl.float32), 3.0 * _f64(x) + 1.0, rtol=1e-6
+    )
+    assert "multiply/add" in _raises(
+        "tensor_scalar", _scalar_ops, x, nl.subtract, 3.0, False, None, None, False, s, nl.float32
+    )
 
 
 @nki.jit
@@ -247,23 +261,26 @@ def test_tensor_tensor_int32_is_exact_on_gpsimd():
     rng = np.random.default_rng(4)
     a = rng.integers(2**24, 2**30, (8, 9)).astype(np.int32)
     b = rng.integers(1, 2**20, (8, 9)).astype(np.int32) | 1
-    np.testing.assert_array_equal(_int_tensor_tensor(a, b, nl.add, nisa.engine.unknown),
-                                  (a.astype(np.int64) + b).astype(np.int32))
+    np.testing.assert_array_equal(
+        _int_tensor_tensor(a, b, nl.add, nisa.engine.unknown), (a.astype(np.int64) + b).astype(np.int32)
+    )
     via_fp32 = _int_tensor_tensor(a, b, nl.add, nisa.engine.vector)  # float32 math rounds large ints
     np.testing.assert_array_equal(via_fp32, (a.astype(np.float32) + b.astype(np.float32)).astype(np.int32))
     assert not np.array_equal(via_fp32, a + b)
     np.testing.assert_array_equal(_int_tensor_tensor(a, b, nl.bitwise_xor, nisa.engine.unknown), a ^ b)
     f = rand((8, 9))
-    assert "integer dtype" in _raises("tensor_tensor", _int_tensor_tensor, f, f, nl.bitwise_xor,
-                                      nisa.engine.unknown)
+    assert "integer dtype" in _raises("tensor_tensor", _int_tensor_tensor, f, f, nl.bitwise_xor, nisa.engine.unknown)
 
 
 @nki.jit
 def _reduce(x, op, axis, negate, keepdims, dtype):
     t = nl.ndarray(x.shape, dtype, buffer=nl.sbuf)
     nisa.dma_copy(t, x)
-    kept = tuple(1 if d in axis else n for d, n in enumerate(x.shape)) if keepdims else \
-        tuple(n for d, n in enumerate(x.shape) if d not in axis)
+    kept = (
+        tuple(1 if d in axis else n for d, n in enumerate(x.shape))
+        if keepdims
+        else tuple(n for d, n in enumerate(x.shape) if d not in axis)
+    )
     r = nl.ndarray(kept, dtype, buffer=nl.sbuf)
     nisa.tensor_reduce(r, op, t, axis, negate=negate, keepdims=keepdims)
     out = nl.ndarray(kept, dtype, buffer=nl.shared_hbm)
@@ -273,18 +290,26 @@ def _reduce(x, op, axis, negate, keepdims, dtype):
 
 def test_tensor_reduce_bitvec_negate_keepdims():
     x = rand((6, 4, 9))
-    np.testing.assert_allclose(_reduce(x, nl.maximum, (2,), True, True, nl.float32),
-                               -_f64(x).max(axis=2, keepdims=True), rtol=1e-6)
-    np.testing.assert_allclose(_reduce(x[:, :, :1], nl.add, (1, 2), False, True, nl.float32),
-                               _f64(x[:, :, :1]).sum(axis=(1, 2), keepdims=True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        _reduce(x, nl.maximum, (2,), True, True, nl.float32), -_f64(x).max(axis=2, keepdims=True), rtol=1e-6
+    )
+    np.testing.assert_allclose(
+        _reduce(x[:, :, :1], nl.add, (1, 2), False, True, nl.float32),
+        _f64(x[:, :, :1]).sum(axis=(1, 2), keepdims=True),
+        rtol=1e-5,
+        atol=1e-6,
+    )
     ints = np.random.default_rng(5).integers(0, 2**31 - 1, (6, 4, 9)).astype(np.int32)
-    np.testing.assert_array_equal(_reduce(ints, nl.bitwise_or, (2,), False, False, nl.int32),
-                                  np.bitwise_or.reduce(ints, axis=2))
-    assert "arithmetic reductions only" in _raises("tensor_reduce", _reduce, ints, nl.bitwise_or, (2,), True,
-                                                   False, nl.int32)
+    np.testing.assert_array_equal(
+        _reduce(ints, nl.bitwise_or, (2,), False, False, nl.int32), np.bitwise_or.reduce(ints, axis=2)
+    )
+    assert "arithmetic reductions only" in _raises(
+        "tensor_reduce", _reduce, ints, nl.bitwise_or, (2,), True, False, nl.int32
+    )
 
 
 # -- nki.language ------------------------------------------------------------------------------------
+
 
 def test_nl_matmul_without_transpose_x():
     @nki.jit

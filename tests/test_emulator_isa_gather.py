@@ -4,10 +4,9 @@ sequence_bounds, nonzero_with_count, topk) against numpy references written from
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand, run_tiles
 
 from nki_kernels.binding import nisa, nl
-
-from emulator_helpers import hardware_error_check, rand, run_tiles
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
@@ -26,9 +25,8 @@ def test_tensor_partition_reduce(op, reduce):
 
 
 def test_tensor_partition_reduce_bitwise_or():
-    x = np.random.default_rng(2).integers(0, 2 ** 20, size=(33, 5)).astype(np.int32)
-    (got,) = run_tiles(lambda x, out: nisa.tensor_partition_reduce(out, nl.bitwise_or, x), [x],
-                       [((1, 5), np.int32)])
+    x = np.random.default_rng(2).integers(0, 2**20, size=(33, 5)).astype(np.int32)
+    (got,) = run_tiles(lambda x, out: nisa.tensor_partition_reduce(out, nl.bitwise_or, x), [x], [((1, 5), np.int32)])
     np.testing.assert_array_equal(got[0], np.bitwise_or.reduce(x, axis=0))
 
 
@@ -86,8 +84,7 @@ def test_local_gather_per_core_partition_first_indices(elements, valid):
 
 def test_local_gather_rules():
     src, index = rand((20, 8)), np.zeros((20, 1), np.uint16)
-    raises("local_gather", run_tiles, lambda s, i, out: nisa.local_gather(out, s, i), [src, index],
-           [((20, 16), F32)])
+    raises("local_gather", run_tiles, lambda s, i, out: nisa.local_gather(out, s, i), [src, index], [((20, 16), F32)])
 
 
 def test_nc_n_gather_per_partition():
@@ -99,8 +96,13 @@ def test_nc_n_gather_per_partition():
 
 def test_nc_n_gather_index_out_of_range():
     indices = np.full((2, 3), 8, np.uint32)
-    raises("nc_n_gather", run_tiles, lambda d, i, out: nisa.nc_n_gather(out, d, i), [rand((2, 8)), indices],
-           [((2, 3), F32)])
+    raises(
+        "nc_n_gather",
+        run_tiles,
+        lambda d, i, out: nisa.nc_n_gather(out, d, i),
+        [rand((2, 8)), indices],
+        [((2, 3), F32)],
+    )
 
 
 def _bounds(ids):
@@ -136,7 +138,7 @@ def test_nonzero_with_count_touches_one_partition_per_core():
             continue
         found = np.flatnonzero(x[p])
         row = np.full(34, -1)
-        row[:found.size] = found + 16
+        row[: found.size] = found + 16
         row[33] = found.size
         np.testing.assert_array_equal(got[p], row)
     raises("nonzero_with_count", run_tiles, body, [x, old], [((128, 34), np.int32)], target="trn1")
@@ -151,7 +153,7 @@ def test_topk_over_the_16_partition_snake():
 
     values, index = run_tiles(body, [src], [((32, k), BF16), ((32, k), np.uint32)])
     for group in range(2):
-        snake = _f64(src[16 * group:16 * group + 16]).flatten(order="F")[:n]
+        snake = _f64(src[16 * group : 16 * group + 16]).flatten(order="F")[:n]
         order = np.argsort(-snake, kind="stable")[:k][::-1]
         for p in range(16 * group, 16 * group + 16):
             np.testing.assert_array_equal(_f64(values[p]), snake[order])
@@ -164,10 +166,16 @@ def test_documented_costs_of_new_instructions():
     runs = []
     trace.add_listener(runs.append)
     try:
-        run_tiles(lambda src, values, index: nisa.topk(values, index, src, 42), [rand((16, 3), BF16)],
-                  [((16, 8), BF16), ((16, 8), np.uint32)])
-        run_tiles(lambda x, out, res: nisa.tensor_scalar_reduce(out, x, nl.add, 1.0, nl.add, reduce_res=res),
-                  [rand((4, 300))], [((4, 300), F32), ((4, 1), F32)])
+        run_tiles(
+            lambda src, values, index: nisa.topk(values, index, src, 42),
+            [rand((16, 3), BF16)],
+            [((16, 8), BF16), ((16, 8), np.uint32)],
+        )
+        run_tiles(
+            lambda x, out, res: nisa.tensor_scalar_reduce(out, x, nl.add, 1.0, nl.add, reduce_res=res),
+            [rand((4, 300))],
+            [((4, 300), F32), ((4, 1), F32)],
+        )
     finally:
         trace.remove_listener(runs.append)
     records = {r.opcode: r for run in runs for r in run.records}

@@ -4,10 +4,9 @@ nc_find_index8, nc_match_replace8) against numpy references written from their d
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand, run_tiles
 
 from nki_kernels.binding import nisa, nl
-
-from emulator_helpers import hardware_error_check, rand, run_tiles
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
@@ -44,8 +43,13 @@ def test_tensor_copy_predicated_scalar_source_and_dtype_rules():
     (got,) = run_tiles(body, [old, predicate], [((4, 9), F32)])
     np.testing.assert_array_equal(got, np.where(predicate != 0, -5.0, old))
     bad = predicate.astype(np.float32)
-    raises("tensor_copy_predicated", run_tiles, lambda o, p, out: nisa.tensor_copy_predicated(out, o, p),
-           [old, bad], [((4, 9), F32)])
+    raises(
+        "tensor_copy_predicated",
+        run_tiles,
+        lambda o, p, out: nisa.tensor_copy_predicated(out, o, p),
+        [old, bad],
+        [((4, 9), F32)],
+    )
 
 
 def test_select_reduce_with_vector_on_false_and_running_max():
@@ -57,11 +61,11 @@ def test_select_reduce_with_vector_on_false_and_running_max():
         nisa.select_reduce(out, predicate, on_true, on_false, reduce_cmd=nisa.reduce_cmd.reset_reduce)
         ones = nl.ndarray((100, 20), nl.int8, buffer=nl.sbuf)
         nisa.memset(ones, 1)
-        nisa.select_reduce(out2, ones, more, -1.0, reduce_res=res, reduce_cmd=nisa.reduce_cmd.reduce,
-                           reverse_pred=True)
+        nisa.select_reduce(out2, ones, more, -1.0, reduce_res=res, reduce_cmd=nisa.reduce_cmd.reduce, reverse_pred=True)
 
-    out, out2, res = run_tiles(body, [on_true, more, predicate, on_false],
-                               [((100, 50), F32), ((100, 20), F32), ((100, 1), F32)])
+    out, out2, res = run_tiles(
+        body, [on_true, more, predicate, on_false], [((100, 50), F32), ((100, 20), F32), ((100, 1), F32)]
+    )
     first = np.where(predicate != 0, _f64(on_true), _f64(on_false))
     np.testing.assert_array_equal(out, first)
     np.testing.assert_array_equal(out2, np.full((100, 20), -1.0))
@@ -76,8 +80,9 @@ def test_range_select_masks_free_indices_and_reduces_max(cols, start):
     high = (low + rng.integers(0, cols + 3, size=(7, 1))).astype(np.float32)
 
     def body(x, low, high, out, res):
-        nisa.range_select(out, x, nl.greater_equal, nl.less, low, high, reduce_res=res, range_start=start,
-                          on_false_value=FP32_MIN)
+        nisa.range_select(
+            out, x, nl.greater_equal, nl.less, low, high, reduce_res=res, range_start=start, on_false_value=FP32_MIN
+        )
 
     out, res = run_tiles(body, [x, low, high], [((7, cols), F32), ((7, 1), F32)])
     index = start + np.arange(cols)[None, :]
@@ -94,8 +99,13 @@ def test_range_select_rules():
 
     outputs = [((4, 8), F32), ((4, 1), F32)]
     raises("range_select", run_tiles, body, [x, bound, bound], outputs, target="trn1")
-    raises("range_select", run_tiles, lambda x, b0, b1, out, res: body(x, b0, b1, out, res, fill=0.0),
-           [x, bound, bound], outputs)
+    raises(
+        "range_select",
+        run_tiles,
+        lambda x, b0, b1, out, res: body(x, b0, b1, out, res, fill=0.0),
+        [x, bound, bound],
+        outputs,
+    )
 
 
 @pytest.mark.parametrize("multiplier,offset", [(1, 0), (-1, 3), (2, -60)])

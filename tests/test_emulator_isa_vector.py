@@ -4,10 +4,9 @@ tensor_scalar_cumulative, activation_reduce, bn_stats / bn_aggr) against float64
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand, run_tiles
 
 from nki_kernels.binding import nisa, nl
-
-from emulator_helpers import hardware_error_check, rand, run_tiles
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
@@ -31,8 +30,9 @@ def test_scalar_tensor_tensor_vector_operand(reverse0, reverse1):
     column = rand((7, 1), seed=3)
 
     def body(data, other, column, out):
-        nisa.scalar_tensor_tensor(out, data, nl.subtract, column, nl.multiply, other, reverse0=reverse0,
-                                  reverse1=reverse1)
+        nisa.scalar_tensor_tensor(
+            out, data, nl.subtract, column, nl.multiply, other, reverse0=reverse0, reverse1=reverse1
+        )
 
     (got,) = run_tiles(body, [data, other, column], [((7, 130), BF16)])
     first = _f64(column) - _f64(data) if reverse0 else _f64(data) - _f64(column)
@@ -52,17 +52,18 @@ def test_tensor_scalar_reduce_accumulates_across_calls():
 
     def body(a, b, out_a, out_b, first, total, negated):
         nisa.tensor_scalar_reduce(out_a, a, nl.multiply, 2.0, nl.maximum, reduce_res=first)
-        nisa.tensor_scalar_reduce(out_b, b, nl.multiply, 2.0, nl.maximum, reduce_res=total,
-                                  reduce_cmd=nisa.reduce_cmd.reduce)
+        nisa.tensor_scalar_reduce(
+            out_b, b, nl.multiply, 2.0, nl.maximum, reduce_res=total, reduce_cmd=nisa.reduce_cmd.reduce
+        )
         nisa.tensor_scalar_reduce(out_b, b, nl.add, 1.0, nl.add, reduce_res=negated, reduce_res_negate=True)
 
-    outs = run_tiles(body, [a, b], [((100, 70), F32), ((100, 200), F32), ((100, 1), F32), ((100, 1), F32),
-                                    ((100, 1), F32)])
+    outs = run_tiles(
+        body, [a, b], [((100, 70), F32), ((100, 200), F32), ((100, 1), F32), ((100, 1), F32), ((100, 1), F32)]
+    )
     out_a, out_b, first, total, negated = map(_f64, outs)
     np.testing.assert_allclose(out_a, 2 * _f64(a), rtol=1e-6)
     np.testing.assert_allclose(first[:, 0], (2 * _f64(a)).max(axis=1), rtol=1e-6)
-    np.testing.assert_allclose(total[:, 0], np.maximum((2 * _f64(a)).max(axis=1), (2 * _f64(b)).max(axis=1)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(total[:, 0], np.maximum((2 * _f64(a)).max(axis=1), (2 * _f64(b)).max(axis=1)), rtol=1e-6)
     np.testing.assert_allclose(negated[:, 0], -(_f64(b) + 1).sum(axis=1), rtol=1e-5)
     np.testing.assert_allclose(out_b, _f64(b) + 1, rtol=1e-6)
 
@@ -74,8 +75,9 @@ def test_tensor_scalar_reduce_load_reduce_needs_reduce_init():
     raises("tensor_scalar_reduce", run_tiles, body, [rand((4, 8))], [((4, 8), F32), ((4, 1), F32)])
 
 
-@pytest.mark.parametrize("op1,numpy_scan", [(nl.add, np.cumsum), (nl.maximum, np.maximum.accumulate),
-                                            (nl.multiply, np.cumprod)])
+@pytest.mark.parametrize(
+    "op1,numpy_scan", [(nl.add, np.cumsum), (nl.maximum, np.maximum.accumulate), (nl.multiply, np.cumprod)]
+)
 def test_tensor_scalar_cumulative(op1, numpy_scan):
     x = rand((7, 33), seed=6) * 0.5
 
@@ -91,8 +93,7 @@ def test_tensor_scalar_cumulative_load_reduce_then_continue():
     start = rand((5, 1), seed=9)
 
     def body(x, y, start, out_x, out_y):
-        nisa.tensor_scalar_cumulative(out_x, x, nl.add, nl.add, 0.0, imm1=start,
-                                      reduce_cmd=nisa.reduce_cmd.load_reduce)
+        nisa.tensor_scalar_cumulative(out_x, x, nl.add, nl.add, 0.0, imm1=start, reduce_cmd=nisa.reduce_cmd.load_reduce)
         nisa.tensor_scalar_cumulative(out_y, y, nl.add, nl.add, 0.0, reduce_cmd=nisa.reduce_cmd.reduce)
 
     out_x, out_y = run_tiles(body, [x, y, start], [((5, 10), F32), ((5, 6), F32)])
@@ -129,7 +130,7 @@ def test_bn_stats_and_bn_aggr_give_mean_and_variance(cols):
     def body(x, out):
         stats = nl.ndarray((100, 6 * len(chunks)), nl.float32, buffer=nl.sbuf)
         for i, (start, size) in enumerate(chunks):
-            nisa.bn_stats(stats[:, 6 * i:6 * i + 6], x[:, start:start + size])
+            nisa.bn_stats(stats[:, 6 * i : 6 * i + 6], x[:, start : start + size])
         nisa.bn_aggr(out, stats)
 
     (got,) = run_tiles(body, [x], [((100, 2), F32)])
@@ -141,7 +142,8 @@ def test_bn_stats_layout_and_limit():
     x = rand((3, 9), seed=12)
     (got,) = run_tiles(lambda x, out: nisa.bn_stats(out, x), [x], [((3, 6), F32)])
     even, odd = _f64(x)[:, 0::2], _f64(x)[:, 1::2]
-    expected = np.stack([np.full(3, 5.0), even.mean(1), even.var(1) * 5, np.full(3, 4.0), odd.mean(1),
-                         odd.var(1) * 4], axis=1)
+    expected = np.stack(
+        [np.full(3, 5.0), even.mean(1), even.var(1) * 5, np.full(3, 4.0), odd.mean(1), odd.var(1) * 4], axis=1
+    )
     np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
     raises("bn_stats", run_tiles, lambda x, out: nisa.bn_stats(out, x), [rand((2, 513))], [((2, 6), F32)])

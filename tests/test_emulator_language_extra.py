@@ -4,10 +4,9 @@ load_transpose2d, shared_constant, shared_identity_matrix) against float64 numpy
 import ml_dtypes
 import numpy as np
 import pytest
-
-from nki_kernels.binding import nki, nisa, nl
-
 from emulator_helpers import rand
+
+from nki_kernels.binding import nisa, nki, nl
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

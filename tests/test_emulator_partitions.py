@@ -6,10 +6,9 @@ conforming ones checked against numpy. DMA is not bound by these rules."""
 
 import numpy as np
 import pytest
-
-from nki_kernels.binding import nki, nisa, nl
-
 from emulator_helpers import hardware_error_check, rand
+
+from nki_kernels.binding import nisa, nki, nl
 
 _raises = hardware_error_check(__file__)
 
@@ -22,19 +21,22 @@ def _copy_partitions(x, src_start, dst_start, count):
     whole = nl.ndarray((128, free), x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(whole, x)
     moved = nl.ndarray((128, free), x.dtype, buffer=nl.sbuf)
-    nisa.tensor_copy(moved[dst_start:dst_start + count], whole[src_start:src_start + count])
+    nisa.tensor_copy(moved[dst_start : dst_start + count], whole[src_start : src_start + count])
     out = nl.ndarray((count, free), x.dtype, buffer=nl.shared_hbm)
-    nisa.dma_copy(out, moved[dst_start:dst_start + count])
+    nisa.dma_copy(out, moved[dst_start : dst_start + count])
     return out
 
 
-@pytest.mark.parametrize("src_start, dst_start, count, operand, allowed", [
-    (16, 0, 16, "src", "0, 32, 64 or 96"),  # 1..32 partitions off a quadrant boundary
-    (0, 5, 1, "dst", "0, 32, 64 or 96"),    # even a single partition
-    (32, 0, 64, "src", "0 or 64"),          # 33..64 partitions off a half boundary
-    (0, 32, 33, "dst", "0 or 64"),
-    (1, 0, 100, "src", "0"),                # over 64 partitions start at 0
-])
+@pytest.mark.parametrize(
+    "src_start, dst_start, count, operand, allowed",
+    [
+        (16, 0, 16, "src", "0, 32, 64 or 96"),  # 1..32 partitions off a quadrant boundary
+        (0, 5, 1, "dst", "0, 32, 64 or 96"),  # even a single partition
+        (32, 0, 64, "src", "0 or 64"),  # 33..64 partitions off a half boundary
+        (0, 32, 33, "dst", "0 or 64"),
+        (1, 0, 100, "src", "0"),  # over 64 partitions start at 0
+    ],
+)
 def test_start_partition_depends_on_partition_count(src_start, dst_start, count, operand, allowed):
     x = rand((128, 24))
     message = _raises("tensor_copy", _copy_partitions, x, src_start, dst_start, count)
@@ -43,15 +45,23 @@ def test_start_partition_depends_on_partition_count(src_start, dst_start, count,
     assert f"a tile of {count} partitions must start at partition {allowed}" in message, message
 
 
-@pytest.mark.parametrize("src_start, dst_start, count", [
-    (0, 0, 128), (0, 0, 65), (64, 64, 64), (0, 0, 37), (96, 96, 32), (32, 32, 7),
-    (0, 96, 32),   # cross-quadrant movement: one-to-one, a different quadrant
-    (64, 0, 64),   # cross-half movement
-    (96, 32, 1),
-])
+@pytest.mark.parametrize(
+    "src_start, dst_start, count",
+    [
+        (0, 0, 128),
+        (0, 0, 65),
+        (64, 64, 64),
+        (0, 0, 37),
+        (96, 96, 32),
+        (32, 32, 7),
+        (0, 96, 32),  # cross-quadrant movement: one-to-one, a different quadrant
+        (64, 0, 64),  # cross-half movement
+        (96, 32, 1),
+    ],
+)
 def test_conforming_placements_and_cross_partition_moves(src_start, dst_start, count):
     x = rand((128, 24), seed=1)
-    np.testing.assert_array_equal(_copy_partitions(x, src_start, dst_start, count), x[src_start:src_start + count])
+    np.testing.assert_array_equal(_copy_partitions(x, src_start, dst_start, count), x[src_start : src_start + count])
 
 
 @nki.jit
@@ -84,10 +94,10 @@ def _matmul_from_partitions(lhs_t, rhs, start):
     n = rhs.shape[1]
     a = nl.ndarray((128, m), lhs_t.dtype, buffer=nl.sbuf)
     b = nl.ndarray((128, n), rhs.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(a[start:start + k], lhs_t)
-    nisa.dma_copy(b[start:start + k], rhs)
+    nisa.dma_copy(a[start : start + k], lhs_t)
+    nisa.dma_copy(b[start : start + k], rhs)
     acc = nl.ndarray((m, n), nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(acc, a[start:start + k], b[start:start + k])
+    nisa.nc_matmul(acc, a[start : start + k], b[start : start + k])
     result = nl.ndarray((m, n), nl.float32, buffer=nl.sbuf)
     nisa.tensor_copy(result, acc)
     out = nl.ndarray((m, n), nl.float32, buffer=nl.shared_hbm)
@@ -110,9 +120,9 @@ def _activation_with_bias_at(x, bias, bias_start):
     data = nl.ndarray((p, free), x.dtype, buffer=nl.sbuf)
     nisa.dma_copy(data, x)
     vectors = nl.ndarray((128, 1), bias.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(vectors[bias_start:bias_start + p], bias)
+    nisa.dma_copy(vectors[bias_start : bias_start + p], bias)
     result = nl.ndarray((p, free), x.dtype, buffer=nl.sbuf)
-    nisa.activation(result, nl.exp, data, bias=vectors[bias_start:bias_start + p])
+    nisa.activation(result, nl.exp, data, bias=vectors[bias_start : bias_start + p])
     out = nl.ndarray((p, free), x.dtype, buffer=nl.shared_hbm)
     nisa.dma_copy(out, result)
     return out
@@ -132,9 +142,9 @@ def _language_add(x, y, start):
     p, free = x.shape
     a = nl.ndarray((128, free), x.dtype, buffer=nl.sbuf)
     b = nl.ndarray((128, free), y.dtype, buffer=nl.sbuf)
-    nisa.dma_copy(a[start:start + p], x)
-    nisa.dma_copy(b[start:start + p], y)
-    total = nl.add(a[start:start + p], b[start:start + p])
+    nisa.dma_copy(a[start : start + p], x)
+    nisa.dma_copy(b[start : start + p], y)
+    total = nl.add(a[start : start + p], b[start : start + p])
     out = nl.ndarray((p, free), x.dtype, buffer=nl.shared_hbm)
     nl.store(out, total)
     return out

@@ -3,11 +3,10 @@ file's line) and a conforming one that runs."""
 
 import numpy as np
 import pytest
+from emulator_helpers import hardware_error_check, rand
 
 from nki_kernels import emulator
-from nki_kernels.binding import nki, nisa, nl
-
-from emulator_helpers import hardware_error_check, rand
+from nki_kernels.binding import nisa, nki, nl
 
 _raises = hardware_error_check(__file__)
 
@@ -53,15 +52,17 @@ def test_partition_over_128():
 def test_stationary_free_over_128():
     lhs_t, rhs = rand((64, 129)), rand((64, 32), seed=1)
     assert "stationary free size 129" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs)
-    np.testing.assert_allclose(_matmul_kernel(lhs_t[:, :128], rhs), lhs_t[:, :128].T.astype(np.float64) @ rhs,
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        _matmul_kernel(lhs_t[:, :128], rhs), lhs_t[:, :128].T.astype(np.float64) @ rhs, rtol=1e-5, atol=1e-4
+    )
 
 
 def test_moving_free_over_512():
     lhs_t, rhs = rand((32, 16)), rand((32, 513), seed=1)
     assert "moving free size 513" in _raises("nc_matmul", _matmul_kernel, lhs_t, rhs)
-    np.testing.assert_allclose(_matmul_kernel(lhs_t, rhs[:, :512]), lhs_t.T.astype(np.float64) @ rhs[:, :512],
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        _matmul_kernel(lhs_t, rhs[:, :512]), lhs_t.T.astype(np.float64) @ rhs[:, :512], rtol=1e-5, atol=1e-4
+    )
 
 
 @nki.jit
@@ -70,9 +71,9 @@ def _bank_kernel(lhs_t, rhs, column):
     a, b = nl.load(lhs_t), nl.load(rhs)
     n = rhs.shape[1]
     acc = nl.ndarray((lhs_t.shape[1], 1024), nl.float32, buffer=nl.psum)
-    nisa.nc_matmul(acc[:, column:column + n], a, b)
+    nisa.nc_matmul(acc[:, column : column + n], a, b)
     result = nl.ndarray((lhs_t.shape[1], n), nl.float32, buffer=nl.sbuf)
-    nisa.tensor_copy(result, acc[:, column:column + n])
+    nisa.tensor_copy(result, acc[:, column : column + n])
     out = nl.ndarray(result.shape, nl.float32, buffer=nl.shared_hbm)
     nl.store(out, result)
     return out
@@ -89,9 +90,9 @@ def test_more_than_8_psum_banks_live():
     def kernel(x, tiles):
         held = [nl.ndarray((x.shape[0], 512), nl.float32, buffer=nl.psum) for _ in range(tiles)]
         t = nl.load(x)
-        nisa.tensor_copy(held[-1][:, 0:x.shape[1]], t)
+        nisa.tensor_copy(held[-1][:, 0 : x.shape[1]], t)
         result = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
-        nisa.tensor_copy(result, held[-1][:, 0:x.shape[1]])
+        nisa.tensor_copy(result, held[-1][:, 0 : x.shape[1]])
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
         nl.store(out, result)
         return out
@@ -133,9 +134,9 @@ def test_sbuf_liveness_reassignment_does_not_accumulate():
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
         for i in range(4):  # each 150 KiB tile replaces the previous one
             t = nl.ndarray((128, 150 * 256), nl.float32, buffer=nl.sbuf)
-            nisa.dma_copy(t[:, 0:x.shape[1]], x)
-            nisa.tensor_scalar(t[:, 0:x.shape[1]], t[:, 0:x.shape[1]], nl.add, float(i))
-        nisa.dma_copy(out, t[:, 0:x.shape[1]])
+            nisa.dma_copy(t[:, 0 : x.shape[1]], x)
+            nisa.tensor_scalar(t[:, 0 : x.shape[1]], t[:, 0 : x.shape[1]], nl.add, float(i))
+        nisa.dma_copy(out, t[:, 0 : x.shape[1]])
         return out
 
     @nki.jit
@@ -143,9 +144,9 @@ def test_sbuf_liveness_reassignment_does_not_accumulate():
         kept = []
         for i in range(2):  # both 150 KiB tiles stay referenced
             kept.append(nl.ndarray((128, 150 * 256), nl.float32, buffer=nl.sbuf))
-            nisa.dma_copy(kept[-1][:, 0:x.shape[1]], x)
+            nisa.dma_copy(kept[-1][:, 0 : x.shape[1]], x)
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
-        nisa.dma_copy(out, kept[0][:, 0:x.shape[1]])
+        nisa.dma_copy(out, kept[0][:, 0 : x.shape[1]])
         return out
 
     x = rand((128, 32))
@@ -220,10 +221,15 @@ def test_accumulate_onto_psum_not_written_by_matmul():
     assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_on_fresh")
     assert "non-matmul" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "after_memset")
     assert "accumulate=True" in _raises("nc_matmul", _accumulate_kernel, lhs_t, rhs, "true_after_zeros")
-    np.testing.assert_allclose(_accumulate_kernel(lhs_t, rhs, "zeros_then_default"),
-                               2 * (lhs_t.T.astype(np.float64) @ rhs), rtol=1e-5, atol=1e-4)
-    np.testing.assert_allclose(_accumulate_kernel(lhs_t, rhs, "ok"), 2 * (lhs_t.T.astype(np.float64) @ rhs),
-                               rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(
+        _accumulate_kernel(lhs_t, rhs, "zeros_then_default"),
+        2 * (lhs_t.T.astype(np.float64) @ rhs),
+        rtol=1e-5,
+        atol=1e-4,
+    )
+    np.testing.assert_allclose(
+        _accumulate_kernel(lhs_t, rhs, "ok"), 2 * (lhs_t.T.astype(np.float64) @ rhs), rtol=1e-5, atol=1e-4
+    )
 
 
 def test_dtype_rules():
@@ -334,17 +340,17 @@ def _activation_kernel(x, opname):
     return out
 
 
-@pytest.mark.parametrize("opname", ["floor", "ceil", "trunc", "cos", "tan", "negative", "logical_not", "invert",
-                                    "add"])
+@pytest.mark.parametrize("opname", ["floor", "ceil", "trunc", "cos", "tan", "negative", "logical_not", "invert", "add"])
 def test_activation_only_takes_documented_functions(opname):
     # Not in the table of activation functions of the NKI ISA docs (nl.floor etc. exist as nl functions).
     message = _raises("activation", _activation_kernel, rand((8, 6), seed=21), opname)
     assert f"op {opname} is not an activation function" in message
 
 
-@pytest.mark.parametrize("opname, reference", [("sign", np.sign), ("abs", np.abs), ("square", np.square),
-                                               ("arctan", np.arctan), ("sin", np.sin)])
+@pytest.mark.parametrize(
+    "opname, reference",
+    [("sign", np.sign), ("abs", np.abs), ("square", np.square), ("arctan", np.arctan), ("sin", np.sin)],
+)
 def test_activation_runs_documented_functions(opname, reference):
     x = np.clip(rand((8, 6), seed=22), -1.5, 1.5)  # inside the narrowest valid range ([-pi/2, pi/2], arctan)
-    np.testing.assert_allclose(_activation_kernel(x, opname), reference(x.astype(np.float64)),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(_activation_kernel(x, opname), reference(x.astype(np.float64)), rtol=1e-6, atol=1e-6)

@@ -6,12 +6,11 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import blocked_matmul
 
 from nki_kernels import binding, emulator
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import trace
-
-from emulator_helpers import blocked_matmul
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -42,8 +41,8 @@ def test_accumulate_none_tracks_first_write_per_location():
     def kernel(lhs_t, rhs):
         a, b = nl.load(lhs_t), nl.load(rhs)
         acc = nl.ndarray((lhs_t.shape[1], 64), nl.float32, buffer=nl.psum)
-        nisa.nc_matmul(acc[:, 0:32], a, b)   # first write: overwrites the NaN of fresh PSUM
-        nisa.nc_matmul(acc[:, 0:32], a, b)   # accumulates
+        nisa.nc_matmul(acc[:, 0:32], a, b)  # first write: overwrites the NaN of fresh PSUM
+        nisa.nc_matmul(acc[:, 0:32], a, b)  # accumulates
         nisa.nc_matmul(acc[:, 32:64], a, b, accumulate=False)
         result = nl.ndarray(acc.shape, nl.float32, buffer=nl.sbuf)
         nisa.tensor_copy(result, acc)
@@ -62,13 +61,13 @@ def test_accumulate_none_tracks_first_write_per_location():
 def test_transposes_and_casts():
     @nki.jit
     def kernel(x):
-        t = nl.load(x)                                         # [P, F] float32
+        t = nl.load(x)  # [P, F] float32
         tt = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.psum)
-        nisa.nc_transpose(tt, t)                                # TensorE: SBUF -> PSUM
+        nisa.nc_transpose(tt, t)  # TensorE: SBUF -> PSUM
         as_bf16 = nl.ndarray(tt.shape, nl.bfloat16, buffer=nl.sbuf)
-        nisa.tensor_copy(as_bf16, tt)                           # PSUM eviction with a cast
+        nisa.tensor_copy(as_bf16, tt)  # PSUM eviction with a cast
         out_t = nl.ndarray(tt.shape, nl.float32, buffer=nl.shared_hbm)
-        nisa.dma_copy(out_t, as_bf16)                           # DMA casts bf16 -> fp32 exactly
+        nisa.dma_copy(out_t, as_bf16)  # DMA casts bf16 -> fp32 exactly
         dma_t = nl.ndarray((x.shape[1], x.shape[0]), x.dtype, buffer=nl.sbuf)
         nisa.dma_transpose(dma_t, x)
         out_dma_t = nl.ndarray(dma_t.shape, x.dtype, buffer=nl.shared_hbm)
@@ -85,11 +84,18 @@ def _gelu(x):
     return 0.5 * x * (1 + np.vectorize(math.erf)(x / math.sqrt(2)))
 
 
-@pytest.mark.parametrize("op,reference", [
-    ("exp", np.exp), ("silu", lambda x: x / (1 + np.exp(-x))), ("gelu", _gelu),
-    ("gelu_apprx_tanh", lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))),
-    ("rsqrt", lambda x: 1 / np.sqrt(np.abs(x) + 0.5)), ("tanh", np.tanh), ("sigmoid", lambda x: 1 / (1 + np.exp(-x))),
-])
+@pytest.mark.parametrize(
+    "op,reference",
+    [
+        ("exp", np.exp),
+        ("silu", lambda x: x / (1 + np.exp(-x))),
+        ("gelu", _gelu),
+        ("gelu_apprx_tanh", lambda x: 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))),
+        ("rsqrt", lambda x: 1 / np.sqrt(np.abs(x) + 0.5)),
+        ("tanh", np.tanh),
+        ("sigmoid", lambda x: 1 / (1 + np.exp(-x))),
+    ],
+)
 def test_activation_with_bias_and_scale(op, reference):
     @nki.jit
     def kernel(x, bias, scale, opname):
@@ -99,8 +105,9 @@ def test_activation_with_bias_and_scale(op, reference):
             nisa.tensor_scalar(pos, t, nl.abs_max, 0.0, op1=nl.add, operand1=0.5)
             t = pos
         y = nl.ndarray(x.shape, nl.float32, buffer=nl.sbuf)
-        nisa.activation(y, getattr(nl, opname), t, bias=b if opname != "rsqrt" else None,
-                        scale=scale if opname != "rsqrt" else 1.0)
+        nisa.activation(
+            y, getattr(nl, opname), t, bias=b if opname != "rsqrt" else None, scale=scale if opname != "rsqrt" else 1.0
+        )
         out = nl.ndarray(x.shape, nl.float32, buffer=nl.shared_hbm)
         nl.store(out, y)
         return out
@@ -146,14 +153,14 @@ def test_vector_ops_and_iota():
 def test_nl_tile_functions_and_views():
     @nki.jit
     def kernel(x, w):
-        t = nl.load(x[1:9, :])                   # [8, 12] rows 1..8
-        row = nl.load(x[0])                      # HBM int index drops the dim -> loads as [1, 12]
-        col = t[:, 3]                            # on-chip int index: stays 2-D [8, 1]
-        part = t[2]                              # partition int index keeps size 1: [1, 12]
+        t = nl.load(x[1:9, :])  # [8, 12] rows 1..8
+        row = nl.load(x[0])  # HBM int index drops the dim -> loads as [1, 12]
+        col = t[:, 3]  # on-chip int index: stays 2-D [8, 1]
+        part = t[2]  # partition int index keeps size 1: [1, 12]
         s = nl.sum(nl.multiply(t, col), axis=1)  # [8, 1]
         m = nl.max(nl.exp(t[:, nl.ds(4, 5)]), axis=[1], keepdims=True)
         g = nl.silu(nl.add(t, nl.load(w)), dtype=nl.bfloat16)
-        strided = t.ap([[12, 8], [2, 6]])        # every other column
+        strided = t.ap([[12, 8], [2, 6]])  # every other column
         outs = []
         for tile in (row, part, s, m, g, nl.add(strided, 1.0)):
             o = nl.ndarray(tile.shape, tile.dtype, buffer=nl.shared_hbm)
@@ -215,10 +222,10 @@ def test_spmd_grid_and_constant_arguments():
         rows = x.shape[0] // nl.num_programs(0)
         cols = x.shape[1] // nl.num_programs(1)
         out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
-        t = nl.load(x[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols])
+        t = nl.load(x[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols])
         y = nl.ndarray(t.shape, x.dtype, buffer=nl.sbuf)
         nisa.tensor_scalar(y, t, nl.multiply, float(scale), op1=nl.add, operand1=float(i * 10 + j))
-        nl.store(out[i * rows:(i + 1) * rows, j * cols:(j + 1) * cols], y)
+        nl.store(out[i * rows : (i + 1) * rows, j * cols : (j + 1) * cols], y)
         return out
 
     x = _rng(7).standard_normal((6, 8)).astype(np.float32)
@@ -249,6 +256,7 @@ def test_binding_and_as_nki():
         import nki.isa as isa_module
         import nki.language as language_module
         from nki.typing import tensor
+
         assert real_name is emulator.api and isa_module is emulator.isa and language_module is emulator.language
         assert tensor.__name__ == "NkiTensor"
     assert "nki" not in sys.modules and "nki.language" not in sys.modules
@@ -256,6 +264,7 @@ def test_binding_and_as_nki():
 
 def test_as_nki_refuses_when_real_package_present(monkeypatch):
     import nki_kernels.emulator.nki_import as nki_import
+
     monkeypatch.setattr(nki_import, "load_real_nki", lambda: object())
     with pytest.raises(RuntimeError, match="real `nki` package"):
         with emulator.as_nki():
@@ -277,8 +286,15 @@ def test_trace_records_and_listener():
     assert ops.count("nc_matmul") == 8 and ops.count("dma_copy") == 20 and ops.count("tensor_copy") == 4
     matmuls = [r for r in run.records if r.opcode == "nc_matmul"]
     assert {(r.matmul.contraction, r.matmul.stationary_free, r.matmul.moving_free) for r in matmuls} == {
-        (128, 128, 512), (72, 128, 512), (128, 2, 512), (72, 2, 512), (128, 128, 88), (72, 128, 88),
-        (128, 2, 88), (72, 2, 88)}
+        (128, 128, 512),
+        (72, 128, 512),
+        (128, 2, 512),
+        (72, 2, 512),
+        (128, 128, 88),
+        (72, 128, 88),
+        (128, 2, 88),
+        (72, 2, 88),
+    }
     assert all(r.line.startswith("emulator_helpers.py:") for r in run.records)
     load = run.records[0]
     assert load.engine == "dma" and load.dma.src_buffer == "hbm" and load.dma.dst_buffer == "sbuf"
@@ -323,7 +339,9 @@ def test_output_specs():
 
     spec_like = np.zeros((5, 2), np.float16)  # anything with .shape/.dtype is a spec
     assert emulator.output_specs(two_outputs, [spec_like], kwargs={"factor": 4}, grid=2) == [
-        ((20, 3), np.dtype(np.float32)), ((2,), np.dtype(np.int32))]
+        ((20, 3), np.dtype(np.float32)),
+        ((2,), np.dtype(np.int32)),
+    ]
 
 
 class _ForeignArray:
@@ -414,8 +432,10 @@ def test_launches_from_several_threads_do_not_interfere():
     import concurrent.futures
 
     rng = np.random.default_rng(7)
-    pairs = [(rng.standard_normal((130, 40)).astype(np.float32), rng.standard_normal((130, 300)).astype(np.float32))
-             for _ in range(8)]
+    pairs = [
+        (rng.standard_normal((130, 40)).astype(np.float32), rng.standard_normal((130, 300)).astype(np.float32))
+        for _ in range(8)
+    ]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         results = list(pool.map(lambda p: blocked_matmul(*p), pairs))
     for (a, b), got in zip(pairs, results):

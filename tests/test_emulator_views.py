@@ -6,10 +6,9 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
-
-from nki_kernels.binding import nki, nisa, nl
-
 from emulator_helpers import rand
+
+from nki_kernels.binding import nisa, nki, nl
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -69,7 +68,7 @@ def test_view_reinterprets_bytes_of_another_size(wide, narrow):
         small = tile.view(narrow)  # last dim x ratio
         ratio = np.dtype(wide).itemsize // np.dtype(narrow).itemsize
         assert small.shape == (x.shape[0], x.shape[1] * ratio)
-        back = small[:, 0:x.shape[1] * ratio].view(wide)
+        back = small[:, 0 : x.shape[1] * ratio].view(wide)
         out_small = nl.ndarray(small.shape, narrow, buffer=nl.shared_hbm)
         out_back = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(out_small, small)
@@ -170,10 +169,11 @@ def test_scalar_offset_write_orders_every_later_read_of_the_tensor():
         nisa.dma_copy(idx, index)
         new = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.sbuf)
         nisa.dma_copy(new, row)
-        nisa.dma_copy(cache.ap([[cache.shape[1], 1], [1, cache.shape[1]]], offset=0, scalar_offset=idx,
-                               indirect_dim=0), new)
+        nisa.dma_copy(
+            cache.ap([[cache.shape[1], 1], [1, cache.shape[1]]], offset=0, scalar_offset=idx, indirect_dim=0), new
+        )
         other = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(other, cache[cache.shape[0] - 1:cache.shape[0], :])  # a slot the write did not touch
+        nisa.dma_copy(other, cache[cache.shape[0] - 1 : cache.shape[0], :])  # a slot the write did not touch
         out = nl.ndarray((1, cache.shape[1]), cache.dtype, buffer=nl.shared_hbm)
         nisa.dma_copy(out, other)
         return out

@@ -34,8 +34,9 @@ def llama():
 @pytest.fixture(scope="module")
 def gemma3():
     # Window 4 < the sequence lengths below, so the sliding layers must drop old keys from the cache.
-    config = GemmaConfig.preset("gemma3-tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136,
-                                sliding_window=4)
+    config = GemmaConfig.preset(
+        "gemma3-tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136, sliding_window=4
+    )
     return _randomize(Gemma(config, rngs=nnx.Rngs(3)), seed=3)
 
 
@@ -116,7 +117,7 @@ def test_eos_stops_and_fills(llama):
     # Several end tokens: each row stops at whichever of them it emits first; finished rows get the first id.
     other = next(t for t in range(llama.config.vocab_size) if t not in greedy[:, 5:])
     multi = np.asarray(generate(llama, prompt, 10, eos_id=[other, eos]))
-    assert (multi[0, row0_first + 1:] == other).all() and multi[0, row0_first] == eos
+    assert (multi[0, row0_first + 1 :] == other).all() and multi[0, row0_first] == eos
     np.testing.assert_array_equal(multi[0, :row0_first], greedy[0, :row0_first])
     with pytest.raises(ValueError, match="eos_id"):
         generate(llama, prompt, 3, eos_id=[])
@@ -154,8 +155,11 @@ def test_out_of_range_token_ids_are_rejected(llama):
     for bad in (vocab, -1, vocab + 1000):
         ids = prompt.copy()
         ids[0, 1] = bad
-        with pytest.raises(ValueError, match=rf"token_ids: token id {bad} is outside the vocabulary range "
-                                             rf"\[0, {vocab}\)"):
+        with pytest.raises(
+            ValueError,
+            match=rf"token_ids: token id {bad} is outside the vocabulary range "
+            rf"\[0, {vocab}\)",
+        ):
             generate(llama, ids, 3)
         with pytest.raises(ValueError, match=rf"token_ids: token id {bad} is outside"):
             llama(jnp.asarray(ids))  # the public model call, eager

@@ -31,7 +31,7 @@ def _imported_names(name, path):
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = name.split(".") if is_package else name.split(".")[:-1]
-                base = base[:len(base) - (node.level - 1)]
+                base = base[: len(base) - (node.level - 1)]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module
@@ -99,17 +99,24 @@ def test_cycle_finder_finds_a_circle():
 
 
 def test_nki_kernels_never_imports_jax_neuronmm_or_jax():
-    upward = sorted((module, imported) for module, edges in import_graph().items() if module.startswith("nki_kernels")
-                    for imported in edges if imported.startswith("jax_neuronmm") or imported == "<jax>")
+    upward = sorted(
+        (module, imported)
+        for module, edges in import_graph().items()
+        if module.startswith("nki_kernels")
+        for imported in edges
+        if imported.startswith("jax_neuronmm") or imported == "<jax>"
+    )
     assert upward == []
 
 
 def test_importing_all_of_nki_kernels_in_a_fresh_interpreter_loads_no_jax():
     modules = sorted(name for name in MODULES if name.startswith("nki_kernels"))
-    code = ("import importlib, sys\n"
-            f"for name in {modules!r}:\n"
-            "    importlib.import_module(name)\n"
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'jax_neuronmm')))\n")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'jaxlib', 'jax_neuronmm')))\n"
+    )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert len(modules) > 10
     assert result.stdout.strip() == "[]", result.stdout
@@ -117,9 +124,13 @@ def test_importing_all_of_nki_kernels_in_a_fresh_interpreter_loads_no_jax():
 
 def _kernel_modules():
     """nki_kernels modules outside the emulator that define `@nki.jit` kernels."""
-    return {name: path for name, path in MODULES.items()
-            if name.startswith("nki_kernels.") and not name.startswith("nki_kernels.emulator")
-            and "@nki.jit" in path.read_text(encoding="utf-8")}
+    return {
+        name: path
+        for name, path in MODULES.items()
+        if name.startswith("nki_kernels.")
+        and not name.startswith("nki_kernels.emulator")
+        and "@nki.jit" in path.read_text(encoding="utf-8")
+    }
 
 
 def test_kernels_reach_the_emulator_only_through_the_binding():
@@ -128,5 +139,7 @@ def test_kernels_reach_the_emulator_only_through_the_binding():
     for name, path in kernel_modules.items():
         imported = _imported_names(name, path)
         assert "nki_kernels.binding" in imported, name
-        assert not any(i == "nki" or i.startswith(("nki.", "nki_kernels.emulator", "neuronxcc")) for i in imported), \
-            (name, sorted(imported))
+        assert not any(i == "nki" or i.startswith(("nki.", "nki_kernels.emulator", "neuronxcc")) for i in imported), (
+            name,
+            sorted(imported),
+        )

@@ -6,7 +6,12 @@ import pytest
 
 from nki_kernels import reference
 from nki_kernels.activations import ACTIVATIONS
-from nki_kernels.baseline_matmul import TUTORIAL_BLOCKS, baseline_matmul_kernel, baseline_sbuf_bytes, fit_baseline_blocks
+from nki_kernels.baseline_matmul import (
+    TUTORIAL_BLOCKS,
+    baseline_matmul_kernel,
+    baseline_sbuf_bytes,
+    fit_baseline_blocks,
+)
 from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 from nki_kernels.emulator import profile
 from nki_kernels.gated_activation import gated_activation_kernel
@@ -21,16 +26,19 @@ def relative_error(got, want):
     return np.abs(got - want).max() / np.abs(want).max()
 
 
-@pytest.mark.parametrize("k,m,n,dtype,blocks", [
-    (100, 1, 1000, np.float32, TUTORIAL_BLOCKS),
-    (200, 7, 1000, BF16, TUTORIAL_BLOCKS),
-    (200, 130, 1000, np.float32, TUTORIAL_BLOCKS),
-    (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),  # several M, N and K blocks
-    (300, 600, 700, BF16, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),
-    (100, 1, 1000, BF16, {**TUTORIAL_BLOCKS, "hoist_lhsT": True}),
-    (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1, "hoist_lhsT": True}),
-    (300, 130, 1000, BF16, {"tiles_m": 16, "tiles_n": 1, "tiles_k": 2, "hoist_lhsT": True}),
-])
+@pytest.mark.parametrize(
+    "k,m,n,dtype,blocks",
+    [
+        (100, 1, 1000, np.float32, TUTORIAL_BLOCKS),
+        (200, 7, 1000, BF16, TUTORIAL_BLOCKS),
+        (200, 130, 1000, np.float32, TUTORIAL_BLOCKS),
+        (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),  # several M, N and K blocks
+        (300, 600, 700, BF16, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1}),
+        (100, 1, 1000, BF16, {**TUTORIAL_BLOCKS, "hoist_lhsT": True}),
+        (300, 600, 700, np.float32, {"tiles_m": 2, "tiles_n": 1, "tiles_k": 1, "hoist_lhsT": True}),
+        (300, 130, 1000, BF16, {"tiles_m": 16, "tiles_n": 1, "tiles_k": 2, "hoist_lhsT": True}),
+    ],
+)
 def test_baseline_matmul_matches_float64_reference(rng, k, m, n, dtype, blocks):
     lhsT = rng.standard_normal((k, m)).astype(dtype)
     rhs = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
@@ -45,8 +53,9 @@ def test_transpose_kernel_is_exact(rng, m, n):
     np.testing.assert_array_equal(transpose_kernel(a).astype(np.float64), reference.transpose_f64(a))
 
 
-@pytest.mark.parametrize("t,k,r,n,dtype", [(1, 100, 130, 1000, np.float32), (130, 200, 1, 1000, BF16),
-                                           (600, 200, 130, 1000, np.float32)])
+@pytest.mark.parametrize(
+    "t,k,r,n,dtype", [(1, 100, 130, 1000, np.float32), (130, 200, 1, 1000, BF16), (600, 200, 130, 1000, np.float32)]
+)
 def test_unfused_chain_matches_reference_and_round_trips_the_intermediate(rng, t, k, r, n, dtype):
     x = rng.standard_normal((t, k)).astype(dtype)
     u = (rng.standard_normal((k, r)) / np.sqrt(k)).astype(dtype)
@@ -99,8 +108,10 @@ def test_gated_activation_kernel(rng, activation):
 def test_unfused_and_dense_mlp_baselines_match_reference(rng):
     t, h, i, r = 7, 100, 300, 130
     x = rng.standard_normal((t, h)).astype(np.float32)
-    factors = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
-               for s in [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]]
+    factors = [
+        (rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32)
+        for s in [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]
+    ]
     want = reference.svd_mlp_f64(x, *factors, "gelu_tanh")
     xT = np.ascontiguousarray(x.T)
     with profile() as prof:

@@ -11,15 +11,20 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import sliding_window_case
 
 from nki_kernels.binding import nki, nl
+from nki_kernels.decode_attention import (
+    attention,
+    attention_kernel,
+    cache_write_kernel,
+    load_columns,
+    rope_kernel,
+    store_columns,
+)
+from nki_kernels.decode_spec import DecodeSpec
 from nki_kernels.emulator import count_only, profile
 from nki_kernels.emulator.kernel import Spec, run
-from nki_kernels.decode_attention import (attention, attention_kernel, cache_write_kernel, load_columns,
-                                          rope_kernel, store_columns)
-from nki_kernels.decode_spec import DecodeSpec
-
-from emulator_helpers import sliding_window_case
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TOLERANCE = {np.dtype(np.float32): 2e-5, BF16: 3e-2}
@@ -28,10 +33,25 @@ LAYER = 1  # uses rope table 0 and mask 1 (below), so table indexing is exercise
 
 
 def make_spec(heads, kv, d, qk_norm, softcap):
-    return DecodeSpec(num_layers=LAYERS, hidden=64, num_heads=heads, num_kv_heads=kv, head_dim=d, intermediate=64,
-                      vocab=32, norm_eps=1e-6, norm_unit_offset=True, qk_norm=qk_norm, sandwich=False,
-                      activation="gelu_tanh", query_scaling=d ** -0.5, attn_logit_softcap=softcap,
-                      final_logit_softcap=None, layer_rope=(1, 0), layer_mask=(0, 1))
+    return DecodeSpec(
+        num_layers=LAYERS,
+        hidden=64,
+        num_heads=heads,
+        num_kv_heads=kv,
+        head_dim=d,
+        intermediate=64,
+        vocab=32,
+        norm_eps=1e-6,
+        norm_unit_offset=True,
+        qk_norm=qk_norm,
+        sandwich=False,
+        activation="gelu_tanh",
+        query_scaling=d**-0.5,
+        attn_logit_softcap=softcap,
+        final_logit_softcap=None,
+        layer_rope=(1, 0),
+        layer_mask=(0, 1),
+    )
 
 
 def make_operands(rng, spec, s, b, t, w, dtype):
@@ -75,9 +95,11 @@ def reference_norm_rope(q, k, cos, sin, qk_norms, spec, layer):
     q = q.astype(np.float64).reshape(b, t, spec.num_heads, d)
     k = k.astype(np.float64).reshape(b, t, spec.num_kv_heads, d)
     if spec.qk_norm:
+
         def norm(x, w):
             w = w.astype(np.float64)
             return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + spec.norm_eps) * (1.0 + w)
+
         q, k = norm(q, qk_norms[layer, 0]), norm(k, qk_norms[layer, 1])
     c = cos[spec.layer_rope[layer]].astype(np.float64)[:, :, None, :]
     s = sin[spec.layer_rope[layer]].astype(np.float64)[:, :, None, :]
@@ -109,7 +131,7 @@ def reference(operands, spec, layer):
     new_k = k64.astype(k_cache.dtype)  # the cache holds the model dtype
     new_v = v.reshape(new_k.shape)
     k_layer, v_layer = k_cache[layer].copy(), v_cache[layer].copy()
-    k_layer[:, w:w + t], v_layer[:, w:w + t] = new_k, new_v
+    k_layer[:, w : w + t], v_layer[:, w : w + t] = new_k, new_v
     attn = reference_attend(q64, k_layer, v_layer, mask_bias[spec.layer_mask[layer]], spec)
     return attn, new_k, new_v
 
@@ -117,8 +139,20 @@ def reference(operands, spec, layer):
 @nki.jit
 def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
     """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
-    attnT = attention(load_columns(q), load_columns(k), load_columns(v), k_cache, v_cache, layer, write_index, cos,
-                      sin, mask_bias, qk_norms, spec)
+    attnT = attention(
+        load_columns(q),
+        load_columns(k),
+        load_columns(v),
+        k_cache,
+        v_cache,
+        layer,
+        write_index,
+        cos,
+        sin,
+        mask_bias,
+        qk_norms,
+        spec,
+    )
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_columns(attnT, out)
     return out, k_cache, v_cache
@@ -131,9 +165,11 @@ def relative_error(got, want):
 def check_caches(got, before, new_rows, w, t):
     """The cache equals `before` except slots [w, w+t) of layer LAYER, which hold new_rows exactly."""
     expected = before.copy()
-    expected[LAYER, :, w:w + t] = new_rows
-    np.testing.assert_array_equal(got.view(np.uint8) if got.dtype == BF16 else got,
-                                  expected.view(np.uint8) if expected.dtype == BF16 else expected)
+    expected[LAYER, :, w : w + t] = new_rows
+    np.testing.assert_array_equal(
+        got.view(np.uint8) if got.dtype == BF16 else got,
+        expected.view(np.uint8) if expected.dtype == BF16 else expected,
+    )
 
 
 # (head_dim, heads, kv_heads, S, B, T, write slot, qk_norm, softcap, dtype): ragged S, write in the middle and at
@@ -161,8 +197,8 @@ def test_attention_matches_float64_reference(rng, d, heads, kv, s, b, t, w, qk_n
     assert attn.shape == (b, t, heads * d) and attn.dtype == np.dtype(dtype)
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
     if dtype == np.float32:
-        assert np.abs(k_cache[LAYER, :, w:w + t] - new_k).max() < 1e-5
-        new_k = k_cache[LAYER, :, w:w + t]  # fp32 rounding of norm and RoPE; exactness checked for bf16
+        assert np.abs(k_cache[LAYER, :, w : w + t] - new_k).max() < 1e-5
+        new_k = k_cache[LAYER, :, w : w + t]  # fp32 rounding of norm and RoPE; exactness checked for bf16
     check_caches(k_cache, operands[3], new_k, w, t)
     check_caches(v_cache, operands[4], new_v, w, t)
 
@@ -220,7 +256,7 @@ def test_windowed_attention_reads_only_the_window(rng, d, heads, kv, s, b, t, w,
     attn, k_cache, v_cache = attention_layer_kernel(*poisoned, layer=LAYER, spec=spec)
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
     if dtype == np.float32:
-        new_k = k_cache[LAYER, :, w:w + t]
+        new_k = k_cache[LAYER, :, w : w + t]
     check_caches(k_cache, poisoned[3], new_k, w, t)
     check_caches(v_cache, poisoned[4], new_v, w, t)
     # The per-op kernel takes the same window.
@@ -235,8 +271,13 @@ def test_windowed_attention_moves_only_the_window(s, t, window):
     b, d, heads, kv = 2, 256, 4, 1
     dtype = np.dtype(BF16)
     spec = make_spec(heads, kv, d, True, None)
-    args = (Spec((b, t, heads * d), dtype), Spec((LAYERS, b, s, kv, d), dtype), Spec((LAYERS, b, s, kv, d), dtype),
-            np.array([[s // 2]], dtype=np.int32), Spec((2, b, t, s), np.float32))
+    args = (
+        Spec((b, t, heads * d), dtype),
+        Spec((LAYERS, b, s, kv, d), dtype),
+        Spec((LAYERS, b, s, kv, d), dtype),
+        np.array([[s // 2]], dtype=np.int32),
+        Spec((2, b, t, s), np.float32),
+    )
     read = {}
     for windows in ((), (None, window)):
         with count_only(), profile() as prof:

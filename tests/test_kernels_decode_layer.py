@@ -47,8 +47,19 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
     dl.load_columns(xc, x, hidden)
     hc = dl.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
     dl.load_columns(hc, x, hidden)
-    dl.gated_mlp(hc, hidden, gate, up, [down_u, down_v], (None, None, rank), inter, rows, ring,
-                 activation_op(activation), dl.add_into(xc))
+    dl.gated_mlp(
+        hc,
+        hidden,
+        gate,
+        up,
+        [down_u, down_v],
+        (None, None, rank),
+        inter,
+        rows,
+        ring,
+        activation_op(activation),
+        dl.add_into(xc),
+    )
     out = nl.ndarray((rows, h), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
     dl.store_columns(out, xc, hidden)
     return out
@@ -63,16 +74,20 @@ def rms_norm_f64(x, w, unit_offset, eps=1e-6):
     return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * ((1 + w) if unit_offset else w)
 
 
-@pytest.mark.parametrize("rows, h, n, rank, group_in, group_out, unit_offset, softcap", [
-    (3, 200, 300, 37, 1, 1, False, None),   # ragged natural tiles
-    (1, 256, 384, 130, 2, 3, True, 3.0),     # grouped in and out, rank over a tile
-    (2, 640, 256, 1, 5, 1, True, None),      # Gemma 3 270M's hidden grouping, rank 1; 5-row blocks split 4 + 1
-])
+@pytest.mark.parametrize(
+    "rows, h, n, rank, group_in, group_out, unit_offset, softcap",
+    [
+        (3, 200, 300, 37, 1, 1, False, None),  # ragged natural tiles
+        (1, 256, 384, 130, 2, 3, True, 3.0),  # grouped in and out, rank over a tile
+        (2, 640, 256, 1, 5, 1, True, None),  # Gemma 3 270M's hidden grouping, rank 1; 5-row blocks split 4 + 1
+    ],
+)
 def test_norm_and_projections(rng, rows, h, n, rank, group_in, group_out, unit_offset, softcap):
     x, norm_w = f32(rng, (rows, h)), f32(rng, (1, h), 0.3)
-    w, u, v = f32(rng, (h, n), h ** -0.5), f32(rng, (h, rank + 5), h ** -0.5), f32(rng, (rank + 5, n), rank ** -0.5)
-    out, logits = norm_project_kernel(x, norm_w, w, u, v, rank=rank, group_in=group_in, group_out=group_out,
-                                      unit_offset=unit_offset, softcap=softcap)
+    w, u, v = f32(rng, (h, n), h**-0.5), f32(rng, (h, rank + 5), h**-0.5), f32(rng, (rank + 5, n), rank**-0.5)
+    out, logits = norm_project_kernel(
+        x, norm_w, w, u, v, rank=rank, group_in=group_in, group_out=group_out, unit_offset=unit_offset, softcap=softcap
+    )
     hn = rms_norm_f64(x, norm_w[0].astype(np.float64), unit_offset)
     want = hn @ w + (hn @ u[:, :rank]) @ v[:rank]
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
@@ -82,16 +97,18 @@ def test_norm_and_projections(rng, rows, h, n, rank, group_in, group_out, unit_o
     np.testing.assert_allclose(logits, head, rtol=1e-5, atol=1e-5 * np.abs(head).max())
 
 
-@pytest.mark.parametrize("rows, h, i, rank, activation, group_h, group_i", [
-    (3, 200, 200, 50, "silu", 1, 1),
-    (2, 256, 512, 129, "gelu_tanh", 2, 4),
-])
+@pytest.mark.parametrize(
+    "rows, h, i, rank, activation, group_h, group_i",
+    [
+        (3, 200, 200, 50, "silu", 1, 1),
+        (2, 256, 512, 129, "gelu_tanh", 2, 4),
+    ],
+)
 def test_gated_mlp(rng, rows, h, i, rank, activation, group_h, group_i):
     x = f32(rng, (rows, h))
-    gate, up = f32(rng, (h, i), h ** -0.5), f32(rng, (h, i), h ** -0.5)
-    down_u, down_v = f32(rng, (i, rank), i ** -0.5), f32(rng, (rank, h), rank ** -0.5)
-    out = mlp_kernel(x, gate, up, down_u, down_v, rank=rank, activation=activation, group_h=group_h,
-                     group_i=group_i)
+    gate, up = f32(rng, (h, i), h**-0.5), f32(rng, (h, i), h**-0.5)
+    down_u, down_v = f32(rng, (i, rank), i**-0.5), f32(rng, (rank, h), rank**-0.5)
+    out = mlp_kernel(x, gate, up, down_u, down_v, rank=rank, activation=activation, group_h=group_h, group_i=group_i)
     x64 = x.astype(np.float64)
     act = ACTIVATIONS[activation].reference
     want = x64 + ((act(x64 @ gate) * (x64 @ up)) @ down_u) @ down_v
@@ -145,7 +162,7 @@ def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
 def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
     """A head block holding all K rows spans several HEAD_COLUMNS PSUM chunks (and a ragged last one)."""
     assert len(dl.layout_blocks(dl.feature_layout(k, dl.head_group(k)))) == 1
-    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
+    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
     count = dl.head_group(k)  # rows per partition of the one layout block
     block_bytes = 4 * count * (dl.HEAD_COLUMNS + 512)  # 2560 columns
     logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=2 * block_bytes, group=count, softcap=softcap)
@@ -164,7 +181,7 @@ def test_head_blocks_of_a_column_range_over_the_ring(rng, rows, k, group, v):
     blocks = dl.layout_blocks(dl.feature_layout(k, group))
     columns = min(dl.HEAD_COLUMNS, 1024 // max(count for _, _, _, count, _ in blocks))
     assert len(blocks) > 1 and sum(count for _, _, _, count, _ in blocks) * columns > ring_bytes // 4
-    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k ** -0.5)
+    h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
     logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=ring_bytes, group=group, softcap=None)
     want = h.astype(np.float64) @ w
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -9,6 +9,7 @@ padding mask, and a small weight ring so blocks wrap around it within a layer.
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
@@ -16,22 +17,49 @@ from nki_kernels.decode_step import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 
-from emulator_helpers import sliding_window_case
-
 BF16 = ml_dtypes.bfloat16
 RING = dict(ring_block_bytes=4096, ring_bytes=10000)  # a few blocks: the cursor wraps inside every layer
 
-LLAMA = DecodeSpec(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200, vocab=300,
-                   norm_eps=1e-5, norm_unit_offset=False, qk_norm=False, sandwich=False, activation="silu",
-                   query_scaling=32 ** -0.5, attn_logit_softcap=None, final_logit_softcap=None, layer_rope=(0, 0),
-                   layer_mask=(0, 0))
-GEMMA3 = DecodeSpec(num_layers=3, hidden=256, num_heads=4, num_kv_heads=1, head_dim=64, intermediate=384, vocab=300,
-                    norm_eps=1e-6, norm_unit_offset=True, qk_norm=True, sandwich=True, activation="gelu_tanh",
-                    query_scaling=0.125, attn_logit_softcap=5.0, final_logit_softcap=3.0, layer_rope=(0, 1, 0),
-                    layer_mask=(1, 0, 1),
-                    ranks=((70, 33, 130), None, (5, 64, 1), (20, 40, 60), (40, 130, 7), (33, 20, 129),
-                           (60, 1, 100)),
-                    head_rank=70)
+LLAMA = DecodeSpec(
+    num_layers=2,
+    hidden=200,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    intermediate=200,
+    vocab=300,
+    norm_eps=1e-5,
+    norm_unit_offset=False,
+    qk_norm=False,
+    sandwich=False,
+    activation="silu",
+    query_scaling=32**-0.5,
+    attn_logit_softcap=None,
+    final_logit_softcap=None,
+    layer_rope=(0, 0),
+    layer_mask=(0, 0),
+)
+GEMMA3 = DecodeSpec(
+    num_layers=3,
+    hidden=256,
+    num_heads=4,
+    num_kv_heads=1,
+    head_dim=64,
+    intermediate=384,
+    vocab=300,
+    norm_eps=1e-6,
+    norm_unit_offset=True,
+    qk_norm=True,
+    sandwich=True,
+    activation="gelu_tanh",
+    query_scaling=0.125,
+    attn_logit_softcap=5.0,
+    final_logit_softcap=3.0,
+    layer_rope=(0, 1, 0),
+    layer_mask=(1, 0, 1),
+    ranks=((70, 33, 130), None, (5, 64, 1), (20, 40, 60), (40, 130, 7), (33, 20, 129), (60, 1, 100)),
+    head_rank=70,
+)
 GEMMA3_DENSE = DecodeSpec(**{**GEMMA3.__dict__, "ranks": (None,) * len(PROJECTIONS), "head_rank": None})
 
 
@@ -43,22 +71,28 @@ def make_operands(rng, spec, b, t, s, w, dtype):
     def arr(shape, scale=1.0):
         return (rng.standard_normal(shape) * scale).astype(dtype)
 
-    operands = [arr((b, t, h)), arr((layers, spec.num_norms, h), 0.3),
-                arr((layers, 2, d), 0.3) if spec.qk_norm else None]
+    operands = [
+        arr((b, t, h)),
+        arr((layers, spec.num_norms, h), 0.3),
+        arr((layers, 2, d), 0.3) if spec.qk_norm else None,
+    ]
     for name in PROJECTIONS:
         k, n = spec.in_features(name), spec.out_features(name)
         ranks = spec.ranks[PROJECTIONS.index(name)]
         if ranks is None:
-            operands.append(arr((layers, k, n), k ** -0.5))
+            operands.append(arr((layers, k, n), k**-0.5))
             continue
         rmax = max(ranks) + 3
-        u, v = arr((layers, k, rmax), k ** -0.5), arr((layers, rmax, n), max(ranks) ** -0.5)
+        u, v = arr((layers, k, rmax), k**-0.5), arr((layers, rmax, n), max(ranks) ** -0.5)
         for layer, r in enumerate(ranks):
             u[layer, :, r:] = 0
             v[layer, r:] = 0
         operands.append([u, v])
-    operands += [arr((layers, b, s, spec.num_kv_heads, d)), arr((layers, b, s, spec.num_kv_heads, d)),
-                 np.array([[w]], dtype=np.int32)]
+    operands += [
+        arr((layers, b, s, spec.num_kv_heads, d)),
+        arr((layers, b, s, spec.num_kv_heads, d)),
+        np.array([[w]], dtype=np.int32),
+    ]
     angles = rng.uniform(0, 2 * np.pi, (spec.num_rope_tables, b, t, d // 2))
     angles = np.concatenate([angles, angles], axis=-1)
     operands += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
@@ -70,8 +104,11 @@ def make_operands(rng, spec, b, t, s, w, dtype):
         masks[1] &= slots[None, None, :] > w - 4  # a sliding window
     operands.append(np.where(masks, 0.0, np.finfo(np.float32).min).astype(np.float32))
     operands.append(arr((h,), 0.3))
-    operands.append(arr((h, spec.vocab), h ** -0.5) if spec.head_rank is None else
-                    [arr((h, spec.head_rank), h ** -0.5), arr((spec.head_rank, spec.vocab), spec.head_rank ** -0.5)])
+    operands.append(
+        arr((h, spec.vocab), h**-0.5)
+        if spec.head_rank is None
+        else [arr((h, spec.head_rank), h**-0.5), arr((spec.head_rank, spec.vocab), spec.head_rank**-0.5)]
+    )
     return operands
 
 
@@ -82,9 +119,9 @@ def relative_error(got, want):
 def check_cache(got, before, want, w, t, tolerance):
     """Only slots [w, w+t) changed (bit for bit elsewhere), and they hold the reference's k / v."""
     untouched = np.ones(got.shape[2], dtype=bool)
-    untouched[w:w + t] = False
+    untouched[w : w + t] = False
     np.testing.assert_array_equal(got[:, :, untouched].view(np.uint8), before[:, :, untouched].view(np.uint8))
-    assert relative_error(got[:, :, w:w + t], want[:, :, w:w + t]) < tolerance
+    assert relative_error(got[:, :, w : w + t], want[:, :, w : w + t]) < tolerance
 
 
 # (spec, B, T, S, write slot, dtype, tolerance)
@@ -96,8 +133,9 @@ CASES = [
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("spec, b, t, s, w, dtype, tolerance", CASES,
-                         ids=["llama-fp32", "gemma3-factored-fp32", "gemma3-dense-bf16"])
+@pytest.mark.parametrize(
+    "spec, b, t, s, w, dtype, tolerance", CASES, ids=["llama-fp32", "gemma3-factored-fp32", "gemma3-dense-bf16"]
+)
 def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
     operands = make_operands(rng, spec, b, t, s, w, dtype)
     k_before, v_before = operands[10].copy(), operands[11].copy()
@@ -157,14 +195,20 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
     """HBM bytes read drop by exactly the cache and mask slots outside the window, in each sliding layer."""
     b, t, s = 2, 1, 300
     spec = GEMMA3_DENSE
-    operands = [op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else
-                [Spec(f.shape, f.dtype) for f in op] if isinstance(op, list) else Spec(op.shape, op.dtype)
-                for op in make_operands(np.random.default_rng(0), spec, b, t, s, 200, BF16)]
+    operands = [
+        op
+        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
+        else [Spec(f.shape, f.dtype) for f in op]
+        if isinstance(op, list)
+        else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 200, BF16)
+    ]
     read = {}
     for windows in ((), (None, WINDOW)):
         with profile() as prof:
-            run_decode_step(composition, operands, DecodeSpec(**{**spec.__dict__, "mask_windows": windows}),
-                            numerics=False)
+            run_decode_step(
+                composition, operands, DecodeSpec(**{**spec.__dict__, "mask_windows": windows}), numerics=False
+            )
         read[windows] = sum(run.hbm_bytes_read for run in prof.runs)
     sliding = spec.layer_mask.count(1)
     slot_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2 + t * 4  # k and v (bf16), the mask bias (fp32)
@@ -172,8 +216,15 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
 
 
 def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
-    spec = DecodeSpec(**{**GEMMA3.__dict__, "num_layers": 1, "layer_rope": (0,), "layer_mask": (0,),
-                         "ranks": tuple(None if r is None else r[:1] for r in GEMMA3.ranks)})
+    spec = DecodeSpec(
+        **{
+            **GEMMA3.__dict__,
+            "num_layers": 1,
+            "layer_rope": (0,),
+            "layer_mask": (0,),
+            "ranks": tuple(None if r is None else r[:1] for r in GEMMA3.ranks),
+        }
+    )
     operands = make_operands(rng, spec, 1, 1, 8, 3, np.float32)
     with profile() as prof:
         run_decode_step("today", operands, spec)
@@ -185,9 +236,14 @@ def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
 def test_count_only_trace_with_placeholders():
     """Spec placeholders (no weight memory) give a count-only trace with the real bytes moved."""
     spec, b, t, s = GEMMA3, 2, 1, 16
-    operands = [op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else
-                [Spec(f.shape, f.dtype) for f in op] if isinstance(op, list) else Spec(op.shape, op.dtype)
-                for op in make_operands(np.random.default_rng(0), spec, b, t, s, 3, BF16)]
+    operands = [
+        op
+        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
+        else [Spec(f.shape, f.dtype) for f in op]
+        if isinstance(op, list)
+        else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 3, BF16)
+    ]
     with profile() as prof:
         logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
     assert logits.shape == (b, t, spec.vocab)
@@ -199,12 +255,29 @@ def test_count_only_trace_with_placeholders():
 def test_default_ring_leaves_sbuf_for_a_long_cache():
     """The default weight ring keeps attention's cache tiles out of its SBUF: 8 kv heads of 128 over 2048 slots in
     bf16 take 64 KiB per partition per row, which overflowed trn1's SBUF when the ring took all but 64 KiB."""
-    spec = DecodeSpec(num_layers=1, hidden=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate=256,
-                      vocab=300, norm_eps=1e-5, norm_unit_offset=False, qk_norm=False, sandwich=False,
-                      activation="silu", query_scaling=128 ** -0.5, attn_logit_softcap=None, final_logit_softcap=None,
-                      layer_rope=(0,), layer_mask=(0,))
-    operands = [op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else
-                Spec(op.shape, op.dtype) for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)]
+    spec = DecodeSpec(
+        num_layers=1,
+        hidden=256,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate=256,
+        vocab=300,
+        norm_eps=1e-5,
+        norm_unit_offset=False,
+        qk_norm=False,
+        sandwich=False,
+        activation="silu",
+        query_scaling=128**-0.5,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        layer_rope=(0,),
+        layer_mask=(0,),
+    )
+    operands = [
+        op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)
+    ]
     for target in ("trn1", "trn2"):
         with use_target(target):
             logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)

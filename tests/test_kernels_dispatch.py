@@ -4,8 +4,18 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from nki_kernels import (block_table, dispatch, footprint, hardware, paper_shapes, ranks, reference, svd_matmul, svd_mlp,
-                         tuning)
+from nki_kernels import (
+    block_table,
+    dispatch,
+    footprint,
+    hardware,
+    paper_shapes,
+    ranks,
+    reference,
+    svd_matmul,
+    svd_mlp,
+    tuning,
+)
 from nki_kernels.emulator import count_only, use_target
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -27,11 +37,13 @@ def test_svd_matmul_plan_runs_and_matches_reference(rng):
 
 def test_svd_mlp_plan_is_two_kernels_matching_reference(rng):
     t, h, i, r = 7, 100, 1000, 130
-    arrays = [rng.standard_normal((t, h))] + [rng.standard_normal(s) / np.sqrt(s[0]) for s in
-                                              [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]]
+    arrays = [rng.standard_normal((t, h))] + [
+        rng.standard_normal(s) / np.sqrt(s[0]) for s in [(h, r), (r, i), (h, r), (r, i), (i, r), (r, h)]
+    ]
     x, gu, gv, uu, uv, du, dv = (a.astype(BF16) for a in arrays)
-    (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(t, h, i, r, r, r, BF16,
-                                                                            activation="gelu_tanh")
+    (gate_up, gate_up_kwargs), (down, down_kwargs) = dispatch.svd_mlp_plan(
+        t, h, i, r, r, r, BF16, activation="gelu_tanh"
+    )
     assert gate_up is svd_mlp.svd_mlp_gate_up_kernel and down is svd_mlp.svd_mlp_down_kernel
     y = down(gate_up(x, gu, gv, uu, uv, **gate_up_kwargs), du, dv, **down_kwargs)
     assert relative_error(y, reference.svd_mlp_f64(x, gu, gv, uu, uv, du, dv, "gelu_tanh")) <= 1e-2
@@ -46,12 +58,15 @@ def test_plans_are_cached_and_callers_cannot_corrupt_the_cache():
     assert second[1]["block_t"] > 0
 
 
-@pytest.mark.parametrize("call,error,message", [
-    (lambda: dispatch.svd_matmul_plan(0, 10, 10, 10, np.float32), ValueError, "T: got 0"),
-    (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.int32), TypeError, "dtype: got int32"),
-    (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.float32, target="trn9"), ValueError, "target"),
-    (lambda: dispatch.svd_mlp_plan(1, 10, 10, 1, 1, 1, np.float32, activation="relu"), ValueError, "activation"),
-])
+@pytest.mark.parametrize(
+    "call,error,message",
+    [
+        (lambda: dispatch.svd_matmul_plan(0, 10, 10, 10, np.float32), ValueError, "T: got 0"),
+        (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.int32), TypeError, "dtype: got int32"),
+        (lambda: dispatch.svd_matmul_plan(1, 10, 10, 10, np.float32, target="trn9"), ValueError, "target"),
+        (lambda: dispatch.svd_mlp_plan(1, 10, 10, 1, 1, 1, np.float32, activation="relu"), ValueError, "activation"),
+    ],
+)
 def test_bad_plan_arguments(call, error, message):
     with pytest.raises(error, match=message):
         call()
@@ -81,13 +96,17 @@ def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
     entry = block_table.lookup("svd_matmul", *shape, BF16, "trn1")
     assert entry["variant"] == "rows"
     blocks = {name: entry[name] for name in block_table.BLOCK_NAMES}
-    assert footprint.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks) <= hardware.SBUF_BYTES_PER_PARTITION["trn1"]
+    assert (
+        footprint.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks)
+        <= hardware.SBUF_BYTES_PER_PARTITION["trn1"]
+    )
     too_big = dict(blocks, block_k=14336)
     assert not footprint.fits("svd_matmul", "rows", shape, BF16.itemsize, too_big, "trn1")
     t, k, r, n = shape
     with use_target("trn1"), count_only():
-        y = svd_matmul.svd_matmul_kernel(np.zeros((t, k), BF16), np.zeros((k, r), BF16), np.zeros((r, n), BF16),
-                                         **blocks)
+        y = svd_matmul.svd_matmul_kernel(
+            np.zeros((t, k), BF16), np.zeros((k, r), BF16), np.zeros((r, n), BF16), **blocks
+        )
     assert y.shape == (t, n)
 
 
@@ -95,8 +114,10 @@ def test_tuner_picks_the_fastest_candidate_per_target():
     shape = (16, 256, 128, 1024)
     best = tuning.tune("svd_matmul", shape, BF16)
     for target in hardware.TARGETS:
-        measured = [tuning.measure("svd_matmul", variant, shape, BF16, blocks).latency_us[target]
-                    for variant, blocks in tuning.candidates("svd_matmul", shape, BF16.itemsize, target)]
+        measured = [
+            tuning.measure("svd_matmul", variant, shape, BF16, blocks).latency_us[target]
+            for variant, blocks in tuning.candidates("svd_matmul", shape, BF16.itemsize, target)
+        ]
         assert len(measured) > 1
         assert best[target]["modeled_us"] == pytest.approx(min(measured), abs=1e-3)
 

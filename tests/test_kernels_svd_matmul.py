@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import reference
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import profile, trace
 from nki_kernels.svd_matmul import svd_matmul_decode_kernel, svd_matmul_kernel, svd_matmul_t_out_kernel
 from nki_kernels.svd_mlp import svd_mlp_down_kernel
@@ -85,11 +85,13 @@ def test_last_token_block_of_one_token(rng, variant):
 
 def test_layout_references_agree_with_kernels(rng):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
-    np.testing.assert_allclose(svd_matmul_t_out_kernel(x, u, v), reference.svd_matmul_t_out_f64(x, u, v),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        svd_matmul_t_out_kernel(x, u, v), reference.svd_matmul_t_out_f64(x, u, v), rtol=1e-5, atol=1e-5
+    )
     xT = np.ascontiguousarray(x.T)
-    np.testing.assert_allclose(svd_mlp_down_kernel(xT, u, v), reference.svd_mlp_down_f64(xT, u, v),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        svd_mlp_down_kernel(xT, u, v), reference.svd_mlp_down_f64(xT, u, v), rtol=1e-5, atol=1e-5
+    )
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
@@ -202,12 +204,15 @@ def test_hbm_traffic_check_catches_a_spilled_intermediate(rng):
     assert any("both written and read" in p for p in problems) and any("bytes read" in p for p in problems)
 
 
-@pytest.mark.parametrize("bad,message", [
-    (lambda x, u, v: (x, u[:-1], v), "u has shape"),
-    (lambda x, u, v: (x, u, v[:-1]), "v has shape"),
-    (lambda x, u, v: (x[None], u, v), "x must be 2-D"),
-    (lambda x, u, v: (x, u.astype(np.float32), v), "u has dtype float32 but x has bfloat16"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        (lambda x, u, v: (x, u[:-1], v), "u has shape"),
+        (lambda x, u, v: (x, u, v[:-1]), "v has shape"),
+        (lambda x, u, v: (x[None], u, v), "x must be 2-D"),
+        (lambda x, u, v: (x, u.astype(np.float32), v), "u has dtype float32 but x has bfloat16"),
+    ],
+)
 def test_bad_operands_raise_value_or_type_error(rng, bad, message):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, BF16)
     with pytest.raises((ValueError, TypeError), match=message):
@@ -220,8 +225,9 @@ def test_integer_inputs_raise_type_error(rng):
         svd_matmul_kernel(x.astype(np.int32), u.astype(np.int32), v.astype(np.int32))
 
 
-@pytest.mark.parametrize("blocks,name", [({"block_t": 100}, "block_t"), ({"block_k": 0}, "block_k"),
-                                         ({"block_n": 64}, "block_n")])
+@pytest.mark.parametrize(
+    "blocks,name", [({"block_t": 100}, "block_t"), ({"block_k": 0}, "block_k"), ({"block_n": 64}, "block_n")]
+)
 def test_blocks_must_be_multiples_of_128(rng, blocks, name):
     x, u, v = make_operands(rng, 7, 100, 130, 1000, np.float32)
     with pytest.raises(ValueError, match=name):

@@ -24,8 +24,15 @@ def make_mlp(rng, t, h, i, rg, ru, rd, dtype):
     def factor(rows, cols):
         return rng.standard_normal((rows, cols)) / np.sqrt(rows)
 
-    arrays = (rng.standard_normal((t, h)), factor(h, rg), factor(rg, i), factor(h, ru), factor(ru, i),
-              factor(i, rd), factor(rd, h))
+    arrays = (
+        rng.standard_normal((t, h)),
+        factor(h, rg),
+        factor(rg, i),
+        factor(h, ru),
+        factor(ru, i),
+        factor(i, rd),
+        factor(rd, h),
+    )
     return tuple(a.astype(dtype) for a in arrays)
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from nki_kernels import emulator
-from nki_kernels.binding import nki, nisa, nl
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import launch
 
 
@@ -19,9 +19,9 @@ def scale_rows(x):
     for start in range(0, rows, nl.tile_size.pmax):
         size = min(nl.tile_size.pmax, rows - start)
         tile = nl.ndarray((size, free), x.dtype, buffer=nl.sbuf)
-        nisa.dma_copy(tile, x[start:start + size])
+        nisa.dma_copy(tile, x[start : start + size])
         nisa.activation(tile, nl.copy, tile, scale=2.0)
-        nisa.dma_copy(out[start:start + size], tile)
+        nisa.dma_copy(out[start : start + size], tile)
     return out
 
 
@@ -36,13 +36,17 @@ def _runs(*inputs):
 @pytest.mark.parametrize("overhead", [0.0, 2.0, 7.5, 20])
 def test_latency_is_the_sum_of_launches_plus_overhead_per_launch(target, overhead):
     rng = np.random.default_rng(3)
-    runs = _runs(rng.standard_normal((130, 700)).astype(np.float32), rng.standard_normal((7, 200)).astype(np.float32),
-                 rng.standard_normal((256, 100)).astype(np.float32))
+    runs = _runs(
+        rng.standard_normal((130, 700)).astype(np.float32),
+        rng.standard_normal((7, 200)).astype(np.float32),
+        rng.standard_normal((256, 100)).astype(np.float32),
+    )
     assert len(runs) == 3
     total = launch.composition_latency_us(runs, target, overhead)
     assert total == pytest.approx(sum(r.latency_us[target] for r in runs) + 3 * overhead)
     assert launch.composition_latency_us(runs[:1], target, overhead) == pytest.approx(
-        runs[0].latency_us[target] + overhead)
+        runs[0].latency_us[target] + overhead
+    )
     assert launch.composition_latency_us([], target, overhead) == 0.0
 
 
@@ -57,8 +61,9 @@ def test_each_launch_pays_its_own_fill_and_drain(target):
     two = launch.composition_latency_us(halves, target, 0.0)
     assert two > 1.2 * one
     # The per-launch overhead widens the gap by exactly one overhead.
-    assert launch.composition_latency_us(halves, target, 5.0) - launch.composition_latency_us([whole], target, 5.0) \
-        == pytest.approx(two - one + 5.0)
+    assert launch.composition_latency_us(halves, target, 5.0) - launch.composition_latency_us(
+        [whole], target, 5.0
+    ) == pytest.approx(two - one + 5.0)
 
 
 @pytest.mark.parametrize("bad", [-1.0, math.nan, math.inf, "5", None, True])

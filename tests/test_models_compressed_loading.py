@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
-from jax_neuronmm.compress import CheckpointError
-from jax_neuronmm.compress import load_compressed, save_compressed
+from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
 from jax_neuronmm.models import (
     GatedMLP,
     compress_checkpoint,
@@ -21,8 +21,6 @@ from jax_neuronmm.models import (
     load_hf,
 )
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-
-from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 KEEP, BLOCK = 0.5, 16
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -34,7 +32,11 @@ def test_loads_what_compress_model_builds(rng, tmp_path, include):
     write_hf_checkpoint(rng, tmp_path / "hf")
     report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK, include=include)
     assert sorted(os.listdir(tmp_path / "out")) == [
-        "compression_report.json", "config.json", "model.safetensors", "tokenizer.json"]
+        "compression_report.json",
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     assert len(report.layers) == 2 * (3 + 4 * ("attention" in include))
     assert all(0 < layer.relative_error < 1 for layer in report.layers)
     assert load_compressed(tmp_path / "out" / "model.safetensors")[1].ranks == report.ranks
@@ -45,11 +47,14 @@ def test_loads_what_compress_model_builds(rng, tmp_path, include):
 
     for loaded_layer, expected_layer in zip(loaded.layers, expected.layers, strict=True):
         assert isinstance(loaded_layer.mlp, SVDMLP)
-        assert [getattr(loaded_layer.mlp, name).rank for name in ("gate_proj", "up_proj", "down_proj")] == \
-            [getattr(expected_layer.mlp, name).rank for name in ("gate_proj", "up_proj", "down_proj")]
+        assert [getattr(loaded_layer.mlp, name).rank for name in ("gate_proj", "up_proj", "down_proj")] == [
+            getattr(expected_layer.mlp, name).rank for name in ("gate_proj", "up_proj", "down_proj")
+        ]
         attention_type = SVDLinear if "attention" in include else nnx.Linear
-        assert all(isinstance(getattr(loaded_layer.self_attn, name), attention_type)
-                   for name in ("q_proj", "k_proj", "v_proj", "o_proj"))
+        assert all(
+            isinstance(getattr(loaded_layer.self_attn, name), attention_type)
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj")
+        )
     assert loaded.layers[0].mlp.gate_proj.rank < HF_CONFIG["hidden_size"]  # really compressed
     assert loaded.eos_token_ids == (5, 7)
     assert loaded.tokenizer.encode("w3 w11").ids == [3, 11]
@@ -155,8 +160,11 @@ def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
     compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
     (tmp_path / "out" / "config.json").write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": 1}))
     # Used to be an IndexError from walking to layers[1].
-    with pytest.raises(CheckpointError, match=r"model.safetensors' has factors u, v at layers/1/mlp/"
-                                              r"(gate|up|down)_proj, but the model config.json describes"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"model.safetensors' has factors u, v at layers/1/mlp/"
+        r"(gate|up|down)_proj, but the model config.json describes",
+    ):
         load_compressed_checkpoint(tmp_path / "out")
 
 

@@ -11,7 +11,7 @@ from flax import nnx
 
 import jax_neuronmm
 from jax_neuronmm.compress import svd
-from jax_neuronmm.models import Gemma, GemmaConfig, GatedMLP, Llama, LlamaConfig, compress_model, from_preset, generate
+from jax_neuronmm.models import GatedMLP, Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, from_preset, generate
 from jax_neuronmm.models.compression import RankRoundingWarning
 from jax_neuronmm.models.layers import activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
@@ -112,18 +112,29 @@ def test_emulator_backend_generates_the_same_tokens():
 def _gemma3_mixed_layers():
     """Six layers, two attention structures (sliding window and full): shapes no other test compiles."""
     types = ("sliding_attention",) * 4 + ("full_attention", "sliding_attention")
-    config = GemmaConfig.preset("gemma3-tiny", vocab_size=211, hidden_size=72, intermediate_size=152, num_layers=6,
-                                layer_types=types)
+    config = GemmaConfig.preset(
+        "gemma3-tiny", vocab_size=211, hidden_size=72, intermediate_size=152, num_layers=6, layer_types=types
+    )
     return Gemma(config, rngs=nnx.Rngs(3))
 
 
 def test_calibration_pass_compiles_once_per_layer_structure(caplog):
     model = _gemma3_mixed_layers()
     with jax.log_compiles(True), caplog.at_level(logging.WARNING):
-        compress_model(model, keep=0.5, method="whitened", calibration_ids=_ids(3, 61, seed=4), block=8,
-                       include=("mlp", "attention"), progress=False)
-    compiles = [record for record in caplog.records if "_tapped_forward" in record.getMessage()
-                and "Compiling" in record.getMessage()]
+        compress_model(
+            model,
+            keep=0.5,
+            method="whitened",
+            calibration_ids=_ids(3, 61, seed=4),
+            block=8,
+            include=("mlp", "attention"),
+            progress=False,
+        )
+    compiles = [
+        record
+        for record in caplog.records
+        if "_tapped_forward" in record.getMessage() and "Compiling" in record.getMessage()
+    ]
     # Six layers, one pass each, two structures (sliding / full attention): two compilations, not six.
     assert len(compiles) == 2, [record.getMessage()[:120] for record in compiles]
 
@@ -140,10 +151,12 @@ def test_whitened_mlp_factors_match_a_numpy_reference():
     mask = attention_mask(positions, positions, jnp.ones((batch, tokens), bool), layer.self_attn.spec.sliding_window)
     h = x + layer.post_attention_layernorm(layer.self_attn(layer.input_layernorm(x), positions, mask, None, None)[0])
     mlp_in = np.asarray(layer.pre_feedforward_layernorm(h), np.float64).reshape(-1, 72)
-    gate, up, down = (np.asarray(getattr(layer.mlp, name).kernel[...], np.float64)
-                      for name in ("gate_proj", "up_proj", "down_proj"))
-    hidden = np.asarray(activation_fn(layer.mlp.activation)(jnp.asarray(mlp_in @ gate, jnp.float32)),
-                        np.float64) * (mlp_in @ up)
+    gate, up, down = (
+        np.asarray(getattr(layer.mlp, name).kernel[...], np.float64) for name in ("gate_proj", "up_proj", "down_proj")
+    )
+    hidden = np.asarray(activation_fn(layer.mlp.activation)(jnp.asarray(mlp_in @ gate, jnp.float32)), np.float64) * (
+        mlp_in @ up
+    )
     rank = 24
     compressed = compress_model(model, rank=rank, method="whitened", calibration_ids=ids, progress=False)
     mlp = compressed.layers[0].mlp

@@ -63,9 +63,48 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 # --- tokenizer vocabularies -------------------------------------------------------------------------------------
 
-_PIECES = ["▁", "t", "h", "e", "l", "o", "w", "r", "d", "n", "m", "T", ",", ":", "he", "th", "the", "▁t", "▁the",
-           "ll", "llo", "▁h", "▁he", "hello", "▁hello", "en", "▁w", "or", "orld", "▁world", "▁th", "▁then", "Th",
-           "Then", "me", "▁theme", "nd", "▁end", "\n", "\n\n"]
+_PIECES = [
+    "▁",
+    "t",
+    "h",
+    "e",
+    "l",
+    "o",
+    "w",
+    "r",
+    "d",
+    "n",
+    "m",
+    "T",
+    ",",
+    ":",
+    "he",
+    "th",
+    "the",
+    "▁t",
+    "▁the",
+    "ll",
+    "llo",
+    "▁h",
+    "▁he",
+    "hello",
+    "▁hello",
+    "en",
+    "▁w",
+    "or",
+    "orld",
+    "▁world",
+    "▁th",
+    "▁then",
+    "Th",
+    "Then",
+    "me",
+    "▁theme",
+    "nd",
+    "▁end",
+    "\n",
+    "\n\n",
+]
 
 
 def _sentencepiece_vocab(rng, gemma: bool):
@@ -74,8 +113,9 @@ def _sentencepiece_vocab(rng, gemma: bool):
     types = [3, 3, 3, 2] + [6] * 256
     tokens += _PIECES + (["  ", "<start_of_turn>", "<custom>"] if gemma else ["▁▁", "<start_of_turn>", "<custom>"])
     types += [1] * (len(_PIECES) + 1) + [3, 4]
-    scores = [0.0] * 260 + list(-np.arange(len(tokens) - 260, dtype=np.float32) - rng.uniform(0, 0.5, len(tokens)
-                                                                                                  - 260))
+    scores = [0.0] * 260 + list(
+        -np.arange(len(tokens) - 260, dtype=np.float32) - rng.uniform(0, 0.5, len(tokens) - 260)
+    )
     return tokens, scores, types, dict(pad=0, eos=1, bos=2, unk=3)
 
 
@@ -84,8 +124,25 @@ def _byte_level_vocab():
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
     extra = iter(range(256, 512))
     alphabet = [chr(b) if b in printable else chr(next(extra)) for b in range(256)]
-    merges = ["Ġ t", "h e", "Ġt he", "Ġ w", "o r", "or l", "orl d", "Ġw orld", "l l", "ll o", "he llo", "Ġ he",
-              "Ġhe llo", "Ċ Ċ", "Ġthe n", "m e", "Ġthe me"]
+    merges = [
+        "Ġ t",
+        "h e",
+        "Ġt he",
+        "Ġ w",
+        "o r",
+        "or l",
+        "orl d",
+        "Ġw orld",
+        "l l",
+        "ll o",
+        "he llo",
+        "Ġ he",
+        "Ġhe llo",
+        "Ċ Ċ",
+        "Ġthe n",
+        "m e",
+        "Ġthe me",
+    ]
     tokens = alphabet + [m.replace(" ", "") for m in merges]
     tokens += ["<|begin_of_text|>", "<|end_of_text|>", "<start_of_turn>", "<custom>"]
     types = [1] * (len(tokens) - 4) + [3, 3, 3, 4]
@@ -94,6 +151,7 @@ def _byte_level_vocab():
 
 
 # --- file writers -----------------------------------------------------------------------------------------------
+
 
 def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int, rope_freqs=None):
     """Writes a random GGUF model of `arch` to `path` the way llama.cpp lays it out (with `rope_freqs`, llama.cpp's
@@ -164,9 +222,15 @@ def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int
             (b + "ffn_down.weight", (s["hidden"], s["intermediate"]), "matrix", None),
         ]
         if bias:
-            tensors += [(b + f"attn_{p}.bias", (n,), "bias", h) for p, n, h in
-                        (("q", q_out, s["heads"]), ("k", kv_out, s["kv_heads"]), ("v", kv_out, None),
-                         ("output", s["hidden"], None))]
+            tensors += [
+                (b + f"attn_{p}.bias", (n,), "bias", h)
+                for p, n, h in (
+                    ("q", q_out, s["heads"]),
+                    ("k", kv_out, s["kv_heads"]),
+                    ("v", kv_out, None),
+                    ("output", s["hidden"], None),
+                )
+            ]
         if arch == "gemma3":
             tensors += [
                 (b + "attn_q_norm.weight", (s["head_dim"],), "norm", None),
@@ -198,6 +262,7 @@ def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int
 
 # --- references ---------------------------------------------------------------------------------------------------
 
+
 def _transformers_from_gguf(path, **config_overrides) -> torch.nn.Module:
     """transformers' GGUF loading of `path`: config from the metadata, tensors through its GGUF loader."""
     directory, name = os.path.split(path)
@@ -219,10 +284,16 @@ def _transformers_gemma1(path) -> torch.nn.Module:
     reader = gguf.GGUFReader(path)
     s = SHAPES
     config = transformers.GemmaConfig(
-        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data), hidden_size=s["hidden"],
-        intermediate_size=s["intermediate"], num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-        num_key_value_heads=s["kv_heads"], head_dim=s["head_dim"], rms_norm_eps=1e-6,
-        hidden_act="gelu_pytorch_tanh", rope_theta=10000.0,
+        vocab_size=len(reader.fields["tokenizer.ggml.tokens"].data),
+        hidden_size=s["hidden"],
+        intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"],
+        rms_norm_eps=1e-6,
+        hidden_act="gelu_pytorch_tanh",
+        rope_theta=10000.0,
     )
     config._attn_implementation = "eager"
     model = transformers.GemmaForCausalLM(config).eval()
@@ -312,8 +383,14 @@ def test_config_and_eos_from_metadata(case):
     assert model.config.tie_word_embeddings == CASES[name][1]
 
 
-LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-                   original_max_position_embeddings=8192)
+LLAMA3_ROPE = dict(
+    rope_type="llama3",
+    rope_theta=10000.0,
+    factor=8.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
 
 
 def _llama3_divisors(head_dim: int) -> np.ndarray:
@@ -340,6 +417,7 @@ def test_unknown_rope_freqs_table_is_refused(tmp_path):
 
 # --- errors ---------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def llama_file(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("llama") / "llama.gguf")
@@ -356,7 +434,7 @@ def _rewrite_field(src, dst, key, value_fn):
     old = field.contents()
     new = value_fn(old).encode()
     assert len(new) == len(old.encode())
-    data[start:start + len(new)] = new
+    data[start : start + len(new)] = new
     open(dst, "wb").write(bytes(data))
 
 
@@ -369,7 +447,7 @@ def test_unsupported_architecture_names_file_and_field(llama_file, tmp_path):
 
 def test_unsupported_tokenizer_names_field(llama_file, tmp_path):
     path = str(tmp_path / "tok.gguf")
-    _rewrite_field(llama_file, path, "tokenizer.ggml.model", lambda old: "rwkv6"[:len(old)].ljust(len(old), "x"))
+    _rewrite_field(llama_file, path, "tokenizer.ggml.model", lambda old: "rwkv6"[: len(old)].ljust(len(old), "x"))
     with pytest.raises(ValueError, match=r"tok\.gguf.*tokenizer\.ggml\.model"):
         load_gguf(path)
 
@@ -406,13 +484,48 @@ def test_missing_file(tmp_path):
 
 # --- the real Gemma 3 270M (optional: the `demo` extra) -------------------------------------------------------------
 
-REAL_TEXT = ("When in the Course of human events, it becomes necessary  for one people\n\nto dissolve 12345 the bands — "
-             "café 日本語 <start_of_turn>user")
+REAL_TEXT = (
+    "When in the Course of human events, it becomes necessary  for one people\n\nto dissolve 12345 the bands — "
+    "café 日本語 <start_of_turn>user"
+)
 # transformers 5.23's GGUF tokenizer (AutoTokenizer.from_pretrained(dir, gguf_file=...)) on REAL_TEXT; building it
 # from the 262144-token vocabulary takes minutes, so its ids are recorded here.
-REAL_TEXT_IDS = [2, 4420, 528, 506, 24435, 529, 3246, 4749, 236764, 625, 6775, 4127, 138, 1708, 886, 1331, 108, 1071,
-                 56490, 236743, 236770, 236778, 236800, 236812, 236810, 506, 16573, 2192, 33443, 33375, 238582, 236743,
-                 105, 2364]
+REAL_TEXT_IDS = [
+    2,
+    4420,
+    528,
+    506,
+    24435,
+    529,
+    3246,
+    4749,
+    236764,
+    625,
+    6775,
+    4127,
+    138,
+    1708,
+    886,
+    1331,
+    108,
+    1071,
+    56490,
+    236743,
+    236770,
+    236778,
+    236800,
+    236812,
+    236810,
+    506,
+    16573,
+    2192,
+    33443,
+    33375,
+    238582,
+    236743,
+    105,
+    2364,
+]
 
 
 @pytest.fixture(scope="module")

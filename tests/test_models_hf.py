@@ -13,7 +13,6 @@ import numpy as np
 import pytest
 import torch
 import transformers
-
 from flax import nnx
 
 from jax_neuronmm.models import Gemma, Llama, generate, load_hf
@@ -26,12 +25,25 @@ DECODE_STEPS = 14
 
 def _llama_config(tie: bool) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=203, hidden_size=64, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, rms_norm_eps=1e-5,
-        tie_word_embeddings=tie, attention_bias=not tie, mlp_bias=not tie,
+        vocab_size=203,
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=tie,
+        attention_bias=not tie,
+        mlp_bias=not tie,
         # A short original context makes the llama3 smoothing touch every frequency band at these lengths.
         rope_parameters=dict(
-            rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
             original_max_position_embeddings=16,
         ),
     )
@@ -39,16 +51,31 @@ def _llama_config(tie: bool) -> transformers.LlamaConfig:
 
 def _gemma_config() -> transformers.GemmaConfig:
     return transformers.GemmaConfig(
-        vocab_size=203, hidden_size=64, intermediate_size=136, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=1, head_dim=16, max_position_embeddings=64, hidden_act="gelu_pytorch_tanh",
+        vocab_size=203,
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        hidden_act="gelu_pytorch_tanh",
     )
 
 
 def _gemma3_config() -> transformers.Gemma3TextConfig:
     return transformers.Gemma3TextConfig(
-        vocab_size=203, hidden_size=64, intermediate_size=136, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, query_pre_attn_scalar=24,
-        sliding_window=4, layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        vocab_size=203,
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        query_pre_attn_scalar=24,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         final_logit_softcapping=3.0,
         rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6},
@@ -113,7 +140,10 @@ def test_greedy_decode_matches_transformers(checkpoint):
     ids = _prompt(1, 7, reference.config.vocab_size, seed=2)
     with torch.no_grad():
         expected = reference.generate(
-            torch.from_numpy(ids), max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False,
+            torch.from_numpy(ids),
+            max_new_tokens=DECODE_STEPS,
+            min_new_tokens=DECODE_STEPS,
+            do_sample=False,
             pad_token_id=0,
         ).numpy()
     got = np.asarray(generate(model, ids, DECODE_STEPS))

@@ -6,12 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from nn_references import gated_mlp64, rel_err
 
 from jax_neuronmm.compress import compress_params, truncated_svd
 from jax_neuronmm.nn import SVDDense
 from jax_neuronmm.nn.linen import SVDMLP
-
-from nn_references import gated_mlp64, rel_err
 
 
 def dense_params(rng, k, n, use_bias=True):
@@ -52,8 +51,9 @@ def test_jit_and_grad_through_svd_dense(rng):
     params = SVDDense.params_from_dense(dense_params(rng, 40, 30), rank=9)
     layer = SVDDense(30, 9)
     x = rng.standard_normal((5, 40)).astype(np.float32)
-    np.testing.assert_allclose(jax.jit(layer.apply)({"params": params}, x), layer.apply({"params": params}, x),
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        jax.jit(layer.apply)({"params": params}, x), layer.apply({"params": params}, x), rtol=1e-6, atol=1e-6
+    )
     assert "svd_matmul" in str(jax.make_jaxpr(layer.apply)({"params": params}, x))
     grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x) ** 2)))(params)
     u, v, b = (np.asarray(params[name], np.float64) for name in ("u", "v", "bias"))
@@ -91,7 +91,8 @@ def test_params_from_dense_keep_whitened_and_error_shrinks(rng):
     plain = SVDDense.params_from_dense(dense, rank=10)
     layer = SVDDense(120, 10)
     assert rel_err(layer.apply({"params": whitened}, held_out), exact) < rel_err(
-        layer.apply({"params": plain}, held_out), exact)
+        layer.apply({"params": plain}, held_out), exact
+    )
 
 
 class DenseGatedMLP(nn.Module):
@@ -109,16 +110,19 @@ class DenseGatedMLP(nn.Module):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_svd_mlp_full_rank_equals_dense(rng, activation):
     hidden, intermediate = 40, 72
-    dense = {"gate_proj": dense_params(rng, hidden, intermediate, False),
-             "up_proj": dense_params(rng, hidden, intermediate, False),
-             "down_proj": dense_params(rng, intermediate, hidden, False)}
+    dense = {
+        "gate_proj": dense_params(rng, hidden, intermediate, False),
+        "up_proj": dense_params(rng, hidden, intermediate, False),
+        "down_proj": dense_params(rng, intermediate, hidden, False),
+    }
     params = SVDMLP.params_from_dense(dense, activation=activation, rank=hidden)
     mlp = SVDMLP(intermediate, hidden, activation=activation)
     x = rng.standard_normal((3, 5, hidden)).astype(np.float32)
     shapes = jax.tree.map(jnp.shape, jax.eval_shape(mlp.init, jax.random.key(0), x))
     assert shapes == jax.tree.map(jnp.shape, {"params": params})
-    want = gated_mlp64(x, dense["gate_proj"]["kernel"], dense["up_proj"]["kernel"], dense["down_proj"]["kernel"],
-                       activation)
+    want = gated_mlp64(
+        x, dense["gate_proj"]["kernel"], dense["up_proj"]["kernel"], dense["down_proj"]["kernel"], activation
+    )
     assert rel_err(jax.jit(mlp.apply)({"params": params}, x), want) < 1e-5
     assert "svd_mlp" in str(jax.make_jaxpr(mlp.apply)({"params": params}, x))
     grads = jax.grad(lambda p: jnp.sum(jax.jit(mlp.apply)({"params": p}, x) ** 2))(params)
@@ -144,7 +148,8 @@ def test_compressed_linen_mlp_error_shrinks_with_rank(rng):
     plain = SVDMLP.params_from_dense(variables["params"], rank=8)
     mlp = SVDMLP(intermediate, 8)
     assert rel_err(mlp.apply({"params": whitened}, held_out), exact) < rel_err(
-        mlp.apply({"params": plain}, held_out), exact)
+        mlp.apply({"params": plain}, held_out), exact
+    )
     u_gate, _ = truncated_svd(np.asarray(variables["params"]["gate_proj"]["kernel"]), 8)
     np.testing.assert_array_equal(plain["gate_proj"]["u"], u_gate)
 
@@ -170,8 +175,9 @@ def test_bad_arguments(rng):
     with pytest.raises(ValueError, match=r"missing \['down_proj'\]"):
         SVDMLP.params_from_dense({"gate_proj": dense, "up_proj": dense}, rank=3)
     with pytest.raises(ValueError, match="triple"):
-        SVDMLP.params_from_dense({name: dense_params(rng, 10, 10, False) for name in ("gate_proj", "up_proj",
-                                                                                      "down_proj")}, rank=(1, 2))
+        SVDMLP.params_from_dense(
+            {name: dense_params(rng, 10, 10, False) for name in ("gate_proj", "up_proj", "down_proj")}, rank=(1, 2)
+        )
 
 
 def test_check_grads_float64(rng, x64):
@@ -180,6 +186,8 @@ def test_check_grads_float64(rng, x64):
     x = rng.standard_normal((3, 20))
     check_grads(lambda inputs, p: layer.apply({"params": p}, inputs), (x, params), order=1, modes=("fwd", "rev"))
     mlp = SVDMLP(24, (5, 6, 7), param_dtype=jnp.float64)
-    mlp_params = jax.tree.map(lambda a: rng.standard_normal(a.shape) / np.sqrt(a.shape[0]),
-                              jax.eval_shape(mlp.init, jax.random.key(0), x)["params"])
+    mlp_params = jax.tree.map(
+        lambda a: rng.standard_normal(a.shape) / np.sqrt(a.shape[0]),
+        jax.eval_shape(mlp.init, jax.random.key(0), x)["params"],
+    )
     check_grads(lambda inputs, p: mlp.apply({"params": p}, inputs), (x, mlp_params), order=1, modes=("fwd", "rev"))

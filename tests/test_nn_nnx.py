@@ -5,12 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from nn_references import gated_mlp64, rel_err
 
 from jax_neuronmm.compress import compress_params, whitened_svd
 from jax_neuronmm.nn import SVDLinear
 from jax_neuronmm.nn.nnx import SVDMLP
-
-from nn_references import gated_mlp64, rel_err
 
 
 def random_linear(rng, k, n, use_bias=True):
@@ -68,7 +67,9 @@ def test_jit_and_grad_through_svd_linear(rng):
     jitted = nnx.jit(lambda module, inputs: module(inputs))
     np.testing.assert_allclose(jitted(layer, x), layer(x), rtol=1e-6, atol=1e-6)
 
-    loss = lambda module, inputs: jnp.sum(module(inputs) ** 2)
+    def loss(module, inputs):
+        return jnp.sum(module(inputs) ** 2)
+
     grads = nnx.jit(nnx.grad(loss))(layer, x)
     u, v, b = (np.asarray(p[...], np.float64) for p in (layer.u, layer.v, layer.bias))
     x64 = x.astype(np.float64)
@@ -90,8 +91,9 @@ def test_jitted_module_reaches_the_primitive(rng):
 
 
 def test_dtype_and_param_dtype(rng):
-    layer = random_module(rng, lambda: SVDLinear(32, 16, 8, dtype=jnp.bfloat16, param_dtype=jnp.float32,
-                                                  rngs=nnx.Rngs(0)))
+    layer = random_module(
+        rng, lambda: SVDLinear(32, 16, 8, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    )
     assert layer.u.dtype == jnp.float32
     assert layer(jnp.ones((2, 32), jnp.float32)).dtype == jnp.bfloat16
     half = random_module(rng, lambda: SVDLinear(32, 16, 8, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(0)))
@@ -195,11 +197,15 @@ def test_bad_arguments(rng):
         SVDLinear.from_linear(linear, rank=3)
 
 
-@pytest.mark.parametrize("build", [
-    lambda: nnx.Conv(3, 2, kernel_size=(3, 3), rngs=nnx.Rngs(0)),
-    lambda: nnx.LinearGeneral((4, 5), 6, axis=(-2, -1), rngs=nnx.Rngs(0)),
-    lambda: None,
-], ids=["Conv", "LinearGeneral", "None"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nnx.Conv(3, 2, kernel_size=(3, 3), rngs=nnx.Rngs(0)),
+        lambda: nnx.LinearGeneral((4, 5), 6, axis=(-2, -1), rngs=nnx.Rngs(0)),
+        lambda: None,
+    ],
+    ids=["Conv", "LinearGeneral", "None"],
+)
 def test_from_linear_rejects_what_is_not_a_linear(build):
     # Conv used to give a layer with u of shape (3, 3, 3, 2); LinearGeneral and None failed far away.
     with pytest.raises(TypeError, match=r"linear: got (Conv|LinearGeneral|NoneType), expected an nnx.Linear"):
@@ -207,8 +213,14 @@ def test_from_linear_rejects_what_is_not_a_linear(build):
 
 
 def test_from_linears_rejects_mismatched_projections(rng):
-    gate, up, down = random_linear(rng, 40, 70, False), random_linear(rng, 40, 70, False), random_linear(rng, 70, 40, False)
-    with pytest.raises(ValueError, match=r"gate_proj, up_proj, down_proj: got \(in, out\) features .*'up_proj': \(40, 50\)"):
+    gate, up, down = (
+        random_linear(rng, 40, 70, False),
+        random_linear(rng, 40, 70, False),
+        random_linear(rng, 70, 40, False),
+    )
+    with pytest.raises(
+        ValueError, match=r"gate_proj, up_proj, down_proj: got \(in, out\) features .*'up_proj': \(40, 50\)"
+    ):
         SVDMLP.from_linears(gate, random_linear(rng, 40, 50, False), down, rank=4)
     with pytest.raises(ValueError, match=r"'down_proj': \(60, 40\)"):
         SVDMLP.from_linears(gate, up, random_linear(rng, 60, 40, False), rank=4)
@@ -223,8 +235,7 @@ def test_from_linears_rejects_mismatched_projections(rng):
     with pytest.raises(TypeError, match="gate_proj: got Linear, expected SVDLinear"):
         SVDMLP.from_projections(gate, *layers[1:])
     with pytest.raises(ValueError, match="up_proj"):
-        SVDMLP.from_projections(layers[0], SVDLinear.from_linear(random_linear(rng, 40, 50, False), rank=4),
-                                layers[2])
+        SVDMLP.from_projections(layers[0], SVDLinear.from_linear(random_linear(rng, 40, 50, False), rank=4), layers[2])
 
 
 def test_from_factors_keeps_the_given_factors_and_the_bias(rng):
@@ -233,13 +244,18 @@ def test_from_factors_keeps_the_given_factors_and_the_bias(rng):
     u, v = rng.standard_normal((37, 11)), rng.standard_normal((11, 53))  # float64, cast to the param dtype
     layer = SVDLinear.from_factors(linear, u, v)
     assert layer.u.dtype == layer.v.dtype == jnp.bfloat16 and layer.rank == 11
-    np.testing.assert_array_equal(np.asarray(layer.u[...], np.float64), np.asarray(jnp.asarray(u, jnp.bfloat16), np.float64))
+    np.testing.assert_array_equal(
+        np.asarray(layer.u[...], np.float64), np.asarray(jnp.asarray(u, jnp.bfloat16), np.float64)
+    )
     np.testing.assert_array_equal(np.asarray(layer.bias[...]), np.asarray(linear.bias[...]))
     x = rng.standard_normal((5, 37)).astype(np.float32)
-    expected = x.astype(np.float64) @ np.asarray(layer.u[...], np.float64) @ np.asarray(layer.v[...], np.float64) \
-        + np.asarray(linear.bias[...], np.float64)
+    expected = x.astype(np.float64) @ np.asarray(layer.u[...], np.float64) @ np.asarray(
+        layer.v[...], np.float64
+    ) + np.asarray(linear.bias[...], np.float64)
     assert rel_err(layer(jnp.asarray(x)), expected) < 2e-2
-    with pytest.raises(ValueError, match=r"u, v: got shapes \(37, 11\) and \(12, 53\), expected \[37, r\] and \[r, 53\]"):
+    with pytest.raises(
+        ValueError, match=r"u, v: got shapes \(37, 11\) and \(12, 53\), expected \[37, r\] and \[r, 53\]"
+    ):
         SVDLinear.from_factors(linear, u, rng.standard_normal((12, 53)))
     with pytest.raises(ValueError, match=r"u, v: got shapes \(36, 11\)"):
         SVDLinear.from_factors(linear, rng.standard_normal((36, 11)), v)

@@ -3,41 +3,60 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from emulator_helpers import blocked_matmul, rand
 
 from nki_kernels import emulator
+from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.emulator import cost_model, trace
-
-from emulator_helpers import blocked_matmul, rand
-from nki_kernels.binding import nki, nisa, nl
 
 A = trace.Access
 
 
-def _record(opcode, engine, *, reads=(), writes=(), partitions=128, free=64, dtype="float32",
-            matmul=None, dma=None):
-    return trace.InstructionRecord(opcode, engine, "k.py:1", partitions, free, dtype,
-                                   tuple(reads), tuple(writes), matmul=matmul, dma=dma)
+def _record(opcode, engine, *, reads=(), writes=(), partitions=128, free=64, dtype="float32", matmul=None, dma=None):
+    return trace.InstructionRecord(
+        opcode, engine, "k.py:1", partitions, free, dtype, tuple(reads), tuple(writes), matmul=matmul, dma=dma
+    )
 
 
 def _synthetic_run():
-    load = _record("dma_copy", "dma", reads=[A(1, "hbm", 0, 1, 0, 6000)],
-                   writes=[A(2, "sbuf", 0, 100, 0, 60)],
-                   dma=trace.DmaInfo(6000, "hbm", "sbuf", 60))
-    mm = _record("nc_matmul", "tensor", reads=[A(2, "sbuf", 0, 100, 0, 60), A(2, "sbuf", 0, 100, 0, 60)],
-                 writes=[A(3, "psum", 0, 30, 0, 1200)],
-                 matmul=trace.MatmulInfo(contraction=100, stationary_free=30, moving_free=300,
-                                         input_dtype="bfloat16"))
-    mm_full = _record("nc_matmul", "tensor", reads=[A(2, "sbuf", 0, 100, 0, 60)],
-                      writes=[A(4, "psum", 0, 128, 0, 2048)],
-                      matmul=trace.MatmulInfo(128, 128, 512, "bfloat16"))
-    evict = _record("tensor_copy", "scalar", reads=[A(3, "psum", 0, 30, 0, 1200)],
-                    writes=[A(5, "sbuf", 0, 30, 0, 600)])
+    load = _record(
+        "dma_copy",
+        "dma",
+        reads=[A(1, "hbm", 0, 1, 0, 6000)],
+        writes=[A(2, "sbuf", 0, 100, 0, 60)],
+        dma=trace.DmaInfo(6000, "hbm", "sbuf", 60),
+    )
+    mm = _record(
+        "nc_matmul",
+        "tensor",
+        reads=[A(2, "sbuf", 0, 100, 0, 60), A(2, "sbuf", 0, 100, 0, 60)],
+        writes=[A(3, "psum", 0, 30, 0, 1200)],
+        matmul=trace.MatmulInfo(contraction=100, stationary_free=30, moving_free=300, input_dtype="bfloat16"),
+    )
+    mm_full = _record(
+        "nc_matmul",
+        "tensor",
+        reads=[A(2, "sbuf", 0, 100, 0, 60)],
+        writes=[A(4, "psum", 0, 128, 0, 2048)],
+        matmul=trace.MatmulInfo(128, 128, 512, "bfloat16"),
+    )
+    evict = _record("tensor_copy", "scalar", reads=[A(3, "psum", 0, 30, 0, 1200)], writes=[A(5, "sbuf", 0, 30, 0, 600)])
     fill = _record("memset", "gpsimd", writes=[A(6, "sbuf", 0, 30, 0, 600)])
-    store = _record("dma_copy", "dma", reads=[A(5, "sbuf", 0, 30, 0, 600)],
-                    writes=[A(7, "hbm", 0, 1, 0, 18000)],
-                    dma=trace.DmaInfo(18000, "sbuf", "hbm", 600))
-    h2h = _record("dma_copy", "dma", partitions=1, reads=[A(1, "hbm", 0, 1, 0, 500)],
-                  writes=[A(8, "hbm", 0, 1, 0, 500)], dma=trace.DmaInfo(500, "hbm", "hbm", 500))
+    store = _record(
+        "dma_copy",
+        "dma",
+        reads=[A(5, "sbuf", 0, 30, 0, 600)],
+        writes=[A(7, "hbm", 0, 1, 0, 18000)],
+        dma=trace.DmaInfo(18000, "sbuf", "hbm", 600),
+    )
+    h2h = _record(
+        "dma_copy",
+        "dma",
+        partitions=1,
+        reads=[A(1, "hbm", 0, 1, 0, 500)],
+        writes=[A(8, "hbm", 0, 1, 0, 500)],
+        dma=trace.DmaInfo(500, "hbm", "hbm", 500),
+    )
     return trace.KernelRun("synthetic_kernel", "trn2", (2,), [load, mm, mm_full, evict, fill, store, h2h])
 
 
@@ -69,9 +88,11 @@ def test_counters_of_a_synthetic_run():
 def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
     scheduled = []
     model_latency = cost_model.model_latency
+
     def counting_model_latency(run, target):
         scheduled.append(target)
         return model_latency(run, target)
+
     monkeypatch.setattr(cost_model, "model_latency", counting_model_latency)
     run = _synthetic_run()
     with emulator.profile() as prof:
@@ -82,8 +103,7 @@ def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
     assert scheduled == ["trn2"]
     assert r.latency_us["trn2"] == trn2 and scheduled == ["trn2"]  # computed once
     run.records.clear()  # the summary models the run as it finished
-    assert dict(r.latency_us) == {"trn1": pytest.approx(model_latency(_synthetic_run(), "trn1")),
-                                  "trn2": trn2}
+    assert dict(r.latency_us) == {"trn1": pytest.approx(model_latency(_synthetic_run(), "trn1")), "trn2": trn2}
     assert scheduled == ["trn2", "trn1"] and len(r.latency_us) == 2
     with pytest.raises(KeyError):
         r.latency_us["trn9"]
@@ -125,9 +145,11 @@ def test_profile_of_an_emulated_matmul(target):
     assert r.hbm_bytes_read == sum(4 * kt * (mt + nt) for mt, nt, kt in tiles)
     assert r.hbm_bytes_written == 4 * m * n
     assert r.dma_count == 2 * len(tiles) + len(m_sizes) * len(n_sizes)
-    assert sorted(r.dma_sizes) == sorted([4 * kt * mt for mt, nt, kt in tiles]
-                                         + [4 * kt * nt for mt, nt, kt in tiles]
-                                         + [4 * mt * nt for mt in m_sizes for nt in n_sizes])
+    assert sorted(r.dma_sizes) == sorted(
+        [4 * kt * mt for mt, nt, kt in tiles]
+        + [4 * kt * nt for mt, nt, kt in tiles]
+        + [4 * mt * nt for mt in m_sizes for nt in n_sizes]
+    )
     assert r.pe_fill == pytest.approx(np.mean([kt * mt / 128**2 for mt, nt, kt in tiles]))
     assert r.moving_fill == pytest.approx(np.mean([nt / 512 for mt, nt, kt in tiles]))
     assert r.engine_counts["tensor"] == 8 and r.engine_counts["dma"] == r.dma_count
@@ -170,9 +192,11 @@ def test_transposes_are_tensor_instructions_but_not_matmuls():
     np.testing.assert_allclose(out, x.astype(np.float64) @ w, rtol=1e-4, atol=1e-4)
     # The data [rows, cols] is the stationary operand, the [rows, rows] identity the moving one.
     infos = [(r.opcode, r.matmul) for r in runs[0].records if r.matmul is not None]
-    assert infos == [("nc_transpose", trace.MatmulInfo(rows, cols, rows, "float32", True)),
-                     ("nc_matmul", trace.MatmulInfo(rows, cols, rows, "float32", True)),
-                     ("nc_matmul", trace.MatmulInfo(cols, rows, n, "float32", False))]
+    assert infos == [
+        ("nc_transpose", trace.MatmulInfo(rows, cols, rows, "float32", True)),
+        ("nc_matmul", trace.MatmulInfo(rows, cols, rows, "float32", True)),
+        ("nc_matmul", trace.MatmulInfo(cols, rows, n, "float32", False)),
+    ]
     r = prof.runs[0]
     assert (r.matmul_count, r.transposes, prof.matmul_count, prof.transposes) == (1, 2, 1, 2)
     assert r.engine_counts["tensor"] == 3
@@ -200,7 +224,6 @@ def test_casting_dmas_count_hbm_bytes_on_the_hbm_side():
     assert r.hbm_bytes_read == 2 * x.size  # bf16 read from HBM, though 4 bytes land per element
     assert r.hbm_bytes_written == 2 * x.size
     assert r.dma_sizes == (4 * x.size, 2 * x.size)  # bytes written by each DMA
-
 
 
 @nki.jit
@@ -234,7 +257,10 @@ def test_records_carry_input_dtypes_for_the_vector_perf_mode():
     np.testing.assert_allclose(out.astype(np.float64), expected, rtol=1e-2, atol=1e-2)
     copies = [r for r in runs[0].records if r.opcode == "tensor_copy"]
     assert [(r.input_dtypes, r.dtype, r.inner_contiguous) for r in copies] == [
-        (("float32",), "bfloat16", True), (("bfloat16",), "bfloat16", True), (("bfloat16",), "bfloat16", False)]
+        (("float32",), "bfloat16", True),
+        (("bfloat16",), "bfloat16", True),
+        (("bfloat16",), "bfloat16", False),
+    ]
     # trn2 VectorE performance mode: none for the fp32 PSUM eviction, 4x for the contiguous bf16 SBUF copy,
     # 2x for the strided one.
     hw = cost_model.HARDWARE["trn2"]

@@ -19,8 +19,13 @@ dims = st.integers(1, 300)
 
 
 @settings(max_examples=60, deadline=None)
-@given(lead=st.lists(st.integers(1, 4), max_size=2), k=dims, r=dims, n=dims,
-       dtype=st.sampled_from([jnp.float32, jnp.bfloat16]))
+@given(
+    lead=st.lists(st.integers(1, 4), max_size=2),
+    k=dims,
+    r=dims,
+    n=dims,
+    dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+)
 def test_svd_matmul_output_shape(lead, k, r, n, dtype):
     x = jax.ShapeDtypeStruct((*lead, k), dtype)
     out = jax.eval_shape(jn.svd_matmul, x, jax.ShapeDtypeStruct((k, r), dtype), jax.ShapeDtypeStruct((r, n), dtype))
@@ -33,16 +38,24 @@ def test_svd_matmul_rejects_mismatched_factors_at_trace_time(k, r, n, wrong):
     x = jax.ShapeDtypeStruct((3, k), jnp.float32)
     if wrong != k:
         try:
-            jax.eval_shape(jn.svd_matmul, x, jax.ShapeDtypeStruct((wrong, r), jnp.float32),
-                           jax.ShapeDtypeStruct((r, n), jnp.float32))
+            jax.eval_shape(
+                jn.svd_matmul,
+                x,
+                jax.ShapeDtypeStruct((wrong, r), jnp.float32),
+                jax.ShapeDtypeStruct((r, n), jnp.float32),
+            )
         except ValueError as error:
             assert "svd_matmul: u has shape" in str(error)
         else:
             raise AssertionError("mismatched K accepted")
     if wrong != r:
         try:
-            jax.eval_shape(jn.svd_matmul, x, jax.ShapeDtypeStruct((k, r), jnp.float32),
-                           jax.ShapeDtypeStruct((wrong, n), jnp.float32))
+            jax.eval_shape(
+                jn.svd_matmul,
+                x,
+                jax.ShapeDtypeStruct((k, r), jnp.float32),
+                jax.ShapeDtypeStruct((wrong, n), jnp.float32),
+            )
         except ValueError as error:
             assert "svd_matmul: v has shape" in str(error)
         else:
@@ -50,8 +63,13 @@ def test_svd_matmul_rejects_mismatched_factors_at_trace_time(k, r, n, wrong):
 
 
 @settings(max_examples=12, deadline=None)
-@given(tokens=st.sampled_from([1, 7, 130]), k=st.sampled_from([100, 200]), r=st.sampled_from([1, 13, 130]),
-       n=st.sampled_from([9, 1000]), seed=st.integers(0, 2**31 - 1))
+@given(
+    tokens=st.sampled_from([1, 7, 130]),
+    k=st.sampled_from([100, 200]),
+    r=st.sampled_from([1, 13, 130]),
+    n=st.sampled_from([9, 1000]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_svd_matmul_values_match_float64(tokens, k, r, n, seed):
     rng = np.random.default_rng(seed)
     x, u, v = (rng.standard_normal(shape).astype(np.float32) for shape in ((tokens, k), (k, r), (r, n)))
@@ -62,8 +80,7 @@ def test_svd_matmul_values_match_float64(tokens, k, r, n, seed):
 
 
 @settings(max_examples=300, deadline=None)
-@given(k=st.integers(1, 20000), n=st.integers(1, 20000), keep=st.floats(1e-3, 1.0),
-       block=st.sampled_from([1, 16, 128]))
+@given(k=st.integers(1, 20000), n=st.integers(1, 20000), keep=st.floats(1e-3, 1.0), block=st.sampled_from([1, 16, 128]))
 def test_block_aligned_rank_guarantees(k, n, keep, block):
     rank = block_aligned_rank(k, n, keep, block)
     assert isinstance(rank, int) and 1 <= rank <= min(k, n)
@@ -93,12 +110,18 @@ def _trees(draw):
             lead = tuple(draw(st.lists(st.integers(1, 3), max_size=1)))
             k, r, n = (draw(st.integers(1, 9)) for _ in range(3))
             dtype = draw(_dtypes)
-            tree[name] = {"u": rng.standard_normal((*lead, k, r)).astype(dtype),
-                          "v": rng.standard_normal((*lead, r, n)).astype(dtype)}
+            tree[name] = {
+                "u": rng.standard_normal((*lead, k, r)).astype(dtype),
+                "v": rng.standard_normal((*lead, r, n)).astype(dtype),
+            }
             ranks[name] = r
         else:
-            tree[name] = {"layers": [rng.standard_normal(draw(st.integers(1, 4))).astype(np.float32)
-                                     for _ in range(draw(st.integers(1, 3)))]}
+            tree[name] = {
+                "layers": [
+                    rng.standard_normal(draw(st.integers(1, 4))).astype(np.float32)
+                    for _ in range(draw(st.integers(1, 3)))
+                ]
+            }
     return tree, ranks
 
 

@@ -13,11 +13,19 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from spmd_helpers import (
+    checks_in_subprocess,
+    collectives,
+    matmul_f64,
+    matmul_operands,
+    mlp_f64,
+    mlp_operands,
+    rng,
+    run_checks,
+)
 
 import jax_neuronmm as jn
 from jax_neuronmm._compat import ShardingTypeError
-from spmd_helpers import (checks_in_subprocess, collectives, matmul_f64, matmul_operands, mlp_f64, mlp_operands, rng,
-                          run_checks)
 
 CHECKS = {}
 BACKENDS = ("xla", "emulator")
@@ -39,18 +47,49 @@ class Layout:
 
 MEGATRON = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
 LAYOUTS = {
-    "tokens": Layout(jn.svd_matmul, lambda: matmul_operands("tokens"), (P("data"), P(), P()), None,
-                     P("data", None), []),
-    "column": Layout(jn.svd_matmul, lambda: matmul_operands("column", n=44), (P("data"), P(), P(None, "model")),
-                     None, P("data", "model"), []),
-    "row": Layout(jn.svd_matmul, lambda: matmul_operands("row"), (P("data", "model"), P("model"), P()),
-                  P("data"), P("data", None), [("all-reduce", "f32[7,40]")]),
-    "row_reduce_scatter": Layout(jn.svd_matmul, lambda: matmul_operands("row_rs"), (P(None, "model"), P("model"), P()),
-                                 P(None, "model"), P(None, "model"), [("reduce-scatter", "f32[14,10]")]),
-    "rank": Layout(jn.svd_matmul, lambda: matmul_operands("rank"), (P("data"), P(None, "model"), P("model")),
-                   P("data"), P("data", None), [("all-reduce", "f32[7,40]")]),
-    "megatron_mlp": Layout(jn.svd_mlp, lambda: mlp_operands("megatron"), MEGATRON, P("data"), P("data", None, None),
-                           [("all-reduce", "f32[1,6,48]")]),
+    "tokens": Layout(
+        jn.svd_matmul, lambda: matmul_operands("tokens"), (P("data"), P(), P()), None, P("data", None), []
+    ),
+    "column": Layout(
+        jn.svd_matmul,
+        lambda: matmul_operands("column", n=44),
+        (P("data"), P(), P(None, "model")),
+        None,
+        P("data", "model"),
+        [],
+    ),
+    "row": Layout(
+        jn.svd_matmul,
+        lambda: matmul_operands("row"),
+        (P("data", "model"), P("model"), P()),
+        P("data"),
+        P("data", None),
+        [("all-reduce", "f32[7,40]")],
+    ),
+    "row_reduce_scatter": Layout(
+        jn.svd_matmul,
+        lambda: matmul_operands("row_rs"),
+        (P(None, "model"), P("model"), P()),
+        P(None, "model"),
+        P(None, "model"),
+        [("reduce-scatter", "f32[14,10]")],
+    ),
+    "rank": Layout(
+        jn.svd_matmul,
+        lambda: matmul_operands("rank"),
+        (P("data"), P(None, "model"), P("model")),
+        P("data"),
+        P("data", None),
+        [("all-reduce", "f32[7,40]")],
+    ),
+    "megatron_mlp": Layout(
+        jn.svd_mlp,
+        lambda: mlp_operands("megatron"),
+        MEGATRON,
+        P("data"),
+        P("data", None, None),
+        [("all-reduce", "f32[1,6,48]")],
+    ),
 }
 
 
@@ -102,7 +141,10 @@ def _check_layout_grads(name, mesh_kind, backend):
     mesh = _mesh(mesh_kind)
     fn, _ = _call(layout, mesh_kind)
     cotangent = rng(name + "_ct").standard_normal(_reference(layout, args).shape).astype(np.float32)
-    loss = lambda *a: jnp.sum(fn(*a) * cotangent)
+
+    def loss(*a):
+        return jnp.sum(fn(*a) * cotangent)
+
     argnums = tuple(range(len(args)))
     with jax.set_mesh(mesh), jn.use_backend(backend):
         placed = _place(mesh, args, layout.specs)
@@ -111,12 +153,14 @@ def _check_layout_grads(name, mesh_kind, backend):
         found = collectives(grad.lower(*placed).compile().as_text())
     reference_op = jn.svd_mlp_ref if layout.op is jn.svd_mlp else jn.svd_matmul_ref
     with jax.enable_x64(True):
-        expected = jax.grad(lambda *a: jnp.sum(reference_op(*a) * cotangent),
-                            argnums=argnums)(*(a.astype(np.float64) for a in args))
+        expected = jax.grad(lambda *a: jnp.sum(reference_op(*a) * cotangent), argnums=argnums)(
+            *(a.astype(np.float64) for a in args)
+        )
     for index, (got, want, spec) in enumerate(zip(grads, expected, layout.specs)):
         want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max(),
-                                   err_msg=f"gradient {index}")
+        np.testing.assert_allclose(
+            np.asarray(got), want, rtol=1e-4, atol=1e-5 * np.abs(want).max(), err_msg=f"gradient {index}"
+        )
         if mesh_kind == "explicit":
             padded = P(*spec, *(None,) * (got.ndim - len(spec)))
             assert jax.typeof(got).sharding.spec == padded, (index, jax.typeof(got))
@@ -153,8 +197,13 @@ def explicit_row_parallel_without_out_sharding_asks_for_it():
     for backend in BACKENDS:
         with jax.set_mesh(mesh), jn.use_backend(backend):
             placed = _place(mesh, layout.operands(), layout.specs)
-            _raises(ShardingTypeError, lambda: jax.jit(jn.svd_matmul)(*placed), "svd_matmul", "out_sharding",
-                    "x dim 1 and u dim 0")
+            _raises(
+                ShardingTypeError,
+                lambda: jax.jit(jn.svd_matmul)(*placed),
+                "svd_matmul",
+                "out_sharding",
+                "x dim 1 and u dim 0",
+            )
 
 
 @check
@@ -162,8 +211,7 @@ def explicit_megatron_mlp_without_out_sharding_asks_for_it():
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
         placed = _place(mesh, mlp_operands("mlp_ask"), MEGATRON)
-        _raises(ShardingTypeError, lambda: jax.jit(jn.svd_mlp)(*placed), "svd_mlp", "out_sharding",
-                "down_u dim 0")
+        _raises(ShardingTypeError, lambda: jax.jit(jn.svd_mlp)(*placed), "svd_mlp", "out_sharding", "down_u dim 0")
 
 
 @check
@@ -180,11 +228,20 @@ def out_sharding_bad_values_raise_naming_the_argument():
     with jax.set_mesh(explicit):
         x, u, v = _place(explicit, matmul_operands("bad"), (P(), P(), P()))
         _raises(TypeError, lambda: jn.svd_matmul(x, u, v, out_sharding="model"), "svd_matmul", "out_sharding")
-        _raises(ValueError, lambda: jn.svd_matmul(x, u, v, out_sharding=P(None, None, "model")), "svd_matmul",
-                "out_sharding", "2 dims")
+        _raises(
+            ValueError,
+            lambda: jn.svd_matmul(x, u, v, out_sharding=P(None, None, "model")),
+            "svd_matmul",
+            "out_sharding",
+            "2 dims",
+        )
     # As jnp.matmul: a PartitionSpec needs a mesh set with jax.set_mesh, and may only name Explicit axes.
-    _raises(ValueError, lambda: jn.svd_matmul(*matmul_operands("bad"), out_sharding=P("model")), "svd_matmul",
-            "out_sharding")
+    _raises(
+        ValueError,
+        lambda: jn.svd_matmul(*matmul_operands("bad"), out_sharding=P("model")),
+        "svd_matmul",
+        "out_sharding",
+    )
     auto = _mesh("auto")
     with jax.set_mesh(auto):
         args = _place(auto, mlp_operands("bad"), MEGATRON)
@@ -216,12 +273,17 @@ def explicit_vmap_over_stacked_layers_and_over_tokens():
         y = stacked(px, pu, pv)
         assert jax.typeof(y).sharding.spec == P(None, "data", "model"), jax.typeof(y)
         assert collectives(stacked.lower(px, pu, pv).compile().as_text()) == []
-        np.testing.assert_allclose(np.asarray(y), np.einsum("btk,bkr,brn->btn", *(a.astype(np.float64)
-                                   for a in (x, us, vs))), rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            np.asarray(y),
+            np.einsum("btk,bkr,brn->btn", *(a.astype(np.float64) for a in (x, us, vs))),
+            rtol=1e-4,
+            atol=1e-4,
+        )
         # vmap over a token dim, row-parallel: the per-example out_sharding gains the vmapped dim.
         px, pu, pv = _place(mesh, (x, us[0], vs[0, :, :40]), (P(None, "data", "model"), P("model"), P()))
-        over_tokens = jax.jit(jax.vmap(lambda x, u, v: jn.svd_matmul(x, u, v, out_sharding=P("data")),
-                                       in_axes=(0, None, None)))
+        over_tokens = jax.jit(
+            jax.vmap(lambda x, u, v: jn.svd_matmul(x, u, v, out_sharding=P("data")), in_axes=(0, None, None))
+        )
         y = over_tokens(px, pu, pv)
         assert jax.typeof(y).sharding.spec == P(None, "data", None), jax.typeof(y)
         assert collectives(over_tokens.lower(px, pu, pv).compile().as_text()) == [("all-reduce", "f32[3,7,40]")]
@@ -281,8 +343,9 @@ def explicit_shard_map_matmul_layouts_both_backends():
             for backend in BACKENDS:
                 with jn.use_backend(backend):
                     result = apply(*placed)
-                np.testing.assert_allclose(np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4,
-                                           err_msg=f"{name} {backend}")
+                np.testing.assert_allclose(
+                    np.asarray(result), matmul_f64(*args), rtol=1e-4, atol=1e-4, err_msg=f"{name} {backend}"
+                )
                 assert jax.typeof(result).sharding.spec == layout.result_spec, (name, jax.typeof(result))
 
 

@@ -14,11 +14,6 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-
-import jax_neuronmm as jn
-from jax_neuronmm import lowering
-from jax_neuronmm.host_callback import HostKernel
-from jax_neuronmm.svd_mlp import WEIGHT_NAMES
 from spmd_helpers import DEVICE_COUNT, checks_in_subprocess, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import matmul_f64 as _matmul_f64
@@ -26,6 +21,11 @@ from spmd_helpers import matmul_operands as _matmul_operands
 from spmd_helpers import mlp_f64 as _mlp_f64
 from spmd_helpers import mlp_operands as _mlp_operands
 from spmd_helpers import rng as _rng
+
+import jax_neuronmm as jn
+from jax_neuronmm import lowering
+from jax_neuronmm.host_callback import HostKernel
+from jax_neuronmm.svd_mlp import WEIGHT_NAMES
 
 # ---------------------------------------------------------------------------------------------------------------
 # The checks (run in the 8-device subprocess only).
@@ -87,14 +87,14 @@ def matmul_rank_parallel_one_all_reduce_of_output():
 
 @check
 def matmul_row_parallel_reduce_scatter_when_output_wants_n_split():
-    _assert_matmul_layout("row_rs", (P(None, "model"), P("model"), P()), [("reduce-scatter", "f32[14,10]")],
-                          out_spec=P(None, "model"))
+    _assert_matmul_layout(
+        "row_rs", (P(None, "model"), P("model"), P()), [("reduce-scatter", "f32[14,10]")], out_spec=P(None, "model")
+    )
 
 
 @check
 def matmul_row_and_rank_on_two_axes_one_all_reduce():
-    _assert_matmul_layout("row_rank", (P(None, "model"), P("model", "data"), P("data")),
-                          [("all-reduce", "f32[14,40]")])
+    _assert_matmul_layout("row_rank", (P(None, "model"), P("model", "data"), P("data")), [("all-reduce", "f32[14,40]")])
 
 
 @check
@@ -124,10 +124,14 @@ def matmul_per_shard_host_callback_sees_only_blocks():
 
     original = lowering.local_impl
     lowering.local_impl = lambda primitive, platform: (
-        HostKernel(on_host) if primitive is jn.svd_matmul_p else original(primitive, platform))
+        HostKernel(on_host) if primitive is jn.svd_matmul_p else original(primitive, platform)
+    )
     try:
         x, u, v = _matmul_operands("callback")
-        fn = lambda *a: jn.svd_matmul(*a)  # a fresh function: no cached lowering
+
+        def fn(*a):
+            return jn.svd_matmul(*a)  # a fresh function: no cached lowering
+
         sharded, collectives = _run_layout(fn, (x, u, v), (P("data", "model"), P("model"), P()))
     finally:
         lowering.local_impl = original
@@ -140,7 +144,10 @@ def matmul_per_shard_host_callback_sees_only_blocks():
 def matmul_emulator_backend_runs_kernels_on_blocks():
     # The real emulator backend: one NKI kernel launch per device, each reading only that device's blocks.
     x, u, v = _matmul_operands("emulator")
-    fn = lambda *a: jn.svd_matmul(*a)  # a fresh function: no cached lowering
+
+    def fn(*a):
+        return jn.svd_matmul(*a)  # a fresh function: no cached lowering
+
     with jn.use_backend("emulator"), jn.profile() as prof:
         sharded, collectives = _run_layout(fn, (x, u, v), (P("data", "model"), P("model"), P()))
     np.testing.assert_allclose(sharded, _matmul_f64(x, u, v), rtol=1e-4, atol=1e-4)
@@ -159,9 +166,11 @@ def emulator_blocks_no_kernel_fits_fail_when_compiling():
     mesh = _mesh()
 
     def operands(rank):
-        return (S((8, 100), jnp.float32, sharding=NamedSharding(mesh, P("data"))),
-                S((100, rank), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
-                S((rank, 8), jnp.float32, sharding=NamedSharding(mesh, P("model"))))
+        return (
+            S((8, 100), jnp.float32, sharding=NamedSharding(mesh, P("data"))),
+            S((100, rank), jnp.float32, sharding=NamedSharding(mesh, P(None, "model"))),
+            S((rank, 8), jnp.float32, sharding=NamedSharding(mesh, P("model"))),
+        )
 
     with jn.use_backend("emulator"):
         # 100000 in all is 25000 per device, which fits: the blocks are checked, not the whole arrays.
@@ -172,15 +181,21 @@ def emulator_blocks_no_kernel_fits_fail_when_compiling():
             message = str(error)
         else:
             raise AssertionError("no error")
-    assert re.search(r"svd_matmul: operands of shapes \(4, 100\), \(100, 100000\), \(100000, 8\) cannot run as "
-                     r"NKI kernels on trn2: .*no block sizes fit", message), message
+    assert re.search(
+        r"svd_matmul: operands of shapes \(4, 100\), \(100, 100000\), \(100000, 8\) cannot run as "
+        r"NKI kernels on trn2: .*no block sizes fit",
+        message,
+    ), message
 
 
 @check
 def mlp_emulator_backend_megatron_two_kernels_per_device():
     x, *weights = _mlp_operands("mlp_emulator")
     specs = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
-    fn = lambda *a: jn.svd_mlp(*a)
+
+    def fn(*a):
+        return jn.svd_mlp(*a)
+
     with jn.use_backend("emulator"), jn.profile() as prof:
         sharded, collectives = _run_layout(fn, (x, *weights), specs)
     np.testing.assert_allclose(sharded, _mlp_f64(x, *weights), rtol=1e-4, atol=1e-4)
@@ -226,7 +241,10 @@ def layer_of_two_matmuls_megatron_attention_style():
     x = rng.standard_normal((8, 32)).astype(np.float32)
     u1, v1 = rng.standard_normal((32, 8)).astype(np.float32), rng.standard_normal((8, 64)).astype(np.float32)
     u2, v2 = rng.standard_normal((64, 8)).astype(np.float32), rng.standard_normal((8, 32)).astype(np.float32)
-    fn = lambda x, u1, v1, u2, v2: jn.svd_matmul(jnp.tanh(jn.svd_matmul(x, u1, v1)), u2, v2)
+
+    def fn(x, u1, v1, u2, v2):
+        return jn.svd_matmul(jnp.tanh(jn.svd_matmul(x, u1, v1)), u2, v2)
+
     sharded, collectives = _run_layout(fn, (x, u1, v1, u2, v2), (P(), P(), P(None, "model"), P("model"), P()))
     reference = np.tanh(_matmul_f64(x, u1, v1)) @ u2.astype(np.float64) @ v2
     np.testing.assert_allclose(sharded, reference, rtol=1e-4, atol=1e-4)
@@ -244,7 +262,10 @@ def shard_map_grads_replicated_weights_sharded_tokens():
         cotangent = _rng("sm_ct").standard_normal((16, 40))
         tokens = P(("data", "model"))
         apply = _shard_map(jn.svd_matmul, (tokens, P(), P()), tokens)
-        loss = lambda x, u, v: jnp.sum(apply(x, u, v) * cotangent)
+
+        def loss(x, u, v):
+            return jnp.sum(apply(x, u, v) * cotangent)
+
         dx, du, dv = jax.grad(loss, argnums=(0, 1, 2))(x, u, v)
     np.testing.assert_allclose(dx, cotangent @ v.T @ u.T, rtol=1e-10)
     np.testing.assert_allclose(du, x.T @ cotangent @ v.T, rtol=1e-10)
@@ -276,8 +297,9 @@ def shard_map_direct_bind_with_mismatched_varying_axes_raises():
     x, u, v = _matmul_operands("bind", tokens=(16,))
 
     def direct(x, u, v):
-        return jn.svd_matmul_p.bind(x, u, v, n_batch=0, precision=None, out_dtype=np.dtype("float32"),
-                                    out_sharding=None)
+        return jn.svd_matmul_p.bind(
+            x, u, v, n_batch=0, precision=None, out_dtype=np.dtype("float32"), out_sharding=None
+        )
 
     try:
         _shard_map(direct, (P("data"), P(), P()), P("data"))(x, u, v)

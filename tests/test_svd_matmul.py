@@ -186,8 +186,12 @@ def test_bad_input_names_the_argument(shapes, dtypes, exc, words):
 
 def test_bad_preferred_element_type():
     with pytest.raises(TypeError, match="preferred_element_type=int32"):
-        jn.svd_matmul(np.ones((2, 3), np.float32), np.ones((3, 1), np.float32), np.ones((1, 2), np.float32),
-                      preferred_element_type=np.int32)
+        jn.svd_matmul(
+            np.ones((2, 3), np.float32),
+            np.ones((3, 1), np.float32),
+            np.ones((1, 2), np.float32),
+            preferred_element_type=np.int32,
+        )
 
 
 def test_float64_result_without_x64_is_refused():

@@ -1,6 +1,5 @@
 """svd_mlp primitive on the XLA reference lowering: numerics, AD, vmap, errors."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,12 +29,15 @@ def mlp64(x, gu, gv, uu, uv, du, dv, activation="silu"):
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
-@pytest.mark.parametrize("tokens,hidden,inter,ranks", [
-    ((1,), 37, 100, (1, 3, 2)),
-    ((7,), 129, 200, (13, 13, 9)),
-    ((2, 65), 100, 300, (130, 64, 100)),
-    ((0,), 8, 16, (2, 2, 2)),
-])
+@pytest.mark.parametrize(
+    "tokens,hidden,inter,ranks",
+    [
+        ((1,), 37, 100, (1, 3, 2)),
+        ((7,), 129, 200, (13, 13, 9)),
+        ((2, 65), 100, 300, (130, 64, 100)),
+        ((0,), 8, 16, (2, 2, 2)),
+    ],
+)
 def test_float32_matches_float64(rng, activation, tokens, hidden, inter, ranks):
     args = mlp_factors(rng, tokens, hidden, inter, ranks)
     y = jax.jit(jn.svd_mlp, static_argnames="activation")(*args, activation=activation)
@@ -70,8 +72,10 @@ def test_vmap(rng, batched):
     size = 2
     base = mlp_factors(rng, (3,), 6, 10, (2, 3, 2))
     axes = [0 if i in batched else None for i in range(7)]
-    args = [np.stack([a] + [rng.standard_normal(a.shape).astype(a.dtype) / 3 for _ in range(size - 1)])
-            if ax == 0 else a for a, ax in zip(base, axes)]
+    args = [
+        np.stack([a] + [rng.standard_normal(a.shape).astype(a.dtype) / 3 for _ in range(size - 1)]) if ax == 0 else a
+        for a, ax in zip(base, axes)
+    ]
     got = jax.vmap(jn.svd_mlp, in_axes=axes)(*args)
     for i in range(size):
         sliced = [a[i] if ax == 0 else a for a, ax in zip(args, axes)]
@@ -84,12 +88,15 @@ def test_jaxpr_has_one_svd_mlp(rng):
     assert [e.primitive.name for e in jaxpr.eqns] == ["svd_mlp"]
 
 
-@pytest.mark.parametrize("index,shape,words", [
-    (1, (9, 2), ["gate_u", "(9, 2)", "x.shape[-1] (H)"]),
-    (4, (2, 11), ["up_v", "(2, 11)", "gate_v.shape[1]"]),
-    (5, (11, 2), ["down_u", "intermediate size I"]),
-    (6, (5, 8), ["down_v", "down_u.shape[1]"]),
-])
+@pytest.mark.parametrize(
+    "index,shape,words",
+    [
+        (1, (9, 2), ["gate_u", "(9, 2)", "x.shape[-1] (H)"]),
+        (4, (2, 11), ["up_v", "(2, 11)", "gate_v.shape[1]"]),
+        (5, (11, 2), ["down_u", "intermediate size I"]),
+        (6, (5, 8), ["down_v", "down_u.shape[1]"]),
+    ],
+)
 def test_bad_shapes_name_the_argument(rng, index, shape, words):
     args = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
     args[index] = np.ones(shape, np.float32)
@@ -106,5 +113,3 @@ def test_bad_activation_and_dtypes(rng):
     args[3] = args[3].astype(np.float16)
     with pytest.raises(TypeError, match="up_u=float16"):
         jn.svd_mlp(*args)
-
-

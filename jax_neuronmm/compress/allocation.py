@@ -16,8 +16,9 @@ import numpy as np
 from jax_neuronmm.compress import svd
 
 
-def allocate_ranks(spectra: Sequence[np.ndarray], shapes: Sequence[tuple[int, int]], keep: float,
-                   block: int = 128) -> list[int]:
+def allocate_ranks(
+    spectra: Sequence[np.ndarray], shapes: Sequence[tuple[int, int]], keep: float, block: int = 128
+) -> list[int]:
     """Block-aligned ranks, one per projection, whose factors hold at most keep·Σ K·N parameters in total.
 
     spectra[i]: the whitened singular values of projection i (descending, length min(K, N)); shapes[i] = (K, N).
@@ -27,8 +28,9 @@ def allocate_ranks(spectra: Sequence[np.ndarray], shapes: Sequence[tuple[int, in
     Returns the ranks in the order of `spectra`.
     """
     if len(spectra) != len(shapes) or not spectra:
-        raise ValueError(f"spectra and shapes: got {len(spectra)} and {len(shapes)} entries, expected the same "
-                         f"non-zero number")
+        raise ValueError(
+            f"spectra and shapes: got {len(spectra)} and {len(shapes)} entries, expected the same non-zero number"
+        )
     svd.check_keep(keep)
     budget = keep * sum(k * n for k, n in shapes)
     ranks, caps, tails = [], [], []
@@ -39,7 +41,9 @@ def allocate_ranks(spectra: Sequence[np.ndarray], shapes: Sequence[tuple[int, in
         energy = sigma**2
         total = float(energy.sum())
         # Cumulative energy kept at each rank: tails[r] = relative error at rank r.
-        tails.append(1.0 - np.concatenate([[0.0], np.cumsum(energy)]) / total if total > 0 else np.zeros(len(sigma) + 1))
+        tails.append(
+            1.0 - np.concatenate([[0.0], np.cumsum(energy)]) / total if total > 0 else np.zeros(len(sigma) + 1)
+        )
         cap = (k * n // (k + n)) // block * block
         if cap == 0:  # under one block: not allocated, the uniform rule's unaligned rank
             cap = svd.block_aligned_rank(k, n, keep, block)

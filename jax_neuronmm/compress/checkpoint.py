@@ -50,8 +50,14 @@ class CheckpointInfo:
     user: dict[str, str]
 
 
-def save_compressed(path, params, *, report: CompressionReport | None = None,
-                    metadata: Mapping[str, str] | None = None, overwrite: bool = False) -> None:
+def save_compressed(
+    path,
+    params,
+    *,
+    report: CompressionReport | None = None,
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+) -> None:
     """Write params (Linen dicts, NNX State, lists; leaves numpy/JAX arrays or NNX Variables) to `path`.
 
     `report` (from `compress_params`) supplies method and keep and must agree with the ranks found in params;
@@ -232,8 +238,10 @@ def fit_problems(expected: Mapping[tuple, object], found: Mapping[tuple, np.ndar
         got = found[keys]
         same_shape = tuple(leaf.shape) == tuple(got.shape)
         if check_dtype and not (same_shape and np.dtype(leaf.dtype) == got.dtype):
-            problems.append(f"{tree.join(keys)}: file has {got.dtype}{list(got.shape)}, expected "
-                            f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
+            problems.append(
+                f"{tree.join(keys)}: file has {got.dtype}{list(got.shape)}, expected "
+                f"{np.dtype(leaf.dtype)}{list(leaf.shape)}"
+            )
         elif not same_shape:
             problems.append(f"{tree.join(keys)}: file has shape {list(got.shape)}, expected {list(leaf.shape)}")
     return problems

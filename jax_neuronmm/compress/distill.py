@@ -84,15 +84,22 @@ def centered_logit_error(model, dense, ids) -> float:
     return float(jnp.sum((diff @ gram) * diff) / jnp.sum((target @ gram) * target))
 
 
-def distill_factors(model, dense, calibration_ids, options: DistillOptions = DistillOptions(), *,
-                    progress: bool = True, on_step: Callable[[int, object], None] | None = None) -> None:
+def distill_factors(
+    model,
+    dense,
+    calibration_ids,
+    options: DistillOptions = DistillOptions(),
+    *,
+    progress: bool = True,
+    on_step: Callable[[int, object], None] | None = None,
+) -> None:
     """Trains `model`'s factors in place for options.steps Adam steps towards `dense`'s logits on
     calibration_ids [B, T]; keeps the factors it started from if training raised the loss on the first
     CHECK_SEQUENCES sequences. on_step(steps_done, model), when given, runs after every step with the model
     holding the current factors (to watch held-out loss)."""
     ids = np.asarray(calibration_ids, np.int32)
     gram = logit_gram(dense)
-    targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i:i + 1])) for i in range(ids.shape[0])])
+    targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i : i + 1])) for i in range(ids.shape[0])])
     energy = float(np.mean(np.einsum("bth,hg,btg->bt", targets, np.asarray(gram), targets)))
     table = _unembedding(dense)
     cap = getattr(dense.config, "final_logit_softcapping", None)
@@ -115,8 +122,9 @@ def distill_factors(model, dense, calibration_ids, options: DistillOptions = Dis
             teacher_logits, token_ids = batch_teacher
             student_logits = _capped(jnp.einsum("bth,btkh->btk", hidden, table[token_ids]), cap)
             teacher_log_p = jax.nn.log_softmax(teacher_logits, axis=-1)
-            kl = jnp.sum(jnp.exp(teacher_log_p) * (teacher_log_p - jax.nn.log_softmax(student_logits, axis=-1)),
-                         axis=-1)
+            kl = jnp.sum(
+                jnp.exp(teacher_log_p) * (teacher_log_p - jax.nn.log_softmax(student_logits, axis=-1)), axis=-1
+            )
             loss = loss + jnp.mean(kl)
         return loss
 

@@ -77,8 +77,9 @@ def _adam_step(params, state, scales, energy, xb, yb, *, activation, learning_ra
     return optax.apply_updates(params, updates), state
 
 
-def finetune_mlp(factors: dict, inputs, targets, activation: str,
-                 options: LocalFinetuneOptions = LocalFinetuneOptions()) -> dict:
+def finetune_mlp(
+    factors: dict, inputs, targets, activation: str, options: LocalFinetuneOptions = LocalFinetuneOptions()
+) -> dict:
     """Factors (same names and shapes, numpy float32) after `options.steps` Adam steps on
     ‖mlp(inputs) − targets‖² / ‖targets‖², inputs [n, K] and targets [n, N] as numpy arrays.
 
@@ -101,8 +102,9 @@ def finetune_mlp(factors: dict, inputs, targets, activation: str,
     batch = min(options.batch, x.shape[0])
     for _ in range(options.steps):
         rows = rng.choice(x.shape[0], batch, replace=False)
-        params, state = _adam_step(params, state, scales, energy, x[rows], y[rows], activation=activation,
-                                   learning_rate=options.learning_rate)
+        params, state = _adam_step(
+            params, state, scales, energy, x[rows], y[rows], activation=activation, learning_rate=options.learning_rate
+        )
     trained = {k: np.asarray(v) for k, v in params.items()}
     if relative_error(trained, x, y, activation) >= relative_error(factors, x, y, activation):
         return {k: np.asarray(v, np.float32) for k, v in factors.items()}

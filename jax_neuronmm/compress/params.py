@@ -242,11 +242,13 @@ def _relative_output_error(kernel, u, v, activations) -> float:
 
 def _replace_kernels(replacements: dict):
     """A `tree.rebuild` callback putting u, v in place of each replaced kernel."""
+
     def replace(keys, leaf):
         if keys and keys[-1] == "kernel" and keys[:-1] in replacements:
             u, v = replacements[keys[:-1]]
             return [("u", _factor_variable(leaf, u, "u")), ("v", _factor_variable(leaf, v, "v"))]
         return [(keys[-1] if keys else None, leaf)]
+
     return replace
 
 

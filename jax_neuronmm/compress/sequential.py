@@ -33,7 +33,6 @@ from jax_neuronmm.models.layers import GatedMLP, activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 
-
 @dataclasses.dataclass(frozen=True)
 class LayerwiseOptions:
     """What `compress_layers` does besides factoring. sequential / refit / local as in the module docstring;
@@ -110,8 +109,18 @@ def _positions_and_masks(shape, windows):
     return positions, tuple(attention_mask(positions, positions, valid, window) for window in windows)
 
 
-def compress_layers(model, dense, calibration_ids, include, ranks, method: str, options: LayerwiseOptions,
-                    fused_activation, *, progress: bool = True) -> None:
+def compress_layers(
+    model,
+    dense,
+    calibration_ids,
+    include,
+    ranks,
+    method: str,
+    options: LayerwiseOptions,
+    fused_activation,
+    *,
+    progress: bool = True,
+) -> None:
     """Replaces, in place, the projections of `model` (a clone of `dense`) by factored modules.
 
     ranks[(layer_index, projection_name)] -> rank. method "svd" | "whitened". fused_activation(mlp) -> svd_mlp's
@@ -143,14 +152,16 @@ def compress_layers(model, dense, calibration_ids, include, ranks, method: str, 
                     chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
                     for name in group:
                         linear = getattr(layer.self_attn, name)
-                        u, v = _factor(linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in,
-                                       options)
+                        u, v = _factor(
+                            linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in, options
+                        )
                         setattr(layer.self_attn, name, SVDLinear.from_factors(linear, u, v))
             if "mlp" in include:
                 dense_in, dense_hidden = dense_inputs[-2:]
                 inputs = compressed_inputs(("mlp", "gate_proj")) if options.sequential else dense_in
-                layer.mlp = _compress_mlp(layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options,
-                                          fused_activation, lane)
+                layer.mlp = _compress_mlp(
+                    layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options, fused_activation, lane
+                )
             if options.sequential:
                 x_compressed = record_inputs(layer, x_compressed, positions, mask, [])[0]
             bar.update()
@@ -180,8 +191,9 @@ def _dense_calibration(layers, x, positions, masks, taps):
         yield _to_host(pending)
 
 
-def whitened_spectra(dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING,
-                     progress: bool = True) -> dict:
+def whitened_spectra(
+    dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING, progress: bool = True
+) -> dict:
     """{(layer_index, projection_name): whitened singular values σ [min(K, N)]} of every projection `include`
     selects, on the dense model's own activations (the input of rank allocation)."""
     x, positions, masks = calibration_batch(dense, calibration_ids)
@@ -216,19 +228,28 @@ def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, decomposi
 def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
     """Plain SVD of every projection `include` selects, two at a time (one per core; LAPACK releases the GIL),
     each layer's modules replaced once its factors are ready."""
-    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + \
-        ([("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else [])
+    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + (
+        [("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else []
+    )
     with svd.single_threaded_blas(), futures.ThreadPoolExecutor(2, thread_name_prefix="factor") as pool:
-        jobs = [{name: pool.submit(svd.truncated_svd, np.asarray(getattr(getattr(layer, parent), name).kernel[...]),
-                                   ranks[(index, name)])
-                 for parent, name in selected}
-                for index, layer in enumerate(layers)]
+        jobs = [
+            {
+                name: pool.submit(
+                    svd.truncated_svd,
+                    np.asarray(getattr(getattr(layer, parent), name).kernel[...]),
+                    ranks[(index, name)],
+                )
+                for parent, name in selected
+            }
+            for index, layer in enumerate(layers)
+        ]
         for layer, factors in zip(layers, jobs):
             factors = {name: job.result() for name, job in factors.items()}
             if "attention" in include:
                 for name in ATTENTION_PROJECTIONS:
-                    setattr(layer.self_attn, name,
-                            SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
+                    setattr(
+                        layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name])
+                    )
             if "mlp" in include:
                 layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
             bar.update()
@@ -236,14 +257,25 @@ def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
 
 def _gated_hidden(x, gate, up, activation):
     """act(x·gate) * (x·up) in float32 numpy; gate / up are kernels [K, I] or (u, v) pairs."""
+
     def project(weight):
         return x @ weight if not isinstance(weight, tuple) else (x @ weight[0]) @ weight[1]
 
     return np.asarray(activation_fn(activation)(jnp.asarray(project(gate))), np.float32) * project(up)
 
 
-def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, ranks, method, options,
-                  fused_activation, lane: futures.Executor):
+def _compress_mlp(
+    mlp: GatedMLP,
+    index,
+    inputs,
+    dense_inputs,
+    dense_hidden,
+    ranks,
+    method,
+    options,
+    fused_activation,
+    lane: futures.Executor,
+):
     """The factored MLP. inputs / dense_inputs [n, hidden]: what the compressed / dense model feed it;
     dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs.
 
@@ -267,17 +299,20 @@ def _compress_mlp(mlp: GatedMLP, index, inputs, dense_inputs, dense_hidden, rank
     factors = {"gate_proj": factor("gate_proj", chol, inputs, dense_inputs)}
     factors["up_proj"] = up.result() if up is not None else factor("up_proj", chol, inputs, dense_inputs)
     if options.sequential:  # down_proj sees what the compressed gate/up produce
-        factors["down_proj"] = factor_down(_gated_hidden(inputs, factors["gate_proj"], factors["up_proj"],
-                                                         mlp.activation))
+        factors["down_proj"] = factor_down(
+            _gated_hidden(inputs, factors["gate_proj"], factors["up_proj"], mlp.activation)
+        )
     else:
         factors["down_proj"] = down.result()
     fused = fused_activation(mlp)
     if options.local is not None and fused is not None:
-        flat = {f"{name.split('_')[0]}_{part}": value
-                for name, pair in factors.items() for part, value in zip("uv", pair)}
+        flat = {
+            f"{name.split('_')[0]}_{part}": value for name, pair in factors.items() for part, value in zip("uv", pair)
+        }
         tuned = finetune_mlp(flat, inputs, dense_hidden @ kernels["down_proj"], fused, options.local)
-        factors = {name: (tuned[f"{name.split('_')[0]}_u"], tuned[f"{name.split('_')[0]}_v"])
-                   for name in MLP_PROJECTIONS}
+        factors = {
+            name: (tuned[f"{name.split('_')[0]}_u"], tuned[f"{name.split('_')[0]}_v"]) for name in MLP_PROJECTIONS
+        }
     return _mlp_module(mlp, factors, fused)
 
 

@@ -128,8 +128,10 @@ def whitening(activations, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndar
     with single_threaded_blas():
         chol, damping_added = _damped_cholesky(x.T @ x, damping)
     if damping_added > 0:
-        message = (f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
-                   f"added {damping_added:.3g}·mean(diag) to its diagonal")
+        message = (
+            f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
+            f"added {damping_added:.3g}·mean(diag) to its diagonal"
+        )
         warnings.warn(message, WhiteningDampedWarning, stacklevel=2)
         logger.warning(message)
     return chol, damping_added
@@ -144,8 +146,9 @@ def whitened_decomposition(w, chol) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     with single_threaded_blas():
         # Sᵀ·w as (wᵀ·S)ᵀ with a triangular product (half a general one's work); the transposes are F-ordered views
         # of the C-ordered arrays, so BLAS copies nothing.
-        whitened = scipy.linalg.blas.dtrmm(1.0, np.asarray(chol, np.float64).T, w64.T, side=1, lower=False,
-                                           trans_a=True).T
+        whitened = scipy.linalg.blas.dtrmm(
+            1.0, np.asarray(chol, np.float64).T, w64.T, side=1, lower=False, trans_a=True
+        ).T
         return np.linalg.svd(whitened, full_matrices=False)
 
 

@@ -41,18 +41,36 @@ from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 CHECKPOINT_FILE = "model.safetensors"
 REPORT_FILE = "compression_report.json"
 # Copied unchanged from the source directory when present.
-COPIED_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "tokenizer.model")
+COPIED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+)
 DEFAULT_KEEP = 0.8
 
 
-def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: int | str | None = None,
-                        method: str | None = None, steps=None, include=("mlp",), calibration_ids=None,
-                        distill_ids=None, block: int = 128, dtype=jnp.float32) -> CompressionReport:
+def compress_checkpoint(
+    src_dir,
+    out_dir,
+    *,
+    keep: float | None = None,
+    rank: int | str | None = None,
+    method: str | None = None,
+    steps=None,
+    include=("mlp",),
+    calibration_ids=None,
+    distill_ids=None,
+    block: int = 128,
+    dtype=jnp.float32,
+) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
     keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block are `compress_model`'s
-    (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the model is loaded, factored and saved in.
+    (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the model is loaded,
+    factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
     Nothing the user has is replaced: before anything is read or written, raises FileExistsError naming the
@@ -70,20 +88,43 @@ def compress_checkpoint(src_dir, out_dir, *, keep: float | None = None, rank: in
 
     dense = load_hf(src_dir, dtype=dtype)
     method, steps = resolve_pipeline(method, steps, calibration_ids)
-    compressed = compress_model(dense, keep=keep, method=method, steps=steps, calibration_ids=calibration_ids,
-                                distill_ids=distill_ids, include=include, rank=rank, block=block)
-    report = _report(dense, compressed, method="+".join((method, *steps)), keep=keep if rank is None else None,
-                     rank=rank if isinstance(rank, int) else None)
+    compressed = compress_model(
+        dense,
+        keep=keep,
+        method=method,
+        steps=steps,
+        calibration_ids=calibration_ids,
+        distill_ids=distill_ids,
+        include=include,
+        rank=rank,
+        block=block,
+    )
+    report = _report(
+        dense,
+        compressed,
+        method="+".join((method, *steps)),
+        keep=keep if rank is None else None,
+        rank=rank if isinstance(rank, int) else None,
+    )
 
     os.makedirs(out_dir, exist_ok=True)
-    save_compressed(os.path.join(out_dir, CHECKPOINT_FILE), nnx.state(compressed), report=report, metadata={
-        "source": os.path.abspath(src_dir), "include": ",".join((include,) if isinstance(include, str) else include),
-        "block": str(block), "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
-    })
+    save_compressed(
+        os.path.join(out_dir, CHECKPOINT_FILE),
+        nnx.state(compressed),
+        report=report,
+        metadata={
+            "source": os.path.abspath(src_dir),
+            "include": ",".join((include,) if isinstance(include, str) else include),
+            "block": str(block),
+            "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
+        },
+    )
     write_atomically(os.path.join(out_dir, REPORT_FILE), lambda temporary: _write_json(temporary, report.to_dict()))
     for name in copied:
-        write_atomically(os.path.join(out_dir, name),
-                         lambda temporary, name=name: shutil.copyfile(os.path.join(src_dir, name), temporary))
+        write_atomically(
+            os.path.join(out_dir, name),
+            lambda temporary, name=name: shutil.copyfile(os.path.join(src_dir, name), temporary),
+        )
     return report
 
 
@@ -94,12 +135,16 @@ def _write_json(path: str, value) -> None:
 
 def _check_output_dir(src_dir: str, out_dir: str, outputs: list[str]) -> None:
     if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
-        raise FileExistsError(f"out_dir: {out_dir!r} is the source checkpoint directory; writing there would replace "
-                         "the original files. Choose a new directory (nothing was written)")
+        raise FileExistsError(
+            f"out_dir: {out_dir!r} is the source checkpoint directory; writing there would replace "
+            "the original files. Choose a new directory (nothing was written)"
+        )
     existing = [name for name in outputs if os.path.lexists(os.path.join(out_dir, name))]
     if existing:
-        raise FileExistsError(f"out_dir: {out_dir!r} already holds {existing}, which the compressed checkpoint "
-                              "would replace. Choose a new or empty directory (nothing was written)")
+        raise FileExistsError(
+            f"out_dir: {out_dir!r} already holds {existing}, which the compressed checkpoint "
+            "would replace. Choose a new or empty directory (nothing was written)"
+        )
 
 
 def _report(dense: CausalLM, compressed: CausalLM, *, method, keep, rank) -> CompressionReport:
@@ -113,10 +158,16 @@ def _report(dense: CausalLM, compressed: CausalLM, *, method, keep, rank) -> Com
         path = keys[:-1]
         w = np.asarray(kernels[path][...], np.float64)
         approx = np.asarray(u[...], np.float64) @ np.asarray(factors[path + ("v",)][...], np.float64)
-        layers.append(LayerReport(
-            path=tree.join(path), shape=w.shape, rank=int(u.shape[-1]), params_before=w.size,
-            params_after=int(u.size + factors[path + ("v",)].size),
-            relative_error=float(np.linalg.norm(w - approx) / np.linalg.norm(w))))
+        layers.append(
+            LayerReport(
+                path=tree.join(path),
+                shape=w.shape,
+                rank=int(u.shape[-1]),
+                params_before=w.size,
+                params_after=int(u.size + factors[path + ("v",)].size),
+                relative_error=float(np.linalg.norm(w - approx) / np.linalg.norm(w)),
+            )
+        )
     return CompressionReport(method=method, keep=keep, rank=rank, layers=tuple(layers))
 
 
@@ -158,8 +209,9 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
         )
     params, _ = load_compressed(weights_path)
     tensors = dict(tree.iter_leaves(params))
-    ranks = {keys[:-1]: int(u.shape[-1]) for keys, u in tensors.items()
-             if keys[-1] == "u" and keys[:-1] + ("v",) in tensors}
+    ranks = {
+        keys[:-1]: int(u.shape[-1]) for keys, u in tensors.items() if keys[-1] == "u" and keys[:-1] + ("v",) in tensors
+    }
 
     model = abstract_model(path, dtype)
     _factor_projections(model, ranks, weights_path)

@@ -11,7 +11,8 @@ import numpy as np
 from flax import nnx
 
 # Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import allocation, distill as distillation, local_finetune, sequential, svd
+from jax_neuronmm.compress import allocation, local_finetune, sequential, svd
+from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
@@ -63,12 +64,14 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
         raise ValueError(f"include: got {include!r}, expected a non-empty subset of {INCLUDE_CHOICES}")
     if method == "whitened" or steps:
         if calibration_ids is None:
-            raise ValueError(f"calibration_ids: method={method!r} with steps {steps} needs calibration token ids "
-                             f"[B, T]")
+            raise ValueError(
+                f"calibration_ids: method={method!r} with steps {steps} needs calibration token ids [B, T]"
+            )
         calibration_ids = _check_ids(model, calibration_ids, "calibration_ids")
     elif calibration_ids is not None:
-        raise ValueError("calibration_ids: only used by method='whitened' or recovery steps; got it with "
-                         "method='svd' and no steps")
+        raise ValueError(
+            "calibration_ids: only used by method='whitened' or recovery steps; got it with method='svd' and no steps"
+        )
     return include, steps, calibration_ids
 
 
@@ -91,7 +94,9 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
             entries += [(index, name, getattr(layer.mlp, name)) for name in MLP_PROJECTIONS]
     shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
     if spectra is not None:
-        allocated = allocation.allocate_ranks([spectra[(index, name)] for index, name, _ in entries], shapes, keep, block)
+        allocated = allocation.allocate_ranks(
+            [spectra[(index, name)] for index, name, _ in entries], shapes, keep, block
+        )
         return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
     ranks = {}
     for (index, name, _), (k, n) in zip(entries, shapes):
@@ -103,9 +108,12 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
         kept = sum(r * (k + n) for r, (k, n) in zip(ranks.values(), shapes)) / sum(k * n for k, n in shapes)
         if abs(kept - keep) > KEEP_TOLERANCE:
             # e.g. 640 x 2048 projections: every keep from about 0.66 to 0.92 rounds to rank 384 at block 128.
-            warnings.warn(f"keep={keep}: ranks rounded to multiples of block={block} keep {kept:.3f} of the "
-                          f"compressed projections' parameters; a smaller block follows keep more closely",
-                          RankRoundingWarning, stacklevel=4)
+            warnings.warn(
+                f"keep={keep}: ranks rounded to multiples of block={block} keep {kept:.3f} of the "
+                f"compressed projections' parameters; a smaller block follows keep more closely",
+                RankRoundingWarning,
+                stacklevel=4,
+            )
     return ranks
 
 
@@ -117,7 +125,10 @@ def resolve_pipeline(method, steps, calibration_ids):
             warnings.warn(
                 "compress_model without calibration_ids uses plain SVD, which on real checkpoints multiplies "
                 "perplexity many times over; pass calibration_ids (token ids of representative text) to get the "
-                "recommended calibrated pipeline", NoCalibrationWarning, stacklevel=3)
+                "recommended calibrated pipeline",
+                NoCalibrationWarning,
+                stacklevel=3,
+            )
             return "svd", () if steps is None else tuple(steps)
         return RECOMMENDED_METHOD, RECOMMENDED_STEPS if steps is None else tuple(steps)
     return method, () if steps is None else tuple(steps)
@@ -162,29 +173,47 @@ def compress_model(
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
     method, steps = resolve_pipeline(method, steps, calibration_ids)
     include, steps, calibration_ids = _check_arguments(
-        model, keep, rank, method, () if steps is None else steps, include, calibration_ids)
+        model, keep, rank, method, () if steps is None else steps, include, calibration_ids
+    )
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
     with svd.single_threaded_blas():
-        return _compress(model, keep, method, calibration_ids, include, steps, rank, block, local, distill,
-                         calibration_ids if distill_ids is None else distill_ids, progress)
+        return _compress(
+            model,
+            keep,
+            method,
+            calibration_ids,
+            include,
+            steps,
+            rank,
+            block,
+            local,
+            distill,
+            calibration_ids if distill_ids is None else distill_ids,
+            progress,
+        )
 
 
-def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids,
-              progress):
+def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):
     model = nnx.clone(dense)
-    spectra = sequential.whitened_spectra(dense, calibration_ids, include, progress=progress) if "allocate" in steps else None
+    spectra = (
+        sequential.whitened_spectra(dense, calibration_ids, include, progress=progress) if "allocate" in steps else None
+    )
     ranks = _ranks(model, include, keep, rank, block, spectra)
     options = sequential.LayerwiseOptions(
-        sequential="sequential" in steps, refit="refit" in steps,
-        local=(local or local_finetune.LocalFinetuneOptions()) if "local" in steps else None)
-    sequential.compress_layers(model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation,
-                    progress=progress)
+        sequential="sequential" in steps,
+        refit="refit" in steps,
+        local=(local or local_finetune.LocalFinetuneOptions()) if "local" in steps else None,
+    )
+    sequential.compress_layers(
+        model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation, progress=progress
+    )
     if "distill" in steps:
-        distillation.distill_factors(model, dense, distill_ids, distill or distillation.DistillOptions(),
-                                     progress=progress)
+        distillation.distill_factors(
+            model, dense, distill_ids, distill or distillation.DistillOptions(), progress=progress
+        )
     return model
 
 

@@ -28,7 +28,7 @@ from jax_neuronmm import decoder_math
 from jax_neuronmm.decode_step import decode_step
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
-from jax_neuronmm.nn.nnx import SVDLinear, SVDMLP
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
 
@@ -99,8 +99,9 @@ def unsupported_reason(model: CausalLM) -> str | None:
         return "the layers differ in norm placement or activation"
     if len({(layer.self_attn.q_norm is None) for layer in layers}) != 1:
         return "some layers have QK-norm and some do not"
-    if model.lm_head is not None and (not isinstance(model.lm_head, (nnx.Linear, SVDLinear))
-                                      or model.lm_head.bias is not None):
+    if model.lm_head is not None and (
+        not isinstance(model.lm_head, (nnx.Linear, SVDLinear)) or model.lm_head.bias is not None
+    ):
         return "the LM head is not a bias-free linear layer"
     return None
 
@@ -116,21 +117,32 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
     for name in PROJECTIONS:
         modules = [_projection_modules(layer)[name] for layer in layers]
         if any(isinstance(m, SVDLinear) for m in modules):
-            ranks.append(tuple(m.rank if isinstance(m, SVDLinear) else min(m.in_features, m.out_features)
-                               for m in modules))
+            ranks.append(
+                tuple(m.rank if isinstance(m, SVDLinear) else min(m.in_features, m.out_features) for m in modules)
+            )
         else:
             ranks.append(None)
     first, attn = specs[0], layers[0].self_attn
     spec = DecodeSpec(
-        num_layers=len(layers), hidden=config.hidden_size, num_heads=first.num_heads,
-        num_kv_heads=first.num_kv_heads, head_dim=first.head_dim, intermediate=config.intermediate_size,
-        vocab=config.vocab_size, norm_eps=model.norm.eps, norm_unit_offset=model.norm.unit_offset,
-        qk_norm=attn.q_norm is not None, sandwich=layers[0].sandwich, activation=_activation(layers[0].mlp),
-        query_scaling=float(first.scaling), attn_logit_softcap=first.logit_softcap,
+        num_layers=len(layers),
+        hidden=config.hidden_size,
+        num_heads=first.num_heads,
+        num_kv_heads=first.num_kv_heads,
+        head_dim=first.head_dim,
+        intermediate=config.intermediate_size,
+        vocab=config.vocab_size,
+        norm_eps=model.norm.eps,
+        norm_unit_offset=model.norm.unit_offset,
+        qk_norm=attn.q_norm is not None,
+        sandwich=layers[0].sandwich,
+        activation=_activation(layers[0].mlp),
+        query_scaling=float(first.scaling),
+        attn_logit_softcap=first.logit_softcap,
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
         layer_rope=tuple(ropes.index(s.rope) for s in specs),
         layer_mask=tuple(windows.index(s.sliding_window) for s in specs),
-        ranks=tuple(ranks), head_rank=model.lm_head.rank if isinstance(model.lm_head, SVDLinear) else None,
+        ranks=tuple(ranks),
+        head_rank=model.lm_head.rank if isinstance(model.lm_head, SVDLinear) else None,
         # A row's cache slots hold consecutive positions (left padding, no padding): a window of W positions is
         # W slots (widen_windows when pad slots lie among a row's tokens).
         mask_windows=windows if any(w is not None for w in windows) else (),
@@ -195,16 +207,22 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     norms = jnp.stack([jnp.stack([n.weight[...].astype(dtype) for n in layer.norms()]) for layer in layers])
     qk_norms = None
     if spec.qk_norm:
-        qk_norms = jnp.stack([jnp.stack([layer.self_attn.q_norm.weight[...], layer.self_attn.k_norm.weight[...]])
-                              for layer in layers]).astype(dtype)
+        qk_norms = jnp.stack(
+            [jnp.stack([layer.self_attn.q_norm.weight[...], layer.self_attn.k_norm.weight[...]]) for layer in layers]
+        ).astype(dtype)
     if model.lm_head is None:
         head = model.embed_tokens.embedding[...].astype(dtype).T  # tied: transposed once per generate call
     elif isinstance(model.lm_head, SVDLinear):
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:
         head = model.lm_head.kernel[...].astype(dtype)
-    return DecodeWeights(norms=norms, qk_norms=qk_norms, projections=tuple(projections),
-                         final_norm=model.norm.weight[...].astype(dtype), head=head)
+    return DecodeWeights(
+        norms=norms,
+        qk_norms=qk_norms,
+        projections=tuple(projections),
+        final_norm=model.norm.weight[...].astype(dtype),
+        head=head,
+    )
 
 
 def step_tables(plan: DecodePlan, positions, key_positions, key_valid):
@@ -212,8 +230,9 @@ def step_tables(plan: DecodePlan, positions, key_positions, key_valid):
     cache's key slots (key_positions, key_valid [B, S]), as `CausalLM.__call__` builds them."""
     head_dim = plan.spec.head_dim
     tables = [rope_tables(positions, rope, head_dim) for rope in plan.ropes]
-    masks = [decoder_math.mask_bias(attention_mask(positions, key_positions, key_valid, window))
-             for window in plan.windows]
+    masks = [
+        decoder_math.mask_bias(attention_mask(positions, key_positions, key_valid, window)) for window in plan.windows
+    ]
     return jnp.stack([c for c, _ in tables]), jnp.stack([s for _, s in tables]), jnp.stack(masks)
 
 
@@ -224,9 +243,25 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
     key_valid, key_positions = cache.key_slots(positions, token_mask)
     cos, sin, bias = step_tables(plan, positions, key_positions, key_valid)
     logits, keys, values = decode_step(
-        model.embed(token_ids), weights.norms, weights.qk_norms, *weights.projections, cache.keys, cache.values,
-        jnp.reshape(cache.length, (1, 1)).astype(jnp.int32), cos, sin, bias, weights.final_norm, weights.head,
-        spec=plan.spec)
-    cache = KVCache(keys=keys, values=values, slot_valid=key_valid, slot_positions=key_positions,
-                    length=cache.length + token_ids.shape[1])
+        model.embed(token_ids),
+        weights.norms,
+        weights.qk_norms,
+        *weights.projections,
+        cache.keys,
+        cache.values,
+        jnp.reshape(cache.length, (1, 1)).astype(jnp.int32),
+        cos,
+        sin,
+        bias,
+        weights.final_norm,
+        weights.head,
+        spec=plan.spec,
+    )
+    cache = KVCache(
+        keys=keys,
+        values=values,
+        slot_valid=key_valid,
+        slot_positions=key_positions,
+        length=cache.length + token_ids.shape[1],
+    )
     return logits, cache

@@ -8,15 +8,16 @@ padding masks, sliding windows and the cache.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from jax_neuronmm import decoder_math
-from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
+from jax_neuronmm.models.validation import check_token_ids
 
 
 def hf_decoder_fields(hf: Mapping[str, Any]) -> dict:
@@ -70,8 +71,10 @@ class KVCache:
         """(slot_valid, slot_positions) [B, S] once this call's tokens (positions, token_mask [B, T]) are written
         at slots [length, length + T)."""
         start = (0, self.length)
-        return (jax.lax.dynamic_update_slice(self.slot_valid, token_mask, start),
-                jax.lax.dynamic_update_slice(self.slot_positions, positions, start))
+        return (
+            jax.lax.dynamic_update_slice(self.slot_valid, token_mask, start),
+            jax.lax.dynamic_update_slice(self.slot_positions, positions, start),
+        )
 
 
 class DecoderLayer(nnx.Module):
@@ -122,8 +125,12 @@ class DecoderLayer(nnx.Module):
 
     def __call__(self, x, positions, mask, kv, write_index):
         return decoder_math.decoder_layer(
-            x, norms=self.norms(), attention=lambda h: self.self_attn(h, positions, mask, kv, write_index),
-            mlp=self.mlp, sandwich=self.sandwich)
+            x,
+            norms=self.norms(),
+            attention=lambda h: self.self_attn(h, positions, mask, kv, write_index),
+            mlp=self.mlp,
+            sandwich=self.sandwich,
+        )
 
 
 class CausalLM(nnx.Module):
@@ -136,8 +143,17 @@ class CausalLM(nnx.Module):
     checkpoint ships with; the loaders pass them, random-init models have none.
     """
 
-    def __init__(self, config, make_layer, *, norm_unit_offset: bool, dtype, rngs: nnx.Rngs | None, tokenizer=None,
-                 eos_token_ids=()):
+    def __init__(
+        self,
+        config,
+        make_layer,
+        *,
+        norm_unit_offset: bool,
+        dtype,
+        rngs: nnx.Rngs | None,
+        tokenizer=None,
+        eos_token_ids=(),
+    ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -147,8 +163,12 @@ class CausalLM(nnx.Module):
         if bad_eos:
             raise ValueError(f"eos_token_ids: got {bad_eos}, expected ids in [0, {config.vocab_size})")
         self.embed_tokens = nnx.Embed(
-            config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
-            embedding_init=nnx.initializers.normal(0.02), rngs=rngs,
+            config.vocab_size,
+            config.hidden_size,
+            dtype=dtype,
+            param_dtype=dtype,
+            embedding_init=nnx.initializers.normal(0.02),
+            rngs=rngs,
         )
         self.layers = nnx.List([make_layer(i, rngs) for i in range(config.num_layers)])
         self.norm = RMSNorm(

@@ -7,7 +7,8 @@ Gemma 3 adds QK-norm, pre/post "sandwich" norms around attention and MLP, slidin
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class GemmaConfig:
         return "full_attention" if self.layer_types is None else self.layer_types[index]
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "GemmaConfig":
+    def from_hf(cls, hf: Mapping[str, Any]) -> GemmaConfig:
         """From a parsed HF config.json of model_type "gemma" or "gemma3_text"."""
         model_type = hf.get("model_type")
         if model_type not in VARIANTS:
@@ -76,13 +77,11 @@ class GemmaConfig:
             # Gemma 1 releases say "gelu" but were trained with the tanh approximation (HF maps it the same way).
             act = "gelu_pytorch_tanh" if act == "gelu" else act
             rope_params = hf.get("rope_parameters") or {"rope_theta": hf.get("rope_theta", 10000.0)}
-            return cls(
-                variant="gemma", hidden_act=act, rope=RopeConfig.from_hf(rope_params, 10000.0), **common
-            )
+            return cls(variant="gemma", hidden_act=act, rope=RopeConfig.from_hf(rope_params, 10000.0), **common)
         return cls(variant="gemma3_text", **_gemma3_fields(hf), **common)
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "GemmaConfig":
+    def preset(cls, name: str, **overrides) -> GemmaConfig:
         """Random-init shapes: "gemma-tiny", "gemma-2b" (Gemma 1 2B), "gemma3-tiny", "gemma3-270m" (Gemma 3
         270M) and "gemma3-1b" (Gemma 3 1B), as their published config.json files give them."""
 
@@ -90,32 +89,68 @@ class GemmaConfig:
             return tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers))
 
         gemma3_common = dict(
-            variant="gemma3_text", vocab_size=262144, num_heads=4, num_kv_heads=1, head_dim=256,
-            rope=RopeConfig(theta=1e6), local_rope=RopeConfig(theta=1e4), sliding_window=512,
-            query_pre_attn_scalar=256, max_position_embeddings=32768,
+            variant="gemma3_text",
+            vocab_size=262144,
+            num_heads=4,
+            num_kv_heads=1,
+            head_dim=256,
+            rope=RopeConfig(theta=1e6),
+            local_rope=RopeConfig(theta=1e4),
+            sliding_window=512,
+            query_pre_attn_scalar=256,
+            max_position_embeddings=32768,
         )
         presets = {
             "gemma-tiny": dict(
-                variant="gemma", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2,
-                num_heads=4, num_kv_heads=1, head_dim=32, max_position_embeddings=512,
+                variant="gemma",
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=384,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=1,
+                head_dim=32,
+                max_position_embeddings=512,
             ),
             "gemma-2b": dict(
-                variant="gemma", vocab_size=256000, hidden_size=2048, intermediate_size=16384, num_layers=18,
-                num_heads=8, num_kv_heads=1, head_dim=256, max_position_embeddings=8192,
+                variant="gemma",
+                vocab_size=256000,
+                hidden_size=2048,
+                intermediate_size=16384,
+                num_layers=18,
+                num_heads=8,
+                num_kv_heads=1,
+                head_dim=256,
+                max_position_embeddings=8192,
             ),
             "gemma3-tiny": dict(
-                variant="gemma3_text", vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=3,
-                num_heads=4, num_kv_heads=2, head_dim=32, rope=RopeConfig(theta=1e6),
-                local_rope=RopeConfig(theta=1e4), sliding_window=8, query_pre_attn_scalar=32,
+                variant="gemma3_text",
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=384,
+                num_layers=3,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=32,
+                rope=RopeConfig(theta=1e6),
+                local_rope=RopeConfig(theta=1e4),
+                sliding_window=8,
+                query_pre_attn_scalar=32,
                 layer_types=("sliding_attention", "sliding_attention", "full_attention"),
                 max_position_embeddings=512,
             ),
             "gemma3-270m": dict(
-                gemma3_common, hidden_size=640, intermediate_size=2048, num_layers=18,
+                gemma3_common,
+                hidden_size=640,
+                intermediate_size=2048,
+                num_layers=18,
                 layer_types=gemma3_pattern(18),
             ),
             "gemma3-1b": dict(
-                gemma3_common, hidden_size=1152, intermediate_size=6912, num_layers=26,
+                gemma3_common,
+                hidden_size=1152,
+                intermediate_size=6912,
+                num_layers=26,
                 layer_types=gemma3_pattern(26),
             ),
         }
@@ -171,22 +206,35 @@ class GemmaDecoderLayer(DecoderLayer):
             logit_softcap=config.attn_logit_softcapping,
         )
         super().__init__(
-            config.hidden_size, config.intermediate_size, spec, norm_eps=config.rms_norm_eps,
-            norm_unit_offset=True, attention_bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None, activation=config.hidden_act,
-            mlp_bias=False, sandwich=config.is_gemma3, dtype=dtype, rngs=rngs,
+            config.hidden_size,
+            config.intermediate_size,
+            spec,
+            norm_eps=config.rms_norm_eps,
+            norm_unit_offset=True,
+            attention_bias=config.attention_bias,
+            qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None,
+            activation=config.hidden_act,
+            mlp_bias=False,
+            sandwich=config.is_gemma3,
+            dtype=dtype,
+            rngs=rngs,
         )
 
 
 class Gemma(CausalLM):
     """Gemma 1 / Gemma 3 text causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]`."""
 
-    def __init__(self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None,
-                 eos_token_ids=()):
+    def __init__(
+        self, config: GemmaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None, eos_token_ids=()
+    ):
         super().__init__(
-            config, lambda index, rngs: GemmaDecoderLayer(config, index, dtype=dtype, rngs=rngs),
-            norm_unit_offset=True, dtype=dtype, rngs=rngs,
-            tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+            config,
+            lambda index, rngs: GemmaDecoderLayer(config, index, dtype=dtype, rngs=rngs),
+            norm_unit_offset=True,
+            dtype=dtype,
+            rngs=rngs,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
         )
 
     def embed(self, token_ids: jax.Array) -> jax.Array:

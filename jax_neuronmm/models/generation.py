@@ -28,8 +28,9 @@ from jax_neuronmm.models.validation import check_token_ids
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
 
-def _sample(logits: jax.Array, key: jax.Array, temperature, top_p, *, greedy: bool, top_k: int | None,
-            use_top_p: bool) -> jax.Array:
+def _sample(
+    logits: jax.Array, key: jax.Array, temperature, top_p, *, greedy: bool, top_k: int | None, use_top_p: bool
+) -> jax.Array:
     """Next tokens [B] int32 from logits [B, vocab]."""
     logits = logits.astype(jnp.float32)
     if greedy:
@@ -50,8 +51,9 @@ def _sample(logits: jax.Array, key: jax.Array, temperature, top_p, *, greedy: bo
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "greedy", "top_k", "use_top_p"))
-def _prefill(graphdef, state, token_ids, positions, token_mask, cache, key, temperature, top_p, *, greedy, top_k,
-             use_top_p):
+def _prefill(
+    graphdef, state, token_ids, positions, token_mask, cache, key, temperature, top_p, *, greedy, top_k, use_top_p
+):
     TRACE_COUNTS["prefill"] += 1
     model = nnx.merge(graphdef, state)
     tokens = token_ids.shape[1]
@@ -64,8 +66,9 @@ def _prefill(graphdef, state, token_ids, positions, token_mask, cache, key, temp
 @functools.partial(
     jax.jit, static_argnames=("graphdef", "plan", "greedy", "top_k", "use_top_p"), donate_argnames=("cache",)
 )
-def _decode_step(graphdef, state, weights, tokens, positions, cache, key, temperature, top_p, *, plan, greedy, top_k,
-                 use_top_p):
+def _decode_step(
+    graphdef, state, weights, tokens, positions, cache, key, temperature, top_p, *, plan, greedy, top_k, use_top_p
+):
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     if plan is None:  # a model the decode-step kernels do not cover (decode.unsupported_reason)
@@ -112,7 +115,8 @@ def generate(
 
     The result is the prompt as given followed by n new tokens (n == max_new_tokens unless every row produced an
     end token earlier; rows that finished first are filled with the first end token). eos_id: an end-of-sequence
-    id or a sequence of them (Llama 3 instruct ends turns with several), or None. temperature 0 is greedy decoding; otherwise
+    id or a sequence of them (Llama 3 instruct ends turns with several), or None. temperature 0 is greedy
+    decoding; otherwise
     tokens are sampled from softmax(logits / temperature), restricted to the top_k most likely and/or to the
     smallest set whose probability reaches top_p, with a PRNG seeded by `seed`.
 
@@ -143,8 +147,10 @@ def generate(
     batch, tokens = prompt.shape
     context = model.config.max_position_embeddings
     if context is not None and tokens + max_new_tokens > context:
-        raise ValueError(f"token_ids, max_new_tokens: {tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
-                         f"model's context of {context} positions (max_position_embeddings)")
+        raise ValueError(
+            f"token_ids, max_new_tokens: {tokens} prompt tokens + {max_new_tokens} new tokens exceed the "
+            f"model's context of {context} positions (max_position_embeddings)"
+        )
     eos_ids = _end_tokens(eos_id, model.config.vocab_size)
 
     graphdef, state = nnx.split(model)
@@ -161,8 +167,16 @@ def generate(
     next_positions = mask.sum(axis=1).astype(np.int32)
     cache: KVCache = model.init_cache(batch, tokens + int(max_new_tokens))
     next_tokens, cache = _prefill(
-        graphdef, state, jnp.asarray(prompt, jnp.int32), jnp.asarray(positions), jnp.asarray(mask), cache,
-        jax.random.fold_in(base_key, 0), temperature_arr, top_p_arr, **sampling,
+        graphdef,
+        state,
+        jnp.asarray(prompt, jnp.int32),
+        jnp.asarray(positions),
+        jnp.asarray(mask),
+        cache,
+        jax.random.fold_in(base_key, 0),
+        temperature_arr,
+        top_p_arr,
+        **sampling,
     )
     done = jnp.zeros((batch,), bool)
     new_tokens = []
@@ -174,8 +188,17 @@ def generate(
         if step + 1 == max_new_tokens or (eos_ids is not None and bool(done.all())):
             break
         next_tokens, cache = _decode_step(
-            graphdef, state, weights, next_tokens, jnp.asarray(next_positions + step), cache,
-            jax.random.fold_in(base_key, step + 1), temperature_arr, top_p_arr, plan=plan, **sampling,
+            graphdef,
+            state,
+            weights,
+            next_tokens,
+            jnp.asarray(next_positions + step),
+            cache,
+            jax.random.fold_in(base_key, step + 1),
+            temperature_arr,
+            top_p_arr,
+            plan=plan,
+            **sampling,
         )
     return jnp.concatenate([jnp.asarray(prompt, jnp.int32), jnp.stack(new_tokens, axis=1)], axis=1)
 
@@ -186,6 +209,7 @@ def _end_tokens(eos_id, vocab_size):
         return None
     ids = [eos_id] if np.ndim(eos_id) == 0 else list(eos_id)
     if not ids or any(int(i) != i or not 0 <= i < vocab_size for i in ids):
-        raise ValueError(f"eos_id: got {eos_id!r}, expected None, a token id or a non-empty sequence of ids in "
-                         f"[0, {vocab_size})")
+        raise ValueError(
+            f"eos_id: got {eos_id!r}, expected None, a token id or a non-empty sequence of ids in [0, {vocab_size})"
+        )
     return jnp.asarray(ids, jnp.int32)

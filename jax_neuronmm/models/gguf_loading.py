@@ -72,8 +72,7 @@ def _load_tensors(path: str, architecture: str, hf_config: dict, tensors: dict, 
     """(graphdef, [(param path, loaded variable)]) of the model hf_config describes, from the file's tensors."""
     arch_id = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == architecture)
     name_map = gguf.get_tensor_name_map(arch_id, hf_config["num_hidden_layers"])
-    abstract = nnx.eval_shape(lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0),
-                                                        tokenizer=tokenizer))
+    abstract = nnx.eval_shape(lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0), tokenizer=tokenizer))
     graphdef, abstract_state = nnx.split(abstract)
     flat = nnx.to_flat_state(abstract_state)
 
@@ -128,8 +127,7 @@ def _open(path: str):
     try:
         return _Reader(path)
     except Exception as e:  # gguf raises ValueError, IndexError, struct/numpy errors alike on a bad file
-        raise ValueError(f"{path!r}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") \
-            from e
+        raise ValueError(f"{path!r}: not a readable GGUF file (truncated or corrupt?): {type(e).__name__}: {e}") from e
 
 
 class _Metadata:
@@ -182,8 +180,9 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         num_hidden_layers=int(metadata.arch("block_count", required=True)),
         num_attention_heads=num_heads,
         num_key_value_heads=int(metadata.arch("attention.head_count_kv", num_heads)),
-        head_dim=int(metadata.arch("attention.key_length") or metadata.arch("rope.dimension_count")
-                     or hidden // num_heads),
+        head_dim=int(
+            metadata.arch("attention.key_length") or metadata.arch("rope.dimension_count") or hidden // num_heads
+        ),
         rms_norm_eps=float(metadata.arch("attention.layer_norm_rms_epsilon", 1e-6)),
         attention_bias="blk.0.attn_q.bias" in tensors,
         # llama.cpp writes the output projection only when it is not the embedding matrix.
@@ -233,8 +232,14 @@ def _llama3_rope(path: str, rope_freqs, rope: dict, head_dim: int) -> dict:
     (low_freq_factor 1, high_freq_factor 4, original context 8192), and check that these reproduce them.
     """
     divisors = np.asarray(_dequantize(rope_freqs, path), np.float64).reshape(-1)
-    params = dict(rope, rope_type="llama3", factor=float(divisors.max()), low_freq_factor=1.0, high_freq_factor=4.0,
-                  original_max_position_embeddings=8192)
+    params = dict(
+        rope,
+        rope_type="llama3",
+        factor=float(divisors.max()),
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8192,
+    )
     plain = RopeConfig(theta=rope["rope_theta"]).inverse_frequencies(head_dim).astype(np.float64)
     scaled = RopeConfig.from_hf(params, rope["rope_theta"]).inverse_frequencies(head_dim).astype(np.float64)
     if divisors.shape != plain.shape or not np.allclose(plain / scaled, divisors, rtol=1e-3):

@@ -51,10 +51,13 @@ def gguf_tokenizer(metadata) -> Tokenizer:
         if kind_ == _CONTROL and (spelled is None or set(t) <= spelled)
     ]
     tokenizer.add_special_tokens(control)
-    tokenizer.add_tokens([
-        AddedToken(t, normalized=False, special=False)
-        for t, kind_ in zip(tokens, token_types) if kind_ == _USER_DEFINED and t in vocab
-    ])
+    tokenizer.add_tokens(
+        [
+            AddedToken(t, normalized=False, special=False)
+            for t, kind_ in zip(tokens, token_types)
+            if kind_ == _USER_DEFINED and t in vocab
+        ]
+    )
     _add_bos_eos(tokenizer, metadata, tokens, default_bos=kind == "llama")
     return tokenizer
 
@@ -70,10 +73,16 @@ def _sentencepiece(metadata, tokens: list[str]) -> Tokenizer:
     vocab = {t: i for i, t in enumerate(tokens)}
     unk_id = metadata.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_id)] if unk_id is not None else "<unk>"
-    tokenizer = Tokenizer(models.BPE(
-        vocab=vocab, merges=_merges_from_scores(vocab, dict(zip(tokens, scores))), unk_token=unk, fuse_unk=True,
-        byte_fallback=True, dropout=None,
-    ))
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_scores(vocab, dict(zip(tokens, scores))),
+            unk_token=unk,
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
     steps = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
     if gemma:
         tokenizer.normalizer = normalizers.Replace(" ", _SPACE)
@@ -126,10 +135,12 @@ def _byte_level(metadata, tokens: list[str]) -> tuple[Tokenizer, set[str]]:
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False))
     pre = metadata.get("tokenizer.ggml.pre")
     if pre in _LLAMA3_PRE:
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     else:
         tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -151,6 +162,7 @@ def _add_bos_eos(tokenizer: Tokenizer, metadata, tokens: list[str], *, default_b
         return " ".join(parts + ([f"{eos[0]}:{type_id}"] if eos else []))
 
     tokenizer.post_processor = processors.TemplateProcessing(
-        single=template("A", 0), pair=template("A", 0) + " " + template("B", 1),
+        single=template("A", 0),
+        pair=template("A", 0) + " " + template("B", 1),
         special_tokens=sorted({e for e in ends if e is not None}, key=lambda e: e[1]),
     )

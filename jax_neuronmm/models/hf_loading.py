@@ -67,8 +67,9 @@ def read_config(path: str) -> dict[str, Any]:
     return config
 
 
-def model_from_config(hf_config: dict[str, Any], *, dtype=jnp.float32, rngs: nnx.Rngs | None = None,
-                      tokenizer=None) -> CausalLM:
+def model_from_config(
+    hf_config: dict[str, Any], *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None
+) -> CausalLM:
     """A randomly initialized model for an HF config dict (model_type llama, gemma, gemma3_text or gemma3), with
     the config's end-of-sequence ids and `tokenizer` (see CausalLM)."""
     model_type = hf_config.get("model_type")
@@ -91,8 +92,7 @@ def abstract_model(path: str, dtype) -> CausalLM:
     hf_config = read_config(path)
     tokenizer = load_tokenizer(path)
     try:
-        return nnx.eval_shape(
-            lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0), tokenizer=tokenizer))
+        return nnx.eval_shape(lambda: model_from_config(hf_config, dtype=dtype, rngs=nnx.Rngs(0), tokenizer=tokenizer))
     except KeyError as error:
         raise ValueError(f"{os.path.join(path, 'config.json')}: lacks the required field {error}") from error
     except (TypeError, ValueError) as error:
@@ -155,12 +155,13 @@ def _read_tensors(path: str, files: list[str], *, with_lm_head: bool) -> dict[tu
                 keys, transposed = ("lm_head", "kernel"), True
             elif name.startswith(prefix) and not name.endswith(_IGNORED_SUFFIXES):
                 file, handle = location[name]
-                keys, transposed = flax_keys(name[len(prefix):], len(handle.get_slice(name).get_shape()))
+                keys, transposed = flax_keys(name[len(prefix) :], len(handle.get_slice(name).get_shape()))
             else:
                 continue
             if keys in found:
-                raise CheckpointError(f"path: {path!r}: tensors {source[keys]!r} and {name!r} both map to "
-                                      f"{'/'.join(map(str, keys))}")
+                raise CheckpointError(
+                    f"path: {path!r}: tensors {source[keys]!r} and {name!r} both map to {'/'.join(map(str, keys))}"
+                )
             file, handle = location[name]
             try:
                 array = handle.get_tensor(name)

@@ -1,7 +1,8 @@
 """Building blocks shared by the Llama and Gemma families (Flax NNX).
 
 The math lives in `jax_neuronmm.decoder_math` (shared with the decode-step primitive); these modules hold the
-parameters and call it. Layouts: activations are [batch, tokens, features]; a linear layer's kernel is [in_features, out_features]
+parameters and call it. Layouts: activations are [batch, tokens, features]; a linear layer's kernel is
+[in_features, out_features]
 (x @ kernel), the transpose of a PyTorch `nn.Linear.weight`. Attention heads are [batch, tokens, heads, head_dim].
 """
 
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -39,7 +41,7 @@ class RopeConfig:
             raise ValueError(f"rope_type: got {self.kind!r}, expected one of {ROPE_KINDS}")
 
     @classmethod
-    def from_hf(cls, params: Mapping[str, Any] | None, default_theta: float) -> "RopeConfig":
+    def from_hf(cls, params: Mapping[str, Any] | None, default_theta: float) -> RopeConfig:
         """From an HF rope dict (`rope_parameters`, or legacy `rope_scaling` plus `rope_theta`)."""
         params = dict(params or {})
         kind = params.get("rope_type", params.get("type", "default")) or "default"
@@ -136,8 +138,13 @@ class GatedMLP(nnx.Module):
         self.down_proj = linear(intermediate, hidden, use_bias=use_bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return decoder_math.gated_mlp(x, gate_proj=self.gate_proj, up_proj=self.up_proj, down_proj=self.down_proj,
-                                      activation=HF_ACTIVATIONS[self.activation])
+        return decoder_math.gated_mlp(
+            x,
+            gate_proj=self.gate_proj,
+            up_proj=self.up_proj,
+            down_proj=self.down_proj,
+            activation=HF_ACTIVATIONS[self.activation],
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +228,21 @@ class Attention(nnx.Module):
         spec = self.spec
         cos, sin = rope_tables(positions, spec.rope, spec.head_dim)
         return decoder_math.self_attention(
-            x, q_proj=self.q_proj, k_proj=self.k_proj, v_proj=self.v_proj, o_proj=self.o_proj, q_norm=self.q_norm,
-            k_norm=self.k_norm, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            scaling=spec.scaling, logit_softcap=spec.logit_softcap, cos=cos, sin=sin,
-            bias=decoder_math.mask_bias(mask), kv=kv, write_index=write_index)
+            x,
+            q_proj=self.q_proj,
+            k_proj=self.k_proj,
+            v_proj=self.v_proj,
+            o_proj=self.o_proj,
+            q_norm=self.q_norm,
+            k_norm=self.k_norm,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            scaling=spec.scaling,
+            logit_softcap=spec.logit_softcap,
+            cos=cos,
+            sin=sin,
+            bias=decoder_math.mask_bias(mask),
+            kv=kv,
+            write_index=write_index,
+        )

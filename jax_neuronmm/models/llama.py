@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 from flax import nnx
@@ -30,7 +31,7 @@ class LlamaConfig:
     hidden_act: str = "silu"
 
     @classmethod
-    def from_hf(cls, hf: Mapping[str, Any]) -> "LlamaConfig":
+    def from_hf(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """From a parsed HF config.json of model_type "llama"."""
         rope_params = hf.get("rope_parameters") or {}
         if not rope_params:
@@ -45,20 +46,39 @@ class LlamaConfig:
         )
 
     @classmethod
-    def preset(cls, name: str, **overrides) -> "LlamaConfig":
+    def preset(cls, name: str, **overrides) -> LlamaConfig:
         """Random-init shapes: "tiny" (tests, demos) or "1b" (Llama-3.2-1B)."""
         llama3_rope = RopeConfig(
-            theta=500000.0, kind="llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            theta=500000.0,
+            kind="llama3",
+            factor=32.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
             original_max_position=8192,
         )
         presets = {
             "tiny": dict(
-                vocab_size=512, hidden_size=128, intermediate_size=384, num_layers=2, num_heads=4, num_kv_heads=2,
-                head_dim=32, rope=llama3_rope, tie_word_embeddings=True, max_position_embeddings=512,
+                vocab_size=512,
+                hidden_size=128,
+                intermediate_size=384,
+                num_layers=2,
+                num_heads=4,
+                num_kv_heads=2,
+                head_dim=32,
+                rope=llama3_rope,
+                tie_word_embeddings=True,
+                max_position_embeddings=512,
             ),
             "1b": dict(
-                vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
-                num_kv_heads=8, head_dim=64, rope=llama3_rope, tie_word_embeddings=True,
+                vocab_size=128256,
+                hidden_size=2048,
+                intermediate_size=8192,
+                num_layers=16,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=64,
+                rope=llama3_rope,
+                tie_word_embeddings=True,
                 max_position_embeddings=131072,
             ),
         }
@@ -77,19 +97,33 @@ class LlamaDecoderLayer(DecoderLayer):
             rope=config.rope,
         )
         super().__init__(
-            config.hidden_size, config.intermediate_size, spec, norm_eps=config.rms_norm_eps,
-            norm_unit_offset=False, attention_bias=config.attention_bias, qk_norm_eps=None,
-            activation=config.hidden_act, mlp_bias=config.mlp_bias, sandwich=False, dtype=dtype, rngs=rngs,
+            config.hidden_size,
+            config.intermediate_size,
+            spec,
+            norm_eps=config.rms_norm_eps,
+            norm_unit_offset=False,
+            attention_bias=config.attention_bias,
+            qk_norm_eps=None,
+            activation=config.hidden_act,
+            mlp_bias=config.mlp_bias,
+            sandwich=False,
+            dtype=dtype,
+            rngs=rngs,
         )
 
 
 class Llama(CausalLM):
     """Llama causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]` (see CausalLM.__call__ for the cache)."""
 
-    def __init__(self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None,
-                 eos_token_ids=()):
+    def __init__(
+        self, config: LlamaConfig, *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None, eos_token_ids=()
+    ):
         super().__init__(
-            config, lambda index, rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs),
-            norm_unit_offset=False, dtype=dtype, rngs=rngs,
-            tokenizer=tokenizer, eos_token_ids=eos_token_ids,
+            config,
+            lambda index, rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs),
+            norm_unit_offset=False,
+            dtype=dtype,
+            rngs=rngs,
+            tokenizer=tokenizer,
+            eos_token_ids=eos_token_ids,
         )

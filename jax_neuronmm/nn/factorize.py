@@ -10,8 +10,9 @@ from jax_neuronmm.reference import jnp_activation
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 
-def factorize_kernel(kernel, *, rank=None, keep=None, method="svd", calibration=None, block=128,
-                     damping=svd.DEFAULT_DAMPING) -> tuple[np.ndarray, np.ndarray]:
+def factorize_kernel(
+    kernel, *, rank=None, keep=None, method="svd", calibration=None, block=128, damping=svd.DEFAULT_DAMPING
+) -> tuple[np.ndarray, np.ndarray]:
     """u [K, r], v [r, N] approximating kernel [K, N], in kernel's dtype.
 
     Exactly one of rank / keep (keep → `block_aligned_rank`). method "svd" uses `truncated_svd`; "whitened" uses

@@ -57,9 +57,16 @@ class SVDDense(nn.Module):
         return y
 
     @staticmethod
-    def params_from_dense(dense_params: Mapping, *, rank: int | None = None, keep: float | None = None,
-                          method: str = "svd", calibration=None, block: int = 128,
-                          damping: float = svd.DEFAULT_DAMPING) -> dict:
+    def params_from_dense(
+        dense_params: Mapping,
+        *,
+        rank: int | None = None,
+        keep: float | None = None,
+        method: str = "svd",
+        calibration=None,
+        block: int = 128,
+        damping: float = svd.DEFAULT_DAMPING,
+    ) -> dict:
         """{"u", "v"[, "bias"]} approximating an `nn.Dense`'s {"kernel"[, "bias"]} (one layer's params).
 
         Exactly one of rank / keep. For method="whitened", calibration is the layer's inputs [n, in_features]. Use
@@ -67,8 +74,15 @@ class SVDDense(nn.Module):
         """
         if "kernel" not in dense_params:
             raise ValueError(f"dense_params must hold 'kernel' (an nn.Dense's params), got keys {list(dense_params)}")
-        u, v = factorize_kernel(dense_params["kernel"], rank=rank, keep=keep, method=method,
-                                calibration=calibration, block=block, damping=damping)
+        u, v = factorize_kernel(
+            dense_params["kernel"],
+            rank=rank,
+            keep=keep,
+            method=method,
+            calibration=calibration,
+            block=block,
+            damping=damping,
+        )
         params = {"u": jnp.asarray(u), "v": jnp.asarray(v)}
         if "bias" in dense_params:
             params["bias"] = jnp.asarray(dense_params["bias"])
@@ -116,8 +130,11 @@ class SVDMLP(nn.Module):
         in_features = inputs.shape[-1]
         out_features = in_features if self.out_features is None else self.out_features
         ranks = three_ranks(self.rank)
-        shapes = ((self.intermediate_features, in_features), (self.intermediate_features, in_features),
-                  (out_features, self.intermediate_features))
+        shapes = (
+            (self.intermediate_features, in_features),
+            (self.intermediate_features, in_features),
+            (out_features, self.intermediate_features),
+        )
         factors = []
         for name, layer_rank, (features, layer_in) in zip(MLP_PROJECTIONS, ranks, shapes):
             factors += _Factors(features, layer_rank, self.param_dtype, self.u_init, self.v_init, name=name)(layer_in)
@@ -125,9 +142,17 @@ class SVDMLP(nn.Module):
         return svd_mlp(inputs, *factors, activation=self.activation, precision=self.precision)
 
     @staticmethod
-    def params_from_dense(dense_params: Mapping, *, activation: str = "silu", rank=None, keep: float | None = None,
-                          method: str = "svd", calibration=None, block: int = 128,
-                          damping: float = svd.DEFAULT_DAMPING) -> dict:
+    def params_from_dense(
+        dense_params: Mapping,
+        *,
+        activation: str = "silu",
+        rank=None,
+        keep: float | None = None,
+        method: str = "svd",
+        calibration=None,
+        block: int = 128,
+        damping: float = svd.DEFAULT_DAMPING,
+    ) -> dict:
         """SVDMLP params from {"gate_proj": {"kernel"}, "up_proj": {...}, "down_proj": {...}} (bias-free Dense).
 
         rank: one int or (gate, up, down); or keep. For method="whitened", calibration is the MLP's input
@@ -143,11 +168,17 @@ class SVDMLP(nn.Module):
         ranks = three_ranks(rank) if rank is not None else (None, None, None)
         calibrations = {"gate_proj": calibration, "up_proj": calibration, "down_proj": None}
         if method == "whitened" and calibration is not None:
-            calibrations["down_proj"] = gated_hidden(calibration, kernels["gate_proj"], kernels["up_proj"],
-                                                     activation)
+            calibrations["down_proj"] = gated_hidden(calibration, kernels["gate_proj"], kernels["up_proj"], activation)
         params = {}
         for name, layer_rank in zip(MLP_PROJECTIONS, ranks):
-            u, v = factorize_kernel(kernels[name], rank=layer_rank, keep=keep, method=method,
-                                    calibration=calibrations[name], block=block, damping=damping)
+            u, v = factorize_kernel(
+                kernels[name],
+                rank=layer_rank,
+                keep=keep,
+                method=method,
+                calibration=calibrations[name],
+                block=block,
+                damping=damping,
+            )
             params[name] = {"u": jnp.asarray(u), "v": jnp.asarray(v)}
         return params

@@ -27,9 +27,22 @@ class SVDLinear(nnx.Module):
     default, which keeps the output variance of a LeCun-initialized dense layer).
     """
 
-    def __init__(self, in_features: int, out_features: int, rank: int, *, use_bias: bool = True, dtype=None,
-                 param_dtype=jnp.float32, precision=None, u_init=default_factor_init, v_init=default_factor_init,
-                 bias_init=nnx.initializers.zeros_init(), preferred_element_type=None, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        rank: int,
+        *,
+        use_bias: bool = True,
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        u_init=default_factor_init,
+        v_init=default_factor_init,
+        bias_init=nnx.initializers.zeros_init(),
+        preferred_element_type=None,
+        rngs: nnx.Rngs,
+    ):
         svd.check_rank(rank, (in_features, out_features))
         self.u = nnx.Param(u_init(rngs.params(), (in_features, rank), param_dtype))
         self.v = nnx.Param(v_init(rngs.params(), (rank, out_features), param_dtype))
@@ -52,17 +65,32 @@ class SVDLinear(nnx.Module):
         return y
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, *, rank: int | None = None, keep: float | None = None,
-                    method: str = "svd", calibration=None, block: int = 128,
-                    damping: float = svd.DEFAULT_DAMPING) -> SVDLinear:
+    def from_linear(
+        cls,
+        linear: nnx.Linear,
+        *,
+        rank: int | None = None,
+        keep: float | None = None,
+        method: str = "svd",
+        calibration=None,
+        block: int = 128,
+        damping: float = svd.DEFAULT_DAMPING,
+    ) -> SVDLinear:
         """An SVDLinear approximating `linear` (same features, bias, dtypes, precision).
 
         Exactly one of rank / keep (fraction of parameters kept, rank from `block_aligned_rank`). method "svd" or
         "whitened"; for "whitened", calibration is the layer's input activations [n, in_features].
         """
         _check_linear(linear, "linear")
-        u, v = factorize_kernel(linear.kernel[...], rank=rank, keep=keep, method=method, calibration=calibration,
-                                block=block, damping=damping)
+        u, v = factorize_kernel(
+            linear.kernel[...],
+            rank=rank,
+            keep=keep,
+            method=method,
+            calibration=calibration,
+            block=block,
+            damping=damping,
+        )
         return cls.from_factors(linear, u, v)
 
     @classmethod
@@ -73,33 +101,54 @@ class SVDLinear(nnx.Module):
         _check_linear(linear, "linear")
         rank = u.shape[-1] if u.ndim == 2 else None
         if rank is None or u.shape != (linear.in_features, rank) or v.shape != (rank, linear.out_features):
-            raise ValueError(f"u, v: got shapes {u.shape} and {v.shape}, expected [{linear.in_features}, r] and "
-                             f"[r, {linear.out_features}] for a {linear.in_features} -> {linear.out_features} linear")
+            raise ValueError(
+                f"u, v: got shapes {u.shape} and {v.shape}, expected [{linear.in_features}, r] and "
+                f"[r, {linear.out_features}] for a {linear.in_features} -> {linear.out_features} linear"
+            )
 
         def given(array):
             return lambda key, shape, dtype: jnp.asarray(array, dtype)
 
         bias = linear.bias[...] if linear.bias is not None else None
-        return cls(linear.in_features, linear.out_features, rank, use_bias=bias is not None, dtype=linear.dtype,
-                   param_dtype=linear.param_dtype, precision=linear.precision,
-                   preferred_element_type=linear.preferred_element_type, u_init=given(u), v_init=given(v),
-                   bias_init=lambda key, shape, dtype: jnp.asarray(bias), rngs=nnx.Rngs(0))
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            rank,
+            use_bias=bias is not None,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+            precision=linear.precision,
+            preferred_element_type=linear.preferred_element_type,
+            u_init=given(u),
+            v_init=given(v),
+            bias_init=lambda key, shape, dtype: jnp.asarray(bias),
+            rngs=nnx.Rngs(0),
+        )
 
     @classmethod
     def like(cls, linear: nnx.Linear, rank: int, *, rngs: nnx.Rngs | None = None) -> SVDLinear:
         """A randomly initialized SVDLinear of `rank` with `linear`'s features, bias use, dtypes and precision
         (abstract under `nnx.eval_shape`; callers fill the factors)."""
         _check_linear(linear, "linear")
-        return cls(linear.in_features, linear.out_features, rank, use_bias=linear.bias is not None,
-                   dtype=linear.dtype, param_dtype=linear.param_dtype, precision=linear.precision,
-                   preferred_element_type=linear.preferred_element_type,
-                   rngs=rngs if rngs is not None else nnx.Rngs(0))
+        return cls(
+            linear.in_features,
+            linear.out_features,
+            rank,
+            use_bias=linear.bias is not None,
+            dtype=linear.dtype,
+            param_dtype=linear.param_dtype,
+            precision=linear.precision,
+            preferred_element_type=linear.preferred_element_type,
+            rngs=rngs if rngs is not None else nnx.Rngs(0),
+        )
 
 
 def _check_linear(linear, name: str) -> None:
     if not isinstance(linear, nnx.Linear):
-        raise TypeError(f"{name}: got {type(linear).__name__}, expected an nnx.Linear (kernel [in_features, "
-                        "out_features]); convolutions and LinearGeneral are not supported")
+        raise TypeError(
+            f"{name}: got {type(linear).__name__}, expected an nnx.Linear (kernel [in_features, "
+            "out_features]); convolutions and LinearGeneral are not supported"
+        )
 
 
 def _check_gated_projections(gate_proj, up_proj, down_proj, expected_type) -> None:
@@ -111,11 +160,13 @@ def _check_gated_projections(gate_proj, up_proj, down_proj, expected_type) -> No
         if layer.bias is not None:
             raise ValueError(f"{name} has a bias; svd_mlp's projections are bias-free")
     shapes = {name: (layer.in_features, layer.out_features) for name, layer in projections}
-    if (up_proj.in_features, up_proj.out_features) != shapes["gate_proj"] or \
-            down_proj.in_features != gate_proj.out_features:
+    if (up_proj.in_features, up_proj.out_features) != shapes[
+        "gate_proj"
+    ] or down_proj.in_features != gate_proj.out_features:
         raise ValueError(
             f"gate_proj, up_proj, down_proj: got (in, out) features {shapes}, expected gate_proj and up_proj "
-            "[K → I] and down_proj [I → N] (same K and I)")
+            "[K → I] and down_proj [I → N] (same K and I)"
+        )
 
 
 class SVDMLP(nnx.Module):
@@ -127,15 +178,34 @@ class SVDMLP(nnx.Module):
     "gelu_tanh" (Gemma).
     """
 
-    def __init__(self, in_features: int, intermediate_features: int, rank, *, out_features: int | None = None,
-                 activation: str = "silu", dtype=None, param_dtype=jnp.float32, precision=None,
-                 u_init=default_factor_init, v_init=default_factor_init, rngs: nnx.Rngs):
+    def __init__(
+        self,
+        in_features: int,
+        intermediate_features: int,
+        rank,
+        *,
+        out_features: int | None = None,
+        activation: str = "silu",
+        dtype=None,
+        param_dtype=jnp.float32,
+        precision=None,
+        u_init=default_factor_init,
+        v_init=default_factor_init,
+        rngs: nnx.Rngs,
+    ):
         if activation not in FUSED_ACTIVATIONS:
             raise ValueError(f"activation must be one of {sorted(FUSED_ACTIVATIONS)}, got {activation!r}")
         out_features = in_features if out_features is None else out_features
         gate_rank, up_rank, down_rank = three_ranks(rank)
-        common = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision, u_init=u_init,
-                      v_init=v_init, rngs=rngs)
+        common = dict(
+            use_bias=False,
+            dtype=dtype,
+            param_dtype=param_dtype,
+            precision=precision,
+            u_init=u_init,
+            v_init=v_init,
+            rngs=rngs,
+        )
         self.gate_proj = SVDLinear(in_features, intermediate_features, gate_rank, **common)
         self.up_proj = SVDLinear(in_features, intermediate_features, up_rank, **common)
         self.down_proj = SVDLinear(intermediate_features, out_features, down_rank, **common)
@@ -146,13 +216,25 @@ class SVDMLP(nnx.Module):
     def __call__(self, inputs):
         layers = (self.gate_proj, self.up_proj, self.down_proj)
         inputs, *factors = dtypes.promote_dtype(
-            inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype)
+            inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype
+        )
         return svd_mlp(inputs, *factors, activation=self.activation, precision=self.precision)
 
     @classmethod
-    def from_linears(cls, gate_proj: nnx.Linear, up_proj: nnx.Linear, down_proj: nnx.Linear, *,
-                     activation: str = "silu", rank=None, keep: float | None = None, method: str = "svd",
-                     calibration=None, block: int = 128, damping: float = svd.DEFAULT_DAMPING) -> SVDMLP:
+    def from_linears(
+        cls,
+        gate_proj: nnx.Linear,
+        up_proj: nnx.Linear,
+        down_proj: nnx.Linear,
+        *,
+        activation: str = "silu",
+        rank=None,
+        keep: float | None = None,
+        method: str = "svd",
+        calibration=None,
+        block: int = 128,
+        damping: float = svd.DEFAULT_DAMPING,
+    ) -> SVDMLP:
         """An SVDMLP approximating a gated MLP of three bias-free `nnx.Linear` layers.
 
         rank: one int or (gate, up, down); or keep (per-projection `block_aligned_rank`). For method="whitened",
@@ -167,17 +249,27 @@ class SVDMLP(nnx.Module):
         if method == "whitened" and calibration is not None:
             down_calibration = gated_hidden(calibration, gate_proj.kernel[...], up_proj.kernel[...], activation)
         converted = [
-            SVDLinear.from_linear(linear, rank=layer_rank, keep=keep, method=method, calibration=layer_calibration,
-                                  block=block, damping=damping)
+            SVDLinear.from_linear(
+                linear,
+                rank=layer_rank,
+                keep=keep,
+                method=method,
+                calibration=layer_calibration,
+                block=block,
+                damping=damping,
+            )
             for linear, layer_rank, layer_calibration in (
-                (gate_proj, ranks[0], calibration), (up_proj, ranks[1], calibration),
-                (down_proj, ranks[2], down_calibration))
+                (gate_proj, ranks[0], calibration),
+                (up_proj, ranks[1], calibration),
+                (down_proj, ranks[2], down_calibration),
+            )
         ]
         return cls.from_projections(*converted, activation=activation)
 
     @classmethod
-    def from_projections(cls, gate_proj: SVDLinear, up_proj: SVDLinear, down_proj: SVDLinear, *,
-                         activation: str = "silu") -> SVDMLP:
+    def from_projections(
+        cls, gate_proj: SVDLinear, up_proj: SVDLinear, down_proj: SVDLinear, *, activation: str = "silu"
+    ) -> SVDMLP:
         """The SVDMLP made of three bias-free SVDLinear layers as they are (their factors are kept, not copied).
 
         gate_proj, up_proj: [in_features → intermediate]; down_proj: [intermediate → out_features].
@@ -185,9 +277,18 @@ class SVDMLP(nnx.Module):
         _check_gated_projections(gate_proj, up_proj, down_proj, SVDLinear)
         # Built with zero factors (cheaper than tracing the random initializers) and then given the layers.
         zeros = nnx.initializers.zeros_init()
-        mlp = cls(gate_proj.in_features, gate_proj.out_features, (gate_proj.rank, up_proj.rank, down_proj.rank),
-                  out_features=down_proj.out_features, activation=activation, dtype=gate_proj.dtype,
-                  param_dtype=gate_proj.param_dtype, precision=gate_proj.precision, u_init=zeros, v_init=zeros,
-                  rngs=nnx.Rngs(0))
+        mlp = cls(
+            gate_proj.in_features,
+            gate_proj.out_features,
+            (gate_proj.rank, up_proj.rank, down_proj.rank),
+            out_features=down_proj.out_features,
+            activation=activation,
+            dtype=gate_proj.dtype,
+            param_dtype=gate_proj.param_dtype,
+            precision=gate_proj.precision,
+            u_init=zeros,
+            v_init=zeros,
+            rngs=nnx.Rngs(0),
+        )
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp

@@ -12,11 +12,25 @@ constants). `instruction_costs` holds the documented per-instruction costs the c
 """
 
 from . import api, isa, language, trace
-from .nki_import import as_nki
 from .context import count_only, use_target
 from .errors import NkiHardwareError
 from .kernel import Kernel, jit, output_specs, set_array_frontend, simulate
+from .nki_import import as_nki
 from .profile import profile
 
-__all__ = ["Kernel", "NkiHardwareError", "api", "as_nki", "count_only", "isa", "jit", "language",
-           "output_specs", "profile", "set_array_frontend", "simulate", "trace", "use_target"]
+__all__ = [
+    "Kernel",
+    "NkiHardwareError",
+    "api",
+    "as_nki",
+    "count_only",
+    "isa",
+    "jit",
+    "language",
+    "output_specs",
+    "profile",
+    "set_array_frontend",
+    "simulate",
+    "trace",
+    "use_target",
+]

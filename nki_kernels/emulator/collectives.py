@@ -28,8 +28,10 @@ def _check_group(what, group):
         return
     ranks = [r for g in groups for r in (g if isinstance(g, (list, tuple)) else [g])]
     if any(int(r) != 0 for r in ranks):
-        raise NotImplementedError(f"nki.collectives.{what}: replica groups {groups} name ranks other than 0; the "
-                                  f"emulator runs one core (replica groups of one)")
+        raise NotImplementedError(
+            f"nki.collectives.{what}: replica groups {groups} name ranks other than 0; the "
+            f"emulator runs one core (replica groups of one)"
+        )
 
 
 def _copy_all(what, srcs, dsts):
@@ -68,8 +70,10 @@ def all_to_all(srcs, dsts, replica_group, collective_dim, priority=None, name=No
 
 def collective_permute(srcs, dsts, source_target_pairs, priority=None, name=None):
     if any(tuple(pair) != (0, 0) for pair in source_target_pairs):
-        raise NotImplementedError(f"nki.collectives.collective_permute: pairs {source_target_pairs} name ranks "
-                                  f"other than 0; the emulator runs one core")
+        raise NotImplementedError(
+            f"nki.collectives.collective_permute: pairs {source_target_pairs} name ranks "
+            f"other than 0; the emulator runs one core"
+        )
     _copy_all("collective_permute", srcs, dsts)
 
 
@@ -82,29 +86,35 @@ def _one_tensor_per_channel(what, *lists):
     return pairs
 
 
-def collective_permute_implicit(srcs_by_channel, dsts_by_channel, replica_group, channel_ids=(0,), priority=None,
-                                name=None):
+def collective_permute_implicit(
+    srcs_by_channel, dsts_by_channel, replica_group, channel_ids=(0,), priority=None, name=None
+):
     """Ring send to the successor / receive from the predecessor; in a ring of one, each channel's dst = src."""
     _check_group("collective_permute_implicit", replica_group)
     for src, dst in _one_tensor_per_channel("collective_permute_implicit", srcs_by_channel, dsts_by_channel):
         _copy_all("collective_permute_implicit", [src], [dst])
 
 
-def collective_permute_implicit_reduce(srcs0_by_channel, srcs1_by_channel, dsts_by_channel, replica_group, op,
-                                       channel_ids=(0,), priority=None, name=None):
+def collective_permute_implicit_reduce(
+    srcs0_by_channel, srcs1_by_channel, dsts_by_channel, replica_group, op, channel_ids=(0,), priority=None, name=None
+):
     """dst = op(src0, src1) of the predecessor; in a ring of one, of this rank (VectorE on chip, else by DMA)."""
     _check_group("collective_permute_implicit_reduce", replica_group)
     if getattr(op, "nki_op", op) not in ("add", "minimum", "maximum"):
-        raise ValueError(f"nki.collectives.collective_permute_implicit_reduce: op must be nl.add, nl.minimum or "
-                         f"nl.maximum, got {op!r}")
-    for src0, src1, dst in _one_tensor_per_channel("collective_permute_implicit_reduce", srcs0_by_channel,
-                                                   srcs1_by_channel, dsts_by_channel):
+        raise ValueError(
+            f"nki.collectives.collective_permute_implicit_reduce: op must be nl.add, nl.minimum or "
+            f"nl.maximum, got {op!r}"
+        )
+    for src0, src1, dst in _one_tensor_per_channel(
+        "collective_permute_implicit_reduce", srcs0_by_channel, srcs1_by_channel, dsts_by_channel
+    ):
         if dst.is_on_chip:
             _isa.tensor_tensor(dst, src0, src1, op)
         else:
             if getattr(op, "nki_op", op) != "add":
-                raise NotImplementedError("collective_permute_implicit_reduce: HBM tensors are reduced by DMA "
-                                          "compute, which adds only")
+                raise NotImplementedError(
+                    "collective_permute_implicit_reduce: HBM tensors are reduced by DMA compute, which adds only"
+                )
             _isa.dma_compute(dst, [src0, src1], op)
 
 
@@ -116,8 +126,7 @@ def collective_permute_implicit_current_processing_rank_id(iteration_id, replica
 
 def _variable_length(what):
     def collective(*args, **kwargs):
-        raise NotImplementedError(f"nki.collectives.{what}: the variable-length metadata tensor layout is not "
-                                  f"emulated")
+        raise NotImplementedError(f"nki.collectives.{what}: the variable-length metadata tensor layout is not emulated")
 
     collective.__name__ = collective.__qualname__ = what
     return collective
@@ -133,6 +142,17 @@ def rank_id(name=None):
     return VirtualRegister(0)
 
 
-__all__ = ["ReplicaGroup", "all_gather", "all_gather_v", "all_reduce", "all_to_all", "all_to_all_v",
-           "collective_permute", "collective_permute_implicit", "collective_permute_implicit_current_processing_rank_id",
-           "collective_permute_implicit_reduce", "rank_id", "reduce_scatter"]
+__all__ = [
+    "ReplicaGroup",
+    "all_gather",
+    "all_gather_v",
+    "all_reduce",
+    "all_to_all",
+    "all_to_all_v",
+    "collective_permute",
+    "collective_permute_implicit",
+    "collective_permute_implicit_current_processing_rank_id",
+    "collective_permute_implicit_reduce",
+    "rank_id",
+    "reduce_scatter",
+]

@@ -117,11 +117,13 @@ class KernelContext:
         if self.sbuf_live > self.sbuf_capacity:
             raise NkiHardwareError(
                 f"{opcode} at {line}: live SBUF tensors need {self.sbuf_live} bytes per partition, over the "
-                f"{self.sbuf_capacity} bytes of {self.target} (a tensor is live until its last reference is dropped)")
+                f"{self.sbuf_capacity} bytes of {self.target} (a tensor is live until its last reference is dropped)"
+            )
         if self.psum_banks_live > PSUM_BANKS:
             raise NkiHardwareError(
                 f"{opcode} at {line}: live PSUM tensors need {self.psum_banks_live} banks of 2 KiB per partition, "
-                f"over the {PSUM_BANKS} banks of PSUM (a tensor is live until its last reference is dropped)")
+                f"over the {PSUM_BANKS} banks of PSUM (a tensor is live until its last reference is dropped)"
+            )
 
 
 # Kernels being simulated, per thread: a launch from another thread (a concurrent host callback) is a new

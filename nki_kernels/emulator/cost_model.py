@@ -120,20 +120,28 @@ class Hardware:
 HARDWARE = {
     "trn1": Hardware(
         # [ARCH1] engine table: Tensor 2.8, Vector 1.12, Scalar 1.4, GpSimd 1.4 GHz.
-        tensor_ghz=2.8, vector_ghz=1.12, scalar_ghz=1.4, gpsimd_ghz=1.4,
+        tensor_ghz=2.8,
+        vector_ghz=1.12,
+        scalar_ghz=1.4,
+        gpsimd_ghz=1.4,
         # [DMA] table "theoretical peak DMA bandwidth per NeuronCore generation": TRN1 17 B/ns per
         # engine, 16 engines, 272 GB/s. ([ARCH1] quotes 27 GiB/s per engine; the per-generation
         # table is the newer and the one that also covers trn2, so it is used for both.)
-        dma_engines=16, dma_engine_bytes_per_ns=17.0,
+        dma_engines=16,
+        dma_engine_bytes_per_ns=17.0,
         # [HBM] 820 GB/s per trn1 chip shared by its 2 NeuronCores.
         hbm_bytes_per_ns=820.0 / 2,
         vector_bf16_perf_mode=False,
     ),
     "trn2": Hardware(
         # [ARCH2] "Compute Engine Specifications": Tensor 2.4, Vector 0.96, Scalar 1.2, GpSimd 1.2 GHz.
-        tensor_ghz=2.4, vector_ghz=0.96, scalar_ghz=1.2, gpsimd_ghz=1.2,
+        tensor_ghz=2.4,
+        vector_ghz=0.96,
+        scalar_ghz=1.2,
+        gpsimd_ghz=1.2,
         # [DMA] TRN2 23 B/ns per engine, 16 engines, 368 GB/s.
-        dma_engines=16, dma_engine_bytes_per_ns=23.0,
+        dma_engines=16,
+        dma_engine_bytes_per_ns=23.0,
         # [HBM] 2.9 TB/s per trn2 chip shared by its 8 physical NeuronCores.
         hbm_bytes_per_ns=2900.0 / 8,
         vector_bf16_perf_mode=True,
@@ -172,8 +180,17 @@ DMA_PARTITIONS_PER_ENGINE = 8
 # to size (the fixed per-transfer cost of the curve's lower part), so a smaller buffer takes the
 # time of a 32 B one -- an extrapolation, the figure has no point below 32 B; from 32 KiB up as 1.
 DMA_EFFICIENCY_BY_PARTITION_BYTES = (
-    (32, 0.016), (64, 0.029), (128, 0.053), (256, 0.105), (512, 0.209), (1024, 0.423),
-    (2048, 0.815), (4096, 0.965), (8192, 0.983), (16384, 0.990), (32768, 1.0),
+    (32, 0.016),
+    (64, 0.029),
+    (128, 0.053),
+    (256, 0.105),
+    (512, 0.209),
+    (1024, 0.423),
+    (2048, 0.815),
+    (4096, 0.965),
+    (8192, 0.983),
+    (16384, 0.990),
+    (32768, 1.0),
 )
 # [ARCH2] "DMA transpose on Trainium2 can achieve up to 90% DMA throughput utilization" (HBM to
 # SBUF); "SBUF2SBUF transpose can achieve up to 50% of DMA throughput". No trn1 figure is
@@ -198,8 +215,7 @@ def _check_target(target: str) -> Hardware:
 
 
 def _engine_ghz(hw: Hardware, engine: str) -> float:
-    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz,
-            "gpsimd": hw.gpsimd_ghz}[engine]
+    return {"tensor": hw.tensor_ghz, "vector": hw.vector_ghz, "scalar": hw.scalar_ghz, "gpsimd": hw.gpsimd_ghz}[engine]
 
 
 def compute_cycles(record: trace.InstructionRecord, hw: Hardware) -> float:
@@ -254,8 +270,9 @@ def _all_bf16_like(record: trace.InstructionRecord) -> bool:
 
     A record without input dtypes cannot show its inputs qualify, so it does not.
     """
-    return (record.dtype in _BF16_LIKE and bool(record.input_dtypes)
-            and all(d in _BF16_LIKE for d in record.input_dtypes))
+    return (
+        record.dtype in _BF16_LIKE and bool(record.input_dtypes) and all(d in _BF16_LIKE for d in record.input_dtypes)
+    )
 
 
 class _RegionIndex:
@@ -296,9 +313,9 @@ class _RegionIndex:
             if entries is None:
                 self._buckets[(storage, b)] = [entry]
                 continue
-            entries[:] = [e for e in entries
-                          if not (p0 <= e[0] and e[1] <= p1 and b0 <= e[2] and e[3] <= b1
-                                  and e[4] <= finish)]
+            entries[:] = [
+                e for e in entries if not (p0 <= e[0] and e[1] <= p1 and b0 <= e[2] and e[3] <= b1 and e[4] <= finish)
+            ]
             entries.append(entry)
 
 
@@ -314,7 +331,7 @@ class _DmaEngine:
         self.tail = 0.0
         self.gaps: list[list[float]] = []  # [start, stop], sorted, disjoint, all before `tail`
 
-    def copy(self) -> "_DmaEngine":
+    def copy(self) -> _DmaEngine:
         twin = _DmaEngine()
         twin.tail = self.tail
         twin.gaps = [list(gap) for gap in self.gaps]
@@ -341,10 +358,10 @@ class _DmaEngine:
             for i, (start, stop) in enumerate(self.gaps):
                 if start <= t and end <= stop:
                     pieces = [p for p in ([start, t], [end, stop]) if p[1] - p[0] > _MIN_GAP_NS]
-                    self.gaps[i:i + 1] = pieces
+                    self.gaps[i : i + 1] = pieces
                     break
         if len(self.gaps) > _MAX_GAPS:
-            del self.gaps[:len(self.gaps) - _MAX_GAPS]
+            del self.gaps[: len(self.gaps) - _MAX_GAPS]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -407,8 +424,7 @@ def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int,
         per_engine_rate = min(per_engine_rate, hw.hbm_bytes_per_ns / (engines * hbm_sides))
     per_engine_rate *= dma_efficiency(dma_buffer_bytes(record))
     if dma.transpose:
-        per_engine_rate *= (DMA_TRANSPOSE_EFFICIENCY_FROM_HBM if hbm_sides
-                            else DMA_TRANSPOSE_EFFICIENCY_ON_CHIP)
+        per_engine_rate *= DMA_TRANSPOSE_EFFICIENCY_FROM_HBM if hbm_sides else DMA_TRANSPOSE_EFFICIENCY_ON_CHIP
     return engines, dma.nbytes / engines / per_engine_rate
 
 
@@ -471,8 +487,7 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
             engines, transfer_ns = cost
             # Each engine's share goes to the engines that can start it earliest. Engines with
             # identical bookings form one group ([engine, count]) and are evaluated once.
-            offers = sorted((group[0].earliest(ready, transfer_ns), k)
-                            for k, group in enumerate(dma_groups))
+            offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(dma_groups))
             start = offers[0][0]
             needed = engines
             for t, k in offers:
@@ -499,8 +514,9 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
             engine_free[record.engine] = finish
             busy[record.engine] += cycles / ghz
         else:
-            raise ValueError(f"record {record.opcode} at {record.line}: engine {record.engine!r}, "
-                             f"expected one of {trace.ENGINES}")
+            raise ValueError(
+                f"record {record.opcode} at {record.line}: engine {record.engine!r}, expected one of {trace.ENGINES}"
+            )
 
         for access in record.reads:
             if last_write.get(access.storage, -1) > i:
@@ -511,8 +527,12 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
                 index.add(access, finish)
         starts.append(start / 1e3)
         finishes.append(finish / 1e3)
-    return Schedule(target=target, start_us=tuple(starts), finish_us=tuple(finishes),
-                    engine_busy_us={k: v / 1e3 for k, v in busy.items()})
+    return Schedule(
+        target=target,
+        start_us=tuple(starts),
+        finish_us=tuple(finishes),
+        engine_busy_us={k: v / 1e3 for k, v in busy.items()},
+    )
 
 
 def model_latency(run: trace.KernelRun, target: str) -> float:

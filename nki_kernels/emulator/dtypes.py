@@ -27,14 +27,29 @@ float8_e8m0fnu = np.dtype(ml_dtypes.float8_e8m0fnu)  # MX scale exponents
 float8_e5m2_x4 = np.dtype([("float8_e5m2_x4", np.uint32)])
 float8_e4m3fn_x4 = np.dtype([("float8_e4m3fn_x4", np.uint32)])
 float4_e2m1fn_x4 = np.dtype([("float4_e2m1fn_x4", np.uint32)])
-TRN3_ONLY = {float8_e5m2_x4: "float8_e5m2_x4", float8_e4m3fn_x4: "float8_e4m3fn_x4",
-             float4_e2m1fn_x4: "float4_e2m1fn_x4"}
+TRN3_ONLY = {
+    float8_e5m2_x4: "float8_e5m2_x4",
+    float8_e4m3fn_x4: "float8_e4m3fn_x4",
+    float4_e2m1fn_x4: "float4_e2m1fn_x4",
+}
 
 _BY_NAME = {
-    "bool": bool_, "bool_": bool_, "int8": int8, "int16": int16, "int32": int32, "uint8": uint8,
-    "uint16": uint16, "uint32": uint32, "float16": float16, "float32": float32, "tfloat32": tfloat32,
-    "bfloat16": bfloat16, "float8_e4m3": float8_e4m3, "float8_e4m3fn": float8_e4m3fn,
-    "float8_e5m2": float8_e5m2, "float8_e8m0fnu": float8_e8m0fnu,
+    "bool": bool_,
+    "bool_": bool_,
+    "int8": int8,
+    "int16": int16,
+    "int32": int32,
+    "uint8": uint8,
+    "uint16": uint16,
+    "uint32": uint32,
+    "float16": float16,
+    "float32": float32,
+    "tfloat32": tfloat32,
+    "bfloat16": bfloat16,
+    "float8_e4m3": float8_e4m3,
+    "float8_e4m3fn": float8_e4m3fn,
+    "float8_e5m2": float8_e5m2,
+    "float8_e8m0fnu": float8_e8m0fnu,
 }
 SUPPORTED = frozenset(_BY_NAME.values())
 NAME = {dtype: dtype.name for dtype in SUPPORTED}  # dtype.name is slow; records need it per instruction
@@ -46,8 +61,9 @@ MATMUL_INPUT = frozenset((float8_e4m3, float8_e5m2, bfloat16, float16, float32))
 def as_dtype(dtype, argument="dtype"):
     """Normalize a dtype given as np.dtype, numpy type, or NKI name ('bfloat16') to an np.dtype."""
     if isinstance(dtype, np.dtype) and dtype in TRN3_ONLY:
-        raise TypeError(f"{argument}: {TRN3_ONLY[dtype]} is a NeuronCore-v4 (trn3) packed type; the emulator "
-                        f"targets trn1 and trn2")
+        raise TypeError(
+            f"{argument}: {TRN3_ONLY[dtype]} is a NeuronCore-v4 (trn3) packed type; the emulator targets trn1 and trn2"
+        )
     if isinstance(dtype, np.dtype) and dtype in SUPPORTED:
         return dtype
     if isinstance(dtype, str):

@@ -12,7 +12,7 @@ bn_stats, local_gather, ...) are charged. Sources:
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from . import trace
 
@@ -46,7 +46,7 @@ COST: dict[str, Callable[[trace.InstructionRecord], float]] = {
 }
 
 
-def cycles(record: trace.InstructionRecord) -> Optional[float]:
+def cycles(record: trace.InstructionRecord) -> float | None:
     """Engine cycles of a record from the table above, or None to use the cost model's default."""
     cost = COST.get(record.opcode)
     return None if cost is None else cost(record)

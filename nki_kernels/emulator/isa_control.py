@@ -9,13 +9,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import context
-from . import dtypes
-from . import ops
-from .isa_core import (PSUM_BY_OTHER, _dma_info, _dma_partitions, _f32_2d, _fail, _free, _mark_psum, _on_chip,
-                       _operand, _record, _tensor, _write, dma_copy)
+from . import context, dtypes, ops
 from .isa_constants import engine as _Engine
 from .isa_constants import oob_mode as _OobMode
+from .isa_core import (
+    PSUM_BY_OTHER,
+    _dma_info,
+    _dma_partitions,
+    _f32_2d,
+    _fail,
+    _free,
+    _mark_psum,
+    _on_chip,
+    _operand,
+    _record,
+    _tensor,
+    _write,
+    dma_copy,
+)
 from .tensor import NKIObject, NkiTensor
 
 
@@ -121,7 +132,7 @@ _RNG_DTYPES = (dtypes.int8, dtypes.int16, dtypes.int32, dtypes.uint8, dtypes.uin
 
 def random_bits(ctx, shape):
     """32 random bits per element (uint32) from the kernel's generator."""
-    return ctx.random.integers(0, 2 ** 32, size=shape, dtype=np.uint64).astype(np.uint32)
+    return ctx.random.integers(0, 2**32, size=shape, dtype=np.uint64).astype(np.uint32)
 
 
 def rng(dst, engine=_Engine.vector, name=None):
@@ -224,6 +235,7 @@ def dropout(dst, data, prob, name=None):
 
 # -- DMA compute, multi-core -------------------------------------------------------------------------
 
+
 def dma_compute(dst, srcs, reduce_op, scales=None, unique_indices=True, oob_mode=_OobMode.error, name=None):
     """dst = srcs[0] + srcs[1] + ... (float32 inside the DMA engines, cast to dst); up to 16 sources of dst's
     element count, HBM or SBUF; scales all 1.0 (or None); with an indirect source this is the documented
@@ -282,8 +294,10 @@ def sendrecv(src, dst, send_to_rank, recv_from_rank, pipe_id, dma_engine=None, n
     if send_to_rank not in (0, 1) or recv_from_rank not in (0, 1):
         _fail(opcode, line, "send_to_rank and recv_from_rank must be 0 or 1")
     if send_to_rank != 0 or recv_from_rank != 0:
-        raise NotImplementedError(f"{opcode} at {line}: exchanging with rank {send_to_rank}/{recv_from_rank} needs a "
-                                  f"second core; the emulator runs one")
+        raise NotImplementedError(
+            f"{opcode} at {line}: exchanging with rank {send_to_rank}/{recv_from_rank} needs a "
+            f"second core; the emulator runs one"
+        )
     dma_copy(dst, src)
 
 
@@ -294,11 +308,14 @@ def get_nc_sub_version():
 
 # -- NeuronCore-v4 (trn3) only ---------------------------------------------------------------------------
 
+
 def _trn3_only(opcode):
     def instruction(*args, **kwargs):
         ctx = context.current(opcode)
-        raise NotImplementedError(f"nisa.{opcode} at {context.caller_line()}: available only on NeuronCore-v4 "
-                                  f"(trn3) and newer; this kernel targets {ctx.target}")
+        raise NotImplementedError(
+            f"nisa.{opcode} at {context.caller_line()}: available only on NeuronCore-v4 "
+            f"(trn3) and newer; this kernel targets {ctx.target}"
+        )
 
     instruction.__name__ = instruction.__qualname__ = opcode
     instruction.__doc__ = f"nisa.{opcode}: NeuronCore-v4 (trn3) only; raises on the trn1/trn2 targets."
@@ -311,7 +328,25 @@ rand2 = _trn3_only("rand2")
 exponential = _trn3_only("exponential")
 quantize_mx = _trn3_only("quantize_mx")
 
-__all__ = ["NkiInstruction", "VirtualRegister", "activate2", "core_barrier", "dma_compute", "dropout",
-           "exponential", "get_nc_sub_version", "nc_matmul_mx", "quantize_mx", "rand2", "rand_get_state",
-           "rand_set_state", "register_alloc", "register_load", "register_move", "register_store", "rng",
-           "sendrecv", "set_rng_seed"]
+__all__ = [
+    "NkiInstruction",
+    "VirtualRegister",
+    "activate2",
+    "core_barrier",
+    "dma_compute",
+    "dropout",
+    "exponential",
+    "get_nc_sub_version",
+    "nc_matmul_mx",
+    "quantize_mx",
+    "rand2",
+    "rand_get_state",
+    "rand_set_state",
+    "register_alloc",
+    "register_load",
+    "register_move",
+    "register_store",
+    "rng",
+    "sendrecv",
+    "set_rng_seed",
+]

@@ -12,14 +12,11 @@ import math
 
 import numpy as np
 
-from . import context
-from .isa_constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd
-from . import dtypes
-from . import ops
+from . import context, dtypes, ops
 from .errors import NkiHardwareError
+from .isa_constants import dge_mode, engine, matmul_perf_mode, nc_version, oob_mode, reduce_cmd
 from .tensor import PSUM_BY_MATMUL, PSUM_BY_OTHER, PSUM_ZEROED, NkiTensor
 from .trace import DmaInfo, InstructionRecord, MatmulInfo
-
 
 _Engine = engine  # instructions take a parameter named `engine`
 _OobMode = oob_mode
@@ -40,6 +37,7 @@ def get_nc_version():
 
 
 # -- shared helpers --------------------------------------------------------------------------------
+
 
 def _fail(opcode, line, message):
     raise NkiHardwareError(f"{opcode} at {line}: {message}")
@@ -74,15 +72,23 @@ def _partition_placement(opcode, line, name, t):
     part_stride = t.part_stride
     count = t.shape[0]
     if count > 1 and t.strides[0] != part_stride:
-        _fail(opcode, line, f"{name} {t.describe()} steps {t.strides[0]} elements from one partition row to the "
-                            f"next, expected {part_stride}: compute engines access consecutive partitions (no "
-                            f"striding along the partition dimension)")
+        _fail(
+            opcode,
+            line,
+            f"{name} {t.describe()} steps {t.strides[0]} elements from one partition row to the "
+            f"next, expected {part_stride}: compute engines access consecutive partitions (no "
+            f"striding along the partition dimension)",
+        )
     start = t.offset // part_stride
     alignment = 128 if count > 64 else 64 if count > 32 else 32
     if start % alignment:
         allowed = "0" if count > 64 else "0 or 64" if count > 32 else "0, 32, 64 or 96"
-        _fail(opcode, line, f"{name} {t.describe()} starts at partition {start}; a tile of {count} partitions "
-                            f"must start at partition {allowed}")
+        _fail(
+            opcode,
+            line,
+            f"{name} {t.describe()} starts at partition {start}; a tile of {count} partitions "
+            f"must start at partition {allowed}",
+        )
 
 
 def _free(t):
@@ -91,8 +97,12 @@ def _free(t):
 
 def _same_layout(opcode, line, dst, src, src_name):
     if dst.shape[0] != src.shape[0] or _free(dst) != _free(src):
-        _fail(opcode, line, f"dst {dst.describe()} and {src_name} {src.describe()} must have the same partition "
-                            f"count and elements per partition")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} and {src_name} {src.describe()} must have the same partition "
+            f"count and elements per partition",
+        )
 
 
 def _elementwise_operands(opcode, line, dst, **inputs):
@@ -133,22 +143,40 @@ def _inner_contiguous(t):
     return t.shape[-1] == 1 or t.strides[-1] == 1
 
 
-def _record(ctx, opcode, engine_name, line, dst, reads, matmul=None, dma=None, partitions=None, free=None,
-            inputs=None, extra_writes=()):
+def _record(
+    ctx,
+    opcode,
+    engine_name,
+    line,
+    dst,
+    reads,
+    matmul=None,
+    dma=None,
+    partitions=None,
+    free=None,
+    inputs=None,
+    extra_writes=(),
+):
     """Append the instruction's record; `inputs` are its input data tensors (default: all of `reads`);
     `extra_writes` are tensors it writes besides dst (None entries skipped)."""
     ctx.check_capacity(opcode, line)
     inputs = reads if inputs is None else inputs
-    ctx.run.records.append(InstructionRecord(
-        opcode, engine_name, line,
-        dst.shape[0] if partitions is None else partitions,
-        _free(dst) if free is None else free,
-        dtypes.NAME[dst.dtype],
-        tuple(r.access() for r in reads),
-        (dst.access(),) + tuple(t.access() for t in extra_writes if t is not None),
-        matmul, dma,
-        tuple(dtypes.NAME[t.dtype] for t in inputs),
-        _inner_contiguous(dst) and all(_inner_contiguous(t) for t in inputs)))
+    ctx.run.records.append(
+        InstructionRecord(
+            opcode,
+            engine_name,
+            line,
+            dst.shape[0] if partitions is None else partitions,
+            _free(dst) if free is None else free,
+            dtypes.NAME[dst.dtype],
+            tuple(r.access() for r in reads),
+            (dst.access(),) + tuple(t.access() for t in extra_writes if t is not None),
+            matmul,
+            dma,
+            tuple(dtypes.NAME[t.dtype] for t in inputs),
+            _inner_contiguous(dst) and all(_inner_contiguous(t) for t in inputs),
+        )
+    )
 
 
 def _engine_name(requested, default, opcode, line, allowed):
@@ -202,11 +230,17 @@ def _operand_value(value):
 
 # -- data movement ---------------------------------------------------------------------------------
 
+
 def _dma_info(dst, src, transpose=False):
     hbm_side = [t for t in (src, dst) if t.storage.kind == "hbm"] or [dst]
-    return DmaInfo(nbytes=dst.size * dst.dtype.itemsize, src_buffer=src.storage.kind, dst_buffer=dst.storage.kind,
-                   contiguous_bytes=min(t.contiguous_bytes() for t in hbm_side), transpose=transpose,
-                   src_nbytes=src.size * src.dtype.itemsize)
+    return DmaInfo(
+        nbytes=dst.size * dst.dtype.itemsize,
+        src_buffer=src.storage.kind,
+        dst_buffer=dst.storage.kind,
+        contiguous_bytes=min(t.contiguous_bytes() for t in hbm_side),
+        transpose=transpose,
+        src_nbytes=src.size * src.dtype.itemsize,
+    )
 
 
 def _dma_partitions(dst, src):
@@ -221,15 +255,15 @@ def _dma_options(opcode, line, ctx, priority, mode, allowed_modes):
     if isinstance(mode, int) and not isinstance(mode, bool) and mode in {m.value for m in _DgeMode}:
         mode = _DgeMode(mode)  # kernels may pass the enum's value (nki-library writes dge_mode=3 for none)
     if not isinstance(mode, _DgeMode) or mode not in allowed_modes:
-        _fail(opcode, line, f"dge_mode {mode!r} is not valid here; expected one of "
-                            f"{[m.name for m in allowed_modes]}")
+        _fail(opcode, line, f"dge_mode {mode!r} is not valid here; expected one of {[m.name for m in allowed_modes]}")
     if mode is _DgeMode.hwdge and ctx.target == "trn1":
         _fail(opcode, line, "dge_mode=hwdge (hardware DGE) needs NeuronCore-v3 or newer, not trn1")
     return mode
 
 
-def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown,
-             name=None):
+def dma_copy(
+    dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode.unknown, engine=engine.unknown, name=None
+):
     """dst = src by DMA (HBM/SBUF either side); dtypes convert through float32; element counts must match.
 
     `engine` (sync or scalar) picks the engine that generates hardware-DGE descriptors, so it is valid only
@@ -245,19 +279,25 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
         if dge_mode is not _DgeMode.hwdge:
             _fail(opcode, line, f"engine={engine!r} is only valid with dge_mode=hwdge")
         if engine not in (_Engine.sync, _Engine.scalar):
-            _fail(opcode, line, f"engine={engine!r}: hardware DGE descriptors come from engine.sync or "
-                                f"engine.scalar")
+            _fail(opcode, line, f"engine={engine!r}: hardware DGE descriptors come from engine.sync or engine.scalar")
     for label, t in (("dst", dst), ("src", src)):
         if t.storage.kind == "psum":
             _fail(opcode, line, f"{label} {t.describe()}: DMA cannot access PSUM (use nisa.tensor_copy)")
         if t.storage.kind == "sbuf" and t.shape[0] > context.PMAX:
             _fail(opcode, line, f"{label} {t.describe()} spans {t.shape[0]} partitions, over {context.PMAX}")
     if dst.size != src.size:
-        _fail(opcode, line, f"element counts differ: dst {dst.describe()} has {dst.size}, "
-                            f"src {src.describe()} has {src.size}")
+        _fail(
+            opcode,
+            line,
+            f"element counts differ: dst {dst.describe()} has {dst.size}, src {src.describe()} has {src.size}",
+        )
     if dge_mode is _DgeMode.hwdge and dst.dtype != src.dtype:
-        _fail(opcode, line, f"dge_mode=hwdge moves raw bytes: src {src.dtype.name} and dst {dst.dtype.name} must "
-                            f"have the same dtype (reinterpret with .view(), or use swdge / none to cast)")
+        _fail(
+            opcode,
+            line,
+            f"dge_mode=hwdge moves raw bytes: src {src.dtype.name} and dst {dst.dtype.name} must "
+            f"have the same dtype (reinterpret with .view(), or use swdge / none to cast)",
+        )
     if not isinstance(oob_mode, _OobMode):
         _fail(opcode, line, f"oob_mode {oob_mode!r} must be a nisa.oob_mode")
     if ctx.numerics:
@@ -269,8 +309,11 @@ def dma_copy(dst, src, priority=None, oob_mode=oob_mode.error, dge_mode=dge_mode
                     keep &= ~t.oob.reshape(-1)
             values = src.gathered() if src.gather is not None else src.array()
             current = dst.gathered() if dst.gather is not None else dst.array()
-            values = np.where(keep, values.reshape(-1).astype(np.float32), current.reshape(-1).astype(np.float32)) \
-                if values.dtype != dst.dtype else np.where(keep, values.reshape(-1), current.reshape(-1))
+            values = (
+                np.where(keep, values.reshape(-1).astype(np.float32), current.reshape(-1).astype(np.float32))
+                if values.dtype != dst.dtype
+                else np.where(keep, values.reshape(-1), current.reshape(-1))
+            )
             _write(dst, values)
         else:
             values = src.array()
@@ -289,8 +332,12 @@ def _hwdge_transpose_limits(opcode, line, src):
     if src.ndim == 2 and first != 16:
         _fail(opcode, line, f"hardware-DGE transpose of a 2-D src needs src.shape[0] == 16, got {first}")
     if src.ndim > 2 and (first not in (1, 2, 4, 8, 16) or (first * src.shape[-2]) % 16):
-        _fail(opcode, line, f"hardware-DGE transpose of a {src.ndim}-D src needs src.shape[0] in {{1, 2, 4, 8, 16}} "
-                            f"and src.shape[0] * src.shape[-2] a multiple of 16, got {list(src.shape)}")
+        _fail(
+            opcode,
+            line,
+            f"hardware-DGE transpose of a {src.ndim}-D src needs src.shape[0] in {{1, 2, 4, 8, 16}} "
+            f"and src.shape[0] * src.shape[-2] a multiple of 16, got {list(src.shape)}",
+        )
     if last > 128:
         _fail(opcode, line, f"hardware-DGE transpose needs src.shape[-1] <= 128, got {last}")
     if src.dtype.itemsize != 2:
@@ -318,8 +365,11 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         _fail(opcode, line, f"dst dtype {dst.dtype.name} must equal src dtype {src.dtype.name}")
     expected = tuple(src.shape[a] for a in axes)
     if dst.shape != expected:
-        _fail(opcode, line, f"dst {dst.describe()} must have shape {list(expected)} (src {list(src.shape)} "
-                            f"permuted by {axes})")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} must have shape {list(expected)} (src {list(src.shape)} permuted by {axes})",
+        )
     if dge_mode is _DgeMode.hwdge:
         _hwdge_transpose_limits(opcode, line, src)
     if ctx.numerics:
@@ -335,8 +385,9 @@ def tensor_copy(dst, src, engine=engine.unknown, name=None):
     _elementwise_operands(opcode, line, dst, src=src)
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "scalar", "gpsimd"))
     if engine_name == "scalar" and ctx.target == "trn1":
-        _fail(opcode, line, "NeuronCore-v2 (trn1) Scalar Engine has no tensor_copy; use nisa.activation with "
-                            "op=nl.copy")
+        _fail(
+            opcode, line, "NeuronCore-v2 (trn1) Scalar Engine has no tensor_copy; use nisa.activation with op=nl.copy"
+        )
     _gpsimd_psum(opcode, line, engine_name, dst, src)
     if ctx.numerics:
         values = src.array()
@@ -358,8 +409,12 @@ def memset(dst, value, engine=engine.unknown, name=None):
     if not isinstance(value, (bool, int, float, np.number)):
         raise TypeError(f"{opcode} at {line}: value must be a number, got {type(value).__name__}")
     if _integer(dst.dtype) and isinstance(value, (float, np.floating)):
-        _fail(opcode, line, f"value {value!r} is a float but dst {dst.describe()} is an integer tile; pass an "
-                            f"integer literal (NKI 0.3+ matches types strictly)")
+        _fail(
+            opcode,
+            line,
+            f"value {value!r} is a float but dst {dst.describe()} is an integer tile; pass an "
+            f"integer literal (NKI 0.3+ matches types strictly)",
+        )
     if ctx.numerics:
         _write(dst, np.full(dst.shape, value, dtype=np.float32 if dtypes.is_float(dst.dtype) else dst.dtype))
     _mark_psum(dst, PSUM_ZEROED if value == 0 else PSUM_BY_OTHER)
@@ -391,11 +446,16 @@ def iota(dst, pattern, offset=0, channel_multiplier=0, name=None):
 
 # -- TensorE ---------------------------------------------------------------------------------------
 
+
 def _psum_bank_check(opcode, line, dst):
     access = dst.access()
     if access.b_start // context.PSUM_BANK_BYTES != (access.b_stop - 1) // context.PSUM_BANK_BYTES:
-        _fail(opcode, line, f"dst {dst.describe()} covers PSUM bytes {access.b_start}..{access.b_stop} of each "
-                            f"partition, crossing a 2 KiB bank boundary (one output tile must fit one bank)")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} covers PSUM bytes {access.b_start}..{access.b_stop} of each "
+            f"partition, crossing a 2 KiB bank boundary (one output tile must fit one bank)",
+        )
 
 
 # PE-array tile sizes for row/column tiling mode: halves from NeuronCore-v2, quarters from NeuronCore-v3.
@@ -406,20 +466,28 @@ _FP8 = (dtypes.float8_e4m3, dtypes.float8_e5m2)
 def _matmul_tiling(opcode, line, ctx, tile_position, tile_size, double_row):
     """(row limit, column limit) of the PE array this matmul may use."""
     if bool(tile_position) != bool(tile_size):
-        _fail(opcode, line, f"tile_position={tile_position!r} and tile_size={tile_size!r}: both must be set to "
-                            f"enable tiling mode (or neither)")
+        _fail(
+            opcode,
+            line,
+            f"tile_position={tile_position!r} and tile_size={tile_size!r}: both must be set to "
+            f"enable tiling mode (or neither)",
+        )
     if not tile_size:
         return context.PMAX, context.PMAX
     if len(tile_size) != 2 or len(tile_position) != 2:
-        _fail(opcode, line, f"tile_position {tile_position!r} and tile_size {tile_size!r} must be 2-tuples "
-                            f"(row, column)")
+        _fail(
+            opcode, line, f"tile_position {tile_position!r} and tile_size {tile_size!r} must be 2-tuples (row, column)"
+        )
     allowed = _PE_TILE_SIZES[ctx.target]
     for what, size, start in (("row", tile_size[0], tile_position[0]), ("column", tile_size[1], tile_position[1])):
         if size not in allowed:
             _fail(opcode, line, f"{what} tile size {size} unsupported on {ctx.target}; expected one of {allowed}")
         if start % size or not 0 <= start < context.PMAX:
-            _fail(opcode, line, f"start {what} {start} must be a multiple of the {what} tile size {size} below "
-                                f"{context.PMAX}")
+            _fail(
+                opcode,
+                line,
+                f"start {what} {start} must be a multiple of the {what} tile size {size} below {context.PMAX}",
+            )
     if double_row and tile_size[1] != context.PMAX:
         _fail(opcode, line, "perf_mode=double_row cannot be combined with column tiling")
     return int(tile_size[0]), int(tile_size[1])
@@ -429,16 +497,24 @@ def _accumulate_mask(opcode, line, dst, state, accumulate):
     """None: overwrite everywhere; True: add everywhere; else a boolean array of the locations that add."""
     if accumulate is None:
         if np.count_nonzero(state == PSUM_BY_OTHER):
-            _fail(opcode, line, f"dst {dst.describe()}: PSUM holding a nonzero value written by a non-matmul "
-                                f"instruction (memset, tensor_copy, ...) cannot be accumulated onto (undefined on "
-                                f"trn1/trn2); pass accumulate=False to overwrite")
+            _fail(
+                opcode,
+                line,
+                f"dst {dst.describe()}: PSUM holding a nonzero value written by a non-matmul "
+                f"instruction (memset, tensor_copy, ...) cannot be accumulated onto (undefined on "
+                f"trn1/trn2); pass accumulate=False to overwrite",
+            )
         written = state == PSUM_BY_MATMUL
         n_written = np.count_nonzero(written)
         return None if n_written == 0 else (True if n_written == written.size else written)
     if accumulate:
         if np.count_nonzero(state == PSUM_BY_MATMUL) != state.size:
-            _fail(opcode, line, f"accumulate=True onto dst {dst.describe()} whose PSUM locations were not first "
-                                f"written by nc_matmul (undefined on trn1/trn2)")
+            _fail(
+                opcode,
+                line,
+                f"accumulate=True onto dst {dst.describe()} whose PSUM locations were not first "
+                f"written by nc_matmul (undefined on trn1/trn2)",
+            )
         return True
     return None
 
@@ -453,8 +529,19 @@ def _transpose_exact(stationary, moving):
     return np.where(ones.any(axis=0), picked, np.float32(0))
 
 
-def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_onezero=False, is_transpose=False,
-              accumulate=None, tile_position=(), tile_size=(), perf_mode=matmul_perf_mode.none, name=None):
+def nc_matmul(
+    dst,
+    stationary,
+    moving,
+    is_stationary_onezero=False,
+    is_moving_onezero=False,
+    is_transpose=False,
+    accumulate=None,
+    tile_position=(),
+    tile_size=(),
+    perf_mode=matmul_perf_mode.none,
+    name=None,
+):
     """dst[M, N] (PSUM, fp32) = stationary[K, M].T @ moving[K, N]; K <= 128, M <= 128, N <= 512.
 
     accumulate=False overwrites, True adds onto a location written by an earlier matmul, None decides per
@@ -477,38 +564,63 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
     row_limit, column_limit = _matmul_tiling(opcode, line, ctx, tile_position, tile_size, double_row)
     contraction = stationary.shape[0]
     if moving.shape[0] != contraction:
-        _fail(opcode, line, f"stationary {stationary.describe()} and moving {moving.describe()} must have the same "
-                            f"partition (contraction) size")
+        _fail(
+            opcode,
+            line,
+            f"stationary {stationary.describe()} and moving {moving.describe()} must have the same "
+            f"partition (contraction) size",
+        )
     if double_row:
         if ctx.target == "trn1":
             _fail(opcode, line, "perf_mode=double_row is not supported on NeuronCore-v2 (trn1)")
         for label, t in (("stationary", stationary), ("moving", moving)):
             if t.dtype not in _FP8:
-                _fail(opcode, line, f"perf_mode=double_row: {label} dtype {t.dtype.name} must be float8_e4m3 or "
-                                    f"float8_e5m2")
+                _fail(
+                    opcode,
+                    line,
+                    f"perf_mode=double_row: {label} dtype {t.dtype.name} must be float8_e4m3 or float8_e5m2",
+                )
             if t.ndim < 3 or t.shape[1] != 2:
-                _fail(opcode, line, f"perf_mode=double_row: {label} {t.describe()} must be [K, 2, ...] (the "
-                                    f"first free dimension holds the second half of the contraction)")
+                _fail(
+                    opcode,
+                    line,
+                    f"perf_mode=double_row: {label} {t.describe()} must be [K, 2, ...] (the "
+                    f"first free dimension holds the second half of the contraction)",
+                )
         stationary_free, moving_free = _free(stationary) // 2, _free(moving) // 2
     else:
         stationary_free, moving_free = _free(stationary), _free(moving)
     if contraction > row_limit:
         _fail(opcode, line, f"contraction (partition) size {contraction} exceeds {row_limit}")
     if stationary_free > column_limit:
-        _fail(opcode, line, f"stationary free size {stationary_free} exceeds {column_limit} "
-                            f"(nl.tile_size.gemm_stationary_fmax)")
+        _fail(
+            opcode,
+            line,
+            f"stationary free size {stationary_free} exceeds {column_limit} (nl.tile_size.gemm_stationary_fmax)",
+        )
     if moving_free > 512:
         _fail(opcode, line, f"moving free size {moving_free} exceeds 512 (nl.tile_size.gemm_moving_fmax)")
     if dst.shape[0] != stationary_free or _free(dst) != moving_free:
-        _fail(opcode, line, f"dst {dst.describe()} must be [{stationary_free}, {moving_free}] "
-                            f"(stationary free x moving free)")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} must be [{stationary_free}, {moving_free}] (stationary free x moving free)",
+        )
     for label, t in (("stationary", stationary), ("moving", moving)):
         if t.dtype not in dtypes.MATMUL_INPUT and not is_transpose:
-            _fail(opcode, line, f"{label} dtype {t.dtype.name} is not a TensorE input type "
-                                f"(float8_e4m3, float8_e5m2, bfloat16, float16, tfloat32, float32)")
+            _fail(
+                opcode,
+                line,
+                f"{label} dtype {t.dtype.name} is not a TensorE input type "
+                f"(float8_e4m3, float8_e5m2, bfloat16, float16, tfloat32, float32)",
+            )
     if (stationary.dtype == dtypes.float32) != (moving.dtype == dtypes.float32) and not is_transpose:
-        _fail(opcode, line, f"stationary {stationary.dtype.name} and moving {moving.dtype.name}: if one operand is "
-                            f"float32 the other must be too")
+        _fail(
+            opcode,
+            line,
+            f"stationary {stationary.dtype.name} and moving {moving.dtype.name}: if one operand is "
+            f"float32 the other must be too",
+        )
     if dst.dtype != dtypes.float32 and not (is_transpose and dst.dtype == stationary.dtype):
         _fail(opcode, line, f"dst dtype {dst.dtype.name} must be float32 on trn1/trn2")
     _psum_bank_check(opcode, line, dst)
@@ -522,13 +634,17 @@ def nc_matmul(dst, stationary, moving, is_stationary_onezero=False, is_moving_on
             product = lhs.T @ rhs
         if accumulate_mask is not None:
             current = dst.array().reshape(product.shape).astype(np.float32)
-            product = current + product if accumulate_mask is True else np.where(accumulate_mask.reshape(
-                product.shape), current + product, product)
+            product = (
+                current + product
+                if accumulate_mask is True
+                else np.where(accumulate_mask.reshape(product.shape), current + product, product)
+            )
         _write(dst, product)
     state[...] = PSUM_BY_MATMUL
     info = MatmulInfo(contraction, stationary_free, moving_free, dtypes.NAME[moving.dtype], bool(is_transpose))
-    _record(ctx, opcode, "tensor", line, dst, (stationary, moving), matmul=info, partitions=contraction,
-            free=moving_free)
+    _record(
+        ctx, opcode, "tensor", line, dst, (stationary, moving), matmul=info, partitions=contraction, free=moving_free
+    )
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
@@ -545,8 +661,11 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     rows, cols = data.shape[0], _free(data)
     limit = 128 if engine_name == "tensor" else 32
     if rows > limit or cols > limit:
-        _fail(opcode, line, f"data {data.describe()} is {rows}x{cols}, over the {limit}x{limit} that "
-                            f"{engine_name} engine transposes")
+        _fail(
+            opcode,
+            line,
+            f"data {data.describe()} is {rows}x{cols}, over the {limit}x{limit} that {engine_name} engine transposes",
+        )
     if engine_name == "tensor" and (data.storage.kind != "sbuf" or dst.storage.kind != "psum"):
         _fail(opcode, line, "Tensor Engine transpose reads SBUF and writes PSUM")
     if dst.shape[0] != cols or _free(dst) != rows:
@@ -558,8 +677,12 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
     if ctx.numerics:
         a = data.array()
         a = a.reshape(a.shape[0], -1)
-        if engine_name == "tensor" and ctx.target == "trn1" and dtypes.is_float(a.dtype) \
-                and not np.isfinite(a.astype(np.float32)).all():
+        if (
+            engine_name == "tensor"
+            and ctx.target == "trn1"
+            and dtypes.is_float(a.dtype)
+            and not np.isfinite(a.astype(np.float32)).all()
+        ):
             # NeuronCore-v2 transposes as a real matmul with an identity: NaN/Inf times 0 spoils whole rows.
             with np.errstate(invalid="ignore"):
                 a = a.astype(np.float32).T @ np.eye(a.shape[0], dtype=np.float32)
@@ -577,8 +700,13 @@ def nc_transpose(dst, data, engine=engine.unknown, name=None):
 
 _INT32 = (dtypes.int32, dtypes.uint32)
 # Arithmetic that GpSimd does natively on 32-bit integers (exact, wrapping like the hardware's int32 ALU).
-_NATIVE_INT = {"add": np.add, "subtract": np.subtract, "multiply": np.multiply, "maximum": np.maximum,
-               "minimum": np.minimum}
+_NATIVE_INT = {
+    "add": np.add,
+    "subtract": np.subtract,
+    "multiply": np.multiply,
+    "maximum": np.maximum,
+    "minimum": np.minimum,
+}
 
 
 def tensor_tensor(dst, data1, data2, op, engine=engine.unknown, name=None):
@@ -641,8 +769,9 @@ def _apply_scalar_op(name_, kind, values, operand, reverse):
     return fn(operand, values) if reverse else fn(values, operand)
 
 
-def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False,
-                  engine=engine.unknown, name=None):
+def tensor_scalar(
+    dst, data, op0, operand0, reverse0=False, op1=None, operand1=None, reverse1=False, engine=engine.unknown, name=None
+):
     """dst = (data <op0> operand0) <op1> operand1; operands are scalars or [P, 1] vectors (SBUF or PSUM).
 
     reverse0/1 put the operand on the left. Arithmetic runs in float32 with float32 vector operands; bitvec
@@ -667,19 +796,21 @@ def tensor_scalar(dst, data, op0, operand0, reverse0=False, op1=None, operand1=N
         kinds.append((name_, kind))
     bitvec = [kind == "bitvec" for _, kind in kinds]
     if any(bitvec) and not all(bitvec):
-        _fail(opcode, line, f"op0 and op1 must both be bitvec or both arithmetic, got "
-                            f"{[name_ for name_, _ in kinds]}")
+        _fail(opcode, line, f"op0 and op1 must both be bitvec or both arithmetic, got {[name_ for name_, _ in kinds]}")
     if any(bitvec):
-        _require_integer(opcode, line, f"op {kinds[0][0]}", dst=dst, data=data, operand0=operand0,
-                         operand1=operand1)
+        _require_integer(opcode, line, f"op {kinds[0][0]}", dst=dst, data=data, operand0=operand0, operand1=operand1)
     engine_name = _engine_name(engine, "vector", opcode, line, ("vector", "scalar", "gpsimd"))
     if any(bitvec) and engine_name != "vector":
         _fail(opcode, line, f"bitvec operators run on the Vector Engine only, not {engine_name}")
     if engine_name == "scalar" and ctx.target == "trn2":
         pair = (kinds[0][0], kinds[1][0] if len(kinds) > 1 else None)
         if pair not in _TRN2_SCALAR_PAIRS:
-            _fail(opcode, line, f"Scalar Engine on trn2 supports op0/op1 = multiply/add, multiply/None or "
-                                f"add/None only, got {pair[0]}/{pair[1]}")
+            _fail(
+                opcode,
+                line,
+                f"Scalar Engine on trn2 supports op0/op1 = multiply/add, multiply/None or "
+                f"add/None only, got {pair[0]}/{pair[1]}",
+            )
     _gpsimd_psum(opcode, line, engine_name, dst, data, operand0, operand1)
     if ctx.numerics:
         result = _int_2d(data) if any(bitvec) else _f32_2d(data)
@@ -715,10 +846,14 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
     _on_chip(opcode, line, "dst", dst)
     _on_chip(opcode, line, "data", data)
     axes = _reduce_axes(opcode, line, data, axis)
-    kept = math.prod(data.shape[1:axes[0]])
+    kept = math.prod(data.shape[1 : axes[0]])
     if dst.shape[0] != data.shape[0] or _free(dst) != kept:
-        _fail(opcode, line, f"dst {dst.describe()} must have {data.shape[0]} partitions and {kept} elements per "
-                            f"partition after reducing axes {axes} of {data.describe()}")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} must have {data.shape[0]} partitions and {kept} elements per "
+            f"partition after reducing axes {axes} of {data.describe()}",
+        )
     fn = ops.reduction(op)
     bitvec = ops.op_name(op) in ops.BITVEC
     if bitvec:
@@ -739,15 +874,40 @@ def tensor_reduce(dst, op, data, axis, negate=False, keepdims=False, name=None):
 # The functions ScalarE's activation evaluates: table "Supported Activation Functions by NKI ISA" (NKI ISA common
 # fields). The table also lists nl.prelu, which the emulator does not implement (an activate2 function of
 # NeuronCore-v4); other unary operators (nl.floor, nl.cos, nl.negative, ...) are not activations.
-_ACTIVATION_FUNCTIONS = frozenset((
-    "copy", "square", "sigmoid", "relu", "gelu", "gelu_dx", "gelu_apprx_tanh", "gelu_apprx_sigmoid",
-    "gelu_apprx_sigmoid_dx", "silu",
-    "silu_dx", "tanh", "softplus", "mish", "erf", "erf_dx", "exp", "log", "sin", "arctan", "sqrt", "rsqrt",
-    "reciprocal", "sign", "abs"))
+_ACTIVATION_FUNCTIONS = frozenset(
+    (
+        "copy",
+        "square",
+        "sigmoid",
+        "relu",
+        "gelu",
+        "gelu_dx",
+        "gelu_apprx_tanh",
+        "gelu_apprx_sigmoid",
+        "gelu_apprx_sigmoid_dx",
+        "silu",
+        "silu_dx",
+        "tanh",
+        "softplus",
+        "mish",
+        "erf",
+        "erf_dx",
+        "exp",
+        "log",
+        "sin",
+        "arctan",
+        "sqrt",
+        "rsqrt",
+        "reciprocal",
+        "sign",
+        "abs",
+    )
+)
 
 
-def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle,
-               name=None):
+def activation(
+    dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=None, reduce_cmd=reduce_cmd.idle, name=None
+):
     """dst = op(data * scale + bias) on ScalarE in float32; bias a [P, 1] vector (or scalar), scale scalar or [P, 1].
 
     With reduce_res, the per-partition sum of the activated values is written to reduce_res [P, 1]
@@ -760,15 +920,23 @@ def activation(dst, op, data, bias=None, scale=1.0, reduce_op=None, reduce_res=N
     partitions = data.shape[0]
     name_ = ops.op_name(op)
     if name_ not in _ACTIVATION_FUNCTIONS:
-        _fail(opcode, line, f"op {name_} is not an activation function of the Scalar Engine; expected one of "
-                            f"{sorted(_ACTIVATION_FUNCTIONS)}")
+        _fail(
+            opcode,
+            line,
+            f"op {name_} is not an activation function of the Scalar Engine; expected one of "
+            f"{sorted(_ACTIVATION_FUNCTIONS)}",
+        )
     fn = ops.unary(op)
     _operand(opcode, line, "scale", scale, partitions, require_f32=True)
     if bias is not None:
         _operand(opcode, line, "bias", bias, partitions)
         if not isinstance(bias, NkiTensor) and ctx.target == "trn1":
-            _fail(opcode, line, f"bias={bias!r}: NeuronCore-v2 (trn1) needs bias as a [{partitions}, 1] vector; "
-                                f"a scalar bias needs NeuronCore-v3 or newer")
+            _fail(
+                opcode,
+                line,
+                f"bias={bias!r}: NeuronCore-v2 (trn1) needs bias as a [{partitions}, 1] vector; "
+                f"a scalar bias needs NeuronCore-v3 or newer",
+            )
     if reduce_op is not None and ops.op_name(reduce_op, "reduce_op") != "add":
         _fail(opcode, line, f"reduce_op must be nl.add, got {ops.op_name(reduce_op)}")
     if reduce_res is not None:

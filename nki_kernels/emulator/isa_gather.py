@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import context
-from . import dtypes
-from . import ops
+from . import context, dtypes, ops
 from .isa_core import PSUM_BY_OTHER, _f32_2d, _fail, _free, _int_2d, _mark_psum, _on_chip, _record, _write
 
 _GROUP = 16  # partitions per GpSimd core
@@ -22,8 +20,13 @@ def _values(t):
     return _f32_2d(t) if dtypes.is_float(t.dtype) else _int_2d(t).astype(np.int64)
 
 
-_PARTITION_REDUCE = {"add": np.sum, "average": np.mean, "maximum": np.max, "bitwise_or": np.bitwise_or.reduce,
-                     "bitwise_and": np.bitwise_and.reduce}
+_PARTITION_REDUCE = {
+    "add": np.sum,
+    "average": np.mean,
+    "maximum": np.max,
+    "bitwise_or": np.bitwise_or.reduce,
+    "bitwise_and": np.bitwise_and.reduce,
+}
 
 
 def tensor_partition_reduce(dst, op, data, name=None):
@@ -62,15 +65,18 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
     if dst.dtype != src.dtype:
         _fail(opcode, line, f"dst dtype {dst.dtype.name} must equal src dtype {src.dtype.name}")
     if _free(dst) != _free(src):
-        _fail(opcode, line, f"dst {dst.describe()} and src {src.describe()} must have the same elements per "
-                            f"partition")
+        _fail(opcode, line, f"dst {dst.describe()} and src {src.describe()} must have the same elements per partition")
     active = -(-max(src.shape[0], dst.shape[0]) // 32) * 32
     allowed = (0,) if active > 64 else (0, 64) if active > 32 else (0, 32, 64, 96)
     for label, t in (("src", src), ("dst", dst)):
         start = t.offset // t.part_stride
         if start not in allowed:
-            _fail(opcode, line, f"{label} starts at partition {start}; with {active} active partitions it must start "
-                                f"at {' or '.join(map(str, allowed))}")
+            _fail(
+                opcode,
+                line,
+                f"{label} starts at partition {start}; with {active} active partitions it must start "
+                f"at {' or '.join(map(str, allowed))}",
+            )
     if ctx.numerics:
         source = src.array().reshape(src.shape[0], -1).copy()
         result = dst.array().reshape(dst.shape[0], -1).copy()
@@ -80,8 +86,9 @@ def nc_stream_shuffle(dst, src, shuffle_mask, name=None):
                 continue
             q = quadrant * 32 + mask[i]
             if q >= source.shape[0]:
-                _fail(opcode, line, f"shuffle_mask[{i}] = {mask[i]} reads src partition {q}, beyond its "
-                                    f"{source.shape[0]}")
+                _fail(
+                    opcode, line, f"shuffle_mask[{i}] = {mask[i]} reads src partition {q}, beyond its {source.shape[0]}"
+                )
             result[p] = source[q]
         _write(dst, result)
     _mark_psum(dst, PSUM_BY_OTHER)
@@ -99,8 +106,12 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
         _on_chip(opcode, line, label, t, kinds=("sbuf",))
     partitions = src_buffer.shape[0]
     if index.shape[0] != partitions or partitions % _GROUP:
-        _fail(opcode, line, f"src_buffer {src_buffer.describe()} and index {index.describe()} must have the same "
-                            f"partition count, a multiple of 16")
+        _fail(
+            opcode,
+            line,
+            f"src_buffer {src_buffer.describe()} and index {index.describe()} must have the same "
+            f"partition count, a multiple of 16",
+        )
     if index.dtype != dtypes.uint16:
         _fail(opcode, line, f"index {index.describe()} must be uint16")
     if num_elem_per_idx not in (1, 2, 4, 8, 16, 32):
@@ -112,8 +123,11 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
     if dst.dtype != src_buffer.dtype:
         _fail(opcode, line, f"dst dtype {dst.dtype.name} must equal src_buffer dtype {src_buffer.dtype.name}")
     if dst.shape[0] != partitions or _free(dst) != valid * num_elem_per_idx:
-        _fail(opcode, line, f"dst {dst.describe()} must have {partitions} partitions and "
-                            f"{valid * num_elem_per_idx} elements each")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} must have {partitions} partitions and {valid * num_elem_per_idx} elements each",
+        )
     if ctx.numerics:
         source = src_buffer.array().reshape(partitions, -1)
         indices = _int_2d(index).astype(np.int64)
@@ -124,8 +138,12 @@ def local_gather(dst, src_buffer, index, num_elem_per_idx=1, num_valid_indices=N
             flat = indices[rows].flatten(order="F")[:valid]
             positions = flat[:, None] + span[None, :]
             if positions.max() >= source.shape[1]:
-                _fail(opcode, line, f"an index reaches element {int(positions.max())}, beyond the "
-                                    f"{source.shape[1]} per partition of src_buffer (undefined on hardware)")
+                _fail(
+                    opcode,
+                    line,
+                    f"an index reaches element {int(positions.max())}, beyond the "
+                    f"{source.shape[1]} per partition of src_buffer (undefined on hardware)",
+                )
             out[rows] = source[rows][:, positions]
         _write(dst, out.reshape(partitions, -1))
     _record(ctx, opcode, "gpsimd", line, dst, (src_buffer, index), free=valid * num_elem_per_idx)
@@ -208,7 +226,7 @@ def nonzero_with_count(dst, src, index_offset=0, padding_val=-1, name=None):
         for p in range(0, src.shape[0], _GROUP):
             found = np.flatnonzero(values[p] != 0)
             row = np.full(n + 1, int(padding_val), dtype=np.int64)
-            row[:found.size] = found + int(index_offset)
+            row[: found.size] = found + int(index_offset)
             row[n] = found.size
             result[p] = row
         _write(dst, result)

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import context
-from . import dtypes
-from . import ops
-from .isa_core import (PSUM_BY_OTHER, _elementwise_operands, _f32_2d, _fail, _free, _int_2d, _mark_psum, _on_chip,
-                       _operand, _operand_value, _record, _write)
+from . import context, dtypes, ops
 from .isa_constants import reduce_cmd as _ReduceCmd
+from .isa_core import (
+    PSUM_BY_OTHER,
+    _elementwise_operands,
+    _f32_2d,
+    _fail,
+    _free,
+    _int_2d,
+    _mark_psum,
+    _on_chip,
+    _operand,
+    _operand_value,
+    _record,
+    _write,
+)
 from .isa_vector import _command, _reduction_result, accumulate
 from .tensor import NkiTensor
 
@@ -43,8 +53,17 @@ def tensor_copy_predicated(dst, src, predicate, reverse_pred=False, name=None):
     _record(ctx, opcode, "vector", line, dst, reads, inputs=tuple(inputs.values()))
 
 
-def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd=_ReduceCmd.idle,
-                  reduce_op="maximum", reverse_pred=False, name=None):
+def select_reduce(
+    dst,
+    predicate,
+    on_true,
+    on_false,
+    reduce_res=None,
+    reduce_cmd=_ReduceCmd.idle,
+    reduce_op="maximum",
+    reverse_pred=False,
+    name=None,
+):
     """dst = where(predicate, on_true, on_false) (VectorE, float32); on_false a float scalar or [P, 1] vector;
     predicate an 8/16-bit integer tile. With reduce_cmd, the registers fold the per-partition max of dst."""
     opcode = "select_reduce"
@@ -77,8 +96,20 @@ def select_reduce(dst, predicate, on_true, on_false, reduce_res=None, reduce_cmd
     _record(ctx, opcode, "vector", line, dst, reads, inputs=(predicate, on_true), extra_writes=(reduce_res,))
 
 
-def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_cmd=_ReduceCmd.reset_reduce,
-                 reduce_res=None, reduce_op="maximum", range_start=0, on_false_value=FP32_MIN, name=None):
+def range_select(
+    dst,
+    on_true_tile,
+    comp_op0,
+    comp_op1,
+    bound0,
+    bound1,
+    reduce_cmd=_ReduceCmd.reset_reduce,
+    reduce_res=None,
+    reduce_op="maximum",
+    range_start=0,
+    on_false_value=FP32_MIN,
+    name=None,
+):
     """dst[p, i] = on_true_tile[p, i] where comp_op0(range_start + i, bound0[p]) and comp_op1(range_start + i,
     bound1[p]), else on_false_value (which must be FP32_MIN); the registers fold the per-partition max (trn2+)."""
     opcode = "range_select"
@@ -107,20 +138,26 @@ def range_select(dst, on_true_tile, comp_op0, comp_op1, bound0, bound1, reduce_c
     if ctx.numerics:
         n = _free(on_true_tile)
         index = (np.float32(range_start) + np.arange(n, dtype=np.float32))[None, :]
-        mask = (ops.BINARY[names[0]](index, _f32_2d(bound0)) != 0) & (ops.BINARY[names[1]](index, _f32_2d(bound1))
-                                                                     != 0)
+        mask = (ops.BINARY[names[0]](index, _f32_2d(bound0)) != 0) & (ops.BINARY[names[1]](index, _f32_2d(bound1)) != 0)
         result = np.where(mask, _f32_2d(on_true_tile), np.float32(FP32_MIN)).astype(np.float32)
         _write(dst, result)
         registers = accumulate(ctx, reduce_cmd, "maximum", result)
         if reduce_res is not None:
             _write(reduce_res, registers.copy())
     _mark_psum(dst, PSUM_BY_OTHER)
-    _record(ctx, opcode, "vector", line, dst, (on_true_tile, bound0, bound1), inputs=(on_true_tile,),
-            extra_writes=(reduce_res,))
+    _record(
+        ctx,
+        opcode,
+        "vector",
+        line,
+        dst,
+        (on_true_tile, bound0, bound1),
+        inputs=(on_true_tile,),
+        extra_writes=(reduce_res,),
+    )
 
 
-def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op="equal", offset=0,
-                  name=None):
+def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value, cmp_op="equal", offset=0, name=None):
     """dst[p, i] = on_true_tile[p, i] where cmp_op(offset + p * channel_multiplier + sum(i_k * step_k), 0) over the
     [[step, num], ...] pattern (up to 4-D, its elements = dst's elements per partition), else on_false_value
     (GpSimd; SBUF only)."""
@@ -130,14 +167,19 @@ def affine_select(dst, pattern, channel_multiplier, on_true_tile, on_false_value
     _on_chip(opcode, line, "dst", dst, kinds=("sbuf",))
     _on_chip(opcode, line, "on_true_tile", on_true_tile, kinds=("sbuf",))
     if dst.shape[0] != on_true_tile.shape[0] or _free(dst) != _free(on_true_tile):
-        _fail(opcode, line, f"dst {dst.describe()} and on_true_tile {on_true_tile.describe()} must have the same "
-                            f"partitions and elements per partition")
+        _fail(
+            opcode,
+            line,
+            f"dst {dst.describe()} and on_true_tile {on_true_tile.describe()} must have the same "
+            f"partitions and elements per partition",
+        )
     if not 1 <= len(pattern) <= 4:
         _fail(opcode, line, f"pattern {pattern} must have 1 to 4 [step, num] pairs")
     counts = [int(n) for _, n in pattern]
     if int(np.prod(counts)) != _free(dst):
-        _fail(opcode, line, f"pattern {pattern} has {int(np.prod(counts))} elements, dst has {_free(dst)} per "
-                            f"partition")
+        _fail(
+            opcode, line, f"pattern {pattern} has {int(np.prod(counts))} elements, dst has {_free(dst)} per partition"
+        )
     cmp_name = ops.op_name(cmp_op, "cmp_op")
     if cmp_name not in ("equal", "not_equal", "less", "less_equal", "greater", "greater_equal"):
         _fail(opcode, line, f"cmp_op {cmp_name} must be a comparison operator")

@@ -10,19 +10,48 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import context
-from . import dtypes
-from . import ops
-from .isa_core import (PSUM_BY_OTHER, _elementwise_operands, _f32_2d, _fail, _free, _mark_psum, _on_chip, _operand,
-                       _operand_value, _record, _write, activation)
+from . import context, dtypes, ops
 from .isa_constants import reduce_cmd as _ReduceCmd
+from .isa_core import (
+    PSUM_BY_OTHER,
+    _elementwise_operands,
+    _f32_2d,
+    _fail,
+    _free,
+    _mark_psum,
+    _on_chip,
+    _operand,
+    _operand_value,
+    _record,
+    _write,
+    activation,
+)
 from .tensor import NkiTensor
 
 # Identity of each reduction the accumulation registers support.
 _IDENTITY = {"add": 0.0, "subtract": 0.0, "multiply": 1.0, "maximum": -np.inf, "minimum": np.inf}
-_ALU = ("add", "subtract", "multiply", "divide", "maximum", "minimum", "power", "abs_max", "abs_min", "fmod",
-        "mod", "equal", "not_equal", "less", "less_equal", "greater", "greater_equal", "logical_and",
-        "logical_or", "logical_xor")
+_ALU = (
+    "add",
+    "subtract",
+    "multiply",
+    "divide",
+    "maximum",
+    "minimum",
+    "power",
+    "abs_max",
+    "abs_min",
+    "fmod",
+    "mod",
+    "equal",
+    "not_equal",
+    "less",
+    "less_equal",
+    "greater",
+    "greater_equal",
+    "logical_and",
+    "logical_or",
+    "logical_xor",
+)
 
 
 def _arith(opcode, line, label, op):
@@ -43,7 +72,7 @@ def _reduction_result(opcode, line, reduce_res, partitions):
 def accumulate(ctx, command, reduce_name, values, init=None):
     """Apply reduce_cmd to the Vector Engine registers and fold values [P, F] into them with reduce_name (add,
     multiply, maximum or minimum; float32); returns the registers of values' partitions."""
-    registers = ctx.vector_registers[:values.shape[0]]
+    registers = ctx.vector_registers[: values.shape[0]]
     if command in (_ReduceCmd.reset, _ReduceCmd.reset_reduce):
         registers[...] = _IDENTITY[reduce_name]
     elif command is _ReduceCmd.load_reduce:
@@ -94,8 +123,19 @@ def scalar_tensor_tensor(dst, data, op0, operand0, op1, operand1, reverse0=False
     _record(ctx, opcode, "vector", line, dst, reads, inputs=(data, operand1))
 
 
-def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, reverse0=False,
-                         reduce_cmd=_ReduceCmd.reset_reduce, reduce_init=None, reduce_res_negate=False, name=None):
+def tensor_scalar_reduce(
+    dst,
+    data,
+    op0,
+    operand0,
+    reduce_op,
+    reduce_res=None,
+    reverse0=False,
+    reduce_cmd=_ReduceCmd.reset_reduce,
+    reduce_init=None,
+    reduce_res_negate=False,
+    name=None,
+):
     """dst = data <op0> operand0 (VectorE, float32); the registers fold reduce_op (add, multiply, maximum,
     minimum) of each partition's results per reduce_cmd, and reduce_res [P, 1] (negated with
     reduce_res_negate) receives them. A unary op0 takes operand0 None or 0."""
@@ -139,8 +179,18 @@ def tensor_scalar_reduce(dst, data, op0, operand0, reduce_op, reduce_res=None, r
     _record(ctx, opcode, "vector", line, dst, reads, inputs=(data,), extra_writes=(reduce_res,))
 
 
-_CUMULATIVE_DTYPES = (dtypes.bfloat16, dtypes.float16, dtypes.float32, dtypes.float8_e4m3, dtypes.float8_e5m2,
-                      dtypes.float8_e4m3fn, dtypes.uint8, dtypes.uint16, dtypes.int8, dtypes.int16)
+_CUMULATIVE_DTYPES = (
+    dtypes.bfloat16,
+    dtypes.float16,
+    dtypes.float32,
+    dtypes.float8_e4m3,
+    dtypes.float8_e5m2,
+    dtypes.float8_e4m3fn,
+    dtypes.uint8,
+    dtypes.uint16,
+    dtypes.int8,
+    dtypes.int16,
+)
 
 
 def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=_ReduceCmd.reset_reduce, name=None):
@@ -190,8 +240,17 @@ def tensor_scalar_cumulative(dst, src, op0, op1, imm0, imm1=None, reduce_cmd=_Re
 def activation_reduce(dst, op, data, reduce_op, reduce_res, bias=None, scale=1.0, name=None):
     """nisa.activation with reduce_cmd=reset_reduce: dst = op(data * scale + bias), reduce_res [P, 1] = the
     per-partition sum of dst's values (ScalarE registers)."""
-    activation(dst, op, data, bias=bias, scale=scale, reduce_op=reduce_op, reduce_res=reduce_res,
-               reduce_cmd=_ReduceCmd.reset_reduce, name=name)
+    activation(
+        dst,
+        op,
+        data,
+        bias=bias,
+        scale=scale,
+        reduce_op=reduce_op,
+        reduce_res=reduce_res,
+        reduce_cmd=_ReduceCmd.reset_reduce,
+        name=name,
+    )
 
 
 def bn_stats(dst, data, name=None):
@@ -230,8 +289,12 @@ def bn_aggr(dst, data, name=None):
     _on_chip(opcode, line, "data", data)
     n = _free(data)
     if n % 3:
-        _fail(opcode, line, f"data {data.describe()} must hold (count, mean, variance*count) triples: elements per "
-                            f"partition a multiple of 3, got {n}")
+        _fail(
+            opcode,
+            line,
+            f"data {data.describe()} must hold (count, mean, variance*count) triples: elements per "
+            f"partition a multiple of 3, got {n}",
+        )
     if dst.shape[0] != data.shape[0] or _free(dst) != 2:
         _fail(opcode, line, f"dst {dst.describe()} must be [{data.shape[0]}, 2]")
     if ctx.numerics:

@@ -16,9 +16,7 @@ import threading
 
 import numpy as np
 
-from . import context
-from . import dtypes
-from . import trace
+from . import context, dtypes, trace
 from .tensor import MemoryRegion, NkiTensor, Storage
 
 try:  # optional: per-tile matmuls are small, and multithreaded BLAS on them loses badly on busy machines
@@ -44,8 +42,11 @@ def set_array_frontend(fn):
 
 
 def _is_foreign_array(value):
-    return (not isinstance(value, (np.ndarray, np.generic, NkiTensor)) and hasattr(value, "shape")
-            and hasattr(value, "dtype"))
+    return (
+        not isinstance(value, (np.ndarray, np.generic, NkiTensor))
+        and hasattr(value, "shape")
+        and hasattr(value, "dtype")
+    )
 
 
 def _normalize_grid(grid):
@@ -104,7 +105,8 @@ class Kernel:
                 raise TypeError(
                     f"kernel {self.fn.__qualname__} was called with a {type(foreign[0]).__name__}; the NKI emulator "
                     f"runs kernels on numpy arrays only (no array frontend installed: "
-                    f"nki_kernels.emulator.set_array_frontend)")
+                    f"nki_kernels.emulator.set_array_frontend)"
+                )
             return frontend(self, self.grid, args, kwargs)
         return run(self, args, kwargs)
 
@@ -113,8 +115,10 @@ def jit(fn=None, **options):
     """Decorator: `@nki.jit` or `@nki.jit(**options)`; options are accepted and kept, not interpreted, except
     platform_target, an error since NKI 0.3 (set NEURON_PLATFORM_TARGET_OVERRIDE, or use_target here)."""
     if "platform_target" in options:
-        raise TypeError(f"nki.jit: platform_target={options['platform_target']!r} is no longer accepted (removed in "
-                        f"NKI 0.3); set the NEURON_PLATFORM_TARGET_OVERRIDE environment variable instead")
+        raise TypeError(
+            f"nki.jit: platform_target={options['platform_target']!r} is no longer accepted (removed in "
+            f"NKI 0.3); set the NEURON_PLATFORM_TARGET_OVERRIDE environment variable instead"
+        )
     if fn is None:
         return lambda f: Kernel(f, (), options)
     if isinstance(fn, Kernel):
@@ -139,8 +143,9 @@ def _input_tensor(ctx, name, value):
     shape = tuple(value.shape)
     if not shape:
         raise ValueError(f"argument {name!r}: NKI tensors need at least one dimension, got a 0-d array")
-    data = np.array(value, dtype=dtype, copy=True, order="C") if ctx.numerics and isinstance(value, np.ndarray) \
-        else None
+    data = (
+        np.array(value, dtype=dtype, copy=True, order="C") if ctx.numerics and isinstance(value, np.ndarray) else None
+    )
     storage = Storage(ctx, shape, dtype, "hbm", name, data)
     if data is None and ctx.numerics:
         raise TypeError(f"argument {name!r}: expected a numpy array, got {type(value).__name__}")
@@ -185,14 +190,18 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
     numerics = context.numerics_enabled() if numerics is None else numerics
     for value in list(args) + list(kwargs.values()):
         if _is_foreign_array(value) and not isinstance(value, Spec):
-            raise TypeError(f"kernel {kernel.fn.__qualname__}: the emulator simulates numpy arrays only, got a "
-                            f"{type(value).__name__} argument")
+            raise TypeError(
+                f"kernel {kernel.fn.__qualname__}: the emulator simulates numpy arrays only, got a "
+                f"{type(value).__name__} argument"
+            )
     grid = kernel.grid
     ctx = context.KernelContext(kernel.fn.__qualname__, context.resolve_target(), grid, numerics)
     names = kernel._parameters
-    single_threaded_blas = threadpool_limits(1, user_api="blas") if numerics and threadpool_limits \
-        else contextlib.nullcontext()
+    single_threaded_blas = (
+        threadpool_limits(1, user_api="blas") if numerics and threadpool_limits else contextlib.nullcontext()
+    )
     with _launch_lock, context.running(ctx), single_threaded_blas:
+
         def convert(name, value):
             if isinstance(value, (np.ndarray, Spec)):
                 return _input_tensor(ctx, name, value)

@@ -187,8 +187,10 @@ def load(src, dtype=None):
     if not isinstance(src, NkiTensor):
         raise TypeError(f"nl.load: src must be an NKI tensor, got {type(src).__name__}")
     if src.is_on_chip:
-        raise NkiHardwareError(f"nl.load at {context.caller_line()}: src {src.describe()} must be in HBM "
-                               f"(copy on-chip tiles with nisa.tensor_copy)")
+        raise NkiHardwareError(
+            f"nl.load at {context.caller_line()}: src {src.describe()} must be in HBM "
+            f"(copy on-chip tiles with nisa.tensor_copy)"
+        )
     shape = src.shape if src.ndim >= 2 else (1,) + src.shape
     tile = allocate(shape, src.dtype if dtype is None else dtype, sbuf)
     _isa.dma_copy(tile, src)
@@ -202,8 +204,10 @@ def store(dst, value):
     if not isinstance(dst, NkiTensor):
         raise TypeError(f"nl.store: dst must be an NKI tensor, got {type(dst).__name__}")
     if dst.is_on_chip or value.storage.kind != "sbuf":
-        raise NkiHardwareError(f"nl.store at {context.caller_line()}: stores an SBUF tile into HBM; got dst "
-                               f"{dst.describe()} and value {value.describe()}")
+        raise NkiHardwareError(
+            f"nl.store at {context.caller_line()}: stores an SBUF tile into HBM; got dst "
+            f"{dst.describe()} and value {value.describe()}"
+        )
     _isa.dma_copy(dst, value)
 
 
@@ -369,8 +373,9 @@ def broadcast_to(x, shape, dtype=None):
     # A partition broadcast runs on TensorE: NKI issues nc_matmul(ones[1, M], x) under the hood (arch guide,
     # TensorE "Alternative Use Case"), so the tile lands in PSUM when it fits one bank and a bank is free.
     on_tensor = x.shape[0] == 1 and shape[0] > 1
-    in_psum = (on_tensor and free * out_dtype.itemsize <= context.PSUM_BANK_BYTES
-               and ctx.psum_banks_live < context.PSUM_BANKS)
+    in_psum = (
+        on_tensor and free * out_dtype.itemsize <= context.PSUM_BANK_BYTES and ctx.psum_banks_live < context.PSUM_BANKS
+    )
     out = allocate(shape, out_dtype, psum if in_psum else sbuf)
     if ctx.numerics:
         _core._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
@@ -387,21 +392,103 @@ def expand_dims(x, axis):
 
 
 # Multi-step tile functions, random tiles, control flow and constants (nl.rsqrt there replaces the generated one).
-from .language_control import (dynamic_range, fori_loop, no_reorder, shared_constant,  # noqa: E402
-                               shared_identity_matrix, while_loop)
-from .language_math import (all, dropout, gather_flattened, load_transpose2d, rand, random_seed,  # noqa: E402
-                            rms_norm, rsqrt, softmax, where)
+from .language_control import (
+    dynamic_range,
+    fori_loop,
+    no_reorder,
+    shared_constant,  # noqa: E402
+    shared_identity_matrix,
+    while_loop,
+)
+from .language_math import (
+    all,
+    dropout,
+    gather_flattened,
+    load_transpose2d,
+    rand,
+    random_seed,  # noqa: E402
+    rms_norm,
+    rsqrt,
+    softmax,
+    where,
+)
 
 __all__ = [
     "DType",
-    "NKIObject", "NkiTensor", "affine_range", "all", "average", "bfloat16", "bool_", "broadcast_to", "bypass",
-    "device_print", "dropout", "ds", "dynamic_range", "empty_like", "expand_dims", "float16", "float32",
-    "float4_e2m1fn_x4", "float8_e4m3", "float8_e4m3fn", "float8_e4m3fn_x4", "float8_e5m2", "float8_e5m2_x4",
-    "float8_e8m0fnu", "fori_loop", "full", "gather_flattened", "hbm", "int16", "int32", "int8", "is_hbm",
-    "is_on_chip", "is_psum", "is_sbuf", "load", "load_transpose2d", "matmul", "max", "mean", "min", "ndarray",
-    "no_reorder", "num_programs", "ones", "prelu", "private_hbm", "prod", "program_id", "program_ndim",
-    "psum", "rand", "random_seed", "rms_norm", "rsqrt", "sbuf", "sequential_range", "shared_constant",
-    "shared_hbm", "shared_identity_matrix", "softmax", "static_range", "store", "sum", "tfloat32",
-    "tile_size", "transpose", "uint16", "uint32", "uint8", "var", "where", "while_loop", "zeros", "zeros_like"
+    "NKIObject",
+    "NkiTensor",
+    "affine_range",
+    "all",
+    "average",
+    "bfloat16",
+    "bool_",
+    "broadcast_to",
+    "bypass",
+    "device_print",
+    "dropout",
+    "ds",
+    "dynamic_range",
+    "empty_like",
+    "expand_dims",
+    "float16",
+    "float32",
+    "float4_e2m1fn_x4",
+    "float8_e4m3",
+    "float8_e4m3fn",
+    "float8_e4m3fn_x4",
+    "float8_e5m2",
+    "float8_e5m2_x4",
+    "float8_e8m0fnu",
+    "fori_loop",
+    "full",
+    "gather_flattened",
+    "hbm",
+    "int16",
+    "int32",
+    "int8",
+    "is_hbm",
+    "is_on_chip",
+    "is_psum",
+    "is_sbuf",
+    "load",
+    "load_transpose2d",
+    "matmul",
+    "max",
+    "mean",
+    "min",
+    "ndarray",
+    "no_reorder",
+    "num_programs",
+    "ones",
+    "prelu",
+    "private_hbm",
+    "prod",
+    "program_id",
+    "program_ndim",
+    "psum",
+    "rand",
+    "random_seed",
+    "rms_norm",
+    "rsqrt",
+    "sbuf",
+    "sequential_range",
+    "shared_constant",
+    "shared_hbm",
+    "shared_identity_matrix",
+    "softmax",
+    "static_range",
+    "store",
+    "sum",
+    "tfloat32",
+    "tile_size",
+    "transpose",
+    "uint16",
+    "uint32",
+    "uint8",
+    "var",
+    "where",
+    "while_loop",
+    "zeros",
+    "zeros_like",
 ]
 __all__ += [name for name in (*_ops.UNARY, *_ops.BINARY) if name not in __all__]  # the generated tile functions

@@ -60,8 +60,9 @@ def dynamic_range(start, stop=None, step=1):
     _not_in_no_reorder("nl.dynamic_range")
     if stop is None:
         start, stop = 0, start
-    return range(_bound("nl.dynamic_range start", start), _bound("nl.dynamic_range stop", stop),
-                 _step("nl.dynamic_range", step))
+    return range(
+        _bound("nl.dynamic_range start", start), _bound("nl.dynamic_range stop", stop), _step("nl.dynamic_range", step)
+    )
 
 
 def fori_loop(lower, upper, body_fun, step=1):
@@ -69,8 +70,9 @@ def fori_loop(lower, upper, body_fun, step=1):
     _not_in_no_reorder("nl.fori_loop")
     if not callable(body_fun):
         raise TypeError(f"nl.fori_loop: body_fun must be callable, got {body_fun!r}")
-    for i in range(_bound("nl.fori_loop lower", lower), _bound("nl.fori_loop upper", upper),
-                   _step("nl.fori_loop", step)):
+    for i in range(
+        _bound("nl.fori_loop lower", lower), _bound("nl.fori_loop upper", upper), _step("nl.fori_loop", step)
+    ):
         if body_fun(VirtualRegister(i, frozen=True)) is not None:
             raise ValueError("nl.fori_loop: the body function cannot return a value (carry state in SBUF/HBM)")
 
@@ -86,8 +88,9 @@ def while_loop(init, body_fun):
             return
         register = body_fun(VirtualRegister(register.value))
         if not isinstance(register, VirtualRegister):
-            raise TypeError(f"nl.while_loop: the body must return the next condition register, got "
-                            f"{type(register).__name__}")
+            raise TypeError(
+                f"nl.while_loop: the body must return the next condition register, got {type(register).__name__}"
+            )
     raise RuntimeError(f"nl.while_loop: the condition was still nonzero after {MAX_WHILE_ITERATIONS} iterations")
 
 
@@ -100,8 +103,9 @@ def shared_constant(constant):
         array = np.asarray(constant)
     dtype = _dtypes.as_dtype(array.dtype, "constant")
     data = np.array(array, dtype=dtype, copy=True, order="C")
-    return allocate(data.shape if data.ndim else (1,), dtype, "shared_hbm", data=data.reshape(-1) if data.ndim == 0
-                    else data)
+    return allocate(
+        data.shape if data.ndim else (1,), dtype, "shared_hbm", data=data.reshape(-1) if data.ndim == 0 else data
+    )
 
 
 def shared_identity_matrix(n, dtype=_dtypes.uint8, dst=None):

@@ -36,8 +36,9 @@ def where(condition, x, y, dtype=None):
     ctx = context.current("nl.where")
     line = context.caller_line()
     _tile("where", line, "condition", condition)
-    tensors = [condition] + [_tile("where", line, label, t) for label, t in (("x", x), ("y", y))
-                             if isinstance(t, NkiTensor)]
+    tensors = [condition] + [
+        _tile("where", line, label, t) for label, t in (("x", x), ("y", y)) if isinstance(t, NkiTensor)
+    ]
     shape = tuple(np.broadcast_shapes(*(t.shape for t in tensors)))
     like = x if isinstance(x, NkiTensor) else y if isinstance(y, NkiTensor) else condition
     out = _out(shape, like, dtype)
@@ -152,16 +153,22 @@ def gather_flattened(data, indices, axis=0, dtype=None):
     if axis != 0:
         raise ValueError(f"nl.gather_flattened: only axis=0 (per partition) is documented, got {axis}")
     if indices.shape[0] != data.shape[0]:
-        raise ValueError(f"nl.gather_flattened: indices {indices.describe()} and data {data.describe()} need the "
-                         f"same partition count")
+        raise ValueError(
+            f"nl.gather_flattened: indices {indices.describe()} and data {data.describe()} need the "
+            f"same partition count"
+        )
     out = _out(indices.shape, data, dtype)
     if ctx.numerics:
         source = data.array().reshape(data.shape[0], -1)
         picks = _core._int_2d(indices).astype(np.int64)
         if picks.size and (picks.min() < 0 or picks.max() >= source.shape[1]):
             raise NkiHardwareError(f"nl.gather_flattened at {line}: index outside [0, {source.shape[1]})")
-        _core._write(out, np.take_along_axis(source, picks, axis=1).astype(np.float32)
-                    if _dtypes.is_float(out.dtype) else np.take_along_axis(source, picks, axis=1))
+        _core._write(
+            out,
+            np.take_along_axis(source, picks, axis=1).astype(np.float32)
+            if _dtypes.is_float(out.dtype)
+            else np.take_along_axis(source, picks, axis=1),
+        )
     _core._record(ctx, "nc_n_gather", "gpsimd", line, out, (data, indices), free=_core._free(indices))
     return out
 
@@ -186,8 +193,10 @@ def rsqrt(x, dtype=None):
     line = context.caller_line()
     _tile("rsqrt", line, "x", x)
     if x.storage.kind == "psum":
-        raise NkiHardwareError(f"nl.rsqrt at {line}: x {x.describe()} is in PSUM; nl.rsqrt runs on GpSimd, which "
-                               f"cannot read PSUM (use nisa.activation(op=nl.rsqrt) or copy to SBUF first)")
+        raise NkiHardwareError(
+            f"nl.rsqrt at {line}: x {x.describe()} is in PSUM; nl.rsqrt runs on GpSimd, which "
+            f"cannot read PSUM (use nisa.activation(op=nl.rsqrt) or copy to SBUF first)"
+        )
     out = _out(x.shape, x, dtype)
     if ctx.numerics:
         with np.errstate(all="ignore"):

@@ -35,8 +35,12 @@ LAUNCH_OVERHEAD_SWEEP_US = (0.0, 2.0, 5.0, 10.0, 20.0)
 
 def check_launch_overhead(launch_overhead_us) -> float:
     """launch_overhead_us as a float; ValueError unless it is a finite number >= 0."""
-    if (not isinstance(launch_overhead_us, numbers.Real) or isinstance(launch_overhead_us, bool)
-            or not math.isfinite(launch_overhead_us) or launch_overhead_us < 0):
+    if (
+        not isinstance(launch_overhead_us, numbers.Real)
+        or isinstance(launch_overhead_us, bool)
+        or not math.isfinite(launch_overhead_us)
+        or launch_overhead_us < 0
+    ):
         raise ValueError(f"launch_overhead_us: got {launch_overhead_us!r}, expected a finite number of µs >= 0")
     return float(launch_overhead_us)
 

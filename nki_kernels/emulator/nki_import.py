@@ -1,4 +1,5 @@
-"""`as_nki()`: make `import nki`, `nki.language`, `nki.isa`, `nki.isa.constants`, `nki.typing`, `nki.collectives` resolve to the emulator."""
+"""`as_nki()`: make `import nki`, `nki.language`, `nki.isa`, `nki.isa.constants`, `nki.typing`,
+`nki.collectives` resolve to the emulator."""
 
 import contextlib
 import sys
@@ -6,8 +7,14 @@ import sys
 from . import api, collectives, isa, isa_constants, language, nki_typing
 from ._real import load_real_nki
 
-_MODULES = {"nki": api, "nki.language": language, "nki.isa": isa, "nki.isa.constants": isa_constants,
-            "nki.typing": nki_typing, "nki.collectives": collectives}
+_MODULES = {
+    "nki": api,
+    "nki.language": language,
+    "nki.isa": isa,
+    "nki.isa.constants": isa_constants,
+    "nki.typing": nki_typing,
+    "nki.collectives": collectives,
+}
 
 
 @contextlib.contextmanager

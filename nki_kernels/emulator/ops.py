@@ -54,8 +54,9 @@ UNARY = {
     "gelu_apprx_sigmoid": lambda x: x * _sigmoid(np.float32(1.702) * x),
     "gelu_dx": _gelu_dx,
     # d/dx of x * sigmoid(1.702 x)
-    "gelu_apprx_sigmoid_dx": lambda x: _sigmoid(np.float32(1.702) * x) * (
-        1.0 + np.float32(1.702) * x * (1.0 - _sigmoid(np.float32(1.702) * x))),
+    "gelu_apprx_sigmoid_dx": lambda x: (
+        _sigmoid(np.float32(1.702) * x) * (1.0 + np.float32(1.702) * x * (1.0 - _sigmoid(np.float32(1.702) * x)))
+    ),
     "silu": lambda x: x * _sigmoid(x),
     "silu_dx": lambda x: _sigmoid(x) * (1.0 + x * (1.0 - _sigmoid(x))),
     "softplus": _softplus,

@@ -28,8 +28,7 @@ class ModeledLatency(Mapping):
 
     def __init__(self, run: trace.KernelRun) -> None:
         # A snapshot of the record list, so later changes to `run` cannot alter the result.
-        self._run: trace.KernelRun | None = trace.KernelRun(run.name, run.target, tuple(run.grid),
-                                                            list(run.records))
+        self._run: trace.KernelRun | None = trace.KernelRun(run.name, run.target, tuple(run.grid), list(run.records))
         self._us: dict[str, float] = {}
 
     def __getitem__(self, target: str) -> float:
@@ -182,36 +181,97 @@ class Profile:
         return {t: sum(r.latency_us[t] for r in self.runs) for t in cost_model.TARGETS}
 
     def __str__(self) -> str:
-        header = ("kernel", "instr", "HBM rd KiB", "HBM wr KiB", "DMAs", "avg DMA B",
-                  "matmuls", "transp", "PE fill", "mov fill", "T/V/S/G/D", "trn1 us", "trn2 us")
+        header = (
+            "kernel",
+            "instr",
+            "HBM rd KiB",
+            "HBM wr KiB",
+            "DMAs",
+            "avg DMA B",
+            "matmuls",
+            "transp",
+            "PE fill",
+            "mov fill",
+            "T/V/S/G/D",
+            "trn1 us",
+            "trn2 us",
+        )
         rows = [header]
         for r in self.runs:
-            rows.append(_row(r.name, r.instructions, r.hbm_bytes_read, r.hbm_bytes_written,
-                             r.dma_count, r.mean_dma_bytes, r.matmul_count, r.transposes, r.pe_fill,
-                             r.moving_fill, r.engine_counts, r.latency_us))
+            rows.append(
+                _row(
+                    r.name,
+                    r.instructions,
+                    r.hbm_bytes_read,
+                    r.hbm_bytes_written,
+                    r.dma_count,
+                    r.mean_dma_bytes,
+                    r.matmul_count,
+                    r.transposes,
+                    r.pe_fill,
+                    r.moving_fill,
+                    r.engine_counts,
+                    r.latency_us,
+                )
+            )
         if len(self.runs) > 1:
             total_dma_bytes = sum(r.dma_bytes for r in self.runs)
             matmuls = self.matmul_count
-            rows.append(_row(
-                "TOTAL", self.instructions, self.hbm_bytes_read, self.hbm_bytes_written,
-                self.dma_count, total_dma_bytes / self.dma_count if self.dma_count else 0.0,
-                matmuls, self.transposes,
-                sum(r.pe_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
-                sum(r.moving_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
-                self.engine_counts, self.latency_us))
+            rows.append(
+                _row(
+                    "TOTAL",
+                    self.instructions,
+                    self.hbm_bytes_read,
+                    self.hbm_bytes_written,
+                    self.dma_count,
+                    total_dma_bytes / self.dma_count if self.dma_count else 0.0,
+                    matmuls,
+                    self.transposes,
+                    sum(r.pe_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
+                    sum(r.moving_fill * r.matmul_count for r in self.runs) / matmuls if matmuls else 0.0,
+                    self.engine_counts,
+                    self.latency_us,
+                )
+            )
         widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w)
-                           for i, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+        lines = [
+            "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
+            for row in rows
+        ]
         lines.insert(1, "-" * len(lines[0]))
         return "\n".join(lines)
 
 
-def _row(name, instructions, hbm_read, hbm_written, dma_count, mean_dma, matmuls, transposes, pe_fill,
-         moving_fill, engine_counts, latency_us) -> tuple[str, ...]:
+def _row(
+    name,
+    instructions,
+    hbm_read,
+    hbm_written,
+    dma_count,
+    mean_dma,
+    matmuls,
+    transposes,
+    pe_fill,
+    moving_fill,
+    engine_counts,
+    latency_us,
+) -> tuple[str, ...]:
     engines = "/".join(str(engine_counts.get(e, 0)) for e in trace.ENGINES)
-    return (name, str(instructions), f"{hbm_read / 1024:.1f}", f"{hbm_written / 1024:.1f}",
-            str(dma_count), f"{mean_dma:.0f}", str(matmuls), str(transposes), f"{pe_fill:.3f}",
-            f"{moving_fill:.3f}", engines, f"{latency_us['trn1']:.2f}", f"{latency_us['trn2']:.2f}")
+    return (
+        name,
+        str(instructions),
+        f"{hbm_read / 1024:.1f}",
+        f"{hbm_written / 1024:.1f}",
+        str(dma_count),
+        f"{mean_dma:.0f}",
+        str(matmuls),
+        str(transposes),
+        f"{pe_fill:.3f}",
+        f"{moving_fill:.3f}",
+        engines,
+        f"{latency_us['trn1']:.2f}",
+        f"{latency_us['trn2']:.2f}",
+    )
 
 
 @contextlib.contextmanager

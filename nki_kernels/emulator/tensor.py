@@ -14,8 +14,7 @@ import operator
 
 import numpy as np
 
-from . import context
-from . import dtypes
+from . import context, dtypes
 from .errors import NkiHardwareError
 from .trace import Access
 
@@ -27,10 +26,19 @@ class MemoryRegion(enum.Enum):
     shared_hbm = "shared_hbm"
 
 
-_KIND = {MemoryRegion.sbuf: "sbuf", MemoryRegion.psum: "psum",
-         MemoryRegion.private_hbm: "hbm", MemoryRegion.shared_hbm: "hbm"}
-_REGION_BY_NAME = {"sbuf": MemoryRegion.sbuf, "psum": MemoryRegion.psum, "hbm": MemoryRegion.private_hbm,
-                   "private_hbm": MemoryRegion.private_hbm, "shared_hbm": MemoryRegion.shared_hbm}
+_KIND = {
+    MemoryRegion.sbuf: "sbuf",
+    MemoryRegion.psum: "psum",
+    MemoryRegion.private_hbm: "hbm",
+    MemoryRegion.shared_hbm: "hbm",
+}
+_REGION_BY_NAME = {
+    "sbuf": MemoryRegion.sbuf,
+    "psum": MemoryRegion.psum,
+    "hbm": MemoryRegion.private_hbm,
+    "private_hbm": MemoryRegion.private_hbm,
+    "shared_hbm": MemoryRegion.shared_hbm,
+}
 
 # PSUM location state, per element: which kind of instruction last wrote it.
 PSUM_UNWRITTEN, PSUM_BY_MATMUL, PSUM_BY_OTHER = 0, 1, 2
@@ -75,8 +83,21 @@ class DynSlice:
 class Storage:
     """One allocation. Accounts itself in the kernel's live SBUF / PSUM totals until garbage collected."""
 
-    __slots__ = ("id", "kind", "shape", "dtype", "flat", "size", "part_stride", "bytes_per_partition",
-                 "psum_banks", "psum_state", "ctx", "name", "__weakref__")
+    __slots__ = (
+        "id",
+        "kind",
+        "shape",
+        "dtype",
+        "flat",
+        "size",
+        "part_stride",
+        "bytes_per_partition",
+        "psum_banks",
+        "psum_state",
+        "ctx",
+        "name",
+        "__weakref__",
+    )
 
     def __init__(self, ctx, shape, dtype, kind, name="", data=None):
         self.ctx = ctx
@@ -122,8 +143,10 @@ def _default_strides(shape):
 
 
 def _index_error(tensor, what):
-    raise NkiHardwareError(f"indexing at {context.caller_line()}: {what} of tensor {tensor.describe()} "
-                           f"(out-of-bounds indices are never clipped)")
+    raise NkiHardwareError(
+        f"indexing at {context.caller_line()}: {what} of tensor {tensor.describe()} "
+        f"(out-of-bounds indices are never clipped)"
+    )
 
 
 _item_assignment = None  # (view, value) -> None, installed by isa.py
@@ -146,15 +169,38 @@ class NkiTensor(NKIObject):
     element index of every element (`gather`), read by gathering and written by scattering.
     """
 
-    __slots__ = ("shape", "strides", "offset", "dtype", "buffer", "name", "storage", "_array", "_access", "gather",
-                 "dynamic", "oob")
+    __slots__ = (
+        "shape",
+        "strides",
+        "offset",
+        "dtype",
+        "buffer",
+        "name",
+        "storage",
+        "_array",
+        "_access",
+        "gather",
+        "dynamic",
+        "oob",
+    )
 
     def __class_getitem__(cls, shape):
         """`nt.tensor[128, 512]` (and `nt.tensor[shape, dtype]`) in annotations: the tensor type itself."""
         return cls
 
-    def __init__(self, shape, dtype, storage, buffer=MemoryRegion.sbuf, name="", *, strides=None, offset=0,
-                 gather=None, indirect=False):
+    def __init__(
+        self,
+        shape,
+        dtype,
+        storage,
+        buffer=MemoryRegion.sbuf,
+        name="",
+        *,
+        strides=None,
+        offset=0,
+        gather=None,
+        indirect=False,
+    ):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.storage = storage
@@ -223,8 +269,11 @@ class NkiTensor(NKIObject):
     def array(self):
         """The numpy view of this tensor's elements (None when numerics are off)."""
         if self.oob is not None:
-            _index_error(self, "an indirect (vector_offset) access out of bounds; nisa.dma_copy with "
-                               "oob_mode=nisa.oob_mode.skip skips such elements")
+            _index_error(
+                self,
+                "an indirect (vector_offset) access out of bounds; nisa.dma_copy with "
+                "oob_mode=nisa.oob_mode.skip skips such elements",
+            )
         if self.gather is not None:
             return self.gathered()
         if self._array is None:
@@ -232,8 +281,13 @@ class NkiTensor(NKIObject):
             if flat is None:
                 return None
             size = self.dtype.itemsize
-            self._array = np.ndarray(self.shape, self.dtype, buffer=flat, offset=self.offset * size,
-                                     strides=tuple(s * size for s in self.strides))
+            self._array = np.ndarray(
+                self.shape,
+                self.dtype,
+                buffer=flat,
+                offset=self.offset * size,
+                strides=tuple(s * size for s in self.strides),
+            )
         return self._array
 
     def gathered(self):
@@ -258,8 +312,9 @@ class NkiTensor(NKIObject):
         """Per-element PSUM write state (PSUM_* constants) of this view, writable."""
         if self.gather is not None or self.dtype.itemsize != self.storage.dtype.itemsize:
             raise NotImplementedError(f"{self.describe()}: indirect or reinterpreted views of PSUM are not emulated")
-        return np.ndarray(self.shape, np.uint8, buffer=self.storage.psum_state, offset=self.offset,
-                          strides=self.strides)
+        return np.ndarray(
+            self.shape, np.uint8, buffer=self.storage.psum_state, offset=self.offset, strides=self.strides
+        )
 
     def access(self):
         if self._access is None:
@@ -272,8 +327,9 @@ class NkiTensor(NKIObject):
                     self._access = Access(storage.id, "hbm", 0, 1, low * size, (high + 1) * size)
                 else:
                     part_stride = self.part_stride
-                    self._access = Access(storage.id, storage.kind, low // part_stride, high // part_stride + 1, 0,
-                                          part_stride * size)
+                    self._access = Access(
+                        storage.id, storage.kind, low // part_stride, high // part_stride + 1, 0, part_stride * size
+                    )
             elif storage.kind == "hbm" and self.dynamic:
                 # A runtime offset (scalar_offset) can land anywhere in the tensor on hardware: order the access
                 # against every access of it, not just the slots this emulated run's index value happened to hit.
@@ -286,8 +342,14 @@ class NkiTensor(NKIObject):
                 free_extent = sum((n - 1) * s for n, s in zip(self.shape[1:], self.strides[1:])) + 1
                 first = offset % part_stride
                 last_partition = (offset + (self.shape[0] - 1) * self.strides[0]) // part_stride
-                self._access = Access(storage.id, storage.kind, offset // part_stride, last_partition + 1,
-                                      first * size, (first + free_extent) * size)
+                self._access = Access(
+                    storage.id,
+                    storage.kind,
+                    offset // part_stride,
+                    last_partition + 1,
+                    first * size,
+                    (first + free_extent) * size,
+                )
         return self._access
 
     def contiguous_bytes(self):
@@ -305,9 +367,17 @@ class NkiTensor(NKIObject):
     def _view(self, shape, strides, offset, dtype=None, gather=None, indirect=None):
         if self.gather is not None:
             raise NotImplementedError(f"{self.describe()}: a view of a per-partition indirect view is not emulated")
-        return NkiTensor(shape, self.dtype if dtype is None else dtype, self.storage, self.buffer, self.name,
-                         strides=strides, offset=offset, gather=gather,
-                         indirect=self.dynamic if indirect is None else indirect)
+        return NkiTensor(
+            shape,
+            self.dtype if dtype is None else dtype,
+            self.storage,
+            self.buffer,
+            self.name,
+            strides=strides,
+            offset=offset,
+            gather=gather,
+            indirect=self.dynamic if indirect is None else indirect,
+        )
 
     def __getitem__(self, key):
         if not isinstance(key, tuple):
@@ -318,7 +388,7 @@ class NkiTensor(NKIObject):
         if n_ellipsis:
             at = next(i for i, k in enumerate(key) if k is Ellipsis)
             fill = self.ndim - (len(key) - 1)
-            key = key[:at] + (slice(None),) * fill + key[at + 1:]
+            key = key[:at] + (slice(None),) * fill + key[at + 1 :]
         if len(key) > self.ndim:
             _index_error(self, f"{len(key)} indices for a {self.ndim}-D tensor")
         on_chip = self.is_on_chip
@@ -351,7 +421,9 @@ class NkiTensor(NKIObject):
                 try:
                     i = operator.index(k)
                 except TypeError:
-                    raise TypeError(f"NKI tensors are indexed by ints, slices, nl.ds(...) or '...'; got {k!r}") from None
+                    raise TypeError(
+                        f"NKI tensors are indexed by ints, slices, nl.ds(...) or '...'; got {k!r}"
+                    ) from None
                 if i < 0:
                     i += n
                 if not 0 <= i < n:
@@ -360,8 +432,8 @@ class NkiTensor(NKIObject):
                 if on_chip and dim == 0:  # the partition dim is kept at size 1
                     shape.append(1)
                     strides.append(s)
-        shape.extend(self.shape[len(key):])
-        strides.extend(self.strides[len(key):])
+        shape.extend(self.shape[len(key) :])
+        strides.extend(self.strides[len(key) :])
         minimum = 2 if on_chip else 1
         while len(shape) < minimum:
             shape.append(1)
@@ -393,8 +465,11 @@ class NkiTensor(NKIObject):
         if any(n < 1 for n in shape):
             _index_error(self, f"access pattern {pattern} with a count below 1")
         start = base + (0 if offset is None else operator.index(offset))
-        unit = self.strides[indirect_dim] * self.dtype.itemsize // new_dtype.itemsize \
-            if (scalar_offset is not None or vector_offset is not None) else 0
+        unit = (
+            self.strides[indirect_dim] * self.dtype.itemsize // new_dtype.itemsize
+            if (scalar_offset is not None or vector_offset is not None)
+            else 0
+        )
         if scalar_offset is not None:
             start += _index_values(scalar_offset, "scalar_offset", 1)[0] * unit
         available = self.storage.size * self.storage.dtype.itemsize // new_dtype.itemsize
@@ -412,14 +487,18 @@ class NkiTensor(NKIObject):
         low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
         high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
         if low < 0 or high >= available:
-            _index_error(self, f"access pattern {pattern} at offset {start} reaching elements {low}..{high} "
-                               f"(storage has {available})")
+            _index_error(
+                self,
+                f"access pattern {pattern} at offset {start} reaching elements {low}..{high} (storage has {available})",
+            )
         return self._view(shape, strides, start, new_dtype, indirect=self.dynamic or scalar_offset is not None)
 
     def indirect(self, index, num_elem=None):
         """Tensor indirection (gather/scatter views for compute engines) exists from NeuronCore-v4 (trn3) on."""
-        raise NotImplementedError(f"{self.describe()}.indirect(): tensor indirection needs NeuronCore-v4 (trn3); "
-                                  f"the emulator targets trn1 and trn2 (use .ap(vector_offset=...) with a DMA)")
+        raise NotImplementedError(
+            f"{self.describe()}.indirect(): tensor indirection needs NeuronCore-v4 (trn3); "
+            f"the emulator targets trn1 and trn2 (use .ap(vector_offset=...) with a DMA)"
+        )
 
     def vector_select(self, dim, vector_offset):
         """Per-partition indirect selection of an HBM tensor's dim 0: row p of the result is
@@ -428,8 +507,9 @@ class NkiTensor(NKIObject):
             raise ValueError(f"vector_select: dim must be 0, got {dim}")
         if self.is_on_chip:
             raise ValueError(f"vector_select: only HBM tensors, got {self.describe()}")
-        pattern = [[self.strides[0], vector_offset.shape[0]]] + [[s, n] for s, n in zip(self.strides[1:],
-                                                                                          self.shape[1:])]
+        pattern = [[self.strides[0], vector_offset.shape[0]]] + [
+            [s, n] for s, n in zip(self.strides[1:], self.shape[1:])
+        ]
         return self.ap(pattern, offset=0, vector_offset=vector_offset, indirect_dim=0)
 
     def view(self, dtype):
@@ -444,8 +524,10 @@ class NkiTensor(NKIObject):
             raise ValueError(f"view: the last dimension of {self.describe()} must be contiguous")
         last = self.shape[-1] * old
         if last % new or (self.offset * old) % new or any((s * old) % new for s in self.strides[:-1]):
-            raise ValueError(f"view: {self.describe()} cannot be reinterpreted as {dtype.name} (last dimension of "
-                             f"{last} bytes or strides not divisible by {new})")
+            raise ValueError(
+                f"view: {self.describe()} cannot be reinterpreted as {dtype.name} (last dimension of "
+                f"{last} bytes or strides not divisible by {new})"
+            )
         strides = tuple(s * old // new for s in self.strides[:-1]) + (1,)
         return self._view(self.shape[:-1] + (last // new,), strides, self.offset * old // new, dtype)
 
@@ -455,8 +537,9 @@ class NkiTensor(NKIObject):
         """einops-style split / reorder / merge: `t.rearrange(('b', ('h', 'w')), ('b', 'w', 'h'), {'h': 4})`."""
         fixed = dict(fixed_sizes or {})
         if len(src_pattern) != self.ndim:
-            raise ValueError(f"rearrange: src_pattern {src_pattern} has {len(src_pattern)} entries for a "
-                             f"{self.ndim}-D tensor")
+            raise ValueError(
+                f"rearrange: src_pattern {src_pattern} has {len(src_pattern)} entries for a {self.ndim}-D tensor"
+            )
         view = self
         names = []
         dim = 0
@@ -499,9 +582,16 @@ class NkiTensor(NKIObject):
         if (self.is_on_chip or self.gather is not None) and dims[0] != 0:
             raise ValueError("permute: the partition dimension of an on-chip tensor must stay first")
         if self.gather is not None:
-            return NkiTensor(tuple(self.shape[d] for d in dims), self.dtype, self.storage, self.buffer, self.name,
-                             strides=tuple(self.strides[d] for d in dims), offset=self.offset,
-                             gather=self.gather.transpose(dims))
+            return NkiTensor(
+                tuple(self.shape[d] for d in dims),
+                self.dtype,
+                self.storage,
+                self.buffer,
+                self.name,
+                strides=tuple(self.strides[d] for d in dims),
+                offset=self.offset,
+                gather=self.gather.transpose(dims),
+            )
         return self._view(tuple(self.shape[d] for d in dims), tuple(self.strides[d] for d in dims), self.offset)
 
     def broadcast(self, dim, size):
@@ -515,15 +605,17 @@ class NkiTensor(NKIObject):
     def expand_dim(self, dim):
         if self.is_on_chip and dim == 0:
             raise ValueError("expand_dim: cannot insert before the partition dimension of an on-chip tensor")
-        return self._view(self.shape[:dim] + (1,) + self.shape[dim:], self.strides[:dim] + (1,) + self.strides[dim:],
-                          self.offset)
+        return self._view(
+            self.shape[:dim] + (1,) + self.shape[dim:], self.strides[:dim] + (1,) + self.strides[dim:], self.offset
+        )
 
     def squeeze_dim(self, dim):
         dim = self._check_dim(dim, "squeeze_dim")
         if self.shape[dim] != 1:
             raise ValueError(f"squeeze_dim: dim {dim} has size {self.shape[dim]}, expected 1")
-        return self._view(self.shape[:dim] + self.shape[dim + 1:], self.strides[:dim] + self.strides[dim + 1:],
-                          self.offset)
+        return self._view(
+            self.shape[:dim] + self.shape[dim + 1 :], self.strides[:dim] + self.strides[dim + 1 :], self.offset
+        )
 
     def slice(self, dim, start, end, step=1):
         key = [slice(None)] * self.ndim
@@ -589,19 +681,24 @@ class NkiTensor(NKIObject):
         for m in reversed(shape):
             strides.append(step)
             step *= m
-        return self._view(self.shape[:dim] + tuple(shape) + self.shape[dim + 1:],
-                          self.strides[:dim] + tuple(reversed(strides)) + self.strides[dim + 1:], self.offset)
+        return self._view(
+            self.shape[:dim] + tuple(shape) + self.shape[dim + 1 :],
+            self.strides[:dim] + tuple(reversed(strides)) + self.strides[dim + 1 :],
+            self.offset,
+        )
 
     def flatten_dims(self, start_dim, end_dim):
         if self.is_on_chip and start_dim == 0:
             raise ValueError("flatten_dims: start_dim must be > 0 for an on-chip tensor")
-        merged = math.prod(self.shape[start_dim:end_dim + 1])
+        merged = math.prod(self.shape[start_dim : end_dim + 1])
         for d in range(start_dim, end_dim):
             if self.shape[d + 1] != 1 and self.strides[d] != self.strides[d + 1] * self.shape[d + 1]:
                 raise ValueError(f"flatten_dims: dims {start_dim}..{end_dim} are not contiguous in memory")
-        return self._view(self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1:],
-                          self.strides[:start_dim] + (self.strides[end_dim],) + self.strides[end_dim + 1:],
-                          self.offset)
+        return self._view(
+            self.shape[:start_dim] + (merged,) + self.shape[end_dim + 1 :],
+            self.strides[:start_dim] + (self.strides[end_dim],) + self.strides[end_dim + 1 :],
+            self.offset,
+        )
 
 
 def _index_values(index, what, count):
@@ -639,15 +736,21 @@ def allocate(shape, dtype, buffer, name="", data=None):
     if kind != "hbm":
         line = context.caller_line()
         if len(shape) < 2:
-            raise NkiHardwareError(f"nl.ndarray at {line}: on-chip tensor {name!r} must be at least 2-D "
-                                   f"(partition dim first), got shape {list(shape)}")
+            raise NkiHardwareError(
+                f"nl.ndarray at {line}: on-chip tensor {name!r} must be at least 2-D "
+                f"(partition dim first), got shape {list(shape)}"
+            )
         if shape[0] > context.PMAX:
-            raise NkiHardwareError(f"nl.ndarray at {line}: partition dim {shape[0]} of {kind} tensor {name!r} "
-                                   f"exceeds {context.PMAX} partitions")
+            raise NkiHardwareError(
+                f"nl.ndarray at {line}: partition dim {shape[0]} of {kind} tensor {name!r} "
+                f"exceeds {context.PMAX} partitions"
+            )
         free_bytes = math.prod(shape[1:]) * dtype.itemsize
         if kind == "psum" and free_bytes > context.PSUM_BANKS * context.PSUM_BANK_BYTES:
-            raise NkiHardwareError(f"nl.ndarray at {line}: PSUM tensor {name!r} needs {free_bytes} bytes per "
-                                   f"partition, over the 16 KiB of PSUM")
+            raise NkiHardwareError(
+                f"nl.ndarray at {line}: PSUM tensor {name!r} needs {free_bytes} bytes per "
+                f"partition, over the 16 KiB of PSUM"
+            )
     if region is MemoryRegion.shared_hbm and data is None:
         # SPMD programs share shared_hbm tensors: the i-th allocation of every program is the same tensor.
         ctx = context.current()

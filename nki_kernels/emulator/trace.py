@@ -9,7 +9,7 @@ profile and the cost model only ever see these records, never emulator state.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from collections.abc import Callable
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "dma")
 
@@ -50,7 +50,7 @@ class DmaInfo:
     transpose: bool = False
     # Bytes read (source side); differs from nbytes when the DMA casts (bf16 HBM -> fp32 SBUF reads
     # half of what it writes). None: same as nbytes.
-    src_nbytes: Optional[int] = None
+    src_nbytes: int | None = None
 
     @property
     def bytes_read(self) -> int:
@@ -67,8 +67,8 @@ class InstructionRecord:
     dtype: str  # numpy dtype name of the data processed (dst for copies)
     reads: tuple[Access, ...]
     writes: tuple[Access, ...]
-    matmul: Optional[MatmulInfo] = None
-    dma: Optional[DmaInfo] = None
+    matmul: MatmulInfo | None = None
+    dma: DmaInfo | None = None
     # numpy dtype names of the input data tensors, in argument order (per-partition scalar operands such
     # as bias, scale or tensor_scalar's operands excluded); () when not recorded.
     input_dtypes: tuple[str, ...] = ()
