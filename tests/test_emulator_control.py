@@ -214,7 +214,7 @@ def test_collectives_on_one_core():
         tile = nl.ndarray(x.shape, x.dtype, buffer=nl.sbuf)
         nki.collectives.all_reduce([tile], [tile], nki.collectives.ReplicaGroup([[0, 1]]), nl.add)
 
-    with pytest.raises(NotImplementedError, match="one core"):
+    with pytest.raises(emulator.NkiCollectiveError, match=r"names rank 1, but the kernel runs on 1 rank"):
         two_ranks(x)
 
 

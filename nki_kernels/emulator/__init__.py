@@ -1,7 +1,8 @@
 """CPU emulator of AWS's `nki` 0.6 dialect (numpy + ml_dtypes; never imports JAX).
 
 `api` stands in for `nki`, `language` for `nki.language`, `isa` for `nki.isa` (`isa_constants` for
-`nki.isa.constants`), `collectives` for `nki.collectives` (one core: replica groups of one). Kernels normally get
+`nki.isa.constants`), `collectives` for `nki.collectives` (data exchanged between the
+ranks of `simulate_spmd`, several NeuronCores; a plain launch is one rank). Kernels normally get
 them through `nki_kernels.binding`; `as_nki()` lets unmodified kernel files `import nki`.
 
 Instruction modules by idea: `isa` (data movement, TensorE, element-wise basics), `isa_vector` (fused and
@@ -13,13 +14,16 @@ constants). `instruction_costs` holds the documented per-instruction costs the c
 
 from . import api, isa, language, trace
 from .context import count_only, use_target
-from .errors import NkiHardwareError
+from .errors import NkiCollectiveError, NkiDeadlockError, NkiHardwareError
 from .kernel import Kernel, jit, output_specs, set_array_frontend, simulate
 from .nki_import import as_nki
 from .profile import profile
+from .spmd import simulate_spmd
 
 __all__ = [
     "Kernel",
+    "NkiCollectiveError",
+    "NkiDeadlockError",
     "NkiHardwareError",
     "api",
     "as_nki",
@@ -31,6 +35,7 @@ __all__ = [
     "profile",
     "set_array_frontend",
     "simulate",
+    "simulate_spmd",
     "trace",
     "use_target",
 ]

@@ -73,13 +73,8 @@ def numerics_enabled():
 _basenames: dict[str, str] = {}
 
 
-def caller_line():
-    """file.py:LINE of the innermost frame outside the emulator (the kernel source line)."""
-    frame = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(_EMULATOR_DIR):
-        frame = frame.f_back
-    if frame is None:
-        return "<unknown>"
+def frame_line(frame):
+    """file.py:LINE of a frame (the line it is executing, or for a finished frame the line it returned from)."""
     filename = frame.f_code.co_filename
     base = _basenames.get(filename)
     if base is None:
@@ -87,15 +82,55 @@ def caller_line():
     return f"{base}:{frame.f_lineno}"
 
 
-class KernelContext:
-    """One kernel call (all its SPMD programs): records, live memory, program ids."""
+def _in_emulator(frame):
+    return frame.f_code.co_filename.startswith(_EMULATOR_DIR)
 
-    def __init__(self, name, target, grid, numerics):
+
+def caller_line():
+    """file.py:LINE of the innermost frame outside the emulator (the kernel source line)."""
+    frame = sys._getframe(1)
+    while frame is not None and _in_emulator(frame):
+        frame = frame.f_back
+    if frame is None:
+        return "<unknown>"
+    return frame_line(frame)
+
+
+def kernel_line(frame):
+    """file.py:LINE of the kernel code a thread is executing, given its innermost frame: the deepest frame of the
+    kernel's own code (the body and the helpers it calls, not the emulator or what the emulator calls)."""
+    chain = []
+    while frame is not None:
+        chain.append(frame)
+        frame = frame.f_back
+    # The kernel body is the frame that the emulator's run_in_context called; its code runs inward from there
+    # until the next emulator frame.
+    for k in range(len(chain) - 1):
+        if not _in_emulator(chain[k]) and chain[k + 1].f_code.co_name == "run_in_context":
+            i = k
+            while i > 0 and not _in_emulator(chain[i - 1]):
+                i -= 1
+            return frame_line(chain[i])
+    return "<unknown>"
+
+
+class KernelContext:
+    """One kernel call (all its SPMD programs): records, live memory, program ids.
+
+    rank / world: this launch's rank and the `spmd.World` of ranks it exchanges collectives with (None: a
+    plain launch, one rank).
+    """
+
+    def __init__(self, name, target, grid, numerics, rank=0, world=None):
         self.target = target
+        self.rank = rank
+        self.world = world
         self.numerics = numerics
         self.grid = grid
         self.program_index = (0,) * len(grid)
-        self.run = trace.KernelRun(name=name, target=target, grid=tuple(grid))
+        self.run = trace.KernelRun(
+            name=name, target=target, grid=tuple(grid), rank=rank, num_ranks=1 if world is None else world.num_ranks
+        )
         self.sbuf_capacity = SBUF_BYTES_PER_PARTITION[target]
         self.sbuf_live = 0
         self.psum_banks_live = 0

@@ -188,19 +188,43 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
     report: hand the finished run to trace listeners (profiles); off for shape inference.
     """
     numerics = context.numerics_enabled() if numerics is None else numerics
+    with launching(numerics):
+        ctx = new_context(kernel, numerics)
+        outputs = run_in_context(kernel, ctx, args, kwargs, keep_tensors)
+        if report:
+            trace.kernel_finished(ctx.run)
+    return outputs
+
+
+@contextlib.contextmanager
+def launching(numerics):
+    """One launch at a time (the launch lock), with single-threaded BLAS while numerics are on."""
+    single_threaded_blas = (
+        threadpool_limits(1, user_api="blas") if numerics and threadpool_limits else contextlib.nullcontext()
+    )
+    with _launch_lock, single_threaded_blas:
+        yield
+
+
+def new_context(kernel, numerics, target=None, rank=0, world=None):
+    """The KernelContext of one launch of kernel (one rank of it under simulate_spmd)."""
+    target = context.resolve_target() if target is None else target
+    return context.KernelContext(kernel.fn.__qualname__, target, kernel.grid, numerics, rank=rank, world=world)
+
+
+def run_in_context(kernel, ctx, args, kwargs, keep_tensors=False, on_enter=None):
+    """Run kernel's programs in ctx on this thread (the caller holds the launch lock); its outputs.
+
+    on_enter: called with no arguments right before the kernel body first runs (simulate_spmd hooks it).
+    """
     for value in list(args) + list(kwargs.values()):
         if _is_foreign_array(value) and not isinstance(value, Spec):
             raise TypeError(
                 f"kernel {kernel.fn.__qualname__}: the emulator simulates numpy arrays only, got a "
                 f"{type(value).__name__} argument"
             )
-    grid = kernel.grid
-    ctx = context.KernelContext(kernel.fn.__qualname__, context.resolve_target(), grid, numerics)
     names = kernel._parameters
-    single_threaded_blas = (
-        threadpool_limits(1, user_api="blas") if numerics and threadpool_limits else contextlib.nullcontext()
-    )
-    with _launch_lock, context.running(ctx), single_threaded_blas:
+    with context.running(ctx):
 
         def convert(name, value):
             if isinstance(value, (np.ndarray, Spec)):
@@ -213,14 +237,13 @@ def run(kernel, args, kwargs, numerics=None, keep_tensors=False, report=True):
         tensor_args = [convert(names[i] if i < len(names) else f"arg{i}", a) for i, a in enumerate(args)]
         tensor_kwargs = {k: convert(k, v) for k, v in kwargs.items()}
         result = None
-        for index in itertools.product(*(range(g) for g in grid)):
+        for index in itertools.product(*(range(g) for g in kernel.grid)):
             ctx.program_index = index
             ctx.shared_hbm_cursor = 0
+            if on_enter is not None:
+                on_enter()
             result = kernel.fn(*tensor_args, **tensor_kwargs)
-        outputs = result if keep_tensors else _output(result, numerics)
-        if report:
-            trace.kernel_finished(ctx.run)
-    return outputs
+        return result if keep_tensors else _output(result, ctx.numerics)
 
 
 def output_specs(kernel, arg_specs, kwargs=None, grid=None):

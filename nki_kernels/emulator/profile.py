@@ -28,7 +28,7 @@ class ModeledLatency(Mapping):
 
     def __init__(self, run: trace.KernelRun) -> None:
         # A snapshot of the record list, so later changes to `run` cannot alter the result.
-        self._run: trace.KernelRun | None = trace.KernelRun(run.name, run.target, tuple(run.grid), list(run.records))
+        self._run: trace.KernelRun | None = dataclasses.replace(run, grid=tuple(run.grid), records=list(run.records))
         self._us: dict[str, float] = {}
 
     def __getitem__(self, target: str) -> float:

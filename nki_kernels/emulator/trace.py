@@ -58,6 +58,16 @@ class DmaInfo:
 
 
 @dataclasses.dataclass(frozen=True)
+class CollectiveInfo:
+    """What a `nki.collectives` call moves, for the cost model's link model (cost_model.collective_ns)."""
+
+    kind: str  # "all_reduce", "all_gather", "reduce_scatter", "all_to_all", "permute"
+    nbytes: int  # bytes of this rank's source tensors (summed over coalesced tensors)
+    group_size: int  # ranks in this rank's rank-list (for a permute: 2 when it sends or receives, else 1)
+    num_ranks: int  # ranks of the launch (simulate_spmd's num_ranks)
+
+
+@dataclasses.dataclass(frozen=True)
 class InstructionRecord:
     opcode: str  # "nc_matmul", "dma_copy", "tensor_copy", "activation", ...
     engine: str  # one of ENGINES
@@ -75,6 +85,8 @@ class InstructionRecord:
     # Whether dst and every input data tensor have physically contiguous elements along their innermost
     # free dimension (a condition of trn2's VectorE performance mode).
     inner_contiguous: bool = True
+    # Set on the one record of a collective (engine "dma"; dma is None): what it exchanges between ranks.
+    collective: CollectiveInfo | None = None
 
 
 @dataclasses.dataclass
@@ -83,6 +95,8 @@ class KernelRun:
     target: str  # "trn1" | "trn2"
     grid: tuple[int, ...] = ()
     records: list[InstructionRecord] = dataclasses.field(default_factory=list)
+    rank: int = 0  # this run's rank under simulate_spmd (0 for a plain launch)
+    num_ranks: int = 1
 
 
 _listeners: list[Callable[[KernelRun], None]] = []
