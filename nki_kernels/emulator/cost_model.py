@@ -83,6 +83,10 @@ The model is a list scheduler over the run's instruction records:
   ~6.5 B/ns per engine (38% of the documented 17) whatever the row size, and what keeps trn1's engines
   idle (host-built descriptors read from HBM [DGE], queue order, how many loads the compiler keeps in
   flight) has no documented figures, so the curve stays charged as occupancy.
+- Collectives (records with CollectiveInfo, from nki.collectives under simulate_spmd): each takes the time
+  collective_costs.py gives it (NeuronLink and on-chip links, hop latency; its docstring cites the sources) on
+  a queue of their own (the CC cores), in program order, starting when its sources are ready; the kernel's
+  other DMAs do not wait for it unless they depend on its data.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
   kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
   (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
@@ -98,7 +102,7 @@ import math
 
 from nki_kernels import hardware
 
-from . import instruction_costs, trace
+from . import collective_costs, instruction_costs, trace
 
 TARGETS = hardware.TARGETS
 
@@ -372,6 +376,7 @@ class Schedule:
     start_us: tuple[float, ...]
     finish_us: tuple[float, ...]
     engine_busy_us: dict[str, float]  # "tensor", "vector", "scalar", "gpsimd", "dma" (summed over engines)
+    collective_us: float = 0.0  # time in nki.collectives calls (their own queue; collective_costs.py)
 
     @property
     def latency_us(self) -> float:
@@ -428,9 +433,38 @@ def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int,
     return engines, dma.nbytes / engines / per_engine_rate
 
 
-def schedule(run: trace.KernelRun, target: str) -> Schedule:
-    """List-schedule `run` on `target` (see the module docstring for the rules)."""
+def collective_links(
+    target: str,
+    hop_latency_us: float = collective_costs.DEFAULT_HOP_LATENCY_US,
+    core_link_gbps: float | None = None,
+    ranks_per_chip: int | None = None,
+) -> collective_costs.Links:
+    """Link figures collectives are priced with on `target` (collective_costs.py has the sources and the model).
+
+    hop_latency_us: per-hop latency (documented as 1-2 µs; benchmarks sweep collective_costs.HOP_LATENCY_SWEEP_US).
+    core_link_gbps: bandwidth between two ranks of one chip; no documented figure, so by default a rank's own
+    HBM-to-HBM DMA rate: min(16 engines x per-engine rate, half its HBM share) times its cores.
+    ranks_per_chip: default 2 on trn1 (one per NeuronCore-v2), 4 on trn2 (LNC=2).
+    """
     hw = _check_target(target)
+    if core_link_gbps is None:
+        ranks = ranks_per_chip or collective_costs.make_links(target, 1.0).ranks_per_chip
+        cores_per_rank = collective_costs.physical_cores(target) / ranks
+        core_link_gbps = cores_per_rank * min(hw.dma_engines * hw.dma_engine_bytes_per_ns, hw.hbm_bytes_per_ns / 2)
+    return collective_costs.make_links(target, core_link_gbps, hop_latency_us, ranks_per_chip)
+
+
+def schedule(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> Schedule:
+    """List-schedule `run` on `target` (see the module docstring for the rules).
+
+    links: the link figures collectives are priced with (default: collective_links(target)).
+    """
+    hw = _check_target(target)
+    if links is None:
+        links = collective_links(target)
+    elif links.target != target:
+        raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
+    collective_free = collective_busy = 0.0
     records = run.records
     # Per storage: byte extent, and the last record that writes / touches it. A read only
     # matters to a later write (WAR) and a write to a later access, so others are not indexed.
@@ -478,7 +512,12 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
                 if t > ready:
                     ready = t
 
-        if is_dma:
+        if record.collective is not None:
+            # A collective runs on the CC cores' queue, in program order, once its sources are ready.
+            start = max(collective_free, ready)
+            finish = collective_free = start + collective_costs.record_ns(record, links)
+            collective_busy += finish - start
+        elif is_dma:
             dma = record.dma
             key = (record.partitions, dma) if dma is not None else None
             cost = dma_costs.get(key)
@@ -532,12 +571,13 @@ def schedule(run: trace.KernelRun, target: str) -> Schedule:
         start_us=tuple(starts),
         finish_us=tuple(finishes),
         engine_busy_us={k: v / 1e3 for k, v in busy.items()},
+        collective_us=collective_busy / 1e3,
     )
 
 
-def model_latency(run: trace.KernelRun, target: str) -> float:
-    """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2")."""
-    return schedule(run, target).latency_us
+def model_latency(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
+    """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2"); links: see `schedule`."""
+    return schedule(run, target, links).latency_us
 
 
 def roofline_us(flops: float, hbm_bytes: float, target: str, input_dtype: str = "bfloat16") -> float:

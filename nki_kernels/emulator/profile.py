@@ -67,6 +67,7 @@ class RunSummary:
     engine_counts: instructions per engine, every name of trace.ENGINES present.
     latency_us: modeled latency in µs per target, keys "trn1" and "trn2" (a read-only
       mapping, computed per target on first read).
+    rank: the run's rank under simulate_spmd (0 for a plain launch).
     """
 
     name: str
@@ -83,6 +84,7 @@ class RunSummary:
     moving_fill: float
     engine_counts: dict[str, int]
     latency_us: Mapping[str, float]
+    rank: int = 0  # the run's rank under simulate_spmd (0 for a plain launch)
 
     @property
     def dma_bytes(self) -> int:
@@ -131,6 +133,7 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         moving_fill=moving_fill_sum / matmul_count if matmul_count else 0.0,
         engine_counts=engine_counts,
         latency_us=ModeledLatency(run),
+        rank=run.rank,
     )
 
 
