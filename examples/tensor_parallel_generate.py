@@ -14,11 +14,23 @@ Without accelerators,
 
     python examples/tensor_parallel_generate.py --data 2 --model 4 --keep 0.5 --max_new_tokens 12
     python examples/tensor_parallel_generate.py --checkpoint_dir /path/to/hf/llama   # a local HF checkpoint
+
+Several processes, one JAX runtime (`jax.distributed`; CPU collectives over gloo): with --num_processes N and no
+--process_id this script starts N copies of itself on this machine, each with --cpu_devices devices, the
+coordinator on 127.0.0.1 at a free port; the mesh spans the devices of all processes, every process checks the
+tokens against its own one-device run, and the launcher exits non-zero if any process fails or runs past
+--timeout_s. The same code runs across machines: start one process per machine by hand with the same
+--num_processes, its own --process_id (0 .. N-1) and --coordinator_address=HOST:PORT of process 0's machine.
+
+    python examples/tensor_parallel_generate.py --num_processes 2 --cpu_devices 2 --data 1 --model 4
 """
 
 import os
 import re
+import socket
+import subprocess
 import sys
+import time
 
 
 def _fake_cpu_devices(argv):
@@ -36,7 +48,6 @@ def _fake_cpu_devices(argv):
 _fake_cpu_devices(sys.argv)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
@@ -59,11 +70,29 @@ flags.DEFINE_float(
     "temperature", 0.8, "Sampling temperature (0: greedy); both runs sample with the same seed.", lower_bound=0.0
 )
 flags.DEFINE_integer("seed", 0, "Random seed (model init and prompts).")
+flags.DEFINE_integer(
+    "num_processes", 1, "JAX processes sharing one runtime (jax.distributed); > 1 starts them.", lower_bound=1
+)
+flags.DEFINE_integer(
+    "process_id",
+    None,
+    "This process's id in 0 .. --num_processes - 1 (given: join the runtime; absent: launch all of them here).",
+    lower_bound=0,
+)
+flags.DEFINE_string(
+    "coordinator_address", None, "HOST:PORT of process 0's coordinator (default for local launches: 127.0.0.1:free)."
+)
+flags.DEFINE_float("timeout_s", 300.0, "Seconds the local launcher waits for its processes before killing them.")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_multi_flags_validator(
     ["batch", "data"],
     lambda values: values["data"] < 1 or values["batch"] % values["data"] == 0,
     message="--data must divide --batch",
+)
+flags.register_multi_flags_validator(
+    ["process_id", "num_processes"],
+    lambda values: values["process_id"] is None or values["process_id"] < values["num_processes"],
+    message="--process_id must be below --num_processes",
 )
 FLAGS = flags.FLAGS
 
@@ -84,7 +113,9 @@ def shard_model(model, mesh):
     def place(path, value):
         name = "/".join(str(key.key) for key in path if hasattr(key, "key"))  # dict keys; no ".value"
         spec = next((s for pattern, s in MEGATRON_LAYOUT if re.search(pattern, name)), P())
-        return jax.device_put(value, NamedSharding(mesh, spec))
+        # From the host: with several processes the mesh spans devices this process cannot address, and every
+        # process holds the same values (same seed), so each places its own shards.
+        return jax.device_put(np.asarray(value), NamedSharding(mesh, spec))
 
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
 
@@ -100,8 +131,69 @@ def check_layout(config, mesh):
             raise app.UsageError(f"--model={model_size} must divide the model's {name} = {count}")
 
 
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local_processes():
+    """Start --num_processes copies of this script joined by one coordinator on 127.0.0.1; their exit status.
+
+    Each copy gets the same flags plus --process_id and --coordinator_address. A copy that fails stops the rest
+    (they would wait on it in a collective); so does --timeout_s.
+    """
+    address = FLAGS.coordinator_address or f"127.0.0.1:{free_port()}"
+    children = [
+        subprocess.Popen(
+            [sys.executable, __file__, *sys.argv[1:], f"--process_id={i}", f"--coordinator_address={address}"]
+        )
+        for i in range(FLAGS.num_processes)
+    ]
+    deadline = time.monotonic() + FLAGS.timeout_s
+    status = 0
+    try:
+        while any(child.poll() is None for child in children):
+            failed = [c.returncode for c in children if c.returncode not in (None, 0)]
+            if failed:
+                status = failed[0]
+                print(f"a process exited with status {status}; stopping the others", file=sys.stderr)
+                break
+            if time.monotonic() > deadline:
+                status = 1
+                print(f"processes still running after --timeout_s={FLAGS.timeout_s:g}; stopping them", file=sys.stderr)
+                break
+            time.sleep(0.2)
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    codes = [child.returncode for child in children]
+    if status == 0 and any(codes):
+        status = next(c for c in codes if c)
+    print(f"{FLAGS.num_processes} processes exited with {codes}")
+    return status
+
+
+def join_runtime():
+    """Join the multi-process JAX runtime as --process_id (CPU collectives over gloo)."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if not FLAGS.coordinator_address:
+        raise app.UsageError("--process_id needs --coordinator_address=HOST:PORT (process 0's coordinator)")
+    jax.distributed.initialize(
+        coordinator_address=FLAGS.coordinator_address,
+        num_processes=FLAGS.num_processes,
+        process_id=FLAGS.process_id,
+    )
+
+
 def main(argv):
     del argv
+    if FLAGS.num_processes > 1 and FLAGS.process_id is None:
+        return launch_local_processes()
+    if FLAGS.process_id is not None:
+        join_runtime()
     if FLAGS.data * FLAGS.model > jax.device_count():
         raise app.UsageError(f"--data * --model = {FLAGS.data * FLAGS.model} exceeds the {jax.device_count()} devices")
     devices = np.array(jax.devices()[: FLAGS.data * FLAGS.model]).reshape(FLAGS.data, FLAGS.model)
@@ -125,23 +217,26 @@ def main(argv):
     parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.max_new_tokens, **sampling))
 
     mlp = sharded_model.layers[0].mlp
+    where = f"process {jax.process_index()} of {jax.process_count()}: " if jax.process_count() > 1 else ""
     print(
-        f"mesh {dict(mesh.shape)}; layer 0 MLP factor shards: gate v {mlp.gate_proj.v[...].sharding.spec}, "
+        f"{where}mesh {dict(mesh.shape)} over {jax.device_count()} devices; layer 0 MLP factor shards: "
+        f"gate v {mlp.gate_proj.v[...].sharding.spec}, "
         f"down u {mlp.down_proj.u[...].sharding.spec}"
     )
     x = jax.device_put(
-        jnp.zeros((FLAGS.batch, FLAGS.prompt_tokens, model.config.hidden_size)), NamedSharding(mesh, P("data"))
+        np.zeros((FLAGS.batch, FLAGS.prompt_tokens, model.config.hidden_size), np.float32),
+        NamedSharding(mesh, P("data")),
     )
     hlo = jax.jit(lambda m, x: m(x)).lower(mlp, x).compile().as_text()
     collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", hlo)
     print(
         f"one tensor-parallel MLP compiles to collectives: {[(op, shape.split('{')[0]) for shape, op in collectives]}"
     )
-    print("one device :", single[:, FLAGS.prompt_tokens :].tolist())
-    print("mesh       :", parallel[:, FLAGS.prompt_tokens :].tolist())
+    print(f"{where}one device :", single[:, FLAGS.prompt_tokens :].tolist())
+    print(f"{where}mesh       :", parallel[:, FLAGS.prompt_tokens :].tolist())
     if not np.array_equal(single, parallel):
-        raise SystemExit("FAILED: tensor-parallel generation differs from one device")
-    print("same tokens on one device and on the mesh")
+        raise SystemExit(f"{where}FAILED: tensor-parallel generation differs from one device")
+    print(f"{where}same tokens on one device and on the mesh")
 
 
 if __name__ == "__main__":
