@@ -467,3 +467,23 @@ def test_schedule_prices_collectives_of_an_spmd_run():
         assert sched.latency_us >= sched.collective_us
     with pytest.raises(ValueError, match="scheduled on 'trn1'"):
         cost_model.schedule(runs[0], "trn1", cost_model.collective_links("trn2"))
+
+
+def test_each_rank_has_its_own_sbuf():
+    """Two thirds of SBUF live on every rank at once fits: capacity is per NeuronCore, not per launch."""
+    with emulator.use_target("trn2"):
+        free = nl.tile_size.total_available_sbuf_size * 2 // 3 // 4
+
+    @nki.jit
+    def kernel(x):
+        big = nl.ndarray((128, free), nl.float32, buffer=nl.sbuf)
+        nisa.memset(big, 1.0)
+        out = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+        cc.all_reduce([x], [out], everyone(2), nl.add)
+        nisa.dma_copy(out[:, :1], big[: x.shape[0], :1])
+        return out
+
+    with emulator.use_target("trn2"):
+        got = simulate_spmd(kernel, 2)(*[(x,) for x in per_rank((3, 2), 2, 0)])
+    for out in got:
+        np.testing.assert_array_equal(out[:, 0], 1.0)

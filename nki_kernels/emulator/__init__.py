@@ -9,7 +9,9 @@ Instruction modules by idea: `isa` (data movement, TensorE, element-wise basics)
 accumulating arithmetic, bn_stats), `isa_select` (predicates, masks, top-8), `isa_gather` (gathers, shuffles,
 partition reductions, top-k), `isa_control` (registers, random numbers, DMA compute, multi-core, trn3-only);
 `language` with `language_math` (softmax, rms_norm, where, ...) and `language_control` (register loops,
-constants). `instruction_costs` holds the documented per-instruction costs the cost model consults.
+constants). `instruction_costs` holds the documented per-instruction costs the cost model consults,
+`collective_costs` the documented link figures it prices collectives with. `spmd` runs a kernel on several
+ranks (`simulate_spmd`): a thread and a KernelContext per rank, a rendezvous per collective call.
 """
 
 from . import api, isa, language, trace
