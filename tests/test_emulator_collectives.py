@@ -487,3 +487,32 @@ def test_each_rank_has_its_own_sbuf():
         got = simulate_spmd(kernel, 2)(*[(x,) for x in per_rank((3, 2), 2, 0)])
     for out in got:
         np.testing.assert_array_equal(out[:, 0], 1.0)
+
+
+def test_collectives_overlap_independent_loads_and_delay_dependent_ones():
+    """A collective runs on its own queue: a weight load that does not need its result overlaps it, a load of its
+    result waits for it."""
+
+    def traced(dependent):
+        @nki.jit
+        def kernel(x, w):
+            reduced = nl.ndarray(x.shape, x.dtype, buffer=nl.shared_hbm)
+            cc.all_reduce([x], [reduced], everyone(8), nl.add)
+            tile = nl.ndarray((128, w.shape[1]), w.dtype, buffer=nl.sbuf)
+            nisa.dma_copy(tile, reduced if dependent else w)
+            return reduced
+
+        runs = []
+        emulator.trace.add_listener(runs.append)
+        try:
+            with emulator.count_only():
+                simulate_spmd(kernel, 8)(*[(np.zeros((128, 4096), np.float32),) * 2] * 8)
+        finally:
+            emulator.trace.remove_listener(runs.append)
+        return cost_model.schedule(runs[0], "trn2")
+
+    independent, dependent = traced(False), traced(True)
+    assert independent.collective_us == pytest.approx(dependent.collective_us)
+    load_us = dependent.latency_us - dependent.collective_us
+    assert load_us > 0
+    assert independent.latency_us == pytest.approx(max(independent.collective_us, load_us), rel=0.05)
