@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "tensor_parallel_generate.py")
 
 
@@ -19,6 +21,7 @@ def launch(*flags, timeout_s=120):
     )
 
 
+@pytest.mark.slow
 def test_two_processes_generate_the_one_device_tokens():
     # model axis 4 over 2 devices in each process: every all-reduce crosses the process boundary.
     result = launch("--data=1", "--model=4", "--batch=2", "--prompt_tokens=5", "--max_new_tokens=3")
