@@ -122,7 +122,11 @@ def test_distill_lowers_the_logit_error(tiny):
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     before = centered_logit_error(compressed, model, calibration)
     distill_factors(
-        compressed, model, calibration, DistillOptions(steps=40, batch=8, learning_rate=3e-3), progress=False
+        compressed,
+        model,
+        calibration,
+        DistillOptions(steps=40, batch=8, learning_rate=3e-3, loss="topk"),
+        progress=False,
     )
     after = centered_logit_error(compressed, model, calibration)
     assert after < 0.9 * before
@@ -151,7 +155,7 @@ def test_distill_top_k_term_lowers_the_kl_on_the_teachers_likely_tokens(tiny):
             compressed,
             model,
             calibration,
-            DistillOptions(steps=30, batch=8, learning_rate=3e-3, top_k=top_k),
+            DistillOptions(steps=30, batch=8, learning_rate=3e-3, loss="topk", top_k=top_k),
             progress=False,
         )
         kls.append(_top_k_kl64(compressed(ids), model(ids), calibration[:8], 7))
@@ -200,7 +204,7 @@ def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
         compressed,
         model,
         calibration,
-        DistillOptions(steps=6, batch=8, learning_rate=3e-3),
+        DistillOptions(steps=6, batch=8, learning_rate=3e-3, holdout=0),
         progress=False,
         on_step=lambda done, m: seen.append((done, centered_logit_error(m, model, calibration))),
     )

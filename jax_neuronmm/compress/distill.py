@@ -1,18 +1,21 @@
-"""End-to-end distillation of a compressed CausalLM's SVD factors from the dense model's logits.
+"""End-to-end distillation of a compressed CausalLM's SVD factors from the dense model's next-token distributions.
 
-Only the factors (every SVDLinear's u and v, inside SVDMLP too) are trained; embeddings, norms and any projection
-left dense stay frozen. The dense model runs once, up front. The loss has two terms, both cheap next to the
-262k-row LM head, which never runs during training:
+Only the factors (every SVDLinear's u and v, inside SVDMLP too) are trained; embeddings, norms, the LM head and any
+projection left dense stay frozen. The dense model runs once, up front, and its final normed hidden states are
+cached; its logits are recomputed from them where a loss needs them. Two losses (`DistillOptions.loss`):
 
-  * the squared error of the centered logits over the whole vocabulary, ‖(h̃ − h)·Eᵀ·C‖², with h̃, h the final
-    normed hidden states of the compressed and the dense model, E [V, hidden] the unembedding and C centering over
-    the vocabulary (softmax ignores a shift): the G-weighted hidden-state error with G = Eᵀ·C·E [hidden, hidden],
-    computed once (final logit soft-capping is ignored by this term), divided by the dense logits' energy;
-  * the KL divergence from the teacher's to the student's next-token distribution restricted to the teacher's
-    top-k tokens at each position (both renormalized over those k): the student's logits there are h̃ times k rows
-    of E, k·hidden multiply-adds per token instead of V·hidden. It puts the weight where perplexity is decided,
-    on the likely tokens; on Gemma 3 270M at keep 0.8 it took held-out perplexity from 1.48x to 1.39x dense
-    (benchmarks/results/accuracy_report.md). top_k = 0 leaves it out.
+  * "kl" (the default): the KL divergence from the teacher's to the student's next-token distribution over the
+    whole vocabulary, at `positions` randomly sampled positions of each window. Only those positions go through
+    the LM head (the 262k-row head of Gemma 3 is most of a forward pass's flops at every position), and the head
+    runs over `vocab_chunk` rows at a time, so memory stays bounded by positions x vocab_chunk logits.
+  * "topk": the squared error of the centered logits over the whole vocabulary, ‖(h̃ − h)·Eᵀ·C‖² (h̃, h the
+    student's and teacher's final hidden states, E the unembedding, C centering; computed through the Gram matrix
+    Eᵀ·C·E), relative to the teacher's logit energy, plus the KL restricted to the teacher's top_k tokens, both
+    distributions renormalized over them. Mass the student puts outside the teacher's top tokens costs nothing.
+
+The full-vocabulary KL measures better on Gemma 3 270M (benchmarks/results/accuracy_report.md). Training is Adam
+with a linear warm-up and global-norm clipping; the last `holdout` windows of the training ids are held out, their
+loss measured every `eval_every` steps, and the factors with the lowest held-out loss are kept (early stopping).
 
 Runs on JAX's default device.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 
 import jax
@@ -31,29 +35,56 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential
-from jax_neuronmm.compress.local_finetune import check_adam_options
+from jax_neuronmm.decoder_math import soft_cap
+
+LOSSES = ("kl", "topk")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillOptions:
-    """steps: Adam steps; batch: calibration sequences per step; learning_rate: relative to each factor's RMS
-    (the update of a factor is about learning_rate·RMS(factor) per entry); seed: the order of sequences;
-    top_k: tokens per position of the KL term (0: the centered-logit error alone)."""
+    """Distillation settings.
 
-    steps: int = 90
-    batch: int = 2
-    learning_rate: float = 6e-4
-    seed: int = 0
+    steps: Adam steps; batch: training windows per step; learning_rate: Adam's peak step size, reached after
+    `warmup` steps of linear warm-up; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
+    positions: positions per window of the "kl" loss (0: every position); vocab_chunk: LM-head rows per chunk of
+    the "kl" loss; top_k: tokens per position of the "topk" loss's KL term (0: the centered-logit error alone);
+    holdout: training windows held out to choose which step's factors to keep (0: keep the last step's);
+    eval_every: steps between held-out measurements; seed: window order and sampled positions.
+    """
+
+    steps: int = 200
+    batch: int = 1
+    learning_rate: float = 3e-5
+    warmup: int = 20
+    clip_norm: float = 1.0
+    loss: str = "kl"
+    positions: int = 128
+    vocab_chunk: int = 16384
     top_k: int = 64
+    holdout: int = 4
+    eval_every: int = 25
+    seed: int = 0
 
     def __post_init__(self):
-        check_adam_options(self)
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k: got {self.top_k!r}, expected a non-negative int")
+        for name in ("steps", "batch", "vocab_chunk", "eval_every"):
+            _check_int(name, getattr(self, name), 1)
+        for name in ("warmup", "positions", "top_k", "holdout", "seed"):
+            _check_int(name, getattr(self, name), 0)
+        for name, low in (("learning_rate", 0.0), ("clip_norm", -1.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name}: got {value!r}, expected a finite number")
+            if not value > low:
+                raise ValueError(
+                    f"{name}: got {value!r}, expected {'a positive' if low == 0 else 'a non-negative'} number"
+                )
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss: got {self.loss!r}, expected one of {LOSSES}")
 
 
-# Sequences the before/after loss comparison at the end of training runs on (each costs a forward pass).
-CHECK_SEQUENCES = 16
+def _check_int(name, value, low):
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"{name}: got {value!r}, expected {'a positive' if low else 'a non-negative'} int")
 
 
 def is_factor(path, value) -> bool:
@@ -69,110 +100,208 @@ def final_hidden(model, ids) -> jax.Array:
     return model.norm(x)
 
 
-def logit_gram(model) -> jax.Array:
-    """G = Eᵀ·C·E [hidden, hidden] (float32) for the model's unembedding E [V, hidden], C = I − 11ᵀ/V."""
-    table = _unembedding(model)
+def unembedding(model) -> jax.Array:
+    """E [V, hidden] float32: the LM head's rows, or the token embedding when they are tied."""
+    table = model.embed_tokens.embedding[...] if model.lm_head is None else model.lm_head.kernel[...].T
+    return jnp.asarray(table, jnp.float32)
+
+
+def factored_head(model):
+    """(u [hidden, r], v [r, V]) of a model whose LM head is factored (an SVDLinear), else None."""
+    head = model.lm_head
+    return None if head is None or not hasattr(head, "u") else (head.u[...], head.v[...])
+
+
+def logit_gram(table) -> jax.Array:
+    """G = Eᵀ·C·E [hidden, hidden] (float32) for an unembedding E [V, hidden], C = I − 11ᵀ/V: the centered logits'
+    squared error of a hidden-state difference d is d·G·dᵀ."""
     mean = jnp.mean(table, axis=0)
     return table.T @ table - table.shape[0] * jnp.outer(mean, mean)
 
 
 def centered_logit_error(model, dense, ids) -> float:
     """‖centered logits(model) − centered logits(dense)‖² / ‖centered logits(dense)‖² on ids [B, T]."""
-    gram = logit_gram(dense)
+    gram = logit_gram(unembedding(dense))
     diff = (final_hidden(model, ids) - final_hidden(dense, ids)).reshape(-1, gram.shape[0])
     target = final_hidden(dense, ids).reshape(-1, gram.shape[0])
     return float(jnp.sum((diff @ gram) * diff) / jnp.sum((target @ gram) * target))
 
 
+# A logit no softmax gives weight to; finite so that padded rows' differences are 0, not inf - inf.
+_PADDED_LOGIT = -1e30
+
+
+def vocab_kl(student_hidden, teacher_hidden, table, cap: float | None, chunk: int, student_head=None) -> jax.Array:
+    """KL(softmax(teacher logits) ‖ softmax(student logits)) per row [n], over the whole vocabulary.
+
+    student_hidden, teacher_hidden: [n, hidden]; table: the teacher's unembedding E [V, hidden]; teacher logits =
+    soft_cap(hidden·Eᵀ, cap); the student's are the same with E, or, with student_head = (u [hidden, r],
+    v [r, V]) (a factored LM head), soft_cap(hidden·u·v, cap). The
+    vocabulary is walked `chunk` rows at a time, so the forward pass holds n x chunk logits at once; the backward
+    pass keeps each chunk's logits (about 3·n·V floats in all) instead of recomputing them, which would add two
+    n x V x hidden products to the three a step needs (teacher and student logits, the student's gradient). Per
+    chunk c with teacher log-normalizer Z_c: w_c = Σ_v exp(t_v − Z_c)·(t_v − s_v); then
+    KL = Σ_c exp(Z_c − Z)·w_c − Z + log Σ_v exp(s_v), with Z the teacher's log-normalizer over the vocabulary.
+    """
+    vocab, width = table.shape
+    chunk = min(chunk, vocab)
+    count = -(-vocab // chunk)
+    padding = count * chunk - vocab
+    rows = jnp.pad(table, ((0, padding), (0, 0))).reshape(count, chunk, width)
+    valid = (jnp.arange(count * chunk) < vocab).reshape(count, chunk)
+    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
+    if student_head is None:
+        student_in, student_columns = student_hidden, jnp.swapaxes(rows, 1, 2)  # [count, hidden, chunk]
+    else:
+        u, v = student_head
+        student_in = student_hidden @ u
+        student_columns = jnp.pad(v, ((0, 0), (0, padding))).reshape(v.shape[0], count, chunk).swapaxes(0, 1)
+
+    def one_chunk(_, chunk_operands):
+        chunk_rows, chunk_columns, chunk_valid = chunk_operands
+        t = jnp.where(chunk_valid, soft_cap(teacher_hidden @ chunk_rows.T, cap), _PADDED_LOGIT)
+        s = jnp.where(chunk_valid, soft_cap(student_in @ chunk_columns, cap), _PADDED_LOGIT)
+        t_norm = jax.nn.logsumexp(t, axis=-1)
+        weighted = jnp.sum(jnp.exp(t - t_norm[:, None]) * (t - s), axis=-1)
+        return None, (t_norm, jax.nn.logsumexp(s, axis=-1), weighted)
+
+    _, (t_norms, s_norms, weighted) = jax.lax.scan(one_chunk, None, (rows, student_columns, valid))
+    t_norm = jax.nn.logsumexp(t_norms, axis=0)
+    return jnp.sum(jnp.exp(t_norms - t_norm) * weighted, axis=0) - t_norm + jax.nn.logsumexp(s_norms, axis=0)
+
+
+def top_k_kl(student_logits, teacher_logits) -> jax.Array:
+    """KL from the teacher's to the student's distribution over the same k tokens, both renormalized:
+    logits [..., k] → [...]."""
+    teacher_log_p = jax.nn.log_softmax(teacher_logits, axis=-1)
+    student_log_p = jax.nn.log_softmax(student_logits, axis=-1)
+    return jnp.sum(jnp.exp(teacher_log_p) * (teacher_log_p - student_log_p), axis=-1)
+
+
 def distill_factors(
     model,
     dense,
-    calibration_ids,
+    distill_ids,
     options: DistillOptions = DistillOptions(),
     *,
     progress: bool = True,
     on_step: Callable[[int, object], None] | None = None,
 ) -> None:
-    """Trains `model`'s factors in place for options.steps Adam steps towards `dense`'s logits on
-    calibration_ids [B, T]; keeps the factors it started from if training raised the loss on the first
-    CHECK_SEQUENCES sequences. on_step(steps_done, model), when given, runs after every step with the model
-    holding the current factors (to watch held-out loss)."""
-    ids = np.asarray(calibration_ids, np.int32)
-    gram = logit_gram(dense)
-    targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i : i + 1])) for i in range(ids.shape[0])])
-    energy = float(np.mean(np.einsum("bth,hg,btg->bt", targets, np.asarray(gram), targets)))
-    table = _unembedding(dense)
+    """Trains `model`'s factors in place for options.steps Adam steps towards `dense`'s next-token distributions on
+    distill_ids [B, T] (its last options.holdout windows held out when B leaves at least one to train on) and keeps
+    the factors with the lowest held-out loss, measured before training and every options.eval_every steps.
+    on_step(steps_done, model), when given, runs after every step with the model holding the current factors."""
+    ids = np.asarray(distill_ids, np.int32)
+    holdout = options.holdout if ids.shape[0] > options.holdout else 0
+    train_ids = ids[: ids.shape[0] - holdout]
+    table = unembedding(dense)
     cap = getattr(dense.config, "final_logit_softcapping", None)
-    # The teacher's top-k logits and token ids [B, T, k], one sequence at a time (its full logits are B·T·V).
-    teacher = None
-    if options.top_k:
-        k = min(options.top_k, table.shape[0])
-        top = [_top_logits(jnp.asarray(targets[i]), table, cap, k) for i in range(ids.shape[0])]
-        teacher = tuple(np.stack([np.asarray(pair[part]) for pair in top]) for part in (0, 1))
+    targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i : i + 1])) for i in range(ids.shape[0])])
+    if options.loss == "kl":
+        loss_fn, teacher = _kl_loss(table, cap, options), np.zeros((ids.shape[0], 0), np.float32)
+    else:
+        loss_fn, teacher = _top_k_loss(targets, table, cap, options)
     graphdef, factors, rest = nnx.split(model, is_factor, ...)
-    scales = jax.tree.map(lambda p: jnp.sqrt(jnp.mean(jnp.square(p))), factors)
-    optimizer = optax.chain(optax.scale_by_adam(), optax.scale_by_learning_rate(options.learning_rate))
+    schedule = optax.linear_schedule(0.0, options.learning_rate, options.warmup) if options.warmup else None
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(options.clip_norm) if options.clip_norm else optax.identity(),
+        optax.adam(schedule or options.learning_rate),
+    )
     state = optimizer.init(factors)
+    rng = np.random.default_rng(options.seed)
+    window = ids.shape[1]
+    sampled = min(options.positions, window) if options.positions else window
 
-    def loss_fn(factors, rest, batch_ids, batch_targets, batch_teacher):
-        hidden = final_hidden(nnx.merge(graphdef, factors, rest), batch_ids)
-        diff = hidden - batch_targets
-        loss = jnp.mean(jnp.einsum("bth,hg,btg->bt", diff, gram, diff)) / energy
-        if batch_teacher is not None:
-            teacher_logits, token_ids = batch_teacher
-            student_logits = _capped(jnp.einsum("bth,btkh->btk", hidden, table[token_ids]), cap)
-            teacher_log_p = jax.nn.log_softmax(teacher_logits, axis=-1)
-            kl = jnp.sum(
-                jnp.exp(teacher_log_p) * (teacher_log_p - jax.nn.log_softmax(student_logits, axis=-1)), axis=-1
-            )
-            loss = loss + jnp.mean(kl)
-        return loss
+    def batch_of(rows, seed_rng):
+        """Windows `rows` of ids (held-out ones included): ids, teacher hidden states, sampled positions and the
+        teacher's top-k logits and ids (the "topk" loss; empty otherwise)."""
+        positions = np.stack([np.sort(seed_rng.choice(window, sampled, replace=False)) for _ in rows])
+        return ids[rows], targets[rows], positions.astype(np.int32), jax.tree.map(lambda a: a[rows], teacher)
 
-    def rows_of(rows):
-        return ids[rows], targets[rows], None if teacher is None else tuple(part[rows] for part in teacher)
+    def loss_of(factors, batch):
+        student = nnx.merge(graphdef, factors, rest)
+        return loss_fn(final_hidden(student, batch[0]), factored_head(student), *batch[1:])
 
     @jax.jit
-    def step(factors, state, rest, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(factors, rest, *batch)
+    def step(factors, state, batch):
+        loss, grads = jax.value_and_grad(loss_of)(factors, batch)
         updates, state = optimizer.update(grads, state, factors)
-        updates = jax.tree.map(lambda u, s: u * s, updates, scales)
         return optax.apply_updates(factors, updates), state, loss
 
-    loss_jit = jax.jit(loss_fn)
+    held_loss_jit = jax.jit(loss_of)
+    # Fixed positions for the held-out windows, so successive measurements compare the same thing.
+    held_batches = [
+        batch_of(np.array([train_ids.shape[0] + i]), np.random.default_rng(10_000 + i)) for i in range(holdout)
+    ]
 
-    def check_loss(factors):
-        checked = range(min(CHECK_SEQUENCES, ids.shape[0]))
-        return float(np.mean([loss_jit(factors, rest, *rows_of(slice(i, i + 1))) for i in checked]))
+    def held_out_loss(factors):
+        return float(np.mean([held_loss_jit(factors, batch) for batch in held_batches]))
 
-    start = jax.tree.map(lambda x: x, factors)  # detached: split's State shares the model's Variables
-    rng = np.random.default_rng(options.seed)
-    batch = min(options.batch, ids.shape[0])
+    best = (held_out_loss(factors), 0, jax.tree.map(lambda x: x, factors)) if holdout else None
+    batch = min(options.batch, train_ids.shape[0])
     bar = tqdm(range(options.steps), desc="distilling factors", disable=not progress, unit="step")
     for done in bar:
-        factors, state, loss = step(factors, state, rest, rows_of(rng.choice(ids.shape[0], batch, replace=False)))
-        bar.set_postfix(loss=f"{float(loss):.4f}")
+        rows = rng.choice(train_ids.shape[0], batch, replace=False)
+        factors, state, loss = step(factors, state, batch_of(rows, rng))
+        if holdout and ((done + 1) % options.eval_every == 0 or done + 1 == options.steps):
+            held = held_out_loss(factors)
+            if held < best[0]:
+                best = (held, done + 1, jax.tree.map(lambda x: x, factors))
+            bar.set_postfix(loss=f"{float(loss):.4f}", held_out=f"{held:.4f}", best_step=best[1])
+        else:
+            bar.set_postfix(loss=f"{float(loss):.4f}")
         if on_step is not None:
             nnx.update(model, factors)
             on_step(done + 1, model)
-    nnx.update(model, factors if check_loss(factors) < check_loss(start) else start)
+    nnx.update(model, best[2] if holdout else factors)
 
 
-@functools.partial(nnx.jit)
-def _final_hidden_jit(model, ids):
-    return final_hidden(model, ids)
+def _kl_loss(table, cap, options):
+    """The "kl" loss of (student hidden [B, T, hidden], student head, teacher hidden [B, T, hidden],
+    positions [B, P], _)."""
+
+    def loss(hidden, head, targets, positions, _):
+        rows = jnp.arange(hidden.shape[0])[:, None]
+        student = hidden[rows, positions].reshape(-1, hidden.shape[-1])
+        teacher = jnp.asarray(targets)[rows, positions].reshape(-1, hidden.shape[-1])
+        return jnp.mean(vocab_kl(student, teacher, table, cap, options.vocab_chunk, head))
+
+    return loss
 
 
-def _unembedding(model) -> jax.Array:
-    """E [V, hidden] float32: the LM head's rows, or the token embedding when they are tied."""
-    table = model.embed_tokens.embedding[...] if model.lm_head is None else model.lm_head.kernel[...].T
-    return jnp.asarray(table, jnp.float32)
+def _top_k_loss(targets, table, cap, options):
+    """The "topk" loss of (student hidden, None, teacher hidden, _, teacher top-k (logits, ids) [B, T, k]), and the
+    teacher's top-k logits and ids of every window, computed one window at a time (full logits are B·T·V)."""
+    gram = logit_gram(table)
+    energy = float(np.mean(np.einsum("bth,hg,btg->bt", targets, np.asarray(gram), targets)))
+    k = min(options.top_k, table.shape[0])
+    teacher = np.zeros((targets.shape[0], 0), np.float32)
+    if k:
+        top = [_top_logits(jnp.asarray(window), table, cap, k) for window in targets]
+        teacher = tuple(np.stack([np.asarray(pair[part]) for pair in top]) for part in (0, 1))
 
+    def loss(hidden, head, batch_targets, _, batch_teacher):
+        if head is not None:
+            raise ValueError(
+                'loss: "topk" compares hidden states through the teacher\'s head; use "kl" for a factored head'
+            )
+        diff = hidden - batch_targets
+        value = jnp.mean(jnp.einsum("bth,hg,btg->bt", diff, gram, diff)) / energy
+        if k:
+            teacher_logits, token_ids = batch_teacher
+            student_logits = soft_cap(jnp.einsum("bth,btkh->btk", hidden, table[token_ids]), cap)
+            value = value + jnp.mean(top_k_kl(student_logits, teacher_logits))
+        return value
 
-def _capped(logits, cap):
-    return logits if cap is None else jnp.tanh(logits / cap) * cap
+    return loss, teacher
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _top_logits(hidden, table, cap, k):
     """The k largest logits [T, k] of hidden [T, hidden] and their token ids [T, k]."""
-    return jax.lax.top_k(_capped(hidden @ table.T, cap), k)
+    return jax.lax.top_k(soft_cap(hidden @ table.T, cap), k)
+
+
+@functools.partial(nnx.jit)
+def _final_hidden_jit(model, ids):
+    return final_hidden(model, ids)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -17,13 +18,15 @@ from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECT
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.nn.nnx import SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
 # Public-domain English text shipped for calibration and for held-out evaluation (jax_neuronmm/data/SOURCES.txt).
 _DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CALIBRATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch01-12.txt")
 EVALUATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch50-61.txt")
-INCLUDE_CHOICES = ("mlp", "attention")
+# "head": the LM head (for tied embeddings, a factored copy; the embedding lookup stays exact).
+INCLUDE_CHOICES = ("mlp", "attention", "head")
 METHODS = ("svd", "whitened")
 # Recovery steps, in the order they run (allocate before factoring, distill after).
 STEPS = ("allocate", "sequential", "refit", "local", "distill")
@@ -153,7 +156,8 @@ def compress_model(
 
     keep: fraction of each projection's parameters kept (rank from `block_aligned_rank(K, N, keep, block)`; with
     the "allocate" step, of all compressed projections' parameters together); rank: instead of keep, one rank for
-    every projection, or "full" (min(K, N): reproduces the dense model). include: "mlp" and/or "attention".
+    every projection, or "full" (min(K, N): reproduces the dense model). include: "mlp", "attention" and/or
+    "head" (the LM head, factored by `factor_head` after the layers; a tied embedding's lookup stays exact).
 
     method: "svd" (plain truncation) or "whitened" (SVD-LLM whitening with activations on calibration_ids [B, T],
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
@@ -207,14 +211,57 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
         refit="refit" in steps,
         local=(local or local_finetune.LocalFinetuneOptions()) if "local" in steps else None,
     )
-    sequential.compress_layers(
-        model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation, progress=progress
-    )
+    if set(include) - {"head"}:
+        sequential.compress_layers(
+            model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation, progress=progress
+        )
+    if "head" in include:
+        factor_head(model, head_rank(dense, keep, rank, block), method, calibration_ids)
     if "distill" in steps:
         distillation.distill_factors(
             model, dense, distill_ids, distill or distillation.DistillOptions(), progress=progress
         )
     return model
+
+
+def head_rank(model: CausalLM, keep, rank, block) -> int:
+    """The LM head's rank: block_aligned_rank of [hidden, vocab] at keep, or `rank` ("full": hidden)."""
+    width, vocab = model.config.hidden_size, model.config.vocab_size
+    if rank is None:
+        return svd.block_aligned_rank(width, vocab, keep, block)
+    return min(width, vocab) if rank == "full" else rank
+
+
+def factor_head(model: CausalLM, rank: int, method: str, calibration_ids) -> None:
+    """Replaces model's LM head (the tied embedding's transpose when there is none) by an `SVDLinear` of `rank`.
+
+    method "whitened" whitens by the final normed hidden states of `model` (its layers as they are now, so after
+    layer compression the head sees what the compressed layers produce) on calibration_ids; "svd" truncates plainly.
+    The token embedding is left as it is: with tied embeddings, the lookup stays exact and only the head is factored.
+    """
+    table = distillation.unembedding(model)  # [V, hidden]
+    if method == "whitened":
+        hidden = np.concatenate(
+            [
+                np.asarray(distillation.final_hidden(model, calibration_ids[i : i + 1]), np.float32)
+                for i in range(len(calibration_ids))
+            ]
+        ).reshape(-1, table.shape[1])
+        u, v = svd.whitened_svd(np.asarray(table).T, hidden, rank)
+    else:
+        u, v = svd.truncated_svd(np.asarray(table).T, rank)
+    dtype = model.embed_tokens.embedding[...].dtype
+    model.lm_head = SVDLinear(
+        table.shape[1],
+        table.shape[0],
+        rank,
+        use_bias=False,
+        dtype=model.dtype,
+        param_dtype=dtype,
+        u_init=lambda *_: jnp.asarray(u, dtype),  # the factors as given: nothing drawn at random
+        v_init=lambda *_: jnp.asarray(v, dtype),
+        rngs=nnx.Rngs(0),
+    )
 
 
 def fused_mlp_activation(mlp: GatedMLP):

@@ -1,0 +1,131 @@
+"""How close a compressed model stays to its dense original, beyond perplexity: next-token agreement under teacher
+forcing, how long greedy continuations stay identical, and a LAMBADA-style cloze task built from any text.
+
+Perplexity can look fine while generations drift; these measure the drift directly. Each takes models with the
+CausalLM call (token ids [B, T] → logits [B, T, V]) and runs on JAX's default device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_neuronmm.models.generation import generate
+
+
+@dataclasses.dataclass(frozen=True)
+class Predictions:
+    """A model's teacher-forced next-token predictions on windows [B, T]: log_likelihood [B, T-1] (float64) of each
+    actual next token, and top1 [B, T-1] (the argmax token at each position)."""
+
+    log_likelihood: np.ndarray
+    top1: np.ndarray
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(-float(np.mean(self.log_likelihood)))
+
+
+def predictions(model, windows) -> Predictions:
+    """Teacher-forced predictions of `model` on windows [B, T] int token ids, one window at a time."""
+    windows = np.asarray(windows)
+    if windows.ndim != 2 or windows.shape[1] < 2:
+        raise ValueError(f"windows: got shape {windows.shape}, expected token ids [B, T] with T >= 2")
+    parts = [_window_predictions(model, jnp.asarray(windows[i : i + 1], jnp.int32)) for i in range(len(windows))]
+    return Predictions(
+        np.concatenate([np.asarray(p[0], np.float64) for p in parts]), np.concatenate([np.asarray(p[1]) for p in parts])
+    )
+
+
+@nnx.jit
+def _window_predictions(model, ids):
+    logp = jax.nn.log_softmax(model(ids[:, :-1]).astype(jnp.float32), axis=-1)
+    return jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1)
+
+
+def top1_agreement(model_predictions: Predictions, reference: Predictions) -> float:
+    """Fraction of positions where both predict the same next token."""
+    return float(np.mean(model_predictions.top1 == reference.top1))
+
+
+def greedy_continuations(model, prompts, max_new_tokens: int) -> np.ndarray:
+    """Greedy continuations [B, max_new_tokens] of prompts [B, T] (models.generate, temperature 0, no end token)."""
+    prompts = np.asarray(prompts)
+    return np.asarray(generate(model, prompts, max_new_tokens))[:, prompts.shape[1] :]
+
+
+def tokens_until_divergence(continuations, reference) -> np.ndarray:
+    """Per row of two continuations [B, n]: how many tokens agree before the first that differs (n if none)."""
+    continuations, reference = np.asarray(continuations), np.asarray(reference)
+    if continuations.shape != reference.shape:
+        raise ValueError(f"continuations: got shape {continuations.shape}, expected the reference's {reference.shape}")
+    differs = continuations != reference
+    return np.where(differs.any(axis=1), differs.argmax(axis=1), continuations.shape[1])
+
+
+@dataclasses.dataclass(frozen=True)
+class ClozeItem:
+    """context [context_tokens] token ids, then the target word's token ids (the word with its leading space)."""
+
+    context: np.ndarray
+    target: np.ndarray
+    word: str
+
+
+# A sentence ends at . ! or ? (with closing quotes) followed by white space.
+_SENTENCE_END = re.compile(r"[.!?][\"'”’]*\s")
+_LAST_WORD = re.compile(r"([A-Za-z]{4,})[\"'”’]*[.!?][\"'”’]*$")
+
+
+def cloze_items(
+    text: str, encode: Callable[[str], Sequence[int]], count: int, context_tokens: int = 128
+) -> list[ClozeItem]:
+    """LAMBADA-style items from `text`: predict the last word of a sentence from what precedes it.
+
+    A sentence qualifies when its last word has at least 4 letters, appears in the ~context_tokens of text before
+    the sentence (so the context makes it guessable) but not earlier in the sentence itself, and the tokenizer's
+    tokens of the text up to the word are a prefix of those up to the word's end (the word is whole tokens). Items
+    are the first `count` qualifying sentences, in text order, each with exactly context_tokens tokens of context
+    (earlier text is cut off); sentences with less context before them are skipped.
+    """
+    items = []
+    start = 0
+    for match in _SENTENCE_END.finditer(text):
+        sentence_start, end = start, match.end()
+        start = end
+        sentence = text[sentence_start:end].strip()
+        found = _LAST_WORD.search(sentence)
+        if found is None:
+            continue
+        word = found.group(1)
+        word_start = sentence_start + text[sentence_start:end].rfind(word)
+        before_sentence = text[max(0, sentence_start - 6 * context_tokens) : sentence_start]
+        in_sentence = text[sentence_start:word_start]
+        if not re.search(rf"\b{word}\b", before_sentence) or re.search(rf"\b{word}\b", in_sentence):
+            continue
+        prefix = list(encode(text[:word_start].rstrip(" ")))
+        full = list(encode(text[: word_start + len(word)]))
+        if full[: len(prefix)] != prefix or len(full) == len(prefix) or len(prefix) < context_tokens:
+            continue
+        items.append(ClozeItem(np.asarray(prefix[-context_tokens:]), np.asarray(full[len(prefix) :]), word))
+        if len(items) == count:
+            break
+    return items
+
+
+def cloze_correct(model, items: Sequence[ClozeItem], bos_id: int | None) -> np.ndarray:
+    """Per item, whether the model's argmax predicts every token of the target word given the context and the
+    word's earlier tokens (teacher forcing); bos_id, when given, is put before each context."""
+    correct = np.zeros(len(items), bool)
+    for index, item in enumerate(items):  # windows of one width (targets of one length) share a compilation
+        row = np.concatenate([[] if bos_id is None else [bos_id], item.context, item.target]).astype(np.int32)
+        top1 = np.asarray(_window_predictions(model, jnp.asarray(row[None]))[1])[0]
+        correct[index] = bool(np.all(top1[-len(item.target) :] == item.target))
+    return correct

@@ -1,0 +1,120 @@
+"""Distillation losses against float64 references, and what training with them does on a small model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_neuronmm.compress.distill import DistillOptions, distill_factors, top_k_kl, unembedding, vocab_kl
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.models.compression import compress_model
+
+
+def _log_softmax64(logits):
+    top = logits.max(-1, keepdims=True)
+    return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+
+def _logits64(hidden, table, cap):
+    logits = hidden.astype(np.float64) @ table.astype(np.float64).T
+    return logits if cap is None else np.tanh(logits / cap) * cap
+
+
+def _kl64(student_logits, teacher_logits):
+    log_p, log_q = _log_softmax64(teacher_logits), _log_softmax64(student_logits)
+    return np.sum(np.exp(log_p) * (log_p - log_q), -1)
+
+
+@pytest.mark.parametrize("n,vocab,chunk,cap", [(1, 7, 16, None), (5, 1003, 128, None), (13, 1000, 333, 3.0)])
+def test_vocab_kl_matches_float64(n, vocab, chunk, cap):
+    rng = np.random.default_rng(n + vocab)
+    student, teacher = (rng.standard_normal((n, 9)).astype(np.float32) for _ in range(2))
+    table = (rng.standard_normal((vocab, 9)) * 1.5).astype(np.float32)
+    expected = _kl64(_logits64(student, table, cap), _logits64(teacher, table, cap))
+    got = vocab_kl(jnp.asarray(student), jnp.asarray(teacher), jnp.asarray(table), cap, chunk)
+    np.testing.assert_allclose(np.asarray(got), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_vocab_kl_gradient_is_the_probability_difference():
+    rng = np.random.default_rng(1)
+    student, teacher = (rng.standard_normal((6, 5)).astype(np.float32) for _ in range(2))
+    table = rng.standard_normal((301, 5)).astype(np.float32)
+    grad = jax.grad(lambda s: vocab_kl(s, jnp.asarray(teacher), jnp.asarray(table), None, 64).sum())(student)
+    # d KL / d student logits = q - p, so d / d student hidden = (q - p)·E.
+    q = np.exp(_log_softmax64(_logits64(student, table, None)))
+    p = np.exp(_log_softmax64(_logits64(teacher, table, None)))
+    np.testing.assert_allclose(np.asarray(grad), (q - p) @ table.astype(np.float64), rtol=1e-4, atol=1e-5)
+
+
+def test_top_k_kl_matches_float64():
+    rng = np.random.default_rng(2)
+    student, teacher = rng.standard_normal((2, 3, 7)) * 4, rng.standard_normal((2, 3, 7)) * 4
+    got = top_k_kl(jnp.asarray(student, jnp.float32), jnp.asarray(teacher, jnp.float32))
+    np.testing.assert_allclose(np.asarray(got), _kl64(student, teacher), rtol=1e-4, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = from_preset("gemma3", "tiny", num_layers=2, vocab_size=300)
+    return model, np.random.default_rng(5).integers(0, 300, (24, 33))
+
+
+def _full_kl64(student_model, teacher_model, ids):
+    """Mean next-token KL (float64) from the teacher's to the student's distribution at every position."""
+    student = np.asarray(student_model(jnp.asarray(ids)), np.float64)
+    teacher = np.asarray(teacher_model(jnp.asarray(ids)), np.float64)
+    return float(np.mean(_kl64(student, teacher)))
+
+
+@pytest.mark.parametrize("loss", ["kl", "topk"])
+def test_distill_lowers_the_full_vocabulary_kl(tiny, loss):
+    model, ids = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    before = _full_kl64(compressed, model, ids[:8])
+    options = DistillOptions(steps=40, batch=4, learning_rate=3e-3, warmup=5, loss=loss, positions=11, top_k=7)
+    distill_factors(compressed, model, ids, options, progress=False)
+    after = _full_kl64(compressed, model, ids[:8])
+    assert after < 0.7 * before, (before, after)
+
+
+def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
+    model, ids = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    held = ids[-4:]
+    seen = []
+    distill_factors(
+        compressed,
+        model,
+        ids,
+        DistillOptions(steps=12, batch=2, learning_rate=3e-3, warmup=0, eval_every=4, holdout=4, positions=0),
+        progress=False,
+        on_step=lambda done, m: seen.append(_full_kl64(m, model, held)),
+    )
+    # With every position sampled, the held-out loss is the full KL on the held-out windows (float32): the kept
+    # factors are those of the best of steps 0, 4, 8 and 12.
+    start = _full_kl64(compress_model(model, 0.5, method="svd", block=8, progress=False), model, held)
+    best = min([start] + [seen[i - 1] for i in (4, 8, 12)])
+    np.testing.assert_allclose(_full_kl64(compressed, model, held), best, rtol=1e-3)
+
+
+def test_unembedding_is_the_tied_embedding_or_the_head():
+    tied = from_preset("gemma3", "tiny", num_layers=1, vocab_size=50)
+    np.testing.assert_array_equal(np.asarray(unembedding(tied)), np.asarray(tied.embed_tokens.embedding[...]))
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("loss", "mse", r"loss: got 'mse', expected one of \('kl', 'topk'\)"),
+        ("learning_rate", float("inf"), "learning_rate: got inf, expected a finite number"),
+        ("learning_rate", float("nan"), "learning_rate: got nan, expected a finite number"),
+        ("learning_rate", 0.0, "learning_rate: got 0.0, expected a positive number"),
+        ("clip_norm", -1.0, "clip_norm: got -1.0, expected a non-negative number"),
+        ("positions", -3, "positions: got -3, expected a non-negative int"),
+        ("vocab_chunk", 0, "vocab_chunk: got 0, expected a positive int"),
+        ("steps", 2.5, "steps: got 2.5, expected a positive int"),
+    ],
+)
+def test_distill_options_are_checked(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DistillOptions(**{field: value})
