@@ -147,25 +147,25 @@ def vocab_kl(student_hidden, teacher_hidden, table, cap: float | None, chunk: in
     chunk = min(chunk, vocab)
     count = -(-vocab // chunk)
     padding = count * chunk - vocab
-    rows = jnp.pad(table, ((0, padding), (0, 0))).reshape(count, chunk, width)
+    rows = (jnp.pad(table, ((0, padding), (0, 0))) if padding else table).reshape(count, chunk, width)
     valid = (jnp.arange(count * chunk) < vocab).reshape(count, chunk)
     teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
     if student_head is None:
-        student_in, student_columns = student_hidden, jnp.swapaxes(rows, 1, 2)  # [count, hidden, chunk]
+        student_in, student_rows = student_hidden, rows  # the student's logits are hidden·Eᵀ, like the teacher's
     else:
-        u, v = student_head
+        u, v = student_head  # the student's logits are (hidden·u)·v: v's columns are the head's rows
         student_in = student_hidden @ u
-        student_columns = jnp.pad(v, ((0, 0), (0, padding))).reshape(v.shape[0], count, chunk).swapaxes(0, 1)
+        student_rows = (jnp.pad(v, ((0, 0), (0, padding))) if padding else v).T.reshape(count, chunk, v.shape[0])
 
     def one_chunk(_, chunk_operands):
-        chunk_rows, chunk_columns, chunk_valid = chunk_operands
+        chunk_rows, chunk_student_rows, chunk_valid = chunk_operands
         t = jnp.where(chunk_valid, soft_cap(teacher_hidden @ chunk_rows.T, cap), _PADDED_LOGIT)
-        s = jnp.where(chunk_valid, soft_cap(student_in @ chunk_columns, cap), _PADDED_LOGIT)
+        s = jnp.where(chunk_valid, soft_cap(student_in @ chunk_student_rows.T, cap), _PADDED_LOGIT)
         t_norm = jax.nn.logsumexp(t, axis=-1)
         weighted = jnp.sum(jnp.exp(t - t_norm[:, None]) * (t - s), axis=-1)
         return None, (t_norm, jax.nn.logsumexp(s, axis=-1), weighted)
 
-    _, (t_norms, s_norms, weighted) = jax.lax.scan(one_chunk, None, (rows, student_columns, valid))
+    _, (t_norms, s_norms, weighted) = jax.lax.scan(one_chunk, None, (rows, student_rows, valid))
     t_norm = jax.nn.logsumexp(t_norms, axis=0)
     return jnp.sum(jnp.exp(t_norms - t_norm) * weighted, axis=0) - t_norm + jax.nn.logsumexp(s_norms, axis=0)
 
@@ -198,7 +198,7 @@ def distill_factors(
     cap = getattr(dense.config, "final_logit_softcapping", None)
     targets = np.concatenate([np.asarray(_final_hidden_jit(dense, ids[i : i + 1])) for i in range(ids.shape[0])])
     if options.loss == "kl":
-        loss_fn, teacher = _kl_loss(table, cap, options), np.zeros((ids.shape[0], 0), np.float32)
+        loss_fn, teacher = _kl_loss(cap, options), np.zeros((ids.shape[0], 0), np.float32)
     else:
         loss_fn, teacher = _top_k_loss(targets, table, cap, options)
     graphdef, factors, rest = nnx.split(model, is_factor, ...)
@@ -218,13 +218,14 @@ def distill_factors(
         positions = np.stack([np.sort(seed_rng.choice(window, sampled, replace=False)) for _ in rows])
         return ids[rows], targets[rows], positions.astype(np.int32), jax.tree.map(lambda a: a[rows], teacher)
 
-    def loss_of(factors, batch):
+    # The model's other weights and the unembedding are arguments, not constants baked into the compiled steps.
+    def loss_of(factors, rest, table, batch):
         student = nnx.merge(graphdef, factors, rest)
-        return loss_fn(final_hidden(student, batch[0]), factored_head(student), *batch[1:])
+        return loss_fn(final_hidden(student, batch[0]), factored_head(student), table, *batch[1:])
 
     @jax.jit
-    def step(factors, state, batch):
-        loss, grads = jax.value_and_grad(loss_of)(factors, batch)
+    def step(factors, state, rest, table, batch):
+        loss, grads = jax.value_and_grad(loss_of)(factors, rest, table, batch)
         updates, state = optimizer.update(grads, state, factors)
         return optax.apply_updates(factors, updates), state, loss
 
@@ -235,14 +236,14 @@ def distill_factors(
     ]
 
     def held_out_loss(factors):
-        return float(np.mean([held_loss_jit(factors, batch) for batch in held_batches]))
+        return float(np.mean([held_loss_jit(factors, rest, table, batch) for batch in held_batches]))
 
     best = (held_out_loss(factors), 0, jax.tree.map(lambda x: x, factors)) if holdout else None
     batch = min(options.batch, train_ids.shape[0])
     bar = tqdm(range(options.steps), desc="distilling factors", disable=not progress, unit="step")
     for done in bar:
         rows = rng.choice(train_ids.shape[0], batch, replace=False)
-        factors, state, loss = step(factors, state, batch_of(rows, rng))
+        factors, state, loss = step(factors, state, rest, table, batch_of(rows, rng))
         if holdout and ((done + 1) % options.eval_every == 0 or done + 1 == options.steps):
             held = held_out_loss(factors)
             if held < best[0]:
@@ -256,11 +257,11 @@ def distill_factors(
     nnx.update(model, best[2] if holdout else factors)
 
 
-def _kl_loss(table, cap, options):
-    """The "kl" loss of (student hidden [B, T, hidden], student head, teacher hidden [B, T, hidden],
+def _kl_loss(cap, options):
+    """The "kl" loss of (student hidden [B, T, hidden], student head, unembedding, teacher hidden [B, T, hidden],
     positions [B, P], _)."""
 
-    def loss(hidden, head, targets, positions, _):
+    def loss(hidden, head, table, targets, positions, _):
         rows = jnp.arange(hidden.shape[0])[:, None]
         student = hidden[rows, positions].reshape(-1, hidden.shape[-1])
         teacher = jnp.asarray(targets)[rows, positions].reshape(-1, hidden.shape[-1])
@@ -270,7 +271,8 @@ def _kl_loss(table, cap, options):
 
 
 def _top_k_loss(targets, table, cap, options):
-    """The "topk" loss of (student hidden, None, teacher hidden, _, teacher top-k (logits, ids) [B, T, k]), and the
+    """The "topk" loss of (student hidden, None, unembedding, teacher hidden, _, teacher top-k (logits, ids)
+    [B, T, k]), and the
     teacher's top-k logits and ids of every window, computed one window at a time (full logits are B·T·V)."""
     gram = logit_gram(table)
     energy = float(np.mean(np.einsum("bth,hg,btg->bt", targets, np.asarray(gram), targets)))
@@ -280,7 +282,7 @@ def _top_k_loss(targets, table, cap, options):
         top = [_top_logits(jnp.asarray(window), table, cap, k) for window in targets]
         teacher = tuple(np.stack([np.asarray(pair[part]) for pair in top]) for part in (0, 1))
 
-    def loss(hidden, head, batch_targets, _, batch_teacher):
+    def loss(hidden, head, table, batch_targets, _, batch_teacher):
         if head is not None:
             raise ValueError(
                 'loss: "topk" compares hidden states through the teacher\'s head; use "kl" for a factored head'
