@@ -168,6 +168,35 @@ def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
         load_compressed_checkpoint(tmp_path / "out")
 
 
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("config.json", lambda c: {**c, "rope_theta": c.get("rope_theta", 10000.0) * 2}),
+        ("config.json", lambda c: {**c, "rms_norm_eps": 0.5}),
+        ("tokenizer.json", None),
+    ],
+    ids=["rope_theta", "rms_norm_eps", "tokenizer"],
+)
+def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
+    # An edited config.json used to load silently, with different logits.
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    file = tmp_path / "out" / name
+    good = file.read_bytes()
+    if edit is None:
+        file.write_bytes(good.replace(b"w3", b"w9", 1))
+        assert file.read_bytes() != good
+    else:
+        file.write_text(json.dumps(edit(json.loads(good))))
+    with pytest.raises(CheckpointError, match=rf"{file}: checksum mismatch: the file differs"):
+        load_compressed_checkpoint(tmp_path / "out")
+    file.write_bytes(good)
+    load_compressed_checkpoint(tmp_path / "out")
+    os.remove(file)
+    with pytest.raises((CheckpointError, FileNotFoundError), match=rf"{file}|has no {name}"):
+        load_compressed_checkpoint(tmp_path / "out")
+
+
 @pytest.mark.parametrize("loader", ["load_hf", "load_compressed_checkpoint"])
 def test_loader_errors_name_the_file(rng, tmp_path, loader):
     write_hf_checkpoint(rng, tmp_path / "hf")
