@@ -155,6 +155,30 @@ def test_output_never_replaces_a_users_file(rng, tmp_path):
         compress_checkpoint(tmp_path / "hf", tmp_path / "other", keep=0.5, rank=4)
 
 
+def test_output_dir_is_checked_before_compressing(rng, tmp_path, monkeypatch):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    (tmp_path / "a_file").write_text("the user's")
+    loaded = []
+    monkeypatch.setattr("jax_neuronmm.models.compressed_loading.load_hf", lambda *a, **k: loaded.append(a))
+    for out, error, match in (
+        ("", ValueError, "out_dir: got an empty path"),
+        (tmp_path / "a_file", NotADirectoryError, "a_file' is a file, expected a directory"),
+        (tmp_path / "a_file" / "sub" / "out", NotADirectoryError, "a_file' is a file, expected a directory"),
+    ):
+        with pytest.raises(error, match=match):
+            compress_checkpoint(tmp_path / "hf", out, rank=8)
+    # A directory that refuses new files (as root, permission bits do not: make the probe fail instead).
+    monkeypatch.setattr(
+        "jax_neuronmm.models.compressed_loading.tempfile.TemporaryFile",
+        lambda dir: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+    )
+    with pytest.raises(
+        PermissionError, match=r"out_dir: '.*new/out': cannot create files in '.*' \(Permission denied\)"
+    ):
+        compress_checkpoint(tmp_path / "hf", tmp_path / "new" / "out", rank=8)
+    assert loaded == [] and sorted(os.listdir(tmp_path)) == ["a_file", "hf"]
+
+
 def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)

@@ -577,6 +577,17 @@ def test_dtype_must_be_a_float_type(llama_file, dtype):
         load_gguf(llama_file, dtype=dtype)
 
 
+def test_load_checkpoint_opens_gguf_files(llama_file):
+    from jax_neuronmm.models import load_checkpoint
+
+    ids = np.random.default_rng(9).integers(0, 300, size=(1, 7))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(load_checkpoint(llama_file), ids)), np.asarray(_logits(load_gguf(llama_file), ids))
+    )
+    with pytest.raises(FileNotFoundError, match="does not exist .*expected a GGUF file, a compressed checkpoint"):
+        load_checkpoint(llama_file + ".absent")
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a file"):
         load_gguf(str(tmp_path / "absent.gguf"))

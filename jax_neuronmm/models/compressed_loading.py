@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -36,6 +37,7 @@ from jax_neuronmm.compress.checkpoint import (
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation, resolve_pipeline
 from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.gguf_loading import load_gguf
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
@@ -77,18 +79,15 @@ def compress_checkpoint(
     factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
-    Nothing the user has is replaced: before anything is read or written, raises FileExistsError naming the
-    directory when out_dir is src_dir or already holds a file the output would write (model.safetensors,
-    compression_report.json, the copied config / tokenizer files).
+    Nothing the user has is replaced, and the output is checked before anything is compressed: see
+    `check_output_dir` for the errors.
     """
     src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
     if keep is not None and rank is not None:
         raise ValueError(f"keep, rank: got keep={keep!r} and rank={rank!r}, expected at most one")
     if keep is None and rank is None:
         keep = DEFAULT_KEEP
-    read_config(src_dir)  # a missing source fails before out_dir is looked at
-    copied = [name for name in COPIED_FILES if os.path.isfile(os.path.join(src_dir, name))]
-    _check_output_dir(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
+    copied = check_output_dir(src_dir, out_dir)
     # Read once: the copies are these bytes, and their checksums go into model.safetensors.
     contents = {}
     for name in copied:
@@ -151,7 +150,44 @@ def _write_json(path: str, value) -> None:
         json.dump(value, f, indent=1)
 
 
-def _check_output_dir(src_dir: str, out_dir: str, outputs: list[str]) -> None:
+def check_output_dir(src_dir, out_dir) -> list[str]:
+    """Checks that `compress_checkpoint(src_dir, out_dir)` can write its output; returns the names it would copy.
+
+    Raises FileNotFoundError / ValueError (read_config's) for a missing or malformed source config.json; ValueError
+    for an empty out_dir; NotADirectoryError when out_dir, or a folder above it, is a file; FileExistsError naming
+    the directory when out_dir is src_dir or already holds a file the output would write (model.safetensors,
+    compression_report.json, the copied config / tokenizer files); PermissionError when out_dir (or, when it does
+    not exist yet, the nearest folder above it) does not let this process create files. Writes nothing.
+    """
+    src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
+    read_config(src_dir)  # a missing source fails before out_dir is looked at
+    if not out_dir:
+        raise ValueError("out_dir: got an empty path, expected a directory to write the compressed checkpoint into")
+    copied = [name for name in COPIED_FILES if os.path.isfile(os.path.join(src_dir, name))]
+    existing = os.path.abspath(out_dir)
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise NotADirectoryError(f"out_dir: {out_dir!r}: {existing!r} is a file, expected a directory")
+        existing = os.path.dirname(existing)
+    _check_output_files(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
+    _check_writable(existing, out_dir)
+    return copied
+
+
+def _check_writable(directory: str, out_dir: str) -> None:
+    """PermissionError unless a file can be created in `directory` (tried: permission bits do not tell for root,
+    ACLs or read-only mounts)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"out_dir: {out_dir!r}: cannot create files in {directory!r} ({error.strerror or error}); "
+            "choose a writable directory (nothing was written)"
+        ) from error
+
+
+def _check_output_files(src_dir: str, out_dir: str, outputs: list[str]) -> None:
     if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
         raise FileExistsError(
             f"out_dir: {out_dir!r} is the source checkpoint directory; writing there would replace "
@@ -202,7 +238,17 @@ def is_compressed_checkpoint(path) -> bool:
 
 
 def load_checkpoint(path, dtype=jnp.float32) -> CausalLM:
-    """`load_compressed_checkpoint(path)` when `path` is a compressed checkpoint directory, else `load_hf(path)`."""
+    """The model at `path`: a GGUF file (`load_gguf`), a compressed checkpoint directory
+    (`load_compressed_checkpoint`) or a Hugging Face checkpoint directory (`load_hf`), in `dtype`. Raises
+    FileNotFoundError when nothing is at `path`, and the loader's errors otherwise."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return load_gguf(path, dtype=dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"path: {path!r} does not exist (expected a GGUF file, a compressed checkpoint directory or a Hugging "
+            "Face checkpoint directory)"
+        )
     if is_compressed_checkpoint(path):
         return load_compressed_checkpoint(path, dtype=dtype)
     return load_hf(os.fspath(path), dtype=dtype)
