@@ -512,6 +512,7 @@ def test_declared_counts_must_match_the_tensors(tmp_path, overrides, match):
     "overrides, match",
     [
         ({"attention.head_count": (0, V.UINT32)}, r"head_count' is 0, expected an integer >= 1"),
+        ({"attention.head_count": (float("nan"), V.FLOAT32)}, r"head_count' is nan, expected an integer >= 1"),
         ({"attention.head_count": ("4", V.STRING)}, r"head_count' is '4', expected an integer >= 1"),
         ({"embedding_length": (256.5, V.FLOAT32)}, r"embedding_length' is 256\.5, expected an integer >= 1"),
         # Head counts that do not fit the file's q / k rows (4 and 2 heads of 64).

@@ -182,20 +182,15 @@ class _Metadata:
         value = self.arch(key, default, required)
         if value is None:
             return None
-        if (
-            isinstance(value, (bool, str, list))
-            or not isinstance(value, (int, float, np.number))
-            or value != int(value)
-        ):
-            raise ValueError(f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected an integer >= 1")
-        if value < 1:
+        is_number = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
+        if not is_number or not math.isfinite(value) or value != int(value) or value < 1:
             raise ValueError(f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected an integer >= 1")
         return int(value)
 
     def arch_positive(self, key: str, default=None, required: bool = False) -> float:
         """The field `{architecture}.{key}` as a finite number > 0."""
         value = self.arch(key, default, required)
-        if isinstance(value, (bool, str, list)) or not isinstance(value, (int, float, np.number)):
+        if not isinstance(value, (int, float, np.number)) or isinstance(value, (bool, np.bool_)):
             raise ValueError(f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected a number > 0")
         if not (math.isfinite(value) and value > 0):
             raise ValueError(
