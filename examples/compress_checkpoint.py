@@ -17,7 +17,7 @@ and its first
 first --distill_windows windows).
 
 Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
-examples/generate.py --checkpoint_dir OUT:
+examples/generate.py --checkpoint OUT:
 
     from jax_neuronmm.models import generate, load_compressed_checkpoint
     model = load_compressed_checkpoint("/tmp/llama-svd")   # dtype=jnp.bfloat16 for bf16 parameters
@@ -77,11 +77,24 @@ flags.register_validator(
 FLAGS = flags.FLAGS
 
 
+def read_text(path: str) -> str:
+    """The UTF-8 text of --calibration_text, or a usage error saying why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as error:
+        raise app.UsageError(f"--calibration_text {path}: not UTF-8 text ({error})") from error
+    except OSError as error:  # missing, a directory, unreadable
+        raise app.UsageError(f"--calibration_text {path}: cannot read it ({error.strerror or error})") from error
+
+
 def calibration_ids(checkpoint_dir: str, text_path: str, windows: int, tokens: int) -> np.ndarray:
     """Token ids [W, tokens] (W <= windows) of the text, with the checkpoint's tokenizer or as UTF-8 bytes."""
-    with open(text_path, encoding="utf-8") as f:
-        text = f.read()
-    tokenizer = models.load_tokenizer(checkpoint_dir)
+    text = read_text(text_path)
+    try:
+        tokenizer = models.load_tokenizer(checkpoint_dir)
+    except (OSError, ValueError) as error:  # a malformed tokenizer.json names the file
+        raise app.UsageError(f"--checkpoint_dir {checkpoint_dir}: {error}") from error
     ids = (
         np.array(tokenizer.encode(text).ids)
         if tokenizer is not None
@@ -101,6 +114,11 @@ def main(argv):
         raise app.UsageError("give --keep or --rank, not both")
     if FLAGS.steps is not None and FLAGS.method != "whitened":
         raise app.UsageError("--steps needs --method whitened (--method recommended picks its own steps)")
+    # Source and output first: a bad --checkpoint_dir / --output_dir fails before any text is read or any compressing.
+    try:
+        models.compressed_loading.check_output_dir(FLAGS.checkpoint_dir, FLAGS.output_dir)
+    except (OSError, ValueError) as error:  # missing / malformed config.json; output empty, a file, taken, read-only
+        raise app.UsageError(str(error)) from error
     ids = distill_ids = None
     if FLAGS.method != "svd":
         ids = calibration_ids(
@@ -129,8 +147,8 @@ def main(argv):
             block=FLAGS.block,
             dtype=jnp.dtype(FLAGS.dtype),
         )
-    except (FileExistsError, FileNotFoundError) as error:  # a refused output directory, a missing source
-        raise app.UsageError(str(error)) from error
+    except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
+        raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile
     print(report)
     print(f"wrote {FLAGS.output_dir}")
 

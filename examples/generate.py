@@ -1,16 +1,18 @@
 """Generate text with a dense or SVD-compressed Llama / Gemma, on XLA or on the NKI emulator.
 
-    python examples/generate.py --checkpoint_dir /path/to/Llama-3.2-1B --prompt "The meaning of life is" --keep 0.8
-    python examples/generate.py --checkpoint_dir /tmp/llama-svd --prompt "Hello"   # from compress_checkpoint.py
+    python examples/generate.py --checkpoint /path/to/Llama-3.2-1B --prompt "The meaning of life is" --keep 0.8
+    python examples/generate.py --checkpoint /tmp/llama-svd --prompt "Hello"   # from compress_checkpoint.py
+    python examples/generate.py --checkpoint gemma-3-270m-it-Q4_K_M.gguf --prompt "Hello"
     python examples/generate.py --model gemma3 --preset tiny --keep 0.8 --backend emulator --max_new_tokens 8
     python examples/generate.py --preset 1b --num_layers 2 --prompt_ids 1,2,3 --keep 0.8
 
---checkpoint_dir is a local Hugging Face directory (config.json, *.safetensors, tokenizer.json) or a compressed
-checkpoint directory written by examples/compress_checkpoint.py (loaded at its saved ranks; --keep then does not
-apply); without one, --preset builds a random-init model of that shape (its text is noise; its speed is real).
-Prints the continuation (text with a tokenizer, ids without), decode tokens/s, and with --backend emulator one
-row per NKI kernel with its launches and modeled Trainium latency (--profile_launches: one row per launch too),
-followed by what each column means.
+--checkpoint (alias --checkpoint_dir) is a local Hugging Face directory (config.json, *.safetensors,
+tokenizer.json), a compressed checkpoint directory written by examples/compress_checkpoint.py (loaded at its saved
+ranks; --keep then does not apply) or a llama.cpp GGUF file; without one, --preset builds a random-init model of
+that shape (its text is noise; its speed is real). Prints the continuation (text with a tokenizer, ids without), the
+model's perplexity on the prompt followed by its continuation (`models.perplexity`), decode tokens/s, and with
+--backend emulator one row per NKI kernel with its launches and modeled Trainium latency (--profile_launches: one
+row per launch too), followed by what each column means.
 """
 
 from __future__ import annotations
@@ -27,12 +29,17 @@ from jax_neuronmm import models, profiling
 from jax_neuronmm.models.validation import check_token_ids
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
-flags.DEFINE_string("checkpoint_dir", None, "local HF or compressed checkpoint directory; overrides --model/--preset")
+flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "local HF checkpoint directory, compressed checkpoint directory or GGUF file; overrides --model/--preset",
+)
+flags.DEFINE_alias("checkpoint_dir", "checkpoint")
 flags.DEFINE_enum(
     "preset",
     "tiny",
     list(models.presets.PRESETS),
-    f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}",
+    f"random-init shape when no --checkpoint, per family: {models.presets.FAMILY_PRESETS}",
 )
 flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
 flags.DEFINE_float("keep", None, "compress MLPs keeping this fraction of parameters, in (0, 1] (omit: dense)")
@@ -53,8 +60,8 @@ flags.register_validator("top_p", lambda p: p is None or 0 < p <= 1, message="--
 flags.register_validator("temperature", math.isfinite, message="--temperature must be a finite number >= 0")
 flags.register_validator(
     "prompt_ids",
-    lambda ids: ids is None or all(i.strip().isdigit() for i in ids),
-    message="--prompt_ids must be non-negative integers, comma separated",
+    lambda ids: ids is None or (bool(ids) and all(i.strip().isdigit() for i in ids)),
+    message="--prompt_ids must be one or more non-negative integers, comma separated",
 )
 flags.register_multi_flags_validator(
     ["prompt", "prompt_ids"],
@@ -64,12 +71,20 @@ flags.register_multi_flags_validator(
 FLAGS = flags.FLAGS
 
 
+def load_checkpoint(path: str, dtype):
+    """models.load_checkpoint(path), with what is wrong with the path or its files as a usage error."""
+    try:
+        return models.load_checkpoint(path, dtype=dtype)
+    except (OSError, ValueError) as error:  # missing / unreadable files; malformed or tampered ones
+        raise app.UsageError(f"--checkpoint {path}: {error}") from error
+
+
 def build_model():
     dtype = jnp.dtype(FLAGS.dtype)
-    if FLAGS.checkpoint_dir:
-        if FLAGS.keep is not None and models.is_compressed_checkpoint(FLAGS.checkpoint_dir):
-            raise app.UsageError(f"--keep: {FLAGS.checkpoint_dir} is compressed already (it loads at its saved ranks)")
-        return models.load_checkpoint(FLAGS.checkpoint_dir, dtype=dtype)
+    if FLAGS.checkpoint:
+        if FLAGS.keep is not None and models.is_compressed_checkpoint(FLAGS.checkpoint):
+            raise app.UsageError(f"--keep: {FLAGS.checkpoint} is compressed already (it loads at its saved ranks)")
+        return load_checkpoint(FLAGS.checkpoint, dtype)
     if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
         raise app.UsageError(
             f"--preset {FLAGS.preset}: family {FLAGS.model} has presets {models.presets.FAMILY_PRESETS[FLAGS.model]}"
@@ -82,7 +97,7 @@ def prompt_ids(model) -> np.ndarray:
     if FLAGS.prompt is not None:
         if model.tokenizer is None:
             raise app.UsageError(
-                "--prompt needs a tokenizer (a --checkpoint_dir with tokenizer.json); use --prompt_ids"
+                "--prompt needs a tokenizer (a --checkpoint with tokenizer.json or a GGUF vocabulary); use --prompt_ids"
             )
         return np.array([model.tokenizer.encode(FLAGS.prompt).ids])
     ids = np.array([[int(i) for i in FLAGS.prompt_ids or ["1", "2", "3", "4"]]])
@@ -130,10 +145,13 @@ def main(argv):
         seconds = time.perf_counter() - start
 
     new = out[0, ids.shape[1] :]
+    # Scored on XLA, outside the profile: how likely the model finds its own text (greedy text scores low).
+    scored = models.perplexity(model, out[:1])
     if model.tokenizer is not None:
         print("text:", model.tokenizer.decode(ids[0].tolist()) + " ⟶ " + model.tokenizer.decode(new.tolist()))
     print("prompt ids:", ids[0].tolist())
     print("new ids:   ", new.tolist())
+    print(f"perplexity of prompt + continuation: {scored:.3f}")
     label = "emulated (NKI emulator on CPU, first call incl. compile)" if FLAGS.backend == "emulator" else "XLA CPU"
     print(f"{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tokens/s [{label}]")
     if FLAGS.backend == "emulator":

@@ -1,7 +1,12 @@
-"""Perplexity of a dense model and its SVD-compressed versions on a local text file.
+"""Perplexity of a dense model and its SVD-compressed versions on a local text file (`models.perplexity`).
 
-    python examples/perplexity.py --checkpoint_dir /path/to/Llama-3.2-1B --keep 0.6,0.8,0.9
+    python examples/perplexity.py --checkpoint /path/to/Llama-3.2-1B --keep 0.6,0.8,0.9
+    python examples/perplexity.py --checkpoint /tmp/llama-svd        # a compressed checkpoint: scored as saved
+    python examples/perplexity.py --checkpoint gemma-3-270m-it-Q4_K_M.gguf --keep 0.9
     python examples/perplexity.py --preset tiny --method whitened     # random init: only the relative change means much
+
+--checkpoint (alias --checkpoint_dir) is a local Hugging Face directory, a compressed checkpoint directory written by
+examples/compress_checkpoint.py (scored at its saved ranks, alone: --keep does not apply) or a llama.cpp GGUF file.
 
 The text (default: the shipped public-domain sample, examples/data/sample.txt) is tokenized with the checkpoint's
 tokenizer, or as UTF-8 bytes when there is none (ids 0..255, so the model's vocabulary must cover them), and cut
@@ -12,27 +17,28 @@ every model's score.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from jax_neuronmm import models
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
 flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
-flags.DEFINE_string("checkpoint_dir", None, "local HF checkpoint directory; overrides --model/--preset")
+flags.DEFINE_string(
+    "checkpoint",
+    None,
+    "local HF checkpoint directory, compressed checkpoint directory or GGUF file; overrides --model/--preset",
+)
+flags.DEFINE_alias("checkpoint_dir", "checkpoint")
 flags.DEFINE_enum(
     "preset",
     "tiny",
     list(models.presets.PRESETS),
-    f"random-init shape when no --checkpoint_dir, per family: {models.presets.FAMILY_PRESETS}",
+    f"random-init shape when no --checkpoint, per family: {models.presets.FAMILY_PRESETS}",
 )
 flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
 flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file to score")
@@ -55,15 +61,6 @@ def _fractions(values) -> bool:
 flags.register_validator("keep", _fractions, message="--keep must be numbers in (0, 1], comma separated")
 FLAGS = flags.FLAGS
 
-_nll_sum = nnx.jit(lambda model, ids: _window_nll(model, ids))
-
-
-def _window_nll(model, ids):
-    """Summed next-token NLL over windows ids [W, L] (fp32 log-softmax)."""
-    logits = model(ids[:, :-1]).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
-
 
 def tokenize(model, text: str) -> np.ndarray:
     if model.tokenizer is not None:
@@ -74,27 +71,47 @@ def tokenize(model, text: str) -> np.ndarray:
     return ids
 
 
-def perplexity(model, windows: np.ndarray) -> float:
-    nll = sum(float(_nll_sum(model, jnp.asarray(w[None]))) for w in windows)
-    return math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))
+def read_text(path: str) -> str:
+    """The UTF-8 text of --text, or a usage error saying why it cannot be read."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as error:
+        raise app.UsageError(f"--text {path}: not UTF-8 text ({error})") from error
+    except OSError as error:  # missing, a directory, unreadable
+        raise app.UsageError(f"--text {path}: cannot read it ({error.strerror or error})") from error
+
+
+def load_model():
+    """(model, whether it is a compressed checkpoint) from --checkpoint or --preset."""
+    if FLAGS.checkpoint:
+        try:
+            return models.load_checkpoint(FLAGS.checkpoint), models.is_compressed_checkpoint(FLAGS.checkpoint)
+        except (OSError, ValueError) as error:  # missing / unreadable files; malformed or tampered ones
+            raise app.UsageError(f"--checkpoint {FLAGS.checkpoint}: {error}") from error
+    if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
+        raise app.UsageError(
+            f"--preset {FLAGS.preset}: family {FLAGS.model} has presets {models.presets.FAMILY_PRESETS[FLAGS.model]}"
+        )
+    overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
+    return models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides), False
 
 
 def main(argv):
     del argv
-    if FLAGS.checkpoint_dir:
-        model = models.load_hf(FLAGS.checkpoint_dir)
-    else:
-        if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
-            raise app.UsageError(
-                f"--preset {FLAGS.preset}: family {FLAGS.model} has presets "
-                f"{models.presets.FAMILY_PRESETS[FLAGS.model]}"
-            )
-        overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
-        model = models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides)
-    with open(FLAGS.text, encoding="utf-8") as f:
-        ids = tokenize(model, f.read())
+    text = read_text(FLAGS.text)  # before loading: a wrong path fails at once
+    if (
+        FLAGS.checkpoint
+        and (FLAGS["keep"].present or FLAGS["method"].present)
+        and models.is_compressed_checkpoint(FLAGS.checkpoint)
+    ):
+        raise app.UsageError(
+            f"--keep / --method: {FLAGS.checkpoint} is compressed already (it is scored at its saved ranks)"
+        )
+    model, compressed_already = load_model()
+    ids = tokenize(model, text)
     count = len(ids) // FLAGS.seq_len
-    calibration_count = FLAGS.calibration_windows if FLAGS.method == "whitened" else 0
+    calibration_count = FLAGS.calibration_windows if FLAGS.method == "whitened" and not compressed_already else 0
     if count <= calibration_count:
         raise app.UsageError(
             f"{FLAGS.text}: {len(ids)} tokens make {count} windows of {FLAGS.seq_len}; need more "
@@ -107,7 +124,11 @@ def main(argv):
         + (f" (+{calibration_count} for calibration)" if calibration_count else "")
     )
 
-    dense = perplexity(model, scored)
+    if compressed_already:
+        print(f"{'model':24s} {'perplexity':>12s}")
+        print(f"{'compressed checkpoint':24s} {models.perplexity(model, scored):12.3f}")
+        return
+    dense = models.perplexity(model, scored)
     print(f"{'model':24s} {'perplexity':>12s} {'vs dense':>9s}")
     print(f"{'dense':24s} {dense:12.3f} {1.0:9.3f}")
     include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
@@ -121,7 +142,7 @@ def main(argv):
             block=FLAGS.block,
             calibration_ids=calibration if calibration_count else None,
         )
-        ppl = perplexity(compressed, scored)
+        ppl = models.perplexity(compressed, scored)
         print(
             f"{f'{FLAGS.method} keep {keep}':24s} {ppl:12.3f} {ppl / dense:9.3f}   "
             f"({time.perf_counter() - start:.1f} s)"

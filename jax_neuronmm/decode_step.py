@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -94,7 +95,28 @@ def decode_step(
     )
     named.update(_weight_operands("head", head, spec.head_rank is not None))
     operands = [jnp.asarray(a) for a in named.values()]
+    named = _check_operands(operands, spec)
+    try:  # a concrete write_index is checked here; a traced one when the step runs (check_write_index)
+        index = np.asarray(named["write_index"])
+    except jax.errors.TracerArrayConversionError:
+        index = None
+    if index is not None:
+        check_write_index(index, slots=named["k_cache"].shape[2], tokens=named["x"].shape[1])
     return tuple(decode_step_p.bind(*operands, spec=spec))
+
+
+def check_write_index(write_index, *, slots: int, tokens: int) -> None:
+    """ValueError naming write_index unless this step's T tokens fit the S-slot cache at write_index.
+
+    The XLA lowering and the emulator's launch call it when the step runs (as a host callback: the error reaches
+    the caller wrapped in JAX's runtime error); `decode_step` calls it first on a concrete write_index.
+    """
+    index = int(np.asarray(write_index).reshape(-1)[0])
+    if not 0 <= index <= slots - tokens:
+        raise ValueError(
+            f"{OP}: write_index: got {index}, expected 0 <= write_index <= S - T = {slots - tokens} (the step "
+            f"writes its T = {tokens} tokens at cache slots [write_index, write_index + T) of S = {slots})"
+        )
 
 
 def _weight_operands(name, weight, factored):
@@ -159,6 +181,17 @@ def _check_operands(operands, spec):
         raise ValueError(
             f"{OP}: {bad}: got shape {tuple(named[bad].shape)}, expected "
             f"{'[B, T, hidden]' if bad == 'x' else '[L, B, S, kv_heads, head_dim]'}"
+        )
+    for bad, size, what in (
+        ("x", x.shape[0], "B (rows)"),
+        ("x", x.shape[1], "T (tokens)"),
+        ("k_cache", cache.shape[2], "S (slots)"),
+    ):
+        if size < 1:
+            raise ValueError(f"{OP}: {bad}: got shape {tuple(named[bad].shape)} with {what} = {size}, expected >= 1")
+    if cache.shape[2] < x.shape[1]:
+        raise ValueError(
+            f"{OP}: k_cache: got {cache.shape[2]} slots, expected at least T = {x.shape[1]} (this step's tokens)"
         )
     want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2])
     dtype = np.dtype(x.dtype)
@@ -260,6 +293,13 @@ def decode_step_ref(*operands, spec: DecodeSpec):
     weights = _grouped(named)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     write_index = named["write_index"][0, 0]
+    slots, tokens = named["k_cache"].shape[2], named["x"].shape[1]
+    # Out of range, dynamic_update_slice would clamp and write other slots: raise as the emulator's launch does.
+    lax.cond(
+        (write_index < 0) | (write_index > slots - tokens),
+        lambda: jax.debug.callback(functools.partial(check_write_index, slots=slots, tokens=tokens), write_index),
+        lambda: None,
+    )
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
     layer_mask = jnp.asarray(spec.layer_mask, jnp.int32)
     per_layer = {name: weights[name] for name in PROJECTIONS}
@@ -328,6 +368,8 @@ def _plan(*operands, target, spec):
 
 def _run(kernel, *operands, spec):
     """One launch of the looped kernel for the whole step."""
+    named = dict(zip(operand_names(spec), operands))
+    check_write_index(named["write_index"], slots=named["k_cache"].shape[2], tokens=named["x"].shape[1])
     return kernel(*_kernel_operands(operands, spec), spec=spec)
 
 

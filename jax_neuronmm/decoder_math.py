@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax_neuronmm.explicit_sharding import typed_alike
 from jax_neuronmm.reference import jnp_activation
 
 MASKED = float(jnp.finfo(jnp.float32).min)  # the bias of an invisible key: a row with no visible key stays finite
@@ -116,8 +117,9 @@ def self_attention(
     k = apply_rope(k, cos, sin)
     if kv is not None:
         start = (0, write_index, 0, 0)
-        k = lax.dynamic_update_slice(kv[0], k.astype(kv[0].dtype), start)
-        v = lax.dynamic_update_slice(kv[1], v.astype(kv[1].dtype), start)
+        # Under Explicit mesh axes k / v come split like their projections; the cache keeps its own split.
+        k = lax.dynamic_update_slice(*typed_alike(kv[0], k.astype(kv[0].dtype)), start)
+        v = lax.dynamic_update_slice(*typed_alike(kv[1], v.astype(kv[1].dtype)), start)
     out = attend(q, k, v, bias, scaling=scaling, logit_softcap=logit_softcap)
     return o_proj(out), (k, v)
 

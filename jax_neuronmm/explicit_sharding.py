@@ -133,6 +133,34 @@ def sharding_of(aval):
     return aval.sharding if _has_explicit_axes(aval.sharding.mesh) else None
 
 
+def features_unsplit(x):
+    """Under Explicit mesh axes: `x`'s sharding with its last dim whole (e.g. a residual-stream result), else None."""
+    aval = jax.typeof(x)
+    if not _has_explicit_axes(aval.sharding.mesh):
+        return None
+    return NamedSharding(aval.sharding.mesh, _spec(_entries(aval)[:-1] + ((),)))
+
+
+def typed_alike(operand, update):
+    """(operand, update) typed with one split, for ops that need that (dynamic_update_slice).
+
+    Where either is typed on a mesh with Explicit axes, one typed without a mesh (made outside any mesh, such as
+    a freshly allocated cache or a host array) is placed unsplit on that mesh, and `update` takes `operand`'s
+    split. Without Explicit axes both come back unchanged.
+    """
+    meshes = [jax.typeof(a).sharding.mesh for a in (update, operand)]
+    mesh = next((m for m in meshes if _has_explicit_axes(m)), None)
+    if mesh is None:
+        return operand, update
+    operand, update = (
+        a if m == mesh else jax.sharding.reshard(a, NamedSharding(mesh, PartitionSpec()))
+        for a, m in zip((operand, update), meshes[::-1])
+    )
+    if _entries(jax.typeof(update)) != _entries(jax.typeof(operand)):
+        update = jax.sharding.reshard(update, NamedSharding(mesh, _spec(_entries(jax.typeof(operand)))))
+    return operand, update
+
+
 def rank_intermediate_sharding(tokens_aval, rank_aval, rank_dim):
     """Type of an [*B, *T, r] intermediate of a transpose rule, or None without Explicit axes.
 

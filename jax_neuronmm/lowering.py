@@ -128,7 +128,10 @@ def _lower_whole(primitive, ctx, *operands, **params):
     rules = _rules[primitive]
     backend = effective_backend(lowering_platform(ctx))
     if backend == "xla":
-        return lower_fun(functools.partial(rules.reference, **params), multiple_results=True)(ctx, *operands)
+        # Traced on unsplit types (under Explicit mesh axes the reference's dots would ask for out_sharding),
+        # results pinned to the types abstract eval gave.
+        reference = lower_fun(functools.partial(rules.reference, **params), multiple_results=True)
+        return explicit_sharding.constrain_results(ctx, reference(explicit_sharding.local_context(ctx), *operands))
     kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
     target = launch_target(emulated=backend == "emulator")
     if backend == "neuron":

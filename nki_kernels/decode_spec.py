@@ -11,6 +11,7 @@ soft-capping; Gemma 3 has all of them and alternates RoPE tables and masks per l
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from nki_kernels.activations import check_fused_activation
 
@@ -62,6 +63,14 @@ class DecodeSpec:
             raise ValueError(
                 f"DecodeSpec.num_heads: got {self.num_heads}, expected a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        for name in ("norm_eps", "query_scaling"):  # NaN would pass a plain "> 0" test's negation silently
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not (math.isfinite(value) and value > 0)
+            ):
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a finite positive float")
         check_fused_activation(self.activation, "DecodeSpec.activation")
         for name in ("layer_rope", "layer_mask"):
             value = getattr(self, name)
@@ -69,8 +78,8 @@ class DecodeSpec:
                 raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected {self.num_layers} table indices >= 0")
         for name in ("attn_logit_softcap", "final_logit_softcap"):
             value = getattr(self, name)
-            if value is not None and not value > 0:
-                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected None or a positive float")
+            if value is not None and not (math.isfinite(value) and value > 0):
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected None or a finite positive float")
         if len(self.ranks) != len(PROJECTIONS):
             raise ValueError(
                 f"DecodeSpec.ranks: got {len(self.ranks)} entries, expected one per projection {PROJECTIONS}"

@@ -6,6 +6,8 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +18,7 @@ import safetensors.numpy
 from flax import nnx
 
 from jax_neuronmm.compress import CheckpointError, compress_params, load_compressed, save_compressed
+from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.nn import SVDLinear
 
 
@@ -114,6 +117,98 @@ def test_existing_file_is_kept_unless_overwrite(rng, tmp_path):
     assert load_compressed(path)[1].ranks == report.ranks
 
 
+def test_no_clobber_check_and_publish_are_one_step(tmp_path):
+    # Another writer publishes `path` while this one writes its temporary: this one must fail, not replace it.
+    path = tmp_path / "model.safetensors"
+
+    def write(temporary):
+        path.write_bytes(b"the other writer's file")
+        with open(temporary, "wb") as f:
+            f.write(b"this writer's file")
+
+    with pytest.raises(FileExistsError, match=r"model\.safetensors.*exists"):
+        write_atomically(path, write, overwrite=False)
+    assert path.read_bytes() == b"the other writer's file" and os.listdir(tmp_path) == ["model.safetensors"]
+    write_atomically(path, write, overwrite=True)
+    assert path.read_bytes() == b"this writer's file"
+
+
+def test_concurrent_saves_without_overwrite_one_wins(rng, tmp_path):
+    # Eight threads save different params to one path at the same instant, for several rounds: exactly one
+    # succeeds per round, the others get FileExistsError, and the file holds the winner's tensors.
+    writers = 8
+    params = [{"w": rng.standard_normal((64, 33)).astype(np.float32)} for _ in range(writers)]
+    for round_ in range(4):
+        path = tmp_path / f"round{round_}.safetensors"
+        barrier = threading.Barrier(writers)
+        outcomes = [None] * writers
+
+        def save(i, path=path, barrier=barrier, outcomes=outcomes):
+            barrier.wait()
+            try:
+                save_compressed(path, params[i])
+                outcomes[i] = "saved"
+            except FileExistsError:
+                outcomes[i] = "exists"
+
+        threads = [threading.Thread(target=save, args=(i,)) for i in range(writers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) == ["exists"] * (writers - 1) + ["saved"], outcomes
+        loaded, _ = load_compressed(path)
+        np.testing.assert_array_equal(loaded["w"], params[outcomes.index("saved")]["w"])
+    assert sorted(os.listdir(tmp_path)) == [f"round{i}.safetensors" for i in range(4)]  # no temporaries left
+
+
+def test_concurrent_saves_in_two_processes_one_wins(rng, tmp_path):
+    path = tmp_path / "model.safetensors"
+    start_at = time.time() + 8  # both processes import JAX first, then save at the same instant
+    script = textwrap.dedent(f"""
+        import sys, time
+        import numpy as np
+        from jax_neuronmm.compress import save_compressed
+        value = np.full((256, 257), float(sys.argv[1]), np.float32)
+        time.sleep(max(0.0, {start_at} - time.time()))
+        try:
+            save_compressed({str(path)!r}, {{"w": value}})
+            print("saved")
+        except FileExistsError:
+            print("exists")
+    """)
+    runs = [subprocess.Popen([sys.executable, "-c", script, str(i)], stdout=subprocess.PIPE, text=True) for i in (1, 2)]
+    outputs = [run.communicate(timeout=120)[0].strip() for run in runs]
+    assert sorted(outputs) == ["exists", "saved"], outputs
+    loaded, _ = load_compressed(path)
+    assert np.all(loaded["w"] == float(1 + outputs.index("saved")))
+
+
+@pytest.mark.parametrize("bad", ["", "dir_path", "trailing/"])
+def test_bad_save_paths_are_named(rng, tmp_path, bad, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "dir_path").mkdir()
+    (tmp_path / "trailing").mkdir()
+    error = IsADirectoryError if bad == "dir_path" else ValueError
+    expected = "is a directory, expected a file path" if bad == "dir_path" else "expected a file path"
+    for overwrite in (False, True):
+        with pytest.raises(error, match=expected):
+            save_compressed(bad, {"w": np.ones(3, np.float32)}, overwrite=overwrite)
+    assert sorted(os.listdir(tmp_path)) == ["dir_path", "trailing"]  # no temporary left anywhere
+    assert os.listdir(tmp_path / "dir_path") == [] and os.listdir(tmp_path / "trailing") == []
+
+
+@pytest.mark.parametrize(
+    "leaf",
+    [np.array([object(), 1]), np.array(["a", "b"]), np.array([1 + 2j]), np.zeros(2, dtype=[("a", "f4")])],
+    ids=["object", "str", "complex", "structured"],
+)
+def test_leaves_that_are_not_number_arrays_are_named(tmp_path, leaf):
+    with pytest.raises(TypeError, match=r"params leaf 'layer/odd' has dtype .*expected an array of numbers"):
+        save_compressed(tmp_path / "x.safetensors", {"layer": {"odd": leaf, "w": np.ones(2, np.float32)}})
+    assert os.listdir(tmp_path) == []
+
+
 def test_saved_file_gets_the_umask_mode_not_0600(rng, tmp_path):
     params, report = compressed_linen(rng)
     previous = os.umask(0o022)
@@ -148,10 +243,21 @@ def test_temporary_of_a_killed_save_is_removed_by_the_next_save(rng, tmp_path):
     assert killed.returncode == -9, killed.stderr
     leftovers = os.listdir(tmp_path)
     assert len(leftovers) == 1 and leftovers[0].startswith(".model.safetensors.") and leftovers[0].endswith(".tmp")
-    (tmp_path / ".other.safetensors.1.ab.tmp").write_bytes(b"not ours to remove")  # another file's name
-    (tmp_path / "notes.tmp").write_bytes(b"the user's")
+    own = leftovers[0]
+    host, pid = own.split(".")[-4:-2]
+    # Files shaped like temporaries that this code did not write, or a writer that still runs, or another host's:
+    # none is ours to remove.
+    kept = [
+        ".other.safetensors.1.ab.tmp",  # another file's name
+        "notes.tmp",
+        ".model.safetensors.99999999.abcdef01.tmp",  # the user's (or another tool's), with a dead pid in it
+        own.replace(f".{pid}.", f".{os.getpid()}."),  # ours, but its writer (this process) runs
+        own.replace(f".{host}.", ".another-host."),  # written on another machine sharing the directory
+    ]
+    for name in kept:
+        (tmp_path / name).write_bytes(b"not ours to remove")
     save_compressed(path, params, report=report)
-    assert sorted(os.listdir(tmp_path)) == [".other.safetensors.1.ab.tmp", "model.safetensors", "notes.tmp"]
+    assert sorted(os.listdir(tmp_path)) == sorted(kept + ["model.safetensors"])
 
 
 def test_missing_file_and_directory(tmp_path):
@@ -200,6 +306,14 @@ def test_tampered_metadata(rng, tmp_path):
     header["ranks"] = json.dumps({"a": 5})
     safetensors.numpy.save_file(tensors, str(path), metadata=header)
     with pytest.raises(CheckpointError, match="recorded ranks"):
+        load_compressed(path)
+    # A tensor added to the file: the error names it (not every tensor).
+    header["ranks"] = json.dumps({"a": 2})
+    safetensors.numpy.save_file(dict(tensors, **{"a/extra": np.zeros(3, np.float32)}), str(path), metadata=header)
+    with pytest.raises(CheckpointError, match=r"not in the recorded names: \['a/extra'\]$"):
+        load_compressed(path)
+    safetensors.numpy.save_file({"a/u": tensors["a/u"]}, str(path), metadata=header)
+    with pytest.raises(CheckpointError, match=r"recorded tensors missing from the file: \['a/v'\]$"):
         load_compressed(path)
     del header["sha256"]
     safetensors.numpy.save_file(tensors, str(path), metadata=header)

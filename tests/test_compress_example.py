@@ -3,9 +3,11 @@ and turns bad flags into usage errors before any work."""
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
+import pytest
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import load_compressed
@@ -108,3 +110,67 @@ def test_bad_flags_are_usage_errors(tmp_path):
         result = run(f"--checkpoint_dir={tmp_path}", f"--output_dir={tmp_path / 'out'}", *flags)
         assert result.returncode != 0 and message in result.stderr, (flags, result.stderr)
         assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "out")
+
+
+def _read_only_directory(tmp_path):
+    """A directory this process cannot create files in: a chmod 555 folder, or (as root, which ignores the mode)
+    a folder under /sys, which is read-only even for root; None when neither is available."""
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if not os.access(locked, os.W_OK):
+        return locked
+    try:
+        open("/sys/jax_neuronmm_probe", "wb").close()
+    except OSError:
+        return pathlib.Path("/sys")
+    os.remove("/sys/jax_neuronmm_probe")
+    return None
+
+
+@pytest.mark.parametrize("case", ["missing", "directory", "not_utf8"])
+def test_unreadable_calibration_text_is_a_usage_error(rng, tmp_path, case):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    text = tmp_path / "calibration.txt"
+    if case == "directory":
+        text.mkdir()
+    elif case == "not_utf8":
+        text.write_bytes(b"w1 w2 \xff\xfe w3" * 50)
+    expected = {"missing": "cannot read it", "directory": "cannot read it", "not_utf8": "not UTF-8 text"}[case]
+    result = run(
+        f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", f"--calibration_text={text}"
+    )
+    assert result.returncode != 0 and f"--calibration_text {text}: {expected}" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+def test_malformed_source_config_is_a_usage_error(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    (tmp_path / "hf" / "config.json").write_text('{"model_type": "llama",')
+    result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--method=svd")
+    assert result.returncode != 0 and "config.json: not valid JSON" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("case", ["empty", "file", "under_a_file", "read_only"])
+def test_bad_output_dir_is_a_usage_error_before_compressing(rng, tmp_path, case):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    (tmp_path / "a_file").write_text("the user's")
+    if case == "read_only":
+        locked = _read_only_directory(tmp_path)
+        if locked is None:
+            pytest.skip("no directory here refuses this process's writes")
+        out, expected = locked / "out", "cannot create files in"
+    else:
+        out, expected = {
+            "empty": ("", "out_dir: got an empty path"),
+            "file": (tmp_path / "a_file", "is a file, expected a directory"),
+            "under_a_file": (tmp_path / "a_file" / "out", "is a file, expected a directory"),
+        }[case]
+    # --method svd needs no text; the default pipeline would read the calibration text first: both check first.
+    for method in ("svd", "recommended"):
+        result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={out}", "--rank=8", f"--method={method}")
+        assert result.returncode != 0 and expected in result.stderr, result.stderr
+        # Refused before any work: no compression progress bar, no report.
+        assert "Traceback" not in result.stderr and "layer/s" not in result.stderr and result.stdout == ""
+    assert (tmp_path / "a_file").read_text() == "the user's"

@@ -163,6 +163,15 @@ def test_distill_top_k_term_lowers_the_kl_on_the_teachers_likely_tokens(tiny):
     assert kls[1] < 0.7 * before and kls[1] < kls[0]
 
 
+@pytest.mark.parametrize("options", [LocalFinetuneOptions, DistillOptions])
+@pytest.mark.parametrize("rate", [float("inf"), float("nan"), -1e-3, 0.0, "1e-3", True, None])
+def test_learning_rate_must_be_finite_and_positive(options, rate):
+    # inf used to give NaN factors (local fine-tuning) or steps the loss check silently undid (distillation).
+    with pytest.raises(ValueError, match=rf"{options.__name__}\.learning_rate: got .*, expected a finite positive"):
+        options(learning_rate=rate)
+    assert options(learning_rate=2e-3).learning_rate == 2e-3
+
+
 def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
     model, calibration, _ = tiny
     with pytest.raises(ValueError, match="top_k: got -1, expected a non-negative int"):

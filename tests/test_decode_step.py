@@ -2,6 +2,7 @@
 and compressed with per-layer ranks), under jit and vmap; bad operands name the argument; the emulator's looped
 kernel equals XLA and the float64 reference; generate runs each decode step as one launch, with XLA's tokens."""
 
+import dataclasses
 import functools
 
 import jax
@@ -261,6 +262,52 @@ def test_bad_operands_name_the_argument(rng):
     # Under jit the same checks run at trace time.
     with pytest.raises(ValueError, match="final_norm: got shape"):
         jax.jit(step)(*replaced(16, args[16][:10]))
+
+
+@pytest.mark.parametrize("index", [-1, 12, 1000, 2**31 - 1])
+def test_write_index_out_of_range_is_rejected_on_both_backends(rng, index):
+    # XLA used to clamp it and write slot S - 1; the emulator raised an error that did not name it.
+    model = _model("llama")
+    plan = decode.decode_plan(model)
+    args = _operands(model, plan, *_step_inputs(model, rng, 1))  # S = 12 slots, T = 1 token
+    step = functools.partial(decode_step, spec=plan.spec)
+    bad = [*args[:12], jnp.full((1, 1), index, jnp.int32), *args[13:]]
+    message = rf"decode_step: write_index: got {index}, expected 0 <= write_index <= S - T = 11"
+    with pytest.raises(ValueError, match=message):
+        step(*bad)  # a concrete write_index: checked before anything runs
+    for backend in ("xla", "emulator"):
+        with jax_neuronmm.use_backend(backend), pytest.raises(Exception, match=message):
+            jax.block_until_ready(jax.jit(step)(*bad))  # traced: checked when the step runs
+    last = [*args[:12], jnp.full((1, 1), 11, jnp.int32), *args[13:]]
+    logits, k_cache, _ = jax.jit(step)(*last)  # the last slot is in range
+    assert np.isfinite(np.asarray(logits)).all()
+    np.testing.assert_array_equal(k_cache[:, :, :11], args[10][:, :, :11])
+    assert not np.allclose(k_cache[:, :, 11], args[10][:, :, 11])
+
+
+@pytest.mark.parametrize("field", ["norm_eps", "query_scaling"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), 0.0, -1e-6, "1e-6"])
+def test_spec_scalars_must_be_finite_and_positive(field, value):
+    spec = decode.decode_plan(_model("llama")).spec
+    with pytest.raises(ValueError, match=rf"DecodeSpec\.{field}: got .*, expected a finite positive float"):
+        dataclasses.replace(spec, **{field: value})
+    for cap in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"DecodeSpec\.final_logit_softcap: got .*, expected None or a finite"):
+            dataclasses.replace(spec, final_logit_softcap=cap)
+
+
+def test_empty_batch_or_cache_names_the_argument(rng):
+    model = _model("llama")
+    plan = decode.decode_plan(model)
+    args = _operands(model, plan, *_step_inputs(model, rng, 1))
+    step = functools.partial(decode_step, spec=plan.spec)
+    with pytest.raises(ValueError, match=r"decode_step: x: got shape \(0, 1, 64\) with B \(rows\) = 0, expected >= 1"):
+        step(args[0][:0], *args[1:])
+    no_slots = [*args[:10], args[10][:, :, :0], args[11][:, :, :0], *args[12:]]
+    with pytest.raises(ValueError, match=r"decode_step: k_cache: got shape .* with S \(slots\) = 0, expected >= 1"):
+        step(*no_slots)
+    with pytest.raises(ValueError, match=r"decode_step: k_cache: got shape .* with S \(slots\) = 0"):
+        jax.jit(step)(*no_slots)
 
 
 def test_it_is_inference_only(rng):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hf_checkpoints import write_hf_checkpoint
 
-from jax_neuronmm import compress
+from jax_neuronmm import compress, models
 from jax_neuronmm.models import compress_checkpoint, generate, load_compressed_checkpoint
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
@@ -72,10 +72,20 @@ def test_generate_on_the_emulator_prints_one_row_per_kernel(tmp_path):
         ("generate.py", ["--keep=0"], "--keep must lie in (0, 1]"),
         ("generate.py", ["--temperature=nan"], "--temperature must be a finite number"),
         ("generate.py", ["--top_p=2"], "--top_p must lie in (0, 1]"),
-        ("generate.py", ["--prompt_ids=1,-2"], "--prompt_ids must be non-negative integers"),
+        ("generate.py", ["--prompt_ids=1,-2"], "--prompt_ids must be one or more non-negative integers"),
         ("generate.py", ["--prompt_ids=1,600"], "--prompt_ids: token id 600 is outside the vocabulary range [0, 512)"),
         ("generate.py", ["--model=gemma", "--preset=1b"], "--preset 1b: family gemma has presets ('tiny', '2b')"),
-        ("generate.py", ["--checkpoint=/x"], "Unknown command line flag 'checkpoint'"),
+        ("generate.py", ["--prompt_ids="], "--prompt_ids must be one or more non-negative integers"),
+        (
+            "generate.py",
+            ["--checkpoint=/nonexistent"],
+            "--checkpoint /nonexistent: path: '/nonexistent' does not exist",
+        ),
+        ("generate.py", ["--checkpoint_dir=/nonexistent"], "--checkpoint /nonexistent: path: '/nonexistent' does not"),
+        ("generate.py", ["--checkpoint=/x", "--checkpoint_tokens=3"], "Unknown command line flag 'checkpoint_tokens'"),
+        ("perplexity.py", ["--text=/nonexistent.txt"], "--text /nonexistent.txt: cannot read it (No such file"),
+        ("perplexity.py", ["--text=/"], "--text /: cannot read it (Is a directory)"),
+        ("perplexity.py", ["--checkpoint=/nonexistent"], "--checkpoint /nonexistent: path: '/nonexistent' does not"),
         ("perplexity.py", ["--keep=0.5,0"], "--keep must be numbers in (0, 1]"),
         ("perplexity.py", ["--seq_len=1"], "--seq_len"),
         ("tensor_parallel_generate.py", ["--data=0"], "--data"),
@@ -88,6 +98,68 @@ def test_bad_flags_are_usage_errors(script, flags, message):
     result = run(script, *flags)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "perplexity" not in result.stdout
+
+
+def test_perplexity_text_that_is_not_utf8_is_a_usage_error(tmp_path):
+    text = tmp_path / "latin1.txt"
+    text.write_bytes("caf\u00e9 ".encode("latin-1") * 100)
+    result = run("perplexity.py", f"--text={text}")
+    assert result.returncode != 0 and f"--text {text}: not UTF-8 text" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_refuses_a_tampered_compressed_checkpoint(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    weights = tmp_path / "out" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-3] ^= 0x10
+    weights.write_bytes(bytes(data))
+    result = run("generate.py", f"--checkpoint={tmp_path / 'out'}", "--prompt_ids=1,2", "--max_new_tokens=2")
+    assert result.returncode != 0 and "checksum mismatch" in result.stderr, result.stderr
+    assert f"--checkpoint {tmp_path / 'out'}" in result.stderr and "Traceback" not in result.stderr
+
+
+def _printed_perplexity(stdout, row):
+    return float(
+        next(line for line in stdout.splitlines() if line.startswith(row)).split()[-1 if row != "dense" else 1]
+    )
+
+
+def test_perplexity_scores_a_compressed_checkpoint_as_saved(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    words = rng.integers(0, 97, size=70)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(f"w{i}" for i in words))
+    result = run("perplexity.py", f"--checkpoint={tmp_path / 'out'}", f"--text={text}", "--seq_len=16")
+    assert result.returncode == 0, result.stderr
+    model = load_compressed_checkpoint(tmp_path / "out")
+    want = models.perplexity(model, words[:64].reshape(4, 16))
+    assert abs(_printed_perplexity(result.stdout, "compressed checkpoint") - want) < 1e-3 * want, result.stdout
+    result = run("perplexity.py", f"--checkpoint_dir={tmp_path / 'out'}", f"--text={text}", "--keep=0.5")
+    assert result.returncode != 0 and "is compressed already" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_generate_and_perplexity_open_a_gguf_file(tmp_path):
+    from test_models_gguf import _write
+
+    path = tmp_path / "model.gguf"
+    _write(str(path), "llama", tied=True, bias=False, tokenizer="llama", seed=8)
+    model = models.load_gguf(str(path))
+    result = run("generate.py", f"--checkpoint={path}", "--prompt_ids=5,9,300,7", "--max_new_tokens=3")
+    assert result.returncode == 0, result.stderr
+    out = np.asarray(generate(model, [[5, 9, 300, 7]], 3, eos_id=model.eos_token_ids))
+    assert f"new ids:    {out[0, 4:].tolist()}" in result.stdout
+    assert f"perplexity of prompt + continuation: {models.perplexity(model, out):.3f}" in result.stdout
+    text = tmp_path / "text.txt"
+    text.write_text("Then the hello world, the theme: hello\n\nthe end " * 6)
+    result = run("perplexity.py", f"--checkpoint={path}", f"--text={text}", "--seq_len=16", "--keep=0.5")
+    assert result.returncode == 0, result.stderr
+    ids = np.array(model.tokenizer.encode(text.read_text()).ids)
+    count = len(ids) // 16
+    want = models.perplexity(model, ids[: count * 16].reshape(count, 16))
+    assert abs(_printed_perplexity(result.stdout, "dense") - want) < 1e-3 * want, result.stdout
 
 
 def test_quickstart_uses_the_library_rank_rule():

@@ -139,6 +139,44 @@ def test_bad_arguments(llama):
         generate(object(), prompt, 3)
 
 
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(token_ids=np.zeros((0, 4), np.int32)), ValueError, r"token_ids: got shape \(0, 4\), a batch of 0"),
+        (dict(token_ids=[[1, 2, 3], [4, 5]]), ValueError, r"token_ids: rows have different lengths"),
+        (
+            dict(token_ids=np.array([np.array([1, 2]), np.array([3])], dtype=object)),
+            ValueError,
+            r"token_ids: rows have different lengths \[2, 1\]",
+        ),
+        (dict(top_k=2.5), TypeError, r"top_k: got 2\.5 \(float\), expected None or an integer in 1\.\.97"),
+        (dict(top_k=True), TypeError, r"top_k: got True \(bool\)"),
+        (dict(temperature="0.5"), TypeError, r"temperature: got '0\.5' \(str\), expected a finite number >= 0"),
+        (dict(top_p="0.9"), TypeError, r"top_p: got '0\.9' \(str\)"),
+        (dict(max_new_tokens=None), TypeError, r"max_new_tokens: got None \(NoneType\), expected an integer >= 1"),
+        (dict(max_new_tokens=2.5), TypeError, r"max_new_tokens: got 2\.5 \(float\)"),
+        (
+            dict(seed=2**70),
+            ValueError,
+            r"seed: got 1180591620717411303424, expected an integer in \[-9223372036854775808",
+        ),
+        (dict(seed="1"), TypeError, r"seed: got '1' \(str\)"),
+    ],
+)
+def test_bad_argument_types_and_shapes_name_the_argument(llama, kwargs, error, match):
+    args = dict(token_ids=_prompts(2, 4, seed=9), max_new_tokens=3, temperature=0.7)
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        generate(llama, args.pop("token_ids"), args.pop("max_new_tokens"), **args)
+
+
+def test_scalar_arrays_are_accepted_as_numbers(llama):
+    prompt = _prompts(2, 4, seed=9)
+    want = np.asarray(generate(llama, prompt, 3, temperature=0.7, top_k=5, seed=3))
+    got = generate(llama, prompt, np.int64(3), temperature=jnp.float32(0.7), top_k=np.int32(5), seed=jnp.int32(3))
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_logits_at_picks_one_column_per_row(llama):
     prompt = _prompts(3, 6, seed=11)
     full = np.asarray(llama(jnp.asarray(prompt)))

@@ -155,6 +155,30 @@ def test_output_never_replaces_a_users_file(rng, tmp_path):
         compress_checkpoint(tmp_path / "hf", tmp_path / "other", keep=0.5, rank=4)
 
 
+def test_output_dir_is_checked_before_compressing(rng, tmp_path, monkeypatch):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    (tmp_path / "a_file").write_text("the user's")
+    loaded = []
+    monkeypatch.setattr("jax_neuronmm.models.compressed_loading.load_hf", lambda *a, **k: loaded.append(a))
+    for out, error, match in (
+        ("", ValueError, "out_dir: got an empty path"),
+        (tmp_path / "a_file", NotADirectoryError, "a_file' is a file, expected a directory"),
+        (tmp_path / "a_file" / "sub" / "out", NotADirectoryError, "a_file' is a file, expected a directory"),
+    ):
+        with pytest.raises(error, match=match):
+            compress_checkpoint(tmp_path / "hf", out, rank=8)
+    # A directory that refuses new files (as root, permission bits do not: make the probe fail instead).
+    monkeypatch.setattr(
+        "jax_neuronmm.models.compressed_loading.tempfile.TemporaryFile",
+        lambda dir: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
+    )
+    with pytest.raises(
+        PermissionError, match=r"out_dir: '.*new/out': cannot create files in '.*' \(Permission denied\)"
+    ):
+        compress_checkpoint(tmp_path / "hf", tmp_path / "new" / "out", rank=8)
+    assert loaded == [] and sorted(os.listdir(tmp_path)) == ["a_file", "hf"]
+
+
 def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
@@ -165,6 +189,35 @@ def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
         match=r"model.safetensors' has factors u, v at layers/1/mlp/"
         r"(gate|up|down)_proj, but the model config.json describes",
     ):
+        load_compressed_checkpoint(tmp_path / "out")
+
+
+@pytest.mark.parametrize(
+    "name, edit",
+    [
+        ("config.json", lambda c: {**c, "rope_theta": c.get("rope_theta", 10000.0) * 2}),
+        ("config.json", lambda c: {**c, "rms_norm_eps": 0.5}),
+        ("tokenizer.json", None),
+    ],
+    ids=["rope_theta", "rms_norm_eps", "tokenizer"],
+)
+def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
+    # An edited config.json used to load silently, with different logits.
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    file = tmp_path / "out" / name
+    good = file.read_bytes()
+    if edit is None:
+        file.write_bytes(good.replace(b"w3", b"w9", 1))
+        assert file.read_bytes() != good
+    else:
+        file.write_text(json.dumps(edit(json.loads(good))))
+    with pytest.raises(CheckpointError, match=rf"{file}: checksum mismatch: the file differs"):
+        load_compressed_checkpoint(tmp_path / "out")
+    file.write_bytes(good)
+    load_compressed_checkpoint(tmp_path / "out")
+    os.remove(file)
+    with pytest.raises((CheckpointError, FileNotFoundError), match=rf"{file}|has no {name}"):
         load_compressed_checkpoint(tmp_path / "out")
 
 

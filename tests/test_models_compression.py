@@ -84,6 +84,28 @@ def test_whitened_beats_plain_svd_on_calibration_data():
     assert whitened_error < plain_error, (whitened_error, plain_error)
 
 
+@pytest.mark.parametrize("steps", [(), ("sequential",)])
+def test_too_few_calibration_tokens_warn_once_saying_how_many_the_width_needs(steps, caplog):
+    # 30 tokens for Gram matrices 96 (hidden) and 200 (intermediate) wide: every projection input is damped. This
+    # used to warn once per projection per layer.
+    model = _llama(seed=5)
+    calib = _ids(1, 30, seed=6)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING):
+        warnings.simplefilter("always")
+        compress_model(model, keep=0.5, block=8, method="whitened", calibration_ids=calib, steps=steps, progress=False)
+    damped = [w for w in caught if issubclass(w.category, svd.WhiteningDampedWarning)]
+    assert len(damped) == 1, [str(w.message) for w in damped]
+    message = str(damped[0].message)
+    assert "K up to 200, from 30 tokens" in message
+    assert "it needs at least 200 calibration tokens" in message, message
+    assert sum("Gram" in record.getMessage() for record in caplog.records) == 1
+
+
+def test_steps_given_as_one_string_is_named():
+    with pytest.raises(TypeError, match=r"steps: got the string 'sequential', expected a sequence of step names"):
+        compress_model(_llama(), keep=0.5, method="whitened", calibration_ids=_ids(1, 8, 0), steps="sequential")
+
+
 def test_bad_arguments():
     model = _llama()
     with pytest.raises(ValueError, match="method"):

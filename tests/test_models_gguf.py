@@ -10,8 +10,10 @@ tokenizer's ids must agree.
 """
 
 import os
+import re
 
 import gguf
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -153,9 +155,12 @@ def _byte_level_vocab():
 # --- file writers -----------------------------------------------------------------------------------------------
 
 
-def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int, rope_freqs=None):
+def _write(
+    path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int, rope_freqs=None, overrides=None, empty=()
+):
     """Writes a random GGUF model of `arch` to `path` the way llama.cpp lays it out (with `rope_freqs`, llama.cpp's
-    table of per-frequency RoPE divisors, as tensor rope_freqs.weight)."""
+    table of per-frequency RoPE divisors, as tensor rope_freqs.weight). `overrides` {key without the architecture
+    prefix: (value, GGUFValueType)} replaces metadata fields; tensors named in `empty` are written with no rows."""
     rng = np.random.default_rng(seed)
     s = GEMMA3_SHAPES if arch == "gemma3" else SHAPES
     gemma = arch.startswith("gemma")
@@ -238,9 +243,13 @@ def _write(path, arch: str, *, tied: bool, bias: bool, tokenizer: str, seed: int
                 (b + "post_attention_norm.weight", (s["hidden"],), "norm", None),
                 (b + "post_ffw_norm.weight", (s["hidden"],), "norm", None),
             ]
+    for key, (value, vtype) in (overrides or {}).items():
+        writer.add_key_value(f"{arch}.{key}", value, vtype)
     if rope_freqs is not None:
         writer.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, np.float32))
     for name, shape, kind, heads in tensors:
+        if name in empty:
+            shape = (0, *shape[1:])
         if kind == "matrix":
             qtype = next(types_cycle)
             data, values = _tensor(rng, shape, qtype)
@@ -475,6 +484,109 @@ def test_truncated_file_is_a_clear_error(llama_file, tmp_path, keep):
     open(path, "wb").write(data[: int(len(data) * keep)])
     with pytest.raises(ValueError, match=r"cut\.gguf.*(truncated|corrupt)"):
         load_gguf(path)
+
+
+V = gguf.GGUFValueType
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        # More layers declared than the file holds: checked before a model of that many layers is built.
+        ({"block_count": (10**9, V.UINT64)}, r"llama\.block_count' is 1000000000.*layers 0\.\.2 \(3 in all\)"),
+        ({"block_count": (4, V.UINT32)}, r"llama\.block_count' is 4.*expected blk\.0 \.\.\. blk\.3"),
+        ({"block_count": (2, V.UINT32)}, r"llama\.block_count' is 2"),
+        ({"embedding_length": (128, V.UINT32)}, r"token_embd\.weight.*llama\.embedding_length' = 128"),
+        ({"vocab_size": (10**6, V.UINT32)}, r"token_embd\.weight.*llama\.vocab_size' = 1000000"),
+        ({"feed_forward_length": (1024, V.UINT32)}, r"blk\.0\.ffn_up\.weight.*feed_forward_length' = 1024"),
+    ],
+)
+def test_declared_counts_must_match_the_tensors(tmp_path, overrides, match):
+    path = str(tmp_path / "counts.gguf")
+    _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=4, overrides=overrides)
+    with pytest.raises(ValueError, match=r"counts\.gguf.*" + match):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        ({"attention.head_count": (0, V.UINT32)}, r"head_count' is 0, expected an integer >= 1"),
+        ({"attention.head_count": (float("nan"), V.FLOAT32)}, r"head_count' is nan, expected an integer >= 1"),
+        ({"attention.head_count": ("4", V.STRING)}, r"head_count' is '4', expected an integer >= 1"),
+        ({"embedding_length": (256.5, V.FLOAT32)}, r"embedding_length' is 256\.5, expected an integer >= 1"),
+        # Head counts that do not fit the file's q / k rows (4 and 2 heads of 64).
+        (
+            {"attention.head_count": (3, V.UINT32), "attention.head_count_kv": (1, V.UINT32)},
+            r"attn_[qk]\.weight' has \d+ rows, expected \d+ \([13] heads of 64",
+        ),
+        ({"attention.head_count_kv": (3, V.UINT32)}, r"head_count_kv' is 3, expected a divisor.*head_count' \(4\)"),
+        ({"rope.dimension_count": (63, V.UINT32)}, r"head size is 63.*expected an even number"),
+        ({"rope.freq_base": (float("nan"), V.FLOAT32)}, r"rope\.freq_base' is nan, expected a finite number > 0"),
+        ({"rope.freq_base": (-1e4, V.FLOAT32)}, r"rope\.freq_base' is -10000\.0, expected a finite number > 0"),
+        ({"rope.freq_base": ("high", V.STRING)}, r"rope\.freq_base' is 'high', expected a number > 0"),
+        (
+            {"attention.layer_norm_rms_epsilon": (-1.0, V.FLOAT32)},
+            r"layer_norm_rms_epsilon' is -1\.0, expected a finite number > 0",
+        ),
+        (
+            {"attention.layer_norm_rms_epsilon": (float("inf"), V.FLOAT32)},
+            r"layer_norm_rms_epsilon' is inf, expected a finite number > 0",
+        ),
+    ],
+)
+def test_bad_metadata_values_name_the_field(tmp_path, overrides, match):
+    path = str(tmp_path / "meta.gguf")
+    _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=5, overrides=overrides)
+    with pytest.raises(ValueError, match=r"meta\.gguf.*" + match):
+        load_gguf(path)
+
+
+def test_head_count_not_dividing_the_width_names_the_fields(tmp_path):
+    # Without key_length / rope.dimension_count the head size is embedding_length / head_count.
+    path = str(tmp_path / "heads.gguf")
+    _write(
+        path,
+        "gemma",
+        tied=True,
+        bias=False,
+        tokenizer="llama",
+        seed=6,
+        overrides={"attention.head_count": (3, V.UINT32), "attention.head_count_kv": (1, V.UINT32)},
+    )
+    # _write states the head size; rename that key (same length) so the width / head_count rule applies.
+    data = bytearray(open(path, "rb").read())
+    key = b"gemma.attention.key_length"
+    at = data.index(key)
+    data[at : at + len(key)] = b"gemma.attention.xey_length"
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(ValueError, match=r"head_count' is 3, which does not divide 'gemma\.embedding_length' \(256\)"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("name", ["blk.1.ffn_down.weight", "output_norm.weight"])
+def test_zero_element_tensor_is_named(tmp_path, name):
+    path = str(tmp_path / "empty.gguf")
+    _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=7, empty=(name,))
+    with pytest.raises(ValueError, match=rf"empty\.gguf.*{re.escape(name)}.*no elements"):
+        load_gguf(path)
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, "int8", bool, "not a dtype"])
+def test_dtype_must_be_a_float_type(llama_file, dtype):
+    with pytest.raises(TypeError, match=r"load_gguf: dtype is .*expected a floating-point dtype"):
+        load_gguf(llama_file, dtype=dtype)
+
+
+def test_load_checkpoint_opens_gguf_files(llama_file):
+    from jax_neuronmm.models import load_checkpoint
+
+    ids = np.random.default_rng(9).integers(0, 300, size=(1, 7))
+    np.testing.assert_array_equal(
+        np.asarray(_logits(load_checkpoint(llama_file), ids)), np.asarray(_logits(load_gguf(llama_file), ids))
+    )
+    with pytest.raises(FileNotFoundError, match="does not exist .*expected a GGUF file, a compressed checkpoint"):
+        load_checkpoint(llama_file + ".absent")
 
 
 def test_missing_file(tmp_path):

@@ -382,6 +382,44 @@ def explicit_partial_shard_map_manual_model_axis_explicit_data_axis():
                 np.testing.assert_allclose(np.asarray(apply(*placed)), mlp_f64(*args), rtol=1e-4, atol=1e-4)
 
 
+# The Megatron layout of a compressed Llama (examples/tensor_parallel_generate.py): (path regex, spec).
+_MEGATRON = (
+    (r"mlp/(gate_proj|up_proj)/v$", P(None, "model")),
+    (r"mlp/down_proj/u$", P("model", None)),
+    (r"self_attn/(q_proj|k_proj|v_proj)/v$", P(None, "model")),
+    (r"self_attn/o_proj/u$", P("model", None)),
+)
+
+
+@check
+def generate_on_explicit_mesh_matches_one_device():
+    # The bug: the KV-cache dynamic_update_slice got heads-split keys into an unsplit cache (ShardingTypeError).
+    import re
+
+    from flax import nnx
+
+    from jax_neuronmm import models
+
+    config = models.LlamaConfig.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=16)
+    model = models.Llama(config, rngs=nnx.Rngs(3))
+    model = models.compress_model(model, keep=0.5, method="svd", include=("mlp", "attention"))
+    graphdef, state = nnx.split(model)
+    prompts = rng("generate_explicit").integers(0, config.vocab_size, size=(4, 7))
+    sampling = dict(temperature=0.8, seed=5)
+    expected = np.asarray(models.generate(model, prompts, 6, **sampling))
+    for kind in ("explicit", "auto"):
+        mesh = _mesh(kind)
+
+        def place(path, value, mesh=mesh):
+            name = "/".join(str(key.key) for key in path if hasattr(key, "key"))
+            spec = next((s for pattern, s in _MEGATRON if re.search(pattern, name)), P())
+            return jax.device_put(value, NamedSharding(mesh, spec))
+
+        sharded = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
+        assert sharded.layers[0].mlp.gate_proj.v[...].sharding.spec == P(None, "model")
+        np.testing.assert_array_equal(np.asarray(models.generate(sharded, prompts, 6, **sampling)), expected)
+
+
 @pytest.fixture(scope="module")
 def check_results():
     return checks_in_subprocess(__file__)

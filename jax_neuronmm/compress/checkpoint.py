@@ -9,20 +9,24 @@ holds:
   sha256       JSON {tensor name: hex digest of "dtype|shape|" + the tensor's bytes}
   report       JSON of the `CompressionReport` (when one was given)
   user         JSON of the caller's own string metadata
-Files are written to a temporary file in the target directory (`write_atomically`) and moved into place with
-os.replace, so a crash never leaves a half-written checkpoint under the final name; an existing file is replaced
-only when the caller says `overwrite=True`. Loading verifies every checksum. No pickle anywhere.
+Files are written to a temporary file in the target directory (`write_atomically`) and moved into place in one
+step, so a crash never leaves a half-written checkpoint under the final name; an existing file is replaced only
+when the caller says `overwrite=True` (otherwise the temporary is hard-linked into place, which fails when the
+name exists, so of two concurrent saves one wins and the other gets FileExistsError). Loading verifies every
+checksum. No pickle anywhere.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
 import re
 import secrets
+import socket
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -62,12 +66,17 @@ def save_compressed(
 
     `report` (from `compress_params`) supplies method and keep and must agree with the ranks found in params;
     without it the file records method "none". `metadata` is extra string → string data kept under "user".
-    An existing file at `path` is replaced (atomically) only with `overwrite=True`; otherwise FileExistsError.
+    An existing file at `path` is replaced (atomically) only with `overwrite=True`; otherwise FileExistsError, also
+    when another process saves to `path` at the same time and publishes first. Raises ValueError for an empty path
+    or one ending in a separator, IsADirectoryError when `path` is a directory, TypeError for a leaf that is not an
+    array of numbers or booleans (object, string, complex arrays).
     """
-    path = os.fspath(path)
+    path = _file_path(path, "cannot save checkpoint")
     directory = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(directory):
         raise FileNotFoundError(f"cannot save checkpoint {path!r}: directory {directory!r} does not exist")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"cannot save checkpoint {path!r}: it is a directory, expected a file path")
     if os.path.lexists(path) and not overwrite:
         raise FileExistsError(f"cannot save checkpoint {path!r}: the file exists (pass overwrite=True to replace it)")
     if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
@@ -81,7 +90,13 @@ def save_compressed(
             raise TypeError(f"params leaf {name!r} is {type(value).__name__}, expected an array")
         if name in tensors:
             raise ValueError(f"two params leaves share the tensor name {name!r} (keys {paths[name]} and {list(keys)})")
-        tensors[name] = np.require(np.asarray(value), requirements="C")  # keeps 0-d arrays 0-d
+        array = np.require(np.asarray(value), requirements="C")  # keeps 0-d arrays 0-d
+        if array.dtype.kind in "OUSMmc" or array.dtype.fields is not None:
+            raise TypeError(
+                f"params leaf {name!r} has dtype {array.dtype}, expected an array of numbers or booleans "
+                "(bool, int, uint, float types)"
+            )
+        tensors[name] = array
         paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
     if not tensors:
         raise ValueError("params has no array leaves to save")
@@ -101,21 +116,48 @@ def save_compressed(
     if report is not None:
         header["report"] = json.dumps(report.to_dict())
 
-    write_atomically(path, lambda temporary: safetensors.numpy.save_file(tensors, temporary, metadata=header))
+    write_atomically(
+        path,
+        lambda temporary: safetensors.numpy.save_file(tensors, temporary, metadata=header),
+        overwrite=overwrite,
+    )
 
 
-def write_atomically(path, write: Callable[[str], None]) -> None:
-    """Calls write(temporary) on a fresh file next to `path`, fsyncs it and renames it onto `path`.
+def _file_path(path, what: str) -> str:
+    path = os.fspath(path)
+    if not isinstance(path, str):
+        path = os.fsdecode(path)
+    if not path or path.endswith((os.sep, "/")) or os.path.basename(path) in ("", ".", ".."):
+        raise ValueError(f"{what} {path!r}: expected a file path (a non-empty file name)")
+    return path
+
+
+# Temporaries are named ".<name>.<TAG>.<host>.<pid>.<random>.tmp": the tag and the host keep the stale-temporary
+# cleanup to files this code wrote on this machine, the pid tells whether their writer still runs.
+_TEMPORARY_TAG = "jax_neuronmm-partial"
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname()) or "host"
+
+
+def write_atomically(path, write: Callable[[str], None], *, overwrite: bool = True) -> None:
+    """Calls write(temporary) on a fresh file next to `path`, fsyncs it and moves it to `path` in one step.
 
     The temporary file is created with the mode a normal new file gets (0666 minus the umask, so a process under
-    another user can read a checkpoint when the umask allows), named ".<name>.<pid>.<random>.tmp". If `write`
-    fails it is removed; temporaries that a killed earlier save of the same `path` left behind (their process is
-    gone) are removed first. Replaces `path` if it exists: callers decide whether that is allowed.
+    another user can read a checkpoint when the umask allows), named ".<name>.jax_neuronmm-partial.<host>.<pid>.
+    <random>.tmp". If `write` fails it is removed; temporaries that a killed earlier save of the same `path` on this
+    host left behind (their process is gone) are removed first, and no other file.
+
+    overwrite=True replaces `path` if it exists (os.replace). overwrite=False publishes with os.link, which fails
+    when `path` exists, so the no-clobber check and the publish are one atomic step: FileExistsError if `path`
+    exists or another writer published first. (Where the file system has no hard links, `path` is first claimed
+    with O_EXCL and then replaced: still never clobbered, though readers may briefly see an empty file.)
     """
-    path = os.fspath(path)
+    path = _file_path(path, "cannot write")
     directory, name = os.path.split(os.path.abspath(path))
     _remove_stale_temporaries(directory, name)
-    temporary = os.path.join(directory, f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    temporary = os.path.join(directory, f".{name}.{_TEMPORARY_TAG}.{_host()}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     os.close(os.open(temporary, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # the umask applies, unlike mkstemp
     try:
         normal_mode = os.stat(temporary).st_mode
@@ -123,15 +165,43 @@ def write_atomically(path, write: Callable[[str], None]) -> None:
         os.chmod(temporary, normal_mode)  # writers such as safetensors' may recreate the file as 0600
         with open(temporary, "rb") as written:
             os.fsync(written.fileno())
-        os.replace(temporary, path)
+        if overwrite:
+            os.replace(temporary, path)
+        else:
+            _publish_new(temporary, path)
     except BaseException:
-        os.unlink(temporary)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
         raise
 
 
+def _publish_new(temporary: str, path: str) -> None:
+    """Moves `temporary` to `path`, which must not exist (FileExistsError), in one step."""
+    try:
+        os.link(temporary, path)
+    except FileExistsError:
+        raise FileExistsError(
+            f"cannot write {path!r}: the file exists (another writer may have published it first); "
+            "pass overwrite=True to replace it"
+        ) from None
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK, errno.ENOSYS):
+            raise
+        try:  # no hard links here: claim the name, then replace our own placeholder
+            os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+        except FileExistsError:
+            raise FileExistsError(
+                f"cannot write {path!r}: the file exists; pass overwrite=True to replace it"
+            ) from None
+        os.replace(temporary, path)
+        return
+    os.unlink(temporary)
+
+
 def _remove_stale_temporaries(directory: str, name: str) -> None:
-    """Removes ".<name>.<pid>.<hex>.tmp" files in `directory` whose writing process no longer runs."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.(\d+)\.[0-9a-f]+\.tmp")
+    """Removes this host's ".<name>.jax_neuronmm-partial.<host>.<pid>.<hex>.tmp" files in `directory` whose writing
+    process no longer runs."""
+    pattern = re.compile(rf"\.{re.escape(name)}\.{_TEMPORARY_TAG}\.{re.escape(_host())}\.(\d+)\.[0-9a-f]{{8}}\.tmp")
     for entry in os.listdir(directory):
         match = pattern.fullmatch(entry)
         if match and not _process_alive(int(match.group(1))):
@@ -195,9 +265,11 @@ def load_compressed(path, *, like=None):
     except (KeyError, json.JSONDecodeError) as error:
         raise CheckpointError(f"checkpoint {path!r} has damaged metadata ({error!r})") from error
     if set(digests) != set(tensors) or set(paths) != set(tensors):
-        raise CheckpointError(
-            f"checkpoint {path!r}: tensors {sorted(tensors)} do not match the recorded names {sorted(digests)}"
-        )
+        extra = sorted(name for name in tensors if name not in digests or name not in paths)
+        missing = sorted((set(digests) | set(paths)) - set(tensors))
+        problems = [f"tensors not in the recorded names: {extra}"] if extra else []
+        problems += [f"recorded tensors missing from the file: {missing}"] if missing else []
+        raise CheckpointError(f"checkpoint {path!r}: " + "; ".join(problems))
     corrupt = [name for name, array in tensors.items() if _digest(array) != digests[name]]
     if corrupt:
         raise CheckpointError(f"checkpoint {path!r}: checksum mismatch (corrupt data) in tensors {corrupt}")

@@ -192,10 +192,11 @@ def compress_params(
         raise ValueError(f"calibration names layers that are not compressed: {sorted(calibration)}")
 
     replacements, layer_reports = {}, []
-    for target in tqdm(targets, desc=f"compress ({method})", unit="layer", disable=not progress):
-        u, v, layer_report = _compress_one(target, method, damping)
-        replacements[target.keys] = (u, v)
-        layer_reports.append(layer_report)
+    with svd.damping_summary():  # one warning for the whole tree, not one per projection
+        for target in tqdm(targets, desc=f"compress ({method})", unit="layer", disable=not progress):
+            u, v, layer_report = _compress_one(target, method, damping)
+            replacements[target.keys] = (u, v)
+            layer_reports.append(layer_report)
     report = CompressionReport(method=method, keep=keep, rank=rank, layers=tuple(layer_reports))
     return tree.rebuild(params, _replace_kernels(replacements)), report
 

@@ -15,6 +15,7 @@ compressed attention's output, and down_proj on the hidden activations of the co
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import functools
 from concurrent import futures
@@ -292,10 +293,15 @@ def _compress_mlp(
         chol = svd.whitening(hidden, damping=options.damping)[0] if whitened else None
         return factor("down_proj", chol, hidden, dense_hidden)
 
-    # Without sequential, down_proj sees the dense model's hidden activations: it is factored beside gate/up.
-    down = None if options.sequential else lane.submit(factor_down, dense_hidden)
+    # Without sequential, down_proj sees the dense model's hidden activations: it is factored beside gate/up. The
+    # lane runs in this thread's context (a copy), so svd.damping_summary collects its damping too.
+    down = None if options.sequential else lane.submit(contextvars.copy_context().run, factor_down, dense_hidden)
     chol = svd.whitening(inputs, damping=options.damping)[0] if whitened else None
-    up = lane.submit(factor, "up_proj", chol, inputs, dense_inputs) if options.sequential else None
+    up = (
+        lane.submit(contextvars.copy_context().run, factor, "up_proj", chol, inputs, dense_inputs)
+        if options.sequential
+        else None
+    )
     factors = {"gate_proj": factor("gate_proj", chol, inputs, dense_inputs)}
     factors["up_proj"] = up.result() if up is not None else factor("up_proj", chol, inputs, dense_inputs)
     if options.sequential:  # down_proj sees what the compressed gate/up produce

@@ -9,6 +9,8 @@ u [L, K, r], v [L, r, N]).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import numbers
@@ -28,6 +30,52 @@ DEFAULT_DAMPING = 1e-6
 
 class WhiteningDampedWarning(UserWarning):
     """The calibration Gram matrix XᵀX was not positive definite, so damping was added to its diagonal."""
+
+
+# Within `damping_summary`: a list collecting (K, tokens, damping) per damped Gram matrix instead of one warning each.
+_DAMPED: contextvars.ContextVar[list | None] = contextvars.ContextVar("damped_gram_matrices", default=None)
+
+
+def _report_damping(width: int, tokens: int, damping: float, stacklevel: int) -> None:
+    collected = _DAMPED.get()
+    if collected is not None:
+        collected.append((width, tokens, damping))
+        return
+    message = (
+        f"calibration Gram matrix XᵀX (K={width}, {tokens} tokens) is not positive definite; "
+        f"added {damping:.3g}·mean(diag) to its diagonal" + _tokens_hint(width, tokens)
+    )
+    warnings.warn(message, WhiteningDampedWarning, stacklevel=stacklevel + 1)
+    logger.warning(message)
+
+
+def _tokens_hint(width: int, tokens: int) -> str:
+    if tokens >= width:
+        return " (its features are linearly dependent)"
+    return f" ({tokens} tokens cannot fill a {width}-wide Gram matrix: it needs at least {width} calibration tokens)"
+
+
+@contextlib.contextmanager
+def damping_summary():
+    """Within it, Gram matrices that needed damping are collected, and on leaving ONE `WhiteningDampedWarning`
+    (and log line) sums them up: how many, the widest K, the fewest tokens and how many tokens the widths need.
+    A compression run wraps its whole pass in it, so a model gives one warning, not one per projection."""
+    collected = []
+    token = _DAMPED.set(collected)
+    try:
+        yield collected
+    finally:
+        _DAMPED.reset(token)
+    if collected:
+        width = max(k for k, _, _ in collected)
+        tokens = min(n for _, n, _ in collected)
+        message = (
+            f"{len(collected)} calibration Gram matrices XᵀX (K up to {width}, from {tokens} tokens) were not "
+            f"positive definite; added up to {max(d for _, _, d in collected):.3g}·mean(diag) to their diagonals"
+            + _tokens_hint(width, tokens)
+        )
+        warnings.warn(message, WhiteningDampedWarning, stacklevel=3)
+        logger.warning(message)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,12 +151,7 @@ def _whitened_svd_with_info(w, activations, rank: int, damping: float) -> Whiten
         u_list.append(u)
         v_list.append(v)
     if damping_added > 0:
-        message = (
-            f"calibration Gram matrix XᵀX (K={w_host.shape[-2]}, {x.shape[-2]} tokens) is not positive definite; "
-            f"added {damping_added:.3g}·mean(diag) to its diagonal"
-        )
-        warnings.warn(message, WhiteningDampedWarning, stacklevel=4)
-        logger.warning(message)
+        _report_damping(w_host.shape[-2], x.shape[-2], damping_added, stacklevel=4)
     u = np.stack(u_list).reshape(stack_shape + u_list[0].shape).astype(w_host.dtype)
     v = np.stack(v_list).reshape(stack_shape + v_list[0].shape).astype(w_host.dtype)
     return WhitenedFactors(u=u, v=v, damping_added=damping_added)
@@ -128,12 +171,7 @@ def whitening(activations, *, damping: float = DEFAULT_DAMPING) -> tuple[np.ndar
     with single_threaded_blas():
         chol, damping_added = _damped_cholesky(x.T @ x, damping)
     if damping_added > 0:
-        message = (
-            f"calibration Gram matrix XᵀX (K={x.shape[1]}, {x.shape[0]} tokens) is not positive definite; "
-            f"added {damping_added:.3g}·mean(diag) to its diagonal"
-        )
-        warnings.warn(message, WhiteningDampedWarning, stacklevel=2)
-        logger.warning(message)
+        _report_damping(x.shape[1], x.shape[0], damping_added, stacklevel=2)
     return chol, damping_added
 
 

@@ -9,6 +9,7 @@ from jax_neuronmm.models.compressed_loading import (
 )
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.decoder import CausalLM, KVCache
+from jax_neuronmm.models.evaluation import perplexity
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.generation import generate
 from jax_neuronmm.models.gguf_loading import load_gguf
@@ -37,4 +38,5 @@ __all__ = [
     "load_hf",
     "load_tokenizer",
     "model_from_config",
+    "perplexity",
 ]

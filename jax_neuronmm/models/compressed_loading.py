@@ -2,7 +2,9 @@
 `load_compressed_checkpoint` loads it back as an NNX model.
 
 The directory holds the HF config.json (and tokenizer files) copied from the source, `compression_report.json`,
-and `model.safetensors` written by `jax_neuronmm.compress.save_compressed` in our (Flax) layout: the model's
+and `model.safetensors` written by `jax_neuronmm.compress.save_compressed` in our (Flax) layout (its metadata also
+records the sha256 of each copied file, so an edited config.json or tokenizer fails to load rather than changing
+the model's outputs): the model's
 `nnx.state` after `compress_model`, dense kernels [in, out] under ".../kernel", each compressed projection as
 u [in, r] and v [r, out] under its module path (e.g. layers/0/mlp/gate_proj/u). HF names are translated once, by
 `load_hf` (hf_loading.flax_keys). Loading reads the ranks from the u/v shapes, so no SVD runs: the model is built
@@ -13,9 +15,10 @@ parameters are filled from the file.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-import shutil
+import tempfile
 
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +37,7 @@ from jax_neuronmm.compress.checkpoint import (
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation, resolve_pipeline
 from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.gguf_loading import load_gguf
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
@@ -50,6 +54,8 @@ COPIED_FILES = (
     "tokenizer.model",
 )
 DEFAULT_KEEP = 0.8
+# model.safetensors' user metadata key: JSON {copied file name: sha256 hex of its bytes}.
+FILES_SHA256 = "files_sha256"
 
 
 def compress_checkpoint(
@@ -73,18 +79,20 @@ def compress_checkpoint(
     factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
-    Nothing the user has is replaced: before anything is read or written, raises FileExistsError naming the
-    directory when out_dir is src_dir or already holds a file the output would write (model.safetensors,
-    compression_report.json, the copied config / tokenizer files).
+    Nothing the user has is replaced, and the output is checked before anything is compressed: see
+    `check_output_dir` for the errors.
     """
     src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
     if keep is not None and rank is not None:
         raise ValueError(f"keep, rank: got keep={keep!r} and rank={rank!r}, expected at most one")
     if keep is None and rank is None:
         keep = DEFAULT_KEEP
-    read_config(src_dir)  # a missing source fails before out_dir is looked at
-    copied = [name for name in COPIED_FILES if os.path.isfile(os.path.join(src_dir, name))]
-    _check_output_dir(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
+    copied = check_output_dir(src_dir, out_dir)
+    # Read once: the copies are these bytes, and their checksums go into model.safetensors.
+    contents = {}
+    for name in copied:
+        with open(os.path.join(src_dir, name), "rb") as f:
+            contents[name] = f.read()
 
     dense = load_hf(src_dir, dtype=dtype)
     method, steps = resolve_pipeline(method, steps, calibration_ids)
@@ -117,15 +125,24 @@ def compress_checkpoint(
             "include": ",".join((include,) if isinstance(include, str) else include),
             "block": str(block),
             "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
+            FILES_SHA256: json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}),
         },
     )
-    write_atomically(os.path.join(out_dir, REPORT_FILE), lambda temporary: _write_json(temporary, report.to_dict()))
-    for name in copied:
+    write_atomically(
+        os.path.join(out_dir, REPORT_FILE),
+        lambda temporary: _write_json(temporary, report.to_dict()),
+        overwrite=False,
+    )
+    for name, data in contents.items():
         write_atomically(
-            os.path.join(out_dir, name),
-            lambda temporary, name=name: shutil.copyfile(os.path.join(src_dir, name), temporary),
+            os.path.join(out_dir, name), lambda temporary, data=data: _write_bytes(temporary, data), overwrite=False
         )
     return report
+
+
+def _write_bytes(path: str, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
 
 
 def _write_json(path: str, value) -> None:
@@ -133,7 +150,44 @@ def _write_json(path: str, value) -> None:
         json.dump(value, f, indent=1)
 
 
-def _check_output_dir(src_dir: str, out_dir: str, outputs: list[str]) -> None:
+def check_output_dir(src_dir, out_dir) -> list[str]:
+    """Checks that `compress_checkpoint(src_dir, out_dir)` can write its output; returns the names it would copy.
+
+    Raises FileNotFoundError / ValueError (read_config's) for a missing or malformed source config.json; ValueError
+    for an empty out_dir; NotADirectoryError when out_dir, or a folder above it, is a file; FileExistsError naming
+    the directory when out_dir is src_dir or already holds a file the output would write (model.safetensors,
+    compression_report.json, the copied config / tokenizer files); PermissionError when out_dir (or, when it does
+    not exist yet, the nearest folder above it) does not let this process create files. Writes nothing.
+    """
+    src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
+    read_config(src_dir)  # a missing source fails before out_dir is looked at
+    if not out_dir:
+        raise ValueError("out_dir: got an empty path, expected a directory to write the compressed checkpoint into")
+    copied = [name for name in COPIED_FILES if os.path.isfile(os.path.join(src_dir, name))]
+    existing = os.path.abspath(out_dir)
+    while not os.path.isdir(existing):
+        if os.path.lexists(existing):
+            raise NotADirectoryError(f"out_dir: {out_dir!r}: {existing!r} is a file, expected a directory")
+        existing = os.path.dirname(existing)
+    _check_output_files(src_dir, out_dir, [CHECKPOINT_FILE, REPORT_FILE, *copied])
+    _check_writable(existing, out_dir)
+    return copied
+
+
+def _check_writable(directory: str, out_dir: str) -> None:
+    """PermissionError unless a file can be created in `directory` (tried: permission bits do not tell for root,
+    ACLs or read-only mounts)."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as error:
+        raise PermissionError(
+            f"out_dir: {out_dir!r}: cannot create files in {directory!r} ({error.strerror or error}); "
+            "choose a writable directory (nothing was written)"
+        ) from error
+
+
+def _check_output_files(src_dir: str, out_dir: str, outputs: list[str]) -> None:
     if os.path.isdir(out_dir) and os.path.samefile(src_dir, out_dir):
         raise FileExistsError(
             f"out_dir: {out_dir!r} is the source checkpoint directory; writing there would replace "
@@ -184,7 +238,17 @@ def is_compressed_checkpoint(path) -> bool:
 
 
 def load_checkpoint(path, dtype=jnp.float32) -> CausalLM:
-    """`load_compressed_checkpoint(path)` when `path` is a compressed checkpoint directory, else `load_hf(path)`."""
+    """The model at `path`: a GGUF file (`load_gguf`), a compressed checkpoint directory
+    (`load_compressed_checkpoint`) or a Hugging Face checkpoint directory (`load_hf`), in `dtype`. Raises
+    FileNotFoundError when nothing is at `path`, and the loader's errors otherwise."""
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return load_gguf(path, dtype=dtype)
+    if not os.path.exists(path):
+        raise FileNotFoundError(
+            f"path: {path!r} does not exist (expected a GGUF file, a compressed checkpoint directory or a Hugging "
+            "Face checkpoint directory)"
+        )
     if is_compressed_checkpoint(path):
         return load_compressed_checkpoint(path, dtype=dtype)
     return load_hf(os.fspath(path), dtype=dtype)
@@ -198,7 +262,8 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
     FileNotFoundError when `path` is not a directory or lacks config.json / model.safetensors, ValueError naming
     the file for a malformed config.json or tokenizer.json, `jax_neuronmm.compress.CheckpointError` (a
     ValueError) naming the file when model.safetensors was not written by save_compressed, is corrupt, or does not
-    fit the model config.json describes.
+    fit the model config.json describes, or when config.json or a tokenizer file differs from the one the
+    checkpoint was written with (checksums recorded in model.safetensors).
     """
     path = os.fspath(path)
     read_config(path)
@@ -207,7 +272,7 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
         raise FileNotFoundError(
             f"path: {path!r} has no {CHECKPOINT_FILE}; expected a directory written by models.compress_checkpoint"
         )
-    params, _ = load_compressed(weights_path)
+    params, info = load_compressed(weights_path)
     tensors = dict(tree.iter_leaves(params))
     ranks = {
         keys[:-1]: int(u.shape[-1]) for keys, u in tensors.items() if keys[-1] == "u" and keys[:-1] + ("v",) in tensors
@@ -220,8 +285,34 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
     problems = fit_problems(expected, tensors, check_dtype=False)
     if problems:
         raise CheckpointError(f"checkpoint {weights_path!r} does not fit {path}/config.json: " + "; ".join(problems))
+    # Last, so that a config.json that does not describe these tensors at all gets the more specific error above.
+    _verify_copied_files(path, weights_path, info.user)
     loaded = [(keys, variable.replace(jnp.asarray(tensors[keys], dtype=dtype))) for keys, variable in expected.items()]
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
+    """Raises CheckpointError naming the file when a copied file differs from the checksum model.safetensors
+    records (checkpoints written before checksums were recorded have none to compare)."""
+    if FILES_SHA256 not in user:
+        return
+    try:
+        recorded = json.loads(user[FILES_SHA256])
+    except json.JSONDecodeError as error:
+        raise CheckpointError(f"checkpoint {weights_path!r} has damaged metadata {FILES_SHA256!r} ({error})") from error
+    for name, digest in recorded.items():
+        file = os.path.join(path, name)
+        if not os.path.isfile(file):
+            raise CheckpointError(
+                f"{file}: missing; {weights_path!r} records its checksum (it belongs to the checkpoint)"
+            )
+        with open(file, "rb") as f:
+            found = hashlib.sha256(f.read()).hexdigest()
+        if found != digest:
+            raise CheckpointError(
+                f"{file}: checksum mismatch: the file differs from the one the checkpoint was written with "
+                f"(sha256 {found}, expected {digest} as {CHECKPOINT_FILE} records); restore it"
+            )
 
 
 def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: str) -> None:

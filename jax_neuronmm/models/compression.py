@@ -123,6 +123,10 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
 def resolve_pipeline(method, steps, calibration_ids):
     """(method, steps) that `compress_model` runs: without method, the recommended pipeline when there are
     calibration ids, else plain SVD with a `NoCalibrationWarning`; steps default to none for an explicit method."""
+    if isinstance(steps, (str, bytes)):  # tuple("sequential") would be its letters
+        raise TypeError(
+            f"steps: got the string {steps!r}, expected a sequence of step names from {STEPS}, e.g. ({steps!r},)"
+        )
     if method is None:
         if calibration_ids is None:
             warnings.warn(
@@ -183,7 +187,7 @@ def compress_model(
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
-    with svd.single_threaded_blas():
+    with svd.single_threaded_blas(), svd.damping_summary():
         return _compress(
             model,
             keep,

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_neuronmm import decoder_math
+from jax_neuronmm.explicit_sharding import typed_alike
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
 from jax_neuronmm.models.validation import check_token_ids
 
@@ -72,8 +73,8 @@ class KVCache:
         at slots [length, length + T)."""
         start = (0, self.length)
         return (
-            jax.lax.dynamic_update_slice(self.slot_valid, token_mask, start),
-            jax.lax.dynamic_update_slice(self.slot_positions, positions, start),
+            jax.lax.dynamic_update_slice(*typed_alike(self.slot_valid, token_mask), start),
+            jax.lax.dynamic_update_slice(*typed_alike(self.slot_positions, positions), start),
         )
 
 

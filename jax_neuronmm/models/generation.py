@@ -125,23 +125,48 @@ def generate(
     to and positions count real tokens only, so each row decodes as it would alone. New tokens always start at
     column T, so with right padding a row's pads stay between its prompt and its continuation.
 
-    Raises ValueError for token ids outside [0, vocab_size), T + max_new_tokens beyond the model's context
-    (`config.max_position_embeddings`, when known), a NaN, infinite or negative temperature, and other bad
-    arguments (each message names the argument).
+    Raises ValueError for token ids outside [0, vocab_size), a batch of 0 prompts or rows of different lengths,
+    T + max_new_tokens beyond the model's context (`config.max_position_embeddings`, when known), a NaN, infinite
+    or negative temperature, a seed outside 64 bits, and other bad values; TypeError for a count (max_new_tokens,
+    top_k, seed) that is not an integer or a temperature / top_p that is not a number. Each message names the
+    argument.
     """
     if not isinstance(model, CausalLM):
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
-    if int(max_new_tokens) != max_new_tokens or max_new_tokens < 1:
+    max_new_tokens = _integer("max_new_tokens", max_new_tokens, "an integer >= 1")
+    if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: got {max_new_tokens!r}, expected an integer >= 1")
+    temperature = _number("temperature", temperature, "a finite number >= 0")
     if not math.isfinite(temperature) or temperature < 0:  # NaN would sample from NaN logits: all zeros
         raise ValueError(f"temperature: got {temperature}, expected a finite number >= 0")
-    if top_k is not None and not 1 <= top_k <= model.config.vocab_size:
-        raise ValueError(f"top_k: got {top_k}, expected None or 1..{model.config.vocab_size}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: got {top_p}, expected None or 0 < top_p <= 1")
-    prompt = np.asarray(token_ids)
+    vocab = model.config.vocab_size
+    if top_k is not None:
+        top_k = _integer("top_k", top_k, f"None or an integer in 1..{vocab}")
+        if not 1 <= top_k <= vocab:
+            raise ValueError(f"top_k: got {top_k}, expected None or an integer in 1..{vocab}")
+    if top_p is not None:
+        top_p = _number("top_p", top_p, "None or a number with 0 < top_p <= 1")
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p: got {top_p}, expected None or 0 < top_p <= 1")
+    seed = _integer("seed", seed, f"an integer in [{-(2**63)}, {2**63 - 1}]")
+    if not -(2**63) <= seed < 2**63:  # what jax.random.key takes
+        raise ValueError(f"seed: got {seed}, expected an integer in [{-(2**63)}, {2**63 - 1}] (a 64-bit seed)")
+    try:
+        prompt = np.asarray(token_ids)
+    except ValueError as error:  # numpy's "inhomogeneous shape": rows of different lengths
+        raise ValueError(
+            "token_ids: rows have different lengths, expected int [B, T]; pad the shorter prompts to T and pass "
+            "pad_mask or lengths"
+        ) from error
+    if prompt.dtype == object and prompt.ndim == 1 and prompt.size and all(np.ndim(row) == 1 for row in prompt):
+        raise ValueError(
+            f"token_ids: rows have different lengths {[len(row) for row in prompt]}, expected int [B, T]; pad the "
+            "shorter prompts to T and pass pad_mask or lengths"
+        )
     if prompt.ndim != 2 or prompt.shape[1] < 1 or not np.issubdtype(prompt.dtype, np.integer):
         raise ValueError(f"token_ids: got shape {prompt.shape} dtype {prompt.dtype}, expected int [B, T] with T >= 1")
+    if prompt.shape[0] < 1:
+        raise ValueError(f"token_ids: got shape {prompt.shape}, a batch of 0 prompts; expected int [B, T] with B >= 1")
     check_token_ids(prompt, model.config.vocab_size, name="token_ids")
     mask = _prompt_mask(prompt, pad_mask, lengths)
     batch, tokens = prompt.shape
@@ -201,6 +226,34 @@ def generate(
             **sampling,
         )
     return jnp.concatenate([jnp.asarray(prompt, jnp.int32), jnp.stack(new_tokens, axis=1)], axis=1)
+
+
+def _scalar_kind(value) -> str:
+    """numpy's dtype kind of a 0-d number (Python, numpy or JAX scalar), else "" (strings, None, arrays, ...)."""
+    if isinstance(value, bool):
+        return "b"
+    if isinstance(value, int):  # any size: a seed beyond 64 bits is a range error, not a type error
+        return "i"
+    if isinstance(value, (str, bytes)) or value is None or np.ndim(value) != 0:
+        return ""
+    try:
+        return np.asarray(value).dtype.kind
+    except (TypeError, ValueError):
+        return ""
+
+
+def _integer(name: str, value, expected: str) -> int:
+    """`value` as a Python int; TypeError naming `name` for a bool, a float, a string or None."""
+    if _scalar_kind(value) not in ("i", "u"):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected {expected}")
+    return int(value)
+
+
+def _number(name: str, value, expected: str) -> float:
+    """`value` as a Python float; TypeError naming `name` for a bool, a string, None or an array."""
+    if _scalar_kind(value) not in ("i", "u", "f"):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected {expected}")
+    return float(value)
 
 
 def _end_tokens(eos_id, vocab_size):

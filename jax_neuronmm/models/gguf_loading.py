@@ -15,7 +15,9 @@ GGUF stores a linear weight like PyTorch, [out, in] in numpy order; our kernels 
 
 from __future__ import annotations
 
+import math
 import os
+import re
 from typing import Any
 
 import gguf
@@ -50,9 +52,15 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
     the file's vocabulary (adding BOS when `tokenizer.ggml.add_bos_token` says so) or None when the file has no
     vocabulary, and `model.eos_token_ids` the file's end-of-sequence id (a tuple, maybe empty).
 
-    Raises FileNotFoundError for a missing file and ValueError naming the file and the field for an unsupported
-    architecture, tokenizer or tensor type, a missing or misshapen tensor, and a truncated or corrupt file.
+    Raises FileNotFoundError for a missing file, TypeError for a `dtype` that is not a float type, and ValueError
+    naming the file and the field for an unsupported architecture, tokenizer or tensor type, a metadata value of
+    the wrong type or out of range (a count that is not a positive integer, a head count that does not fit the
+    width, a NaN, infinite or non-positive RoPE base or norm epsilon), a declared count (layers, width, vocabulary,
+    MLP width) that the tensors present do not match, a missing, empty or misshapen tensor, and a truncated or
+    corrupt file. Declared counts are checked against the tensors before any model is built.
     """
+    if not _is_float_dtype(dtype):
+        raise TypeError(f"load_gguf: dtype is {dtype!r}, expected a floating-point dtype such as jnp.float32")
     with tqdm(total=2, desc=f"Reading {os.path.basename(path)}", unit="step", leave=False) as bar:
         reader = _open(path)
         metadata = _Metadata(reader, path)
@@ -66,6 +74,13 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
         graphdef, loaded = _load_tensors(path, metadata.architecture, hf_config, tensors, dtype, tokenizer, bar)
         bar.update(1)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _is_float_dtype(dtype) -> bool:
+    try:
+        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
+    except TypeError:
+        return False
 
 
 def _load_tensors(path: str, architecture: str, hf_config: dict, tensors: dict, dtype, tokenizer, bar):
@@ -87,6 +102,11 @@ def _load_tensors(path: str, architecture: str, hf_config: dict, tensors: dict, 
             array = array - np.float32(1.0)
         if architecture == "llama" and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads = hf_config["num_attention_heads" if ".attn_q." in name else "num_key_value_heads"]
+            if array.shape[0] != variable.shape[-1]:  # rows = heads * head_dim: the permutation needs that first
+                raise ValueError(
+                    f"{path!r}: tensor {name!r} has {array.shape[0]} rows, expected {variable.shape[-1]} "
+                    f"({heads} heads of {hf_config['head_dim']} from the attention.head_count* and key_length fields)"
+                )
             array = _unpermute_rows(array, heads)
         if transposed:
             array = array.T
@@ -157,6 +177,27 @@ class _Metadata:
         full = f"{self.architecture}.{key}"
         return self.require(full) if required else self.get(full, default)
 
+    def arch_count(self, key: str, default=None, required: bool = False) -> int | None:
+        """The field `{architecture}.{key}` as an integer >= 1 (None when absent and no default)."""
+        value = self.arch(key, default, required)
+        if value is None:
+            return None
+        is_number = isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_))
+        if not is_number or not math.isfinite(value) or value != int(value) or value < 1:
+            raise ValueError(f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected an integer >= 1")
+        return int(value)
+
+    def arch_positive(self, key: str, default=None, required: bool = False) -> float:
+        """The field `{architecture}.{key}` as a finite number > 0."""
+        value = self.arch(key, default, required)
+        if not isinstance(value, (int, float, np.number)) or isinstance(value, (bool, np.bool_)):
+            raise ValueError(f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected a number > 0")
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(
+                f"{self.path!r}: field '{self.architecture}.{key}' is {value!r}, expected a finite number > 0"
+            )
+        return float(value)
+
 
 def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
     """The HF config dict (model_type llama, gemma or gemma3_text) that the GGUF metadata (and, for the llama3
@@ -166,33 +207,54 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(
             f"{metadata.path!r}: field 'general.architecture' is {arch!r}, expected one of {SUPPORTED_ARCHITECTURES}"
         )
-    num_heads = int(metadata.arch("attention.head_count", required=True))
-    hidden = int(metadata.arch("embedding_length", required=True))
-    vocab = metadata.arch("vocab_size")
+    num_heads = metadata.arch_count("attention.head_count", required=True)
+    hidden = metadata.arch_count("embedding_length", required=True)
+    vocab = metadata.arch_count("vocab_size")
     if vocab is None and "token_embd.weight" in tensors:
-        vocab = tensors["token_embd.weight"].shape[-1]  # GGUF lists dimensions innermost first: [hidden, vocab]
+        vocab = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists dimensions innermost first: [hidden, vocab]
     if vocab is None:
         vocab = len(metadata.require("tokenizer.ggml.tokens"))
+    layers = metadata.arch_count("block_count", required=True)
+    intermediate = metadata.arch_count("feed_forward_length", required=True)
+    _check_declared_counts(metadata, tensors, layers=layers, hidden=hidden, vocab=vocab, intermediate=intermediate)
+    num_kv_heads = metadata.arch_count("attention.head_count_kv", num_heads)
+    if num_heads % num_kv_heads:
+        raise ValueError(
+            f"{metadata.path!r}: field '{arch}.attention.head_count_kv' is {num_kv_heads}, expected a divisor of "
+            f"'{arch}.attention.head_count' ({num_heads})"
+        )
+    head_dim = metadata.arch_count("attention.key_length") or metadata.arch_count("rope.dimension_count")
+    if head_dim is None:
+        if hidden % num_heads:
+            raise ValueError(
+                f"{metadata.path!r}: field '{arch}.attention.head_count' is {num_heads}, which does not divide "
+                f"'{arch}.embedding_length' ({hidden}); expected a divisor, or the head size in "
+                f"'{arch}.attention.key_length'"
+            )
+        head_dim = hidden // num_heads
+    if head_dim % 2:  # RoPE rotates pairs
+        raise ValueError(
+            f"{metadata.path!r}: the head size is {head_dim} ({arch}.attention.key_length or "
+            f"{arch}.rope.dimension_count or embedding_length / head_count), expected an even number"
+        )
     config = dict(
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(metadata.arch("feed_forward_length", required=True)),
-        num_hidden_layers=int(metadata.arch("block_count", required=True)),
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=num_heads,
-        num_key_value_heads=int(metadata.arch("attention.head_count_kv", num_heads)),
-        head_dim=int(
-            metadata.arch("attention.key_length") or metadata.arch("rope.dimension_count") or hidden // num_heads
-        ),
-        rms_norm_eps=float(metadata.arch("attention.layer_norm_rms_epsilon", 1e-6)),
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=metadata.arch_positive("attention.layer_norm_rms_epsilon", 1e-6),
         attention_bias="blk.0.attn_q.bias" in tensors,
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
     )
-    rope = {"rope_theta": float(metadata.arch("rope.freq_base", 10000.0))}
+    rope = {"rope_theta": metadata.arch_positive("rope.freq_base", 10000.0)}
     scaling = metadata.arch("rope.scaling.type")
     if scaling == "linear":
-        rope.update(rope_type="linear", factor=float(metadata.arch("rope.scaling.factor", required=True)))
+        rope.update(rope_type="linear", factor=metadata.arch_positive("rope.scaling.factor", required=True))
     elif scaling not in (None, "none"):
         raise ValueError(f"{metadata.path!r}: field '{arch}.rope.scaling.type' is {scaling!r}, expected 'linear'")
 
@@ -202,9 +264,13 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         return dict(config, model_type="llama", rope_parameters=rope, mlp_bias="blk.0.ffn_gate.bias" in tensors)
     if arch == "gemma":
         return dict(config, model_type="gemma", rope_parameters=rope, hidden_activation="gelu_pytorch_tanh")
-    layers = config["num_hidden_layers"]
     pattern = metadata.arch("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one bool per layer: whether it uses the sliding window
+        if len(pattern) != layers:
+            raise ValueError(
+                f"{metadata.path!r}: field '{arch}.attention.sliding_window_pattern' has {len(pattern)} entries, "
+                f"expected one per layer ({layers}, '{arch}.block_count')"
+            )
         layer_types = ["sliding_attention" if s else "full_attention" for s in pattern]
     else:
         layer_types = [
@@ -216,13 +282,37 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         model_type="gemma3_text",
         hidden_activation="gelu_pytorch_tanh",
         layer_types=layer_types,
-        sliding_window=int(metadata.arch("attention.sliding_window", required=True)),
+        sliding_window=metadata.arch_count("attention.sliding_window", required=True),
         query_pre_attn_scalar=scalar,
         rope_parameters={
             "full_attention": rope,
-            "sliding_attention": {"rope_theta": float(metadata.arch("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA))},
+            "sliding_attention": {"rope_theta": metadata.arch_positive("rope.freq_base_swa", _GEMMA3_LOCAL_ROPE_THETA)},
         },
     )
+
+
+def _check_declared_counts(metadata: _Metadata, tensors: dict, *, layers, hidden, vocab, intermediate) -> None:
+    """Raises ValueError naming the field when a declared count disagrees with the tensors the file holds (a model
+    is built from the counts, so a wrong one would otherwise cost memory before any tensor is compared)."""
+    arch = metadata.architecture
+    present = sorted({int(m.group(1)) for name in tensors if (m := re.match(r"blk\.(\d+)\.", name))})
+    if len(present) != layers or (present and present[-1] != layers - 1):  # sorted, distinct: 0..layers-1
+        found = f"layers {present[0]}..{present[-1]} ({len(present)} in all)" if present else "no layer tensors"
+        raise ValueError(
+            f"{metadata.path!r}: field '{arch}.block_count' is {layers}, but the file has tensors (blk.N.*) for "
+            f"{found}; expected blk.0 ... blk.{layers - 1}"
+        )
+    # GGUF lists dimensions innermost first: [in, out].
+    for name, expected, fields in (
+        ("token_embd.weight", (hidden, vocab), ("embedding_length", "vocab_size")),
+        ("blk.0.ffn_up.weight", (hidden, intermediate), ("embedding_length", "feed_forward_length")),
+    ):
+        if name in tensors and tuple(int(d) for d in tensors[name].shape) != expected:
+            declared = ", ".join(f"'{arch}.{f}' = {e}" for f, e in zip(fields, expected))
+            raise ValueError(
+                f"{metadata.path!r}: tensor {name!r} has shape {[int(d) for d in tensors[name].shape]} (GGUF order), "
+                f"expected {list(expected)} from {declared}"
+            )
 
 
 def _llama3_rope(path: str, rope_freqs, rope: dict, head_dim: int) -> dict:
@@ -269,6 +359,11 @@ def _dequantize(tensor, path: str) -> np.ndarray:
         raise ValueError(f"{path!r}: tensor {tensor.name!r} has type {qtype.name}, expected a float or quantized type")
     block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
     count = int(np.prod(tensor.shape))
+    if count == 0:
+        raise ValueError(
+            f"{path!r}: tensor {tensor.name!r} ({qtype.name}) has shape {[int(d) for d in tensor.shape]} with no "
+            "elements, expected every dimension >= 1"
+        )
     if tensor.data.nbytes != count // block * block_bytes:
         raise ValueError(
             f"{path!r}: tensor {tensor.name!r} ({qtype.name}, shape {tuple(int(d) for d in tensor.shape)}) has "

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.linen import dtypes
 
+from jax_neuronmm import explicit_sharding
 from jax_neuronmm.compress import svd
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
 from jax_neuronmm.svd_matmul import svd_matmul
@@ -218,7 +219,15 @@ class SVDMLP(nnx.Module):
         inputs, *factors = dtypes.promote_dtype(
             inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype
         )
-        return svd_mlp(inputs, *factors, activation=self.activation, precision=self.precision)
+        # An MLP's result joins the residual stream: under Explicit mesh axes it is split like its input, features
+        # whole (a Megatron-split MLP leaves partial sums, which svd_mlp would otherwise ask to be placed).
+        return svd_mlp(
+            inputs,
+            *factors,
+            activation=self.activation,
+            precision=self.precision,
+            out_sharding=explicit_sharding.features_unsplit(inputs),
+        )
 
     @classmethod
     def from_linears(
