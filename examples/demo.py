@@ -21,7 +21,6 @@ the equality check and the speed are real there; the generated ids are noise).
 from __future__ import annotations
 
 import hashlib
-import math
 import os
 import statistics
 import textwrap
@@ -75,8 +74,6 @@ MEDIUM = dict(
     tie_word_embeddings=False,
 )
 
-_logits = nnx.jit(lambda model, ids: model(ids))
-
 
 def real_model_path():
     """The assembled Gemma 3 270M GGUF, or None (with the reason printed) when the package is unavailable."""
@@ -105,13 +102,6 @@ def text_halves(tokenizer) -> tuple[np.ndarray, np.ndarray]:
         cut += 1
     halves = ("\n\n".join(paragraphs[:cut]), "\n\n".join(paragraphs[cut:]))
     return tuple(np.array([tokenizer.encode(h).ids]) for h in halves)
-
-
-def perplexity(model, ids: np.ndarray) -> float:
-    """exp(mean next-token NLL) of ids [1, T] in one forward pass."""
-    logp = jax.nn.log_softmax(_logits(model, jnp.asarray(ids[:, :-1])).astype(jnp.float32), axis=-1)
-    nll = -np.asarray(jnp.take_along_axis(logp, jnp.asarray(ids[:, 1:, None]), axis=-1)).mean()
-    return math.exp(float(nll))
 
 
 # The recommended pipeline without its end-to-end distillation (benchmarks/results/accuracy_report.md: 1.74x dense
@@ -201,7 +191,7 @@ def side_by_side(dense, compressed, tokenizer):
 
 def held_out_perplexity(dense, compressed, held_out: np.ndarray):
     values = {
-        name: perplexity(model, held_out)
+        name: models.perplexity(model, held_out)
         for name, model in tqdm([("dense", dense), ("compressed", compressed)], desc="Perplexity", leave=False)
     }
     print(

@@ -6,12 +6,12 @@ import pytest
 
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.evaluation import predictions
 from jax_neuronmm.models.quality import (
     ClozeItem,
     cloze_correct,
     cloze_items,
     greedy_continuations,
-    predictions,
     tokens_until_divergence,
     top1_agreement,
 )

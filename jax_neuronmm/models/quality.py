@@ -8,46 +8,14 @@ CausalLM call (token ids [B, T] → logits [B, T, V]) and runs on JAX's default 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from collections.abc import Callable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
+from jax_neuronmm.models.evaluation import Predictions, window_predictions
 from jax_neuronmm.models.generation import generate
-
-
-@dataclasses.dataclass(frozen=True)
-class Predictions:
-    """A model's teacher-forced next-token predictions on windows [B, T]: log_likelihood [B, T-1] (float64) of each
-    actual next token, and top1 [B, T-1] (the argmax token at each position)."""
-
-    log_likelihood: np.ndarray
-    top1: np.ndarray
-
-    @property
-    def perplexity(self) -> float:
-        return math.exp(-float(np.mean(self.log_likelihood)))
-
-
-def predictions(model, windows) -> Predictions:
-    """Teacher-forced predictions of `model` on windows [B, T] int token ids, one window at a time."""
-    windows = np.asarray(windows)
-    if windows.ndim != 2 or windows.shape[1] < 2:
-        raise ValueError(f"windows: got shape {windows.shape}, expected token ids [B, T] with T >= 2")
-    parts = [_window_predictions(model, jnp.asarray(windows[i : i + 1], jnp.int32)) for i in range(len(windows))]
-    return Predictions(
-        np.concatenate([np.asarray(p[0], np.float64) for p in parts]), np.concatenate([np.asarray(p[1]) for p in parts])
-    )
-
-
-@nnx.jit
-def _window_predictions(model, ids):
-    logp = jax.nn.log_softmax(model(ids[:, :-1]).astype(jnp.float32), axis=-1)
-    return jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0], jnp.argmax(logp, axis=-1)
 
 
 def top1_agreement(model_predictions: Predictions, reference: Predictions) -> float:
@@ -126,6 +94,6 @@ def cloze_correct(model, items: Sequence[ClozeItem], bos_id: int | None) -> np.n
     correct = np.zeros(len(items), bool)
     for index, item in enumerate(items):  # windows of one width (targets of one length) share a compilation
         row = np.concatenate([[] if bos_id is None else [bos_id], item.context, item.target]).astype(np.int32)
-        top1 = np.asarray(_window_predictions(model, jnp.asarray(row[None]))[1])[0]
+        top1 = np.asarray(window_predictions(model, jnp.asarray(row[None]))[1])[0]
         correct[index] = bool(np.all(top1[-len(item.target) :] == item.target))
     return correct
