@@ -45,7 +45,9 @@ class DistillOptions:
     """Distillation settings.
 
     steps: Adam steps; batch: training windows per step; learning_rate: Adam's peak step size, reached after
-    `warmup` steps of linear warm-up; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
+    `warmup` steps of linear warm-up, relative to each factor's RMS when `relative` (the factors of whitened SVD
+    differ in scale by orders of magnitude across layers and projections, so one absolute step size fits few of
+    them), else absolute; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
     positions: positions per window of the "kl" loss (0: every position); vocab_chunk: LM-head rows per chunk of
     the "kl" loss; top_k: tokens per position of the "topk" loss's KL term (0: the centered-logit error alone);
     holdout: training windows held out to choose which step's factors to keep (0: keep the last step's);
@@ -55,6 +57,7 @@ class DistillOptions:
     steps: int = 200
     batch: int = 1
     learning_rate: float = 3e-5
+    relative: bool = False
     warmup: int = 20
     clip_norm: float = 1.0
     loss: str = "kl"
@@ -78,6 +81,8 @@ class DistillOptions:
                 raise ValueError(
                     f"{name}: got {value!r}, expected {'a positive' if low == 0 else 'a non-negative'} number"
                 )
+        if not isinstance(self.relative, bool):
+            raise ValueError(f"relative: got {self.relative!r}, expected a bool")
         if self.loss not in LOSSES:
             raise ValueError(f"loss: got {self.loss!r}, expected one of {LOSSES}")
 
@@ -208,6 +213,7 @@ def distill_factors(
         optax.adam(schedule or options.learning_rate),
     )
     state = optimizer.init(factors)
+    scales = jax.tree.map(lambda p: jnp.sqrt(jnp.mean(jnp.square(p))) if options.relative else 1.0, factors)
     rng = np.random.default_rng(options.seed)
     window = ids.shape[1]
     sampled = min(options.positions, window) if options.positions else window
@@ -227,6 +233,7 @@ def distill_factors(
     def step(factors, state, rest, table, batch):
         loss, grads = jax.value_and_grad(loss_of)(factors, rest, table, batch)
         updates, state = optimizer.update(grads, state, factors)
+        updates = jax.tree.map(lambda update, scale: update * scale, updates, scales)
         return optax.apply_updates(factors, updates), state, loss
 
     held_loss_jit = jax.jit(loss_of)
