@@ -39,7 +39,7 @@ from tqdm import tqdm
 
 from jax_neuronmm.compress.checkpoint import write_atomically
 from nki_kernels import emulator, hardware, ranks
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
@@ -338,7 +338,7 @@ def measure_ours(
     model: Model, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
 ) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target."""
-    decode_step = importlib.import_module("nki_kernels.decode_step")
+    decode_step = importlib.import_module("nki_kernels.decode.runner")
     spec = decode_spec(model, num_layers, compressed)
     operands = operand_specs(spec, batch, cache_len)
     runs, failures = {}, []

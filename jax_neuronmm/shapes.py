@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nki_kernels.decode import contract as decode_contract
+
 COMPUTE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -70,3 +72,9 @@ def canonical_precision(op, precision):
 def accumulation_dtype(input_dtype):
     """float32 accumulation (what PSUM does) except for float64 inputs."""
     return np.dtype(np.float64) if np.dtype(input_dtype) == np.float64 else np.dtype(np.float32)
+
+
+def check_decode_operands(op, spec, operands):
+    """`operands` (nki_kernels.decode.DecodeOperands of arrays or abstract values) once they follow the decode
+    step's contract for `spec`: a ValueError / TypeError naming the operand otherwise."""
+    return decode_contract.check(spec, operands, op)

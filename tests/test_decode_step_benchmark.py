@@ -12,7 +12,7 @@ sys.path.insert(0, BENCHMARKS)
 
 import decode_step as bench  # noqa: E402
 
-from nki_kernels.decode_spec import PROJECTIONS  # noqa: E402
+from nki_kernels.decode.contract import PROJECTIONS  # noqa: E402
 
 
 def test_must_move_bytes_of_llama_1b_dense_counted_by_hand():

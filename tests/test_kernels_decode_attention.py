@@ -14,7 +14,7 @@ import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels.binding import nki, nl
-from nki_kernels.decode_attention import (
+from nki_kernels.decode.attention import (
     attention,
     attention_kernel,
     cache_write_kernel,
@@ -22,7 +22,7 @@ from nki_kernels.decode_attention import (
     rope_kernel,
     store_columns,
 )
-from nki_kernels.decode_spec import DecodeSpec
+from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.emulator import count_only, profile
 from nki_kernels.emulator.kernel import Spec, run
 

@@ -12,8 +12,8 @@ import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
-from nki_kernels.decode_step import COMPOSITIONS, run_decode_step
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 

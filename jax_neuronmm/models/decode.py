@@ -30,7 +30,7 @@ from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 
 ATTENTION = ("q", "k", "v", "o")
 

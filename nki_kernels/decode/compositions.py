@@ -24,33 +24,19 @@ u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidt
 
 from __future__ import annotations
 
-from nki_kernels import decode_attention
-from nki_kernels import decode_layer as dl
 from nki_kernels.binding import nisa, nki, nl
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.decode import attention, contract
+from nki_kernels.decode import projections as dl
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
-OPERAND_NAMES = (
-    ("x", "norms", "qk_norms")
-    + PROJECTIONS
-    + ("k_cache", "v_cache", "write_index", "cos", "sin", "mask_bias", "final_norm", "head")
-)
 MLP_PROJECTIONS = ("gate", "up", "down")
 
 
 def check_spec(spec):
     if not isinstance(spec, DecodeSpec):
         raise TypeError(f"spec: expected a nki_kernels.decode_spec.DecodeSpec, got {type(spec).__name__}")
-
-
-def weight_dtype(weight):
-    return weight.dtype if not isinstance(weight, (list, tuple)) else weight[0].dtype
-
-
-def layer_weight(weight, layer, rank):
-    """Layer `layer` of a stacked projection as HBM views: [K, N], or [u [K, Rmax], v [Rmax, N]]."""
-    return weight[layer] if rank is None else [weight[0][layer], weight[1][layer]]
 
 
 def _min_row_elements(spec, names):
@@ -91,11 +77,11 @@ class StepContext:
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        beside = 0 if k_cache is None else decode_attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
+        beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
         self.consts = dl.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
-        self.attention = decode_attention.AttentionConstants(spec)
+        self.attention = attention.AttentionConstants(spec)
 
 
 def _rows(tensor, rows):
@@ -113,17 +99,18 @@ def _add(dst, other):
     nisa.tensor_tensor(dst=dst, data1=dst, data2=other, op=nl.add)
 
 
-def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, norms):
+def decoder_layer(ctx, x, layer, ops):
     """One decoder layer on the hidden state x (float32 column tiles of ctx.layouts.hidden, updated in place).
 
-    weights: dict projection name → stacked HBM operand. The k/v of this step go into the caches in place.
+    ops: DecodeOperands in HBM (x, final_norm and head unused). The k/v of this step go into the caches in place.
     """
     spec, rows, lay = ctx.spec, ctx.rows, ctx.layouts
-    w_norm = dl.load_norm_weights(norms[layer], lay.hidden, spec.norm_unit_offset)
+    weights = ops.weights
+    w_norm = dl.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
 
     def project(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
-        dl.project(src, src_layout, layer_weight(weights[name], layer, rank), rank, out_layout, rows, ctx.ring, evict)
+        dl.project(src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict)
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
     qkv = {}
@@ -131,18 +118,18 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
         qkv[name] = dl.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
         project(h, lay.hidden, name, layout, dl.copy_into(qkv[name]))
     del h
-    attn = decode_attention.attention(
+    attn = attention.attention(
         qkv["q"],
         qkv["k"],
         qkv["v"],
-        k_cache,
-        v_cache,
+        ops.k_cache,
+        ops.v_cache,
         layer,
-        write_index,
-        cos,
-        sin,
-        mask_bias,
-        qk_norms,
+        ops.write_index,
+        ops.cos,
+        ops.sin,
+        ops.mask_bias,
+        ops.qk_norms,
         spec,
         constants=ctx.attention,
     )
@@ -154,7 +141,7 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
     if lay.attn != lay.q:
         attn = dl.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
-    mlp = [layer_weight(weights[name], layer, rank) for name, rank in zip(MLP_PROJECTIONS, ranks)]
+    mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
     if spec.sandwich:
         y = dl.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
         project(attn, lay.attn, "o", lay.hidden, dl.copy_into(y))
@@ -170,129 +157,43 @@ def decoder_layer(ctx, x, layer, weights, k_cache, v_cache, write_index, cos, si
 
 
 def check_operands(kernel, operands, spec):
-    """ValueError/TypeError naming the operand unless `operands` match the contract for `spec`."""
-    check_spec(spec)
-    if len(operands) != len(OPERAND_NAMES):
-        raise ValueError(f"{kernel}: got {len(operands)} operands, expected {len(OPERAND_NAMES)} {OPERAND_NAMES}")
-    ops = dict(zip(OPERAND_NAMES, operands))
-    x = ops["x"]
-    if len(x.shape) != 3 or x.shape[2] != spec.hidden or x.shape[0] * x.shape[1] > nl.tile_size.pmax:
+    """`operands` as DecodeOperands once they follow the contract (factors may be stacked past their largest rank)
+    and fit one kernel launch (B·T rows on one partition tile); else a ValueError / TypeError naming the operand."""
+    ops = contract.check(spec, operands, kernel, padded_ranks=True)
+    b, t, _ = ops.x.shape
+    if b * t > nl.tile_size.pmax:
         raise ValueError(
-            f"{kernel}: x has shape {tuple(x.shape)}, expected [B, T, {spec.hidden}] with B·T <= {nl.tile_size.pmax}"
+            f"{kernel}: x has shape {tuple(ops.x.shape)}, expected B·T <= {nl.tile_size.pmax} rows (one partition tile)"
         )
-    b, t = x.shape[0], x.shape[1]
-    L, H, D = spec.num_layers, spec.hidden, spec.head_dim
-    expect = {"norms": (L, spec.num_norms, H), "final_norm": (H,), "write_index": (1, 1)}
-    if spec.qk_norm:
-        expect["qk_norms"] = (L, 2, D)
-    elif ops["qk_norms"] is not None:
-        raise ValueError(f"{kernel}: qk_norms must be None when spec.qk_norm is False")
-    for name in PROJECTIONS:
-        k, n = spec.in_features(name), spec.out_features(name)
-        weight, ranks = ops[name], spec.ranks[PROJECTIONS.index(name)]
-        if ranks is None:
-            expect[name] = (L, k, n)
-        elif not isinstance(weight, (list, tuple)) or len(weight) != 2:
-            raise TypeError(f"{kernel}: {name} must be a 2-list [u, v] (spec.ranks[{name!r}] is set)")
-        else:
-            rmax = weight[0].shape[-1]
-            if rmax < max(ranks) or tuple(weight[0].shape) != (L, k, rmax) or tuple(weight[1].shape) != (L, rmax, n):
-                raise ValueError(
-                    f"{kernel}: {name} factors have shapes {tuple(weight[0].shape)}, "
-                    f"{tuple(weight[1].shape)}, expected [{L}, {k}, Rmax], [{L}, Rmax, {n}] with Rmax >= "
-                    f"{max(ranks)}"
-                )
-    if spec.head_rank is None:
-        expect["head"] = (H, spec.vocab)
-    elif (
-        not isinstance(ops["head"], (list, tuple))
-        or tuple(ops["head"][0].shape) != (H, spec.head_rank)
-        or tuple(ops["head"][1].shape) != (spec.head_rank, spec.vocab)
-    ):
-        raise ValueError(f"{kernel}: head must be [u [{H}, {spec.head_rank}], v [{spec.head_rank}, {spec.vocab}]]")
-    cache = ops["k_cache"].shape
-    if len(cache) != 5 or tuple(cache[:2]) != (L, b) or tuple(cache[3:]) != (spec.num_kv_heads, D):
-        raise ValueError(
-            f"{kernel}: k_cache has shape {tuple(cache)}, expected [{L}, {b}, S, {spec.num_kv_heads}, {D}]"
-        )
-    s = cache[2]
-    expect.update(
-        {
-            "v_cache": tuple(cache),
-            "cos": (spec.num_rope_tables, b, t, D),
-            "sin": (spec.num_rope_tables, b, t, D),
-            "mask_bias": (spec.num_masks, b, t, s),
-        }
-    )
-    for name, shape in expect.items():
-        if isinstance(ops[name], (list, tuple)) or tuple(ops[name].shape) != shape:
-            got = type(ops[name]).__name__ if isinstance(ops[name], (list, tuple)) else tuple(ops[name].shape)
-            raise ValueError(f"{kernel}: {name} has shape {got}, expected {list(shape)}")
     return ops
 
 
 @nki.jit
-def decode_step_kernel(
-    x,
-    norms,
-    qk_norms,
-    q,
-    k,
-    v,
-    o,
-    gate,
-    up,
-    down,
-    k_cache,
-    v_cache,
-    write_index,
-    cos,
-    sin,
-    mask_bias,
-    final_norm,
-    head,
-    *,
-    spec,
-    ring_block_bytes=None,
-    ring_bytes=None,
-):
-    """(iii) The whole decode step in one kernel: logits [B, T, V] float32, and the caches (written in place).
+def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None):
+    """The whole decode step in one kernel: an outer loop over the layers, the hidden state on chip throughout.
 
-    ring_block_bytes / ring_bytes: weight ring geometry per partition (default: blocks of up to 32 KiB in a ring
-    filling the target's SBUF less decode_layer.SBUF_RESERVED_BYTES).
+    Dimensions: B rows of T new tokens (B·T <= 128), H hidden, V vocabulary, L layers.
+    Args:
+        operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a factored
+            weight as its [u, v] list); k_cache and v_cache are written IN PLACE at this step's slots.
+        spec: DecodeSpec (static).
+        ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
+            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less ring.SBUF_RESERVED_BYTES and
+            attention's cache tiles).
+    Returns:
+        (logits [B, T, V] float32 in HBM, k_cache, v_cache).
     """
-    operands = (
-        x,
-        norms,
-        qk_norms,
-        q,
-        k,
-        v,
-        o,
-        gate,
-        up,
-        down,
-        k_cache,
-        v_cache,
-        write_index,
-        cos,
-        sin,
-        mask_bias,
-        final_norm,
-        head,
-    )
     ops = check_operands("decode_step_kernel", operands, spec)
-    b, t, _ = x.shape
+    b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes, k_cache)
+    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
-    dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
-    weights = {name: ops[name] for name in PROJECTIONS}
+    dl.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):
-        decoder_layer(ctx, hidden, layer, weights, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, norms)
+        decoder_layer(ctx, hidden, layer, ops)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    _head(ctx, hidden, final_norm, head, _rows(logits, rows))
-    return logits, k_cache, v_cache
+    _head(ctx, hidden, ops.final_norm, ops.head, _rows(logits, rows))
+    return logits, ops.k_cache, ops.v_cache
 
 
 def _head(ctx, hidden, final_norm, head, out_rows):
@@ -313,43 +214,31 @@ def _head(ctx, hidden, final_norm, head, out_rows):
 
 
 @nki.jit
-def decoder_layer_kernel(
-    x,
-    norms,
-    qk_norms,
-    q,
-    k,
-    v,
-    o,
-    gate,
-    up,
-    down,
-    k_cache,
-    v_cache,
-    write_index,
-    cos,
-    sin,
-    mask_bias,
-    *,
-    spec,
-    layer,
-    ring_block_bytes=None,
-    ring_bytes=None,
-):
-    """(ii) Decoder layer `layer`: x [B, T, H] (any float dtype) → (x' [B, T, H] float32, k_cache, v_cache)."""
+def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
+    """Decoder layer `layer` as one kernel; the hidden state crosses HBM in float32 between launches.
+
+    Dimensions: B rows of T new tokens (B·T <= 128), H hidden.
+    Args:
+        operands: DecodeOperands.kernel_args() with x [B, T, H] the layer's input (any float dtype) and
+            final_norm, head None (unused); k_cache and v_cache are written IN PLACE.
+        spec: DecodeSpec (static). layer: the layer, a static int in [0, spec.num_layers).
+        ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        (x' [B, T, H] float32 in HBM, k_cache, v_cache).
+    """
     check_spec(spec)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise ValueError(f"decoder_layer_kernel: layer={layer!r}, expected an int in [0, {spec.num_layers})")
-    b, t, _ = x.shape
+    ops = contract.DecodeOperands.of(operands)
+    b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(q), ring_block_bytes, ring_bytes, k_cache)
+    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
-    dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
-    weights = dict(zip(PROJECTIONS, (q, k, v, o, gate, up, down)))
-    decoder_layer(ctx, hidden, layer, weights, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, norms)
+    dl.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
+    decoder_layer(ctx, hidden, layer, ops)
     out = nl.ndarray((b, t, spec.hidden), dtype=nl.float32, buffer=nl.shared_hbm, name="hidden_out")
     dl.store_columns(_rows(out, rows), hidden, ctx.layouts.hidden)
-    return out, k_cache, v_cache
+    return out, ops.k_cache, ops.v_cache
 
 
 @nki.jit
@@ -358,7 +247,8 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     check_spec(spec)
     b, t, _ = x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, weight_dtype(head), ring_block_bytes, ring_bytes)
+    head = as_weight(head, spec.head_rank is not None)
+    ctx = StepContext(spec, rows, head.dtype, ring_block_bytes, ring_bytes)
     hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -397,9 +287,10 @@ def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
 def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_block_bytes=None, ring_bytes=None):
     """x [R, K] rows @ layer `layer` of a stacked projection (dense [L, K, N], or [u, v] at `rank`) → [R, N]."""
     rows, k = x.shape
-    w = layer_weight(weight, layer, rank)
-    dtype = weight_dtype(weight)
-    n = (w if rank is None else w[1]).shape[-1]
+    weight = as_weight(weight, rank is not None)
+    w = layer_weight(weight, layer)
+    dtype = weight.dtype
+    n = (w if rank is None else w.v).shape[-1]
     in_layout = dl.feature_layout(k, dl.choose_group(k, n if rank is None else rank))
     out_layout = dl.feature_layout(n)
     ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
@@ -436,7 +327,8 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     final softcap."""
     check_spec(spec)
     rows, features = h.shape
-    dtype = weight_dtype(head)
+    head = as_weight(head, spec.head_rank is not None)
+    dtype = head.dtype
     layout = dl.feature_layout(
         features, dl.head_group(features) if spec.head_rank is None else dl.choose_group(features, spec.head_rank)
     )
@@ -449,6 +341,6 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     else:
         rank_layout = dl.feature_layout(spec.head_rank, dl.choose_group(spec.head_rank, dl.HEAD_COLUMNS))
         xu = dl.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-        dl.projection(hc, layout, head[0], rank_layout, rows, ring, dl.copy_into(xu))
-        dl.head_projection(xu, rank_layout, head[1], rows, ring, out, spec.final_logit_softcap)
+        dl.projection(hc, layout, head.u, rank_layout, rows, ring, dl.copy_into(xu))
+        dl.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
     return out

@@ -46,7 +46,7 @@ usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernel
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nki, nl
-from nki_kernels.decode_spec import DecodeSpec
+from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.svd_matmul import spans
 
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.

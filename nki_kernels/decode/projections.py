@@ -473,7 +473,7 @@ def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_ro
     """Final norm of the hidden state x (float32 column tiles) and the LM head into out_rows [R, V] (HBM,
     float32): dense head [H, V], or factors [u [H, r], v [r, V]] (stage 1 as a projection, stage 2 as the
     dense head from the on-chip (x·u)ᵀ)."""
-    dtype = head.dtype if head_rank is None else head[0].dtype
+    dtype = head.dtype
     h = column_tiles(layout, rows, dtype, "final_normed", zero=False)
     rms_norm(h, x, final_norm_w, layout, rows, consts)
     if head_rank is None:

@@ -7,9 +7,9 @@ MLP, the LM head with a softcap, and rows ↔ column tiles round trips; a small 
 import numpy as np
 import pytest
 
-from nki_kernels import decode_layer as dl
 from nki_kernels.activations import ACTIVATIONS
 from nki_kernels.binding import nki, nl
+from nki_kernels.decode import projections as dl
 from nki_kernels.svd_mlp import activation_op
 
 
