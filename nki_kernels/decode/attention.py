@@ -47,6 +47,14 @@ from __future__ import annotations
 
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode.contract import DecodeSpec
+from nki_kernels.decode.tiles import (
+    fp32_per_psum_bank,
+    load_natural_columns,
+    natural_columns_to_rows,
+    natural_tiles,
+    rows_to_natural_columns,
+    store_natural_columns,
+)
 from nki_kernels.svd_matmul import spans
 
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
@@ -54,7 +62,6 @@ CACHE_BLOCK_BYTES = 16384
 # Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
 # on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
 CACHE_RUN_BYTES = 4096
-PSUM_BANK_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
 
@@ -71,12 +78,6 @@ def head_tiles(head_dim):
     """(partitions, tiles) of one head's features: (D, 1) when D <= 128, else (128, D / 128)."""
     pmax = nl.tile_size.pmax
     return min(head_dim, pmax), max(1, head_dim // pmax)
-
-
-def column_tiles(features):
-    """(partitions used, tiles) of a column-tile tensor of `features` features."""
-    pmax = nl.tile_size.pmax
-    return min(features, pmax), -(-features // pmax)
 
 
 class AttentionConstants:
@@ -182,63 +183,6 @@ class AttentionConstants:
 # -- layout helpers ---------------------------------------------------------------------------------------
 
 
-def rows_to_columns(rows, columns):
-    """columns[0:pt, i, 0:R] = rows[0:R, i·128 : i·128 + pt]ᵀ (rows SBUF [R, F], columns SBUF [128, nt, R]) by
-    PE transposes in rows' dtype, one eviction (with cast) per PSUM bank of whole tiles."""
-    pmax = nl.tile_size.pmax
-    r, f = rows.shape[0], rows.shape[1]
-    tiles = spans(f, pmax)
-    per_bank = max(1, PSUM_BANK_BYTES // (r * rows.dtype.itemsize))
-    groups = [tiles[i : i + per_bank] for i in range(0, len(tiles), per_bank)]
-    if len(groups[-1]) > 1 and groups[-1][-1][1] != pmax:  # a ragged last tile is evicted alone
-        groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
-    for group in groups:
-        pt, first = group[0][1], group[0][0] // pmax
-        turned = nl.ndarray((pt, len(group), r), dtype=rows.dtype, buffer=nl.psum, name="columns_psum")
-        for j, (f0, _) in enumerate(group):
-            nisa.nc_transpose(dst=turned[0:pt, j, 0:r], data=rows[0:r, f0 : f0 + pt])
-        nisa.tensor_copy(dst=columns[0:pt, first : first + len(group), 0:r], src=turned)
-
-
-def columns_to_rows(columns, rows):
-    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns); evictions (with
-    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions)."""
-    pmax = nl.tile_size.pmax
-    r, f = rows.shape[0], rows.shape[1]
-    step = nl.tile_size.gemm_moving_fmax
-    for n, (c0, cw) in enumerate(spans(f, step)):
-        turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
-        for f0, pt in spans(cw, pmax):
-            nisa.nc_transpose(dst=turned[0:r, f0 : f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        if n % 2:
-            nisa.activation(dst=rows[0:r, c0 : c0 + cw], op=nl.copy, data=turned)
-        else:
-            nisa.tensor_copy(dst=rows[0:r, c0 : c0 + cw], src=turned)
-
-
-def load_columns(x, dtype=None, name="x_columns"):
-    """Rows x [B, T, F] (or [R, F]) in HBM as column tiles SBUF [128, ceil(F/128), R] in `dtype` (default x's)."""
-    pmax = nl.tile_size.pmax
-    f = x.shape[-1]
-    r = 1
-    for n in x.shape[:-1]:
-        r *= n
-    rows = nl.ndarray((r, f), dtype=x.dtype, buffer=nl.sbuf, name=f"{name}_rows")
-    nisa.dma_copy(dst=rows, src=x.reshape((r, f)))
-    columns = nl.ndarray((pmax, -(-f // pmax), r), dtype=dtype or x.dtype, buffer=nl.sbuf, name=name)
-    rows_to_columns(rows, columns)
-    return columns
-
-
-def store_columns(columns, out):
-    """Column tiles [128, nt, R] into rows out [B, T, F] (or [R, F]) in HBM (cast to out's dtype)."""
-    f = out.shape[-1]
-    r = columns.shape[2]
-    rows = nl.ndarray((r, f), dtype=out.dtype, buffer=nl.sbuf, name="out_rows")
-    columns_to_rows(columns, rows)
-    nisa.dma_copy(dst=out.reshape((r, f)), src=rows)
-
-
 def load_head_table(table, first, count, head_dim, name):
     """`count` consecutive D-vectors of HBM `table` starting at element `first` (rows of a [..., D] tensor) as
     fp32 column tiles [128, D/128 or 1, count], each vector repeated over the 128/D heads of a tile when D < 128
@@ -249,14 +193,14 @@ def load_head_table(table, first, count, head_dim, name):
     rows = nl.ndarray((count, width), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_rows")
     nisa.dma_copy(dst=rows, src=table.ap([[head_dim, count], [0, repeat], [1, head_dim]], offset=first))
     columns = nl.ndarray((pmax, width // pmax, count), dtype=nl.float32, buffer=nl.sbuf, name=name)
-    rows_to_columns(rows, columns)
+    rows_to_natural_columns(columns, rows)
     return columns
 
 
 def per_head(columns, table, features, head_dim):
     """(x view [P, heads_tiles, nd, R], table view broadcast to it): pair each tile of a column-tile tensor with
     the table tile its partitions' head components use."""
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(head_dim)
     x = columns[0:parts, 0:tiles, :].reshape_dim(1, (tiles // nd, nd))
     t = table[0:parts, 0:nd, :].expand_dim(1).broadcast(1, tiles // nd)
@@ -273,7 +217,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
     head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
     (already 1 + w)."""
     d = spec.head_dim
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
     groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
@@ -281,7 +225,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
     # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
-    per_bank = max(nd, (PSUM_BANK_BYTES // (4 * r)) // nd * nd)
+    per_bank = max(nd, (fp32_per_psum_bank(r)) // nd * nd)
     for t0, tn in spans(tiles, per_bank):
         mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
         for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
@@ -315,7 +259,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
 def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     """x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D), into a new fp32 tile."""
     d = spec.head_dim
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
     x_cos = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cos")
@@ -388,7 +332,7 @@ def write_rows(columns, cache, layer, index):
     _, batch, s, kv, d = cache.shape
     r = columns.shape[2]
     rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
-    columns_to_rows(columns, rows)
+    natural_columns_to_rows(rows, columns)
     slots = cache.ap(
         [[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]],
         offset=layer * batch * s * kv * d,
@@ -424,7 +368,7 @@ def slot_blocks(s, slot_bytes):
 def keys_by_dma_transpose(blocks, features, dtype):
     """Whether Kᵀ comes from transposing DMAs of the cache (2-byte dtypes, when they carry at least
     CACHE_RUN_BYTES per partition: kv·D/128 tiles × the window's slots) rather than PE transposes of K blocks."""
-    _, kt = column_tiles(features)
+    _, kt = natural_tiles(features)
     slots = sum(np_ * q for _, np_, q in blocks)
     return dtype.itemsize == 2 and kt * slots * dtype.itemsize >= CACHE_RUN_BYTES
 
@@ -481,8 +425,8 @@ def prepare_queries(q, spec, batch, dtype, constants):
             )
         return qs
     # Head h moves from partitions o_h.. of its tile to o_g..: a shift matmul whose output rows below o_g are 0.
-    parts, _ = column_tiles(heads * d)
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
+    parts, _ = natural_tiles(heads * d)
+    per_bank = max(1, fp32_per_psum_bank(r))
     for g in range(kv):
         o_g, _ = kv_head_place(g, d)
         by_head = qs[o_g : o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
@@ -535,7 +479,7 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
     rows = nl.ndarray((t, span), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
     nisa.dma_copy(dst=rows, src=window_view(mask_bias, (mask * batch + b) * t * s, [[s, t], [1, span]], start, 3))
     columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * t))
+    per_bank = max(1, fp32_per_psum_bank(t))
     groups = []  # runs of pieces of one block, at most a PSUM bank each
     for n, (index, i) in enumerate(pieces):
         if groups and groups[-1][0] == index and len(groups[-1][1]) < per_bank:
@@ -555,7 +499,7 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
 def turn_keys(k_blocks, blocks, chunks, features, dtype):
     """Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads (F = kv_heads·D features) in score order
     (score_chunks) from cache blocks, by PE transposes; PSUM evictions alternate between VectorE and ScalarE."""
-    kp, kt = column_tiles(features)
+    kp, kt = natural_tiles(features)
     s = sum(np_ * q for _, np_, q in blocks)
     keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
     for n, (index, i0, ni, c0) in enumerate(chunks):
@@ -581,7 +525,7 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     T = tokens, at the window of any layer that needs the most."""
     _, _, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
-    _, kt = column_tiles(kv * d)
+    _, kt = natural_tiles(kv * d)
     largest = 0
     for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
         blocks = slot_blocks(s, kv * d * itemsize)
@@ -600,7 +544,7 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     _, batch, slots, kv, d = k_cache.shape
     dtype = k_cache.dtype
     f = kv * d
-    kp, kt = column_tiles(f)
+    kp, kt = natural_tiles(f)
     s = sum(np_ * q for _, np_, q in blocks)
     row = (layer * batch + b) * slots * f  # element of the row's slot 0
     keys, k_blocks, v_blocks = None, [], []
@@ -641,7 +585,7 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     rows = sorted({b for b, _ in units})
     row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in rows}  # consecutive per row
     first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * columns))
+    per_bank = max(1, fp32_per_psum_bank(columns))
     # scoresᵀ [slots, (unit, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
     scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
     for index, (s0, np_, q) in enumerate(blocks):
@@ -735,7 +679,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     r = qT.shape[2]
     t = r // batch
     gt = g_size * t
-    q_parts, q_tiles = column_tiles(heads * d)
+    q_parts, q_tiles = natural_tiles(heads * d)
     mask = spec.layer_mask[layer]
     span = spec.window_slots(mask, s, t)
     start = load_window_start(index, span, s, t)
@@ -909,13 +853,13 @@ def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
     _rows_count(q, "q", spec.num_heads * d)
     _rows_count(k, "k", spec.num_kv_heads * d)
     constants = AttentionConstants(spec)
-    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
+    qT, kT = load_natural_columns(q, name="q_columns"), load_natural_columns(k, name="k_columns")
     tables = load_rope_tables(cos, sin, qk_norms, layer, spec, qT.shape[2])
     q_out, k_out = norm_rope(qT, 0, tables, spec, constants), norm_rope(kT, 1, tables, spec, constants)
     q_rows = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm, name="q_rope")
     k_rows = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm, name="k_rope")
-    store_columns(q_out, q_rows)
-    store_columns(k_out, k_rows)
+    store_natural_columns(q_rows, q_out)
+    store_natural_columns(k_rows, k_out)
     return q_rows, k_rows
 
 
@@ -927,8 +871,8 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
     index = load_write_index(write_index)
-    write_rows(load_columns(k, name="k_columns"), k_cache, layer, index)
-    write_rows(load_columns(v, name="v_columns"), v_cache, layer, index)
+    write_rows(load_natural_columns(k, name="k_columns"), k_cache, layer, index)
+    write_rows(load_natural_columns(v, name="v_columns"), v_cache, layer, index)
     return k_cache, v_cache
 
 
@@ -941,8 +885,8 @@ def attention_kernel(q, k_cache, v_cache, write_index, mask_bias, *, layer, spec
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     constants = AttentionConstants(spec)
-    qT = load_columns(q, dtype=nl.float32, name="q_columns")
+    qT = load_natural_columns(q, dtype=nl.float32, name="q_columns")
     attn = attend(qT, k_cache, v_cache, layer, mask_bias, load_write_index(write_index), spec, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
-    store_columns(attn, out)
+    store_natural_columns(out, attn)
     return out

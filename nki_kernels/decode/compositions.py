@@ -25,9 +25,9 @@ u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidt
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nki, nl
-from nki_kernels.decode import attention, contract
-from nki_kernels.decode import projections as dl
+from nki_kernels.decode import attention, contract, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
+from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
@@ -55,17 +55,17 @@ class Layouts:
     def __init__(self, spec):
         head_width = spec.vocab if spec.head_rank is None else spec.head_rank
         hidden_rows = min(_min_row_elements(spec, ("q", "k", "v", "gate", "up")), head_width)
-        self.hidden = dl.feature_layout(spec.hidden, dl.choose_group(spec.hidden, hidden_rows))
-        self.inter = dl.feature_layout(
-            spec.intermediate, dl.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
+        self.hidden = tiles.feature_layout(spec.hidden, tiles.choose_group(spec.hidden, hidden_rows))
+        self.inter = tiles.feature_layout(
+            spec.intermediate, tiles.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
         )
-        self.q = dl.feature_layout(spec.num_heads * spec.head_dim)
+        self.q = tiles.feature_layout(spec.num_heads * spec.head_dim)
         # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
-        self.attn = dl.feature_layout(
+        self.attn = tiles.feature_layout(
             spec.num_heads * spec.head_dim,
-            dl.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))),
+            tiles.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))),
         )
-        self.kv = dl.feature_layout(spec.num_kv_heads * spec.head_dim)
+        self.kv = tiles.feature_layout(spec.num_kv_heads * spec.head_dim)
 
 
 class StepContext:
@@ -78,8 +78,8 @@ class StepContext:
         self.dtype = dtype
         self.layouts = Layouts(spec)
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
-        self.ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
-        self.consts = dl.NormConstants(spec.norm_eps)
+        self.ring = WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
+        self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = attention.AttentionConstants(spec)
 
@@ -90,8 +90,8 @@ def _rows(tensor, rows):
 
 
 def _normed(ctx, x, weights, j, dtype, name):
-    h = dl.column_tiles(ctx.layouts.hidden, ctx.rows, dtype, name, zero=dtype == nl.float32)
-    dl.rms_norm(h, x, weights[:, :, j : j + 1], ctx.layouts.hidden, ctx.rows, ctx.consts)
+    h = tiles.column_tiles(ctx.layouts.hidden, ctx.rows, dtype, name, zero=dtype == nl.float32)
+    projections.rms_norm(h, x, weights[:, :, j : j + 1], ctx.layouts.hidden, ctx.rows, ctx.consts)
     return h
 
 
@@ -106,17 +106,19 @@ def decoder_layer(ctx, x, layer, ops):
     """
     spec, rows, lay = ctx.spec, ctx.rows, ctx.layouts
     weights = ops.weights
-    w_norm = dl.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
+    w_norm = projections.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
 
     def project(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
-        dl.project(src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict)
+        projections.project(
+            src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict
+        )
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
-        qkv[name] = dl.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
-        project(h, lay.hidden, name, layout, dl.copy_into(qkv[name]))
+        qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
+        project(h, lay.hidden, name, layout, projections.copy_into(qkv[name]))
     del h
     attn = attention.attention(
         qkv["q"],
@@ -135,25 +137,25 @@ def decoder_layer(ctx, x, layer, ops):
     )
     del qkv
     if attn.dtype != ctx.dtype:
-        cast = dl.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
+        cast = tiles.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
         nisa.tensor_copy(dst=cast[:, :, 0:rows], src=attn[:, :, 0:rows])
         attn = cast
     if lay.attn != lay.q:
-        attn = dl.relayout(attn, lay.q, lay.attn, rows)
+        attn = tiles.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
     mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
     if spec.sandwich:
-        y = dl.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
-        project(attn, lay.attn, "o", lay.hidden, dl.copy_into(y))
+        y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
+        project(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
         _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
-        m = dl.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
-        dl.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, dl.copy_into(m))
+        m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
+        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m))
         _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
     else:
-        project(attn, lay.attn, "o", lay.hidden, dl.add_into(x))
+        project(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
-        dl.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, dl.add_into(x))
+        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x))
 
 
 def check_operands(kernel, operands, spec):
@@ -178,7 +180,7 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
             weight as its [u, v] list); k_cache and v_cache are written IN PLACE at this step's slots.
         spec: DecodeSpec (static).
         ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
-            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less ring.SBUF_RESERVED_BYTES and
+            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and
             attention's cache tiles).
     Returns:
         (logits [B, T, V] float32 in HBM, k_cache, v_cache).
@@ -187,8 +189,8 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     b, t, _ = ops.x.shape
     rows = b * t
     ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
-    hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
-    dl.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):
         decoder_layer(ctx, hidden, layer, ops)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -198,8 +200,10 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
 
 def _head(ctx, hidden, final_norm, head, out_rows):
     spec = ctx.spec
-    final_w = dl.load_norm_weights(final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset)
-    dl.lm_head(
+    final_w = projections.load_norm_weights(
+        final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset
+    )
+    projections.lm_head(
         hidden,
         ctx.layouts.hidden,
         final_w,
@@ -233,11 +237,11 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
     b, t, _ = ops.x.shape
     rows = b * t
     ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
-    hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
-    dl.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     decoder_layer(ctx, hidden, layer, ops)
     out = nl.ndarray((b, t, spec.hidden), dtype=nl.float32, buffer=nl.shared_hbm, name="hidden_out")
-    dl.store_columns(_rows(out, rows), hidden, ctx.layouts.hidden)
+    tiles.store_columns(_rows(out, rows), hidden, ctx.layouts.hidden)
     return out, ops.k_cache, ops.v_cache
 
 
@@ -249,8 +253,8 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     rows = b * t
     head = as_weight(head, spec.head_rank is not None)
     ctx = StepContext(spec, rows, head.dtype, ring_block_bytes, ring_bytes)
-    hidden = dl.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
-    dl.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
     _head(ctx, hidden, final_norm, head, _rows(logits, rows))
     return logits
@@ -269,17 +273,17 @@ def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
     plain [F] one) → [R, F] in out_dtype."""
     check_spec(spec)
     rows, features = x.shape
-    layout = dl.feature_layout(features)
+    layout = tiles.feature_layout(features)
     w = weights[index] if index else weights
-    consts = dl.NormConstants(spec.norm_eps)
-    xc = dl.column_tiles(layout, rows, nl.float32, "x")
-    dl.load_columns(xc, x, layout)
-    wc = dl.load_norm_weights(w.reshape((1, features)), layout, spec.norm_unit_offset)
+    consts = projections.NormConstants(spec.norm_eps)
+    xc = tiles.column_tiles(layout, rows, nl.float32, "x")
+    tiles.load_columns(xc, x, layout)
+    wc = projections.load_norm_weights(w.reshape((1, features)), layout, spec.norm_unit_offset)
     dtype = _out_dtype(out_dtype)
-    h = dl.column_tiles(layout, rows, dtype, "normed", zero=False)
-    dl.rms_norm(h, xc, wc, layout, rows, consts)
+    h = tiles.column_tiles(layout, rows, dtype, "normed", zero=False)
+    projections.rms_norm(h, xc, wc, layout, rows, consts)
     out = nl.ndarray((rows, features), dtype=dtype, buffer=nl.shared_hbm, name="normed_rows")
-    dl.store_columns(out, h, layout)
+    tiles.store_columns(out, h, layout)
     return out
 
 
@@ -291,16 +295,16 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
     w = layer_weight(weight, layer)
     dtype = weight.dtype
     n = (w if rank is None else w.v).shape[-1]
-    in_layout = dl.feature_layout(k, dl.choose_group(k, n if rank is None else rank))
-    out_layout = dl.feature_layout(n)
-    ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
-    xc = dl.column_tiles(in_layout, rows, dtype, "x", zero=False)
-    dl.load_columns(xc, x, in_layout)
+    in_layout = tiles.feature_layout(k, tiles.choose_group(k, n if rank is None else rank))
+    out_layout = tiles.feature_layout(n)
+    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
+    xc = tiles.column_tiles(in_layout, rows, dtype, "x", zero=False)
+    tiles.load_columns(xc, x, in_layout)
     odt = _out_dtype(out_dtype)
-    y = dl.column_tiles(out_layout, rows, odt, "y", zero=False)
-    dl.project(xc, in_layout, w, rank, out_layout, rows, ring, dl.copy_into(y))
+    y = tiles.column_tiles(out_layout, rows, odt, "y", zero=False)
+    projections.project(xc, in_layout, w, rank, out_layout, rows, ring, projections.copy_into(y))
     out = nl.ndarray((rows, n), dtype=odt, buffer=nl.shared_hbm, name="projected_rows")
-    dl.store_columns(out, y, out_layout)
+    tiles.store_columns(out, y, out_layout)
     return out
 
 
@@ -308,16 +312,16 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
 def add_kernel(x, y):
     """x + y for rows [R, F] (float32 out): a residual add as its own launch."""
     rows, features = x.shape
-    layout = dl.feature_layout(features)
-    xc = dl.column_tiles(layout, rows, nl.float32, "x", zero=False)
-    yc = dl.column_tiles(layout, rows, nl.float32, "y", zero=False)
-    dl.load_columns(xc, x, layout)
-    dl.load_columns(yc, y, layout)
-    for s0, count, size in dl.slot_runs(layout):
+    layout = tiles.feature_layout(features)
+    xc = tiles.column_tiles(layout, rows, nl.float32, "x", zero=False)
+    yc = tiles.column_tiles(layout, rows, nl.float32, "y", zero=False)
+    tiles.load_columns(xc, x, layout)
+    tiles.load_columns(yc, y, layout)
+    for s0, count, size in tiles.slot_runs(layout):
         view = xc[0:size, s0 : s0 + count, 0:rows]
         nisa.tensor_tensor(dst=view, data1=view, data2=yc[0:size, s0 : s0 + count, 0:rows], op=nl.add)
     out = nl.ndarray((rows, features), dtype=nl.float32, buffer=nl.shared_hbm, name="sum_rows")
-    dl.store_columns(out, xc, layout)
+    tiles.store_columns(out, xc, layout)
     return out
 
 
@@ -329,18 +333,18 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     rows, features = h.shape
     head = as_weight(head, spec.head_rank is not None)
     dtype = head.dtype
-    layout = dl.feature_layout(
-        features, dl.head_group(features) if spec.head_rank is None else dl.choose_group(features, spec.head_rank)
+    layout = tiles.feature_layout(
+        features, tiles.head_group(features) if spec.head_rank is None else tiles.choose_group(features, spec.head_rank)
     )
-    ring = dl.WeightRing(dtype, ring_block_bytes, ring_bytes)
-    hc = dl.column_tiles(layout, rows, dtype, "h", zero=False)
-    dl.load_columns(hc, h, layout)
+    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
+    hc = tiles.column_tiles(layout, rows, dtype, "h", zero=False)
+    tiles.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
     if spec.head_rank is None:
-        dl.head_projection(hc, layout, head, rows, ring, out, spec.final_logit_softcap)
+        projections.head_projection(hc, layout, head, rows, ring, out, spec.final_logit_softcap)
     else:
-        rank_layout = dl.feature_layout(spec.head_rank, dl.choose_group(spec.head_rank, dl.HEAD_COLUMNS))
-        xu = dl.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-        dl.projection(hc, layout, head.u, rank_layout, rows, ring, dl.copy_into(xu))
-        dl.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
+        rank_layout = tiles.feature_layout(spec.head_rank, tiles.choose_group(spec.head_rank, projections.HEAD_COLUMNS))
+        xu = tiles.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
+        projections.projection(hc, layout, head.u, rank_layout, rows, ring, projections.copy_into(xu))
+        projections.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
     return out

@@ -1,224 +1,35 @@
-"""NKI subroutines of a decode step (plain functions called inside @nki.jit kernels; see decode_step.py).
-
-Layout ("column tiles"): F features of R rows (R = B·T ≤ 128) live in
-SBUF as cols[0:size_s, s, 0:R] for slot s of a *feature layout*, a tuple of (size, features) per slot, `features`
-a slice whose p-th element is the feature on partition p. `feature_layout(F, 1)` is the natural
-tiling (slot i ↔ features i·128 .. i·128+127, the last slot ragged). With a group g > 1, each block of 128·g
-features is permuted so that partition p holds g consecutive features (slot i of the block ↔ features
-p·g + i): a weight whose rows follow that layout is read with g whole rows per partition, one contiguous run of
-g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v: N = 256). The layout of a
-vector only matters to the projections that contract over it; q, k, v and the attention output keep the natural
-layout (what decode_attention takes and returns), the hidden state and the MLP intermediate use `choose_group`'s.
+"""The decode kernels' dense math on column tiles (nki_kernels.decode.tiles): RMSNorm, projections of dense and
+factored weights, the gated MLP and the LM head (plain functions called inside @nki.jit kernels).
 
 Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column tiles MOVING ([≤128 of K, R]), so
-PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `WeightRing`: a fixed number of
-preallocated SBUF ring filled round robin by a cursor that never resets, so the next blocks (of this layer or
-the next one) load while the current ones are multiplied: with a list-scheduled DMA model a load waits only for
-the matmuls that read the bytes it overwrites (prefetch depth = the ring's size). Matmul operands are in the model
-dtype; PSUM, norms and the residual stream are float32. Column tiles that feed a norm or the residual stream are
-zeroed when allocated, so whole-tile instructions may cover a ragged slot's unused partitions.
+PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `ring.WeightRing` filled round robin
+by a cursor that never resets, so the next blocks (of this layer or the next one) load while the current ones are
+multiplied: with a list-scheduled DMA model a load waits only for the matmuls that read the bytes it overwrites
+(prefetch depth = the ring's size). Matmul operands are in the model dtype; PSUM, norms and the residual stream
+are float32.
 """
 
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
-from nki_kernels.svd_matmul import k_slots, spans
+from nki_kernels.decode.tiles import (
+    choose_group,
+    column_tiles,
+    feature_layout,
+    fp32_per_psum_bank,
+    layout_blocks,
+    load_columns,
+    padded_rows,
+    slot_runs,
+)
+from nki_kernels.svd_matmul import spans
 
-# Elements per weight row run worth grouping rows for: 8 KiB of bf16 sits on the flat part of the DMA curve.
-RUN_ELEMENTS = 4096
-# Largest group: a grouped block of output features (128·group wide) times a grouped input's rows per partition
-# stays within a ring block (8·1024 elements: float32 at RING_BLOCK_BYTES).
-MAX_GROUP = 8
-# Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
-RING_BLOCK_BYTES = 32 * 1024
-SBUF_RESERVED_BYTES = 64 * 1024
-# PSUM a projection's accumulators may use at once (of 8 banks): the rest is for the norm, attention, the head.
-PROJECTION_PSUM_BYTES = 4 * 2048
+# PSUM banks a projection's accumulators may use at once (of 8): the rest is for the norm, attention, the head.
+PROJECTION_PSUM_BANKS = 4
 HEAD_COLUMNS = 2048
 # Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
 # block allows and the range's blocks fit a third of the ring (see head_projection).
 HEAD_RUN_COLUMNS = 4096
-# Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
-# engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
-# transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
-WEIGHT_DMA_PARTITIONS = 32
-
-
-def feature_layout(features, group=1):
-    """((size, features slice), ...) per slot: blocks of 128·group features, partition p of slot i of a block ↔
-    feature block_start + p·group + i; a ragged block (not a multiple of 128) in natural 128-feature tiles."""
-    slots = []
-    for k0, ks in spans(features, nl.tile_size.pmax * group):
-        slots.extend(k_slots(k0, ks))
-    return tuple(slots)
-
-
-def layout_blocks(layout):
-    """[(k0, ks, first slot, slots, partitions)]: runs of slots whose features form one contiguous range
-    [k0, k0+ks) (one permuted block, or one natural tile): what one DMA of rows can cover."""
-    blocks = []
-    s = 0
-    while s < len(layout):
-        size, feats = layout[s]
-        step = feats.step or 1
-        count = step  # a permuted block has `step` slots of 128 features each
-        blocks.append((feats.start, size * step, s, count, size))
-        s += count
-    return blocks
-
-
-def choose_group(features, row_elements):
-    """Group for a vector of `features` contracted against weights with `row_elements` columns: the smallest
-    divisor g ≤ MAX_GROUP of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it);
-    1 when features is not a multiple of 128."""
-    pmax = nl.tile_size.pmax
-    if features % pmax:
-        return 1
-    tiles = features // pmax
-    divisors = [d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0]
-    return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
-
-
-def head_group(features):
-    """Group for the LM head's input vector: all of it in one layout block where it fits (≤ 128·MAX_GROUP
-    features, a multiple of 128), so every head DMA block holds all K rows and can be as wide as a ring block."""
-    pmax = nl.tile_size.pmax
-    if features % pmax:
-        return 1
-    tiles = features // pmax
-    return max(d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0)
-
-
-def padded_rows(rows):
-    """Rows rounded up to a power of two, so per-slot accumulators of a PSUM tensor never straddle a bank."""
-    return 1 << (rows - 1).bit_length()
-
-
-class WeightRing:
-    """A preallocated SBUF ring of `ring_bytes` per partition that weight blocks (at most `block_bytes` per
-    partition each) are loaded into one after another, round robin: a block takes the next free stretch, starting
-    over at the front when the rest of the ring is too short. The cursor never resets, so it carries across
-    layers and into the head: a load waits only for the matmuls that read the bytes it overwrites, i.e. the
-    ring's whole size is prefetch, however small the blocks (a ring of fixed-size slots would hold as few small
-    blocks as large ones).
-    """
-
-    def __init__(self, dtype, block_bytes=None, ring_bytes=None, beside_bytes=0):
-        """beside_bytes: SBUF per partition that other tiles hold beside SBUF_RESERVED_BYTES while the ring is in
-        use (attention's cache tiles); the default ring takes the rest."""
-        block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
-        if ring_bytes is None:
-            ring_bytes = nl.tile_size.total_available_sbuf_size - SBUF_RESERVED_BYTES - beside_bytes
-        if not 0 < block_bytes <= ring_bytes:
-            raise ValueError(
-                f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
-                f"0 < block_bytes <= ring_bytes"
-            )
-        self.slot_elements = block_bytes // dtype.itemsize  # the largest block, per partition
-        self.ring_elements = ring_bytes // dtype.itemsize
-        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf, name="weight_ring")
-        self.cursor = 0
-
-    def load(self, src, partitions, per_partition, columns):
-        """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
-        (same shape)."""
-        size = per_partition * columns
-        if size > self.slot_elements:
-            raise ValueError(
-                f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
-                f"{self.slot_elements}-element block limit"
-            )
-        if self.cursor + size > self.ring_elements:
-            self.cursor = 0
-        block = self.ring[0:partitions, self.cursor : self.cursor + size].reshape((partitions, per_partition, columns))
-        self.cursor += size
-        for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
-            nisa.dma_copy(dst=block[p0 : p0 + ps], src=src[p0 : p0 + ps])
-        return block
-
-
-def column_tiles(layout, rows, dtype, name, zero=True):
-    """A fresh [128, slots, rows] SBUF tile for `layout`; zeroed (see the module docstring) unless zero=False."""
-    cols = nl.ndarray((nl.tile_size.pmax, len(layout), rows), dtype=dtype, buffer=nl.sbuf, name=name)
-    if zero:
-        nisa.memset(dst=cols, value=0.0)
-    return cols
-
-
-def rows_to_columns(cols, staged, layout):
-    """cols (column tiles of `layout`) ← staged [R, F] rows in SBUF (same dtype): one PE transpose per slot,
-    evicted one PSUM bank at a time."""
-    rows = staged.shape[0]
-    pmax = nl.tile_size.pmax
-    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (padded_rows(rows) * cols.dtype.itemsize))
-    for c0 in range(0, len(layout), per_bank):
-        chunk = layout[c0 : c0 + per_bank]
-        turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum, name="cols_psum")
-        for j, (size, feats) in enumerate(chunk):
-            nisa.nc_transpose(dst=turned[0:size, j, 0:rows], data=staged[0:rows, feats])
-        for s0, count, size in slot_runs(layout, c0, c0 + len(chunk)):
-            nisa.tensor_copy(
-                dst=cols[0:size, s0 : s0 + count, 0:rows], src=turned[0:size, s0 - c0 : s0 - c0 + count, 0:rows]
-            )
-        del turned
-
-
-def columns_to_rows(staged, cols, layout):
-    """staged [R, F] rows in SBUF (same dtype) ← cols (column tiles of `layout`): one PE transpose per slot."""
-    rows = staged.shape[0]
-    pmax = nl.tile_size.pmax
-    per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
-    for k0, ks, s0, count, partitions in layout_blocks(layout):
-        # Within a block, partition p of slot i is feature k0 + p·count + i.
-        block_rows = staged[0:rows, k0 : k0 + ks].reshape_dim(1, (partitions, count))
-        for c0 in range(0, count, per_bank):
-            n = min(per_bank, count - c0)
-            turned = nl.ndarray((rows, n, pmax), dtype=cols.dtype, buffer=nl.psum, name="rows_psum")
-            for j in range(n):
-                nisa.nc_transpose(dst=turned[0:rows, j, 0:partitions], data=cols[0:partitions, s0 + c0 + j, 0:rows])
-            nisa.tensor_copy(
-                dst=block_rows[:, :, c0 : c0 + n], src=turned[0:rows, 0:n, 0:partitions].permute((0, 2, 1))
-            )
-            del turned
-
-
-def load_columns(cols, rows_hbm, layout):
-    """cols ← rows_hbm [R, F] (HBM) in `layout`: one contiguous DMA of the rows onto R partitions (casting to
-    cols' dtype), then PE transposes (a per-element strided DMA would cost ~2 bytes per DMA buffer)."""
-    staged = nl.ndarray(tuple(rows_hbm.shape), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
-    nisa.dma_copy(dst=staged, src=rows_hbm)
-    rows_to_columns(cols, staged, layout)
-
-
-def store_columns(rows_hbm, cols, layout):
-    """rows_hbm [R, F] (HBM) ← cols in `layout`: PE transposes into rows on R partitions, one contiguous DMA."""
-    staged = nl.ndarray(tuple(rows_hbm.shape), dtype=cols.dtype, buffer=nl.sbuf, name="rows_staged")
-    columns_to_rows(staged, cols, layout)
-    nisa.dma_copy(dst=rows_hbm, src=staged)
-
-
-def relayout(cols, layout, new_layout, rows):
-    """cols (column tiles of `layout`) as column tiles of `new_layout`, on chip through rows (two PE transposes
-    per slot): e.g. the attention output regrouped so the o projection reads long runs of its weight rows."""
-    features = sum(size for size, _ in layout)
-    staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="relayout_rows")
-    columns_to_rows(staged, cols, layout)
-    out = column_tiles(new_layout, rows, cols.dtype, "relayout_cols", zero=False)
-    rows_to_columns(out, staged, new_layout)
-    return out
-
-
-def slot_runs(layout, first=0, last=None):
-    """[(s0, count, size)]: maximal runs of consecutive slots of equal size in layout[first:last], so an
-    element-wise step over column tiles is one instruction per run."""
-    runs = []
-    for s in range(first, len(layout) if last is None else last):
-        size = layout[s][0]
-        if runs and runs[-1][2] == size:
-            runs[-1][1] += 1
-        else:
-            runs.append([s, 1, size])
-    return [tuple(r) for r in runs]
 
 
 def load_norm_weights(norms_hbm, layout, unit_offset):
@@ -273,9 +84,9 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
 
 def _column_chunks(out_layout, per_block, slot_elements, rows):
     """Output blocks grouped into chunks of consecutive features whose weight block (per_block rows per partition
-    × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BYTES:
+    × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BANKS:
     [(n0, width, first slot, slots)]."""
-    max_slots = PROJECTION_PSUM_BYTES // (padded_rows(rows) * 4)
+    max_slots = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))
     chunks = []
     for k0, ks, s0, count, _ in layout_blocks(out_layout):
         if (
