@@ -150,6 +150,33 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
     return DecodePlan(spec, ropes, windows)
 
 
+def preset_decode_spec(family: str, preset: str, **overrides) -> DecodeSpec:
+    """The DecodeSpec of a preset's shape (`presets.from_preset(family, preset, **overrides)` built abstractly by
+    nnx.eval_shape: no weights are allocated), dense, through `decode_plan`."""
+    from jax_neuronmm.models.presets import from_preset
+
+    model = nnx.eval_shape(lambda: from_preset(family, preset, dtype=jnp.bfloat16, **overrides))
+    plan = decode_plan(model)
+    if plan is None:
+        raise ValueError(f"preset {family} {preset}: {unsupported_reason(model)}")
+    return plan.spec
+
+
+def published_decode_models(names=None) -> dict:
+    """{name: nki_kernels.decode.comparison.DecodeModel} of the published models (`presets.PUBLISHED`; `names`
+    picks some), their specs from preset_decode_spec."""
+    from jax_neuronmm.models.presets import PUBLISHED
+    from nki_kernels.decode.comparison import DecodeModel
+
+    names = list(PUBLISHED) if names is None else list(names)
+    unknown = [name for name in names if name not in PUBLISHED]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}, expected some of {list(PUBLISHED)}")
+    return {
+        name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names
+    }
+
+
 def pad_slots(token_mask) -> int:
     """The most pad slots lying after a row's first real token in a prompt's token_mask [B, T] (numpy bool, True =
     real): 0 for left padding or none, the pads between prompt and continuation for right padding."""

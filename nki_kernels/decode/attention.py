@@ -45,6 +45,8 @@ usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.tiles import (
@@ -569,46 +571,96 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     return keys, v_blocks
 
 
-def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns, spec, constants):
-    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
-    by side, at most 128), into attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later).
-    keys, values, visible: per row b, attend's Kᵀ tile, V blocks and mask columns."""
+@dataclasses.dataclass(frozen=True)
+class CacheWindow:
+    """How `attend` reads one layer's window of `span` cache slots (all of them without a sliding window).
+
+    blocks: slot_blocks' [(s0, np, q)]; chunks: score_chunks' pieces of the permuted slot order; pieces: one score
+    piece per slot column of a block, (block, i) in score order ([np ≤ 128 slots on partitions, G·T]);
+    keys_by_dma: whether Kᵀ comes from transposing DMAs (keys_by_dma_transpose); key_columns: per piece, its Kᵀ
+    columns (slots s0 + i, s0 + i + q, ... in cache order by DMA, or the piece's np consecutive columns in score
+    order by PE transposes).
+    """
+
+    span: int
+    blocks: tuple
+    chunks: tuple
+    pieces: tuple
+    keys_by_dma: bool
+    key_columns: tuple
+
+
+def plan_window(span, features, dtype):
+    """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`."""
+    blocks = slot_blocks(span, features * dtype.itemsize)
+    chunks = score_chunks(blocks)
+    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
+    keys_by_dma = keys_by_dma_transpose(blocks, features, dtype)
+    key_columns = []
+    for index, (s0, np_, q) in enumerate(blocks):
+        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
+        for i in range(q):
+            key_columns.append(
+                slice(s0 + i, s0 + np_ * q, q) if keys_by_dma else slice(column0 + i * np_, column0 + (i + 1) * np_)
+            )
+    return CacheWindow(span, tuple(blocks), tuple(chunks), tuple(pieces), keys_by_dma, tuple(key_columns))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCache:
+    """One row's window on chip: Kᵀ column tiles (read_cache), V blocks and the mask columns (load_mask_columns)."""
+
+    keys: object
+    values: list
+    mask: object
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOutput:
+    """Where softmax_pass writes: attn, column tiles [128, ceil(heads·D/128), R] (written directly when D >= 128),
+    and by_head [D, heads, R] fp32 (D < 128: each head on partitions 0..D-1, placed into attn by place_heads)."""
+
+    attn: object
+    by_head: object
+
+
+def _masked_scores(units, qs, rows, window, spec):
+    """scoresᵀ fp32 [128, pieces, units, G·T] of the (row b, kv head g) `units`: Kᵀ [D, np] stationary × q [D, G·T]
+    moving per piece, accumulated over the head dim's tiles, softcapped (tanh) when the spec says so, plus the
+    mask bias. Partitions a ragged piece leaves empty hold MASKED_SCORE."""
     pmax = nl.tile_size.pmax
     d = spec.head_dim
     dp, nd = head_tiles(d)
     g_size = spec.num_heads // spec.num_kv_heads
-    b0 = units[0][0]
-    dtype = keys[b0].dtype
-    t = visible[b0].shape[2]
+    t = rows[units[0][0]].mask.shape[2]
     gt = g_size * t
-    columns = len(units) * gt
-    rows = sorted({b for b, _ in units})
-    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in rows}  # consecutive per row
+    blocks, pieces = window.blocks, window.pieces
+    row_ids = sorted({b for b, _ in units})
+    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in row_ids}  # consecutive per row
     first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
-    per_bank = max(1, fp32_per_psum_bank(columns))
-    # scoresᵀ [slots, (unit, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+    per_bank = max(1, fp32_per_psum_bank(len(units) * gt))
     scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
-    for index, (s0, np_, q) in enumerate(blocks):
+    for index, (_, np_, q) in enumerate(blocks):
         if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
             nisa.memset(dst=scores[:, first_piece[index] : first_piece[index] + q], value=MASKED_SCORE)
         for i0, ni in spans(q, per_bank):
             acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
             for k in range(nd):
                 for j in range(ni):
-                    slots = key_columns[first_piece[index] + i0 + j]
+                    slots = window.key_columns[first_piece[index] + i0 + j]
                     for u, (b, g) in enumerate(units):
                         o_g, tile_g = kv_head_place(g, d)
                         nisa.nc_matmul(
                             dst=acc[0:np_, j, u],
                             moving=qs[o_g : o_g + dp, k, b, g],
                             accumulate=k > 0,
-                            stationary=keys[b][o_g : o_g + dp, tile_g + k, slots],
+                            stationary=rows[b].keys[o_g : o_g + dp, tile_g + k, slots],
                         )
             piece0 = first_piece[index] + i0
-            for b in rows:
+            for b in row_ids:
                 u0, un = row_units[b][0], len(row_units[b])
                 out = scores[0:np_, piece0 : piece0 + ni, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
-                bias = visible[b][0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+                bias = rows[b].mask[0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
                 logits = acc[:, :, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
                 if spec.attn_logit_softcap:
                     cap = float(spec.attn_logit_softcap)
@@ -619,8 +671,20 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
                 else:
                     nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
             del acc
-    # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
+    return scores
+
+
+def _softmax_weights(units, qs, rows, window, spec, constants):
+    """(weights [128, pieces, columns] in the cache dtype, scale [Dp, columns] fp32): exp(score - column max) of
+    _masked_scores' scores, and 1 / the column sums of the weights (as rounded for the matmul) on every output
+    partition. The column max: per partition over pieces, then across partitions by a PE transpose and a free-axis
+    max, spread back by onesᵀ·diag(-max); the column sums by onesᵀ·(per-partition sums)."""
+    pmax = nl.tile_size.pmax
+    dp, _ = head_tiles(spec.head_dim)
+    dtype = rows[units[0][0]].keys.dtype
+    scores = _masked_scores(units, qs, rows, window, spec)
     flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
+    columns = flat.shape[2]
     column_max = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
     nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=flat.permute((0, 2, 1)), axis=2)
     turned = nl.ndarray((columns, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
@@ -629,12 +693,11 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
     del turned
     shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, columns]: -max of each column
-    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
+    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(window.pieces)), op=nl.add)
     del shift
-    weights = nl.ndarray((pmax, len(pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+    weights = nl.ndarray((pmax, len(window.pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
     nisa.activation(dst=weights, op=nl.exp, data=flat)
     del scores, flat
-    # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
     partial = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
     nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
     total = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
@@ -642,26 +705,70 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     scale = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
     nisa.reciprocal(dst=scale, data=total)
     del total
-    kv, nq_tiles = spec.num_kv_heads, attn.shape[1]
+    return weights, scale
+
+
+def _weighted_values(units, weights, scale, rows, window, out, spec):
+    """out ← weights·V / column sums of each unit: attnᵀ [Dp, G·T] = V [np, Dp] stationary × weights moving,
+    accumulated over the pieces, per tile of the head dim; row b's columns of kv head g's query heads."""
+    pmax = nl.tile_size.pmax
+    d = spec.head_dim
+    dp, nd = head_tiles(d)
+    kv = spec.num_kv_heads
+    g_size = spec.num_heads // kv
+    t = rows[units[0][0]].mask.shape[2]
+    gt = g_size * t
+    nq_tiles = out.attn.shape[1]
     for u, (b, g) in enumerate(units):
         mine = slice(u * gt, (u + 1) * gt)
         for k in range(nd):
             acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
-            for p_index, (index, i) in enumerate(pieces):
-                np_ = blocks[index][1]
+            for p_index, (index, i) in enumerate(window.pieces):
+                np_ = window.blocks[index][1]
                 f0 = g * d + k * pmax
                 nisa.nc_matmul(
                     dst=acc,
-                    stationary=values[b][index][0:np_, i, f0 : f0 + dp],
+                    stationary=rows[b].values[index][0:np_, i, f0 : f0 + dp],
                     moving=weights[0:np_, p_index, mine],
                     accumulate=p_index > 0,
                 )
-            if by_head is None:
-                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t : (b + 1) * t]
+            if out.by_head is None:
+                heads = out.attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))
+                dst = heads[:, g, :, k, b * t : (b + 1) * t]
             else:
-                dst = by_head[:, g * g_size : (g + 1) * g_size, b * t : (b + 1) * t]
+                dst = out.by_head[:, g * g_size : (g + 1) * g_size, b * t : (b + 1) * t]
             nisa.tensor_tensor(dst=dst, data1=acc, data2=scale[:, mine], op=nl.multiply)
             del acc
+
+
+def softmax_pass(units, qs, rows, window, out, spec, constants):
+    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
+    by side, at most 128) into `out` (AttentionOutput). qs: prepare_queries' queries; rows: {b: RowCache} of the
+    units' rows; window: the layer's CacheWindow."""
+    weights, scale = _softmax_weights(units, qs, rows, window, spec, constants)
+    _weighted_values(units, weights, scale, rows, window, out, spec)
+
+
+def place_heads(out, spec, constants):
+    """out.attn ← out.by_head (D < 128): head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile
+    h·D / 128, by shift matmuls."""
+    pmax = nl.tile_size.pmax
+    d, heads = spec.head_dim, spec.num_heads
+    q_parts, q_tiles = natural_tiles(heads * d)
+    r = out.by_head.shape[2]
+    heads_per_tile = pmax // d
+    for i in range(q_tiles):
+        placed = nl.ndarray((q_parts, r), dtype=nl.float32, buffer=nl.psum, name="attn_place_psum")
+        members = range(i * heads_per_tile, min(heads, (i + 1) * heads_per_tile))
+        for n, h in enumerate(members):
+            offset = (h * d) % pmax
+            nisa.nc_matmul(
+                dst=placed,
+                stationary=constants.shift[0:d, pmax - offset : pmax - offset + q_parts],
+                moving=out.by_head[0:d, h, 0:r],
+                accumulate=n > 0,
+            )
+        nisa.tensor_copy(dst=out.attn[0:q_parts, i, :], src=placed)
 
 
 def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, values_first=False):
@@ -673,72 +780,34 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     pmax = nl.tile_size.pmax
     _, batch, s, kv, d = k_cache.shape
     dtype = k_cache.dtype
-    heads = spec.num_heads
-    g_size = heads // kv
-    dp, nd = head_tiles(d)
     r = qT.shape[2]
     t = r // batch
-    gt = g_size * t
-    q_parts, q_tiles = natural_tiles(heads * d)
+    gt = spec.num_heads // kv * t
     mask = spec.layer_mask[layer]
-    span = spec.window_slots(mask, s, t)
-    start = load_window_start(index, span, s, t)
+    window = plan_window(spec.window_slots(mask, s, t), kv * d, dtype)
+    start = load_window_start(index, window.span, s, t)
     qs = prepare_queries(qT, spec, batch, dtype, constants)
-    attn = nl.ndarray((pmax, q_tiles, r), dtype=dtype, buffer=nl.sbuf, name="attnT")
-    by_head = None
-    if d < pmax:
-        by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
-    blocks = slot_blocks(span, kv * d * dtype.itemsize)
-    chunks = score_chunks(blocks)
-    # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
-    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
-    # np consecutive columns in score order (PE transposes).
-    transposing = keys_by_dma_transpose(blocks, kv * d, dtype)
-    key_columns = []
-    for index, (s0, np_, q) in enumerate(blocks):
-        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
-        for i in range(q):
-            key_columns.append(
-                slice(s0 + i, s0 + np_ * q, q) if transposing else slice(column0 + i * np_, column0 + (i + 1) * np_)
-            )
+    dp, _ = head_tiles(d)
+    _, q_tiles = natural_tiles(spec.num_heads * d)
+    out = AttentionOutput(
+        nl.ndarray((pmax, q_tiles, r), dtype=dtype, buffer=nl.sbuf, name="attnT"),
+        nl.ndarray((dp, spec.num_heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
+        if d < pmax
+        else None,
+    )
     # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
     # heads as fit 128 query columns.
     for b in range(batch):
-        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces, start)}
-        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start)
-        for g0, gn in spans(kv, max(1, pmax // gt)):
-            softmax_pass(
-                [(b, g) for g in range(g0, g0 + gn)],
-                qs,
-                {b: keys},
-                {b: values},
-                visible,
-                attn,
-                by_head,
-                blocks,
-                pieces,
-                key_columns,
-                spec,
-                constants,
-            )
+        visible = load_mask_columns(mask_bias, mask, b, window.blocks, window.pieces, start)
+        keys, values = read_cache(k_cache, v_cache, layer, b, window.blocks, window.chunks, values_first, start)
+        rows = {b: RowCache(keys, values, visible)}
         del keys, values, visible
-    if by_head is not None:
-        # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
-        heads_per_tile = pmax // d
-        for i in range(q_tiles):
-            placed = nl.ndarray((q_parts, r), dtype=nl.float32, buffer=nl.psum, name="attn_place_psum")
-            members = range(i * heads_per_tile, min(heads, (i + 1) * heads_per_tile))
-            for n, h in enumerate(members):
-                offset = (h * d) % pmax
-                nisa.nc_matmul(
-                    dst=placed,
-                    stationary=constants.shift[0:d, pmax - offset : pmax - offset + q_parts],
-                    moving=by_head[0:d, h, 0:r],
-                    accumulate=n > 0,
-                )
-            nisa.tensor_copy(dst=attn[0:q_parts, i, :], src=placed)
-    return attn
+        for g0, gn in spans(kv, max(1, pmax // gt)):
+            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, rows, window, out, spec, constants)
+        del rows
+    if out.by_head is not None:
+        place_heads(out, spec, constants)
+    return out.attn
 
 
 def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer):
