@@ -227,7 +227,7 @@ def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
     )
     operands = make_operands(rng, spec, 1, 1, 8, 3, np.float32)
     with profile() as prof:
-        run_decode_step("today", operands, spec)
+        run_decode_step("per_op_svd_mlp", operands, spec)
     names = [run.name for run in prof.runs]
     assert "svd_mlp_gate_up_kernel" in names and "svd_mlp_down_kernel" in names
     assert "gated_activation_kernel" not in names

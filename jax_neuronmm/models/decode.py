@@ -172,9 +172,7 @@ def published_decode_models(names=None) -> dict:
     unknown = [name for name in names if name not in PUBLISHED]
     if unknown:
         raise ValueError(f"unknown models {unknown}, expected some of {list(PUBLISHED)}")
-    return {
-        name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names
-    }
+    return {name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names}
 
 
 def pad_slots(token_mask) -> int:

@@ -1,15 +1,16 @@
 """Decode-step attention in NKI: q/k head-dim RMSNorm, RoPE, the in-place KV-cache write, GQA over the cache.
 
-Layouts (DECODE_STEP_SPEC.md). R = B·T rows (row r = b·T + t), features on partitions: a "column tile" tensor of
-F features is SBUF [128, ceil(F/128), R] with element [p, i, r] = feature i·128 + p of row r. q has heads·D
+Layouts: R = B·T rows (row r = b·T + t), features on partitions in natural column tiles (nki_kernels.decode.tiles):
+a tensor of F features is SBUF [128, ceil(F/128), R] with element [p, i, r] = feature i·128 + p of row r. q has heads·D
 features (feature h·D + d is head h's component d), k and v kv_heads·D; kv head g serves query heads g·G ..
 g·G + G - 1 (G = heads / kv_heads). The head dim D must divide 128 (several heads per tile) or be a multiple of
 256 (a head spans whole tiles and the rotate-half halves are whole tiles).
 
-HBM operands: k_cache, v_cache [L, B, S, kv_heads, D] (model dtype); write_index [1, 1] int32 (the first slot of
-this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables (halves duplicated), table
-spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask spec.layer_mask[layer];
-qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset) or None.
+HBM operands (nki_kernels.decode.contract): k_cache, v_cache [L, B, S, kv_heads, D] (model dtype); write_index
+[1, 1] int32 (the first slot of this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables
+(halves duplicated), table spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask
+spec.layer_mask[layer]; qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset)
+or None.
 
 How the work is laid out (at decode the cache read dominates; the cost model charges DMAs by their contiguous
 run per partition):
@@ -39,7 +40,7 @@ run per partition):
   shift matmul). All kv heads of a row whose G·T columns fit 128 share one softmax pass.
 
 Entry points: `attention` (a subroutine for fused kernels; its pieces norm_rope, write_rows and attend are
-usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernels, `rope_kernel`,
+usable alone) and, for the per-op compositions with rows [B, T, F] in HBM between kernels, `rope_kernel`,
 `cache_write_kernel` and `attention_kernel`.
 """
 
@@ -905,7 +906,7 @@ def attention(
     )
 
 
-# -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
+# -- per-op kernels: HBM in, HBM out --------------------------------------------------------
 
 
 def _rows_count(x, name, features):
@@ -916,8 +917,17 @@ def _rows_count(x, name, features):
 
 @nki.jit
 def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
-    """(q, k) rows [B, T, heads·D] / [B, T, kv·D] after the optional head-dim RMSNorm (qk_norms [L, 2, D] or
-    None) and RoPE with table spec.layer_rope[layer]; new HBM tensors in q's / k's dtype."""
+    """q/k head-dim RMSNorm and RoPE as one kernel.
+
+    Dimensions: B, T (B·T <= 128), heads and kv_heads of D features, NR RoPE tables, L layers.
+    Args:
+        q: [B, T, heads·D] and k: [B, T, kv_heads·D] rows in HBM (any float dtype).
+        cos, sin: [NR, B, T, D] float32 in HBM (layer `layer` reads table spec.layer_rope[layer]).
+        qk_norms: [L, 2, D] in HBM (q_norm, k_norm), or None without spec.qk_norm.
+        layer: static int. spec: DecodeSpec (static).
+    Returns:
+        (q', k'): new [B, T, heads·D] / [B, T, kv_heads·D] in HBM, in q's / k's dtype.
+    """
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     _rows_count(k, "k", spec.num_kv_heads * d)
@@ -934,8 +944,16 @@ def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
 
 @nki.jit
 def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
-    """k_cache[layer, b, w:w+T] = k[b], v_cache[layer, b, w:w+T] = v[b] IN PLACE (w = write_index [1, 1] int32,
-    a runtime value); k, v rows [B, T, kv·D]; returns (k_cache, v_cache)."""
+    """The KV-cache write as one kernel: k_cache[layer, b, w:w+T] = k[b], v_cache[layer, b, w:w+T] = v[b] IN PLACE.
+
+    Dimensions: B, T (B·T <= 128), S slots, kv_heads of D features, L layers.
+    Args:
+        k, v: [B, T, kv_heads·D] rows in HBM (any float dtype; cast to the cache's).
+        k_cache, v_cache: [L, B, S, kv_heads, D] in HBM.
+        write_index: [1, 1] int32 in HBM, w (read at run time). layer: static int.
+    Returns:
+        (k_cache, v_cache), written in place.
+    """
     features = k_cache.shape[3] * k_cache.shape[4]
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
@@ -947,10 +965,18 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
 
 @nki.jit
 def attention_kernel(q, k_cache, v_cache, write_index, mask_bias, *, layer, spec):
-    """attn rows [B, T, heads·D] (cache dtype) of rotated queries q [B, T, heads·D] over layer `layer` of the
-    caches [L, B, S, kv, D] with mask_bias [NM, B, T, S] table spec.layer_mask[layer]; write_index [1, 1] int32
-    (this step's first slot) places a windowed mask's slots; scaling, softcap, softmax and weights·V as
-    attention()."""
+    """Attention over the cache as one kernel: softmax(q·Kᵀ·scaling (softcapped) + mask)·V, as attend().
+
+    Dimensions: B, T (B·T <= 128), S slots, heads and kv_heads of D features, NM mask tables, L layers.
+    Args:
+        q: [B, T, heads·D] rotated (and normed) query rows in HBM (any float dtype).
+        k_cache, v_cache: [L, B, S, kv_heads, D] in HBM (this step's slots already written).
+        write_index: [1, 1] int32 in HBM (this step's first slot: places a windowed mask's slots).
+        mask_bias: [NM, B, T, S] float32 in HBM (layer `layer` reads table spec.layer_mask[layer]).
+        layer: static int. spec: DecodeSpec (static).
+    Returns:
+        attn [B, T, heads·D] in HBM, in the cache dtype.
+    """
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     constants = AttentionConstants(spec)

@@ -36,7 +36,12 @@ COMPRESSED_OVER_DENSE = 1.2
 WITHIN_NKILIB = 1.05
 # nki-library's attention_block_tkg holds the head dimension on partitions (at most 128) and one KV head per call.
 NKILIB_MAX_HEAD_DIM = 128
-LABELS = {"per_op": "(i) per_op", "per_layer": "(ii) per_layer", "looped": "(iii) looped", "today": "today"}
+LABELS = {
+    "per_op": "(i) per_op",
+    "per_layer": "(ii) per_layer",
+    "looped": "(iii) looped",
+    "per_op_svd_mlp": "per_op + svd_mlp",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,7 +266,7 @@ def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
 
 
 def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]]:
-    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each issue-15 target on batch-1
+    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each of the looped kernel's targets on batch-1
     shapes; the bound (bound_cells) only for ratio targets, else "–"."""
     rows = []
     keys = [k for k in res.ours if k[2] == batch]

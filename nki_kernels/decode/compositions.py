@@ -1,25 +1,25 @@
-"""One decode step over all decoder layers as NKI kernels, for three compositions (issue 15).
+"""The decode step's kernels, in the compositions the benchmark compares (COMPOSITIONS).
 
-Operands (positional, nki_kernels/decode_spec.py's contract): x [B, T, H], norms [L, NN, H], qk_norms [L, 2, D] or
-None, q, k, v, o, gate, up, down (each dense [L, K, N] or [u [L, K, Rmax], v [L, Rmax, N]]), k_cache, v_cache
-[L, B, S, kv, D], write_index [1, 1] int32, cos, sin [NR, B, T, D], mask_bias [NM, B, T, S], final_norm [H], head
-[H, V] or [u [H, r], v [r, V]]. Result: (logits [B, T, V] float32, k_cache, v_cache), the caches written in place
-at slots [write_index, write_index + T).
+looped          decode_step_kernel: one kernel; an outer loop over the layers with the hidden state (float32
+                column tiles) on chip throughout, weights streaming through one WeightRing whose cursor carries
+                across layers (layer l+1's first blocks load while layer l computes), then the final norm and the
+                LM head from the same ring.
+per_layer       decoder_layer_kernel(..., layer=l) per layer (the hidden state in HBM, float32, between
+                launches), then lm_head_kernel.
+per_op          one kernel per op: norm_kernel, projection_kernel, attention.rope_kernel, cache_write_kernel and
+                attention_kernel, add_kernel, gated_activation_kernel (act·mul), norm_kernel + head_kernel;
+                activations in HBM between launches.
+per_op_svd_mlp  per_op, except that a factored MLP runs the fused svd_mlp kernels (the prefill's kernels).
+nki_kernels.decode.runner launches them in sequence on the emulator (`run_decode_step`).
 
-(iii) decode_step_kernel: one kernel; an outer loop over layers with the hidden state (float32 column tiles) on
-      chip throughout, weights streaming through one WeightRing whose cursor carries across layers (layer l+1's
-      first blocks load while layer l computes), then the final norm and the LM head from the same ring.
-(ii)  decoder_layer_kernel(..., layer=l) per layer (hidden state in HBM, float32, between launches), then
-      lm_head_kernel.
-(i)   one kernel per op: norm_kernel, projection_kernel, decode_attention's rope_kernel, cache_write_kernel and
-      attention_kernel, add_kernel, gated_activation_kernel (act·mul), norm_kernel + head_kernel; activations
-      in HBM between launches.
-"today": (i), except a factored MLP runs the existing fused svd_mlp kernels.
-nki_kernels.decode_step runs them in sequence (`run_decode_step`) and re-exports them. Layouts, the ring and the
-subroutines: nki_kernels.decode_layer (the hidden state and the MLP intermediate are row-grouped column tiles, see
-there; q, k, v and the attention output natural ones, decode_attention's contract).
+Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer kernels take them as one list
+argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
+tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
 Ragged per-layer ranks: factors are stacked to the largest rank, layer l reads only the first ranks[l] columns of
 u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth.
+
+Dimensions in the kernels' docstrings: B rows of T new tokens (R = B·T <= 128), H hidden, V vocabulary, L layers,
+K / N a projection's input / output features.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, laye
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
 
-COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
+COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
 MLP_PROJECTIONS = ("gate", "up", "down")
 
 
@@ -50,7 +50,7 @@ def _min_row_elements(spec, names):
 
 class Layouts:
     """Feature layouts of one spec: hidden (grouped for q/k/v/gate/up rows), intermediate (for down), attention
-    output (for o), and the natural layouts of q and k/v (decode_attention's contract)."""
+    output (for o), and the natural layouts of q and k/v (what attention takes)."""
 
     def __init__(self, spec):
         head_width = spec.vocab if spec.head_rank is None else spec.head_rank
@@ -108,9 +108,9 @@ def decoder_layer(ctx, x, layer, ops):
     weights = ops.weights
     w_norm = projections.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
 
-    def project(src, src_layout, name, out_layout, evict):
+    def layer_projection(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
-        projections.project(
+        projections.projection(
             src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict
         )
 
@@ -118,7 +118,7 @@ def decoder_layer(ctx, x, layer, ops):
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
         qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
-        project(h, lay.hidden, name, layout, projections.copy_into(qkv[name]))
+        layer_projection(h, lay.hidden, name, layout, projections.copy_into(qkv[name]))
     del h
     attn = attention.attention(
         qkv["q"],
@@ -146,14 +146,14 @@ def decoder_layer(ctx, x, layer, ops):
     mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
     if spec.sandwich:
         y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
-        project(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
+        layer_projection(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
         _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
         projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m))
         _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
     else:
-        project(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
+        layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
         projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x))
 
@@ -174,7 +174,7 @@ def check_operands(kernel, operands, spec):
 def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None):
     """The whole decode step in one kernel: an outer loop over the layers, the hidden state on chip throughout.
 
-    Dimensions: B rows of T new tokens (B·T <= 128), H hidden, V vocabulary, L layers.
+    Dimensions: B, T (B·T <= 128), H, V, L.
     Args:
         operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a factored
             weight as its [u, v] list); k_cache and v_cache are written IN PLACE at this step's slots.
@@ -221,7 +221,7 @@ def _head(ctx, hidden, final_norm, head, out_rows):
 def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
     """Decoder layer `layer` as one kernel; the hidden state crosses HBM in float32 between launches.
 
-    Dimensions: B rows of T new tokens (B·T <= 128), H hidden.
+    Dimensions: B, T (B·T <= 128), H.
     Args:
         operands: DecodeOperands.kernel_args() with x [B, T, H] the layer's input (any float dtype) and
             final_norm, head None (unused); k_cache and v_cache are written IN PLACE.
@@ -247,7 +247,16 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
 
 @nki.jit
 def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
-    """(ii) Final norm and LM head: x [B, T, H] → logits [B, T, V] float32 (final softcap applied)."""
+    """Final norm and LM head as one kernel (the last launch of the per-layer composition).
+
+    Dimensions: B, T (B·T <= 128), H, V.
+    Args:
+        x: [B, T, H] in HBM, the last layer's output (any float dtype).
+        final_norm: [H] in HBM. head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        logits [B, T, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
+    """
     check_spec(spec)
     b, t, _ = x.shape
     rows = b * t
@@ -260,7 +269,7 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     return logits
 
 
-# -- (i) per-op kernels: rows [R, F] in HBM between launches ----------------------------------------------------
+# -- per-op kernels: rows [R, F] in HBM between launches ----------------------------------------------------
 
 
 def _out_dtype(name):
@@ -269,8 +278,18 @@ def _out_dtype(name):
 
 @nki.jit
 def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
-    """RMSNorm of x [R, F] rows by weights[index] ([F]; index selects a row of a stacked norm tensor, () for a
-    plain [F] one) → [R, F] in out_dtype."""
+    """RMSNorm of rows as one kernel.
+
+    Dimensions: R rows (<= 128), F features.
+    Args:
+        x: [R, F] rows in HBM (any float dtype).
+        weights: a norm tensor in HBM whose entry `index` is [F] ([L, NN, F] with index (layer, j), or [F] with
+            index ()); raw weights (1 + w is applied with spec.norm_unit_offset).
+        index: static tuple. spec: DecodeSpec (static; eps, unit offset). out_dtype: "float32", "bfloat16" or
+            "float16".
+    Returns:
+        [R, F] in HBM, out_dtype.
+    """
     check_spec(spec)
     rows, features = x.shape
     layout = tiles.feature_layout(features)
@@ -289,7 +308,18 @@ def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
 
 @nki.jit
 def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_block_bytes=None, ring_bytes=None):
-    """x [R, K] rows @ layer `layer` of a stacked projection (dense [L, K, N], or [u, v] at `rank`) → [R, N]."""
+    """One layer's projection of rows as one kernel.
+
+    Dimensions: R rows (<= 128), K input and N output features, L layers.
+    Args:
+        x: [R, K] rows in HBM, in the weight's dtype.
+        weight: a stacked projection in HBM: dense [L, K, N], or [u [L, K, Rmax], v [L, Rmax, N]] when rank is
+            set (layer `layer` uses the first `rank` columns of u / rows of v).
+        layer, rank: static ints (rank None: dense). out_dtype: "float32", "bfloat16" or "float16".
+        ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        [R, N] in HBM, out_dtype.
+    """
     rows, k = x.shape
     weight = as_weight(weight, rank is not None)
     w = layer_weight(weight, layer)
@@ -302,7 +332,7 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
     tiles.load_columns(xc, x, in_layout)
     odt = _out_dtype(out_dtype)
     y = tiles.column_tiles(out_layout, rows, odt, "y", zero=False)
-    projections.project(xc, in_layout, w, rank, out_layout, rows, ring, projections.copy_into(y))
+    projections.projection(xc, in_layout, w, rank, out_layout, rows, ring, projections.copy_into(y))
     out = nl.ndarray((rows, n), dtype=odt, buffer=nl.shared_hbm, name="projected_rows")
     tiles.store_columns(out, y, out_layout)
     return out
@@ -310,7 +340,14 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
 
 @nki.jit
 def add_kernel(x, y):
-    """x + y for rows [R, F] (float32 out): a residual add as its own launch."""
+    """A residual add as one kernel.
+
+    Dimensions: R rows (<= 128), F features.
+    Args:
+        x, y: [R, F] rows in HBM (any float dtypes).
+    Returns:
+        x + y, [R, F] float32 in HBM.
+    """
     rows, features = x.shape
     layout = tiles.feature_layout(features)
     xc = tiles.column_tiles(layout, rows, nl.float32, "x", zero=False)
@@ -327,8 +364,16 @@ def add_kernel(x, y):
 
 @nki.jit
 def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
-    """h [R, H] (normed rows) @ head (dense [H, V] or [u, v] at spec.head_rank) → logits [R, V] float32 with the
-    final softcap."""
+    """The LM head of normed rows as one kernel.
+
+    Dimensions: R rows (<= 128), H, V.
+    Args:
+        h: [R, H] normed rows in HBM, in the head's dtype.
+        head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        logits [R, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
+    """
     check_spec(spec)
     rows, features = h.shape
     head = as_weight(head, spec.head_rank is not None)
@@ -345,6 +390,6 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     else:
         rank_layout = tiles.feature_layout(spec.head_rank, tiles.choose_group(spec.head_rank, projections.HEAD_COLUMNS))
         xu = tiles.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-        projections.projection(hc, layout, head.u, rank_layout, rows, ring, projections.copy_into(xu))
+        projections.dense_projection(hc, layout, head.u, rank_layout, rows, ring, projections.copy_into(xu))
         projections.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
     return out

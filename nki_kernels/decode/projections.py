@@ -113,7 +113,7 @@ def rows_per_block(in_count_max, n, slot_elements):
     return max(1, min(in_count_max, slot_elements // n))
 
 
-def projection(x, in_layout, w, out_layout, rows, ring, evict):
+def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
     """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
 
     x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
@@ -150,7 +150,7 @@ def projection(x, in_layout, w, out_layout, rows, ring, evict):
 
 
 def copy_into(dst, op=None):
-    """An evict for `projection`: dst[slots] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+    """An evict for `dense_projection`: dst[slots] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
 
     def evict(psum, s0, count, size):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
@@ -163,7 +163,7 @@ def copy_into(dst, op=None):
 
 
 def add_into(dst):
-    """An evict for `projection`: dst[slots] += psum (the residual add, float32)."""
+    """An evict for `dense_projection`: dst[slots] += psum (the residual add, float32)."""
 
     def evict(psum, s0, count, size):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
@@ -173,7 +173,7 @@ def add_into(dst):
 
 
 def multiply_into(dst, other):
-    """An evict for `projection`: dst[slots] = other[slots] * psum (the gated MLP's act(gate)·up)."""
+    """An evict for `dense_projection`: dst[slots] = other[slots] * psum (the gated MLP's act(gate)·up)."""
 
     def evict(psum, s0, count, size):
         rows = psum.shape[2]
@@ -187,31 +187,31 @@ def multiply_into(dst, other):
     return evict
 
 
-def project(x, in_layout, weight, rank, out_layout, rows, ring, evict):
-    """`projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
+def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict):
+    """`dense_projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
     of one layer): stage 1 leaves (x·u)ᵀ in SBUF as column tiles over the rank (rank on the partitions, grouped
     for v's rows), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
     if rank is None:
-        projection(x, in_layout, weight, out_layout, rows, ring, evict)
+        dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
         return
     u, v = weight
     rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
     xu = column_tiles(rank_layout, rows, u.dtype, "xuT", zero=False)
-    projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
-    projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
+    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
+    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
 
 
 def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
     """down(act(h·gate) * (h·up)) with h column tiles of hidden_layout (model dtype); ranks (gate, up, down),
     None where dense. act(gate) is applied by ScalarE evicting PSUM; VectorE multiplies by up straight from
-    PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `projection`'s,
+    PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `dense_projection`'s,
     for the down projection's output (hidden features in hidden_layout)."""
     act = column_tiles(inter_layout, rows, nl.float32, "mlp_act", zero=False)
-    project(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op))
+    projection(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op))
     hidden = column_tiles(inter_layout, rows, h.dtype, "mlp_hidden", zero=False)
-    project(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act))
+    projection(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act))
     del act
-    project(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
+    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
 
 
 def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
@@ -293,5 +293,5 @@ def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_ro
     u, v = head
     rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
     xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-    projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
+    dense_projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
     head_projection(xu, rank_layout, v[0:head_rank, :], rows, ring, out_rows, softcap)

@@ -68,10 +68,10 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
                 )
             head = kernel_arg(ops.head)
             return _launch(lm_head_kernel, x, ops.final_norm, head, spec=spec, **ring), k_cache, v_cache
-        return _run_per_op(composition == "today", ops, spec, ring)
+        return _run_per_op(composition == "per_op_svd_mlp", ops, spec, ring)
 
 
-def _run_per_op(today, ops, spec, ring):
+def _run_per_op(svd_mlp, ops, spec, ring):
     b, t, h_features = ops.x.shape
     rows = b * t
     model = np.dtype(ops.q.dtype).name
@@ -86,7 +86,7 @@ def _run_per_op(today, ops, spec, ring):
     def norm(src, layer, j, out_dtype):
         return _launch(norm_kernel, src, ops.norms, index=(layer, j), spec=spec, out_dtype=out_dtype)
 
-    def project(src, name, layer, out_dtype):
+    def projection_launch(src, name, layer, out_dtype):
         return _launch(
             projection_kernel,
             src,
@@ -99,7 +99,7 @@ def _run_per_op(today, ops, spec, ring):
 
     for layer in range(spec.num_layers):
         h = norm(x, layer, 0, model)
-        q, k, v = (project(h, name, layer, model) for name in ("q", "k", "v"))
+        q, k, v = (projection_launch(h, name, layer, model) for name in ("q", "k", "v"))
         q, k = _launch(
             attention.rope_kernel,
             q.reshape(b, t, -1),
@@ -129,13 +129,13 @@ def _run_per_op(today, ops, spec, ring):
             layer=layer,
             spec=spec,
         )
-        y = project(attn.reshape(rows, -1), "o", layer, "float32")
+        y = projection_launch(attn.reshape(rows, -1), "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")
         x = _launch(add_kernel, x, y)
         h = norm(x, layer, 2 if spec.sandwich else 1, model)
         factored = all(spec.rank(name, layer) is not None for name in MLP_PROJECTIONS)
-        if today and factored:
+        if svd_mlp and factored:
             r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
             u = {name: _factor_slice(weights[name].u, layer, r[name], 1) for name in MLP_PROJECTIONS}
             vv = {name: _factor_slice(weights[name].v, layer, r[name], 0) for name in MLP_PROJECTIONS}
@@ -144,9 +144,9 @@ def _run_per_op(today, ops, spec, ring):
             )
             m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
         else:
-            gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)
+            gate, up = projection_launch(h, "gate", layer, model), projection_launch(h, "up", layer, model)
             hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)
-            m = project(hidden, "down", layer, "float32")
+            m = projection_launch(hidden, "down", layer, "float32")
         if spec.sandwich:
             m = norm(m, layer, 3, "float32")
         x = _launch(add_kernel, x, m)
