@@ -1,12 +1,14 @@
 """Decode step over all layers: one kernel per op vs one per layer vs one looped kernel, modeled on trn1 / trn2.
 
-For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (their published config.json), batch 1 and 8, one new token
-per row, KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and
-the LM head factored at `nki_kernels.ranks.block_aligned_rank`), each composition of issue 15 runs on the
-emulator in count-only mode (`nki_kernels.decode_step.run_decode_step`, operands are shape/dtype placeholders, no
-weight memory): per_op (i), per_layer (ii), looped (iii) and today (per-op kernels, fused svd_mlp kernels for
-the MLP). The peer "dense (nkilib megakernel)" is AWS nki-library's experimental transformer_tkg, run from a
-local checkout (`--nki_library`) on the same emulator.
+For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (the presets of their published config.json, as
+`jax_neuronmm.models.decode.decode_plan` turns them into DecodeSpecs), batch 1 and 8, one new token per row,
+KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and the LM
+head factored at `nki_kernels.ranks.block_aligned_rank`), each composition (nki_kernels.decode.compositions) runs
+on the emulator in count-only mode (`nki_kernels.decode.runner.run_decode_step`, operands are shape/dtype
+placeholders, no weight memory): per_op (i), per_layer (ii), looped (iii) and per_op_svd_mlp (per-op kernels,
+fused svd_mlp kernels for the MLP). What is measured and judged (must-move bytes, the targets and their bounds)
+is nki_kernels.decode.comparison. The peer "dense (nkilib megakernel)" is AWS nki-library's experimental
+transformer_tkg, run from a local checkout (`--nki_library`) on the same emulator.
 
 Latency of a composition = sum of its launches' modeled latencies (each launch scheduled on its own, so its
 pipeline fill and drain count) + launches x a per-launch overhead (`nki_kernels.emulator.launch`: no public
@@ -56,6 +58,7 @@ from nki_kernels.decode.comparison import (
     peak_fraction,
     targets_table,
 )
+from nki_kernels.decode.runner import run_decode_step
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
@@ -115,13 +118,12 @@ def measure_ours(
     model: DecodeModel, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
 ) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target."""
-    decode_step = importlib.import_module("nki_kernels.decode.runner")
     spec = decode_spec(model, num_layers, compressed)
     operands = operand_specs(spec, batch, cache_len)
     runs, failures = {}, []
     for t in TARGETS:
         try:
-            runs[t] = _profiled(lambda: decode_step.run_decode_step(composition, operands, spec, numerics=False), t)
+            runs[t] = _profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {_describe(error)}")
     note = "did not run on " + "; ".join(failures) if failures else ""
@@ -445,7 +447,7 @@ def markdown(
     lines = [
         "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
         "",
-        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode_step."
+        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode.runner."
         "run_decode_step(composition, operands, spec, numerics=False)` on shape/dtype placeholders), latency from "
         "`nki_kernels/emulator/cost_model.py` per launch, composed by `nki_kernels/emulator/launch.py`. bf16 "
         "weights and cache, one new token per row, fp32 logits. Compressed = keep 0.8: every projection of every "
@@ -476,7 +478,7 @@ def markdown(
         f"- Run time of this benchmark: {elapsed_s / 60:.1f} min on this machine"
         + (f" (assembling cached cases; {run_time_note})." if run_time_note else "."),
         "",
-        "## Targets (issue 15, batch 1), at each assumed per-launch overhead",
+        "## Targets (batch 1), at each assumed per-launch overhead",
         "",
         "The bound column: the most a ratio target can reach at 0 µs per launch, at the shape where that is lowest "
         "(other ÷ looped ≤ other's latency ÷ must-move bytes at the peak rate; compressed ÷ dense looped ≤ dense ÷ "

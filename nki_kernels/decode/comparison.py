@@ -266,8 +266,9 @@ def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
 
 
 def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]]:
-    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each of the looped kernel's targets on batch-1
-    shapes; the bound (bound_cells) only for ratio targets, else "–"."""
+    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each of the looped kernel's targets
+    on batch-1 shapes; the bound (bound_cells) only for ratio targets, else "–".
+    """
     rows = []
     keys = [k for k in res.ours if k[2] == batch]
     shapes = sorted({(k[0], k[3]) for k in keys}, key=lambda x: (x[0], x[1]))
