@@ -354,7 +354,7 @@ def add_kernel(x, y):
     yc = tiles.column_tiles(layout, rows, nl.float32, "y", zero=False)
     tiles.load_columns(xc, x, layout)
     tiles.load_columns(yc, y, layout)
-    for s0, count, size in tiles.slot_runs(layout):
+    for s0, count, size in tiles.tile_runs(layout):
         view = xc[0:size, s0 : s0 + count, 0:rows]
         nisa.tensor_tensor(dst=view, data1=view, data2=yc[0:size, s0 : s0 + count, 0:rows], op=nl.add)
     out = nl.ndarray((rows, features), dtype=nl.float32, buffer=nl.shared_hbm, name="sum_rows")

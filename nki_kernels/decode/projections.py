@@ -20,7 +20,7 @@ from nki_kernels.decode.tiles import (
     layout_blocks,
     load_columns,
     padded_rows,
-    slot_runs,
+    tile_runs,
 )
 from nki_kernels.svd_matmul import spans
 
@@ -33,12 +33,12 @@ HEAD_RUN_COLUMNS = 4096
 
 
 def load_norm_weights(norms_hbm, layout, unit_offset):
-    """norms_hbm [NN, F] (HBM) as float32 column tiles [128, slots, NN] (+1 with unit_offset); zero padding."""
+    """norms_hbm [NN, F] (HBM) as float32 column tiles [128, tiles, NN] (+1 with unit_offset); zero padding."""
     count = norms_hbm.shape[0]
     w = column_tiles(layout, count, nl.float32, "norm_weights")
     load_columns(w, norms_hbm, layout)
     if unit_offset:
-        for s0, n, size in slot_runs(layout):
+        for s0, n, size in tile_runs(layout):
             nisa.tensor_scalar(
                 dst=w[0:size, s0 : s0 + n, 0:count], data=w[0:size, s0 : s0 + n, 0:count], op0=nl.add, operand0=1.0
             )
@@ -60,15 +60,15 @@ class NormConstants:
 def rms_norm(dst, x, weight, layout, rows, consts, features=None):
     """dst = x·rsqrt(mean(x²) + eps)·weight over the features of `layout`, per row.
 
-    x: float32 column tiles with zero padding; weight: [128, slots, 1] float32 (already 1 + w for unit-offset
+    x: float32 column tiles with zero padding; weight: [128, tiles, 1] float32 (already 1 + w for unit-offset
     norms); dst: column tiles in any dtype (a matmul operand in the model dtype, or float32).
-    Sum of squares: squares summed over the slots on VectorE, then over partitions by a ones matmul, which leaves
+    Sum of squares: squares summed over the tiles on VectorE, then over partitions by a ones matmul, which leaves
     the total on every partition (no broadcast needed).
     """
     pmax = nl.tile_size.pmax
-    slots = len(layout)
+    tiles = len(layout)
     features = sum(size for size, _ in layout) if features is None else features
-    squares = nl.ndarray((pmax, rows, slots), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
+    squares = nl.ndarray((pmax, rows, tiles), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
     x_by_row = x[:, :, 0:rows].permute((0, 2, 1))
     nisa.tensor_tensor(dst=squares, data1=x_by_row, data2=x_by_row, op=nl.multiply)
     partial = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_partial")
@@ -77,22 +77,22 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
     nisa.nc_matmul(dst=total, stationary=consts.ones, moving=partial, accumulate=False)
     rstd = nl.ndarray((pmax, 1, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_rstd")
     nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
-    scaled = nl.ndarray((pmax, slots, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
-    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, slots), op=nl.multiply)
+    scaled = nl.ndarray((pmax, tiles, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
+    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, tiles), op=nl.multiply)
     nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
 
 
-def _column_chunks(out_layout, per_block, slot_elements, rows):
+def _column_chunks(out_layout, per_block, block_elements, rows):
     """Output blocks grouped into chunks of consecutive features whose weight block (per_block rows per partition
-    × chunk width) fits a ring slot and whose accumulators fit PROJECTION_PSUM_BANKS:
-    [(n0, width, first slot, slots)]."""
+    × chunk width) fits a ring block and whose accumulators fit PROJECTION_PSUM_BANKS:
+    [(n0, width, first tile, tiles)]."""
     max_slots = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))
     chunks = []
     for k0, ks, s0, count, _ in layout_blocks(out_layout):
         if (
             chunks
             and chunks[-1][0] + chunks[-1][1] == k0
-            and (chunks[-1][1] + ks) * per_block <= slot_elements
+            and (chunks[-1][1] + ks) * per_block <= block_elements
             and chunks[-1][3] + count <= max_slots
         ):
             chunks[-1][1] += ks
@@ -102,15 +102,15 @@ def _column_chunks(out_layout, per_block, slot_elements, rows):
     return [tuple(c) for c in chunks]
 
 
-def rows_per_block(in_count_max, n, slot_elements):
+def rows_per_block(in_count_max, n, block_elements):
     """Weight rows per partition in one ring block of a projection with N = n columns: an input layout block's
-    rows where they fit a slot at the full width, else as many whole rows as a slot holds (at least one). Whole
+    rows where they fit a ring block at the full width, else as many whole rows as a block holds (at least one). Whole
     rows are one contiguous run per partition; cutting the columns instead leaves runs of the chunk's width
     (e.g. a factored gate's u [4096, 2560] in 8-row blocks: 2048 + 512 columns, the 1 KiB runs at 42% of the DMA
     rate)."""
-    if n * in_count_max <= slot_elements:
+    if n * in_count_max <= block_elements:
         return in_count_max
-    return max(1, min(in_count_max, slot_elements // n))
+    return max(1, min(in_count_max, block_elements // n))
 
 
 def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
@@ -118,16 +118,16 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
 
     x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
     chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit a
-    slot at the full width; each block's slots feed every output slot of the chunk. evict(psum, s0, count, size)
-    is called once per run of equal-size output slots with the float32 accumulators psum [size, count, rows]
-    (slots s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
+    ring block at the full width; each block's tiles feed every output tile of the chunk. evict(psum, s0, count, size)
+    is called once per run of equal-size output tiles with the float32 accumulators psum [size, count, rows]
+    (tiles s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
     """
     pmax = nl.tile_size.pmax
     k, n = w.shape
     in_blocks = layout_blocks(in_layout)
-    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.slot_elements)
+    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.block_elements)
     rows_pad = padded_rows(rows)
-    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.slot_elements, rows):
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.block_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
             view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
@@ -144,13 +144,13 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
                             accumulate=b > 0 or i0 + i > 0,
                         )
                 del block
-        for s0, count, size in slot_runs(out_layout, out_s0, out_s0 + out_count):
+        for s0, count, size in tile_runs(out_layout, out_s0, out_s0 + out_count):
             evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size)
         del acc
 
 
 def copy_into(dst, op=None):
-    """An evict for `dense_projection`: dst[slots] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+    """An evict for `dense_projection`: dst[tiles] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
 
     def evict(psum, s0, count, size):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
@@ -163,7 +163,7 @@ def copy_into(dst, op=None):
 
 
 def add_into(dst):
-    """An evict for `dense_projection`: dst[slots] += psum (the residual add, float32)."""
+    """An evict for `dense_projection`: dst[tiles] += psum (the residual add, float32)."""
 
     def evict(psum, s0, count, size):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
@@ -173,7 +173,7 @@ def add_into(dst):
 
 
 def multiply_into(dst, other):
-    """An evict for `dense_projection`: dst[slots] = other[slots] * psum (the gated MLP's act(gate)·up)."""
+    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum (the gated MLP's act(gate)·up)."""
 
     def evict(psum, s0, count, size):
         rows = psum.shape[2]
@@ -230,10 +230,10 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_RUN_COLUMNS, ring.slot_elements // in_count_max)
+    columns = min(HEAD_RUN_COLUMNS, ring.block_elements // in_count_max)
     if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
-        columns = min(HEAD_COLUMNS, ring.slot_elements // in_count_max)
+        columns = min(HEAD_COLUMNS, ring.block_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)

@@ -34,7 +34,7 @@ class WeightRing:
                 f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
                 f"0 < block_bytes <= ring_bytes"
             )
-        self.slot_elements = block_bytes // dtype.itemsize  # the largest block, per partition
+        self.block_elements = block_bytes // dtype.itemsize  # the largest block, per partition
         self.ring_elements = ring_bytes // dtype.itemsize
         self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf, name="weight_ring")
         self.cursor = 0
@@ -43,10 +43,10 @@ class WeightRing:
         """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
         (same shape)."""
         size = per_partition * columns
-        if size > self.slot_elements:
+        if size > self.block_elements:
             raise ValueError(
                 f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
-                f"{self.slot_elements}-element block limit"
+                f"{self.block_elements}-element block limit"
             )
         if self.cursor + size > self.ring_elements:
             self.cursor = 0

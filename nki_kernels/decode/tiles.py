@@ -1,22 +1,24 @@
 """The column-tile library of the decode kernels: F features of R rows (R = B·T ≤ 128) in SBUF, features on
 partitions, and the moves between such tiles and rows (plain functions called inside @nki.jit kernels).
 
-Naming: a *slot* is one [≤128 partitions, R] column tile (dimension "slots" of a [128, slots, R] tensor); its
-used partitions are its *size*; the dst operand comes first, as in NKI's ISA calls.
+Naming, across nki_kernels.decode: a *tile* is one [≤128 partitions, R] column tile (the middle dimension of a
+[128, tiles, R] tensor counts them); the partitions a tile uses are its *size* (`partitions`, `parts` in
+attention); a *slot* is only ever a KV-cache position; a *block* is what one DMA moves (a weight block in the
+ring, a cache block). The dst operand comes first, as in NKI's ISA calls.
 
-Feature layouts: F features live as cols[0:size_s, s, 0:R] for slot s of a *feature layout*, a tuple of
-(size, features) per slot, `features` a slice whose p-th element is the feature on partition p.
-`feature_layout(F, 1)` is the natural tiling (slot i ↔ features i·128 .. i·128+127, the last slot ragged). With a
-group g > 1, each block of 128·g features is permuted so that partition p holds g consecutive features (slot i of
+Feature layouts: F features live as cols[0:size_s, s, 0:R] for tile s of a *feature layout*, a tuple of
+(size, features) per tile, `features` a slice whose p-th element is the feature on partition p.
+`feature_layout(F, 1)` is the natural tiling (tile i ↔ features i·128 .. i·128+127, the last tile ragged). With a
+group g > 1, each block of 128·g features is permuted so that partition p holds g consecutive features (tile i of
 the block ↔ features p·g + i): a weight whose rows follow that layout is read with g whole rows per partition, one
 contiguous run of g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v: N =
 256). The layout of a vector only matters to the projections that contract over it; q, k, v and the attention
 output keep the natural layout (what attention takes and returns), the hidden state and the MLP intermediate use
 `choose_group`'s. Column tiles that feed a norm or the residual stream are zeroed when allocated, so whole-tile
-instructions may cover a ragged slot's unused partitions.
+instructions may cover a ragged tile's unused partitions.
 
 Two ways of moving rows <-> column tiles: `rows_to_columns` / `columns_to_rows` (any feature layout; PSUM rows
-padded to a power of two so per-slot accumulators never straddle a bank) and the natural-layout
+padded to a power of two so per-tile accumulators never straddle a bank) and the natural-layout
 `rows_to_natural_columns` / `natural_columns_to_rows` that attention uses (one eviction per PSUM bank of whole
 tiles; evictions alternating VectorE and ScalarE). They schedule differently and the modeled timings of the
 decode step depend on both as they are.
@@ -35,23 +37,23 @@ MAX_GROUP = 8
 
 
 def feature_layout(features, group=1):
-    """((size, features slice), ...) per slot: blocks of 128·group features, partition p of slot i of a block ↔
+    """((size, features slice), ...) per tile: blocks of 128·group features, partition p of tile i of a block ↔
     feature block_start + p·group + i; a ragged block (not a multiple of 128) in natural 128-feature tiles."""
-    slots = []
+    tiles = []
     for k0, ks in spans(features, nl.tile_size.pmax * group):
-        slots.extend(k_slots(k0, ks))
-    return tuple(slots)
+        tiles.extend(k_slots(k0, ks))
+    return tuple(tiles)
 
 
 def layout_blocks(layout):
-    """[(k0, ks, first slot, slots, partitions)]: runs of slots whose features form one contiguous range
+    """[(k0, ks, first tile, tiles, partitions)]: runs of tiles whose features form one contiguous range
     [k0, k0+ks) (one permuted block, or one natural tile): what one DMA of rows can cover."""
     blocks = []
     s = 0
     while s < len(layout):
         size, feats = layout[s]
         step = feats.step or 1
-        count = step  # a permuted block has `step` slots of 128 features each
+        count = step  # a permuted block has `step` tiles of 128 features each
         blocks.append((feats.start, size * step, s, count, size))
         s += count
     return blocks
@@ -85,12 +87,12 @@ def fp32_per_psum_bank(width):
 
 
 def padded_rows(rows):
-    """Rows rounded up to a power of two, so per-slot accumulators of a PSUM tensor never straddle a bank."""
+    """Rows rounded up to a power of two, so per-tile accumulators of a PSUM tensor never straddle a bank."""
     return 1 << (rows - 1).bit_length()
 
 
-def slot_runs(layout, first=0, last=None):
-    """[(s0, count, size)]: maximal runs of consecutive slots of equal size in layout[first:last], so an
+def tile_runs(layout, first=0, last=None):
+    """[(s0, count, size)]: maximal runs of consecutive tiles of equal size in layout[first:last], so an
     element-wise step over column tiles is one instruction per run."""
     runs = []
     for s in range(first, len(layout) if last is None else last):
@@ -103,7 +105,7 @@ def slot_runs(layout, first=0, last=None):
 
 
 def column_tiles(layout, rows, dtype, name, zero=True):
-    """A fresh [128, slots, rows] SBUF tile for `layout`; zeroed (see the module docstring) unless zero=False."""
+    """A fresh [128, tiles, rows] SBUF tile for `layout`; zeroed (see the module docstring) unless zero=False."""
     cols = nl.ndarray((nl.tile_size.pmax, len(layout), rows), dtype=dtype, buffer=nl.sbuf, name=name)
     if zero:
         nisa.memset(dst=cols, value=0.0)
@@ -111,7 +113,7 @@ def column_tiles(layout, rows, dtype, name, zero=True):
 
 
 def rows_to_columns(cols, staged, layout):
-    """cols (column tiles of `layout`) ← staged [R, F] rows in SBUF (same dtype): one PE transpose per slot,
+    """cols (column tiles of `layout`) ← staged [R, F] rows in SBUF (same dtype): one PE transpose per tile,
     evicted one PSUM bank at a time."""
     rows = staged.shape[0]
     pmax = nl.tile_size.pmax
@@ -121,7 +123,7 @@ def rows_to_columns(cols, staged, layout):
         turned = nl.ndarray((pmax, len(chunk), padded_rows(rows)), dtype=cols.dtype, buffer=nl.psum, name="cols_psum")
         for j, (size, feats) in enumerate(chunk):
             nisa.nc_transpose(dst=turned[0:size, j, 0:rows], data=staged[0:rows, feats])
-        for s0, count, size in slot_runs(layout, c0, c0 + len(chunk)):
+        for s0, count, size in tile_runs(layout, c0, c0 + len(chunk)):
             nisa.tensor_copy(
                 dst=cols[0:size, s0 : s0 + count, 0:rows], src=turned[0:size, s0 - c0 : s0 - c0 + count, 0:rows]
             )
@@ -129,12 +131,12 @@ def rows_to_columns(cols, staged, layout):
 
 
 def columns_to_rows(staged, cols, layout):
-    """staged [R, F] rows in SBUF (same dtype) ← cols (column tiles of `layout`): one PE transpose per slot."""
+    """staged [R, F] rows in SBUF (same dtype) ← cols (column tiles of `layout`): one PE transpose per tile."""
     rows = staged.shape[0]
     pmax = nl.tile_size.pmax
     per_bank = max(1, nl.tile_size.psum_bank_fmax_bytes // (pmax * cols.dtype.itemsize))
     for k0, ks, s0, count, partitions in layout_blocks(layout):
-        # Within a block, partition p of slot i is feature k0 + p·count + i.
+        # Within a block, partition p of tile i is feature k0 + p·count + i.
         block_rows = staged[0:rows, k0 : k0 + ks].reshape_dim(1, (partitions, count))
         for c0 in range(0, count, per_bank):
             n = min(per_bank, count - c0)
@@ -164,7 +166,7 @@ def store_columns(rows_hbm, cols, layout):
 
 def relayout(cols, layout, new_layout, rows):
     """cols (column tiles of `layout`) as column tiles of `new_layout`, on chip through rows (two PE transposes
-    per slot): e.g. the attention output regrouped so the o projection reads long runs of its weight rows."""
+    per tile): e.g. the attention output regrouped so the o projection reads long runs of its weight rows."""
     features = sum(size for size, _ in layout)
     staged = nl.ndarray((rows, features), dtype=cols.dtype, buffer=nl.sbuf, name="relayout_rows")
     columns_to_rows(staged, cols, layout)
@@ -173,7 +175,7 @@ def relayout(cols, layout, new_layout, rows):
     return out
 
 
-# -- the natural layout (features i·128 + p on partition p of slot i) ------------------------------------
+# -- the natural layout (features i·128 + p on partition p of tile i) ------------------------------------
 
 
 def natural_tiles(features):
