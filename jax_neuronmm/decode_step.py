@@ -61,33 +61,27 @@ OP = "decode_step"
 ROW_OPERANDS = batch_axes()  # operand name -> its B axis
 
 
-def decode_step(
-    x,
-    norms,
-    qk_norms,
-    q,
-    k,
-    v,
-    o,
-    gate,
-    up,
-    down,
-    k_cache,
-    v_cache,
-    write_index,
-    cos,
-    sin,
-    mask_bias,
-    final_norm,
-    head,
-    *,
-    spec: DecodeSpec,
-):
-    """One decode step over all layers; returns (logits [B, T, V] float32, k_cache, v_cache). See the module
-    docstring for the operands; bad operands raise ValueError / TypeError naming the argument."""
-    args = dict(locals())
-    del args["spec"]
-    ops = DecodeOperands.of([args[name] for name in operand_fields()])
+def decode_step(*operands, spec: DecodeSpec, **named):
+    """One decode step over all layers; returns (logits [B, T, V] float32, k_cache, v_cache).
+
+    operands: the DecodeOperands' fields in order (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache,
+    v_cache, write_index, cos, sin, mask_bias, final_norm, head; see the module docstring), positional, by name, or
+    one DecodeOperands. Bad operands raise ValueError / TypeError naming the argument."""
+    if len(operands) == 1 and isinstance(operands[0], DecodeOperands) and not named:
+        ops = operands[0]
+    else:
+        fields = operand_fields()
+        if len(operands) > len(fields):
+            raise TypeError(f"{OP}: got {len(operands)} positional operands, expected at most {len(fields)} {fields}")
+        values = dict(zip(fields, operands))
+        for name, value in named.items():
+            if name not in fields or name in values:
+                raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
+            values[name] = value
+        missing = [name for name in fields if name not in values]
+        if missing:
+            raise TypeError(f"{OP}: missing operands {missing}")
+        ops = DecodeOperands.of([values[name] for name in fields])
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef))
