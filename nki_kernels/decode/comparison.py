@@ -18,7 +18,7 @@ import numpy as np
 from nki_kernels import hardware, ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.compositions import COMPOSITIONS
-from nki_kernels.decode.contract import PROJECTIONS, DecodeOperands, DecodeSpec, expected_shapes
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, Factored, expected_dtypes, expected_shapes
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
@@ -112,22 +112,16 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool) -> Decode
 
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
-    """Shape/dtype placeholders (emulator Specs) of the operands in the contract's order (bf16 model dtype); a
-    factored weight is a Factored of two."""
-    shapes = expected_shapes(spec, batch, tokens, cache_len)
-    fields = {f.name: f for f in dataclasses.fields(DecodeOperands)}
-
-    def placeholder(name, shape):
-        dtype = fields[name].metadata.get("dtype", "model")
-        return Spec(shape, BF16 if dtype == "model" else dtype)
-
-    values = {}
-    for name, shape in zip(fields, shapes.values()):
-        if shape is None or isinstance(shape, tuple):
-            values[name] = None if shape is None else placeholder(name, shape)
+    """Shape/dtype placeholders (emulator Specs) of the operands in the contract's order (bf16 model dtype), from
+    expected_shapes and expected_dtypes; a factored weight is a Factored of them."""
+    shapes, dtypes = expected_shapes(spec, batch, tokens, cache_len), expected_dtypes(spec, BF16)
+    values = []
+    for shape, dtype in zip(shapes.values(), dtypes.values()):
+        if isinstance(shape, Factored):
+            values.append(Factored(**{part: Spec(sub, getattr(dtype, part)) for part, sub in shape.parts().items()}))
         else:
-            values[name] = type(shape)(placeholder(name, shape.u), placeholder(name, shape.v))
-    return tuple(DecodeOperands(**values).values())
+            values.append(None if shape is None else Spec(shape, dtype))
+    return tuple(values)
 
 
 def must_move_bytes(

@@ -157,25 +157,35 @@ class DecodeSpec:
         return None if ranks is None else ranks[layer]
 
 
+# What an operand's dtype must be: the model's (x's), or a fixed one.
+MODEL_DTYPE = "model"
+
+
+def _part(shape, dtype=MODEL_DTYPE):
+    """A Factored field: shape(k, r, n) its per-layer shape for a [K, N] weight at rank r, dtype as _operand's."""
+    return dataclasses.field(default=None, metadata=dict(shape=shape, dtype=dtype))
+
+
 @dataclasses.dataclass(frozen=True)
 class Factored:
-    """A weight stored as two factors: x·W = (x·u)·v. Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N]
+    """A weight stored as factors: x·W = (x·u)·v. Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N]
     (layer l uses the first spec.ranks[...][l] columns of u / rows of v, the rest zeros); the LM head's are u [H, r]
-    and v [r, V]. Iterates as (u, v)."""
+    and v [r, V]. Each part declares its shape and dtype (an added part, e.g. a per-channel scale, is one field
+    here); iterating gives the parts present, in order: (u, v)."""
 
-    u: Any
-    v: Any
+    u: Any = _part(lambda k, r, n: (k, r))
+    v: Any = _part(lambda k, r, n: (r, n))
+
+    def parts(self) -> dict:
+        """{part name: value} of the parts present (not None), in field order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
 
     def __iter__(self):
-        return iter((self.u, self.v))
+        return iter(self.parts().values())
 
     @property
     def dtype(self):
         return self.u.dtype
-
-
-# What an operand's dtype must be: the model's (x's), or a fixed one.
-MODEL_DTYPE = "model"
 
 
 def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None):
@@ -272,7 +282,7 @@ class DecodeOperands:
             raise ValueError(f"got {len(operands)} operands, expected {len(names)} {names}")
         values = {}
         for field, value in zip(dataclasses.fields(cls), operands):
-            if "weight" in field.metadata and isinstance(value, (list, tuple)) and len(value) == 2:
+            if "weight" in field.metadata and isinstance(value, (list, tuple)) and 2 <= len(value) <= _PARTS:
                 value = Factored(*value)
             values[field.name] = value
         return cls(**values)
@@ -289,7 +299,7 @@ class DecodeOperands:
         leaves = []
         for name, value in zip(operand_fields(), self.values()):
             if isinstance(value, Factored):
-                leaves += [(f"{name}.{part.name}", getattr(value, part.name)) for part in dataclasses.fields(value)]
+                leaves += [(f"{name}.{part}", array) for part, array in value.parts().items()]
             elif value is not None:
                 leaves.append((name, value))
         return leaves
@@ -301,6 +311,13 @@ class DecodeOperands:
 
     def replace(self, **changes) -> DecodeOperands:
         return dataclasses.replace(self, **changes)
+
+
+def _factored_parts():
+    return dataclasses.fields(Factored)
+
+
+_PARTS = len(dataclasses.fields(Factored))
 
 
 def operand_fields() -> tuple[str, ...]:
@@ -348,8 +365,28 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_
             shapes[field.name] = stacked + shape
             continue
         r = rank_padding.get(field.name, _rank(spec, weight))
-        shapes[field.name] = Factored(stacked + (shape[0], r), stacked + (r, shape[1]))
+        shapes[field.name] = Factored(
+            **{part.name: stacked + part.metadata["shape"](shape[0], r, shape[1]) for part in _factored_parts()}
+        )
     return DecodeOperands(**shapes)
+
+
+def expected_dtypes(spec: DecodeSpec, model_dtype) -> DecodeOperands:
+    """DecodeOperands of the dtype each operand (each Factored part) must have, the model's being `model_dtype`;
+    None where the spec has no such operand (the structure of expected_shapes)."""
+    model_dtype = np.dtype(model_dtype)
+
+    def resolve(meta):
+        dtype = meta.get("dtype", MODEL_DTYPE)
+        return model_dtype if dtype == MODEL_DTYPE else np.dtype(dtype)
+
+    dtypes = {}
+    for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, 1).values()):
+        if isinstance(shape, Factored):
+            dtypes[field.name] = Factored(**{part.name: resolve(part.metadata) for part in _factored_parts()})
+        else:
+            dtypes[field.name] = None if shape is None else resolve(field.metadata)
+    return DecodeOperands(**dtypes)
 
 
 def _shape_of(value) -> tuple:
@@ -408,26 +445,28 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False)
     if model not in (np.float16, np.float32, np.float64) and model.name != "bfloat16":
         raise TypeError(f"{where}: x: got dtype {model.name}, expected a float dtype (the model's)")
     wanted = dict(want.named_leaves())
+    dtypes = dict(expected_dtypes(spec, model).named_leaves())
+    parts = {part.name: part for part in _factored_parts()}
     for name, value in ops.named_leaves():
-        field = fields[name.split(".")[0]]
+        field_name, _, part = name.partition(".")
+        field = fields[field_name]
+        rule = (parts[part] if part else field).metadata.get("dtype", MODEL_DTYPE)
         if _shape_of(value) != wanted[name]:
             raise ValueError(
                 f"{where}: {name}: got shape {_shape_of(value)}, expected {wanted[name]} (from the spec and "
                 f"x [B, T, H] = {_shape_of(x)}, k_cache slots S = {cache.shape[2]}; the contract: "
                 f"{field.name} has shape {field.metadata['layout']})"
             )
-        dtype = field.metadata.get("dtype", MODEL_DTYPE)
-        expected = model if dtype == MODEL_DTYPE else dtype
-        if np.dtype(value.dtype) != expected:
+        if np.dtype(value.dtype) != dtypes[name]:
             raise TypeError(
-                f"{where}: {name}: got dtype {np.dtype(value.dtype).name}, expected {expected.name}"
-                + (" (x's dtype)" if dtype == MODEL_DTYPE else "")
+                f"{where}: {name}: got dtype {np.dtype(value.dtype).name}, expected {dtypes[name].name}"
+                + (" (x's dtype)" if rule == MODEL_DTYPE else "")
             )
     return ops
 
 
 def kernel_arg(value):
-    """An operand as an NKI kernel argument (tensors, or lists of them): a Factored as its [u, v] list."""
+    """An operand as an NKI kernel argument (tensors, or lists of them): a Factored as the list of its parts."""
     return list(value) if isinstance(value, Factored) else value
 
 
