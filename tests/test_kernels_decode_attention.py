@@ -1,9 +1,9 @@
-"""Decode attention (nki_kernels.decode_attention) on the emulator against a float64 reference of the spec.
+"""Decode attention (nki_kernels.decode.attention) on the emulator against a float64 reference of the spec.
 
-The reference follows DECODE_STEP_SPEC.md: optional RMSNorm over head_dim (1 + w), rotate-half RoPE from the
-tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores (q·k)·scaling, optional tanh softcap,
-+ mask bias, softmax over all S slots, weights·V (with a window, the kernel reads only the slots the mask can
-make visible: the rest are NaN in the windowed tests).
+The reference follows the contract (nki_kernels.decode.contract): optional RMSNorm over head_dim (1 + w),
+rotate-half RoPE from the tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores
+(q·k)·scaling, optional tanh softcap, + mask bias, softmax over all S slots, weights·V (with a window, the kernel
+reads only the slots the mask can make visible: the rest are NaN in the windowed tests).
 """
 
 import dataclasses

@@ -1,4 +1,5 @@
-"""The decode-step subroutines (nki_kernels.decode_layer) inside small test kernels, against float64 numpy.
+"""The decode-step subroutines (nki_kernels.decode.tiles, ring, projections) inside small test kernels, against
+float64 numpy.
 
 Natural (ragged) and row-grouped layouts, dense and factored projections into layouts of another group, the gated
 MLP, the LM head with a softcap, and rows ↔ column tiles round trips; a small weight ring so blocks wrap.

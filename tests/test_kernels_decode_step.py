@@ -1,4 +1,4 @@
-"""The decode step over all layers (nki_kernels.decode_step): every composition equals the float64 reference.
+"""The decode step over all layers (nki_kernels.decode.runner): every composition equals the float64 reference.
 
 Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384, V = 300), Llama-like (dense,
 no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE tables

@@ -1,9 +1,9 @@
 """The decode step's compositions compared on the emulator's cost model: what is measured per case, how a deep
 model is extrapolated from shallow traces, the bytes a step must move, and the targets the looped kernel is held
-to (benchmarks/decode_step.py traces the cases and writes the report from these).
+to (benchmarks/decode_compositions.py traces the cases and writes the report from these).
 
 A `DecodeModel` is a model's name, where its shapes come from and its dense DecodeSpec at full depth
-(jax_neuronmm.models.decode.preset_decode_model builds one from a preset through `decode_plan`); `decode_spec`
+(jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
 cuts it to fewer layers and factors it at keep KEEP; `operand_specs` gives count-only placeholders of the operands
 in the contract's order.
 """

@@ -36,7 +36,7 @@ MLP_PROJECTIONS = ("gate", "up", "down")
 
 def check_spec(spec):
     if not isinstance(spec, DecodeSpec):
-        raise TypeError(f"spec: expected a nki_kernels.decode_spec.DecodeSpec, got {type(spec).__name__}")
+        raise TypeError(f"spec: expected a nki_kernels.decode.DecodeSpec, got {type(spec).__name__}")
 
 
 def _min_row_elements(spec, names):

@@ -1,4 +1,4 @@
-"""What benchmarks/decode_step.py measures (nki_kernels.decode.comparison): the bytes a decode step must move
+"""What benchmarks/decode_compositions.py measures (nki_kernels.decode.comparison): the bytes a decode step must move
 (counted by hand here), the specs (from the presets through decode_plan) and operand placeholders of each model,
 the nkilib peer's sharding, the targets' bounds, and a --quick smoke run of the whole script."""
 
@@ -119,7 +119,7 @@ def test_ratio_bounds_at_peak_on_a_synthetic_case():
 
 def test_quick_run_writes_the_report(tmp_path):
     result = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--quick", f"--out_dir={tmp_path}"],
+        [sys.executable, os.path.join(BENCHMARKS, "decode_compositions.py"), "--quick", f"--out_dir={tmp_path}"],
         capture_output=True,
         text=True,
         timeout=900,
@@ -130,7 +130,7 @@ def test_quick_run_writes_the_report(tmp_path):
         assert bench.LABELS[composition] in text
     assert "modeled, not measured" in text and (tmp_path / "decode_step_quick.png").stat().st_size > 0
     bad = subprocess.run(
-        [sys.executable, os.path.join(BENCHMARKS, "decode_step.py"), "--models=GPT-5"],
+        [sys.executable, os.path.join(BENCHMARKS, "decode_compositions.py"), "--models=GPT-5"],
         capture_output=True,
         text=True,
         timeout=300,

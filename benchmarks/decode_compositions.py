@@ -15,8 +15,8 @@ pipeline fill and drain count) + launches x a per-launch overhead (`nki_kernels.
 Trainium figure, so 0, 2, 5, 10, 20 µs are swept). % of peak bandwidth = bytes that must move ÷ latency ÷ the
 core's peak DMA-to-HBM rate.
 
-    python benchmarks/decode_step.py --nki_library=/path/to/nki-library     # everything
-    python benchmarks/decode_step.py --quick                                # one shape, a few seconds
+    python benchmarks/decode_compositions.py --nki_library=/path/to/nki-library     # everything
+    python benchmarks/decode_compositions.py --quick                                # one shape, a few seconds
 
 Writes benchmarks/results/decode_step{,_quick}.md and .png. All numbers are modeled, not measured.
 """
