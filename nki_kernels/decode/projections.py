@@ -26,7 +26,8 @@ from nki_kernels.svd_matmul import spans
 
 # PSUM banks a projection's accumulators may use at once (of 8): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BANKS = 4
-HEAD_COLUMNS = 2048
+# Logits columns one LM-head PSUM chunk accumulates: 4 banks of float32.
+HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
 # Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
 # block allows and the range's blocks fit a third of the ring (see head_projection).
 HEAD_RUN_COLUMNS = 4096
