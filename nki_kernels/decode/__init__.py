@@ -8,7 +8,8 @@ projections.py   RMSNorm, projections (dense and factored), the gated MLP and th
 attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
 compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step
 runner.py        run_decode_step: a composition's launches on the emulator
-traffic.py       must_move_bytes (what a step cannot avoid moving) and count-only operand placeholders
+traffic.py       must_move_bytes: what a step cannot avoid moving
+comparison.py    what benchmarks/decode_compositions.py measures and judges: models, placeholders, targets
 """
 
 from nki_kernels.decode.contract import PROJECTIONS, DecodeOperands, DecodeSpec, Factored, check, expected_shapes
