@@ -427,6 +427,9 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False)
             )
         if value is None and present is None:
             raise ValueError(f"{where}: {name}: got None, expected {meta['layout']}")
+        arrays = value.parts().values() if isinstance(value, Factored) else [] if value is None else [value]
+        if any(not (hasattr(a, "shape") and hasattr(a, "dtype")) for a in arrays):
+            raise ValueError(f"{where}: {name}: got {type(value).__name__}, expected arrays of {meta['layout']}")
     x, cache = ops.x, ops.k_cache
     for name, value, rank in (("x", x, 3), ("k_cache", cache, 5)):
         if len(value.shape) != rank:
