@@ -43,7 +43,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/emulator_speed.py
 	$(PY) benchmarks/kernel_report.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/decode_throughput.py
-	$(PY) benchmarks/decode_step.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
+	$(PY) benchmarks/decode_compositions.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/compress_speed.py
 	$(PY) benchmarks/accuracy_report.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \

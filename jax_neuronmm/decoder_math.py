@@ -73,8 +73,7 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     q = q.reshape(batch, tokens, num_kv_heads, groups, head_dim)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * jnp.asarray(scaling, q.dtype)
     scores = scores.astype(jnp.float32)
-    if logit_softcap is not None:
-        scores = jnp.tanh(scores / logit_softcap) * logit_softcap
+    scores = soft_cap(scores, logit_softcap)
     weights = jax.nn.softmax(scores + bias[:, None, None, :, :], axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(q.dtype))
     return out.reshape(batch, tokens, num_heads * head_dim)

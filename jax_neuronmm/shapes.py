@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from nki_kernels.decode import contract as decode_contract
+
 COMPUTE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -70,3 +72,26 @@ def canonical_precision(op, precision):
 def accumulation_dtype(input_dtype):
     """float32 accumulation (what PSUM does) except for float64 inputs."""
     return np.dtype(np.float64) if np.dtype(input_dtype) == np.float64 else np.dtype(np.float32)
+
+
+def check_decode_operands(op, spec, operands):
+    """`operands` (nki_kernels.decode.DecodeOperands of arrays or abstract values) once they follow the decode
+    step's contract for `spec`: a ValueError / TypeError naming the operand otherwise. A concrete write_index is
+    also checked against the cache (`decode_contract.check_write_index`); a traced one is checked when the step
+    runs."""
+    ops = decode_contract.check(spec, operands, op)
+    index = concrete_value(ops.write_index)
+    if index is not None:
+        decode_contract.check_write_index(op, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+    return ops
+
+
+def concrete_value(x):
+    """`x` as a numpy array when its value is known at trace time (a numpy or concrete JAX array), else None (a
+    tracer or an abstract value)."""
+    if not isinstance(x, (np.ndarray, jax.Array)):
+        return None
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None

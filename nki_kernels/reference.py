@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from nki_kernels.activations import ACTIVATIONS
+from nki_kernels.decode.contract import DecodeOperands
 
 
 def _f64(a) -> np.ndarray:
@@ -75,35 +76,23 @@ def _rotate_half(x) -> np.ndarray:
 
 
 def decode_step_f64(operands, spec):
-    """One decode step over all layers (the layer math of nki_kernels.decode_spec's contract) in float64.
+    """One decode step over all layers (the layer math of nki_kernels.decode.contract) in float64.
 
-    operands: the positional operands of decode_step_kernel, (x [B, T, H], norms [L, NN, H], qk_norms [L, 2, D] or
-    None, q, k, v, o, gate, up, down (each dense [L, K, N] or [u, v]), k_cache, v_cache [L, B, S, kv, D],
-    write_index [1, 1], cos, sin [NR, B, T, D], mask_bias [NM, B, T, S], final_norm [H], head [H, V] or [u, v]).
+    operands: nki_kernels.decode.contract.DecodeOperands (or a sequence in its field order, factors as [u, v]).
     Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
     arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
     """
-    (
-        x,
-        norms,
-        qk_norms,
-        q_w,
-        k_w,
-        v_w,
-        o_w,
-        gate_w,
-        up_w,
-        down_w,
-        k_cache,
-        v_cache,
-        write_index,
-        cos,
-        sin,
-        mask_bias,
-        final_norm,
-        head,
-    ) = operands
-    weights = dict(zip(("q", "k", "v", "o", "gate", "up", "down"), (q_w, k_w, v_w, o_w, gate_w, up_w, down_w)))
+    ops = DecodeOperands.of(operands)
+    x, norms, qk_norms, k_cache, v_cache = ops.x, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache
+    write_index, cos, sin, mask_bias, final_norm, head = (
+        ops.write_index,
+        ops.cos,
+        ops.sin,
+        ops.mask_bias,
+        ops.final_norm,
+        ops.head,
+    )
+    weights = ops.weights
     eps, unit = spec.norm_eps, spec.norm_unit_offset
     x = _f64(x)
     b, t, _ = x.shape
@@ -148,7 +137,7 @@ def decode_step_f64(operands, spec):
         mlp = project(act(project(h, "gate", layer)) * project(h, "up", layer), "down", layer)
         x = x + (_rms_norm_f64(mlp, norms[layer, 3], eps, unit) if spec.sandwich else mlp)
     h = _rms_norm_f64(x, final_norm, eps, unit)
-    logits = h @ _f64(head) if spec.head_rank is None else (h @ _f64(head[0])) @ _f64(head[1])
+    logits = h @ _f64(head) if spec.head_rank is None else (h @ _f64(head.u)) @ _f64(head.v)
     if spec.final_logit_softcap is not None:
         logits = np.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
     return logits, k_cache, v_cache

@@ -1,9 +1,9 @@
-"""Decode attention (nki_kernels.decode_attention) on the emulator against a float64 reference of the spec.
+"""Decode attention (nki_kernels.decode.attention) on the emulator against a float64 reference of the spec.
 
-The reference follows DECODE_STEP_SPEC.md: optional RMSNorm over head_dim (1 + w), rotate-half RoPE from the
-tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores (q·k)·scaling, optional tanh softcap,
-+ mask bias, softmax over all S slots, weights·V (with a window, the kernel reads only the slots the mask can
-make visible: the rest are NaN in the windowed tests).
+The reference follows the contract (nki_kernels.decode.contract): optional RMSNorm over head_dim (1 + w),
+rotate-half RoPE from the tables, k and v written at slots [w, w + T) of layer `layer`'s cache, scores
+(q·k)·scaling, optional tanh softcap, + mask bias, softmax over all S slots, weights·V (with a window, the kernel
+reads only the slots the mask can make visible: the rest are NaN in the windowed tests).
 """
 
 import dataclasses
@@ -14,15 +14,9 @@ import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels.binding import nki, nl
-from nki_kernels.decode_attention import (
-    attention,
-    attention_kernel,
-    cache_write_kernel,
-    load_columns,
-    rope_kernel,
-    store_columns,
-)
-from nki_kernels.decode_spec import DecodeSpec
+from nki_kernels.decode.attention import attention, attention_kernel, cache_write_kernel, rope_kernel
+from nki_kernels.decode.contract import DecodeSpec
+from nki_kernels.decode.tiles import load_natural_columns, store_natural_columns
 from nki_kernels.emulator import count_only, profile
 from nki_kernels.emulator.kernel import Spec, run
 
@@ -140,9 +134,9 @@ def reference(operands, spec, layer):
 def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
     """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
     attnT = attention(
-        load_columns(q),
-        load_columns(k),
-        load_columns(v),
+        load_natural_columns(q),
+        load_natural_columns(k),
+        load_natural_columns(v),
         k_cache,
         v_cache,
         layer,
@@ -154,7 +148,7 @@ def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mas
         spec,
     )
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
-    store_columns(attnT, out)
+    store_natural_columns(out, attnT)
     return out, k_cache, v_cache
 
 

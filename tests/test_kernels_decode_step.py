@@ -1,4 +1,4 @@
-"""The decode step over all layers (nki_kernels.decode_step): every composition equals the float64 reference.
+"""The decode step over all layers (nki_kernels.decode.runner): every composition equals the float64 reference.
 
 Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384, V = 300), Llama-like (dense,
 no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE tables
@@ -12,8 +12,8 @@ import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
-from nki_kernels.decode_step import COMPOSITIONS, run_decode_step
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 
@@ -227,7 +227,7 @@ def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
     )
     operands = make_operands(rng, spec, 1, 1, 8, 3, np.float32)
     with profile() as prof:
-        run_decode_step("today", operands, spec)
+        run_decode_step("per_op_svd_mlp", operands, spec)
     names = [run.name for run in prof.runs]
     assert "svd_mlp_gate_up_kernel" in names and "svd_mlp_down_kernel" in names
     assert "gated_activation_kernel" not in names

@@ -30,7 +30,7 @@ from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 
 ATTENTION = ("q", "k", "v", "o")
 
@@ -150,6 +150,31 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
     return DecodePlan(spec, ropes, windows)
 
 
+def preset_decode_spec(family: str, preset: str, **overrides) -> DecodeSpec:
+    """The DecodeSpec of a preset's shape (`presets.from_preset(family, preset, **overrides)` built abstractly by
+    nnx.eval_shape: no weights are allocated), dense, through `decode_plan`."""
+    from jax_neuronmm.models.presets import from_preset
+
+    model = nnx.eval_shape(lambda: from_preset(family, preset, dtype=jnp.bfloat16, **overrides))
+    plan = decode_plan(model)
+    if plan is None:
+        raise ValueError(f"preset {family} {preset}: {unsupported_reason(model)}")
+    return plan.spec
+
+
+def published_decode_models(names=None) -> dict:
+    """{name: nki_kernels.decode.comparison.DecodeModel} of the published models (`presets.PUBLISHED`; `names`
+    picks some), their specs from preset_decode_spec."""
+    from jax_neuronmm.models.presets import PUBLISHED
+    from nki_kernels.decode.comparison import DecodeModel
+
+    names = list(PUBLISHED) if names is None else list(names)
+    unknown = [name for name in names if name not in PUBLISHED]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}, expected some of {list(PUBLISHED)}")
+    return {name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names}
+
+
 def pad_slots(token_mask) -> int:
     """The most pad slots lying after a row's first real token in a prompt's token_mask [B, T] (numpy bool, True =
     real): 0 for left padding or none, the pads between prompt and continuation for right padding."""
@@ -243,18 +268,18 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
     key_valid, key_positions = cache.key_slots(positions, token_mask)
     cos, sin, bias = step_tables(plan, positions, key_positions, key_valid)
     logits, keys, values = decode_step(
-        model.embed(token_ids),
-        weights.norms,
-        weights.qk_norms,
-        *weights.projections,
-        cache.keys,
-        cache.values,
-        jnp.reshape(cache.length, (1, 1)).astype(jnp.int32),
-        cos,
-        sin,
-        bias,
-        weights.final_norm,
-        weights.head,
+        x=model.embed(token_ids),
+        norms=weights.norms,
+        qk_norms=weights.qk_norms,
+        **dict(zip(PROJECTIONS, weights.projections)),
+        k_cache=cache.keys,
+        v_cache=cache.values,
+        write_index=jnp.reshape(cache.length, (1, 1)).astype(jnp.int32),
+        cos=cos,
+        sin=sin,
+        mask_bias=bias,
+        final_norm=weights.final_norm,
+        head=weights.head,
         spec=plan.spec,
     )
     cache = KVCache(

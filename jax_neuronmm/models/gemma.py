@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_neuronmm import decoder_math
 from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
@@ -243,8 +244,4 @@ class Gemma(CausalLM):
         return super().embed(token_ids) * scale
 
     def unembed(self, hidden: jax.Array) -> jax.Array:
-        logits = super().unembed(hidden)
-        cap = self.config.final_logit_softcapping
-        if cap is not None:
-            logits = jnp.tanh(logits / cap) * cap
-        return logits
+        return decoder_math.soft_cap(super().unembed(hidden), self.config.final_logit_softcapping)

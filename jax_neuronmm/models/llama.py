@@ -47,7 +47,7 @@ class LlamaConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides) -> LlamaConfig:
-        """Random-init shapes: "tiny" (tests, demos) or "1b" (Llama-3.2-1B)."""
+        """Random-init shapes: "tiny" (tests, demos), "1b" (Llama-3.2-1B) or "8b" (Llama-3.1-8B)."""
         llama3_rope = RopeConfig(
             theta=500000.0,
             kind="llama3",
@@ -79,6 +79,18 @@ class LlamaConfig:
                 head_dim=64,
                 rope=llama3_rope,
                 tie_word_embeddings=True,
+                max_position_embeddings=131072,
+            ),
+            "8b": dict(
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                rope=dataclasses.replace(llama3_rope, factor=8.0),
+                tie_word_embeddings=False,
                 max_position_embeddings=131072,
             ),
         }

@@ -9,9 +9,17 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 
-# family -> its presets: "tiny" (tests, demos) and the published shapes (Llama-3.2-1B, Gemma 1 2B, Gemma 3 270M
-# and 1B).
-FAMILY_PRESETS = {"llama": ("tiny", "1b"), "gemma": ("tiny", "2b"), "gemma3": ("tiny", "270m", "1b")}
+# family -> its presets: "tiny" (tests, demos) and the published shapes (Llama-3.2-1B and 3.1-8B, Gemma 1 2B,
+# Gemma 3 270M and 1B).
+FAMILY_PRESETS = {"llama": ("tiny", "1b", "8b"), "gemma": ("tiny", "2b"), "gemma3": ("tiny", "270m", "1b")}
+# Published models by name -> (family, preset, where the preset's shapes come from).
+PUBLISHED = {
+    "Gemma 3 270M": ("gemma3", "270m", "google/gemma-3-270m config.json"),
+    "Gemma 3 1B": ("gemma3", "1b", "google/gemma-3-1b-pt config.json"),
+    "Gemma 2B": ("gemma", "2b", "google/gemma-2b config.json"),
+    "Llama-3.2-1B": ("llama", "1b", "meta-llama/Llama-3.2-1B config.json"),
+    "Llama-3.1-8B": ("llama", "8b", "meta-llama/Llama-3.1-8B config.json"),
+}
 FAMILIES = tuple(FAMILY_PRESETS)
 PRESETS = tuple(dict.fromkeys(name for names in FAMILY_PRESETS.values() for name in names))  # every preset name
 

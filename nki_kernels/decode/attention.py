@@ -1,15 +1,16 @@
 """Decode-step attention in NKI: q/k head-dim RMSNorm, RoPE, the in-place KV-cache write, GQA over the cache.
 
-Layouts (DECODE_STEP_SPEC.md). R = B·T rows (row r = b·T + t), features on partitions: a "column tile" tensor of
-F features is SBUF [128, ceil(F/128), R] with element [p, i, r] = feature i·128 + p of row r. q has heads·D
+Layouts: R = B·T rows (row r = b·T + t), features on partitions in natural column tiles (nki_kernels.decode.tiles):
+a tensor of F features is SBUF [128, ceil(F/128), R] with element [p, i, r] = feature i·128 + p of row r. q has heads·D
 features (feature h·D + d is head h's component d), k and v kv_heads·D; kv head g serves query heads g·G ..
 g·G + G - 1 (G = heads / kv_heads). The head dim D must divide 128 (several heads per tile) or be a multiple of
 256 (a head spans whole tiles and the rotate-half halves are whole tiles).
 
-HBM operands: k_cache, v_cache [L, B, S, kv_heads, D] (model dtype); write_index [1, 1] int32 (the first slot of
-this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables (halves duplicated), table
-spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask spec.layer_mask[layer];
-qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset) or None.
+HBM operands (nki_kernels.decode.contract): k_cache, v_cache [L, B, S, kv_heads, D] (model dtype); write_index
+[1, 1] int32 (the first slot of this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables
+(halves duplicated), table spec.layer_rope[layer]; mask_bias [NM, B, T, S] float32 (0 or float32 min), mask
+spec.layer_mask[layer]; qk_norm_weights [L, 2, D] (q_norm, k_norm; raw weights, 1 + w when spec.norm_unit_offset)
+or None.
 
 How the work is laid out (at decode the cache read dominates; the cost model charges DMAs by their contiguous
 run per partition):
@@ -39,14 +40,24 @@ run per partition):
   shift matmul). All kv heads of a row whose G·T columns fit 128 share one softmax pass.
 
 Entry points: `attention` (a subroutine for fused kernels; its pieces norm_rope, write_rows and attend are
-usable alone) and, for composition (i) with rows [B, T, F] in HBM between kernels, `rope_kernel`,
+usable alone) and, for the per-op compositions with rows [B, T, F] in HBM between kernels, `rope_kernel`,
 `cache_write_kernel` and `attention_kernel`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from nki_kernels.binding import nisa, nki, nl
-from nki_kernels.decode_spec import DecodeSpec
+from nki_kernels.decode.contract import DecodeSpec
+from nki_kernels.decode.tiles import (
+    fp32_per_psum_bank,
+    load_natural_columns,
+    natural_columns_to_rows,
+    natural_tiles,
+    rows_to_natural_columns,
+    store_natural_columns,
+)
 from nki_kernels.svd_matmul import spans
 
 # Per-partition bytes of one cache block (K or V, one DMA each): long contiguous runs, a few blocks per row.
@@ -54,7 +65,6 @@ CACHE_BLOCK_BYTES = 16384
 # Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
 # on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
 CACHE_RUN_BYTES = 4096
-PSUM_BANK_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
 
@@ -71,12 +81,6 @@ def head_tiles(head_dim):
     """(partitions, tiles) of one head's features: (D, 1) when D <= 128, else (128, D / 128)."""
     pmax = nl.tile_size.pmax
     return min(head_dim, pmax), max(1, head_dim // pmax)
-
-
-def column_tiles(features):
-    """(partitions used, tiles) of a column-tile tensor of `features` features."""
-    pmax = nl.tile_size.pmax
-    return min(features, pmax), -(-features // pmax)
 
 
 class AttentionConstants:
@@ -182,63 +186,6 @@ class AttentionConstants:
 # -- layout helpers ---------------------------------------------------------------------------------------
 
 
-def rows_to_columns(rows, columns):
-    """columns[0:pt, i, 0:R] = rows[0:R, i·128 : i·128 + pt]ᵀ (rows SBUF [R, F], columns SBUF [128, nt, R]) by
-    PE transposes in rows' dtype, one eviction (with cast) per PSUM bank of whole tiles."""
-    pmax = nl.tile_size.pmax
-    r, f = rows.shape[0], rows.shape[1]
-    tiles = spans(f, pmax)
-    per_bank = max(1, PSUM_BANK_BYTES // (r * rows.dtype.itemsize))
-    groups = [tiles[i : i + per_bank] for i in range(0, len(tiles), per_bank)]
-    if len(groups[-1]) > 1 and groups[-1][-1][1] != pmax:  # a ragged last tile is evicted alone
-        groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
-    for group in groups:
-        pt, first = group[0][1], group[0][0] // pmax
-        turned = nl.ndarray((pt, len(group), r), dtype=rows.dtype, buffer=nl.psum, name="columns_psum")
-        for j, (f0, _) in enumerate(group):
-            nisa.nc_transpose(dst=turned[0:pt, j, 0:r], data=rows[0:r, f0 : f0 + pt])
-        nisa.tensor_copy(dst=columns[0:pt, first : first + len(group), 0:r], src=turned)
-
-
-def columns_to_rows(columns, rows):
-    """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_columns); evictions (with
-    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions)."""
-    pmax = nl.tile_size.pmax
-    r, f = rows.shape[0], rows.shape[1]
-    step = nl.tile_size.gemm_moving_fmax
-    for n, (c0, cw) in enumerate(spans(f, step)):
-        turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
-        for f0, pt in spans(cw, pmax):
-            nisa.nc_transpose(dst=turned[0:r, f0 : f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        if n % 2:
-            nisa.activation(dst=rows[0:r, c0 : c0 + cw], op=nl.copy, data=turned)
-        else:
-            nisa.tensor_copy(dst=rows[0:r, c0 : c0 + cw], src=turned)
-
-
-def load_columns(x, dtype=None, name="x_columns"):
-    """Rows x [B, T, F] (or [R, F]) in HBM as column tiles SBUF [128, ceil(F/128), R] in `dtype` (default x's)."""
-    pmax = nl.tile_size.pmax
-    f = x.shape[-1]
-    r = 1
-    for n in x.shape[:-1]:
-        r *= n
-    rows = nl.ndarray((r, f), dtype=x.dtype, buffer=nl.sbuf, name=f"{name}_rows")
-    nisa.dma_copy(dst=rows, src=x.reshape((r, f)))
-    columns = nl.ndarray((pmax, -(-f // pmax), r), dtype=dtype or x.dtype, buffer=nl.sbuf, name=name)
-    rows_to_columns(rows, columns)
-    return columns
-
-
-def store_columns(columns, out):
-    """Column tiles [128, nt, R] into rows out [B, T, F] (or [R, F]) in HBM (cast to out's dtype)."""
-    f = out.shape[-1]
-    r = columns.shape[2]
-    rows = nl.ndarray((r, f), dtype=out.dtype, buffer=nl.sbuf, name="out_rows")
-    columns_to_rows(columns, rows)
-    nisa.dma_copy(dst=out.reshape((r, f)), src=rows)
-
-
 def load_head_table(table, first, count, head_dim, name):
     """`count` consecutive D-vectors of HBM `table` starting at element `first` (rows of a [..., D] tensor) as
     fp32 column tiles [128, D/128 or 1, count], each vector repeated over the 128/D heads of a tile when D < 128
@@ -249,14 +196,14 @@ def load_head_table(table, first, count, head_dim, name):
     rows = nl.ndarray((count, width), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_rows")
     nisa.dma_copy(dst=rows, src=table.ap([[head_dim, count], [0, repeat], [1, head_dim]], offset=first))
     columns = nl.ndarray((pmax, width // pmax, count), dtype=nl.float32, buffer=nl.sbuf, name=name)
-    rows_to_columns(rows, columns)
+    rows_to_natural_columns(columns, rows)
     return columns
 
 
 def per_head(columns, table, features, head_dim):
     """(x view [P, heads_tiles, nd, R], table view broadcast to it): pair each tile of a column-tile tensor with
     the table tile its partitions' head components use."""
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(head_dim)
     x = columns[0:parts, 0:tiles, :].reshape_dim(1, (tiles // nd, nd))
     t = table[0:parts, 0:nd, :].expand_dim(1).broadcast(1, tiles // nd)
@@ -273,7 +220,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
     head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
     (already 1 + w)."""
     d = spec.head_dim
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
     groups = tiles // nd  # one mean per head (D >= 256) or per tile (a block per head, D <= 128)
@@ -281,7 +228,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
     # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
-    per_bank = max(nd, (PSUM_BANK_BYTES // (4 * r)) // nd * nd)
+    per_bank = max(nd, (fp32_per_psum_bank(r)) // nd * nd)
     for t0, tn in spans(tiles, per_bank):
         mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
         for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
@@ -315,7 +262,7 @@ def rms_norm_heads(x, features, weights, spec, constants):
 def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     """x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D), into a new fp32 tile."""
     d = spec.head_dim
-    parts, tiles = column_tiles(features)
+    parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
     r = x.shape[2]
     x_cos = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cos")
@@ -388,7 +335,7 @@ def write_rows(columns, cache, layer, index):
     _, batch, s, kv, d = cache.shape
     r = columns.shape[2]
     rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
-    columns_to_rows(columns, rows)
+    natural_columns_to_rows(rows, columns)
     slots = cache.ap(
         [[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]],
         offset=layer * batch * s * kv * d,
@@ -424,7 +371,7 @@ def slot_blocks(s, slot_bytes):
 def keys_by_dma_transpose(blocks, features, dtype):
     """Whether Kᵀ comes from transposing DMAs of the cache (2-byte dtypes, when they carry at least
     CACHE_RUN_BYTES per partition: kv·D/128 tiles × the window's slots) rather than PE transposes of K blocks."""
-    _, kt = column_tiles(features)
+    _, kt = natural_tiles(features)
     slots = sum(np_ * q for _, np_, q in blocks)
     return dtype.itemsize == 2 and kt * slots * dtype.itemsize >= CACHE_RUN_BYTES
 
@@ -481,8 +428,8 @@ def prepare_queries(q, spec, batch, dtype, constants):
             )
         return qs
     # Head h moves from partitions o_h.. of its tile to o_g..: a shift matmul whose output rows below o_g are 0.
-    parts, _ = column_tiles(heads * d)
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * r))
+    parts, _ = natural_tiles(heads * d)
+    per_bank = max(1, fp32_per_psum_bank(r))
     for g in range(kv):
         o_g, _ = kv_head_place(g, d)
         by_head = qs[o_g : o_g + d, 0, :, g].permute((0, 2, 1, 3))  # [D, G, B, T]
@@ -535,7 +482,7 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
     rows = nl.ndarray((t, span), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
     nisa.dma_copy(dst=rows, src=window_view(mask_bias, (mask * batch + b) * t * s, [[s, t], [1, span]], start, 3))
     columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * t))
+    per_bank = max(1, fp32_per_psum_bank(t))
     groups = []  # runs of pieces of one block, at most a PSUM bank each
     for n, (index, i) in enumerate(pieces):
         if groups and groups[-1][0] == index and len(groups[-1][1]) < per_bank:
@@ -555,7 +502,7 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
 def turn_keys(k_blocks, blocks, chunks, features, dtype):
     """Kᵀ column tiles [min(F, 128), ceil(F/128), S] of all kv heads (F = kv_heads·D features) in score order
     (score_chunks) from cache blocks, by PE transposes; PSUM evictions alternate between VectorE and ScalarE."""
-    kp, kt = column_tiles(features)
+    kp, kt = natural_tiles(features)
     s = sum(np_ * q for _, np_, q in blocks)
     keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
     for n, (index, i0, ni, c0) in enumerate(chunks):
@@ -581,7 +528,7 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     T = tokens, at the window of any layer that needs the most."""
     _, _, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
-    _, kt = column_tiles(kv * d)
+    _, kt = natural_tiles(kv * d)
     largest = 0
     for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
         blocks = slot_blocks(s, kv * d * itemsize)
@@ -600,7 +547,7 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     _, batch, slots, kv, d = k_cache.shape
     dtype = k_cache.dtype
     f = kv * d
-    kp, kt = column_tiles(f)
+    kp, kt = natural_tiles(f)
     s = sum(np_ * q for _, np_, q in blocks)
     row = (layer * batch + b) * slots * f  # element of the row's slot 0
     keys, k_blocks, v_blocks = None, [], []
@@ -625,46 +572,96 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     return keys, v_blocks
 
 
-def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces, key_columns, spec, constants):
-    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
-    by side, at most 128), into attn (D >= 128: column tiles) or by_head (D < 128: [D, heads, R], placed later).
-    keys, values, visible: per row b, attend's Kᵀ tile, V blocks and mask columns."""
+@dataclasses.dataclass(frozen=True)
+class CacheWindow:
+    """How `attend` reads one layer's window of `span` cache slots (all of them without a sliding window).
+
+    blocks: slot_blocks' [(s0, np, q)]; chunks: score_chunks' pieces of the permuted slot order; pieces: one score
+    piece per slot column of a block, (block, i) in score order ([np ≤ 128 slots on partitions, G·T]);
+    keys_by_dma: whether Kᵀ comes from transposing DMAs (keys_by_dma_transpose); key_columns: per piece, its Kᵀ
+    columns (slots s0 + i, s0 + i + q, ... in cache order by DMA, or the piece's np consecutive columns in score
+    order by PE transposes).
+    """
+
+    span: int
+    blocks: tuple
+    chunks: tuple
+    pieces: tuple
+    keys_by_dma: bool
+    key_columns: tuple
+
+
+def plan_window(span, features, dtype):
+    """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`."""
+    blocks = slot_blocks(span, features * dtype.itemsize)
+    chunks = score_chunks(blocks)
+    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
+    keys_by_dma = keys_by_dma_transpose(blocks, features, dtype)
+    key_columns = []
+    for index, (s0, np_, q) in enumerate(blocks):
+        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
+        for i in range(q):
+            key_columns.append(
+                slice(s0 + i, s0 + np_ * q, q) if keys_by_dma else slice(column0 + i * np_, column0 + (i + 1) * np_)
+            )
+    return CacheWindow(span, tuple(blocks), tuple(chunks), tuple(pieces), keys_by_dma, tuple(key_columns))
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCache:
+    """One row's window on chip: Kᵀ column tiles (read_cache), V blocks and the mask columns (load_mask_columns)."""
+
+    keys: object
+    values: list
+    mask: object
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOutput:
+    """Where softmax_pass writes: attn, column tiles [128, ceil(heads·D/128), R] (written directly when D >= 128),
+    and by_head [D, heads, R] fp32 (D < 128: each head on partitions 0..D-1, placed into attn by place_heads)."""
+
+    attn: object
+    by_head: object
+
+
+def _masked_scores(units, qs, rows, window, spec):
+    """scoresᵀ fp32 [128, pieces, units, G·T] of the (row b, kv head g) `units`: Kᵀ [D, np] stationary × q [D, G·T]
+    moving per piece, accumulated over the head dim's tiles, softcapped (tanh) when the spec says so, plus the
+    mask bias. Partitions a ragged piece leaves empty hold MASKED_SCORE."""
     pmax = nl.tile_size.pmax
     d = spec.head_dim
     dp, nd = head_tiles(d)
     g_size = spec.num_heads // spec.num_kv_heads
-    b0 = units[0][0]
-    dtype = keys[b0].dtype
-    t = visible[b0].shape[2]
+    t = rows[units[0][0]].mask.shape[2]
     gt = g_size * t
-    columns = len(units) * gt
-    rows = sorted({b for b, _ in units})
-    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in rows}  # consecutive per row
+    blocks, pieces = window.blocks, window.pieces
+    row_ids = sorted({b for b, _ in units})
+    row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in row_ids}  # consecutive per row
     first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
-    per_bank = max(1, PSUM_BANK_BYTES // (4 * columns))
-    # scoresᵀ [slots, (unit, G, T)] per piece: stationary Kᵀ [D, np], moving q [D, G·T].
+    per_bank = max(1, fp32_per_psum_bank(len(units) * gt))
     scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
-    for index, (s0, np_, q) in enumerate(blocks):
+    for index, (_, np_, q) in enumerate(blocks):
         if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
             nisa.memset(dst=scores[:, first_piece[index] : first_piece[index] + q], value=MASKED_SCORE)
         for i0, ni in spans(q, per_bank):
             acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
             for k in range(nd):
                 for j in range(ni):
-                    slots = key_columns[first_piece[index] + i0 + j]
+                    slots = window.key_columns[first_piece[index] + i0 + j]
                     for u, (b, g) in enumerate(units):
                         o_g, tile_g = kv_head_place(g, d)
                         nisa.nc_matmul(
                             dst=acc[0:np_, j, u],
                             moving=qs[o_g : o_g + dp, k, b, g],
                             accumulate=k > 0,
-                            stationary=keys[b][o_g : o_g + dp, tile_g + k, slots],
+                            stationary=rows[b].keys[o_g : o_g + dp, tile_g + k, slots],
                         )
             piece0 = first_piece[index] + i0
-            for b in rows:
+            for b in row_ids:
                 u0, un = row_units[b][0], len(row_units[b])
                 out = scores[0:np_, piece0 : piece0 + ni, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
-                bias = visible[b][0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+                bias = rows[b].mask[0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
                 logits = acc[:, :, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
                 if spec.attn_logit_softcap:
                     cap = float(spec.attn_logit_softcap)
@@ -675,8 +672,20 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
                 else:
                     nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
             del acc
-    # Column max over all slots: per partition, then across partitions on the PE, broadcast back.
+    return scores
+
+
+def _softmax_weights(units, qs, rows, window, spec, constants):
+    """(weights [128, pieces, columns] in the cache dtype, scale [Dp, columns] fp32): exp(score - column max) of
+    _masked_scores' scores, and 1 / the column sums of the weights (as rounded for the matmul) on every output
+    partition. The column max: per partition over pieces, then across partitions by a PE transpose and a free-axis
+    max, spread back by onesᵀ·diag(-max); the column sums by onesᵀ·(per-partition sums)."""
+    pmax = nl.tile_size.pmax
+    dp, _ = head_tiles(spec.head_dim)
+    dtype = rows[units[0][0]].keys.dtype
+    scores = _masked_scores(units, qs, rows, window, spec)
     flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
+    columns = flat.shape[2]
     column_max = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
     nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=flat.permute((0, 2, 1)), axis=2)
     turned = nl.ndarray((columns, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
@@ -685,12 +694,11 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
     del turned
     shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, columns]: -max of each column
-    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(pieces)), op=nl.add)
+    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(window.pieces)), op=nl.add)
     del shift
-    weights = nl.ndarray((pmax, len(pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+    weights = nl.ndarray((pmax, len(window.pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
     nisa.activation(dst=weights, op=nl.exp, data=flat)
     del scores, flat
-    # Column sums of the weights (as rounded for the matmul) on every output partition: onesᵀ·partial sums.
     partial = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
     nisa.tensor_reduce(dst=partial, op=nl.add, data=weights.permute((0, 2, 1)), axis=2)
     total = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.psum, name="weights_sum_psum")
@@ -698,26 +706,70 @@ def softmax_pass(units, qs, keys, values, visible, attn, by_head, blocks, pieces
     scale = nl.ndarray((dp, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_recip")
     nisa.reciprocal(dst=scale, data=total)
     del total
-    kv, nq_tiles = spec.num_kv_heads, attn.shape[1]
+    return weights, scale
+
+
+def _weighted_values(units, weights, scale, rows, window, out, spec):
+    """out ← weights·V / column sums of each unit: attnᵀ [Dp, G·T] = V [np, Dp] stationary × weights moving,
+    accumulated over the pieces, per tile of the head dim; row b's columns of kv head g's query heads."""
+    pmax = nl.tile_size.pmax
+    d = spec.head_dim
+    dp, nd = head_tiles(d)
+    kv = spec.num_kv_heads
+    g_size = spec.num_heads // kv
+    t = rows[units[0][0]].mask.shape[2]
+    gt = g_size * t
+    nq_tiles = out.attn.shape[1]
     for u, (b, g) in enumerate(units):
         mine = slice(u * gt, (u + 1) * gt)
         for k in range(nd):
             acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
-            for p_index, (index, i) in enumerate(pieces):
-                np_ = blocks[index][1]
+            for p_index, (index, i) in enumerate(window.pieces):
+                np_ = window.blocks[index][1]
                 f0 = g * d + k * pmax
                 nisa.nc_matmul(
                     dst=acc,
-                    stationary=values[b][index][0:np_, i, f0 : f0 + dp],
+                    stationary=rows[b].values[index][0:np_, i, f0 : f0 + dp],
                     moving=weights[0:np_, p_index, mine],
                     accumulate=p_index > 0,
                 )
-            if by_head is None:
-                dst = attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))[:, g, :, k, b * t : (b + 1) * t]
+            if out.by_head is None:
+                heads = out.attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))
+                dst = heads[:, g, :, k, b * t : (b + 1) * t]
             else:
-                dst = by_head[:, g * g_size : (g + 1) * g_size, b * t : (b + 1) * t]
+                dst = out.by_head[:, g * g_size : (g + 1) * g_size, b * t : (b + 1) * t]
             nisa.tensor_tensor(dst=dst, data1=acc, data2=scale[:, mine], op=nl.multiply)
             del acc
+
+
+def softmax_pass(units, qs, rows, window, out, spec, constants):
+    """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
+    by side, at most 128) into `out` (AttentionOutput). qs: prepare_queries' queries; rows: {b: RowCache} of the
+    units' rows; window: the layer's CacheWindow."""
+    weights, scale = _softmax_weights(units, qs, rows, window, spec, constants)
+    _weighted_values(units, weights, scale, rows, window, out, spec)
+
+
+def place_heads(out, spec, constants):
+    """out.attn ← out.by_head (D < 128): head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile
+    h·D / 128, by shift matmuls."""
+    pmax = nl.tile_size.pmax
+    d, heads = spec.head_dim, spec.num_heads
+    q_parts, q_tiles = natural_tiles(heads * d)
+    r = out.by_head.shape[2]
+    heads_per_tile = pmax // d
+    for i in range(q_tiles):
+        placed = nl.ndarray((q_parts, r), dtype=nl.float32, buffer=nl.psum, name="attn_place_psum")
+        members = range(i * heads_per_tile, min(heads, (i + 1) * heads_per_tile))
+        for n, h in enumerate(members):
+            offset = (h * d) % pmax
+            nisa.nc_matmul(
+                dst=placed,
+                stationary=constants.shift[0:d, pmax - offset : pmax - offset + q_parts],
+                moving=out.by_head[0:d, h, 0:r],
+                accumulate=n > 0,
+            )
+        nisa.tensor_copy(dst=out.attn[0:q_parts, i, :], src=placed)
 
 
 def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, values_first=False):
@@ -729,72 +781,34 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     pmax = nl.tile_size.pmax
     _, batch, s, kv, d = k_cache.shape
     dtype = k_cache.dtype
-    heads = spec.num_heads
-    g_size = heads // kv
-    dp, nd = head_tiles(d)
     r = qT.shape[2]
     t = r // batch
-    gt = g_size * t
-    q_parts, q_tiles = column_tiles(heads * d)
+    gt = spec.num_heads // kv * t
     mask = spec.layer_mask[layer]
-    span = spec.window_slots(mask, s, t)
-    start = load_window_start(index, span, s, t)
+    window = plan_window(spec.window_slots(mask, s, t), kv * d, dtype)
+    start = load_window_start(index, window.span, s, t)
     qs = prepare_queries(qT, spec, batch, dtype, constants)
-    attn = nl.ndarray((pmax, q_tiles, r), dtype=dtype, buffer=nl.sbuf, name="attnT")
-    by_head = None
-    if d < pmax:
-        by_head = nl.ndarray((dp, heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
-    blocks = slot_blocks(span, kv * d * dtype.itemsize)
-    chunks = score_chunks(blocks)
-    # Score pieces: one per slot column of a block, [np ≤ 128 slots on partitions, G·T], in score order.
-    pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    # Kᵀ columns of each piece: slots s0 + i, s0 + i + q, ... in cache order (transposing DMA), or the piece's
-    # np consecutive columns in score order (PE transposes).
-    transposing = keys_by_dma_transpose(blocks, kv * d, dtype)
-    key_columns = []
-    for index, (s0, np_, q) in enumerate(blocks):
-        column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
-        for i in range(q):
-            key_columns.append(
-                slice(s0 + i, s0 + np_ * q, q) if transposing else slice(column0 + i * np_, column0 + (i + 1) * np_)
-            )
+    dp, _ = head_tiles(d)
+    _, q_tiles = natural_tiles(spec.num_heads * d)
+    out = AttentionOutput(
+        nl.ndarray((pmax, q_tiles, r), dtype=dtype, buffer=nl.sbuf, name="attnT"),
+        nl.ndarray((dp, spec.num_heads, r), dtype=nl.float32, buffer=nl.sbuf, name="attn_by_head")
+        if d < pmax
+        else None,
+    )
     # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
     # heads as fit 128 query columns.
     for b in range(batch):
-        visible = {b: load_mask_columns(mask_bias, mask, b, blocks, pieces, start)}
-        keys, values = read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start)
-        for g0, gn in spans(kv, max(1, pmax // gt)):
-            softmax_pass(
-                [(b, g) for g in range(g0, g0 + gn)],
-                qs,
-                {b: keys},
-                {b: values},
-                visible,
-                attn,
-                by_head,
-                blocks,
-                pieces,
-                key_columns,
-                spec,
-                constants,
-            )
+        visible = load_mask_columns(mask_bias, mask, b, window.blocks, window.pieces, start)
+        keys, values = read_cache(k_cache, v_cache, layer, b, window.blocks, window.chunks, values_first, start)
+        rows = {b: RowCache(keys, values, visible)}
         del keys, values, visible
-    if by_head is not None:
-        # Head h's D outputs move from partitions 0..D-1 to (h·D) mod 128 of tile h·D / 128.
-        heads_per_tile = pmax // d
-        for i in range(q_tiles):
-            placed = nl.ndarray((q_parts, r), dtype=nl.float32, buffer=nl.psum, name="attn_place_psum")
-            members = range(i * heads_per_tile, min(heads, (i + 1) * heads_per_tile))
-            for n, h in enumerate(members):
-                offset = (h * d) % pmax
-                nisa.nc_matmul(
-                    dst=placed,
-                    stationary=constants.shift[0:d, pmax - offset : pmax - offset + q_parts],
-                    moving=by_head[0:d, h, 0:r],
-                    accumulate=n > 0,
-                )
-            nisa.tensor_copy(dst=attn[0:q_parts, i, :], src=placed)
-    return attn
+        for g0, gn in spans(kv, max(1, pmax // gt)):
+            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, rows, window, out, spec, constants)
+        del rows
+    if out.by_head is not None:
+        place_heads(out, spec, constants)
+    return out.attn
 
 
 def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer):
@@ -892,7 +906,7 @@ def attention(
     )
 
 
-# -- per-op kernels (composition (i)): HBM in, HBM out --------------------------------------------------------
+# -- per-op kernels: HBM in, HBM out --------------------------------------------------------
 
 
 def _rows_count(x, name, features):
@@ -903,46 +917,71 @@ def _rows_count(x, name, features):
 
 @nki.jit
 def rope_kernel(q, k, cos, sin, qk_norms, *, layer, spec):
-    """(q, k) rows [B, T, heads·D] / [B, T, kv·D] after the optional head-dim RMSNorm (qk_norms [L, 2, D] or
-    None) and RoPE with table spec.layer_rope[layer]; new HBM tensors in q's / k's dtype."""
+    """q/k head-dim RMSNorm and RoPE as one kernel.
+
+    Dimensions: B, T (B·T <= 128), heads and kv_heads of D features, NR RoPE tables, L layers.
+    Args:
+        q: [B, T, heads·D] and k: [B, T, kv_heads·D] rows in HBM (any float dtype).
+        cos, sin: [NR, B, T, D] float32 in HBM (layer `layer` reads table spec.layer_rope[layer]).
+        qk_norms: [L, 2, D] in HBM (q_norm, k_norm), or None without spec.qk_norm.
+        layer: static int. spec: DecodeSpec (static).
+    Returns:
+        (q', k'): new [B, T, heads·D] / [B, T, kv_heads·D] in HBM, in q's / k's dtype.
+    """
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     _rows_count(k, "k", spec.num_kv_heads * d)
     constants = AttentionConstants(spec)
-    qT, kT = load_columns(q, name="q_columns"), load_columns(k, name="k_columns")
+    qT, kT = load_natural_columns(q, name="q_columns"), load_natural_columns(k, name="k_columns")
     tables = load_rope_tables(cos, sin, qk_norms, layer, spec, qT.shape[2])
     q_out, k_out = norm_rope(qT, 0, tables, spec, constants), norm_rope(kT, 1, tables, spec, constants)
     q_rows = nl.ndarray(q.shape, dtype=q.dtype, buffer=nl.shared_hbm, name="q_rope")
     k_rows = nl.ndarray(k.shape, dtype=k.dtype, buffer=nl.shared_hbm, name="k_rope")
-    store_columns(q_out, q_rows)
-    store_columns(k_out, k_rows)
+    store_natural_columns(q_rows, q_out)
+    store_natural_columns(k_rows, k_out)
     return q_rows, k_rows
 
 
 @nki.jit
 def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
-    """k_cache[layer, b, w:w+T] = k[b], v_cache[layer, b, w:w+T] = v[b] IN PLACE (w = write_index [1, 1] int32,
-    a runtime value); k, v rows [B, T, kv·D]; returns (k_cache, v_cache)."""
+    """The KV-cache write as one kernel: k_cache[layer, b, w:w+T] = k[b], v_cache[layer, b, w:w+T] = v[b] IN PLACE.
+
+    Dimensions: B, T (B·T <= 128), S slots, kv_heads of D features, L layers.
+    Args:
+        k, v: [B, T, kv_heads·D] rows in HBM (any float dtype; cast to the cache's).
+        k_cache, v_cache: [L, B, S, kv_heads, D] in HBM.
+        write_index: [1, 1] int32 in HBM, w (read at run time). layer: static int.
+    Returns:
+        (k_cache, v_cache), written in place.
+    """
     features = k_cache.shape[3] * k_cache.shape[4]
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
     index = load_write_index(write_index)
-    write_rows(load_columns(k, name="k_columns"), k_cache, layer, index)
-    write_rows(load_columns(v, name="v_columns"), v_cache, layer, index)
+    write_rows(load_natural_columns(k, name="k_columns"), k_cache, layer, index)
+    write_rows(load_natural_columns(v, name="v_columns"), v_cache, layer, index)
     return k_cache, v_cache
 
 
 @nki.jit
 def attention_kernel(q, k_cache, v_cache, write_index, mask_bias, *, layer, spec):
-    """attn rows [B, T, heads·D] (cache dtype) of rotated queries q [B, T, heads·D] over layer `layer` of the
-    caches [L, B, S, kv, D] with mask_bias [NM, B, T, S] table spec.layer_mask[layer]; write_index [1, 1] int32
-    (this step's first slot) places a windowed mask's slots; scaling, softcap, softmax and weights·V as
-    attention()."""
+    """Attention over the cache as one kernel: softmax(q·Kᵀ·scaling (softcapped) + mask)·V, as attend().
+
+    Dimensions: B, T (B·T <= 128), S slots, heads and kv_heads of D features, NM mask tables, L layers.
+    Args:
+        q: [B, T, heads·D] rotated (and normed) query rows in HBM (any float dtype).
+        k_cache, v_cache: [L, B, S, kv_heads, D] in HBM (this step's slots already written).
+        write_index: [1, 1] int32 in HBM (this step's first slot: places a windowed mask's slots).
+        mask_bias: [NM, B, T, S] float32 in HBM (layer `layer` reads table spec.layer_mask[layer]).
+        layer: static int. spec: DecodeSpec (static).
+    Returns:
+        attn [B, T, heads·D] in HBM, in the cache dtype.
+    """
     d = spec.head_dim
     _rows_count(q, "q", spec.num_heads * d)
     constants = AttentionConstants(spec)
-    qT = load_columns(q, dtype=nl.float32, name="q_columns")
+    qT = load_natural_columns(q, dtype=nl.float32, name="q_columns")
     attn = attend(qT, k_cache, v_cache, layer, mask_bias, load_write_index(write_index), spec, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
-    store_columns(attn, out)
+    store_natural_columns(out, attn)
     return out

@@ -1,4 +1,5 @@
-"""The decode-step subroutines (nki_kernels.decode_layer) inside small test kernels, against float64 numpy.
+"""The decode-step subroutines (nki_kernels.decode.tiles, ring, projections) inside small test kernels, against
+float64 numpy.
 
 Natural (ragged) and row-grouped layouts, dense and factored projections into layouts of another group, the gated
 MLP, the LM head with a softcap, and rows ↔ column tiles round trips; a small weight ring so blocks wrap.
@@ -7,9 +8,10 @@ MLP, the LM head with a softcap, and rows ↔ column tiles round trips; a small 
 import numpy as np
 import pytest
 
-from nki_kernels import decode_layer as dl
 from nki_kernels.activations import ACTIVATIONS
 from nki_kernels.binding import nki, nl
+from nki_kernels.decode import projections, tiles
+from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
 
 
@@ -18,21 +20,21 @@ def norm_project_kernel(x, norm_w, w, u, v, *, rank, group_in, group_out, unit_o
     """Returns (norm(x)·w + norm(x)·u[:, :rank]·v[:rank], softcap(norm(x)·w) through the head path)."""
     rows, h = x.shape
     n = w.shape[1]
-    layout, out_layout = dl.feature_layout(h, group_in), dl.feature_layout(n, group_out)
-    ring = dl.WeightRing(w.dtype, block_bytes=4096, ring_bytes=10000)
-    consts = dl.NormConstants(1e-6)
-    xc = dl.column_tiles(layout, rows, nl.float32, "x")
-    dl.load_columns(xc, x, layout)
-    wc = dl.load_norm_weights(norm_w, layout, unit_offset)
-    hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
-    dl.rms_norm(hc, xc, wc[:, :, 0:1], layout, rows, consts)
-    y = dl.column_tiles(out_layout, rows, nl.float32, "y")
-    dl.project(hc, layout, w, None, out_layout, rows, ring, dl.copy_into(y))
-    dl.project(hc, layout, [u, v], rank, out_layout, rows, ring, dl.add_into(y))
+    layout, out_layout = tiles.feature_layout(h, group_in), tiles.feature_layout(n, group_out)
+    ring = WeightRing(w.dtype, block_bytes=4096, ring_bytes=10000)
+    consts = projections.NormConstants(1e-6)
+    xc = tiles.column_tiles(layout, rows, nl.float32, "x")
+    tiles.load_columns(xc, x, layout)
+    wc = projections.load_norm_weights(norm_w, layout, unit_offset)
+    hc = tiles.column_tiles(layout, rows, w.dtype, "h", zero=False)
+    projections.rms_norm(hc, xc, wc[:, :, 0:1], layout, rows, consts)
+    y = tiles.column_tiles(out_layout, rows, nl.float32, "y")
+    projections.projection(hc, layout, w, None, out_layout, rows, ring, projections.copy_into(y))
+    projections.projection(hc, layout, [u, v], rank, out_layout, rows, ring, projections.add_into(y))
     out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
-    dl.store_columns(out, y, out_layout)
+    tiles.store_columns(out, y, out_layout)
     logits = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    dl.head_projection(hc, layout, w, rows, ring, logits, softcap)
+    projections.head_projection(hc, layout, w, rows, ring, logits, softcap)
     return out, logits
 
 
@@ -41,13 +43,13 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
     """x + down(act(x·gate) * (x·up)) with a factored down projection, x rows [R, H]."""
     rows, h = x.shape
     i = gate.shape[1]
-    hidden, inter = dl.feature_layout(h, group_h), dl.feature_layout(i, group_i)
-    ring = dl.WeightRing(gate.dtype, block_bytes=8192, ring_bytes=20000)
-    xc = dl.column_tiles(hidden, rows, nl.float32, "x")
-    dl.load_columns(xc, x, hidden)
-    hc = dl.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
-    dl.load_columns(hc, x, hidden)
-    dl.gated_mlp(
+    hidden, inter = tiles.feature_layout(h, group_h), tiles.feature_layout(i, group_i)
+    ring = WeightRing(gate.dtype, block_bytes=8192, ring_bytes=20000)
+    xc = tiles.column_tiles(hidden, rows, nl.float32, "x")
+    tiles.load_columns(xc, x, hidden)
+    hc = tiles.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
+    tiles.load_columns(hc, x, hidden)
+    projections.gated_mlp(
         hc,
         hidden,
         gate,
@@ -58,10 +60,10 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
         rows,
         ring,
         activation_op(activation),
-        dl.add_into(xc),
+        projections.add_into(xc),
     )
     out = nl.ndarray((rows, h), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
-    dl.store_columns(out, xc, hidden)
+    tiles.store_columns(out, xc, hidden)
     return out
 
 
@@ -117,27 +119,29 @@ def test_gated_mlp(rng, rows, h, i, rank, activation, group_h, group_i):
 
 def test_layouts_cover_every_feature_once():
     for features, group in ((200, 1), (640, 5), (384, 3), (300, 2)):
-        layout = dl.feature_layout(features, group)
+        layout = tiles.feature_layout(features, group)
         covered = np.concatenate([np.arange(features)[feats] for _, feats in layout])
         assert sorted(covered) == list(range(features))
         assert all(size == len(range(features)[feats]) for size, feats in layout)
-    assert dl.choose_group(640, 256) == 5 and dl.choose_group(2048, 640) == 8 and dl.choose_group(200, 10) == 1
-    assert dl.choose_group(4096, 1024) == 4 and dl.choose_group(4096, 8) == dl.MAX_GROUP
+    assert tiles.choose_group(640, 256) == 5 and tiles.choose_group(2048, 640) == 8 and tiles.choose_group(200, 10) == 1
+    assert tiles.choose_group(4096, 1024) == 4 and tiles.choose_group(4096, 8) == tiles.MAX_GROUP
 
 
 def test_rows_per_block_keeps_whole_rows():
     """A weight block takes whole rows (one contiguous run per partition) where a layout block's rows do not fit a
     slot at the full width: e.g. u [4096, 2560] of a factored gate after 8-row groups, 6 rows of 2560 (not 2048 +
     512 columns); unchanged where they fit; one row when a row alone exceeds the slot."""
-    assert dl.rows_per_block(8, 2560, 16384) == 6
-    assert dl.rows_per_block(4, 4096, 16384) == 4 and dl.rows_per_block(5, 256, 1024) == 4  # the latter: test above
-    assert dl.rows_per_block(4, 14336, 16384) == 1 and dl.rows_per_block(8, 40000, 16384) == 1
+    assert projections.rows_per_block(8, 2560, 16384) == 6
+    assert (
+        projections.rows_per_block(4, 4096, 16384) == 4 and projections.rows_per_block(5, 256, 1024) == 4
+    )  # the latter: test above
+    assert projections.rows_per_block(4, 14336, 16384) == 1 and projections.rows_per_block(8, 40000, 16384) == 1
 
 
 def test_ring_rejects_a_block_over_its_limit(rng):
     @nki.jit
     def kernel(w):
-        ring = dl.WeightRing(w.dtype, block_bytes=1024, ring_bytes=4096)
+        ring = WeightRing(w.dtype, block_bytes=1024, ring_bytes=4096)
         ring.load(w.reshape_dim(0, (128, 1)), 128, 1, w.shape[1])
         return w
 
@@ -149,22 +153,22 @@ def test_ring_rejects_a_block_over_its_limit(rng):
 def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
     """head_projection of rows h [R, K] (K in feature_layout(K, group)) by w [K, V]."""
     rows, k = h.shape
-    layout = dl.feature_layout(k, group)
-    ring = dl.WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=ring_bytes)
-    hc = dl.column_tiles(layout, rows, w.dtype, "h", zero=False)
-    dl.load_columns(hc, h, layout)
+    layout = tiles.feature_layout(k, group)
+    ring = WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=ring_bytes)
+    hc = tiles.column_tiles(layout, rows, w.dtype, "h", zero=False)
+    tiles.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    dl.head_projection(hc, layout, w, rows, ring, logits, softcap)
+    projections.head_projection(hc, layout, w, rows, ring, logits, softcap)
     return logits
 
 
 @pytest.mark.parametrize("rows, k, v, softcap", [(2, 256, 5000, None), (1, 640, 4700, 3.0)])
 def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
     """A head block holding all K rows spans several HEAD_COLUMNS PSUM chunks (and a ragged last one)."""
-    assert len(dl.layout_blocks(dl.feature_layout(k, dl.head_group(k)))) == 1
+    assert len(tiles.layout_blocks(tiles.feature_layout(k, tiles.head_group(k)))) == 1
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
-    count = dl.head_group(k)  # rows per partition of the one layout block
-    block_bytes = 4 * count * (dl.HEAD_COLUMNS + 512)  # 2560 columns
+    count = tiles.head_group(k)  # rows per partition of the one layout block
+    block_bytes = 4 * count * (projections.HEAD_COLUMNS + 512)  # 2560 columns
     logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=2 * block_bytes, group=count, softcap=softcap)
     want = h.astype(np.float64) @ w
     if softcap:
@@ -178,8 +182,8 @@ def test_head_blocks_of_a_column_range_over_the_ring(rng, rows, k, group, v):
     when attention's cache tiles shrink the looped kernel's ring at a long cache): each block must be multiplied
     before the ring wraps onto it."""
     block_bytes, ring_bytes = 4096, 3 * 4096  # float32: blocks of 1024 elements per partition, a ring of 3
-    blocks = dl.layout_blocks(dl.feature_layout(k, group))
-    columns = min(dl.HEAD_COLUMNS, 1024 // max(count for _, _, _, count, _ in blocks))
+    blocks = tiles.layout_blocks(tiles.feature_layout(k, group))
+    columns = min(projections.HEAD_COLUMNS, 1024 // max(count for _, _, _, count, _ in blocks))
     assert len(blocks) > 1 and sum(count for _, _, _, count, _ in blocks) * columns > ring_bytes // 4
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
     logits = head_kernel(h, w, block_bytes=block_bytes, ring_bytes=ring_bytes, group=group, softcap=None)

@@ -1,20 +1,22 @@
 """Decode step over all layers: one kernel per op vs one per layer vs one looped kernel, modeled on trn1 / trn2.
 
-For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (their published config.json), batch 1 and 8, one new token
-per row, KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and
-the LM head factored at `nki_kernels.ranks.block_aligned_rank`), each composition of issue 15 runs on the
-emulator in count-only mode (`nki_kernels.decode_step.run_decode_step`, operands are shape/dtype placeholders, no
-weight memory): per_op (i), per_layer (ii), looped (iii) and today (per-op kernels, fused svd_mlp kernels for
-the MLP). The peer "dense (nkilib megakernel)" is AWS nki-library's experimental transformer_tkg, run from a
-local checkout (`--nki_library`) on the same emulator.
+For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (the presets of their published config.json, as
+`jax_neuronmm.models.decode.decode_plan` turns them into DecodeSpecs), batch 1 and 8, one new token per row,
+KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and the LM
+head factored at `nki_kernels.ranks.block_aligned_rank`), each composition (nki_kernels.decode.compositions) runs
+on the emulator in count-only mode (`nki_kernels.decode.runner.run_decode_step`, operands are shape/dtype
+placeholders, no weight memory): per_op (i), per_layer (ii), looped (iii) and per_op_svd_mlp (per-op kernels,
+fused svd_mlp kernels for the MLP). What is measured and judged (must-move bytes, the targets and their bounds)
+is nki_kernels.decode.comparison. The peer "dense (nkilib megakernel)" is AWS nki-library's experimental
+transformer_tkg, run from a local checkout (`--nki_library`) on the same emulator.
 
 Latency of a composition = sum of its launches' modeled latencies (each launch scheduled on its own, so its
 pipeline fill and drain count) + launches x a per-launch overhead (`nki_kernels.emulator.launch`: no public
 Trainium figure, so 0, 2, 5, 10, 20 µs are swept). % of peak bandwidth = bytes that must move ÷ latency ÷ the
 core's peak DMA-to-HBM rate.
 
-    python benchmarks/decode_step.py --nki_library=/path/to/nki-library     # everything
-    python benchmarks/decode_step.py --quick                                # one shape, a few seconds
+    python benchmarks/decode_compositions.py --nki_library=/path/to/nki-library     # everything
+    python benchmarks/decode_compositions.py --quick                                # one shape, a few seconds
 
 Writes benchmarks/results/decode_step{,_quick}.md and .png. All numbers are modeled, not measured.
 """
@@ -32,23 +34,43 @@ import sys
 import time
 from collections.abc import Callable
 
-import ml_dtypes
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
 
 from jax_neuronmm.compress.checkpoint import write_atomically
-from nki_kernels import emulator, hardware, ranks
-from nki_kernels.decode_spec import PROJECTIONS, DecodeSpec
+from jax_neuronmm.models.decode import published_decode_models
+from nki_kernels import emulator
+from nki_kernels.decode.comparison import (
+    BF16,
+    COMPOSITIONS,
+    LABELS,
+    PEAK_FRACTION,
+    TARGETS,
+    DecodeModel,
+    Measured,
+    Results,
+    decode_spec,
+    extrapolate,
+    must_move_bytes,
+    nkilib_shards,
+    operand_specs,
+    peak_fraction,
+    targets_table,
+)
+from nki_kernels.decode.runner import run_decode_step
 from nki_kernels.emulator import launch
-from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
+
+DEFAULT_MODELS = ("Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B")
 
 flags.DEFINE_bool(
     "quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a smoke run"
 )
-flags.DEFINE_list("models", None, "models to report (keys of MODELS); default all")
+flags.DEFINE_list(
+    "models", None, f"models to report (names in jax_neuronmm.models.presets.PUBLISHED); default {DEFAULT_MODELS}"
+)
 flags.DEFINE_list("batches", ["1", "8"], "batch sizes (rows, one new token each)")
 flags.DEFINE_list("cache_lengths", ["128", "512", "2048"], "KV-cache lengths S")
 flags.DEFINE_string(
@@ -64,9 +86,7 @@ flags.DEFINE_list(
     "their layer pattern and extrapolated linearly in L (checked against a full trace of Gemma 3 270M); "
     "the others are traced at full depth",
 )
-flags.DEFINE_list(
-    "compositions", ["per_op", "per_layer", "looped", "today"], "compositions to trace (the others show as not traced)"
-)
+flags.DEFINE_list("compositions", list(COMPOSITIONS), "compositions to trace (the others show as not traced)")
 flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not traced")
 flags.DEFINE_string(
     "run_time_note",
@@ -85,247 +105,7 @@ flags.DEFINE_string(
 )
 FLAGS = flags.FLAGS
 
-TARGETS = hardware.TARGETS
-BF16 = np.dtype(ml_dtypes.bfloat16)
-KEEP = 0.8
-COMPOSITIONS = ("per_op", "per_layer", "looped", "today")
 NKILIB = "nkilib"  # the peer's row label in tables: "dense (nkilib megakernel)"
-# Issue 15's targets (modeled, batch 1).
-PEAK_FRACTION = 0.90
-OVER_PER_OP = 1.5
-OVER_PER_LAYER = 1.15
-COMPRESSED_OVER_DENSE = 1.2
-WITHIN_NKILIB = 1.05
-# nki-library's attention_block_tkg holds the head dimension on partitions (at most 128) and one KV head per call.
-NKILIB_MAX_HEAD_DIM = 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Model:
-    """Decoder shapes from a published config.json (the `source`)."""
-
-    name: str
-    source: str
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    norm_eps: float
-    gemma3: bool  # Gemma 3 layer variants (unit-offset norms, QK-norm, sandwich norms, 5 local : 1 global)
-    sliding_window: int | None = None
-
-    @property
-    def layer_period(self) -> int:
-        """Layers after which the layer pattern repeats (what layer-count extrapolation must step by)."""
-        return 6 if self.gemma3 else 1
-
-    def is_local(self, layer: int) -> bool:
-        return self.gemma3 and (layer + 1) % 6 != 0
-
-
-MODELS = {
-    "Gemma 3 270M": Model(
-        "Gemma 3 270M",
-        "google/gemma-3-270m config.json",
-        18,
-        640,
-        4,
-        1,
-        256,
-        2048,
-        262144,
-        1e-6,
-        gemma3=True,
-        sliding_window=512,
-    ),
-    "Llama-3.2-1B": Model(
-        "Llama-3.2-1B", "meta-llama/Llama-3.2-1B config.json", 16, 2048, 32, 8, 64, 8192, 128256, 1e-5, gemma3=False
-    ),
-    "Llama-3.1-8B": Model(
-        "Llama-3.1-8B", "meta-llama/Llama-3.1-8B config.json", 32, 4096, 32, 8, 128, 14336, 128256, 1e-5, gemma3=False
-    ),
-}
-
-
-def decode_spec(model: Model, num_layers: int, compressed: bool) -> DecodeSpec:
-    """The DecodeSpec of `model`'s first num_layers layers; compressed: every projection and the head factored at
-    the block-aligned rank keeping KEEP of its parameters (the same rank in every layer)."""
-    probe = DecodeSpec(
-        num_layers=1,
-        hidden=model.hidden,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        intermediate=model.intermediate,
-        vocab=model.vocab,
-        norm_eps=model.norm_eps,
-        norm_unit_offset=False,
-        qk_norm=False,
-        sandwich=False,
-        activation="silu",
-        query_scaling=1.0,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=(0,),
-        layer_mask=(0,),
-    )
-    layer_ranks = (None,) * len(PROJECTIONS)
-    head_rank = None
-    if compressed:
-        layer_ranks = tuple(
-            (ranks.block_aligned_rank(probe.in_features(p), probe.out_features(p), KEEP),) * num_layers
-            for p in PROJECTIONS
-        )
-        head_rank = ranks.block_aligned_rank(model.hidden, model.vocab, KEEP)
-    local = tuple(int(not model.is_local(layer)) for layer in range(num_layers))  # table 0 local, 1 global
-    # The sliding-window layers read only the window's slots (the cache's slots hold consecutive positions).
-    windows = (model.sliding_window, None)[: max(local) + 1] if model.gemma3 else ()
-    return DecodeSpec(
-        num_layers=num_layers,
-        hidden=model.hidden,
-        num_heads=model.num_heads,
-        num_kv_heads=model.num_kv_heads,
-        head_dim=model.head_dim,
-        intermediate=model.intermediate,
-        vocab=model.vocab,
-        norm_eps=model.norm_eps,
-        norm_unit_offset=model.gemma3,
-        qk_norm=model.gemma3,
-        sandwich=model.gemma3,
-        activation="gelu_tanh" if model.gemma3 else "silu",
-        # Gemma 3: query_pre_attn_scalar = head_dim; Llama: 1/sqrt(head_dim). Neither soft-caps.
-        query_scaling=model.head_dim**-0.5,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=local if model.gemma3 else (0,) * num_layers,
-        layer_mask=local if model.gemma3 else (0,) * num_layers,
-        ranks=layer_ranks,
-        head_rank=head_rank,
-        mask_windows=windows,
-    )
-
-
-def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
-    """Shape/dtype placeholders of run_decode_step's operands, in the contract's order (bf16 model dtype)."""
-    L, H, D = spec.num_layers, spec.hidden, spec.head_dim
-
-    def weight(name):
-        k, n = spec.in_features(name), spec.out_features(name)
-        ranks_of = spec.ranks[PROJECTIONS.index(name)]
-        if ranks_of is None:
-            return Spec((L, k, n), BF16)
-        r = max(ranks_of)
-        return [Spec((L, k, r), BF16), Spec((L, r, n), BF16)]
-
-    head = (
-        Spec((H, spec.vocab), BF16)
-        if spec.head_rank is None
-        else [Spec((H, spec.head_rank), BF16), Spec((spec.head_rank, spec.vocab), BF16)]
-    )
-    cache = (L, batch, cache_len, spec.num_kv_heads, D)
-    return (
-        Spec((batch, tokens, H), BF16),
-        Spec((L, spec.num_norms, H), BF16),
-        Spec((L, 2, D), BF16) if spec.qk_norm else None,
-        *(weight(name) for name in PROJECTIONS),
-        Spec(cache, BF16),
-        Spec(cache, BF16),
-        Spec((1, 1), np.int32),
-        Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
-        Spec((spec.num_rope_tables, batch, tokens, D), np.float32),
-        Spec((spec.num_masks, batch, tokens, cache_len), np.float32),
-        Spec((H,), BF16),
-        head,
-    )
-
-
-def must_move_bytes(
-    model: Model, compressed: bool, batch: int, cache_len: int, layers_only: bool = False, tokens: int = 1
-) -> int:
-    """Bytes a decode step cannot avoid moving between HBM and the core (bf16 weights and cache, fp32 logits).
-
-    weights read once (every projection: K·N dense or r·(K + N) factored; the norm weights; with the head: final
-    norm and head, H·V or r·(H + V)) + KV cache: 2 (k, v) · B · kv_heads · D per visible slot per layer, read
-    (min(S, window) slots in sliding-window layers, S in the others) + the step's T slots written + logits
-    written, B·T·V fp32. layers_only (the nkilib megakernel's scope): no final norm, head or logits, but the
-    hidden state B·T·H written once. The step's small inputs (token embeddings, RoPE tables, mask, write index)
-    are left out (under 0.1% here).
-    """
-    spec = decode_spec(model, 1, compressed)
-    per_layer = 0
-    for name in PROJECTIONS:
-        k, n, r = spec.in_features(name), spec.out_features(name), spec.rank(name, 0)
-        per_layer += k * n if r is None else r * (k + n)
-    per_layer += spec.num_norms * model.hidden + (2 * model.head_dim if model.gemma3 else 0)
-    weights = model.num_layers * per_layer
-    slot = 2 * batch * model.num_kv_heads * model.head_dim  # k and v of one slot, every row
-    visible = sum(
-        min(cache_len, model.sliding_window) if model.is_local(layer) else cache_len
-        for layer in range(model.num_layers)
-    )
-    kv = slot * (visible + model.num_layers * tokens)
-    total = (weights + kv) * BF16.itemsize
-    if layers_only:
-        return total + batch * tokens * model.hidden * BF16.itemsize
-    head = model.hidden * model.vocab if spec.head_rank is None else spec.head_rank * (model.hidden + model.vocab)
-    return total + (model.hidden + head) * BF16.itemsize + batch * tokens * model.vocab * 4
-
-
-def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:
-    """nbytes ÷ latency ÷ the core's peak DMA-to-HBM rate (min of its HBM share and its 16 DMA engines)."""
-    return roofline_us(0, nbytes, target) / latency_us
-
-
-@dataclasses.dataclass
-class Measured:
-    """One composition at one shape: modeled µs of its launches per target (overhead excluded), launches, HBM
-    bytes the kernels moved. `extrapolated` names the layer counts traced when not traced at full depth."""
-
-    kernel_us: dict  # target -> sum of launch latencies (µs); a target missing: did not run there
-    launches: float
-    hbm_bytes: float
-    head_us: dict = dataclasses.field(default_factory=dict)  # target -> µs of the LM-head launch (per_layer only)
-    extrapolated: tuple = ()
-    note: str = ""
-
-    def latency_us(self, target: str, overhead_us: float) -> float | None:
-        """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
-        if target not in self.kernel_us:
-            return None
-        return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
-
-    @classmethod
-    def from_runs(cls, runs_by_target: dict, note: str = "") -> Measured:
-        first = next(iter(runs_by_target.values()))
-        head = {
-            t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
-        }
-        return cls(
-            {t: launch.composition_latency_us(runs, t, 0.0) for t, runs in runs_by_target.items()},
-            len(first),
-            sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
-            {t: us for t, us in head.items() if us},
-            note=note,
-        )
-
-
-def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Measured:
-    """Linear in L through (l1, m1) and (l2, m2), evaluated at `layers`."""
-
-    def at(a, b):
-        return a + (b - a) * (layers - l1) / (l2 - l1)
-
-    return Measured(
-        {t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
-        at(m1.launches, m2.launches),
-        at(m1.hbm_bytes, m2.hbm_bytes),
-        {t: m2.head_us[t] for t in m2.head_us},
-        extrapolated=(l1, l2),
-        note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
-    )
 
 
 def _profiled(fn: Callable, target: str):
@@ -335,16 +115,15 @@ def _profiled(fn: Callable, target: str):
 
 
 def measure_ours(
-    model: Model, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
+    model: DecodeModel, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
 ) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target."""
-    decode_step = importlib.import_module("nki_kernels.decode_step")
     spec = decode_spec(model, num_layers, compressed)
     operands = operand_specs(spec, batch, cache_len)
     runs, failures = {}, []
     for t in TARGETS:
         try:
-            runs[t] = _profiled(lambda: decode_step.run_decode_step(composition, operands, spec, numerics=False), t)
+            runs[t] = _profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {_describe(error)}")
     note = "did not run on " + "; ".join(failures) if failures else ""
@@ -353,22 +132,9 @@ def measure_ours(
     return Measured.from_runs(runs, note=note)
 
 
-def nkilib_shards(model: Model) -> tuple[int, int, int]:
-    """(calls, head_dim, intermediate per call) for nkilib's transformer_tkg at `model`'s shape: one call per KV
-    head (the kernel takes one), as tensor-parallel shards run back to back on one core; a head dimension above 128
-    is split into 128-wide heads (the same weight and cache bytes and matmul flops; more softmax rows)."""
-    split = max(1, model.head_dim // NKILIB_MAX_HEAD_DIM)
-    if model.head_dim % split or model.head_dim // split > NKILIB_MAX_HEAD_DIM:
-        raise ValueError(
-            f"head_dim {model.head_dim}: nkilib needs a head dim <= {NKILIB_MAX_HEAD_DIM} or a multiple of it"
-        )
-    calls = model.num_kv_heads * split
-    if model.intermediate % calls:
-        raise ValueError(f"intermediate {model.intermediate} does not split over {calls} nkilib calls")
-    return calls, model.head_dim // split, model.intermediate // calls
-
-
-def measure_nkilib(source: str, model: Model, batch: int, cache_len: int, one_layer_calls: bool = False) -> Measured:
+def measure_nkilib(
+    source: str, model: DecodeModel, batch: int, cache_len: int, one_layer_calls: bool = False
+) -> Measured:
     """nkilib's transformer_tkg (layers only), count-only, on each target where it runs (it asserts NeuronCore-v3
     or later). One call per shard runs all layers; where that fails (or with one_layer_calls), each shard runs
     one-layer calls (the layers are identical, so one is traced and repeated), and the note says why."""
@@ -453,37 +219,19 @@ def check_nkilib_checkout(checkout: str) -> str:
     return source
 
 
-def traced_layers(model: Model, extrapolated: bool) -> tuple[int, ...]:
+def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:
     """The layer counts to trace: all of them, or one and two repeats of the layer pattern to extrapolate from."""
     if not extrapolated or 2 * model.layer_period >= model.num_layers:
         return (model.num_layers,)
     return (model.layer_period, 2 * model.layer_period)
 
 
-def measure_depths(measure: Callable[[int], Measured], model: Model, depths: tuple[int, ...]) -> Measured:
+def measure_depths(measure: Callable[[int], Measured], model: DecodeModel, depths: tuple[int, ...]) -> Measured:
     """measure(layers) at full depth, or extrapolated linearly from the two traced depths."""
     if depths == (model.num_layers,):
         return measure(model.num_layers)
     (l1, l2) = depths
     return extrapolate(measure(l1), l1, measure(l2), l2, model.num_layers)
-
-
-@dataclasses.dataclass
-class Results:
-    ours: dict  # (model, compressed, batch, cache_len, composition) -> Measured
-    nkilib: dict  # (model, batch, cache_len) -> Measured (layers only)
-    nkilib_status: str  # which checkout ran, or why the peer is missing
-    extrapolation_check: list  # (composition, compressed, batch, S, full Measured, extrapolated Measured)
-    models: list
-    nkilib_one_call: list = dataclasses.field(default_factory=list)  # (model, b, S, one call, one-layer calls)
-
-    def nkilib_step_us(self, model, batch, cache_len, target, overhead_us) -> float | None:
-        """The peer's whole step: its layers + our dense LM-head launch (the same head time as ours), or None."""
-        peer = self.nkilib.get((model, batch, cache_len))
-        ours = self.ours.get((model, False, batch, cache_len, "per_layer"))
-        if peer is None or target not in peer.kernel_us or ours is None or target not in ours.head_us:
-            return None
-        return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
 
 
 NOT_TRACED = "not traced in this run (run time on this machine)"
@@ -517,7 +265,7 @@ class CaseCache:
 
 
 def run_all(
-    models: list[Model], batches, cache_lengths, nkilib_source, extrapolated, cache=None, traced=COMPOSITIONS
+    models: list[DecodeModel], batches, cache_lengths, nkilib_source, extrapolated, cache=None, traced=COMPOSITIONS
 ) -> Results:
     cache = cache or CaseCache(None)
     # Batch-1 cases first (the targets), the deepest model last.
@@ -591,10 +339,7 @@ def _row_values(latency_us, batch, nbytes, target):
     )
 
 
-LABELS = {"per_op": "(i) per_op", "per_layer": "(ii) per_layer", "looped": "(iii) looped", "today": "today"}
-
-
-def shape_table(res: Results, model: Model, batches, cache_lengths, overhead_us) -> list[str]:
+def shape_table(res: Results, model: DecodeModel, batches, cache_lengths, overhead_us) -> list[str]:
     lines = [
         "| batch | S | model | composition | launches | HBM MB moved / must move "
         + "".join(f"| {t} µs / tok/s / % peak " for t in TARGETS)
@@ -635,7 +380,7 @@ def shape_table(res: Results, model: Model, batches, cache_lengths, overhead_us)
     return lines
 
 
-def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[str]:
+def sweep_table(res: Results, model: DecodeModel, batch: int, cache_len: int) -> list[str]:
     """tokens/s per composition at each assumed per-launch overhead, and the looped kernel's speedups."""
     sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
     lines = [
@@ -654,7 +399,7 @@ def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[
                     + "|"
                 )
             looped = rows["looped"]
-            for other in ("per_op", "per_layer", "today"):
+            for other in ("per_op", "per_layer", "per_op_svd_mlp"):
                 lines.append(
                     f"| {'compressed' if c else 'dense'} looped ÷ {other} speedup | {t} | "
                     + "".join(f"| {_ratio(rows[other].latency_us(t, o), looped.latency_us(t, o))} " for o in sweep)
@@ -669,179 +414,6 @@ def sweep_table(res: Results, model: Model, batch: int, cache_len: int) -> list[
                         + "".join(f"| {batch / us * 1e6:,.0f} " for us in peer)
                         + "|"
                     )
-    return lines
-
-
-def where(compressed: bool) -> str:
-    """A target cell's name for the model variant."""
-    return "compressed" if compressed else "dense"
-
-
-def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
-    """{target key: text} of the physical upper bound at 0 µs per launch of each ratio target on `t`, at the shape
-    where it is lowest: other ÷ looped ≤ other's latency ÷ latency at peak (must-move bytes at the peak rate: a
-    looped kernel at 100% of peak), and compressed ÷ dense looped ≤ dense ÷ compressed must-move bytes (both at
-    peak). A bound under the goal means no looped kernel can meet the target at that shape."""
-    model_of = {m.name: m for m in res.models}
-    shapes = sorted({(k[0], k[3]) for k in res.ours if k[2] == batch})
-    gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
-
-    def text(bounds, goal, describe):
-        if not bounds:
-            return "–"
-        b = min(bounds)
-        return f"≤ {b[0]:.3f}x ({describe(b)}){': unreachable' if b[0] < goal else ''}"
-
-    cells = {}
-    for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
-        bounds = []
-        for m, s in gemma:
-            for c in (False, True):
-                us = res.ours[(m, c, batch, s, other)].latency_us(t, 0.0)
-                if us is not None:
-                    bounds.append((us / roofline_us(0, must_move_bytes(model_of[m], c, batch, s), t), s, c))
-        cells[other] = text(bounds, goal, lambda b: f"S {b[1]}, {where(b[2])}")
-    bounds = [
-        (must_move_bytes(model_of[m], False, batch, s) / must_move_bytes(model_of[m], True, batch, s), m, s)
-        for m, s in shapes
-    ]
-    cells["compressed"] = text(bounds, COMPRESSED_OVER_DENSE, lambda b: f"{b[1]}, S {b[2]}")
-    return cells
-
-
-def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]]:
-    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each issue-15 target on batch-1
-    shapes; the bound (bound_cells) only for ratio targets, else "–"."""
-    rows = []
-    keys = [k for k in res.ours if k[2] == batch]
-    shapes = sorted({(k[0], k[3]) for k in keys}, key=lambda x: (x[0], x[1]))
-    model_of = {m.name: m for m in res.models}
-    for t in TARGETS:
-        cells = {name: {} for name in ("peak", "per_op", "per_layer", "compressed", "nkilib_c", "nkilib_d")}
-        for o in launch.LAUNCH_OVERHEAD_SWEEP_US:
-
-            def lat(m, c, s, comp):
-                return res.ours[(m, c, batch, s, comp)].latency_us(t, o)
-
-            def worst(name, values, met, text):
-                """The smallest of values [(value, *where)] (None values: a composition that did not run)."""
-                ran = [v for v in values if v[0] is not None]
-                if ran:
-                    w = min(ran)
-                    missing = len(values) - len(ran)
-                    status = (
-                        "NOT met"
-                        if not met(w[0])
-                        else f"met where it ran ({missing} shape(s) did not)"
-                        if missing
-                        else "met"
-                    )
-                    cells[name][o] = (status, text(w))
-
-            def ratio(slow, fast):
-                return None if slow is None or fast is None else slow / fast
-
-            worst(
-                "peak",
-                [
-                    (
-                        None
-                        if lat(m, c, s, "looped") is None
-                        else peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
-                        m,
-                        s,
-                        c,
-                    )
-                    for m, s in shapes
-                    for c in (False, True)
-                ],
-                lambda v: v >= PEAK_FRACTION,
-                lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})",
-            )
-            gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
-            for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
-                worst(
-                    other,
-                    [
-                        (ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c)
-                        for m, s in gemma
-                        for c in (False, True)
-                    ],
-                    lambda v, goal=goal: v >= goal,
-                    lambda w: f"{w[0]:.3f}x (S {w[1]}, {where(w[2])})",
-                )
-            worst(
-                "compressed",
-                [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s) for m, s in shapes],
-                lambda v: v >= COMPRESSED_OVER_DENSE,
-                lambda w: f"{w[0]:.3f}x ({w[1]}, S {w[2]})",
-            )
-            peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
-            if any(us is not None for us, _, _ in peer):
-                worst(
-                    "nkilib_c",
-                    [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
-                    lambda v: v > 1.0,
-                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
-                )
-                worst(
-                    "nkilib_d",
-                    [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
-                    lambda v: v >= 1 / WITHIN_NKILIB,
-                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
-                )
-        bounds = bound_cells(res, t, batch)
-        rows += [
-            (f"looped ≥ {PEAK_FRACTION:.0%} of peak bandwidth (worst batch-1 shape)", t, cells["peak"], "–"),
-            (
-                f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)",
-                t,
-                cells["per_op"],
-                bounds["per_op"],
-            ),
-            (
-                f"looped ≥ {OVER_PER_LAYER}x faster than per_layer on Gemma 3 270M (worst S)",
-                t,
-                cells["per_layer"],
-                bounds["per_layer"],
-            ),
-            (
-                f"compressed looped ≥ {COMPRESSED_OVER_DENSE}x faster than dense looped (worst shape)",
-                t,
-                cells["compressed"],
-                bounds["compressed"],
-            ),
-            (
-                "compressed looped faster than the nkilib megakernel at every shape (peer ÷ ours, worst)",
-                t,
-                cells["nkilib_c"],
-                "–",
-            ),
-            (
-                f"dense looped within {WITHIN_NKILIB - 1:.0%} of the nkilib megakernel or faster (peer ÷ ours ≥ "
-                f"{1 / WITHIN_NKILIB:.3f}, worst)",
-                t,
-                cells["nkilib_d"],
-                "–",
-            ),
-        ]
-    return rows
-
-
-def targets_table(res: Results) -> list[str]:
-    sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
-    lines = [
-        "| target (batch 1) | hw | bound at 0 µs/launch (looped at 100% of peak; lowest shape) "
-        + "".join(f"| {o:g} µs/launch " for o in sweep)
-        + "|",
-        "|---|---|---|" + "---|" * len(sweep),
-    ]
-    for name, t, cells, bound in target_rows(res):
-        if not cells:
-            why = "| not evaluated (no peer figure) "
-            lines.append(f"| {name} | {t} | {bound} " + why * len(sweep) + "|")
-            continue
-        lines.append(f"| {name} | {t} | {bound} " + "".join(f"| {cells[o][0]}: {cells[o][1]} " for o in sweep) + "|")
     return lines
 
 
@@ -875,14 +447,14 @@ def markdown(
     lines = [
         "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
         "",
-        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode_step."
+        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode.runner."
         "run_decode_step(composition, operands, spec, numerics=False)` on shape/dtype placeholders), latency from "
         "`nki_kernels/emulator/cost_model.py` per launch, composed by `nki_kernels/emulator/launch.py`. bf16 "
         "weights and cache, one new token per row, fp32 logits. Compressed = keep 0.8: every projection of every "
         "layer and the LM head factored at `nki_kernels.ranks.block_aligned_rank(K, N, 0.8)` (the same rank in "
         "every layer). Compositions: (i) per_op = one kernel per op, the hidden state in HBM between them; (ii) "
         "per_layer = one fused kernel per layer, then the LM-head kernel; (iii) looped = one kernel for all "
-        "layers, final norm and LM head; today = per-op kernels except the MLP, which is the fused svd_mlp "
+        "layers, final norm and LM head; per_op + svd_mlp = per-op kernels except the MLP, which is the fused svd_mlp "
         "kernels when compressed (per-op projection kernels when dense).",
         "",
         "- **Latency** of a composition = Σ modeled latency of its launches (each launch scheduled on its own, so "
@@ -906,7 +478,7 @@ def markdown(
         f"- Run time of this benchmark: {elapsed_s / 60:.1f} min on this machine"
         + (f" (assembling cached cases; {run_time_note})." if run_time_note else "."),
         "",
-        "## Targets (issue 15, batch 1), at each assumed per-launch overhead",
+        "## Targets (batch 1), at each assumed per-launch overhead",
         "",
         "The bound column: the most a ratio target can reach at 0 µs per launch, at the shape where that is lowest "
         "(other ÷ looped ≤ other's latency ÷ must-move bytes at the peak rate; compressed ÷ dense looped ≤ dense ÷ "
@@ -1098,19 +670,18 @@ def _ints(values, name):
 def main(argv):
     del argv
     start = time.time()
-    names = FLAGS.models or list(MODELS)
-    unknown = [n for n in names if n not in MODELS]
-    if unknown:
-        raise app.UsageError(f"--models: unknown {unknown}, expected some of {list(MODELS)}")
-    models = [MODELS[n] for n in names]
+    try:
+        every = published_decode_models(dict.fromkeys([*DEFAULT_MODELS, *(FLAGS.models or ())]))
+    except ValueError as error:
+        raise app.UsageError(f"--models: {error}") from None
+    names = FLAGS.models or list(DEFAULT_MODELS)
+    models = [every[n] for n in names]
     batches, cache_lengths = _ints(FLAGS.batches, "batches"), _ints(FLAGS.cache_lengths, "cache_lengths")
     if FLAGS.quick:
         # Its own name: case-cache keys name a model, its depth, the case and the traced depths.
-        models = [
-            dataclasses.replace(
-                MODELS["Gemma 3 270M"], name="Gemma 3 270M (2 layers, V 8192)", num_layers=2, vocab=8192
-            )
-        ]
+        gemma = every["Gemma 3 270M"]
+        spec = dataclasses.replace(decode_spec(gemma, 2, False), vocab=8192)
+        models = [DecodeModel("Gemma 3 270M (2 layers, V 8192)", gemma.source, spec)]
         batches, cache_lengths = [1], [128]
     source = None
     if FLAGS.nki_library:
@@ -1119,9 +690,9 @@ def main(argv):
         except ValueError as error:
             raise app.UsageError(str(error)) from None
     extrapolated = set(FLAGS.extrapolated_models)
-    unknown = sorted(extrapolated - set(MODELS))
+    unknown = sorted(extrapolated - set(every))
     if unknown:
-        raise app.UsageError(f"--extrapolated_models: unknown {unknown}, expected some of {list(MODELS)}")
+        raise app.UsageError(f"--extrapolated_models: unknown {unknown}, expected some of {list(every)}")
     depths = {
         m.name: (
             "full trace"

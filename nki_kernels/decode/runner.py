@@ -1,8 +1,7 @@
-"""A decode step over all layers, composed three ways, run on the emulator: `run_decode_step(composition, ...)`.
+"""A decode step over all layers run on the emulator as one of the compositions: `run_decode_step(composition, ...)`.
 
-The kernels (decode_step_kernel, decoder_layer_kernel, lm_head_kernel and the per-op kernels) live in
-nki_kernels.decode_step_kernels, whose docstring describes them and the operands; they are re-exported here (kernel
-modules never import the emulator, which this runner needs).
+The kernels live in nki_kernels.decode.compositions, whose docstring describes them; the operands are
+nki_kernels.decode.contract's. This runner is apart from them because kernel modules never import the emulator.
 
 Each kernel launch is one emulated run (one row of `emulator.profile()`); activations cross HBM between launches
 as numpy arrays. With numerics=False the launches are count-only traces and operands may be emulator `Spec`
@@ -15,12 +14,10 @@ import contextlib
 
 import numpy as np
 
-from nki_kernels import decode_attention
-from nki_kernels.decode_spec import PROJECTIONS
-from nki_kernels.decode_step_kernels import (
+from nki_kernels.decode import attention
+from nki_kernels.decode.compositions import (
     COMPOSITIONS,
     MLP_PROJECTIONS,
-    OPERAND_NAMES,
     add_kernel,
     check_spec,
     decode_step_kernel,
@@ -29,25 +26,14 @@ from nki_kernels.decode_step_kernels import (
     lm_head_kernel,
     norm_kernel,
     projection_kernel,
-    weight_dtype,
 )
+from nki_kernels.decode.contract import DecodeOperands, check_write_index, kernel_arg
 from nki_kernels.emulator import count_only
 from nki_kernels.emulator.kernel import Spec, run
 from nki_kernels.gated_activation import gated_activation_kernel
 from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
 
-__all__ = [
-    "COMPOSITIONS",
-    "OPERAND_NAMES",
-    "add_kernel",
-    "decode_step_kernel",
-    "decoder_layer_kernel",
-    "head_kernel",
-    "lm_head_kernel",
-    "norm_kernel",
-    "projection_kernel",
-    "run_decode_step",
-]
+__all__ = ["COMPOSITIONS", "run_decode_step"]
 
 
 def _factor_slice(tensor, layer, rank, axis):
@@ -69,106 +55,105 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
         raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
     check_spec(spec)
     ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
+    ops = DecodeOperands.of(operands)
+    if isinstance(ops.write_index, np.ndarray):
+        check_write_index("run_decode_step", ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
     with contextlib.nullcontext() if numerics else count_only():
         if composition == "looped":
-            return _launch(decode_step_kernel, *operands, spec=spec, **ring)
-        ops = dict(zip(OPERAND_NAMES, operands))
+            return _launch(decode_step_kernel, ops.kernel_args(), spec=spec, **ring)
         if composition == "per_layer":
-            x, k_cache, v_cache = ops["x"], ops["k_cache"], ops["v_cache"]
-            layer_ops = [ops[name] for name in ("norms", "qk_norms") + PROJECTIONS]
+            x, k_cache, v_cache = ops.x, ops.k_cache, ops.v_cache
             for layer in range(spec.num_layers):
+                layer_ops = ops.replace(x=x, k_cache=k_cache, v_cache=v_cache, final_norm=None, head=None)
                 x, k_cache, v_cache = _launch(
-                    decoder_layer_kernel,
-                    x,
-                    *layer_ops,
-                    k_cache,
-                    v_cache,
-                    ops["write_index"],
-                    ops["cos"],
-                    ops["sin"],
-                    ops["mask_bias"],
-                    spec=spec,
-                    layer=layer,
-                    **ring,
+                    decoder_layer_kernel, layer_ops.kernel_args(), spec=spec, layer=layer, **ring
                 )
-            return _launch(lm_head_kernel, x, ops["final_norm"], ops["head"], spec=spec, **ring), k_cache, v_cache
-        return _run_per_op(composition == "today", ops, spec, ring)
+            head = kernel_arg(ops.head)
+            return _launch(lm_head_kernel, x, ops.final_norm, head, spec=spec, **ring), k_cache, v_cache
+        return _run_per_op(composition == "per_op_svd_mlp", ops, spec, ring)
 
 
-def _run_per_op(today, ops, spec, ring):
-    b, t, h_features = ops["x"].shape
+def _run_per_op(svd_mlp, ops, spec, ring):
+    b, t, h_features = ops.x.shape
     rows = b * t
-    model = np.dtype(weight_dtype(ops["q"])).name
+    model = np.dtype(ops.q.dtype).name
     x = (
-        np.asarray(ops["x"]).reshape(rows, h_features)
-        if isinstance(ops["x"], np.ndarray)
-        else _spec_like(ops["x"], (rows, h_features))
+        np.asarray(ops.x).reshape(rows, h_features)
+        if isinstance(ops.x, np.ndarray)
+        else _spec_like(ops.x, (rows, h_features))
     )
-    k_cache, v_cache = ops["k_cache"], ops["v_cache"]
+    k_cache, v_cache = ops.k_cache, ops.v_cache
+    weights = ops.weights
 
     def norm(src, layer, j, out_dtype):
-        return _launch(norm_kernel, src, ops["norms"], index=(layer, j), spec=spec, out_dtype=out_dtype)
+        return _launch(norm_kernel, src, ops.norms, index=(layer, j), spec=spec, out_dtype=out_dtype)
 
-    def project(src, name, layer, out_dtype):
+    def projection_launch(src, name, layer, out_dtype):
         return _launch(
-            projection_kernel, src, ops[name], layer=layer, rank=spec.rank(name, layer), out_dtype=out_dtype, **ring
+            projection_kernel,
+            src,
+            kernel_arg(weights[name]),
+            layer=layer,
+            rank=spec.rank(name, layer),
+            out_dtype=out_dtype,
+            **ring,
         )
 
     for layer in range(spec.num_layers):
         h = norm(x, layer, 0, model)
-        q, k, v = (project(h, name, layer, model) for name in ("q", "k", "v"))
+        q, k, v = (projection_launch(h, name, layer, model) for name in ("q", "k", "v"))
         q, k = _launch(
-            decode_attention.rope_kernel,
+            attention.rope_kernel,
             q.reshape(b, t, -1),
             k.reshape(b, t, -1),
-            ops["cos"],
-            ops["sin"],
-            ops["qk_norms"],
+            ops.cos,
+            ops.sin,
+            ops.qk_norms,
             layer=layer,
             spec=spec,
         )
         k_cache, v_cache = _launch(
-            decode_attention.cache_write_kernel,
+            attention.cache_write_kernel,
             k,
             v.reshape(b, t, -1),
             k_cache,
             v_cache,
-            ops["write_index"],
+            ops.write_index,
             layer=layer,
         )
         attn = _launch(
-            decode_attention.attention_kernel,
+            attention.attention_kernel,
             q,
             k_cache,
             v_cache,
-            ops["write_index"],
-            ops["mask_bias"],
+            ops.write_index,
+            ops.mask_bias,
             layer=layer,
             spec=spec,
         )
-        y = project(attn.reshape(rows, -1), "o", layer, "float32")
+        y = projection_launch(attn.reshape(rows, -1), "o", layer, "float32")
         if spec.sandwich:
             y = norm(y, layer, 1, "float32")
         x = _launch(add_kernel, x, y)
         h = norm(x, layer, 2 if spec.sandwich else 1, model)
         factored = all(spec.rank(name, layer) is not None for name in MLP_PROJECTIONS)
-        if today and factored:
+        if svd_mlp and factored:
             r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
-            u = {name: _factor_slice(ops[name][0], layer, r[name], 1) for name in MLP_PROJECTIONS}
-            vv = {name: _factor_slice(ops[name][1], layer, r[name], 0) for name in MLP_PROJECTIONS}
+            u = {name: _factor_slice(weights[name].u, layer, r[name], 1) for name in MLP_PROJECTIONS}
+            vv = {name: _factor_slice(weights[name].v, layer, r[name], 0) for name in MLP_PROJECTIONS}
             hT = _launch(
                 svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation
             )
             m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
         else:
-            gate, up = project(h, "gate", layer, model), project(h, "up", layer, model)
+            gate, up = projection_launch(h, "gate", layer, model), projection_launch(h, "up", layer, model)
             hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)
-            m = project(hidden, "down", layer, "float32")
+            m = projection_launch(hidden, "down", layer, "float32")
         if spec.sandwich:
             m = norm(m, layer, 3, "float32")
         x = _launch(add_kernel, x, m)
-    h = _launch(norm_kernel, x, ops["final_norm"], index=(), spec=spec, out_dtype=model)
-    logits = _launch(head_kernel, h, ops["head"], spec=spec, **ring)
+    h = _launch(norm_kernel, x, ops.final_norm, index=(), spec=spec, out_dtype=model)
+    logits = _launch(head_kernel, h, kernel_arg(ops.head), spec=spec, **ring)
     return logits.reshape(b, t, spec.vocab), k_cache, v_cache
 
 

@@ -1,0 +1,396 @@
+"""The decode step's compositions compared on the emulator's cost model: what is measured per case, how a deep
+model is extrapolated from shallow traces, the bytes a step must move, and the targets the looped kernel is held
+to (benchmarks/decode_compositions.py traces the cases and writes the report from these).
+
+A `DecodeModel` is a model's name, where its shapes come from and its dense DecodeSpec at full depth
+(jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
+cuts it to fewer layers and factors it at keep KEEP; `operand_specs` gives count-only placeholders of the operands
+in the contract's order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import ml_dtypes
+import numpy as np
+
+from nki_kernels import hardware, ranks
+from nki_kernels.decode import traffic
+from nki_kernels.decode.compositions import COMPOSITIONS
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, Factored, expected_dtypes, expected_shapes
+from nki_kernels.emulator import launch
+from nki_kernels.emulator.cost_model import roofline_us
+from nki_kernels.emulator.kernel import Spec
+
+__all__ = ["COMPOSITIONS", "roofline_us"]
+
+TARGETS = hardware.TARGETS
+BF16 = np.dtype(ml_dtypes.bfloat16)
+KEEP = 0.8
+# The looped kernel's targets (modeled, batch 1).
+PEAK_FRACTION = 0.90
+OVER_PER_OP = 1.5
+OVER_PER_LAYER = 1.15
+COMPRESSED_OVER_DENSE = 1.2
+WITHIN_NKILIB = 1.05
+# nki-library's attention_block_tkg holds the head dimension on partitions (at most 128) and one KV head per call.
+NKILIB_MAX_HEAD_DIM = 128
+LABELS = {
+    "per_op": "(i) per_op",
+    "per_layer": "(ii) per_layer",
+    "looped": "(iii) looped",
+    "per_op_svd_mlp": "per_op + svd_mlp",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeModel:
+    """A model as the comparison traces it: `spec` is its dense DecodeSpec with every layer; `source` says where
+    its shapes come from (a published config.json)."""
+
+    name: str
+    source: str
+    spec: DecodeSpec
+
+    num_layers = property(lambda self: self.spec.num_layers)
+    hidden = property(lambda self: self.spec.hidden)
+    num_heads = property(lambda self: self.spec.num_heads)
+    num_kv_heads = property(lambda self: self.spec.num_kv_heads)
+    head_dim = property(lambda self: self.spec.head_dim)
+    intermediate = property(lambda self: self.spec.intermediate)
+    vocab = property(lambda self: self.spec.vocab)
+    norm_eps = property(lambda self: self.spec.norm_eps)
+
+    @property
+    def gemma3(self) -> bool:
+        """Gemma 3's layer variants: QK-norm and sandwich norms (with unit-offset norms)."""
+        return self.spec.qk_norm and self.spec.sandwich
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The window of the sliding-window layers, or None when every layer sees the whole cache."""
+        return next((w for w in self.spec.mask_windows if w is not None), None)
+
+    @property
+    def layer_period(self) -> int:
+        """Layers after which the layer pattern (RoPE table, mask) repeats: what layer-count extrapolation must
+        step by."""
+        pattern = list(zip(self.spec.layer_rope, self.spec.layer_mask))
+        return next(
+            p for p in range(1, len(pattern) + 1) if all(pattern[i] == pattern[i % p] for i in range(len(pattern)))
+        )
+
+    def is_local(self, layer: int) -> bool:
+        """Whether `layer` reads only a sliding window of the cache."""
+        windows = self.spec.mask_windows
+        return bool(windows) and windows[self.spec.layer_mask[layer]] is not None
+
+
+def decode_spec(model: DecodeModel, num_layers: int, compressed: bool) -> DecodeSpec:
+    """`model`'s DecodeSpec cut to its first num_layers layers; compressed: every projection and the head factored
+    at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer)."""
+    full = model.spec
+    layer_rope, layer_mask = full.layer_rope[:num_layers], full.layer_mask[:num_layers]
+    windows = full.mask_windows[: max(layer_mask) + 1] if full.mask_windows else ()
+    layer_ranks, head_rank = (None,) * len(PROJECTIONS), None
+    if compressed:
+        layer_ranks = tuple(
+            (ranks.block_aligned_rank(full.in_features(p), full.out_features(p), KEEP),) * num_layers
+            for p in PROJECTIONS
+        )
+        head_rank = ranks.block_aligned_rank(full.hidden, full.vocab, KEEP)
+    return dataclasses.replace(
+        full,
+        num_layers=num_layers,
+        layer_rope=layer_rope,
+        layer_mask=layer_mask,
+        mask_windows=windows,
+        ranks=layer_ranks,
+        head_rank=head_rank,
+    )
+
+
+def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
+    """Shape/dtype placeholders (emulator Specs) of the operands in the contract's order (bf16 model dtype), from
+    expected_shapes and expected_dtypes; a factored weight is a Factored of them."""
+    shapes, dtypes = expected_shapes(spec, batch, tokens, cache_len), expected_dtypes(spec, BF16)
+    values = []
+    for shape, dtype in zip(shapes.values(), dtypes.values()):
+        if isinstance(shape, Factored):
+            values.append(Factored(**{part: Spec(sub, getattr(dtype, part)) for part, sub in shape.parts().items()}))
+        else:
+            values.append(None if shape is None else Spec(shape, dtype))
+    return tuple(values)
+
+
+def must_move_bytes(
+    model: DecodeModel, compressed: bool, batch: int, cache_len: int, layers_only: bool = False, tokens: int = 1
+) -> int:
+    """traffic.must_move_bytes of `model`'s whole step (bf16 weights and cache, fp32 logits), dense or at keep
+    KEEP."""
+    spec = decode_spec(model, model.num_layers, compressed)
+    return traffic.must_move_bytes(
+        spec, batch, cache_len, layers_only=layers_only, tokens=tokens, weight_itemsize=BF16.itemsize
+    )
+
+
+def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:
+    """nbytes ÷ latency ÷ the core's peak DMA-to-HBM rate (min of its HBM share and its 16 DMA engines)."""
+    return roofline_us(0, nbytes, target) / latency_us
+
+
+@dataclasses.dataclass
+class Measured:
+    """One composition at one shape: modeled µs of its launches per target (overhead excluded), launches, HBM
+    bytes the kernels moved. `extrapolated` names the layer counts traced when not traced at full depth."""
+
+    kernel_us: dict  # target -> sum of launch latencies (µs); a target missing: did not run there
+    launches: float
+    hbm_bytes: float
+    head_us: dict = dataclasses.field(default_factory=dict)  # target -> µs of the LM-head launch (per_layer only)
+    extrapolated: tuple = ()
+    note: str = ""
+
+    def latency_us(self, target: str, overhead_us: float) -> float | None:
+        """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
+        if target not in self.kernel_us:
+            return None
+        return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
+
+    @classmethod
+    def from_runs(cls, runs_by_target: dict, note: str = "") -> Measured:
+        first = next(iter(runs_by_target.values()))
+        head = {
+            t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
+        }
+        return cls(
+            {t: launch.composition_latency_us(runs, t, 0.0) for t, runs in runs_by_target.items()},
+            len(first),
+            sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
+            {t: us for t, us in head.items() if us},
+            note=note,
+        )
+
+
+def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Measured:
+    """Linear in L through (l1, m1) and (l2, m2), evaluated at `layers`."""
+
+    def at(a, b):
+        return a + (b - a) * (layers - l1) / (l2 - l1)
+
+    return Measured(
+        {t: at(m1.kernel_us[t], m2.kernel_us[t]) for t in m1.kernel_us if t in m2.kernel_us},
+        at(m1.launches, m2.launches),
+        at(m1.hbm_bytes, m2.hbm_bytes),
+        {t: m2.head_us[t] for t in m2.head_us},
+        extrapolated=(l1, l2),
+        note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
+    )
+
+
+def nkilib_shards(model: DecodeModel) -> tuple[int, int, int]:
+    """(calls, head_dim, intermediate per call) for nkilib's transformer_tkg at `model`'s shape: one call per KV
+    head (the kernel takes one), as tensor-parallel shards run back to back on one core; a head dimension above 128
+    is split into 128-wide heads (the same weight and cache bytes and matmul flops; more softmax rows)."""
+    split = max(1, model.head_dim // NKILIB_MAX_HEAD_DIM)
+    if model.head_dim % split or model.head_dim // split > NKILIB_MAX_HEAD_DIM:
+        raise ValueError(
+            f"head_dim {model.head_dim}: nkilib needs a head dim <= {NKILIB_MAX_HEAD_DIM} or a multiple of it"
+        )
+    calls = model.num_kv_heads * split
+    if model.intermediate % calls:
+        raise ValueError(f"intermediate {model.intermediate} does not split over {calls} nkilib calls")
+    return calls, model.head_dim // split, model.intermediate // calls
+
+
+@dataclasses.dataclass
+class Results:
+    ours: dict  # (model, compressed, batch, cache_len, composition) -> Measured
+    nkilib: dict  # (model, batch, cache_len) -> Measured (layers only)
+    nkilib_status: str  # which checkout ran, or why the peer is missing
+    extrapolation_check: list  # (composition, compressed, batch, S, full Measured, extrapolated Measured)
+    models: list
+    nkilib_one_call: list = dataclasses.field(default_factory=list)  # (model, b, S, one call, one-layer calls)
+
+    def nkilib_step_us(self, model, batch, cache_len, target, overhead_us) -> float | None:
+        """The peer's whole step: its layers + our dense LM-head launch (the same head time as ours), or None."""
+        peer = self.nkilib.get((model, batch, cache_len))
+        ours = self.ours.get((model, False, batch, cache_len, "per_layer"))
+        if peer is None or target not in peer.kernel_us or ours is None or target not in ours.head_us:
+            return None
+        return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
+
+
+def where(compressed: bool) -> str:
+    """A target cell's name for the model variant."""
+    return "compressed" if compressed else "dense"
+
+
+def bound_cells(res: Results, t: str, batch: int = 1) -> dict:
+    """{target key: text} of the physical upper bound at 0 µs per launch of each ratio target on `t`, at the shape
+    where it is lowest: other ÷ looped ≤ other's latency ÷ latency at peak (must-move bytes at the peak rate: a
+    looped kernel at 100% of peak), and compressed ÷ dense looped ≤ dense ÷ compressed must-move bytes (both at
+    peak). A bound under the goal means no looped kernel can meet the target at that shape."""
+    model_of = {m.name: m for m in res.models}
+    shapes = sorted({(k[0], k[3]) for k in res.ours if k[2] == batch})
+    gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
+
+    def text(bounds, goal, describe):
+        if not bounds:
+            return "–"
+        b = min(bounds)
+        return f"≤ {b[0]:.3f}x ({describe(b)}){': unreachable' if b[0] < goal else ''}"
+
+    cells = {}
+    for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
+        bounds = []
+        for m, s in gemma:
+            for c in (False, True):
+                us = res.ours[(m, c, batch, s, other)].latency_us(t, 0.0)
+                if us is not None:
+                    bounds.append((us / roofline_us(0, must_move_bytes(model_of[m], c, batch, s), t), s, c))
+        cells[other] = text(bounds, goal, lambda b: f"S {b[1]}, {where(b[2])}")
+    bounds = [
+        (must_move_bytes(model_of[m], False, batch, s) / must_move_bytes(model_of[m], True, batch, s), m, s)
+        for m, s in shapes
+    ]
+    cells["compressed"] = text(bounds, COMPRESSED_OVER_DENSE, lambda b: f"{b[1]}, S {b[2]}")
+    return cells
+
+
+def target_rows(res: Results, batch: int = 1) -> list[tuple[str, str, dict, str]]:
+    """(target, hardware, {overhead: (met, worst value text)}, bound text) for each of the looped kernel's targets
+    on batch-1 shapes; the bound (bound_cells) only for ratio targets, else "–".
+    """
+    rows = []
+    keys = [k for k in res.ours if k[2] == batch]
+    shapes = sorted({(k[0], k[3]) for k in keys}, key=lambda x: (x[0], x[1]))
+    model_of = {m.name: m for m in res.models}
+    for t in TARGETS:
+        cells = {name: {} for name in ("peak", "per_op", "per_layer", "compressed", "nkilib_c", "nkilib_d")}
+        for o in launch.LAUNCH_OVERHEAD_SWEEP_US:
+
+            def lat(m, c, s, comp):
+                return res.ours[(m, c, batch, s, comp)].latency_us(t, o)
+
+            def worst(name, values, met, text):
+                """The smallest of values [(value, *where)] (None values: a composition that did not run)."""
+                ran = [v for v in values if v[0] is not None]
+                if ran:
+                    w = min(ran)
+                    missing = len(values) - len(ran)
+                    status = (
+                        "NOT met"
+                        if not met(w[0])
+                        else f"met where it ran ({missing} shape(s) did not)"
+                        if missing
+                        else "met"
+                    )
+                    cells[name][o] = (status, text(w))
+
+            def ratio(slow, fast):
+                return None if slow is None or fast is None else slow / fast
+
+            worst(
+                "peak",
+                [
+                    (
+                        None
+                        if lat(m, c, s, "looped") is None
+                        else peak_fraction(must_move_bytes(model_of[m], c, batch, s), lat(m, c, s, "looped"), t),
+                        m,
+                        s,
+                        c,
+                    )
+                    for m, s in shapes
+                    for c in (False, True)
+                ],
+                lambda v: v >= PEAK_FRACTION,
+                lambda w: f"{100 * w[0]:.0f}% ({w[1]}, S {w[2]}, {where(w[3])})",
+            )
+            gemma = [(m, s) for m, s in shapes if model_of[m].gemma3]
+            for other, goal in (("per_op", OVER_PER_OP), ("per_layer", OVER_PER_LAYER)):
+                worst(
+                    other,
+                    [
+                        (ratio(lat(m, c, s, other), lat(m, c, s, "looped")), s, c)
+                        for m, s in gemma
+                        for c in (False, True)
+                    ],
+                    lambda v, goal=goal: v >= goal,
+                    lambda w: f"{w[0]:.3f}x (S {w[1]}, {where(w[2])})",
+                )
+            worst(
+                "compressed",
+                [(ratio(lat(m, False, s, "looped"), lat(m, True, s, "looped")), m, s) for m, s in shapes],
+                lambda v: v >= COMPRESSED_OVER_DENSE,
+                lambda w: f"{w[0]:.3f}x ({w[1]}, S {w[2]})",
+            )
+            peer = [(res.nkilib_step_us(m, batch, s, t, o), m, s) for m, s in shapes]
+            if any(us is not None for us, _, _ in peer):
+                worst(
+                    "nkilib_c",
+                    [(ratio(us, lat(m, True, s, "looped")), m, s) for us, m, s in peer],
+                    lambda v: v > 1.0,
+                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
+                )
+                worst(
+                    "nkilib_d",
+                    [(ratio(us, lat(m, False, s, "looped")), m, s) for us, m, s in peer],
+                    lambda v: v >= 1 / WITHIN_NKILIB,
+                    lambda w: f"{w[0]:.2f}x ({w[1]}, S {w[2]})",
+                )
+        bounds = bound_cells(res, t, batch)
+        rows += [
+            (f"looped ≥ {PEAK_FRACTION:.0%} of peak bandwidth (worst batch-1 shape)", t, cells["peak"], "–"),
+            (
+                f"looped ≥ {OVER_PER_OP}x faster than per_op on Gemma 3 270M (worst S)",
+                t,
+                cells["per_op"],
+                bounds["per_op"],
+            ),
+            (
+                f"looped ≥ {OVER_PER_LAYER}x faster than per_layer on Gemma 3 270M (worst S)",
+                t,
+                cells["per_layer"],
+                bounds["per_layer"],
+            ),
+            (
+                f"compressed looped ≥ {COMPRESSED_OVER_DENSE}x faster than dense looped (worst shape)",
+                t,
+                cells["compressed"],
+                bounds["compressed"],
+            ),
+            (
+                "compressed looped faster than the nkilib megakernel at every shape (peer ÷ ours, worst)",
+                t,
+                cells["nkilib_c"],
+                "–",
+            ),
+            (
+                f"dense looped within {WITHIN_NKILIB - 1:.0%} of the nkilib megakernel or faster (peer ÷ ours ≥ "
+                f"{1 / WITHIN_NKILIB:.3f}, worst)",
+                t,
+                cells["nkilib_d"],
+                "–",
+            ),
+        ]
+    return rows
+
+
+def targets_table(res: Results) -> list[str]:
+    sweep = launch.LAUNCH_OVERHEAD_SWEEP_US
+    lines = [
+        "| target (batch 1) | hw | bound at 0 µs/launch (looped at 100% of peak; lowest shape) "
+        + "".join(f"| {o:g} µs/launch " for o in sweep)
+        + "|",
+        "|---|---|---|" + "---|" * len(sweep),
+    ]
+    for name, t, cells, bound in target_rows(res):
+        if not cells:
+            why = "| not evaluated (no peer figure) "
+            lines.append(f"| {name} | {t} | {bound} " + why * len(sweep) + "|")
+            continue
+        lines.append(f"| {name} | {t} | {bound} " + "".join(f"| {cells[o][0]}: {cells[o][1]} " for o in sweep) + "|")
+    return lines

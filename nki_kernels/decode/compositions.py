@@ -1,0 +1,395 @@
+"""The decode step's kernels, in the compositions the benchmark compares (COMPOSITIONS).
+
+looped          decode_step_kernel: one kernel; an outer loop over the layers with the hidden state (float32
+                column tiles) on chip throughout, weights streaming through one WeightRing whose cursor carries
+                across layers (layer l+1's first blocks load while layer l computes), then the final norm and the
+                LM head from the same ring.
+per_layer       decoder_layer_kernel(..., layer=l) per layer (the hidden state in HBM, float32, between
+                launches), then lm_head_kernel.
+per_op          one kernel per op: norm_kernel, projection_kernel, attention.rope_kernel, cache_write_kernel and
+                attention_kernel, add_kernel, gated_activation_kernel (act·mul), norm_kernel + head_kernel;
+                activations in HBM between launches.
+per_op_svd_mlp  per_op, except that a factored MLP runs the fused svd_mlp kernels (the prefill's kernels).
+nki_kernels.decode.runner launches them in sequence on the emulator (`run_decode_step`).
+
+Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer kernels take them as one list
+argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
+tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
+Ragged per-layer ranks: factors are stacked to the largest rank, layer l reads only the first ranks[l] columns of
+u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth.
+
+Dimensions in the kernels' docstrings: B rows of T new tokens (R = B·T <= 128), H hidden, V vocabulary, L layers,
+K / N a projection's input / output features.
+"""
+
+from __future__ import annotations
+
+from nki_kernels.binding import nisa, nki, nl
+from nki_kernels.decode import attention, contract, projections, tiles
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
+from nki_kernels.decode.ring import WeightRing
+from nki_kernels.svd_mlp import activation_op
+
+COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
+MLP_PROJECTIONS = ("gate", "up", "down")
+
+
+def check_spec(spec):
+    if not isinstance(spec, DecodeSpec):
+        raise TypeError(f"spec: expected a nki_kernels.decode.DecodeSpec, got {type(spec).__name__}")
+
+
+def _min_row_elements(spec, names):
+    """The fewest columns any weight contracting over a vector has (dense N, or the smallest rank)."""
+    widths = []
+    for name in names:
+        ranks = spec.ranks[PROJECTIONS.index(name)]
+        widths.append(spec.out_features(name) if ranks is None else min(ranks))
+    return min(widths)
+
+
+class Layouts:
+    """Feature layouts of one spec: hidden (grouped for q/k/v/gate/up rows), intermediate (for down), attention
+    output (for o), and the natural layouts of q and k/v (what attention takes)."""
+
+    def __init__(self, spec):
+        head_width = spec.vocab if spec.head_rank is None else spec.head_rank
+        hidden_rows = min(_min_row_elements(spec, ("q", "k", "v", "gate", "up")), head_width)
+        self.hidden = tiles.feature_layout(spec.hidden, tiles.choose_group(spec.hidden, hidden_rows))
+        self.inter = tiles.feature_layout(
+            spec.intermediate, tiles.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
+        )
+        self.q = tiles.feature_layout(spec.num_heads * spec.head_dim)
+        # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
+        self.attn = tiles.feature_layout(
+            spec.num_heads * spec.head_dim,
+            tiles.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))),
+        )
+        self.kv = tiles.feature_layout(spec.num_kv_heads * spec.head_dim)
+
+
+class StepContext:
+    """What every layer of a kernel shares: spec, rows, model dtype, layouts, the weight ring, norm constants."""
+
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None):
+        """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF)."""
+        self.spec = spec
+        self.rows = rows
+        self.dtype = dtype
+        self.layouts = Layouts(spec)
+        beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
+        self.ring = WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
+        self.consts = projections.NormConstants(spec.norm_eps)
+        self.act = activation_op(spec.activation)
+        self.attention = attention.AttentionConstants(spec)
+
+
+def _rows(tensor, rows):
+    """An HBM tensor [B, T, F] (or [R, F]) as its [R, F] view."""
+    return tensor.reshape((rows, tensor.shape[-1]))
+
+
+def _normed(ctx, x, weights, j, dtype, name):
+    h = tiles.column_tiles(ctx.layouts.hidden, ctx.rows, dtype, name, zero=dtype == nl.float32)
+    projections.rms_norm(h, x, weights[:, :, j : j + 1], ctx.layouts.hidden, ctx.rows, ctx.consts)
+    return h
+
+
+def _add(dst, other):
+    nisa.tensor_tensor(dst=dst, data1=dst, data2=other, op=nl.add)
+
+
+def decoder_layer(ctx, x, layer, ops):
+    """One decoder layer on the hidden state x (float32 column tiles of ctx.layouts.hidden, updated in place).
+
+    ops: DecodeOperands in HBM (x, final_norm and head unused). The k/v of this step go into the caches in place.
+    """
+    spec, rows, lay = ctx.spec, ctx.rows, ctx.layouts
+    weights = ops.weights
+    w_norm = projections.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
+
+    def layer_projection(src, src_layout, name, out_layout, evict):
+        rank = spec.rank(name, layer)
+        projections.projection(
+            src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict
+        )
+
+    h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
+    qkv = {}
+    for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
+        qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
+        layer_projection(h, lay.hidden, name, layout, projections.copy_into(qkv[name]))
+    del h
+    attn = attention.attention(
+        qkv["q"],
+        qkv["k"],
+        qkv["v"],
+        ops.k_cache,
+        ops.v_cache,
+        layer,
+        ops.write_index,
+        ops.cos,
+        ops.sin,
+        ops.mask_bias,
+        ops.qk_norms,
+        spec,
+        constants=ctx.attention,
+    )
+    del qkv
+    if attn.dtype != ctx.dtype:
+        cast = tiles.column_tiles(lay.q, rows, ctx.dtype, "attnT_cast", zero=False)
+        nisa.tensor_copy(dst=cast[:, :, 0:rows], src=attn[:, :, 0:rows])
+        attn = cast
+    if lay.attn != lay.q:
+        attn = tiles.relayout(attn, lay.q, lay.attn, rows)
+    ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
+    mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
+    if spec.sandwich:
+        y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
+        layer_projection(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
+        _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
+        h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
+        m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
+        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m))
+        _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
+    else:
+        layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
+        h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
+        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x))
+
+
+def check_operands(kernel, operands, spec):
+    """`operands` as DecodeOperands once they follow the contract (factors may be stacked past their largest rank)
+    and fit one kernel launch (B·T rows on one partition tile); else a ValueError / TypeError naming the operand."""
+    ops = contract.check(spec, operands, kernel, padded_ranks=True)
+    b, t, _ = ops.x.shape
+    if b * t > nl.tile_size.pmax:
+        raise ValueError(
+            f"{kernel}: x has shape {tuple(ops.x.shape)}, expected B·T <= {nl.tile_size.pmax} rows (one partition tile)"
+        )
+    return ops
+
+
+@nki.jit
+def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None):
+    """The whole decode step in one kernel: an outer loop over the layers, the hidden state on chip throughout.
+
+    Dimensions: B, T (B·T <= 128), H, V, L.
+    Args:
+        operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a factored
+            weight as its [u, v] list); k_cache and v_cache are written IN PLACE at this step's slots.
+        spec: DecodeSpec (static).
+        ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
+            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and
+            attention's cache tiles).
+    Returns:
+        (logits [B, T, V] float32 in HBM, k_cache, v_cache).
+    """
+    ops = check_operands("decode_step_kernel", operands, spec)
+    b, t, _ = ops.x.shape
+    rows = b * t
+    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
+    for layer in range(spec.num_layers):
+        decoder_layer(ctx, hidden, layer, ops)
+    logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    _head(ctx, hidden, ops.final_norm, ops.head, _rows(logits, rows))
+    return logits, ops.k_cache, ops.v_cache
+
+
+def _head(ctx, hidden, final_norm, head, out_rows):
+    spec = ctx.spec
+    final_w = projections.load_norm_weights(
+        final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset
+    )
+    projections.lm_head(
+        hidden,
+        ctx.layouts.hidden,
+        final_w,
+        head,
+        spec.head_rank,
+        ctx.rows,
+        ctx.ring,
+        ctx.consts,
+        out_rows,
+        spec.final_logit_softcap,
+    )
+
+
+@nki.jit
+def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
+    """Decoder layer `layer` as one kernel; the hidden state crosses HBM in float32 between launches.
+
+    Dimensions: B, T (B·T <= 128), H.
+    Args:
+        operands: DecodeOperands.kernel_args() with x [B, T, H] the layer's input (any float dtype) and
+            final_norm, head None (unused); k_cache and v_cache are written IN PLACE.
+        spec: DecodeSpec (static). layer: the layer, a static int in [0, spec.num_layers).
+        ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        (x' [B, T, H] float32 in HBM, k_cache, v_cache).
+    """
+    check_spec(spec)
+    if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
+        raise ValueError(f"decoder_layer_kernel: layer={layer!r}, expected an int in [0, {spec.num_layers})")
+    ops = contract.DecodeOperands.of(operands)
+    b, t, _ = ops.x.shape
+    rows = b * t
+    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
+    decoder_layer(ctx, hidden, layer, ops)
+    out = nl.ndarray((b, t, spec.hidden), dtype=nl.float32, buffer=nl.shared_hbm, name="hidden_out")
+    tiles.store_columns(_rows(out, rows), hidden, ctx.layouts.hidden)
+    return out, ops.k_cache, ops.v_cache
+
+
+@nki.jit
+def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
+    """Final norm and LM head as one kernel (the last launch of the per-layer composition).
+
+    Dimensions: B, T (B·T <= 128), H, V.
+    Args:
+        x: [B, T, H] in HBM, the last layer's output (any float dtype).
+        final_norm: [H] in HBM. head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        logits [B, T, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
+    """
+    check_spec(spec)
+    b, t, _ = x.shape
+    rows = b * t
+    head = as_weight(head, spec.head_rank is not None)
+    ctx = StepContext(spec, rows, head.dtype, ring_block_bytes, ring_bytes)
+    hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
+    tiles.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
+    logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    _head(ctx, hidden, final_norm, head, _rows(logits, rows))
+    return logits
+
+
+# -- per-op kernels: rows [R, F] in HBM between launches ----------------------------------------------------
+
+
+def _out_dtype(name):
+    return {"float32": nl.float32, "bfloat16": nl.bfloat16, "float16": nl.float16}[name]
+
+
+@nki.jit
+def norm_kernel(x, weights, *, index, spec, out_dtype="float32"):
+    """RMSNorm of rows as one kernel.
+
+    Dimensions: R rows (<= 128), F features.
+    Args:
+        x: [R, F] rows in HBM (any float dtype).
+        weights: a norm tensor in HBM whose entry `index` is [F] ([L, NN, F] with index (layer, j), or [F] with
+            index ()); raw weights (1 + w is applied with spec.norm_unit_offset).
+        index: static tuple. spec: DecodeSpec (static; eps, unit offset). out_dtype: "float32", "bfloat16" or
+            "float16".
+    Returns:
+        [R, F] in HBM, out_dtype.
+    """
+    check_spec(spec)
+    rows, features = x.shape
+    layout = tiles.feature_layout(features)
+    w = weights[index] if index else weights
+    consts = projections.NormConstants(spec.norm_eps)
+    xc = tiles.column_tiles(layout, rows, nl.float32, "x")
+    tiles.load_columns(xc, x, layout)
+    wc = projections.load_norm_weights(w.reshape((1, features)), layout, spec.norm_unit_offset)
+    dtype = _out_dtype(out_dtype)
+    h = tiles.column_tiles(layout, rows, dtype, "normed", zero=False)
+    projections.rms_norm(h, xc, wc, layout, rows, consts)
+    out = nl.ndarray((rows, features), dtype=dtype, buffer=nl.shared_hbm, name="normed_rows")
+    tiles.store_columns(out, h, layout)
+    return out
+
+
+@nki.jit
+def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_block_bytes=None, ring_bytes=None):
+    """One layer's projection of rows as one kernel.
+
+    Dimensions: R rows (<= 128), K input and N output features, L layers.
+    Args:
+        x: [R, K] rows in HBM, in the weight's dtype.
+        weight: a stacked projection in HBM: dense [L, K, N], or [u [L, K, Rmax], v [L, Rmax, N]] when rank is
+            set (layer `layer` uses the first `rank` columns of u / rows of v).
+        layer, rank: static ints (rank None: dense). out_dtype: "float32", "bfloat16" or "float16".
+        ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        [R, N] in HBM, out_dtype.
+    """
+    rows, k = x.shape
+    weight = as_weight(weight, rank is not None)
+    w = layer_weight(weight, layer)
+    dtype = weight.dtype
+    n = (w if rank is None else w.v).shape[-1]
+    in_layout = tiles.feature_layout(k, tiles.choose_group(k, n if rank is None else rank))
+    out_layout = tiles.feature_layout(n)
+    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
+    xc = tiles.column_tiles(in_layout, rows, dtype, "x", zero=False)
+    tiles.load_columns(xc, x, in_layout)
+    odt = _out_dtype(out_dtype)
+    y = tiles.column_tiles(out_layout, rows, odt, "y", zero=False)
+    projections.projection(xc, in_layout, w, rank, out_layout, rows, ring, projections.copy_into(y))
+    out = nl.ndarray((rows, n), dtype=odt, buffer=nl.shared_hbm, name="projected_rows")
+    tiles.store_columns(out, y, out_layout)
+    return out
+
+
+@nki.jit
+def add_kernel(x, y):
+    """A residual add as one kernel.
+
+    Dimensions: R rows (<= 128), F features.
+    Args:
+        x, y: [R, F] rows in HBM (any float dtypes).
+    Returns:
+        x + y, [R, F] float32 in HBM.
+    """
+    rows, features = x.shape
+    layout = tiles.feature_layout(features)
+    xc = tiles.column_tiles(layout, rows, nl.float32, "x", zero=False)
+    yc = tiles.column_tiles(layout, rows, nl.float32, "y", zero=False)
+    tiles.load_columns(xc, x, layout)
+    tiles.load_columns(yc, y, layout)
+    for s0, count, size in tiles.tile_runs(layout):
+        view = xc[0:size, s0 : s0 + count, 0:rows]
+        nisa.tensor_tensor(dst=view, data1=view, data2=yc[0:size, s0 : s0 + count, 0:rows], op=nl.add)
+    out = nl.ndarray((rows, features), dtype=nl.float32, buffer=nl.shared_hbm, name="sum_rows")
+    tiles.store_columns(out, xc, layout)
+    return out
+
+
+@nki.jit
+def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
+    """The LM head of normed rows as one kernel.
+
+    Dimensions: R rows (<= 128), H, V.
+    Args:
+        h: [R, H] normed rows in HBM, in the head's dtype.
+        head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
+    Returns:
+        logits [R, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
+    """
+    check_spec(spec)
+    rows, features = h.shape
+    head = as_weight(head, spec.head_rank is not None)
+    dtype = head.dtype
+    layout = tiles.feature_layout(
+        features, tiles.head_group(features) if spec.head_rank is None else tiles.choose_group(features, spec.head_rank)
+    )
+    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
+    hc = tiles.column_tiles(layout, rows, dtype, "h", zero=False)
+    tiles.load_columns(hc, h, layout)
+    out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    if spec.head_rank is None:
+        projections.head_projection(hc, layout, head, rows, ring, out, spec.final_logit_softcap)
+    else:
+        rank_layout = tiles.feature_layout(spec.head_rank, tiles.choose_group(spec.head_rank, projections.HEAD_COLUMNS))
+        xu = tiles.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
+        projections.dense_projection(hc, layout, head.u, rank_layout, rows, ring, projections.copy_into(xu))
+        projections.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
+    return out

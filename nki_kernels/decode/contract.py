@@ -1,0 +1,525 @@
+"""The decode step's operand contract, shared by the NKI kernels, the float64 reference, JAX and the benchmark.
+
+A decode step runs every decoder layer on a few new tokens per row and ends with the final norm and the LM head.
+`DecodeSpec` holds what the kernels are specialized on (sizes, the family's norm and attention variants, which
+projections are factored and at what rank per layer); everything that changes per step (tokens, positions, the
+cache) is an operand. Both families fit one spec: Llama has no unit-offset norms, QK-norm, sandwich norms or
+soft-capping; Gemma 3 has all of them and alternates RoPE tables and masks per layer (`layer_rope`,
+`layer_mask` index the step's tables).
+
+`DecodeOperands` names the operands; each field declares its shape (symbolic, and as a function of the spec and
+B, T, S) and dtype once, and `expected_shapes`, `check`, the kernels' argument lists, the JAX pytree and the
+benchmark's placeholders are all derived from those declarations: an added operand is one field here. A factored
+weight is a `Factored(u, v)`; a dense one a single array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from nki_kernels.activations import check_fused_activation
+
+# The projections of one decoder layer, in operand order.
+PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """Sizes and variants of a decode step; hashable (a static kernel argument).
+
+    ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
+    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]).
+    head_rank: None for a dense LM head, else the rank of its factors.
+    mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
+    a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
+    in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
+    kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
+    write_index at run time, so one compiled kernel serves every step.
+    """
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    norm_eps: float
+    norm_unit_offset: bool
+    qk_norm: bool
+    sandwich: bool
+    activation: str
+    query_scaling: float
+    attn_logit_softcap: float | None
+    final_logit_softcap: float | None
+    layer_rope: tuple[int, ...]
+    layer_mask: tuple[int, ...]
+    ranks: tuple[tuple[int, ...] | None, ...] = (None,) * len(PROJECTIONS)
+    head_rank: int | None = None
+    mask_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a positive int")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"DecodeSpec.num_heads: got {self.num_heads}, expected a multiple of num_kv_heads={self.num_kv_heads}"
+            )
+        for name in ("norm_eps", "query_scaling"):
+            value = getattr(self, name)
+            if not _finite_positive(value):
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a finite positive float")
+        check_fused_activation(self.activation, "DecodeSpec.activation")
+        for name in ("layer_rope", "layer_mask"):
+            value = getattr(self, name)
+            if len(value) != self.num_layers or any(not isinstance(i, int) or i < 0 for i in value):
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected {self.num_layers} table indices >= 0")
+        for name in ("attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not _finite_positive(value):
+                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected None or a finite positive float")
+        if len(self.ranks) != len(PROJECTIONS):
+            raise ValueError(
+                f"DecodeSpec.ranks: got {len(self.ranks)} entries, expected one per projection {PROJECTIONS}"
+            )
+        for name, ranks in zip(PROJECTIONS, self.ranks):
+            if ranks is None:
+                continue
+            limit = min(self.in_features(name), self.out_features(name))
+            if len(ranks) != self.num_layers or any(not isinstance(r, int) or not 1 <= r <= limit for r in ranks):
+                raise ValueError(
+                    f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} ranks in [1, {limit}]"
+                )
+        if self.head_rank is not None and not (
+            isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.vocab)
+        ):
+            raise ValueError(
+                f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
+                f"[1, {min(self.hidden, self.vocab)}]"
+            )
+
+        if self.mask_windows and (
+            len(self.mask_windows) != self.num_masks
+            or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)
+        ):
+            raise ValueError(
+                f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
+                f"entries (one per mask table), each None or a window of slots >= 1"
+            )
+
+    @property
+    def num_norms(self) -> int:
+        """Per-layer hidden-size norms: input and post-attention, plus pre/post-feedforward with sandwich."""
+        return 4 if self.sandwich else 2
+
+    @property
+    def num_rope_tables(self) -> int:
+        return max(self.layer_rope) + 1
+
+    @property
+    def num_masks(self) -> int:
+        return max(self.layer_mask) + 1
+
+    def window_slots(self, mask: int, slots: int, tokens: int) -> int:
+        """How many consecutive cache slots (of `slots`) mask table `mask` can make visible to a row's `tokens`
+        queries: all of them without a window, else min(slots, W + tokens - 1)."""
+        window = self.mask_windows[mask] if self.mask_windows else None
+        return slots if window is None else min(slots, window + tokens - 1)
+
+    def in_features(self, projection: str) -> int:
+        """K of a projection's [K, N] weight."""
+        return {
+            "q": self.hidden,
+            "k": self.hidden,
+            "v": self.hidden,
+            "o": self.num_heads * self.head_dim,
+            "gate": self.hidden,
+            "up": self.hidden,
+            "down": self.intermediate,
+        }[projection]
+
+    def out_features(self, projection: str) -> int:
+        """N of a projection's [K, N] weight."""
+        return {
+            "q": self.num_heads * self.head_dim,
+            "k": self.num_kv_heads * self.head_dim,
+            "v": self.num_kv_heads * self.head_dim,
+            "o": self.hidden,
+            "gate": self.intermediate,
+            "up": self.intermediate,
+            "down": self.hidden,
+        }[projection]
+
+    def rank(self, projection: str, layer: int) -> int | None:
+        """The rank of `projection` in `layer`, or None when it is dense."""
+        ranks = self.ranks[PROJECTIONS.index(projection)]
+        return None if ranks is None else ranks[layer]
+
+
+def _finite_positive(value) -> bool:
+    """A real number (not a bool, a string or an array), finite and > 0: NaN would pass a negated "> 0" test."""
+    return (
+        not isinstance(value, bool)
+        and isinstance(value, (int, float, np.integer, np.floating))
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
+# What an operand's dtype must be: the model's (x's), or a fixed one.
+MODEL_DTYPE = "model"
+
+
+def _part(shape, dtype=MODEL_DTYPE):
+    """A Factored field: shape(k, r, n) its per-layer shape for a [K, N] weight at rank r, dtype as _operand's."""
+    return dataclasses.field(default=None, metadata=dict(shape=shape, dtype=dtype))
+
+
+@dataclasses.dataclass(frozen=True)
+class Factored:
+    """A weight stored as factors: x·W = (x·u)·v. Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N]
+    (layer l uses the first spec.ranks[...][l] columns of u / rows of v, the rest zeros); the LM head's are u [H, r]
+    and v [r, V]. Each part declares its shape and dtype (an added part, e.g. a per-channel scale, is one field
+    here); iterating gives the parts present, in order: (u, v)."""
+
+    u: Any = _part(lambda k, r, n: (k, r))
+    v: Any = _part(lambda k, r, n: (r, n))
+
+    def parts(self) -> dict:
+        """{part name: value} of the parts present (not None), in field order."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
+
+    def __iter__(self):
+        return iter(self.parts().values())
+
+    @property
+    def dtype(self):
+        return self.u.dtype
+
+
+def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None):
+    """A DecodeOperands field: `layout` the symbolic shape (for messages and docs), shape(spec, b, t, s) the
+    concrete one, present: the spec's flag that says whether the operand exists (None when it does not),
+    batch_axis: its B axis for an operand with one per row (vmap folds rows into B there)."""
+    return dataclasses.field(
+        default=None,
+        metadata=dict(layout=layout, shape=shape, dtype=dtype, present=present, batch_axis=batch_axis),
+    )
+
+
+def _weight(projection: str):
+    """A DecodeOperands field for a projection's stacked weight (dense [L, K, N] or Factored)."""
+
+    def shape(spec, b, t, s):
+        return spec.in_features(projection), spec.out_features(projection)
+
+    return dataclasses.field(
+        default=None,
+        metadata=dict(layout="[L, K, N] or Factored(u [L, K, Rmax], v [L, Rmax, N])", shape=shape, weight=projection),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOperands:
+    """The operands of one decode step, by name (L = spec.num_layers, B rows of T new tokens, S cache slots).
+
+    x [B, T, H]: the embedded tokens. norms [L, NN, H] (NN = spec.num_norms). qk_norms [L, 2, D] (q_norm, k_norm)
+    or None without spec.qk_norm. q, k, v, o, gate, up, down: a dense [L, K, N] or a Factored (zero padded to its
+    largest per-layer rank). k_cache, v_cache [L, B, S, kv_heads, D]: this step's keys and values are written IN
+    PLACE at slots [write_index, write_index + T). write_index [1, 1] int32. cos, sin [NR, B, T, D] float32:
+    rotate-half tables with duplicated halves (layer l reads table spec.layer_rope[l]). mask_bias [NM, B, T, S]
+    float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with spec.mask_windows the kernels
+    read only the window of slots ending at each query's slot, so the mask must hide every slot outside it).
+    final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]).
+    """
+
+    x: Any = _operand("[B, T, H]", lambda spec, b, t, s: (b, t, spec.hidden), batch_axis=0)
+    norms: Any = _operand("[L, NN, H]", lambda spec, b, t, s: (spec.num_layers, spec.num_norms, spec.hidden))
+    qk_norms: Any = _operand("[L, 2, D]", lambda spec, b, t, s: (spec.num_layers, 2, spec.head_dim), present="qk_norm")
+    q: Any = _weight("q")
+    k: Any = _weight("k")
+    v: Any = _weight("v")
+    o: Any = _weight("o")
+    gate: Any = _weight("gate")
+    up: Any = _weight("up")
+    down: Any = _weight("down")
+    k_cache: Any = _operand(
+        "[L, B, S, kv_heads, D]",
+        lambda spec, b, t, s: (spec.num_layers, b, s, spec.num_kv_heads, spec.head_dim),
+        batch_axis=1,
+    )
+    v_cache: Any = _operand(
+        "[L, B, S, kv_heads, D]",
+        lambda spec, b, t, s: (spec.num_layers, b, s, spec.num_kv_heads, spec.head_dim),
+        batch_axis=1,
+    )
+    write_index: Any = _operand("[1, 1]", lambda spec, b, t, s: (1, 1), np.dtype(np.int32))
+    cos: Any = _operand(
+        "[NR, B, T, D]",
+        lambda spec, b, t, s: (spec.num_rope_tables, b, t, spec.head_dim),
+        np.dtype(np.float32),
+        batch_axis=1,
+    )
+    sin: Any = _operand(
+        "[NR, B, T, D]",
+        lambda spec, b, t, s: (spec.num_rope_tables, b, t, spec.head_dim),
+        np.dtype(np.float32),
+        batch_axis=1,
+    )
+    mask_bias: Any = _operand(
+        "[NM, B, T, S]", lambda spec, b, t, s: (spec.num_masks, b, t, s), np.dtype(np.float32), batch_axis=1
+    )
+    final_norm: Any = _operand("[H]", lambda spec, b, t, s: (spec.hidden,))
+    head: Any = dataclasses.field(
+        default=None,
+        metadata=dict(
+            layout="[H, V] or Factored(u [H, r], v [r, V])",
+            shape=lambda spec, b, t, s: (spec.hidden, spec.vocab),
+            weight="head",
+        ),
+    )
+
+    @classmethod
+    def of(cls, operands) -> DecodeOperands:
+        """`operands` as DecodeOperands: itself, or a sequence in field order (a weight given as a [u, v] pair
+        becomes a Factored; this is also how a kernel's list argument comes back)."""
+        if isinstance(operands, cls):
+            return operands
+        names = operand_fields()
+        operands = list(operands)
+        if len(operands) != len(names):
+            raise ValueError(f"got {len(operands)} operands, expected {len(names)} {names}")
+        values = {}
+        for field, value in zip(dataclasses.fields(cls), operands):
+            if "weight" in field.metadata and isinstance(value, (list, tuple)) and 2 <= len(value) <= _PARTS:
+                value = Factored(*value)
+            values[field.name] = value
+        return cls(**values)
+
+    def kernel_args(self) -> list:
+        """The operands as one NKI kernel argument: a list in field order, each as kernel_arg gives it."""
+        return [kernel_arg(value) for value in self.values()]
+
+    def values(self) -> list:
+        return [getattr(self, name) for name in operand_fields()]
+
+    def named_leaves(self) -> list[tuple[str, Any]]:
+        """(name, array) of every present operand in field order; a Factored gives "name.u" and "name.v"."""
+        leaves = []
+        for name, value in zip(operand_fields(), self.values()):
+            if isinstance(value, Factored):
+                leaves += [(f"{name}.{part}", array) for part, array in value.parts().items()]
+            elif value is not None:
+                leaves.append((name, value))
+        return leaves
+
+    @property
+    def weights(self) -> dict:
+        """{projection: its stacked weight} for the projections of a layer (PROJECTIONS order)."""
+        return {name: getattr(self, name) for name in PROJECTIONS}
+
+    def replace(self, **changes) -> DecodeOperands:
+        return dataclasses.replace(self, **changes)
+
+
+def _factored_parts():
+    return dataclasses.fields(Factored)
+
+
+_PARTS = len(dataclasses.fields(Factored))
+
+
+def operand_fields() -> tuple[str, ...]:
+    """The operands' names in order (DecodeOperands' fields)."""
+    return tuple(field.name for field in dataclasses.fields(DecodeOperands))
+
+
+def batch_axes() -> dict[str, int]:
+    """{operand name: its B axis} of the operands with one entry per row."""
+    return {
+        field.name: field.metadata["batch_axis"]
+        for field in dataclasses.fields(DecodeOperands)
+        if field.metadata.get("batch_axis") is not None
+    }
+
+
+def _factored_in(spec: DecodeSpec, weight: str) -> bool:
+    return (spec.head_rank if weight == "head" else spec.ranks[PROJECTIONS.index(weight)]) is not None
+
+
+def _rank(spec: DecodeSpec, weight: str) -> int:
+    """The rank a factored weight's factors are stacked to (the largest per-layer rank, the head's rank)."""
+    return spec.head_rank if weight == "head" else max(spec.ranks[PROJECTIONS.index(weight)])
+
+
+def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
+    """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
+    per operand, a Factored of two tuples per factored weight (stacked to rank_padding.get(name) when given, else
+    to its largest rank), None where the spec has no such operand."""
+    rank_padding = rank_padding or {}
+    shapes = {}
+    for field in dataclasses.fields(DecodeOperands):
+        meta = field.metadata
+        present = meta.get("present")
+        if present is not None and not getattr(spec, present):
+            shapes[field.name] = None
+            continue
+        shape = meta["shape"](spec, batch, tokens, slots)
+        weight = meta.get("weight")
+        if weight is None:
+            shapes[field.name] = shape
+            continue
+        stacked = () if weight == "head" else (spec.num_layers,)
+        if not _factored_in(spec, weight):
+            shapes[field.name] = stacked + shape
+            continue
+        r = rank_padding.get(field.name, _rank(spec, weight))
+        shapes[field.name] = Factored(
+            **{part.name: stacked + part.metadata["shape"](shape[0], r, shape[1]) for part in _factored_parts()}
+        )
+    return DecodeOperands(**shapes)
+
+
+def expected_dtypes(spec: DecodeSpec, model_dtype) -> DecodeOperands:
+    """DecodeOperands of the dtype each operand (each Factored part) must have, the model's being `model_dtype`;
+    None where the spec has no such operand (the structure of expected_shapes)."""
+    model_dtype = np.dtype(model_dtype)
+
+    def resolve(meta):
+        dtype = meta.get("dtype", MODEL_DTYPE)
+        return model_dtype if dtype == MODEL_DTYPE else np.dtype(dtype)
+
+    dtypes = {}
+    for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, 1).values()):
+        if isinstance(shape, Factored):
+            dtypes[field.name] = Factored(**{part.name: resolve(part.metadata) for part in _factored_parts()})
+        else:
+            dtypes[field.name] = None if shape is None else resolve(field.metadata)
+    return DecodeOperands(**dtypes)
+
+
+def _shape_of(value) -> tuple:
+    return tuple(value.shape)
+
+
+def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False) -> DecodeOperands:
+    """`operands` (DecodeOperands or a sequence in field order) as DecodeOperands, once they follow the contract
+    for `spec`; else a ValueError (shapes, structure) or TypeError (dtypes, the spec) that starts with `where` and
+    names the operand (B, T and S >= 1, S >= T included). padded_ranks: factors may be stacked past their largest
+    rank (the kernels read only each layer's ranks); else exactly to it. Shapes and dtypes only: write_index's value
+    is `check_write_index`'s."""
+    if not isinstance(spec, DecodeSpec):
+        raise TypeError(f"{where}: spec: got {type(spec).__name__}, expected a nki_kernels.decode.DecodeSpec")
+    try:
+        ops = DecodeOperands.of(operands)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from None
+    fields = {field.name: field for field in dataclasses.fields(DecodeOperands)}
+    for name, value in zip(operand_fields(), ops.values()):
+        meta = fields[name].metadata
+        weight = meta.get("weight")
+        present = meta.get("present")
+        if present is not None and (value is None) == getattr(spec, present):
+            raise ValueError(
+                f"{where}: {name}: got None, expected {meta['layout']} since spec.{present} is set"
+                if value is None
+                else f"{where}: {name}: expected None since spec.{present} is False"
+            )
+        if weight is not None and isinstance(value, Factored) != _factored_in(spec, weight):
+            if isinstance(value, Factored):
+                raise ValueError(
+                    f"{where}: {name}: got a factored pair, expected one dense array since the spec gives it no "
+                    f"ranks (the contract: {name} has shape {meta['layout']})"
+                )
+            raise ValueError(
+                f"{where}: {name}: expected a factored pair (u, v) since the spec gives its ranks; got "
+                f"{type(value).__name__}"
+            )
+        if value is None and present is None:
+            raise ValueError(f"{where}: {name}: got None, expected {meta['layout']}")
+        arrays = value.parts().values() if isinstance(value, Factored) else [] if value is None else [value]
+        if any(not (hasattr(a, "shape") and hasattr(a, "dtype")) for a in arrays):
+            raise ValueError(f"{where}: {name}: got {type(value).__name__}, expected arrays of {meta['layout']}")
+    x, cache = ops.x, ops.k_cache
+    for name, value, rank in (("x", x, 3), ("k_cache", cache, 5)):
+        if len(value.shape) != rank:
+            raise ValueError(
+                f"{where}: {name}: got shape {_shape_of(value)}, expected {fields[name].metadata['layout']} "
+                f"(the contract: {name} has shape {fields[name].metadata['layout']})"
+            )
+    for name, size, what in (
+        ("x", x.shape[0], "B (rows)"),
+        ("x", x.shape[1], "T (tokens)"),
+        ("k_cache", cache.shape[2], "S (slots)"),
+    ):
+        if size < 1:
+            value = getattr(ops, name)
+            raise ValueError(f"{where}: {name}: got shape {_shape_of(value)} with {what} = {size}, expected >= 1")
+    if cache.shape[2] < x.shape[1]:
+        raise ValueError(
+            f"{where}: k_cache: got {cache.shape[2]} slots, expected at least T = {x.shape[1]} (this step's tokens)"
+        )
+    padding = {}
+    if padded_ranks:
+        for name, value in zip(operand_fields(), ops.values()):
+            weight = fields[name].metadata.get("weight")
+            if isinstance(value, Factored) and value.u.shape[-1] >= _rank(spec, weight):
+                padding[name] = value.u.shape[-1]
+    want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2], padding)
+    model = np.dtype(x.dtype)
+    if model not in (np.float16, np.float32, np.float64) and model.name != "bfloat16":
+        raise TypeError(f"{where}: x: got dtype {model.name}, expected a float dtype (the model's)")
+    wanted = dict(want.named_leaves())
+    dtypes = dict(expected_dtypes(spec, model).named_leaves())
+    parts = {part.name: part for part in _factored_parts()}
+    for name, value in ops.named_leaves():
+        field_name, _, part = name.partition(".")
+        field = fields[field_name]
+        rule = (parts[part] if part else field).metadata.get("dtype", MODEL_DTYPE)
+        if _shape_of(value) != wanted[name]:
+            raise ValueError(
+                f"{where}: {name}: got shape {_shape_of(value)}, expected {wanted[name]} (from the spec and "
+                f"x [B, T, H] = {_shape_of(x)}, k_cache slots S = {cache.shape[2]}; the contract: "
+                f"{field.name} has shape {field.metadata['layout']})"
+            )
+        if np.dtype(value.dtype) != dtypes[name]:
+            raise TypeError(
+                f"{where}: {name}: got dtype {np.dtype(value.dtype).name}, expected {dtypes[name].name}"
+                + (" (x's dtype)" if rule == MODEL_DTYPE else "")
+            )
+    return ops
+
+
+def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> None:
+    """A ValueError starting with `where` and naming write_index unless a step's T = `tokens` tokens fit the
+    S = `slots` cache slots at write_index (0 <= write_index <= S - T). write_index: its concrete value (the [1, 1]
+    operand, or a scalar). `check` sees shapes only, so callers holding the value call this before a launch: an
+    index out of range would otherwise write other slots (XLA clamps) or fault in the kernel's DMA."""
+    index = int(np.asarray(write_index).reshape(-1)[0])
+    if not 0 <= index <= slots - tokens:
+        raise ValueError(
+            f"{where}: write_index: got {index}, expected 0 <= write_index <= S - T = {slots - tokens} (the step "
+            f"writes its T = {tokens} tokens at cache slots [write_index, write_index + T) of S = {slots})"
+        )
+
+
+def kernel_arg(value):
+    """An operand as an NKI kernel argument (tensors, or lists of them): a Factored as the list of its parts."""
+    return list(value) if isinstance(value, Factored) else value
+
+
+def as_weight(value, factored: bool):
+    """A kernel's weight argument as the contract's weight: a Factored from its [u, v] list when `factored` (the
+    spec says so), else the dense array itself."""
+    return Factored(*value) if factored and not isinstance(value, Factored) else value
+
+
+def layer_weight(weight, layer: int):
+    """Layer `layer` of a stacked weight: [K, N], or a Factored of u [K, Rmax] and v [Rmax, N]."""
+    return Factored(weight.u[layer], weight.v[layer]) if isinstance(weight, Factored) else weight[layer]

@@ -1,0 +1,298 @@
+"""The decode kernels' dense math on column tiles (nki_kernels.decode.tiles): RMSNorm, projections of dense and
+factored weights, the gated MLP and the LM head (plain functions called inside @nki.jit kernels).
+
+Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column tiles MOVING ([≤128 of K, R]), so
+PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `ring.WeightRing` filled round robin
+by a cursor that never resets, so the next blocks (of this layer or the next one) load while the current ones are
+multiplied: with a list-scheduled DMA model a load waits only for the matmuls that read the bytes it overwrites
+(prefetch depth = the ring's size). Matmul operands are in the model dtype; PSUM, norms and the residual stream
+are float32.
+"""
+
+from __future__ import annotations
+
+from nki_kernels.binding import nisa, nl
+from nki_kernels.decode.tiles import (
+    choose_group,
+    column_tiles,
+    feature_layout,
+    fp32_per_psum_bank,
+    layout_blocks,
+    load_columns,
+    padded_rows,
+    tile_runs,
+)
+from nki_kernels.svd_matmul import spans
+
+# PSUM banks a projection's accumulators may use at once (of 8): the rest is for the norm, attention, the head.
+PROJECTION_PSUM_BANKS = 4
+# Logits columns one LM-head PSUM chunk accumulates: 4 banks of float32.
+HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
+# Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
+# block allows and the range's blocks fit a third of the ring (see head_projection).
+HEAD_RUN_COLUMNS = 4096
+
+
+def load_norm_weights(norms_hbm, layout, unit_offset):
+    """norms_hbm [NN, F] (HBM) as float32 column tiles [128, tiles, NN] (+1 with unit_offset); zero padding."""
+    count = norms_hbm.shape[0]
+    w = column_tiles(layout, count, nl.float32, "norm_weights")
+    load_columns(w, norms_hbm, layout)
+    if unit_offset:
+        for s0, n, size in tile_runs(layout):
+            nisa.tensor_scalar(
+                dst=w[0:size, s0 : s0 + n, 0:count], data=w[0:size, s0 : s0 + n, 0:count], op0=nl.add, operand0=1.0
+            )
+    return w
+
+
+class NormConstants:
+    """What every RMSNorm reuses: a ones [128, 128] float32 stationary (cross-partition sums) and eps as a
+    [128, 1] bias vector (trn1's ScalarE takes no scalar bias)."""
+
+    def __init__(self, eps):
+        pmax = nl.tile_size.pmax
+        self.ones = nl.ndarray((pmax, pmax), dtype=nl.float32, buffer=nl.sbuf, name="ones")
+        nisa.memset(dst=self.ones, value=1.0)
+        self.eps = nl.ndarray((pmax, 1), dtype=nl.float32, buffer=nl.sbuf, name="norm_eps")
+        nisa.memset(dst=self.eps, value=float(eps))
+
+
+def rms_norm(dst, x, weight, layout, rows, consts, features=None):
+    """dst = x·rsqrt(mean(x²) + eps)·weight over the features of `layout`, per row.
+
+    x: float32 column tiles with zero padding; weight: [128, tiles, 1] float32 (already 1 + w for unit-offset
+    norms); dst: column tiles in any dtype (a matmul operand in the model dtype, or float32).
+    Sum of squares: squares summed over the tiles on VectorE, then over partitions by a ones matmul, which leaves
+    the total on every partition (no broadcast needed).
+    """
+    pmax = nl.tile_size.pmax
+    tiles = len(layout)
+    features = sum(size for size, _ in layout) if features is None else features
+    squares = nl.ndarray((pmax, rows, tiles), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
+    x_by_row = x[:, :, 0:rows].permute((0, 2, 1))
+    nisa.tensor_tensor(dst=squares, data1=x_by_row, data2=x_by_row, op=nl.multiply)
+    partial = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_partial")
+    nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
+    total = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.psum, name="norm_total")
+    nisa.nc_matmul(dst=total, stationary=consts.ones, moving=partial, accumulate=False)
+    rstd = nl.ndarray((pmax, 1, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_rstd")
+    nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
+    scaled = nl.ndarray((pmax, tiles, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
+    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, tiles), op=nl.multiply)
+    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
+
+
+def _column_chunks(out_layout, per_block, block_elements, rows):
+    """Output blocks grouped into chunks of consecutive features whose weight block (per_block rows per partition
+    × chunk width) fits a ring block and whose accumulators fit PROJECTION_PSUM_BANKS:
+    [(n0, width, first tile, tiles)]."""
+    max_slots = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))
+    chunks = []
+    for k0, ks, s0, count, _ in layout_blocks(out_layout):
+        if (
+            chunks
+            and chunks[-1][0] + chunks[-1][1] == k0
+            and (chunks[-1][1] + ks) * per_block <= block_elements
+            and chunks[-1][3] + count <= max_slots
+        ):
+            chunks[-1][1] += ks
+            chunks[-1][3] += count
+        else:
+            chunks.append([k0, ks, s0, count])
+    return [tuple(c) for c in chunks]
+
+
+def rows_per_block(in_count_max, n, block_elements):
+    """Weight rows per partition in one ring block of a projection with N = n columns: an input layout block's
+    rows where they fit a ring block at the full width, else as many whole rows as a block holds (at least one). Whole
+    rows are one contiguous run per partition; cutting the columns instead leaves runs of the chunk's width
+    (e.g. a factored gate's u [4096, 2560] in 8-row blocks: 2048 + 512 columns, the 1 KiB runs at 42% of the DMA
+    rate)."""
+    if n * in_count_max <= block_elements:
+        return in_count_max
+    return max(1, min(in_count_max, block_elements // n))
+
+
+def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
+    """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
+
+    x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
+    chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit a
+    ring block at the full width; each block's tiles feed every output tile of the chunk. evict(psum, s0, count, size)
+    is called once per run of equal-size output tiles with the float32 accumulators psum [size, count, rows]
+    (tiles s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
+    """
+    pmax = nl.tile_size.pmax
+    k, n = w.shape
+    in_blocks = layout_blocks(in_layout)
+    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.block_elements)
+    rows_pad = padded_rows(rows)
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.block_elements, rows):
+        acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
+        for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+            view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
+            for i0, ic in spans(count, per_block):
+                block = ring.load(view if ic == count else view[:, i0 : i0 + ic, :], partitions, ic, width)
+                for j in range(out_count):
+                    size, feats = out_layout[out_s0 + j]
+                    columns = slice(feats.start - n0, feats.stop - n0, feats.step)
+                    for i in range(ic):
+                        nisa.nc_matmul(
+                            dst=acc[0:size, j, 0:rows],
+                            stationary=block[0:partitions, i, columns],
+                            moving=x[0:partitions, s0 + i0 + i, 0:rows],
+                            accumulate=b > 0 or i0 + i > 0,
+                        )
+                del block
+        for s0, count, size in tile_runs(out_layout, out_s0, out_s0 + out_count):
+            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size)
+        del acc
+
+
+def copy_into(dst, op=None):
+    """An evict for `dense_projection`: dst[tiles] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+
+    def evict(psum, s0, count, size):
+        view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
+        if op is None:
+            nisa.tensor_copy(dst=view, src=psum)
+        else:
+            nisa.activation(dst=view, op=op, data=psum)
+
+    return evict
+
+
+def add_into(dst):
+    """An evict for `dense_projection`: dst[tiles] += psum (the residual add, float32)."""
+
+    def evict(psum, s0, count, size):
+        view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
+        nisa.tensor_tensor(dst=view, data1=view, data2=psum, op=nl.add)
+
+    return evict
+
+
+def multiply_into(dst, other):
+    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum (the gated MLP's act(gate)·up)."""
+
+    def evict(psum, s0, count, size):
+        rows = psum.shape[2]
+        nisa.tensor_tensor(
+            dst=dst[0:size, s0 : s0 + count, 0:rows],
+            data1=other[0:size, s0 : s0 + count, 0:rows],
+            data2=psum,
+            op=nl.multiply,
+        )
+
+    return evict
+
+
+def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict):
+    """`dense_projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
+    of one layer): stage 1 leaves (x·u)ᵀ in SBUF as column tiles over the rank (rank on the partitions, grouped
+    for v's rows), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
+    if rank is None:
+        dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
+        return
+    u, v = weight
+    rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
+    xu = column_tiles(rank_layout, rows, u.dtype, "xuT", zero=False)
+    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
+    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
+
+
+def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
+    """down(act(h·gate) * (h·up)) with h column tiles of hidden_layout (model dtype); ranks (gate, up, down),
+    None where dense. act(gate) is applied by ScalarE evicting PSUM; VectorE multiplies by up straight from
+    PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `dense_projection`'s,
+    for the down projection's output (hidden features in hidden_layout)."""
+    act = column_tiles(inter_layout, rows, nl.float32, "mlp_act", zero=False)
+    projection(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op))
+    hidden = column_tiles(inter_layout, rows, h.dtype, "mlp_hidden", zero=False)
+    projection(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act))
+    del act
+    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
+
+
+def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
+    """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
+
+    x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
+    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
+    through the ring column range by column range. A range at most HEAD_COLUMNS wide is one PSUM chunk: each of its
+    blocks is multiplied as soon as it loads and is then free, so only the ring's prefetch is in flight, whatever
+    the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16 weight row per DMA, where a ring
+    block allows) spans several PSUM chunks that each accumulate over all its blocks, so they stay live together:
+    it is used only where they take at most a third of the ring (the rest prefetches the next ranges), else ranges
+    are HEAD_COLUMNS wide.
+    """
+    k, v = w.shape
+    in_blocks = layout_blocks(layout)
+    in_count_max = max(count for _, _, _, count, _ in in_blocks)
+    moving = nl.tile_size.gemm_moving_fmax
+    columns = min(HEAD_RUN_COLUMNS, ring.block_elements // in_count_max)
+    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
+        # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
+        columns = min(HEAD_COLUMNS, ring.block_elements // in_count_max)
+    if columns >= moving:
+        columns -= columns % moving  # whole moving tiles per block
+    columns = max(1, columns)
+
+    def load(v0, vc, k0, ks, count, partitions):
+        return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+
+    def multiply(acc, block, b, s0, count, partitions, c0, cw):
+        for i in range(count):
+            for m0, ms in spans(cw, moving):
+                nisa.nc_matmul(
+                    dst=acc[0:rows, m0 : m0 + ms],
+                    stationary=x[0:partitions, s0 + i, 0:rows],
+                    moving=block[0:partitions, i, c0 + m0 : c0 + m0 + ms],
+                    accumulate=b > 0 or i > 0,
+                )
+
+    for v0, vc in spans(v, columns):
+        if vc <= HEAD_COLUMNS:
+            acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+                block = load(v0, vc, k0, ks, count, partitions)
+                multiply(acc, block, b, s0, count, partitions, 0, vc)
+                del block
+            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap)
+            continue
+        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
+        for c0, cw in spans(vc, HEAD_COLUMNS):
+            acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
+                multiply(acc, block, b, s0, count, partitions, c0, cw)
+            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap)
+        del blocks
+
+
+def _store_logits(acc, out, softcap):
+    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM), soft-capped when softcap is set."""
+    logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+    if softcap is None:
+        nisa.tensor_copy(dst=logits, src=acc)
+    else:
+        nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
+        nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
+    nisa.dma_copy(dst=out, src=logits)
+
+
+def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):
+    """Final norm of the hidden state x (float32 column tiles) and the LM head into out_rows [R, V] (HBM,
+    float32): dense head [H, V], or factors [u [H, r], v [r, V]] (stage 1 as a projection, stage 2 as the
+    dense head from the on-chip (x·u)ᵀ)."""
+    dtype = head.dtype
+    h = column_tiles(layout, rows, dtype, "final_normed", zero=False)
+    rms_norm(h, x, final_norm_w, layout, rows, consts)
+    if head_rank is None:
+        head_projection(h, layout, head, rows, ring, out_rows, softcap)
+        return
+    u, v = head
+    rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
+    xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
+    dense_projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
+    head_projection(xu, rank_layout, v[0:head_rank, :], rows, ring, out_rows, softcap)

@@ -1,0 +1,57 @@
+"""The weight ring: a preallocated SBUF ring that the decode kernels' weight blocks stream through."""
+
+from __future__ import annotations
+
+from nki_kernels.binding import nisa, nl
+from nki_kernels.svd_matmul import spans
+
+# Largest weight block per partition, and the SBUF left beside the ring (activations, attention's tiles).
+RING_BLOCK_BYTES = 32 * 1024
+SBUF_RESERVED_BYTES = 64 * 1024
+# Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
+# engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
+# transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
+WEIGHT_DMA_PARTITIONS = 32
+
+
+class WeightRing:
+    """A preallocated SBUF ring of `ring_bytes` per partition that weight blocks (at most `block_bytes` per
+    partition each) are loaded into one after another, round robin: a block takes the next free stretch, starting
+    over at the front when the rest of the ring is too short. The cursor never resets, so it carries across
+    layers and into the head: a load waits only for the matmuls that read the bytes it overwrites, i.e. the
+    ring's whole size is prefetch, however small the blocks (a ring of fixed-size slots would hold as few small
+    blocks as large ones).
+    """
+
+    def __init__(self, dtype, block_bytes=None, ring_bytes=None, beside_bytes=0):
+        """beside_bytes: SBUF per partition that other tiles hold beside SBUF_RESERVED_BYTES while the ring is in
+        use (attention's cache tiles); the default ring takes the rest."""
+        block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
+        if ring_bytes is None:
+            ring_bytes = nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVED_BYTES - beside_bytes
+        if not 0 < block_bytes <= ring_bytes:
+            raise ValueError(
+                f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
+                f"0 < block_bytes <= ring_bytes"
+            )
+        self.block_elements = block_bytes // dtype.itemsize  # the largest block, per partition
+        self.ring_elements = ring_bytes // dtype.itemsize
+        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf, name="weight_ring")
+        self.cursor = 0
+
+    def load(self, src, partitions, per_partition, columns):
+        """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
+        (same shape)."""
+        size = per_partition * columns
+        if size > self.block_elements:
+            raise ValueError(
+                f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
+                f"{self.block_elements}-element block limit"
+            )
+        if self.cursor + size > self.ring_elements:
+            self.cursor = 0
+        block = self.ring[0:partitions, self.cursor : self.cursor + size].reshape((partitions, per_partition, columns))
+        self.cursor += size
+        for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
+            nisa.dma_copy(dst=block[p0 : p0 + ps], src=src[p0 : p0 + ps])
+        return block
