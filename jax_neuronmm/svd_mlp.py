@@ -184,7 +184,7 @@ def _run(plan, x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_b
     return xp.stack(ys).reshape(out_shape).astype(out_dtype)
 
 
-def factor_rule(n_batch, x_ndim):
+def factor_rule(n_batch, x_ndim, n_operands=7):
     """x [*B, *T, h], gate_u [*B, h, rg], gate_v [*B, rg, i], up_u [*B, h, ru], up_v [*B, ru, i],
     down_u [*B, i, rd], down_v [*B, rd, o] -> [*B, *T, o]: i and rd summed (Megatron), h, rg, ru never split
     (they feed the activation)."""

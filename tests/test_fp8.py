@@ -1,0 +1,215 @@
+"""fp8 e4m3 weights with fp32 scales: the format (compress.quantize_fp8) and svd_matmul with scaled fp8 factors
+on the XLA reference lowering, against float64 numpy on the dequantized weights."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+
+import jax_neuronmm as jn
+from jax_neuronmm.compress import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
+
+
+def wide_columns(rng, k, n, low=-3.0, high=3.0):
+    """w [k, n] whose column magnitudes span 10**low .. 10**high (scales spanning orders of magnitude)."""
+    return rng.standard_normal((k, n)) * np.logspace(low, high, n)[None, :] / np.sqrt(k)
+
+
+def fp8_factors(rng, tokens, k, r, n, dtype=np.float32):
+    """x, (uq, us), (vq, vs) and the dequantized u, v in float64; x·u·v stays O(1)."""
+    x = rng.standard_normal(tokens + (k,)).astype(dtype)
+    u = wide_columns(rng, k, r)
+    v = wide_columns(rng, r, n) / np.logspace(-3.0, 3.0, r)[:, None]  # undo u's column spread
+    (uq, us), (vq, vs) = quantize_fp8(u), quantize_fp8(v)
+    u64 = np.asarray(uq, np.float64) * np.asarray(us, np.float64)[None, :]
+    v64 = np.asarray(vq, np.float64) * np.asarray(vs, np.float64)[None, :]
+    return x, (uq, us), (vq, vs), u64, v64
+
+
+def rel_err(got, want):
+    got = np.asarray(got, np.float64)
+    return np.linalg.norm(got - want) / max(np.linalg.norm(want), 1e-300)
+
+
+# --- the format -----------------------------------------------------------------------------------------------
+
+
+def test_quantize_fp8_rounds_to_nearest_within_240(rng):
+    w = wide_columns(rng, 200, 130, -6, 4)
+    w[:, 3] = 0.0  # an all-zero channel
+    values, scale = quantize_fp8(w)
+    assert values.dtype == FP8_DTYPE and values.shape == w.shape
+    assert scale.dtype == np.float32 and scale.shape == (130,)
+    q = np.asarray(values, np.float64)
+    assert np.abs(q).max() == FP8_MAX  # each channel's largest magnitude lands on ±240
+    assert np.all(np.abs(q).max(axis=0)[np.arange(130) != 3] == FP8_MAX)
+    assert scale[3] == 1.0 and np.all(q[:, 3] == 0)
+    s = np.asarray(scale, np.float64)
+    np.testing.assert_allclose(s, np.abs(w).max(axis=0).clip(min=1e-300) / FP8_MAX * (s != 1) + (s == 1), rtol=1e-6)
+    # Round to nearest: e4m3 has 3 mantissa bits, so the error is at most half a step (2^-4 relative) above
+    # the subnormal range (steps of 2^-9).
+    exact = w / s[None, :]
+    assert np.all(np.abs(exact - q) <= np.maximum(np.abs(q) * 2.0**-4, 2.0**-10) * (1 + 1e-6))
+    # Bits are Trainium's e4m3 (IEEE-style, max 240): reinterpreting gives the same values.
+    same = np.asarray(values).view(ml_dtypes.float8_e4m3).astype(np.float64)
+    np.testing.assert_array_equal(same, q)
+
+
+def test_quantize_fp8_row_channels_and_stacks(rng):
+    w = rng.standard_normal((3, 40, 7)) * np.logspace(-2, 2, 40)[None, :, None]
+    values, scale = quantize_fp8(w, axis=-2)  # one scale per row
+    assert scale.shape == (3, 40)
+    np.testing.assert_allclose(np.abs(np.asarray(values, np.float64)).max(axis=-1), FP8_MAX)
+    back = np.asarray(dequantize_fp8(values, scale, axis=-2), np.float64)
+    # Half a step of the top binade [128, 240] (steps of 16) is 8 / 240 of the channel maximum.
+    assert np.all(np.abs(back - w) <= np.abs(w).max(axis=-1, keepdims=True) / 30 * (1 + 1e-6))
+
+
+def test_quantize_fp8_errors():
+    with pytest.raises(ValueError, match="quantize_fp8: w must have at least 2 dims"):
+        quantize_fp8(np.ones(3))
+    with pytest.raises(ValueError, match="quantize_fp8: axis=0"):
+        quantize_fp8(np.ones((3, 4, 5)), axis=0)
+    with pytest.raises(TypeError, match="quantize_fp8: w has dtype int32"):
+        quantize_fp8(np.ones((3, 4), np.int32))
+    with pytest.raises(ValueError, match=r"dequantize_fp8: scale has shape \(3,\); expected \(4,\)"):
+        dequantize_fp8(np.ones((3, 4), FP8_DTYPE), np.ones(3, np.float32))
+
+
+# --- svd_matmul with fp8 factors, XLA lowering -------------------------------------------------------------
+
+SHAPES = [  # (token dims, K, r, N)
+    ((1,), 100, 1, 1000),
+    ((7,), 200, 130, 1000),
+    ((130,), 100, 130, 37),
+    ((2, 3), 200, 1, 5),
+    ((0,), 5, 3, 7),
+]
+
+
+def scaled(x, uq, us, vq, vs, **kwargs):
+    return jn.svd_matmul(x, uq, vq, u_scale=us, v_scale=vs, **kwargs)
+
+
+@pytest.mark.parametrize("tokens,k,r,n", SHAPES)
+def test_float32_activations_match_float64(rng, tokens, k, r, n):
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, tokens, k, r, n)
+    y = jax.jit(scaled)(x, uq, us, vq, vs)
+    assert y.shape == tokens + (n,) and y.dtype == jnp.float32
+    want = x.astype(np.float64) @ u64 @ v64
+    if want.size:
+        assert np.abs(want).max() > 0.1
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-5, atol=2e-5 * np.abs(want).max(initial=0))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("tokens,k,r,n", SHAPES[:3])
+def test_low_precision_activations_within_rounding(rng, dtype, tokens, k, r, n):
+    """bf16 / fp16 x: the scaled rank-r intermediate and the output are rounded to x's dtype (as in the kernels)."""
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, tokens, k, r, n, dtype)
+    y = jax.jit(scaled)(x, uq, us, vq, vs)
+    assert y.dtype == dtype
+    assert rel_err(y, np.asarray(x, np.float64) @ u64 @ v64) <= 1e-2
+
+
+def test_reference_rounds_like_the_kernels(rng):
+    """The XLA lowering = float32 sums, scaled, rounded to x's dtype at the intermediate and at the output."""
+    x, (uq, us), (vq, vs), _, _ = fp8_factors(rng, (7,), 200, 130, 1000, ml_dtypes.bfloat16)
+    f32 = [np.asarray(a, np.float32) for a in (x, uq, us, vq, vs)]
+    xu = ((f32[0] @ f32[1]) * f32[2]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    want = ((xu @ f32[3]) * f32[4]).astype(ml_dtypes.bfloat16).astype(np.float32)
+    got = np.asarray(scaled(x, uq, us, vq, vs), np.float32)
+    ulp = np.abs(want) * 2.0**-7
+    assert np.all(np.abs(got - want) <= ulp + 1e-30)
+
+
+def test_preferred_element_type(rng):
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, (9,), 100, 13, 17, ml_dtypes.bfloat16)
+    y = scaled(x, uq, us, vq, vs, preferred_element_type=jnp.float32)
+    assert y.dtype == jnp.float32
+    assert rel_err(y, np.asarray(x, np.float64) @ u64 @ v64) <= 1e-2
+
+
+def test_gradients_in_x(rng, x64):
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, (7,), 100, 13, 30, np.float64)
+    f = jax.jit(lambda x: scaled(x, uq, us, vq, vs))
+    check_grads(f, (x,), order=2, modes=["fwd", "rev"])
+    ct = rng.standard_normal((7, 30))
+    (got,) = jax.vjp(f, x)[1](ct)
+    np.testing.assert_allclose(got, ct @ v64.T @ u64.T, rtol=1e-6, atol=1e-9)
+
+
+def test_gradients_in_x_float32(rng):
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, (3, 4), 200, 1, 50)
+    ct = rng.standard_normal((3, 4, 50)).astype(np.float32)
+    (got,) = jax.vjp(lambda x: scaled(x, uq, us, vq, vs), x)[1](ct)
+    np.testing.assert_allclose(got, ct.astype(np.float64) @ v64.T @ u64.T, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("argnum,name", [(1, "u"), (2, "u_scale"), (3, "v"), (4, "v_scale")])
+def test_weights_are_not_differentiable(rng, argnum, name):
+    args = (rng.standard_normal((3, 10)).astype(np.float32), *quantize_fp8(rng.standard_normal((10, 4))))
+    args = args + quantize_fp8(rng.standard_normal((4, 6)))
+    with pytest.raises(TypeError, match=f"svd_matmul: cannot differentiate with respect to {name}: fp8"):
+        jax.jvp(
+            lambda a: scaled(*args[:argnum], a, *args[argnum + 1 :]),
+            (args[argnum],),
+            (jnp.ones_like(args[argnum], dtype=jnp.float32 if argnum % 2 == 0 else args[argnum].dtype),),
+        )
+
+
+@pytest.mark.parametrize("batched", [(0,), (1,), (2,), (3,), (4,), (0, 1, 2, 3, 4), (1, 4)])
+def test_vmap_over_each_argument(rng, batched):
+    b = 3
+    per = [fp8_factors(rng, (5,), 30, 4, 20) for _ in range(b)]
+    stacked = [
+        np.stack([p[0] for p in per]),
+        np.stack([p[1][0] for p in per]),
+        np.stack([p[1][1] for p in per]),
+        np.stack([p[2][0] for p in per]),
+        np.stack([p[2][1] for p in per]),
+    ]
+    first = [per[0][0], per[0][1][0], per[0][1][1], per[0][2][0], per[0][2][1]]
+    args = [stacked[i] if i in batched else first[i] for i in range(5)]
+    axes = [0 if i in batched else None for i in range(5)]
+    y = jax.jit(jax.vmap(scaled, in_axes=axes))(*args)
+    for j in range(b):
+        x, uq, us, vq, vs = (a[j] if i in batched else a for i, a in enumerate(args))
+        want = np.asarray(x, np.float64) @ (np.asarray(uq, np.float64) * np.asarray(us, np.float64))
+        want = want @ (np.asarray(vq, np.float64) * np.asarray(vs, np.float64))
+        np.testing.assert_allclose(np.asarray(y[j], np.float64), want, rtol=2e-5, atol=2e-5)
+
+
+def test_vmap_then_grad(rng):
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, (4, 5), 30, 4, 20)
+    g = jax.vmap(jax.grad(lambda x: scaled(x, uq, us, vq, vs).sum()))(x)
+    np.testing.assert_allclose(g, np.broadcast_to((u64 @ v64).sum(1), x.shape), rtol=1e-4, atol=1e-5)
+
+
+def test_export_round_trip(rng):
+    x, (uq, us), (vq, vs), _, _ = fp8_factors(rng, (7,), 100, 13, 37, ml_dtypes.bfloat16)
+    exported = jax.export.export(jax.jit(scaled))(x, uq, us, vq, vs)
+    restored = jax.export.deserialize(exported.serialize())
+    np.testing.assert_array_equal(restored.call(x, uq, us, vq, vs), scaled(x, uq, us, vq, vs))
+
+
+def test_errors(rng):
+    x = rng.standard_normal((3, 10)).astype(np.float32)
+    uq, us = quantize_fp8(rng.standard_normal((10, 4)))
+    vq, vs = quantize_fp8(rng.standard_normal((4, 6)))
+    with pytest.raises(TypeError, match="svd_matmul: u and v are float8_e4m3fn; v_scale .* must be given"):
+        jn.svd_matmul(x, uq, vq, u_scale=us)
+    with pytest.raises(TypeError, match="svd_matmul: u and v are float8_e4m3fn; u_scale and v_scale"):
+        jn.svd_matmul(x, uq, vq)
+    with pytest.raises(TypeError, match="fp8 factors come in pairs"):
+        jn.svd_matmul(x, uq, np.asarray(vq, np.float32), u_scale=us, v_scale=vs)
+    with pytest.raises(TypeError, match="u_scale and v_scale given with u=float32, v=float32; scales go with"):
+        jn.svd_matmul(x, np.ones((10, 4), np.float32), np.ones((4, 6), np.float32), u_scale=us, v_scale=vs)
+    with pytest.raises(ValueError, match=r"svd_matmul: v_scale has shape \(4,\); expected \(6,\)"):
+        jn.svd_matmul(x, uq, vq, u_scale=us, v_scale=us)
+    with pytest.raises(TypeError, match="svd_matmul: u_scale has dtype bfloat16; expected float32"):
+        jn.svd_matmul(x, uq, vq, u_scale=us.astype(jnp.bfloat16), v_scale=vs)
+    with pytest.raises(TypeError, match="svd_matmul: x has dtype int32"):
+        jn.svd_matmul(x.astype(np.int32), uq, vq, u_scale=us, v_scale=vs)
