@@ -20,7 +20,7 @@ import numpy as np
 
 from jax_neuronmm import explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
-from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
+from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, fp8_weight_dtype, kernel_fp8, split_leading
 from jax_neuronmm.reference import batched_dot, swap_last, token_contract
 from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.sharding import FactorRule, check_varying_axes, leading_factors, match_varying_axes
@@ -239,17 +239,19 @@ def svd_matmul_ref(x, u, v, u_scale=None, v_scale=None, *, n_batch=0, precision=
     return (y * per_column(v_scale, y, n_batch).astype(acc)).astype(out_dtype)
 
 
-def _plan(x, u, v, *, target, n_batch, **unused_params):
+def _plan(x, u, v, *scales, target, n_batch, **unused_params):
     """(kernel, block kwargs) for one launch per batch element, or None when the result is empty."""
     _, _, _, t = split_leading(x, n_batch, 1)
     k, r, n = x.shape[-1], u.shape[-1], v.shape[-1]
+    weight_dtype = fp8_weight_dtype("svd_matmul", x.dtype) if scales else None
     if 0 in (t, k, r, n):
         return None
-    return dispatch.svd_matmul_plan(t, k, r, n, x.dtype, target)
+    return dispatch.svd_matmul_plan(t, k, r, n, x.dtype, target, weight_dtype=weight_dtype)
 
 
-def _run(plan, x, u, v, *, n_batch, precision, out_dtype):
-    """(x·u)·v through the fused kernel: x [*B, *T, K], u [*B, K, r], v [*B, r, N] -> [*B, *T, N]."""
+def _run(plan, x, u, v, *scales, n_batch, precision, out_dtype):
+    """(x·u)·v through the fused kernel: x [*B, *T, K], u [*B, K, r], v [*B, r, N] (, u_scale [*B, r],
+    v_scale [*B, N] with fp8 factors) -> [*B, *T, N]."""
     del precision  # the kernels always accumulate in fp32 PSUM
     xp = array_namespace(x)
     batch, tokens, n_flat, t = split_leading(x, n_batch, 1)
@@ -258,8 +260,11 @@ def _run(plan, x, u, v, *, n_batch, precision, out_dtype):
     if plan is None:
         return xp.zeros(out_shape, out_dtype)
     kernel, blocks = plan
+    if scales:
+        u, v = kernel_fp8(u), kernel_fp8(v)
     xs, us, vs = x.reshape(n_flat, t, k), u.reshape(n_flat, k, r), v.reshape(n_flat, r, n)
-    ys = [kernel(xs[b], us[b], vs[b], **blocks) for b in range(n_flat)]
+    flat_scales = [s.reshape(n_flat, s.shape[-1]) for s in scales]
+    ys = [kernel(xs[b], us[b], vs[b], *(s[b] for s in flat_scales), **blocks) for b in range(n_flat)]
     return xp.stack(ys).reshape(out_shape).astype(out_dtype)
 
 
