@@ -213,3 +213,102 @@ def test_errors(rng):
         jn.svd_matmul(x, uq, vq, u_scale=us.astype(jnp.bfloat16), v_scale=vs)
     with pytest.raises(TypeError, match="svd_matmul: x has dtype int32"):
         jn.svd_matmul(x.astype(np.int32), uq, vq, u_scale=us, v_scale=vs)
+
+
+def test_emulator_backend_equals_xla(rng):
+    """The kernels on the emulator compute what the XLA lowering computes (float32 sums, the same roundings)."""
+    x, (uq, us), (vq, vs), u64, v64 = fp8_factors(rng, (2, 65), 200, 130, 1000, ml_dtypes.bfloat16)
+    f = jax.jit(scaled)
+    want = np.asarray(f(x, uq, us, vq, vs), np.float32)
+    with jn.use_backend("emulator"):
+        got = np.asarray(f(x, uq, us, vq, vs), np.float32)
+        grad = jax.grad(lambda x: scaled(x, uq, us, vq, vs).astype(jnp.float32).sum())(x)
+    np.testing.assert_allclose(got, want, rtol=2**-7, atol=1e-6 * np.abs(want).max())
+    assert rel_err(got, np.asarray(x, np.float64) @ u64 @ v64) <= 1e-2
+    want_grad = np.broadcast_to((u64 @ v64).sum(axis=1), x.shape)
+    assert rel_err(grad, want_grad) <= 1e-2
+
+
+def test_emulator_backend_needs_2_byte_activations(rng):
+    x, (uq, us), (vq, vs), _, _ = fp8_factors(rng, (3,), 20, 4, 6)
+    with jn.use_backend("emulator"), pytest.raises(TypeError, match="svd_matmul: x has dtype float32; fp8 factors"):
+        jax.jit(scaled)(x, uq, us, vq, vs)
+
+
+# --- svd_mlp with fp8 factors ----------------------------------------------------------------------------------
+
+MLP_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
+
+
+def mlp_operands(rng, tokens, h, i, ranks, dtype=np.float32):
+    """x, six fp8 factors, their six scales, and the dequantized factors in float64."""
+    rg, ru, rd = ranks
+    x = rng.standard_normal(tokens + (h,)).astype(dtype)
+    weights = []
+    for (k, r), n in zip(((h, rg), (h, ru), (i, rd)), (i, i, h)):
+        # u's column magnitudes span four orders, undone in v's rows, v's own columns spread two.
+        weights += [wide_columns(rng, k, r, -2, 2), wide_columns(rng, r, n, -1, 1) / np.logspace(-2, 2, r)[:, None]]
+    quantized = [quantize_fp8(w) for w in weights]
+    dequantized = [np.asarray(q, np.float64) * np.asarray(s, np.float64) for q, s in quantized]
+    return x, [q for q, _ in quantized], [s for _, s in quantized], dequantized
+
+
+def mlp_f64(x, d, activation):
+    x = np.asarray(x, np.float64)
+    gate, up = x @ d[0] @ d[1], x @ d[2] @ d[3]
+    if activation == "silu":
+        act = gate * 0.5 * (1 + np.tanh(gate / 2))  # silu, without overflow
+    else:
+        act = 0.5 * gate * (1 + np.tanh(np.sqrt(2 / np.pi) * (gate + 0.044715 * gate**3)))
+    return (act * up) @ d[4] @ d[5]
+
+
+def fp8_mlp(x, factors, scales, **kwargs):
+    return jn.svd_mlp(x, *factors, **{f"{n}_scale": s for n, s in zip(MLP_NAMES, scales)}, **kwargs)
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens,h,i,ranks", [((1,), 100, 1000, (130, 1, 130)), ((7,), 200, 130, (1, 130, 1))])
+def test_mlp_matches_float64(rng, activation, tokens, h, i, ranks):
+    x, factors, scales, d = mlp_operands(rng, tokens, h, i, ranks)
+    y = jax.jit(lambda x: fp8_mlp(x, factors, scales, activation=activation))(x)
+    want = mlp_f64(x, d, activation)
+    np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("tokens", [(1,), (7,), (130,)])
+def test_mlp_emulator_backend_within_bf16_rounding(rng, activation, tokens):
+    x, factors, scales, d = mlp_operands(rng, tokens, 200, 1000, (130, 1, 130), ml_dtypes.bfloat16)
+    f = jax.jit(lambda x: fp8_mlp(x, factors, scales, activation=activation))
+    want = mlp_f64(x, d, activation)
+    xla = f(x)
+    with jn.use_backend("emulator"):
+        got = f(x)
+    assert got.dtype == jnp.bfloat16
+    assert rel_err(xla, want) <= 1e-2 and rel_err(got, want) <= 1e-2
+    assert rel_err(got, np.asarray(xla, np.float64)) <= 1e-2
+
+
+def test_mlp_gradient_in_x_and_vmap(rng, x64):
+    x, factors, scales, d = mlp_operands(rng, (5,), 20, 30, (4, 3, 5), np.float64)
+    f = lambda x: fp8_mlp(x, factors, scales)  # noqa: E731
+    check_grads(f, (x,), order=1, modes=["fwd", "rev"])
+    xs = rng.standard_normal((3, 5, 20))
+    np.testing.assert_allclose(jax.vmap(f)(xs), np.stack([mlp_f64(a, d, "silu") for a in xs]), rtol=1e-9)
+    stacked = [jnp.stack([s, 2 * s]) for s in scales]
+    ys = jax.vmap(lambda *s: fp8_mlp(x, factors, s))(*stacked)
+    np.testing.assert_allclose(ys[0], mlp_f64(x, d, "silu"), rtol=1e-9)
+    doubled = [a * 2 for a in d]
+    np.testing.assert_allclose(ys[1], mlp_f64(x, doubled, "silu"), rtol=1e-9)
+
+
+def test_mlp_errors(rng):
+    x, factors, scales, _ = mlp_operands(rng, (3,), 20, 30, (4, 3, 5))
+    with pytest.raises(TypeError, match="svd_mlp: down_u and down_v are float8_e4m3fn; down_v_scale"):
+        fp8_mlp(x, factors, scales[:5] + [None])
+    with pytest.raises(TypeError, match="svd_mlp: either every factor pair is float8_e4m3fn with scales, or none"):
+        floats = factors[:4] + [np.asarray(f, np.float32) for f in factors[4:]]
+        fp8_mlp(x, floats, scales[:4] + [None, None])
+    with pytest.raises(TypeError, match="svd_mlp: cannot differentiate with respect to gate_v_scale"):
+        jax.grad(lambda s: fp8_mlp(x, factors, [scales[0], s, *scales[2:]]).sum())(scales[1])
