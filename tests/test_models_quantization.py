@@ -99,6 +99,39 @@ def test_compressed_model_matches_dequantized_reference():
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("make_model", [_llama, _gemma3], ids=["llama", "gemma3"])
+def test_calibration_aware_rounding_lowers_output_error(make_model):
+    """GPTQ-style error feedback (calibration_ids) against round to nearest, on held-out token ids: the logits' error
+    against the unquantized model, measured. With 2048 calibration tokens it is 10-30% lower on these tiny models
+    for every target (attention, MLP, head); with 256 (barely more than the MLP's 200 inputs) it can be higher."""
+    model = make_model()
+    held_out = _ids(2, 24, seed=8)
+    dense = np.asarray(_logits(model, held_out), np.float64)
+    nearest = quantize_model(model)
+    calibrated = quantize_model(model, calibration_ids=_ids(32, 64, seed=7), progress=False)
+    assert isinstance(calibrated.lm_head, Fp8Linear)
+    errors = [np.linalg.norm(np.asarray(_logits(q, held_out), np.float64) - dense) for q in (nearest, calibrated)]
+    assert errors[1] < errors[0], errors
+    # The calibrated weights are still the format's: per-column scales of round to nearest, values within ±240.
+    kernel = calibrated.layers[0].mlp.down_proj
+    np.testing.assert_array_equal(kernel.kernel_scale[...], nearest.layers[0].mlp.down_proj.kernel_scale[...])
+    assert np.abs(np.asarray(kernel.kernel[...], np.float32)).max() <= 240
+
+
+def test_calibration_of_compressed_factors():
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        model = compress_model(_llama(), keep=0.6, block=8, include=("mlp", "attention"))
+    held_out = _ids(2, 24, seed=9)
+    dense = np.asarray(_logits(model, held_out), np.float64)
+    calibrated = quantize_model(model, calibration_ids=_ids(32, 64, seed=7), targets=("attention", "mlp"))
+    assert isinstance(calibrated.layers[1].mlp, Fp8SVDMLP)
+    got = np.asarray(_logits(calibrated, held_out), np.float64)
+    want = np.asarray(_logits(_reference(model, calibrated), held_out), np.float64)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    nearest = np.asarray(_logits(quantize_model(model, targets=("attention", "mlp")), held_out), np.float64)
+    assert np.linalg.norm(got - dense) < np.linalg.norm(nearest - dense)
+
+
 def test_generate_uses_the_quantized_weights():
     quantized = quantize_model(_llama(), targets=("mlp", "head"))
     prompt = _ids(1, 5, seed=4)
@@ -158,7 +191,7 @@ def test_errors():
         quantize_model(model, weight_dtype="int8")
     with pytest.raises(ValueError, match=r"quantize_model: targets=\('embed',\); expected a non-empty subset"):
         quantize_model(model, targets=("embed",))
-    with pytest.raises(NotImplementedError, match="calibration-aware rounding is not implemented"):
-        quantize_model(model, calibration_ids=_ids(1, 4, seed=0))
+    with pytest.raises(ValueError, match=r"quantize_model: calibration_ids has shape \(4,\); expected int token ids"):
+        quantize_model(model, calibration_ids=np.arange(4))
     with pytest.raises(TypeError, match="layer 0 q_proj is a Fp8Linear"):
         quantize_model(quantize_model(model, targets="attention"), targets="attention")

@@ -11,6 +11,7 @@ w ≈ values · diag(scale): one float32 scale per output channel, the max taken
 from __future__ import annotations
 
 import jax.numpy as jnp
+import numpy as np
 
 from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX, SCALE_DTYPE, is_fp8  # noqa: F401  (FP8_* public here)
 
@@ -61,3 +62,48 @@ def dequantize_fp8(values, scale, axis=-1, dtype=jnp.float32):
         )
     wide = jnp.promote_types(dtype, jnp.float32)
     return (values.astype(wide) * jnp.expand_dims(scale.astype(wide), reduced)).astype(dtype)
+
+
+def gptq_fp8(w, gram, *, damping=0.01, block=128, column_chunk=8192):
+    """fp8 values and per-column scales of w [K, N] (used as x·w) rounded with error feedback (GPTQ).
+
+    gram: XᵀX [K, K] of calibration inputs X [n, K] (what the whitening computes). Rows of w (input features) are
+    rounded in order; each row's rounding error, weighted by the inverse Gram matrix's Cholesky factor, is pushed
+    onto the rows not yet rounded, so that ‖X·(w − dequantized)‖ rather than ‖w − dequantized‖ stays small. The
+    scales are `quantize_fp8`'s (each column's largest magnitude / 240), so values are clipped to ±240 where the
+    feedback pushes past them. damping: added to the diagonal as a fraction of its mean (inputs that never vary
+    make the Gram matrix singular). Runs on the host in float64, columns in chunks of `column_chunk` (they are
+    independent given the shared Gram matrix).
+
+    Returns:
+      (values [K, N] float8_e4m3fn, scale [N] float32), as `quantize_fp8(w)` returns.
+    """
+    w = np.asarray(w, np.float64)
+    gram = np.array(gram, np.float64)
+    if w.ndim != 2 or gram.shape != (w.shape[0], w.shape[0]):
+        raise ValueError(f"gptq_fp8: w has shape {w.shape} and gram {gram.shape}; expected w [K, N] and gram [K, K]")
+    k, n = w.shape
+    scale = quantize_fp8(w)[1]
+    dead = np.diag(gram) == 0  # inputs that are always zero: their rows cannot matter
+    gram[dead, dead] = 1.0
+    gram[np.diag_indices(k)] += damping * np.mean(np.diag(gram))
+    # Upper Cholesky factor of the inverse Gram matrix: row i holds the feedback weights of input i.
+    inverse = np.linalg.inv(np.linalg.cholesky(gram))
+    upper = np.linalg.cholesky(inverse.T @ inverse).T
+    values = np.empty((k, n), FP8_DTYPE)
+    s = np.asarray(scale, np.float64)
+    for c0 in range(0, n, column_chunk):
+        cols = slice(c0, min(n, c0 + column_chunk))
+        work = w[:, cols].copy()
+        work[dead] = 0.0
+        for b0 in range(0, k, block):
+            b1 = min(k, b0 + block)
+            errors = np.empty((b1 - b0, work.shape[1]))
+            for i in range(b0, b1):
+                q = np.clip(work[i] / s[cols], -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+                values[i, cols] = q
+                error = (work[i] - q.astype(np.float64) * s[cols]) / upper[i, i]
+                work[i + 1 : b1] -= np.outer(upper[i, i + 1 : b1], error)
+                errors[i - b0] = error
+            work[b1:] -= upper[b0:b1, b1:].T @ errors
+    return jnp.asarray(values), scale
