@@ -78,7 +78,7 @@ def gptq_fp8(w, gram, *, damping=0.01, block=128, column_chunk=8192):
     Returns:
       (values [K, N] float8_e4m3fn, scale [N] float32), as `quantize_fp8(w)` returns.
     """
-    w = np.asarray(w, np.float64)
+    w = np.asarray(w)  # widened to float64 a column chunk at a time (an LM head is large)
     gram = np.array(gram, np.float64)
     if w.ndim != 2 or gram.shape != (w.shape[0], w.shape[0]):
         raise ValueError(f"gptq_fp8: w has shape {w.shape} and gram {gram.shape}; expected w [K, N] and gram [K, K]")
@@ -94,7 +94,7 @@ def gptq_fp8(w, gram, *, damping=0.01, block=128, column_chunk=8192):
     s = np.asarray(scale, np.float64)
     for c0 in range(0, n, column_chunk):
         cols = slice(c0, min(n, c0 + column_chunk))
-        work = w[:, cols].copy()
+        work = np.array(w[:, cols], np.float64)
         work[dead] = 0.0
         for b0 in range(0, k, block):
             b1 = min(k, b0 + block)
