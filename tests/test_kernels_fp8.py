@@ -196,3 +196,28 @@ def test_dma_transpose_needs_two_byte_dtypes(rng):
     w = rng.standard_normal((16, 64)).astype(FP8)
     with pytest.raises(NkiHardwareError, match="2-byte dtype, got float8_e4m3"):
         _dma_transpose_fp8(w)
+
+
+def test_gate_up_small_blocks_cover_every_tile_edge(rng):
+    # Several token, K and feature blocks, each ending ragged: scaled stage-1 evictions after the float32
+    # accumulator, slot scales of ragged feature blocks.
+    t, h, i, r = 300, 300, 700, 130
+    x = rng.standard_normal((t, h)).astype(BF16)
+    gate_u, up_u = (quantize(rng.standard_normal((h, r)) * np.logspace(-3, 3, r) / np.sqrt(h)) for _ in range(2))
+    gate_v, up_v = (
+        quantize(rng.standard_normal((r, i)) / np.logspace(-3, 3, r)[:, None] / np.sqrt(r)) for _ in range(2)
+    )
+    factors = (gate_u, gate_v, up_u, up_v)
+    hT = svd_mlp_gate_up_kernel(
+        x,
+        *(f[0] for f in factors),
+        *(f[1] for f in factors),
+        activation="gelu_tanh",
+        block_t=128,
+        block_k=128,
+        block_n=256,
+    )
+    x64 = x.astype(np.float64)
+    g, u = x64 @ dequantized(*gate_u) @ dequantized(*gate_v), x64 @ dequantized(*up_u) @ dequantized(*up_v)
+    gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
+    assert relative_error(hT.T, gelu * u) <= TOLERANCE
