@@ -221,3 +221,21 @@ def test_gate_up_small_blocks_cover_every_tile_edge(rng):
     g, u = x64 @ dequantized(*gate_u) @ dequantized(*gate_v), x64 @ dequantized(*up_u) @ dequantized(*up_v)
     gelu = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g**3)))
     assert relative_error(hT.T, gelu * u) <= TOLERANCE
+
+
+def test_dispatch_plans_fp8_kernels(rng):
+    from nki_kernels import dispatch, footprint
+
+    x, u, v = fp8_operands(rng, 7, 200, 130, 1000)
+    kernel, blocks = dispatch.svd_matmul_plan(7, 200, 130, 1000, BF16, "trn2", weight_dtype=FP8)
+    y = kernel(x, u[0], v[0], u[1], v[1], **blocks)
+    assert relative_error(y, reference.svd_matmul_f64(x, dequantized(*u), dequantized(*v))) <= TOLERANCE
+    with pytest.raises(TypeError, match="dtype: got float32 with fp8 weights; TensorE takes fp8 beside bfloat16"):
+        dispatch.svd_matmul_plan(7, 200, 130, 1000, np.float32, "trn2", weight_dtype=FP8)
+    with pytest.raises(TypeError, match="weight_dtype: got int8, expected None or float8_e4m3"):
+        dispatch.svd_matmul_plan(7, 200, 130, 1000, BF16, "trn2", weight_dtype=np.int8)
+    # fp8 factors take half the SBUF of bf16 ones, plus their float32 scales.
+    shape, blocks = (1, 2048, 1024, 8192), dict(block_t=512, block_k=1024, block_n=2048)
+    bf16 = footprint.sbuf_bytes("svd_matmul", "decode", *shape, 2, **blocks)
+    fp8 = footprint.sbuf_bytes("svd_matmul", "decode", *shape, 2, **blocks, weight_itemsize=1)
+    assert fp8 < bf16
