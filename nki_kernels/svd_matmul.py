@@ -16,11 +16,16 @@ DMAs and PSUM evictions overlap the PE. PSUM accumulates in float32 (partial sum
 in a float32 SBUF accumulator); outputs have the inputs' dtype. X rows are loaded whole-row (long contiguous
 DMAs) and turned on the PE; a single token's Yᵀ column is turned back into a row before it is written.
 
+fp8 factors (float8_e4m3, Trainium's ±240 format, with float32 scales u_scale [r] and v_scale [N]) take the same
+path: they cross HBM as fp8 (half of bf16's bytes) and meet bf16 / fp16 X on TensorE; u_scale multiplies (XU)ᵀ as
+stage 1's PSUM is evicted (rank on the partitions: one scale per partition), v_scale each output tile as stage 2's
+PSUM is evicted (per partition in the cols layouts; repeated over the token partitions in the rows layout).
 Kernels (all return a new tensor in `nl.shared_hbm`):
   svd_matmul_kernel(x [T,K], u, v)         → y [T, N]   (stage 2 rows)
   svd_matmul_t_out_kernel(x [T,K], u, v)   → yᵀ [N, T]  (stage 2 cols)
   svd_matmul_decode_kernel(x [T,K], u, v)  → y [T, N]   (stage 2 cols: the few tokens are the moving operand,
                                                          Yᵀ tiles turned back on the PE; for small T)
+each also as kernel(x, u, v, u_scale, v_scale) with fp8 factors.
 The transposed-input variant (xᵀ [K, T] given, so no on-chip transpose of X) is `svd_mlp.svd_mlp_down_kernel`.
 Block sizes are keyword arguments fixed at trace time; `nki_kernels.dispatch` picks them from the tuned table.
 """
