@@ -3,6 +3,8 @@
 Public form: x [..., K], u [K, r], v [r, N] -> y [..., N]. Internally the
 operands may carry `n_batch` leading dims shared by all three (vmap over stacked
 layers or experts adds them): x [*B, *T, K], u [*B, K, r], v [*B, r, N].
+With fp8 factors two more operands follow, u_scale [*B, r] and v_scale [*B, N], and
+y = ((x·u)·diag(u_scale))·v·diag(v_scale); the rules then differentiate in x only.
 
 This file owns the op's whole story, in order: the public function, the primitive
 and its rules (abstract eval, JVP (trilinear: one svd_matmul per tangent),
