@@ -195,3 +195,21 @@ def test_errors():
         quantize_model(model, calibration_ids=np.arange(4))
     with pytest.raises(TypeError, match="layer 0 q_proj is a Fp8Linear"):
         quantize_model(quantize_model(model, targets="attention"), targets="attention")
+
+
+def test_compress_model_with_fp8_factors():
+    model = _llama()
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"))
+        quantized = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"), weight_dtype="float8_e4m3")
+    assert isinstance(quantized.layers[0].mlp, Fp8SVDMLP) and isinstance(
+        quantized.layers[0].self_attn.k_proj, Fp8SVDLinear
+    )
+    assert quantized.lm_head is None or isinstance(quantized.lm_head, nnx.Linear)  # the head is not included
+    ids = _ids(2, 7, seed=3)
+    want = np.asarray(_logits(_reference(compressed, quantized), ids), np.float64)
+    np.testing.assert_allclose(
+        np.asarray(_logits(quantized, ids), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max()
+    )
+    with pytest.raises(ValueError, match="weight_dtype: got 'fp8', expected None or one of"):
+        compress_model(model, weight_dtype="fp8")
