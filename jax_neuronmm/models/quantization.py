@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import gptq_fp8
 from jax_neuronmm.compress.sequential import calibration_batch
+from jax_neuronmm.compress.svd import single_threaded_blas
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
 from jax_neuronmm.models.validation import check_token_ids
@@ -159,6 +160,13 @@ def quantize_model(
         grams = _calibration_grams(
             model, check_token_ids(ids, model.config.vocab_size, name="calibration_ids"), progress
         )
+    with single_threaded_blas():  # the Gram matrices and GPTQ's updates run beside JAX's threads
+        return _quantize(model, targets, grams, damping)
+
+
+def _quantize(model, targets, grams, damping):
+    """quantize_model's work on a clone of `model`: each weight in `targets` rounded with its Gram matrix from
+    `grams` (a `_calibration_grams` generator, consumed layer by layer), or to nearest when grams is None."""
     quantized = nnx.clone(model)
     for index, layer in enumerate(quantized.layers):
         gram = next(grams) if grams is not None else {}
