@@ -94,14 +94,28 @@ def check_scaled_factors(kernel, x_name, x, u, v, u_scale, v_scale, u_name="u", 
 
 
 def load_scale_columns(scale, size):
-    """scale [C] (HBM, float32) as [(c0, cs, tile)] per 128 entries, tile [cs, 1] in SBUF: one scale per
-    partition, the operand of a scaled PSUM eviction when C lies on the partitions."""
-    tiles = []
-    for c0, cs in spans(size, nl.tile_size.pmax):
-        tile = nl.ndarray((cs, 1), dtype=nl.float32, buffer=nl.sbuf, name="scale_column")
-        nisa.dma_copy(dst=tile, src=scale[c0 : c0 + cs].reshape((cs, 1)))
-        tiles.append(tile)
-    return tiles
+    """scale [C] (HBM, float32) as [cs, 1] SBUF views, one per 128 entries (entry c0 + p on partition p): the
+    operands of scaled PSUM evictions when C lies on the partitions.
+
+    The vector arrives as one contiguous row (a DMA of C·4 bytes on one partition; a DMA that puts one 4-byte
+    element on each partition moves data at a small fraction of the rate) and each 128-entry piece is turned
+    onto the partitions on the PE, all into one PSUM tile that one or two copies evict.
+    """
+    pmax = nl.tile_size.pmax
+    tiles = spans(size, pmax)
+    row = nl.ndarray((1, size), dtype=nl.float32, buffer=nl.sbuf, name="scale_row")
+    nisa.dma_copy(dst=row, src=scale[0:size].reshape((1, size)))
+    turned = nl.ndarray((pmax, len(tiles)), dtype=nl.float32, buffer=nl.psum, name="scale_psum")
+    for j, (c0, cs) in enumerate(tiles):
+        nisa.nc_transpose(dst=turned[0:cs, j : j + 1], data=row[0:1, c0 : c0 + cs])
+    columns = nl.ndarray((pmax, len(tiles)), dtype=nl.float32, buffer=nl.sbuf, name="scale_columns")
+    whole = size // pmax
+    if whole:
+        nisa.tensor_copy(dst=columns[0:pmax, 0:whole], src=turned[0:pmax, 0:whole])
+    if size % pmax:
+        rest = size % pmax
+        nisa.tensor_copy(dst=columns[0:rest, whole : whole + 1], src=turned[0:rest, whole : whole + 1])
+    return [columns[0:cs, j : j + 1] for j, (_, cs) in enumerate(tiles)]
 
 
 def check_factors(kernel, k_name, k, u, v, u_name="u", v_name="v"):
@@ -318,8 +332,9 @@ def stage2_rows(xu, v, y, t0, tb, block_n, v_scale=None):
     r, n = v.shape
     r_tiles = spans(r, nl.tile_size.pmax)
     for nb0, nbs in spans(n, block_n):
-        v_blk = load_row_block(v, nb0, nbs)
+        # The few scale bytes first, so they do not queue behind the V block.
         scale_rows = None if v_scale is None else load_scale_rows(v_scale, nb0, nbs, min(tb, nl.tile_size.pmax))
+        v_blk = load_row_block(v, nb0, nbs)
         n_chunks = spans(nbs, nl.tile_size.gemm_moving_fmax)
         for s0, ts in spans(tb, nl.tile_size.gemm_stationary_fmax):
             accs = [nl.ndarray((ts, nc), dtype=nl.float32, buffer=nl.psum, name="y_psum") for _, nc in n_chunks]
@@ -403,8 +418,8 @@ def stage2_cols(xu, v, yT, t0, tb, block_n, v_scale=None):
     single_token = yT.shape[1] == 1
     r_tiles = spans(r, nl.tile_size.pmax)
     for nb0, nbs in spans(n, block_n):
+        scales = block_scale_columns(v_scale, nb0, nbs)  # before the V block: see stage2_rows
         v_blk = load_row_block(v, nb0, nbs)
-        scales = block_scale_columns(v_scale, nb0, nbs)
         row = [nl.ndarray((1, nbs), dtype=yT.dtype, buffer=nl.sbuf, name="yT_row")] if single_token else None
         for tile_index, (j0, nt) in enumerate(spans(nbs, nl.tile_size.gemm_stationary_fmax)):
             scale = None if scales is None else scales[tile_index]
@@ -425,8 +440,8 @@ def stage2_cols_to_rows(xu, v, y, t0, tb, block_n, v_scale=None):
     r_tiles = spans(r, pmax)
     token_tiles = spans(tb, pmax)
     for nb0, nbs in spans(n, block_n):
+        scales = block_scale_columns(v_scale, nb0, nbs)  # before the V block: see stage2_rows
         v_blk = load_row_block(v, nb0, nbs)
-        scales = block_scale_columns(v_scale, nb0, nbs)
         y_rows = [nl.ndarray((ts, nbs), dtype=y.dtype, buffer=nl.sbuf, name="y_rows") for _, ts in token_tiles]
         for tile_index, (j0, nt) in enumerate(spans(nbs, nl.tile_size.gemm_stationary_fmax)):
             scale = None if scales is None else scales[tile_index]
