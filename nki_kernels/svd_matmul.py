@@ -95,27 +95,35 @@ def check_scaled_factors(kernel, x_name, x, u, v, u_scale, v_scale, u_name="u", 
 
 def load_scale_columns(scale, size):
     """scale [C] (HBM, float32) as [cs, 1] SBUF views, one per 128 entries (entry c0 + p on partition p): the
-    operands of scaled PSUM evictions when C lies on the partitions.
+    operands of scaled PSUM evictions when C lies on the partitions."""
+    row = load_scale_row(scale, 0, size)
+    return scale_columns(row, [(cs, slice(c0, c0 + cs)) for c0, cs in spans(size, nl.tile_size.pmax)])
 
-    The vector arrives as one contiguous row (a DMA of C·4 bytes on one partition; a DMA that puts one 4-byte
-    element on each partition moves data at a small fraction of the rate) and each 128-entry piece is turned
-    onto the partitions on the PE, all into one PSUM tile that one or two copies evict.
-    """
+
+def load_scale_row(scale, c0, cs):
+    """scale[c0:c0+cs] (HBM, float32) as one contiguous [1, cs] SBUF row: one DMA of cs·4 bytes (a DMA that puts
+    one 4-byte element on each partition moves data at a small fraction of the rate)."""
+    row = nl.ndarray((1, cs), dtype=nl.float32, buffer=nl.sbuf, name="scale_row")
+    nisa.dma_copy(dst=row, src=scale[c0 : c0 + cs].reshape((1, cs)))
+    return row
+
+
+def scale_columns(row, pieces):
+    """Pieces of a scale row turned onto the partitions: for each (rows, columns) of `pieces` (columns a slice of
+    `row`'s free dim, rows ≤ 128 entries, the full pieces first) a [rows, 1] SBUF view whose partition p holds
+    the piece's entry p. Turned on the PE into one PSUM tile, evicted by one or two copies."""
     pmax = nl.tile_size.pmax
-    tiles = spans(size, pmax)
-    row = nl.ndarray((1, size), dtype=nl.float32, buffer=nl.sbuf, name="scale_row")
-    nisa.dma_copy(dst=row, src=scale[0:size].reshape((1, size)))
-    turned = nl.ndarray((pmax, len(tiles)), dtype=nl.float32, buffer=nl.psum, name="scale_psum")
-    for j, (c0, cs) in enumerate(tiles):
-        nisa.nc_transpose(dst=turned[0:cs, j : j + 1], data=row[0:1, c0 : c0 + cs])
-    columns = nl.ndarray((pmax, len(tiles)), dtype=nl.float32, buffer=nl.sbuf, name="scale_columns")
-    whole = size // pmax
-    if whole:
-        nisa.tensor_copy(dst=columns[0:pmax, 0:whole], src=turned[0:pmax, 0:whole])
-    if size % pmax:
-        rest = size % pmax
-        nisa.tensor_copy(dst=columns[0:rest, whole : whole + 1], src=turned[0:rest, whole : whole + 1])
-    return [columns[0:cs, j : j + 1] for j, (_, cs) in enumerate(tiles)]
+    turned = nl.ndarray((pmax, len(pieces)), dtype=nl.float32, buffer=nl.psum, name="scale_psum")
+    for j, (rows, columns) in enumerate(pieces):
+        nisa.nc_transpose(dst=turned[0:rows, j : j + 1], data=row[0:1, columns])
+    tile = nl.ndarray((pmax, len(pieces)), dtype=nl.float32, buffer=nl.sbuf, name="scale_columns")
+    full = sum(rows == pmax for rows, _ in pieces)
+    if full:
+        nisa.tensor_copy(dst=tile[0:pmax, 0:full], src=turned[0:pmax, 0:full])
+    for j in range(full, len(pieces)):
+        rows = pieces[j][0]
+        nisa.tensor_copy(dst=tile[0:rows, j : j + 1], src=turned[0:rows, j : j + 1])
+    return [tile[0:rows, j : j + 1] for j, (rows, _) in enumerate(pieces)]
 
 
 def check_factors(kernel, k_name, k, u, v, u_name="u", v_name="v"):

@@ -24,6 +24,8 @@ from nki_kernels.svd_matmul import (
     k_slots,
     load_row_block,
     load_scale_columns,
+    load_scale_row,
+    scale_columns,
     spans,
     stage1,
     stage2_cols_psum,
@@ -39,17 +41,12 @@ def activation_op(activation):
 
 
 def load_slot_scales(scale, f0, fc):
-    """scale[f0:f0+fc] (HBM, float32) in the k_slots layout: tile[p, slot] = the scale of the feature on
-    partition p of that slot, one DMA for a block of whole tiles; tile[0:rows, slot:slot+1] is a slot's
-    per-partition scale operand."""
+    """scale[f0:f0+fc] (HBM, float32) in the k_slots layout: per slot a [rows, 1] SBUF view whose partition p holds
+    the scale of the feature on partition p of that slot (the slot's per-partition scale operand)."""
+    row = load_scale_row(scale, f0, fc)
     slots = k_slots(f0, fc)
-    tile = nl.ndarray((nl.tile_size.pmax, len(slots)), dtype=nl.float32, buffer=nl.sbuf, name="slot_scales")
-    if fc % nl.tile_size.pmax == 0:
-        nisa.dma_copy(dst=tile, src=scale[f0 : f0 + fc].reshape((nl.tile_size.pmax, len(slots))))
-    else:
-        for slot, (rows, features) in enumerate(slots):
-            nisa.dma_copy(dst=tile[0:rows, slot : slot + 1], src=scale[features].reshape((rows, 1)))
-    return tile
+    pieces = [(rows, slice(f.start - f0, f.stop - f0, f.step)) for rows, f in slots]
+    return scale_columns(row, pieces)
 
 
 @nki.jit
@@ -122,13 +119,12 @@ def svd_mlp_gate_up_kernel(
                     act = nl.ndarray((slot_rows, chunk_size), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
                     h_tile = h_block[0:slot_rows, slot, chunk_start : chunk_start + chunk_size]
                     if fp8:
-                        gate_scale = gate_scales[0:slot_rows, slot : slot + 1]
-                        nisa.activation(dst=act, op=op, data=gate_accs[chunk], scale=gate_scale)
+                        nisa.activation(dst=act, op=op, data=gate_accs[chunk], scale=gate_scales[slot])
                         nisa.scalar_tensor_tensor(
                             dst=h_tile,
                             data=up_accs[chunk],
                             op0=nl.multiply,
-                            operand0=up_scales[0:slot_rows, slot : slot + 1],
+                            operand0=up_scales[slot],
                             op1=nl.multiply,
                             operand1=act,
                         )
