@@ -41,7 +41,7 @@ def check_float_dtypes(op, named):
         raise TypeError(f"{op}: arguments must share one dtype, got {listing}; cast them first")
 
 
-def check_scaled_factors(op, x, factors):
+def check_scaled_factors(op, factors):
     """Dtypes and shapes of fp8 factor pairs and their scales, before binding.
 
     factors: [(u_name, u, v_name, v, u_scale, v_scale)] for each low-rank pair (u [K, r], v [r, N], already

@@ -60,7 +60,7 @@ def svd_matmul(x, u, v, *, u_scale=None, v_scale=None, precision=None, preferred
     shapes.check_activations(op, "x", x)
     shapes.check_matrix(op, "u", u, rows=x.shape[-1], rows_from="x.shape[-1] (K)")
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
-    if shapes.check_scaled_factors(op, x, [("u", u, "v", v, *scales)]):
+    if shapes.check_scaled_factors(op, [("u", u, "v", v, *scales)]):
         shapes.check_float_dtypes(op, {"x": x})
         operands = (x, u, v, *scales)
     else:

@@ -102,7 +102,7 @@ def svd_mlp(
         (u_name, weights[u_name], v_name, weights[v_name], scales[f"{u_name}_scale"], scales[f"{v_name}_scale"])
         for u_name, v_name in zip(WEIGHT_NAMES[::2], WEIGHT_NAMES[1::2])
     ]
-    if shapes.check_scaled_factors(op, x, pairs):
+    if shapes.check_scaled_factors(op, pairs):
         shapes.check_float_dtypes(op, {"x": x})
         operands = (x, *weights.values(), *scales.values())
     else:

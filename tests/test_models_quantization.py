@@ -35,10 +35,9 @@ def _ids(batch, tokens, seed):
     return jnp.asarray(np.random.default_rng(seed).integers(0, 211, size=(batch, tokens)))
 
 
-def _dequantized(values, scale, axis=-1):
-    return np.asarray(values, np.float64) * np.expand_dims(
-        np.asarray(scale, np.float64), axis - 1 if axis == -1 else -1
-    )
+def _dequantized(values, scale):
+    """values [K, N] · diag(scale [N]) in float64."""
+    return np.asarray(values, np.float64) * np.asarray(scale, np.float64)
 
 
 def _reference(original, quantized):

@@ -76,21 +76,20 @@ class Fp8Linear(nnx.Module):
         return y
 
     @classmethod
-    def from_linear(cls, linear: nnx.Linear, kernel=None) -> Fp8Linear:
-        """`linear` with its kernel quantized per output feature (`compress.quantize_fp8`); kernel: a replacement
-        for linear's kernel [in, out] to quantize (e.g. after error feedback), else linear's own."""
+    def from_linear(cls, linear: nnx.Linear) -> Fp8Linear:
+        """`linear` with its kernel rounded to nearest per output feature (`compress.quantize_fp8`)."""
         if not isinstance(linear, nnx.Linear):
             raise TypeError(f"linear: got {type(linear).__name__}, expected an nnx.Linear")
-        values, scale = quantize_fp8(linear.kernel[...] if kernel is None else kernel)
+        values, scale = quantize_fp8(linear.kernel[...])
         bias = linear.bias[...] if linear.bias is not None else None
         return cls(values, scale, bias, dtype=linear.dtype, precision=linear.precision)
 
     @classmethod
-    def from_embedding(cls, embed: nnx.Embed, *, dtype=None, kernel=None) -> Fp8Linear:
+    def from_embedding(cls, embed: nnx.Embed, *, dtype=None) -> Fp8Linear:
         """The LM head of a tied embedding [vocab, hidden]: kernel = embeddingᵀ [hidden, vocab] in fp8 with one
-        scale per vocabulary entry (logits = hidden · embeddingᵀ, as `nnx.Embed.attend`)."""
-        table = embed.embedding[...] if kernel is None else kernel.T
-        values, scale = quantize_fp8(table, axis=-2)
+        scale per vocabulary entry (logits = hidden · embeddingᵀ, as `nnx.Embed.attend`); dtype: the compute
+        dtype, the embedding's by default."""
+        values, scale = quantize_fp8(embed.embedding[...], axis=-2)
         return cls(values.T, scale, None, dtype=dtype if dtype is not None else embed.dtype)
 
 
