@@ -122,12 +122,20 @@ def test_calibration_of_compressed_factors():
         model = compress_model(_llama(), keep=0.6, block=8, include=("mlp", "attention"))
     held_out = _ids(2, 24, seed=9)
     dense = np.asarray(_logits(model, held_out), np.float64)
-    calibrated = quantize_model(model, calibration_ids=_ids(32, 64, seed=7), targets=("attention", "mlp"))
+    ids = _ids(32, 64, seed=7)
+    # By default calibration leaves SVD factors rounded to nearest (GPTQ on factors measured worse on Gemma 3 270M).
+    default = quantize_model(model, calibration_ids=ids, targets=("attention", "mlp"), progress=False)
+    nearest_model = quantize_model(model, targets=("attention", "mlp"))
+    np.testing.assert_array_equal(
+        np.asarray(default.layers[0].mlp.gate_proj.u[...], np.float32),
+        np.asarray(nearest_model.layers[0].mlp.gate_proj.u[...], np.float32),
+    )
+    calibrated = quantize_model(model, calibration_ids=ids, targets=("attention", "mlp"), calibrate_factors=True)
     assert isinstance(calibrated.layers[1].mlp, Fp8SVDMLP)
     got = np.asarray(_logits(calibrated, held_out), np.float64)
     want = np.asarray(_logits(_reference(model, calibrated), held_out), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
-    nearest = np.asarray(_logits(quantize_model(model, targets=("attention", "mlp")), held_out), np.float64)
+    nearest = np.asarray(_logits(nearest_model, held_out), np.float64)
     assert np.linalg.norm(got - dense) < np.linalg.norm(nearest - dense)
 
 

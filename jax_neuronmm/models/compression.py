@@ -172,8 +172,8 @@ def compress_model(
     and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
-    projections are quantized to fp8 with per-column scales (`quantize_model`; calibration-aware when given
-    calibration_ids, on the compressed model's own activations).
+    projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
+    worse, see models/quantization.py).
     """
     if not isinstance(model, CausalLM):
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
@@ -204,7 +204,7 @@ def compress_model(
         )
     if weight_dtype is None:
         return compressed
-    return quantization.quantize_model(compressed, weight_dtype, calibration_ids, targets=include, progress=progress)
+    return quantization.quantize_model(compressed, weight_dtype, targets=include, progress=progress)
 
 
 def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):

@@ -3,9 +3,13 @@
 Dense projections become `nn.fp8.Fp8Linear`, SVD-factored ones `Fp8SVDLinear` / `Fp8SVDMLP` (each factor
 quantized per column), the LM head an Fp8Linear (a tied embedding stays bf16 for the lookup; the head gets its
 own fp8 copy, transposed, one scale per vocabulary entry), with one scale per output channel. Without calibration
-ids the values are rounded to nearest (`compress.quantize_fp8`); with them, with error feedback against the Gram
-matrix of each weight's inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs recorded from
-the unquantized model (one pass over its layers); a factor v sees the inputs x·u of its quantized u.
+ids the values are rounded to nearest (`compress.quantize_fp8`); with them, dense weights are rounded with error
+feedback against the Gram matrix of their inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs
+recorded from the unquantized model (one pass over its layers). SVD factors stay rounded to nearest unless
+`calibrate_factors` (then u against x's Gram matrix, v against that of x·u with its quantized u), which measured
+worse on Gemma 3 270M (MLPs whitened at keep 0.8: 1.773x dense perplexity against 1.749x rounded to nearest and
+1.757x in bf16), while GPTQ on the dense projections and head took fp8 from 1.027x to 1.000x
+(benchmarks/results/fp8_accuracy.md).
 
 Quantized models generate through their own forward (the decode-step kernels take no fp8 weights yet).
 """
@@ -33,8 +37,9 @@ WEIGHT_DTYPES = ("float8_e4m3",)
 TARGETS = ("attention", "mlp", "head")
 
 
-def _quantized(module, where, gram=None, damping=None):
-    """The fp8 module of a projection; gram: None (round to nearest) or XᵀX [K, K] of its inputs (GPTQ)."""
+def _quantized(module, where, gram=None, damping=None, calibrate_factors=False):
+    """The fp8 module of a projection; gram: None (round to nearest) or XᵀX [K, K] of its inputs (GPTQ, for SVD
+    factors only with calibrate_factors)."""
     if isinstance(module, nnx.Linear):
         if gram is None:
             return Fp8Linear.from_linear(module)
@@ -42,7 +47,7 @@ def _quantized(module, where, gram=None, damping=None):
         bias = module.bias[...] if module.bias is not None else None
         return Fp8Linear(values, scale, bias, dtype=module.dtype, precision=module.precision)
     if isinstance(module, SVDLinear):
-        if gram is None:
+        if gram is None or not calibrate_factors:
             return Fp8SVDLinear.from_svd(module)
         u, u_scale = gptq_fp8(module.u[...], gram, damping=damping)
         u64 = np.asarray(u, np.float64) * np.asarray(u_scale, np.float64)
@@ -129,6 +134,7 @@ def quantize_model(
     targets=TARGETS,
     *,
     damping: float = 0.01,
+    calibrate_factors: bool = False,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` with fp8 weights in `targets`; the input model is left unchanged.
@@ -140,6 +146,7 @@ def quantize_model(
         rounding against each weight's calibration inputs (GPTQ, see the module docstring).
       targets: a subset of ("attention", "mlp", "head"): the attention projections, the MLPs, the LM head.
       damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal.
+      calibrate_factors: with calibration_ids, round SVD factors with GPTQ too (measured worse: module docstring).
       progress: show a progress bar over the layers while calibrating.
 
     Returns:
@@ -161,10 +168,10 @@ def quantize_model(
             model, check_token_ids(ids, model.config.vocab_size, name="calibration_ids"), progress
         )
     with single_threaded_blas():  # the Gram matrices and GPTQ's updates run beside JAX's threads
-        return _quantize(model, targets, grams, damping)
+        return _quantize(model, targets, grams, damping, calibrate_factors)
 
 
-def _quantize(model, targets, grams, damping):
+def _quantize(model, targets, grams, damping, calibrate_factors):
     """quantize_model's work on a clone of `model`: each weight in `targets` rounded with its Gram matrix from
     `grams` (a `_calibration_grams` generator, consumed layer by layer), or to nearest when grams is None."""
     quantized = nnx.clone(model)
@@ -174,7 +181,8 @@ def _quantize(model, targets, grams, damping):
             for name in ATTENTION_PROJECTIONS:
                 module = getattr(layer.self_attn, name)
                 group = gram.get("o" if name == "o_proj" else "qkv")
-                setattr(layer.self_attn, name, _quantized(module, f"layer {index} {name}", group, damping))
+                where = f"layer {index} {name}"
+                setattr(layer.self_attn, name, _quantized(module, where, group, damping, calibrate_factors))
         if "mlp" in targets:
             mlp = layer.mlp
             if not isinstance(mlp, (SVDMLP, GatedMLP)):
@@ -185,6 +193,7 @@ def _quantize(model, targets, grams, damping):
                     f"layer {index} mlp.{name}",
                     gram.get("down" if name == "down_proj" else "mlp"),
                     damping,
+                    calibrate_factors,
                 )
                 for name in MLP_PROJECTIONS
             }
@@ -205,5 +214,5 @@ def _quantize(model, targets, grams, damping):
                 head = Fp8Linear(values, scale, dtype=embed.dtype)
             quantized.lm_head = nnx.data(head)
         else:
-            quantized.lm_head = _quantized(quantized.lm_head, "lm_head", head_gram, damping)
+            quantized.lm_head = _quantized(quantized.lm_head, "lm_head", head_gram, damping, calibrate_factors)
     return quantized
