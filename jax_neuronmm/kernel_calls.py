@@ -19,10 +19,12 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
-from nki_kernels.dispatch import KERNEL_DTYPES
+from nki_kernels.dispatch import FP8_ACTIVATION_DTYPES, FP8_WEIGHT_DTYPE, KERNEL_DTYPES
 
 
 def check_kernel_dtype(backend, dtype):
@@ -32,6 +34,25 @@ def check_kernel_dtype(backend, dtype):
             f"backend {backend!r} runs NKI kernels, which take {', '.join(KERNEL_DTYPES)} operands; "
             f"got {np.dtype(dtype).name}. Use backend 'xla' for it."
         )
+
+
+def fp8_weight_dtype(op, x_dtype):
+    """The kernels' weight dtype for fp8 factors, after checking that x's dtype can meet fp8 on TensorE."""
+    name = np.dtype(x_dtype).name
+    if name not in FP8_ACTIVATION_DTYPES:
+        raise TypeError(
+            f"{op}: x has dtype {name}; fp8 factors run on the NKI kernels beside {' or '.join(FP8_ACTIVATION_DTYPES)} "
+            f"activations only (TensorE does not mix fp8 with float32): cast x, or use backend 'xla'"
+        )
+    return FP8_WEIGHT_DTYPE
+
+
+def kernel_fp8(w):
+    """fp8 factors as the kernels take them: float8_e4m3fn storage reinterpreted as Trainium's float8_e4m3 (the
+    same bits for values within ±240, all that `compress.quantize_fp8` makes)."""
+    if isinstance(w, np.ndarray):
+        return w.view(ml_dtypes.float8_e4m3)
+    return jax.lax.bitcast_convert_type(w, jnp.float8_e4m3)
 
 
 def array_namespace(x):

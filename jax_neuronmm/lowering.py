@@ -59,7 +59,8 @@ def register(primitive, *, reference, kernels, partitioning):
 
     reference: jnp function `(*operands, **params) -> result`, the XLA backend and the numerics the kernels mirror.
     kernels: `kernel_calls.KernelLaunches`, the emulator and Trainium backends.
-    partitioning: `(n_batch, x_ndim) -> sharding.FactorRule`, how the operands split over a mesh.
+    partitioning: `(n_batch, x_ndim, n_operands) -> sharding.FactorRule`, how the operands split over a mesh
+      (n_operands: ops with optional operands, such as fp8 scales, bind a varying number).
     """
     _rules[primitive] = Rules(reference, kernels, partitioning)
     require_devices_during_lowering(primitive)
@@ -96,7 +97,7 @@ def _lower(primitive, ctx, *operands, **params):
     backend = effective_backend(platform)
     if backend != "xla":
         kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
-    factor_rule = _rules[primitive].partitioning(params["n_batch"], ctx.avals_in[0].ndim)
+    factor_rule = _rules[primitive].partitioning(params["n_batch"], ctx.avals_in[0].ndim, len(ctx.avals_in))
     local_fn = local_impl(primitive, platform)
     check_blocks = None
     if isinstance(local_fn, host_callback.HostKernel):

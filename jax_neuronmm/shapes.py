@@ -6,12 +6,24 @@ a message that names the argument, what it got and what was expected.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax import lax
 
 from nki_kernels.decode import contract as decode_contract
 
 COMPUTE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+# fp8 weights: Trainium's float8_e4m3 (±240) stored as float8_e4m3fn, whose bits agree within ±240
+# (compress/quantize.py), with float32 scales.
+FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+FP8_MAX = 240.0
+SCALE_DTYPE = np.dtype(np.float32)
+
+
+def is_fp8(dtype) -> bool:
+    """Whether `dtype` is the fp8 weight storage dtype (float8_e4m3fn holding values within ±240)."""
+    return np.dtype(dtype) == FP8_DTYPE
 
 
 def _dtype_names():
@@ -29,6 +41,47 @@ def check_float_dtypes(op, named):
     if len(set(dtypes.values())) > 1:
         listing = ", ".join(f"{n}={d.name}" for n, d in dtypes.items())
         raise TypeError(f"{op}: arguments must share one dtype, got {listing}; cast them first")
+
+
+def check_scaled_factors(op, factors):
+    """Dtypes and shapes of fp8 factor pairs and their scales, before binding.
+
+    factors: [(u_name, u, v_name, v, u_scale, v_scale)] for each low-rank pair (u [K, r], v [r, N], already
+    checked as matrices). A pair is either float (x's dtype, scales None) or fp8: both factors float8_e4m3fn
+    with float32 scales u_scale [r] and v_scale [N]. Returns True when the pairs are fp8, False when float;
+    mixing the two across pairs is an error.
+    """
+    kinds = []
+    for u_name, u, v_name, v, u_scale, v_scale in factors:
+        fp8 = {u_name: is_fp8(u.dtype), v_name: is_fp8(v.dtype)}
+        given = {f"{u_name}_scale": u_scale is not None, f"{v_name}_scale": v_scale is not None}
+        if not any(fp8.values()) and not any(given.values()):
+            kinds.append(False)
+            continue
+        if not all(fp8.values()):
+            names = ", ".join(f"{n}={np.dtype(a.dtype).name}" for n, a in ((u_name, u), (v_name, v)))
+            if any(fp8.values()):
+                raise TypeError(f"{op}: {names}; fp8 factors come in pairs: both {FP8_DTYPE.name}, or neither")
+            scales = " and ".join(n for n, g in given.items() if g)
+            raise TypeError(f"{op}: {scales} given with {names}; scales go with {FP8_DTYPE.name} factors only")
+        missing = [n for n, g in given.items() if not g]
+        if missing:
+            raise TypeError(
+                f"{op}: {u_name} and {v_name} are {FP8_DTYPE.name}; {' and '.join(missing)} "
+                f"(float32 per-column scales) must be given"
+            )
+        for name, scale, length, of in (
+            (f"{u_name}_scale", u_scale, u.shape[1], f"{u_name}.shape[1] (rank r)"),
+            (f"{v_name}_scale", v_scale, v.shape[1], f"{v_name}.shape[1]"),
+        ):
+            if np.dtype(scale.dtype) != SCALE_DTYPE:
+                raise TypeError(f"{op}: {name} has dtype {np.dtype(scale.dtype).name}; expected float32")
+            if tuple(scale.shape) != (length,):
+                raise ValueError(f"{op}: {name} has shape {tuple(scale.shape)}; expected ({length},) = [{of}]")
+        kinds.append(True)
+    if len(set(kinds)) > 1:
+        raise TypeError(f"{op}: either every factor pair is {FP8_DTYPE.name} with scales, or none is")
+    return kinds[0]
 
 
 def check_matrix(op, name, arr, rows=None, rows_from=None):

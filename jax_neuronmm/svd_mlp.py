@@ -20,11 +20,11 @@ import jax.numpy as jnp
 
 from jax_neuronmm import explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
-from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, split_leading
+from jax_neuronmm.kernel_calls import KernelLaunches, array_namespace, fp8_weight_dtype, kernel_fp8, split_leading
 from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.sharding import FactorRule, check_varying_axes, leading_factors, match_varying_axes
-from jax_neuronmm.svd_matmul import svd_matmul_p, svd_matmul_ref
+from jax_neuronmm.svd_matmul import check_weights_constant, svd_matmul_p, svd_matmul_ref
 from nki_kernels import dispatch
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
@@ -32,6 +32,7 @@ svd_mlp_p = Primitive("svd_mlp")
 svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
 
 WEIGHT_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
+SCALE_NAMES = tuple(f"{name}_scale" for name in WEIGHT_NAMES)  # operands 7..12, only with fp8 factors
 
 
 def svd_mlp(
@@ -43,12 +44,22 @@ def svd_mlp(
     down_u,
     down_v,
     *,
+    gate_u_scale=None,
+    gate_v_scale=None,
+    up_u_scale=None,
+    up_v_scale=None,
+    down_u_scale=None,
+    down_v_scale=None,
     activation="silu",
     precision=None,
     preferred_element_type=None,
     out_sharding=None,
 ):
     """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
+
+    With fp8 factors (all six float8_e4m3fn, see `compress.quantize_fp8`) every factor takes a float32 scale
+    per column (`<factor>_scale`: [rg], [I], [ru], [I], [rd], [H_out]), all required, and each projection is
+    `svd_matmul`'s ((x·u)·diag(u_scale))·v·diag(v_scale). fp8 factors are inference-only (x is differentiable).
 
     Args:
       x: activations [..., H].
@@ -69,7 +80,8 @@ def svd_mlp(
         raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(FUSED_ACTIVATIONS)}")
     x = jnp.asarray(x)
     weights = dict(zip(WEIGHT_NAMES, map(jnp.asarray, (gate_u, gate_v, up_u, up_v, down_u, down_v))))
-    shapes.check_float_dtypes(op, {"x": x, **weights})
+    given = (gate_u_scale, gate_v_scale, up_u_scale, up_v_scale, down_u_scale, down_v_scale)
+    scales = dict(zip(SCALE_NAMES, (None if s is None else jnp.asarray(s) for s in given)))
     shapes.check_activations(op, "x", x)
     hidden = x.shape[-1]
     shapes.check_matrix(op, "gate_u", weights["gate_u"], rows=hidden, rows_from="x.shape[-1] (H)")
@@ -86,12 +98,21 @@ def svd_mlp(
         op, "down_u", weights["down_u"], rows=intermediate, rows_from="gate_v.shape[1] (intermediate size I)"
     )
     shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1], rows_from="down_u.shape[1]")
+    pairs = [
+        (u_name, weights[u_name], v_name, weights[v_name], scales[f"{u_name}_scale"], scales[f"{v_name}_scale"])
+        for u_name, v_name in zip(WEIGHT_NAMES[::2], WEIGHT_NAMES[1::2])
+    ]
+    if shapes.check_scaled_factors(op, pairs):
+        shapes.check_float_dtypes(op, {"x": x})
+        operands = (x, *weights.values(), *scales.values())
+    else:
+        shapes.check_float_dtypes(op, {"x": x, **weights})
+        operands = (x, *weights.values())
     out_dtype = shapes.result_dtype(op, x.dtype, preferred_element_type)
     out_sharding = explicit_sharding.check_out_sharding(op, out_sharding, x.ndim)
-    x, *weights = match_varying_axes(x, *weights.values())  # inside shard_map: see sharding.py
+    operands = match_varying_axes(*operands)  # inside shard_map: see sharding.py
     return svd_mlp_p.bind(
-        x,
-        *weights,
+        *operands,
         activation=activation,
         n_batch=0,
         precision=shapes.canonical_precision(op, precision),
@@ -102,27 +123,33 @@ def svd_mlp(
 
 @svd_mlp_p.def_abstract_eval
 def _abstract_eval(x, *weights, activation, n_batch, precision, out_dtype, out_sharding):
-    check_varying_axes("svd_mlp", ("x",) + WEIGHT_NAMES, (x,) + weights)
+    names = (("x",) + WEIGHT_NAMES + SCALE_NAMES)[: 1 + len(weights)]
+    check_varying_axes("svd_mlp", names, (x,) + weights)
     sharding = explicit_sharding.result_sharding(
-        "svd_mlp", factor_rule(n_batch, x.ndim), ("x",) + WEIGHT_NAMES, (x,) + weights, out_sharding
+        "svd_mlp", factor_rule(n_batch, x.ndim, 1 + len(weights)), names, (x,) + weights, out_sharding
     )
-    down_v = weights[-1]
+    down_v = weights[5]
     return x.update(shape=x.shape[:-1] + down_v.shape[-1:], dtype=out_dtype, weak_type=False, sharding=sharding)
 
 
-def _composite(
-    x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype, out_sharding
-):
-    """svd_mlp written with svd_matmul; numerically the same as the fused op."""
+def _composite(x, *weights, activation, n_batch, precision, out_dtype, out_sharding):
+    """svd_mlp written with svd_matmul (weights: the six factors, then their six scales with fp8 factors);
+    numerically the same as the fused op."""
+    gate_u, gate_v, up_u, up_v, down_u, down_v = weights[:6]
+    gate_scales, up_scales, down_scales = (weights[6:8], weights[8:10], weights[10:12]) if weights[6:] else ((),) * 3
     acc = accumulation_dtype(x.dtype)
     mm = functools.partial(svd_matmul_p.bind, n_batch=n_batch, precision=precision)
-    gate = mm(x, gate_u, gate_v, out_dtype=acc, out_sharding=None)
-    up = mm(x, up_u, up_v, out_dtype=acc, out_sharding=None)
+    gate = mm(x, gate_u, gate_v, *gate_scales, out_dtype=acc, out_sharding=None)
+    up = mm(x, up_u, up_v, *up_scales, out_dtype=acc, out_sharding=None)
     hidden = (jnp_activation(activation)(gate) * up).astype(x.dtype)
-    return mm(hidden, down_u, down_v, out_dtype=out_dtype, out_sharding=out_sharding)
+    return mm(hidden, down_u, down_v, *down_scales, out_dtype=out_dtype, out_sharding=out_sharding)
 
 
 def _jvp(primals, tangents, **params):
+    if len(primals) > 7:
+        check_weights_constant("svd_mlp", WEIGHT_NAMES + SCALE_NAMES, tangents[1:])
+        x, weights = primals[0], primals[1:]
+        return jax.jvp(lambda x: _composite(x, *weights, **params), (x,), (ad.instantiate_zeros(tangents[0]),))
     tangents = tuple(ad.instantiate_zeros(t) for t in tangents)
     return jax.jvp(functools.partial(_composite, **params), tuple(primals), tangents)
 
@@ -142,53 +169,66 @@ def _batch(args, dims, *, n_batch, out_sharding, **params):
 # --- Lowering: the XLA reference, the kernel launches, the factor rule ---------------------------------------
 
 
-def svd_mlp_ref(
-    x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation="silu", n_batch=0, precision=None, out_dtype=None
-):
-    """(act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd; gate and up stay in float32 until the product (the XLA lowering)."""
+def svd_mlp_ref(x, *weights, activation="silu", n_batch=0, precision=None, out_dtype=None):
+    """(act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd; gate and up stay in float32 until the product (the XLA lowering).
+
+    weights: gate_u, gate_v, up_u, up_v, down_u, down_v, then with fp8 factors their six scales; each
+    projection is `svd_matmul_ref` (fp8: scaled float32 sums).
+    """
+    gate_u, gate_v, up_u, up_v, down_u, down_v = weights[:6]
+    gate_scales, up_scales, down_scales = (weights[6:8], weights[8:10], weights[10:12]) if weights[6:] else ((),) * 3
     out_dtype = x.dtype if out_dtype is None else out_dtype
     acc = accumulation_dtype(x.dtype)
-    gate = svd_matmul_ref(x, gate_u, gate_v, n_batch=n_batch, precision=precision, out_dtype=acc)
-    up = svd_matmul_ref(x, up_u, up_v, n_batch=n_batch, precision=precision, out_dtype=acc)
+    mm = functools.partial(svd_matmul_ref, n_batch=n_batch, precision=precision)
+    gate = mm(x, gate_u, gate_v, *gate_scales, out_dtype=acc)
+    up = mm(x, up_u, up_v, *up_scales, out_dtype=acc)
     hidden = (jnp_activation(activation)(gate) * up).astype(x.dtype)
-    return svd_matmul_ref(hidden, down_u, down_v, n_batch=n_batch, precision=precision, out_dtype=out_dtype)
+    return mm(hidden, down_u, down_v, *down_scales, out_dtype=out_dtype)
 
 
-def _plan(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, target, activation, n_batch, **unused_params):
+def _plan(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *scales, target, activation, n_batch, **unused_params):
     """((gate_up kernel, kwargs), (down kernel, kwargs)) per batch element, or None when the result is empty."""
+    weight_dtype = fp8_weight_dtype("svd_mlp", x.dtype) if scales else None
     _, _, _, t = split_leading(x, n_batch, 1)
     h, i, h_out = x.shape[-1], gate_v.shape[-1], down_v.shape[-1]
     ranks = gate_u.shape[-1], up_u.shape[-1], down_u.shape[-1]
     if 0 in (t, h, i, h_out, *ranks):
         # An empty contraction makes gate and up 0, and act(0) * 0 = 0 for both activations.
         return None
-    return dispatch.svd_mlp_plan(t, h, i, *ranks, x.dtype, target, activation=activation)
+    return dispatch.svd_mlp_plan(t, h, i, *ranks, x.dtype, target, activation=activation, weight_dtype=weight_dtype)
 
 
-def _run(plan, x, gate_u, gate_v, up_u, up_v, down_u, down_v, *, activation, n_batch, precision, out_dtype):
-    """The gated low-rank MLP as two kernel launches per batch element (gate+up → hᵀ [I, T]; down → [T, H])."""
+def _run(plan, x, *weights, activation, n_batch, precision, out_dtype):
+    """The gated low-rank MLP as two kernel launches per batch element (gate+up → hᵀ [I, T]; down → [T, H]);
+    weights: the six factors, then their six scales with fp8 factors."""
     del activation, precision  # the plan carries the activation; the kernels accumulate in fp32 PSUM
     xp = array_namespace(x)
     batch, tokens, n_flat, t = split_leading(x, n_batch, 1)
-    out_shape = batch + tokens + (down_v.shape[-1],)
+    out_shape = batch + tokens + (weights[5].shape[-1],)
     if plan is None:
         return xp.zeros(out_shape, out_dtype)
     (gate_up, gate_up_kwargs), (down, down_kwargs) = plan
-    flat = [a.reshape((n_flat,) + a.shape[n_batch:]) for a in (gate_u, gate_v, up_u, up_v, down_u, down_v)]
+    factors, scales = weights[:6], weights[6:]
+    if scales:
+        factors = [kernel_fp8(w) for w in factors]
+    flat = [a.reshape((n_flat,) + a.shape[n_batch:]) for a in (*factors, *scales)]
     xs = x.reshape(n_flat, t, x.shape[-1])
     ys = []
     for b in range(n_flat):
-        gu, gv, uu, uv, du, dv = (w[b] for w in flat)
-        hidden_t = gate_up(xs[b], gu, gv, uu, uv, **gate_up_kwargs)
-        ys.append(down(hidden_t, du, dv, **down_kwargs))
+        gu, gv, uu, uv, du, dv, *s = (w[b] for w in flat)
+        gate_up_scales, down_scales = s[:4], s[4:]
+        hidden_t = gate_up(xs[b], gu, gv, uu, uv, *gate_up_scales, **gate_up_kwargs)
+        ys.append(down(hidden_t, du, dv, *down_scales, **down_kwargs))
     return xp.stack(ys).reshape(out_shape).astype(out_dtype)
 
 
-def factor_rule(n_batch, x_ndim):
+def factor_rule(n_batch, x_ndim, n_operands=7):
     """x [*B, *T, h], gate_u [*B, h, rg], gate_v [*B, rg, i], up_u [*B, h, ru], up_v [*B, ru, i],
     down_u [*B, i, rd], down_v [*B, rd, o] -> [*B, *T, o]: i and rd summed (Megatron), h, rg, ru never split
-    (they feed the activation)."""
+    (they feed the activation). With fp8 factors the six scales follow, each split with its factor's columns:
+    [*B, rg], [*B, i], [*B, ru], [*B, i], [*B, rd], [*B, o]."""
     batch, tokens = leading_factors(n_batch, x_ndim)
+    scales = tuple(batch + (f,) for f in ("rg", "i", "ru", "i", "rd", "o")) if n_operands > 7 else ()
     return FactorRule(
         operands=(
             batch + tokens + ("h",),
@@ -198,6 +238,7 @@ def factor_rule(n_batch, x_ndim):
             batch + ("ru", "i"),
             batch + ("i", "rd"),
             batch + ("rd", "o"),
+            *scales,
         ),
         result=batch + tokens + ("o",),
         reduction=("i", "rd"),

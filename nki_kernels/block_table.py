@@ -31,14 +31,15 @@ TUNED_TOKENS = (1, 16, 128, 512, 2048)
 BLOCK_NAMES = ("block_t", "block_k", "block_n")
 
 
-def default_blocks(kind, variant, shape, itemsize, target):
+def default_blocks(kind, variant, shape, itemsize, target, weight_itemsize=None):
     """Blocks for a shape the table lacks: the largest that fit, preferring a long token block (fewer weight
-    re-reads), then long K blocks, then long N blocks; 512 / 1024 / 2048 at most."""
+    re-reads), then long K blocks, then long N blocks; 512 / 1024 / 2048 at most. weight_itemsize: 1 for
+    fp8 factors (footprint.sbuf_bytes)."""
     for block_t in (512, 256, 128):
         for block_k in (1024, 512, 256, 128):
             for block_n in (2048, 1024, 512, 256, 128):
                 blocks = dict(block_t=block_t, block_k=block_k, block_n=block_n)
-                if fits(kind, variant, shape, itemsize, blocks, target):
+                if fits(kind, variant, shape, itemsize, blocks, target, weight_itemsize):
                     return blocks
     raise ValueError(
         f"{kind} {shape}: no block sizes fit {target}'s SBUF; the shape is too large for one kernel "
@@ -84,9 +85,13 @@ def nearest_tuned_tokens(t):
     return min(TUNED_TOKENS, key=lambda tuned: abs(math.log(tuned) - math.log(max(t, 1))))
 
 
-def lookup(kind, t, k, r, n, dtype, target="trn1", path=TABLE_PATH):
+def lookup(kind, t, k, r, n, dtype, target="trn1", path=TABLE_PATH, weight_dtype=None):
     """{"variant", "block_t", "block_k", "block_n"} for a shape: the table's entry for (K, r, N) at the tuned
-    token count nearest T when it fits this T, else a footprint-checked default."""
+    token count nearest T when it fits this T, else a footprint-checked default.
+
+    weight_dtype: None (factors in `dtype`), or float8_e4m3 for fp8 factors with scales: the entry tuned for
+    `dtype` is used when it fits with fp8 weights and their scales (the table is tuned per activation dtype).
+    """
     if kind not in KINDS:
         raise ValueError(f"kind: got {kind!r}, expected one of {KINDS}")
     check_target(target)
@@ -94,12 +99,15 @@ def lookup(kind, t, k, r, n, dtype, target="trn1", path=TABLE_PATH):
         if not isinstance(value, (int, np.integer)) or value < 1:
             raise ValueError(f"{name}: got {value!r}, expected a positive integer")
     itemsize = np.dtype(dtype).itemsize
+    weight_itemsize = None if weight_dtype is None else np.dtype(weight_dtype).itemsize
     shape = (int(t), int(k), int(r), int(n))
     entry = load_table(path).get(table_key(kind, target, dtype, (nearest_tuned_tokens(t), k, r, n)))
     if entry is not None:
         variant = entry["variant"]
         blocks = {name: entry[name] for name in BLOCK_NAMES}
-        if (variant != "decode" or t <= DECODE_MAX_TOKENS) and fits(kind, variant, shape, itemsize, blocks, target):
+        if (variant != "decode" or t <= DECODE_MAX_TOKENS) and fits(
+            kind, variant, shape, itemsize, blocks, target, weight_itemsize
+        ):
             return dict(variant=variant, **blocks)
     variant = KERNEL_VARIANTS[kind][0]
-    return dict(variant=variant, **default_blocks(kind, variant, shape, itemsize, target))
+    return dict(variant=variant, **default_blocks(kind, variant, shape, itemsize, target, weight_itemsize))

@@ -13,23 +13,34 @@ def _tiles(n, size=PMAX):
     return -(-n // size)
 
 
-def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n):
+def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n, weight_itemsize=None):
     """Peak SBUF bytes per partition the kernel keeps live (the emulator's liveness rule: a tensor lives until
     its last reference is dropped).
 
     Stage 1 holds the (XU)ᵀ strip(s), a float32 accumulator when K spans several blocks, and two K blocks
     (the current one and the next being loaded) of Xᵀ and full-width U rows, plus the next block's staged X
     rows. Stage 2 holds the strip(s), one V block per factor, and the output tiles.
+    weight_itemsize: None (weights in the activations' dtype), or 1 for fp8 factors, which add their float32
+    scales: U's per rank tile for the whole call, V's per block (repeated on every partition for "rows").
     """
     tb = min(block_t, t)
     factors = 2 if kind == "svd_mlp_gate_up" else 1
+    fp8 = weight_itemsize is not None
+    w_itemsize = weight_itemsize if fp8 else itemsize
     kb = _tiles(min(block_k, k))
     xu = _tiles(r) * tb * itemsize
     total = _tiles(r) * tb * 4 if k > block_k else 0
-    k_block = kb * tb * itemsize + factors * kb * r * itemsize
+    u_scales = factors * _tiles(r) * 4 if fp8 else 0
+    k_block = kb * tb * itemsize + factors * kb * r * w_itemsize
     staged = 0 if (kind == "svd_mlp_down" and tb > 1) else _tiles(tb) * min(block_k, k) * itemsize
-    stage1 = factors * (xu + total) + 2 * k_block + staged
-    v_block = _tiles(r) * min(block_n, n) * itemsize
+    stage1 = factors * (xu + total) + 2 * k_block + staged + u_scales
+    v_block = _tiles(r) * min(block_n, n) * w_itemsize
+    if not fp8:
+        v_scales = 0
+    elif variant == "rows":
+        v_scales = 2 * min(block_n, n) * 4  # the row (on one partition) and its repetition on every partition
+    else:
+        v_scales = _tiles(min(block_n, n)) * 4
     if kind == "svd_mlp_gate_up":
         # hᵀ block (block_n features in the k_slots layout), the activation tile, a single token's row.
         out_tiles = (
@@ -43,7 +54,7 @@ def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n):
         out_tiles = _tiles(tb) * min(block_n, n) * itemsize + tb * itemsize
     else:
         out_tiles = tb * itemsize + (min(block_n, n) * itemsize if tb == 1 else 0)
-    stage2 = factors * (xu + v_block) + out_tiles
+    stage2 = factors * (xu + v_block + v_scales) + out_tiles + u_scales
     return max(stage1, stage2)
 
 
@@ -60,10 +71,12 @@ def psum_banks(kind, variant, t, k, r, n, block_t, block_k, block_n):
     return max(stage1, chunks + 1)
 
 
-def fits(kind, variant, shape, itemsize, blocks, target):
-    """Whether `blocks` keep the kernel within `target`'s SBUF and PSUM for `shape` (T, K, r, N)."""
+def fits(kind, variant, shape, itemsize, blocks, target, weight_itemsize=None):
+    """Whether `blocks` keep the kernel within `target`'s SBUF and PSUM for `shape` (T, K, r, N); weight_itemsize
+    as in `sbuf_bytes`."""
     t, k, r, n = shape
     return (
-        sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks) <= SBUF_BYTES_PER_PARTITION[target]
+        sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks, weight_itemsize=weight_itemsize)
+        <= SBUF_BYTES_PER_PARTITION[target]
         and psum_banks(kind, variant, t, k, r, n, **blocks) <= PSUM_BANKS
     )

@@ -20,9 +20,12 @@ from nki_kernels.svd_matmul import (
     check_2d,
     check_blocks,
     check_factors,
-    check_operand_dtypes,
+    check_scaled_factors,
     k_slots,
     load_row_block,
+    load_scale_columns,
+    load_scale_row,
+    scale_columns,
     spans,
     stage1,
     stage2_cols_psum,
@@ -37,15 +40,40 @@ def activation_op(activation):
     return getattr(nl, ACTIVATIONS[activation].nl_op)
 
 
+def load_slot_scales(scale, f0, fc):
+    """scale[f0:f0+fc] (HBM, float32) in the k_slots layout: per slot a [rows, 1] SBUF view whose partition p holds
+    the scale of the feature on partition p of that slot (the slot's per-partition scale operand)."""
+    row = load_scale_row(scale, f0, fc)
+    slots = k_slots(f0, fc)
+    pieces = [(rows, slice(f.start - f0, f.stop - f0, f.step)) for rows, f in slots]
+    return scale_columns(row, pieces)
+
+
 @nki.jit
 def svd_mlp_gate_up_kernel(
-    x, gate_u, gate_v, up_u, up_v, *, activation="silu", block_t=512, block_k=1024, block_n=2048
+    x,
+    gate_u,
+    gate_v,
+    up_u,
+    up_v,
+    gate_u_scale=None,
+    gate_v_scale=None,
+    up_u_scale=None,
+    up_v_scale=None,
+    *,
+    activation="silu",
+    block_t=512,
+    block_k=1024,
+    block_n=2048,
 ):
     """hᵀ [I, T] with h = act(x·gate_u·gate_v) * (x·up_u·up_v); x [T, H] row-major in HBM, hᵀ in x's dtype.
 
     activation: "silu" (Llama, Qwen) or "gelu_tanh" (Gemma). block_t: tokens per block; block_k: hidden
     features (rows of gate_u and up_u) per K block; block_n: columns of gate_v / up_v (features of I) per DMA
-    block.
+    block. fp8 factors (float8_e4m3, bf16 / fp16 x) come with float32 scales per column of each factor
+    (gate_u_scale [rg], gate_v_scale [I], up_u_scale [ru], up_v_scale [I]): the rank scales are applied as
+    stage 1 is evicted, the gate's feature scales inside the activation (its `scale`, one per partition), the
+    up's in the multiply by the activated gate.
     """
     kernel = "svd_mlp_gate_up_kernel"
     op = activation_op(activation)
@@ -57,17 +85,24 @@ def svd_mlp_gate_up_kernel(
         raise ValueError(
             f"{kernel}: gate_v has {i_gate} columns but up_v has {i_up}; both must be the intermediate size I"
         )
-    check_operand_dtypes(kernel, x=x, gate_u=gate_u, gate_v=gate_v, up_u=up_u, up_v=up_v)
+    fp8 = check_scaled_factors(kernel, "x", x, gate_u, gate_v, gate_u_scale, gate_v_scale, "gate_u", "gate_v")
+    if check_scaled_factors(kernel, "x", x, up_u, up_v, up_u_scale, up_v_scale, "up_u", "up_v") != fp8:
+        raise TypeError(f"{kernel}: gate and up factors must both be fp8 with scales, or neither")
     check_blocks(block_t, block_k, block_n)
+    rank_scales = None
+    if fp8:  # in SBUF for the whole call (r float32 values per factor)
+        rank_scales = [load_scale_columns(gate_u_scale, gate_u.shape[1]), load_scale_columns(up_u_scale, up_u.shape[1])]
     pmax = nl.tile_size.pmax
     hT = nl.ndarray((i_gate, t), dtype=x.dtype, buffer=nl.shared_hbm, name="hT")
     gate_rank_tiles = spans(gate_v.shape[0], pmax)
     up_rank_tiles = spans(up_v.shape[0], pmax)
     for t0, tb in spans(t, block_t):
-        gate_xu, up_xu = stage1(x, False, t0, tb, [gate_u, up_u], block_k)  # one X load for both
+        gate_xu, up_xu = stage1(x, False, t0, tb, [gate_u, up_u], block_k, rank_scales)  # one X load for both
         for feature_start, feature_count in spans(i_gate, block_n):
             gate_blk = load_row_block(gate_v, feature_start, feature_count)
             up_blk = load_row_block(up_v, feature_start, feature_count)
+            gate_scales = load_slot_scales(gate_v_scale, feature_start, feature_count) if fp8 else None
+            up_scales = load_slot_scales(up_v_scale, feature_start, feature_count) if fp8 else None
             # Output features in the k_slots layout: slot s, partition p ↔ feature row p·q + s of the block,
             # so with all tokens in the block each partition writes q whole rows of hᵀ as one run. A single
             # token's column (T = 1 in all, not a ragged last block of one) is instead turned into one row: the
@@ -82,13 +117,20 @@ def svd_mlp_gate_up_kernel(
                 _, up_accs = stage2_cols_psum(up_xu, up_blk, up_rank_tiles, columns, slot_rows, tb)
                 for chunk, (chunk_start, chunk_size) in enumerate(chunks):
                     act = nl.ndarray((slot_rows, chunk_size), dtype=nl.float32, buffer=nl.sbuf, name="act_gate")
-                    nisa.activation(dst=act, op=op, data=gate_accs[chunk])
-                    nisa.tensor_tensor(
-                        dst=h_block[0:slot_rows, slot, chunk_start : chunk_start + chunk_size],
-                        data1=act,
-                        data2=up_accs[chunk],
-                        op=nl.multiply,
-                    )
+                    h_tile = h_block[0:slot_rows, slot, chunk_start : chunk_start + chunk_size]
+                    if fp8:
+                        nisa.activation(dst=act, op=op, data=gate_accs[chunk], scale=gate_scales[slot])
+                        nisa.scalar_tensor_tensor(
+                            dst=h_tile,
+                            data=up_accs[chunk],
+                            op0=nl.multiply,
+                            operand0=up_scales[slot],
+                            op1=nl.multiply,
+                            operand1=act,
+                        )
+                    else:
+                        nisa.activation(dst=act, op=op, data=gate_accs[chunk])
+                        nisa.tensor_tensor(dst=h_tile, data1=act, data2=up_accs[chunk], op=nl.multiply)
                 del gate_accs, up_accs  # free the PSUM banks before the next tile's accumulators start
                 if row is not None:
                     turn_into_rows(h_block[0:slot_rows, slot, 0:1], row, columns, slot_rows, tb)
@@ -101,22 +143,27 @@ def svd_mlp_gate_up_kernel(
                     dst=hT[feature_start : feature_start + feature_count, 0:t].reshape((pmax, len(slots), t)),
                     src=h_block,
                 )
-            del gate_blk, up_blk, h_block  # single-buffered: free before the next blocks are loaded
+            del gate_blk, up_blk, h_block, gate_scales, up_scales  # single-buffered: free before the next blocks
         del gate_xu, up_xu  # dead before the next token block's stage 1
     return hT
 
 
 @nki.jit
-def svd_mlp_down_kernel(hT, down_u, down_v, *, block_t=512, block_k=1024, block_n=2048):
+def svd_mlp_down_kernel(
+    hT, down_u, down_v, down_u_scale=None, down_v_scale=None, *, block_t=512, block_k=1024, block_n=2048
+):
     """y [T, H] = hT [I, T]ᵀ · down_u [I, rd] · down_v [rd, H]; y in hT's dtype, row-major.
 
     The transposed-input fused matmul: Xᵀ = hᵀ is given, so X needs no on-chip transpose (except for T = 1).
+    fp8 factors with float32 scales [rd] / [H] as in `svd_matmul.svd_matmul_kernel`.
     """
     return svd_matmul_body(
         "svd_mlp_down_kernel",
         hT,
         down_u,
         down_v,
+        down_u_scale,
+        down_v_scale,
         x_transposed=True,
         stage2=Stage2.ROWS,
         block_t=block_t,

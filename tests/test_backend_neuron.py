@@ -8,6 +8,7 @@ checks what svd_matmul / svd_mlp lower to for platform "neuron".
 import re
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from neuron_platform import stand_in_platform
@@ -91,3 +92,38 @@ def test_neuron_backend_on_cpu_is_a_clear_error(rng):
 
     with backend._backend("neuron"), pytest.raises(RuntimeError, match="lowered for platform 'cpu'"):
         jax.jit(jn.svd_matmul)(x, u, v)
+
+
+def test_fp8_svd_matmul_lowers_to_one_kernel_with_trainium_fp8_and_scales(rng, neuron_platform):
+    from jax_neuronmm.compress import quantize_fp8
+
+    x = rng.standard_normal((2, 7, 100)).astype(jnp.bfloat16)
+    (u, us), (v, vs) = quantize_fp8(rng.standard_normal((100, 13))), quantize_fp8(rng.standard_normal((13, 300)))
+    f = jax.jit(lambda x, u, v, us, vs: jn.svd_matmul(x, u, v, u_scale=us, v_scale=vs))
+    text = f.trace(x, u, v, us, vs).lower(lowering_platforms=("neuron",)).as_text()
+    calls = kernel_calls(text)
+    assert len(calls) == 1
+    # float8_e4m3fn storage reaches the kernel reinterpreted as Trainium's float8_e4m3 (same bits within ±240).
+    assert calls[0][1] == (
+        "tensor<14x100xbf16>, tensor<100x13xf8E4M3>, tensor<13x300xf8E4M3>, tensor<13xf32>, tensor<300xf32>"
+    )
+    assert "bitcast_convert" in text and "dot_general" not in text
+
+
+def test_fp8_svd_mlp_lowers_to_two_kernels_with_their_scales(rng, neuron_platform):
+    from jax_neuronmm.compress import quantize_fp8
+
+    shapes = [(64, 8), (8, 160), (64, 8), (8, 160), (160, 8), (8, 64)]
+    quantized = [quantize_fp8(rng.standard_normal(s)) for s in shapes]
+    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
+    x = rng.standard_normal((5, 64)).astype(jnp.bfloat16)
+
+    def mlp(x, *weights):
+        return jn.svd_mlp(x, *weights[:6], **{f"{n}_scale": s for n, s in zip(names, weights[6:])})
+
+    args = [q for q, _ in quantized] + [s for _, s in quantized]
+    text = jax.jit(mlp).trace(x, *args).lower(lowering_platforms=("neuron",)).as_text()
+    calls = kernel_calls(text)
+    assert [c[0] for c in calls] == ["svd_mlp_gate_up_kernel", "svd_mlp_down_kernel"]
+    assert calls[0][1].count("f8E4M3") == 4 and calls[0][1].count("xf32>") == 4
+    assert calls[1][1].count("f8E4M3") == 2 and calls[1][1].endswith("tensor<8xf32>, tensor<64xf32>")

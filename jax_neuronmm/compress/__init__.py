@@ -7,6 +7,8 @@
   refit_v(u, x̃, y)                                 closed-form ridge update of v given u on calibration data
   allocate_ranks(spectra, shapes, keep)             block-aligned ranks under one global parameter budget
   compress_params(params, keep=|rank=, ...)        kernel → (u, v) over Linen / NNX trees, with a report
+  quantize_fp8(w, axis=-1) -> (values, scale)      fp8 e4m3 (±240) values, one fp32 scale per output channel
+  gptq_fp8(w, gram) -> (values, scale)             the same format, rounded with error feedback (GPTQ)
   save_compressed / load_compressed                 safetensors + metadata + checksums, atomic writes
 
 Model-level recovery (layer-by-layer calibration, local and end-to-end fine-tuning) lives in compress.sequential,
@@ -16,6 +18,7 @@ compress.local_finetune and compress.distill and is driven by `jax_neuronmm.mode
 from jax_neuronmm.compress.allocation import allocate_ranks
 from jax_neuronmm.compress.checkpoint import CheckpointError, CheckpointInfo, load_compressed, save_compressed
 from jax_neuronmm.compress.params import DEFAULT_INCLUDE, CompressionReport, LayerReport, compress_params
+from jax_neuronmm.compress.quantize import FP8_DTYPE, FP8_MAX, dequantize_fp8, gptq_fp8, quantize_fp8
 from jax_neuronmm.compress.refit import refit_v
 from jax_neuronmm.compress.svd import (
     WhitenedFactors,
@@ -32,6 +35,8 @@ from jax_neuronmm.compress.svd import (
 
 __all__ = [
     "DEFAULT_INCLUDE",
+    "FP8_DTYPE",
+    "FP8_MAX",
     "CheckpointError",
     "CheckpointInfo",
     "CompressionReport",
@@ -41,7 +46,10 @@ __all__ = [
     "allocate_ranks",
     "block_aligned_rank",
     "compress_params",
+    "dequantize_fp8",
+    "gptq_fp8",
     "load_compressed",
+    "quantize_fp8",
     "refit_v",
     "save_compressed",
     "single_threaded_blas",

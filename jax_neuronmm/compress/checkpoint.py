@@ -9,6 +9,9 @@ holds:
   sha256       JSON {tensor name: hex digest of "dtype|shape|" + the tensor's bytes}
   report       JSON of the `CompressionReport` (when one was given)
   user         JSON of the caller's own string metadata
+fp8 weights (see compress/quantize.py) are stored as safetensors F8_E4M3 (float8_e4m3fn bits, values within
+Trainium's ±240) next to their float32 scales (`u_scale`, `v_scale`, `kernel_scale` beside `u`, `v`, `kernel`),
+checksummed like every tensor.
 Files are written to a temporary file in the target directory (`write_atomically`) and moved into place in one
 step, so a crash never leaves a half-written checkpoint under the final name; an existing file is replaced only
 when the caller says `overwrite=True` (otherwise the temporary is hard-linked into place, which fails when the
@@ -27,6 +30,7 @@ import os
 import re
 import secrets
 import socket
+import struct
 from collections.abc import Callable, Mapping
 
 import numpy as np
@@ -35,6 +39,9 @@ import safetensors.numpy
 
 from jax_neuronmm.compress import tree
 from jax_neuronmm.compress.params import CompressionReport
+from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX
+
+FP8_SAFETENSORS_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
 FORMAT = "jax_neuronmm.params/1"
 
@@ -98,6 +105,11 @@ def save_compressed(
             )
         tensors[name] = array
         paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
+        if tensors[name].dtype == FP8_DTYPE and np.abs(tensors[name].astype(np.float32)).max(initial=0) > FP8_MAX:
+            raise ValueError(
+                f"params leaf {name!r} is {FP8_DTYPE.name} with values beyond ±{FP8_MAX:g}, which Trainium's "
+                f"float8_e4m3 cannot hold; quantize with compress.quantize_fp8"
+            )
     if not tensors:
         raise ValueError("params has no array leaves to save")
 
@@ -247,7 +259,9 @@ def load_compressed(path, *, like=None):
                     f"checkpoint {path!r} was not written by save_compressed: format={header.get('format')!r}, "
                     f"expected {FORMAT!r}"
                 )
-            tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+            fp8_names = [n for n in reader.keys() if reader.get_slice(n).get_dtype() == FP8_SAFETENSORS_DTYPE]
+            tensors = {name: reader.get_tensor(name) for name in reader.keys() if name not in fp8_names}
+        tensors.update(_read_fp8(path, fp8_names))
     except CheckpointError:
         raise
     except Exception as error:  # safetensors raises its own error types for damaged headers / truncated data
@@ -280,6 +294,23 @@ def load_compressed(path, *, like=None):
     if like is None:
         return tree.nest(flat), info
     return _fill_like(like, flat, path), info
+
+
+def _read_fp8(path: str, names: list[str]) -> dict[str, np.ndarray]:
+    """The F8_E4M3 tensors `names`, read from the file's bytes as float8_e4m3fn: safetensors' numpy reader has no
+    float8 type (numpy lacks one; ml_dtypes provides it). Layout: 8-byte header length, JSON header, data."""
+    if not names:
+        return {}
+    with open(path, "rb") as file:
+        (header_size,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(header_size))
+        found = {}
+        for name in names:
+            start, end = header[name]["data_offsets"]
+            file.seek(8 + header_size + start)
+            data = file.read(end - start)
+            found[name] = np.frombuffer(data, dtype=FP8_DTYPE).reshape(header[name]["shape"]).copy()
+    return found
 
 
 def _fill_like(like, flat: dict[tuple, np.ndarray], path: str):

@@ -1,5 +1,6 @@
-"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, and
-compressed checkpoint directories (compress_checkpoint writes them, load_compressed_checkpoint loads them)."""
+"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, fp8
+weights (quantize_model), and compressed checkpoint directories (compress_checkpoint writes them,
+load_compressed_checkpoint loads them)."""
 
 from jax_neuronmm.models.compressed_loading import (
     compress_checkpoint,
@@ -17,6 +18,7 @@ from jax_neuronmm.models.hf_loading import load_hf, load_tokenizer, model_from_c
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.presets import from_preset
+from jax_neuronmm.models.quantization import quantize_model
 
 __all__ = [
     "CausalLM",
@@ -39,4 +41,5 @@ __all__ = [
     "load_tokenizer",
     "model_from_config",
     "perplexity",
+    "quantize_model",
 ]

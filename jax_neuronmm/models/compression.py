@@ -15,6 +15,7 @@ from flax import nnx
 from jax_neuronmm.compress import allocation, local_finetune, sequential, svd
 from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from jax_neuronmm.models import quantization
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
@@ -154,6 +155,7 @@ def compress_model(
     local: local_finetune.LocalFinetuneOptions | None = None,
     distill: distillation.DistillOptions | None = None,
     distill_ids=None,
+    weight_dtype=None,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -176,9 +178,15 @@ def compress_model(
     without, plain SVD and a `NoCalibrationWarning`. Each gated MLP becomes one `SVDMLP` (the fused svd_mlp
     primitive) when its activation is fused-supported and it has no biases ("local" tunes only those); otherwise,
     and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
+
+    weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
+    projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
+    worse, see models/quantization.py).
     """
     if not isinstance(model, CausalLM):
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
+    if weight_dtype is not None and weight_dtype not in quantization.WEIGHT_DTYPES:
+        raise ValueError(f"weight_dtype: got {weight_dtype!r}, expected None or one of {quantization.WEIGHT_DTYPES}")
     method, steps = resolve_pipeline(method, steps, calibration_ids)
     include, steps, calibration_ids = _check_arguments(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids
@@ -188,7 +196,7 @@ def compress_model(
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
     with svd.single_threaded_blas(), svd.damping_summary():
-        return _compress(
+        compressed = _compress(
             model,
             keep,
             method,
@@ -202,6 +210,9 @@ def compress_model(
             calibration_ids if distill_ids is None else distill_ids,
             progress,
         )
+    if weight_dtype is None:
+        return compressed
+    return quantization.quantize_model(compressed, weight_dtype, targets=include, progress=progress)
 
 
 def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):

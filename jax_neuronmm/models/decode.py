@@ -28,6 +28,7 @@ from jax_neuronmm import decoder_math
 from jax_neuronmm.decode_step import decode_step
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
+from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
@@ -294,18 +295,30 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
 
 def decode_weight_bytes(model, bytes_per_weight: int = 2) -> int:
     """Bytes of the weights one decode step reads (bf16 by default): every projection, dense or factored, and the
-    LM head (the tied embedding's transpose when there is none). The embedding lookup reads one row per token and
-    the norms are small, so neither is counted."""
-    count = 0
+    LM head (the tied embedding's transpose when there is none). fp8 projections (`quantize_model`) count as stored:
+    one byte per weight plus their float32 scales. The embedding lookup reads one row per token and the norms are
+    small, so neither is counted."""
+    total = 0
     for layer in model.layers:
         for module in (layer.self_attn, layer.mlp):
             for projection in vars(module).values():
-                if isinstance(projection, (nnx.Linear, SVDLinear)):
-                    count += sum(p[...].size for p in _weights(projection))
+                if isinstance(projection, _PROJECTION_TYPES):
+                    total += _projection_bytes(projection, bytes_per_weight)
     head = model.lm_head
-    count += model.embed_tokens.embedding[...].size if head is None else sum(p[...].size for p in _weights(head))
-    return bytes_per_weight * count
+    if head is None:
+        total += bytes_per_weight * model.embed_tokens.embedding[...].size
+    else:
+        total += _projection_bytes(head, bytes_per_weight)
+    return total
 
 
-def _weights(projection):
-    return (projection.u, projection.v) if isinstance(projection, SVDLinear) else (projection.kernel,)
+_PROJECTION_TYPES = (nnx.Linear, SVDLinear, Fp8Linear, Fp8SVDLinear)
+
+
+def _projection_bytes(projection, bytes_per_weight: int) -> int:
+    if isinstance(projection, Fp8SVDLinear):
+        return sum(p[...].nbytes for p in (projection.u, projection.v, projection.u_scale, projection.v_scale))
+    if isinstance(projection, Fp8Linear):
+        return sum(p[...].nbytes for p in (projection.kernel, projection.kernel_scale))
+    weights = (projection.u, projection.v) if isinstance(projection, SVDLinear) else (projection.kernel,)
+    return bytes_per_weight * sum(p[...].size for p in weights)

@@ -1,0 +1,218 @@
+"""quantize_model: a copy of a model whose projections and LM head hold fp8 e4m3 weights with fp32 scales.
+
+Dense projections become `nn.fp8.Fp8Linear`, SVD-factored ones `Fp8SVDLinear` / `Fp8SVDMLP` (each factor
+quantized per column), the LM head an Fp8Linear (a tied embedding stays bf16 for the lookup; the head gets its
+own fp8 copy, transposed, one scale per vocabulary entry), with one scale per output channel. Without calibration
+ids the values are rounded to nearest (`compress.quantize_fp8`); with them, dense weights are rounded with error
+feedback against the Gram matrix of their inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs
+recorded from the unquantized model (one pass over its layers). SVD factors stay rounded to nearest unless
+`calibrate_factors` (then u against x's Gram matrix, v against that of x·u with its quantized u), which measured
+worse on Gemma 3 270M (MLPs whitened at keep 0.8: 1.773x dense perplexity against 1.749x rounded to nearest and
+1.757x in bf16), while GPTQ on the dense projections and head took fp8 from 1.027x to 1.000x
+(benchmarks/results/fp8_accuracy.md).
+
+Quantized models generate through their own forward (the decode-step kernels take no fp8 weights yet).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from jax_neuronmm.compress.quantize import gptq_fp8
+from jax_neuronmm.compress.sequential import calibration_batch
+from jax_neuronmm.compress.svd import single_threaded_blas
+from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.layers import GatedMLP, activation_fn
+from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.reference import jnp_activation
+
+WEIGHT_DTYPES = ("float8_e4m3",)
+TARGETS = ("attention", "mlp", "head")
+
+
+def _quantized(module, where, gram=None, damping=None, calibrate_factors=False):
+    """The fp8 module of a projection; gram: None (round to nearest) or XᵀX [K, K] of its inputs (GPTQ, for SVD
+    factors only with calibrate_factors)."""
+    if isinstance(module, nnx.Linear):
+        if gram is None:
+            return Fp8Linear.from_linear(module)
+        values, scale = gptq_fp8(module.kernel[...], gram, damping=damping)
+        bias = module.bias[...] if module.bias is not None else None
+        return Fp8Linear(values, scale, bias, dtype=module.dtype, precision=module.precision)
+    if isinstance(module, SVDLinear):
+        if gram is None or not calibrate_factors:
+            return Fp8SVDLinear.from_svd(module)
+        u, u_scale = gptq_fp8(module.u[...], gram, damping=damping)
+        u64 = np.asarray(u, np.float64) * np.asarray(u_scale, np.float64)
+        v, v_scale = gptq_fp8(module.v[...], u64.T @ gram @ u64, damping=damping)  # v's inputs: x·u (quantized)
+        bias = module.bias[...] if module.bias is not None else None
+        return Fp8SVDLinear(u, v, u_scale, v_scale, bias, dtype=module.dtype, precision=module.precision)
+    raise TypeError(f"quantize_model: {where} is a {type(module).__name__}; expected nnx.Linear or SVDLinear")
+
+
+class _Recorder(nnx.Module):
+    """Wraps a module and appends each input it sees, as [n, features], to `sink`."""
+
+    def __init__(self, inner, sink):
+        self.inner = inner
+        self.sink = sink
+
+    def __call__(self, x, *args, **kwargs):
+        self.sink.append(x.reshape(-1, x.shape[-1]))
+        return self.inner(x, *args, **kwargs)
+
+
+# Inputs recorded per layer: q/k/v share one, o_proj has its own, the MLP's projections share its input.
+_TAPS = (("self_attn", "q_proj"), ("self_attn", "o_proj"), ("mlp",))
+
+
+def _tapped_layer(graphdef, state, x, positions, mask):
+    layer = nnx.merge(graphdef, state)
+    sinks = [[] for _ in _TAPS]
+    for path, sink in zip(_TAPS, sinks):
+        parent = layer
+        for name in path[:-1]:
+            parent = getattr(parent, name)
+        setattr(parent, path[-1], _Recorder(getattr(parent, path[-1]), sink))
+    return layer(x, positions, mask, None, None)[0], [sink[-1] for sink in sinks]
+
+
+_tapped_layer_jit = jax.jit(_tapped_layer, static_argnums=(0,))
+
+
+def _gram(inputs):
+    x = np.asarray(inputs, np.float64)
+    return x.T @ x
+
+
+def _mlp_hidden(mlp, x):
+    """The MLP's gated hidden act(x·Wg) * (x·Wu) [n, I] float32 (down_proj's input) for inputs x [n, H]."""
+    x = jnp.asarray(x, jnp.float32)
+    if isinstance(mlp, SVDMLP):
+        act = jnp_activation(mlp.activation)
+
+        def project(layer):
+            return x @ layer.u[...].astype(jnp.float32) @ layer.v[...].astype(jnp.float32)
+    else:
+        act = activation_fn(mlp.activation)
+
+        def project(layer):
+            out = x @ layer.kernel[...].astype(jnp.float32)
+            return out if layer.bias is None else out + layer.bias[...].astype(jnp.float32)
+
+    return np.asarray(act(project(mlp.gate_proj)) * project(mlp.up_proj), np.float32)
+
+
+def _calibration_grams(model, ids, progress):
+    """Yields per layer {"qkv", "o", "mlp", "down"}: the Gram matrices of the inputs each group of projections
+    receives in `model` on the token ids, then (last) the Gram matrix of the LM head's input."""
+    x, positions, masks = calibration_batch(model, ids)
+    bar = tqdm(total=len(model.layers), desc="calibrating fp8", disable=not progress, unit="layer")
+    with bar:
+        for layer in model.layers:
+            graphdef, state = nnx.split(layer)
+            x, (qkv, o, mlp) = _tapped_layer_jit(
+                graphdef, state, x, positions, masks[layer.self_attn.spec.sliding_window]
+            )
+            yield {"qkv": _gram(qkv), "o": _gram(o), "mlp": _gram(mlp), "down": _gram(_mlp_hidden(layer.mlp, mlp))}
+            bar.update()
+    hidden = np.asarray(model.norm(x), np.float32)
+    yield _gram(hidden.reshape(-1, hidden.shape[-1]))
+
+
+def quantize_model(
+    model: CausalLM,
+    weight_dtype="float8_e4m3",
+    calibration_ids=None,
+    targets=TARGETS,
+    *,
+    damping: float = 0.01,
+    calibrate_factors: bool = False,
+    progress: bool = True,
+) -> CausalLM:
+    """A copy of `model` with fp8 weights in `targets`; the input model is left unchanged.
+
+    Args:
+      model: a CausalLM (Llama, Gemma), dense or compressed by `compress_model`.
+      weight_dtype: "float8_e4m3" (Trainium's e4m3, ±240, stored as float8_e4m3fn), the only format.
+      calibration_ids: None (round to nearest), or token ids [B, T] of representative text: error-feedback
+        rounding against each weight's calibration inputs (GPTQ, see the module docstring).
+      targets: a subset of ("attention", "mlp", "head"): the attention projections, the MLPs, the LM head.
+      damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal.
+      calibrate_factors: with calibration_ids, round SVD factors with GPTQ too (measured worse: module docstring).
+      progress: show a progress bar over the layers while calibrating.
+
+    Returns:
+      The quantized copy. Its `nnx.state` saves and loads with `compress.save_compressed` / `load_compressed`.
+    """
+    if weight_dtype not in WEIGHT_DTYPES:
+        raise ValueError(f"quantize_model: weight_dtype={weight_dtype!r}; expected one of {WEIGHT_DTYPES}")
+    targets = (targets,) if isinstance(targets, str) else tuple(targets)
+    if not targets or set(targets) - set(TARGETS):
+        raise ValueError(f"quantize_model: targets={targets!r}; expected a non-empty subset of {TARGETS}")
+    if not isinstance(model, CausalLM):
+        raise TypeError(f"quantize_model: model is a {type(model).__name__}; expected a CausalLM")
+    grams = None
+    if calibration_ids is not None:
+        ids = np.asarray(calibration_ids)
+        if ids.ndim != 2 or ids.size == 0:
+            raise ValueError(f"quantize_model: calibration_ids has shape {ids.shape}; expected int token ids [B, T]")
+        grams = _calibration_grams(
+            model, check_token_ids(ids, model.config.vocab_size, name="calibration_ids"), progress
+        )
+    with single_threaded_blas():  # the Gram matrices and GPTQ's updates run beside JAX's threads
+        return _quantize(model, targets, grams, damping, calibrate_factors)
+
+
+def _quantize(model, targets, grams, damping, calibrate_factors):
+    """quantize_model's work on a clone of `model`: each weight in `targets` rounded with its Gram matrix from
+    `grams` (a `_calibration_grams` generator, consumed layer by layer), or to nearest when grams is None."""
+    quantized = nnx.clone(model)
+    for index, layer in enumerate(quantized.layers):
+        gram = next(grams) if grams is not None else {}
+        if "attention" in targets:
+            for name in ATTENTION_PROJECTIONS:
+                module = getattr(layer.self_attn, name)
+                group = gram.get("o" if name == "o_proj" else "qkv")
+                where = f"layer {index} {name}"
+                setattr(layer.self_attn, name, _quantized(module, where, group, damping, calibrate_factors))
+        if "mlp" in targets:
+            mlp = layer.mlp
+            if not isinstance(mlp, (SVDMLP, GatedMLP)):
+                raise TypeError(f"quantize_model: layer {index} mlp is a {type(mlp).__name__}")
+            projections = {
+                name: _quantized(
+                    getattr(mlp, name),
+                    f"layer {index} mlp.{name}",
+                    gram.get("down" if name == "down_proj" else "mlp"),
+                    damping,
+                    calibrate_factors,
+                )
+                for name in MLP_PROJECTIONS
+            }
+            if isinstance(mlp, SVDMLP):
+                layer.mlp = Fp8SVDMLP(*projections.values(), activation=mlp.activation, dtype=mlp.dtype)
+            else:
+                for name, module in projections.items():
+                    setattr(mlp, name, module)
+    if "head" in targets:
+        head_gram = next(grams) if grams is not None else None
+        if quantized.lm_head is None:
+            # lm_head was None (static); the head now holds data.
+            embed = quantized.embed_tokens
+            if head_gram is None:
+                head = Fp8Linear.from_embedding(embed)
+            else:
+                values, scale = gptq_fp8(embed.embedding[...].T, head_gram, damping=damping)
+                head = Fp8Linear(values, scale, dtype=embed.dtype)
+            quantized.lm_head = nnx.data(head)
+        else:
+            quantized.lm_head = _quantized(quantized.lm_head, "lm_head", head_gram, damping, calibrate_factors)
+    return quantized
