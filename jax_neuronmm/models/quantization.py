@@ -22,9 +22,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
+from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import gptq_fp8
-from jax_neuronmm.compress.sequential import calibration_batch
 from jax_neuronmm.compress.svd import single_threaded_blas
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
@@ -113,7 +113,7 @@ def _mlp_hidden(mlp, x):
 def _calibration_grams(model, ids, progress):
     """Yields per layer {"qkv", "o", "mlp", "down"}: the Gram matrices of the inputs each group of projections
     receives in `model` on the token ids, then (last) the Gram matrix of the LM head's input."""
-    x, positions, masks = calibration_batch(model, ids)
+    x, positions, masks = sequential.calibration_batch(model, ids)
     bar = tqdm(total=len(model.layers), desc="calibrating fp8", disable=not progress, unit="layer")
     with bar:
         for layer in model.layers:
