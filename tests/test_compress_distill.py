@@ -71,7 +71,9 @@ def test_distill_lowers_the_full_vocabulary_kl(tiny, loss):
     model, ids = tiny
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     before = _full_kl64(compressed, model, ids[:8])
-    options = DistillOptions(steps=40, batch=4, learning_rate=3e-3, warmup=5, loss=loss, positions=11, top_k=7)
+    options = DistillOptions(
+        steps=40, batch=4, learning_rate=3e-3, relative=False, warmup=5, loss=loss, positions=11, top_k=7
+    )
     distill_factors(compressed, model, ids, options, progress=False)
     after = _full_kl64(compressed, model, ids[:8])
     assert after < 0.7 * before, (before, after)
@@ -86,7 +88,9 @@ def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
         compressed,
         model,
         ids,
-        DistillOptions(steps=12, batch=2, learning_rate=3e-3, warmup=0, eval_every=4, holdout=4, positions=0),
+        DistillOptions(
+            steps=12, batch=2, learning_rate=3e-3, relative=False, warmup=0, eval_every=4, holdout=4, positions=0
+        ),
         progress=False,
         on_step=lambda done, m: seen.append(_full_kl64(m, model, held)),
     )
@@ -118,3 +122,23 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
 def test_distill_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         DistillOptions(**{field: value})
+
+
+def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
+    from flax import nnx
+
+    from jax_neuronmm.compress.distill import is_factor
+
+    model, ids = tiny
+    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_factor))}
+    options = DistillOptions(steps=1, learning_rate=1e-2, relative=True, warmup=0, holdout=0, positions=5)
+    distill_factors(compressed, model, ids, options, progress=False)
+    after = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_factor))}
+    rms = {k: np.sqrt(np.mean(v**2)) for k, v in before.items()}
+    assert len({round(float(v), 6) for v in rms.values()}) > 1  # factors of different scales
+    for key in before:
+        # Adam's first step moves every entry with a gradient by learning_rate (m / sqrt(v) = sign(g)), scaled here
+        # by the factor's RMS.
+        steps = np.abs(after[key] - before[key]) / rms[key]
+        np.testing.assert_allclose(steps.max(), 1e-2, rtol=1e-3)

@@ -125,7 +125,7 @@ def test_distill_lowers_the_logit_error(tiny):
         compressed,
         model,
         calibration,
-        DistillOptions(steps=40, batch=8, learning_rate=3e-3, loss="topk"),
+        DistillOptions(steps=40, batch=8, learning_rate=3e-3, loss="topk", relative=False),
         progress=False,
     )
     after = centered_logit_error(compressed, model, calibration)
@@ -155,7 +155,7 @@ def test_distill_top_k_term_lowers_the_kl_on_the_teachers_likely_tokens(tiny):
             compressed,
             model,
             calibration,
-            DistillOptions(steps=30, batch=8, learning_rate=3e-3, loss="topk", top_k=top_k),
+            DistillOptions(steps=30, batch=8, learning_rate=3e-3, loss="topk", top_k=top_k, relative=False),
             progress=False,
         )
         kls.append(_top_k_kl64(compressed(ids), model(ids), calibration[:8], 7))
@@ -213,7 +213,7 @@ def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
         compressed,
         model,
         calibration,
-        DistillOptions(steps=6, batch=8, learning_rate=3e-3, holdout=0),
+        DistillOptions(steps=6, batch=8, learning_rate=3e-3, holdout=0, relative=False),
         progress=False,
         on_step=lambda done, m: seen.append((done, centered_logit_error(m, model, calibration))),
     )
@@ -232,7 +232,7 @@ def test_distill_keeps_the_starting_factors_when_training_raises_the_loss(tiny):
         compressed,
         model,
         calibration,
-        DistillOptions(steps=3, batch=2, learning_rate=3.0),
+        DistillOptions(steps=3, batch=2, learning_rate=3.0, relative=False),
         progress=False,
         on_step=lambda done, m: errors.append(centered_logit_error(m, model, calibration)),
     )

@@ -56,8 +56,8 @@ class DistillOptions:
 
     steps: int = 200
     batch: int = 1
-    learning_rate: float = 3e-5
-    relative: bool = False
+    learning_rate: float = 1e-3
+    relative: bool = True
     warmup: int = 20
     clip_norm: float = 1.0
     loss: str = "kl"
