@@ -109,14 +109,13 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("loss", "mse", r"loss: got 'mse', expected one of \('kl', 'topk'\)"),
-        ("learning_rate", float("inf"), "learning_rate: got inf, expected a finite number"),
-        ("learning_rate", float("nan"), "learning_rate: got nan, expected a finite number"),
-        ("learning_rate", 0.0, "learning_rate: got 0.0, expected a positive number"),
-        ("clip_norm", -1.0, "clip_norm: got -1.0, expected a non-negative number"),
-        ("positions", -3, "positions: got -3, expected a non-negative int"),
-        ("vocab_chunk", 0, "vocab_chunk: got 0, expected a positive int"),
-        ("steps", 2.5, "steps: got 2.5, expected a positive int"),
+        ("loss", "mse", r"DistillOptions.loss: got 'mse', expected one of \('kl', 'topk'\)"),
+        ("clip_norm", -1.0, "DistillOptions.clip_norm: got -1.0, expected a finite number >= 0"),
+        ("clip_norm", float("nan"), "DistillOptions.clip_norm: got nan, expected a finite number >= 0"),
+        ("positions", -3, "DistillOptions.positions: got -3, expected a non-negative int"),
+        ("vocab_chunk", 0, "DistillOptions.vocab_chunk: got 0, expected a positive int"),
+        ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
+        ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
     ],
 )
 def test_distill_options_are_checked(field, value, message):

@@ -35,6 +35,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential
+from jax_neuronmm.compress.local_finetune import check_adam_options
 from jax_neuronmm.decoder_math import soft_cap
 
 LOSSES = ("kl", "topk")
@@ -69,27 +70,25 @@ class DistillOptions:
     seed: int = 0
 
     def __post_init__(self):
-        for name in ("steps", "batch", "vocab_chunk", "eval_every"):
+        check_adam_options(self)  # steps, batch, learning_rate: the checks local fine-tuning's options share
+        for name in ("vocab_chunk", "eval_every"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup", "positions", "top_k", "holdout", "seed"):
             _check_int(name, getattr(self, name), 0)
-        for name, low in (("learning_rate", 0.0), ("clip_norm", -1.0)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{name}: got {value!r}, expected a finite number")
-            if not value > low:
-                raise ValueError(
-                    f"{name}: got {value!r}, expected {'a positive' if low == 0 else 'a non-negative'} number"
-                )
+        clip = self.clip_norm
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not (math.isfinite(clip) and clip >= 0):
+            raise ValueError(f"DistillOptions.clip_norm: got {clip!r}, expected a finite number >= 0")
         if not isinstance(self.relative, bool):
-            raise ValueError(f"relative: got {self.relative!r}, expected a bool")
+            raise ValueError(f"DistillOptions.relative: got {self.relative!r}, expected a bool")
         if self.loss not in LOSSES:
-            raise ValueError(f"loss: got {self.loss!r}, expected one of {LOSSES}")
+            raise ValueError(f"DistillOptions.loss: got {self.loss!r}, expected one of {LOSSES}")
 
 
 def _check_int(name, value, low):
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"{name}: got {value!r}, expected {'a positive' if low else 'a non-negative'} int")
+        raise ValueError(
+            f"DistillOptions.{name}: got {value!r}, expected {'a positive' if low else 'a non-negative'} int"
+        )
 
 
 def is_factor(path, value) -> bool:
