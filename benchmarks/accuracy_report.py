@@ -27,7 +27,7 @@ from absl import app, flags
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import compression, decode, evaluation, quality
+from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -90,33 +90,8 @@ BUDGET_SECONDS = 15 * 60
 FINDINGS = ""
 
 
-def technical_texts() -> tuple[str, str]:
-    """(training, held-out) halves of the Python Language Reference's topic texts that CPython ships
-    (pydoc_data.topics): the topics in key order, alternately to one and the other, so each holds every kind of
-    topic and none of the other's text."""
-    from pydoc_data.topics import topics
-
-    keys = sorted(topics)
-    return "\n\n".join(topics[key] for key in keys[0::2]), "\n\n".join(topics[key] for key in keys[1::2])
-
-
-def interleaved(*parts: np.ndarray) -> np.ndarray:
-    """Windows [sum of counts, T] taking one from each part in turn (so any leading slice mixes the texts)."""
-    return np.stack([window for group in zip(*parts) for window in group])
-
-
 def token_ids(model, text: str) -> np.ndarray:
     return np.asarray(model.tokenizer.encode(text, add_special_tokens=False).ids)
-
-
-def windows_of(model, ids: np.ndarray, count: int, seq_len: int, *, name: str) -> np.ndarray:
-    """The first `count` windows [count, seq_len] of ids: BOS, then seq_len - 1 consecutive tokens (Gemma needs BOS
-    at position 0)."""
-    span = seq_len - 1
-    if ids.size < count * span:
-        raise app.UsageError(f"{name}: {ids.size} tokens, fewer than {count} x {span}")
-    bos = np.full((count, 1), model.tokenizer.token_to_id("<bos>"))
-    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1)
 
 
 def prompts_of(model, ids: np.ndarray, skip: int, count: int, tokens: int) -> np.ndarray:
@@ -302,23 +277,14 @@ def main(argv):
     model = load_model()
     tokenizer = model.tokenizer
     bos = tokenizer.token_to_id("<bos>")
-    technical_training, technical_held_out = technical_texts()
-    half = FLAGS.distill_windows // 2
-    distill_ids = interleaved(
-        windows_of(
-            model,
-            token_ids(model, open(compression.CALIBRATION_TEXT, encoding="utf-8").read()),
-            half,
-            FLAGS.seq_len,
-            name="calibration novel",
-        ),
-        windows_of(model, token_ids(model, technical_training), half, FLAGS.seq_len, name="technical training text"),
-    )
-    calibration = distill_ids[: FLAGS.calibration_windows]
+    technical_held_out = calibration.technical_texts()[1]
+    distill_ids = calibration.training_windows(tokenizer, FLAGS.distill_windows, FLAGS.seq_len, bos)
+    calibration_ids = distill_ids[: FLAGS.calibration_windows]
     texts = {"novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
     text_ids = {name: token_ids(model, text) for name, text in texts.items()}
     windows = {
-        name: windows_of(model, ids, FLAGS.eval_windows, FLAGS.seq_len, name=name) for name, ids in text_ids.items()
+        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        for name, text in texts.items()
     }
     after_windows = FLAGS.eval_windows * (FLAGS.seq_len - 1)
     prompts = np.concatenate(
@@ -377,7 +343,7 @@ def main(argv):
             model,
             config.keep,
             method=config.method,
-            calibration_ids=calibration,
+            calibration_ids=calibration_ids,
             include=config.include,
             steps=config.steps,
             block=config.block,

