@@ -46,6 +46,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/decode_compositions.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/compress_speed.py
 	$(PY) benchmarks/accuracy_report.py
+	$(PY) benchmarks/fp8_accuracy.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \
 	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
 	else echo "AWS_NEURON_SDK not set: skipping benchmarks/cost_model_check.py"; fi

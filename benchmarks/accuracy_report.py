@@ -87,7 +87,35 @@ TARGETS = (
 )
 BUDGET_SECONDS = 15 * 60
 # What the measured rows show; written by hand after a run (the tables are generated).
-FINDINGS = ""
+FINDINGS = """\
+Findings. Every measurement here ran on this project's 2-core machine while other jobs shared it (the load column).
+
+The calibration text decides what survives. MLPs at keep 0.8, whitened + sequential, calibrated on 16 windows of the
+novel alone: 1.74x dense perplexity on the held-out novel, 10.6x on the held-out half of the Python reference;
+calibrated on windows of both in turn: 1.92x and 2.11x. Distillation on the novel alone (the loss below, 200 steps)
+took the novel to 1.43x but left the reference at 7.47x (top-1 agreement 0.57 / 0.41). So the report trains on both.
+
+The loss: the KL divergence from the dense to the compressed model's next-token distribution over the whole
+262,144-token vocabulary, at 128 sampled positions per window (the LM head runs only there, 16,384 rows at a time),
+measures better than the earlier loss (centered-logit error + KL renormalized over the teacher's top 64 tokens) on
+the same budget and optimizer: 1.438x / 1.522x against 1.457x / 1.614x ("mlp 0.8, top-k loss").
+
+The optimizer: Adam at a fixed learning rate of 3e-5 with 20 warm-up steps and clipping at 1.0 (a recipe reported to
+reach 1.03x in 10 minutes) gave, trained and calibrated on the novel alone, 1.49x at step 50 and 1.43x at step 200
+here; the same run with the step size relative to each factor's RMS (6e-4) gave 1.45x at step 25 and 1.40x at step
+50, so the default is relative (whitened factors differ in scale by orders of magnitude across layers). Relative
+1.5e-3 on the mixed text: 1.64x / 1.73x at step 25, 1.57x / 1.67x at 50, 1.55x / 1.67x at 75; the default, relative
+1e-3 for 200 steps, gives the report's rows. The held-out windows of the training text choose the step kept.
+
+The targets are NOT met: keep 0.8 MLP is 1.44x / 1.52x (target 1.05x), top-1 agreement 59% / 68% (target 85%), and
+greedy continuations part from the dense model's after about one token. What was not tried for lack of CPU time in
+this round, and what the measurements point to: the curves flatten by 0.01-0.03x per 25 steps after step 50, so
+more steps alone will not reach 1.05x in 15 minutes on 2 cores; a better starting point (4,096 calibration tokens
+are fewer than two per input feature of the 2048-wide down_proj: more calibration text, and the closed-form joint
+u, v for down_proj), non-uniform ranks at a finer block, and more positions per step (the top-k rows used all 256
+positions of 2 windows per step, the KL rows 128 of 1) are the next levers; fp8 weights (benchmarks/results/
+fp8_accuracy.md: 1.000x with GPTQ for every projection and the head) save half the bytes at no measured cost, which
+SVD at keep 0.8 does not come close to on this model."""
 
 
 def token_ids(model, text: str) -> np.ndarray:

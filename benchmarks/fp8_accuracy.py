@@ -4,9 +4,9 @@ dense model, round to nearest vs calibration-aware (GPTQ) rounding, projections 
     python benchmarks/fp8_accuracy.py                      # the real model from the `demo` extra's package
     python benchmarks/fp8_accuracy.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
-Calibration and evaluation text, windows and metrics are the accuracy report's (benchmarks/accuracy_report.py:
-its windows_of, models.evaluation.predictions, models.quality.top1_agreement): chapters 1-12 of Pride and Prejudice
-calibrate, chapters 50-61 evaluate. Writes benchmarks/results/fp8_accuracy.md.
+Windows and metrics are the accuracy report's (models.calibration.text_windows, models.evaluation.predictions,
+models.quality.top1_agreement): chapters 1-12 of Pride and Prejudice calibrate, chapters 50-61 evaluate.
+Writes benchmarks/results/fp8_accuracy.md.
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import os
 import time
 
 from absl import app, flags
-from accuracy_report import load_model, token_ids, windows_of
+from accuracy_report import load_model
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.models import compression, evaluation, quality
+from jax_neuronmm.models import calibration, compression, evaluation, quality
 
 # --checkpoint_dir, --seq_len, --calibration_windows and --eval_windows are the accuracy report's flags (defined
 # when it is imported), with its defaults: 256-token windows, 16 to calibrate, 8 to evaluate.
@@ -37,8 +37,9 @@ CONFIGURATIONS = [  # (label, targets, calibrated)
 def text_windows(model, path: str, count: int):
     """The first `count` [count, seq_len] windows of the text file at `path` (the accuracy report's windows)."""
     with open(path, encoding="utf-8") as f:
-        ids = token_ids(model, f.read())
-    return windows_of(model, ids, count, FLAGS.seq_len, name=os.path.basename(path))
+        text = f.read()
+    bos = model.tokenizer.token_to_id("<bos>")
+    return calibration.text_windows(model.tokenizer, text, count, FLAGS.seq_len, bos, name=os.path.basename(path))
 
 
 def main(argv):
