@@ -249,9 +249,14 @@ def render(results: dict) -> None:
     shown = [name for name in ("mlp 0.8 recommended", "mlp+attention+head 0.8 recommended") if name in rows]
     if shown and "prompt_text" in meta:
         lines += ["", "Greedy continuations (first three prompts; prompt, then each model's 32 tokens):", ""]
+
+        def one_line(text):  # line breaks of the text shown as ↵, so each continuation stays one list item
+            return text.replace("\n", "↵")
+
         for index, prompt in enumerate(meta["prompt_text"]):
-            lines += [f"{index + 1}. Prompt: `{prompt}`", f"   - dense: `{dense['continuation_text'][index]}`"]
-            lines += [f"   - {name}: `{rows[name]['continuation_text'][index]}`" for name in shown]
+            lines += [f"{index + 1}. Prompt: `{one_line(prompt)}`"]
+            lines += [f"   - dense: `{one_line(dense['continuation_text'][index])}`"]
+            lines += [f"   - {name}: `{one_line(rows[name]['continuation_text'][index])}`" for name in shown]
     if FINDINGS:
         lines += ["", FINDINGS]
     missing = [config.name for config in CONFIGS if config.name not in rows]

@@ -141,3 +141,19 @@ def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
         # by the factor's RMS.
         steps = np.abs(after[key] - before[key]) / rms[key]
         np.testing.assert_allclose(steps.max(), 1e-2, rtol=1e-3)
+
+
+def test_compress_model_factors_the_head_and_keeps_the_embedding_lookup_exact(tiny):
+    from jax_neuronmm.nn.nnx import SVDLinear
+
+    model, ids = tiny
+    assert model.lm_head is None  # tied embeddings
+    full = compress_model(model, rank="full", method="whitened", calibration_ids=ids, include=("head",), steps=())
+    assert isinstance(full.lm_head, SVDLinear) and full.lm_head.rank == model.config.hidden_size
+    np.testing.assert_array_equal(
+        np.asarray(full.embed_tokens.embedding[...]), np.asarray(model.embed_tokens.embedding[...])
+    )
+    window = jnp.asarray(ids[:2])
+    np.testing.assert_allclose(np.asarray(full(window)), np.asarray(model(window)), rtol=2e-3, atol=2e-3)
+    low = compress_model(model, 0.5, method="whitened", calibration_ids=ids, include=("head",), steps=(), block=8)
+    assert low.lm_head.rank < model.config.hidden_size and isinstance(low.layers[0].mlp, type(model.layers[0].mlp))

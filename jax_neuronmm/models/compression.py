@@ -108,7 +108,7 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
             ranks[(index, name)] = svd.block_aligned_rank(k, n, keep, block)
         else:
             ranks[(index, name)] = min(k, n) if rank == "full" else rank
-    if rank is None:
+    if rank is None and shapes:
         kept = sum(r * (k + n) for r, (k, n) in zip(ranks.values(), shapes)) / sum(k * n for k, n in shapes)
         if abs(kept - keep) > KEEP_TOLERANCE:
             # e.g. 640 x 2048 projections: every keep from about 0.66 to 0.92 rounds to rank 384 at block 128.
@@ -266,16 +266,19 @@ def factor_head(model: CausalLM, rank: int, method: str, calibration_ids) -> Non
     else:
         u, v = svd.truncated_svd(np.asarray(table).T, rank)
     dtype = model.embed_tokens.embedding[...].dtype
-    model.lm_head = SVDLinear(
-        table.shape[1],
-        table.shape[0],
-        rank,
-        use_bias=False,
-        dtype=model.dtype,
-        param_dtype=dtype,
-        u_init=lambda *_: jnp.asarray(u, dtype),  # the factors as given: nothing drawn at random
-        v_init=lambda *_: jnp.asarray(v, dtype),
-        rngs=nnx.Rngs(0),
+    # nnx.data: with tied embeddings lm_head was None, which nnx records as a static attribute.
+    model.lm_head = nnx.data(
+        SVDLinear(
+            table.shape[1],
+            table.shape[0],
+            rank,
+            use_bias=False,
+            dtype=model.dtype,
+            param_dtype=dtype,
+            u_init=lambda *_: jnp.asarray(u, dtype),  # the factors as given: nothing drawn at random
+            v_init=lambda *_: jnp.asarray(v, dtype),
+            rngs=nnx.Rngs(0),
+        )
     )
 
 
