@@ -51,12 +51,15 @@ import dataclasses
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.tiles import (
+    evict_alternating,
     fp32_per_psum_bank,
     load_natural_columns,
     natural_columns_to_rows,
     natural_tiles,
     rows_to_natural_columns,
+    spread_across_partitions,
     store_natural_columns,
+    transpose_to_tiles,
 )
 from nki_kernels.svd_matmul import spans
 
@@ -86,8 +89,8 @@ def head_tiles(head_dim):
 class AttentionConstants:
     """On-chip fp32 matrices attention() needs; build once per kernel and pass them to every layer.
 
-    shift [128, 256]: shift[p, c] = 1 iff c = p + 128, so shift[:, 128:256] is the identity, shift[0:128,
-    128+o : 128+o+D] moves partitions o..o+D-1 to 0..D-1 and shift[0:D, 128-o : 256-o] moves them back.
+    shift [128, 256]: shift[p, c] = 1 iff c = p + 128, so shift[:, 128:256] is the identity (`identity`, a view),
+    shift[0:128, 128+o : 128+o+D] moves partitions o..o+D-1 to 0..D-1 and shift[0:D, 128-o : 256-o] moves them back.
     ones [128, 128]; rotate [128, 128] (D <= 128): rotate-half as stationary.T @ x; head_mean [128, 128]: 1/D
     where two partitions hold features of the same head (D <= 128), 1/D everywhere for D >= 256; eps [128, 1]
     (spec.norm_eps, the RMSNorm's bias).
@@ -111,6 +114,7 @@ class AttentionConstants:
             cmp_op=nl.equal,
             offset=-pmax,
         )
+        self.identity = self.shift[:, pmax : 2 * pmax]
         self.rotate = self.head_mean = self.eps = None
         if d <= pmax:
             self.rotate = self._rotate_half(d)
@@ -388,17 +392,6 @@ def score_chunks(blocks):
     return chunks
 
 
-def spread_columns(values, partitions, constants):
-    """PSUM [partitions, n] fp32 whose every partition holds values [n, 1] (a column) as a row: onesᵀ·diag."""
-    n = values.shape[0]
-    pmax = nl.tile_size.pmax
-    diag = nl.ndarray((n, n), dtype=nl.float32, buffer=nl.sbuf, name="spread_diag")
-    nisa.tensor_scalar(dst=diag, data=constants.shift[0:n, pmax : pmax + n], op0=nl.multiply, operand0=values)
-    spread = nl.ndarray((partitions, n), dtype=nl.float32, buffer=nl.psum, name="spread_psum")
-    nisa.nc_matmul(dst=spread, stationary=constants.ones[0:n, 0:partitions], moving=diag)
-    return spread
-
-
 def kv_head_place(g, d):
     """(partition offset, first column tile) of kv head g's features in column tiles of kv_heads·D features."""
     pmax = nl.tile_size.pmax
@@ -491,11 +484,12 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
             groups.append((index, [(n, i)]))
     for index, members in groups:
         s0, np_, q = blocks[index]
-        turned = nl.ndarray((np_, len(members), t), dtype=nl.float32, buffer=nl.psum, name="mask_psum")
-        for j, (_, i) in enumerate(members):
-            nisa.nc_transpose(dst=turned[0:np_, j, 0:t], data=rows[0:t, s0 + i : s0 + np_ * q : q])
         first = members[0][0]
-        nisa.tensor_copy(dst=columns[0:np_, first : first + len(members), :], src=turned)
+        transpose_to_tiles(
+            columns[0:np_, first : first + len(members), :],
+            [rows[0:t, s0 + i : s0 + np_ * q : q] for _, i in members],
+            "mask_psum",
+        )
     return columns
 
 
@@ -515,10 +509,7 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
                     dst=turned[0:kp, j * np_ : (j + 1) * np_],
                     data=k_blocks[index][0:np_, i0 + j, k * kp : (k + 1) * kp],
                 )
-            if (n + k) % 2:
-                nisa.activation(dst=keys[0:kp, k, c0 : c0 + width], op=nl.copy, data=turned)
-            else:
-                nisa.tensor_copy(dst=keys[0:kp, k, c0 : c0 + width], src=turned)
+            evict_alternating(keys[0:kp, k, c0 : c0 + width], turned, n + k)
     return keys
 
 
@@ -693,7 +684,8 @@ def _softmax_weights(units, qs, rows, window, spec, constants):
     neg_max = nl.ndarray((columns, 1), dtype=nl.float32, buffer=nl.sbuf, name="scores_neg_max")
     nisa.tensor_reduce(dst=neg_max, op=nl.maximum, data=turned, axis=1, negate=True)
     del turned
-    shift = spread_columns(neg_max, pmax, constants)  # PSUM [128, columns]: -max of each column
+    # PSUM [128, columns]: -max of each column on every partition.
+    shift = spread_across_partitions(neg_max, pmax, constants.ones, constants.identity)
     nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(window.pieces)), op=nl.add)
     del shift
     weights = nl.ndarray((pmax, len(window.pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")

@@ -21,7 +21,10 @@ Two ways of moving rows <-> column tiles: `rows_to_columns` / `columns_to_rows` 
 padded to a power of two so per-tile accumulators never straddle a bank) and the natural-layout
 `rows_to_natural_columns` / `natural_columns_to_rows` that attention uses (one eviction per PSUM bank of whole
 tiles; evictions alternating VectorE and ScalarE). They schedule differently and the modeled timings of the
-decode step depend on both as they are.
+decode step depend on both as they are. Smaller moves on TensorE, shared with attention's own layouts (its mask
+in score order, Kᵀ, the softmax): `transpose_to_tiles` (views of rows into tiles through one PSUM tensor; the
+natural layout's step), `evict_alternating` (natural_columns_to_rows' evictions) and `spread_across_partitions`
+(a vector on partitions as a row on every partition).
 """
 
 from __future__ import annotations
@@ -175,6 +178,41 @@ def relayout(cols, layout, new_layout, rows):
     return out
 
 
+# -- moves between partitions and the free axis, on TensorE ---------------------------------------------
+
+
+def transpose_to_tiles(dst, sources, name):
+    """dst[0:p, j, 0:R] = sources[j]ᵀ for SBUF views sources[j] [R, p] (R rows of p features each): PE transposes
+    into one PSUM tensor [p, len(sources), R] in the sources' dtype named `name`, then one eviction into dst
+    (cast to dst's dtype). The caller keeps the PSUM tensor within one bank."""
+    r, p = sources[0].shape
+    turned = nl.ndarray((p, len(sources), r), dtype=sources[0].dtype, buffer=nl.psum, name=name)
+    for j, source in enumerate(sources):
+        nisa.nc_transpose(dst=turned[0:p, j, 0:r], data=source)
+    nisa.tensor_copy(dst=dst, src=turned)
+
+
+def evict_alternating(dst, psum, turn):
+    """dst ← psum (cast to dst's dtype) as eviction number `turn` of a sequence: even turns a tensor_copy on VectorE,
+    odd ones a copy activation on ScalarE, so long runs of evictions share the two engines."""
+    if turn % 2:
+        nisa.activation(dst=dst, op=nl.copy, data=psum)
+    else:
+        nisa.tensor_copy(dst=dst, src=psum)
+
+
+def spread_across_partitions(values, partitions, ones, identity):
+    """PSUM [partitions, n] float32 whose every partition holds values (SBUF [n, 1] float32, one value per
+    partition) as a row: onesᵀ·diag(values), one matmul. ones: float32 ones [≥ n, ≥ partitions]; identity: the
+    float32 identity [≥ n, ≥ n] (diag(values) is identity·values)."""
+    n = values.shape[0]
+    diag = nl.ndarray((n, n), dtype=nl.float32, buffer=nl.sbuf, name="spread_diag")
+    nisa.tensor_scalar(dst=diag, data=identity[0:n, 0:n], op0=nl.multiply, operand0=values)
+    spread = nl.ndarray((partitions, n), dtype=nl.float32, buffer=nl.psum, name="spread_psum")
+    nisa.nc_matmul(dst=spread, stationary=ones[0:n, 0:partitions], moving=diag)
+    return spread
+
+
 # -- the natural layout (features i·128 + p on partition p of tile i) ------------------------------------
 
 
@@ -196,10 +234,9 @@ def rows_to_natural_columns(columns, rows):
         groups[-1:] = [groups[-1][:-1], groups[-1][-1:]]
     for group in groups:
         pt, first = group[0][1], group[0][0] // pmax
-        turned = nl.ndarray((pt, len(group), r), dtype=rows.dtype, buffer=nl.psum, name="columns_psum")
-        for j, (f0, _) in enumerate(group):
-            nisa.nc_transpose(dst=turned[0:pt, j, 0:r], data=rows[0:r, f0 : f0 + pt])
-        nisa.tensor_copy(dst=columns[0:pt, first : first + len(group), 0:r], src=turned)
+        transpose_to_tiles(
+            columns[0:pt, first : first + len(group), 0:r], [rows[0:r, f0 : f0 + pt] for f0, _ in group], "columns_psum"
+        )
 
 
 def natural_columns_to_rows(rows, columns):
@@ -212,10 +249,7 @@ def natural_columns_to_rows(rows, columns):
         turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
         for f0, pt in spans(cw, pmax):
             nisa.nc_transpose(dst=turned[0:r, f0 : f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        if n % 2:
-            nisa.activation(dst=rows[0:r, c0 : c0 + cw], op=nl.copy, data=turned)
-        else:
-            nisa.tensor_copy(dst=rows[0:r, c0 : c0 + cw], src=turned)
+        evict_alternating(rows[0:r, c0 : c0 + cw], turned, n)
 
 
 def load_natural_columns(x, dtype=None, name="x_columns"):
