@@ -285,10 +285,18 @@ def test_rejects_bad_operands(rng):
     spec = make_spec(4, 2, 32, False, None)
     operands = list(make_operands(rng, spec, 10, 1, 1, 2, np.dtype(np.float32)))
     operands[5] = np.array([[2]], dtype=np.int16)
-    with pytest.raises(ValueError, match="write_index"):
+    with pytest.raises(TypeError, match="write_index"):
         attention_layer_kernel(*operands, layer=LAYER, spec=spec)
     operands[5] = np.array([[2]], dtype=np.int32)
     with pytest.raises(ValueError, match="layer"):
         attention_layer_kernel(*operands, layer=LAYERS, spec=spec)
     with pytest.raises(ValueError, match="head_dim"):
         attention_layer_kernel(*operands, layer=LAYER, spec=make_spec(4, 2, 48, False, None))
+    # The HBM operands are checked against the contract (nki_kernels.decode.contract).
+    cos = operands[6]
+    operands[6] = cos[..., :16]
+    with pytest.raises(ValueError, match=r"attention: cos: got shape \(2, 1, 1, 16\), expected \(2, 1, 1, 32\)"):
+        attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+    operands[6], operands[9] = cos, np.ones((LAYERS, 2, 32), dtype=np.float32)
+    with pytest.raises(ValueError, match="attention: qk_norms: expected None since spec.qk_norm is False"):
+        attention_layer_kernel(*operands, layer=LAYER, spec=spec)

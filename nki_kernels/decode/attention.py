@@ -49,6 +49,7 @@ from __future__ import annotations
 import dataclasses
 
 from nki_kernels.binding import nisa, nki, nl
+from nki_kernels.decode import contract
 from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.tiles import (
     evict_alternating,
@@ -804,48 +805,40 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
 
 
 def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer):
+    """attention()'s arguments: its HBM operands as the contract gives them (contract.check_named, B and S from
+    k_cache, T from cos, the model's dtype k_cache's), and what attention itself needs: a head dim it can tile
+    (check_head_dim), a static layer, B·T rows and G·T queries per kv head within one partition tile, and qT, kT,
+    vT natural column tiles of B·T rows."""
+    pmax = nl.tile_size.pmax
     if not isinstance(spec, DecodeSpec):
-        raise TypeError(f"spec: expected a DecodeSpec, got {type(spec).__name__}")
+        raise TypeError(f"attention: spec: got {type(spec).__name__}, expected a nki_kernels.decode.DecodeSpec")
     check_head_dim(spec.head_dim)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
-        raise ValueError(f"layer: got {layer!r}, expected a static int in [0, {spec.num_layers})")
-    cache_shape = tuple(k_cache.shape)
-    if (
-        len(cache_shape) != 5
-        or cache_shape[0] != spec.num_layers
-        or cache_shape[3:] != (spec.num_kv_heads, spec.head_dim)
-    ):
+        raise ValueError(f"attention: layer: got {layer!r}, expected a static int in [0, {spec.num_layers})")
+    if len(k_cache.shape) != 5 or len(cos.shape) != 4:
         raise ValueError(
-            f"k_cache: got shape {cache_shape}, expected [L={spec.num_layers}, B, S, "
-            f"kv_heads={spec.num_kv_heads}, D={spec.head_dim}]"
+            f"attention: k_cache {tuple(k_cache.shape)}, cos {tuple(cos.shape)}: expected [L, B, S, kv_heads, D] "
+            f"and [NR, B, T, D]"
         )
-    if tuple(v_cache.shape) != cache_shape or v_cache.dtype != k_cache.dtype:
-        raise ValueError(
-            f"v_cache: got {tuple(v_cache.shape)} {v_cache.dtype}, expected k_cache's {cache_shape} {k_cache.dtype}"
-        )
-    _, batch, s, _, d = cache_shape
-    if tuple(write_index.shape) != (1, 1) or write_index.dtype != nl.int32:
-        raise ValueError(f"write_index: got {tuple(write_index.shape)} {write_index.dtype}, expected [1, 1] int32")
-    if len(cos.shape) != 4 or cos.shape[1] != batch or cos.shape[3] != d or cos.shape[0] < spec.num_rope_tables:
-        raise ValueError(
-            f"cos: got shape {tuple(cos.shape)}, expected [NR >= {spec.num_rope_tables}, B={batch}, T, D={d}]"
-        )
+    _, batch, slots, _, _ = k_cache.shape
     t = cos.shape[2]
-    if tuple(sin.shape) != tuple(cos.shape):
-        raise ValueError(f"sin: got shape {tuple(sin.shape)}, expected cos's {tuple(cos.shape)}")
-    for name, table in (("cos", cos), ("sin", sin), ("mask_bias", mask_bias)):
-        if table.dtype != nl.float32:
-            raise TypeError(f"{name}: got dtype {table.dtype}, expected float32")
-    if tuple(mask_bias.shape[1:]) != (batch, t, s) or mask_bias.shape[0] < spec.num_masks:
-        raise ValueError(
-            f"mask_bias: got shape {tuple(mask_bias.shape)}, expected [NM >= {spec.num_masks}, B={batch}, T={t}, S={s}]"
-        )
+    hbm = dict(
+        k_cache=k_cache,
+        v_cache=v_cache,
+        write_index=write_index,
+        cos=cos,
+        sin=sin,
+        mask_bias=mask_bias,
+        qk_norms=qk_norm_weights,
+    )
+    contract.check_named(spec, hbm, "attention", batch=batch, tokens=t, slots=slots, model_dtype=k_cache.dtype)
     r = batch * t
     g_size = spec.num_heads // spec.num_kv_heads
-    if r > nl.tile_size.pmax or g_size * t > nl.tile_size.pmax:
+    if r > pmax or g_size * t > pmax:
         raise ValueError(
-            f"cos: B·T = {r} rows and G·T = {g_size * t} queries per kv head must each be at most {nl.tile_size.pmax}"
+            f"attention: B·T = {r} rows and G·T = {g_size * t} queries per kv head must each be at most {pmax}"
         )
+    d = spec.head_dim
     for name, x, features in (
         ("qT", qT, spec.num_heads * d),
         ("kT", kT, spec.num_kv_heads * d),
@@ -853,17 +846,12 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
     ):
         if x is None:
             continue
-        expected = (nl.tile_size.pmax, -(-features // nl.tile_size.pmax), r)
+        expected = (pmax, -(-features // pmax), r)
         if tuple(x.shape) != expected:
             raise ValueError(
-                f"{name}: got shape {tuple(x.shape)}, expected column tiles {list(expected)} "
+                f"attention: {name}: got shape {tuple(x.shape)}, expected column tiles {list(expected)} "
                 f"({features} features, B·T = {r} rows)"
             )
-    if spec.qk_norm and (qk_norm_weights is None or tuple(qk_norm_weights.shape) != (spec.num_layers, 2, d)):
-        raise ValueError(
-            f"qk_norm_weights: got {None if qk_norm_weights is None else tuple(qk_norm_weights.shape)}"
-            f", expected [L={spec.num_layers}, 2, D={d}] (spec.qk_norm is set)"
-        )
 
 
 def attention(

@@ -496,6 +496,36 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False)
     return ops
 
 
+def check_named(spec: DecodeSpec, operands: dict, where: str, *, batch: int, tokens: int, slots: int, model_dtype):
+    """`check` for a kernel that takes some of a step's operands: each of `operands` ({name: array or None}, names
+    of DecodeOperands fields other than weights) has the shape and dtype the contract gives it for `spec`, B = batch
+    rows, T = tokens, S = slots and the model's dtype `model_dtype`, and is None exactly where the spec has no such
+    operand; else a ValueError (shape, presence) or TypeError (dtype) that starts with `where` and names it."""
+    shapes = expected_shapes(spec, batch, tokens, slots)
+    dtypes = expected_dtypes(spec, model_dtype)
+    fields = {field.name: field for field in dataclasses.fields(DecodeOperands)}
+    for name, value in operands.items():
+        meta = fields[name].metadata
+        want = getattr(shapes, name)
+        if want is None or value is None:
+            if value is not None:
+                raise ValueError(f"{where}: {name}: expected None since spec.{meta['present']} is False")
+            if want is not None:
+                since = f" since spec.{meta['present']} is set" if meta.get("present") else ""
+                raise ValueError(f"{where}: {name}: got None, expected {meta['layout']}{since}")
+            continue
+        if _shape_of(value) != want:
+            raise ValueError(
+                f"{where}: {name}: got shape {_shape_of(value)}, expected {want} (B = {batch}, T = {tokens}, "
+                f"S = {slots}; the contract: {name} has shape {meta['layout']})"
+            )
+        if np.dtype(value.dtype) != getattr(dtypes, name):
+            raise TypeError(
+                f"{where}: {name}: got dtype {np.dtype(value.dtype).name}, expected {getattr(dtypes, name).name}"
+                + (" (the model's)" if meta.get("dtype", MODEL_DTYPE) == MODEL_DTYPE else "")
+            )
+
+
 def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> None:
     """A ValueError starting with `where` and naming write_index unless a step's T = `tokens` tokens fit the
     S = `slots` cache slots at write_index (0 <= write_index <= S - T). write_index: its concrete value (the [1, 1]
