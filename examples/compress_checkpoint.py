@@ -24,6 +24,7 @@ examples/generate.py --checkpoint OUT:
     tokens = generate(model, prompt_ids, 32, eos_id=model.eos_token_ids)
 """
 
+import _common  # sibling module: the script's folder is on sys.path
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -77,20 +78,9 @@ flags.register_validator(
 FLAGS = flags.FLAGS
 
 
-def read_text(path: str) -> str:
-    """The UTF-8 text of --calibration_text, or a usage error saying why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as error:
-        raise app.UsageError(f"--calibration_text {path}: not UTF-8 text ({error})") from error
-    except OSError as error:  # missing, a directory, unreadable
-        raise app.UsageError(f"--calibration_text {path}: cannot read it ({error.strerror or error})") from error
-
-
 def calibration_ids(checkpoint_dir: str, text_path: str, windows: int, tokens: int) -> np.ndarray:
     """Token ids [W, tokens] (W <= windows) of the text, with the checkpoint's tokenizer or as UTF-8 bytes."""
-    text = read_text(text_path)
+    text = _common.read_text("calibration_text", text_path)
     try:
         tokenizer = models.load_tokenizer(checkpoint_dir)
     except (OSError, ValueError) as error:  # a malformed tokenizer.json names the file

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import time
 
+import _common  # sibling module: the script's folder is on sys.path
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -28,20 +29,7 @@ import jax_neuronmm
 from jax_neuronmm import models, profiling
 from jax_neuronmm.models.validation import check_token_ids
 
-flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
-flags.DEFINE_string(
-    "checkpoint",
-    None,
-    "local HF checkpoint directory, compressed checkpoint directory or GGUF file; overrides --model/--preset",
-)
-flags.DEFINE_alias("checkpoint_dir", "checkpoint")
-flags.DEFINE_enum(
-    "preset",
-    "tiny",
-    list(models.presets.PRESETS),
-    f"random-init shape when no --checkpoint, per family: {models.presets.FAMILY_PRESETS}",
-)
-flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
+_common.define_model_flags()
 flags.DEFINE_float("keep", None, "compress MLPs keeping this fraction of parameters, in (0, 1] (omit: dense)")
 flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "factorization; whitened calibrates on the prompt")
 flags.DEFINE_bool("compress_attention", False, "also factor the attention projections")
@@ -71,26 +59,10 @@ flags.register_multi_flags_validator(
 FLAGS = flags.FLAGS
 
 
-def load_checkpoint(path: str, dtype):
-    """models.load_checkpoint(path), with what is wrong with the path or its files as a usage error."""
-    try:
-        return models.load_checkpoint(path, dtype=dtype)
-    except (OSError, ValueError) as error:  # missing / unreadable files; malformed or tampered ones
-        raise app.UsageError(f"--checkpoint {path}: {error}") from error
-
-
 def build_model():
-    dtype = jnp.dtype(FLAGS.dtype)
-    if FLAGS.checkpoint:
-        if FLAGS.keep is not None and models.is_compressed_checkpoint(FLAGS.checkpoint):
-            raise app.UsageError(f"--keep: {FLAGS.checkpoint} is compressed already (it loads at its saved ranks)")
-        return load_checkpoint(FLAGS.checkpoint, dtype)
-    if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
-        raise app.UsageError(
-            f"--preset {FLAGS.preset}: family {FLAGS.model} has presets {models.presets.FAMILY_PRESETS[FLAGS.model]}"
-        )
-    overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
-    return models.from_preset(FLAGS.model, FLAGS.preset, dtype=dtype, seed=FLAGS.seed, **overrides)
+    if FLAGS.checkpoint and FLAGS.keep is not None and models.is_compressed_checkpoint(FLAGS.checkpoint):
+        raise app.UsageError(f"--keep: {FLAGS.checkpoint} is compressed already (it loads at its saved ranks)")
+    return _common.load_model(seed=FLAGS.seed, dtype=jnp.dtype(FLAGS.dtype))
 
 
 def prompt_ids(model) -> np.ndarray:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import time
 
+import _common  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
@@ -27,20 +28,7 @@ from jax_neuronmm import models
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
-flags.DEFINE_enum("model", "llama", list(models.presets.FAMILIES), "model family (with --preset)")
-flags.DEFINE_string(
-    "checkpoint",
-    None,
-    "local HF checkpoint directory, compressed checkpoint directory or GGUF file; overrides --model/--preset",
-)
-flags.DEFINE_alias("checkpoint_dir", "checkpoint")
-flags.DEFINE_enum(
-    "preset",
-    "tiny",
-    list(models.presets.PRESETS),
-    f"random-init shape when no --checkpoint, per family: {models.presets.FAMILY_PRESETS}",
-)
-flags.DEFINE_integer("num_layers", None, "override the preset's layer count", lower_bound=1)
+_common.define_model_flags()
 flags.DEFINE_string("text", DEFAULT_TEXT, "UTF-8 text file to score")
 flags.DEFINE_list("keep", ["0.5", "0.8", "0.9"], "parameter fractions to compare against dense, each in (0, 1]")
 flags.DEFINE_enum("method", "svd", ["svd", "whitened"], "factorization")
@@ -71,35 +59,15 @@ def tokenize(model, text: str) -> np.ndarray:
     return ids
 
 
-def read_text(path: str) -> str:
-    """The UTF-8 text of --text, or a usage error saying why it cannot be read."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read()
-    except UnicodeDecodeError as error:
-        raise app.UsageError(f"--text {path}: not UTF-8 text ({error})") from error
-    except OSError as error:  # missing, a directory, unreadable
-        raise app.UsageError(f"--text {path}: cannot read it ({error.strerror or error})") from error
-
-
 def load_model():
     """(model, whether it is a compressed checkpoint) from --checkpoint or --preset."""
-    if FLAGS.checkpoint:
-        try:
-            return models.load_checkpoint(FLAGS.checkpoint), models.is_compressed_checkpoint(FLAGS.checkpoint)
-        except (OSError, ValueError) as error:  # missing / unreadable files; malformed or tampered ones
-            raise app.UsageError(f"--checkpoint {FLAGS.checkpoint}: {error}") from error
-    if FLAGS.preset not in models.presets.FAMILY_PRESETS[FLAGS.model]:
-        raise app.UsageError(
-            f"--preset {FLAGS.preset}: family {FLAGS.model} has presets {models.presets.FAMILY_PRESETS[FLAGS.model]}"
-        )
-    overrides = {} if FLAGS.num_layers is None else {"num_layers": FLAGS.num_layers}
-    return models.from_preset(FLAGS.model, FLAGS.preset, seed=FLAGS.seed, **overrides), False
+    model = _common.load_model(seed=FLAGS.seed)
+    return model, bool(FLAGS.checkpoint) and models.is_compressed_checkpoint(FLAGS.checkpoint)
 
 
 def main(argv):
     del argv
-    text = read_text(FLAGS.text)  # before loading: a wrong path fails at once
+    text = _common.read_text("text", FLAGS.text)  # before loading: a wrong path fails at once
     if (
         FLAGS.checkpoint
         and (FLAGS["keep"].present or FLAGS["method"].present)

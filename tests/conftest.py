@@ -1,4 +1,5 @@
-"""Shared fixtures: fresh seeded randomness and a float64 scope for gradient checks."""
+"""Shared fixtures: fresh seeded randomness, a float64 scope for gradient checks, the 8-device sharding checks'
+results."""
 
 import zlib
 
@@ -17,3 +18,12 @@ def rng(request):
 def x64():
     with jax.enable_x64(True):
         yield
+
+
+@pytest.fixture(scope="module")
+def check_results(request):
+    """{check name: None or the failure} of the requesting sharding test module's checks (spmd_helpers), from one
+    8-device subprocess per module."""
+    from spmd_helpers import checks_in_subprocess
+
+    return checks_in_subprocess(request.module.__file__)

@@ -1,10 +1,13 @@
-"""Shared by the 8-device sharding tests: the subprocess harness, collectives in compiled HLO, operands.
+"""Shared by the 8-device sharding tests: the check registry and subprocess harness, the 2 x 4 mesh, collectives in
+compiled HLO, operands.
 
 The device count must be fixed before JAX starts, so a sharding test module runs itself once in a subprocess
 with `--xla_force_host_platform_device_count=8`: the subprocess runs every check of the module (`run_checks`)
-and prints one JSON line {check name: null or the failure}; the pytest side (`checks_in_subprocess`) reads it.
+and prints one JSON line {check name: null or the failure}; the pytest side (`checks_in_subprocess`, through
+conftest.py's module-scoped `check_results` fixture) reads it, and `check_test` gives one test per check.
 """
 
+import functools
 import json
 import os
 import re
@@ -13,10 +16,28 @@ import sys
 import traceback
 import zlib
 
+import jax
 import numpy as np
+import pytest
+from jax.sharding import Mesh
 
 DEVICE_COUNT = 8
 RESULT_MARKER = "SHARDING_CHECKS_JSON "
+
+
+class Checks(dict):
+    """{check name: function} of one sharding test module; the `check` decorator registers a function by name."""
+
+    def check(self, fn):
+        self[fn.__name__] = fn
+        return fn
+
+
+@functools.cache
+def mesh():
+    """The ("data", "model") mesh of 2 x 4 over the subprocess's 8 devices."""
+    assert jax.device_count() == DEVICE_COUNT, jax.devices()
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
 
 
 def rng(name):
@@ -76,3 +97,15 @@ def checks_in_subprocess(module_file):
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_MARKER)]
     assert done.returncode == 0 and lines, f"subprocess failed (rc {done.returncode}):\n{done.stderr[-4000:]}"
     return json.loads(lines[-1][len(RESULT_MARKER) :])
+
+
+def check_test(checks):
+    """Pytest side: a test, parametrized by check name, that passes where that check passed in the subprocess
+    (`check_results`); a module binds it as `test_sharding = check_test(CHECKS)`."""
+
+    @pytest.mark.parametrize("name", sorted(checks))
+    def test_sharding(check_results, name):
+        failure = check_results[name]
+        assert failure is None, failure
+
+    return test_sharding

@@ -20,25 +20,32 @@ from nki_kernels.emulator.kernel import Spec
 BF16 = ml_dtypes.bfloat16
 RING = dict(ring_block_bytes=4096, ring_bytes=10000)  # a few blocks: the cursor wraps inside every layer
 
-LLAMA = DecodeSpec(
-    num_layers=2,
-    hidden=200,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    intermediate=200,
-    vocab=300,
-    norm_eps=1e-5,
-    norm_unit_offset=False,
-    qk_norm=False,
-    sandwich=False,
-    activation="silu",
-    query_scaling=32**-0.5,
-    attn_logit_softcap=None,
-    final_logit_softcap=None,
-    layer_rope=(0, 0),
-    layer_mask=(0, 0),
-)
+
+def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate):
+    """A Llama-like spec of this shape (vocabulary 300): SiLU, plain norms, no q/k or sandwich norms, no softcaps,
+    1/sqrt(head_dim) query scaling, one RoPE table and one mask for every layer, dense projections and head."""
+    return DecodeSpec(
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=300,
+        norm_eps=1e-5,
+        norm_unit_offset=False,
+        qk_norm=False,
+        sandwich=False,
+        activation="silu",
+        query_scaling=head_dim**-0.5,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        layer_rope=(0,) * num_layers,
+        layer_mask=(0,) * num_layers,
+    )
+
+
+LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
 GEMMA3 = DecodeSpec(
     num_layers=3,
     hidden=256,
@@ -110,6 +117,19 @@ def make_operands(rng, spec, b, t, s, w, dtype):
         else [arr((h, spec.head_rank), h**-0.5), arr((spec.head_rank, spec.vocab), spec.head_rank**-0.5)]
     )
     return operands
+
+
+def placeholders(spec, b, t, s, w):
+    """Bf16 operands as Spec placeholders (shape and dtype, no memory; a factored operand as a list of them) for a
+    count-only trace; the int32 write slot stays an array and absent operands None."""
+    return [
+        op
+        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
+        else [Spec(f.shape, f.dtype) for f in op]
+        if isinstance(op, list)
+        else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, b, t, s, w, BF16)
+    ]
 
 
 def relative_error(got, want):
@@ -195,14 +215,7 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
     """HBM bytes read drop by exactly the cache and mask slots outside the window, in each sliding layer."""
     b, t, s = 2, 1, 300
     spec = GEMMA3_DENSE
-    operands = [
-        op
-        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
-        else [Spec(f.shape, f.dtype) for f in op]
-        if isinstance(op, list)
-        else Spec(op.shape, op.dtype)
-        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 200, BF16)
-    ]
+    operands = placeholders(spec, b, t, s, 200)
     read = {}
     for windows in ((), (None, WINDOW)):
         with profile() as prof:
@@ -236,14 +249,7 @@ def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
 def test_count_only_trace_with_placeholders():
     """Spec placeholders (no weight memory) give a count-only trace with the real bytes moved."""
     spec, b, t, s = GEMMA3, 2, 1, 16
-    operands = [
-        op
-        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
-        else [Spec(f.shape, f.dtype) for f in op]
-        if isinstance(op, list)
-        else Spec(op.shape, op.dtype)
-        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 3, BF16)
-    ]
+    operands = placeholders(spec, b, t, s, 3)
     with profile() as prof:
         logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
     assert logits.shape == (b, t, spec.vocab)
@@ -255,29 +261,8 @@ def test_count_only_trace_with_placeholders():
 def test_default_ring_leaves_sbuf_for_a_long_cache():
     """The default weight ring keeps attention's cache tiles out of its SBUF: 8 kv heads of 128 over 2048 slots in
     bf16 take 64 KiB per partition per row, which overflowed trn1's SBUF when the ring took all but 64 KiB."""
-    spec = DecodeSpec(
-        num_layers=1,
-        hidden=256,
-        num_heads=8,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate=256,
-        vocab=300,
-        norm_eps=1e-5,
-        norm_unit_offset=False,
-        qk_norm=False,
-        sandwich=False,
-        activation="silu",
-        query_scaling=128**-0.5,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=(0,),
-        layer_mask=(0,),
-    )
-    operands = [
-        op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
-        for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)
-    ]
+    spec = llama_like(num_layers=1, hidden=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate=256)
+    operands = placeholders(spec, 1, 1, 2048, 5)
     for target in ("trn1", "trn2"):
         with use_target(target):
             logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)

@@ -8,6 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from tiny_models import gemma3 as _gemma3
+from tiny_models import llama as _llama
+from tiny_models import logits as _logits
+from tiny_models import token_ids as _ids
 
 import jax_neuronmm
 from jax_neuronmm.compress import svd
@@ -15,28 +19,6 @@ from jax_neuronmm.models import GatedMLP, Gemma, GemmaConfig, Llama, LlamaConfig
 from jax_neuronmm.models.compression import RankRoundingWarning
 from jax_neuronmm.models.layers import activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-
-_logits = nnx.jit(lambda model, ids: model(ids))
-
-
-def _llama(seed=0):
-    config = LlamaConfig.preset("tiny", vocab_size=211, hidden_size=96, intermediate_size=200, num_layers=2)
-    return Llama(config, rngs=nnx.Rngs(seed))
-
-
-def _gemma3(seed=0):
-    config = GemmaConfig.preset("gemma3-tiny", vocab_size=211, hidden_size=96, intermediate_size=200)
-    model = Gemma(config, rngs=nnx.Rngs(seed))
-    # Non-zero norm weights so a (1 + w) slip would show.
-    rng = np.random.default_rng(seed)
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if "norm" in "/".join(map(str, path)):
-            param.set_value(jnp.asarray(0.3 * rng.standard_normal(param.shape), jnp.float32))
-    return model
-
-
-def _ids(batch, tokens, seed):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, 211, size=(batch, tokens)))
 
 
 @pytest.mark.parametrize("make_model", [_llama, _gemma3], ids=["llama", "gemma3"])

@@ -21,18 +21,22 @@ _logits = nnx.jit(lambda model, ids: model(ids))
 
 SEQ_LEN = 11
 DECODE_STEPS = 14
+# The shape every reference config shares; each family adds its layer count, kv heads and own features.
+SHAPE = dict(
+    vocab_size=203,
+    hidden_size=64,
+    intermediate_size=136,
+    num_attention_heads=4,
+    head_dim=16,
+    max_position_embeddings=64,
+)
 
 
 def _llama_config(tie: bool) -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        vocab_size=203,
-        hidden_size=64,
-        intermediate_size=136,
+        **SHAPE,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
         rms_norm_eps=1e-5,
         tie_word_embeddings=tie,
         attention_bias=not tie,
@@ -51,28 +55,18 @@ def _llama_config(tie: bool) -> transformers.LlamaConfig:
 
 def _gemma_config() -> transformers.GemmaConfig:
     return transformers.GemmaConfig(
-        vocab_size=203,
-        hidden_size=64,
-        intermediate_size=136,
+        **SHAPE,
         num_hidden_layers=2,
-        num_attention_heads=4,
         num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
         hidden_act="gelu_pytorch_tanh",
     )
 
 
 def _gemma3_config() -> transformers.Gemma3TextConfig:
     return transformers.Gemma3TextConfig(
-        vocab_size=203,
-        hidden_size=64,
-        intermediate_size=136,
+        **SHAPE,
         num_hidden_layers=3,
-        num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
-        max_position_embeddings=64,
         query_pre_attn_scalar=24,
         sliding_window=4,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"],

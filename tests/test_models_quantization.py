@@ -7,32 +7,15 @@ import numpy as np
 import pytest
 import safetensors
 from flax import nnx
+from tiny_models import gemma3 as _gemma3
+from tiny_models import llama as _llama
+from tiny_models import logits as _logits
+from tiny_models import token_ids as _ids
 
 from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, generate, quantize_model
+from jax_neuronmm.models import compress_model, generate, quantize_model
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP
-
-_logits = nnx.jit(lambda model, ids: model(ids))
-
-
-def _llama(seed=0):
-    config = LlamaConfig.preset("tiny", vocab_size=211, hidden_size=96, intermediate_size=200, num_layers=2)
-    return Llama(config, rngs=nnx.Rngs(seed))
-
-
-def _gemma3(seed=0):
-    config = GemmaConfig.preset("gemma3-tiny", vocab_size=211, hidden_size=96, intermediate_size=200)
-    model = Gemma(config, rngs=nnx.Rngs(seed))
-    rng = np.random.default_rng(seed)
-    for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param)):
-        if "norm" in "/".join(map(str, path)):
-            param.set_value(jnp.asarray(0.3 * rng.standard_normal(param.shape), jnp.float32))
-    return model
-
-
-def _ids(batch, tokens, seed):
-    return jnp.asarray(np.random.default_rng(seed).integers(0, 211, size=(batch, tokens)))
 
 
 def _dequantized(values, scale):

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 from spmd_helpers import (
-    checks_in_subprocess,
+    Checks,
     collectives,
     matmul_f64,
     matmul_operands,
@@ -27,7 +27,7 @@ from spmd_helpers import (
 import jax_neuronmm as jn
 from jax_neuronmm._compat import ShardingTypeError
 
-CHECKS = {}
+CHECKS = Checks()
 BACKENDS = ("xla", "emulator")
 MESH_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
@@ -174,10 +174,7 @@ for _name in LAYOUTS:
         CHECKS[f"{_name}_{_kind}_xla_grads"] = lambda n=_name, k=_kind: _check_layout_grads(n, k, "xla")
     CHECKS[f"{_name}_explicit_emulator_grads"] = lambda n=_name: _check_layout_grads(n, "explicit", "emulator")
 
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
+check = CHECKS.check
 
 
 def _raises(error, fn, *fragments):
@@ -418,11 +415,6 @@ def generate_on_explicit_mesh_matches_one_device():
         sharded = nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
         assert sharded.layers[0].mlp.gate_proj.v[...].sharding.spec == P(None, "model")
         np.testing.assert_array_equal(np.asarray(models.generate(sharded, prompts, 6, **sampling)), expected)
-
-
-@pytest.fixture(scope="module")
-def check_results():
-    return checks_in_subprocess(__file__)
 
 
 # Known limitation on JAX >= 0.12: a partially Manual shard_map (Manual over "model", Explicit "data") around the

@@ -3,33 +3,21 @@
 Runs itself in a subprocess with 8 host devices, like test_sharding_spmd.py (see spmd_helpers).
 """
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from spmd_helpers import DEVICE_COUNT, checks_in_subprocess, run_checks
+from spmd_helpers import Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
+from spmd_helpers import mesh as _mesh
 from spmd_helpers import rng as _rng
 
 import jax_neuronmm as jn
 from jax_neuronmm.compress import quantize_fp8
 
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-@functools.cache
-def _mesh():
-    assert jax.device_count() == DEVICE_COUNT, jax.devices()
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+CHECKS = Checks()
+check = CHECKS.check
 
 
 def _matmul_operands(name, tokens=14, k=64, r=24, n=40, dtype=np.float32):
@@ -117,15 +105,7 @@ def mlp_megatron_scales_split_with_the_intermediate():
     assert collectives == [("all-reduce", "f32[1,6,48]")], collectives
 
 
-@pytest.fixture(scope="module")
-def check_results():
-    return checks_in_subprocess(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_sharding(check_results, name):
-    failure = check_results[name]
-    assert failure is None, failure
+test_sharding = check_test(CHECKS)  # one subprocess runs every check (conftest.py's check_results)
 
 
 if __name__ == "__main__":

@@ -5,19 +5,18 @@ The device count must be fixed before JAX starts, so this module runs itself onc
 check in CHECKS and prints one JSON line {check name: null or the failure}. Each pytest test reports one check.
 """
 
-import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
-from spmd_helpers import DEVICE_COUNT, checks_in_subprocess, run_checks
+from spmd_helpers import DEVICE_COUNT, Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import matmul_f64 as _matmul_f64
 from spmd_helpers import matmul_operands as _matmul_operands
+from spmd_helpers import mesh as _mesh
 from spmd_helpers import mlp_f64 as _mlp_f64
 from spmd_helpers import mlp_operands as _mlp_operands
 from spmd_helpers import rng as _rng
@@ -30,18 +29,8 @@ from jax_neuronmm.svd_mlp import WEIGHT_NAMES
 # ---------------------------------------------------------------------------------------------------------------
 # The checks (run in the 8-device subprocess only).
 
-CHECKS = {}
-
-
-def check(fn):
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-@functools.cache
-def _mesh():
-    assert jax.device_count() == DEVICE_COUNT, jax.devices()
-    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+CHECKS = Checks()
+check = CHECKS.check
 
 
 def _run_layout(fn, args, specs, out_spec=None):
@@ -310,18 +299,9 @@ def shard_map_direct_bind_with_mismatched_varying_axes_raises():
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# The pytest side: one subprocess for all checks.
+# The pytest side: one subprocess for all checks (conftest.py's check_results).
 
-
-@pytest.fixture(scope="module")
-def check_results():
-    return checks_in_subprocess(__file__)
-
-
-@pytest.mark.parametrize("name", sorted(CHECKS))
-def test_sharding(check_results, name):
-    failure = check_results[name]
-    assert failure is None, failure
+test_sharding = check_test(CHECKS)
 
 
 if __name__ == "__main__":
