@@ -5,13 +5,19 @@ Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column
 PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `ring.WeightRing` filled round robin
 by a cursor that never resets, so the next blocks (of this layer or the next one) load while the current ones are
 multiplied: with a list-scheduled DMA model a load waits only for the matmuls that read the bytes it overwrites
-(prefetch depth = the ring's size). Matmul operands are in the model dtype; PSUM, norms and the residual stream
-are float32.
+(prefetch depth = the ring's size). Matmul operands are in the model dtype, or fp8 weights (float8_e4m3, DMA'd
+as they are) beside activations in the model dtype; PSUM, norms and the residual stream are float32.
+
+fp8 weights (nki_kernels.decode.contract: Quantized, Factored with scales) carry one float32 scale per output
+column: the float32 sums are multiplied by it as PSUM is evicted (output features on the partitions: a scale
+column tile per output tile, see `load_scales`; in the LM head the vocabulary is the free dimension, so a scale row
+per range of columns). A factored weight's rank scales multiply (x·u)ᵀ before it is rounded to the model dtype.
 """
 
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
+from nki_kernels.decode.contract import Quantized
 from nki_kernels.decode.tiles import (
     choose_group,
     column_tiles,
@@ -114,21 +120,34 @@ def rows_per_block(in_count_max, n, block_elements):
     return max(1, min(in_count_max, block_elements // n))
 
 
-def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
-    """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
+def load_scales(scale, layout):
+    """scale [F] (HBM, float32: an fp8 weight's per-column scales) as float32 column tiles [128, tiles, 1] of
+    `layout` (one DMA and a PE transpose per tile); None for None."""
+    if scale is None:
+        return None
+    cols = column_tiles(layout, 1, nl.float32, "scales", zero=False)
+    load_columns(cols, scale.reshape((1, scale.shape[0])), layout)
+    return cols
 
-    x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
-    chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit a
-    ring block at the full width; each block's tiles feed every output tile of the chunk. evict(psum, s0, count, size)
-    is called once per run of equal-size output tiles with the float32 accumulators psum [size, count, rows]
-    (tiles s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
+
+def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None):
+    """x [K features] @ w [K, N] (an HBM view in the model dtype, or fp8) for `rows` rows, out in `out_layout`.
+
+    x: column tiles of in_layout in the model dtype. Weights stream through `ring`, one DMA per (input block,
+    column chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit
+    a ring block at the full width; each block's tiles feed every output tile of the chunk.
+    evict(psum, s0, count, size, scale) is called once per run of equal-size output tiles with the float32
+    accumulators psum [size, count, rows] (tiles s0 .. s0+count-1 of out_layout) and their scales: None, or (fp8
+    weights, `scales` the load_scales tiles of out_layout) a float32 [size, count, rows] view to multiply psum by;
+    the PSUM is freed after the chunk.
     """
     pmax = nl.tile_size.pmax
     k, n = w.shape
     in_blocks = layout_blocks(in_layout)
-    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.block_elements)
+    block_elements = ring.block_elements(w.dtype)
+    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, block_elements)
     rows_pad = padded_rows(rows)
-    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.block_elements, rows):
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, block_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
             view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
@@ -146,42 +165,53 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
                         )
                 del block
         for s0, count, size in tile_runs(out_layout, out_s0, out_s0 + out_count):
-            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size)
+            scale = None if scales is None else scales[0:size, s0 : s0 + count, 0:1].broadcast(2, rows)
+            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size, scale)
         del acc
 
 
-def copy_into(dst, op=None):
-    """An evict for `dense_projection`: dst[tiles] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+def _scaled(psum, scale):
+    """psum · scale (float32, [size, count, rows]) into a fresh float32 SBUF tile, on VectorE."""
+    out = nl.ndarray(tuple(psum.shape), dtype=nl.float32, buffer=nl.sbuf, name="scaled_psum")
+    nisa.tensor_tensor(dst=out, data1=psum, data2=scale, op=nl.multiply)
+    return out
 
-    def evict(psum, s0, count, size):
+
+def copy_into(dst, op=None):
+    """An evict for `dense_projection`: dst[tiles] = psum·scale (or op(psum·scale) on ScalarE), casting to dst's
+    dtype; one instruction without a scale or an op."""
+
+    def evict(psum, s0, count, size, scale):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
-        if op is None:
+        if op is None and scale is None:
             nisa.tensor_copy(dst=view, src=psum)
+        elif op is None:
+            nisa.tensor_tensor(dst=view, data1=psum, data2=scale, op=nl.multiply)
         else:
-            nisa.activation(dst=view, op=op, data=psum)
+            nisa.activation(dst=view, op=op, data=psum if scale is None else _scaled(psum, scale))
 
     return evict
 
 
 def add_into(dst):
-    """An evict for `dense_projection`: dst[tiles] += psum (the residual add, float32)."""
+    """An evict for `dense_projection`: dst[tiles] += psum·scale (the residual add, float32)."""
 
-    def evict(psum, s0, count, size):
+    def evict(psum, s0, count, size, scale):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
-        nisa.tensor_tensor(dst=view, data1=view, data2=psum, op=nl.add)
+        nisa.tensor_tensor(dst=view, data1=view, data2=psum if scale is None else _scaled(psum, scale), op=nl.add)
 
     return evict
 
 
 def multiply_into(dst, other):
-    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum (the gated MLP's act(gate)·up)."""
+    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum·scale (the gated MLP's act(gate)·up)."""
 
-    def evict(psum, s0, count, size):
+    def evict(psum, s0, count, size, scale):
         rows = psum.shape[2]
         nisa.tensor_tensor(
             dst=dst[0:size, s0 : s0 + count, 0:rows],
             data1=other[0:size, s0 : s0 + count, 0:rows],
-            data2=psum,
+            data2=psum if scale is None else _scaled(psum, scale),
             op=nl.multiply,
         )
 
@@ -189,17 +219,24 @@ def multiply_into(dst, other):
 
 
 def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict):
-    """`dense_projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
-    of one layer): stage 1 leaves (x·u)ᵀ in SBUF as column tiles over the rank (rank on the partitions, grouped
-    for v's rows), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
+    """`dense_projection` of one layer's weight (HBM views): a dense [K, N] or a Quantized (rank None), or a
+    Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales). Factored: stage 1 leaves (x·u)ᵀ in SBUF
+    as column tiles over the rank in x's dtype (rank on the partitions, grouped for v's rows; scaled by u_scale
+    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
     if rank is None:
-        dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
+        if isinstance(weight, Quantized):
+            scales = load_scales(weight.scale, out_layout)
+            dense_projection(x, in_layout, weight.w, out_layout, rows, ring, evict, scales)
+        else:
+            dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
         return
-    u, v = weight
+    u, v = weight.u, weight.v
     rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
-    xu = column_tiles(rank_layout, rows, u.dtype, "xuT", zero=False)
-    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
-    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
+    u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], rank_layout)
+    v_scales = load_scales(weight.v_scale, out_layout)
+    xu = column_tiles(rank_layout, rows, x.dtype, "xuT", zero=False)
+    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu), u_scales)
+    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
 
 
 def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
@@ -215,26 +252,29 @@ def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring,
     projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
 
 
-def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
-    """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
+def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None):
+    """out_rows [R, V] (HBM, float32) = (x · w [K, V])·diag(scale), softcap·tanh(·/softcap) when softcap is set.
 
-    x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
-    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
-    through the ring column range by column range. A range at most HEAD_COLUMNS wide is one PSUM chunk: each of its
-    blocks is multiplied as soon as it loads and is then free, so only the ring's prefetch is in flight, whatever
-    the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16 weight row per DMA, where a ring
-    block allows) spans several PSUM chunks that each accumulate over all its blocks, so they stay live together:
-    it is used only where they take at most a third of the ring (the rest prefetches the next ranges), else ranges
-    are HEAD_COLUMNS wide.
+    w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM). x is the STATIONARY operand ([≤128 of
+    K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds logits rows [R, ≤512] directly,
+    HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream through the ring column range by
+    column range; a range's scales come first, one DMA of the range's scales onto each of the R rows' partitions
+    (the scaled dimension is free here), and multiply the logits as they leave PSUM. A range at most HEAD_COLUMNS
+    wide is one PSUM chunk: each of its blocks is multiplied as soon as it loads and is then free, so only the
+    ring's prefetch is in flight, whatever the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each
+    bf16 weight row per DMA, where a ring block allows) spans several PSUM chunks that each accumulate over all its
+    blocks, so they stay live together: it is used only where they take at most a third of the ring (the rest
+    prefetches the next ranges), else ranges are HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_RUN_COLUMNS, ring.block_elements // in_count_max)
-    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
+    block_elements = ring.block_elements(w.dtype)
+    columns = min(HEAD_RUN_COLUMNS, block_elements // in_count_max)
+    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
-        columns = min(HEAD_COLUMNS, ring.block_elements // in_count_max)
+        columns = min(HEAD_COLUMNS, block_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
@@ -253,46 +293,63 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
                 )
 
     for v0, vc in spans(v, columns):
+        scale_rows = None
+        if scale is not None:
+            scale_rows = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.sbuf, name="head_scale_rows")
+            nisa.dma_copy(dst=scale_rows, src=scale[v0 : v0 + vc].reshape((1, vc)).broadcast(0, rows))
         if vc <= HEAD_COLUMNS:
             acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
             for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
                 block = load(v0, vc, k0, ks, count, partitions)
                 multiply(acc, block, b, s0, count, partitions, 0, vc)
                 del block
-            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap)
+            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap, scale_rows)
             continue
         blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
         for c0, cw in spans(vc, HEAD_COLUMNS):
             acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
             for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
                 multiply(acc, block, b, s0, count, partitions, c0, cw)
-            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap)
+            chunk_scale = None if scale_rows is None else scale_rows[0:rows, c0 : c0 + cw]
+            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap, chunk_scale)
         del blocks
 
 
-def _store_logits(acc, out, softcap):
-    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM), soft-capped when softcap is set."""
+def _store_logits(acc, out, softcap, scale):
+    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM) times scale ([R, n] float32 in SBUF, or
+    None), soft-capped when softcap is set."""
     logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+    src = acc
+    if scale is not None:
+        nisa.tensor_tensor(dst=logits, data1=acc, data2=scale, op=nl.multiply)
+        src = logits
     if softcap is None:
-        nisa.tensor_copy(dst=logits, src=acc)
+        if scale is None:
+            nisa.tensor_copy(dst=logits, src=acc)
     else:
-        nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
+        nisa.activation(dst=logits, op=nl.tanh, data=src, scale=1.0 / softcap)
         nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
     nisa.dma_copy(dst=out, src=logits)
 
 
-def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):
-    """Final norm of the hidden state x (float32 column tiles) and the LM head into out_rows [R, V] (HBM,
-    float32): dense head [H, V], or factors [u [H, r], v [r, V]] (stage 1 as a projection, stage 2 as the
-    dense head from the on-chip (x·u)ᵀ)."""
-    dtype = head.dtype
+def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, dtype, softcap=None):
+    """Final norm of the hidden state x (float32 column tiles) into the model dtype `dtype` and the LM head into
+    out_rows [R, V] (HBM, float32): dense head [H, V], a Quantized, or a Factored u [H, r], v [r, V] (with fp8
+    factors, their scales; stage 1 as a projection, stage 2 as the dense head from the on-chip (x·u)ᵀ)."""
     h = column_tiles(layout, rows, dtype, "final_normed", zero=False)
     rms_norm(h, x, final_norm_w, layout, rows, consts)
+    head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap)
+
+
+def head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap=None):
+    """The LM head of normed column tiles h (model dtype, `layout`) into out_rows [R, V] (HBM, float32), as
+    `lm_head` describes (head_rank None: dense or Quantized)."""
     if head_rank is None:
-        head_projection(h, layout, head, rows, ring, out_rows, softcap)
+        w, scale = (head.w, head.scale) if isinstance(head, Quantized) else (head, None)
+        head_projection(h, layout, w, rows, ring, out_rows, softcap, scale)
         return
-    u, v = head
     rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
-    xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-    dense_projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
-    head_projection(xu, rank_layout, v[0:head_rank, :], rows, ring, out_rows, softcap)
+    u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], rank_layout)
+    xu = column_tiles(rank_layout, rows, h.dtype, "head_xuT", zero=False)
+    dense_projection(h, layout, head.u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu), u_scales)
+    head_projection(xu, rank_layout, head.v[0:head_rank, :], rows, ring, out_rows, softcap, head.v_scale)
