@@ -178,7 +178,7 @@ def test_missing_or_misshapen_scales_name_the_operand(rng):
     with pytest.raises(ValueError, match=r"q.u_scale: got shape \(3, 132\), expected \(3, 133\)"):
         replaced("q", Factored(u, v, u_scale[:, 1:], v_scale))
     w, scale = operands[WEIGHT_INDEX["k"]]
-    with pytest.raises(ValueError, match=r"k: got ndarray, expected Quantized\(w, scale\) .* spec.fp8_weights names"):
+    with pytest.raises(ValueError, match=r"k: got one array, expected Quantized\(w, scale\) .* spec.fp8_weights names"):
         replaced("k", w)
     with pytest.raises(ValueError, match=r"k.scale: got shape \(3, 32\), expected \(3, 64\)"):
         replaced("k", Quantized(w, scale[:, :32]))

@@ -500,9 +500,10 @@ def _check_structure(where: str, spec: DecodeSpec, name: str, value, layout: str
             + f" since the spec gives it no ranks {contract}"
         )
     if kind is Quantized and not isinstance(value, Quantized):
+        got = "one array" if hasattr(value, "shape") else type(value).__name__
         raise ValueError(
-            f"{where}: {name}: got {type(value).__name__}, expected Quantized(w, scale) (fp8 values and float32 "
-            f"per-column scales) since spec.fp8_weights names it {contract}"
+            f"{where}: {name}: got {got}, expected Quantized(w, scale) (fp8 values and float32 per-column scales) "
+            f"since spec.fp8_weights names it {contract}"
         )
     if kind is None and isinstance(value, Quantized):
         raise ValueError(
