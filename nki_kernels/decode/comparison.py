@@ -151,6 +151,46 @@ def must_move_bytes(
     )
 
 
+def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[str]:
+    """The fp8 report's Markdown table for `model`: a row per batch, S, weights (bf16 / fp8), dense or compressed
+    and composition in `ours` ({(model name, fp8, compressed, batch, S, composition): Measured}) with its launches,
+    HBM bytes moved and must-move, and per target the modeled µs at 0 µs per launch, % of peak and the speedup
+    over bf16 dense looped at the same batch and S ("–" where a case did not run)."""
+    lines = [
+        "| batch | S | weights | model | composition | launches | HBM MB moved / must move "
+        + "".join(f"| {t} µs / % peak / × bf16 dense looped " for t in TARGETS)
+        + "|",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS),
+    ]
+    for b in batches:
+        for s in cache_lengths:
+            base = ours.get((model.name, False, False, b, s, "looped"))
+            for fp8 in (False, True):
+                for compressed in (False, True):
+                    need = must_move_bytes(model, compressed, b, s, fp8=fp8)
+                    for comp in COMPOSITIONS:
+                        m = ours.get((model.name, fp8, compressed, b, s, comp))
+                        if m is None:
+                            continue
+                        cells = []
+                        for t in TARGETS:
+                            us = m.latency_us(t, 0.0)
+                            base_us = None if base is None else base.latency_us(t, 0.0)
+                            if us is None:
+                                cells.append("– / – / –")
+                                continue
+                            speedup = "–" if base_us is None else f"{base_us / us:.2f}x"
+                            cells.append(f"{us:.1f} / {100 * peak_fraction(need, us, t):.0f}% / {speedup}")
+                        moved = f"{m.hbm_bytes / 1e6:.1f}" if m.kernel_us else "–"
+                        lines.append(
+                            f"| {b} | {s} | {'fp8' if fp8 else 'bf16'} | {where(compressed)} | {LABELS[comp]} "
+                            f"| {m.launches:.0f} | {moved} / {need / 1e6:.1f} "
+                            + "".join(f"| {c} " for c in cells)
+                            + "|"
+                        )
+    return lines
+
+
 def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:
     """nbytes ÷ latency ÷ the core's peak DMA-to-HBM rate (min of its HBM share and its 16 DMA engines)."""
     return roofline_us(0, nbytes, target) / latency_us
