@@ -15,9 +15,11 @@ import pytest
 from test_kernels_decode_step import BF16, GEMMA3, LLAMA, RING, check_cache, make_operands, relative_error
 
 from nki_kernels import reference
-from nki_kernels.decode import traffic
+from nki_kernels.binding import nki, nl
+from nki_kernels.decode import projections, tiles, traffic
 from nki_kernels.decode.compositions import projection_kernel
 from nki_kernels.decode.contract import WEIGHTS, DecodeSpec, Factored, Quantized, check
+from nki_kernels.decode.ring import WeightRing
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import NkiHardwareError, profile
 from nki_kernels.emulator.kernel import Spec
@@ -196,3 +198,28 @@ def test_missing_or_misshapen_scales_name_the_operand(rng):
         replaced("k", Quantized(w, scale), dataclasses.replace(GEMMA3_8, fp8_weights=("q",)))
     with pytest.raises(ValueError, match="DecodeSpec.fp8_weights"):
         DecodeSpec(**{**GEMMA3.__dict__, "fp8_weights": ("q", "lm_head")})
+
+
+@nki.jit
+def fp8_head_kernel(h, w, scale, *, softcap):
+    """head_projection of rows h [R, K] (bf16) by fp8 w [K, V] with scales [V], in the default weight ring."""
+    rows, k = h.shape
+    layout = tiles.feature_layout(k, tiles.head_group(k))
+    hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
+    tiles.load_columns(hc, h, layout)
+    logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    projections.head_projection(hc, layout, w, rows, WeightRing(), logits, softcap, scale)
+    return logits
+
+
+@pytest.mark.parametrize("rows, softcap", [(72, 3.0), (5, None)])
+def test_fp8_head_with_many_rows_and_wide_ranges(rng, rows, softcap):
+    """fp8 LM head, vocabulary on the partitions: 4096-column ranges of 32 groups; with 72 rows an accumulator holds
+    16 groups, so a range's blocks stay live over two accumulators; a ragged last group (V = 4700)."""
+    h = rng.standard_normal((rows, 256)).astype(BF16)
+    w, scale = fp8_matrix(rng, (256, 4700), 256)
+    logits = fp8_head_kernel(h, w, scale, softcap=softcap)
+    want = h.astype(np.float64) @ reference.dequantized_f64(Quantized(w, scale))
+    if softcap:
+        want = np.tanh(want / softcap) * softcap
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -255,16 +255,14 @@ def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring,
 def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None):
     """out_rows [R, V] (HBM, float32) = (x · w [K, V])·diag(scale), softcap·tanh(·/softcap) when softcap is set.
 
-    w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM). x is the STATIONARY operand ([≤128 of
-    K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds logits rows [R, ≤512] directly,
-    HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream through the ring column range by
-    column range; a range's scales come first, one DMA of the range's scales onto each of the R rows' partitions
-    (the scaled dimension is free here), and multiply the logits as they leave PSUM. A range at most HEAD_COLUMNS
-    wide is one PSUM chunk: each of its blocks is multiplied as soon as it loads and is then free, so only the
-    ring's prefetch is in flight, whatever the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each
-    bf16 weight row per DMA, where a ring block allows) spans several PSUM chunks that each accumulate over all its
-    blocks, so they stay live together: it is used only where they take at most a third of the ring (the rest
-    prefetches the next ranges), else ranges are HEAD_COLUMNS wide.
+    w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM); x: column tiles of `layout` in the
+    model dtype. Head blocks (one per layout block of K rows) stream through the ring column range by column range,
+    and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights; `_LogitColumns`: fp8). A range
+    whose logits fit one chunk multiplies each block as soon as it loads, which frees it, so only the ring's
+    prefetch is in flight, whatever the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16
+    weight row per DMA, where a ring block allows) spans several chunks that each accumulate over all its blocks,
+    so they stay live together: it is used only where they take at most a third of the ring (the rest prefetches
+    the next ranges), else ranges are HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
@@ -278,58 +276,162 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
+    out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
 
     def load(v0, vc, k0, ks, count, partitions):
         return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
 
-    def multiply(acc, block, b, s0, count, partitions, c0, cw):
+    for v0, vc in spans(v, columns):
+        chunks = out.start(v0, vc)
+        if len(chunks) == 1:
+            acc = out.accumulator(chunks[0])
+            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+                block = load(v0, vc, k0, ks, count, partitions)
+                out.multiply(acc, chunks[0], block, b, s0, count, partitions)
+                del block
+            out.store(acc, chunks[0])
+            continue
+        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
+        for chunk in chunks:
+            acc = out.accumulator(chunk)
+            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
+                out.multiply(acc, chunk, block, b, s0, count, partitions)
+            out.store(acc, chunk)
+        del blocks
+
+
+class _LogitRows:
+    """The LM head with x STATIONARY ([≤128 of K, R]) and head tiles moving ([≤128 of K, ≤512 of V]): PSUM holds
+    logits rows [R, ≤512] directly, a chunk being HEAD_COLUMNS columns. TensorE takes 128 weights a cycle this way
+    (a 512-column moving tile in 512 cycles), more than DMA brings of bf16 weights on trn1 or trn2."""
+
+    def __init__(self, x, rows, out_rows, softcap):
+        self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
+
+    def start(self, v0, vc):
+        """The chunks of the range [v0, v0 + vc): (first column in the range, columns)."""
+        self.v0 = v0
+        return spans(vc, HEAD_COLUMNS)
+
+    def accumulator(self, chunk):
+        return nl.ndarray((self.rows, chunk[1]), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+
+    def multiply(self, acc, chunk, block, b, s0, count, partitions):
+        c0, cw = chunk
+        moving = nl.tile_size.gemm_moving_fmax
         for i in range(count):
             for m0, ms in spans(cw, moving):
                 nisa.nc_matmul(
-                    dst=acc[0:rows, m0 : m0 + ms],
-                    stationary=x[0:partitions, s0 + i, 0:rows],
+                    dst=acc[0 : self.rows, m0 : m0 + ms],
+                    stationary=self.x[0:partitions, s0 + i, 0 : self.rows],
                     moving=block[0:partitions, i, c0 + m0 : c0 + m0 + ms],
                     accumulate=b > 0 or i > 0,
                 )
 
-    for v0, vc in spans(v, columns):
-        scale_rows = None
-        if scale is not None:
-            scale_rows = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.sbuf, name="head_scale_rows")
-            nisa.dma_copy(dst=scale_rows, src=scale[v0 : v0 + vc].reshape((1, vc)).broadcast(0, rows))
-        if vc <= HEAD_COLUMNS:
-            acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-                block = load(v0, vc, k0, ks, count, partitions)
-                multiply(acc, block, b, s0, count, partitions, 0, vc)
-                del block
-            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap, scale_rows)
-            continue
-        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
-        for c0, cw in spans(vc, HEAD_COLUMNS):
-            acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
-                multiply(acc, block, b, s0, count, partitions, c0, cw)
-            chunk_scale = None if scale_rows is None else scale_rows[0:rows, c0 : c0 + cw]
-            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap, chunk_scale)
-        del blocks
-
-
-def _store_logits(acc, out, softcap, scale):
-    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM) times scale ([R, n] float32 in SBUF, or
-    None), soft-capped when softcap is set."""
-    logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
-    src = acc
-    if scale is not None:
-        nisa.tensor_tensor(dst=logits, data1=acc, data2=scale, op=nl.multiply)
-        src = logits
-    if softcap is None:
-        if scale is None:
+    def store(self, acc, chunk):
+        """out ← acc (soft-capped when softcap is set), through an SBUF row."""
+        c0, cw = chunk
+        logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+        if self.softcap is None:
             nisa.tensor_copy(dst=logits, src=acc)
-    else:
-        nisa.activation(dst=logits, op=nl.tanh, data=src, scale=1.0 / softcap)
-        nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
-    nisa.dma_copy(dst=out, src=logits)
+        else:
+            nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / self.softcap)
+            nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(self.softcap))
+        nisa.dma_copy(dst=self.out_rows[0 : self.rows, self.v0 + c0 : self.v0 + c0 + cw], src=logits)
+
+
+class _LogitColumns:
+    """The LM head of fp8 weights with head tiles STATIONARY ([≤128 of K, ≤128 of V]) and x moving ([≤128 of K,
+    R]): PSUM holds logits column tiles [≤128 of V, R], vocabulary on the partitions, one per 128-column group.
+    TensorE takes 256 weights a cycle this way (64 cycles a tile) where the rows orientation takes 128, fewer than
+    DMA brings of fp8 weights on trn2 (151 bytes a cycle); with one PE transpose (128 cycles) per group back to
+    rows, a group of a 640-row head (5 tiles) costs 448 cycles instead of 640. The scales lie on the partitions
+    too, so PSUM is scaled on the way out with one VectorE multiply per run of groups, then soft-capped; they are
+    loaded once for the whole vocabulary (`_scale_groups`)."""
+
+    def __init__(self, x, rows, out_rows, softcap, scale):
+        self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
+        self.per_acc = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))  # groups an accumulator holds
+        self.scales = _scale_groups(scale)
+
+    def start(self, v0, vc):
+        """The chunks of the range [v0, v0 + vc): (the range's first group in the vocabulary, [(column in the
+        range, columns) of each 128-column group])."""
+        pmax = nl.tile_size.pmax
+        self.v0 = v0
+        groups = spans(vc, pmax)
+        return [(v0 // pmax + j0, groups[j0 : j0 + self.per_acc]) for j0 in range(0, len(groups), self.per_acc)]
+
+    def accumulator(self, chunk):
+        shape = (nl.tile_size.pmax, len(chunk[1]), padded_rows(self.rows))
+        return nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+
+    def multiply(self, acc, chunk, block, b, s0, count, partitions):
+        for j, (c0, cs) in enumerate(chunk[1]):
+            for i in range(count):
+                nisa.nc_matmul(
+                    dst=acc[0:cs, j, 0 : self.rows],
+                    stationary=block[0:partitions, i, c0 : c0 + cs],
+                    moving=self.x[0:partitions, s0 + i, 0 : self.rows],
+                    accumulate=b > 0 or i > 0,
+                )
+
+    def store(self, acc, chunk):
+        """out ← acc·scale (soft-capped when softcap is set): scaled column tiles in SBUF, turned into rows on the PE
+        one group at a time, side by side in a PSUM row of up to HEAD_COLUMNS, so each DMA writes whole rows of
+        logits (long runs, one engine per 8 rows)."""
+        first_group, groups = chunk
+        rows = self.rows
+        logits = nl.ndarray((nl.tile_size.pmax, len(groups), rows), dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
+        for g0, count, size in tile_runs(tuple((cs, None) for _, cs in groups)):
+            view = logits[0:size, g0 : g0 + count, 0:rows]
+            scale = self.scales[0:size, first_group + g0 : first_group + g0 + count, 0:1].broadcast(2, rows)
+            nisa.tensor_tensor(dst=view, data1=acc[0:size, g0 : g0 + count, 0:rows], data2=scale, op=nl.multiply)
+            if self.softcap is not None:
+                nisa.activation(dst=view, op=nl.tanh, data=view, scale=1.0 / self.softcap)
+                nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
+        pmax = nl.tile_size.pmax
+        per_row = HEAD_COLUMNS // pmax
+        for j0 in range(0, len(groups), per_row):
+            part = groups[j0 : j0 + per_row]
+            first, width = part[0][0], part[-1][0] + part[-1][1] - part[0][0]
+            turned = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum, name="logits_turned")
+            for j, (c0, cs) in enumerate(part):
+                nisa.nc_transpose(dst=turned[0:rows, c0 - first : c0 - first + cs], data=logits[0:cs, j0 + j, 0:rows])
+            staged = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+            nisa.tensor_copy(dst=staged, src=turned)
+            del turned
+            nisa.dma_copy(dst=self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], src=staged)
+
+
+def _scale_groups(scale):
+    """scale [V] (HBM, float32) as [128, G, 1] SBUF (G = ⌈V/128⌉ groups of 128 columns, column g·128 + p on
+    partition p of group g). One DMA reads it as Q ≤ 128 contiguous rows of B = 128·m columns (m = ⌈G/128⌉; 8 KiB
+    a row for a 262144-token vocabulary), and m PE transposes of [Q, 128] slices lay it out: slice j of row q is
+    group q·m + j. A ragged last row is zeroed first (an unwritten element would spoil a transpose on trn1)."""
+    pmax = nl.tile_size.pmax
+    v = scale.shape[0]
+    groups = -(-v // pmax)
+    m = -(-groups // pmax)
+    width = pmax * m
+    count, full = -(-v // width), v // width
+    staged = nl.ndarray((count, width), dtype=nl.float32, buffer=nl.sbuf, name="head_scale_rows")
+    if full < count:
+        nisa.memset(dst=staged, value=0.0)
+    if full:
+        nisa.dma_copy(dst=staged[0:full, :], src=scale[0 : full * width].reshape((full, width)))
+    if full < count:
+        rest = v - full * width
+        nisa.dma_copy(dst=staged[full:count, 0:rest], src=scale[full * width : v].reshape((1, rest)))
+    out = nl.ndarray((pmax, count * m, 1), dtype=nl.float32, buffer=nl.sbuf, name="head_scales")
+    by_row = out.reshape_dim(1, (count, m))  # [128, Q, m, 1]: group q·m + j
+    for j in range(m):
+        turned = nl.ndarray((pmax, count), dtype=nl.float32, buffer=nl.psum, name="head_scale_psum")
+        nisa.nc_transpose(dst=turned, data=staged[0:count, j * pmax : (j + 1) * pmax])
+        nisa.tensor_copy(dst=by_row[0:pmax, 0:count, j, 0], src=turned)
+        del turned
+    del staged
+    return out
 
 
 def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, dtype, softcap=None):
