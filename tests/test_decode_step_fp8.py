@@ -3,7 +3,7 @@ caches to bf16 precision (both scale the float32 sums of fp8 weights; they round
 as for bf16 weights) and pick the same greedy tokens wherever the logits' difference cannot flip them, the float64
 reference of the dequantized weights agrees, and an fp8 weight without its scales names the argument.
 
-Operands as tests/test_kernels_decode_fp8.py makes them (a Gemma-3-like spec: factored projections and head, k
+Operands as tests/decode_operands.py makes them (a Gemma-3-like spec: factored projections and head, k
 dense; values across the whole e4m3 range, scales over four orders of magnitude; a 40-token vocabulary without the
 final soft-cap, so that most greedy choices are clear), given to JAX as float8_e4m3fn (the storage
 `compress.quantize_fp8` makes; the same bits as Trainium's e4m3 within ±240).
@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from test_kernels_decode_fp8 import GEMMA3_8, WEIGHT_INDEX, fp8_operands
+from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
 
 import jax_neuronmm
 from jax_neuronmm import decode_step

@@ -3,8 +3,8 @@ dequantized weights, HBM traffic (fp8 weight bytes half of bf16's, plus the scal
 live by, and errors that name the operand.
 
 Weights are fp8 e4m3 values across Trainium's whole range (columns reaching ±240, others subnormal) times float32
-per-output-column scales spanning four orders of magnitude (`fp8_matrix`); ragged shapes (H = 200 natural tiles,
-H = 256 row-grouped tiles, ranks 1 .. 130, V = 300), dense and factored projections and LM heads.
+per-output-column scales spanning four orders of magnitude (decode_operands.fp8_matrix); ragged shapes (H = 200
+natural tiles, H = 256 row-grouped tiles, ranks 1 .. 130, V = 300), dense and factored projections and LM heads.
 """
 
 import dataclasses
@@ -12,7 +12,22 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 import pytest
-from test_kernels_decode_step import BF16, GEMMA3, LLAMA, RING, check_cache, make_operands, relative_error
+from decode_operands import (
+    BF16,
+    GEMMA3,
+    GEMMA3_8,
+    LLAMA,
+    LLAMA8,
+    RING,
+    WEIGHT_INDEX,
+    check_cache,
+    fp8_matrix,
+    fp8_operands,
+    fp8_weight,
+    make_operands,
+    placeholders,
+    relative_error,
+)
 
 from nki_kernels import reference
 from nki_kernels.binding import nki, nl
@@ -22,49 +37,6 @@ from nki_kernels.decode.contract import WEIGHTS, DecodeSpec, Factored, Quantized
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import NkiHardwareError, profile
-from nki_kernels.emulator.kernel import Spec
-
-FP8 = np.dtype(ml_dtypes.float8_e4m3)  # Trainium's e4m3: ±240
-WEIGHT_INDEX = {name: 3 + i for i, name in enumerate(WEIGHTS[:-1])} | {"head": 17}
-LLAMA8 = dataclasses.replace(LLAMA, fp8_weights=WEIGHTS)
-GEMMA3_8 = dataclasses.replace(GEMMA3, fp8_weights=WEIGHTS)  # k dense, the rest factored (head too)
-
-
-def fp8_matrix(rng, shape, contraction):
-    """(values, scales) of a random fp8 weight [..., K, N] whose dequantized columns all have about the spread of
-    a 1/√contraction Gaussian, while the values cover Trainium's whole e4m3 range and the scales four orders of
-    magnitude: column j's values lie in ±m_j (a quarter of them at ±m_j, the rest uniform, rounded to e4m3) with
-    m_j from 240 (values at ±240) down to 0.024 (subnormals), and its float32 scale is about 1 / (m_j·√contraction)."""
-    exponent = rng.uniform(0, 4, shape[:-2] + (1, shape[-1]))
-    exponent[..., 0] = 0  # one column at ±240 in every matrix
-    magnitude = 240 * 10.0**-exponent
-    values = rng.uniform(-1, 1, shape)
-    edge = rng.random(shape) < 0.25
-    values[edge] = np.sign(values[edge])
-    scale = np.sqrt(3) / (magnitude * np.sqrt(contraction))
-    return (values * magnitude).astype(FP8), np.squeeze(scale, -2).astype(np.float32)
-
-
-def fp8_weight(rng, bf16_weight, ranks=None):
-    """The operand of a weight as fp8 parts with the shapes of `bf16_weight` (stacked factors keep their zero rank
-    padding): [w, scale] dense, [u, v, u_scale, v_scale] factored (ranks: the per-layer ranks, for v's spread)."""
-    if not isinstance(bf16_weight, list):
-        return list(fp8_matrix(rng, bf16_weight.shape, bf16_weight.shape[-2]))
-    u, u_scale = fp8_matrix(rng, bf16_weight[0].shape, bf16_weight[0].shape[-2])
-    v, v_scale = fp8_matrix(rng, bf16_weight[1].shape, max(ranks) if ranks else bf16_weight[1].shape[-2])
-    for padded, factor in zip((u, v), bf16_weight):
-        padded[factor.astype(np.float32) == 0] = 0  # the stacked factors' zero padding past each layer's rank
-    return [u, v, u_scale, v_scale]
-
-
-def fp8_operands(rng, spec, b, t, s, w, dtype=BF16):
-    """make_operands in `dtype` with every weight the spec names in fp8_weights as fp8 parts."""
-    operands = make_operands(rng, spec, b, t, s, w, dtype)
-    for name in spec.fp8_weights:
-        ranks = spec.ranks[WEIGHTS.index(name)] if name != "head" else None
-        operands[WEIGHT_INDEX[name]] = fp8_weight(rng, operands[WEIGHT_INDEX[name]], ranks)
-    return operands
-
 
 # (spec, B, T, S, write slot)
 CASES = [(LLAMA8, 3, 1, 12, 11), (GEMMA3_8, 1, 2, 20, 7)]
@@ -95,21 +67,9 @@ def test_dequantized_reference_scales_each_output_column(rng):
     assert factored.u_scale is None and factored.v_scale is None
 
 
-def _placeholders(operands):
-    """Count-only Spec placeholders of operands (write_index kept: a value the kernels read)."""
-    return [
-        op
-        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
-        else [Spec(f.shape, f.dtype) for f in op]
-        if isinstance(op, list)
-        else Spec(op.shape, op.dtype)
-        for op in operands
-    ]
-
-
 def _hbm_bytes(composition, operands, spec):
     with profile() as prof:
-        run_decode_step(composition, _placeholders(operands), spec, numerics=False)
+        run_decode_step(composition, placeholders(operands), spec, numerics=False)
     return sum(run.hbm_bytes_read + run.hbm_bytes_written for run in prof.runs)
 
 
