@@ -229,10 +229,6 @@ class StoredWeight:
         """The dtype of the stored values (the first part's)."""
         return next(iter(self)).dtype
 
-    @classmethod
-    def scale_parts(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls) if f.metadata["dtype"] is SCALE)
-
 
 @dataclasses.dataclass(frozen=True)
 class Factored(StoredWeight):

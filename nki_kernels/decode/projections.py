@@ -9,9 +9,10 @@ multiplied: with a list-scheduled DMA model a load waits only for the matmuls th
 as they are) beside activations in the model dtype; PSUM, norms and the residual stream are float32.
 
 fp8 weights (nki_kernels.decode.contract: Quantized, Factored with scales) carry one float32 scale per output
-column: the float32 sums are multiplied by it as PSUM is evicted (output features on the partitions: a scale
-column tile per output tile, see `load_scales`; in the LM head the vocabulary is the free dimension, so a scale row
-per range of columns). A factored weight's rank scales multiply (x·u)ᵀ before it is rounded to the model dtype.
+column: the float32 sums are multiplied by it as PSUM is evicted, the output features lying on the partitions (a
+scale column tile per output tile, see `load_scales`; the fp8 LM head keeps its tiles stationary too, so the
+vocabulary lies on the partitions: `_LogitColumns`). A factored weight's rank scales multiply (x·u)ᵀ before it is
+rounded to the model dtype.
 """
 
 from __future__ import annotations
@@ -257,12 +258,13 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
 
     w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM); x: column tiles of `layout` in the
     model dtype. Head blocks (one per layout block of K rows) stream through the ring column range by column range,
-    and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights; `_LogitColumns`: fp8). A range
-    whose logits fit one chunk multiplies each block as soon as it loads, which frees it, so only the ring's
-    prefetch is in flight, whatever the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16
-    weight row per DMA, where a ring block allows) spans several chunks that each accumulate over all its blocks,
-    so they stay live together: it is used only where they take at most a third of the ring (the rest prefetches
-    the next ranges), else ranges are HEAD_COLUMNS wide.
+    and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights, HEAD_COLUMNS a chunk;
+    `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
+    chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
+    whatever the ring's size. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where
+    a ring block allows and, should they span several chunks that each accumulate over all their blocks (so the
+    blocks stay live together), where those blocks take at most a third of the ring (the rest prefetches the next
+    ranges); else they are HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
