@@ -261,10 +261,10 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights, HEAD_COLUMNS a chunk;
     `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
     chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
-    whatever the ring's size. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where
-    a ring block allows and, should they span several chunks that each accumulate over all their blocks (so the
-    blocks stay live together), where those blocks take at most a third of the ring (the rest prefetches the next
-    ranges); else they are HEAD_COLUMNS wide.
+    whatever the ring's size; a range over several chunks, each accumulating over all its blocks, keeps its blocks
+    live together. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where a ring block
+    allows and a range's blocks take at most a third of the ring (the rest prefetches the next ranges), else
+    HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
