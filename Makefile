@@ -44,6 +44,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/kernel_report.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
 	$(PY) benchmarks/decode_throughput.py
 	$(PY) benchmarks/decode_compositions.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
+	$(PY) benchmarks/decode_compositions.py --weight_dtype=fp8 --models="Gemma 3 270M" --batches=1,8 \
+	  --cache_lengths=512 --compositions=looped
 	$(PY) benchmarks/compress_speed.py
 	$(PY) benchmarks/accuracy_report.py
 	$(PY) benchmarks/fp8_accuracy.py

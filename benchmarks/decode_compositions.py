@@ -19,6 +19,14 @@ core's peak DMA-to-HBM rate.
     python benchmarks/decode_compositions.py --quick                                # one shape, a few seconds
 
 Writes benchmarks/results/decode_step{,_quick}.md and .png. All numbers are modeled, not measured.
+
+--weight_dtype=fp8 writes the fp8-weight report instead, benchmarks/results/decode_fp8{,_quick}.md: the same cases
+with every weight (each projection and the LM head, dense or factored) in fp8 e4m3 with float32 per-output-column
+scales (`DecodeSpec.fp8_weights`), beside the bf16 ones traced in the same run, with each case's speedup over the
+bf16 dense looped kernel; it traces our compositions only (no nkilib peer, no plot), e.g.
+
+    python benchmarks/decode_compositions.py --weight_dtype=fp8 --models="Gemma 3 270M" --batches=1,8 \
+        --cache_lengths=512 --compositions=looped
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import io
 import json
 import os
 import pathlib
+import shlex
 import sys
 import time
 from collections.abc import Callable
@@ -52,6 +61,7 @@ from nki_kernels.decode.comparison import (
     Results,
     decode_spec,
     extrapolate,
+    fp8_table,
     must_move_bytes,
     nkilib_shards,
     operand_specs,
@@ -87,6 +97,13 @@ flags.DEFINE_list(
     "the others are traced at full depth",
 )
 flags.DEFINE_list("compositions", list(COMPOSITIONS), "compositions to trace (the others show as not traced)")
+flags.DEFINE_enum(
+    "weight_dtype",
+    "bf16",
+    ["bf16", "fp8"],
+    "bf16: the composition report (decode_step.md); fp8: the fp8-weight report (decode_fp8.md), every weight in fp8 "
+    "e4m3 with float32 scales beside the same cases in bf16 (the --compositions given, bf16 dense looped always)",
+)
 flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not traced")
 flags.DEFINE_string(
     "run_time_note",
@@ -115,10 +132,17 @@ def _profiled(fn: Callable, target: str):
 
 
 def measure_ours(
-    model: DecodeModel, composition: str, compressed: bool, batch: int, cache_len: int, num_layers: int
+    model: DecodeModel,
+    composition: str,
+    compressed: bool,
+    batch: int,
+    cache_len: int,
+    num_layers: int,
+    fp8: bool = False,
 ) -> Measured:
-    """One composition of our kernels on `num_layers` layers, count-only, on each target."""
-    spec = decode_spec(model, num_layers, compressed)
+    """One composition of our kernels on `num_layers` layers, count-only, on each target; fp8: every weight in fp8
+    with float32 scales."""
+    spec = decode_spec(model, num_layers, compressed, fp8)
     operands = operand_specs(spec, batch, cache_len)
     runs, failures = {}, []
     for t in TARGETS:
@@ -321,6 +345,76 @@ def run_all(
                 )
                 check.append((comp, c, b, s, full, guess))
     return Results(ours, peer, status, check, models, one_call)
+
+
+def run_fp8(models, batches, cache_lengths, extrapolated, cache, traced) -> tuple[dict, dict, list]:
+    """The fp8 report's cases: ({(model, fp8, compressed, batch, S, composition): Measured}, {same key: seconds
+    its trace took in this run, or None when it came from the cache}, the 1-minute load average before the first
+    case and after each), fp8 and bf16 weights, dense and compressed, the `traced` compositions and bf16 dense
+    looped (every speedup's base). bf16 cases share run_all's cache keys; fp8 ones end in "|fp8"."""
+    cache = cache or CaseCache(None)
+    cases = [
+        (m, f, c, b, s, comp)
+        for b in batches
+        for m in models
+        for s in cache_lengths
+        for f in (False, True)
+        for c in (False, True)
+        for comp in COMPOSITIONS
+        if comp in traced or (comp, f, c) == ("looped", False, False)
+    ]
+    ours, seconds, loads = {}, {}, [os.getloadavg()[0]]
+    for m, f, c, b, s, comp in tqdm(cases, desc="decode-step fp8 report", unit="case"):
+        depths = traced_layers(m, m.name in extrapolated)
+        key = f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}" + ("|fp8" if f else "")
+        start, cached = time.time(), key in cache.cases
+        ours[(m.name, f, c, b, s, comp)] = cache.get(
+            key, lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers, f), m, depths)
+        )
+        seconds[(m.name, f, c, b, s, comp)] = None if cached else time.time() - start
+        loads.append(os.getloadavg()[0])
+    return ours, seconds, loads
+
+
+def fp8_markdown(
+    ours, seconds, models, batches, cache_lengths, quick, elapsed_s, depths, command, load_averages
+) -> str:
+    traced = [t for t in seconds.values() if t is not None]
+    timing = (
+        f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
+        if traced
+        else "every case from --cache_file"
+    )
+    lines = [
+        "# Decode step with fp8 weights" + (" (quick subset)" if quick else ""),
+        "",
+        "**All figures are modeled, not measured**: count-only emulator runs of our decode-step kernels "
+        "(`nki_kernels.decode.runner.run_decode_step`), latency from `nki_kernels/emulator/cost_model.py` at 0 µs "
+        "per launch. fp8 = every weight (each projection of every layer and the LM head, dense or factored) stored "
+        "as fp8 e4m3 (Trainium's, ±240) with one float32 scale per output column (`DecodeSpec.fp8_weights`): the "
+        "kernels DMA the fp8 bytes and multiply PSUM sums by the scales as they evict them; activations, norms "
+        "and the KV cache stay bf16, logits fp32. Compressed = keep 0.8 (every projection and the head factored at "
+        "`nki_kernels.ranks.block_aligned_rank(K, N, 0.8)`; fp8 factors scale by rank and by output column). One "
+        "new token per row.",
+        "",
+        "- **Must move** = `nki_kernels.decode.traffic.must_move_bytes`: fp8 weights at one byte a value plus "
+        "4 bytes a scale, the rest as in decode_step.md. **% peak** = must-move bytes ÷ latency ÷ the core's peak "
+        "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2). **× bf16 dense** = bf16 dense looped latency ÷ this "
+        "row's latency, the bf16 row traced in the same run.",
+        f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
+        f"- Made by `{command}`: {timing}; {elapsed_s / 60:.1f} min in all on a 2-core machine shared with other "
+        f"jobs (1-minute load average {load_averages[0]:.1f} at the start, {min(load_averages):.1f} to "
+        f"{max(load_averages):.1f} during the run).",
+        "",
+    ]
+    for m in models:
+        lines += [
+            f"## {m.name} (L {m.num_layers}, H {m.hidden}, I {m.intermediate}, V {m.vocab})",
+            "",
+            *fp8_table(ours, m, batches, cache_lengths),
+            "",
+        ]
+    return "\n".join(lines) + "\n"
 
 
 def _tokens(batch, latency_us):
@@ -708,9 +802,22 @@ def main(argv):
         raise app.UsageError(f"--compositions: got {FLAGS.compositions}, expected some of {list(COMPOSITIONS)}")
     if FLAGS.cached_only and not FLAGS.cache_file:
         raise app.UsageError("--cached_only needs --cache_file")
-    res = run_all(
-        models, batches, cache_lengths, source, extrapolated, CaseCache(FLAGS.cache_file, FLAGS.cached_only), traced
-    )
+    cache = CaseCache(FLAGS.cache_file, FLAGS.cached_only)
+    if FLAGS.weight_dtype == "fp8":
+        if source:
+            raise app.UsageError("--nki_library: the fp8 report (--weight_dtype=fp8) traces our kernels only")
+        ours, seconds, loads = run_fp8(models, batches, cache_lengths, extrapolated, cache, traced)
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+        path = os.path.join(FLAGS.out_dir, "decode_fp8_quick.md" if FLAGS.quick else "decode_fp8.md")
+        command = "python benchmarks/decode_compositions.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+        text = fp8_markdown(
+            ours, seconds, models, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, command, loads
+        )
+        write_atomically(path, lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
+        print(text)
+        print(f"wrote {path} ({(time.time() - start) / 60:.1f} min)")
+        return
+    res = run_all(models, batches, cache_lengths, source, extrapolated, cache, traced)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)

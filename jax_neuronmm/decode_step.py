@@ -14,9 +14,17 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
     (u [H, r], v [r, V]).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
+fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
+(`compress.quantize_fp8`) with float32 per-output-column scales: a dense one as
+`nki_kernels.decode.Quantized(w [L, K, N], scale [L, N])`, a factored one as
+`nki_kernels.decode.Factored(u, v, u_scale [L, Rmax], v_scale [L, N])` (the head's without the L axis). Both backends
+compute x·W as (x·values)·diag(scale): the values widened to x's dtype, the products summed in float32, the sum
+scaled, then rounded (for factors: ((x·u)·diag(u_scale)) rounded to x's dtype, then ·v·diag(v_scale)), which is
+what the kernels do as they evict PSUM. The kernels need bf16 or fp16 x beside fp8 weights.
+
 The primitive binds the operands as a pytree: `decode_step_p` takes the DecodeOperands' leaves, and its structure
 (`treedef`, a static parameter; a function of the spec) regroups them, so a factored pair is a
-`nki_kernels.decode.Factored` everywhere past the public function.
+`nki_kernels.decode.Factored` (an fp8 dense weight a `Quantized`) everywhere past the public function.
 
 Backends: "xla" lowers to a `lax.scan` over the layers of `decoder_math.decoder_layer`, the same function the
 models' layers call; "emulator" runs the looped NKI kernel (one launch per step) on the CPU emulator in a host
@@ -41,22 +49,24 @@ from jax import lax
 
 from jax_neuronmm import decoder_math, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
-from jax_neuronmm.kernel_calls import KernelLaunches
+from jax_neuronmm.kernel_calls import KernelLaunches, kernel_fp8
 from jax_neuronmm.svd_matmul import svd_matmul_ref
 from jax_neuronmm.svd_mlp import svd_mlp_ref
 from nki_kernels import dispatch
 from nki_kernels.decode.contract import (
-    PROJECTIONS,
+    FP8,
     DecodeOperands,
     DecodeSpec,
     Factored,
+    Quantized,
     batch_axes,
+    check_spec,
     check_write_index,
     expected_shapes,
     operand_fields,
 )
 
-for _cls in (DecodeOperands, Factored):
+for _cls in (DecodeOperands, Factored, Quantized):
     jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
 
 decode_step_p = Primitive("decode_step")
@@ -64,6 +74,7 @@ decode_step_p.multiple_results = True
 decode_step_p.def_impl(functools.partial(apply_primitive, decode_step_p))
 
 OP = "decode_step"
+MLP = ("gate", "up", "down")
 ROW_OPERANDS = batch_axes()  # operand name -> its B axis
 
 
@@ -72,8 +83,10 @@ def decode_step(*operands, spec: DecodeSpec, **named):
 
     operands: the DecodeOperands' fields in order (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache,
     v_cache, write_index, cos, sin, mask_bias, final_norm, head; see the module docstring), positional, by name, or
-    one DecodeOperands. Bad operands raise ValueError / TypeError naming the argument (a concrete write_index out of
-    range included)."""
+    one DecodeOperands; a stored weight as a Factored / Quantized or the tuple of its parts. Bad operands raise
+    ValueError / TypeError naming the argument (a concrete write_index out of range included; an fp8 weight without
+    its scales)."""
+    check_spec(spec, OP)
     if len(operands) == 1 and isinstance(operands[0], DecodeOperands) and not named:
         ops = operands[0]
     else:
@@ -88,7 +101,7 @@ def decode_step(*operands, spec: DecodeSpec, **named):
         missing = [name for name in fields if name not in values]
         if missing:
             raise TypeError(f"{OP}: missing operands {missing}")
-        ops = DecodeOperands.of([values[name] for name in fields])
+        ops = DecodeOperands.of([values[name] for name in fields], spec)
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef))
@@ -101,7 +114,8 @@ def operand_treedef(spec: DecodeSpec):
 
 
 def operand_names(spec: DecodeSpec) -> tuple[str, ...]:
-    """Names of the flat operands `decode_step_p` binds, in order (a factored projection gives "name.u", "name.v")."""
+    """Names of the flat operands `decode_step_p` binds, in order (a stored weight gives one per part: "name.u",
+    "name.v" (, "name.u_scale", "name.v_scale"), or "name.w", "name.scale")."""
     return tuple(name for name, _ in expected_shapes(spec, 1, 1, 1).named_leaves())
 
 
@@ -163,9 +177,12 @@ def _batch(args, dims, *, spec, treedef=None):
 
 
 def _projection(weight):
-    """x -> x·W for a dense [K, N] layer slice, or (x·u)·v for a Factored (as svd_matmul)."""
+    """x -> x·W for a layer slice: a dense [K, N], (x·w)·diag(scale) for a Quantized, or (x·u)·v for a Factored
+    (as svd_matmul, with fp8 factors scaled)."""
     if isinstance(weight, Factored):
-        return lambda h: svd_matmul_ref(h, weight.u, weight.v)
+        return lambda h: svd_matmul_ref(h, *weight)
+    if isinstance(weight, Quantized):
+        return lambda h: decoder_math.scaled_linear(h, weight.w, weight.scale)
     return lambda h: decoder_math.linear(h, weight)
 
 
@@ -173,7 +190,8 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
     """The decode step in jnp (the XLA lowering): `lax.scan` over layers of `decoder_math.decoder_layer`.
 
     Factored projections are (x·u)·v over the zero-padded stacked factors (exact: the padding adds zeros); an MLP
-    factored in all three projections runs as `svd_mlp_ref`, the XLA lowering of the compressed models' SVDMLP.
+    factored in all three projections (all fp8, or none) runs as `svd_mlp_ref`, the XLA lowering of the compressed
+    models' SVDMLP. fp8 weights are scaled after their float32 sums (`_projection`).
     """
     ops = _operands(operands, spec, treedef)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
@@ -190,14 +208,18 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
     layer_mask = jnp.asarray(spec.layer_mask, jnp.int32)
     xs = (ops.weights, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache, layer_rope, layer_mask)
-    mlp_factored = all(spec.ranks[PROJECTIONS.index(name)] is not None for name in ("gate", "up", "down"))
+    mlp_factored = all(spec.factored(name) for name in MLP) and len({spec.fp8(name) for name in MLP}) == 1
 
     def layer(x, xs):
         projections, norms, qk_norms, k_cache, v_cache, rope, mask = xs
         proj = {name: _projection(w) for name, w in projections.items()}
         if mlp_factored:
-            factors = [f for name in ("gate", "up", "down") for f in projections[name]]
-            mlp = lambda h: svd_mlp_ref(h, *factors, activation=spec.activation)  # noqa: E731
+            # svd_mlp's order: the six factors, then (fp8) their six scales.
+            factors = [f for name in MLP for f in (projections[name].u, projections[name].v)]
+            scales = [
+                s for name in MLP for s in (projections[name].u_scale, projections[name].v_scale) if s is not None
+            ]
+            mlp = lambda h: svd_mlp_ref(h, *factors, *scales, activation=spec.activation)  # noqa: E731
         else:
             mlp = functools.partial(
                 decoder_math.gated_mlp,
@@ -238,16 +260,23 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
     return decoder_math.soft_cap(logits, spec.final_logit_softcap).astype(jnp.float32), k_cache, v_cache
 
 
+def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
+    """ops with convert(a) for every fp8 weight leaf a (float8_e4m3fn storage, which the kernels take as
+    Trainium's float8_e4m3: the same bits within ±240)."""
+    return jax.tree_util.tree_map(lambda a: convert(a) if shapes.is_fp8(a.dtype) else a, ops)
+
+
 def _plan(*operands, target, spec, treedef=None):
     """The looped kernel from nki_kernels.dispatch, once its operand checks pass (they also limit B·T to one
-    partition tile)."""
-    return dispatch.decode_step_plan(_operands(operands, spec, treedef), spec, target)
+    partition tile and need bf16 / fp16 x beside fp8 weights)."""
+    ops = _kernel_fp8(_operands(operands, spec, treedef), lambda a: jax.ShapeDtypeStruct(a.shape, FP8))
+    return dispatch.decode_step_plan(ops, spec, target)
 
 
 def _run(plan, *operands, spec, treedef=None):
     """One launch of the looped kernel for the whole step (on the emulator, once write_index's value is checked)."""
     kernel, kwargs = plan
-    ops = _operands(operands, spec, treedef)
+    ops = _kernel_fp8(_operands(operands, spec, treedef), kernel_fp8)
     index = shapes.concrete_value(ops.write_index)
     if index is not None:
         check_write_index(OP, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])

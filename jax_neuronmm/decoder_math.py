@@ -20,6 +20,7 @@ from jax import lax
 
 from jax_neuronmm.explicit_sharding import typed_alike
 from jax_neuronmm.reference import jnp_activation
+from jax_neuronmm.shapes import accumulation_dtype
 
 MASKED = float(jnp.finfo(jnp.float32).min)  # the bias of an invisible key: a row with no visible key stays finite
 
@@ -40,6 +41,17 @@ def rms_norm(x, weight, *, eps: float, unit_offset: bool):
 def linear(x, kernel):
     """x [..., K] @ kernel [K, N] in x's dtype (as `nnx.Linear` without bias computes it)."""
     return lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def scaled_linear(x, kernel, scale, *, precision=None):
+    """(x [..., K] @ kernel [K, N])·diag(scale [N]) in x's dtype, for fp8 kernels with float32 per-column scales:
+    kernel widened to x's dtype (exact for fp8), products summed in float32 (float64 for float64 x), the sum
+    scaled, then rounded to x's dtype: what the NKI kernels compute as they evict PSUM."""
+    acc = accumulation_dtype(x.dtype)
+    y = lax.dot_general(
+        x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc
+    )
+    return (y * scale.astype(acc)).astype(x.dtype)
 
 
 def rope_tables(positions, inverse_frequencies):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from nki_kernels.activations import ACTIVATIONS
-from nki_kernels.decode.contract import DecodeOperands
+from nki_kernels.decode.contract import DecodeOperands, Factored, Quantized
 
 
 def _f64(a) -> np.ndarray:
@@ -70,6 +70,20 @@ def _projection_f64(h, weight, layer, rank) -> np.ndarray:
     return (h @ _f64(u[layer][:, :rank])) @ _f64(v[layer][:rank])
 
 
+def dequantized_f64(weight):
+    """A decode-step weight in float64: a dense array as it is, a Quantized as w·diag(scale), a Factored as the
+    Factored of its float64 factors (fp8 ones times their scales); stacked weights keep their layer axis."""
+    if isinstance(weight, Quantized):
+        return _f64(weight.w) * _f64(weight.scale)[..., None, :]
+    if isinstance(weight, Factored):
+        if weight.u_scale is None:
+            return Factored(_f64(weight.u), _f64(weight.v))
+        return Factored(
+            _f64(weight.u) * _f64(weight.u_scale)[..., None, :], _f64(weight.v) * _f64(weight.v_scale)[..., None, :]
+        )
+    return _f64(weight)
+
+
 def _rotate_half(x) -> np.ndarray:
     half = x.shape[-1] // 2
     return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
@@ -78,11 +92,12 @@ def _rotate_half(x) -> np.ndarray:
 def decode_step_f64(operands, spec):
     """One decode step over all layers (the layer math of nki_kernels.decode.contract) in float64.
 
-    operands: nki_kernels.decode.contract.DecodeOperands (or a sequence in its field order, factors as [u, v]).
+    operands: nki_kernels.decode.contract.DecodeOperands (or a sequence in its field order, stored weights as the
+    lists of their parts); fp8 weights count as their values times their scales (`dequantized_f64`).
     Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
     arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
     """
-    ops = DecodeOperands.of(operands)
+    ops = DecodeOperands.of(operands, spec)
     x, norms, qk_norms, k_cache, v_cache = ops.x, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache
     write_index, cos, sin, mask_bias, final_norm, head = (
         ops.write_index,
@@ -90,9 +105,9 @@ def decode_step_f64(operands, spec):
         ops.sin,
         ops.mask_bias,
         ops.final_norm,
-        ops.head,
+        dequantized_f64(ops.head),
     )
-    weights = ops.weights
+    weights = {name: dequantized_f64(weight) for name, weight in ops.weights.items()}
     eps, unit = spec.norm_eps, spec.norm_unit_offset
     x = _f64(x)
     b, t, _ = x.shape

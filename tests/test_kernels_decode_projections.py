@@ -11,6 +11,7 @@ import pytest
 from nki_kernels.activations import ACTIVATIONS
 from nki_kernels.binding import nki, nl
 from nki_kernels.decode import projections, tiles
+from nki_kernels.decode.contract import Factored
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
 
@@ -21,7 +22,7 @@ def norm_project_kernel(x, norm_w, w, u, v, *, rank, group_in, group_out, unit_o
     rows, h = x.shape
     n = w.shape[1]
     layout, out_layout = tiles.feature_layout(h, group_in), tiles.feature_layout(n, group_out)
-    ring = WeightRing(w.dtype, block_bytes=4096, ring_bytes=10000)
+    ring = WeightRing(block_bytes=4096, ring_bytes=10000)
     consts = projections.NormConstants(1e-6)
     xc = tiles.column_tiles(layout, rows, nl.float32, "x")
     tiles.load_columns(xc, x, layout)
@@ -30,7 +31,7 @@ def norm_project_kernel(x, norm_w, w, u, v, *, rank, group_in, group_out, unit_o
     projections.rms_norm(hc, xc, wc[:, :, 0:1], layout, rows, consts)
     y = tiles.column_tiles(out_layout, rows, nl.float32, "y")
     projections.projection(hc, layout, w, None, out_layout, rows, ring, projections.copy_into(y))
-    projections.projection(hc, layout, [u, v], rank, out_layout, rows, ring, projections.add_into(y))
+    projections.projection(hc, layout, Factored(u, v), rank, out_layout, rows, ring, projections.add_into(y))
     out = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
     tiles.store_columns(out, y, out_layout)
     logits = nl.ndarray((rows, n), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -44,7 +45,7 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
     rows, h = x.shape
     i = gate.shape[1]
     hidden, inter = tiles.feature_layout(h, group_h), tiles.feature_layout(i, group_i)
-    ring = WeightRing(gate.dtype, block_bytes=8192, ring_bytes=20000)
+    ring = WeightRing(block_bytes=8192, ring_bytes=20000)
     xc = tiles.column_tiles(hidden, rows, nl.float32, "x")
     tiles.load_columns(xc, x, hidden)
     hc = tiles.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
@@ -54,7 +55,7 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
         hidden,
         gate,
         up,
-        [down_u, down_v],
+        Factored(down_u, down_v),
         (None, None, rank),
         inter,
         rows,
@@ -141,7 +142,7 @@ def test_rows_per_block_keeps_whole_rows():
 def test_ring_rejects_a_block_over_its_limit(rng):
     @nki.jit
     def kernel(w):
-        ring = WeightRing(w.dtype, block_bytes=1024, ring_bytes=4096)
+        ring = WeightRing(block_bytes=1024, ring_bytes=4096)
         ring.load(w.reshape_dim(0, (128, 1)), 128, 1, w.shape[1])
         return w
 
@@ -154,7 +155,7 @@ def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
     """head_projection of rows h [R, K] (K in feature_layout(K, group)) by w [K, V]."""
     rows, k = h.shape
     layout = tiles.feature_layout(k, group)
-    ring = WeightRing(w.dtype, block_bytes=block_bytes, ring_bytes=ring_bytes)
+    ring = WeightRing(block_bytes=block_bytes, ring_bytes=ring_bytes)
     hc = tiles.column_tiles(layout, rows, w.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")

@@ -6,143 +6,16 @@ and masks, factored projections and head with different per-layer ranks) specs, 
 padding mask, and a small weight ring so blocks wrap around it within a layer.
 """
 
-import ml_dtypes
 import numpy as np
 import pytest
+from decode_operands import BF16, GEMMA3, GEMMA3_DENSE, LLAMA, RING, check_cache, make_operands, relative_error
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
-
-BF16 = ml_dtypes.bfloat16
-RING = dict(ring_block_bytes=4096, ring_bytes=10000)  # a few blocks: the cursor wraps inside every layer
-
-
-def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate):
-    """A Llama-like spec of this shape (vocabulary 300): SiLU, plain norms, no q/k or sandwich norms, no softcaps,
-    1/sqrt(head_dim) query scaling, one RoPE table and one mask for every layer, dense projections and head."""
-    return DecodeSpec(
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        vocab=300,
-        norm_eps=1e-5,
-        norm_unit_offset=False,
-        qk_norm=False,
-        sandwich=False,
-        activation="silu",
-        query_scaling=head_dim**-0.5,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=(0,) * num_layers,
-        layer_mask=(0,) * num_layers,
-    )
-
-
-LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
-GEMMA3 = DecodeSpec(
-    num_layers=3,
-    hidden=256,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=64,
-    intermediate=384,
-    vocab=300,
-    norm_eps=1e-6,
-    norm_unit_offset=True,
-    qk_norm=True,
-    sandwich=True,
-    activation="gelu_tanh",
-    query_scaling=0.125,
-    attn_logit_softcap=5.0,
-    final_logit_softcap=3.0,
-    layer_rope=(0, 1, 0),
-    layer_mask=(1, 0, 1),
-    ranks=((70, 33, 130), None, (5, 64, 1), (20, 40, 60), (40, 130, 7), (33, 20, 129), (60, 1, 100)),
-    head_rank=70,
-)
-GEMMA3_DENSE = DecodeSpec(**{**GEMMA3.__dict__, "ranks": (None,) * len(PROJECTIONS), "head_rank": None})
-
-
-def make_operands(rng, spec, b, t, s, w, dtype):
-    """Random operands per the contract: factors stacked to Rmax = max rank + 3 with zero padding, rotate-half
-    tables with duplicated halves, a causal mask with a padded first slot for row 0 (second table: a window)."""
-    h, d, layers = spec.hidden, spec.head_dim, spec.num_layers
-
-    def arr(shape, scale=1.0):
-        return (rng.standard_normal(shape) * scale).astype(dtype)
-
-    operands = [
-        arr((b, t, h)),
-        arr((layers, spec.num_norms, h), 0.3),
-        arr((layers, 2, d), 0.3) if spec.qk_norm else None,
-    ]
-    for name in PROJECTIONS:
-        k, n = spec.in_features(name), spec.out_features(name)
-        ranks = spec.ranks[PROJECTIONS.index(name)]
-        if ranks is None:
-            operands.append(arr((layers, k, n), k**-0.5))
-            continue
-        rmax = max(ranks) + 3
-        u, v = arr((layers, k, rmax), k**-0.5), arr((layers, rmax, n), max(ranks) ** -0.5)
-        for layer, r in enumerate(ranks):
-            u[layer, :, r:] = 0
-            v[layer, r:] = 0
-        operands.append([u, v])
-    operands += [
-        arr((layers, b, s, spec.num_kv_heads, d)),
-        arr((layers, b, s, spec.num_kv_heads, d)),
-        np.array([[w]], dtype=np.int32),
-    ]
-    angles = rng.uniform(0, 2 * np.pi, (spec.num_rope_tables, b, t, d // 2))
-    angles = np.concatenate([angles, angles], axis=-1)
-    operands += [np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)]
-    slots = np.arange(s)
-    visible = slots[None, None, :] <= w + np.arange(t)[None, :, None]  # [1, T, S] causal
-    masks = np.broadcast_to(visible, (spec.num_masks, b, t, s)).copy()
-    masks[:, 0, :, 0] = False  # row 0 has a padded first slot
-    if spec.num_masks > 1:
-        masks[1] &= slots[None, None, :] > w - 4  # a sliding window
-    operands.append(np.where(masks, 0.0, np.finfo(np.float32).min).astype(np.float32))
-    operands.append(arr((h,), 0.3))
-    operands.append(
-        arr((h, spec.vocab), h**-0.5)
-        if spec.head_rank is None
-        else [arr((h, spec.head_rank), h**-0.5), arr((spec.head_rank, spec.vocab), spec.head_rank**-0.5)]
-    )
-    return operands
-
-
-def placeholders(spec, b, t, s, w):
-    """Bf16 operands as Spec placeholders (shape and dtype, no memory; a factored operand as a list of them) for a
-    count-only trace; the int32 write slot stays an array and absent operands None."""
-    return [
-        op
-        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
-        else [Spec(f.shape, f.dtype) for f in op]
-        if isinstance(op, list)
-        else Spec(op.shape, op.dtype)
-        for op in make_operands(np.random.default_rng(0), spec, b, t, s, w, BF16)
-    ]
-
-
-def relative_error(got, want):
-    return np.abs(np.asarray(got, dtype=np.float64) - want).max() / np.abs(want).max()
-
-
-def check_cache(got, before, want, w, t, tolerance):
-    """Only slots [w, w+t) changed (bit for bit elsewhere), and they hold the reference's k / v."""
-    untouched = np.ones(got.shape[2], dtype=bool)
-    untouched[w : w + t] = False
-    np.testing.assert_array_equal(got[:, :, untouched].view(np.uint8), before[:, :, untouched].view(np.uint8))
-    assert relative_error(got[:, :, w : w + t], want[:, :, w : w + t]) < tolerance
-
 
 # (spec, B, T, S, write slot, dtype, tolerance)
 CASES = [
@@ -215,7 +88,14 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
     """HBM bytes read drop by exactly the cache and mask slots outside the window, in each sliding layer."""
     b, t, s = 2, 1, 300
     spec = GEMMA3_DENSE
-    operands = placeholders(spec, b, t, s, 200)
+    operands = [
+        op
+        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
+        else [Spec(f.shape, f.dtype) for f in op]
+        if isinstance(op, list)
+        else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 200, BF16)
+    ]
     read = {}
     for windows in ((), (None, WINDOW)):
         with profile() as prof:
@@ -249,7 +129,14 @@ def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
 def test_count_only_trace_with_placeholders():
     """Spec placeholders (no weight memory) give a count-only trace with the real bytes moved."""
     spec, b, t, s = GEMMA3, 2, 1, 16
-    operands = placeholders(spec, b, t, s, 3)
+    operands = [
+        op
+        if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32
+        else [Spec(f.shape, f.dtype) for f in op]
+        if isinstance(op, list)
+        else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, b, t, s, 3, BF16)
+    ]
     with profile() as prof:
         logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
     assert logits.shape == (b, t, spec.vocab)
@@ -261,8 +148,29 @@ def test_count_only_trace_with_placeholders():
 def test_default_ring_leaves_sbuf_for_a_long_cache():
     """The default weight ring keeps attention's cache tiles out of its SBUF: 8 kv heads of 128 over 2048 slots in
     bf16 take 64 KiB per partition per row, which overflowed trn1's SBUF when the ring took all but 64 KiB."""
-    spec = llama_like(num_layers=1, hidden=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate=256)
-    operands = placeholders(spec, 1, 1, 2048, 5)
+    spec = DecodeSpec(
+        num_layers=1,
+        hidden=256,
+        num_heads=8,
+        num_kv_heads=8,
+        head_dim=128,
+        intermediate=256,
+        vocab=300,
+        norm_eps=1e-5,
+        norm_unit_offset=False,
+        qk_norm=False,
+        sandwich=False,
+        activation="silu",
+        query_scaling=128**-0.5,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        layer_rope=(0,),
+        layer_mask=(0,),
+    )
+    operands = [
+        op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)
+    ]
     for target in ("trn1", "trn2"):
         with use_target(target):
             logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from flax import nnx
-from jax import lax
 
 from jax_neuronmm.compress.quantize import quantize_fp8
+from jax_neuronmm.decoder_math import scaled_linear
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-from jax_neuronmm.shapes import FP8_DTYPE, accumulation_dtype, is_fp8
+from jax_neuronmm.shapes import FP8_DTYPE, is_fp8
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
 
@@ -30,14 +30,11 @@ class Fp8Weight(nnx.Variable):
 
 def fp8_dense(x, kernel, kernel_scale, *, precision=None):
     """(x·kernel)·diag(kernel_scale): x [..., K] (float), kernel [K, N] fp8, kernel_scale [N] float32 → [..., N]
-    in x's dtype; the fp8 values are widened to x's dtype (exactly) and the products summed in float32."""
+    in x's dtype; the fp8 values are widened to x's dtype (exactly) and the products summed in float32
+    (`decoder_math.scaled_linear`, which the decode step's XLA lowering uses too)."""
     if not is_fp8(kernel.dtype):
         raise TypeError(f"fp8_dense: kernel has dtype {kernel.dtype}; expected {FP8_DTYPE.name}")
-    acc = accumulation_dtype(x.dtype)
-    y = lax.dot_general(
-        x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc
-    )
-    return (y * kernel_scale.astype(acc)).astype(x.dtype)
+    return scaled_linear(x, kernel, kernel_scale, precision=precision)
 
 
 def _check_pair(name, values, scale, columns):

@@ -1,26 +1,38 @@
 """One decode step over all decoder layers as NKI kernels, around one operand contract.
 
 contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperands (the named operands),
-                 Factored(u, v), expected_shapes and check (check_write_index: the one value rule):
-                 the one description of the operands
+                 Factored(u, v[, u_scale, v_scale]) and Quantized(w, scale) (fp8 weights), expected_shapes and
+                 check (check_write_index: the one value rule): the one description of the operands
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
 projections.py   RMSNorm, projections (dense and factored), the gated MLP and the LM head on column tiles
 attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
 compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step
 runner.py        run_decode_step: a composition's launches on the emulator
-traffic.py       must_move_bytes: what a step cannot avoid moving
+traffic.py       must_move_bytes: what a step cannot avoid moving (fp8 weights at one byte plus their scales)
 comparison.py    what benchmarks/decode_compositions.py measures and judges: models, placeholders, targets
 """
 
 from nki_kernels.decode.contract import (
     PROJECTIONS,
+    WEIGHTS,
     DecodeOperands,
     DecodeSpec,
     Factored,
+    Quantized,
     check,
     check_write_index,
     expected_shapes,
 )
 
-__all__ = ["PROJECTIONS", "DecodeOperands", "DecodeSpec", "Factored", "check", "check_write_index", "expected_shapes"]
+__all__ = [
+    "PROJECTIONS",
+    "WEIGHTS",
+    "DecodeOperands",
+    "DecodeSpec",
+    "Factored",
+    "Quantized",
+    "check",
+    "check_write_index",
+    "expected_shapes",
+]

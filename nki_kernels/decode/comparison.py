@@ -4,8 +4,8 @@ to (benchmarks/decode_compositions.py traces the cases and writes the report fro
 
 A `DecodeModel` is a model's name, where its shapes come from and its dense DecodeSpec at full depth
 (jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
-cuts it to fewer layers and factors it at keep KEEP; `operand_specs` gives count-only placeholders of the operands
-in the contract's order.
+cuts it to fewer layers, factors it at keep KEEP and stores its weights in fp8 on request; `operand_specs` gives
+count-only placeholders of the operands in the contract's order.
 """
 
 from __future__ import annotations
@@ -18,7 +18,14 @@ import numpy as np
 from nki_kernels import hardware, ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.compositions import COMPOSITIONS
-from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, Factored, expected_dtypes, expected_shapes
+from nki_kernels.decode.contract import (
+    PROJECTIONS,
+    WEIGHTS,
+    DecodeSpec,
+    StoredWeight,
+    expected_dtypes,
+    expected_shapes,
+)
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
@@ -87,9 +94,10 @@ class DecodeModel:
         return bool(windows) and windows[self.spec.layer_mask[layer]] is not None
 
 
-def decode_spec(model: DecodeModel, num_layers: int, compressed: bool) -> DecodeSpec:
+def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool = False) -> DecodeSpec:
     """`model`'s DecodeSpec cut to its first num_layers layers; compressed: every projection and the head factored
-    at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer)."""
+    at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer); fp8: every weight
+    (each projection and the head, dense or factored) stored as fp8 values with float32 scales."""
     full = model.spec
     layer_rope, layer_mask = full.layer_rope[:num_layers], full.layer_mask[:num_layers]
     windows = full.mask_windows[: max(layer_mask) + 1] if full.mask_windows else ()
@@ -108,31 +116,79 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool) -> Decode
         mask_windows=windows,
         ranks=layer_ranks,
         head_rank=head_rank,
+        fp8_weights=WEIGHTS if fp8 else (),
     )
 
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
     """Shape/dtype placeholders (emulator Specs) of the operands in the contract's order (bf16 model dtype), from
-    expected_shapes and expected_dtypes; a factored weight is a Factored of them."""
+    expected_shapes and expected_dtypes; a stored weight (Factored, Quantized) is one of them."""
     shapes, dtypes = expected_shapes(spec, batch, tokens, cache_len), expected_dtypes(spec, BF16)
     values = []
     for shape, dtype in zip(shapes.values(), dtypes.values()):
-        if isinstance(shape, Factored):
-            values.append(Factored(**{part: Spec(sub, getattr(dtype, part)) for part, sub in shape.parts().items()}))
+        if isinstance(shape, StoredWeight):
+            parts = {part: Spec(sub, getattr(dtype, part)) for part, sub in shape.parts().items()}
+            values.append(type(shape)(**parts))
         else:
             values.append(None if shape is None else Spec(shape, dtype))
     return tuple(values)
 
 
 def must_move_bytes(
-    model: DecodeModel, compressed: bool, batch: int, cache_len: int, layers_only: bool = False, tokens: int = 1
+    model: DecodeModel,
+    compressed: bool,
+    batch: int,
+    cache_len: int,
+    layers_only: bool = False,
+    tokens: int = 1,
+    fp8: bool = False,
 ) -> int:
-    """traffic.must_move_bytes of `model`'s whole step (bf16 weights and cache, fp32 logits), dense or at keep
-    KEEP."""
-    spec = decode_spec(model, model.num_layers, compressed)
+    """traffic.must_move_bytes of `model`'s whole step (bf16 model dtype and cache, fp32 logits), dense or at keep
+    KEEP, its weights in bf16 or (fp8) fp8 with float32 scales."""
+    spec = decode_spec(model, model.num_layers, compressed, fp8)
     return traffic.must_move_bytes(
-        spec, batch, cache_len, layers_only=layers_only, tokens=tokens, weight_itemsize=BF16.itemsize
+        spec, batch, cache_len, layers_only=layers_only, tokens=tokens, itemsize=BF16.itemsize
     )
+
+
+def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[str]:
+    """The fp8 report's Markdown table for `model`: a row per batch, S, weights (bf16 / fp8), dense or compressed
+    and composition in `ours` ({(model name, fp8, compressed, batch, S, composition): Measured}) with its launches,
+    HBM bytes moved and must-move, and per target the modeled µs at 0 µs per launch, % of peak and the speedup
+    over bf16 dense looped at the same batch and S ("–" where a case did not run)."""
+    lines = [
+        "| batch | S | weights | model | composition | launches | HBM MB moved / must move "
+        + "".join(f"| {t} µs / % peak / × bf16 dense looped " for t in TARGETS)
+        + "|",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS),
+    ]
+    for b in batches:
+        for s in cache_lengths:
+            base = ours.get((model.name, False, False, b, s, "looped"))
+            for fp8 in (False, True):
+                for compressed in (False, True):
+                    need = must_move_bytes(model, compressed, b, s, fp8=fp8)
+                    for comp in COMPOSITIONS:
+                        m = ours.get((model.name, fp8, compressed, b, s, comp))
+                        if m is None:
+                            continue
+                        cells = []
+                        for t in TARGETS:
+                            us = m.latency_us(t, 0.0)
+                            base_us = None if base is None else base.latency_us(t, 0.0)
+                            if us is None:
+                                cells.append("– / – / –")
+                                continue
+                            speedup = "–" if base_us is None else f"{base_us / us:.2f}x"
+                            cells.append(f"{us:.1f} / {100 * peak_fraction(need, us, t):.0f}% / {speedup}")
+                        moved = f"{m.hbm_bytes / 1e6:.1f}" if m.kernel_us else "–"
+                        lines.append(
+                            f"| {b} | {s} | {'fp8' if fp8 else 'bf16'} | {where(compressed)} | {LABELS[comp]} "
+                            f"| {m.launches:.0f} | {moved} / {need / 1e6:.1f} "
+                            + "".join(f"| {c} " for c in cells)
+                            + "|"
+                        )
+    return lines
 
 
 def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:

@@ -16,7 +16,9 @@ Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer 
 argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
 tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
 Ragged per-layer ranks: factors are stacked to the largest rank, layer l reads only the first ranks[l] columns of
-u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth.
+u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth. fp8 weights (spec.fp8_weights)
+cross HBM as fp8 and are scaled as their PSUM sums are evicted (nki_kernels.decode.projections); activations stay
+in the model dtype (x's), which must then be bfloat16 or float16 (TensorE takes fp8 beside 2-byte floats only).
 
 Dimensions in the kernels' docstrings: B rows of T new tokens (R = B·T <= 128), H hidden, V vocabulary, L layers,
 K / N a projection's input / output features.
@@ -32,6 +34,7 @@ from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
 MLP_PROJECTIONS = ("gate", "up", "down")
+FP8_ACTIVATIONS = (nl.bfloat16, nl.float16)  # what TensorE takes beside fp8 weights
 
 
 def check_spec(spec):
@@ -69,7 +72,8 @@ class Layouts:
 
 
 class StepContext:
-    """What every layer of a kernel shares: spec, rows, model dtype, layouts, the weight ring, norm constants."""
+    """What every layer of a kernel shares: spec, rows, model dtype (the activations' matmul dtype), layouts, the
+    weight ring, norm constants."""
 
     def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None):
         """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF)."""
@@ -78,7 +82,7 @@ class StepContext:
         self.dtype = dtype
         self.layouts = Layouts(spec)
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
-        self.ring = WeightRing(dtype, ring_block_bytes, ring_bytes, beside)
+        self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = attention.AttentionConstants(spec)
@@ -158,15 +162,27 @@ def decoder_layer(ctx, x, layer, ops):
         projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x))
 
 
+def check_fp8_activations(kernel, spec, dtype):
+    """A TypeError unless the model dtype `dtype` can meet the spec's fp8 weights on TensorE (bf16 / fp16)."""
+    if spec.fp8_weights and dtype not in FP8_ACTIVATIONS:
+        raise TypeError(
+            f"{kernel}: x has dtype {dtype.name} with fp8 weights {spec.fp8_weights}; the kernels take fp8 weights "
+            f"beside {' or '.join(d.name for d in FP8_ACTIVATIONS)} activations only (TensorE does not mix fp8 "
+            f"with float32)"
+        )
+
+
 def check_operands(kernel, operands, spec):
     """`operands` as DecodeOperands once they follow the contract (factors may be stacked past their largest rank)
-    and fit one kernel launch (B·T rows on one partition tile); else a ValueError / TypeError naming the operand."""
+    and fit one kernel launch (B·T rows on one partition tile; bf16 / fp16 x with fp8 weights); else a ValueError /
+    TypeError naming the operand."""
     ops = contract.check(spec, operands, kernel, padded_ranks=True)
     b, t, _ = ops.x.shape
     if b * t > nl.tile_size.pmax:
         raise ValueError(
             f"{kernel}: x has shape {tuple(ops.x.shape)}, expected B·T <= {nl.tile_size.pmax} rows (one partition tile)"
         )
+    check_fp8_activations(kernel, spec, ops.x.dtype)
     return ops
 
 
@@ -176,8 +192,9 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
 
     Dimensions: B, T (B·T <= 128), H, V, L.
     Args:
-        operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a factored
-            weight as its [u, v] list); k_cache and v_cache are written IN PLACE at this step's slots.
+        operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a stored
+            weight as the list of its parts: [u, v], [u, v, u_scale, v_scale] or [w, scale]); k_cache and v_cache
+            are written IN PLACE at this step's slots.
         spec: DecodeSpec (static).
         ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
             ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and
@@ -188,7 +205,7 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):
@@ -213,6 +230,7 @@ def _head(ctx, hidden, final_norm, head, out_rows):
         ctx.ring,
         ctx.consts,
         out_rows,
+        ctx.dtype,
         spec.final_logit_softcap,
     )
 
@@ -224,7 +242,8 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
     Dimensions: B, T (B·T <= 128), H.
     Args:
         operands: DecodeOperands.kernel_args() with x [B, T, H] the layer's input (any float dtype) and
-            final_norm, head None (unused); k_cache and v_cache are written IN PLACE.
+            final_norm, head None (unused); k_cache and v_cache are written IN PLACE. The model dtype is the
+            norms' (x may be the previous layer's float32).
         spec: DecodeSpec (static). layer: the layer, a static int in [0, spec.num_layers).
         ring_block_bytes, ring_bytes: as decode_step_kernel's.
     Returns:
@@ -233,10 +252,11 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
     check_spec(spec)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise ValueError(f"decoder_layer_kernel: layer={layer!r}, expected an int in [0, {spec.num_layers})")
-    ops = contract.DecodeOperands.of(operands)
+    ops = contract.DecodeOperands.of(operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.q.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    check_fp8_activations("decoder_layer_kernel", spec, ops.norms.dtype)
+    ctx = StepContext(spec, rows, ops.norms.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     decoder_layer(ctx, hidden, layer, ops)
@@ -252,7 +272,8 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     Dimensions: B, T (B·T <= 128), H, V.
     Args:
         x: [B, T, H] in HBM, the last layer's output (any float dtype).
-        final_norm: [H] in HBM. head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        final_norm: [H] in HBM, in the model dtype. head: as the contract stores it (spec.head_rank,
+            spec.fp8_weights), in HBM: dense [H, V], [w, scale], [u [H, r], v [r, V]] or [u, v, u_scale, v_scale].
         spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
     Returns:
         logits [B, T, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
@@ -261,7 +282,8 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     b, t, _ = x.shape
     rows = b * t
     head = as_weight(head, spec.head_rank is not None)
-    ctx = StepContext(spec, rows, head.dtype, ring_block_bytes, ring_bytes)
+    check_fp8_activations("lm_head_kernel", spec, final_norm.dtype)
+    ctx = StepContext(spec, rows, final_norm.dtype, ring_block_bytes, ring_bytes)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
@@ -312,9 +334,10 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
 
     Dimensions: R rows (<= 128), K input and N output features, L layers.
     Args:
-        x: [R, K] rows in HBM, in the weight's dtype.
+        x: [R, K] rows in HBM, in the model dtype (the weight's, or bf16 / fp16 beside fp8 weights).
         weight: a stacked projection in HBM: dense [L, K, N], or [u [L, K, Rmax], v [L, Rmax, N]] when rank is
-            set (layer `layer` uses the first `rank` columns of u / rows of v).
+            set (layer `layer` uses the first `rank` columns of u / rows of v); fp8 with float32 scales as
+            [w, scale [L, N]] or [u, v, u_scale [L, Rmax], v_scale [L, N]].
         layer, rank: static ints (rank None: dense). out_dtype: "float32", "bfloat16" or "float16".
         ring_block_bytes, ring_bytes: as decode_step_kernel's.
     Returns:
@@ -323,11 +346,11 @@ def projection_kernel(x, weight, *, layer, rank=None, out_dtype="float32", ring_
     rows, k = x.shape
     weight = as_weight(weight, rank is not None)
     w = layer_weight(weight, layer)
-    dtype = weight.dtype
-    n = (w if rank is None else w.v).shape[-1]
+    dtype = x.dtype
+    n = (w.v if rank is not None else w.w if isinstance(w, contract.Quantized) else w).shape[-1]
     in_layout = tiles.feature_layout(k, tiles.choose_group(k, n if rank is None else rank))
     out_layout = tiles.feature_layout(n)
-    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
+    ring = WeightRing(ring_block_bytes, ring_bytes)
     xc = tiles.column_tiles(in_layout, rows, dtype, "x", zero=False)
     tiles.load_columns(xc, x, in_layout)
     odt = _out_dtype(out_dtype)
@@ -368,8 +391,8 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
 
     Dimensions: R rows (<= 128), H, V.
     Args:
-        h: [R, H] normed rows in HBM, in the head's dtype.
-        head: dense [H, V], or [u [H, r], v [r, V]] (r = spec.head_rank), in HBM.
+        h: [R, H] normed rows in HBM, in the model dtype.
+        head: as lm_head_kernel's, in HBM.
         spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
     Returns:
         logits [R, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
@@ -377,19 +400,13 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     check_spec(spec)
     rows, features = h.shape
     head = as_weight(head, spec.head_rank is not None)
-    dtype = head.dtype
+    check_fp8_activations("head_kernel", spec, h.dtype)
     layout = tiles.feature_layout(
         features, tiles.head_group(features) if spec.head_rank is None else tiles.choose_group(features, spec.head_rank)
     )
-    ring = WeightRing(dtype, ring_block_bytes, ring_bytes)
-    hc = tiles.column_tiles(layout, rows, dtype, "h", zero=False)
+    ring = WeightRing(ring_block_bytes, ring_bytes)
+    hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    if spec.head_rank is None:
-        projections.head_projection(hc, layout, head, rows, ring, out, spec.final_logit_softcap)
-    else:
-        rank_layout = tiles.feature_layout(spec.head_rank, tiles.choose_group(spec.head_rank, projections.HEAD_COLUMNS))
-        xu = tiles.column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-        projections.dense_projection(hc, layout, head.u, rank_layout, rows, ring, projections.copy_into(xu))
-        projections.head_projection(xu, rank_layout, head.v, rows, ring, out, spec.final_logit_softcap)
+    projections.head_logits(hc, layout, head, spec.head_rank, rows, ring, out, spec.final_logit_softcap)
     return out

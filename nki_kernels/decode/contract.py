@@ -11,6 +11,11 @@ soft-capping; Gemma 3 has all of them and alternates RoPE tables and masks per l
 B, T, S) and dtype once, and `expected_shapes`, `check`, the kernels' argument lists, the JAX pytree and the
 benchmark's placeholders are all derived from those declarations: an added operand is one field here. A factored
 weight is a `Factored(u, v)`; a dense one a single array.
+
+fp8 weights: a weight the spec names in `fp8_weights` is stored as Trainium's float8_e4m3 values (±240) with one
+float32 scale per output column, x·W = (x·values)·diag(scale): a dense one as `Quantized(w, scale)`, a factored one
+as `Factored(u, v, u_scale, v_scale)` (x·W = ((x·u)·diag(u_scale))·v·diag(v_scale)). The kernels multiply by the
+scales as they evict the float32 matmul sums; the parts and their shapes are declared once, on the two types.
 """
 
 from __future__ import annotations
@@ -19,12 +24,18 @@ import dataclasses
 import math
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from nki_kernels.activations import check_fused_activation
 
-# The projections of one decoder layer, in operand order.
+# The projections of one decoder layer, in operand order; the weights of a step: those, then the LM head.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
+WEIGHTS = (*PROJECTIONS, "head")
+# fp8 weight values as the kernels take them: Trainium's float8_e4m3 (±240). JAX holds the same bits as
+# float8_e4m3fn (jax_neuronmm.compress.quantize), so `check` takes the fp8 dtype its caller holds.
+FP8 = np.dtype(ml_dtypes.float8_e4m3)
+SCALE = np.dtype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +45,8 @@ class DecodeSpec:
     ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
     the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]).
     head_rank: None for a dense LM head, else the rank of its factors.
+    fp8_weights: names of WEIGHTS stored as fp8 values with float32 per-output-column scales (a dense one as
+    Quantized, a factored one as Factored with u_scale and v_scale), in any order; () for none.
     mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
     a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
     in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
@@ -60,6 +73,7 @@ class DecodeSpec:
     layer_mask: tuple[int, ...]
     ranks: tuple[tuple[int, ...] | None, ...] = (None,) * len(PROJECTIONS)
     head_rank: int | None = None
+    fp8_weights: tuple[str, ...] = ()
     mask_windows: tuple[int | None, ...] = ()
 
     def __post_init__(self):
@@ -103,7 +117,14 @@ class DecodeSpec:
                 f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
                 f"[1, {min(self.hidden, self.vocab)}]"
             )
-
+        if (
+            not isinstance(self.fp8_weights, tuple)
+            or any(name not in WEIGHTS for name in self.fp8_weights)
+            or len(set(self.fp8_weights)) != len(self.fp8_weights)
+        ):
+            raise ValueError(
+                f"DecodeSpec.fp8_weights: got {self.fp8_weights!r}, expected a tuple of distinct names of {WEIGHTS}"
+            )
         if self.mask_windows and (
             len(self.mask_windows) != self.num_masks
             or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)
@@ -161,6 +182,14 @@ class DecodeSpec:
         ranks = self.ranks[PROJECTIONS.index(projection)]
         return None if ranks is None else ranks[layer]
 
+    def factored(self, weight: str) -> bool:
+        """Whether `weight` (a name of WEIGHTS) is stored as factors."""
+        return (self.head_rank if weight == "head" else self.ranks[PROJECTIONS.index(weight)]) is not None
+
+    def fp8(self, weight: str) -> bool:
+        """Whether `weight` (a name of WEIGHTS) is stored as fp8 values with scales."""
+        return weight in self.fp8_weights
+
 
 def _finite_positive(value) -> bool:
     """A real number (not a bool, a string or an array), finite and > 0: NaN would pass a negated "> 0" test."""
@@ -172,24 +201,21 @@ def _finite_positive(value) -> bool:
     )
 
 
-# What an operand's dtype must be: the model's (x's), or a fixed one.
+# What an operand's dtype must be: the model's (x's), a weight's (the model's, or the fp8 dtype for a weight the
+# spec names in fp8_weights), or a fixed one.
 MODEL_DTYPE = "model"
+WEIGHT_DTYPE = "weight"
 
 
-def _part(shape, dtype=MODEL_DTYPE):
-    """A Factored field: shape(k, r, n) its per-layer shape for a [K, N] weight at rank r, dtype as _operand's."""
+def _part(shape, dtype=WEIGHT_DTYPE):
+    """A field of a stored weight: shape(k, r, n) its per-layer shape for a [K, N] weight (at rank r when factored);
+    a SCALE part exists for fp8 weights only."""
     return dataclasses.field(default=None, metadata=dict(shape=shape, dtype=dtype))
 
 
-@dataclasses.dataclass(frozen=True)
-class Factored:
-    """A weight stored as factors: x·W = (x·u)·v. Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N]
-    (layer l uses the first spec.ranks[...][l] columns of u / rows of v, the rest zeros); the LM head's are u [H, r]
-    and v [r, V]. Each part declares its shape and dtype (an added part, e.g. a per-channel scale, is one field
-    here); iterating gives the parts present, in order: (u, v)."""
-
-    u: Any = _part(lambda k, r, n: (k, r))
-    v: Any = _part(lambda k, r, n: (r, n))
+class StoredWeight:
+    """A weight stored as several arrays (its parts, fields declaring their shapes and dtypes); iterating gives the
+    parts present (not None), in field order."""
 
     def parts(self) -> dict:
         """{part name: value} of the parts present (not None), in field order."""
@@ -200,7 +226,35 @@ class Factored:
 
     @property
     def dtype(self):
-        return self.u.dtype
+        """The dtype of the stored values (the first part's)."""
+        return next(iter(self)).dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Factored(StoredWeight):
+    """A weight stored as factors: x·W = (x·u)·v, or with fp8 factors ((x·u)·diag(u_scale))·v·diag(v_scale).
+    Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N] (layer l uses the first spec.ranks[...][l] columns
+    of u / rows of v, the rest zeros), u_scale [L, Rmax] and v_scale [L, N]; the LM head's are u [H, r], v [r, V],
+    u_scale [r], v_scale [V]. The scales are None unless the spec names the weight in fp8_weights."""
+
+    u: Any = _part(lambda k, r, n: (k, r))
+    v: Any = _part(lambda k, r, n: (r, n))
+    u_scale: Any = _part(lambda k, r, n: (r,), SCALE)
+    v_scale: Any = _part(lambda k, r, n: (n,), SCALE)
+
+
+@dataclasses.dataclass(frozen=True)
+class Quantized(StoredWeight):
+    """A dense weight stored as fp8 values and one float32 scale per output column: x·W = (x·w)·diag(scale).
+    Stacked over layers, w is [L, K, N] and scale [L, N]; the LM head's are w [H, V] and scale [V]."""
+
+    w: Any = _part(lambda k, r, n: (k, n))
+    scale: Any = _part(lambda k, r, n: (n,), SCALE)
+
+
+def stored_type(spec: DecodeSpec, weight: str):
+    """How the spec stores `weight`: Factored, Quantized (dense fp8), or None (one dense array)."""
+    return Factored if spec.factored(weight) else Quantized if spec.fp8(weight) else None
 
 
 def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None):
@@ -214,14 +268,19 @@ def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=
 
 
 def _weight(projection: str):
-    """A DecodeOperands field for a projection's stacked weight (dense [L, K, N] or Factored)."""
+    """A DecodeOperands field for a projection's stacked weight (dense [L, K, N], Quantized or Factored)."""
 
     def shape(spec, b, t, s):
         return spec.in_features(projection), spec.out_features(projection)
 
     return dataclasses.field(
         default=None,
-        metadata=dict(layout="[L, K, N] or Factored(u [L, K, Rmax], v [L, Rmax, N])", shape=shape, weight=projection),
+        metadata=dict(
+            layout="[L, K, N], Quantized(w [L, K, N], scale [L, N]) or Factored(u [L, K, Rmax], v [L, Rmax, N]"
+            "[, u_scale [L, Rmax], v_scale [L, N]])",
+            shape=shape,
+            weight=projection,
+        ),
     )
 
 
@@ -231,12 +290,13 @@ class DecodeOperands:
 
     x [B, T, H]: the embedded tokens. norms [L, NN, H] (NN = spec.num_norms). qk_norms [L, 2, D] (q_norm, k_norm)
     or None without spec.qk_norm. q, k, v, o, gate, up, down: a dense [L, K, N] or a Factored (zero padded to its
-    largest per-layer rank). k_cache, v_cache [L, B, S, kv_heads, D]: this step's keys and values are written IN
+    largest per-layer rank), fp8 with scales where spec.fp8_weights names them (Quantized, or Factored with
+    u_scale and v_scale). k_cache, v_cache [L, B, S, kv_heads, D]: this step's keys and values are written IN
     PLACE at slots [write_index, write_index + T). write_index [1, 1] int32. cos, sin [NR, B, T, D] float32:
     rotate-half tables with duplicated halves (layer l reads table spec.layer_rope[l]). mask_bias [NM, B, T, S]
     float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with spec.mask_windows the kernels
     read only the window of slots ending at each query's slot, so the mask must hide every slot outside it).
-    final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]).
+    final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]), fp8 as the projections.
     """
 
     x: Any = _operand("[B, T, H]", lambda spec, b, t, s: (b, t, spec.hidden), batch_axis=0)
@@ -279,16 +339,17 @@ class DecodeOperands:
     head: Any = dataclasses.field(
         default=None,
         metadata=dict(
-            layout="[H, V] or Factored(u [H, r], v [r, V])",
+            layout="[H, V], Quantized(w [H, V], scale [V]) or Factored(u [H, r], v [r, V][, u_scale [r], v_scale [V]])",
             shape=lambda spec, b, t, s: (spec.hidden, spec.vocab),
             weight="head",
         ),
     )
 
     @classmethod
-    def of(cls, operands) -> DecodeOperands:
-        """`operands` as DecodeOperands: itself, or a sequence in field order (a weight given as a [u, v] pair
-        becomes a Factored; this is also how a kernel's list argument comes back)."""
+    def of(cls, operands, spec: DecodeSpec) -> DecodeOperands:
+        """`operands` as DecodeOperands: itself, or a sequence in field order where a weight may be given as the
+        list of its parts (how a kernel's list argument comes back): a Quantized where `spec` stores the weight
+        dense in fp8, else a Factored ([u, v], or [u, v, u_scale, v_scale])."""
         if isinstance(operands, cls):
             return operands
         names = operand_fields()
@@ -297,8 +358,11 @@ class DecodeOperands:
             raise ValueError(f"got {len(operands)} operands, expected {len(names)} {names}")
         values = {}
         for field, value in zip(dataclasses.fields(cls), operands):
-            if "weight" in field.metadata and isinstance(value, (list, tuple)) and 2 <= len(value) <= _PARTS:
-                value = Factored(*value)
+            weight = field.metadata.get("weight")
+            if weight is not None and isinstance(value, (list, tuple)):
+                kind = stored_type(spec, weight) or Factored
+                if 2 <= len(value) <= len(dataclasses.fields(kind)):
+                    value = kind(*value)
             values[field.name] = value
         return cls(**values)
 
@@ -310,10 +374,11 @@ class DecodeOperands:
         return [getattr(self, name) for name in operand_fields()]
 
     def named_leaves(self) -> list[tuple[str, Any]]:
-        """(name, array) of every present operand in field order; a Factored gives "name.u" and "name.v"."""
+        """(name, array) of every present operand in field order; a stored weight gives one per part present:
+        "name.u", "name.v" (, "name.u_scale", "name.v_scale") of a Factored, "name.w", "name.scale" of a Quantized."""
         leaves = []
         for name, value in zip(operand_fields(), self.values()):
-            if isinstance(value, Factored):
+            if isinstance(value, StoredWeight):
                 leaves += [(f"{name}.{part}", array) for part, array in value.parts().items()]
             elif value is not None:
                 leaves.append((name, value))
@@ -326,13 +391,6 @@ class DecodeOperands:
 
     def replace(self, **changes) -> DecodeOperands:
         return dataclasses.replace(self, **changes)
-
-
-def _factored_parts():
-    return dataclasses.fields(Factored)
-
-
-_PARTS = len(dataclasses.fields(Factored))
 
 
 def operand_fields() -> tuple[str, ...]:
@@ -349,10 +407,6 @@ def batch_axes() -> dict[str, int]:
     }
 
 
-def _factored_in(spec: DecodeSpec, weight: str) -> bool:
-    return (spec.head_rank if weight == "head" else spec.ranks[PROJECTIONS.index(weight)]) is not None
-
-
 def _rank(spec: DecodeSpec, weight: str) -> int:
     """The rank a factored weight's factors are stacked to (the largest per-layer rank, the head's rank)."""
     return spec.head_rank if weight == "head" else max(spec.ranks[PROJECTIONS.index(weight)])
@@ -360,8 +414,9 @@ def _rank(spec: DecodeSpec, weight: str) -> int:
 
 def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
     """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
-    per operand, a Factored of two tuples per factored weight (stacked to rank_padding.get(name) when given, else
-    to its largest rank), None where the spec has no such operand."""
+    per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to the largest rank) or a
+    Quantized of tuples per stored weight (`stored_type`; the scales only for fp8 weights), None where the spec has
+    no such operand."""
     rank_padding = rank_padding or {}
     shapes = {}
     for field in dataclasses.fields(DecodeOperands):
@@ -376,31 +431,40 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_
             shapes[field.name] = shape
             continue
         stacked = () if weight == "head" else (spec.num_layers,)
-        if not _factored_in(spec, weight):
+        kind = stored_type(spec, weight)
+        if kind is None:
             shapes[field.name] = stacked + shape
             continue
-        r = rank_padding.get(field.name, _rank(spec, weight))
-        shapes[field.name] = Factored(
-            **{part.name: stacked + part.metadata["shape"](shape[0], r, shape[1]) for part in _factored_parts()}
+        r = rank_padding.get(field.name, _rank(spec, weight)) if kind is Factored else None
+        shapes[field.name] = kind(
+            **{
+                part.name: stacked + part.metadata["shape"](shape[0], r, shape[1])
+                for part in dataclasses.fields(kind)
+                if spec.fp8(weight) or part.metadata["dtype"] is not SCALE
+            }
         )
     return DecodeOperands(**shapes)
 
 
-def expected_dtypes(spec: DecodeSpec, model_dtype) -> DecodeOperands:
-    """DecodeOperands of the dtype each operand (each Factored part) must have, the model's being `model_dtype`;
-    None where the spec has no such operand (the structure of expected_shapes)."""
-    model_dtype = np.dtype(model_dtype)
+def expected_dtypes(spec: DecodeSpec, model_dtype, fp8_dtype=FP8) -> DecodeOperands:
+    """DecodeOperands of the dtype each operand (each part of a stored weight) must have, the model's being
+    `model_dtype` and fp8 weight values' `fp8_dtype`; None where the spec has no such operand (the structure of
+    expected_shapes)."""
+    model_dtype, fp8_dtype = np.dtype(model_dtype), np.dtype(fp8_dtype)
 
-    def resolve(meta):
-        dtype = meta.get("dtype", MODEL_DTYPE)
-        return model_dtype if dtype == MODEL_DTYPE else np.dtype(dtype)
+    def resolve(rule, weight):
+        if isinstance(rule, np.dtype):
+            return rule
+        return fp8_dtype if rule == WEIGHT_DTYPE and spec.fp8(weight) else model_dtype
 
     dtypes = {}
     for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, 1).values()):
-        if isinstance(shape, Factored):
-            dtypes[field.name] = Factored(**{part.name: resolve(part.metadata) for part in _factored_parts()})
+        weight = field.metadata.get("weight")
+        if isinstance(shape, StoredWeight):
+            rules = {part.name: part.metadata["dtype"] for part in dataclasses.fields(shape)}
+            dtypes[field.name] = type(shape)(**{part: resolve(rules[part], weight) for part in shape.parts()})
         else:
-            dtypes[field.name] = None if shape is None else resolve(field.metadata)
+            dtypes[field.name] = None if shape is None else resolve(field.metadata.get("dtype", WEIGHT_DTYPE), weight)
     return DecodeOperands(**dtypes)
 
 
@@ -408,16 +472,65 @@ def _shape_of(value) -> tuple:
     return tuple(value.shape)
 
 
-def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False) -> DecodeOperands:
-    """`operands` (DecodeOperands or a sequence in field order) as DecodeOperands, once they follow the contract
-    for `spec`; else a ValueError (shapes, structure) or TypeError (dtypes, the spec) that starts with `where` and
-    names the operand (B, T and S >= 1, S >= T included). padded_ranks: factors may be stacked past their largest
-    rank (the kernels read only each layer's ranks); else exactly to it. Shapes and dtypes only: write_index's value
-    is `check_write_index`'s."""
+def check_spec(spec, where: str) -> None:
+    """A TypeError starting with `where` unless `spec` is a DecodeSpec."""
     if not isinstance(spec, DecodeSpec):
         raise TypeError(f"{where}: spec: got {type(spec).__name__}, expected a nki_kernels.decode.DecodeSpec")
+
+
+def _check_structure(where: str, spec: DecodeSpec, name: str, value, layout: str) -> None:
+    """A ValueError naming weight `name` unless `value` is stored as the spec says (`stored_type`) with exactly the
+    parts it needs (an fp8 weight's scales included)."""
+    kind, fp8 = stored_type(spec, name), spec.fp8(name)
+    contract = f"(the contract: {name} has shape {layout})"
+    if kind is Factored and not isinstance(value, Factored):
+        parts = "u, v, u_scale, v_scale" if fp8 else "u, v"
+        raise ValueError(
+            f"{where}: {name}: expected a factored pair ({parts}) since the spec gives its ranks; got "
+            f"{type(value).__name__}"
+        )
+    if kind is not Factored and isinstance(value, Factored):
+        raise ValueError(
+            f"{where}: {name}: got a factored pair, expected "
+            + ("Quantized(w, scale)" if fp8 else "one dense array")
+            + f" since the spec gives it no ranks {contract}"
+        )
+    if kind is Quantized and not isinstance(value, Quantized):
+        got = "one array" if hasattr(value, "shape") else type(value).__name__
+        raise ValueError(
+            f"{where}: {name}: got {got}, expected Quantized(w, scale) (fp8 values and float32 per-column scales) "
+            f"since spec.fp8_weights names it {contract}"
+        )
+    if kind is None and isinstance(value, Quantized):
+        raise ValueError(
+            f"{where}: {name}: got Quantized, expected one dense array in x's dtype since spec.fp8_weights does not "
+            f"name it {contract}"
+        )
+    if kind is None:
+        return
+    for part in dataclasses.fields(kind):
+        scale = part.metadata["dtype"] is SCALE
+        given = getattr(value, part.name) is not None
+        if given and scale and not fp8:
+            raise ValueError(
+                f"{where}: {name}.{part.name}: expected None since spec.fp8_weights does not name {name} (scales go "
+                f"with fp8 weights) {contract}"
+            )
+        if not given and (fp8 or not scale):
+            why = f": spec.fp8_weights names {name}, so its fp8 values need float32 scales" if scale else ""
+            raise ValueError(f"{where}: {name}.{part.name}: got None{why} {contract}")
+
+
+def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False, fp8_dtype=FP8) -> DecodeOperands:
+    """`operands` (DecodeOperands or a sequence in field order) as DecodeOperands, once they follow the contract
+    for `spec`; else a ValueError (shapes, structure, an fp8 weight's missing scales) or TypeError (dtypes, the
+    spec) that starts with `where` and names the operand (B, T and S >= 1, S >= T included). padded_ranks: factors
+    (and their rank scales) may be stacked past their largest rank (the kernels read only each layer's ranks); else
+    exactly to it. fp8_dtype: the dtype of fp8 weight values (the kernels' FP8, or the float8_e4m3fn that JAX holds
+    them in). Shapes and dtypes only: write_index's value is `check_write_index`'s."""
+    check_spec(spec, where)
     try:
-        ops = DecodeOperands.of(operands)
+        ops = DecodeOperands.of(operands, spec)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from None
     fields = {field.name: field for field in dataclasses.fields(DecodeOperands)}
@@ -431,19 +544,11 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False)
                 if value is None
                 else f"{where}: {name}: expected None since spec.{present} is False"
             )
-        if weight is not None and isinstance(value, Factored) != _factored_in(spec, weight):
-            if isinstance(value, Factored):
-                raise ValueError(
-                    f"{where}: {name}: got a factored pair, expected one dense array since the spec gives it no "
-                    f"ranks (the contract: {name} has shape {meta['layout']})"
-                )
-            raise ValueError(
-                f"{where}: {name}: expected a factored pair (u, v) since the spec gives its ranks; got "
-                f"{type(value).__name__}"
-            )
         if value is None and present is None:
             raise ValueError(f"{where}: {name}: got None, expected {meta['layout']}")
-        arrays = value.parts().values() if isinstance(value, Factored) else [] if value is None else [value]
+        if weight is not None:
+            _check_structure(where, spec, name, value, meta["layout"])
+        arrays = value.parts().values() if isinstance(value, StoredWeight) else [] if value is None else [value]
         if any(not (hasattr(a, "shape") and hasattr(a, "dtype")) for a in arrays):
             raise ValueError(f"{where}: {name}: got {type(value).__name__}, expected arrays of {meta['layout']}")
     x, cache = ops.x, ops.k_cache
@@ -476,23 +581,24 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False)
     if model not in (np.float16, np.float32, np.float64) and model.name != "bfloat16":
         raise TypeError(f"{where}: x: got dtype {model.name}, expected a float dtype (the model's)")
     wanted = dict(want.named_leaves())
-    dtypes = dict(expected_dtypes(spec, model).named_leaves())
-    parts = {part.name: part for part in _factored_parts()}
+    dtypes = dict(expected_dtypes(spec, model, fp8_dtype).named_leaves())
     for name, value in ops.named_leaves():
-        field_name, _, part = name.partition(".")
-        field = fields[field_name]
-        rule = (parts[part] if part else field).metadata.get("dtype", MODEL_DTYPE)
+        field = fields[name.partition(".")[0]]
         if _shape_of(value) != wanted[name]:
             raise ValueError(
                 f"{where}: {name}: got shape {_shape_of(value)}, expected {wanted[name]} (from the spec and "
                 f"x [B, T, H] = {_shape_of(x)}, k_cache slots S = {cache.shape[2]}; the contract: "
                 f"{field.name} has shape {field.metadata['layout']})"
             )
-        if np.dtype(value.dtype) != dtypes[name]:
-            raise TypeError(
-                f"{where}: {name}: got dtype {np.dtype(value.dtype).name}, expected {dtypes[name].name}"
-                + (" (x's dtype)" if rule == MODEL_DTYPE else "")
-            )
+        got = np.dtype(value.dtype)
+        if got != dtypes[name]:
+            weight = field.metadata.get("weight")
+            why = " (x's dtype)" if dtypes[name] == model else ""
+            if weight is not None and spec.fp8(weight) and dtypes[name] != SCALE:
+                why = f" (spec.fp8_weights names {weight})"
+            elif weight is not None and got.itemsize == 1:
+                why += f"; an fp8 weight needs float32 scales and spec.fp8_weights naming {weight}"
+            raise TypeError(f"{where}: {name}: got dtype {got.name}, expected {dtypes[name].name}{why}")
     return ops
 
 
@@ -540,16 +646,21 @@ def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> No
 
 
 def kernel_arg(value):
-    """An operand as an NKI kernel argument (tensors, or lists of them): a Factored as the list of its parts."""
-    return list(value) if isinstance(value, Factored) else value
+    """An operand as an NKI kernel argument (tensors, or lists of them): a stored weight as the list of its parts."""
+    return list(value) if isinstance(value, StoredWeight) else value
 
 
 def as_weight(value, factored: bool):
-    """A kernel's weight argument as the contract's weight: a Factored from its [u, v] list when `factored` (the
-    spec says so), else the dense array itself."""
-    return Factored(*value) if factored and not isinstance(value, Factored) else value
+    """A kernel's weight argument as the contract's weight: the list of its parts as a Factored when `factored`
+    (the spec says so), else as a Quantized; a dense array itself."""
+    if not isinstance(value, (list, tuple)):
+        return value
+    return (Factored if factored else Quantized)(*value)
 
 
 def layer_weight(weight, layer: int):
-    """Layer `layer` of a stacked weight: [K, N], or a Factored of u [K, Rmax] and v [Rmax, N]."""
-    return Factored(weight.u[layer], weight.v[layer]) if isinstance(weight, Factored) else weight[layer]
+    """Layer `layer` of a stacked weight: [K, N], or the stored weight of that layer's parts (e.g. a Factored of
+    u [K, Rmax], v [Rmax, N] and, for fp8, u_scale [Rmax], v_scale [N])."""
+    if isinstance(weight, StoredWeight):
+        return type(weight)(**{name: part[layer] for name, part in weight.parts().items()})
+    return weight[layer]

@@ -5,13 +5,20 @@ Projections keep weight tiles STATIONARY ([≤128 of K, ≤128 of N]) and column
 PSUM holds [≤128 of N, R]: column tiles again. Weight blocks stream through a `ring.WeightRing` filled round robin
 by a cursor that never resets, so the next blocks (of this layer or the next one) load while the current ones are
 multiplied: with a list-scheduled DMA model a load waits only for the matmuls that read the bytes it overwrites
-(prefetch depth = the ring's size). Matmul operands are in the model dtype; PSUM, norms and the residual stream
-are float32.
+(prefetch depth = the ring's size). Matmul operands are in the model dtype, or fp8 weights (float8_e4m3, DMA'd
+as they are) beside activations in the model dtype; PSUM, norms and the residual stream are float32.
+
+fp8 weights (nki_kernels.decode.contract: Quantized, Factored with scales) carry one float32 scale per output
+column: the float32 sums are multiplied by it as PSUM is evicted, the output features lying on the partitions (a
+scale column tile per output tile, see `load_scales`; the fp8 LM head keeps its tiles stationary too, so the
+vocabulary lies on the partitions: `_LogitColumns`). A factored weight's rank scales multiply (x·u)ᵀ before it is
+rounded to the model dtype.
 """
 
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
+from nki_kernels.decode.contract import Quantized
 from nki_kernels.decode.tiles import (
     choose_group,
     column_tiles,
@@ -114,21 +121,34 @@ def rows_per_block(in_count_max, n, block_elements):
     return max(1, min(in_count_max, block_elements // n))
 
 
-def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
-    """x [K features] @ w [K, N] (an HBM view in the model dtype) for `rows` rows, out in `out_layout`.
+def load_scales(scale, layout):
+    """scale [F] (HBM, float32: an fp8 weight's per-column scales) as float32 column tiles [128, tiles, 1] of
+    `layout` (one DMA and a PE transpose per tile); None for None."""
+    if scale is None:
+        return None
+    cols = column_tiles(layout, 1, nl.float32, "scales", zero=False)
+    load_columns(cols, scale.reshape((1, scale.shape[0])), layout)
+    return cols
 
-    x: column tiles of in_layout in w's dtype. Weights stream through `ring`, one DMA per (input block, column
-    chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit a
-    ring block at the full width; each block's tiles feed every output tile of the chunk. evict(psum, s0, count, size)
-    is called once per run of equal-size output tiles with the float32 accumulators psum [size, count, rows]
-    (tiles s0 .. s0+count-1 of out_layout); the PSUM is freed after the chunk.
+
+def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None):
+    """x [K features] @ w [K, N] (an HBM view in the model dtype, or fp8) for `rows` rows, out in `out_layout`.
+
+    x: column tiles of in_layout in the model dtype. Weights stream through `ring`, one DMA per (input block,
+    column chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit
+    a ring block at the full width; each block's tiles feed every output tile of the chunk.
+    evict(psum, s0, count, size, scale) is called once per run of equal-size output tiles with the float32
+    accumulators psum [size, count, rows] (tiles s0 .. s0+count-1 of out_layout) and their scales: None, or (fp8
+    weights, `scales` the load_scales tiles of out_layout) a float32 [size, count, rows] view to multiply psum by;
+    the PSUM is freed after the chunk.
     """
     pmax = nl.tile_size.pmax
     k, n = w.shape
     in_blocks = layout_blocks(in_layout)
-    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, ring.block_elements)
+    block_elements = ring.block_elements(w.dtype)
+    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, block_elements)
     rows_pad = padded_rows(rows)
-    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, ring.block_elements, rows):
+    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, block_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
             view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
@@ -146,42 +166,53 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict):
                         )
                 del block
         for s0, count, size in tile_runs(out_layout, out_s0, out_s0 + out_count):
-            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size)
+            scale = None if scales is None else scales[0:size, s0 : s0 + count, 0:1].broadcast(2, rows)
+            evict(acc[0:size, s0 - out_s0 : s0 - out_s0 + count, 0:rows], s0, count, size, scale)
         del acc
 
 
-def copy_into(dst, op=None):
-    """An evict for `dense_projection`: dst[tiles] = psum (or op(psum) on ScalarE), casting to dst's dtype."""
+def _scaled(psum, scale):
+    """psum · scale (float32, [size, count, rows]) into a fresh float32 SBUF tile, on VectorE."""
+    out = nl.ndarray(tuple(psum.shape), dtype=nl.float32, buffer=nl.sbuf, name="scaled_psum")
+    nisa.tensor_tensor(dst=out, data1=psum, data2=scale, op=nl.multiply)
+    return out
 
-    def evict(psum, s0, count, size):
+
+def copy_into(dst, op=None):
+    """An evict for `dense_projection`: dst[tiles] = psum·scale (or op(psum·scale) on ScalarE), casting to dst's
+    dtype; one instruction without a scale or an op."""
+
+    def evict(psum, s0, count, size, scale):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
-        if op is None:
+        if op is None and scale is None:
             nisa.tensor_copy(dst=view, src=psum)
+        elif op is None:
+            nisa.tensor_tensor(dst=view, data1=psum, data2=scale, op=nl.multiply)
         else:
-            nisa.activation(dst=view, op=op, data=psum)
+            nisa.activation(dst=view, op=op, data=psum if scale is None else _scaled(psum, scale))
 
     return evict
 
 
 def add_into(dst):
-    """An evict for `dense_projection`: dst[tiles] += psum (the residual add, float32)."""
+    """An evict for `dense_projection`: dst[tiles] += psum·scale (the residual add, float32)."""
 
-    def evict(psum, s0, count, size):
+    def evict(psum, s0, count, size, scale):
         view = dst[0:size, s0 : s0 + count, 0 : psum.shape[2]]
-        nisa.tensor_tensor(dst=view, data1=view, data2=psum, op=nl.add)
+        nisa.tensor_tensor(dst=view, data1=view, data2=psum if scale is None else _scaled(psum, scale), op=nl.add)
 
     return evict
 
 
 def multiply_into(dst, other):
-    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum (the gated MLP's act(gate)·up)."""
+    """An evict for `dense_projection`: dst[tiles] = other[tiles] * psum·scale (the gated MLP's act(gate)·up)."""
 
-    def evict(psum, s0, count, size):
+    def evict(psum, s0, count, size, scale):
         rows = psum.shape[2]
         nisa.tensor_tensor(
             dst=dst[0:size, s0 : s0 + count, 0:rows],
             data1=other[0:size, s0 : s0 + count, 0:rows],
-            data2=psum,
+            data2=psum if scale is None else _scaled(psum, scale),
             op=nl.multiply,
         )
 
@@ -189,17 +220,24 @@ def multiply_into(dst, other):
 
 
 def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict):
-    """`dense_projection` of a dense weight [K, N] (rank None) or of factors [u [K, ≥rank], v [≥rank, N]] (HBM views
-    of one layer): stage 1 leaves (x·u)ᵀ in SBUF as column tiles over the rank (rank on the partitions, grouped
-    for v's rows), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
+    """`dense_projection` of one layer's weight (HBM views): a dense [K, N] or a Quantized (rank None), or a
+    Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales). Factored: stage 1 leaves (x·u)ᵀ in SBUF
+    as column tiles over the rank in x's dtype (rank on the partitions, grouped for v's rows; scaled by u_scale
+    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
     if rank is None:
-        dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
+        if isinstance(weight, Quantized):
+            scales = load_scales(weight.scale, out_layout)
+            dense_projection(x, in_layout, weight.w, out_layout, rows, ring, evict, scales)
+        else:
+            dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
         return
-    u, v = weight
+    u, v = weight.u, weight.v
     rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
-    xu = column_tiles(rank_layout, rows, u.dtype, "xuT", zero=False)
-    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu))
-    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict)
+    u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], rank_layout)
+    v_scales = load_scales(weight.v_scale, out_layout)
+    xu = column_tiles(rank_layout, rows, x.dtype, "xuT", zero=False)
+    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu), u_scales)
+    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
 
 
 def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
@@ -215,84 +253,207 @@ def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring,
     projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
 
 
-def head_projection(x, layout, w, rows, ring, out_rows, softcap=None):
-    """out_rows [R, V] (HBM, float32) = x · w [K, V], softcap·tanh(·/softcap) when softcap is set.
+def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None):
+    """out_rows [R, V] (HBM, float32) = (x · w [K, V])·diag(scale), softcap·tanh(·/softcap) when softcap is set.
 
-    x is the STATIONARY operand ([≤128 of K, R]) and head tiles move ([≤128 of K, ≤512 of V]), so PSUM holds
-    logits rows [R, ≤512] directly, HEAD_COLUMNS at a time. Head blocks (one per layout block of K rows) stream
-    through the ring column range by column range. A range at most HEAD_COLUMNS wide is one PSUM chunk: each of its
-    blocks is multiplied as soon as it loads and is then free, so only the ring's prefetch is in flight, whatever
-    the ring's size. A wider range (HEAD_RUN_COLUMNS: 8 KiB runs of each bf16 weight row per DMA, where a ring
-    block allows) spans several PSUM chunks that each accumulate over all its blocks, so they stay live together:
-    it is used only where they take at most a third of the ring (the rest prefetches the next ranges), else ranges
-    are HEAD_COLUMNS wide.
+    w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM); x: column tiles of `layout` in the
+    model dtype. Head blocks (one per layout block of K rows) stream through the ring column range by column range,
+    and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights, HEAD_COLUMNS a chunk;
+    `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
+    chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
+    whatever the ring's size; a range over several chunks, each accumulating over all its blocks, keeps its blocks
+    live together. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where a ring block
+    allows and a range's blocks take at most a third of the ring (the rest prefetches the next ranges), else
+    HEAD_COLUMNS wide.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
-    columns = min(HEAD_RUN_COLUMNS, ring.block_elements // in_count_max)
-    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements // 3:
+    block_elements = ring.block_elements(w.dtype)
+    columns = min(HEAD_RUN_COLUMNS, block_elements // in_count_max)
+    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
-        columns = min(HEAD_COLUMNS, ring.block_elements // in_count_max)
+        columns = min(HEAD_COLUMNS, block_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
+    out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
 
     def load(v0, vc, k0, ks, count, partitions):
         return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
 
-    def multiply(acc, block, b, s0, count, partitions, c0, cw):
+    for v0, vc in spans(v, columns):
+        chunks = out.start(v0, vc)
+        if len(chunks) == 1:
+            acc = out.accumulator(chunks[0])
+            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
+                block = load(v0, vc, k0, ks, count, partitions)
+                out.multiply(acc, chunks[0], block, b, s0, count, partitions)
+                del block
+            out.store(acc, chunks[0])
+            continue
+        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
+        for chunk in chunks:
+            acc = out.accumulator(chunk)
+            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
+                out.multiply(acc, chunk, block, b, s0, count, partitions)
+            out.store(acc, chunk)
+        del blocks
+
+
+class _LogitRows:
+    """The LM head with x STATIONARY ([≤128 of K, R]) and head tiles moving ([≤128 of K, ≤512 of V]): PSUM holds
+    logits rows [R, ≤512] directly, a chunk being HEAD_COLUMNS columns. TensorE takes 128 weights a cycle this way
+    (a 512-column moving tile in 512 cycles), more than DMA brings of bf16 weights on trn1 or trn2."""
+
+    def __init__(self, x, rows, out_rows, softcap):
+        self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
+
+    def start(self, v0, vc):
+        """The chunks of the range [v0, v0 + vc): (first column in the range, columns)."""
+        self.v0 = v0
+        return spans(vc, HEAD_COLUMNS)
+
+    def accumulator(self, chunk):
+        return nl.ndarray((self.rows, chunk[1]), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+
+    def multiply(self, acc, chunk, block, b, s0, count, partitions):
+        c0, cw = chunk
+        moving = nl.tile_size.gemm_moving_fmax
         for i in range(count):
             for m0, ms in spans(cw, moving):
                 nisa.nc_matmul(
-                    dst=acc[0:rows, m0 : m0 + ms],
-                    stationary=x[0:partitions, s0 + i, 0:rows],
+                    dst=acc[0 : self.rows, m0 : m0 + ms],
+                    stationary=self.x[0:partitions, s0 + i, 0 : self.rows],
                     moving=block[0:partitions, i, c0 + m0 : c0 + m0 + ms],
                     accumulate=b > 0 or i > 0,
                 )
 
-    for v0, vc in spans(v, columns):
-        if vc <= HEAD_COLUMNS:
-            acc = nl.ndarray((rows, vc), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-                block = load(v0, vc, k0, ks, count, partitions)
-                multiply(acc, block, b, s0, count, partitions, 0, vc)
-                del block
-            _store_logits(acc, out_rows[0:rows, v0 : v0 + vc], softcap)
-            continue
-        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
-        for c0, cw in spans(vc, HEAD_COLUMNS):
-            acc = nl.ndarray((rows, cw), dtype=nl.float32, buffer=nl.psum, name="logits_psum")
-            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
-                multiply(acc, block, b, s0, count, partitions, c0, cw)
-            _store_logits(acc, out_rows[0:rows, v0 + c0 : v0 + c0 + cw], softcap)
-        del blocks
+    def store(self, acc, chunk):
+        """out ← acc (soft-capped when softcap is set), through an SBUF row."""
+        c0, cw = chunk
+        logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+        if self.softcap is None:
+            nisa.tensor_copy(dst=logits, src=acc)
+        else:
+            nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / self.softcap)
+            nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(self.softcap))
+        nisa.dma_copy(dst=self.out_rows[0 : self.rows, self.v0 + c0 : self.v0 + c0 + cw], src=logits)
 
 
-def _store_logits(acc, out, softcap):
-    """out (HBM rows, float32) ← the logits accumulator acc [R, n] (PSUM), soft-capped when softcap is set."""
-    logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
-    if softcap is None:
-        nisa.tensor_copy(dst=logits, src=acc)
-    else:
-        nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / softcap)
-        nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(softcap))
-    nisa.dma_copy(dst=out, src=logits)
+class _LogitColumns:
+    """The LM head of fp8 weights with head tiles STATIONARY ([≤128 of K, ≤128 of V]) and x moving ([≤128 of K,
+    R]): PSUM holds logits column tiles [≤128 of V, R], vocabulary on the partitions, one per 128-column group.
+    TensorE takes 256 weights a cycle this way (64 cycles a tile) where the rows orientation takes 128, fewer than
+    DMA brings of fp8 weights on trn2 (151 bytes a cycle); with one PE transpose (128 cycles) per group back to
+    rows, a group of a 640-row head (5 tiles) costs 448 cycles instead of 640. The scales lie on the partitions
+    too, so PSUM is scaled on the way out with one VectorE multiply per run of groups, then soft-capped; they are
+    loaded once for the whole vocabulary (`_scale_groups`)."""
+
+    def __init__(self, x, rows, out_rows, softcap, scale):
+        self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
+        self.per_acc = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))  # groups an accumulator holds
+        self.scales = _scale_groups(scale)
+
+    def start(self, v0, vc):
+        """The chunks of the range [v0, v0 + vc): (the range's first group in the vocabulary, [(column in the
+        range, columns) of each 128-column group])."""
+        pmax = nl.tile_size.pmax
+        self.v0 = v0
+        groups = spans(vc, pmax)
+        return [(v0 // pmax + j0, groups[j0 : j0 + self.per_acc]) for j0 in range(0, len(groups), self.per_acc)]
+
+    def accumulator(self, chunk):
+        shape = (nl.tile_size.pmax, len(chunk[1]), padded_rows(self.rows))
+        return nl.ndarray(shape, dtype=nl.float32, buffer=nl.psum, name="logits_psum")
+
+    def multiply(self, acc, chunk, block, b, s0, count, partitions):
+        for j, (c0, cs) in enumerate(chunk[1]):
+            for i in range(count):
+                nisa.nc_matmul(
+                    dst=acc[0:cs, j, 0 : self.rows],
+                    stationary=block[0:partitions, i, c0 : c0 + cs],
+                    moving=self.x[0:partitions, s0 + i, 0 : self.rows],
+                    accumulate=b > 0 or i > 0,
+                )
+
+    def store(self, acc, chunk):
+        """out ← acc·scale (soft-capped when softcap is set): scaled column tiles in SBUF, turned into rows on the PE
+        one group at a time, side by side in a PSUM row of up to HEAD_COLUMNS, so each DMA writes whole rows of
+        logits (long runs, one engine per 8 rows)."""
+        first_group, groups = chunk
+        rows = self.rows
+        logits = nl.ndarray((nl.tile_size.pmax, len(groups), rows), dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
+        for g0, count, size in tile_runs(tuple((cs, None) for _, cs in groups)):
+            view = logits[0:size, g0 : g0 + count, 0:rows]
+            scale = self.scales[0:size, first_group + g0 : first_group + g0 + count, 0:1].broadcast(2, rows)
+            nisa.tensor_tensor(dst=view, data1=acc[0:size, g0 : g0 + count, 0:rows], data2=scale, op=nl.multiply)
+            if self.softcap is not None:
+                nisa.activation(dst=view, op=nl.tanh, data=view, scale=1.0 / self.softcap)
+                nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
+        pmax = nl.tile_size.pmax
+        per_row = HEAD_COLUMNS // pmax
+        for j0 in range(0, len(groups), per_row):
+            part = groups[j0 : j0 + per_row]
+            first, width = part[0][0], part[-1][0] + part[-1][1] - part[0][0]
+            turned = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.psum, name="logits_turned")
+            for j, (c0, cs) in enumerate(part):
+                nisa.nc_transpose(dst=turned[0:rows, c0 - first : c0 - first + cs], data=logits[0:cs, j0 + j, 0:rows])
+            staged = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+            nisa.tensor_copy(dst=staged, src=turned)
+            del turned
+            nisa.dma_copy(dst=self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], src=staged)
 
 
-def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, softcap=None):
-    """Final norm of the hidden state x (float32 column tiles) and the LM head into out_rows [R, V] (HBM,
-    float32): dense head [H, V], or factors [u [H, r], v [r, V]] (stage 1 as a projection, stage 2 as the
-    dense head from the on-chip (x·u)ᵀ)."""
-    dtype = head.dtype
+def _scale_groups(scale):
+    """scale [V] (HBM, float32) as [128, G, 1] SBUF (G = ⌈V/128⌉ groups of 128 columns, column g·128 + p on
+    partition p of group g). One DMA reads it as Q ≤ 128 contiguous rows of B = 128·m columns (m = ⌈G/128⌉; 8 KiB
+    a row for a 262144-token vocabulary), and m PE transposes of [Q, 128] slices lay it out: slice j of row q is
+    group q·m + j. A ragged last row is zeroed first (an unwritten element would spoil a transpose on trn1)."""
+    pmax = nl.tile_size.pmax
+    v = scale.shape[0]
+    groups = -(-v // pmax)
+    m = -(-groups // pmax)
+    width = pmax * m
+    count, full = -(-v // width), v // width
+    staged = nl.ndarray((count, width), dtype=nl.float32, buffer=nl.sbuf, name="head_scale_rows")
+    if full < count:
+        nisa.memset(dst=staged, value=0.0)
+    if full:
+        nisa.dma_copy(dst=staged[0:full, :], src=scale[0 : full * width].reshape((full, width)))
+    if full < count:
+        rest = v - full * width
+        nisa.dma_copy(dst=staged[full:count, 0:rest], src=scale[full * width : v].reshape((1, rest)))
+    out = nl.ndarray((pmax, count * m, 1), dtype=nl.float32, buffer=nl.sbuf, name="head_scales")
+    by_row = out.reshape_dim(1, (count, m))  # [128, Q, m, 1]: group q·m + j
+    for j in range(m):
+        turned = nl.ndarray((pmax, count), dtype=nl.float32, buffer=nl.psum, name="head_scale_psum")
+        nisa.nc_transpose(dst=turned, data=staged[0:count, j * pmax : (j + 1) * pmax])
+        nisa.tensor_copy(dst=by_row[0:pmax, 0:count, j, 0], src=turned)
+        del turned
+    del staged
+    return out
+
+
+def lm_head(x, layout, final_norm_w, head, head_rank, rows, ring, consts, out_rows, dtype, softcap=None):
+    """Final norm of the hidden state x (float32 column tiles) into the model dtype `dtype` and the LM head into
+    out_rows [R, V] (HBM, float32): dense head [H, V], a Quantized, or a Factored u [H, r], v [r, V] (with fp8
+    factors, their scales; stage 1 as a projection, stage 2 as the dense head from the on-chip (x·u)ᵀ)."""
     h = column_tiles(layout, rows, dtype, "final_normed", zero=False)
     rms_norm(h, x, final_norm_w, layout, rows, consts)
+    head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap)
+
+
+def head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap=None):
+    """The LM head of normed column tiles h (model dtype, `layout`) into out_rows [R, V] (HBM, float32), as
+    `lm_head` describes (head_rank None: dense or Quantized)."""
     if head_rank is None:
-        head_projection(h, layout, head, rows, ring, out_rows, softcap)
+        w, scale = (head.w, head.scale) if isinstance(head, Quantized) else (head, None)
+        head_projection(h, layout, w, rows, ring, out_rows, softcap, scale)
         return
-    u, v = head
     rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
-    xu = column_tiles(rank_layout, rows, dtype, "head_xuT", zero=False)
-    dense_projection(h, layout, u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu))
-    head_projection(xu, rank_layout, v[0:head_rank, :], rows, ring, out_rows, softcap)
+    u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], rank_layout)
+    xu = column_tiles(rank_layout, rows, h.dtype, "head_xuT", zero=False)
+    dense_projection(h, layout, head.u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu), u_scales)
+    head_projection(xu, rank_layout, head.v[0:head_rank, :], rows, ring, out_rows, softcap, head.v_scale)

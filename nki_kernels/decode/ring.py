@@ -21,9 +21,12 @@ class WeightRing:
     layers and into the head: a load waits only for the matmuls that read the bytes it overwrites, i.e. the
     ring's whole size is prefetch, however small the blocks (a ring of fixed-size slots would hold as few small
     blocks as large ones).
+
+    The ring is bytes; each block is a view of its stretch in its weight's dtype, so fp8 and bf16 weights share one
+    ring (an fp8 block holds twice the elements of a bf16 one in the same bytes).
     """
 
-    def __init__(self, dtype, block_bytes=None, ring_bytes=None, beside_bytes=0):
+    def __init__(self, block_bytes=None, ring_bytes=None, beside_bytes=0):
         """beside_bytes: SBUF per partition that other tiles hold beside SBUF_RESERVED_BYTES while the ring is in
         use (attention's cache tiles); the default ring takes the rest."""
         block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
@@ -34,23 +37,34 @@ class WeightRing:
                 f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
                 f"0 < block_bytes <= ring_bytes"
             )
-        self.block_elements = block_bytes // dtype.itemsize  # the largest block, per partition
-        self.ring_elements = ring_bytes // dtype.itemsize
-        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_elements), dtype=dtype, buffer=nl.sbuf, name="weight_ring")
-        self.cursor = 0
+        self.block_bytes = block_bytes
+        self.ring_bytes = ring_bytes - ring_bytes % nl.float32.itemsize  # a row viewable in any weight dtype
+        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_bytes), dtype=nl.uint8, buffer=nl.sbuf, name="weight_ring")
+        self.cursor = 0  # bytes
+
+    def block_elements(self, dtype):
+        """The largest block per partition, in elements of `dtype`."""
+        return self.block_bytes // dtype.itemsize
+
+    def ring_elements(self, dtype):
+        """The ring's size per partition, in elements of `dtype`."""
+        return self.ring_bytes // dtype.itemsize
 
     def load(self, src, partitions, per_partition, columns):
-        """The next stretch of the ring as [partitions, per_partition, columns], filled from the HBM view `src`
-        (same shape)."""
-        size = per_partition * columns
-        if size > self.block_elements:
+        """The next stretch of the ring as [partitions, per_partition, columns] in src's dtype, filled from the HBM
+        view `src` (same shape; its bytes copied as they are)."""
+        itemsize = src.dtype.itemsize
+        size = per_partition * columns * itemsize
+        if size > self.block_bytes:
             raise ValueError(
                 f"WeightRing: a block of {per_partition}x{columns} elements per partition exceeds the "
-                f"{self.block_elements}-element block limit"
+                f"{self.block_elements(src.dtype)}-element block limit"
             )
-        if self.cursor + size > self.ring_elements:
+        self.cursor += -self.cursor % itemsize
+        if self.cursor + size > self.ring_bytes:
             self.cursor = 0
-        block = self.ring[0:partitions, self.cursor : self.cursor + size].reshape((partitions, per_partition, columns))
+        stretch = self.ring[0:partitions, self.cursor : self.cursor + size].view(src.dtype)
+        block = stretch.reshape((partitions, per_partition, columns))
         self.cursor += size
         for p0, ps in spans(partitions, WEIGHT_DMA_PARTITIONS):
             nisa.dma_copy(dst=block[p0 : p0 + ps], src=src[p0 : p0 + ps])

@@ -37,14 +37,16 @@ __all__ = ["COMPOSITIONS", "run_decode_step"]
 
 
 def _factor_slice(tensor, layer, rank, axis):
-    """Layer `layer` of stacked factor `tensor`, cut to `rank` along axis (1: u's columns, 0: v's rows), as a
-    standalone array (or a count-only Spec placeholder) for kernels that take exact factors."""
+    """Layer `layer` of stacked factor `tensor`, cut to `rank` along axis (1: u's columns, 0: v's rows or a rank
+    scale's entries; None: whole), as a standalone array (or a count-only Spec placeholder) for kernels that take
+    exact factors."""
     if isinstance(tensor, Spec):
         shape = list(tensor.shape[1:])
-        shape[axis] = rank
+        if axis is not None:
+            shape[axis] = rank
         return Spec(shape, tensor.dtype)
     part = tensor[layer]
-    return np.ascontiguousarray(part[:, :rank] if axis == 1 else part[:rank])
+    return np.ascontiguousarray(part if axis is None else part[:, :rank] if axis == 1 else part[:rank])
 
 
 def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
@@ -55,7 +57,7 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
         raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
     check_spec(spec)
     ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
-    ops = DecodeOperands.of(operands)
+    ops = DecodeOperands.of(operands, spec)
     if isinstance(ops.write_index, np.ndarray):
         check_write_index("run_decode_step", ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
     with contextlib.nullcontext() if numerics else count_only():
@@ -76,7 +78,7 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
 def _run_per_op(svd_mlp, ops, spec, ring):
     b, t, h_features = ops.x.shape
     rows = b * t
-    model = np.dtype(ops.q.dtype).name
+    model = np.dtype(ops.x.dtype).name
     x = (
         np.asarray(ops.x).reshape(rows, h_features)
         if isinstance(ops.x, np.ndarray)
@@ -138,13 +140,21 @@ def _run_per_op(svd_mlp, ops, spec, ring):
         h = norm(x, layer, 2 if spec.sandwich else 1, model)
         factored = all(spec.rank(name, layer) is not None for name in MLP_PROJECTIONS)
         if svd_mlp and factored:
-            r = {name: spec.rank(name, layer) for name in MLP_PROJECTIONS}
-            u = {name: _factor_slice(weights[name].u, layer, r[name], 1) for name in MLP_PROJECTIONS}
-            vv = {name: _factor_slice(weights[name].v, layer, r[name], 0) for name in MLP_PROJECTIONS}
-            hT = _launch(
-                svd_mlp_gate_up_kernel, h, u["gate"], vv["gate"], u["up"], vv["up"], activation=spec.activation
-            )
-            m = _launch(svd_mlp_down_kernel, hT, u["down"], vv["down"])
+            # Each factor of layer `layer` cut to its rank: u's columns, v's rows, u_scale's entries (fp8).
+            cuts = {"u": 1, "v": 0, "u_scale": 0, "v_scale": None}
+            parts = {
+                name: {
+                    part: _factor_slice(tensor, layer, spec.rank(name, layer), cuts[part])
+                    for part, tensor in weights[name].parts().items()
+                }
+                for name in MLP_PROJECTIONS
+            }
+            gate, up, down = (parts[name] for name in MLP_PROJECTIONS)
+            # The kernels' order: the four factors, then (fp8) their scales.
+            gate_up = [gate["u"], gate["v"], up["u"], up["v"]]
+            gate_up += [p[scale] for p in (gate, up) for scale in ("u_scale", "v_scale") if scale in p]
+            hT = _launch(svd_mlp_gate_up_kernel, h, *gate_up, activation=spec.activation)
+            m = _launch(svd_mlp_down_kernel, hT, *down.values())
         else:
             gate, up = projection_launch(h, "gate", layer, model), projection_launch(h, "up", layer, model)
             hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)

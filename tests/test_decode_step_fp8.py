@@ -1,0 +1,138 @@
+"""decode_step with fp8 weights: the emulator's looped kernel and the XLA backend compute the same logits and
+caches to bf16 precision (both scale the float32 sums of fp8 weights; they round activations at different places,
+as for bf16 weights) and pick the same greedy tokens wherever the logits' difference cannot flip them, the float64
+reference of the dequantized weights agrees, and an fp8 weight without its scales names the argument.
+
+Operands as tests/decode_operands.py makes them (a Gemma-3-like spec: factored projections and head, k
+dense; values across the whole e4m3 range, scales over four orders of magnitude; a 40-token vocabulary without the
+final soft-cap, so that most greedy choices are clear), given to JAX as float8_e4m3fn (the storage
+`compress.quantize_fp8` makes; the same bits as Trainium's e4m3 within ±240).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
+
+import jax_neuronmm
+from jax_neuronmm import decode_step
+from nki_kernels import reference
+from nki_kernels.decode import Factored, Quantized
+
+B, SLOTS, STEPS = 4, 8, 3
+SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)
+
+
+def _jax_operands(operands, spec):
+    """Kernel-test operands as decode_step takes them: jnp arrays, fp8 values as float8_e4m3fn, stored weights as
+    Factored (stacked to the largest rank, as decode_step wants: the kernel tests pad further) / Quantized."""
+    names = {i: name for name, i in WEIGHT_INDEX.items()}
+    out = []
+    for i, op in enumerate(operands):
+        if isinstance(op, list):
+            parts = [jnp.asarray(p.view(ml_dtypes.float8_e4m3fn) if p.dtype.itemsize == 1 else p) for p in op]
+            if spec.factored(names[i]):
+                rank = spec.head_rank if names[i] == "head" else max(spec.ranks[WEIGHT_INDEX[names[i]] - 3])
+                u, v, u_scale, v_scale = parts
+                op = Factored(u[..., :rank], v[..., :rank, :], u_scale[..., :rank], v_scale)
+            else:
+                op = Quantized(*parts)
+        elif op is not None:
+            op = jnp.asarray(op)
+        out.append(op)
+    return out
+
+
+def _causal_mask(spec, write_index):
+    """[NM, B, 1, S] float32: slots up to the step's own visible, every table alike."""
+    visible = np.arange(SLOTS) <= write_index
+    return np.broadcast_to(np.where(visible, 0.0, np.finfo(np.float32).min), (spec.num_masks, B, 1, SLOTS)).astype(
+        np.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def steps():
+    """Operands of a first step at slot 0 and, per backend, (logits, k_cache, v_cache, tokens) of STEPS greedy
+    steps and the kernel launches. Each step embeds the XLA backend's tokens of the step before (both backends
+    see the same inputs, so one flipped choice cannot derail the steps after it)."""
+    rng = np.random.default_rng(24)
+    spec = SPEC
+    operands = fp8_operands(rng, spec, B, 1, SLOTS, 0)
+    operands[15] = _causal_mask(spec, 0)
+    embedding = rng.standard_normal((spec.vocab, spec.hidden)).astype(ml_dtypes.bfloat16)
+    step = jax.jit(functools.partial(decode_step, spec=spec))
+    runs = {}
+    for backend in ("xla", "emulator"):
+        ops = _jax_operands(operands, spec)
+        history = []
+        with jax_neuronmm.use_backend(backend), jax_neuronmm.profile() as prof:
+            for index in range(STEPS):
+                ops[12] = jnp.full((1, 1), index, jnp.int32)
+                ops[15] = jnp.asarray(_causal_mask(spec, index))
+                logits, k_cache, v_cache = jax.block_until_ready(step(*ops))
+                history.append((logits, k_cache, v_cache, np.asarray(logits[:, 0]).argmax(-1)))
+                tokens = runs["xla"][0][index][3] if backend == "emulator" else history[-1][3]
+                ops[0], ops[10], ops[11] = jnp.asarray(embedding[tokens][:, None]), k_cache, v_cache
+        runs[backend] = (history, [run.name for run in prof.runs])
+    return spec, operands, runs
+
+
+def test_emulator_equals_xla_and_the_float64_reference(steps):
+    spec, operands, runs = steps
+    (xla, _), (emulator, launches) = runs["xla"], runs["emulator"]
+    assert launches == ["decode_step_kernel"] * STEPS  # one looped launch per step, fp8 weights included
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    for got in (xla[0], emulator[0]):
+        logits, k_cache, v_cache, _ = got
+        assert logits.dtype == jnp.float32 and np.std(want_logits) > 0.1
+        np.testing.assert_allclose(logits, want_logits, atol=3e-2 * np.abs(want_logits).max())
+        np.testing.assert_allclose(np.asarray(k_cache[:, :, 0], np.float32), want_k[:, :, 0], atol=3e-2, rtol=3e-2)
+        np.testing.assert_allclose(np.asarray(v_cache[:, :, 0], np.float32), want_v[:, :, 0], atol=3e-2, rtol=3e-2)
+    for (xla_logits, *_), (emulator_logits, *_) in zip(xla, emulator):
+        np.testing.assert_allclose(emulator_logits, xla_logits, atol=2e-2 * np.abs(xla_logits).max())
+
+
+def test_greedy_tokens_on_the_emulator_equal_xla(steps):
+    """Where XLA's best logit leads its runner-up by more than twice the backends' largest logit difference in that
+    row (no rounding could flip it), the emulator picks the same token; most choices here are that clear."""
+    _, _, runs = steps
+    xla, emulator = runs["xla"][0], runs["emulator"][0]
+    assert len({tuple(step[3]) for step in xla}) > 1  # the steps pick different tokens: the loop carries state
+    clear = 0
+    for (xla_logits, *_, xla_tokens), (emulator_logits, *_, emulator_tokens) in zip(xla, emulator):
+        top2 = np.sort(np.asarray(xla_logits[:, 0]), axis=-1)[:, -2:]
+        difference = np.abs(np.asarray(emulator_logits[:, 0]) - np.asarray(xla_logits[:, 0])).max(axis=-1)
+        decisive = top2[:, 1] - top2[:, 0] > 2 * difference
+        np.testing.assert_array_equal(emulator_tokens[decisive], xla_tokens[decisive])
+        clear += decisive.sum()
+    assert clear >= 0.75 * B * STEPS
+
+
+def test_fp8_weights_without_their_scales_name_the_argument():
+    rng = np.random.default_rng(7)
+    spec = SPEC
+    ops = _jax_operands(fp8_operands(rng, spec, B, 1, SLOTS, 0), spec)
+    step = functools.partial(decode_step, spec=spec)
+
+    def replaced(name, value):
+        return [value if i == WEIGHT_INDEX[name] else op for i, op in enumerate(ops)]
+
+    gate, k = ops[WEIGHT_INDEX["gate"]], ops[WEIGHT_INDEX["k"]]
+    with pytest.raises(ValueError, match="decode_step: gate.u_scale: got None: spec.fp8_weights names gate"):
+        step(*replaced("gate", Factored(gate.u, gate.v)))
+    with pytest.raises(ValueError, match=r"decode_step: k: got one array, expected Quantized\(w, scale\)"):
+        step(*replaced("k", k.w))
+    with pytest.raises(ValueError, match=r"decode_step: k.scale: got shape \(3, 63\), expected \(3, 64\)"):
+        jax.jit(step)(*replaced("k", Quantized(k.w, k.scale[:, 1:])))
+    # JAX holds fp8 values as float8_e4m3fn; Trainium's float8_e4m3 is the kernels' dtype, not an operand's.
+    with pytest.raises(TypeError, match="decode_step: k.w: got dtype float8_e4m3, expected float8_e4m3fn"):
+        step(*replaced("k", Quantized(jax.lax.bitcast_convert_type(k.w, jnp.float8_e4m3), k.scale)))
+    # A pair of parts is read as the spec stores the weight.
+    logits, _, _ = jax.eval_shape(step, *replaced("k", (k.w, k.scale)))
+    assert logits.shape == (B, 1, spec.vocab)
