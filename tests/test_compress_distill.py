@@ -5,7 +5,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_neuronmm.compress.distill import DistillOptions, distill_factors, top_k_kl, unembedding, vocab_kl
+from jax_neuronmm.compress.distill import (
+    DistillOptions,
+    distill_factors,
+    learning_rate_schedule,
+    top_k_kl,
+    unembedding,
+    vocab_kl,
+)
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model
 
@@ -116,11 +123,26 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
         ("vocab_chunk", 0, "DistillOptions.vocab_chunk: got 0, expected a positive int"),
         ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
         ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
+        ("schedule", "linear", r"DistillOptions.schedule: got 'linear', expected one of \('cosine', 'constant'\)"),
     ],
 )
 def test_distill_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         DistillOptions(**{field: value})
+
+
+@pytest.mark.parametrize("steps,warmup", [(37, 5), (9, 0), (4, 20)])
+def test_cosine_schedule_warms_up_then_decays_to_zero(steps, warmup):
+    peak = 3e-3
+    schedule = learning_rate_schedule(DistillOptions(steps=steps, warmup=warmup, learning_rate=peak))
+    for step in range(steps + 2):
+        if step < warmup:
+            want = peak * step / warmup
+        else:
+            want = peak * 0.5 * (1 + np.cos(np.pi * min(step - warmup, steps - warmup) / (steps - warmup)))
+        np.testing.assert_allclose(float(schedule(step)), want, rtol=1e-5, atol=1e-9)
+    constant = learning_rate_schedule(DistillOptions(steps=steps, warmup=0, schedule="constant", learning_rate=peak))
+    assert constant == peak
 
 
 def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):

@@ -14,8 +14,9 @@ cached; its logits are recomputed from them where a loss needs them. Two losses 
     distributions renormalized over them. Mass the student puts outside the teacher's top tokens costs nothing.
 
 The full-vocabulary KL measures better on Gemma 3 270M (benchmarks/results/accuracy_report.md). Training is Adam
-with a linear warm-up and global-norm clipping; the last `holdout` windows of the training ids are held out, their
-loss measured every `eval_every` steps, and the factors with the lowest held-out loss are kept (early stopping).
+with a linear warm-up, a cosine decay and global-norm clipping; the last `holdout` windows of the training ids are
+held out, their loss measured every `eval_every` steps, and the factors with the lowest held-out loss are kept (early
+stopping).
 
 Runs on JAX's default device.
 """
@@ -39,6 +40,7 @@ from jax_neuronmm.compress.local_finetune import check_adam_options
 from jax_neuronmm.decoder_math import soft_cap
 
 LOSSES = ("kl", "topk")
+SCHEDULES = ("cosine", "constant")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +50,8 @@ class DistillOptions:
     steps: Adam steps; batch: training windows per step; learning_rate: Adam's peak step size, reached after
     `warmup` steps of linear warm-up, relative to each factor's RMS when `relative` (the factors of whitened SVD
     differ in scale by orders of magnitude across layers and projections, so one absolute step size fits few of
-    them), else absolute; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
+    them), else absolute; schedule: after the warm-up, "cosine" (decays to 0 at the last step: the last steps'
+    factors are the least noisy) or "constant"; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
     positions: positions per window of the "kl" loss (0: every position); vocab_chunk: LM-head rows per chunk of
     the "kl" loss; top_k: tokens per position of the "topk" loss's KL term (0: the centered-logit error alone);
     holdout: training windows held out to choose which step's factors to keep (0: keep the last step's);
@@ -57,9 +60,10 @@ class DistillOptions:
 
     steps: int = 200
     batch: int = 1
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     relative: bool = True
     warmup: int = 20
+    schedule: str = "cosine"
     clip_norm: float = 1.0
     loss: str = "kl"
     positions: int = 128
@@ -82,6 +86,8 @@ class DistillOptions:
             raise ValueError(f"DistillOptions.relative: got {self.relative!r}, expected a bool")
         if self.loss not in LOSSES:
             raise ValueError(f"DistillOptions.loss: got {self.loss!r}, expected one of {LOSSES}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"DistillOptions.schedule: got {self.schedule!r}, expected one of {SCHEDULES}")
 
 
 def _check_int(name, value, low):
@@ -206,10 +212,9 @@ def distill_factors(
     else:
         loss_fn, teacher = _top_k_loss(targets, table, cap, options)
     graphdef, factors, rest = nnx.split(model, is_factor, ...)
-    schedule = optax.linear_schedule(0.0, options.learning_rate, options.warmup) if options.warmup else None
     optimizer = optax.chain(
         optax.clip_by_global_norm(options.clip_norm) if options.clip_norm else optax.identity(),
-        optax.adam(schedule or options.learning_rate),
+        optax.adam(learning_rate_schedule(options)),
     )
     state = optimizer.init(factors)
     scales = jax.tree.map(lambda p: jnp.sqrt(jnp.mean(jnp.square(p))) if options.relative else 1.0, factors)
@@ -261,6 +266,15 @@ def distill_factors(
             nnx.update(model, factors)
             on_step(done + 1, model)
     nnx.update(model, best[2] if holdout else factors)
+
+
+def learning_rate_schedule(options: DistillOptions):
+    """Adam's step size per step: linear warm-up from 0 to options.learning_rate over options.warmup steps, then
+    constant or a cosine decay reaching 0 at options.steps (warm-up longer than the run: warm-up only)."""
+    peak, warmup = options.learning_rate, options.warmup
+    if options.schedule == "constant":
+        return optax.linear_schedule(0.0, peak, warmup) if warmup else peak
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warmup, max(options.steps, warmup + 1), 0.0)
 
 
 def _kl_loss(cap, options):
