@@ -33,9 +33,9 @@ METHODS = ("svd", "whitened")
 STEPS = ("allocate", "sequential", "refit", "local", "distill")
 RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
-# The best measured on Gemma 3 270M (keep 0.8, MLPs, held-out perplexity / dense): whitened 1.76x, + sequential
-# 1.74x, + distill (DistillOptions' defaults, 80 windows of 256 tokens) 1.29x; "refit" (2.10x) and "local" (1.89x)
-# overfit the calibration text, so they stay opt-in.
+# The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
+# and a technical text): whitened + sequential 1.75x / 1.94x, + distill (DistillOptions' defaults, 80 windows of
+# 256 tokens) 1.40x / 1.43x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
 RECOMMENDED_STEPS = ("sequential", "distill")
 
 
