@@ -1,6 +1,8 @@
 """quantize_model (fp8 e4m3 projections and LM head) and fp8 checkpoints: logits against the model rebuilt from the
 dequantized weights, generation, save/load round trips, checksums, errors."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -283,3 +285,30 @@ def test_quantize_and_compress_compose():
         compress_model(projections, 0.6, method="whitened", steps=(), calibration_ids=ids, include=("mlp",))
     with pytest.raises(TypeError, match="the LM head is a Fp8Linear; compress_model factors dense float weights"):
         compress_model(quantize_model(model, targets="head"), 0.6, **factored)
+
+
+def test_model_spec_names_the_fp8_weights():
+    from jax_neuronmm.models.decode import decode_plan, model_spec
+
+    model = _gemma3()
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "head"))
+    assert model_spec(model) == decode_plan(model).spec
+    plan = decode_plan(compressed).spec
+    mlp_ranks = tuple(
+        tuple(getattr(layer.mlp, name).rank for layer in compressed.layers)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
+    assert plan.ranks == (None,) * 4 + mlp_ranks and plan.head_rank == compressed.lm_head.rank
+    for targets, weights in (
+        (("attention", "mlp", "head"), ("q", "k", "v", "o", "gate", "up", "down", "head")),
+        (("mlp",), ("gate", "up", "down")),
+        (("head",), ("head",)),
+    ):
+        quantized = quantize_model(compressed, targets=targets)
+        assert model_spec(quantized) == dataclasses.replace(plan, fp8_weights=weights)
+        assert decode_plan(quantized) is None  # generate does not decode fp8 weights through decode_step yet
+    mixed = quantize_model(model, targets="attention")
+    mixed.layers[1].self_attn.k_proj = model.layers[1].self_attn.k_proj
+    with pytest.raises(ValueError, match=r"model_spec: k_proj is fp8 in layer 0 but not in layer 1"):
+        model_spec(mixed)
