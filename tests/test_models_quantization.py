@@ -287,8 +287,9 @@ def test_quantize_and_compress_compose():
         compress_model(quantize_model(model, targets="head"), 0.6, **factored)
 
 
-def test_model_spec_names_the_fp8_weights():
-    from jax_neuronmm.models.decode import decode_plan, model_spec
+def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
+    from jax_neuronmm.models.decode import decode_plan, decode_weight_bytes, model_spec
+    from nki_kernels.decode import traffic
 
     model = _gemma3()
     with pytest.warns(UserWarning, match="without calibration_ids"):
@@ -307,6 +308,7 @@ def test_model_spec_names_the_fp8_weights():
     ):
         quantized = quantize_model(compressed, targets=targets)
         assert model_spec(quantized) == dataclasses.replace(plan, fp8_weights=weights)
+        assert traffic.weight_bytes(model_spec(quantized)) == decode_weight_bytes(quantized)
         assert decode_plan(quantized) is None  # generate does not decode fp8 weights through decode_step yet
     mixed = quantize_model(model, targets="attention")
     mixed.layers[1].self_attn.k_proj = model.layers[1].self_attn.k_proj
