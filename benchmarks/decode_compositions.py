@@ -60,15 +60,17 @@ from nki_kernels.decode.comparison import (
     Measured,
     Results,
     decode_spec,
-    extrapolate,
+    describe_error,
     fp8_table,
+    measure_depths,
+    measure_spec,
     must_move_bytes,
     nkilib_shards,
-    operand_specs,
     peak_fraction,
+    profiled,
     targets_table,
+    traced_layers,
 )
-from nki_kernels.decode.runner import run_decode_step
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
@@ -125,12 +127,6 @@ FLAGS = flags.FLAGS
 NKILIB = "nkilib"  # the peer's row label in tables: "dense (nkilib megakernel)"
 
 
-def _profiled(fn: Callable, target: str):
-    with emulator.use_target(target), emulator.count_only(), emulator.profile() as prof:
-        fn()
-    return prof.runs
-
-
 def measure_ours(
     model: DecodeModel,
     composition: str,
@@ -142,18 +138,7 @@ def measure_ours(
 ) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target; fp8: every weight in fp8
     with float32 scales."""
-    spec = decode_spec(model, num_layers, compressed, fp8)
-    operands = operand_specs(spec, batch, cache_len)
-    runs, failures = {}, []
-    for t in TARGETS:
-        try:
-            runs[t] = _profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
-        except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
-            failures.append(f"{t}: {_describe(error)}")
-    note = "did not run on " + "; ".join(failures) if failures else ""
-    if not runs:
-        return Measured({}, 0, 0.0, note=note)
-    return Measured.from_runs(runs, note=note)
+    return measure_spec(decode_spec(model, num_layers, compressed, fp8), composition, batch, cache_len)
 
 
 def measure_nkilib(
@@ -173,7 +158,7 @@ def measure_nkilib(
             try:
                 module = importlib.import_module("nkilib.experimental.transformer.transformer_tkg")
             except Exception as error:  # noqa: BLE001 - a checkout that does not import is reported, not fatal
-                return Measured({}, calls, 0.0, note=f"transformer_tkg does not import: {_describe(error)}")
+                return Measured({}, calls, 0.0, note=f"transformer_tkg does not import: {describe_error(error)}")
             kernel = emulator.jit(module.transformer_tkg)
 
             def call(num_layers, target):
@@ -200,7 +185,7 @@ def measure_nkilib(
                 kwargs = dict(num_layers=num_layers, eps=model.norm_eps, replica_groups=[[0]])
                 # nkilib's allocator prints its SBUF plan at every call; the report needs none of it.
                 with contextlib.redirect_stdout(io.StringIO()):
-                    return _profiled(lambda: run_kernel(kernel, args, kwargs, numerics=False), target)
+                    return profiled(lambda: run_kernel(kernel, args, kwargs, numerics=False), target)
 
             for target in TARGETS:
                 try:
@@ -208,7 +193,7 @@ def measure_nkilib(
                         raise RuntimeError("one-layer calls asked for")
                     runs[target] = call(model.num_layers, target) * calls
                 except Exception as error:  # noqa: BLE001 - reported in the table; ours still stand
-                    whole = _describe(error)
+                    whole = describe_error(error)
                     try:
                         runs[target] = call(1, target) * (calls * model.num_layers)
                         per_layer_calls.append(
@@ -216,7 +201,7 @@ def measure_nkilib(
                             f"({whole}), so {model.num_layers} one-layer calls per shard"
                         )
                     except Exception as error:  # noqa: BLE001
-                        failures.append(f"{target}: {_describe(error)}")
+                        failures.append(f"{target}: {describe_error(error)}")
     finally:
         sys.path[:] = saved_path
         for name in set(sys.modules) - saved_modules:
@@ -232,30 +217,11 @@ def measure_nkilib(
     return Measured.from_runs(runs, note=note)
 
 
-def _describe(error: Exception) -> str:
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
-
-
 def check_nkilib_checkout(checkout: str) -> str:
     source = os.path.join(os.path.expanduser(checkout), "src", "nkilib_src")
     if not os.path.isdir(os.path.join(source, "nkilib", "experimental", "transformer")):
         raise ValueError(f"--nki_library: {checkout!r} has no src/nkilib_src/nkilib/experimental/transformer folder")
     return source
-
-
-def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:
-    """The layer counts to trace: all of them, or one and two repeats of the layer pattern to extrapolate from."""
-    if not extrapolated or 2 * model.layer_period >= model.num_layers:
-        return (model.num_layers,)
-    return (model.layer_period, 2 * model.layer_period)
-
-
-def measure_depths(measure: Callable[[int], Measured], model: DecodeModel, depths: tuple[int, ...]) -> Measured:
-    """measure(layers) at full depth, or extrapolated linearly from the two traced depths."""
-    if depths == (model.num_layers,):
-        return measure(model.num_layers)
-    (l1, l2) = depths
-    return extrapolate(measure(l1), l1, measure(l2), l2, model.num_layers)
 
 
 NOT_TRACED = "not traced in this run (run time on this machine)"

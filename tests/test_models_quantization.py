@@ -1,6 +1,8 @@
 """quantize_model (fp8 e4m3 projections and LM head) and fp8 checkpoints: logits against the model rebuilt from the
 dequantized weights, generation, save/load round trips, checksums, errors."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -225,3 +227,90 @@ def test_decode_weight_bytes_count_fp8_weights_as_stored():
         # one byte per fp8 weight, four per float32 scale
         assert decode_weight_bytes(quantized) == decode_weight_bytes(source, bytes_per_weight=1) + 4 * scales
         assert decode_weight_bytes(quantized) < decode_weight_bytes(source)
+
+
+def test_mlp_hidden_is_down_proj_input_for_every_mlp_form():
+    """The calibration pass's down_proj inputs: hidden · W_down reproduces the MLP's output whether its projections
+    are dense or factored, in fp8 or not (a model quantized in two calls, or compressed with fp8 factors)."""
+    from jax_neuronmm.models.quantization import _mlp_hidden, _projected
+
+    model = _gemma3()
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        compressed = compress_model(model, keep=0.6, block=8, include=("mlp",))
+    mlps = [model.layers[0].mlp, compressed.layers[0].mlp]
+    mlps += [quantize_model(m, targets="mlp").layers[0].mlp for m in (model, compressed)]
+    assert [type(p.down_proj).__name__ for p in mlps] == ["Linear", "SVDLinear", "Fp8Linear", "Fp8SVDLinear"]
+    x = np.asarray(np.random.default_rng(4).standard_normal((5, 96)), np.float32)
+    for mlp in mlps:
+        want = np.asarray(mlp(jnp.asarray(x)), np.float64)
+        got = np.asarray(_projected(mlp.down_proj, _mlp_hidden(mlp, x)), np.float64)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+def test_quantize_and_compress_compose():
+    """The LM head factored (whitened, fp8 factors) on a model whose projections are GPTQ fp8, and GPTQ on the
+    dense weights of a model whose MLP factors are fp8; a weight compress_model would factor must be dense float."""
+    model = _gemma3()
+    ids = _ids(16, 32, seed=7)
+    projections = quantize_model(model, targets=("attention", "mlp"), calibration_ids=ids, progress=False)
+    factored = dict(method="whitened", steps=(), calibration_ids=ids, include=("head",), block=8, progress=False)
+    bf16_head = compress_model(projections, 0.6, **factored)
+    fp8_head = compress_model(projections, 0.6, weight_dtype="float8_e4m3", **factored)
+    assert isinstance(fp8_head.lm_head, Fp8SVDLinear) and fp8_head.lm_head.rank == bf16_head.lm_head.rank
+    for name in ("u", "v"):  # the bf16 factors rounded to fp8
+        scale = getattr(fp8_head.lm_head, f"{name}_scale")[...]
+        np.testing.assert_allclose(
+            _dequantized(getattr(fp8_head.lm_head, name)[...], scale),
+            np.asarray(getattr(bf16_head.lm_head, name)[...], np.float64),
+            rtol=0.07,
+            atol=float(np.max(scale)),
+        )
+    layer, source = fp8_head.layers[1], projections.layers[1]
+    assert isinstance(layer.mlp.down_proj, Fp8Linear)
+    np.testing.assert_array_equal(
+        np.asarray(layer.mlp.down_proj.kernel[...], np.float32),
+        np.asarray(source.mlp.down_proj.kernel[...], np.float32),
+    )
+    got = np.asarray(_logits(fp8_head, _ids(2, 9, seed=1)), np.float64)
+    want = np.asarray(_logits(bf16_head, _ids(2, 9, seed=1)), np.float64)
+    assert 0 < np.abs(got - want).max() <= 0.1 * np.abs(want).max()
+
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        fp8_mlps = compress_model(model, keep=0.6, block=8, include=("mlp",), weight_dtype="float8_e4m3")
+    rest = quantize_model(fp8_mlps, targets=("attention", "head"), calibration_ids=ids, progress=False)
+    assert isinstance(rest.layers[0].self_attn.q_proj, Fp8Linear) and isinstance(rest.lm_head, Fp8Linear)
+    assert rest.layers[0].mlp.gate_proj.u[...].dtype == ml_dtypes.float8_e4m3fn
+
+    with pytest.raises(TypeError, match="layer 0 gate_proj is a Fp8Linear; compress_model factors dense float"):
+        compress_model(projections, 0.6, method="whitened", steps=(), calibration_ids=ids, include=("mlp",))
+    with pytest.raises(TypeError, match="the LM head is a Fp8Linear; compress_model factors dense float weights"):
+        compress_model(quantize_model(model, targets="head"), 0.6, **factored)
+
+
+def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
+    from jax_neuronmm.models.decode import decode_plan, decode_weight_bytes, model_spec
+    from nki_kernels.decode import traffic
+
+    model = _gemma3()
+    with pytest.warns(UserWarning, match="without calibration_ids"):
+        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "head"))
+    assert model_spec(model) == decode_plan(model).spec
+    plan = decode_plan(compressed).spec
+    mlp_ranks = tuple(
+        tuple(getattr(layer.mlp, name).rank for layer in compressed.layers)
+        for name in ("gate_proj", "up_proj", "down_proj")
+    )
+    assert plan.ranks == (None,) * 4 + mlp_ranks and plan.head_rank == compressed.lm_head.rank
+    for targets, weights in (
+        (("attention", "mlp", "head"), ("q", "k", "v", "o", "gate", "up", "down", "head")),
+        (("mlp",), ("gate", "up", "down")),
+        (("head",), ("head",)),
+    ):
+        quantized = quantize_model(compressed, targets=targets)
+        assert model_spec(quantized) == dataclasses.replace(plan, fp8_weights=weights)
+        assert traffic.weight_bytes(model_spec(quantized)) == decode_weight_bytes(quantized)
+        assert decode_plan(quantized) is None  # generate does not decode fp8 weights through decode_step yet
+    mixed = quantize_model(model, targets="attention")
+    mixed.layers[1].self_attn.k_proj = model.layers[1].self_attn.k_proj
+    with pytest.raises(ValueError, match=r"model_spec: k_proj is fp8 in layer 0 but not in layer 1"):
+        model_spec(mixed)

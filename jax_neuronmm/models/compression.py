@@ -19,6 +19,7 @@ from jax_neuronmm.models import quantization
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear
 from jax_neuronmm.nn.nnx import SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
@@ -77,6 +78,21 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
             "calibration_ids: only used by method='whitened' or recovery steps; got it with method='svd' and no steps"
         )
     return include, steps, calibration_ids
+
+
+def _check_dense(model, include) -> None:
+    """TypeError when a weight `include` names is not a dense float one (fp8 from quantize_model, or factored):
+    factor first, then quantize. Weights outside `include` may be anything the model runs with."""
+    fix = "compress_model factors dense float weights: factor first, then quantize (weight_dtype= or quantize_model)"
+    if "head" in include and model.lm_head is not None and not isinstance(model.lm_head, nnx.Linear):
+        raise TypeError(f"model: the LM head is a {type(model.lm_head).__name__}; {fix}")
+    for index, layer in enumerate(model.layers):
+        for group, names in (("attention", ATTENTION_PROJECTIONS), ("mlp", MLP_PROJECTIONS)):
+            parent = layer.self_attn if group == "attention" else layer.mlp
+            for name in names if group in include else ():
+                module = getattr(parent, name)
+                if isinstance(module, (Fp8Linear, Fp8SVDLinear)):
+                    raise TypeError(f"model: layer {index} {name} is a {type(module).__name__}; {fix}")
 
 
 def _check_ids(model, ids, name: str) -> np.ndarray:
@@ -182,6 +198,10 @@ def compress_model(
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
     worse, see models/quantization.py).
+
+    With `quantize_model`: weights outside `include` may already be fp8 (e.g. the LM head factored, whitened by the
+    final hidden states of a model whose projections are fp8); a weight in `include` must be a dense float one
+    (TypeError otherwise: factor first, then quantize).
     """
     if not isinstance(model, CausalLM):
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
@@ -191,6 +211,7 @@ def compress_model(
     include, steps, calibration_ids = _check_arguments(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids
     )
+    _check_dense(model, include)
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")

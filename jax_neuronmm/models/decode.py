@@ -7,6 +7,10 @@
 Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
 them by the pad slots among a row's tokens (`widen_windows(plan, pad_slots(token_mask))`).
 
+`model_spec(model)` is the DecodeSpec of a covered model or of its fp8 copy (`quantize_model`; `fp8_weights` names
+its fp8 weights): the cost model prices it (benchmarks/frontier.py), though generate does not yet decode fp8 models
+through `decode_step`.
+
 Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
 `SVDMLP` factors). Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
 holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
@@ -28,7 +32,7 @@ from jax_neuronmm import decoder_math
 from jax_neuronmm.decode_step import decode_step
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear
+from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
@@ -71,7 +75,7 @@ def _projection_modules(layer):
 
 
 def _activation(mlp):
-    if isinstance(mlp, SVDMLP):
+    if isinstance(mlp, (SVDMLP, Fp8SVDMLP)):
         return mlp.activation
     if isinstance(mlp, GatedMLP):
         return HF_ACTIVATIONS.get(mlp.activation)
@@ -80,13 +84,22 @@ def _activation(mlp):
 
 def unsupported_reason(model: CausalLM) -> str | None:
     """Why `model`'s decode steps cannot run as one `decode_step`, or None when they can."""
+    return _unsupported(model, fp8=False)
+
+
+def _unsupported(model: CausalLM, fp8: bool) -> str | None:
+    """unsupported_reason; fp8: fp8 projections and head (quantize_model's) allowed where every layer has them."""
+    projection_types = _PROJECTION_TYPES if fp8 else (nnx.Linear, SVDLinear)
     layers = list(model.layers)
     for index, layer in enumerate(layers):
         for name, module in _projection_modules(layer).items():
-            if not isinstance(module, (nnx.Linear, SVDLinear)):
+            if not isinstance(module, projection_types):
                 return f"layer {index} {name}_proj is a {type(module).__name__}"
             if module.bias is not None:
                 return f"layer {index} {name}_proj has a bias (the decode-step kernels have none)"
+            if _fp8(module) != _fp8(_projection_modules(layers[0])[name]):
+                fp8_layer, other = (0, index) if not _fp8(module) else (index, 0)
+                return f"{name}_proj is fp8 in layer {fp8_layer} but not in layer {other} (fp8 in every layer or none)"
         if _activation(layer.mlp) not in FUSED_ACTIVATIONS:
             return f"layer {index}: MLP activation {getattr(layer.mlp, 'activation', None)!r} is not fused"
     norms = [norm for layer in layers for norm in layer.norms()] + [model.norm]
@@ -101,7 +114,7 @@ def unsupported_reason(model: CausalLM) -> str | None:
     if len({(layer.self_attn.q_norm is None) for layer in layers}) != 1:
         return "some layers have QK-norm and some do not"
     if model.lm_head is not None and (
-        not isinstance(model.lm_head, (nnx.Linear, SVDLinear)) or model.lm_head.bias is not None
+        not isinstance(model.lm_head, projection_types) or model.lm_head.bias is not None
     ):
         return "the LM head is not a bias-free linear layer"
     return None
@@ -111,20 +124,44 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
     """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack."""
     if unsupported_reason(model) is not None:
         return None
+    specs = model.attention_specs()
+    return DecodePlan(_spec(model), tuple(dict.fromkeys(s.rope for s in specs)), _windows(model))
+
+
+def model_spec(model: CausalLM) -> DecodeSpec:
+    """The DecodeSpec of `model`'s decode step, the weights `quantize_model` made fp8 named in its fp8_weights:
+    what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec traces it), for
+    every model `decode_plan` covers and for their fp8 copies, which generate does not yet run through decode_step.
+    ValueError naming what else the kernels lack (`unsupported_reason`), or an fp8 weight in some layers only."""
+    reason = _unsupported(model, fp8=True)
+    if reason is not None:
+        raise ValueError(f"model_spec: {reason}")
+    return _spec(model)
+
+
+def _windows(model: CausalLM) -> tuple:
+    return tuple(dict.fromkeys(s.sliding_window for s in model.attention_specs()))
+
+
+def _spec(model: CausalLM) -> DecodeSpec:
+    """The DecodeSpec of a model `_unsupported(model, fp8=True)` accepts."""
     layers, specs, config = list(model.layers), model.attention_specs(), model.config
-    ropes = tuple(dict.fromkeys(s.rope for s in specs))
-    windows = tuple(dict.fromkeys(s.sliding_window for s in specs))
-    ranks = []
+    ropes, windows = tuple(dict.fromkeys(s.rope for s in specs)), _windows(model)
+    ranks, fp8_weights = [], []
     for name in PROJECTIONS:
         modules = [_projection_modules(layer)[name] for layer in layers]
-        if any(isinstance(m, SVDLinear) for m in modules):
+        if any(isinstance(m, _FACTORED_TYPES) for m in modules):
             ranks.append(
-                tuple(m.rank if isinstance(m, SVDLinear) else min(m.in_features, m.out_features) for m in modules)
+                tuple(m.rank if isinstance(m, _FACTORED_TYPES) else min(m.in_features, m.out_features) for m in modules)
             )
         else:
             ranks.append(None)
+        if _fp8(modules[0]):
+            fp8_weights.append(name)
+    if _fp8(model.lm_head):
+        fp8_weights.append("head")
     first, attn = specs[0], layers[0].self_attn
-    spec = DecodeSpec(
+    return DecodeSpec(
         num_layers=len(layers),
         hidden=config.hidden_size,
         num_heads=first.num_heads,
@@ -143,12 +180,12 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
         layer_rope=tuple(ropes.index(s.rope) for s in specs),
         layer_mask=tuple(windows.index(s.sliding_window) for s in specs),
         ranks=tuple(ranks),
-        head_rank=model.lm_head.rank if isinstance(model.lm_head, SVDLinear) else None,
+        head_rank=model.lm_head.rank if isinstance(model.lm_head, _FACTORED_TYPES) else None,
+        fp8_weights=tuple(fp8_weights),
         # A row's cache slots hold consecutive positions (left padding, no padding): a window of W positions is
         # W slots (widen_windows when pad slots lie among a row's tokens).
         mask_windows=windows if any(w is not None for w in windows) else (),
     )
-    return DecodePlan(spec, ropes, windows)
 
 
 def preset_decode_spec(family: str, preset: str, **overrides) -> DecodeSpec:
@@ -313,6 +350,11 @@ def decode_weight_bytes(model, bytes_per_weight: int = 2) -> int:
 
 
 _PROJECTION_TYPES = (nnx.Linear, SVDLinear, Fp8Linear, Fp8SVDLinear)
+_FACTORED_TYPES = (SVDLinear, Fp8SVDLinear)
+
+
+def _fp8(module) -> bool:
+    return isinstance(module, (Fp8Linear, Fp8SVDLinear))
 
 
 def _projection_bytes(projection, bytes_per_weight: int) -> int:

@@ -93,22 +93,29 @@ def _gram(inputs):
     return x.T @ x
 
 
-def _mlp_hidden(mlp, x):
-    """The MLP's gated hidden act(x·Wg) * (x·Wu) [n, I] float32 (down_proj's input) for inputs x [n, H]."""
-    x = jnp.asarray(x, jnp.float32)
-    if isinstance(mlp, SVDMLP):
-        act = jnp_activation(mlp.activation)
+def _projected(layer, x):
+    """x [n, K] float32 through a projection in float32: x·W (+ bias), fp8 values times their scales."""
 
-        def project(layer):
-            return x @ layer.u[...].astype(jnp.float32) @ layer.v[...].astype(jnp.float32)
+    def f32(param):
+        return param[...].astype(jnp.float32)
+
+    if isinstance(layer, Fp8Linear):
+        out = x @ f32(layer.kernel) * f32(layer.kernel_scale)
+    elif isinstance(layer, Fp8SVDLinear):
+        out = (x @ f32(layer.u) * f32(layer.u_scale)) @ f32(layer.v) * f32(layer.v_scale)
+    elif isinstance(layer, SVDLinear):
+        out = x @ f32(layer.u) @ f32(layer.v)
     else:
-        act = activation_fn(mlp.activation)
+        out = x @ f32(layer.kernel)
+    return out if layer.bias is None else out + f32(layer.bias)
 
-        def project(layer):
-            out = x @ layer.kernel[...].astype(jnp.float32)
-            return out if layer.bias is None else out + layer.bias[...].astype(jnp.float32)
 
-    return np.asarray(act(project(mlp.gate_proj)) * project(mlp.up_proj), np.float32)
+def _mlp_hidden(mlp, x):
+    """The MLP's gated hidden act(x·Wg) * (x·Wu) [n, I] float32 (down_proj's input) for inputs x [n, H]; its
+    projections dense or factored, in fp8 or not."""
+    x = jnp.asarray(x, jnp.float32)
+    act = jnp_activation(mlp.activation) if isinstance(mlp, (SVDMLP, Fp8SVDMLP)) else activation_fn(mlp.activation)
+    return np.asarray(act(_projected(mlp.gate_proj, x)) * _projected(mlp.up_proj, x), np.float32)
 
 
 def _calibration_grams(model, ids, progress):

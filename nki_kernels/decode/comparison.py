@@ -1,6 +1,7 @@
-"""The decode step's compositions compared on the emulator's cost model: what is measured per case, how a deep
-model is extrapolated from shallow traces, the bytes a step must move, and the targets the looped kernel is held
-to (benchmarks/decode_compositions.py traces the cases and writes the report from these).
+"""The decode step's compositions compared on the emulator's cost model: how a case is traced (count-only,
+`measure_spec`) and what is measured of it, how a deep model is extrapolated from shallow traces, the bytes a step
+must move, and the targets the looped kernel is held to (benchmarks/decode_compositions.py and
+benchmarks/frontier.py trace their cases with these and write their reports).
 
 A `DecodeModel` is a model's name, where its shapes come from and its dense DecodeSpec at full depth
 (jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
@@ -15,7 +16,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from nki_kernels import hardware, ranks
+from nki_kernels import emulator, hardware, ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.compositions import COMPOSITIONS
 from nki_kernels.decode.contract import (
@@ -26,6 +27,7 @@ from nki_kernels.decode.contract import (
     expected_dtypes,
     expected_shapes,
 )
+from nki_kernels.decode.runner import run_decode_step
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
@@ -53,8 +55,9 @@ LABELS = {
 
 @dataclasses.dataclass(frozen=True)
 class DecodeModel:
-    """A model as the comparison traces it: `spec` is its dense DecodeSpec with every layer; `source` says where
-    its shapes come from (a published config.json)."""
+    """A model as the comparison traces it: `spec` is its DecodeSpec with every layer (dense for the published
+    models; `decode_spec` sets the ranks and fp8 weights of a case, `measure_model` traces the spec as it is);
+    `source` says where its shapes come from (a published config.json)."""
 
     name: str
     source: str
@@ -94,13 +97,24 @@ class DecodeModel:
         return bool(windows) and windows[self.spec.layer_mask[layer]] is not None
 
 
+def cut_layers(spec: DecodeSpec, num_layers: int) -> DecodeSpec:
+    """`spec` cut to its first num_layers layers: their RoPE tables, masks and ranks; head and fp8 weights kept."""
+    layer_mask = spec.layer_mask[:num_layers]
+    return dataclasses.replace(
+        spec,
+        num_layers=num_layers,
+        layer_rope=spec.layer_rope[:num_layers],
+        layer_mask=layer_mask,
+        mask_windows=spec.mask_windows[: max(layer_mask) + 1] if spec.mask_windows else (),
+        ranks=tuple(None if r is None else r[:num_layers] for r in spec.ranks),
+    )
+
+
 def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool = False) -> DecodeSpec:
-    """`model`'s DecodeSpec cut to its first num_layers layers; compressed: every projection and the head factored
-    at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer); fp8: every weight
-    (each projection and the head, dense or factored) stored as fp8 values with float32 scales."""
+    """`model`'s dense DecodeSpec cut to its first num_layers layers; compressed: every projection and the head
+    factored at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer); fp8: every
+    weight (each projection and the head, dense or factored) stored as fp8 values with float32 scales."""
     full = model.spec
-    layer_rope, layer_mask = full.layer_rope[:num_layers], full.layer_mask[:num_layers]
-    windows = full.mask_windows[: max(layer_mask) + 1] if full.mask_windows else ()
     layer_ranks, head_rank = (None,) * len(PROJECTIONS), None
     if compressed:
         layer_ranks = tuple(
@@ -109,11 +123,7 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool
         )
         head_rank = ranks.block_aligned_rank(full.hidden, full.vocab, KEEP)
     return dataclasses.replace(
-        full,
-        num_layers=num_layers,
-        layer_rope=layer_rope,
-        layer_mask=layer_mask,
-        mask_windows=windows,
+        cut_layers(dataclasses.replace(full, ranks=(None,) * len(PROJECTIONS)), num_layers),
         ranks=layer_ranks,
         head_rank=head_rank,
         fp8_weights=WEIGHTS if fp8 else (),
@@ -242,6 +252,59 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
         {t: m2.head_us[t] for t in m2.head_us},
         extrapolated=(l1, l2),
         note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
+    )
+
+
+def profiled(fn, target: str) -> list:
+    """The profiled runs of fn() on the emulator in count-only mode on `target`."""
+    with emulator.use_target(target), emulator.count_only(), emulator.profile() as prof:
+        fn()
+    return prof.runs
+
+
+def describe_error(error: Exception) -> str:
+    """A one-line description of why a case did not run, for the reports' notes."""
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
+
+
+def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int) -> Measured:
+    """One composition of our kernels at `spec`'s depth, count-only, on each target (a target where it fails is
+    named in the note)."""
+    operands = operand_specs(spec, batch, cache_len)
+    runs, failures = {}, []
+    for t in TARGETS:
+        try:
+            runs[t] = profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
+        except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
+            failures.append(f"{t}: {describe_error(error)}")
+    note = "did not run on " + "; ".join(failures) if failures else ""
+    if not runs:
+        return Measured({}, 0, 0.0, note=note)
+    return Measured.from_runs(runs, note=note)
+
+
+def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:
+    """The layer counts to trace: all of them, or one and two repeats of the layer pattern to extrapolate from."""
+    if not extrapolated or 2 * model.layer_period >= model.num_layers:
+        return (model.num_layers,)
+    return (model.layer_period, 2 * model.layer_period)
+
+
+def measure_depths(measure, model: DecodeModel, depths: tuple[int, ...]) -> Measured:
+    """measure(layers) at full depth, or extrapolated linearly from the two traced depths."""
+    if depths == (model.num_layers,):
+        return measure(model.num_layers)
+    (l1, l2) = depths
+    return extrapolate(measure(l1), l1, measure(l2), l2, model.num_layers)
+
+
+def measure_model(model: DecodeModel, composition: str, batch: int, cache_len: int, extrapolated: bool) -> Measured:
+    """One composition at `model`'s spec as it is (its ranks, head rank and fp8 weights), at full depth or
+    (extrapolated) from traces of one and two repeats of its layer pattern."""
+    return measure_depths(
+        lambda layers: measure_spec(cut_layers(model.spec, layers), composition, batch, cache_len),
+        model,
+        traced_layers(model, extrapolated),
     )
 
 

@@ -16,6 +16,20 @@ def _weight_bytes(spec: DecodeSpec, name: str, k: int, n: int, rank: int | None,
     return values * FP8.itemsize + scales * SCALE.itemsize
 
 
+def weight_bytes(spec: DecodeSpec, itemsize: int = 2, *, head: bool = True) -> int:
+    """Bytes of the projections of every layer (K·N dense or r·(K + N) factored at each layer's rank; an fp8 one at
+    one byte a value plus its float32 scales) and (head) the LM head, H·V or r·(H + V), read once: what
+    jax_neuronmm.models.decode.decode_weight_bytes counts of a model. Norm weights are not included."""
+    total = 0
+    for layer in range(spec.num_layers):
+        for name in PROJECTIONS:
+            k, n = spec.in_features(name), spec.out_features(name)
+            total += _weight_bytes(spec, name, k, n, spec.rank(name, layer), itemsize)
+    if head:
+        total += _weight_bytes(spec, "head", spec.hidden, spec.vocab, spec.head_rank, itemsize)
+    return total
+
+
 def must_move_bytes(
     spec: DecodeSpec,
     batch: int,
@@ -38,12 +52,8 @@ def must_move_bytes(
     head or logits, but the hidden state B·T·H written once. The step's small inputs (token embeddings, RoPE
     tables, mask, write index) are left out (under 0.1% of a real model's step).
     """
-    weights = 0
-    for layer in range(spec.num_layers):
-        for name in PROJECTIONS:
-            k, n = spec.in_features(name), spec.out_features(name)
-            weights += _weight_bytes(spec, name, k, n, spec.rank(name, layer), itemsize)
-        weights += (spec.num_norms * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)) * itemsize
+    norms = spec.num_layers * (spec.num_norms * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)) * itemsize
+    weights = weight_bytes(spec, itemsize, head=False) + norms
     slot = 2 * batch * spec.num_kv_heads * spec.head_dim  # k and v of one slot, every row
     visible = sum(spec.window_slots(mask, cache_len, tokens) for mask in spec.layer_mask)
     kv = slot * (visible + spec.num_layers * tokens) * itemsize
