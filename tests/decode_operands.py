@@ -17,25 +17,32 @@ from nki_kernels.emulator.kernel import Spec
 BF16 = ml_dtypes.bfloat16
 RING = dict(ring_block_bytes=4096, ring_bytes=10000)  # a few blocks: the cursor wraps inside every layer
 
-LLAMA = DecodeSpec(
-    num_layers=2,
-    hidden=200,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    intermediate=200,
-    vocab=300,
-    norm_eps=1e-5,
-    norm_unit_offset=False,
-    qk_norm=False,
-    sandwich=False,
-    activation="silu",
-    query_scaling=32**-0.5,
-    attn_logit_softcap=None,
-    final_logit_softcap=None,
-    layer_rope=(0, 0),
-    layer_mask=(0, 0),
-)
+
+def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate):
+    """A Llama-like spec of this shape (vocabulary 300): SiLU, plain norms, no q/k or sandwich norms, no softcaps,
+    1/sqrt(head_dim) query scaling, one RoPE table and one mask for every layer, dense projections and head."""
+    return DecodeSpec(
+        num_layers=num_layers,
+        hidden=hidden,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate=intermediate,
+        vocab=300,
+        norm_eps=1e-5,
+        norm_unit_offset=False,
+        qk_norm=False,
+        sandwich=False,
+        activation="silu",
+        query_scaling=head_dim**-0.5,
+        attn_logit_softcap=None,
+        final_logit_softcap=None,
+        layer_rope=(0,) * num_layers,
+        layer_mask=(0,) * num_layers,
+    )
+
+
+LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
 GEMMA3 = DecodeSpec(
     num_layers=3,
     hidden=256,

@@ -8,7 +8,17 @@ padding mask, and a small weight ring so blocks wrap around it within a layer.
 
 import numpy as np
 import pytest
-from decode_operands import BF16, GEMMA3, GEMMA3_DENSE, LLAMA, RING, check_cache, make_operands, relative_error
+from decode_operands import (
+    BF16,
+    GEMMA3,
+    GEMMA3_DENSE,
+    LLAMA,
+    RING,
+    check_cache,
+    llama_like,
+    make_operands,
+    relative_error,
+)
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
@@ -148,25 +158,7 @@ def test_count_only_trace_with_placeholders():
 def test_default_ring_leaves_sbuf_for_a_long_cache():
     """The default weight ring keeps attention's cache tiles out of its SBUF: 8 kv heads of 128 over 2048 slots in
     bf16 take 64 KiB per partition per row, which overflowed trn1's SBUF when the ring took all but 64 KiB."""
-    spec = DecodeSpec(
-        num_layers=1,
-        hidden=256,
-        num_heads=8,
-        num_kv_heads=8,
-        head_dim=128,
-        intermediate=256,
-        vocab=300,
-        norm_eps=1e-5,
-        norm_unit_offset=False,
-        qk_norm=False,
-        sandwich=False,
-        activation="silu",
-        query_scaling=128**-0.5,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=(0,),
-        layer_mask=(0,),
-    )
+    spec = llama_like(num_layers=1, hidden=256, num_heads=8, num_kv_heads=8, head_dim=128, intermediate=256)
     operands = [
         op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
         for op in make_operands(np.random.default_rng(0), spec, 1, 1, 2048, 5, BF16)
