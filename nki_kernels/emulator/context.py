@@ -96,6 +96,17 @@ def caller_line():
     return frame_line(frame)
 
 
+def kernel_body_frame():
+    """The frame of the kernel body on this thread's stack (the function the emulator's run_in_context called),
+    or None outside it. Walks this thread's own stack only: another thread's frames may be freed under it."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_back is not None:
+        if not _in_emulator(frame) and frame.f_back.f_code.co_name == "run_in_context":
+            return frame
+        frame = frame.f_back
+    return None
+
+
 def kernel_line(frame):
     """file.py:LINE of the kernel code a thread is executing, given its innermost frame: the deepest frame of the
     kernel's own code (the body and the helpers it calls, not the emulator or what the emulator calls)."""
@@ -143,6 +154,9 @@ class KernelContext:
         # Random bits of rng / dropout / nl.rand: numpy's PCG64 seeded by set_rng_seed / nl.random_seed (0 until
         # then); the same seed gives the same numbers, not the hardware's XORWOW sequence.
         self.random = np.random.default_rng(0)
+        # The running program's kernel-body frame, found by `current` on the rank's own thread (under
+        # simulate_spmd only): after the body returns, its f_lineno is the line of the return.
+        self.body_frame = None
 
     def new_storage_id(self):
         self.next_storage_id += 1
@@ -177,7 +191,10 @@ def current(what="this call"):
     stack = _stack()
     if not stack:
         raise RuntimeError(f"{what} is only valid inside an NKI kernel being simulated (call the @nki.jit kernel)")
-    return stack[-1]
+    ctx = stack[-1]
+    if ctx.world is not None and ctx.body_frame is None:
+        ctx.body_frame = kernel_body_frame()
+    return ctx
 
 
 def current_or_none():

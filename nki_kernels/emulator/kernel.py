@@ -212,11 +212,8 @@ def new_context(kernel, numerics, target=None, rank=0, world=None):
     return context.KernelContext(kernel.fn.__qualname__, target, kernel.grid, numerics, rank=rank, world=world)
 
 
-def run_in_context(kernel, ctx, args, kwargs, keep_tensors=False, on_enter=None):
-    """Run kernel's programs in ctx on this thread (the caller holds the launch lock); its outputs.
-
-    on_enter: called with no arguments right before the kernel body first runs (simulate_spmd hooks it).
-    """
+def run_in_context(kernel, ctx, args, kwargs, keep_tensors=False):
+    """Run kernel's programs in ctx on this thread (the caller holds the launch lock); its outputs."""
     for value in list(args) + list(kwargs.values()):
         if _is_foreign_array(value) and not isinstance(value, Spec):
             raise TypeError(
@@ -240,8 +237,7 @@ def run_in_context(kernel, ctx, args, kwargs, keep_tensors=False, on_enter=None)
         for index in itertools.product(*(range(g) for g in kernel.grid)):
             ctx.program_index = index
             ctx.shared_hbm_cursor = 0
-            if on_enter is not None:
-                on_enter()
+            ctx.body_frame = None
             result = kernel.fn(*tensor_args, **tensor_kwargs)
         return result if keep_tensors else _output(result, ctx.numerics)
 

@@ -79,7 +79,6 @@ class World:
         self._waiting: list[Call | None] = [None] * num_ranks
         self._returned: list[str | None] = [None] * num_ranks  # file:line of a rank's return from the kernel
         self._threads: list[threading.Thread | None] = [None] * num_ranks
-        self._frames = [None] * num_ranks  # each rank's (latest) kernel frame, for its return line
         self.failure: BaseException | None = None  # the first failure; every rank stops at its next collective
         self.failed_rank: int | None = None
 
@@ -90,22 +89,12 @@ class World:
                 self.failure, self.failed_rank = exc, rank
             self._cond.notify_all()
 
-    def returned(self, rank):
-        frame = self._frames[rank]
+    def returned(self, rank, body_frame):
+        """Rank `rank` returned from the kernel; body_frame: its last program's kernel-body frame (None when the
+        body made no NKI call), whose f_lineno is now the line of the return."""
         with self._cond:
-            self._returned[rank] = context.frame_line(frame) if frame is not None else "<unknown>"
+            self._returned[rank] = context.frame_line(body_frame) if body_frame is not None else "<unknown>"
             self._cond.notify_all()
-
-    def watch_entry(self, rank):
-        """Remember the kernel frame the next Python call on this thread creates (the kernel body), so the line of
-        its return is known afterwards; the profile hook removes itself at once."""
-
-        def hook(frame, event, arg):
-            if event == "call":
-                self._frames[rank] = frame
-                sys.setprofile(None)
-
-        sys.setprofile(hook)
 
     # -- the rendezvous -------------------------------------------------------------------------------------------
     def exchange(self, rank, call):
@@ -246,16 +235,12 @@ def run_spmd(kernel, per_rank_args, kwargs, timeout_s=DEFAULT_TIMEOUT_S):
 
     def rank_main(rank):
         try:
-            outputs[rank] = _kernel.run_in_context(
-                kernel, contexts[rank], per_rank_args[rank], kwargs, on_enter=lambda: world.watch_entry(rank)
-            )
-            world.returned(rank)
+            outputs[rank] = _kernel.run_in_context(kernel, contexts[rank], per_rank_args[rank], kwargs)
+            world.returned(rank, contexts[rank].body_frame)
         except _Aborted:
             pass
         except BaseException as exc:  # noqa: BLE001 -- handed to the launching thread, which raises it
             world.fail(rank, exc)
-        finally:
-            sys.setprofile(None)
 
     with _kernel.launching(numerics):
         threads = [
