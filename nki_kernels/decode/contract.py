@@ -32,6 +32,8 @@ from nki_kernels.activations import check_fused_activation
 # The projections of one decoder layer, in operand order; the weights of a step: those, then the LM head.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
 WEIGHTS = (*PROJECTIONS, "head")
+# Projections whose weight rows (K) are split over tensor-parallel ranks; the others split their columns (N).
+SPLIT_ROWS = ("o", "down")
 # fp8 weight values as the kernels take them: Trainium's float8_e4m3 (±240). JAX holds the same bits as
 # float8_e4m3fn (jax_neuronmm.compress.quantize), so `check` takes the fp8 dtype its caller holds.
 FP8 = np.dtype(ml_dtypes.float8_e4m3)
@@ -52,6 +54,12 @@ class DecodeSpec:
     in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
     kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
     write_index at run time, so one compiled kernel serves every step.
+    tensor_parallel: how many ranks (NeuronCores) the model is split over in the Megatron layout; the spec then
+    describes one rank's shard: num_heads, num_kv_heads, intermediate and vocab count this rank's query heads, KV
+    heads, MLP features and vocabulary entries, while hidden, head_dim and the factor ranks are whole (a factor's
+    rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each layer then
+    all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product x·u);
+    the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
     """
 
     num_layers: int
@@ -75,9 +83,19 @@ class DecodeSpec:
     head_rank: int | None = None
     fp8_weights: tuple[str, ...] = ()
     mask_windows: tuple[int | None, ...] = ()
+    tensor_parallel: int = 1
 
     def __post_init__(self):
-        for name in ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "intermediate", "vocab"):
+        for name in (
+            "tensor_parallel",
+            "num_layers",
+            "hidden",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "intermediate",
+            "vocab",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a positive int")
@@ -105,17 +123,17 @@ class DecodeSpec:
         for name, ranks in zip(PROJECTIONS, self.ranks):
             if ranks is None:
                 continue
-            limit = min(self.in_features(name), self.out_features(name))
+            limit = min(self.whole_features(name))
             if len(ranks) != self.num_layers or any(not isinstance(r, int) or not 1 <= r <= limit for r in ranks):
                 raise ValueError(
                     f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} ranks in [1, {limit}]"
                 )
         if self.head_rank is not None and not (
-            isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.vocab)
+            isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.whole_vocab)
         ):
             raise ValueError(
                 f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
-                f"[1, {min(self.hidden, self.vocab)}]"
+                f"[1, {min(self.hidden, self.whole_vocab)}]"
             )
         if (
             not isinstance(self.fp8_weights, tuple)
@@ -176,6 +194,18 @@ class DecodeSpec:
             "up": self.intermediate,
             "down": self.hidden,
         }[projection]
+
+    def whole_features(self, projection: str) -> tuple[int, int]:
+        """(K, N) of the whole model's weight of a projection, which this rank holds a 1/tensor_parallel slice of:
+        o and down split K (their rows), the others N (their columns)."""
+        k, n = self.in_features(projection), self.out_features(projection)
+        if projection in SPLIT_ROWS:
+            return k * self.tensor_parallel, n
+        return k, n * self.tensor_parallel
+
+    @property
+    def whole_vocab(self) -> int:
+        return self.vocab * self.tensor_parallel
 
     def rank(self, projection: str, layer: int) -> int | None:
         """The rank of `projection` in `layer`, or None when it is dense."""
