@@ -17,7 +17,9 @@ benchmarks/results/frontier.json (gitignored) as soon as it is measured, and a r
 configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
 report lists every configuration not measured. The modeled speeds of every configuration (ranks from
 nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; bf16 dense
-looped traced in the same run as every speedup's base) are traced again on every run, a few minutes.
+looped traced in the same run as every speedup's base; 10-30 minutes on 2 cores) are kept in the JSON with a
+digest of what decides them (every spec and the source of the decode kernels, the emulator and its cost model),
+and traced again when that digest changes or with --retrace.
 
 Writes benchmarks/results/frontier.md and frontier.png.
 """
@@ -25,6 +27,8 @@ Writes benchmarks/results/frontier.md and frontier.png.
 from __future__ import annotations
 
 import dataclasses
+import glob
+import hashlib
 import json
 import os
 import time
@@ -54,6 +58,7 @@ flags.FLAGS.set_default("calibration_windows", 48)
 flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the JSON, Markdown, PNG go"
 )
+flags.DEFINE_bool("retrace", False, "trace the modeled speeds again even when the JSON holds them for this digest")
 FLAGS = flags.FLAGS
 
 GEMMA = "Gemma 3 270M"
@@ -69,7 +74,8 @@ class Config:
     """One configuration: the projections of `include` ("mlp", "attention", "head") SVD-factored at `keep`
     (compress_model: whitened, then `steps`; block-aligned ranks at `block`), weights in bf16 or (fp8) every weight
     in fp8 e4m3 with float32 scales: dense ones GPTQ-rounded on the calibration windows (gptq) or rounded to
-    nearest, factors rounded to nearest. expensive: measured only when named in --configs."""
+    nearest, factors rounded to nearest or (factors_gptq, the head's only) GPTQ-rounded too. expensive: measured
+    only when named in --configs."""
 
     name: str
     include: tuple = ()
@@ -79,6 +85,7 @@ class Config:
     steps: tuple = ()
     block: int = 128
     expensive: bool = False
+    factors_gptq: bool = False
 
     @property
     def weights(self) -> str:
@@ -99,6 +106,10 @@ CONFIGS = (
     Config("dense fp8 GPTQ", fp8=True),
     *(Config(f"head {keep} bf16", ("head",), keep, block=HEAD_BLOCK) for keep in HEAD_KEEPS),
     *(Config(f"head {keep} fp8", ("head",), keep, fp8=True, block=HEAD_BLOCK) for keep in HEAD_KEEPS),
+    *(
+        Config(f"head {keep} fp8 GPTQ factors", ("head",), keep, fp8=True, factors_gptq=True, block=HEAD_BLOCK)
+        for keep in (0.9, 0.8)
+    ),
     *(
         Config(f"{name} 0.8 recommended {'fp8' if fp8 else 'bf16'}", include, 0.8, fp8, True, RECOMMENDED_STEPS)
         for name, include in (("mlp", ("mlp",)), ("mlp+attention", ("mlp", "attention")))
@@ -190,6 +201,14 @@ class Builder:
             return models.quantize_model(
                 self.projections_fp8(), targets="head", calibration_ids=self.calibration_ids, progress=False
             )
+        if config.include == ("head",) and config.factors_gptq:
+            return models.quantize_model(
+                self.compress(self.projections_fp8(), config),
+                targets="head",
+                calibration_ids=self.calibration_ids,
+                calibrate_factors=True,
+                progress=False,
+            )
         if config.include == ("head",):
             return self.compress(self.projections_fp8(), config, weight_dtype=FP8)
         # Layers factored (and distilled) in bf16 first, then every weight quantized: GPTQ on the dense ones.
@@ -220,6 +239,22 @@ def trace_speeds(specs: dict) -> tuple[dict, list]:
                 print(f"traced {model_name} {config_name} batch {batch}: {seconds[-1]:.0f} s", flush=True)
             speeds[f"{model_name}|{config_name}|{batch}"] = dataclasses.asdict(traced[key])
     return speeds, seconds
+
+
+def speed_digest(specs: dict) -> str:
+    """sha256 over what the modeled speeds depend on: every (model, configuration, spec) and the source files of
+    the decode kernels, the emulator (its cost model included) and the rank rule."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sources = sorted(
+        glob.glob(os.path.join(root, "nki_kernels", "decode", "*.py"))
+        + glob.glob(os.path.join(root, "nki_kernels", "emulator", "*.py"))
+        + [os.path.join(root, "nki_kernels", "ranks.py")]
+    )
+    digest = hashlib.sha256(repr(sorted((k, repr(v.spec)) for k, v in specs.items())).encode())
+    for path in sources:
+        with open(path, "rb") as f:
+            digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
+    return digest.hexdigest()
 
 
 def speed_specs(gemma: DecodeModel) -> dict:
@@ -317,7 +352,10 @@ def render(results: dict, out_dir: str) -> None:
         "exact) factored by `compress_model(include=('head',), method='whitened', steps=())` at keep k, ranks "
         f"block-aligned at block {HEAD_BLOCK} (576 / 512 / 448 / 384; at 128, keeps 0.9 / 0.8 and 0.7 / 0.6 "
         "would round to the same ranks); **head k fp8**: the same on the model with the GPTQ fp8 projections "
-        "(whitened by its final hidden states), factors rounded to fp8 (`weight_dtype='float8_e4m3'`). "
+        "(whitened by its final hidden states), factors rounded to fp8 (`weight_dtype='float8_e4m3'`); **GPTQ "
+        "factors**: the same bf16 factors GPTQ-rounded instead (`quantize_model(..., targets='head', "
+        "calibration_ids=..., calibrate_factors=True)`: u against the head's input Gram matrix, v against that of "
+        "x·u). "
         "**recommended**: `compress_model`'s recommended pipeline (whitened + sequential + distillation), then "
         "for fp8 `quantize_model` of that model with the calibration ids.",
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
@@ -629,15 +667,21 @@ def main(argv):
     # Modeled speeds of every row, bf16 dense included, traced in this run.
     gemma = DecodeModel(GEMMA, "the loaded checkpoint, through models.decode.model_spec", decode.model_spec(dense))
     specs = speed_specs(gemma)
-    load_before, start = _load(), time.perf_counter()
-    results["speed"], seconds = trace_speeds(specs)
-    results["speed_meta"] = dict(
-        traces=len(seconds),
-        min_s=min(seconds),
-        max_s=max(seconds),
-        seconds=time.perf_counter() - start,
-        load=f"{load_before} before, {_load()} after",
-    )
+    digest = speed_digest(specs)
+    if FLAGS.retrace or results.get("speed_digest") != digest:
+        load_before, start = _load(), time.perf_counter()
+        results["speed"], seconds = trace_speeds(specs)
+        results["speed_digest"] = digest
+        results["speed_meta"] = dict(
+            traces=len(seconds),
+            min_s=min(seconds),
+            max_s=max(seconds),
+            seconds=time.perf_counter() - start,
+            load=f"{load_before} before, {_load()} after",
+        )
+        _write(json_path, json.dumps(results, indent=1).encode())
+    else:
+        print(f"modeled speeds: reused from {json_path} (same specs and kernel sources)", flush=True)
     results["speed_depths"] = {
         name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
         for name in (GEMMA, *SPEED_ONLY_MODELS)
