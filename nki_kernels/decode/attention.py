@@ -69,6 +69,12 @@ CACHE_BLOCK_BYTES = 16384
 # Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
 # on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
 CACHE_RUN_BYTES = 4096
+# Fewest bytes per partition a cache block spreads its slots to before it takes fewer partitions, with fp8 weights:
+# their layers leave the DMA engines idle part of the time, and attention waits for the cache, so its latency
+# counts more than its bytes: a window on all 128 partitions (16 DMA engines) at 2 KiB each (81% of the peak rate
+# per engine) arrives sooner than on 32 partitions at 8 KiB (4 engines at 97%). With 2-byte weights the DMA engines
+# are the bottleneck throughout and the cache keeps the efficient runs of two CACHE_RUN_BYTES DMAs.
+FP8_CACHE_SPREAD_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
 
@@ -350,15 +356,19 @@ def write_rows(columns, cache, layer, index):
     nisa.dma_copy(dst=slots, src=rows)
 
 
-def slot_blocks(s, slot_bytes):
+def cache_spread_bytes(spec):
+    """The per-partition bytes `slot_blocks` spreads a cache window's slots to, for `spec`'s weights."""
+    return FP8_CACHE_SPREAD_BYTES if spec.fp8_weights else 2 * CACHE_RUN_BYTES
+
+
+def slot_blocks(s, slot_bytes, spread_bytes):
     """[(s0, np, q)]: cache blocks covering slots 0..S-1; block slot s0 + p·q + i lives at partition p < np,
-    slot column i < q. A block holds at least q_min slots per partition (each of its two DMAs CACHE_RUN_BYTES
-    per partition) and at most CACHE_BLOCK_BYTES: on all 128 partitions while the slots last, then on fewer
-    partitions (a short cache: fewer DMA engines, but each at full rate); what is left below q_min slots, one
-    slot per partition."""
+    slot column i < q. A block holds at least q_min slots per partition (spread_bytes of them) and at most
+    CACHE_BLOCK_BYTES: on all 128 partitions while the slots last, then on fewer partitions (a short cache: fewer
+    DMA engines, but each at a high rate); what is left below q_min slots, one slot per partition."""
     pmax = nl.tile_size.pmax
     q_max = max(1, CACHE_BLOCK_BYTES // slot_bytes)
-    q_min = min(q_max, -(-2 * CACHE_RUN_BYTES // slot_bytes))
+    q_min = min(q_max, -(-spread_bytes // slot_bytes))
     blocks, s0 = [], 0
     while s - s0 >= pmax * q_min:
         q = min(q_max, (s - s0) // pmax)
@@ -523,7 +533,7 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     _, kt = natural_tiles(kv * d)
     largest = 0
     for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
-        blocks = slot_blocks(s, kv * d * itemsize)
+        blocks = slot_blocks(s, kv * d * itemsize, cache_spread_bytes(spec))
         values = sum(q for _, _, q in blocks) * kv * d * itemsize
         k_blocks = 0 if keys_by_dma_transpose(blocks, kv * d, k_cache.dtype) else values
         largest = max(largest, kt * s * itemsize + values + k_blocks)
@@ -554,8 +564,10 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
             continue
         for s0, np_, q in blocks:
             tile = nl.ndarray((np_, q, f), dtype=dtype, buffer=nl.sbuf, name="cache_block")
-            # Two DMAs per block: work on the first slot columns starts while the rest arrives.
-            for i0, ni in spans(q, -(-q // 2)):
+            # Two DMAs per block where each still moves CACHE_RUN_BYTES per partition: work on the first slot
+            # columns starts while the rest arrives.
+            halves = 2 if q * f * dtype.itemsize >= 2 * CACHE_RUN_BYTES else 1
+            for i0, ni in spans(q, -(-q // halves)):
                 source = window_view(cache, row + (s0 + i0) * f, [[q * f, np_], [f, ni], [1, f]], start, 2)
                 nisa.dma_copy(dst=tile[:, i0 : i0 + ni, :], src=source)
             (k_blocks if which == "k" else v_blocks).append(tile)
@@ -583,9 +595,10 @@ class CacheWindow:
     key_columns: tuple
 
 
-def plan_window(span, features, dtype):
-    """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`."""
-    blocks = slot_blocks(span, features * dtype.itemsize)
+def plan_window(span, features, dtype, spread_bytes):
+    """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`,
+    blocks spread to spread_bytes per partition (cache_spread_bytes)."""
+    blocks = slot_blocks(span, features * dtype.itemsize, spread_bytes)
     chunks = score_chunks(blocks)
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
     keys_by_dma = keys_by_dma_transpose(blocks, features, dtype)
@@ -778,7 +791,7 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
     t = r // batch
     gt = spec.num_heads // kv * t
     mask = spec.layer_mask[layer]
-    window = plan_window(spec.window_slots(mask, s, t), kv * d, dtype)
+    window = plan_window(spec.window_slots(mask, s, t), kv * d, dtype, cache_spread_bytes(spec))
     start = load_window_start(index, window.span, s, t)
     qs = prepare_queries(qT, spec, batch, dtype, constants)
     dp, _ = head_tiles(d)

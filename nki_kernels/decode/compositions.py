@@ -35,6 +35,9 @@ from nki_kernels.svd_mlp import activation_op
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
 MLP_PROJECTIONS = ("gate", "up", "down")
 FP8_ACTIVATIONS = (nl.bfloat16, nl.float16)  # what TensorE takes beside fp8 weights
+# SBUF per partition a looped kernel may give every layer's fp8 scales (StepContext.load_scales), of the ring's:
+# Gemma 3 270M in fp8 needs 3.9 KiB, Llama-3.2-1B 11.8 KiB.
+PRELOAD_SBUF_BYTES = 16 * 1024
 
 
 def check_spec(spec):
@@ -70,22 +73,67 @@ class Layouts:
         )
         self.kv = tiles.feature_layout(spec.num_kv_heads * spec.head_dim)
 
+    def output(self, projection):
+        """The layout of a projection's output."""
+        return {"q": self.q, "k": self.kv, "v": self.kv, "o": self.hidden, "down": self.hidden}.get(
+            projection, self.inter
+        )
+
 
 class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype (the activations' matmul dtype), layouts, the
-    weight ring, norm constants."""
+    weight ring, norm constants, and (a looped kernel's) every layer's fp8 scales."""
 
-    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None):
-        """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF)."""
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, preload_scales=False):
+        """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF).
+        preload_scales: whether `load_scales` will load every layer's fp8 scales at once, where
+        `scales_fit` (their tiles are kept out of the ring's SBUF too)."""
         self.spec = spec
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
+        self.preload_scales = preload_scales and scales_fit(spec, self.layouts)
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
+        beside += scale_bytes(spec, self.layouts) if self.preload_scales else 0
         self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = attention.AttentionConstants(spec)
+        self.scales = None  # None: each layer loads its own
+
+    def load_scales(self, ops):
+        """Every layer's fp8 scales as column tiles with a column per layer (projections.LayerScales), when
+        preload_scales was asked for and they fit."""
+        if self.preload_scales:
+            lay = self.layouts
+            self.scales = projections.LayerScales(ops.weights, self.spec, {n: lay.output(n) for n in PROJECTIONS})
+
+    def layer_scales(self, name, layer):
+        """What projections.projection takes as `scales` for `name` in `layer` (None: it loads them itself)."""
+        return None if self.scales is None else self.scales.of(name, layer, self.spec.rank(name, layer))
+
+
+def scale_bytes(spec, layouts):
+    """SBUF bytes per partition of projections.LayerScales' tiles for `spec`: float32, a column per layer."""
+    tiles = 0
+    for name in spec.fp8_weights:
+        if name == "head":
+            continue
+        tiles += len(layouts.output(name)) * spec.num_layers
+        if spec.factored(name):
+            columns = spec.out_features(name)
+            tiles += sum(len(projections.rank_layout(rank, columns)) for rank in spec.ranks[PROJECTIONS.index(name)])
+    return tiles * nl.float32.itemsize
+
+
+def scales_fit(spec, layouts):
+    """Whether a looped kernel loads every layer's fp8 scales at once: some projection is fp8, one partition per
+    layer, and their tiles within PRELOAD_SBUF_BYTES (larger models load them layer by layer)."""
+    return (
+        any(name != "head" for name in spec.fp8_weights)
+        and spec.num_layers <= nl.tile_size.pmax
+        and scale_bytes(spec, layouts) <= PRELOAD_SBUF_BYTES
+    )
 
 
 def _rows(tensor, rows):
@@ -114,8 +162,9 @@ def decoder_layer(ctx, x, layer, ops):
 
     def layer_projection(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
+        weight = layer_weight(weights[name], layer)
         projections.projection(
-            src, src_layout, layer_weight(weights[name], layer), rank, out_layout, rows, ctx.ring, evict
+            src, src_layout, weight, rank, out_layout, rows, ctx.ring, evict, ctx.layer_scales(name, layer)
         )
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
@@ -148,18 +197,23 @@ def decoder_layer(ctx, x, layer, ops):
         attn = tiles.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
     mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
+    mlp_scales = tuple(ctx.layer_scales(name, layer) for name in MLP_PROJECTIONS)
     if spec.sandwich:
         y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
         _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
-        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m))
+        projections.gated_mlp(
+            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales
+        )
         _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
     else:
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
-        projections.gated_mlp(h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x))
+        projections.gated_mlp(
+            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales
+        )
 
 
 def check_fp8_activations(kernel, spec, dtype):
@@ -205,7 +259,8 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, preload_scales=True)
+    ctx.load_scales(ops)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):

@@ -18,7 +18,7 @@ rounded to the model dtype.
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
-from nki_kernels.decode.contract import Quantized
+from nki_kernels.decode.contract import PROJECTIONS, Quantized
 from nki_kernels.decode.tiles import (
     choose_group,
     column_tiles,
@@ -122,13 +122,69 @@ def rows_per_block(in_count_max, n, block_elements):
 
 
 def load_scales(scale, layout):
-    """scale [F] (HBM, float32: an fp8 weight's per-column scales) as float32 column tiles [128, tiles, 1] of
-    `layout` (one DMA and a PE transpose per tile); None for None."""
+    """scale [F] or [M, F] (HBM, float32: per-column scales of an fp8 weight, M of them) as float32 column tiles
+    [128, tiles, M] of `layout` (one DMA of the M rows onto M partitions, then one PE transpose per tile for all M);
+    None for None."""
     if scale is None:
         return None
-    cols = column_tiles(layout, 1, nl.float32, "scales", zero=False)
-    load_columns(cols, scale.reshape((1, scale.shape[0])), layout)
+    rows = scale.reshape((1, scale.shape[0])) if len(scale.shape) == 1 else scale
+    cols = column_tiles(layout, rows.shape[0], nl.float32, "scales", zero=False)
+    load_columns(cols, rows, layout)
     return cols
+
+
+class LayerScales:
+    """The per-column scales of every layer's fp8 projections as float32 column tiles with a column per layer,
+    loaded once when a kernel starts: the rows of a scale [L, F] go onto L partitions in one DMA and each tile takes
+    one PE transpose for all those layers, where loading them layer by layer takes one per tile per layer (on Gemma 3
+    270M's fp8 step, 54 transposes a layer, a seventh of the layer's TensorE time). A factored weight's u scales
+    load per run of consecutive layers of one rank (the rank decides their layout), so every scale byte is read
+    once. `of(name, layer, rank)` gives what `projection` takes as `scales`. Up to 128 layers (one partition each).
+    """
+
+    def __init__(self, weights, spec, out_layouts):
+        """weights: {projection: stacked stored weight (HBM)}; out_layouts: {projection: its output's layout}."""
+        if spec.num_layers > nl.tile_size.pmax:
+            raise ValueError(f"LayerScales: {spec.num_layers} layers, expected at most {nl.tile_size.pmax}")
+        self.tiles, self.u_runs = {}, {}
+        for name, weight in weights.items():
+            if not spec.fp8(name):
+                continue
+            if not spec.factored(name):
+                self.tiles[name] = load_scales(weight.scale, out_layouts[name])
+                continue
+            self.tiles[name] = load_scales(weight.v_scale, out_layouts[name])
+            self.u_runs[name] = [
+                (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], rank_layout(rank, weight.v.shape[-1])))
+                for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
+            ]
+
+    def of(self, name, layer, rank):
+        """Layer `layer`'s scales of projection `name` (rank: its rank there, None when dense): the [128, tiles,
+        1] tiles of a Quantized weight, or (u's, v's) of a Factored one; None when the projection is not fp8."""
+        if name not in self.tiles:
+            return None
+        scales = self.tiles[name][:, :, layer : layer + 1]
+        if rank is None:
+            return scales
+        l0, _, u_tiles = next(run for run in self.u_runs[name] if run[0] <= layer < run[1])
+        return u_tiles[:, :, layer - l0 : layer - l0 + 1], scales
+
+
+def rank_runs(ranks):
+    """[(first layer, end layer, rank)]: maximal runs of consecutive layers of one rank."""
+    runs = []
+    for layer, rank in enumerate(ranks):
+        if runs and runs[-1][2] == rank:
+            runs[-1][1] = layer + 1
+        else:
+            runs.append([layer, layer + 1, rank])
+    return [tuple(run) for run in runs]
+
+
+def rank_layout(rank, v_columns):
+    """The layout of a factored projection's rank-r intermediate (x·u)ᵀ: grouped for v's rows of v_columns."""
+    return feature_layout(rank, choose_group(rank, v_columns))
 
 
 def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None):
@@ -219,38 +275,44 @@ def multiply_into(dst, other):
     return evict
 
 
-def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict):
+def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales=None):
     """`dense_projection` of one layer's weight (HBM views): a dense [K, N] or a Quantized (rank None), or a
     Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales). Factored: stage 1 leaves (x·u)ᵀ in SBUF
     as column tiles over the rank in x's dtype (rank on the partitions, grouped for v's rows; scaled by u_scale
-    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip."""
+    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip. scales: the fp8 scales
+    already on chip (`LayerScales.of`), else they are loaded here."""
     if rank is None:
         if isinstance(weight, Quantized):
-            scales = load_scales(weight.scale, out_layout)
+            scales = load_scales(weight.scale, out_layout) if scales is None else scales
             dense_projection(x, in_layout, weight.w, out_layout, rows, ring, evict, scales)
         else:
             dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
         return
     u, v = weight.u, weight.v
-    rank_layout = feature_layout(rank, choose_group(rank, v.shape[1]))
-    u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], rank_layout)
-    v_scales = load_scales(weight.v_scale, out_layout)
-    xu = column_tiles(rank_layout, rows, x.dtype, "xuT", zero=False)
-    dense_projection(x, in_layout, u[:, 0:rank], rank_layout, rows, ring, copy_into(xu), u_scales)
-    dense_projection(xu, rank_layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
+    layout = rank_layout(rank, v.shape[1])
+    if scales is None:
+        u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], layout)
+        v_scales = load_scales(weight.v_scale, out_layout)
+    else:
+        u_scales, v_scales = scales
+    xu = column_tiles(layout, rows, x.dtype, "xuT", zero=False)
+    dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(xu), u_scales)
+    dense_projection(xu, layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
 
 
-def gated_mlp(h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict):
+def gated_mlp(
+    h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict, scales=(None,) * 3
+):
     """down(act(h·gate) * (h·up)) with h column tiles of hidden_layout (model dtype); ranks (gate, up, down),
     None where dense. act(gate) is applied by ScalarE evicting PSUM; VectorE multiplies by up straight from
     PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `dense_projection`'s,
     for the down projection's output (hidden features in hidden_layout)."""
     act = column_tiles(inter_layout, rows, nl.float32, "mlp_act", zero=False)
-    projection(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op))
+    projection(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op), scales[0])
     hidden = column_tiles(inter_layout, rows, h.dtype, "mlp_hidden", zero=False)
-    projection(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act))
+    projection(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act), scales[1])
     del act
-    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict)
+    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict, scales[2])
 
 
 def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None):
@@ -452,8 +514,8 @@ def head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap=None):
         w, scale = (head.w, head.scale) if isinstance(head, Quantized) else (head, None)
         head_projection(h, layout, w, rows, ring, out_rows, softcap, scale)
         return
-    rank_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
-    u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], rank_layout)
-    xu = column_tiles(rank_layout, rows, h.dtype, "head_xuT", zero=False)
-    dense_projection(h, layout, head.u[:, 0:head_rank], rank_layout, rows, ring, copy_into(xu), u_scales)
-    head_projection(xu, rank_layout, head.v[0:head_rank, :], rows, ring, out_rows, softcap, head.v_scale)
+    xu_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
+    u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], xu_layout)
+    xu = column_tiles(xu_layout, rows, h.dtype, "head_xuT", zero=False)
+    dense_projection(h, layout, head.u[:, 0:head_rank], xu_layout, rows, ring, copy_into(xu), u_scales)
+    head_projection(xu, xu_layout, head.v[0:head_rank, :], rows, ring, out_rows, softcap, head.v_scale)
