@@ -127,9 +127,12 @@ per byte saved (4.3x / 3.9x whitened + sequential at keep 0.8). fp8 weights (ben
 
 The MLP targets are NOT met: keep 0.8 MLP is 1.396x / 1.427x (target 1.05x), top-1 agreement 59% / 69% (target
 85%). The curves still fall at step 200 (cosine run: 1.64x, 1.53x, 1.40x, 1.40x on the novel at steps 50-200), and a
-step costs about 3 s on 2 idle CPU cores, so within 15 minutes here no method above gets past about 1.4x; what would
-be needed is more steps and more training text than a 15-minute 2-core budget allows (an accelerator runs such a
-step in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Not measured for lack of
+step costs about 3 s on 2 idle CPU cores, so within 15 minutes here no method above gets past about 1.4x. Both limits
+show on the training text itself: a 120-step cosine run (same start and peak) took 8 windows that distillation trains
+on from 2.035x to 1.690x, 1.433x and 1.286x at steps 40, 80 and 120 while the held-out texts went to 1.432x / 1.466x:
+the loss is still falling where the budget stops it (under-fitted), and a gap of 0.15 between seen and unseen text
+has opened. What would be needed is more steps and more training text than a 15-minute 2-core budget allows (an
+accelerator runs such a step in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Not measured for lack of
 CPU time: keep 0.6 MLP, and MLP + attention + head recommended."""
 
 
