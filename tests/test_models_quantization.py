@@ -309,8 +309,40 @@ def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
         quantized = quantize_model(compressed, targets=targets)
         assert model_spec(quantized) == dataclasses.replace(plan, fp8_weights=weights)
         assert traffic.weight_bytes(model_spec(quantized)) == decode_weight_bytes(quantized)
-        assert decode_plan(quantized) is None  # generate does not decode fp8 weights through decode_step yet
+        assert decode_plan(quantized).spec == model_spec(quantized)
     mixed = quantize_model(model, targets="attention")
     mixed.layers[1].self_attn.k_proj = model.layers[1].self_attn.k_proj
     with pytest.raises(ValueError, match=r"model_spec: k_proj is fp8 in layer 0 but not in layer 1"):
         model_spec(mixed)
+
+
+@pytest.mark.parametrize("make_model", [_llama, _gemma3])
+@pytest.mark.parametrize("include", [(), ("mlp", "head")])
+def test_fp8_models_decode_through_decode_step(make_model, include, monkeypatch):
+    """generate decodes a quantize_model model (dense, or factored with one layer's MLP left dense: stacked as exact
+    fp8 factors) through one decode_step per token: its logits at every step equal the model's own forward (the
+    layer-by-layer path) to float32 rounding, and the greedy tokens are the same."""
+    from jax_neuronmm.models import decode as decode_mod
+
+    model = make_model()
+    if include:
+        with pytest.warns(UserWarning, match="without calibration_ids"):
+            model = compress_model(model, keep=0.6, block=8, include=include)
+        model.layers[1].mlp = make_model().layers[1].mlp  # mixed: dense in layer 1, factored in the others
+    quantized = quantize_model(model)
+    plan = decode_mod.decode_plan(quantized)
+    assert plan is not None and set(plan.spec.fp8_weights) == {"q", "k", "v", "o", "gate", "up", "down", "head"}
+    weights = decode_mod.stack_weights(quantized, plan)
+    ids = _ids(2, 5, seed=3)
+    _, cache = quantized(ids, positions=jnp.tile(jnp.arange(5), (2, 1)), cache=quantized.init_cache(2, 12))
+    own_cache = cache
+    tokens = jnp.asarray(ids[:, -1])
+    for step in range(3):
+        positions = jnp.full((2, 1), 5 + step, jnp.int32)
+        got, cache = decode_mod.decode(quantized, plan, weights, tokens[:, None], positions, cache)
+        want, own_cache = quantized(tokens[:, None], positions=positions, cache=own_cache)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-4, atol=2e-4)
+        tokens = jnp.argmax(want[:, 0], axis=-1)
+    through_decode_step = np.asarray(generate(quantized, ids, 4))
+    monkeypatch.setattr(decode_mod, "decode_plan", lambda model: None)  # generate's layer-by-layer path
+    np.testing.assert_array_equal(through_decode_step, np.asarray(generate(quantized, ids, 4)))

@@ -7,12 +7,12 @@
 Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
 them by the pad slots among a row's tokens (`widen_windows(plan, pad_slots(token_mask))`).
 
-`model_spec(model)` is the DecodeSpec of a covered model or of its fp8 copy (`quantize_model`; `fp8_weights` names
-its fp8 weights): the cost model prices it (benchmarks/frontier.py), though generate does not yet decode fp8 models
-through `decode_step`.
+`model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
 
 Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
-`SVDMLP` factors). Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
+`SVDMLP` factors), with bf16 or (`quantize_model`'s) fp8 weights: an fp8 projection or head goes in as a
+Quantized(w, scale) or Factored(u, v, u_scale, v_scale), `fp8_weights` naming it; a projection type is fp8 in
+every layer or in none. Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
 holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
 dense layers become factors (W, I) or (I, W) of rank min(K, N). Not covered (generate keeps the model's own
 forward for them): attention or MLP biases, an MLP activation the kernels do not fuse, layers that differ in
@@ -35,7 +35,7 @@ from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rop
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, Factored, Quantized
 
 ATTENTION = ("q", "k", "v", "o")
 
@@ -57,8 +57,9 @@ class DecodePlan:
 @dataclasses.dataclass
 class DecodeWeights:
     """A model's weights as `decode_step` takes them: norms [L, NN, H], qk_norms [L, 2, D] or None,
-    projections (one per name in PROJECTIONS: dense [L, K, N] or (u [L, K, Rmax], v [L, Rmax, N])),
-    final_norm [H], head dense [H, V] or (u [H, r], v [r, V])."""
+    projections (one per name in PROJECTIONS: dense [L, K, N] or (u [L, K, Rmax], v [L, Rmax, N]); fp8 ones a
+    Quantized(w [L, K, N], scale [L, N]) or Factored(u, v, u_scale [L, Rmax], v_scale [L, N])), final_norm [H], head
+    dense [H, V], (u [H, r], v [r, V]), Quantized or Factored."""
 
     norms: jax.Array
     qk_norms: jax.Array | None
@@ -84,12 +85,7 @@ def _activation(mlp):
 
 def unsupported_reason(model: CausalLM) -> str | None:
     """Why `model`'s decode steps cannot run as one `decode_step`, or None when they can."""
-    return _unsupported(model, fp8=False)
-
-
-def _unsupported(model: CausalLM, fp8: bool) -> str | None:
-    """unsupported_reason; fp8: fp8 projections and head (quantize_model's) allowed where every layer has them."""
-    projection_types = _PROJECTION_TYPES if fp8 else (nnx.Linear, SVDLinear)
+    projection_types = _PROJECTION_TYPES
     layers = list(model.layers)
     for index, layer in enumerate(layers):
         for name, module in _projection_modules(layer).items():
@@ -129,11 +125,10 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
 
 
 def model_spec(model: CausalLM) -> DecodeSpec:
-    """The DecodeSpec of `model`'s decode step, the weights `quantize_model` made fp8 named in its fp8_weights:
-    what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec traces it), for
-    every model `decode_plan` covers and for their fp8 copies, which generate does not yet run through decode_step.
-    ValueError naming what else the kernels lack (`unsupported_reason`), or an fp8 weight in some layers only."""
-    reason = _unsupported(model, fp8=True)
+    """The DecodeSpec of `model`'s decode step (the weights `quantize_model` made fp8 named in its fp8_weights):
+    what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec traces it).
+    ValueError naming what the kernels lack (`unsupported_reason`), e.g. an fp8 weight in some layers only."""
+    reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"model_spec: {reason}")
     return _spec(model)
@@ -144,7 +139,7 @@ def _windows(model: CausalLM) -> tuple:
 
 
 def _spec(model: CausalLM) -> DecodeSpec:
-    """The DecodeSpec of a model `_unsupported(model, fp8=True)` accepts."""
+    """The DecodeSpec of a model `unsupported_reason` accepts."""
     layers, specs, config = list(model.layers), model.attention_specs(), model.config
     ropes, windows = tuple(dict.fromkeys(s.rope for s in specs)), _windows(model)
     ranks, fp8_weights = [], []
@@ -243,6 +238,33 @@ def _factors(module, dtype):
     return jnp.eye(k_in, dtype=dtype), kernel
 
 
+def _fp8_factors(module):
+    """(u, v, u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly: (W, I) with W's scales and ones,
+    or (I, W) with ones and W's scales (the identity and 1.0 are exact in fp8)."""
+    if isinstance(module, Fp8SVDLinear):
+        return module.u[...], module.v[...], module.u_scale[...], module.v_scale[...]
+    kernel, scale = module.kernel[...], module.kernel_scale[...]
+    k_in, n_out = kernel.shape
+    if n_out <= k_in:
+        return kernel, jnp.eye(n_out, dtype=kernel.dtype), scale, jnp.ones((n_out,), scale.dtype)
+    return jnp.eye(k_in, dtype=kernel.dtype), kernel, jnp.ones((k_in,), scale.dtype), scale
+
+
+def _stack_fp8(modules, factored: bool):
+    """The stacked fp8 weight of one projection's modules: Quantized(w [L, K, N], scale [L, N]), or Factored
+    with u [L, K, Rmax], v [L, Rmax, N], u_scale [L, Rmax], v_scale [L, N], zero padded to the largest rank."""
+    if not factored:
+        return Quantized(jnp.stack([m.kernel[...] for m in modules]), jnp.stack([m.kernel_scale[...] for m in modules]))
+    parts = [_fp8_factors(m) for m in modules]
+    rmax = max(u.shape[1] for u, _, _, _ in parts)
+    return Factored(
+        jnp.stack([jnp.pad(u, ((0, 0), (0, rmax - u.shape[1]))) for u, _, _, _ in parts]),
+        jnp.stack([jnp.pad(v, ((0, rmax - v.shape[0]), (0, 0))) for _, v, _, _ in parts]),
+        jnp.stack([jnp.pad(us, (0, rmax - us.shape[0])) for _, _, us, _ in parts]),
+        jnp.stack([vs for _, _, _, vs in parts]),
+    )
+
+
 def _stack_factors(pairs):
     """[(u [K, r_l], v [r_l, N])] -> (u [L, K, Rmax], v [L, Rmax, N]), zero padded to the largest rank."""
     rmax = max(u.shape[1] for u, _ in pairs)
@@ -263,7 +285,9 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     projections = []
     for name, ranks in zip(PROJECTIONS, spec.ranks):
         modules = [_projection_modules(layer)[name] for layer in layers]
-        if ranks is None:
+        if spec.fp8(name):
+            projections.append(_stack_fp8(modules, factored=ranks is not None))
+        elif ranks is None:
             projections.append(jnp.stack([m.kernel[...].astype(dtype) for m in modules]))
         else:
             projections.append(_stack_factors([_factors(m, dtype) for m in modules]))
@@ -275,6 +299,9 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         ).astype(dtype)
     if model.lm_head is None:
         head = model.embed_tokens.embedding[...].astype(dtype).T  # tied: transposed once per generate call
+    elif spec.fp8("head"):
+        head = _stack_fp8([model.lm_head], factored=spec.head_rank is not None)
+        head = type(head)(*(part[0] for part in head.parts().values()))
     elif isinstance(model.lm_head, SVDLinear):
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:
