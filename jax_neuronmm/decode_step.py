@@ -47,9 +47,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm import decoder_math, lowering, shapes
+from jax_neuronmm import decoder_math, explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.kernel_calls import KernelLaunches, kernel_fp8
 from jax_neuronmm.reference import jnp_activation
@@ -496,10 +496,12 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     def per_rank(*blocks):
         return tuple(decode_step_p.bind(*blocks, spec=rank_spec, treedef=treedef, axis_name=axis))
 
+    in_specs = tensor_parallel_partition_specs(spec, axis)
+    leaves = [explicit_sharding.typed_as(a, NamedSharding(mesh, s)) for a, s in zip(leaves, in_specs)]
     logits, k_cache, v_cache = jax.shard_map(
         per_rank,
         mesh=mesh,
-        in_specs=tensor_parallel_partition_specs(spec, axis),
+        in_specs=in_specs,
         out_specs=(PartitionSpec(), cache, cache),
         check_vma=False,  # the primitive states no varying-axes types; the body's collectives make these outputs
     )(*leaves)

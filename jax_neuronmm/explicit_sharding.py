@@ -161,6 +161,14 @@ def typed_alike(operand, update):
     return operand, update
 
 
+def typed_as(x, sharding: NamedSharding):
+    """`x` resharded to `sharding` where its type is split on a mesh with Explicit axes (shard_map there takes
+    operands only when typed as its in_specs say), else `x` unchanged (Auto axes reshard at the shard_map)."""
+    if not _has_explicit_axes(jax.typeof(x).sharding.mesh):
+        return x
+    return jax.sharding.reshard(x, sharding)
+
+
 def rank_intermediate_sharding(tokens_aval, rank_aval, rank_dim):
     """Type of an [*B, *T, r] intermediate of a transpose rule, or None without Explicit axes.
 

@@ -375,6 +375,8 @@ def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         final_norm=specs.final_norm,
         head=spec_of(specs.head),
     )
+    if plan.spec.vocab % layout.ranks:  # tensor_parallel_decode_step pads the head on every step, then splits it
+        shardings.head = jax.tree_util.tree_map(lambda _: PartitionSpec(), shardings.head)
     shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(layout.mesh, spec), shardings)
     return jax.device_put(weights, shardings)
 
