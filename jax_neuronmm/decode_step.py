@@ -32,6 +32,26 @@ callback; "neuron" traces the same kernel call for Trainium. vmap over batch row
 launch); a batched write_index or batched weights run as a `lax.map` of steps. Inference only: differentiating
 it raises.
 
+Tensor parallel (the partitioning rule): `tensor_parallel_decode_step(*operands, spec=spec, mesh=mesh,
+axis_name="model")` takes the whole model's operands and runs the step as Megatron shards over one mesh axis of T
+ranks: a `jax.shard_map` over the mesh in which every device binds `decode_step_p` on its shard
+(`tensor_parallel_partition_specs`: q/k/v/gate/up and the head split their output columns, o and down their
+rows, the caches their KV heads; the rest replicated) with the per-rank spec (`tensor_parallel_spec`:
+`DecodeSpec.tensor_parallel = T`, the contract's description of one rank's shard) and `axis_name`. The XLA
+lowering then sums o's and down's partial products over the axis in float32 (`lax.psum`, once each per layer, of
+x·u for a factored one) and all-gathers the logits along the vocabulary, so the step needs no other communication.
+`models.generate` uses it when the parameters are split so (`models.decode.tensor_parallel_layout`).
+Why shard_map and not `custom_partitioning` (which svd_matmul and svd_mlp use): the per-rank program is exactly
+what the kernels' contract describes (a spec with tensor_parallel = T, collectives at fixed points inside the
+layer loop), and shard_map states it directly with public JAX API, on Auto and Explicit meshes and across
+processes. custom_partitioning could return the same per-device function from its partition callback, but its
+sharding rule would have to name a factor for each of the ~30 operands (heads·D of q's columns, KV heads of the
+caches, the vocabulary, ...), the callback would have to recover the Megatron layout from whatever Shardy
+propagated to them (or reshard), and it relies on JAX internals (_compat) for devices and host callbacks during
+lowering. The cost: a whole-operand call outside generate names its mesh and axis. The NKI-kernel backends raise
+NotImplementedError for tensor_parallel > 1 (see `_kernel_tensor_parallel_unsupported`): never silently a
+different computation.
+
 Bad operands raise a ValueError / TypeError naming the argument (`shapes.check_decode_operands`, i.e. the
 contract's `check`). A write_index outside [0, S - T] is rejected on every backend: at the call when it is concrete,
 else when the step runs (on the XLA backend a host callback that fires only for a bad index; the error reaches the
