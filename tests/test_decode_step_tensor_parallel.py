@@ -16,6 +16,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+from decode_operands import GEMMA3_8, LLAMA8, fp8_operands, relative_error
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -23,6 +24,7 @@ from spmd_helpers import Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import rng as _rng
 from test_decode_step import VOCAB, _compressed, _operands, _random_model, _step_inputs
+from test_decode_step_fp8 import _jax_operands as _fp8_jax_operands
 
 import jax_neuronmm as jn
 from jax_neuronmm import decode_step
@@ -136,6 +138,37 @@ def sharded_step_compiles_to_two_all_reduces_a_layer_and_one_gather():
     assert sorted(found) == sorted(
         [("all-reduce", f"f32[2,1,{r_o}]"), ("all-reduce", f"f32[2,1,{r_down}]"), ("all-gather", "f32[2,1,100]")]
     ), found
+
+
+def _assert_fp8_sharded_equals_unsharded(spec, ranks):
+    """fp8 weights (decode_operands: values over the whole e4m3 range, per-column scales over four orders of
+    magnitude; bf16 activations): column scales split with their columns, o's and down's scales replicated and
+    applied after the sum. The same float32 sums in another order, rounded to bf16."""
+    operands = fp8_operands(_rng(f"fp8 {spec.num_layers} {spec.hidden}"), spec, 2, 1, 8, 3)
+    args = _fp8_jax_operands(operands, spec)
+    whole = jax.jit(functools.partial(decode_step, spec=spec))(*args)
+    step = functools.partial(tensor_parallel_decode_step, spec=spec, mesh=_model_mesh(ranks), axis_name="model")
+    sharded = jax.jit(step)(*args)
+    f64 = reference.decode_step_f64(operands, spec)
+    for got, want, ref in zip(sharded, whole, f64):
+        want = np.asarray(want, np.float64)
+        assert got.shape == want.shape and relative_error(got, want) < 2e-3, relative_error(got, want)
+        # As close to the float64 reference of the dequantized weights as the unsharded step is.
+        assert relative_error(got, ref) < relative_error(want, ref) + 1e-3, (
+            relative_error(got, ref),
+            relative_error(want, ref),
+        )
+
+
+@check
+def xla_sharded_fp8_dense_step_equals_unsharded_2_ranks():
+    _assert_fp8_sharded_equals_unsharded(LLAMA8, 2)  # every weight a Quantized (w, scale)
+
+
+@check
+def xla_sharded_fp8_factored_step_equals_unsharded_2_ranks():
+    # Factored fp8 projections and head (k dense fp8), Gemma 3's variants; 2 KV heads to split.
+    _assert_fp8_sharded_equals_unsharded(dataclasses.replace(GEMMA3_8, num_kv_heads=2), 2)
 
 
 def _shard_megatron(model, mesh):
