@@ -1,9 +1,9 @@
 """decode_step's partitioning rule on 2 and 4 ranks of a mesh axis: the sharded XLA step (Megatron shards, a psum
 after o and after down in every layer, the logits gathered) equals the unsharded step in float64 on ragged shapes
 (dense and compressed Llama, Gemma 3 with QK-norm, sandwich norms, windows and soft-capping; a vocabulary that does
-not split), compiles to exactly those collectives, and `generate` with sharded parameters decodes through it with
-one device's tokens; the NKI-kernel backends refuse a tensor-parallel step; bad layouts and sizes name what is
-wrong.
+not split; fp8 weights, dense and factored), compiles to exactly those collectives, and `generate` with sharded
+parameters decodes through it with one device's tokens; the NKI-kernel backends refuse a tensor-parallel step; bad
+layouts and sizes name what is wrong.
 
 Runs itself in a subprocess with 8 host devices, like test_sharding_spmd.py (see spmd_helpers); the meshes use 2,
 4 or all 8 of them.
