@@ -28,7 +28,7 @@ from test_decode_step_fp8 import _jax_operands as _fp8_jax_operands
 
 import jax_neuronmm as jn
 from jax_neuronmm import decode_step
-from jax_neuronmm.decode_step import tensor_parallel_decode_step, tensor_parallel_spec
+from jax_neuronmm.decode_step import tensor_parallel_decode_step, tensor_parallel_partition_specs, tensor_parallel_spec
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation
 from nki_kernels import reference
 
@@ -124,6 +124,34 @@ def xla_sharded_step_equals_unsharded_gemma3_4_ranks_2_data():
 def xla_sharded_step_equals_unsharded_gemma3_compressed_2_ranks():
     # Every MLP projection factored: the svd_mlp math with down's x·u summed over the ranks.
     _assert_sharded_equals_unsharded("gemma3-compressed", tokens=3, ranks=2)
+
+
+@check
+def decode_step_inside_your_own_shard_map_on_the_shards():
+    # decode_step(..., spec=tensor_parallel_spec(spec, T), axis_name=...) on each rank's blocks, with JAX's default
+    # varying-axes checks on, gives what tensor_parallel_decode_step gives (which pads the vocabulary of 97).
+    plan, args = _step_args("llama-compressed", 1)
+    spec = dataclasses.replace(plan.spec, vocab=98)
+    head_u, head_v = args[17]
+    args = [*args[:17], (head_u, jnp.pad(head_v, ((0, 0), (0, 1))))]
+    leaves, treedef = jax.tree_util.tree_flatten(args)
+    rank_spec = tensor_parallel_spec(spec, 2)
+
+    def body(*blocks):
+        return decode_step(*jax.tree_util.tree_unflatten(treedef, blocks), spec=rank_spec, axis_name="model")
+
+    mesh = _model_mesh(2)
+    cache = P(None, None, None, "model")
+    in_specs = tensor_parallel_partition_specs(spec, "model")
+    got = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=(P(), cache, cache)))(*leaves)
+    want = jax.jit(functools.partial(tensor_parallel_decode_step, spec=plan.spec, mesh=mesh, axis_name="model"))(
+        *args[:17], (head_u, head_v)
+    )
+    assert got[0].shape == (2, 1, 98)
+    np.testing.assert_array_equal(np.asarray(got[0][..., :VOCAB]), np.asarray(want[0]))
+    assert not np.asarray(got[0][..., VOCAB:]).any()  # the zero column's logit
+    for g, w in zip(got[1:], want[1:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 @check
