@@ -12,8 +12,9 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
                        `jax_neuronmm.decode_step` sharded over "model" (`decode_step.tensor_parallel_decode_step`:
                        jax.shard_map, each device one decode_step on its Megatron shard, KV cache split by KV
                        heads, per layer one all-reduce after o and one after down, the logits all-gathered over
-                       the vocabulary). The batch is not split: "data" replicates the decode steps and splits only
-                       the separately compiled MLP shown at the end (batch-split generation is not done yet).
+                       the vocabulary), "data" splitting the rows: each (data) group of ranks decodes B / --data
+                       rows. The prefill's batch is not split (generate places the prompts unsharded); "data"
+                       also splits the separately compiled MLP shown at the end.
 Generates (same sampling seed) on one device and on the mesh, checks that the decode steps ran through the
 sharded decode_step (prints its compiled collectives) and that the tokens are the same.
 Without accelerators,
@@ -242,7 +243,8 @@ def main(argv):
         step_collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", step.compile().as_text())
         print(
             f"{where}decode steps ran through decode_step sharded over mesh axis {layout.axis!r}: {layout.ranks} "
-            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}); one step compiles to "
+            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), rows split over "
+            f"{layout.batch_axis(FLAGS.batch)!r}; one step compiles to "
             f"collectives {[(op, shape.split('{')[0]) for shape, op in step_collectives]} (two all-reduces in the "
             "layer loop, the logits' all-gather after it)"
         )

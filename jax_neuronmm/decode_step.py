@@ -462,40 +462,72 @@ def _split_dim(name: str, ndim: int) -> int | None:
     return ndim - 1 if part in ("", "v", "w", "scale", "v_scale") else None
 
 
-def tensor_parallel_partition_specs(spec: DecodeSpec, axis_name) -> tuple:
+def _entry(names: tuple):
+    """A PartitionSpec entry for mesh axes `names`: one name, or their tuple."""
+    return names[0] if len(names) == 1 else names
+
+
+def tensor_parallel_partition_specs(spec: DecodeSpec, axis_name, batch_axis=None) -> tuple:
     """One `PartitionSpec` per flat operand of `spec` (`operand_names` order): how the whole model's operands split
     into Megatron shards over mesh axis `axis_name` (see `_split_dim`); the activations, norms, tables and
-    write_index are replicated."""
-    names = _axis_names(axis_name)
-    axis = names[0] if len(names) == 1 else names
+    write_index are replicated, unless batch_axis (a mesh axis or a tuple of them) splits the rows: x, the caches,
+    the RoPE tables and the mask biases along their B axis."""
+    axis = _entry(_axis_names(axis_name))
+    batch = None if batch_axis is None else _entry(_axis_names(batch_axis))
     specs = []
     for name, shape in expected_shapes(spec, 1, 1, 1).named_leaves():
+        entries = [None] * len(shape)
         dim = _split_dim(name, len(shape))
-        specs.append(PartitionSpec() if dim is None else PartitionSpec(*(None,) * dim, axis))
+        if dim is not None:
+            entries[dim] = axis
+        if batch is not None and name in ROW_OPERANDS:
+            entries[ROW_OPERANDS[name]] = batch
+        while entries and entries[-1] is None:
+            entries.pop()
+        specs.append(PartitionSpec(*entries))
     return tuple(specs)
 
 
-def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="model", **named):
+def _mesh_axes(mesh, argument: str, axis_name) -> tuple:
+    names = _axis_names(axis_name)
+    missing = [name for name in names if name not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"{OP}: {argument}: {missing} not among the mesh's axes {mesh.axis_names}")
+    return names
+
+
+def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="model", batch_axis=None, **named):
     """decode_step over the whole model's operands (spec.tensor_parallel = 1), computed as Megatron shards on the
     ranks of mesh axis `axis_name` of `mesh` (a jax.sharding.Mesh): `jax.shard_map` over the mesh, each device
     binding decode_step_p on its shard (`tensor_parallel_partition_specs`) with the per-rank spec
     (`tensor_parallel_spec`) and axis_name, so the XLA lowering all-reduces o's and down's outputs in every layer
-    and gathers the logits. Returns (logits [B, T, V] float32, replicated; k_cache, v_cache split over their KV
-    heads). Other mesh axes see the same computation (replicated). A vocabulary that does not split is padded
-    with zero columns of the head on every call (and the logits cut back); heads, KV heads and MLP features must
-    split (ValueError naming them). On the NKI-kernel backends it raises NotImplementedError when the step is
-    lowered (see `_kernel_tensor_parallel_unsupported`)."""
+    and gathers the logits. Returns (logits [B, T, V] float32; k_cache, v_cache split over their KV heads).
+    batch_axis: None (other mesh axes see the same computation: replicated), or mesh axes (not axis_name's) that
+    split the rows B (which they must divide): each group of ranks then decodes its rows, and the logits and caches
+    come back split over B too. A vocabulary that does not split is padded with zero columns of the head on every
+    call (and the logits cut back); heads, KV heads and MLP features must split (ValueError naming them). On the
+    NKI-kernel backends it raises NotImplementedError when the step is lowered (see
+    `_kernel_tensor_parallel_unsupported`)."""
     check_spec(spec, OP)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"{OP}: mesh: got {type(mesh).__name__}, expected a jax.sharding.Mesh")
-    names = _axis_names(axis_name)
-    missing = [name for name in names if name not in mesh.axis_names]
-    if missing:
-        raise ValueError(f"{OP}: axis_name: {missing} not among the mesh's axes {mesh.axis_names}")
-    axis = names[0] if len(names) == 1 else names
+    names = _mesh_axes(mesh, "axis_name", axis_name)
+    axis = _entry(names)
     ranks = math.prod(mesh.shape[name] for name in names)
     ops = _operands_of(operands, named, spec)
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    batch = None
+    if batch_axis is not None:
+        batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
+        if set(batch_names) & set(names):
+            raise ValueError(f"{OP}: batch_axis {batch_axis!r} shares mesh axes with axis_name {axis_name!r}")
+        groups = math.prod(mesh.shape[name] for name in batch_names)
+        if ops.x.shape[0] % groups:
+            raise ValueError(
+                f"{OP}: x: got B = {ops.x.shape[0]} rows, expected a multiple of the {groups} row groups of "
+                f"batch_axis {batch_axis!r}"
+            )
+        batch = _entry(batch_names)
     vocab = spec.vocab
     padding = -vocab % ranks
     if padding:  # zero columns: logits 0 there, cut off below
@@ -511,18 +543,18 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
         spec = dataclasses.replace(spec, vocab=vocab + padding)
     rank_spec = tensor_parallel_spec(spec, ranks)
     leaves, treedef = jax.tree_util.tree_flatten(ops)
-    cache = PartitionSpec(None, None, None, axis)
+    cache = PartitionSpec(None, batch, None, axis)
 
     def per_rank(*blocks):
         return tuple(decode_step_p.bind(*blocks, spec=rank_spec, treedef=treedef, axis_name=axis))
 
-    in_specs = tensor_parallel_partition_specs(spec, axis)
+    in_specs = tensor_parallel_partition_specs(spec, axis, batch)
     leaves = [explicit_sharding.typed_as(a, NamedSharding(mesh, s)) for a, s in zip(leaves, in_specs)]
     logits, k_cache, v_cache = jax.shard_map(
         per_rank,
         mesh=mesh,
         in_specs=in_specs,
-        out_specs=(PartitionSpec(), cache, cache),
+        out_specs=(PartitionSpec() if batch is None else PartitionSpec(batch), cache, cache),
         check_vma=False,  # the primitive states no varying-axes types; the body's collectives make these outputs
     )(*leaves)
     return (logits[..., :vocab] if padding else logits), k_cache, v_cache

@@ -76,12 +76,14 @@ def _step_args(name, tokens, dtype=jnp.float32):
     return plan, [cast(i, a) for i, a in enumerate(args)]
 
 
-def _assert_sharded_equals_unsharded(name, tokens, ranks, data=1):
+def _assert_sharded_equals_unsharded(name, tokens, ranks, data=1, batch_axis=None):
     mesh = _model_mesh(ranks, data)
     plan, _ = _step_args(name, tokens)
     spec = plan.spec
     whole_step = jax.jit(functools.partial(decode_step, spec=spec))
-    sharded_step = jax.jit(functools.partial(tensor_parallel_decode_step, spec=spec, mesh=mesh, axis_name="model"))
+    sharded_step = jax.jit(
+        functools.partial(tensor_parallel_decode_step, spec=spec, mesh=mesh, axis_name="model", batch_axis=batch_axis)
+    )
     with jax.enable_x64(True):
         _, args = _step_args(name, tokens, jnp.float64)
         whole, sharded = whole_step(*args), sharded_step(*args)
@@ -94,9 +96,9 @@ def _assert_sharded_equals_unsharded(name, tokens, ranks, data=1):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-5, atol=1e-5)
     assert float(np.std(np.asarray(sharded[0]))) > 0.1
-    # The caches come back split over their KV heads, the logits whole on every device.
-    assert sharded[1].sharding.spec == P(None, None, None, "model"), sharded[1].sharding
-    assert sharded[0].sharding.is_fully_replicated
+    # The caches come back split over their KV heads, the logits whole on every device (rows split by batch_axis).
+    assert sharded[1].sharding.spec == P(None, batch_axis, None, "model"), sharded[1].sharding
+    assert sharded[0].sharding.spec == (P() if batch_axis is None else P(batch_axis)), sharded[0].sharding
     # float32 too (the float32 psum of partial products), against the unsharded float32 step.
     _, args32 = _step_args(name, tokens)
     for got, want in zip(sharded_step(*args32), whole_step(*args32)):
@@ -116,8 +118,10 @@ def xla_sharded_step_equals_unsharded_llama_compressed_4_ranks():
 
 @check
 def xla_sharded_step_equals_unsharded_gemma3_4_ranks_2_data():
-    # QK-norm, sandwich norms, a sliding window, soft-capping, tied head; a (data 2, model 4) mesh.
+    # QK-norm, sandwich norms, a sliding window, soft-capping, tied head; a (data 2, model 4) mesh, replicated over
+    # "data" and with "data" splitting the rows.
     _assert_sharded_equals_unsharded("gemma3", tokens=1, ranks=4, data=2)
+    _assert_sharded_equals_unsharded("gemma3", tokens=1, ranks=4, data=2, batch_axis="data")
 
 
 @check
@@ -232,6 +236,8 @@ def _assert_generate_on_mesh(name, mesh):
     # Every decode step went through the sharded decode_step, none through the model's own forward.
     assert generation.TRACE_COUNTS["decode_step_tensor_parallel"] == 1, generation.TRACE_COUNTS
     assert generation.TRACE_COUNTS["decode_model_forward"] == 0 and generation.TRACE_COUNTS["decode_step"] == 0
+    # The mesh's other axis (if any) splits the rows.
+    assert plan.tensor_parallel.batch_axis(2) == ("data" if mesh.shape["data"] == 2 else None)
 
 
 @check
@@ -308,6 +314,24 @@ def bad_layouts_and_sizes_name_what_is_wrong():
         *args,
         spec=spec,
         mesh=None,
+    )
+    _raises(
+        ValueError,
+        r"x: got B = 2 rows, expected a multiple of the 4 row groups of batch_axis 'data'",
+        tensor_parallel_decode_step,
+        *args,
+        spec=spec,
+        mesh=_model_mesh(2, data=4),
+        batch_axis="data",
+    )
+    _raises(
+        ValueError,
+        "batch_axis 'model' shares mesh axes",
+        tensor_parallel_decode_step,
+        *args,
+        spec=spec,
+        mesh=mesh,
+        batch_axis="model",
     )
     rank_spec = tensor_parallel_spec(dataclasses.replace(spec, vocab=100), 4)
     _raises(

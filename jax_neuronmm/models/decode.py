@@ -12,7 +12,8 @@ layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD
 kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
 stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
 `jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
-groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis. A
+groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis; the mesh's
+other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
 projection split any other way is a ValueError naming it.
 
 `model_spec(model)` is the DecodeSpec of a covered model or of its fp8 copy (`quantize_model`; `fp8_weights` names
@@ -67,8 +68,19 @@ class TensorParallel:
 
     @property
     def ranks(self) -> int:
-        names = self.axis if isinstance(self.axis, tuple) else (self.axis,)
-        return math.prod(self.mesh.shape[name] for name in names)
+        return math.prod(self.mesh.shape[name] for name in self._names)
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        return self.axis if isinstance(self.axis, tuple) else (self.axis,)
+
+    def batch_axis(self, rows: int) -> str | tuple[str, ...] | None:
+        """The mesh's other axes (of size > 1), which split a decode step's `rows` rows when their sizes' product
+        divides it (each group of ranks decodes its rows); None when there are none or they do not divide it."""
+        others = tuple(name for name in self.mesh.axis_names if name not in self._names and self.mesh.shape[name] > 1)
+        if not others or rows % math.prod(self.mesh.shape[name] for name in others):
+            return None
+        return others[0] if len(others) == 1 else others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,13 +394,13 @@ def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
 
 
 def place_cache(plan: DecodePlan, cache: KVCache) -> KVCache:
-    """With plan.tensor_parallel: the cache's keys and values split over their KV heads as the decode steps'
-    ranks hold them (the rest replicated on the mesh), so every step gets and returns the same layout; else the
-    cache unchanged."""
+    """With plan.tensor_parallel: the cache's keys and values split over their KV heads (and their rows over the
+    mesh's other axes, `TensorParallel.batch_axis`) as the decode steps' ranks hold them (the rest replicated on the
+    mesh), so every step gets and returns the same layout; else the cache unchanged."""
     layout = plan.tensor_parallel
     if layout is None:
         return cache
-    heads = NamedSharding(layout.mesh, PartitionSpec(None, None, None, layout.axis))
+    heads = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axis(cache.keys.shape[1]), None, layout.axis))
     whole = NamedSharding(layout.mesh, PartitionSpec())
     return jax.device_put(cache, KVCache(heads, heads, whole, whole, whole))
 
@@ -446,7 +458,12 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
     step = (
         decode_step
         if layout is None
-        else functools.partial(tensor_parallel_decode_step, mesh=layout.mesh, axis_name=layout.axis)
+        else functools.partial(
+            tensor_parallel_decode_step,
+            mesh=layout.mesh,
+            axis_name=layout.axis,
+            batch_axis=layout.batch_axis(token_ids.shape[0]),
+        )
     )
     logits, keys, values = step(
         x=model.embed(token_ids),
