@@ -209,11 +209,12 @@ def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
     found = {}  # (mesh, axes) -> the first parameter split so
     for where, name, module in modules:
         for part, dim in _megatron_dims(module, name):
-            value = getattr(module, part)[...]
+            param = getattr(module, part)
+            value = param.get_value() if isinstance(param, nnx.Variable) else param  # abstract (eval_shape) too
             sharding = getattr(value, "sharding", None)
             if not isinstance(sharding, NamedSharding):
                 continue
-            entries = tuple(sharding.spec) + (None,) * (value.ndim - len(sharding.spec))
+            entries = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
             for d, axes in enumerate(entries):
                 axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
                 if not axes or math.prod(sharding.mesh.shape[a] for a in axes) == 1:
