@@ -162,9 +162,10 @@ def typed_alike(operand, update):
 
 
 def typed_as(x, sharding: NamedSharding):
-    """`x` resharded to `sharding` where its type is split on a mesh with Explicit axes (shard_map there takes
-    operands only when typed as its in_specs say), else `x` unchanged (Auto axes reshard at the shard_map)."""
-    if not _has_explicit_axes(jax.typeof(x).sharding.mesh):
+    """`x` resharded to `sharding` where its type or `sharding` is on a mesh with Explicit axes (shard_map there
+    takes operands only when typed as its in_specs say; an operand typed without a mesh is placed on it), else `x`
+    unchanged (Auto axes reshard at the shard_map)."""
+    if not (_has_explicit_axes(jax.typeof(x).sharding.mesh) or _has_explicit_axes(sharding.mesh.abstract_mesh)):
         return x
     return jax.sharding.reshard(x, sharding)
 

@@ -40,7 +40,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm import decoder_math
+from jax_neuronmm import decoder_math, explicit_sharding
 from jax_neuronmm.decode_step import (
     decode_step,
     operand_treedef,
@@ -452,10 +452,10 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
     """`model(token_ids, positions=positions, cache=cache)` as one `decode_step`: (logits [B, T, V] float32,
     updated cache); token_ids, positions [B, T], all tokens real (decode steps have no padding). With
     plan.tensor_parallel: `tensor_parallel_decode_step` over its mesh axis (one decode_step per rank)."""
+    layout = plan.tensor_parallel
     token_mask = jnp.ones(token_ids.shape, bool)
     key_valid, key_positions = cache.key_slots(positions, token_mask)
     cos, sin, bias = step_tables(plan, positions, key_positions, key_valid)
-    layout = plan.tensor_parallel
     step = (
         decode_step
         if layout is None
@@ -481,6 +481,10 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
         head=weights.head,
         spec=plan.spec,
     )
+    if layout is not None:
+        # Under Explicit mesh axes, logits typed split over the rows would carry that split into sampling and the
+        # next step's embedding lookup: they leave whole (B x V floats), as without tensor parallelism.
+        logits = explicit_sharding.typed_as(logits, NamedSharding(layout.mesh, PartitionSpec()))
     cache = KVCache(
         keys=keys,
         values=values,
