@@ -241,10 +241,11 @@ def main(argv):
         ids = np.zeros((FLAGS.batch, 1), np.int32)
         step = jax.jit(decode.decode, static_argnums=1).lower(sharded_model, plan, weights, ids, ids, cache)
         step_collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", step.compile().as_text())
+        rows = layout.batch_axis(FLAGS.batch)
         print(
             f"{where}decode steps ran through decode_step sharded over mesh axis {layout.axis!r}: {layout.ranks} "
-            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), rows split over "
-            f"{layout.batch_axis(FLAGS.batch)!r}; one step compiles to "
+            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), "
+            f"{'rows not split' if rows is None else f'rows split over {rows!r}'}; one step compiles to "
             f"collectives {[(op, shape.split('{')[0]) for shape, op in step_collectives]} (two all-reduces in the "
             "layer loop, the logits' all-gather after it)"
         )

@@ -78,7 +78,7 @@ def test_tensor_parallel_generate_decodes_through_the_sharded_decode_step():
     assert result.returncode == 0, result.stderr[-3000:]
     assert (
         "decode steps ran through decode_step sharded over mesh axis 'model': 2 ranks, each on its Megatron shard "
-        "(spec.tensor_parallel=2), rows split over None; one step compiles to collectives [('all-reduce', "
+        "(spec.tensor_parallel=2), rows not split; one step compiles to collectives [('all-reduce', "
         "'f32[2,1,32]'), "
         "('all-reduce', 'f32[2,1,48]'), ('all-gather', 'f32[2,1,512]')]" in result.stdout
     ), result.stdout
