@@ -5,10 +5,18 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
                        one all-reduce for the whole MLP
   attention            q/k/v v [r, heads·D] split on heads (column parallel), o u [heads·D, r] split on heads
                        (row parallel): one all-reduce
-  everything else      replicated. The factors stay sharded through generation; `generate` takes the prompts
-                       to the host and places the batch and the KV cache unsharded, so "data" splits only
-                       the separately compiled MLP shown at the end (batch-split generation is not done yet).
-Generates (same sampling seed) on one device and on the mesh and checks that the tokens are the same.
+  LM head              an untied head's kernel / v split on the vocabulary (column parallel); the tiny Llama's
+                       is tied (the embedding, replicated)
+  everything else      replicated. The factors stay sharded through generation. The prefill runs the model's
+                       forward under the SPMD partitioner; every decode step after it runs through
+                       `jax_neuronmm.decode_step` sharded over "model" (`decode_step.tensor_parallel_decode_step`:
+                       jax.shard_map, each device one decode_step on its Megatron shard, KV cache split by KV
+                       heads, per layer one all-reduce after o and one after down, the logits all-gathered over
+                       the vocabulary), "data" splitting the rows: each (data) group of ranks decodes B / --data
+                       rows. The prefill's batch is not split (generate places the prompts unsharded); "data"
+                       also splits the separately compiled MLP shown at the end.
+Generates (same sampling seed) on one device and on the mesh, checks that the decode steps ran through the
+sharded decode_step (prints its compiled collectives) and that the tokens are the same.
 Without accelerators,
 --cpu_devices fakes that many CPU devices (must be set before JAX starts, hence parsed by hand below).
 
@@ -55,6 +63,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from jax_neuronmm import models  # noqa: E402
+from jax_neuronmm.models import decode, generation  # noqa: E402
 
 flags.DEFINE_integer(
     "cpu_devices", 8, "CPU devices to fake when running on CPU (read before JAX starts).", lower_bound=1
@@ -103,6 +112,7 @@ MEGATRON_LAYOUT = (
     (r"self_attn/(q_proj|k_proj|v_proj)/v$", P(None, "model")),
     (r"self_attn/(q_proj|k_proj|v_proj)/bias$", P("model")),
     (r"self_attn/o_proj/u$", P("model", None)),
+    (r"lm_head/(kernel|v)$", P(None, "model")),
 )
 
 
@@ -214,10 +224,33 @@ def main(argv):
     sampling = dict(temperature=FLAGS.temperature, seed=FLAGS.seed)
     single = np.asarray(models.generate(model, prompts, FLAGS.max_new_tokens, **sampling))
     sharded_model = shard_model(model, mesh)
+    generation.TRACE_COUNTS.clear()
     parallel = np.asarray(models.generate(sharded_model, prompts, FLAGS.max_new_tokens, **sampling))
 
-    mlp = sharded_model.layers[0].mlp
     where = f"process {jax.process_index()} of {jax.process_count()}: " if jax.process_count() > 1 else ""
+    plan = decode.decode_plan(sharded_model)
+    layout = plan.tensor_parallel if plan is not None else None
+    if FLAGS.max_new_tokens > 1 and (layout is None or not generation.TRACE_COUNTS["decode_step_tensor_parallel"]):
+        raise SystemExit(
+            f"{where}FAILED: the decode steps did not run through the tensor-parallel decode_step "
+            f"(routes traced: {dict(generation.TRACE_COUNTS)})"
+        )
+    if layout is not None:
+        weights = decode.stack_weights(sharded_model, plan)
+        cache = decode.place_cache(plan, sharded_model.init_cache(FLAGS.batch, FLAGS.prompt_tokens + 1))
+        ids = np.zeros((FLAGS.batch, 1), np.int32)
+        step = jax.jit(decode.decode, static_argnums=1).lower(sharded_model, plan, weights, ids, ids, cache)
+        step_collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", step.compile().as_text())
+        rows = layout.batch_axis(FLAGS.batch)
+        print(
+            f"{where}decode steps ran through decode_step sharded over mesh axis {layout.axis!r}: {layout.ranks} "
+            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), "
+            f"{'rows not split' if rows is None else f'rows split over {rows!r}'}; one step compiles to "
+            f"collectives {[(op, shape.split('{')[0]) for shape, op in step_collectives]} (two all-reduces in the "
+            "layer loop, the logits' all-gather after it)"
+        )
+
+    mlp = sharded_model.layers[0].mlp
     print(
         f"{where}mesh {dict(mesh.shape)} over {jax.device_count()} devices; layer 0 MLP factor shards: "
         f"gate v {mlp.gate_proj.v[...].sharding.spec}, "

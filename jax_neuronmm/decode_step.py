@@ -32,6 +32,26 @@ callback; "neuron" traces the same kernel call for Trainium. vmap over batch row
 launch); a batched write_index or batched weights run as a `lax.map` of steps. Inference only: differentiating
 it raises.
 
+Tensor parallel (the partitioning rule): `tensor_parallel_decode_step(*operands, spec=spec, mesh=mesh,
+axis_name="model")` takes the whole model's operands and runs the step as Megatron shards over one mesh axis of T
+ranks: a `jax.shard_map` over the mesh in which every device binds `decode_step_p` on its shard
+(`tensor_parallel_partition_specs`: q/k/v/gate/up and the head split their output columns, o and down their
+rows, the caches their KV heads; the rest replicated) with the per-rank spec (`tensor_parallel_spec`:
+`DecodeSpec.tensor_parallel = T`, the contract's description of one rank's shard) and `axis_name`. The XLA
+lowering then sums o's and down's partial products over the axis in float32 (`lax.psum`, once each per layer, of
+x·u for a factored one) and all-gathers the logits along the vocabulary, so the step needs no other communication.
+`models.generate` uses it when the parameters are split so (`models.decode.tensor_parallel_layout`).
+Why shard_map and not `custom_partitioning` (which svd_matmul and svd_mlp use): the per-rank program is exactly
+what the kernels' contract describes (a spec with tensor_parallel = T, collectives at fixed points inside the
+layer loop), and shard_map states it directly with public JAX API, on Auto and Explicit meshes and across
+processes. custom_partitioning could return the same per-device function from its partition callback, but its
+sharding rule would have to name a factor for each of the ~30 operands (heads·D of q's columns, KV heads of the
+caches, the vocabulary, ...), the callback would have to recover the Megatron layout from whatever Shardy
+propagated to them (or reshard), and it relies on JAX internals (_compat) for devices and host callbacks during
+lowering. The cost: a whole-operand call outside generate names its mesh and axis. The NKI-kernel backends raise
+NotImplementedError for tensor_parallel > 1 (see `_kernel_tensor_parallel_unsupported`): never silently a
+different computation.
+
 Bad operands raise a ValueError / TypeError naming the argument (`shapes.check_decode_operands`, i.e. the
 contract's `check`). A write_index outside [0, S - T] is rejected on every backend: at the call when it is concrete,
 else when the step runs (on the XLA backend a host callback that fires only for a bad index; the error reaches the
@@ -42,19 +62,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm import decoder_math, lowering, shapes
+from jax_neuronmm import decoder_math, explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
 from jax_neuronmm.kernel_calls import KernelLaunches, kernel_fp8
+from jax_neuronmm.reference import jnp_activation
+from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.svd_matmul import svd_matmul_ref
 from jax_neuronmm.svd_mlp import svd_mlp_ref
 from nki_kernels import dispatch
 from nki_kernels.decode.contract import (
     FP8,
+    SPLIT_ROWS,
+    WEIGHTS,
     DecodeOperands,
     DecodeSpec,
     Factored,
@@ -78,33 +104,82 @@ MLP = ("gate", "up", "down")
 ROW_OPERANDS = batch_axes()  # operand name -> its B axis
 
 
-def decode_step(*operands, spec: DecodeSpec, **named):
+def decode_step(*operands, spec: DecodeSpec, axis_name=None, **named):
     """One decode step over all layers; returns (logits [B, T, V] float32, k_cache, v_cache).
 
     operands: the DecodeOperands' fields in order (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache,
     v_cache, write_index, cos, sin, mask_bias, final_norm, head; see the module docstring), positional, by name, or
     one DecodeOperands; a stored weight as a Factored / Quantized or the tuple of its parts. Bad operands raise
     ValueError / TypeError naming the argument (a concrete write_index out of range included; an fp8 weight without
-    its scales)."""
+    its scales).
+
+    axis_name: inside `jax.shard_map`, the mesh axis (or tuple of axes) whose ranks hold the Megatron shards a spec
+    with tensor_parallel = T > 1 describes (the operands are this rank's shard; the logits come back whole, every
+    rank the same, the caches as this rank's KV heads); its size must be T. Outside shard_map, with whole
+    operands, use `tensor_parallel_decode_step`."""
     check_spec(spec, OP)
-    if len(operands) == 1 and isinstance(operands[0], DecodeOperands) and not named:
-        ops = operands[0]
-    else:
-        fields = operand_fields()
-        if len(operands) > len(fields):
-            raise TypeError(f"{OP}: got {len(operands)} positional operands, expected at most {len(fields)} {fields}")
-        values = dict(zip(fields, operands))
-        for name, value in named.items():
-            if name not in fields or name in values:
-                raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
-            values[name] = value
-        missing = [name for name in fields if name not in values]
-        if missing:
-            raise TypeError(f"{OP}: missing operands {missing}")
-        ops = DecodeOperands.of([values[name] for name in fields], spec)
+    ops = _operands_of(operands, named, spec)
+    _check_axis(spec, axis_name)
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
     leaves, treedef = jax.tree_util.tree_flatten(ops)
-    return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef))
+    return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef, **_axis_param(axis_name)))
+
+
+def _operands_of(operands, named, spec) -> DecodeOperands:
+    """decode_step's operands (positional, by name, or one DecodeOperands) as DecodeOperands."""
+    if len(operands) == 1 and isinstance(operands[0], DecodeOperands) and not named:
+        return operands[0]
+    fields = operand_fields()
+    if len(operands) > len(fields):
+        raise TypeError(f"{OP}: got {len(operands)} positional operands, expected at most {len(fields)} {fields}")
+    values = dict(zip(fields, operands))
+    for name, value in named.items():
+        if name not in fields or name in values:
+            raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
+        values[name] = value
+    missing = [name for name in fields if name not in values]
+    if missing:
+        raise TypeError(f"{OP}: missing operands {missing}")
+    return DecodeOperands.of([values[name] for name in fields], spec)
+
+
+def _axis_param(axis_name) -> dict:
+    """The primitive's axis_name param, left out when None (direct binds without it stay valid)."""
+    return {} if axis_name is None else {"axis_name": axis_name}
+
+
+def _axis_names(axis_name) -> tuple:
+    """axis_name (a mesh axis name or a tuple of them) as a tuple of names; TypeError naming it otherwise."""
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if not names or not all(isinstance(name, str) for name in names):
+        raise TypeError(f"{OP}: axis_name: got {axis_name!r}, expected a mesh axis name (str) or a tuple of them")
+    return names
+
+
+def _check_axis(spec: DecodeSpec, axis_name) -> None:
+    """A tensor-parallel spec needs the axis its ranks are on, bound (inside shard_map) with spec.tensor_parallel
+    ranks."""
+    if axis_name is None:
+        if spec.tensor_parallel != 1:
+            raise ValueError(
+                f"{OP}: spec.tensor_parallel is {spec.tensor_parallel}, so the operands are one rank's Megatron shard: "
+                "expected axis_name, the mesh axis of the ranks (call it inside jax.shard_map over that axis), or "
+                "use tensor_parallel_decode_step with the whole model's operands"
+            )
+        return
+    _axis_names(axis_name)
+    try:
+        size = lax.axis_size(axis_name)
+    except NameError:
+        raise ValueError(
+            f"{OP}: axis_name {axis_name!r} is not a mesh axis bound here: expected a call inside jax.shard_map "
+            "over it (or tensor_parallel_decode_step with the whole model's operands)"
+        ) from None
+    if size != spec.tensor_parallel:
+        raise ValueError(
+            f"{OP}: axis_name {axis_name!r} has {size} ranks but spec.tensor_parallel is {spec.tensor_parallel}; "
+            "expected the spec of one rank's shard over that axis (tensor_parallel_spec(spec, ranks))"
+        )
 
 
 def operand_treedef(spec: DecodeSpec):
@@ -125,24 +200,32 @@ def _operands(leaves, spec, treedef) -> DecodeOperands:
 
 
 @decode_step_p.def_abstract_eval
-def _abstract_eval(*operands, spec, treedef=None):
+def _abstract_eval(*operands, spec, treedef=None, axis_name=None):
+    if spec.tensor_parallel != 1 and axis_name is None:
+        raise ValueError(
+            f"{OP}: spec.tensor_parallel is {spec.tensor_parallel} but the primitive was bound without axis_name "
+            "(the mesh axis of the ranks): call decode_step(..., axis_name=...) inside jax.shard_map"
+        )
     ops = shapes.check_decode_operands(OP, spec, _operands(operands, spec, treedef))
     x, k_cache, v_cache = ops.x, ops.k_cache, ops.v_cache
-    logits = x.update(shape=x.shape[:2] + (spec.vocab,), dtype=jnp.dtype(jnp.float32), weak_type=False)
+    # A rank's logits are gathered over the ranks' vocabulary slices: every rank returns the whole vocabulary.
+    logits = x.update(shape=x.shape[:2] + (spec.whole_vocab,), dtype=jnp.dtype(jnp.float32), weak_type=False)
     return [logits, k_cache.update(weak_type=False), v_cache.update(weak_type=False)]
 
 
-def _jvp(primals, tangents, *, spec, treedef=None):
-    del primals, tangents, spec, treedef
+def _jvp(primals, tangents, *, spec, treedef=None, axis_name=None):
+    del primals, tangents, spec, treedef, axis_name
     raise TypeError(
         f"{OP} is inference only: it has no derivative (differentiate the model's own forward, which "
         "computes the same step, instead)"
     )
 
 
-def _batch(args, dims, *, spec, treedef=None):
+def _batch(args, dims, *, spec, treedef=None, axis_name=None):
     """vmap: batched row operands (x, caches, tables, mask) fold into B; anything else batched runs a lax.map."""
-    bind = functools.partial(decode_step_p.bind, spec=spec, **({} if treedef is None else {"treedef": treedef}))
+    bind = functools.partial(
+        decode_step_p.bind, spec=spec, **({} if treedef is None else {"treedef": treedef}), **_axis_param(axis_name)
+    )
     names = [name for name, _ in _operands(list(range(len(args))), spec, treedef).named_leaves()]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
     if any(d is not None and name not in ROW_OPERANDS for name, d in zip(names, dims)):
@@ -186,12 +269,42 @@ def _projection(weight):
     return lambda h: decoder_math.linear(h, weight)
 
 
-def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
+def _row_parallel(weight, axis_name):
+    """x -> x·W for o or down on one rank of a tensor-parallel step, where W's rows (K) are this rank's slice and
+    x's features the matching slice: the rank's product is a partial sum, summed in float32 over the ranks
+    (`lax.psum` over axis_name) before it is scaled (fp8) and rounded to x's dtype. A Factored weight sums its
+    rank-r product x·u (u's rows are split, v is whole), as the kernels all-reduce it, then multiplies by v."""
+
+    def dot(a, b):
+        acc = accumulation_dtype(a.dtype)
+        return lax.dot_general(a, b.astype(a.dtype), (((a.ndim - 1,), (0,)), ((), ())), preferred_element_type=acc)
+
+    def scaled(y, scale, dtype):
+        return (y if scale is None else y * scale.astype(y.dtype)).astype(dtype)
+
+    if isinstance(weight, Factored):
+
+        def factored(h):
+            xu = scaled(lax.psum(dot(h, weight.u), axis_name), weight.u_scale, h.dtype)
+            return scaled(dot(xu, weight.v), weight.v_scale, h.dtype)
+
+        return factored
+    if isinstance(weight, Quantized):
+        return lambda h: scaled(lax.psum(dot(h, weight.w), axis_name), weight.scale, h.dtype)
+    return lambda h: lax.psum(dot(h, weight), axis_name).astype(h.dtype)
+
+
+def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     """The decode step in jnp (the XLA lowering): `lax.scan` over layers of `decoder_math.decoder_layer`.
 
     Factored projections are (x·u)·v over the zero-padded stacked factors (exact: the padding adds zeros); an MLP
     factored in all three projections (all fp8, or none) runs as `svd_mlp_ref`, the XLA lowering of the compressed
     models' SVDMLP. fp8 weights are scaled after their float32 sums (`_projection`).
+
+    Tensor parallel (axis_name set, inside shard_map; spec: one rank's shard): the operands are this rank's heads,
+    KV heads, MLP features and vocabulary slice; o and down sum their partial products over the ranks
+    (`_row_parallel`: one float32 psum each per layer, a factored one's of x·u), and the logits are all-gathered
+    along the vocabulary in rank order. A factored MLP computes svd_mlp_ref's math with down's sum in the middle.
     """
     ops = _operands(operands, spec, treedef)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
@@ -213,7 +326,17 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
     def layer(x, xs):
         projections, norms, qk_norms, k_cache, v_cache, rope, mask = xs
         proj = {name: _projection(w) for name, w in projections.items()}
-        if mlp_factored:
+        if axis_name is not None:
+            proj.update({name: _row_parallel(projections[name], axis_name) for name in SPLIT_ROWS})
+        if mlp_factored and axis_name is not None:
+
+            def mlp(h):  # svd_mlp_ref, down's x·u summed over the ranks
+                acc = accumulation_dtype(h.dtype)
+                gate = svd_matmul_ref(h, *projections["gate"], out_dtype=acc)
+                up = svd_matmul_ref(h, *projections["up"], out_dtype=acc)
+                return proj["down"]((jnp_activation(spec.activation)(gate) * up).astype(h.dtype))
+
+        elif mlp_factored:
             # svd_mlp's order: the six factors, then (fp8) their six scales.
             factors = [f for name in MLP for f in (projections[name].u, projections[name].v)]
             scales = [
@@ -257,7 +380,10 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None):
 
     x, (k_cache, v_cache) = lax.scan(layer, ops.x, xs)
     logits = _projection(ops.head)(norm(x, ops.final_norm))
-    return decoder_math.soft_cap(logits, spec.final_logit_softcap).astype(jnp.float32), k_cache, v_cache
+    logits = decoder_math.soft_cap(logits, spec.final_logit_softcap).astype(jnp.float32)
+    if axis_name is not None:  # this rank's vocabulary slice -> every rank's, in rank order
+        logits = lax.all_gather(logits, axis_name, axis=logits.ndim - 1, tiled=True)
+    return logits, k_cache, v_cache
 
 
 def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
@@ -266,21 +392,172 @@ def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
     return jax.tree_util.tree_map(lambda a: convert(a) if shapes.is_fp8(a.dtype) else a, ops)
 
 
-def _plan(*operands, target, spec, treedef=None):
+def _plan(*operands, target, spec, treedef=None, axis_name=None):
     """The looped kernel from nki_kernels.dispatch, once its operand checks pass (they also limit B·T to one
-    partition tile and need bf16 / fp16 x beside fp8 weights)."""
+    partition tile and need bf16 / fp16 x beside fp8 weights). A tensor-parallel spec raises NotImplementedError
+    (`_kernel_tensor_parallel_unsupported`)."""
+    if spec.tensor_parallel != 1:
+        raise NotImplementedError(_kernel_tensor_parallel_unsupported(spec, target, axis_name))
     ops = _kernel_fp8(_operands(operands, spec, treedef), lambda a: jax.ShapeDtypeStruct(a.shape, FP8))
     return dispatch.decode_step_plan(ops, spec, target)
 
 
-def _run(plan, *operands, spec, treedef=None):
+def _run(plan, *operands, spec, treedef=None, axis_name=None):
     """One launch of the looped kernel for the whole step (on the emulator, once write_index's value is checked)."""
+    del axis_name  # _plan refused tensor-parallel specs
     kernel, kwargs = plan
     ops = _kernel_fp8(_operands(operands, spec, treedef), kernel_fp8)
     index = shapes.concrete_value(ops.write_index)
     if index is not None:
         check_write_index(OP, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
     return kernel(ops.kernel_args(), spec=spec, **kwargs)
+
+
+def _kernel_tensor_parallel_unsupported(spec: DecodeSpec, target, axis_name) -> str:
+    return (
+        f"{OP}: a tensor-parallel decode step (spec.tensor_parallel = {spec.tensor_parallel}: one rank's Megatron "
+        f"shard on each device of mesh axis {axis_name!r}) is not supported on the NKI-kernel backends ('emulator', "
+        f"'neuron'; target {target}): the looped kernel decode_step_kernel this primitive launches has no in-kernel "
+        "collectives (all-reduce after o and down, gather of the logits), and the emulator runs one host callback "
+        "per JAX device, each its own launch, while emulated nki.collectives meet only among the ranks of one "
+        "simulate_spmd launch. Use jax_neuronmm.use_backend('xla') for tensor-parallel decode steps, or replicate "
+        "the parameters to run the kernel on whole arrays"
+    )
+
+
+# --- Tensor parallel: the partitioning rule (Megatron shards over one mesh axis, run by shard_map) ------------
+
+
+def tensor_parallel_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
+    """The spec of one rank's Megatron shard of the whole model `spec` over `ranks` ranks (spec.tensor_parallel =
+    ranks: 1/ranks of the query heads, KV heads, MLP features and vocabulary; hidden, head_dim and the factor ranks
+    whole). ValueError naming the size that does not split."""
+    check_spec(spec, OP)
+    if spec.tensor_parallel != 1:
+        raise ValueError(f"{OP}: spec.tensor_parallel: got {spec.tensor_parallel}, expected 1 (the whole model's spec)")
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"{OP}: ranks: got {ranks!r}, expected a positive int")
+    sizes = {name: getattr(spec, name) for name in ("num_heads", "num_kv_heads", "intermediate", "vocab")}
+    for name, size in sizes.items():
+        if size % ranks:
+            raise ValueError(
+                f"{OP}: spec.{name} = {size} does not split over {ranks} tensor-parallel ranks; expected a multiple "
+                f"of {ranks} (each rank holds whole KV-head groups, 1/{ranks} of the MLP features and of the "
+                "vocabulary)"
+            )
+    return dataclasses.replace(spec, **{name: size // ranks for name, size in sizes.items()}, tensor_parallel=ranks)
+
+
+def _split_dim(name: str, ndim: int) -> int | None:
+    """The dim of flat operand `name` ("q.u", "k_cache", ...) that Megatron shards split, or None (replicated):
+    q / k / v / gate / up and the head split their output columns (a dense weight's, v's, an fp8 weight's and its
+    column scales), o and down their rows (a dense weight's, u's); the caches their KV heads."""
+    field, _, part = name.partition(".")
+    if field in ("k_cache", "v_cache"):
+        return 3
+    if field not in WEIGHTS:
+        return None
+    if field in SPLIT_ROWS:
+        return ndim - 2 if part in ("", "u", "w") else None
+    return ndim - 1 if part in ("", "v", "w", "scale", "v_scale") else None
+
+
+def _entry(names: tuple):
+    """A PartitionSpec entry for mesh axes `names`: one name, or their tuple."""
+    return names[0] if len(names) == 1 else names
+
+
+def tensor_parallel_partition_specs(spec: DecodeSpec, axis_name, batch_axis=None) -> tuple:
+    """One `PartitionSpec` per flat operand of `spec` (`operand_names` order): how the whole model's operands split
+    into Megatron shards over mesh axis `axis_name` (see `_split_dim`); the activations, norms, tables and
+    write_index are replicated, unless batch_axis (a mesh axis or a tuple of them) splits the rows: x, the caches,
+    the RoPE tables and the mask biases along their B axis."""
+    axis = _entry(_axis_names(axis_name))
+    batch = None if batch_axis is None else _entry(_axis_names(batch_axis))
+    specs = []
+    for name, shape in expected_shapes(spec, 1, 1, 1).named_leaves():
+        entries = [None] * len(shape)
+        dim = _split_dim(name, len(shape))
+        if dim is not None:
+            entries[dim] = axis
+        if batch is not None and name in ROW_OPERANDS:
+            entries[ROW_OPERANDS[name]] = batch
+        while entries and entries[-1] is None:
+            entries.pop()
+        specs.append(PartitionSpec(*entries))
+    return tuple(specs)
+
+
+def _mesh_axes(mesh, argument: str, axis_name) -> tuple:
+    names = _axis_names(axis_name)
+    missing = [name for name in names if name not in mesh.axis_names]
+    if missing:
+        raise ValueError(f"{OP}: {argument}: {missing} not among the mesh's axes {mesh.axis_names}")
+    return names
+
+
+def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="model", batch_axis=None, **named):
+    """decode_step over the whole model's operands (spec.tensor_parallel = 1), computed as Megatron shards on the
+    ranks of mesh axis `axis_name` of `mesh` (a jax.sharding.Mesh): `jax.shard_map` over the mesh, each device
+    binding decode_step_p on its shard (`tensor_parallel_partition_specs`) with the per-rank spec
+    (`tensor_parallel_spec`) and axis_name, so the XLA lowering all-reduces o's and down's outputs in every layer
+    and gathers the logits. Returns (logits [B, T, V] float32; k_cache, v_cache split over their KV heads).
+    batch_axis: None (other mesh axes see the same computation: replicated), or mesh axes (not axis_name's) that
+    split the rows B (which they must divide): each group of ranks then decodes its rows, and the logits and caches
+    come back split over B too. A vocabulary that does not split is padded with zero columns of the head on every
+    call (and the logits cut back); heads, KV heads and MLP features must split (ValueError naming them). On the
+    NKI-kernel backends it raises NotImplementedError when the step is lowered (see
+    `_kernel_tensor_parallel_unsupported`)."""
+    check_spec(spec, OP)
+    if not isinstance(mesh, jax.sharding.Mesh):
+        raise TypeError(f"{OP}: mesh: got {type(mesh).__name__}, expected a jax.sharding.Mesh")
+    names = _mesh_axes(mesh, "axis_name", axis_name)
+    axis = _entry(names)
+    ranks = math.prod(mesh.shape[name] for name in names)
+    ops = _operands_of(operands, named, spec)
+    ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    batch = None
+    if batch_axis is not None:
+        batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
+        if set(batch_names) & set(names):
+            raise ValueError(f"{OP}: batch_axis {batch_axis!r} shares mesh axes with axis_name {axis_name!r}")
+        groups = math.prod(mesh.shape[name] for name in batch_names)
+        if ops.x.shape[0] % groups:
+            raise ValueError(
+                f"{OP}: x: got B = {ops.x.shape[0]} rows, expected a multiple of the {groups} row groups of "
+                f"batch_axis {batch_axis!r}"
+            )
+        batch = _entry(batch_names)
+    vocab = spec.vocab
+    padding = -vocab % ranks
+    if padding:  # zero columns: logits 0 there, cut off below
+        pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 1) + [(0, padding)])  # noqa: E731
+        head = ops.head
+        if isinstance(head, Factored):
+            head = dataclasses.replace(head, v=pad(head.v), v_scale=None if head.v_scale is None else pad(head.v_scale))
+        elif isinstance(head, Quantized):
+            head = Quantized(pad(head.w), pad(head.scale))
+        else:
+            head = pad(head)
+        ops = ops.replace(head=head)
+        spec = dataclasses.replace(spec, vocab=vocab + padding)
+    rank_spec = tensor_parallel_spec(spec, ranks)
+    leaves, treedef = jax.tree_util.tree_flatten(ops)
+    cache = PartitionSpec(None, batch, None, axis)
+
+    def per_rank(*blocks):
+        return tuple(decode_step_p.bind(*blocks, spec=rank_spec, treedef=treedef, axis_name=axis))
+
+    in_specs = tensor_parallel_partition_specs(spec, axis, batch)
+    leaves = [explicit_sharding.typed_as(a, NamedSharding(mesh, s)) for a, s in zip(leaves, in_specs)]
+    logits, k_cache, v_cache = jax.shard_map(
+        per_rank,
+        mesh=mesh,
+        in_specs=in_specs,
+        out_specs=(PartitionSpec() if batch is None else PartitionSpec(batch), cache, cache),
+        check_vma=False,  # the primitive states no varying-axes types; the body's collectives make these outputs
+    )(*leaves)
+    return (logits[..., :vocab] if padding else logits), k_cache, v_cache
 
 
 ad.primitive_jvps[decode_step_p] = _jvp

@@ -127,7 +127,8 @@ def self_attention(
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
     if kv is not None:
-        start = (0, write_index, 0, 0)
+        zero = jnp.zeros((), jnp.asarray(write_index).dtype)  # one index dtype (Python 0 is int64 under x64)
+        start = (zero, write_index, zero, zero)
         # Under Explicit mesh axes k / v come split like their projections; the cache keeps its own split.
         k = lax.dynamic_update_slice(*typed_alike(kv[0], k.astype(kv[0].dtype)), start)
         v = lax.dynamic_update_slice(*typed_alike(kv[1], v.astype(kv[1].dtype)), start)

@@ -161,6 +161,15 @@ def typed_alike(operand, update):
     return operand, update
 
 
+def typed_as(x, sharding: NamedSharding):
+    """`x` resharded to `sharding` where its type or `sharding` is on a mesh with Explicit axes (shard_map there
+    takes operands only when typed as its in_specs say; an operand typed without a mesh is placed on it), else `x`
+    unchanged (Auto axes reshard at the shard_map)."""
+    if not (_has_explicit_axes(jax.typeof(x).sharding.mesh) or _has_explicit_axes(sharding.mesh.abstract_mesh)):
+        return x
+    return jax.sharding.reshard(x, sharding)
+
+
 def rank_intermediate_sharding(tokens_aval, rank_aval, rank_dim):
     """Type of an [*B, *T, r] intermediate of a transpose rule, or None without Explicit axes.
 

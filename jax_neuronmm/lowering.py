@@ -15,7 +15,8 @@ reference and only ever see one device's blocks:
 - "neuron": the same `kernels` traced with JAX arrays; the real `nki.jit` turns each launch into its custom call.
 
 Ops with several results that run on whole arrays on one device (the decode step over all layers) register with
-`register_whole` instead: no partitioning rule; the emulator backend runs their kernels in one host callback.
+`register_whole` instead: no custom_partitioning rule (decode_step partitions by `jax.shard_map` over Megatron
+shards, `decode_step.tensor_parallel_decode_step`); the emulator backend runs their kernels in one host callback.
 
 The rule is registered for all platforms at once (JAX uses a platform's specific rule when there is one and
 this generic rule otherwise), so a Neuron plugin loaded after this package gets the kernels too: there is no

@@ -65,6 +65,26 @@ def test_generate_on_the_emulator_prints_one_row_per_kernel(tmp_path):
     assert len(launch_table(with_launches)) == 1
 
 
+def test_tensor_parallel_generate_decodes_through_the_sharded_decode_step():
+    result = run(
+        "tensor_parallel_generate.py",
+        "--cpu_devices=2",
+        "--data=1",
+        "--model=2",
+        "--batch=2",
+        "--prompt_tokens=3",
+        "--max_new_tokens=3",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (
+        "decode steps ran through decode_step sharded over mesh axis 'model': 2 ranks, each on its Megatron shard "
+        "(spec.tensor_parallel=2), rows not split; one step compiles to collectives [('all-reduce', "
+        "'f32[2,1,32]'), "
+        "('all-reduce', 'f32[2,1,48]'), ('all-gather', 'f32[2,1,512]')]" in result.stdout
+    ), result.stdout
+    assert "same tokens on one device and on the mesh" in result.stdout
+
+
 @pytest.mark.parametrize(
     ("script", "flags", "message"),
     [

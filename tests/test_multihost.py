@@ -29,6 +29,10 @@ def test_two_processes_generate_the_one_device_tokens():
     for process in (0, 1):
         assert f"process {process} of 2: mesh {{'data': 1, 'model': 4}} over 4 devices" in result.stdout
         assert f"process {process} of 2: same tokens on one device and on the mesh" in result.stdout
+        # The decode steps ran through the tensor-parallel decode_step, its collectives crossing the processes.
+        assert f"process {process} of 2: decode steps ran through decode_step sharded over mesh axis 'model'" in (
+            result.stdout
+        )
     assert "2 processes exited with [0, 0]" in result.stdout
 
 

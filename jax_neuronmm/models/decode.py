@@ -7,6 +7,15 @@
 Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
 them by the pad slots among a row's tokens (`widen_windows(plan, pad_slots(token_mask))`).
 
+Tensor parallel: when the model's projections (and untied LM head) are split over a mesh axis in the Megatron
+layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD factor v's; o and down by rows: a
+kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
+stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
+`jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
+groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis; the mesh's
+other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
+projection split any other way is a ValueError naming it.
+
 `model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
 
 Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
@@ -22,22 +31,56 @@ norm eps or query scaling.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jax_neuronmm import decoder_math
-from jax_neuronmm.decode_step import decode_step
+from jax_neuronmm import decoder_math, explicit_sharding
+from jax_neuronmm.decode_step import (
+    decode_step,
+    operand_treedef,
+    tensor_parallel_decode_step,
+    tensor_parallel_partition_specs,
+    tensor_parallel_spec,
+)
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, DecodeSpec, Factored, Quantized
 
 ATTENTION = ("q", "k", "v", "o")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """Megatron shards of a model's decode weights: over mesh axis `axis` (a name, or a tuple of names) of
+    `mesh`."""
+
+    mesh: jax.sharding.Mesh
+    axis: str | tuple[str, ...]
+
+    @property
+    def ranks(self) -> int:
+        return math.prod(self.mesh.shape[name] for name in self._names)
+
+    @property
+    def _names(self) -> tuple[str, ...]:
+        return self.axis if isinstance(self.axis, tuple) else (self.axis,)
+
+    def batch_axis(self, rows: int) -> str | tuple[str, ...] | None:
+        """The mesh's other axes (of size > 1), which split a decode step's `rows` rows when their sizes' product
+        divides it (each group of ranks decodes its rows); None when there are none or they do not divide it."""
+        others = tuple(name for name in self.mesh.axis_names if name not in self._names and self.mesh.shape[name] > 1)
+        if not others or rows % math.prod(self.mesh.shape[name] for name in others):
+            return None
+        return others[0] if len(others) == 1 else others
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +88,14 @@ class DecodePlan:
     """What a model's decode step is specialized on (hashable: a static jit argument).
 
     ropes[i]: the RoPE config of table i (spec.layer_rope indexes it); windows[i]: the sliding window (None =
-    full causal) of mask i (spec.layer_mask indexes it).
+    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1);
+    tensor_parallel: where its weights are Megatron shards (decode runs one decode_step per rank), or None.
     """
 
     spec: DecodeSpec
     ropes: tuple[RopeConfig, ...]
     windows: tuple[int | None, ...]
+    tensor_parallel: TensorParallel | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -117,11 +162,91 @@ def unsupported_reason(model: CausalLM) -> str | None:
 
 
 def decode_plan(model: CausalLM) -> DecodePlan | None:
-    """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack."""
+    """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack. With
+    parameters split in the Megatron layout it carries their mesh axis (`tensor_parallel_layout`); ValueError for
+    projections split otherwise, or for heads, KV heads or MLP features that do not split over the axis."""
     if unsupported_reason(model) is not None:
         return None
     specs = model.attention_specs()
-    return DecodePlan(_spec(model), tuple(dict.fromkeys(s.rope for s in specs)), _windows(model))
+    spec = _spec(model)
+    layout = tensor_parallel_layout(model)
+    if layout is not None:
+        try:  # the vocabulary need not split: tensor_parallel_decode_step pads the head
+            tensor_parallel_spec(dataclasses.replace(spec, vocab=spec.vocab * layout.ranks), layout.ranks)
+        except ValueError as error:
+            raise ValueError(
+                f"decode_plan: the projections are split over mesh axis {layout.axis!r} ({layout.ranks} ranks), "
+                f"but the model does not split into {layout.ranks} Megatron shards: {error}"
+            ) from None
+    return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout)
+
+
+def _megatron_dims(module, name: str) -> tuple[tuple[str, int | None], ...]:
+    """(parameter, the dim Megatron shards split or None for whole) of a projection module: o and down split their
+    input rows (a kernel's dim 0, u's dim 0), the others their output columns (a kernel's dim 1, v's dim 1, and
+    with fp8 the scales of those columns: kernel_scale, v_scale; u_scale goes with the rank, whole)."""
+    rows = name in SPLIT_ROWS
+    if isinstance(module, SVDLinear):
+        return (("u", 0 if rows else None), ("v", None if rows else 1))
+    if isinstance(module, Fp8SVDLinear):
+        return (
+            ("u", 0 if rows else None),
+            ("v", None if rows else 1),
+            ("u_scale", None),
+            ("v_scale", None if rows else 0),
+        )
+    if isinstance(module, Fp8Linear):
+        return (("kernel", 0 if rows else 1), ("kernel_scale", None if rows else 0))
+    return (("kernel", 0 if rows else 1),)
+
+
+def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
+    """Where `model`'s projections and untied LM head are split in the Megatron layout (q/k/v/gate/up and the head
+    by output columns, o and down by input rows; any of them may be whole): their mesh and axis, or None when
+    none is split (single device, or replicated). ValueError naming a parameter split along another dim, or over
+    another mesh or axis than the rest."""
+    modules = [
+        (f"layers/{index}/{name}_proj", name, module)
+        for index, layer in enumerate(model.layers)
+        for name, module in _projection_modules(layer).items()
+    ]
+    if model.lm_head is not None:
+        modules.append(("lm_head", "head", model.lm_head))
+    found = {}  # (mesh, axes) -> the first parameter split so
+    for where, name, module in modules:
+        for part, dim in _megatron_dims(module, name):
+            param = getattr(module, part)
+            value = param.get_value() if isinstance(param, nnx.Variable) else param  # abstract (eval_shape) too
+            sharding = getattr(value, "sharding", None)
+            if not isinstance(sharding, NamedSharding):
+                continue
+            entries = tuple(sharding.spec) + (None,) * (len(value.shape) - len(sharding.spec))
+            for d, axes in enumerate(entries):
+                axes = () if axes is None else axes if isinstance(axes, tuple) else (axes,)
+                if not axes or math.prod(sharding.mesh.shape[a] for a in axes) == 1:
+                    continue
+                if d != dim:
+                    expected = (
+                        "whole"
+                        if dim is None
+                        else f"split along dim {dim} ({'rows' if name in SPLIT_ROWS else 'output columns'})"
+                    )
+                    raise ValueError(
+                        f"decode_plan: {where}/{part} is split along dim {d} over mesh axes {axes} (spec "
+                        f"{sharding.spec}); the tensor-parallel decode step takes Megatron shards, where it is "
+                        f"{expected}"
+                    )
+                found.setdefault((sharding.mesh, axes), f"{where}/{part}")
+    if not found:
+        return None
+    if len(found) > 1:
+        listing = "; ".join(f"{where} over {axes} of mesh {dict(mesh.shape)}" for (mesh, axes), where in found.items())
+        raise ValueError(
+            f"decode_plan: the projections are split over different meshes or axes ({listing}); expected one "
+            "tensor-parallel axis for all of them"
+        )
+    ((mesh, axes),) = found
+    return TensorParallel(mesh, axes[0] if len(axes) == 1 else axes)
 
 
 def model_spec(model: CausalLM) -> DecodeSpec:
@@ -275,8 +400,42 @@ def _stack_factors(pairs):
 
 def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     """The model's weights stacked over layers, in its dtype (once per generate call; compiled once per model
-    structure)."""
-    return _stack_weights(model, plan)
+    structure); with plan.tensor_parallel placed as the Megatron shards each decode step's ranks read, so a step
+    moves no weights between devices."""
+    weights = _stack_weights(model, plan)
+    layout = plan.tensor_parallel
+    if layout is None:
+        return weights
+    specs = jax.tree_util.tree_unflatten(
+        operand_treedef(plan.spec), tensor_parallel_partition_specs(plan.spec, layout.axis)
+    )
+
+    def like(spec, weight):  # bf16 factors are a (u, v) tuple in DecodeWeights, fp8 ones a Factored
+        return tuple(spec) if isinstance(weight, tuple) else spec
+
+    shardings = DecodeWeights(
+        norms=specs.norms,
+        qk_norms=specs.qk_norms,
+        projections=tuple(like(getattr(specs, n), w) for n, w in zip(PROJECTIONS, weights.projections)),
+        final_norm=specs.final_norm,
+        head=like(specs.head, weights.head),
+    )
+    if plan.spec.vocab % layout.ranks:  # tensor_parallel_decode_step pads the head on every step, then splits it
+        shardings.head = jax.tree_util.tree_map(lambda _: PartitionSpec(), shardings.head)
+    shardings = jax.tree_util.tree_map(lambda spec: NamedSharding(layout.mesh, spec), shardings)
+    return jax.device_put(weights, shardings)
+
+
+def place_cache(plan: DecodePlan, cache: KVCache) -> KVCache:
+    """With plan.tensor_parallel: the cache's keys and values split over their KV heads (and their rows over the
+    mesh's other axes, `TensorParallel.batch_axis`) as the decode steps' ranks hold them (the rest replicated on the
+    mesh), so every step gets and returns the same layout; else the cache unchanged."""
+    layout = plan.tensor_parallel
+    if layout is None:
+        return cache
+    heads = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axis(cache.keys.shape[1]), None, layout.axis))
+    whole = NamedSharding(layout.mesh, PartitionSpec())
+    return jax.device_put(cache, KVCache(heads, heads, whole, whole, whole))
 
 
 @nnx.jit(static_argnums=(1,))
@@ -328,11 +487,23 @@ def step_tables(plan: DecodePlan, positions, key_positions, key_valid):
 
 def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids, positions, cache: KVCache):
     """`model(token_ids, positions=positions, cache=cache)` as one `decode_step`: (logits [B, T, V] float32,
-    updated cache); token_ids, positions [B, T], all tokens real (decode steps have no padding)."""
+    updated cache); token_ids, positions [B, T], all tokens real (decode steps have no padding). With
+    plan.tensor_parallel: `tensor_parallel_decode_step` over its mesh axis (one decode_step per rank)."""
+    layout = plan.tensor_parallel
     token_mask = jnp.ones(token_ids.shape, bool)
     key_valid, key_positions = cache.key_slots(positions, token_mask)
     cos, sin, bias = step_tables(plan, positions, key_positions, key_valid)
-    logits, keys, values = decode_step(
+    step = (
+        decode_step
+        if layout is None
+        else functools.partial(
+            tensor_parallel_decode_step,
+            mesh=layout.mesh,
+            axis_name=layout.axis,
+            batch_axis=layout.batch_axis(token_ids.shape[0]),
+        )
+    )
+    logits, keys, values = step(
         x=model.embed(token_ids),
         norms=weights.norms,
         qk_norms=weights.qk_norms,
@@ -347,6 +518,10 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
         head=weights.head,
         spec=plan.spec,
     )
+    if layout is not None:
+        # Under Explicit mesh axes, logits typed split over the rows would carry that split into sampling and the
+        # next step's embedding lookup: they leave whole (B x V floats), as without tensor parallelism.
+        logits = explicit_sharding.typed_as(logits, NamedSharding(layout.mesh, PartitionSpec()))
     cache = KVCache(
         keys=keys,
         values=values,

@@ -5,9 +5,16 @@ Prefill runs the model's own forward; each decode step after it is one `decode_s
 decode step is one kernel launch. Models the decode-step kernels do not cover (biases, see
 `decode.unsupported_reason`) decode through their own forward.
 
+Tensor parallel: with parameters split over a mesh axis in the Megatron layout (`decode.tensor_parallel_layout`),
+each decode step is `decode_step` on every rank's shard (`jax.shard_map` over that axis, collectives after o and down
+and for the logits; the mesh's other axes split the rows when they divide the batch), the stacked weights and the
+cache's KV heads placed as the ranks hold them; a projection split any other way is a ValueError
+(`decode.decode_plan`).
+
 The cache has T + max_new_tokens slots from the start, so every decode step sees the same shapes and the step is
 compiled once per (model structure, batch, prompt length, max_new_tokens, sampling mode), never per token.
-`TRACE_COUNTS` counts how often each jitted function was traced (tests use it to prove that).
+`TRACE_COUNTS` counts how often each jitted function was traced (tests use it to prove that), and each decode-step
+trace by route: "decode_step", "decode_step_tensor_parallel" or "decode_model_forward".
 """
 
 from __future__ import annotations
@@ -72,8 +79,10 @@ def _decode_step(
     TRACE_COUNTS["decode"] += 1
     model = nnx.merge(graphdef, state)
     if plan is None:  # a model the decode-step kernels do not cover (decode.unsupported_reason)
+        TRACE_COUNTS["decode_model_forward"] += 1
         logits, cache = model(tokens[:, None], positions=positions[:, None], cache=cache)
     else:
+        TRACE_COUNTS["decode_step" if plan.tensor_parallel is None else "decode_step_tensor_parallel"] += 1
         logits, cache = decode.decode(model, plan, weights, tokens[:, None], positions[:, None], cache)
     next_tokens = _sample(logits[:, 0], key, temperature, top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
     return next_tokens, cache
@@ -203,6 +212,8 @@ def generate(
         top_p_arr,
         **sampling,
     )
+    if plan is not None:  # tensor parallel: the KV heads split as the decode steps' ranks hold them
+        cache = decode.place_cache(plan, cache)
     done = jnp.zeros((batch,), bool)
     new_tokens = []
     for step in range(int(max_new_tokens)):
