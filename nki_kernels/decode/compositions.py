@@ -12,6 +12,11 @@ per_op          one kernel per op: norm_kernel, projection_kernel, attention.rop
 per_op_svd_mlp  per_op, except that a factored MLP runs the fused svd_mlp kernels (the prefill's kernels).
 nki_kernels.decode.runner launches them in sequence on the emulator (`run_decode_step`).
 
+Tensor parallel (spec.tensor_parallel > 1, nki_kernels.decode.sharding): every kernel is one rank's, on its shard;
+the looped and per-layer kernels all-reduce o's and down's partial products inside the layer and gather the logits
+after the head (nki_kernels.decode.parallel); per_op runs those collectives as launches of their own
+(all_reduce_kernel, gather_vocabulary_kernel).
+
 Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer kernels take them as one list
 argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
 tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).

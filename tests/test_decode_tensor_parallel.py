@@ -1,0 +1,155 @@
+"""The tensor-parallel decode step (nki_kernels.decode.sharding, .parallel, runner.run_sharded_decode_step): a whole
+model cut into 2 or 4 Megatron shards and run on that many emulated NeuronCores (simulate_spmd, real data through
+nki.collectives) equals the float64 reference of the WHOLE model, and the single-rank kernels' step, in every
+composition.
+
+Tiny ragged shapes: H = 200 (natural tiles) and 256 (row-grouped), per-rank intermediate 100 / 50 / 192 / 96 and
+vocabulary 150 / 75 (not multiples of 128); Llama-like dense, Gemma-3-like with factored projections and head at
+ragged per-layer ranks (o and down split u's rows, the others v's columns), and fp8 weights.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from decode_operands import (
+    BF16,
+    GEMMA3,
+    RING,
+    check_cache,
+    fp8_operands,
+    llama_like,
+    make_operands,
+    relative_error,
+)
+
+from nki_kernels import reference
+from nki_kernels.decode.contract import WEIGHTS, DecodeOperands, Factored, Quantized
+from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step, run_sharded_decode_step
+from nki_kernels.decode.sharding import gather_cache, shard_operands, shard_spec
+from nki_kernels.emulator import cost_model, profile, trace
+
+LLAMA_TP = llama_like(num_layers=2, hidden=200, num_heads=8, num_kv_heads=4, head_dim=32, intermediate=200)
+# Gemma 3's variants with 4 KV heads of 2 query heads each; its ragged per-layer ranks, factored head.
+GEMMA3_TP = dataclasses.replace(GEMMA3, num_heads=8, num_kv_heads=4, head_dim=32)
+GEMMA3_TP_FP8 = dataclasses.replace(GEMMA3_TP, fp8_weights=WEIGHTS)
+
+# (spec, ranks, B, T, S, write slot, dtype, tolerance against the float64 reference)
+CASES = [
+    (LLAMA_TP, 2, 3, 1, 12, 11, np.float32, 1e-5),
+    (LLAMA_TP, 4, 2, 2, 9, 3, np.float32, 1e-5),
+    (GEMMA3_TP, 2, 1, 2, 20, 7, np.float32, 1e-5),
+    (GEMMA3_TP, 4, 2, 1, 10, 4, BF16, 2e-2),
+]
+IDS = ["llama-dense-2", "llama-dense-4", "gemma3-factored-2", "gemma3-factored-bf16-4"]
+
+
+def _step(spec, ranks, operands, composition):
+    """(logits, whole k_cache, whole v_cache) of the sharded step, and the per-rank profile runs."""
+    rank_spec, shards = shard_operands(spec, operands, ranks)
+    with profile() as prof:
+        logits, k_caches, v_caches = run_sharded_decode_step(composition, shards, rank_spec, **RING)
+    return (logits, gather_cache(k_caches), gather_cache(v_caches)), prof.runs
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+@pytest.mark.parametrize("spec, ranks, b, t, s, w, dtype, tolerance", CASES, ids=IDS)
+def test_sharded_step_matches_whole_model(rng, composition, spec, ranks, b, t, s, w, dtype, tolerance):
+    operands = make_operands(rng, spec, b, t, s, w, dtype)
+    k_before, v_before = operands[10].copy(), operands[11].copy()
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    (logits, k_cache, v_cache), runs = _step(spec, ranks, operands, composition)
+    assert logits.shape == (b, t, spec.vocab) and logits.dtype == np.float32
+    assert relative_error(logits, want_logits) < tolerance
+    check_cache(k_cache, k_before, want_k, w, t, tolerance)
+    check_cache(v_cache, v_before, want_v, w, t, tolerance)
+    single_logits, single_k, _ = run_decode_step(composition, operands, spec, **RING)
+    assert relative_error(logits, single_logits.astype(np.float64)) < tolerance
+    assert relative_error(k_cache, single_k.astype(np.float64)) < tolerance
+    assert {run.rank for run in runs} == set(range(ranks))
+    # Two all-reduces a layer (o, down) and one gather, on every rank; priced by the cost model.
+    assert sum(run.collectives for run in runs) == ranks * (2 * spec.num_layers + 1)
+    assert all(run.collective_us["trn2"] > 0 for run in runs if run.collectives)
+
+
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_sharded_fp8_step_matches_whole_model(rng, composition):
+    spec, ranks, b, t, s, w = GEMMA3_TP_FP8, 2, 1, 2, 12, 5
+    operands = fp8_operands(rng, spec, b, t, s, w)
+    want_logits, want_k, _ = reference.decode_step_f64(operands, spec)
+    (logits, k_cache, _), _ = _step(spec, ranks, operands, composition)
+    assert np.std(want_logits) > 0.1
+    assert relative_error(logits, want_logits) < 2e-2
+    check_cache(k_cache, operands[10], want_k, w, t, 2e-2)
+    single_logits, _, _ = run_decode_step(composition, operands, spec, **RING)
+    assert relative_error(logits, single_logits.astype(np.float64)) < 2e-2  # both round bf16 activations
+
+
+def test_looped_kernel_keeps_loading_weights_while_a_collective_runs(rng):
+    """On the cost model's schedule, the ring loads the kernel issues after each all-reduce start before it ends:
+    they wait for nothing but ring space, so the collective does not stall the prefetch."""
+    rank_spec, shards = shard_operands(LLAMA_TP, make_operands(rng, LLAMA_TP, 2, 1, 12, 5, BF16), 2)
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        run_sharded_decode_step("looped", shards, rank_spec)
+    finally:
+        trace.remove_listener(runs.append)
+    records = runs[0].records
+    for target in cost_model.TARGETS:
+        schedule = cost_model.schedule(runs[0], target)
+        reduces = [i for i, r in enumerate(records) if r.collective is not None and r.collective.kind == "all_reduce"]
+        assert len(reduces) == 2 * LLAMA_TP.num_layers and schedule.collective_us > 0
+        for i in reduces:
+            later = [j for j in range(i + 1, len(records)) if records[j].dma and records[j].line.startswith("ring.py")]
+            assert schedule.start_us[later[0]] < schedule.finish_us[i]
+
+
+def test_shards_split_heads_features_and_vocabulary(rng):
+    spec = GEMMA3_TP_FP8
+    operands = DecodeOperands.of(fp8_operands(rng, spec, 1, 1, 6, 2), spec)
+    rank_spec, shards = shard_operands(spec, operands, 2)
+    assert (rank_spec.num_heads, rank_spec.num_kv_heads, rank_spec.intermediate, rank_spec.vocab) == (4, 2, 192, 150)
+    assert rank_spec.tensor_parallel == 2 and rank_spec.hidden == spec.hidden and rank_spec.ranks == spec.ranks
+    second = shards[1]
+    q, o, k, gate, down, head = (getattr(second, n) for n in ("q", "o", "k", "gate", "down", "head"))
+    assert isinstance(q, Factored) and isinstance(k, Quantized)
+    np.testing.assert_array_equal(q.u, operands.q.u)  # column split: u whole, v's columns and their scales
+    np.testing.assert_array_equal(q.v, operands.q.v[:, :, 128:])
+    np.testing.assert_array_equal(q.v_scale, operands.q.v_scale[:, 128:])
+    np.testing.assert_array_equal(k.w, operands.k.w[:, :, 64:])
+    np.testing.assert_array_equal(k.scale, operands.k.scale[:, 64:])
+    np.testing.assert_array_equal(o.u, operands.o.u[:, 128:])  # row split: u's rows, v and the scales whole
+    np.testing.assert_array_equal(o.v, operands.o.v)
+    np.testing.assert_array_equal(o.u_scale, operands.o.u_scale)
+    np.testing.assert_array_equal(down.u, operands.down.u[:, 192:])
+    np.testing.assert_array_equal(gate.v, operands.gate.v[:, :, 192:])
+    np.testing.assert_array_equal(head.v, operands.head.v[:, 150:])
+    np.testing.assert_array_equal(second.k_cache, operands.k_cache[:, :, :, 2:])
+    np.testing.assert_array_equal(second.norms, operands.norms)
+    np.testing.assert_array_equal(gather_cache([s.v_cache for s in shards]), operands.v_cache)
+
+
+def test_rejects_ranks_that_do_not_divide_the_model(rng):
+    with pytest.raises(ValueError, match="tensor_parallel: got 3, which does not divide spec.num_kv_heads = 4"):
+        shard_spec(LLAMA_TP, 3)
+    uneven = dataclasses.replace(LLAMA_TP, num_heads=8, num_kv_heads=8, intermediate=196)
+    with pytest.raises(ValueError, match="tensor_parallel: got 8, which does not divide spec.intermediate = 196"):
+        shard_spec(uneven, 8)
+    with pytest.raises(ValueError, match="tensor_parallel: got 8, which does not divide spec.vocab = 300"):
+        shard_spec(dataclasses.replace(uneven, intermediate=200), 8)
+    with pytest.raises(ValueError, match="tensor_parallel: got 0"):
+        shard_spec(LLAMA_TP, 0)
+    with pytest.raises(TypeError, match="tensor_parallel"):
+        shard_spec(LLAMA_TP, 2.0)
+    rank_spec = shard_spec(LLAMA_TP, 2)
+    with pytest.raises(ValueError, match="spec.tensor_parallel: got 2, expected 1"):
+        shard_spec(rank_spec, 2)
+    operands = make_operands(rng, LLAMA_TP, 1, 1, 8, 3, np.float32)
+    with pytest.raises(ValueError, match="x has shape"):
+        shard_operands(LLAMA_TP, [operands[0][:, :, :100]] + operands[1:], 2)
+    _, shards = shard_operands(LLAMA_TP, operands, 2)
+    with pytest.raises(ValueError, match="rank_operands: got 1 operand sets, expected one per rank"):
+        run_sharded_decode_step("looped", shards[:1], rank_spec)
+    with pytest.raises(ValueError, match="run_sharded_decode_step"):
+        run_decode_step("looped", shards[0], rank_spec)
