@@ -24,6 +24,7 @@ from decode_operands import (
 )
 
 from nki_kernels import reference
+from nki_kernels.decode import comparison, traffic
 from nki_kernels.decode.contract import WEIGHTS, DecodeOperands, Factored, Quantized
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands, shard_spec
@@ -153,3 +154,34 @@ def test_rejects_ranks_that_do_not_divide_the_model(rng):
         run_sharded_decode_step("looped", shards[:1], rank_spec)
     with pytest.raises(ValueError, match="run_sharded_decode_step"):
         run_decode_step("looped", shards[0], rank_spec)
+
+
+def test_traffic_counts_one_rank_and_its_collectives(rng):
+    """A rank moves 1/T of the dense weights and the cache, and sends what collective_bytes counts (hidden, vocab
+    slices and ranks whole tiles here: the kernels sum whole column tiles)."""
+    spec = llama_like(num_layers=2, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32, intermediate=256)
+    ranks, b, s = 4, 2, 12
+    rank_spec = shard_spec(spec, ranks)
+    assert ranks * traffic.weight_bytes(rank_spec) == traffic.weight_bytes(spec)
+    whole, one = (traffic.must_move_bytes(x, b, s, layers_only=True) for x in (spec, rank_spec))
+    norms = spec.num_layers * spec.num_norms * spec.hidden * 2
+    assert ranks * (one - norms - b * spec.hidden * 2) == whole - norms - b * spec.hidden * 2
+    head = traffic.weight_bytes(rank_spec) - traffic.weight_bytes(rank_spec, head=False)
+    logits = b * spec.vocab * 4  # every rank writes the whole logits
+    assert traffic.must_move_bytes(rank_spec, b, s) - one == spec.hidden * 2 + head + logits - b * spec.hidden * 2
+    assert traffic.collective_bytes(spec, b) == 0
+    sent = traffic.collective_bytes(rank_spec, b)
+    assert sent == 4 * b * (2 * spec.num_layers * spec.hidden + rank_spec.vocab)
+    _, shards = shard_operands(spec, make_operands(rng, spec, b, 1, s, 3, BF16), ranks)
+    with profile() as prof:
+        run_sharded_decode_step("looped", shards, rank_spec)
+    assert [run.collective_bytes for run in prof.runs] == [sent] * ranks
+
+
+def test_measure_spec_models_one_rank_with_its_collectives():
+    spec = shard_spec(GEMMA3_TP, 2)
+    for composition in ("per_op", "looped"):
+        m = comparison.measure_spec(spec, composition, 1, 16)
+        assert set(m.kernel_us) == set(cost_model.TARGETS) and not m.note
+        for t in cost_model.TARGETS:
+            assert 0 < m.collective_us[t] < m.kernel_us[t]

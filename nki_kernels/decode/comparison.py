@@ -27,7 +27,7 @@ from nki_kernels.decode.contract import (
     expected_dtypes,
     expected_shapes,
 )
-from nki_kernels.decode.runner import run_decode_step
+from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.emulator import launch
 from nki_kernels.emulator.cost_model import roofline_us
 from nki_kernels.emulator.kernel import Spec
@@ -217,6 +217,7 @@ class Measured:
     head_us: dict = dataclasses.field(default_factory=dict)  # target -> µs of the LM-head launch (per_layer only)
     extrapolated: tuple = ()
     note: str = ""
+    collective_us: dict = dataclasses.field(default_factory=dict)  # target -> µs in collectives (tensor parallel)
 
     def latency_us(self, target: str, overhead_us: float) -> float | None:
         """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
@@ -236,6 +237,7 @@ class Measured:
             sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
             {t: us for t, us in head.items() if us},
             note=note,
+            collective_us={t: sum(r.collective_us[t] for r in runs) for t, runs in runs_by_target.items()},
         )
 
 
@@ -252,6 +254,9 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
         {t: m2.head_us[t] for t in m2.head_us},
         extrapolated=(l1, l2),
         note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
+        collective_us={
+            t: at(m1.collective_us[t], m2.collective_us[t]) for t in m1.collective_us if t in m2.collective_us
+        },
     )
 
 
@@ -269,12 +274,21 @@ def describe_error(error: Exception) -> str:
 
 def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int) -> Measured:
     """One composition of our kernels at `spec`'s depth, count-only, on each target (a target where it fails is
-    named in the note)."""
+    named in the note). A tensor-parallel spec (one rank's shard) runs on spec.tensor_parallel ranks at once
+    (collectives priced by the cost model's link model) and is measured on rank 0 (every rank runs the same
+    shapes): one rank's latency, HBM bytes and time in collectives."""
     operands = operand_specs(spec, batch, cache_len)
+
+    def step():
+        if spec.tensor_parallel == 1:
+            run_decode_step(composition, operands, spec, numerics=False)
+        else:
+            run_sharded_decode_step(composition, [operands] * spec.tensor_parallel, spec, numerics=False)
+
     runs, failures = {}, []
     for t in TARGETS:
         try:
-            runs[t] = profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
+            runs[t] = [run for run in profiled(step, t) if run.rank == 0]
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {describe_error(error)}")
     note = "did not run on " + "; ".join(failures) if failures else ""
