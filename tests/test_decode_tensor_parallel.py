@@ -41,8 +41,9 @@ CASES = [
     (LLAMA_TP, 4, 2, 2, 9, 3, np.float32, 1e-5),
     (GEMMA3_TP, 2, 1, 2, 20, 7, np.float32, 1e-5),
     (GEMMA3_TP, 4, 2, 1, 10, 4, BF16, 2e-2),
+    (GEMMA3, 4, 1, 1, 8, 6, np.float32, 1e-5),  # one KV head, replicated on the 4 ranks
 ]
-IDS = ["llama-dense-2", "llama-dense-4", "gemma3-factored-2", "gemma3-factored-bf16-4"]
+IDS = ["llama-dense-2", "llama-dense-4", "gemma3-factored-2", "gemma3-factored-bf16-4", "gemma3-kv-replicated-4"]
 
 
 def _step(spec, ranks, operands, composition):
@@ -50,7 +51,7 @@ def _step(spec, ranks, operands, composition):
     rank_spec, shards = shard_operands(spec, operands, ranks)
     with profile() as prof:
         logits, k_caches, v_caches = run_sharded_decode_step(composition, shards, rank_spec, **RING)
-    return (logits, gather_cache(k_caches), gather_cache(v_caches)), prof.runs
+    return (logits, gather_cache(k_caches, spec.num_kv_heads), gather_cache(v_caches, spec.num_kv_heads)), prof.runs
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
@@ -128,12 +129,28 @@ def test_shards_split_heads_features_and_vocabulary(rng):
     np.testing.assert_array_equal(head.v, operands.head.v[:, 150:])
     np.testing.assert_array_equal(second.k_cache, operands.k_cache[:, :, :, 2:])
     np.testing.assert_array_equal(second.norms, operands.norms)
-    np.testing.assert_array_equal(gather_cache([s.v_cache for s in shards]), operands.v_cache)
+    np.testing.assert_array_equal(gather_cache([s.v_cache for s in shards], 4), operands.v_cache)
+
+
+def test_replicated_kv_heads_go_to_the_ranks_of_their_query_heads(rng):
+    """LLAMA_TP on 8 ranks: 4 KV heads of 2 query heads each; ranks 2j and 2j+1 share KV head j."""
+    spec = dataclasses.replace(LLAMA_TP, vocab=296)
+    operands = DecodeOperands.of(make_operands(rng, spec, 1, 1, 6, 2, np.float32), spec)
+    rank_spec, shards = shard_operands(spec, operands, 8)
+    assert (rank_spec.num_heads, rank_spec.num_kv_heads, rank_spec.intermediate, rank_spec.vocab) == (1, 1, 25, 37)
+    d = spec.head_dim
+    for r, shard in enumerate(shards):
+        np.testing.assert_array_equal(shard.q, operands.q[:, :, r * d : (r + 1) * d])
+        np.testing.assert_array_equal(shard.k, operands.k[:, :, r // 2 * d : (r // 2 + 1) * d])
+        np.testing.assert_array_equal(shard.v_cache, operands.v_cache[:, :, :, r // 2 : r // 2 + 1])
+    np.testing.assert_array_equal(gather_cache([s.k_cache for s in shards], 4), operands.k_cache)
 
 
 def test_rejects_ranks_that_do_not_divide_the_model(rng):
     with pytest.raises(ValueError, match="tensor_parallel: got 3, which does not divide spec.num_kv_heads = 4"):
         shard_spec(LLAMA_TP, 3)
+    with pytest.raises(ValueError, match="nor is it a multiple of them that divides spec.num_heads = 8"):
+        shard_spec(LLAMA_TP, 16)
     uneven = dataclasses.replace(LLAMA_TP, num_heads=8, num_kv_heads=8, intermediate=196)
     with pytest.raises(ValueError, match="tensor_parallel: got 8, which does not divide spec.intermediate = 196"):
         shard_spec(uneven, 8)
