@@ -202,3 +202,18 @@ def test_measure_spec_models_one_rank_with_its_collectives():
         assert set(m.kernel_us) == set(cost_model.TARGETS) and not m.note
         for t in cost_model.TARGETS:
             assert 0 < m.collective_us[t] < m.kernel_us[t]
+
+
+def test_physical_bound_prices_the_collectives_the_kernel_makes():
+    """With whole tiles (H = 256), the looped kernel's modeled time in collectives is the links' floor exactly; the
+    bound is at least the must-move bytes at the peak rate and under the modeled step."""
+    spec = llama_like(num_layers=2, hidden=256, num_heads=8, num_kv_heads=4, head_dim=32, intermediate=256)
+    rank_spec = shard_spec(spec, 4)
+    m = comparison.measure_spec(rank_spec, "looped", 2, 16)
+    for t in cost_model.TARGETS:
+        assert comparison.collective_floor_us(spec, 2, t) == 0
+        floor = comparison.collective_floor_us(rank_spec, 2, t)
+        assert m.collective_us[t] == pytest.approx(floor)
+        bound = comparison.tensor_parallel_bound_us(rank_spec, 2, 16, t)
+        need = traffic.must_move_bytes(rank_spec, 2, 16)
+        assert max(floor, cost_model.roofline_us(0, need, t)) == bound < m.kernel_us[t]
