@@ -9,6 +9,9 @@ ragged per-layer ranks (o and down split u's rows, the others v's columns), and 
 """
 
 import dataclasses
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -217,3 +220,20 @@ def test_physical_bound_prices_the_collectives_the_kernel_makes():
         bound = comparison.tensor_parallel_bound_us(rank_spec, 2, 16, t)
         need = traffic.must_move_bytes(rank_spec, 2, 16)
         assert max(floor, cost_model.roofline_us(0, need, t)) == bound < m.kernel_us[t]
+
+
+def test_quick_tensor_parallel_report(tmp_path):
+    bench = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "decode_compositions.py")
+    args = ["--quick", "--tensor_parallel", "--tp_degrees=1,2,8", "--compositions=looped", f"--out_dir={tmp_path}"]
+    result = subprocess.run([sys.executable, bench, *args], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    text = (tmp_path / "decode_tensor_parallel_quick.md").read_text()
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ") and "(iii) looped" in line]
+    assert [(row[0], row[3]) for row in rows] == [
+        ("| 1", "dense"),
+        ("| 1", "compressed"),
+        ("| 2", "dense"),
+        ("| 2", "compressed"),
+    ]
+    assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-1]
+    assert "T = 8 not run: tensor_parallel: got 8" in text and "modeled, not measured" in text
