@@ -82,7 +82,8 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
             f"run_sharded_decode_step (one operand set per rank)"
         )
     ops = DecodeOperands.of(operands, spec)
-    return _run(composition, ops, spec, numerics, dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes))
+    ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
+    return _run("run_decode_step", composition, ops, spec, numerics, ring)
 
 
 def run_sharded_decode_step(composition, rank_operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
@@ -100,17 +101,18 @@ def run_sharded_decode_step(composition, rank_operands, spec, *, numerics=True, 
     shards = [DecodeOperands.of(operands, spec) for operands in rank_operands]
     ops = DecodeOperands(**{name: PerRank(getattr(o, name) for o in shards) for name in operand_fields()})
     ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
-    logits, k_cache, v_cache = _run(composition, ops, spec, numerics, ring)
+    logits, k_cache, v_cache = _run("run_sharded_decode_step", composition, ops, spec, numerics, ring)
     return logits[0], list(k_cache), list(v_cache)
 
 
-def _run(composition, ops, spec, numerics, ring):
-    """The launches of `composition` on ops (each operand a value, or PerRank: one per tensor-parallel rank)."""
+def _run(where, composition, ops, spec, numerics, ring):
+    """The launches of `composition` on ops (each operand a value, or PerRank: one per tensor-parallel rank);
+    errors start with `where`."""
     if composition not in COMPOSITIONS:
         raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
     first = _rank(ops, 0) if isinstance(ops.x, PerRank) else ops
     if isinstance(first.write_index, np.ndarray):
-        check_write_index("run_decode_step", first.write_index, slots=first.k_cache.shape[2], tokens=first.x.shape[1])
+        check_write_index(where, first.write_index, slots=first.k_cache.shape[2], tokens=first.x.shape[1])
     with contextlib.nullcontext() if numerics else count_only():
         if composition == "looped":
             return _launch(decode_step_kernel, _kernel_args(ops), spec=spec, **ring)
