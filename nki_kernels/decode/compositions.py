@@ -209,7 +209,7 @@ def check_operands(kernel, operands, spec):
 def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None):
     """The whole decode step in one kernel: an outer loop over the layers, the hidden state on chip throughout.
 
-    With spec.tensor_parallel = T > 1 the kernel is one rank's step on its shard (nki_kernels.decode.sharding;
+    With spec.tensor_parallel > 1 the kernel is one rank's step on its shard (nki_kernels.decode.sharding;
     every rank runs it), all-reducing o's and down's partial products inside the loop and gathering the logits
     (nki_kernels.decode.parallel).
 

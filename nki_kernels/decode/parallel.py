@@ -1,9 +1,9 @@
-"""The decode kernels' tensor-parallel collectives (a spec with tensor_parallel T > 1 is one rank's Megatron shard,
+"""The decode kernels' tensor-parallel collectives (a spec with tensor_parallel P > 1 is one rank's Megatron shard,
 nki_kernels.decode.sharding; plain functions called inside @nki.jit kernels, every rank issuing the same ones in
 the same order).
 
 - o and down split their weight rows over the ranks, so each rank's product is a partial sum of the layer's
-  output: `all_reduce_columns` sums it over the T ranks (nl.add, one replica group of all of them) in SBUF, as
+  output: `all_reduce_columns` sums it over the P ranks (nl.add, one replica group of all of them) in SBUF, as
   float32 column tiles, before it reaches the residual stream or a norm. A factored o or down sums its rank-r
   intermediate (x·u)ᵀ instead (u's rows are split, v is whole): r values a row instead of H.
 - The LM head splits the vocabulary: `gather_vocabulary` all-gathers the ranks' logits slices along the

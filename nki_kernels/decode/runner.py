@@ -7,8 +7,8 @@ Each kernel launch is one emulated run (one row of `emulator.profile()`); activa
 as numpy arrays. With numerics=False the launches are count-only traces and operands may be emulator `Spec`
 placeholders (shape and dtype, no memory), so full-size models trace without their weights.
 
-Tensor parallel (`run_sharded_decode_step`): a spec with tensor_parallel T > 1 and each rank's operands
-(nki_kernels.decode.sharding.shard_operands); every launch runs on T emulated NeuronCores at once
+Tensor parallel (`run_sharded_decode_step`): a spec with tensor_parallel P > 1 and each rank's operands
+(nki_kernels.decode.sharding.shard_operands); every launch runs on P emulated NeuronCores at once
 (emulator.simulate_spmd, one profile row per rank), each on its own shard. per_op adds its collectives as launches
 of their own (all_reduce_kernel after o and down, or between a factored one's u and v launches;
 gather_vocabulary_kernel after the head); per_op_svd_mlp's fused MLP keeps down's (x·u)ᵀ on chip, so it
@@ -87,10 +87,10 @@ def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_by
 
 
 def run_sharded_decode_step(composition, rank_operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
-    """Run one tensor-parallel decode step as `composition` on spec.tensor_parallel emulated ranks, rank r on
+    """Run one tensor-parallel decode step as `composition` on P = spec.tensor_parallel emulated ranks, rank r on
     rank_operands[r] (its shard, as nki_kernels.decode.sharding.shard_operands cuts it; numpy arrays, or `Spec`
-    placeholders with numerics=False): (logits [B, T, V·T] float32, the whole vocabulary (every rank returns the
-    same), [k_cache of each rank], [v_cache of each rank]) (sharding.gather_cache puts a cache back together)."""
+    placeholders with numerics=False): (logits [B, T, V·P] float32, the whole vocabulary, which every rank
+    returns; [k_cache of each rank]; [v_cache of each rank]) (sharding.gather_cache puts a cache back together)."""
     check_spec(spec)
     ranks = spec.tensor_parallel
     if len(rank_operands) != ranks:

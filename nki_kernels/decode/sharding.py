@@ -1,7 +1,7 @@
 """A whole model's decode operands cut into Megatron tensor-parallel shards, one per rank (NeuronCore), and the
 per-rank caches put back together.
 
-Rank r of T holds (contract.DecodeSpec.tensor_parallel describes what a per-rank spec counts):
+Rank r of T = tensor_parallel ranks holds (contract.DecodeSpec.tensor_parallel describes what a per-rank spec counts):
 - attention by KV-head groups: KV heads [r·kv/T, (r+1)·kv/T) and the query heads that read them (GQA groups are
   consecutive, so query heads [r·nh/T, (r+1)·nh/T)): q, k and v's columns of those heads, o's rows of them, and the
   KV caches' heads. With more ranks than KV heads (T a multiple of kv), each KV head is replicated on the T/kv

@@ -2,8 +2,8 @@
 against (a kernel at 100% of the peak DMA rate moves exactly these); and, for a tensor-parallel step, the bytes
 each rank sends into its collectives.
 
-A spec with tensor_parallel T > 1 is one rank's shard (nki_kernels.decode.sharding): its counts are one rank's
-(its 1/T of the weights and of the KV cache, the replicated norms, and the whole logits, which every rank returns).
+A spec with tensor_parallel P > 1 is one rank's shard (nki_kernels.decode.sharding): its counts are one rank's
+(its 1/P of the weights and of the KV cache, the replicated norms, and the whole logits, which every rank returns).
 """
 
 from __future__ import annotations
