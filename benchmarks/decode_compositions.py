@@ -403,8 +403,9 @@ def run_tensor_parallel(models, degrees, batches, cache_lengths, extrapolated, c
 
 
 def tensor_parallel_markdown(
-    ours, seconds, unsplit, models, degrees, batches, cache_lengths, quick, elapsed_s, depths, command, loads
+    ours, seconds, unsplit, models, degrees, batches, cache_lengths, quick, elapsed_s, depths, command, loads, note=""
 ) -> str:
+    """The tensor-parallel report; note: how cached cases were traced (--run_time_note), for a --cached_only run."""
     traced = [t for t in seconds.values() if t is not None]
     timing = (
         f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
@@ -427,6 +428,10 @@ def tensor_parallel_markdown(
         "returns them whole. per_op runs its collectives as launches of their own. bf16 weights and cache, one new "
         "token per row; compressed = keep 0.8 (`nki_kernels.ranks.block_aligned_rank` of the whole weights).",
         "",
+        "- **Compressed shards keep u whole**: q, k, v, gate, up and the head split v's columns, so every rank reads "
+        "all of their u factors (o and down split u's rows and keep v whole). A rank's compressed bytes therefore "
+        "shrink much more slowly than its dense bytes as T grows, and from T = 4 (Llama) compressed moves more "
+        "per rank than dense: the MB-moved column shows it.",
         "- **µs** = one rank's modeled step (all ranks run the same shapes). **tok/s** = batch ÷ µs (all T ranks "
         "together). **% aggregate peak** = T ranks' must-move bytes (`nki_kernels.decode.traffic.must_move_bytes` "
         "of one rank's shard, replicated KV heads counted on each rank, the whole logits written by each) ÷ µs ÷ "
@@ -439,7 +444,7 @@ def tensor_parallel_markdown(
         f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
         f"- Made by `{command}`: {timing}; {elapsed_s / 60:.1f} min in all on a 2-core machine shared with other "
         f"jobs (1-minute load average {loads[0]:.1f} at the start, {min(loads):.1f} to {max(loads):.1f} during "
-        "the run).",
+        "the run)" + (f"; {note}." if note else "."),
         "",
     ]
     for m in models:
@@ -911,6 +916,7 @@ def main(argv):
             depths,
             command,
             loads,
+            FLAGS.run_time_note,
         )
         write_atomically(path, lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
         print(text)
