@@ -27,6 +27,14 @@ bf16 dense looped kernel; it traces our compositions only (no nkilib peer, no pl
 
     python benchmarks/decode_compositions.py --weight_dtype=fp8 --models="Gemma 3 270M" --batches=1,8 \
         --cache_lengths=512 --compositions=looped
+
+--tensor_parallel writes the tensor-parallel report instead, benchmarks/results/decode_tensor_parallel{,_quick}.md:
+each model split over T NeuronCores in the Megatron layout (nki_kernels.decode.sharding; T = 1, 2, 4, 8, and 16,
+32 for Llama-3.1-8B, or --tp_degrees), every rank's kernels run together on the emulator with their collectives
+(simulate_spmd), rank 0 measured: per_op, per_layer and looped, dense and compressed, with µs per step, % of the
+aggregate peak bandwidth, µs in collectives and the physical bound beside each looped row, e.g.
+
+    python benchmarks/decode_compositions.py --tensor_parallel --batches=1,8 --cache_lengths=512
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ from nki_kernels.decode.comparison import (
     LABELS,
     PEAK_FRACTION,
     TARGETS,
+    TP_COMPOSITIONS,
     DecodeModel,
     Measured,
     Results,
@@ -69,13 +78,19 @@ from nki_kernels.decode.comparison import (
     peak_fraction,
     profiled,
     targets_table,
+    tensor_parallel_table,
+    tp_spec,
     traced_layers,
 )
-from nki_kernels.emulator import launch
+from nki_kernels.emulator import collective_costs, launch
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
 
 DEFAULT_MODELS = ("Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B")
+# Tensor-parallel degrees the report traces per model (the others: TP_DEFAULT); a degree the model's heads,
+# intermediate or vocabulary do not split over shows as not run.
+TP_DEFAULT = (1, 2, 4, 8)
+TP_DEGREES = {"Llama-3.1-8B": (1, 2, 4, 8, 16, 32)}
 
 flags.DEFINE_bool(
     "quick", False, "Gemma 3 270M at 2 layers and an 8192-token vocabulary, batch 1, cache 128: a smoke run"
@@ -105,6 +120,15 @@ flags.DEFINE_enum(
     ["bf16", "fp8"],
     "bf16: the composition report (decode_step.md); fp8: the fp8-weight report (decode_fp8.md), every weight in fp8 "
     "e4m3 with float32 scales beside the same cases in bf16 (the --compositions given, bf16 dense looped always)",
+)
+flags.DEFINE_bool(
+    "tensor_parallel",
+    False,
+    "write the tensor-parallel report (decode_tensor_parallel.md) instead: each model split over T ranks "
+    "(--tp_degrees), per_op, per_layer and looped (of --compositions)",
+)
+flags.DEFINE_list(
+    "tp_degrees", None, f"tensor-parallel degrees for every model; default {dict(TP_DEGREES)} (else {TP_DEFAULT})"
 )
 flags.DEFINE_bool("cached_only", False, "trace nothing: report the cases found in --cache_file, the rest as not traced")
 flags.DEFINE_string(
@@ -340,6 +364,102 @@ def run_fp8(models, batches, cache_lengths, extrapolated, cache, traced) -> tupl
         seconds[(m.name, f, c, b, s, comp)] = None if cached else time.time() - start
         loads.append(os.getloadavg()[0])
     return ours, seconds, loads
+
+
+def run_tensor_parallel(models, degrees, batches, cache_lengths, extrapolated, cache, traced):
+    """The tensor-parallel report's cases: ({(model, T, compressed, batch, S, composition): Measured of rank 0},
+    {same key: seconds its trace took in this run, or None from the cache}, the 1-minute load averages before the
+    first case and after each, {(model, T): why it does not split} for degrees the model cannot take). T = 1 cases
+    share run_all's cache keys; the others end in "|tpT"."""
+    cache = cache or CaseCache(None)
+    ours, seconds, loads, unsplit = {}, {}, [os.getloadavg()[0]], {}
+    cases = []
+    for m in models:
+        for p in degrees(m):
+            try:
+                tp_spec(m, 1, False, p)
+            except ValueError as error:
+                unsplit[(m.name, p)] = str(error).split(": ", 1)[1]
+                continue
+            cases += [
+                (m, p, c, b, s, comp)
+                for b in batches
+                for s in cache_lengths
+                for c in (False, True)
+                for comp in TP_COMPOSITIONS
+                if comp in traced
+            ]
+    for m, p, c, b, s, comp in tqdm(cases, desc="decode-step tensor parallel", unit="case"):
+        depths = traced_layers(m, m.name in extrapolated)
+        key = f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}" + (f"|tp{p}" if p > 1 else "")
+        start, cached = time.time(), key in cache.cases
+        ours[(m.name, p, c, b, s, comp)] = cache.get(
+            key,
+            lambda: measure_depths(lambda layers: measure_spec(tp_spec(m, layers, c, p), comp, b, s), m, depths),
+        )
+        seconds[(m.name, p, c, b, s, comp)] = None if cached else time.time() - start
+        loads.append(os.getloadavg()[0])
+    return ours, seconds, loads, unsplit
+
+
+def tensor_parallel_markdown(
+    ours, seconds, unsplit, models, degrees, batches, cache_lengths, quick, elapsed_s, depths, command, loads, note=""
+) -> str:
+    """The tensor-parallel report; note: how cached cases were traced (--run_time_note), for a --cached_only run."""
+    traced = [t for t in seconds.values() if t is not None]
+    timing = (
+        f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
+        if traced
+        else "every case from --cache_file"
+    )
+    lines = [
+        "# Decode step across NeuronCores (tensor parallel)" + (" (quick subset)" if quick else ""),
+        "",
+        "**All figures are modeled, not measured**: count-only emulator runs of our decode-step kernels on T "
+        "emulated NeuronCores at once (`nki_kernels.decode.runner.run_sharded_decode_step`: every rank its own "
+        "Megatron shard, `nki.collectives` between them under `simulate_spmd`), rank 0 measured, latency from "
+        "`nki_kernels/emulator/cost_model.py` at 0 µs per launch, collectives priced by its link model "
+        "(`nki_kernels/emulator/collective_costs.py`: NeuronLink and on-chip links from AWS's architecture guides, "
+        f"{collective_costs.DEFAULT_HOP_LATENCY_US:g} µs per hop, ranks packed 2 per chip on trn1 and 4 (LNC=2) "
+        "on trn2). Shards (`nki_kernels.decode.sharding`): attention by KV-head groups (a KV head replicated on the "
+        "ranks that split its query heads when T exceeds the KV heads), the MLP by the intermediate dimension, the "
+        "LM head by vocabulary; norms and the hidden state whole. Each layer all-reduces the partial products of o "
+        "and down (for a factored one, its rank-r x·u) in float32; the logits are all-gathered so every rank "
+        "returns them whole. per_op runs its collectives as launches of their own. bf16 weights and cache, one new "
+        "token per row; compressed = keep 0.8 (`nki_kernels.ranks.block_aligned_rank` of the whole weights).",
+        "",
+        "- **Compressed shards keep u whole**: q, k, v, gate, up and the head split v's columns, so every rank reads "
+        "all of their u factors (o and down split u's rows and keep v whole). A rank's compressed bytes therefore "
+        "shrink much more slowly than its dense bytes as T grows, and from T = 4 (Llama) compressed moves more "
+        "per rank than dense: the MB-moved column shows it.",
+        "- **µs** = one rank's modeled step (all ranks run the same shapes). **tok/s** = batch ÷ µs (all T ranks "
+        "together). **% aggregate peak** = T ranks' must-move bytes (`nki_kernels.decode.traffic.must_move_bytes` "
+        "of one rank's shard, replicated KV heads counted on each rank, the whole logits written by each) ÷ µs ÷ "
+        "T cores' peak DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2 per core). **µs in collectives**: the "
+        "step's time on the CC cores' queue (a share of µs; weight loads continue meanwhile). **KB to "
+        "collectives** = `traffic.collective_bytes`.",
+        "- **Physical bound** (looped rows) = `comparison.tensor_parallel_bound_us`: the larger of one rank's "
+        "must-move bytes at the peak DMA rate and its collectives on the links one after another (the layers' "
+        "data dependencies order them); the row's latency ÷ bound in parentheses.",
+        f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
+        f"- Made by `{command}`: {timing}; {elapsed_s / 60:.1f} min in all on a 2-core machine shared with other "
+        f"jobs (1-minute load average {loads[0]:.1f} at the start, {min(loads):.1f} to {max(loads):.1f} during "
+        "the run)" + (f"; {note}." if note else "."),
+        "",
+    ]
+    for m in models:
+        lines += [
+            f"## {m.name} (L {m.num_layers}, H {m.hidden}, heads {m.num_heads}/{m.num_kv_heads}, I "
+            f"{m.intermediate}, V {m.vocab})",
+            "",
+            *tensor_parallel_table(ours, m, degrees(m), batches, cache_lengths),
+            "",
+        ]
+        for p in degrees(m):
+            if (m.name, p) in unsplit:
+                lines += [f"- T = {p} not run: {unsplit[(m.name, p)]}."]
+        lines.append("")
+    return "\n".join(lines) + "\n"
 
 
 def fp8_markdown(
@@ -769,13 +889,45 @@ def main(argv):
     if FLAGS.cached_only and not FLAGS.cache_file:
         raise app.UsageError("--cached_only needs --cache_file")
     cache = CaseCache(FLAGS.cache_file, FLAGS.cached_only)
+    command = "python benchmarks/decode_compositions.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    if FLAGS.tensor_parallel:
+        if source or FLAGS.weight_dtype == "fp8":
+            raise app.UsageError("--tensor_parallel: traces our bf16 kernels only (no --nki_library, no fp8)")
+        chosen = _ints(FLAGS.tp_degrees, "tp_degrees") if FLAGS.tp_degrees else None
+
+        def degrees(m):
+            return chosen or TP_DEGREES.get(m.name, TP_DEFAULT)
+
+        ours, seconds, loads, unsplit = run_tensor_parallel(
+            models, degrees, batches, cache_lengths, extrapolated, cache, traced
+        )
+        os.makedirs(FLAGS.out_dir, exist_ok=True)
+        path = os.path.join(FLAGS.out_dir, f"decode_tensor_parallel{'_quick' if FLAGS.quick else ''}.md")
+        text = tensor_parallel_markdown(
+            ours,
+            seconds,
+            unsplit,
+            models,
+            degrees,
+            batches,
+            cache_lengths,
+            FLAGS.quick,
+            time.time() - start,
+            depths,
+            command,
+            loads,
+            FLAGS.run_time_note,
+        )
+        write_atomically(path, lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
+        print(text)
+        print(f"wrote {path} ({(time.time() - start) / 60:.1f} min)")
+        return
     if FLAGS.weight_dtype == "fp8":
         if source:
             raise app.UsageError("--nki_library: the fp8 report (--weight_dtype=fp8) traces our kernels only")
         ours, seconds, loads = run_fp8(models, batches, cache_lengths, extrapolated, cache, traced)
         os.makedirs(FLAGS.out_dir, exist_ok=True)
         path = os.path.join(FLAGS.out_dir, "decode_fp8_quick.md" if FLAGS.quick else "decode_fp8.md")
-        command = "python benchmarks/decode_compositions.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
         text = fp8_markdown(
             ours, seconds, models, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, command, loads
         )

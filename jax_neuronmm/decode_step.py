@@ -417,11 +417,11 @@ def _kernel_tensor_parallel_unsupported(spec: DecodeSpec, target, axis_name) -> 
     return (
         f"{OP}: a tensor-parallel decode step (spec.tensor_parallel = {spec.tensor_parallel}: one rank's Megatron "
         f"shard on each device of mesh axis {axis_name!r}) is not supported on the NKI-kernel backends ('emulator', "
-        f"'neuron'; target {target}): the looped kernel decode_step_kernel this primitive launches has no in-kernel "
-        "collectives (all-reduce after o and down, gather of the logits), and the emulator runs one host callback "
-        "per JAX device, each its own launch, while emulated nki.collectives meet only among the ranks of one "
-        "simulate_spmd launch. Use jax_neuronmm.use_backend('xla') for tensor-parallel decode steps, or replicate "
-        "the parameters to run the kernel on whole arrays"
+        f"'neuron'; target {target}): the per-rank kernels with their collectives run on the emulator only as one "
+        "simulate_spmd launch of every rank (nki_kernels.decode.runner.run_sharded_decode_step), while under JAX "
+        "each device runs its own host callback, and the emulated nki.collectives do not meet across callbacks. "
+        "Use jax_neuronmm.use_backend('xla') for tensor-parallel decode steps, or replicate the parameters to run "
+        "the kernel on whole arrays"
     )
 
 

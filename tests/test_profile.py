@@ -87,13 +87,13 @@ def test_counters_of_a_synthetic_run():
 
 def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
     scheduled = []
-    model_latency = cost_model.model_latency
+    schedule = cost_model.schedule
 
-    def counting_model_latency(run, target):
+    def counting_schedule(run, target, links=None):
         scheduled.append(target)
-        return model_latency(run, target)
+        return schedule(run, target, links)
 
-    monkeypatch.setattr(cost_model, "model_latency", counting_model_latency)
+    monkeypatch.setattr(cost_model, "schedule", counting_schedule)
     run = _synthetic_run()
     with emulator.profile() as prof:
         trace.kernel_finished(run)
@@ -103,8 +103,10 @@ def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
     assert scheduled == ["trn2"]
     assert r.latency_us["trn2"] == trn2 and scheduled == ["trn2"]  # computed once
     run.records.clear()  # the summary models the run as it finished
-    assert dict(r.latency_us) == {"trn1": pytest.approx(model_latency(_synthetic_run(), "trn1")), "trn2": trn2}
+    assert dict(r.latency_us) == {"trn1": pytest.approx(schedule(_synthetic_run(), "trn1").latency_us), "trn2": trn2}
     assert scheduled == ["trn2", "trn1"] and len(r.latency_us) == 2
+    assert dict(r.collective_us) == {"trn1": 0.0, "trn2": 0.0} and r.collectives == 0  # no new schedule
+    assert scheduled == ["trn2", "trn1"]
     with pytest.raises(KeyError):
         r.latency_us["trn9"]
 

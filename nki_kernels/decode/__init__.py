@@ -8,7 +8,9 @@ ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetc
 projections.py   RMSNorm, projections (dense and factored), the gated MLP and the LM head on column tiles
 attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
 compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step
-runner.py        run_decode_step: a composition's launches on the emulator
+sharding.py      shard_operands: a whole model's operands cut into Megatron tensor-parallel shards, one per rank
+parallel.py      the kernels' tensor-parallel collectives: o's and down's all-reduces, the logits' all-gather
+runner.py        run_decode_step: a composition's launches on the emulator; run_sharded_decode_step: on T ranks
 traffic.py       must_move_bytes: what a step cannot avoid moving (fp8 weights at one byte plus their scales)
 comparison.py    what benchmarks/decode_compositions.py measures and judges: models, placeholders, targets
 """

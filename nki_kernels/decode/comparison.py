@@ -7,6 +7,11 @@ A `DecodeModel` is a model's name, where its shapes come from and its dense Deco
 (jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
 cuts it to fewer layers, factors it at keep KEEP and stores its weights in fp8 on request; `operand_specs` gives
 count-only placeholders of the operands in the contract's order.
+
+Tensor parallel: `tp_spec` is one rank's spec of a model split over T ranks (nki_kernels.decode.sharding);
+`measure_spec` runs it on T ranks and measures rank 0; `tensor_parallel_table` reports per-rank latency, % of the
+aggregate peak bandwidth, time in collectives and, beside each looped row, the physical bound
+(`tensor_parallel_bound_us`).
 """
 
 from __future__ import annotations
@@ -27,9 +32,10 @@ from nki_kernels.decode.contract import (
     expected_dtypes,
     expected_shapes,
 )
-from nki_kernels.decode.runner import run_decode_step
-from nki_kernels.emulator import launch
-from nki_kernels.emulator.cost_model import roofline_us
+from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
+from nki_kernels.decode.sharding import shard_spec
+from nki_kernels.emulator import collective_costs, launch
+from nki_kernels.emulator.cost_model import collective_links, roofline_us
 from nki_kernels.emulator.kernel import Spec
 
 __all__ = ["COMPOSITIONS", "roofline_us"]
@@ -201,6 +207,97 @@ def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[st
     return lines
 
 
+def tp_spec(model: DecodeModel, num_layers: int, compressed: bool, ranks: int) -> DecodeSpec:
+    """One rank's spec of `model` cut to num_layers layers (dense or at keep KEEP, bf16) split over `ranks` ranks
+    (sharding.shard_spec: a ValueError when they do not divide the model)."""
+    return shard_spec(decode_spec(model, num_layers, compressed), ranks)
+
+
+def collective_floor_us(spec: DecodeSpec, batch: int, target: str) -> float:
+    """µs the links need for one rank's collectives of a step of `spec` (one rank's shard; 0 on one rank): per
+    layer the all-reduces of o's and down's float32 partial products (B·H, or B·r for a factored one), then the
+    all-gather of its logits slice, each priced by the emulator's link model (collective_costs, the default hop
+    latency) and run one after another, as the layers' data dependencies order them."""
+    ranks = spec.tensor_parallel
+    if ranks == 1:
+        return 0.0
+    links = collective_links(target)
+    size = traffic.COLLECTIVE_ITEMSIZE
+    total = 0.0
+    for layer in range(spec.num_layers):
+        for name in ("o", "down"):
+            rank = spec.rank(name, layer)
+            nbytes = batch * (spec.hidden if rank is None else rank) * size
+            total += collective_costs.collective_us("all_reduce", nbytes, ranks, links)
+    return total + collective_costs.collective_us("all_gather", batch * spec.vocab * size, ranks, links)
+
+
+def tensor_parallel_bound_us(spec: DecodeSpec, batch: int, cache_len: int, target: str) -> float:
+    """The physical bound of one rank's step (µs): its must-move bytes at the core's peak DMA rate, or its
+    collectives on the links (collective_floor_us) where those take longer; the weights can stream in while a
+    collective runs, so the two overlap at best."""
+    need = traffic.must_move_bytes(spec, batch, cache_len, itemsize=BF16.itemsize)
+    return max(roofline_us(0, need, target), collective_floor_us(spec, batch, target))
+
+
+TP_COMPOSITIONS = ("per_op", "per_layer", "looped")
+
+
+def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cache_lengths) -> list[str]:
+    """The tensor-parallel report's Markdown table for `model`: a row per degree T, batch, S, dense or compressed
+    and composition in `ours` ({(model name, T, compressed, batch, S, composition): Measured of rank 0}), with
+    launches, one rank's HBM bytes moved and must-move and bytes sent to collectives, and per target the modeled
+    µs of the step, tok/s (batch ÷ µs, all ranks together), % of the aggregate peak bandwidth (T ranks' must-move
+    bytes ÷ µs ÷ T cores' peak) and µs in collectives; beside each looped row, the physical bound per target
+    (tensor_parallel_bound_us) and the row's latency as a multiple of it."""
+    lines = [
+        "| T | batch | S | model | composition | launches | per rank: HBM MB moved / must move, KB to collectives "
+        + "".join(f"| {t} µs / tok/s / % aggregate peak / µs in collectives " for t in TARGETS)
+        + f"| looped: physical bound µs (latency ÷ bound), {' / '.join(TARGETS)} |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|",
+    ]
+    for p in degrees:
+        for b in batches:
+            for s in cache_lengths:
+                for compressed in (False, True):
+                    try:
+                        spec = tp_spec(model, model.num_layers, compressed, p)
+                    except ValueError:
+                        continue
+                    need = traffic.must_move_bytes(spec, b, s, itemsize=BF16.itemsize)
+                    sent = traffic.collective_bytes(spec, b)
+                    for comp in TP_COMPOSITIONS:
+                        m = ours.get((model.name, p, compressed, b, s, comp))
+                        if m is None:
+                            continue
+                        cells = []
+                        for t in TARGETS:
+                            us = m.latency_us(t, 0.0)
+                            if us is None:
+                                cells.append("– / – / – / –")
+                                continue
+                            coll = m.collective_us.get(t, 0.0)
+                            cells.append(
+                                f"{us:.1f} / {b / us * 1e6:,.0f} / {100 * peak_fraction(need, us, t):.0f}% / "
+                                f"{coll:.1f} ({100 * coll / us:.0f}%)"
+                            )
+                        bound = "–"
+                        if comp == "looped" and m.kernel_us:
+                            bounds = []
+                            for t in TARGETS:
+                                floor, us = tensor_parallel_bound_us(spec, b, s, t), m.latency_us(t, 0.0)
+                                bounds.append(f"{floor:.1f} ({us / floor:.2f}x)" if us is not None else "–")
+                            bound = " / ".join(bounds)
+                        moved = f"{m.hbm_bytes / 1e6:.1f}" if m.kernel_us else "–"
+                        lines.append(
+                            f"| {p} | {b} | {s} | {where(compressed)} | {LABELS[comp]} | {m.launches:.0f} "
+                            f"| {moved} / {need / 1e6:.1f}, {sent / 1e3:.1f} "
+                            + "".join(f"| {c} " for c in cells)
+                            + f"| {bound} |"
+                        )
+    return lines
+
+
 def peak_fraction(nbytes: float, latency_us: float, target: str) -> float:
     """nbytes ÷ latency ÷ the core's peak DMA-to-HBM rate (min of its HBM share and its 16 DMA engines)."""
     return roofline_us(0, nbytes, target) / latency_us
@@ -217,6 +314,7 @@ class Measured:
     head_us: dict = dataclasses.field(default_factory=dict)  # target -> µs of the LM-head launch (per_layer only)
     extrapolated: tuple = ()
     note: str = ""
+    collective_us: dict = dataclasses.field(default_factory=dict)  # target -> µs in collectives (tensor parallel)
 
     def latency_us(self, target: str, overhead_us: float) -> float | None:
         """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
@@ -236,6 +334,7 @@ class Measured:
             sum(r.hbm_bytes_read + r.hbm_bytes_written for r in first),
             {t: us for t, us in head.items() if us},
             note=note,
+            collective_us={t: sum(r.collective_us[t] for r in runs) for t, runs in runs_by_target.items()},
         )
 
 
@@ -252,6 +351,9 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
         {t: m2.head_us[t] for t in m2.head_us},
         extrapolated=(l1, l2),
         note="; ".join(dict.fromkeys(n for n in (m1.note, m2.note) if n)),
+        collective_us={
+            t: at(m1.collective_us[t], m2.collective_us[t]) for t in m1.collective_us if t in m2.collective_us
+        },
     )
 
 
@@ -269,12 +371,21 @@ def describe_error(error: Exception) -> str:
 
 def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int) -> Measured:
     """One composition of our kernels at `spec`'s depth, count-only, on each target (a target where it fails is
-    named in the note)."""
+    named in the note). A tensor-parallel spec (one rank's shard) runs on spec.tensor_parallel ranks at once
+    (collectives priced by the cost model's link model) and is measured on rank 0 (every rank runs the same
+    shapes): one rank's latency, HBM bytes and time in collectives."""
     operands = operand_specs(spec, batch, cache_len)
+
+    def step():
+        if spec.tensor_parallel == 1:
+            run_decode_step(composition, operands, spec, numerics=False)
+        else:
+            run_sharded_decode_step(composition, [operands] * spec.tensor_parallel, spec, numerics=False)
+
     runs, failures = {}, []
     for t in TARGETS:
         try:
-            runs[t] = profiled(lambda: run_decode_step(composition, operands, spec, numerics=False), t)
+            runs[t] = [run for run in profiled(step, t) if run.rank == 0]
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {describe_error(error)}")
     note = "did not run on " + "; ".join(failures) if failures else ""

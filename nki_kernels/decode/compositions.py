@@ -12,6 +12,11 @@ per_op          one kernel per op: norm_kernel, projection_kernel, attention.rop
 per_op_svd_mlp  per_op, except that a factored MLP runs the fused svd_mlp kernels (the prefill's kernels).
 nki_kernels.decode.runner launches them in sequence on the emulator (`run_decode_step`).
 
+Tensor parallel (spec.tensor_parallel > 1, nki_kernels.decode.sharding): every kernel is one rank's, on its shard;
+the looped and per-layer kernels all-reduce o's and down's partial products inside the layer and gather the logits
+after the head (nki_kernels.decode.parallel); per_op runs those collectives as launches of their own
+(all_reduce_kernel, gather_vocabulary_kernel).
+
 Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer kernels take them as one list
 argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
 tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
@@ -27,7 +32,7 @@ K / N a projection's input / output features.
 from __future__ import annotations
 
 from nki_kernels.binding import nisa, nki, nl
-from nki_kernels.decode import attention, contract, projections, tiles
+from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
@@ -159,12 +164,23 @@ def decoder_layer(ctx, x, layer, ops):
     spec, rows, lay = ctx.spec, ctx.rows, ctx.layouts
     weights = ops.weights
     w_norm = projections.load_norm_weights(ops.norms[layer], lay.hidden, spec.norm_unit_offset)
+    # o and down split their rows over tensor-parallel ranks: their partial products are summed over the ranks.
+    reduce = parallel.all_reduce_columns(spec.tensor_parallel)
 
     def layer_projection(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
         weight = layer_weight(weights[name], layer)
         projections.projection(
-            src, src_layout, weight, rank, out_layout, rows, ctx.ring, evict, ctx.layer_scales(name, layer)
+            src,
+            src_layout,
+            weight,
+            rank,
+            out_layout,
+            rows,
+            ctx.ring,
+            evict,
+            ctx.layer_scales(name, layer),
+            reduce if name in contract.SPLIT_ROWS else None,
         )
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
@@ -205,14 +221,14 @@ def decoder_layer(ctx, x, layer, ops):
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
         projections.gated_mlp(
-            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales
+            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales, reduce
         )
         _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
     else:
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
         projections.gated_mlp(
-            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales
+            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales, reduce
         )
 
 
@@ -244,7 +260,11 @@ def check_operands(kernel, operands, spec):
 def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None):
     """The whole decode step in one kernel: an outer loop over the layers, the hidden state on chip throughout.
 
-    Dimensions: B, T (B·T <= 128), H, V, L.
+    With spec.tensor_parallel > 1 the kernel is one rank's step on its shard (nki_kernels.decode.sharding;
+    every rank runs it), all-reducing o's and down's partial products inside the loop and gathering the logits
+    (nki_kernels.decode.parallel).
+
+    Dimensions: B, T (B·T <= 128), H, V (this rank's vocabulary), L.
     Args:
         operands: DecodeOperands.kernel_args() (nki_kernels.decode.contract: every operand in HBM, a stored
             weight as the list of its parts: [u, v], [u, v, u_scale, v_scale] or [w, scale]); k_cache and v_cache
@@ -254,7 +274,7 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
             ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and
             attention's cache tiles).
     Returns:
-        (logits [B, T, V] float32 in HBM, k_cache, v_cache).
+        (logits [B, T, V·spec.tensor_parallel] float32 in HBM, k_cache, v_cache).
     """
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
@@ -265,13 +285,19 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):
         decoder_layer(ctx, hidden, layer, ops)
-    logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    _head(ctx, hidden, ops.final_norm, ops.head, _rows(logits, rows))
+    logits = _head(ctx, hidden, ops.final_norm, ops.head, b, t)
     return logits, ops.k_cache, ops.v_cache
 
 
-def _head(ctx, hidden, final_norm, head, out_rows):
+def _head(ctx, hidden, final_norm, head, b, t):
+    """Final norm and LM head of the hidden state: logits [B, T, V·spec.tensor_parallel] float32 in HBM (each
+    rank's vocabulary slice gathered from the ranks, in rank order, when there are several)."""
     spec = ctx.spec
+    logits = nl.ndarray((b, t, spec.whole_vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    # This rank's vocabulary slice: the logits themselves on one rank, else scratch the ranks gather from.
+    local = _rows(logits, ctx.rows)
+    if spec.tensor_parallel > 1:
+        local = nl.ndarray((ctx.rows, spec.vocab), dtype=nl.float32, buffer=nl.hbm, name="rank_logits")
     final_w = projections.load_norm_weights(
         final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset
     )
@@ -284,15 +310,19 @@ def _head(ctx, hidden, final_norm, head, out_rows):
         ctx.rows,
         ctx.ring,
         ctx.consts,
-        out_rows,
+        local,
         ctx.dtype,
         spec.final_logit_softcap,
     )
+    if spec.tensor_parallel > 1:
+        parallel.gather_vocabulary(_rows(logits, ctx.rows), local, spec.tensor_parallel)
+    return logits
 
 
 @nki.jit
 def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_bytes=None):
-    """Decoder layer `layer` as one kernel; the hidden state crosses HBM in float32 between launches.
+    """Decoder layer `layer` as one kernel; the hidden state crosses HBM in float32 between launches. With
+    spec.tensor_parallel > 1, one rank's layer with its all-reduces (as decode_step_kernel's).
 
     Dimensions: B, T (B·T <= 128), H.
     Args:
@@ -322,16 +352,17 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
 
 @nki.jit
 def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_bytes=None):
-    """Final norm and LM head as one kernel (the last launch of the per-layer composition).
+    """Final norm and LM head as one kernel (the last launch of the per-layer composition). With
+    spec.tensor_parallel > 1, one rank's vocabulary slice, the logits gathered from every rank.
 
-    Dimensions: B, T (B·T <= 128), H, V.
+    Dimensions: B, T (B·T <= 128), H, V (this rank's vocabulary).
     Args:
         x: [B, T, H] in HBM, the last layer's output (any float dtype).
         final_norm: [H] in HBM, in the model dtype. head: as the contract stores it (spec.head_rank,
             spec.fp8_weights), in HBM: dense [H, V], [w, scale], [u [H, r], v [r, V]] or [u, v, u_scale, v_scale].
         spec: DecodeSpec (static). ring_block_bytes, ring_bytes: as decode_step_kernel's.
     Returns:
-        logits [B, T, V] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
+        logits [B, T, V·spec.tensor_parallel] float32 in HBM, soft-capped when spec.final_logit_softcap is set.
     """
     check_spec(spec)
     b, t, _ = x.shape
@@ -341,9 +372,7 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     ctx = StepContext(spec, rows, final_norm.dtype, ring_block_bytes, ring_bytes)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
-    logits = nl.ndarray((b, t, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    _head(ctx, hidden, final_norm, head, _rows(logits, rows))
-    return logits
+    return _head(ctx, hidden, final_norm, head, b, t)
 
 
 # -- per-op kernels: rows [R, F] in HBM between launches ----------------------------------------------------
@@ -464,4 +493,43 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     tiles.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
     projections.head_logits(hc, layout, head, spec.head_rank, rows, ring, out, spec.final_logit_softcap)
+    return out
+
+
+@nki.jit
+def all_reduce_kernel(x, *, tensor_parallel, out_dtype="float32"):
+    """A tensor-parallel all-reduce of rows as one kernel: the per-op composition's collective between the
+    launches of o or down (or of a factored one's u and v) and what follows them.
+
+    Dimensions: R rows, F features.
+    Args:
+        x: [R, F] float32 in HBM, this rank's partial sum.
+        tensor_parallel: the ranks (static int; every rank launches the kernel). out_dtype: "float32", "bfloat16"
+            or "float16".
+    Returns:
+        the sum of x over the ranks, [R, F] out_dtype in HBM.
+    """
+    summed = nl.ndarray(tuple(x.shape), dtype=nl.float32, buffer=nl.shared_hbm, name="summed_rows")
+    nki.collectives.all_reduce([x], [summed], parallel.replica_group(tensor_parallel), nl.add)
+    dtype = _out_dtype(out_dtype)
+    if dtype == nl.float32:
+        return summed
+    out = nl.ndarray(tuple(x.shape), dtype=dtype, buffer=nl.shared_hbm, name="summed_rows_cast")
+    nisa.dma_copy(dst=out, src=summed)
+    return out
+
+
+@nki.jit
+def gather_vocabulary_kernel(x, *, tensor_parallel):
+    """The per-op composition's logits gathered over the tensor-parallel ranks' vocabulary slices, as one kernel.
+
+    Dimensions: R rows, V (one rank's vocabulary).
+    Args:
+        x: [R, V] float32 in HBM, this rank's logits. tensor_parallel: the ranks (static int).
+    Returns:
+        [R, V·tensor_parallel] float32 in HBM: every rank's slice in rank order.
+    """
+    rows, vocab = x.shape
+    out = nl.ndarray((rows, vocab * tensor_parallel), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
+    parallel.gather_vocabulary(out, x, tensor_parallel)
     return out

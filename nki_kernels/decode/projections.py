@@ -275,18 +275,29 @@ def multiply_into(dst, other):
     return evict
 
 
-def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales=None):
+def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales=None, reduce=None):
     """`dense_projection` of one layer's weight (HBM views): a dense [K, N] or a Quantized (rank None), or a
     Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales). Factored: stage 1 leaves (x·u)ᵀ in SBUF
     as column tiles over the rank in x's dtype (rank on the partitions, grouped for v's rows; scaled by u_scale
-    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip. scales: the fp8 scales
-    already on chip (`LayerScales.of`), else they are loaded here."""
+    first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip.
+
+    scales: the fp8 scales already on chip (`LayerScales.of`), else they are loaded here.
+    reduce: None, or a function summing a float32 column-tile tensor over the tensor-parallel ranks in place
+    (nki_kernels.decode.parallel.all_reduce_columns) for a weight whose rows the ranks split: the partial product
+    (the output; a factored weight's (x·u)ᵀ, before v) is then evicted to float32 SBUF, scaled, summed, and goes on
+    from there (evict then sees SBUF tiles and no scale)."""
     if rank is None:
+        w = weight
         if isinstance(weight, Quantized):
-            scales = load_scales(weight.scale, out_layout) if scales is None else scales
-            dense_projection(x, in_layout, weight.w, out_layout, rows, ring, evict, scales)
-        else:
-            dense_projection(x, in_layout, weight, out_layout, rows, ring, evict)
+            w, scales = weight.w, load_scales(weight.scale, out_layout) if scales is None else scales
+        if reduce is None:
+            dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales)
+            return
+        partial = column_tiles(out_layout, rows, nl.float32, "partial_out")
+        dense_projection(x, in_layout, w, out_layout, rows, ring, copy_into(partial), scales)
+        reduce(partial)
+        for s0, count, size in tile_runs(out_layout):
+            evict(partial[0:size, s0 : s0 + count, 0:rows], s0, count, size, None)
         return
     u, v = weight.u, weight.v
     layout = rank_layout(rank, v.shape[1])
@@ -296,23 +307,43 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
     else:
         u_scales, v_scales = scales
     xu = column_tiles(layout, rows, x.dtype, "xuT", zero=False)
-    dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(xu), u_scales)
+    if reduce is None:
+        dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(xu), u_scales)
+    else:
+        # Summed in float32, then rounded to x's dtype once (as one rank rounds its whole sum).
+        partial = column_tiles(layout, rows, nl.float32, "partial_xuT")
+        dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(partial), u_scales)
+        reduce(partial)
+        nisa.tensor_copy(dst=xu[:, :, 0:rows], src=partial[:, :, 0:rows])
     dense_projection(xu, layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
 
 
 def gated_mlp(
-    h, hidden_layout, gate, up, down, ranks, inter_layout, rows, ring, activation_op, evict, scales=(None,) * 3
+    h,
+    hidden_layout,
+    gate,
+    up,
+    down,
+    ranks,
+    inter_layout,
+    rows,
+    ring,
+    activation_op,
+    evict,
+    scales=(None,) * 3,
+    reduce=None,
 ):
     """down(act(h·gate) * (h·up)) with h column tiles of hidden_layout (model dtype); ranks (gate, up, down),
     None where dense. act(gate) is applied by ScalarE evicting PSUM; VectorE multiplies by up straight from
     PSUM; the intermediate (column tiles of inter_layout, model dtype) stays on chip. evict: as `dense_projection`'s,
-    for the down projection's output (hidden features in hidden_layout)."""
+    for the down projection's output (hidden features in hidden_layout); scales: `projection`'s for gate, up, down;
+    reduce: `projection`'s, for down."""
     act = column_tiles(inter_layout, rows, nl.float32, "mlp_act", zero=False)
     projection(h, hidden_layout, gate, ranks[0], inter_layout, rows, ring, copy_into(act, activation_op), scales[0])
     hidden = column_tiles(inter_layout, rows, h.dtype, "mlp_hidden", zero=False)
     projection(h, hidden_layout, up, ranks[1], inter_layout, rows, ring, multiply_into(hidden, act), scales[1])
     del act
-    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict, scales[2])
+    projection(hidden, inter_layout, down, ranks[2], hidden_layout, rows, ring, evict, scales[2], reduce)
 
 
 def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None):

@@ -1,9 +1,17 @@
 """The bytes a decode step cannot avoid moving between HBM and the core: the floor every composition is measured
-against (a kernel at 100% of the peak DMA rate moves exactly these)."""
+against (a kernel at 100% of the peak DMA rate moves exactly these); and, for a tensor-parallel step, the bytes
+each rank sends into its collectives.
+
+A spec with tensor_parallel P > 1 is one rank's shard (nki_kernels.decode.sharding): its counts are one rank's
+(its 1/P of the weights and of the KV cache, the replicated norms, and the whole logits, which every rank returns).
+"""
 
 from __future__ import annotations
 
-from nki_kernels.decode.contract import FP8, PROJECTIONS, SCALE, DecodeSpec
+from nki_kernels.decode.contract import FP8, PROJECTIONS, SCALE, SPLIT_ROWS, DecodeSpec
+
+# Bytes of a value the collectives carry: float32 partial sums and logits.
+COLLECTIVE_ITEMSIZE = 4
 
 
 def _weight_bytes(spec: DecodeSpec, name: str, k: int, n: int, rank: int | None, itemsize: int) -> int:
@@ -48,9 +56,10 @@ def must_move_bytes(
     byte a value plus its float32 scales; the norm weights, q/k norm weights with spec.qk_norm; with the head:
     final norm and head, H·V or r·(H + V)) + KV cache: 2 (k, v) · B · kv_heads · D per visible slot per layer, read
     (spec.window_slots of the layer's mask: the window in sliding-window layers, every slot in the others) + the
-    step's T slots written + logits written, B·T·V. layers_only (the nkilib megakernel's scope): no final norm,
-    head or logits, but the hidden state B·T·H written once. The step's small inputs (token embeddings, RoPE
-    tables, mask, write index) are left out (under 0.1% of a real model's step).
+    step's T slots written + logits written, B·T·V (the whole vocabulary's, with tensor parallel). layers_only (the
+    nkilib megakernel's scope): no final norm, head or logits, but the hidden state B·T·H written once. The step's
+    small inputs (token embeddings, RoPE tables, mask, write index) are left out (under 0.1% of a real model's
+    step).
     """
     norms = spec.num_layers * (spec.num_norms * spec.hidden + (2 * spec.head_dim if spec.qk_norm else 0)) * itemsize
     weights = weight_bytes(spec, itemsize, head=False) + norms
@@ -60,4 +69,22 @@ def must_move_bytes(
     if layers_only:
         return weights + kv + batch * tokens * spec.hidden * itemsize
     head = _weight_bytes(spec, "head", spec.hidden, spec.vocab, spec.head_rank, itemsize)
-    return weights + kv + spec.hidden * itemsize + head + batch * tokens * spec.vocab * logits_itemsize
+    return weights + kv + spec.hidden * itemsize + head + batch * tokens * spec.whole_vocab * logits_itemsize
+
+
+def collective_bytes(spec: DecodeSpec, batch: int, *, tokens: int = 1, layers_only: bool = False) -> int:
+    """Bytes one rank of a tensor-parallel step (spec.tensor_parallel > 1) sends into its collectives, float32 as
+    the kernels sum and gather them (nki_kernels.decode.parallel): per layer, the partial products of o and of
+    down, B·T·H each, or B·T·r of a factored one's x·u; then (unless layers_only) its logits slice, B·T·V for the
+    gather. 0 on one rank."""
+    if spec.tensor_parallel == 1:
+        return 0
+    rows = batch * tokens
+    total = 0
+    for layer in range(spec.num_layers):
+        for name in SPLIT_ROWS:
+            rank = spec.rank(name, layer)
+            total += rows * (spec.hidden if rank is None else rank) * COLLECTIVE_ITEMSIZE
+    if not layers_only:
+        total += rows * spec.vocab * COLLECTIVE_ITEMSIZE
+    return total

@@ -5,6 +5,7 @@
     print(prof)                     # one row per kernel run plus totals
     prof.runs[0].hbm_bytes_read     # counters of the first run
     prof.runs[0].latency_us["trn2"] # modeled latency (see cost_model.py)
+    prof.runs[0].collective_us["trn2"]  # of which nki.collectives calls took (simulate_spmd runs)
 
 The profile listens to finished `KernelRun`s (trace.py) and keeps a
 `RunSummary` of each; it never looks at emulator state. Counters are taken
@@ -24,21 +25,46 @@ from . import cost_model, trace
 
 
 class ModeledLatency(Mapping):
-    """Read-only {target: modeled µs} of one run; each target is scheduled when first read."""
+    """Read-only {target: modeled µs} of one run; each target is scheduled when first read. `collective_us` is
+    the {target: µs} that run's nki.collectives calls took in the same schedules."""
 
     def __init__(self, run: trace.KernelRun) -> None:
         # A snapshot of the record list, so later changes to `run` cannot alter the result.
         self._run: trace.KernelRun | None = dataclasses.replace(run, grid=tuple(run.grid), records=list(run.records))
-        self._us: dict[str, float] = {}
+        self._schedules: dict[str, tuple[float, float]] = {}  # target -> (latency, collective µs)
+        self.collective_us = _CollectiveTime(self)
 
-    def __getitem__(self, target: str) -> float:
-        if target not in self._us:
+    def _scheduled(self, target: str) -> tuple[float, float]:
+        if target not in self._schedules:
             if target not in cost_model.TARGETS:
                 raise KeyError(target)
-            self._us[target] = cost_model.model_latency(self._run, target)
-            if len(self._us) == len(cost_model.TARGETS):
+            scheduled = cost_model.schedule(self._run, target)
+            self._schedules[target] = (scheduled.latency_us, scheduled.collective_us)
+            if len(self._schedules) == len(cost_model.TARGETS):
                 self._run = None  # every target known: the records are no longer needed
-        return self._us[target]
+        return self._schedules[target]
+
+    def __getitem__(self, target: str) -> float:
+        return self._scheduled(target)[0]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(cost_model.TARGETS)
+
+    def __len__(self) -> int:
+        return len(cost_model.TARGETS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class _CollectiveTime(Mapping):
+    """Read-only {target: µs in nki.collectives calls} of one run (cost_model.Schedule.collective_us)."""
+
+    def __init__(self, latency: ModeledLatency) -> None:
+        self._latency = latency
+
+    def __getitem__(self, target: str) -> float:
+        return self._latency._scheduled(target)[1]
 
     def __iter__(self) -> Iterator[str]:
         return iter(cost_model.TARGETS)
@@ -68,6 +94,8 @@ class RunSummary:
     latency_us: modeled latency in µs per target, keys "trn1" and "trn2" (a read-only
       mapping, computed per target on first read).
     rank: the run's rank under simulate_spmd (0 for a plain launch).
+    collectives: nki.collectives calls; collective_bytes: the source bytes they sent (trace.CollectiveInfo).
+    collective_us: modeled µs of those calls per target, within latency_us (same keys, computed with it).
     """
 
     name: str
@@ -85,6 +113,12 @@ class RunSummary:
     engine_counts: dict[str, int]
     latency_us: Mapping[str, float]
     rank: int = 0  # the run's rank under simulate_spmd (0 for a plain launch)
+    collectives: int = 0
+    collective_bytes: int = 0
+
+    @property
+    def collective_us(self) -> Mapping[str, float]:
+        return self.latency_us.collective_us
 
     @property
     def dma_bytes(self) -> int:
@@ -102,7 +136,11 @@ def summarize(run: trace.KernelRun) -> RunSummary:
     dma_sizes = []
     matmul_count = transposes = 0
     pe_fill_sum = moving_fill_sum = 0.0
+    collectives = collective_bytes = 0
     for record in run.records:
+        if record.collective is not None:
+            collectives += 1
+            collective_bytes += record.collective.nbytes
         engine_counts[record.engine] = engine_counts.get(record.engine, 0) + 1
         if record.dma is not None:
             dma_sizes.append(record.dma.nbytes)
@@ -134,6 +172,8 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         engine_counts=engine_counts,
         latency_us=ModeledLatency(run),
         rank=run.rank,
+        collectives=collectives,
+        collective_bytes=collective_bytes,
     )
 
 
