@@ -58,6 +58,7 @@ from tqdm import tqdm
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models.decode import published_decode_models
 from nki_kernels import emulator
+from nki_kernels.decode import traffic
 from nki_kernels.decode.comparison import (
     BF16,
     COMPOSITIONS,
@@ -78,9 +79,11 @@ from nki_kernels.decode.comparison import (
     peak_fraction,
     profiled,
     targets_table,
+    tensor_parallel_bound_us,
     tensor_parallel_table,
     tp_spec,
     traced_layers,
+    where,
 )
 from nki_kernels.emulator import collective_costs, launch
 from nki_kernels.emulator.kernel import Spec
@@ -458,8 +461,74 @@ def tensor_parallel_markdown(
         for p in degrees(m):
             if (m.name, p) in unsplit:
                 lines += [f"- T = {p} not run: {unsplit[(m.name, p)]}."]
+        if m.name == "Llama-3.1-8B":
+            lines += ["", *PUBLISHED_TP_ANCHORS]
         lines.append("")
+    lines += tensor_parallel_targets(ours, models, degrees)
     return "\n".join(lines) + "\n"
+
+
+# Published Trainium decode latencies of an 8B Llama (shared/research/fp8_and_decode_anchors.md cites the sources).
+PUBLISHED_TP_ANCHORS = [
+    "Published anchors, measured on hardware by AWS (not comparable row for row: other stacks, dtypes, sequence "
+    "lengths and batching than these modeled bf16 steps at S 512):",
+    "- Llama-3-8B on trn1.32xlarge, tensor parallel 32, batch 1, Transformers-NeuronX (Neuron 2.18.1), int8 "
+    "weight storage: 5.86 ms per token at sequence length 4096, 7.03 ms at 8192 (AWS's latency_data_decoder.csv); "
+    "our T = 32 looped row models one bf16 step at S 512.",
+    "- Llama-3.1-8B on trn2.48xlarge through vLLM-Neuron, tensor parallel 8, concurrency 2, 512 tokens in and 128 "
+    'out: median 10.52 ms per output token (AWS\'s EAGLE3 tutorial, its baseline; "numbers are illustrative"); '
+    "our T = 8 rows model the kernel step alone, without the serving stack, sampling or host time.",
+]
+
+
+def tensor_parallel_targets(ours, models, degrees) -> list[str]:
+    """The issue's targets checked on the traced cases (batch 1, S 512, 0 µs per launch): the looped kernel against
+    its physical bound at every degree, Llama-3.1-8B at T = 8 on trn2, and looped scaling of Llama-3.2-1B."""
+    lines = ["## Targets (modeled, batch 1, S 512, 0 µs per launch)", ""]
+    worst = None
+    for m in models:
+        for p in degrees(m):
+            for compressed in (False, True):
+                looped = ours.get((m.name, p, compressed, 1, 512, "looped"))
+                if looped is None or not looped.kernel_us:
+                    continue
+                spec = tp_spec(m, m.num_layers, compressed, p)
+                for t in TARGETS:
+                    ratio = looped.latency_us(t, 0.0) / tensor_parallel_bound_us(spec, 1, 512, t)
+                    if worst is None or ratio > worst[0]:
+                        worst = (ratio, f"{m.name} T = {p} {where(compressed)} on {t}")
+    if worst is not None:
+        verdict = "met" if worst[0] <= 1.05 else "NOT met"
+        lines.append(
+            f"- the looped kernel within 5% of its physical bound at every shape: **{verdict}** (the farthest: "
+            f"{worst[1]}, {worst[0]:.2f}x its bound)"
+        )
+    big = ("Llama-3.1-8B", 8, False, 1, 512)
+    looped, per_layer = ours.get((*big, "looped")), ours.get((*big, "per_layer"))
+    if looped is not None and per_layer is not None and looped.kernel_us:
+        model = next(m for m in models if m.name == big[0])
+        spec = tp_spec(model, model.num_layers, False, 8)
+        us, layer_us = looped.latency_us("trn2", 0.0), per_layer.latency_us("trn2", 0.0)
+        share = peak_fraction(traffic.must_move_bytes(spec, 1, 512, itemsize=BF16.itemsize), us, "trn2")
+        bound = tensor_parallel_bound_us(spec, 1, 512, "trn2")
+        lines.append(
+            "- Llama-3.1-8B at T = 8 on trn2, looped >= 85% of aggregate peak: "
+            f"**{'met' if share >= 0.85 else 'NOT met'}** ({100 * share:.0f}%); >= 1.3x faster than per-layer "
+            f"kernels with the collectives between launches where the bound allows it: per-layer {layer_us:.1f} µs / "
+            f"looped {us:.1f} µs = {layer_us / us:.2f}x at 0 µs per launch, where the bound ({bound:.1f} µs) allows "
+            f"at most {layer_us / bound:.2f}x, so 1.3x is not reachable there; per-launch overhead (33 launches) "
+            "would widen the gap, and this report does not sweep it"
+        )
+    small = [ours.get(("Llama-3.2-1B", p, False, 1, 512, "looped")) for p in (1, 8)]
+    if all(m is not None and m.kernel_us for m in small):
+        effs = {t: small[0].latency_us(t, 0.0) / (8 * small[1].latency_us(t, 0.0)) for t in TARGETS}
+        verdict = "met" if min(effs.values()) >= 0.8 else "NOT met"
+        lines.append(
+            f"- looped scaling efficiency T = 1 -> 8, Llama-3.2-1B: **{verdict}** ("
+            + ", ".join(f"{t} {100 * e:.0f}%" for t, e in effs.items())
+            + ")"
+        )
+    return lines + [""]
 
 
 def fp8_markdown(
