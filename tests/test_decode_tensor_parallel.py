@@ -237,3 +237,53 @@ def test_quick_tensor_parallel_report(tmp_path):
     ]
     assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-1]
     assert "T = 8 not run: tensor_parallel: got 8" in text and "modeled, not measured" in text
+
+
+GEMMA3_TP_DENSE = dataclasses.replace(GEMMA3_TP, ranks=(None,) * len(GEMMA3_TP.ranks), head_rank=None)
+
+
+@pytest.mark.parametrize("spec, ranks", [(LLAMA_TP, 2), (GEMMA3_TP_DENSE, 4)], ids=["llama-2", "gemma3-4"])
+def test_greedy_tokens_of_the_sharded_emulator_equal_the_xla_backend(rng, spec, ranks):
+    """Three greedy steps (each step's tokens embedded by a random table as the next x, the caches carried): the
+    looped kernel on `ranks` emulated NeuronCores picks the tokens the single-device XLA decode_step picks, and its
+    logits agree to float32 rounding."""
+    import jax.numpy as jnp
+
+    import jax_neuronmm
+    from jax_neuronmm.decode_step import decode_step
+
+    b, s, w = 3, 12, 5
+    operands = make_operands(rng, spec, b, 1, s, w, np.float32)
+    embedding = rng.standard_normal((spec.vocab, spec.hidden)).astype(np.float32)
+    emulated = list(operands)
+    xla_ops = DecodeOperands.of([_jax(o) for o in DecodeOperands.of(operands, spec).values()], spec)
+    tokens_seen = set()
+    for step in range(3):
+        rank_spec, shards = shard_operands(spec, emulated, ranks)
+        logits, k_caches, v_caches = run_sharded_decode_step("looped", shards, rank_spec, **RING)
+        with jax_neuronmm.use_backend("xla"):
+            xla_logits, xla_k, xla_v = decode_step(xla_ops, spec=spec)
+        assert relative_error(logits, np.asarray(xla_logits, np.float64)) < 1e-5
+        tokens = np.argmax(logits[:, 0], axis=-1)
+        np.testing.assert_array_equal(tokens, np.argmax(np.asarray(xla_logits)[:, 0], axis=-1))
+        tokens_seen.add(tuple(tokens))
+        index = np.array([[w + step + 1]], np.int32)
+        x = embedding[tokens][:, None]
+        emulated[0], emulated[10], emulated[11], emulated[12] = (
+            x,
+            gather_cache(k_caches, spec.num_kv_heads),
+            gather_cache(v_caches, spec.num_kv_heads),
+            index,
+        )
+        xla_ops = xla_ops.replace(x=jnp.asarray(x), k_cache=xla_k, v_cache=xla_v, write_index=jnp.asarray(index))
+    assert len(tokens_seen) > 1  # the steps pick different tokens: the loop carries state
+
+
+def _jax(value):
+    import jax.numpy as jnp
+
+    if isinstance(value, np.ndarray):
+        return jnp.asarray(value)
+    if isinstance(value, (Factored, Quantized)):
+        return type(value)(*(jnp.asarray(part) for part in value.parts().values()))
+    return value
