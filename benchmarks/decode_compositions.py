@@ -405,16 +405,19 @@ def run_tensor_parallel(models, degrees, batches, cache_lengths, extrapolated, c
     return ours, seconds, loads, unsplit
 
 
+def _timing(seconds) -> str:
+    """How the report's cases were traced: {case: seconds, or None when read from --cache_file}."""
+    traced = [t for t in seconds.values() if t is not None]
+    if not traced:
+        return "every case from --cache_file"
+    return f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
+
+
 def tensor_parallel_markdown(
     ours, seconds, unsplit, models, degrees, batches, cache_lengths, quick, elapsed_s, depths, command, loads, note=""
 ) -> str:
     """The tensor-parallel report; note: how cached cases were traced (--run_time_note), for a --cached_only run."""
-    traced = [t for t in seconds.values() if t is not None]
-    timing = (
-        f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
-        if traced
-        else "every case from --cache_file"
-    )
+    timing = _timing(seconds)
     lines = [
         "# Decode step across NeuronCores (tensor parallel)" + (" (quick subset)" if quick else ""),
         "",
@@ -547,12 +550,7 @@ def tensor_parallel_targets(ours, models, degrees) -> list[str]:
 def fp8_markdown(
     ours, seconds, models, batches, cache_lengths, quick, elapsed_s, depths, command, load_averages
 ) -> str:
-    traced = [t for t in seconds.values() if t is not None]
-    timing = (
-        f"{len(traced)} cases traced in this run, {min(traced):.0f} to {max(traced):.0f} s each (both targets)"
-        if traced
-        else "every case from --cache_file"
-    )
+    timing = _timing(seconds)
     lines = [
         "# Decode step with fp8 weights" + (" (quick subset)" if quick else ""),
         "",

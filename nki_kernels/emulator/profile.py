@@ -24,7 +24,20 @@ from nki_kernels import hardware
 from . import cost_model, trace
 
 
-class ModeledLatency(Mapping):
+class _PerTarget(Mapping):
+    """A read-only {target: value} over cost_model.TARGETS; subclasses define __getitem__."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(cost_model.TARGETS)
+
+    def __len__(self) -> int:
+        return len(cost_model.TARGETS)
+
+    def __repr__(self) -> str:
+        return repr(dict(self))
+
+
+class ModeledLatency(_PerTarget):
     """Read-only {target: modeled µs} of one run; each target is scheduled when first read. `collective_us` is
     the {target: µs} that run's nki.collectives calls took in the same schedules."""
 
@@ -47,17 +60,8 @@ class ModeledLatency(Mapping):
     def __getitem__(self, target: str) -> float:
         return self._scheduled(target)[0]
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(cost_model.TARGETS)
 
-    def __len__(self) -> int:
-        return len(cost_model.TARGETS)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
-
-
-class _CollectiveTime(Mapping):
+class _CollectiveTime(_PerTarget):
     """Read-only {target: µs in nki.collectives calls} of one run (cost_model.Schedule.collective_us)."""
 
     def __init__(self, latency: ModeledLatency) -> None:
@@ -65,15 +69,6 @@ class _CollectiveTime(Mapping):
 
     def __getitem__(self, target: str) -> float:
         return self._latency._scheduled(target)[1]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(cost_model.TARGETS)
-
-    def __len__(self) -> int:
-        return len(cost_model.TARGETS)
-
-    def __repr__(self) -> str:
-        return repr(dict(self))
 
 
 @dataclasses.dataclass(frozen=True)
