@@ -133,7 +133,8 @@ on from 2.035x to 1.690x, 1.433x and 1.286x at steps 40, 80 and 120 while the he
 the loss is still falling where the budget stops it (under-fitted), and a gap of 0.15 between seen and unseen text
 has opened. What would be needed is more steps and more training text than a 15-minute 2-core budget allows (an
 accelerator runs such a step in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs.
-Not measured for lack of CPU time: keep 0.6 MLP, and MLP + attention + head recommended."""
+Keep 0.6 MLP recommended (48 windows): 1.890x / 1.977x in 665 s at load 1.8-1.9, far from 1.2x. Not measured for lack
+of CPU time: MLP + attention + head recommended."""
 
 
 def token_ids(model, text: str) -> np.ndarray:
