@@ -130,11 +130,10 @@ def _activation(mlp):
 
 def unsupported_reason(model: CausalLM) -> str | None:
     """Why `model`'s decode steps cannot run as one `decode_step`, or None when they can."""
-    projection_types = _PROJECTION_TYPES
     layers = list(model.layers)
     for index, layer in enumerate(layers):
         for name, module in _projection_modules(layer).items():
-            if not isinstance(module, projection_types):
+            if not isinstance(module, _PROJECTION_TYPES):
                 return f"layer {index} {name}_proj is a {type(module).__name__}"
             if module.bias is not None:
                 return f"layer {index} {name}_proj has a bias (the decode-step kernels have none)"
@@ -155,7 +154,7 @@ def unsupported_reason(model: CausalLM) -> str | None:
     if len({(layer.self_attn.q_norm is None) for layer in layers}) != 1:
         return "some layers have QK-norm and some do not"
     if model.lm_head is not None and (
-        not isinstance(model.lm_head, projection_types) or model.lm_head.bias is not None
+        not isinstance(model.lm_head, _PROJECTION_TYPES) or model.lm_head.bias is not None
     ):
         return "the LM head is not a bias-free linear layer"
     return None
@@ -363,31 +362,30 @@ def _factors(module, dtype):
     return jnp.eye(k_in, dtype=dtype), kernel
 
 
-def _fp8_factors(module):
-    """(u, v, u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly: (W, I) with W's scales and ones,
-    or (I, W) with ones and W's scales (the identity and 1.0 are exact in fp8)."""
+def _fp8_weight(module, factored: bool):
+    """One fp8 module as the contract stores it: Quantized(kernel, kernel_scale), or (factored) Factored(u, v,
+    u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly: (W, I) with W's scales and ones, or (I, W)
+    with ones and W's scales (the identity and 1.0 are exact in fp8)."""
     if isinstance(module, Fp8SVDLinear):
-        return module.u[...], module.v[...], module.u_scale[...], module.v_scale[...]
+        return Factored(module.u[...], module.v[...], module.u_scale[...], module.v_scale[...])
     kernel, scale = module.kernel[...], module.kernel_scale[...]
+    if not factored:
+        return Quantized(kernel, scale)
     k_in, n_out = kernel.shape
     if n_out <= k_in:
-        return kernel, jnp.eye(n_out, dtype=kernel.dtype), scale, jnp.ones((n_out,), scale.dtype)
-    return jnp.eye(k_in, dtype=kernel.dtype), kernel, jnp.ones((k_in,), scale.dtype), scale
+        return Factored(kernel, jnp.eye(n_out, dtype=kernel.dtype), scale, jnp.ones((n_out,), scale.dtype))
+    return Factored(jnp.eye(k_in, dtype=kernel.dtype), kernel, jnp.ones((k_in,), scale.dtype), scale)
 
 
 def _stack_fp8(modules, factored: bool):
     """The stacked fp8 weight of one projection's modules: Quantized(w [L, K, N], scale [L, N]), or Factored
     with u [L, K, Rmax], v [L, Rmax, N], u_scale [L, Rmax], v_scale [L, N], zero padded to the largest rank."""
+    weights = [_fp8_weight(m, factored) for m in modules]
     if not factored:
-        return Quantized(jnp.stack([m.kernel[...] for m in modules]), jnp.stack([m.kernel_scale[...] for m in modules]))
-    parts = [_fp8_factors(m) for m in modules]
-    rmax = max(u.shape[1] for u, _, _, _ in parts)
-    return Factored(
-        jnp.stack([jnp.pad(u, ((0, 0), (0, rmax - u.shape[1]))) for u, _, _, _ in parts]),
-        jnp.stack([jnp.pad(v, ((0, rmax - v.shape[0]), (0, 0))) for _, v, _, _ in parts]),
-        jnp.stack([jnp.pad(us, (0, rmax - us.shape[0])) for _, _, us, _ in parts]),
-        jnp.stack([vs for _, _, _, vs in parts]),
-    )
+        return Quantized(jnp.stack([w.w for w in weights]), jnp.stack([w.scale for w in weights]))
+    u, v = _stack_factors([(w.u, w.v) for w in weights])
+    u_scale = jnp.stack([jnp.pad(w.u_scale, (0, u.shape[2] - w.u_scale.shape[0])) for w in weights])
+    return Factored(u, v, u_scale, jnp.stack([w.v_scale for w in weights]))
 
 
 def _stack_factors(pairs):
@@ -459,8 +457,7 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     if model.lm_head is None:
         head = model.embed_tokens.embedding[...].astype(dtype).T  # tied: transposed once per generate call
     elif spec.fp8("head"):
-        head = _stack_fp8([model.lm_head], factored=spec.head_rank is not None)
-        head = type(head)(*(part[0] for part in head.parts().values()))
+        head = _fp8_weight(model.lm_head, factored=spec.head_rank is not None)
     elif isinstance(model.lm_head, SVDLinear):
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:

@@ -40,7 +40,7 @@ from nki_kernels.svd_mlp import activation_op
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
 MLP_PROJECTIONS = ("gate", "up", "down")
 FP8_ACTIVATIONS = (nl.bfloat16, nl.float16)  # what TensorE takes beside fp8 weights
-# SBUF per partition a looped kernel may give every layer's fp8 scales (StepContext.load_scales), of the ring's:
+# SBUF per partition a looped kernel may give every layer's fp8 scales (projections.LayerScales), of the ring's:
 # Gemma 3 270M in fp8 needs 3.9 KiB, Llama-3.2-1B 11.8 KiB.
 PRELOAD_SBUF_BYTES = 16 * 1024
 
@@ -89,55 +89,37 @@ class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype (the activations' matmul dtype), layouts, the
     weight ring, norm constants, and (a looped kernel's) every layer's fp8 scales."""
 
-    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, preload_scales=False):
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, weights=None):
         """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF).
-        preload_scales: whether `load_scales` will load every layer's fp8 scales at once, where
-        `scales_fit` (their tiles are kept out of the ring's SBUF too)."""
+        weights: {projection: stacked weight (HBM)} of a looped kernel, whose every layer's fp8 scales are then
+        loaded at once where `scales_fit` (their tiles kept out of the ring's SBUF too); None: each layer loads
+        its own."""
         self.spec = spec
         self.rows = rows
         self.dtype = dtype
         self.layouts = Layouts(spec)
-        self.preload_scales = preload_scales and scales_fit(spec, self.layouts)
+        out_layouts = {name: self.layouts.output(name) for name in PROJECTIONS}
+        preload = weights is not None and scales_fit(spec, out_layouts)
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
-        beside += scale_bytes(spec, self.layouts) if self.preload_scales else 0
+        beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
         self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = attention.AttentionConstants(spec)
-        self.scales = None  # None: each layer loads its own
-
-    def load_scales(self, ops):
-        """Every layer's fp8 scales as column tiles with a column per layer (projections.LayerScales), when
-        preload_scales was asked for and they fit."""
-        if self.preload_scales:
-            lay = self.layouts
-            self.scales = projections.LayerScales(ops.weights, self.spec, {n: lay.output(n) for n in PROJECTIONS})
+        self.scales = projections.LayerScales(weights, spec, out_layouts) if preload else None
 
     def layer_scales(self, name, layer):
         """What projections.projection takes as `scales` for `name` in `layer` (None: it loads them itself)."""
         return None if self.scales is None else self.scales.of(name, layer, self.spec.rank(name, layer))
 
 
-def scale_bytes(spec, layouts):
-    """SBUF bytes per partition of projections.LayerScales' tiles for `spec`: float32, a column per layer."""
-    tiles = 0
-    for name in spec.fp8_weights:
-        if name == "head":
-            continue
-        tiles += len(layouts.output(name)) * spec.num_layers
-        if spec.factored(name):
-            columns = spec.out_features(name)
-            tiles += sum(len(projections.rank_layout(rank, columns)) for rank in spec.ranks[PROJECTIONS.index(name)])
-    return tiles * nl.float32.itemsize
-
-
-def scales_fit(spec, layouts):
+def scales_fit(spec, out_layouts):
     """Whether a looped kernel loads every layer's fp8 scales at once: some projection is fp8, one partition per
     layer, and their tiles within PRELOAD_SBUF_BYTES (larger models load them layer by layer)."""
     return (
         any(name != "head" for name in spec.fp8_weights)
         and spec.num_layers <= nl.tile_size.pmax
-        and scale_bytes(spec, layouts) <= PRELOAD_SBUF_BYTES
+        and projections.LayerScales.sbuf_bytes(spec, out_layouts) <= PRELOAD_SBUF_BYTES
     )
 
 
@@ -279,8 +261,7 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, preload_scales=True)
-    ctx.load_scales(ops)
+    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, weights=ops.weights)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     for layer in range(spec.num_layers):

@@ -159,6 +159,22 @@ class LayerScales:
                 for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
             ]
 
+    @staticmethod
+    def sbuf_bytes(spec, out_layouts):
+        """SBUF bytes per partition the tiles of `spec`'s fp8 projections take (float32, a column per layer)."""
+        tiles = 0
+        for name in PROJECTIONS:
+            if not spec.fp8(name):
+                continue
+            tiles += len(out_layouts[name]) * spec.num_layers
+            if spec.factored(name):
+                columns = spec.out_features(name)
+                tiles += sum(
+                    len(rank_layout(rank, columns)) * (l1 - l0)
+                    for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
+                )
+        return tiles * nl.float32.itemsize
+
     def of(self, name, layer, rank):
         """Layer `layer`'s scales of projection `name` (rank: its rank there, None when dense): the [128, tiles,
         1] tiles of a Quantized weight, or (u's, v's) of a Factored one; None when the projection is not fp8."""
@@ -545,7 +561,7 @@ def head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap=None):
         w, scale = (head.w, head.scale) if isinstance(head, Quantized) else (head, None)
         head_projection(h, layout, w, rows, ring, out_rows, softcap, scale)
         return
-    xu_layout = feature_layout(head_rank, choose_group(head_rank, HEAD_COLUMNS))
+    xu_layout = rank_layout(head_rank, HEAD_COLUMNS)
     u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], xu_layout)
     xu = column_tiles(xu_layout, rows, h.dtype, "head_xuT", zero=False)
     dense_projection(h, layout, head.u[:, 0:head_rank], xu_layout, rows, ring, copy_into(xu), u_scales)
