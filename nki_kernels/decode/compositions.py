@@ -226,8 +226,10 @@ def check_fp8_activations(kernel, spec, dtype):
 
 def check_operands(kernel, operands, spec):
     """`operands` as DecodeOperands once they follow the contract (factors may be stacked past their largest rank)
-    and fit one kernel launch (B·T rows on one partition tile; bf16 / fp16 x with fp8 weights); else a ValueError /
-    TypeError naming the operand."""
+    and fit one kernel launch (B·T rows on one partition tile; bf16 / fp16 x with fp8 weights; a head_dim whose
+    heads tile the partitions, attention.check_head_dim); else a ValueError / TypeError naming the operand or the
+    spec's field."""
+    attention.check_head_dim(spec.head_dim)
     ops = contract.check(spec, operands, kernel, padded_ranks=True)
     b, t, _ = ops.x.shape
     if b * t > nl.tile_size.pmax:
