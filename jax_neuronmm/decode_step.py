@@ -48,9 +48,18 @@ processes. custom_partitioning could return the same per-device function from it
 sharding rule would have to name a factor for each of the ~30 operands (heads·D of q's columns, KV heads of the
 caches, the vocabulary, ...), the callback would have to recover the Megatron layout from whatever Shardy
 propagated to them (or reshard), and it relies on JAX internals (_compat) for devices and host callbacks during
-lowering. The cost: a whole-operand call outside generate names its mesh and axis. The NKI-kernel backends raise
-NotImplementedError for tensor_parallel > 1 (see `_kernel_tensor_parallel_unsupported`): never silently a
-different computation.
+lowering. The cost: a whole-operand call outside generate names its mesh and axis.
+
+On the emulator backend the same call runs the kernels' own tensor-parallel program instead. Emulated
+nki.collectives meet only between the ranks of one `simulate_spmd` launch, never across the host callbacks of
+separate devices, so one host callback, on the mesh's first device, gets the whole operands, cuts them into the
+same Megatron shards and runs every rank's looped kernel, its all-reduces and logits gather between the ranks, in
+one launch (`nki_kernels.decode.runner.run_sharded_decode_step`; one per group of rows when batch_axis splits
+them); the results come back with the shard_map's shardings (`_emulated_tensor_parallel_step`). `profile()` shows
+one decode_step_kernel run per rank (and row group). On "neuron", and for `decode_step(..., axis_name=...)` bound
+per device inside your own shard_map on either NKI-kernel backend, a tensor-parallel spec raises
+NotImplementedError saying why (`_per_device_tensor_parallel_unsupported`): never silently a different
+computation.
 
 Bad operands raise a ValueError / TypeError naming the argument (`shapes.check_decode_operands`, i.e. the
 contract's `check`). A write_index outside [0, S - T] is rejected on every backend: at the call when it is concrete,
@@ -66,12 +75,15 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_neuronmm import decoder_math, explicit_sharding, lowering, shapes
 from jax_neuronmm._compat import Primitive, ad, apply_primitive, batching
-from jax_neuronmm.kernel_calls import KernelLaunches, kernel_fp8
+from jax_neuronmm.backend import get_backend
+from jax_neuronmm.host_callback import host_call
+from jax_neuronmm.kernel_calls import KernelLaunches, check_kernel_dtype, kernel_fp8
 from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.svd_matmul import svd_matmul_ref
@@ -91,6 +103,8 @@ from nki_kernels.decode.contract import (
     expected_shapes,
     operand_fields,
 )
+from nki_kernels.decode.runner import run_sharded_decode_step
+from nki_kernels.decode.sharding import gather_cache, shard_operands
 
 for _cls in (DecodeOperands, Factored, Quantized):
     jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
@@ -115,8 +129,9 @@ def decode_step(*operands, spec: DecodeSpec, axis_name=None, **named):
 
     axis_name: inside `jax.shard_map`, the mesh axis (or tuple of axes) whose ranks hold the Megatron shards a spec
     with tensor_parallel = T > 1 describes (the operands are this rank's shard; the logits come back whole, every
-    rank the same, the caches as this rank's KV heads); its size must be T. Outside shard_map, with whole
-    operands, use `tensor_parallel_decode_step`."""
+    rank the same, the caches as this rank's KV heads); its size must be T. The XLA backend runs such per-device
+    binds; the NKI-kernel backends refuse them (`_per_device_tensor_parallel_unsupported`). Outside shard_map, with
+    whole operands, use `tensor_parallel_decode_step` (which the emulator backend runs too)."""
     check_spec(spec, OP)
     ops = _operands_of(operands, named, spec)
     _check_axis(spec, axis_name)
@@ -393,12 +408,19 @@ def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
 
 
 def _plan(*operands, target, spec, treedef=None, axis_name=None):
-    """The looped kernel from nki_kernels.dispatch, once its operand checks pass (they also limit B·T to one
-    partition tile and need bf16 / fp16 x beside fp8 weights). A tensor-parallel spec raises NotImplementedError
-    (`_kernel_tensor_parallel_unsupported`)."""
+    """The looped kernel from nki_kernels.dispatch, once its operand checks pass (`_looped_plan`). A spec with
+    tensor_parallel > 1 (one rank's shard, bound on each device inside shard_map) raises NotImplementedError
+    (`_per_device_tensor_parallel_unsupported`)."""
     if spec.tensor_parallel != 1:
-        raise NotImplementedError(_kernel_tensor_parallel_unsupported(spec, target, axis_name))
-    ops = _kernel_fp8(_operands(operands, spec, treedef), lambda a: jax.ShapeDtypeStruct(a.shape, FP8))
+        raise NotImplementedError(_per_device_tensor_parallel_unsupported(spec, axis_name))
+    return _looped_plan(_operands(operands, spec, treedef), spec, target)
+
+
+def _looped_plan(ops: DecodeOperands, spec: DecodeSpec, target):
+    """(kernel, kwargs) of the looped kernel for ops (arrays or abstract values; fp8 weights as float8_e4m3fn) from
+    nki_kernels.dispatch, whose checks also limit B·T to one partition tile and need bf16 / fp16 x beside fp8
+    weights; ValueError when they fail."""
+    ops = _kernel_fp8(ops, lambda a: jax.ShapeDtypeStruct(a.shape, FP8))
     return dispatch.decode_step_plan(ops, spec, target)
 
 
@@ -413,15 +435,28 @@ def _run(plan, *operands, spec, treedef=None, axis_name=None):
     return kernel(ops.kernel_args(), spec=spec, **kwargs)
 
 
-def _kernel_tensor_parallel_unsupported(spec: DecodeSpec, target, axis_name) -> str:
+def _per_device_tensor_parallel_unsupported(spec: DecodeSpec, axis_name) -> str:
+    """Why an NKI-kernel backend refuses decode_step_p bound on one rank's shard on each device of a shard_map."""
+    bound = (
+        f"{OP}: a decode step bound on one rank's Megatron shard on each device of mesh axis {axis_name!r} "
+        f"(spec.tensor_parallel = {spec.tensor_parallel}, inside jax.shard_map)"
+    )
+    if get_backend() == "emulator":
+        return (
+            f"{bound} cannot run on backend 'emulator': each device would run its own host callback, and the "
+            "emulated nki.collectives meet only between the ranks of one simulate_spmd launch. Call "
+            "tensor_parallel_decode_step with the whole model's operands (on the emulator it runs every rank in "
+            "one simulate_spmd launch on the mesh's first device, as models.generate does), or use backend 'xla' "
+            "inside your own shard_map"
+        )
     return (
-        f"{OP}: a tensor-parallel decode step (spec.tensor_parallel = {spec.tensor_parallel}: one rank's Megatron "
-        f"shard on each device of mesh axis {axis_name!r}) is not supported on the NKI-kernel backends ('emulator', "
-        f"'neuron'; target {target}): the per-rank kernels with their collectives run on the emulator only as one "
-        "simulate_spmd launch of every rank (nki_kernels.decode.runner.run_sharded_decode_step), while under JAX "
-        "each device runs its own host callback, and the emulated nki.collectives do not meet across callbacks. "
-        "Use jax_neuronmm.use_backend('xla') for tensor-parallel decode steps, or replicate the parameters to run "
-        "the kernel on whole arrays"
+        f"{bound} is not supported on backend 'neuron': each NeuronCore would run the looped kernel on its shard "
+        "with nki.collectives over the ranks of one replica group, and this package has neither made those ranks "
+        "the devices of the shard_map axis in NKI's custom calls nor run such a program on Trainium (none is "
+        "available to it); the emulator's way, one host callback running every rank, is no option there (host "
+        "callbacks do not run on the neuron platform). Use jax_neuronmm.use_backend('xla') for tensor-parallel "
+        "decode steps (the XLA lowering's psums and all-gather), or replicate the parameters to run the kernel on "
+        "whole arrays"
     )
 
 
@@ -506,8 +541,9 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     split the rows B (which they must divide): each group of ranks then decodes its rows, and the logits and caches
     come back split over B too. A vocabulary that does not split is padded with zero columns of the head on every
     call (and the logits cut back); heads, KV heads and MLP features must split (ValueError naming them). On the
-    NKI-kernel backends it raises NotImplementedError when the step is lowered (see
-    `_kernel_tensor_parallel_unsupported`)."""
+    emulator backend every rank's looped kernel runs in one emulated launch on the mesh's first device, with the
+    same results' shardings (`_emulated_tensor_parallel_step`; not under vmap); on "neuron" it raises
+    NotImplementedError when the step is lowered (see `_per_device_tensor_parallel_unsupported`)."""
     check_spec(spec, OP)
     if not isinstance(mesh, jax.sharding.Mesh):
         raise TypeError(f"{OP}: mesh: got {type(mesh).__name__}, expected a jax.sharding.Mesh")
@@ -516,7 +552,7 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     ranks = math.prod(mesh.shape[name] for name in names)
     ops = _operands_of(operands, named, spec)
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
-    batch = None
+    batch, groups = None, 1
     if batch_axis is not None:
         batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
         if set(batch_names) & set(names):
@@ -544,20 +580,122 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     rank_spec = tensor_parallel_spec(spec, ranks)
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     cache = PartitionSpec(None, batch, None, axis)
-
-    def per_rank(*blocks):
-        return tuple(decode_step_p.bind(*blocks, spec=rank_spec, treedef=treedef, axis_name=axis))
-
     in_specs = tensor_parallel_partition_specs(spec, axis, batch)
-    leaves = [explicit_sharding.typed_as(a, NamedSharding(mesh, s)) for a, s in zip(leaves, in_specs)]
-    logits, k_cache, v_cache = jax.shard_map(
-        per_rank,
-        mesh=mesh,
-        in_specs=in_specs,
-        out_specs=(PartitionSpec() if batch is None else PartitionSpec(batch), cache, cache),
-        check_vma=False,  # the primitive states no varying-axes types; the body's collectives make these outputs
-    )(*leaves)
+    out_specs = (PartitionSpec() if batch is None else PartitionSpec(batch), cache, cache)
+    if get_backend() == "emulator":
+        logits, k_cache, v_cache = _emulated_tensor_parallel_step(
+            leaves, treedef, spec, rank_spec, groups, mesh, in_specs, out_specs
+        )
+    else:
+
+        def per_rank(*blocks):
+            return tuple(decode_step_p.bind(*blocks, spec=rank_spec, treedef=treedef, axis_name=axis))
+
+        leaves = [explicit_sharding.typed_as(a, NamedSharding(mesh, s)) for a, s in zip(leaves, in_specs)]
+        logits, k_cache, v_cache = jax.shard_map(
+            per_rank,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            check_vma=False,  # the primitive states no varying-axes types; the body's collectives make these outputs
+        )(*leaves)
     return (logits[..., :vocab] if padding else logits), k_cache, v_cache
+
+
+def _emulated_tensor_parallel_step(leaves, treedef, spec, rank_spec, groups, mesh, in_specs, out_specs):
+    """tensor_parallel_decode_step on the emulator backend: ONE emulated run of the step, by the mesh's first
+    device, of every rank's looped kernel with its collectives (`_every_rank_on_the_emulator`: one simulate_spmd
+    launch of rank_spec.tensor_parallel ranks per group of rows, `groups` being batch_axis's row groups, as each
+    group of ranks decodes its rows on the mesh), on the whole operands; the results leave placed by out_specs, as
+    the shard_map's. One rank's shard (in_specs' blocks) is checked against the kernel now, before anything runs.
+
+    How: a `jax.shard_map` manual over every mesh axis gives each device the whole operands and a host call
+    (`host_callback.host_call`, numpy in and out) in which only the first device runs the step and the others
+    return zeros at once; a psum gives every device the first one's results (exactly: the rest adds zeros). The
+    host call never raises: what fails (a bad write_index, a kernel error) comes back as text, and every device
+    raises it once the psum is done (`_raise_failure`), so none is left waiting in a collective for a device that
+    stopped (XLA's CPU runtime aborts the process after 40 s of that)."""
+    ops = _operands(leaves, spec, treedef)
+    check_kernel_dtype("emulator", ops.x.dtype)
+    target = dispatch.launch_target(emulated=True)
+    blocks = [
+        jax.ShapeDtypeStruct(NamedSharding(mesh, s).shard_shape(a.shape), a.dtype) for a, s in zip(leaves, in_specs)
+    ]
+    try:
+        _looped_plan(_operands(blocks, rank_spec, treedef), rank_spec, target)
+    except ValueError as error:
+        block_shapes = ", ".join(str(b.shape) for b in blocks)
+        raise ValueError(
+            f"{OP}: one rank's shard ({block_shapes}) of a step over {rank_spec.tensor_parallel} tensor-parallel "
+            f"ranks cannot run as the looped NKI kernel on {target}: {error}"
+        ) from None
+    axes = tuple(mesh.axis_names)
+    host = functools.partial(
+        _every_rank_on_the_emulator, spec=spec, treedef=treedef, ranks=rank_spec.tensor_parallel, groups=groups
+    )
+    logits = (ops.x.shape[:2] + (spec.vocab,), np.float32)
+    results = (logits, (ops.k_cache.shape, ops.k_cache.dtype), (ops.v_cache.shape, ops.v_cache.dtype))
+    results += (((_FAILURE_BYTES,), np.uint8),)
+
+    def on_every_device(*whole):
+        computed = host_call(host, results, lax.axis_index(axes) == 0, *whole)
+        # The first device's results on every device (the others' are zeros); the barrier holds the check below
+        # until all of them arrived.
+        step, failure = lax.optimization_barrier((lax.psum(computed[:3], axes), lax.psum(computed[3], axes)))
+        (checked,) = host_call(_raise_failure, (logits,), failure, step[0])
+        return lax.optimization_barrier((checked, *step[1:]))  # every result waits for the check
+
+    replicated = PartitionSpec()
+    whole = [explicit_sharding.typed_as(a, NamedSharding(mesh, replicated)) for a in leaves]
+    outputs = jax.shard_map(on_every_device, mesh=mesh, in_specs=replicated, out_specs=replicated, check_vma=False)(
+        *whole
+    )
+    return tuple(explicit_sharding.placed_as(r, NamedSharding(mesh, s)) for r, s in zip(outputs, out_specs))
+
+
+_FAILURE_BYTES = 4096  # the longest error text the emulator's host call returns (longer ones are cut)
+
+
+def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
+    """Host side of `_emulated_tensor_parallel_step` on one device: zeros unless `first` (the mesh's first device).
+    There, the whole model's operands (spec.tensor_parallel = 1) cut into `ranks` Megatron shards
+    (`nki_kernels.decode.sharding.shard_operands`, the layout of `tensor_parallel_partition_specs`) and run as the
+    looped kernel on that many emulated NeuronCores (`runner.run_sharded_decode_step`: one simulate_spmd launch, real
+    data through nki.collectives), once for each of `groups` equal row groups; the ranks' caches put back together.
+    Returns (logits, k_cache, v_cache, failure): failure zeros, or, when anything raised (write_index out of range
+    included), the error's text (UTF-8, zero padded to _FAILURE_BYTES) and zero results."""
+    ops = _kernel_fp8(_operands(leaves, spec, treedef), kernel_fp8)
+    zeros = [np.zeros(ops.x.shape[:2] + (spec.vocab,), np.float32), np.zeros_like(ops.k_cache)]
+    zeros += [np.zeros_like(ops.v_cache), np.zeros(_FAILURE_BYTES, np.uint8)]
+    if not first:
+        return zeros
+    try:
+        check_write_index(OP, ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+        parts = []
+        for group in range(groups):
+            rows = ops.replace(
+                **{
+                    name: np.ascontiguousarray(np.split(getattr(ops, name), groups, axis)[group])
+                    for name, axis in ROW_OPERANDS.items()
+                }
+            )
+            rank_spec, shards = shard_operands(spec, rows, ranks)
+            logits, k_caches, v_caches = run_sharded_decode_step("looped", shards, rank_spec)
+            parts.append((logits, *(gather_cache(c, spec.num_kv_heads) for c in (k_caches, v_caches))))
+    except Exception as error:  # every error, raised on every device by _raise_failure
+        text = f"{type(error).__name__}: {error}".encode()[:_FAILURE_BYTES]
+        zeros[3][: len(text)] = np.frombuffer(text, np.uint8)
+        return zeros
+    return [np.concatenate(p, axis) for p, axis in zip(zip(*parts), (0, 1, 1))] + [zeros[3]]
+
+
+def _raise_failure(failure, logits):
+    """Host side, on every device: RuntimeError with the emulator's failure text when there is one, else
+    (logits,)."""
+    text = bytes(failure).rstrip(b"\0").decode(errors="replace")
+    if text:
+        raise RuntimeError(f"{OP}: the tensor-parallel step on the emulator failed: {text}")
+    return (logits,)
 
 
 ad.primitive_jvps[decode_step_p] = _jvp

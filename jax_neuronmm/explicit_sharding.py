@@ -161,13 +161,25 @@ def typed_alike(operand, update):
     return operand, update
 
 
+def _typed_on_explicit_axes(x, sharding: NamedSharding) -> bool:
+    return _has_explicit_axes(jax.typeof(x).sharding.mesh) or _has_explicit_axes(sharding.mesh.abstract_mesh)
+
+
 def typed_as(x, sharding: NamedSharding):
     """`x` resharded to `sharding` where its type or `sharding` is on a mesh with Explicit axes (shard_map there
     takes operands only when typed as its in_specs say; an operand typed without a mesh is placed on it), else `x`
     unchanged (Auto axes reshard at the shard_map)."""
-    if not (_has_explicit_axes(jax.typeof(x).sharding.mesh) or _has_explicit_axes(sharding.mesh.abstract_mesh)):
+    if not _typed_on_explicit_axes(x, sharding):
         return x
     return jax.sharding.reshard(x, sharding)
+
+
+def placed_as(x, sharding: NamedSharding):
+    """`x` placed as `sharding` says on any mesh: resharded where its type or `sharding` is on Explicit axes
+    (`typed_as`), else constrained to it (`jax.lax.with_sharding_constraint`: the partitioner moves it there)."""
+    if _typed_on_explicit_axes(x, sharding):
+        return jax.sharding.reshard(x, sharding)
+    return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def rank_intermediate_sharding(tokens_aval, rank_aval, rank_dim):

@@ -2,7 +2,8 @@
 
 `lowering.local_impl` returns a `HostKernel` for the emulator backend; the lowering turns it into a traceable
 per-shard function with `host_local_fn`, which the partitioner (`sharding.partitioned`) then runs on each
-device's blocks like any other backend.
+device's blocks like any other backend. `host_call` binds a numpy function with several results as one op of a
+traced computation (the emulator's tensor-parallel decode step runs every rank through it).
 """
 
 import numpy as np
@@ -73,3 +74,39 @@ def host_local_fn(ctx, kernel, params):
         return host_block_call_p.bind(*operands, index=index, shape=shape, dtype=acc).astype(out_dtype)
 
     return local
+
+
+host_call_p = Primitive("neuronmm_host_call")
+host_call_p.multiple_results = True
+
+
+def host_call(fn, results, *operands):
+    """`fn(*operands as numpy arrays) -> arrays`, run on the host as one op of the computation being traced (CPU
+    platform only), for a computation on one device or inside a `jax.shard_map` manual over every mesh axis (there
+    on each device, with its blocks); it states no sharding for the automatic partitioner. results: one (shape,
+    dtype) per result, which fn's results are cast to. fn gets the operands' buffers as numpy arrays, with no
+    transfer through a JAX device (`jax.pure_callback` makes one, which can wait on the very device running the
+    callback), and must be hashable (a function, or a functools.partial of one). The op has no derivative and no
+    batching rule."""
+    results = tuple((tuple(shape), np.dtype(dtype)) for shape, dtype in results)
+    return host_call_p.bind(*operands, fn=fn, results=results)
+
+
+@host_call_p.def_abstract_eval
+def _host_call_abstract_eval(*operands, fn, results):
+    del fn
+    return [operands[0].update(shape=shape, dtype=dtype, weak_type=False) for shape, dtype in results]
+
+
+def _host_call_lowering(ctx, *operands, fn, results):
+    if lowering_platform(ctx) != "cpu":
+        raise NotImplementedError(f"host calls run on the cpu platform, not {lowering_platform(ctx)!r}")
+    dtypes = [dtype for _, dtype in results]
+
+    def on_host(*arrays):
+        return tuple(np.asarray(r, dtype=d) for r, d in zip(fn(*arrays), dtypes))
+
+    return cpu_host_callback_lowering(ctx, operands, add_host_callback(ctx, on_host))
+
+
+register_lowering(host_call_p, _host_call_lowering)

@@ -2,7 +2,8 @@
 after o and after down in every layer, the logits gathered) equals the unsharded step in float64 on ragged shapes
 (dense and compressed Llama, Gemma 3 with QK-norm, sandwich norms, windows and soft-capping; a vocabulary that does
 not split; fp8 weights, dense and factored), compiles to exactly those collectives, and `generate` with sharded
-parameters decodes through it with one device's tokens; the NKI-kernel backends refuse a tensor-parallel step; bad
+parameters decodes through it with one device's tokens; the NKI-kernel backends refuse decode_step bound per device
+on its shard, and "neuron" the whole step (the emulator runs it: test_decode_step_tensor_parallel_emulator.py); bad
 layouts and sizes name what is wrong.
 
 Runs itself in a subprocess with 8 host devices, like test_sharding_spmd.py (see spmd_helpers); the meshes use 2,
@@ -20,6 +21,7 @@ from decode_operands import GEMMA3_8, LLAMA8, fp8_operands, relative_error
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from neuron_platform import stand_in_platform
 from spmd_helpers import Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import rng as _rng
@@ -27,7 +29,7 @@ from test_decode_step import VOCAB, _compressed, _operands, _random_model, _step
 from test_decode_step_fp8 import _jax_operands as _fp8_jax_operands
 
 import jax_neuronmm as jn
-from jax_neuronmm import decode_step
+from jax_neuronmm import backend, decode_step
 from jax_neuronmm.decode_step import tensor_parallel_decode_step, tensor_parallel_partition_specs, tensor_parallel_spec
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation, quantize_model
 from nki_kernels import reference
@@ -266,26 +268,38 @@ def generate_on_an_explicit_mesh_decodes_through_the_sharded_step():
 
 
 @check
-def kernel_backends_refuse_a_tensor_parallel_step():
+def kernel_backends_refuse_per_device_binds():
+    # decode_step bound on each device's shard inside your own shard_map: the emulator's collectives cannot meet
+    # across the devices' host callbacks (tensor_parallel_decode_step runs every rank in one instead:
+    # test_decode_step_tensor_parallel_emulator.py), and nothing maps them onto Trainium's NeuronCores yet.
     plan, args = _step_args("llama", 1)
-    step = jax.jit(
+    spec = dataclasses.replace(plan.spec, vocab=98)
+    leaves, treedef = jax.tree_util.tree_flatten([*args[:17], jnp.pad(args[17], ((0, 0), (0, 1)))])
+    rank_spec = tensor_parallel_spec(spec, 2)
+
+    def body(*blocks):
+        return decode_step(*jax.tree_util.tree_unflatten(treedef, blocks), spec=rank_spec, axis_name="model")
+
+    cache = P(None, None, None, "model")
+    in_specs = tensor_parallel_partition_specs(spec, "model")
+    step = jax.jit(jax.shard_map(body, mesh=_model_mesh(2), in_specs=in_specs, out_specs=(P(), cache, cache)))
+    with jn.use_backend("emulator"):
+        _raises(
+            NotImplementedError,
+            "cannot run on backend 'emulator': each device would run its own host callback.*Call "
+            "tensor_parallel_decode_step with the whole model's operands",
+            step,
+            *leaves,
+        )
+    whole_step = jax.jit(
         functools.partial(tensor_parallel_decode_step, spec=plan.spec, mesh=_model_mesh(2), axis_name="model")
     )
-    message = "tensor-parallel decode step .* is not supported on the NKI-kernel backends"
-    with jn.use_backend("emulator"):
-        try:
-            step(*args)
-        except NotImplementedError as error:
-            assert re.search(message, str(error)), error
-        else:
-            raise AssertionError("the emulator backend ran a tensor-parallel step")
-        sharded = _shard_megatron(_model("llama"), _model_mesh(2))
-        try:
-            generate(sharded, [[1, 2, 3]], 3)
-        except NotImplementedError as error:
-            assert re.search(message, str(error)), error
-        else:
-            raise AssertionError("generate ran a tensor-parallel step on the emulator backend")
+    with stand_in_platform("neuron"), backend._backend("neuron"):
+        _raises(
+            NotImplementedError,
+            "is not supported on backend 'neuron'.*host callbacks do not run on the neuron platform",
+            lambda: whole_step.trace(*args).lower(lowering_platforms=("neuron",)),
+        )
 
 
 def _raises(error_type, pattern, fn, *args, **kwargs):

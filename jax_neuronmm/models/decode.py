@@ -12,8 +12,9 @@ layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD
 kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
 stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
 `jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
-groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis; the mesh's
-other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
+groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
+emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
+ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
 projection split any other way is a ValueError naming it.
 
 `model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
