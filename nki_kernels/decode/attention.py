@@ -73,11 +73,13 @@ CACHE_BLOCK_BYTES = 16384
 # Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
 # on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
 CACHE_RUN_BYTES = 4096
-# Fewest bytes per partition a cache block spreads its slots to before it takes fewer partitions, with fp8 weights:
-# their layers leave the DMA engines idle part of the time, and attention waits for the cache, so its latency
-# counts more than its bytes: a window on all 128 partitions (16 DMA engines) at 2 KiB each (81% of the peak rate
-# per engine) arrives sooner than on 32 partitions at 8 KiB (4 engines at 97%). With 2-byte weights the DMA engines
-# are the bottleneck throughout and the cache keeps the efficient runs of two CACHE_RUN_BYTES DMAs.
+# Fewest bytes per partition a cache block spreads its slots to before it takes fewer partitions, with fp8 weights
+# and several rows: their layers leave the DMA engines idle part of the time, and attention waits for the rows after
+# the first (read as it reaches them), so their latency counts more than their bytes: a window on all 128
+# partitions (16 DMA engines) at 2 KiB each (81% of the peak rate per engine) arrives sooner than on 32 partitions
+# at 8 KiB (4 engines at 97%). One row is read before the projections (prefetch), off the critical path, so its
+# DMA time counts: CACHE_RUN_BYTES runs (cache_spread_bytes). With 2-byte weights the DMA engines are the
+# bottleneck throughout and the cache keeps the efficient runs of two CACHE_RUN_BYTES DMAs.
 FP8_CACHE_SPREAD_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
@@ -366,9 +368,12 @@ def write_rows(rows, cache, layer, index):
     nisa.dma_copy(dst=slots, src=rows)
 
 
-def cache_spread_bytes(spec):
-    """The per-partition bytes `slot_blocks` spreads a cache window's slots to, for `spec`'s weights."""
-    return FP8_CACHE_SPREAD_BYTES if spec.fp8_weights else 2 * CACHE_RUN_BYTES
+def cache_spread_bytes(spec, batch):
+    """The per-partition bytes `slot_blocks` spreads a cache window's slots to, for `spec`'s weights and B = batch
+    rows (see FP8_CACHE_SPREAD_BYTES)."""
+    if not spec.fp8_weights:
+        return 2 * CACHE_RUN_BYTES
+    return CACHE_RUN_BYTES if batch == 1 else FP8_CACHE_SPREAD_BYTES
 
 
 def slot_blocks(s, slot_bytes, spread_bytes):
@@ -557,12 +562,12 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     """SBUF bytes per partition that `attend` holds for one row's cache tiles (Kᵀ column tiles and V blocks, plus
     the K blocks when they are turned on the PE, keys_by_dma_transpose), for a k_cache [L, B, S, kv_heads, D],
     T = tokens, at the window of any layer that needs the most."""
-    _, _, slots, kv, d = k_cache.shape
+    _, batch, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
     _, kt = natural_tiles(kv * d)
     largest = 0
     for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
-        blocks = slot_blocks(s, kv * d * itemsize, cache_spread_bytes(spec))
+        blocks = slot_blocks(s, kv * d * itemsize, cache_spread_bytes(spec, batch))
         values = sum(q for _, _, q in blocks) * kv * d * itemsize
         k_blocks = 0 if keys_by_dma_transpose(blocks, kv * d, k_cache.dtype) else values
         largest = max(largest, kt * s * itemsize + values + k_blocks)
@@ -881,7 +886,8 @@ class WindowReader:
         self.k_cache, self.v_cache, self.mask_bias = k_cache, v_cache, mask_bias
         self.layer, self.index, self.spec = layer, index, spec
         self.mask = spec.layer_mask[layer]
-        self.plan = plan_window(spec.window_slots(self.mask, s, t), kv * d, k_cache.dtype, cache_spread_bytes(spec))
+        spread = cache_spread_bytes(spec, batch)
+        self.plan = plan_window(spec.window_slots(self.mask, s, t), kv * d, k_cache.dtype, spread)
         self.start = load_window_start(index, self.plan.span, s, t)
         self.new = NewSlots.of(index, self.start, rows, t) if new_slots else None
         self._loaded = {}
