@@ -501,7 +501,7 @@ def load_mask_columns(mask_bias, mask, b, blocks, pieces, start, new=None):
     (T contiguous runs); the permutation is done by PE transposes of strided columns.
 
     With `new` (NewSlots: the window was read before this step's slots were written), those slots' biases in the
-    window become MASKED_SCORE, and one more piece, the new tokens' (NewSlots.piece_partitions), holds
+    window become MASKED_SCORE, and one more piece, the new tokens' (NewSlots.partitions of them), holds
     mask_bias[mask, b, t, w + t'] at partition b·T + t' (the other rows' tokens MASKED_SCORE)."""
     pmax = nl.tile_size.pmax
     _, batch, t, s = mask_bias.shape
@@ -1056,7 +1056,8 @@ def attention(
     q_rotated = norm_rope(qT, 0, early.tables, spec, constants)
     values = cache_rows(vT, features, v_cache.dtype, "new_value_rows")
     attn = attend(q_rotated, early.reader, constants, new_kv=(keys, values))
-    # Written last: the window was read without waiting for these writes (the same HBM bytes).
+    # Written last: the window was read without waiting for these writes (the same HBM bytes). The k rows evict on
+    # ScalarE first: VectorE carries the o projection's inputs next.
     index = early.reader.index
     write_rows(values, v_cache, layer, index)
     write_rows(cache_rows(k_rotated, features, k_cache.dtype, "new_key_rows", turn=1), k_cache, layer, index)
