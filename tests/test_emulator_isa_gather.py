@@ -176,9 +176,17 @@ def test_documented_costs_of_new_instructions():
             [rand((4, 300))],
             [((4, 300), F32), ((4, 1), F32)],
         )
+        run_tiles(
+            lambda x, out, res: nisa.activation_reduce(out, nl.square, x, nl.add, res),
+            [rand((4, 20))],
+            [((4, 20), F32), ((4, 1), F32)],
+        )
     finally:
         trace.remove_listener(runs.append)
     records = {r.opcode: r for run in runs for r in run.records}
     hardware = cost_model.HARDWARE["trn2"]
     assert cost_model.compute_cycles(records["topk"], hardware) == 4 * 42 + 8  # documented 4n + K
     assert cost_model.compute_cycles(records["tensor_scalar_reduce"], hardware) == 300 + 64  # max(MIN_II, N) + MIN_II
+    # activation_reduce: max(MIN_II, N) + MIN_II, and reduce_res is written (later readers wait for it).
+    assert cost_model.compute_cycles(records["activation"], hardware) == 64 + 64
+    assert len(records["activation"].writes) == 2

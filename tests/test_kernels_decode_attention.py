@@ -259,6 +259,46 @@ def test_windowed_attention_reads_only_the_window(rng, d, heads, kv, s, b, t, w,
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)] + 1e-4
 
 
+# (head_dim, heads, kv_heads, S, B, T, write slot, window or None, dtype): attention() reads the window before it
+# writes this step's slots. Blocks of 512-byte slots at S = 300: slots 0..287 on 18 partitions of 16, then 288..299
+# one per partition. New slots at a block's first slot, a partition's first column inside a block, the last slot of
+# a block, across two blocks (T = 2), in the middle of a partition, at the cache's end; B = 2 (the new piece holds
+# both rows' tokens, each masked for the other row); a sliding window whose first slot is not 0.
+NEW_SLOT_CASES = [
+    (64, 4, 2, 300, 1, 1, 288, None, np.float32),
+    (64, 4, 2, 300, 2, 1, 80, None, np.float32),
+    (64, 4, 2, 300, 1, 1, 287, None, np.float32),
+    (64, 4, 2, 300, 2, 2, 287, None, np.float32),
+    (256, 4, 1, 300, 1, 1, 150, None, BF16),
+    (256, 4, 1, 300, 1, 2, 298, None, BF16),
+    (64, 4, 2, 300, 2, 2, 200, 150, np.float32),
+]
+
+
+@pytest.mark.parametrize("d,heads,kv,s,b,t,w,window,dtype", NEW_SLOT_CASES)
+def test_new_tokens_enter_from_chip(rng, d, heads, kv, s, b, t, w, window, dtype):
+    """This step's slots hold large stale values before the step (finite, as the contract asks): had attention read
+    them, they would dominate the scores and the output. It must give them weight 0, take the new k and v from chip
+    exactly (the float64 reference attends over the written cache) and still write them."""
+    spec = make_spec(heads, kv, d, True, None)
+    if window is None:
+        operands = list(make_operands(rng, spec, s, b, t, w, np.dtype(dtype)))
+    else:
+        spec = dataclasses.replace(spec, mask_windows=(None, window))
+        _, operands = windowed_operands(rng, spec, s, b, t, w, window, np.dtype(dtype))
+    want, new_k, new_v = reference(operands, spec, LAYER)
+    stale = list(operands)
+    for i, value in ((3, 1e4), (4, 1e6)):
+        stale[i] = operands[i].copy()
+        stale[i][LAYER, :, w : w + t] = value
+    attn, k_cache, v_cache = attention_layer_kernel(*stale, layer=LAYER, spec=spec)
+    assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
+    if dtype == np.float32:
+        new_k = k_cache[LAYER, :, w : w + t]
+    check_caches(k_cache, stale[3], new_k, w, t)
+    check_caches(v_cache, stale[4], new_v, w, t)
+
+
 @pytest.mark.parametrize("s,t,window", [(300, 1, 64), (2048, 1, 512), (130, 2, 40)])
 def test_windowed_attention_moves_only_the_window(s, t, window):
     """Count-only: the cache and mask bytes read shrink by exactly the slots outside the window."""

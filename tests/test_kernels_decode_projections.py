@@ -81,6 +81,7 @@ def rms_norm_f64(x, w, unit_offset, eps=1e-6):
     "rows, h, n, rank, group_in, group_out, unit_offset, softcap",
     [
         (3, 200, 300, 37, 1, 1, False, None),  # ragged natural tiles
+        (1, 200, 300, 37, 1, 1, True, None),  # one row (rms_norm's single-row chain), ragged natural tiles
         (1, 256, 384, 130, 2, 3, True, 3.0),  # grouped in and out, rank over a tile
         (2, 640, 256, 1, 5, 1, True, None),  # Gemma 3 270M's hidden grouping, rank 1; 5-row blocks split 4 + 1
     ],

@@ -17,9 +17,13 @@ run per partition):
 - Norm and RoPE stay in column tiles (few free elements per instruction). The per-head mean square is a
   cross-partition sum: one matmul with a block-of-ones matrix (1/D inside each head's partitions). Rotate-half
   crosses partitions when D <= 128: one matmul with a signed permutation; for D >= 256 it swaps whole tiles.
-- v, then the rotated k, are turned into rows on the PE and written with one DMA per cache at slots
-  [write_index, write_index + T) of every row (each slot's kv_heads·D values are contiguous in HBM). The cache
-  reads come after the writes (the same HBM bytes), V's first since its write goes out first.
+- The fused kernels (`attention`) read a layer's cache window before this step's k and v are written, without
+  waiting for the writes (the same HBM bytes): the window's copies of slots [write_index, write_index + T) are
+  masked out (their earlier, finite contents get weight 0) and the new k and v enter the softmax from chip as one
+  more score piece (NewSlots). Everything that waits for no projection (the window's row 0, the RoPE tables) is
+  issued before the projections (`prefetch`). v and the rotated k are then turned into rows on the PE and written
+  with one DMA per cache at slots [write_index, write_index + T) of every row (each slot's kv_heads·D values are
+  contiguous in HBM). The per-op attention_kernel reads a cache already written (cache_write_kernel).
 - A mask with a window (spec.mask_windows) makes only the last window_slots slots up to the last query's slot
   visible: attention reads just those (cache and mask bias), from a first slot computed on chip from write_index
   (clamped into the cache) and applied as a runtime DMA offset, so one compiled kernel serves every step.
@@ -39,8 +43,8 @@ run per partition):
   pieces: the output lands features-on-partitions (D < 128: head h is moved to its partitions (h·D) mod 128 by a
   shift matmul). All kv heads of a row whose G·T columns fit 128 share one softmax pass.
 
-Entry points: `attention` (a subroutine for fused kernels; its pieces norm_rope, write_rows and attend are
-usable alone) and, for the per-op compositions with rows [B, T, F] in HBM between kernels, `rope_kernel`,
+Entry points: `attention` (a subroutine for fused kernels, with `prefetch`; its pieces norm_rope, write_rows and
+attend are usable alone) and, for the per-op compositions with rows [B, T, F] in HBM between kernels, `rope_kernel`,
 `cache_write_kernel` and `attention_kernel`.
 """
 
@@ -69,11 +73,13 @@ CACHE_BLOCK_BYTES = 16384
 # Per-partition bytes each cache DMA should reach at least: the DMA efficiency curve is nearly flat from 4 KiB
 # on (nki-dma-bandwidth-guide), while 512 B (one Gemma 3 slot per partition) runs at a fifth of the peak.
 CACHE_RUN_BYTES = 4096
-# Fewest bytes per partition a cache block spreads its slots to before it takes fewer partitions, with fp8 weights:
-# their layers leave the DMA engines idle part of the time, and attention waits for the cache, so its latency
-# counts more than its bytes: a window on all 128 partitions (16 DMA engines) at 2 KiB each (81% of the peak rate
-# per engine) arrives sooner than on 32 partitions at 8 KiB (4 engines at 97%). With 2-byte weights the DMA engines
-# are the bottleneck throughout and the cache keeps the efficient runs of two CACHE_RUN_BYTES DMAs.
+# Fewest bytes per partition a cache block spreads its slots to before it takes fewer partitions, with fp8 weights
+# and several rows: their layers leave the DMA engines idle part of the time, and attention waits for the rows after
+# the first (read as it reaches them), so their latency counts more than their bytes: a window on all 128
+# partitions (16 DMA engines) at 2 KiB each (81% of the peak rate per engine) arrives sooner than on 32 partitions
+# at 8 KiB (4 engines at 97%). One row is read before the projections (prefetch), off the critical path, so its
+# DMA time counts: CACHE_RUN_BYTES runs (cache_spread_bytes). With 2-byte weights the DMA engines are the
+# bottleneck throughout and the cache keeps the efficient runs of two CACHE_RUN_BYTES DMAs.
 FP8_CACHE_SPREAD_BYTES = 2048
 # Fills the partitions a ragged score piece leaves empty: below any real score, exp() of it is 0.
 MASKED_SCORE = -3.0e38
@@ -339,14 +345,20 @@ def load_write_index(write_index):
     return index
 
 
-def write_rows(columns, cache, layer, index):
-    """cache[layer, b, w:w+T] = the rows of `columns` (column tiles of kv_heads·D features, any float dtype, cast
-    to the cache dtype) IN PLACE, w = index[0, 0] (load_write_index) read at run time: one DMA, since every
-    row's T slots of kv_heads·D values are one contiguous run in HBM."""
+def cache_rows(columns, features, dtype, name, turn=0):
+    """Rows [R, F] in `dtype` (the cache's) of column tiles [128, ceil(F/128), R] of F features (any float dtype):
+    what write_rows writes. turn: natural_columns_to_rows' first eviction turn (1: ScalarE first)."""
+    rows = nl.ndarray((columns.shape[2], features), dtype=dtype, buffer=nl.sbuf, name=name)
+    natural_columns_to_rows(rows, columns, turn)
+    return rows
+
+
+def write_rows(rows, cache, layer, index):
+    """cache[layer, b, w:w+T] = rows [R, kv_heads·D] (SBUF, the cache dtype) IN PLACE, w = index[0, 0]
+    (load_write_index) read at run time: one DMA, since every row's T slots of kv_heads·D values are one
+    contiguous run in HBM."""
     _, batch, s, kv, d = cache.shape
-    r = columns.shape[2]
-    rows = nl.ndarray((r, kv * d), dtype=cache.dtype, buffer=nl.sbuf, name="cache_rows")
-    natural_columns_to_rows(rows, columns)
+    r = rows.shape[0]
     slots = cache.ap(
         [[s * kv * d, batch], [kv * d, r // batch], [1, kv * d]],
         offset=layer * batch * s * kv * d,
@@ -356,9 +368,12 @@ def write_rows(columns, cache, layer, index):
     nisa.dma_copy(dst=slots, src=rows)
 
 
-def cache_spread_bytes(spec):
-    """The per-partition bytes `slot_blocks` spreads a cache window's slots to, for `spec`'s weights."""
-    return FP8_CACHE_SPREAD_BYTES if spec.fp8_weights else 2 * CACHE_RUN_BYTES
+def cache_spread_bytes(spec, batch):
+    """The per-partition bytes `slot_blocks` spreads a cache window's slots to, for `spec`'s weights and B = batch
+    rows (see FP8_CACHE_SPREAD_BYTES)."""
+    if not spec.fp8_weights:
+        return 2 * CACHE_RUN_BYTES
+    return CACHE_RUN_BYTES if batch == 1 else FP8_CACHE_SPREAD_BYTES
 
 
 def slot_blocks(s, slot_bytes, spread_bytes):
@@ -459,12 +474,16 @@ def prepare_queries(q, spec, batch, dtype, constants):
 def load_window_start(index, span, slots, tokens):
     """The first slot of the window of `span` slots a row's `tokens` queries can see (DecodeSpec.window_slots):
     the window ends at the last query's slot, write_index + T - 1, clamped into [0, S - span]; an SBUF [1, 1]
-    int32 computed at run time from the write slot tile (load_write_index), or None when span = S (a static 0)."""
+    int32 computed at run time from the write slot tile (load_write_index), or None when span = S (a static 0).
+    On GpSimd, which attention leaves idle: the window's reads wait for no other engine's work."""
     if span == slots:
         return None
     start = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="window_start")
-    nisa.tensor_scalar(dst=start, data=index, op0=nl.add, operand0=tokens - span, op1=nl.maximum, operand1=0)
-    nisa.tensor_scalar(dst=start, data=start, op0=nl.minimum, operand0=slots - span)
+    gpsimd = nisa.gpsimd_engine
+    nisa.tensor_scalar(
+        dst=start, data=index, op0=nl.add, operand0=tokens - span, op1=nl.maximum, operand1=0, engine=gpsimd
+    )
+    nisa.tensor_scalar(dst=start, data=start, op0=nl.minimum, operand0=slots - span, engine=gpsimd)
     return start
 
 
@@ -476,16 +495,31 @@ def window_view(tensor, first, pattern, start, slot_axis):
     return tensor.ap(pattern, offset=first, scalar_offset=start, indirect_dim=slot_axis)
 
 
-def load_mask_columns(mask_bias, mask, b, blocks, pieces, start):
+def load_mask_columns(mask_bias, mask, b, blocks, pieces, start, new=None):
     """fp32 [128, pieces, T]: element [p, n, t] = mask_bias[mask, b, t, start + slot] for the window slot at
     partition p of score piece n (slot s0 + p·q + i of piece (block, i)). The row's [T, window] bias is one DMA
-    (T contiguous runs); the permutation is done by PE transposes of strided columns."""
+    (T contiguous runs); the permutation is done by PE transposes of strided columns.
+
+    With `new` (NewSlots: the window was read before this step's slots were written), those slots' biases in the
+    window become MASKED_SCORE, and one more piece, the new tokens' (NewSlots.partitions of them), holds
+    mask_bias[mask, b, t, w + t'] at partition b·T + t' (the other rows' tokens MASKED_SCORE)."""
     pmax = nl.tile_size.pmax
     _, batch, t, s = mask_bias.shape
     span = sum(np_ * q for _, np_, q in blocks)
+    first = (mask * batch + b) * t * s
     rows = nl.ndarray((t, span), dtype=nl.float32, buffer=nl.sbuf, name="mask_rows")
-    nisa.dma_copy(dst=rows, src=window_view(mask_bias, (mask * batch + b) * t * s, [[s, t], [1, span]], start, 3))
-    columns = nl.ndarray((pmax, len(pieces), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns")
+    nisa.dma_copy(dst=rows, src=window_view(mask_bias, first, [[s, t], [1, span]], start, 3))
+    columns = nl.ndarray(
+        (pmax, len(pieces) + (new is not None), t), dtype=nl.float32, buffer=nl.sbuf, name="mask_columns"
+    )
+    if new is not None:
+        # Slots [w, w + T) of the window: a DMA at the runtime offset, since only the index says where they are.
+        hidden = rows.ap([[span, t], [1, t]], offset=0, scalar_offset=new.window_offset, indirect_dim=1)
+        nisa.dma_copy(dst=hidden, src=new.masked[0:t, 0:t])
+        piece = columns[:, len(pieces), :]
+        nisa.memset(dst=piece[0 : new.partitions], value=MASKED_SCORE, engine=nisa.gpsimd_engine)
+        own = mask_bias.ap([[1, t], [s, t]], offset=first, scalar_offset=new.index, indirect_dim=3)
+        nisa.dma_copy(dst=piece[b * t : (b + 1) * t], src=own)
     per_bank = max(1, fp32_per_psum_bank(t))
     groups = []  # runs of pieces of one block, at most a PSUM bank each
     for n, (index, i) in enumerate(pieces):
@@ -528,24 +562,23 @@ def cache_sbuf_bytes(k_cache, spec, tokens):
     """SBUF bytes per partition that `attend` holds for one row's cache tiles (Kᵀ column tiles and V blocks, plus
     the K blocks when they are turned on the PE, keys_by_dma_transpose), for a k_cache [L, B, S, kv_heads, D],
     T = tokens, at the window of any layer that needs the most."""
-    _, _, slots, kv, d = k_cache.shape
+    _, batch, slots, kv, d = k_cache.shape
     itemsize = k_cache.dtype.itemsize
     _, kt = natural_tiles(kv * d)
     largest = 0
     for s in {spec.window_slots(mask, slots, tokens) for mask in spec.layer_mask}:
-        blocks = slot_blocks(s, kv * d * itemsize, cache_spread_bytes(spec))
+        blocks = slot_blocks(s, kv * d * itemsize, cache_spread_bytes(spec, batch))
         values = sum(q for _, _, q in blocks) * kv * d * itemsize
         k_blocks = 0 if keys_by_dma_transpose(blocks, kv * d, k_cache.dtype) else values
         largest = max(largest, kt * s * itemsize + values + k_blocks)
     return largest
 
 
-def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
+def read_cache(k_cache, v_cache, layer, b, blocks, chunks, start):
     """(Kᵀ, V blocks) of row b's window (slots start + 0 .. start + span - 1, `blocks` over the span; start from
     load_window_start, None: slot 0): Kᵀ column tiles [min(F, 128), ceil(F/128), span] of all kv heads' F = kv·D
     features (keys_by_dma_transpose: slots in cache order, by a transposing DMA per block; else in score order, K
-    blocks turned on the PE), V blocks [np, q, F] (window slot s0 + p·q + i at [p, i]). values_first: issue V's DMAs
-    first (its write went out before k's)."""
+    blocks turned on the PE), V blocks [np, q, F] (window slot s0 + p·q + i at [p, i])."""
     _, batch, slots, kv, d = k_cache.shape
     dtype = k_cache.dtype
     f = kv * d
@@ -553,7 +586,7 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, values_first, start):
     s = sum(np_ * q for _, np_, q in blocks)
     row = (layer * batch + b) * slots * f  # element of the row's slot 0
     keys, k_blocks, v_blocks = None, [], []
-    for which in ("v", "k") if values_first else ("k", "v"):
+    for which in ("k", "v"):
         cache = k_cache if which == "k" else v_cache
         if which == "k" and keys_by_dma_transpose(blocks, f, dtype):
             keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
@@ -622,6 +655,36 @@ class RowCache:
 
 
 @dataclasses.dataclass(frozen=True)
+class NewSlots:
+    """This step's tokens for a window read before their slots [w, w + T) were written (WindowReader's new_slots):
+    one more score piece of `partitions` = R = B·T, row b's T tokens on partitions b·T .. b·T + T - 1 (for row b,
+    load_mask_columns masks the other rows' there), with keys (Kᵀ column tiles [min(F, 128), ceil(F/128), R]) and
+    values (rows [R, F]) from chip in the cache dtype, given at attend; the window's stale copies of those slots
+    are masked out. index: the write slot tile (load_write_index); window_offset: w less the window's first slot
+    (SBUF [1, 1] int32); masked: fp32 [T, T] of MASKED_SCORE, what those copies' mask biases become."""
+
+    index: object
+    window_offset: object
+    masked: object
+    partitions: int
+    keys: object = None
+    values: object = None
+
+    @classmethod
+    def of(cls, index, start, rows, tokens):
+        """NewSlots of the write slot tile `index`, the window's first slot `start` (load_window_start: None for
+        slot 0) and R = rows, T = tokens. On GpSimd, which nothing else keeps busy here: issued before the
+        projections, these wait for none of their work."""
+        offset = index
+        if start is not None:
+            offset = nl.ndarray((1, 1), dtype=nl.int32, buffer=nl.sbuf, name="window_write_offset")
+            nisa.tensor_tensor(dst=offset, data1=index, data2=start, op=nl.subtract, engine=nisa.gpsimd_engine)
+        masked = nl.ndarray((tokens, tokens), dtype=nl.float32, buffer=nl.sbuf, name="masked_slots")
+        nisa.memset(dst=masked, value=MASKED_SCORE, engine=nisa.gpsimd_engine)
+        return cls(index, offset, masked, rows)
+
+
+@dataclasses.dataclass(frozen=True)
 class AttentionOutput:
     """Where softmax_pass writes: attn, column tiles [128, ceil(heads·D/128), R] (written directly when D >= 128),
     and by_head [D, heads, R] fp32 (D < 128: each head on partitions 0..D-1, placed into attn by place_heads)."""
@@ -630,67 +693,91 @@ class AttentionOutput:
     by_head: object
 
 
-def _masked_scores(units, qs, rows, window, spec):
+def _piece_runs(window, new, per_bank):
+    """[(partitions, first piece, pieces)]: runs of score pieces of one block, at most per_bank of them (one PSUM
+    accumulator each), then the new tokens' piece (NewSlots) when there is one."""
+    runs, piece0 = [], 0
+    for _, np_, q in window.blocks:
+        runs.extend((np_, piece0 + i0, ni) for i0, ni in spans(q, per_bank))
+        piece0 += q
+    if new is not None:
+        runs.append((new.partitions, piece0, 1))
+    return runs
+
+
+def _piece_keys(n, b, rows, window, new):
+    """(Kᵀ column tiles, their columns) of score piece n of row b: the window's, or the new tokens' piece."""
+    if n < len(window.pieces):
+        return rows[b].keys, window.key_columns[n]
+    return new.keys, slice(0, new.partitions)
+
+
+def _piece_values(n, b, rows, window, new):
+    """V [np, F] of score piece n of row b (its slots on the partitions): the window's, or the new tokens'."""
+    if n < len(window.pieces):
+        index, i = window.pieces[n]
+        return rows[b].values[index][0 : window.blocks[index][1], i, :]
+    return new.values
+
+
+def _masked_scores(units, qs, rows, window, spec, new):
     """scoresᵀ fp32 [128, pieces, units, G·T] of the (row b, kv head g) `units`: Kᵀ [D, np] stationary × q [D, G·T]
     moving per piece, accumulated over the head dim's tiles, softcapped (tanh) when the spec says so, plus the
-    mask bias. Partitions a ragged piece leaves empty hold MASKED_SCORE."""
+    mask bias; the window's pieces, then the new tokens' (NewSlots, or None). Partitions a ragged piece leaves
+    empty hold MASKED_SCORE."""
     pmax = nl.tile_size.pmax
     d = spec.head_dim
     dp, nd = head_tiles(d)
     g_size = spec.num_heads // spec.num_kv_heads
     t = rows[units[0][0]].mask.shape[2]
     gt = g_size * t
-    blocks, pieces = window.blocks, window.pieces
     row_ids = sorted({b for b, _ in units})
     row_units = {b: [u for u, (ub, _) in enumerate(units) if ub == b] for b in row_ids}  # consecutive per row
-    first_piece = [sum(q for _, _, q in blocks[:index]) for index in range(len(blocks))]
-    per_bank = max(1, fp32_per_psum_bank(len(units) * gt))
-    scores = nl.ndarray((pmax, len(pieces), len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
-    for index, (_, np_, q) in enumerate(blocks):
+    runs = _piece_runs(window, new, max(1, fp32_per_psum_bank(len(units) * gt)))
+    count = len(window.pieces) + (new is not None)
+    scores = nl.ndarray((pmax, count, len(units), gt), dtype=nl.float32, buffer=nl.sbuf, name="scoresT")
+    for np_, piece0, ni in runs:
         if np_ < pmax:  # partitions a ragged piece leaves empty must not win the max
-            nisa.memset(dst=scores[:, first_piece[index] : first_piece[index] + q], value=MASKED_SCORE)
-        for i0, ni in spans(q, per_bank):
-            acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
-            for k in range(nd):
-                for j in range(ni):
-                    slots = window.key_columns[first_piece[index] + i0 + j]
-                    for u, (b, g) in enumerate(units):
-                        o_g, tile_g = kv_head_place(g, d)
-                        nisa.nc_matmul(
-                            dst=acc[0:np_, j, u],
-                            moving=qs[o_g : o_g + dp, k, b, g],
-                            accumulate=k > 0,
-                            stationary=rows[b].keys[o_g : o_g + dp, tile_g + k, slots],
-                        )
-            piece0 = first_piece[index] + i0
-            for b in row_ids:
-                u0, un = row_units[b][0], len(row_units[b])
-                out = scores[0:np_, piece0 : piece0 + ni, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
-                bias = rows[b].mask[0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
-                logits = acc[:, :, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
-                if spec.attn_logit_softcap:
-                    cap = float(spec.attn_logit_softcap)
-                    nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
-                    nisa.scalar_tensor_tensor(
-                        dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add, operand1=bias
+            nisa.memset(dst=scores[:, piece0 : piece0 + ni], value=MASKED_SCORE)
+        acc = nl.ndarray((np_, ni, len(units), gt), dtype=nl.float32, buffer=nl.psum, name="scoresT_psum")
+        for k in range(nd):
+            for j in range(ni):
+                for u, (b, g) in enumerate(units):
+                    keys, slots = _piece_keys(piece0 + j, b, rows, window, new)
+                    o_g, tile_g = kv_head_place(g, d)
+                    nisa.nc_matmul(
+                        dst=acc[0:np_, j, u],
+                        moving=qs[o_g : o_g + dp, k, b, g],
+                        accumulate=k > 0,
+                        stationary=keys[o_g : o_g + dp, tile_g + k, slots],
                     )
-                else:
-                    nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
-            del acc
+        for b in row_ids:
+            u0, un = row_units[b][0], len(row_units[b])
+            out = scores[0:np_, piece0 : piece0 + ni, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)
+            bias = rows[b].mask[0:np_, piece0 : piece0 + ni, :].expand_dim(2).broadcast(2, un * g_size)
+            logits = acc[:, :, u0 : u0 + un].reshape_dim(3, (g_size, t)).flatten_dims(2, 3)  # [np, ni, un·G, T]
+            if spec.attn_logit_softcap:
+                cap = float(spec.attn_logit_softcap)
+                nisa.activation(dst=out, op=nl.tanh, data=logits, scale=1.0 / cap)
+                nisa.scalar_tensor_tensor(dst=out, data=out, op0=nl.multiply, operand0=cap, op1=nl.add, operand1=bias)
+            else:
+                nisa.tensor_tensor(dst=out, data1=logits, data2=bias, op=nl.add)
+        del acc
     return scores
 
 
-def _softmax_weights(units, qs, rows, window, spec, constants):
+def _softmax_weights(units, qs, rows, window, spec, constants, new):
     """(weights [128, pieces, columns] in the cache dtype, scale [Dp, columns] fp32): exp(score - column max) of
-    _masked_scores' scores, and 1 / the column sums of the weights (as rounded for the matmul) on every output
-    partition. The column max: per partition over pieces, then across partitions by a PE transpose and a free-axis
-    max, spread back by onesᵀ·diag(-max); the column sums by onesᵀ·(per-partition sums)."""
+    _masked_scores' scores (the new tokens' piece last when `new` is given), and 1 / the column sums of the
+    weights (as rounded for the matmul) on every output partition. The column max: per partition over pieces, then
+    across partitions by a PE transpose and a free-axis max, spread back by onesᵀ·diag(-max); the column sums by
+    onesᵀ·(per-partition sums)."""
     pmax = nl.tile_size.pmax
     dp, _ = head_tiles(spec.head_dim)
     dtype = rows[units[0][0]].keys.dtype
-    scores = _masked_scores(units, qs, rows, window, spec)
+    scores = _masked_scores(units, qs, rows, window, spec, new)
     flat = scores.flatten_dims(2, 3)  # [128, pieces, columns]
-    columns = flat.shape[2]
+    pieces, columns = flat.shape[1], flat.shape[2]
     column_max = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="scores_partition_max")
     nisa.tensor_reduce(dst=column_max, op=nl.maximum, data=flat.permute((0, 2, 1)), axis=2)
     turned = nl.ndarray((columns, pmax), dtype=nl.float32, buffer=nl.psum, name="scores_max_psum")
@@ -700,9 +787,9 @@ def _softmax_weights(units, qs, rows, window, spec, constants):
     del turned
     # PSUM [128, columns]: -max of each column on every partition.
     shift = spread_across_partitions(neg_max, pmax, constants.ones, constants.identity)
-    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, len(window.pieces)), op=nl.add)
+    nisa.tensor_tensor(dst=flat, data1=flat, data2=shift.expand_dim(1).broadcast(1, pieces), op=nl.add)
     del shift
-    weights = nl.ndarray((pmax, len(window.pieces), columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
+    weights = nl.ndarray((pmax, pieces, columns), dtype=dtype, buffer=nl.sbuf, name="weightsT")
     nisa.activation(dst=weights, op=nl.exp, data=flat)
     del scores, flat
     partial = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.sbuf, name="weights_partition_sum")
@@ -715,9 +802,10 @@ def _softmax_weights(units, qs, rows, window, spec, constants):
     return weights, scale
 
 
-def _weighted_values(units, weights, scale, rows, window, out, spec):
+def _weighted_values(units, weights, scale, rows, window, out, spec, new):
     """out ← weights·V / column sums of each unit: attnᵀ [Dp, G·T] = V [np, Dp] stationary × weights moving,
-    accumulated over the pieces, per tile of the head dim; row b's columns of kv head g's query heads."""
+    accumulated over the pieces (the new tokens' last, when `new` is given), per tile of the head dim; row b's
+    columns of kv head g's query heads."""
     pmax = nl.tile_size.pmax
     d = spec.head_dim
     dp, nd = head_tiles(d)
@@ -730,14 +818,15 @@ def _weighted_values(units, weights, scale, rows, window, out, spec):
         mine = slice(u * gt, (u + 1) * gt)
         for k in range(nd):
             acc = nl.ndarray((dp, gt), dtype=nl.float32, buffer=nl.psum, name="attnT_psum")
-            for p_index, (index, i) in enumerate(window.pieces):
-                np_ = window.blocks[index][1]
-                f0 = g * d + k * pmax
+            f0 = g * d + k * pmax
+            for n in range(weights.shape[1]):
+                values = _piece_values(n, b, rows, window, new)
+                np_ = values.shape[0]
                 nisa.nc_matmul(
                     dst=acc,
-                    stationary=rows[b].values[index][0:np_, i, f0 : f0 + dp],
-                    moving=weights[0:np_, p_index, mine],
-                    accumulate=p_index > 0,
+                    stationary=values[0:np_, f0 : f0 + dp],
+                    moving=weights[0:np_, n, mine],
+                    accumulate=n > 0,
                 )
             if out.by_head is None:
                 heads = out.attn.reshape_dim(1, (kv, g_size, nq_tiles // (kv * g_size)))
@@ -748,12 +837,13 @@ def _weighted_values(units, weights, scale, rows, window, out, spec):
             del acc
 
 
-def softmax_pass(units, qs, rows, window, out, spec, constants):
+def softmax_pass(units, qs, rows, window, out, spec, constants, new=None):
     """Scores, softmax and weights·V of several (row b, kv head g) `units` together (their G·T query columns side
     by side, at most 128) into `out` (AttentionOutput). qs: prepare_queries' queries; rows: {b: RowCache} of the
-    units' rows; window: the layer's CacheWindow."""
-    weights, scale = _softmax_weights(units, qs, rows, window, spec, constants)
-    _weighted_values(units, weights, scale, rows, window, out, spec)
+    units' rows; window: the layer's CacheWindow; new: NewSlots when the window was read before this step's slots
+    were written (their k and v then come from chip), else None."""
+    weights, scale = _softmax_weights(units, qs, rows, window, spec, constants, new)
+    _weighted_values(units, weights, scale, rows, window, out, spec, new)
 
 
 def place_heads(out, spec, constants):
@@ -778,21 +868,82 @@ def place_heads(out, spec, constants):
         nisa.tensor_copy(dst=out.attn[0:q_parts, i, :], src=placed)
 
 
-def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, values_first=False):
+class WindowReader:
+    """One layer's cache window as `attend` reads it, row by row: the plan (CacheWindow) of the slots its mask can
+    make visible (all S, or with spec.mask_windows the window of spec.window_slots(...) slots ending at the last
+    query's slot), the window's first slot at run time (load_window_start, from the write slot tile `index`), and
+    with new_slots the masking of this step's slots for a window read before they are written (NewSlots).
+
+    Nothing here waits for this step's q, k or v: a kernel opens the reader and loads row 0 (`load`) before its
+    projections, so the row's DMAs, PE transposes and evictions fill the engines' wait for the norm and the
+    projections instead of following them; later rows load as attend reaches them (their reads overlap the
+    previous row's softmax).
+    """
+
+    def __init__(self, k_cache, v_cache, mask_bias, layer, index, spec, rows, *, new_slots):
+        _, batch, s, kv, d = k_cache.shape
+        t = rows // batch
+        self.k_cache, self.v_cache, self.mask_bias = k_cache, v_cache, mask_bias
+        self.layer, self.index, self.spec = layer, index, spec
+        self.mask = spec.layer_mask[layer]
+        spread = cache_spread_bytes(spec, batch)
+        self.plan = plan_window(spec.window_slots(self.mask, s, t), kv * d, k_cache.dtype, spread)
+        self.start = load_window_start(index, self.plan.span, s, t)
+        self.new = NewSlots.of(index, self.start, rows, t) if new_slots else None
+        self._loaded = {}
+
+    def load(self, b):
+        """Issue row b's reads now: its mask columns, Kᵀ and V blocks (`row` hands them out)."""
+        plan = self.plan
+        visible = load_mask_columns(self.mask_bias, self.mask, b, plan.blocks, plan.pieces, self.start, self.new)
+        keys, values = read_cache(self.k_cache, self.v_cache, self.layer, b, plan.blocks, plan.chunks, self.start)
+        self._loaded[b] = RowCache(keys, values, visible)
+
+    def row(self, b):
+        """Row b's RowCache, loaded now unless `load` was called for it."""
+        if b not in self._loaded:
+            self.load(b)
+        return self._loaded.pop(b)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefetched:
+    """What attention() takes of one layer that does not depend on this step's projections (`prefetch`): the RoPE
+    tables and head-norm weights (load_rope_tables) and the cache window's reader (this step's slots masked, their
+    k and v from chip) with row 0 loaded."""
+
+    tables: tuple
+    reader: WindowReader
+
+
+def prefetch(k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows):
+    """Prefetched for attention() of layer `layer` (operands as attention's, rows: R = B·T): what a kernel issues
+    before this step's projections, so that its loads, PE transposes and evictions fill the engines' wait for the
+    norm and the projections instead of following them."""
+    index = load_write_index(write_index)
+    reader = WindowReader(k_cache, v_cache, mask_bias, layer, index, spec, rows, new_slots=True)
+    reader.load(0)
+    return Prefetched(load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows), reader)
+
+
+def attend(qT, reader, constants, *, new_kv=None):
     """attnT column tiles [128, ceil(heads·D/128), R] in the cache dtype: softmax(q·Kᵀ·scaling (softcapped) +
-    mask)·V of each row's T queries over the slots of layer `layer`'s cache its mask can make visible: all S, or
-    with spec.mask_windows the window of spec.window_slots(...) slots ending at the last query's slot (from the
-    write slot tile `index`, load_write_index, at run time). qT: fp32 column tiles of the rotated (and normed)
-    queries."""
+    mask)·V of each row's T queries over the window of the cache that `reader` (WindowReader) reads. qT: fp32
+    column tiles of the rotated (and normed) queries.
+
+    new_kv: with a reader of new_slots (the cache need not hold this step's k and v yet), (Kᵀ column tiles
+    [min(F, 128), ceil(F/128), R], rows [R, F]) of them in the cache dtype (F = kv·D): they enter as one more score
+    piece, their slots' copies in the window masked out, so the cache reads need not wait for this step's
+    writes. None with a reader whose cache already holds them at [w, w + T)."""
+    if (reader.new is None) != (new_kv is None):
+        raise ValueError("attend: new_kv must be given exactly when the reader masks this step's slots (new_slots)")
+    spec = reader.spec
     pmax = nl.tile_size.pmax
-    _, batch, s, kv, d = k_cache.shape
-    dtype = k_cache.dtype
+    _, batch, _, kv, d = reader.k_cache.shape
+    dtype = reader.k_cache.dtype
     r = qT.shape[2]
-    t = r // batch
-    gt = spec.num_heads // kv * t
-    mask = spec.layer_mask[layer]
-    window = plan_window(spec.window_slots(mask, s, t), kv * d, dtype, cache_spread_bytes(spec))
-    start = load_window_start(index, window.span, s, t)
+    gt = spec.num_heads // kv * (r // batch)
+    new = None if new_kv is None else dataclasses.replace(reader.new, keys=new_kv[0], values=new_kv[1])
     qs = prepare_queries(qT, spec, batch, dtype, constants)
     dp, _ = head_tiles(d)
     _, q_tiles = natural_tiles(spec.num_heads * d)
@@ -802,15 +953,11 @@ def attend(qT, k_cache, v_cache, layer, mask_bias, index, spec, constants, *, va
         if d < pmax
         else None,
     )
-    # Row by row (later rows' cache reads overlap this row's work); one softmax pass for as many of the row's kv
-    # heads as fit 128 query columns.
+    # Row by row; one softmax pass for as many of the row's kv heads as fit 128 query columns.
     for b in range(batch):
-        visible = load_mask_columns(mask_bias, mask, b, window.blocks, window.pieces, start)
-        keys, values = read_cache(k_cache, v_cache, layer, b, window.blocks, window.chunks, values_first, start)
-        rows = {b: RowCache(keys, values, visible)}
-        del keys, values, visible
+        rows = {b: reader.row(b)}
         for g0, gn in spans(kv, max(1, pmax // gt)):
-            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, rows, window, out, spec, constants)
+            softmax_pass([(b, g) for g in range(g0, g0 + gn)], qs, rows, reader.plan, out, spec, constants, new)
         del rows
     if out.by_head is not None:
         place_heads(out, spec, constants)
@@ -868,35 +1015,53 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
 
 
 def attention(
-    qT, kT, vT, k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, *, constants=None
+    qT,
+    kT,
+    vT,
+    k_cache,
+    v_cache,
+    layer,
+    write_index,
+    cos,
+    sin,
+    mask_bias,
+    qk_norm_weights,
+    spec,
+    *,
+    constants=None,
+    prefetched=None,
 ):
     """One layer's attention at decode, inside a kernel; returns attnT column tiles [128, ceil(heads·D/128), R]
     in the cache dtype (ready as the o projection's moving operand).
 
     qT [128, ceil(heads·D/128), R], kT and vT [128, ceil(kv·D/128), R]: SBUF column tiles (any float dtype) of
-    this step's projections. layer: static int. Other operands in HBM as the module docstring says. Writes k
-    (normed, rotated) and v into the caches at [write_index, write_index + T) IN PLACE, then attends over the
-    slots its mask can make visible (attend). constants: AttentionConstants(spec), built once per kernel when
-    attention runs for several layers.
+    this step's projections. layer: static int. Other operands in HBM as the module docstring says. Attends over
+    the slots its mask can make visible (attend) with this step's k (normed, rotated) and v from chip, then writes
+    them into the caches at [write_index, write_index + T) IN PLACE. constants: AttentionConstants(spec), built
+    once per kernel when attention runs for several layers. prefetched: prefetch(...) of this layer, issued before
+    the projections (None: issued here).
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
-    index = load_write_index(write_index)
-    # The cache reads wait for the writes (same HBM bytes): v goes out first, k as soon as it is rotated.
-    write_rows(vT, v_cache, layer, index)
-    tables = load_rope_tables(cos, sin, qk_norm_weights, layer, spec, qT.shape[2])
-    write_rows(norm_rope(kT, 1, tables, spec, constants), k_cache, layer, index)
-    return attend(
-        norm_rope(qT, 0, tables, spec, constants),
-        k_cache,
-        v_cache,
-        layer,
-        mask_bias,
-        index,
-        spec,
-        constants,
-        values_first=True,
+    rows = qT.shape[2]
+    early = prefetched or prefetch(
+        k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows
     )
+    features = spec.num_kv_heads * spec.head_dim
+    kp, _ = natural_tiles(features)
+    k_rotated = norm_rope(kT, 1, early.tables, spec, constants)
+    # The new piece's Kᵀ, cast on GpSimd: VectorE carries the norm and RoPE chains.
+    keys = nl.ndarray((kp, k_rotated.shape[1], rows), dtype=k_cache.dtype, buffer=nl.sbuf, name="new_keysT")
+    nisa.tensor_copy(dst=keys, src=k_rotated[0:kp], engine=nisa.gpsimd_engine)
+    q_rotated = norm_rope(qT, 0, early.tables, spec, constants)
+    values = cache_rows(vT, features, v_cache.dtype, "new_value_rows")
+    attn = attend(q_rotated, early.reader, constants, new_kv=(keys, values))
+    # Written last: the window was read without waiting for these writes (the same HBM bytes). The k rows evict on
+    # ScalarE first: VectorE carries the o projection's inputs next.
+    index = early.reader.index
+    write_rows(values, v_cache, layer, index)
+    write_rows(cache_rows(k_rotated, features, k_cache.dtype, "new_key_rows", turn=1), k_cache, layer, index)
+    return attn
 
 
 # -- per-op kernels: HBM in, HBM out --------------------------------------------------------
@@ -951,8 +1116,12 @@ def cache_write_kernel(k, v, k_cache, v_cache, write_index, *, layer):
     _rows_count(k, "k", features)
     _rows_count(v, "v", features)
     index = load_write_index(write_index)
-    write_rows(load_natural_columns(k, name="k_columns"), k_cache, layer, index)
-    write_rows(load_natural_columns(v, name="v_columns"), v_cache, layer, index)
+    write_rows(
+        cache_rows(load_natural_columns(k, name="k_columns"), features, k_cache.dtype, "k_rows"), k_cache, layer, index
+    )
+    write_rows(
+        cache_rows(load_natural_columns(v, name="v_columns"), features, v_cache.dtype, "v_rows"), v_cache, layer, index
+    )
     return k_cache, v_cache
 
 
@@ -974,7 +1143,9 @@ def attention_kernel(q, k_cache, v_cache, write_index, mask_bias, *, layer, spec
     _rows_count(q, "q", spec.num_heads * d)
     constants = AttentionConstants(spec)
     qT = load_natural_columns(q, dtype=nl.float32, name="q_columns")
-    attn = attend(qT, k_cache, v_cache, layer, mask_bias, load_write_index(write_index), spec, constants)
+    index = load_write_index(write_index)
+    reader = WindowReader(k_cache, v_cache, mask_bias, layer, index, spec, qT.shape[2], new_slots=False)
+    attn = attend(qT, reader, constants)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_natural_columns(out, attn)
     return out

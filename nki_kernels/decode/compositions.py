@@ -166,6 +166,10 @@ def decoder_layer(ctx, x, layer, ops):
         )
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
+    # Attention's inputs that wait for no projection (its tables, the cache window's row 0) go first.
+    early = attention.prefetch(
+        ops.k_cache, ops.v_cache, layer, ops.write_index, ops.cos, ops.sin, ops.mask_bias, ops.qk_norms, spec, rows
+    )
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
         qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
@@ -185,6 +189,7 @@ def decoder_layer(ctx, x, layer, ops):
         ops.qk_norms,
         spec,
         constants=ctx.attention,
+        prefetched=early,
     )
     del qkv
     if attn.dtype != ctx.dtype:

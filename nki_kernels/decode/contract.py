@@ -322,11 +322,13 @@ class DecodeOperands:
     or None without spec.qk_norm. q, k, v, o, gate, up, down: a dense [L, K, N] or a Factored (zero padded to its
     largest per-layer rank), fp8 with scales where spec.fp8_weights names them (Quantized, or Factored with
     u_scale and v_scale). k_cache, v_cache [L, B, S, kv_heads, D]: this step's keys and values are written IN
-    PLACE at slots [write_index, write_index + T). write_index [1, 1] int32. cos, sin [NR, B, T, D] float32:
-    rotate-half tables with duplicated halves (layer l reads table spec.layer_rope[l]). mask_bias [NM, B, T, S]
-    float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with spec.mask_windows the kernels
-    read only the window of slots ending at each query's slot, so the mask must hide every slot outside it).
-    final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]), fp8 as the projections.
+    PLACE at slots [write_index, write_index + T); what those slots held before must be finite (a fresh cache's
+    zeros, an earlier step's values): the fused kernels read it, weighted by 0. write_index [1, 1] int32. cos, sin
+    [NR, B, T, D] float32: rotate-half tables with duplicated halves (layer l reads table spec.layer_rope[l]).
+    mask_bias [NM, B, T, S] float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with
+    spec.mask_windows the kernels read only the window of slots ending at each query's slot, so the mask must hide
+    every slot outside it). final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]), fp8 as the
+    projections.
     """
 
     x: Any = _operand("[B, T, H]", lambda spec, b, t, s: (b, t, spec.hidden), batch_axis=0)

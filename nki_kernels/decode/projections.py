@@ -38,6 +38,11 @@ HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
 # Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
 # block allows and the range's blocks fit a third of the ring (see head_projection).
 HEAD_RUN_COLUMNS = 4096
+# Column ranges an LM-head range's logits stores wait for: DMAs are queued in program order, so a store issued
+# right after its range's matmuls (it waits for them) would sit ahead of the next ranges' weight blocks and leave
+# the DMA engines idle until its logits are ready; issued after the blocks of the next HEAD_STORE_DELAY ranges, it
+# queues behind a stream that is already busy. Its logits rows stay in SBUF that long (a few fp32 rows).
+HEAD_STORE_DELAY = 2
 
 
 def load_norm_weights(norms_hbm, layout, unit_offset):
@@ -70,21 +75,45 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
 
     x: float32 column tiles with zero padding; weight: [128, tiles, 1] float32 (already 1 + w for unit-offset
     norms); dst: column tiles in any dtype (a matmul operand in the model dtype, or float32).
-    Sum of squares: squares summed over the tiles on VectorE, then over partitions by a ones matmul, which leaves
-    the total on every partition (no broadcast needed).
+    Sum of squares: squares summed over the tiles, then over partitions by a ones matmul, which leaves the total on
+    every partition (no broadcast needed). Each norm is a chain of dependent instructions on the decode step's
+    critical path, so one row (R = 1, batch-1 decode) takes a shorter one: the squares and their sum over the tiles
+    are one ScalarE activation (its free-axis reduction), and rstd, a per-partition scalar then, scales x and the
+    weight in one VectorE instruction: four instructions instead of six.
     """
     pmax = nl.tile_size.pmax
     tiles = len(layout)
     features = sum(size for size, _ in layout) if features is None else features
-    squares = nl.ndarray((pmax, rows, tiles), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
-    x_by_row = x[:, :, 0:rows].permute((0, 2, 1))
-    nisa.tensor_tensor(dst=squares, data1=x_by_row, data2=x_by_row, op=nl.multiply)
     partial = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_partial")
-    nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
+    if rows == 1:
+        squares = nl.ndarray((pmax, tiles), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
+        nisa.activation(
+            dst=squares,
+            op=nl.square,
+            data=x[:, :, 0],
+            reduce_op=nl.add,
+            reduce_res=partial,
+            reduce_cmd=nisa.reduce_cmd.reset_reduce,
+        )
+    else:
+        squares = nl.ndarray((pmax, rows, tiles), dtype=nl.float32, buffer=nl.sbuf, name="norm_squares")
+        x_by_row = x[:, :, 0:rows].permute((0, 2, 1))
+        nisa.tensor_tensor(dst=squares, data1=x_by_row, data2=x_by_row, op=nl.multiply)
+        nisa.tensor_reduce(dst=partial, op=nl.add, data=squares, axis=2)
     total = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.psum, name="norm_total")
     nisa.nc_matmul(dst=total, stationary=consts.ones, moving=partial, accumulate=False)
     rstd = nl.ndarray((pmax, 1, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_rstd")
     nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
+    if rows == 1:
+        nisa.scalar_tensor_tensor(
+            dst=dst[:, :, 0:1],
+            data=x[:, :, 0:1],
+            op0=nl.multiply,
+            operand0=rstd[:, 0, :],
+            op1=nl.multiply,
+            operand1=weight[:, :, 0:1],
+        )
+        return
     scaled = nl.ndarray((pmax, tiles, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
     nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, tiles), op=nl.multiply)
     nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
@@ -373,7 +402,7 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     whatever the ring's size; a range over several chunks, each accumulating over all its blocks, keeps its blocks
     live together. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where a ring block
     allows and a range's blocks take at most a third of the ring (the rest prefetches the next ranges), else
-    HEAD_COLUMNS wide.
+    HEAD_COLUMNS wide. A range's logits are stored once the blocks of the next HEAD_STORE_DELAY ranges are queued.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
@@ -392,23 +421,36 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     def load(v0, vc, k0, ks, count, partitions):
         return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
 
+    def issue(stores):
+        for dst, src in stores:
+            nisa.dma_copy(dst=dst, src=src)
+
+    pending = []  # per range, its logits stores (dst in HBM, src in SBUF) not issued yet
     for v0, vc in spans(v, columns):
         chunks = out.start(v0, vc)
+        stores = []
         if len(chunks) == 1:
             acc = out.accumulator(chunks[0])
             for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
                 block = load(v0, vc, k0, ks, count, partitions)
+                if b == len(in_blocks) - 1 and len(pending) == HEAD_STORE_DELAY:
+                    issue(pending.pop(0))
                 out.multiply(acc, chunks[0], block, b, s0, count, partitions)
                 del block
-            out.store(acc, chunks[0])
-            continue
-        blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
-        for chunk in chunks:
-            acc = out.accumulator(chunk)
-            for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
-                out.multiply(acc, chunk, block, b, s0, count, partitions)
-            out.store(acc, chunk)
-        del blocks
+            stores += out.store(acc, chunks[0])
+        else:
+            blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
+            if len(pending) == HEAD_STORE_DELAY:
+                issue(pending.pop(0))
+            for chunk in chunks:
+                acc = out.accumulator(chunk)
+                for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
+                    out.multiply(acc, chunk, block, b, s0, count, partitions)
+                stores += out.store(acc, chunk)
+            del blocks
+        pending.append(stores)
+    for stores in pending:
+        issue(stores)
 
 
 class _LogitRows:
@@ -440,7 +482,7 @@ class _LogitRows:
                 )
 
     def store(self, acc, chunk):
-        """out ← acc (soft-capped when softcap is set), through an SBUF row."""
+        """[(out's columns, SBUF rows)] to store: acc (soft-capped when softcap is set) through an SBUF row."""
         c0, cw = chunk
         logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
         if self.softcap is None:
@@ -448,7 +490,7 @@ class _LogitRows:
         else:
             nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / self.softcap)
             nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(self.softcap))
-        nisa.dma_copy(dst=self.out_rows[0 : self.rows, self.v0 + c0 : self.v0 + c0 + cw], src=logits)
+        return [(self.out_rows[0 : self.rows, self.v0 + c0 : self.v0 + c0 + cw], logits)]
 
 
 class _LogitColumns:
@@ -488,9 +530,9 @@ class _LogitColumns:
                 )
 
     def store(self, acc, chunk):
-        """out ← acc·scale (soft-capped when softcap is set): scaled column tiles in SBUF, turned into rows on the PE
-        one group at a time, side by side in a PSUM row of up to HEAD_COLUMNS, so each DMA writes whole rows of
-        logits (long runs, one engine per 8 rows)."""
+        """[(out's columns, SBUF rows)] to store: acc·scale (soft-capped when softcap is set) as scaled column tiles
+        in SBUF, turned into rows on the PE one group at a time, side by side in a PSUM row of up to HEAD_COLUMNS,
+        so each DMA writes whole rows of logits (long runs, one engine per 8 rows)."""
         first_group, groups = chunk
         rows = self.rows
         logits = nl.ndarray((nl.tile_size.pmax, len(groups), rows), dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
@@ -503,6 +545,7 @@ class _LogitColumns:
                 nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
         pmax = nl.tile_size.pmax
         per_row = HEAD_COLUMNS // pmax
+        stores = []
         for j0 in range(0, len(groups), per_row):
             part = groups[j0 : j0 + per_row]
             first, width = part[0][0], part[-1][0] + part[-1][1] - part[0][0]
@@ -512,7 +555,8 @@ class _LogitColumns:
             staged = nl.ndarray((rows, width), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
             nisa.tensor_copy(dst=staged, src=turned)
             del turned
-            nisa.dma_copy(dst=self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], src=staged)
+            stores.append((self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], staged))
+        return stores
 
 
 def _scale_groups(scale):

@@ -239,9 +239,10 @@ def rows_to_natural_columns(columns, rows):
         )
 
 
-def natural_columns_to_rows(rows, columns):
+def natural_columns_to_rows(rows, columns, turn=0):
     """rows[0:R, i·128 : i·128 + pt] = columns[0:pt, i, 0:R]ᵀ (the inverse of rows_to_natural_columns); evictions (with
-    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions)."""
+    cast to rows' dtype) of ≤512 columns, alternating VectorE and ScalarE (few rows make long evictions) from
+    evict_alternating's turn `turn`."""
     pmax = nl.tile_size.pmax
     r, f = rows.shape[0], rows.shape[1]
     step = nl.tile_size.gemm_moving_fmax
@@ -249,7 +250,7 @@ def natural_columns_to_rows(rows, columns):
         turned = nl.ndarray((r, cw), dtype=columns.dtype, buffer=nl.psum, name="rows_psum")
         for f0, pt in spans(cw, pmax):
             nisa.nc_transpose(dst=turned[0:r, f0 : f0 + pt], data=columns[0:pt, (c0 + f0) // pmax, 0:r])
-        evict_alternating(rows[0:r, c0 : c0 + cw], turned, n)
+        evict_alternating(rows[0:r, c0 : c0 + cw], turned, turn + n)
 
 
 def load_natural_columns(x, dtype=None, name="x_columns"):

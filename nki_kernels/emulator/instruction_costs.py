@@ -32,6 +32,12 @@ def _tensor_scalar_reduce(record: trace.InstructionRecord) -> float:
     return max(MIN_II_CYCLES, record.free_elements) + MIN_II_CYCLES
 
 
+def _activation(record: trace.InstructionRecord) -> float:
+    # [ISA-0.1] activation_reduce (nisa.activation writing reduce_res, its second write): "max(MIN_II, N) + MIN_II
+    # Scalar Engine cycles"; without it, the default max(MIN_II, N).
+    return max(MIN_II_CYCLES, record.free_elements) + (MIN_II_CYCLES if len(record.writes) > 1 else 0)
+
+
 def _nc_n_gather(record: trace.InstructionRecord) -> float:
     # [ISA-0.6] nc_n_gather is n = ceil(elements per partition / 512) instructions of the underlying ISA: each
     # at least MIN_II, and one element per cycle.
@@ -43,6 +49,7 @@ COST: dict[str, Callable[[trace.InstructionRecord], float]] = {
     "topk": _topk,
     "tensor_scalar_reduce": _tensor_scalar_reduce,
     "nc_n_gather": _nc_n_gather,
+    "activation": _activation,
 }
 
 

@@ -960,7 +960,7 @@ def activation(
             _write(reduce_res, registers[:partitions].copy())
     _mark_psum(dst, PSUM_BY_OTHER)
     reads = (data,) + tuple(o for o in (bias, scale) if isinstance(o, NkiTensor))
-    _record(ctx, opcode, "scalar", line, dst, reads, inputs=(data,))
+    _record(ctx, opcode, "scalar", line, dst, reads, inputs=(data,), extra_writes=(reduce_res,))
 
 
 def tensor_tensor_scan(dst, data0, data1, initial, op0, op1, reverse0=False, reverse1=False, name=None):
