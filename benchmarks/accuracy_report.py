@@ -71,6 +71,7 @@ class Config:
 CONFIGS = (
     Config("mlp 0.8 recommended", 0.8, ("mlp",)),
     Config("mlp 0.8, top-k loss", 0.8, ("mlp",), distill=DistillOptions(loss="topk")),
+    Config("mlp 0.8, KL at 128 sampled positions", 0.8, ("mlp",), distill=DistillOptions(positions=128)),
     Config("mlp+attention 0.8 recommended", 0.8, ("mlp", "attention")),
     Config("mlp 0.6 recommended", 0.6, ("mlp",)),
     Config("head 0.8 whitened", 0.8, ("head",), steps=()),
@@ -235,6 +236,12 @@ def render(results: dict) -> None:
             f"{row['top1_novel']:.3f} | {row['top1_technical']:.3f} | {row['greedy_median']:.0f} | {row['cloze']:.2f} "
             f"| {saved(row):.1%} | {row['seconds']:.0f} | {row['load']} |"
         )
+    other = [
+        (name, row["distill"]) for name, row in rows.items() if row.get("distill", meta["distill"]) != meta["distill"]
+    ]
+    if other:
+        lines += ["", "Rows distilled with other settings:"]
+        lines += [f"- {name}: {settings}" for name, settings in other]
     measured = [name for name in SENSITIVITY if name in rows]
     if measured:
         lines += [
@@ -316,6 +323,18 @@ def load_model():
     return models.load_gguf(str(assemble()))
 
 
+def describe(options: DistillOptions) -> str:
+    """The distillation settings of a report row, in words."""
+    where = f"at {options.positions} sampled positions" if options.positions else "at every position"
+    loss = f"full-vocabulary KL {where}" if options.loss == "kl" else f"centered logits + top-{options.top_k} KL"
+    return (
+        f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
+        f"{' relative to each factor RMS' if options.relative else ''} after {options.warmup} warm-up steps "
+        f"({options.schedule} after them), gradient norm clipped at {options.clip_norm}, loss {options.loss!r} "
+        f"({loss} per window), held-out check every {options.eval_every} steps"
+    )
+
+
 def main(argv):
     del argv
     json_path = os.path.join(RESULTS, "accuracy_report.json")
@@ -359,12 +378,10 @@ def main(argv):
         decode_bytes=decode.decode_weight_bytes(model),
         continuation_text=[tokenizer.decode(c.tolist()) for c in held_out.dense_continuations[:3]],
     )
-    options = DistillOptions()
     results["meta"].update(
         checkpoint=FLAGS.checkpoint_dir or "the package's Q4_K_M GGUF, loaded by models.load_gguf",
         seq_len=FLAGS.seq_len,
         distill_windows=FLAGS.distill_windows,
-        holdout=options.holdout,
         eval_windows=FLAGS.eval_windows,
         prompts=len(prompts),
         prompt_tokens=FLAGS.prompt_tokens,
@@ -374,14 +391,8 @@ def main(argv):
             "the first sentences of the text whose last word (4+ letters) appears in the ~128 tokens before the "
             "sentence but not earlier in it; correct when the argmax predicts every token of the word"
         ),
-        distill=(
-            f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
-            f"{' relative to each factor RMS' if options.relative else ''} after "
-            f"{options.warmup} warm-up steps ({options.schedule} after them), gradient norm clipped at "
-            f"{options.clip_norm}, loss {options.loss!r} "
-            f"(full-vocabulary KL at {options.positions} sampled positions per window), held-out check every "
-            f"{options.eval_every} steps"
-        ),
+        distill=describe(DistillOptions()),
+        holdout=DistillOptions().holdout,
         load_note=FLAGS.load_note or "see the commit message for the machine load",
         dense=dense_row,
         prompt_text=[tokenizer.decode(p[1:].tolist()) for p in prompts[:3]],
@@ -413,6 +424,8 @@ def main(argv):
             load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
             continuation_text=[tokenizer.decode(c) for c in row["continuations"]],
         )
+        if "distill" in config.steps:
+            row["distill"] = describe(config.distill)
         results["rows"][config.name] = row
         print(
             f"{config.name}: novel {row['ppl_novel'] / dense_row['ppl_novel']:.3f}x, technical "
