@@ -36,7 +36,7 @@ RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
 # and a technical text): whitened + sequential 1.75x / 1.94x, + distill (DistillOptions' defaults, 80 windows of
-# 256 tokens) 1.40x / 1.43x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
+# 256 tokens) 1.33x / 1.39x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
 RECOMMENDED_STEPS = ("sequential", "distill")
 
 
