@@ -161,15 +161,31 @@ def test_missing_or_misshapen_scales_name_the_operand(rng):
 
 
 @nki.jit
-def fp8_head_kernel(h, w, scale, *, softcap):
-    """head_projection of rows h [R, K] (bf16) by fp8 w [K, V] with scales [V], in the default weight ring."""
+def fp8_head_kernel(h, w, scale, *, softcap, block_bytes=None):
+    """head_projection of rows h [R, K] (bf16) by fp8 w [K, V] with scales [V], in a weight ring of the default
+    size (blocks of block_bytes per partition, default when None)."""
     rows, k = h.shape
     layout = tiles.feature_layout(k, tiles.head_group(k))
     hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    projections.head_projection(hc, layout, w, rows, WeightRing(), logits, softcap, scale)
+    projections.head_projection(hc, layout, w, rows, WeightRing(block_bytes), logits, softcap, scale)
     return logits
+
+
+@pytest.mark.parametrize("rows, softcap", [(1, None), (3, 2.0)])
+def test_fp8_head_logit_buffer_across_ranges(rng, rows, softcap):
+    """fp8 LM head whose scaled logit columns gather over ranges into 128-group buffers turned into rows 16 groups
+    a partition: K = 200 (ragged tiles), 1536-column ranges (12 groups) that straddle a buffer's end, V = 131
+    groups (the last partial, 77 columns): one whole buffer, then 2 whole groups and the partial one left over."""
+    v = 130 * 128 + 77
+    h = rng.standard_normal((rows, 200)).astype(BF16)
+    w, scale = fp8_matrix(rng, (200, v), 200)
+    logits = fp8_head_kernel(h, w, scale, softcap=softcap, block_bytes=1536)
+    want = h.astype(np.float64) @ reference.dequantized_f64(Quantized(w, scale))
+    if softcap:
+        want = np.tanh(want / softcap) * softcap
+    np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("rows, softcap", [(72, 3.0), (5, None)])

@@ -43,6 +43,11 @@ HEAD_RUN_COLUMNS = 4096
 # the DMA engines idle until its logits are ready; issued after the blocks of the next HEAD_STORE_DELAY ranges, it
 # queues behind a stream that is already busy. Its logits rows stay in SBUF that long (a few fp32 rows).
 HEAD_STORE_DELAY = 2
+# Most rows for which the fp8 head's logit columns gather over ranges into buffers of 128 groups that are turned
+# into rows one row at a time (`_LogitColumns._flush`: R·m transposes per 128 groups, m = HEAD_COLUMNS / 128, where
+# turning per range a group at a time takes 128 whatever R; each row's staged logits hold HEAD_COLUMNS float32 per
+# partition until stored). More rows turn per range.
+HEAD_TURN_ROWS = 4
 
 
 def load_norm_weights(norms_hbm, layout, unit_offset):
@@ -497,15 +502,19 @@ class _LogitColumns:
     """The LM head of fp8 weights with head tiles STATIONARY ([≤128 of K, ≤128 of V]) and x moving ([≤128 of K,
     R]): PSUM holds logits column tiles [≤128 of V, R], vocabulary on the partitions, one per 128-column group.
     TensorE takes 256 weights a cycle this way (64 cycles a tile) where the rows orientation takes 128, fewer than
-    DMA brings of fp8 weights on trn2 (151 bytes a cycle); with one PE transpose (128 cycles) per group back to
-    rows, a group of a 640-row head (5 tiles) costs 448 cycles instead of 640. The scales lie on the partitions
-    too, so PSUM is scaled on the way out with one VectorE multiply per run of groups, then soft-capped; they are
-    loaded once for the whole vocabulary (`_scale_groups`)."""
+    DMA brings of fp8 weights on trn2 (151 bytes a cycle). Turning the logits back into rows one PE transpose
+    (128 cycles) per group made a group of a rank-448 factored head cost 384 cycles, as long as DMA takes for its
+    bytes on trn2 (Gemma 3 270M, batch 1: TensorE busy 559 of 695 µs, the step 20 µs over its DMA time); with up
+    to HEAD_TURN_ROWS rows the logit columns of 128 groups are turned m = HEAD_COLUMNS / 128 at a time (`_flush`),
+    so a group costs the matmuls' 256 cycles plus 16 per row. The scales lie on the partitions too, so PSUM is
+    scaled on the way out with one VectorE multiply per run of groups, then soft-capped; they are loaded once for
+    the whole vocabulary (`_scale_groups`)."""
 
     def __init__(self, x, rows, out_rows, softcap, scale):
         self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
         self.per_acc = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))  # groups an accumulator holds
         self.scales = _scale_groups(scale)
+        self.buffer, self.buffer_column, self.buffered = None, 0, []  # see store: the groups not yet turned
 
     def start(self, v0, vc):
         """The chunks of the range [v0, v0 + vc): (the range's first group in the vocabulary, [(column in the
@@ -531,8 +540,43 @@ class _LogitColumns:
 
     def store(self, acc, chunk):
         """[(out's columns, SBUF rows)] to store: acc·scale (soft-capped when softcap is set) as scaled column tiles
-        in SBUF, turned into rows on the PE one group at a time, side by side in a PSUM row of up to HEAD_COLUMNS,
-        so each DMA writes whole rows of logits (long runs, one engine per 8 rows)."""
+        in an SBUF buffer of up to 128 consecutive groups that spans ranges (`_flush` turns a full one into rows);
+        with more than HEAD_TURN_ROWS rows, per range (`_store_range`)."""
+        if self.rows > HEAD_TURN_ROWS:
+            return self._store_range(acc, chunk)
+        first_group, groups = chunk
+        rows = self.rows
+        stores = []
+        j = 0
+        while j < len(groups):
+            if self.buffer is None:
+                shape = (nl.tile_size.pmax, nl.tile_size.pmax, rows)
+                self.buffer = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
+                self.buffer_column, self.buffered = self.v0 + groups[j][0], []
+            # a run of equal-size groups that fits the buffer
+            size, n = groups[j][1], 1
+            room = nl.tile_size.pmax - len(self.buffered)
+            while n < room and j + n < len(groups) and groups[j + n][1] == size:
+                n += 1
+            b0 = len(self.buffered)
+            view = self.buffer[0:size, b0 : b0 + n, 0:rows]
+            scale = self.scales[0:size, first_group + j : first_group + j + n, 0:1].broadcast(2, rows)
+            nisa.tensor_tensor(dst=view, data1=acc[0:size, j : j + n, 0:rows], data2=scale, op=nl.multiply)
+            if self.softcap is not None:
+                nisa.activation(dst=view, op=nl.tanh, data=view, scale=1.0 / self.softcap)
+                nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
+            self.buffered += [size] * n
+            j += n
+            end = self.buffer_column + sum(self.buffered)
+            if len(self.buffered) == nl.tile_size.pmax or size < nl.tile_size.pmax or end == self.out_rows.shape[1]:
+                stores += self._flush()
+        return stores
+
+    def _store_range(self, acc, chunk):
+        """`store` of more than HEAD_TURN_ROWS rows: acc·scale (soft-capped when softcap is set) as scaled column
+        tiles in SBUF, turned into rows on the PE one group at a time (a transpose turns all R rows of a group), side
+        by side in a PSUM row of up to HEAD_COLUMNS, so each DMA writes whole rows of logits (long runs, one engine
+        per 8 rows)."""
         first_group, groups = chunk
         rows = self.rows
         logits = nl.ndarray((nl.tile_size.pmax, len(groups), rows), dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
@@ -556,6 +600,47 @@ class _LogitColumns:
             nisa.tensor_copy(dst=staged, src=turned)
             del turned
             stores.append((self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], staged))
+        return stores
+
+    def _flush(self):
+        """The buffered groups as rows of logits, per row: PE transposes of [128, n] column tiles, each turning n
+        groups at once (max(128, min(64, n)) cycles however many it turns, where one per group took 128 cycles a
+        group: on trn2 the head's TensorE time was its matmuls' plus half again, and its VectorE evictions one
+        per 16 groups). Transpose j takes groups j, j + m, j + 2m, ... (m = HEAD_COLUMNS / 128) to PSUM columns
+        [128·j, 128·(j+1)), so partition q holds m consecutive groups: 8 KiB runs of logits, evicted by one VectorE
+        copy and stored a partition per DMA (spread over the DMA engines as the per-range rows were). The groups
+        left over (fewer than m, the last maybe partial) turn one at a time into one row."""
+        pmax = nl.tile_size.pmax
+        m = HEAD_COLUMNS // pmax
+        buffered, column = self.buffered, self.buffer_column
+        full = len(buffered) if buffered[-1] == pmax else len(buffered) - 1
+        nq = full // m
+        by_row = self.buffer.reshape_dim(1, (pmax // m, m))  # [128, 128 / m, m, R]: group q·m + j
+        stores = []
+        for r in range(self.rows):
+            if nq:
+                turned = nl.ndarray((nq, m * pmax), dtype=nl.float32, buffer=nl.psum, name="logits_turned")
+                for j in range(m):
+                    nisa.nc_transpose(dst=turned[0:nq, j * pmax : (j + 1) * pmax], data=by_row[0:pmax, 0:nq, j, r])
+                staged = nl.ndarray((nq, m * pmax), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+                nisa.tensor_copy(dst=staged, src=turned)
+                del turned
+                for q in range(nq):  # a DMA per partition: the stores of a flush spread over nq engines
+                    c0 = column + q * m * pmax
+                    stores.append((self.out_rows[r : r + 1, c0 : c0 + m * pmax], staged[q : q + 1, :]))
+            rest = buffered[nq * m :]
+            if rest:
+                width = sum(rest)
+                turned = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.psum, name="logits_turned")
+                for i, cs in enumerate(rest):
+                    g = nq * m + i
+                    nisa.nc_transpose(dst=turned[0:1, i * pmax : i * pmax + cs], data=self.buffer[0:cs, g, r : r + 1])
+                staged = nl.ndarray((1, width), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
+                nisa.tensor_copy(dst=staged, src=turned)
+                del turned
+                c0 = column + nq * m * pmax
+                stores.append((self.out_rows[r : r + 1, c0 : c0 + width], staged))
+        self.buffer, self.buffered = None, []
         return stores
 
 
