@@ -38,6 +38,7 @@ from accuracy_report import load_model
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
+from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
 from jax_neuronmm.models.compression import RECOMMENDED_STEPS
 from nki_kernels import ranks
@@ -86,6 +87,7 @@ class Config:
     block: int = 128
     expensive: bool = False
     factors_gptq: bool = False
+    distill: DistillOptions | None = None
 
     @property
     def weights(self) -> str:
@@ -109,6 +111,17 @@ CONFIGS = (
     *(
         Config(f"head {keep} fp8 GPTQ factors", ("head",), keep, fp8=True, factors_gptq=True, block=HEAD_BLOCK)
         for keep in (0.9, 0.8)
+    ),
+    # The head's factors distilled (full-vocabulary KL at 64 sampled positions, 120 steps: the head-only step runs
+    # the 262k-column head forward and backward at every position it samples) before rounding to fp8.
+    Config(
+        "head 0.7 fp8 distilled",
+        ("head",),
+        0.7,
+        fp8=True,
+        steps=("distill",),
+        block=HEAD_BLOCK,
+        distill=DistillOptions(steps=120, positions=64),
     ),
     *(
         Config(f"{name} 0.8 recommended {'fp8' if fp8 else 'bf16'}", include, 0.8, fp8, True, RECOMMENDED_STEPS)
@@ -179,6 +192,7 @@ class Builder:
             include=config.include,
             steps=config.steps,
             block=config.block,
+            distill=config.distill,
             distill_ids=self.distill_ids if "distill" in config.steps else None,
             weight_dtype=weight_dtype,
             progress=False,
