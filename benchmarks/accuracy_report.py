@@ -142,9 +142,10 @@ here no method above gets past about 1.33x. Both limits show on the training tex
 the held-out texts went to 1.326x / 1.385x: the gap between seen and unseen text (0.24 on the novel) has grown
 larger than what remains on the training text, so more training text matters as much as more steps. What would
 be needed is more steps on more training text than a 15-minute 2-core budget allows (an accelerator runs such a step
-in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Keep 0.6 MLP and MLP +
-attention were measured with 128 sampled positions (the default then; the list above the sensitivity table): 1.890x
-/ 1.977x and 1.904x / 1.893x, far from 1.2x and 1.1x. Not measured for lack of CPU time: MLP + attention + head."""
+in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Keep 0.6 MLP with every
+position: 1.816x / 1.883x in 748 s (1.890x / 1.977x at 128 positions), far from 1.2x. MLP + attention was measured
+with 128 sampled positions only (the list above the sensitivity table): 1.904x / 1.893x, far from 1.1x. Not measured
+for lack of CPU time: MLP + attention + head."""
 
 
 def token_ids(model, text: str) -> np.ndarray:
