@@ -11,8 +11,8 @@ worse on Gemma 3 270M (MLPs whitened at keep 0.8: 1.773x dense perplexity agains
 1.757x in bf16), while GPTQ on the dense projections and head took fp8 from 1.027x to 1.000x
 (benchmarks/results/fp8_accuracy.md).
 
-Quantized models generate through their own forward: `models.decode.decode_plan` does not build fp8 operands for
-`decode_step` yet (the primitive and its kernels take them: `DecodeSpec.fp8_weights`).
+Quantized models generate through `decode_step` like any other: `models.decode.decode_plan` stacks their fp8 values
+and scales as the step's operands (`DecodeSpec.fp8_weights` names them).
 """
 
 from __future__ import annotations
