@@ -175,9 +175,10 @@ def fp8_head_kernel(h, w, scale, *, softcap, block_bytes=None):
 
 @pytest.mark.parametrize("rows, softcap", [(1, None), (3, 2.0)])
 def test_fp8_head_logit_buffer_across_ranges(rng, rows, softcap):
-    """fp8 LM head whose scaled logit columns gather over ranges into 128-group buffers turned into rows 16 groups
-    a partition: K = 200 (ragged tiles), 1536-column ranges (12 groups) that straddle a buffer's end, V = 131
-    groups (the last partial, 77 columns): one whole buffer, then 2 whole groups and the partial one left over."""
+    """fp8 LM head whose scaled logit columns gather over ranges into buffers turned into rows 16 groups a
+    partition: K = 200 (ragged tiles), 1536-column ranges (12 groups) that straddle a buffer's end, V = 131 groups
+    (the last partial, 77 columns): a first buffer of 115 groups (so that 16 are left for the last), then the last
+    buffer turned a group a partition, 15 whole groups and the partial one left over."""
     v = 130 * 128 + 77
     h = rng.standard_normal((rows, 200)).astype(BF16)
     w, scale = fp8_matrix(rng, (200, v), 200)
@@ -190,8 +191,9 @@ def test_fp8_head_logit_buffer_across_ranges(rng, rows, softcap):
 
 @pytest.mark.parametrize("rows, softcap", [(72, 3.0), (5, None)])
 def test_fp8_head_with_many_rows_and_wide_ranges(rng, rows, softcap):
-    """fp8 LM head, vocabulary on the partitions: 4096-column ranges of 32 groups; with 72 rows an accumulator holds
-    16 groups, so a range's blocks stay live over two accumulators; a ragged last group (V = 4700)."""
+    """fp8 LM head, vocabulary on the partitions: one range of V = 4700 columns (a ragged last group) cut by
+    head_ranges into 2304, 1152 and 1244 columns; with 72 rows an accumulator holds 16 groups, so the first range's
+    blocks stay live over two accumulators."""
     h = rng.standard_normal((rows, 256)).astype(BF16)
     w, scale = fp8_matrix(rng, (256, 4700), 256)
     logits = fp8_head_kernel(h, w, scale, softcap=softcap)

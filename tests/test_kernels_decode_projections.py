@@ -164,9 +164,27 @@ def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
     return logits
 
 
+def test_head_ranges_narrow_to_the_tail():
+    """The head's column ranges cover the vocabulary in order; the last full-width one is halved down to
+    HEAD_TAIL_COLUMNS in whole 128-column groups; narrower or ragged ranges are left as they are."""
+    tail = projections.HEAD_TAIL_COLUMNS
+
+    def widths(v, columns):
+        ranges = projections.head_ranges(v, columns)
+        assert [v0 for v0, _ in ranges] == list(np.cumsum([0] + [vc for _, vc in ranges[:-1]]))
+        assert sum(vc for _, vc in ranges) == v
+        return [vc for _, vc in ranges]
+
+    assert widths(262144, 4 * tail) == [4 * tail] * (262144 // (4 * tail) - 1) + [2 * tail, tail, tail]
+    assert widths(4700, 8192) == [2304, 1152, 1244]  # one ragged range, cut at group boundaries
+    assert widths(130 * 128 + 77, 1536) == [1536] * 10 + [1357]
+    assert widths(100, 8192) == [100]
+
+
 @pytest.mark.parametrize("rows, k, v, softcap", [(2, 256, 5000, None), (1, 640, 4700, 3.0)])
-def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap):
+def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap, monkeypatch):
     """A head block holding all K rows spans several HEAD_COLUMNS PSUM chunks (and a ragged last one)."""
+    monkeypatch.setattr(projections, "HEAD_RUN_BYTES", 16384)  # float32 weights: as wide as bf16 ones get
     assert len(tiles.layout_blocks(tiles.feature_layout(k, tiles.head_group(k)))) == 1
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
     count = tiles.head_group(k)  # rows per partition of the one layout block

@@ -35,9 +35,14 @@ from nki_kernels.svd_matmul import spans
 PROJECTION_PSUM_BANKS = 4
 # Logits columns one LM-head PSUM chunk accumulates: 4 banks of float32.
 HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
-# Widest head column range: 8 KiB runs of each bf16 head row per DMA (the DMA curve's flat part), where a ring
-# block allows and the range's blocks fit a third of the ring (see head_projection).
-HEAD_RUN_COLUMNS = 4096
+# Widest head column range: 8 KiB runs of each head row per DMA (the DMA curve's flat part: 4 KiB runs move at
+# 96.5% of its rate, 8 KiB at 98.3%), 4096 bf16 or 8192 fp8 columns, where a ring block allows and the range's
+# blocks fit a third of the ring (see head_projection).
+HEAD_RUN_BYTES = 8192
+# Narrowest range the head's last full range is halved down to: what TensorE and the logits' turning and stores do
+# after the last weight block arrives is one range's work, so the step ends sooner after its last byte (2 KiB fp8
+# runs move at 81.5% of the DMA rate, for 1/128 of a 262,144-column head's bytes).
+HEAD_TAIL_COLUMNS = 2048
 # Column ranges an LM-head range's logits stores wait for: DMAs are queued in program order, so a store issued
 # right after its range's matmuls (it waits for them) would sit ahead of the next ranges' weight blocks and leave
 # the DMA engines idle until its logits are ready; issued after the blocks of the next HEAD_STORE_DELAY ranges, it
@@ -405,16 +410,17 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
     chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
     whatever the ring's size; a range over several chunks, each accumulating over all its blocks, keeps its blocks
-    live together. Ranges are HEAD_RUN_COLUMNS wide (8 KiB runs of each bf16 weight row per DMA) where a ring block
-    allows and a range's blocks take at most a third of the ring (the rest prefetches the next ranges), else
-    HEAD_COLUMNS wide. A range's logits are stored once the blocks of the next HEAD_STORE_DELAY ranges are queued.
+    live together. Ranges hold HEAD_RUN_BYTES of each weight row (one DMA run) where a ring block allows and a
+    range's blocks take at most a third of the ring (the rest prefetches the next ranges), else HEAD_COLUMNS
+    columns; the last one is halved down to HEAD_TAIL_COLUMNS (`head_ranges`). A range's logits are stored once
+    the blocks of the next HEAD_STORE_DELAY ranges are queued.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
     block_elements = ring.block_elements(w.dtype)
-    columns = min(HEAD_RUN_COLUMNS, block_elements // in_count_max)
+    columns = min(HEAD_RUN_BYTES // w.dtype.itemsize, block_elements // in_count_max)
     if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
         columns = min(HEAD_COLUMNS, block_elements // in_count_max)
@@ -431,7 +437,7 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
             nisa.dma_copy(dst=dst, src=src)
 
     pending = []  # per range, its logits stores (dst in HBM, src in SBUF) not issued yet
-    for v0, vc in spans(v, columns):
+    for v0, vc in head_ranges(v, columns):
         chunks = out.start(v0, vc)
         stores = []
         if len(chunks) == 1:
@@ -456,6 +462,19 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
         pending.append(stores)
     for stores in pending:
         issue(stores)
+
+
+def head_ranges(v, columns):
+    """The head's column ranges [(first column, columns)]: `columns` wide, the last full-width one split into
+    halves, quarters, ... (in whole 128-column groups) down to HEAD_TAIL_COLUMNS."""
+    pmax = nl.tile_size.pmax
+    ranges = spans(v, columns)
+    v0, vc = ranges.pop()
+    while vc > HEAD_TAIL_COLUMNS and vc >= 2 * pmax:
+        half = vc // 2 - vc // 2 % pmax
+        ranges.append((v0, half))
+        v0, vc = v0 + half, vc - half
+    return ranges + [(v0, vc)]
 
 
 class _LogitRows:
@@ -515,6 +534,10 @@ class _LogitColumns:
         self.per_acc = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))  # groups an accumulator holds
         self.scales = _scale_groups(scale)
         self.buffer, self.buffer_column, self.buffered = None, 0, []  # see store: the groups not yet turned
+        # The first buffer holds fewer groups so that the last holds m = HEAD_COLUMNS / 128 (one transpose per
+        # row): turning the last buffer is work after the last weight block arrives.
+        pmax, groups = nl.tile_size.pmax, -(-out_rows.shape[1] // nl.tile_size.pmax)
+        self.capacity = (groups - HEAD_COLUMNS // pmax) % pmax or pmax
 
     def start(self, v0, vc):
         """The chunks of the range [v0, v0 + vc): (the range's first group in the vocabulary, [(column in the
@@ -540,7 +563,8 @@ class _LogitColumns:
 
     def store(self, acc, chunk):
         """[(out's columns, SBUF rows)] to store: acc·scale (soft-capped when softcap is set) as scaled column tiles
-        in an SBUF buffer of up to 128 consecutive groups that spans ranges (`_flush` turns a full one into rows);
+        in an SBUF buffer of up to 128 consecutive groups (the first fewer) that spans ranges (`_flush` turns a
+        full one into rows);
         with more than HEAD_TURN_ROWS rows, per range (`_store_range`)."""
         if self.rows > HEAD_TURN_ROWS:
             return self._store_range(acc, chunk)
@@ -555,7 +579,7 @@ class _LogitColumns:
                 self.buffer_column, self.buffered = self.v0 + groups[j][0], []
             # a run of equal-size groups that fits the buffer
             size, n = groups[j][1], 1
-            room = nl.tile_size.pmax - len(self.buffered)
+            room = self.capacity - len(self.buffered)
             while n < room and j + n < len(groups) and groups[j + n][1] == size:
                 n += 1
             b0 = len(self.buffered)
@@ -568,8 +592,10 @@ class _LogitColumns:
             self.buffered += [size] * n
             j += n
             end = self.buffer_column + sum(self.buffered)
-            if len(self.buffered) == nl.tile_size.pmax or size < nl.tile_size.pmax or end == self.out_rows.shape[1]:
-                stores += self._flush()
+            last = end == self.out_rows.shape[1]
+            if len(self.buffered) == self.capacity or size < nl.tile_size.pmax or last:
+                stores += self._flush(1 if last else HEAD_COLUMNS // nl.tile_size.pmax)
+                self.capacity = nl.tile_size.pmax
         return stores
 
     def _store_range(self, acc, chunk):
@@ -602,16 +628,16 @@ class _LogitColumns:
             stores.append((self.out_rows[0:rows, self.v0 + first : self.v0 + first + width], staged))
         return stores
 
-    def _flush(self):
+    def _flush(self, m):
         """The buffered groups as rows of logits, per row: PE transposes of [128, n] column tiles, each turning n
         groups at once (max(128, min(64, n)) cycles however many it turns, where one per group took 128 cycles a
         group: on trn2 the head's TensorE time was its matmuls' plus half again, and its VectorE evictions one
-        per 16 groups). Transpose j takes groups j, j + m, j + 2m, ... (m = HEAD_COLUMNS / 128) to PSUM columns
-        [128·j, 128·(j+1)), so partition q holds m consecutive groups: 8 KiB runs of logits, evicted by one VectorE
-        copy and stored a partition per DMA (spread over the DMA engines as the per-range rows were). The groups
-        left over (fewer than m, the last maybe partial) turn one at a time into one row."""
+        per 16 groups). Transpose j takes groups j, j + m, j + 2m, ... to PSUM columns [128·j, 128·(j+1)), so
+        partition q holds m consecutive groups, evicted by one VectorE copy (128·m elements a partition) and stored
+        a partition per DMA (spread over the DMA engines as the per-range rows were): m = HEAD_COLUMNS / 128 gives
+        8 KiB runs of logits; the last buffer, turned after the last weights arrive, takes m = 1 (the shortest
+        copy). The groups left over (fewer than m, the last maybe partial) turn one at a time into one row."""
         pmax = nl.tile_size.pmax
-        m = HEAD_COLUMNS // pmax
         buffered, column = self.buffered, self.buffer_column
         full = len(buffered) if buffered[-1] == pmax else len(buffered) - 1
         nq = full // m
