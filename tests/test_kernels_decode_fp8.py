@@ -29,14 +29,15 @@ from decode_operands import (
     relative_error,
 )
 
-from nki_kernels import reference
+from nki_kernels import emulator, reference
 from nki_kernels.binding import nki, nl
 from nki_kernels.decode import projections, tiles, traffic
 from nki_kernels.decode.compositions import projection_kernel
-from nki_kernels.decode.contract import WEIGHTS, DecodeSpec, Factored, Quantized, check
+from nki_kernels.decode.contract import FP8, WEIGHTS, DecodeSpec, Factored, Quantized, check
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
-from nki_kernels.emulator import NkiHardwareError, profile
+from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
+from nki_kernels.emulator.kernel import Spec, run
 
 # (spec, B, T, S, write slot)
 CASES = [(LLAMA8, 3, 1, 12, 11), (GEMMA3_8, 1, 2, 20, 7)]
@@ -201,3 +202,27 @@ def test_fp8_head_with_many_rows_and_wide_ranges(rng, rows, softcap):
     if softcap:
         want = np.tanh(want / softcap) * softcap
     np.testing.assert_allclose(logits, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("target", ["trn1", "trn2"])
+@pytest.mark.parametrize("rows, rank", [(1, 448), (8, 448), (1, 576)])
+def test_fp8_head_at_gemma_size_fits_sbuf_and_reads_each_weight_once(target, rows, rank):
+    """The head of Gemma 3 270M factored (v [rank, 262144] fp8) on its own default ring: its ranges (8 KiB runs of
+    each weight row with the logits gathered over ranges, 4096 columns with 8 rows staging theirs, halved where a
+    range's blocks would take over a third of the ring) fit SBUF on both targets, read each weight and scale byte
+    once, and move all but the narrowed last ranges' weight bytes in runs of at least 4 KiB a partition."""
+    v = 262144
+    operands = (Spec((rows, rank), BF16), Spec((rank, v), FP8), Spec((v,), np.float32))
+    runs = []
+    trace.add_listener(runs.append)
+    try:
+        with emulator.use_target(target), profile() as prof:
+            run(fp8_head_kernel, operands, {"softcap": 30.0}, numerics=False)
+    finally:
+        trace.remove_listener(runs.append)
+    (summary,), (head,) = prof.runs, runs
+    assert summary.hbm_bytes_read == rows * rank * 2 + rank * v + v * 4
+    assert summary.hbm_bytes_written == rows * v * 4
+    weight_dmas = [r for r in head.records if r.dma and "ring.py" in r.line]  # the weight ring's loads
+    long_runs = sum(r.dma.nbytes for r in weight_dmas if cost_model.dma_buffer_bytes(r) >= 4096)
+    assert long_runs >= rank * (v - 2 * projections.HEAD_TAIL_COLUMNS)

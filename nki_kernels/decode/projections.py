@@ -39,6 +39,9 @@ HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
 # 96.5% of its rate, 8 KiB at 98.3%), 4096 bf16 or 8192 fp8 columns, where a ring block allows and the range's
 # blocks fit a third of the ring (see head_projection).
 HEAD_RUN_BYTES = 8192
+# Widest head range whose logits are staged as float32 rows until stored (bf16 weights, or more than HEAD_TURN_ROWS
+# rows): 16 KiB per partition a range, HEAD_STORE_DELAY + 1 ranges at once.
+HEAD_STAGED_COLUMNS = 4096
 # Narrowest range the head's last full range is halved down to: what TensorE and the logits' turning and stores do
 # after the last weight block arrives is one range's work, so the step ends sooner after its last byte (2 KiB fp8
 # runs move at 81.5% of the DMA rate, for 1/128 of a 262,144-column head's bytes).
@@ -410,9 +413,10 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
     chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
     whatever the ring's size; a range over several chunks, each accumulating over all its blocks, keeps its blocks
-    live together. Ranges hold HEAD_RUN_BYTES of each weight row (one DMA run) where a ring block allows and a
-    range's blocks take at most a third of the ring (the rest prefetches the next ranges), else HEAD_COLUMNS
-    columns; the last one is halved down to HEAD_TAIL_COLUMNS (`head_ranges`). A range's logits are stored once
+    live together. Ranges hold HEAD_RUN_BYTES of each weight row (one DMA run) where a ring block and the staged
+    logits (HEAD_STAGED_COLUMNS) allow, halved while a range's blocks take over a third of the ring (the rest
+    prefetches the next ranges), else HEAD_COLUMNS columns; the last one is halved down to HEAD_TAIL_COLUMNS
+    (`head_ranges`). A range's logits are stored once
     the blocks of the next HEAD_STORE_DELAY ranges are queued.
     """
     k, v = w.shape
@@ -420,14 +424,17 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
     block_elements = ring.block_elements(w.dtype)
-    columns = min(HEAD_RUN_BYTES // w.dtype.itemsize, block_elements // in_count_max)
-    if sum(count for _, _, _, count, _ in in_blocks) * columns > ring.ring_elements(w.dtype) // 3:
+    out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
+    columns = min(HEAD_RUN_BYTES // w.dtype.itemsize, out.widest_range, block_elements // in_count_max)
+    blocks_elements = sum(count for _, _, _, count, _ in in_blocks)
+    while columns > HEAD_COLUMNS and blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
+        columns //= 2  # e.g. a head of rank 576 in fp8 on trn1: 4096-column ranges where 8192 take over a third
+    if blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
         columns = min(HEAD_COLUMNS, block_elements // in_count_max)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
-    out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
 
     def load(v0, vc, k0, ks, count, partitions):
         return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
@@ -484,6 +491,7 @@ class _LogitRows:
 
     def __init__(self, x, rows, out_rows, softcap):
         self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
+        self.widest_range = HEAD_STAGED_COLUMNS
 
     def start(self, v0, vc):
         """The chunks of the range [v0, v0 + vc): (first column in the range, columns)."""
@@ -532,6 +540,9 @@ class _LogitColumns:
     def __init__(self, x, rows, out_rows, softcap, scale):
         self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap
         self.per_acc = PROJECTION_PSUM_BANKS * fp32_per_psum_bank(padded_rows(rows))  # groups an accumulator holds
+        # Up to HEAD_TURN_ROWS rows, logits gather in buffers of 128 groups whatever a range's width; more rows
+        # stage each range's logits rows.
+        self.widest_range = out_rows.shape[1] if rows <= HEAD_TURN_ROWS else HEAD_STAGED_COLUMNS
         self.scales = _scale_groups(scale)
         self.buffer, self.buffer_column, self.buffered = None, 0, []  # see store: the groups not yet turned
         # The first buffer holds fewer groups so that the last holds m = HEAD_COLUMNS / 128 (one transpose per
