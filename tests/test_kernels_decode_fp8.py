@@ -205,13 +205,16 @@ def test_fp8_head_with_many_rows_and_wide_ranges(rng, rows, softcap):
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2"])
-@pytest.mark.parametrize("rows, rank", [(1, 448), (8, 448), (1, 576)])
-def test_fp8_head_at_gemma_size_fits_sbuf_and_reads_each_weight_once(target, rows, rank):
-    """The head of Gemma 3 270M factored (v [rank, 262144] fp8) on its own default ring: its ranges (8 KiB runs of
-    each weight row with the logits gathered over ranges, 4096 columns with 8 rows staging theirs, halved where a
-    range's blocks would take over a third of the ring) fit SBUF on both targets, read each weight and scale byte
-    once, and move all but the narrowed last ranges' weight bytes in runs of at least 4 KiB a partition."""
-    v = 262144
+@pytest.mark.parametrize(
+    "rows, rank, v, min_run",
+    [(1, 448, 262144, 4096), (8, 448, 262144, 4096), (1, 576, 262144, 4096), (1, 3200, 128256, 2048)],
+)
+def test_fp8_heads_at_real_sizes_fit_sbuf_and_read_each_weight_once(target, rows, rank, v, min_run):
+    """Factored heads (v [rank, V] fp8) of Gemma 3 270M and Llama-3.1-8B (rank 3200) on their own default ring: the
+    ranges (8 KiB runs of each weight row with the logits gathered over ranges, 4096 columns with 8 rows staging
+    theirs, halved where a range's blocks would take over a third of the ring, HEAD_COLUMNS where even those would)
+    fit SBUF on both targets, read each weight and scale byte once, and move all but the narrowed last ranges'
+    weight bytes in runs of at least min_run bytes a partition."""
     operands = (Spec((rows, rank), BF16), Spec((rank, v), FP8), Spec((v,), np.float32))
     runs = []
     trace.add_listener(runs.append)
@@ -224,5 +227,5 @@ def test_fp8_head_at_gemma_size_fits_sbuf_and_reads_each_weight_once(target, row
     assert summary.hbm_bytes_read == rows * rank * 2 + rank * v + v * 4
     assert summary.hbm_bytes_written == rows * v * 4
     weight_dmas = [r for r in head.records if r.dma and "ring.py" in r.line]  # the weight ring's loads
-    long_runs = sum(r.dma.nbytes for r in weight_dmas if cost_model.dma_buffer_bytes(r) >= 4096)
+    long_runs = sum(r.dma.nbytes for r in weight_dmas if cost_model.dma_buffer_bytes(r) >= min_run)
     assert long_runs >= rank * (v - 2 * projections.HEAD_TAIL_COLUMNS)

@@ -416,8 +416,7 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     live together. Ranges hold HEAD_RUN_BYTES of each weight row (one DMA run) where a ring block and the staged
     logits (HEAD_STAGED_COLUMNS) allow, halved while a range's blocks take over a third of the ring (the rest
     prefetches the next ranges), else HEAD_COLUMNS columns; the last one is halved down to HEAD_TAIL_COLUMNS
-    (`head_ranges`). A range's logits are stored once
-    the blocks of the next HEAD_STORE_DELAY ranges are queued.
+    (`head_ranges`). A range's logits are stored once the blocks of the next HEAD_STORE_DELAY ranges are queued.
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
@@ -428,7 +427,8 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     columns = min(HEAD_RUN_BYTES // w.dtype.itemsize, out.widest_range, block_elements // in_count_max)
     blocks_elements = sum(count for _, _, _, count, _ in in_blocks)
     while columns > HEAD_COLUMNS and blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
-        columns //= 2  # e.g. a head of rank 576 in fp8 on trn1: 4096-column ranges where 8192 take over a third
+        # e.g. a head of rank 576 in fp8 on trn1: 4096-column ranges where 8192 take over a third of the ring
+        columns = max(HEAD_COLUMNS, columns // 2)
     if blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
         columns = min(HEAD_COLUMNS, block_elements // in_count_max)
