@@ -186,3 +186,8 @@ def test_rejects_bad_arguments(rng):
     bad[4] = [bad[4], bad[4]]
     with pytest.raises(ValueError, match="k has shape"):
         run_decode_step("looped", bad, LLAMA)
+    # Heads of 16 features with 2 KV heads: KV head 1 would start at partition 16 (a hardware error mid-kernel).
+    narrow = llama_like(num_layers=1, hidden=64, num_heads=4, num_kv_heads=2, head_dim=16, intermediate=64)
+    narrow_operands = make_operands(rng, narrow, 1, 1, 8, 3, np.float32)
+    with pytest.raises(ValueError, match="head_dim: got 16 with 2 KV heads, expected a multiple of 32"):
+        run_decode_step("looped", narrow_operands, narrow)

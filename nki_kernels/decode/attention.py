@@ -85,11 +85,18 @@ FP8_CACHE_SPREAD_BYTES = 2048
 MASKED_SCORE = -3.0e38
 
 
-def check_head_dim(head_dim):
+def check_head_dim(head_dim, num_kv_heads):
+    """ValueError unless each KV head's features tile the partitions as the kernels place them (kv_head_place)."""
     if head_dim % 2 or not (128 % head_dim == 0 or head_dim % 256 == 0):
         raise ValueError(
             f"DecodeSpec.head_dim: got {head_dim}, expected an even divisor of 128 or a multiple of "
             f"256 (heads must not straddle partition tiles; rotate-half halves must be whole tiles)"
+        )
+    if num_kv_heads > 1 and head_dim % 32:
+        # KV head g starts at partition g·D; an instruction's partitions must start at 0, 32, 64 or 96.
+        raise ValueError(
+            f"DecodeSpec.head_dim: got {head_dim} with {num_kv_heads} KV heads, expected a multiple of 32 (or one "
+            f"KV head): KV head 1 would start at partition {head_dim}, and a tile must start at 0, 32, 64 or 96"
         )
 
 
@@ -110,7 +117,7 @@ class AttentionConstants:
     """
 
     def __init__(self, spec):
-        check_head_dim(spec.head_dim)
+        check_head_dim(spec.head_dim, spec.num_kv_heads)
         pmax = nl.tile_size.pmax
         d = spec.head_dim
         f32 = nl.float32
@@ -972,7 +979,7 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
     pmax = nl.tile_size.pmax
     if not isinstance(spec, DecodeSpec):
         raise TypeError(f"attention: spec: got {type(spec).__name__}, expected a nki_kernels.decode.DecodeSpec")
-    check_head_dim(spec.head_dim)
+    check_head_dim(spec.head_dim, spec.num_kv_heads)
     if not isinstance(layer, int) or not 0 <= layer < spec.num_layers:
         raise ValueError(f"attention: layer: got {layer!r}, expected a static int in [0, {spec.num_layers})")
     if len(k_cache.shape) != 5 or len(cos.shape) != 4:

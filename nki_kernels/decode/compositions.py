@@ -234,7 +234,7 @@ def check_operands(kernel, operands, spec):
     and fit one kernel launch (B·T rows on one partition tile; bf16 / fp16 x with fp8 weights; a head_dim whose
     heads tile the partitions, attention.check_head_dim); else a ValueError / TypeError naming the operand or the
     spec's field."""
-    attention.check_head_dim(spec.head_dim)
+    attention.check_head_dim(spec.head_dim, spec.num_kv_heads)
     ops = contract.check(spec, operands, kernel, padded_ranks=True)
     b, t, _ = ops.x.shape
     if b * t > nl.tile_size.pmax:
