@@ -147,12 +147,12 @@ The MLP targets are NOT met: keep 0.8 MLP is 1.300x / 1.366x (target 1.05x), top
 85%). A step costs about 3 s on 2 idle CPU cores (200 steps and the compression fit in 828 s), so within 15 minutes
 here no method above gets past about 1.30x, and with 160 windows the training text itself is no longer fit (1.25x
 at the last step): what is left is steps, more than a 15-minute 2-core budget allows (an accelerator runs such a
-step in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Keep 0.6 MLP with every
-position on 80 training windows: 1.816x / 1.883x in 748 s (1.890x / 1.977x at 128 positions), far from 1.2x.
-MLP + attention was measured with 128 sampled positions on 80 windows: 1.904x / 1.893x, far from 1.1x. The whole
-model (MLP + attention + head at keep 0.8, the defaults): 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a
-machine shared with other jobs (load 3-4; its distillation steps took about 8.7 s against 3 s idle), 21.7% of a
-decode step's bytes saved."""
+step in milliseconds), or a rank above keep 0.8's 384 of 640 for this small model's MLPs. Keep 0.6 MLP with the
+defaults: 1.776x / 1.806x (top-1 0.495 / 0.627) in 811 s, far from 1.2x (80 windows: 1.816x / 1.883x).
+MLP + attention with the defaults: 1.634x / 1.632x (top-1 0.522 / 0.621) in 876 s, far from 1.1x (1.904x / 1.893x
+at 128 sampled positions on 80 windows). The whole model (MLP + attention + head at keep 0.8, the defaults):
+1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs (load 3-4; its distillation
+steps took about 8.7 s against 3 s idle), 21.7% of a decode step's bytes saved."""
 
 
 def token_ids(model, text: str) -> np.ndarray:
