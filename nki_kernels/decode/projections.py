@@ -575,8 +575,7 @@ class _LogitColumns:
     def store(self, acc, chunk):
         """[(out's columns, SBUF rows)] to store: acc·scale (soft-capped when softcap is set) as scaled column tiles
         in an SBUF buffer of up to 128 consecutive groups (the first fewer) that spans ranges (`_flush` turns a
-        full one into rows);
-        with more than HEAD_TURN_ROWS rows, per range (`_store_range`)."""
+        full one into rows); with more than HEAD_TURN_ROWS rows, per range (`_store_range`)."""
         if self.rows > HEAD_TURN_ROWS:
             return self._store_range(acc, chunk)
         first_group, groups = chunk
@@ -594,12 +593,7 @@ class _LogitColumns:
             while n < room and j + n < len(groups) and groups[j + n][1] == size:
                 n += 1
             b0 = len(self.buffered)
-            view = self.buffer[0:size, b0 : b0 + n, 0:rows]
-            scale = self.scales[0:size, first_group + j : first_group + j + n, 0:1].broadcast(2, rows)
-            nisa.tensor_tensor(dst=view, data1=acc[0:size, j : j + n, 0:rows], data2=scale, op=nl.multiply)
-            if self.softcap is not None:
-                nisa.activation(dst=view, op=nl.tanh, data=view, scale=1.0 / self.softcap)
-                nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
+            self._scaled(self.buffer[0:size, b0 : b0 + n, 0:rows], acc[0:size, j : j + n, 0:rows], first_group + j)
             self.buffered += [size] * n
             j += n
             end = self.buffer_column + sum(self.buffered)
@@ -608,6 +602,16 @@ class _LogitColumns:
                 stores += self._flush(1 if last else HEAD_COLUMNS // nl.tile_size.pmax)
                 self.capacity = nl.tile_size.pmax
         return stores
+
+    def _scaled(self, dst, psum, group):
+        """dst [size, n, R] = psum [size, n, R] (groups group .. group+n-1) times their scales, soft-capped when
+        softcap is set."""
+        size, n, rows = dst.shape
+        scale = self.scales[0:size, group : group + n, 0:1].broadcast(2, rows)
+        nisa.tensor_tensor(dst=dst, data1=psum, data2=scale, op=nl.multiply)
+        if self.softcap is not None:
+            nisa.activation(dst=dst, op=nl.tanh, data=dst, scale=1.0 / self.softcap)
+            nisa.tensor_scalar(dst=dst, data=dst, op0=nl.multiply, operand0=float(self.softcap))
 
     def _store_range(self, acc, chunk):
         """`store` of more than HEAD_TURN_ROWS rows: acc·scale (soft-capped when softcap is set) as scaled column
@@ -618,12 +622,9 @@ class _LogitColumns:
         rows = self.rows
         logits = nl.ndarray((nl.tile_size.pmax, len(groups), rows), dtype=nl.float32, buffer=nl.sbuf, name="logit_cols")
         for g0, count, size in tile_runs(tuple((cs, None) for _, cs in groups)):
-            view = logits[0:size, g0 : g0 + count, 0:rows]
-            scale = self.scales[0:size, first_group + g0 : first_group + g0 + count, 0:1].broadcast(2, rows)
-            nisa.tensor_tensor(dst=view, data1=acc[0:size, g0 : g0 + count, 0:rows], data2=scale, op=nl.multiply)
-            if self.softcap is not None:
-                nisa.activation(dst=view, op=nl.tanh, data=view, scale=1.0 / self.softcap)
-                nisa.tensor_scalar(dst=view, data=view, op0=nl.multiply, operand0=float(self.softcap))
+            self._scaled(
+                logits[0:size, g0 : g0 + count, 0:rows], acc[0:size, g0 : g0 + count, 0:rows], first_group + g0
+            )
         pmax = nl.tile_size.pmax
         per_row = HEAD_COLUMNS // pmax
         stores = []
