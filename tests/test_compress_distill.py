@@ -53,6 +53,33 @@ def test_vocab_kl_gradient_is_the_probability_difference():
     np.testing.assert_allclose(np.asarray(grad), (q - p) @ table.astype(np.float64), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("vocab,chunk", [(1003, 128), (300, 300), (41, 64)])
+def test_vocab_kl_gradients_with_a_factored_capped_head_match_float64(vocab, chunk):
+    # Ragged vocabularies: the last chunk overlaps the one before (its shared rows counted once) or the chunk
+    # is wider than the vocabulary.
+    rng = np.random.default_rng(vocab)
+    n, hidden, rank, cap = 7, 9, 5, 2.5
+    student, teacher = (rng.standard_normal((n, hidden)) for _ in range(2))
+    u, v = rng.standard_normal((hidden, rank)) * 0.7, rng.standard_normal((rank, vocab)) * 0.7
+    table = rng.standard_normal((vocab, hidden)) * 1.5
+    weights = rng.uniform(0.5, 2.0, n)  # a cotangent that is not all ones
+
+    def loss(s, u, v):
+        got = vocab_kl(s, jnp.asarray(teacher, jnp.float32), jnp.asarray(table, jnp.float32), cap, chunk, (u, v))
+        return jnp.sum(got * jnp.asarray(weights, jnp.float32))
+
+    value, grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(a, jnp.float32) for a in (student, u, v)))
+    raw = student @ u @ v
+    capped = np.tanh(raw / cap) * cap
+    teacher_logits = _logits64(teacher, table, cap)
+    q, p = np.exp(_log_softmax64(capped)), np.exp(_log_softmax64(teacher_logits))
+    d_raw = weights[:, None] * (q - p) * (1 - np.tanh(raw / cap) ** 2)
+    expected = (d_raw @ v.T @ u.T, student.T @ (d_raw @ v.T), (student @ u).T @ d_raw)
+    np.testing.assert_allclose(float(value), np.sum(weights * _kl64(capped, teacher_logits)), rtol=1e-4)
+    for got, want in zip(grads, expected):
+        np.testing.assert_allclose(np.asarray(got), want, rtol=2e-4, atol=2e-5 * np.abs(want).max())
+
+
 def test_top_k_kl_matches_float64():
     rng = np.random.default_rng(2)
     student, teacher = rng.standard_normal((2, 3, 7)) * 4, rng.standard_normal((2, 3, 7)) * 4

@@ -138,7 +138,7 @@ def centered_logit_error(model, dense, ids) -> float:
     return float(jnp.sum((diff @ gram) * diff) / jnp.sum((target @ gram) * target))
 
 
-# A logit no softmax gives weight to; finite so that padded rows' differences are 0, not inf - inf.
+# A logit no softmax weighs (rows a chunk does not count); finite so that their differences are 0, not inf - inf.
 _PADDED_LOGIT = -1e30
 
 
@@ -147,38 +147,95 @@ def vocab_kl(student_hidden, teacher_hidden, table, cap: float | None, chunk: in
 
     student_hidden, teacher_hidden: [n, hidden]; table: the teacher's unembedding E [V, hidden]; teacher logits =
     soft_cap(hidden·Eᵀ, cap); the student's are the same with E, or, with student_head = (u [hidden, r],
-    v [r, V]) (a factored LM head), soft_cap(hidden·u·v, cap). The
-    vocabulary is walked `chunk` rows at a time, so the forward pass holds n x chunk logits at once; the backward
-    pass keeps each chunk's logits (about 3·n·V floats in all) instead of recomputing them, which would add two
-    n x V x hidden products to the three a step needs (teacher and student logits, the student's gradient). Per
-    chunk c with teacher log-normalizer Z_c: w_c = Σ_v exp(t_v − Z_c)·(t_v − s_v); then
-    KL = Σ_c exp(Z_c − Z)·w_c − Z + log Σ_v exp(s_v), with Z the teacher's log-normalizer over the vocabulary.
-    """
-    vocab, width = table.shape
-    chunk = min(chunk, vocab)
-    count = -(-vocab // chunk)
-    padding = count * chunk - vocab
-    rows = (jnp.pad(table, ((0, padding), (0, 0))) if padding else table).reshape(count, chunk, width)
-    valid = (jnp.arange(count * chunk) < vocab).reshape(count, chunk)
-    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
-    if student_head is None:
-        student_in, student_rows = student_hidden, rows  # the student's logits are hidden·Eᵀ, like the teacher's
-    else:
-        u, v = student_head  # the student's logits are (hidden·u)·v: v's columns are the head's rows
-        student_in = student_hidden @ u
-        student_rows = (jnp.pad(v, ((0, 0), (0, padding))) if padding else v).T.reshape(count, chunk, v.shape[0])
+    v [r, V]) (a factored LM head, v trained), soft_cap(hidden·u·v, cap). The teacher side is not differentiated.
 
-    def one_chunk(_, chunk_operands):
-        chunk_rows, chunk_student_rows, chunk_valid = chunk_operands
-        t = jnp.where(chunk_valid, soft_cap(teacher_hidden @ chunk_rows.T, cap), _PADDED_LOGIT)
-        s = jnp.where(chunk_valid, soft_cap(student_in @ chunk_student_rows.T, cap), _PADDED_LOGIT)
+    The vocabulary is walked `chunk` rows at a time, so the forward pass computes n x chunk logits at a time; it
+    keeps them for the backward pass (2·n·V floats), which then needs one n x V x hidden product (two with a
+    factored head) beside the forward pass's two: the gradient of KL in the student's logits is
+    softmax(student) − softmax(teacher), written out (`_chunked_kl`'s rule) rather than derived through the
+    chunked log-sum-exps, whose derived backward pass ran about 10x slower than the forward pass on CPU.
+    """
+    teacher_hidden = jax.lax.stop_gradient(teacher_hidden)
+    if student_head is None:  # the student's logits are hidden·Eᵀ, like the teacher's; E is frozen
+        return _chunked_kl(student_hidden, table, teacher_hidden, table, cap, chunk, False)
+    u, v = student_head  # the student's logits are (hidden·u)·v: v's columns are the head's rows
+    return _chunked_kl(student_hidden @ u, v.T, teacher_hidden, table, cap, chunk, True)
+
+
+def _chunk_starts(vocab: int, chunk: int):
+    """First rows of the vocabulary's chunks [count] and which of each chunk's rows it counts [count, chunk]: the
+    last chunk starts at vocab − chunk (so no [V, ·] table is copied into padded chunks), and the rows it shares
+    with the chunk before are counted there."""
+    count = -(-vocab // chunk)
+    first = np.arange(count) * chunk
+    starts = np.minimum(first, vocab - chunk)
+    counted = starts[:, None] + np.arange(chunk)[None, :] >= first[:, None]
+    return jnp.asarray(starts, jnp.int32), jnp.asarray(counted)
+
+
+def _chunk_logits(student_in, student_table, teacher_hidden, teacher_table, cap, start, counted):
+    """A chunk's student and teacher logits [n, chunk] from table rows start..start + chunk, rows it does not count
+    at _PADDED_LOGIT."""
+    rows = counted.shape[0]
+    s = soft_cap(student_in @ jax.lax.dynamic_slice_in_dim(student_table, start, rows).T, cap)
+    t = soft_cap(teacher_hidden @ jax.lax.dynamic_slice_in_dim(teacher_table, start, rows).T, cap)
+    return jnp.where(counted, s, _PADDED_LOGIT), jnp.where(counted, t, _PADDED_LOGIT)
+
+
+def _kl_forward(student_in, student_table, teacher_hidden, teacher_table, cap, chunk, keep):
+    """(KL per row [n], (teacher and student log-normalizers [n], the chunks' logits when keep)). Per chunk c with
+    teacher log-normalizer Z_c: w_c = Σ_v exp(t_v − Z_c)·(t_v − s_v); KL = Σ_c exp(Z_c − Z)·w_c − Z + log Σ_v exp(s_v),
+    Z the teacher's log-normalizer over the vocabulary."""
+    starts, counted = _chunk_starts(teacher_table.shape[0], min(chunk, teacher_table.shape[0]))
+
+    def one_chunk(_, operands):
+        s, t = _chunk_logits(student_in, student_table, teacher_hidden, teacher_table, cap, *operands)
         t_norm = jax.nn.logsumexp(t, axis=-1)
         weighted = jnp.sum(jnp.exp(t - t_norm[:, None]) * (t - s), axis=-1)
-        return None, (t_norm, jax.nn.logsumexp(s, axis=-1), weighted)
+        return None, ((t_norm, jax.nn.logsumexp(s, axis=-1), weighted), (s, t) if keep else ())
 
-    _, (t_norms, s_norms, weighted) = jax.lax.scan(one_chunk, None, (rows, student_rows, valid))
-    t_norm = jax.nn.logsumexp(t_norms, axis=0)
-    return jnp.sum(jnp.exp(t_norms - t_norm) * weighted, axis=0) - t_norm + jax.nn.logsumexp(s_norms, axis=0)
+    _, ((t_norms, s_norms, weighted), logits) = jax.lax.scan(one_chunk, None, (starts, counted))
+    t_norm, s_norm = jax.nn.logsumexp(t_norms, axis=0), jax.nn.logsumexp(s_norms, axis=0)
+    return jnp.sum(jnp.exp(t_norms - t_norm) * weighted, axis=0) - t_norm + s_norm, (t_norm, s_norm, logits)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _chunked_kl(student_in, student_table, teacher_hidden, teacher_table, cap, chunk, train_rows):
+    """vocab_kl of student logits soft_cap(student_in [n, k]·student_tableᵀ [V, k]) against teacher logits
+    soft_cap(teacher_hidden·teacher_tableᵀ); differentiable in student_in, and in student_table when train_rows."""
+    return _kl_forward(student_in, student_table, teacher_hidden, teacher_table, cap, chunk, False)[0]
+
+
+def _chunked_kl_fwd(student_in, student_table, teacher_hidden, teacher_table, cap, chunk, train_rows):
+    kl, (t_norm, s_norm, logits) = _kl_forward(
+        student_in, student_table, teacher_hidden, teacher_table, cap, chunk, True
+    )
+    return kl, (student_in, student_table, teacher_hidden, teacher_table, t_norm, s_norm, logits)
+
+
+def _chunked_kl_bwd(cap, chunk, train_rows, residuals, g):
+    student_in, student_table, teacher_hidden, teacher_table, t_norm, s_norm, (s_all, t_all) = residuals
+    chunk = min(chunk, teacher_table.shape[0])
+    starts, counted = _chunk_starts(teacher_table.shape[0], chunk)
+
+    def one_chunk(d_in, operands):
+        start, chunk_counted, s, t = operands
+        # d KL / d student logit = softmax(student) − softmax(teacher); through the cap, × 1 − tanh².
+        d = g[:, None] * (jnp.exp(s - s_norm[:, None]) - jnp.exp(t - t_norm[:, None]))
+        if cap is not None:
+            d = d * jnp.where(chunk_counted, 1 - jnp.square(s / cap), 0.0)
+        d_in = d_in + d @ jax.lax.dynamic_slice_in_dim(student_table, start, chunk)
+        return d_in, (d.T @ student_in if train_rows else ())
+
+    d_in, d_rows = jax.lax.scan(one_chunk, jnp.zeros_like(student_in), (starts, counted, s_all, t_all))
+    d_table = jnp.zeros_like(student_table)
+    if train_rows:  # rows a chunk does not count have d = 0, so the shared rows add nothing twice
+        rows = (starts[:, None] + jnp.arange(chunk)[None, :]).reshape(-1)
+        d_table = d_table.at[rows].add(d_rows.reshape(-1, student_table.shape[1]))
+    return d_in, d_table, jnp.zeros_like(teacher_hidden), jnp.zeros_like(teacher_table)
+
+
+_chunked_kl.defvjp(_chunked_kl_fwd, _chunked_kl_bwd)
 
 
 def top_k_kl(student_logits, teacher_logits) -> jax.Array:
