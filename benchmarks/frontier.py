@@ -375,9 +375,9 @@ def render(results: dict, out_dir: str) -> None:
         "x·u). "
         "**recommended**: `compress_model`'s recommended pipeline (whitened + sequential + distillation), then "
         "for fp8 `quantize_model` of that model with the calibration ids; the recommended rows here were distilled "
-        "with the KL at 128 sampled positions per window on 80 training windows, the defaults when they were "
-        "measured (every position on 160 windows, the defaults now, measure 1.300x / 1.366x for mlp 0.8 bf16: "
-        "benchmarks/results/accuracy_report.md).",
+        "with the KL at 128 sampled positions per window, 200 steps on 80 training windows, the defaults when they "
+        "were measured (every position, 280 steps on 160 windows, the defaults now, measure 1.291x / 1.344x for mlp "
+        "0.8 bf16: benchmarks/results/accuracy_report.md).",
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
         f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
         "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "

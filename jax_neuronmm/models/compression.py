@@ -35,8 +35,8 @@ STEPS = ("allocate", "sequential", "refit", "local", "distill")
 RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
-# and a technical text): whitened + sequential 1.75x / 1.94x, + distill (DistillOptions' defaults, 80 windows of
-# 256 tokens) 1.33x / 1.39x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
+# and a technical text): whitened + sequential 1.75x / 1.94x, + distill (DistillOptions' defaults, 160 windows of
+# 256 tokens) 1.29x / 1.34x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
 RECOMMENDED_STEPS = ("sequential", "distill")
 
 
