@@ -164,14 +164,15 @@ def vocab_kl(student_hidden, teacher_hidden, table, cap: float | None, chunk: in
 
 
 def _chunk_starts(vocab: int, chunk: int):
-    """First rows of the vocabulary's chunks [count] and which of each chunk's rows it counts [count, chunk]: the
-    last chunk starts at vocab − chunk (so no [V, ·] table is copied into padded chunks), and the rows it shares
-    with the chunk before are counted there."""
+    """(rows per chunk, at most vocab; first rows of the vocabulary's chunks [count]; which of each chunk's rows it
+    counts [count, chunk]): the last chunk starts at vocab − chunk (so no [V, ·] table is copied into padded
+    chunks), and the rows it shares with the chunk before are counted there."""
+    chunk = min(chunk, vocab)
     count = -(-vocab // chunk)
     first = np.arange(count) * chunk
     starts = np.minimum(first, vocab - chunk)
     counted = starts[:, None] + np.arange(chunk)[None, :] >= first[:, None]
-    return jnp.asarray(starts, jnp.int32), jnp.asarray(counted)
+    return chunk, jnp.asarray(starts, jnp.int32), jnp.asarray(counted)
 
 
 def _chunk_logits(student_in, student_table, teacher_hidden, teacher_table, cap, start, counted):
@@ -187,7 +188,7 @@ def _kl_forward(student_in, student_table, teacher_hidden, teacher_table, cap, c
     """(KL per row [n], (teacher and student log-normalizers [n], the chunks' logits when keep)). Per chunk c with
     teacher log-normalizer Z_c: w_c = Σ_v exp(t_v − Z_c)·(t_v − s_v); KL = Σ_c exp(Z_c − Z)·w_c − Z + log Σ_v exp(s_v),
     Z the teacher's log-normalizer over the vocabulary."""
-    starts, counted = _chunk_starts(teacher_table.shape[0], min(chunk, teacher_table.shape[0]))
+    _, starts, counted = _chunk_starts(teacher_table.shape[0], chunk)
 
     def one_chunk(_, operands):
         s, t = _chunk_logits(student_in, student_table, teacher_hidden, teacher_table, cap, *operands)
@@ -216,8 +217,7 @@ def _chunked_kl_fwd(student_in, student_table, teacher_hidden, teacher_table, ca
 
 def _chunked_kl_bwd(cap, chunk, train_rows, residuals, g):
     student_in, student_table, teacher_hidden, teacher_table, t_norm, s_norm, (s_all, t_all) = residuals
-    chunk = min(chunk, teacher_table.shape[0])
-    starts, counted = _chunk_starts(teacher_table.shape[0], chunk)
+    chunk, starts, counted = _chunk_starts(teacher_table.shape[0], chunk)
 
     def one_chunk(d_in, operands):
         start, chunk_counted, s, t = operands
