@@ -11,7 +11,10 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
   k_cache, v_cache [L, B, S, kv_heads, D] (this step's keys / values are written at slots
     [write_index, write_index + T)), write_index [1, 1] int32,
   cos, sin [NR, B, T, D] float32, mask_bias [NM, B, T, S] float32, final_norm [H], head: dense [H, V] or a pair
-    (u [H, r], v [r, V]).
+    (u [H, r], v [r, V]),
+  packed [L, 128, E] or None (the last, may be left out): the values of the fp8 projections spec.packed_weights
+    names, each layer's in the kernels' layout (`nki_kernels.decode.packing.pack_weights`), their stored weights
+    then holding only their scales.
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
 fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
@@ -103,6 +106,7 @@ from nki_kernels.decode.contract import (
     expected_shapes,
     operand_fields,
 )
+from nki_kernels.decode.packing import unpack_weights, unpacked_spec
 from nki_kernels.decode.runner import run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 
@@ -122,8 +126,8 @@ def decode_step(*operands, spec: DecodeSpec, axis_name=None, **named):
     """One decode step over all layers; returns (logits [B, T, V] float32, k_cache, v_cache).
 
     operands: the DecodeOperands' fields in order (x, norms, qk_norms, q, k, v, o, gate, up, down, k_cache,
-    v_cache, write_index, cos, sin, mask_bias, final_norm, head; see the module docstring), positional, by name, or
-    one DecodeOperands; a stored weight as a Factored / Quantized or the tuple of its parts. Bad operands raise
+    v_cache, write_index, cos, sin, mask_bias, final_norm, head[, packed]; see the module docstring), positional, by
+    name, or one DecodeOperands; a stored weight as a Factored / Quantized or the tuple of its parts. Bad operands raise
     ValueError / TypeError naming the argument (a concrete write_index out of range included; an fp8 weight without
     its scales).
 
@@ -152,6 +156,7 @@ def _operands_of(operands, named, spec) -> DecodeOperands:
         if name not in fields or name in values:
             raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
         values[name] = value
+    values.setdefault("packed", None)  # the last operand, present only with spec.packed_weights
     missing = [name for name in fields if name not in values]
     if missing:
         raise TypeError(f"{OP}: missing operands {missing}")
@@ -312,7 +317,9 @@ def _row_parallel(weight, axis_name):
 def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     """The decode step in jnp (the XLA lowering): `lax.scan` over layers of `decoder_math.decoder_layer`.
 
-    Factored projections are (x·u)·v over the zero-padded stacked factors (exact: the padding adds zeros); an MLP
+    Packed weights (spec.packed_weights) are unpacked first (`nki_kernels.decode.packing.unpack_weights`: slices
+    and reshapes of the packed operand). Factored projections are (x·u)·v over the zero-padded stacked factors
+    (exact: the padding adds zeros); an MLP
     factored in all three projections (all fp8, or none) runs as `svd_mlp_ref`, the XLA lowering of the compressed
     models' SVDMLP. fp8 weights are scaled after their float32 sums (`_projection`).
 
@@ -321,7 +328,8 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     (`_row_parallel`: one float32 psum each per layer, a factored one's of x·u), and the logits are all-gathered
     along the vocabulary in rank order. A factored MLP computes svd_mlp_ref's math with down's sum in the middle.
     """
-    ops = _operands(operands, spec, treedef)
+    ops = unpack_weights(_operands(operands, spec, treedef), spec, jnp)
+    spec = unpacked_spec(spec)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     write_index = ops.write_index[0, 0]
     slots, tokens = ops.k_cache.shape[2], ops.x.shape[1]

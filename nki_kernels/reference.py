@@ -13,6 +13,7 @@ import numpy as np
 
 from nki_kernels.activations import ACTIVATIONS
 from nki_kernels.decode.contract import DecodeOperands, Factored, Quantized
+from nki_kernels.decode.packing import unpack_weights, unpacked_spec
 
 
 def _f64(a) -> np.ndarray:
@@ -93,11 +94,13 @@ def decode_step_f64(operands, spec):
     """One decode step over all layers (the layer math of nki_kernels.decode.contract) in float64.
 
     operands: nki_kernels.decode.contract.DecodeOperands (or a sequence in its field order, stored weights as the
-    lists of their parts); fp8 weights count as their values times their scales (`dequantized_f64`).
+    lists of their parts; packed weights are unpacked, nki_kernels.decode.packing); fp8 weights count as their
+    values times their scales (`dequantized_f64`).
     Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
     arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
     """
-    ops = DecodeOperands.of(operands, spec)
+    ops = unpack_weights(DecodeOperands.of(operands, spec), spec)
+    spec = unpacked_spec(spec)
     x, norms, qk_norms, k_cache, v_cache = ops.x, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache
     write_index, cos, sin, mask_bias, final_norm, head = (
         ops.write_index,

@@ -22,7 +22,7 @@ from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
 import jax_neuronmm
 from jax_neuronmm import decode_step
 from nki_kernels import reference
-from nki_kernels.decode import Factored, Quantized
+from nki_kernels.decode import DecodeOperands, Factored, Quantized, packing
 
 B, SLOTS, STEPS = 4, 8, 3
 SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)
@@ -136,3 +136,25 @@ def test_fp8_weights_without_their_scales_name_the_argument():
     # A pair of parts is read as the spec stores the weight.
     logits, _, _ = jax.eval_shape(step, *replaced("k", (k.w, k.scale)))
     assert logits.shape == (B, 1, spec.vocab)
+
+
+def test_packed_attention_weights_compute_the_unpacked_step_on_both_backends():
+    """decode_step with the attention's fp8 values packed (spec.packed_weights, packing.pack_weights of the
+    float8_e4m3fn arrays JAX holds): the XLA backend unpacks them and computes exactly the unpacked step; the
+    emulator's looped kernel reads the packed operand and returns exactly what it returns unpacked."""
+    rng = np.random.default_rng(11)
+    spec = SPEC
+    packed_spec = dataclasses.replace(spec, packed_weights=("q", "k", "v", "o"))
+    operands = fp8_operands(rng, spec, B, 1, SLOTS, 2)
+    operands[15] = _causal_mask(spec, 2)
+    ops = DecodeOperands.of(_jax_operands(operands, spec), spec)
+    packed = packing.pack_weights(ops, packed_spec, jnp)
+    assert packed.packed.dtype == jnp.float8_e4m3fn and packed.q.u is None
+    for backend in ("xla", "emulator"):
+        with jax_neuronmm.use_backend(backend):
+            want = jax.jit(functools.partial(decode_step, spec=spec))(ops)
+            got = jax.jit(functools.partial(decode_step, spec=packed_spec))(packed)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match=r"decode_step: q.u: expected None since spec.packed_weights names q"):
+        decode_step(packed.replace(q=ops.q), spec=packed_spec)

@@ -54,7 +54,7 @@ def test_specs_and_operands_follow_the_contract(name, compressed):
     spec = bench.decode_spec(m, 7, compressed)
     assert spec.num_layers == 7 and len(spec.layer_rope) == 7
     ops = bench.operand_specs(spec, 3, 130)
-    assert len(ops) == 18
+    assert len(ops) == 19 and ops[18] is None  # packed: only with spec.packed_weights (fp8)
     assert ops[0].shape == (3, 1, m.hidden)
     assert ops[10].shape == ops[11].shape == (7, 3, 130, m.num_kv_heads, m.head_dim)
     assert ops[15].shape == (spec.num_masks, 3, 1, 130)

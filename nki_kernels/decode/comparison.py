@@ -32,6 +32,7 @@ from nki_kernels.decode.contract import (
     expected_dtypes,
     expected_shapes,
 )
+from nki_kernels.decode.packing import attention_packing
 from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import shard_spec
 from nki_kernels.emulator import collective_costs, launch
@@ -119,7 +120,8 @@ def cut_layers(spec: DecodeSpec, num_layers: int) -> DecodeSpec:
 def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool = False) -> DecodeSpec:
     """`model`'s dense DecodeSpec cut to its first num_layers layers; compressed: every projection and the head
     factored at the block-aligned rank keeping KEEP of its parameters (the same rank in every layer); fp8: every
-    weight (each projection and the head, dense or factored) stored as fp8 values with float32 scales."""
+    weight (each projection and the head, dense or factored) stored as fp8 values with float32 scales, the
+    attention's factors packed where `packing.attention_packing` packs them."""
     full = model.spec
     layer_ranks, head_rank = (None,) * len(PROJECTIONS), None
     if compressed:
@@ -128,12 +130,13 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool
             for p in PROJECTIONS
         )
         head_rank = ranks.block_aligned_rank(full.hidden, full.vocab, KEEP)
-    return dataclasses.replace(
+    spec = dataclasses.replace(
         cut_layers(dataclasses.replace(full, ranks=(None,) * len(PROJECTIONS)), num_layers),
         ranks=layer_ranks,
         head_rank=head_rank,
         fp8_weights=WEIGHTS if fp8 else (),
     )
+    return dataclasses.replace(spec, packed_weights=attention_packing(spec))
 
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:

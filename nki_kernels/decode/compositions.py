@@ -31,9 +31,13 @@ K / N a projection's input / output features.
 
 from __future__ import annotations
 
+import dataclasses
+
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
+from nki_kernels.decode.layouts import Layouts
+from nki_kernels.decode.packing import load_packed
 from nki_kernels.decode.ring import WeightRing
 from nki_kernels.svd_mlp import activation_op
 
@@ -48,41 +52,6 @@ PRELOAD_SBUF_BYTES = 16 * 1024
 def check_spec(spec):
     if not isinstance(spec, DecodeSpec):
         raise TypeError(f"spec: expected a nki_kernels.decode.DecodeSpec, got {type(spec).__name__}")
-
-
-def _min_row_elements(spec, names):
-    """The fewest columns any weight contracting over a vector has (dense N, or the smallest rank)."""
-    widths = []
-    for name in names:
-        ranks = spec.ranks[PROJECTIONS.index(name)]
-        widths.append(spec.out_features(name) if ranks is None else min(ranks))
-    return min(widths)
-
-
-class Layouts:
-    """Feature layouts of one spec: hidden (grouped for q/k/v/gate/up rows), intermediate (for down), attention
-    output (for o), and the natural layouts of q and k/v (what attention takes)."""
-
-    def __init__(self, spec):
-        head_width = spec.vocab if spec.head_rank is None else spec.head_rank
-        hidden_rows = min(_min_row_elements(spec, ("q", "k", "v", "gate", "up")), head_width)
-        self.hidden = tiles.feature_layout(spec.hidden, tiles.choose_group(spec.hidden, hidden_rows))
-        self.inter = tiles.feature_layout(
-            spec.intermediate, tiles.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
-        )
-        self.q = tiles.feature_layout(spec.num_heads * spec.head_dim)
-        # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
-        self.attn = tiles.feature_layout(
-            spec.num_heads * spec.head_dim,
-            tiles.choose_group(spec.num_heads * spec.head_dim, _min_row_elements(spec, ("o",))),
-        )
-        self.kv = tiles.feature_layout(spec.num_kv_heads * spec.head_dim)
-
-    def output(self, projection):
-        """The layout of a projection's output."""
-        return {"q": self.q, "k": self.kv, "v": self.kv, "o": self.hidden, "down": self.hidden}.get(
-            projection, self.inter
-        )
 
 
 class StepContext:
@@ -149,9 +118,20 @@ def decoder_layer(ctx, x, layer, ops):
     # o and down split their rows over tensor-parallel ranks: their partial products are summed over the ranks.
     reduce = parallel.all_reduce_columns(spec.tensor_parallel)
 
+    packed = {}  # this layer's packed weights (spec.packed_weights), loaded when the first of them is used
+
+    def stored(name):
+        """This layer's weight of projection `name`: HBM views, a packed one's values on chip."""
+        weight = layer_weight(weights[name], layer)
+        if name not in spec.packed_weights:
+            return weight
+        if not packed:
+            packed.update(load_packed(ops.packed, layer, spec, ctx.ring))
+        return dataclasses.replace(weight, **packed[name])
+
     def layer_projection(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
-        weight = layer_weight(weights[name], layer)
+        weight = stored(name)
         projections.projection(
             src,
             src_layout,
@@ -199,7 +179,7 @@ def decoder_layer(ctx, x, layer, ops):
     if lay.attn != lay.q:
         attn = tiles.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
-    mlp = [layer_weight(weights[name], layer) for name in MLP_PROJECTIONS]
+    mlp = [stored(name) for name in MLP_PROJECTIONS]
     mlp_scales = tuple(ctx.layer_scales(name, layer) for name in MLP_PROJECTIONS)
     if spec.sandwich:
         y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")

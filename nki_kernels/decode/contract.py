@@ -28,6 +28,7 @@ import ml_dtypes
 import numpy as np
 
 from nki_kernels.activations import check_fused_activation
+from nki_kernels.decode.layouts import packed_shape
 
 # The projections of one decoder layer, in operand order; the weights of a step: those, then the LM head.
 PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
@@ -60,6 +61,10 @@ class DecodeSpec:
     rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each layer then
     all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product x·u);
     the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
+    packed_weights: names of PROJECTIONS, each also in fp8_weights, whose fp8 values every layer stores in the one
+    `packed` operand in the kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of
+    them per partition) instead of in their own stored weights, which keep only their scales; () for none. One
+    rank only (tensor_parallel 1).
     """
 
     num_layers: int
@@ -84,6 +89,7 @@ class DecodeSpec:
     fp8_weights: tuple[str, ...] = ()
     mask_windows: tuple[int | None, ...] = ()
     tensor_parallel: int = 1
+    packed_weights: tuple[str, ...] = ()
 
     def __post_init__(self):
         for name in (
@@ -142,6 +148,26 @@ class DecodeSpec:
         ):
             raise ValueError(
                 f"DecodeSpec.fp8_weights: got {self.fp8_weights!r}, expected a tuple of distinct names of {WEIGHTS}"
+            )
+        if (
+            not isinstance(self.packed_weights, tuple)
+            or any(name not in PROJECTIONS for name in self.packed_weights)
+            or len(set(self.packed_weights)) != len(self.packed_weights)
+        ):
+            raise ValueError(
+                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, expected a tuple of distinct names of "
+                f"{PROJECTIONS}"
+            )
+        unquantized = [name for name in self.packed_weights if name not in self.fp8_weights]
+        if unquantized:
+            raise ValueError(
+                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but fp8_weights does not name "
+                f"{unquantized}: packed weights are fp8"
+            )
+        if self.packed_weights and self.tensor_parallel != 1:
+            raise ValueError(
+                f"DecodeSpec.packed_weights: got {self.packed_weights!r} with tensor_parallel={self.tensor_parallel}; "
+                "packed weights are one rank's layout (expected () with tensor_parallel > 1)"
             )
         if self.mask_windows and (
             len(self.mask_windows) != self.num_masks
@@ -220,6 +246,13 @@ class DecodeSpec:
         """Whether `weight` (a name of WEIGHTS) is stored as fp8 values with scales."""
         return weight in self.fp8_weights
 
+    def has_part(self, weight: str, part: dataclasses.Field) -> bool:
+        """Whether `weight`'s stored weight holds `part` (a field of Factored / Quantized): scales for fp8 weights
+        only, values unless the weight is packed (its values are in the `packed` operand)."""
+        if part.metadata["dtype"] is SCALE:
+            return self.fp8(weight)
+        return weight not in self.packed_weights
+
 
 def _finite_positive(value) -> bool:
     """A real number (not a bool, a string or an array), finite and > 0: NaN would pass a negated "> 0" test."""
@@ -232,9 +265,10 @@ def _finite_positive(value) -> bool:
 
 
 # What an operand's dtype must be: the model's (x's), a weight's (the model's, or the fp8 dtype for a weight the
-# spec names in fp8_weights), or a fixed one.
+# spec names in fp8_weights), the fp8 dtype, or a fixed one.
 MODEL_DTYPE = "model"
 WEIGHT_DTYPE = "weight"
+FP8_DTYPE = "fp8"
 
 
 def _part(shape, dtype=WEIGHT_DTYPE):
@@ -328,7 +362,8 @@ class DecodeOperands:
     mask_bias [NM, B, T, S] float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with
     spec.mask_windows the kernels read only the window of slots ending at each query's slot, so the mask must hide
     every slot outside it). final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]), fp8 as the
-    projections.
+    projections. packed [L, 128, E] fp8, or None without spec.packed_weights: those projections' values of each
+    layer in the kernels' layout (nki_kernels.decode.layouts; their stored weights then hold only their scales).
     """
 
     x: Any = _operand("[B, T, H]", lambda spec, b, t, s: (b, t, spec.hidden), batch_axis=0)
@@ -376,16 +411,20 @@ class DecodeOperands:
             weight="head",
         ),
     )
+    packed: Any = _operand("[L, 128, E]", lambda spec, b, t, s: packed_shape(spec), FP8_DTYPE, present="packed_weights")
 
     @classmethod
     def of(cls, operands, spec: DecodeSpec) -> DecodeOperands:
-        """`operands` as DecodeOperands: itself, or a sequence in field order where a weight may be given as the
-        list of its parts (how a kernel's list argument comes back): a Quantized where `spec` stores the weight
-        dense in fp8, else a Factored ([u, v], or [u, v, u_scale, v_scale])."""
+        """`operands` as DecodeOperands: itself, or a sequence in field order (`packed`, the last, may be left out
+        when None) where a weight may be given as the list of its parts (how a kernel's list argument comes back):
+        a Quantized where `spec` stores the weight dense in fp8, else a Factored ([u, v], or [u, v, u_scale,
+        v_scale]; a packed one's u and v None)."""
         if isinstance(operands, cls):
             return operands
         names = operand_fields()
         operands = list(operands)
+        if len(operands) == len(names) - 1:
+            operands.append(None)
         if len(operands) != len(names):
             raise ValueError(f"got {len(operands)} operands, expected {len(names)} {names}")
         values = {}
@@ -447,8 +486,8 @@ def _rank(spec: DecodeSpec, weight: str) -> int:
 def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
     """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
     per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to the largest rank) or a
-    Quantized of tuples per stored weight (`stored_type`; the scales only for fp8 weights), None where the spec has
-    no such operand."""
+    Quantized of tuples per stored weight (`stored_type`; the scales only for fp8 weights, the values only for
+    weights not packed), None where the spec has no such operand."""
     rank_padding = rank_padding or {}
     shapes = {}
     for field in dataclasses.fields(DecodeOperands):
@@ -472,7 +511,7 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_
             **{
                 part.name: stacked + part.metadata["shape"](shape[0], r, shape[1])
                 for part in dataclasses.fields(kind)
-                if spec.fp8(weight) or part.metadata["dtype"] is not SCALE
+                if spec.has_part(weight, part)
             }
         )
     return DecodeOperands(**shapes)
@@ -487,7 +526,9 @@ def expected_dtypes(spec: DecodeSpec, model_dtype, fp8_dtype=FP8) -> DecodeOpera
     def resolve(rule, weight):
         if isinstance(rule, np.dtype):
             return rule
-        return fp8_dtype if rule == WEIGHT_DTYPE and spec.fp8(weight) else model_dtype
+        if rule == FP8_DTYPE or (rule == WEIGHT_DTYPE and spec.fp8(weight)):
+            return fp8_dtype
+        return model_dtype
 
     dtypes = {}
     for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, 1).values()):
@@ -548,7 +589,12 @@ def _check_structure(where: str, spec: DecodeSpec, name: str, value, layout: str
                 f"{where}: {name}.{part.name}: expected None since spec.fp8_weights does not name {name} (scales go "
                 f"with fp8 weights) {contract}"
             )
-        if not given and (fp8 or not scale):
+        if given and not spec.has_part(name, part):
+            raise ValueError(
+                f"{where}: {name}.{part.name}: expected None since spec.packed_weights names {name} (its values are "
+                "in the packed operand: nki_kernels.decode.packing.pack_weights)"
+            )
+        if not given and spec.has_part(name, part):
             why = f": spec.fp8_weights names {name}, so its fp8 values need float32 scales" if scale else ""
             raise ValueError(f"{where}: {name}.{part.name}: got None{why} {contract}")
 
@@ -570,11 +616,11 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
         meta = fields[name].metadata
         weight = meta.get("weight")
         present = meta.get("present")
-        if present is not None and (value is None) == getattr(spec, present):
+        if present is not None and (value is None) == bool(getattr(spec, present)):
             raise ValueError(
                 f"{where}: {name}: got None, expected {meta['layout']} since spec.{present} is set"
                 if value is None
-                else f"{where}: {name}: expected None since spec.{present} is False"
+                else f"{where}: {name}: expected None since spec.{present} is {getattr(spec, present)!r}"
             )
         if value is None and present is None:
             raise ValueError(f"{where}: {name}: got None, expected {meta['layout']}")
@@ -606,8 +652,11 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
     if padded_ranks:
         for name, value in zip(operand_fields(), ops.values()):
             weight = fields[name].metadata.get("weight")
-            if isinstance(value, Factored) and value.u.shape[-1] >= _rank(spec, weight):
-                padding[name] = value.u.shape[-1]
+            if not isinstance(value, Factored):
+                continue
+            stacked = (value.u if value.u is not None else value.u_scale).shape[-1]  # packed: its scales'
+            if stacked >= _rank(spec, weight):
+                padding[name] = stacked
     want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2], padding)
     model = np.dtype(x.dtype)
     if model not in (np.float16, np.float32, np.float64) and model.name != "bfloat16":
@@ -678,8 +727,14 @@ def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> No
 
 
 def kernel_arg(value):
-    """An operand as an NKI kernel argument (tensors, or lists of them): a stored weight as the list of its parts."""
-    return list(value) if isinstance(value, StoredWeight) else value
+    """An operand as an NKI kernel argument (tensors, or lists of them): a stored weight as the list of its parts
+    in field order up to the last present one (a packed weight's values None)."""
+    if not isinstance(value, StoredWeight):
+        return value
+    parts = [getattr(value, field.name) for field in dataclasses.fields(value)]
+    while parts[-1] is None:
+        parts.pop()
+    return parts
 
 
 def as_weight(value, factored: bool):

@@ -19,10 +19,9 @@ from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
 from nki_kernels.decode.contract import PROJECTIONS, Quantized
+from nki_kernels.decode.layouts import rank_layout
 from nki_kernels.decode.tiles import (
-    choose_group,
     column_tiles,
-    feature_layout,
     fp32_per_psum_bank,
     layout_blocks,
     load_columns,
@@ -197,7 +196,7 @@ class LayerScales:
                 continue
             self.tiles[name] = load_scales(weight.v_scale, out_layouts[name])
             self.u_runs[name] = [
-                (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], rank_layout(rank, weight.v.shape[-1])))
+                (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], rank_layout(rank, spec.out_features(name))))
                 for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
             ]
 
@@ -240,17 +239,25 @@ def rank_runs(ranks):
     return [tuple(run) for run in runs]
 
 
-def rank_layout(rank, v_columns):
-    """The layout of a factored projection's rank-r intermediate (x·u)ᵀ: grouped for v's rows of v_columns."""
-    return feature_layout(rank, choose_group(rank, v_columns))
+class OnChipWeight:
+    """A weight [K, N] already in SBUF (a layer's packed weights, nki_kernels.decode.packing.load_packed): blocks[b]
+    is the [partitions, count, N] view of block b of its input layout (tiles.layout_blocks), partition p holding
+    rows k0 + p·count .. k0 + p·count + count - 1 of that block."""
+
+    def __init__(self, blocks, rows, columns):
+        self.blocks = blocks
+        self.shape = (rows, columns)
+        self.dtype = blocks[0].dtype
 
 
 def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None):
-    """x [K features] @ w [K, N] (an HBM view in the model dtype, or fp8) for `rows` rows, out in `out_layout`.
+    """x [K features] @ w [K, N] (an HBM view in the model dtype, or fp8; or an OnChipWeight) for `rows` rows, out
+    in `out_layout`.
 
-    x: column tiles of in_layout in the model dtype. Weights stream through `ring`, one DMA per (input block,
+    x: column tiles of in_layout in the model dtype. Weights in HBM stream through `ring`, one DMA per (input block,
     column chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit
-    a ring block at the full width; each block's tiles feed every output tile of the chunk.
+    a ring block at the full width; each block's tiles feed every output tile of the chunk. An OnChipWeight's
+    blocks are already loaded (its column chunks are views of them).
     evict(psum, s0, count, size, scale) is called once per run of equal-size output tiles with the float32
     accumulators psum [size, count, rows] (tiles s0 .. s0+count-1 of out_layout) and their scales: None, or (fp8
     weights, `scales` the load_scales tiles of out_layout) a float32 [size, count, rows] view to multiply psum by;
@@ -259,15 +266,25 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None
     pmax = nl.tile_size.pmax
     k, n = w.shape
     in_blocks = layout_blocks(in_layout)
-    block_elements = ring.block_elements(w.dtype)
-    per_block = rows_per_block(max(count for _, _, _, count, _ in in_blocks), n, block_elements)
+    in_count_max = max(count for _, _, _, count, _ in in_blocks)
+    on_chip = isinstance(w, OnChipWeight)
+    block_elements = in_count_max * n if on_chip else ring.block_elements(w.dtype)
+    per_block = rows_per_block(in_count_max, n, block_elements)
     rows_pad = padded_rows(rows)
+
+    def weight_blocks(b, k0, ks, count, partitions, n0, width):
+        """(first row in the block, rows, [partitions, rows, width] SBUF) of input block b, loaded as needed."""
+        if on_chip:
+            yield 0, count, w.blocks[b][0:partitions, :, n0 : n0 + width]
+            return
+        view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
+        for i0, ic in spans(count, per_block):
+            yield i0, ic, ring.load(view if ic == count else view[:, i0 : i0 + ic, :], partitions, ic, width)
+
     for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, block_elements, rows):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-            view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
-            for i0, ic in spans(count, per_block):
-                block = ring.load(view if ic == count else view[:, i0 : i0 + ic, :], partitions, ic, width)
+            for i0, ic, block in weight_blocks(b, k0, ks, count, partitions, n0, width):
                 for j in range(out_count):
                     size, feats = out_layout[out_s0 + j]
                     columns = slice(feats.start - n0, feats.stop - n0, feats.step)
@@ -335,7 +352,8 @@ def multiply_into(dst, other):
 
 def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales=None, reduce=None):
     """`dense_projection` of one layer's weight (HBM views): a dense [K, N] or a Quantized (rank None), or a
-    Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales). Factored: stage 1 leaves (x·u)ᵀ in SBUF
+    Factored u [K, ≥rank], v [≥rank, N] (with fp8 factors, their scales); a packed weight's values are
+    OnChipWeights instead (a Factored's exactly [K, rank] and [rank, N]). Factored: stage 1 leaves (x·u)ᵀ in SBUF
     as column tiles over the rank in x's dtype (rank on the partitions, grouped for v's rows; scaled by u_scale
     first), stage 2 multiplies it by v: the rank-r intermediate never leaves the chip.
 
@@ -358,6 +376,8 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
             evict(partial[0:size, s0 : s0 + count, 0:rows], s0, count, size, None)
         return
     u, v = weight.u, weight.v
+    if not isinstance(u, OnChipWeight):  # stacked to the largest rank in HBM; packed ones are the layer's
+        u, v = u[:, 0:rank], v[0:rank, :]
     layout = rank_layout(rank, v.shape[1])
     if scales is None:
         u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], layout)
@@ -366,14 +386,14 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
         u_scales, v_scales = scales
     xu = column_tiles(layout, rows, x.dtype, "xuT", zero=False)
     if reduce is None:
-        dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(xu), u_scales)
+        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(xu), u_scales)
     else:
         # Summed in float32, then rounded to x's dtype once (as one rank rounds its whole sum).
         partial = column_tiles(layout, rows, nl.float32, "partial_xuT")
-        dense_projection(x, in_layout, u[:, 0:rank], layout, rows, ring, copy_into(partial), u_scales)
+        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(partial), u_scales)
         reduce(partial)
         nisa.tensor_copy(dst=xu[:, :, 0:rows], src=partial[:, :, 0:rows])
-    dense_projection(xu, layout, v[0:rank, :], out_layout, rows, ring, evict, v_scales)
+    dense_projection(xu, layout, v, out_layout, rows, ring, evict, v_scales)
 
 
 def gated_mlp(

@@ -125,6 +125,12 @@ def _run(where, composition, ops, spec, numerics, ring):
                 )
             head = _each(kernel_arg, ops.head)
             return _launch(lm_head_kernel, x, ops.final_norm, head, spec=spec, **ring), k_cache, v_cache
+        if spec.packed_weights:
+            raise ValueError(
+                f"{where}: composition {composition!r} takes each weight on its own; spec.packed_weights "
+                f"{spec.packed_weights} is the looped and per-layer kernels' layout (unpack with "
+                "nki_kernels.decode.packing.unpack_weights and unpacked_spec)"
+            )
         return _run_per_op(composition == "per_op_svd_mlp", ops, spec, ring)
 
 

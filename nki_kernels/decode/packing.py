@@ -1,0 +1,154 @@
+"""Packed fp8 weights of the decode step (DecodeSpec.packed_weights; their layout: nki_kernels.decode.layouts):
+which weights a spec packs by default (`attention_packing`), the moves between the packed operand and the
+contract's stacked weights (`pack_weights` / `unpack_weights`: numpy, or any module with numpy's reshape /
+concatenate / pad / stack, such as jax.numpy, with which the XLA reference unpacks), and the kernels' loads of a
+layer's packed weights through the weight ring (`load_packed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from nki_kernels.binding import nl
+from nki_kernels.decode.contract import FP8, DecodeOperands, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.layouts import packed_segments, packed_width
+from nki_kernels.decode.projections import OnChipWeight
+from nki_kernels.decode.ring import RING_BLOCK_BYTES
+
+# The attention's projections, which `attention_packing` packs.
+ATTENTION = ("q", "k", "v", "o")
+
+
+def attention_packing(spec: DecodeSpec) -> tuple[str, ...]:
+    """The projections a one-rank spec packs by default: its fp8 factored attention projections (of q, k, v, o)
+    when every layer's packed row of them fits one weight-ring block (RING_BLOCK_BYTES a partition: one DMA a
+    layer), else none. Gemma 3 270M at keep 0.8 packs all four (8448 bytes a partition); Llama-3.2-1B's would take
+    63 KiB, its factors' runs already 1.5 KiB or longer; a dense fp8 weight's runs are K/128 times N long."""
+    names = tuple(name for name in ATTENTION if spec.fp8(name) and spec.factored(name))
+    if spec.tensor_parallel != 1 or not names:
+        return ()
+    width = packed_width(dataclasses.replace(spec, packed_weights=names))
+    return names if width * FP8.itemsize <= RING_BLOCK_BYTES else ()
+
+
+def unpacked_spec(spec: DecodeSpec) -> DecodeSpec:
+    """`spec` with no packed weights (the contract `pack_weights` takes and `unpack_weights` gives)."""
+    return dataclasses.replace(spec, packed_weights=())
+
+
+def _stage_values(weight, part: str, layer: int, rank: int | None):
+    """Layer `layer`'s [K, N] values of a stage of a stacked stored weight (u cut to rank columns, v to rank rows)."""
+    if part == "w":
+        return weight.w[layer]
+    if part == "u":
+        return weight.u[layer][:, 0:rank]
+    return weight.v[layer][0:rank, :]
+
+
+def pack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands:
+    """ops (following `unpacked_spec(spec)`: spec.packed_weights stored as usual) as the operands `spec` takes:
+    the values of spec.packed_weights moved into `packed` [L, 128, E] (their scales stay where they were, the
+    values' parts become None). xp: numpy, or a module with its reshape / concatenate / pad / stack."""
+    if not spec.packed_weights:
+        raise ValueError("pack_weights: spec.packed_weights is empty: there is nothing to pack")
+    pmax, width = nl.tile_size.pmax, packed_width(spec)
+    layers = []
+    for layer in range(spec.num_layers):
+        pieces = []
+        for s in packed_segments(spec, layer):
+            values = _stage_values(getattr(ops, s.weight), s.part, layer, spec.rank(s.weight, layer))
+            block = xp.reshape(values[s.k0 : s.k0 + s.rows, :], (s.partitions, s.width))
+            pieces.append(xp.pad(block, ((0, pmax - s.partitions), (0, 0))))
+        row = xp.concatenate(pieces, axis=1)
+        layers.append(xp.pad(row, ((0, 0), (0, width - row.shape[1]))))
+    values = {name: _without_values(getattr(ops, name)) for name in spec.packed_weights}
+    return ops.replace(packed=xp.stack(layers), **values)
+
+
+def _without_values(weight):
+    """A stored fp8 weight with its values' parts set to None (its scales kept)."""
+    if isinstance(weight, Factored):
+        return dataclasses.replace(weight, u=None, v=None)
+    if isinstance(weight, Quantized):
+        return dataclasses.replace(weight, w=None)
+    raise ValueError(
+        f"pack_weights: got {type(weight).__name__}, expected a Factored or Quantized fp8 weight (packed weights "
+        "are fp8)"
+    )
+
+
+def unpack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands:
+    """The inverse of `pack_weights`: ops following `spec` as the operands of `unpacked_spec(spec)`, each packed
+    weight's values back in its stored weight, stacked over layers (factors zero padded to the rank their scales
+    are stacked to)."""
+    if not spec.packed_weights:
+        return ops
+    packed = ops.packed
+    values = {}
+    for name in spec.packed_weights:
+        weight = getattr(ops, name)
+        parts = {}
+        for layer in range(spec.num_layers):
+            for s in packed_segments(spec, layer):
+                if s.weight == name:
+                    block = packed[layer, 0 : s.partitions, s.offset : s.offset + s.width]
+                    parts.setdefault(s.part, []).append((layer, xp.reshape(block, (s.rows, s.columns))))
+        stacked = {}
+        for part, blocks in parts.items():
+            per_layer = [
+                xp.concatenate([b for layer_b, b in blocks if layer_b == layer], axis=0)
+                for layer in range(spec.num_layers)
+            ]
+            stacked_rank = weight.u_scale.shape[-1] if part != "w" else None
+            if part == "u":
+                per_layer = [xp.pad(u, ((0, 0), (0, stacked_rank - u.shape[1]))) for u in per_layer]
+            elif part == "v":
+                per_layer = [xp.pad(v, ((0, stacked_rank - v.shape[0]), (0, 0))) for v in per_layer]
+            stacked[part] = xp.stack(per_layer)
+        values[name] = dataclasses.replace(weight, **stacked)
+    return ops.replace(packed=None, **values)
+
+
+def packed_pieces(spec: DecodeSpec, layer: int, block_bytes: int, itemsize: int):
+    """`layer`'s segments in the DMAs that load them: [(first element, elements, partitions, segments)], runs of
+    consecutive segments of equal partitions whose elements fit `block_bytes` per partition (a weight-ring block);
+    a ValueError when one segment alone does not fit."""
+    pieces = []
+    for s in packed_segments(spec, layer):
+        if s.width * itemsize > block_bytes:
+            raise ValueError(
+                f"packed weights: {s.weight}.{s.part} of layer {layer} takes {s.width * itemsize} bytes a partition, "
+                f"more than a weight-ring block of {block_bytes} (ring_block_bytes); expected spec.packed_weights "
+                "to name weights whose blocks fit one"
+            )
+        last = pieces[-1] if pieces else None
+        if last and last[2] == s.partitions and (last[1] + s.width) * itemsize <= block_bytes:
+            last[1] += s.width
+            last[3].append(s)
+        else:
+            pieces.append([s.offset, s.width, s.partitions, [s]])
+    return [tuple(piece) for piece in pieces]
+
+
+def load_packed(packed, layer, spec, ring):
+    """Layer `layer`'s packed weights (packed: the [L, 128, E] operand in HBM) loaded through `ring`, one DMA
+    block per piece (`packed_pieces`): {weight: {part: OnChipWeight}}, each stage as one [partitions, count,
+    columns] SBUF view per block of its input layout."""
+    loaded = {}
+    for first, elements, partitions, segments in packed_pieces(spec, layer, ring.block_bytes, packed.dtype.itemsize):
+        src = packed[layer, 0:partitions, first : first + elements].reshape_dim(1, (1, elements))
+        block = ring.load(src, partitions, 1, elements)
+        for s in segments:
+            view = block[0:partitions, 0, s.offset - first : s.offset - first + s.width].reshape_dim(
+                1, (s.count, s.columns)
+            )
+            loaded.setdefault(s.weight, {}).setdefault(s.part, []).append((s, view))
+    return {
+        name: {
+            part: OnChipWeight([view for _, view in blocks], sum(s.rows for s, _ in blocks), blocks[0][0].columns)
+            for part, blocks in parts.items()
+        }
+        for name, parts in loaded.items()
+    }

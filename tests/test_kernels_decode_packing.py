@@ -1,0 +1,174 @@
+"""Packed fp8 weights of the decode step (DecodeSpec.packed_weights; nki_kernels.decode.layouts, .packing): the
+packed layout element by element against an independent float64 construction, the pack / unpack round trip, the
+looped and per-layer kernels on packed operands against the float64 reference and the unpacked kernels, the
+default packing, the DMA runs it buys, and errors that name the argument.
+
+Ragged shapes: the Gemma-3-like spec has H = 256 (row-grouped), factored q / v / o at per-layer ranks 70, 33, 130 /
+5, 64, 1 / 20, 40, 60 (rank 130: a 128-partition tile and a 2-partition one), k dense (Quantized); the Llama-like
+one H = 200 (natural tiles of 128 and 72 partitions), every projection dense.
+"""
+
+import dataclasses
+
+import numpy as np
+import pytest
+from decode_operands import GEMMA3_8, LLAMA8, RING, WEIGHT_INDEX, check_cache, fp8_operands, relative_error
+
+from jax_neuronmm.models import decode
+from nki_kernels import emulator, reference
+from nki_kernels.decode import comparison, layouts, packing, tiles
+from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, check
+from nki_kernels.decode.runner import run_decode_step
+from nki_kernels.emulator import cost_model, trace
+
+ATTENTION = ("q", "k", "v", "o")
+GEMMA_PACKED = dataclasses.replace(GEMMA3_8, packed_weights=ATTENTION)
+LLAMA_PACKED = dataclasses.replace(LLAMA8, packed_weights=("k", "o", "up"))
+
+
+def _layer_values(ops, spec, name, layer):
+    """[(part, [K, N] float64 values)] of projection `name` in `layer`, cut to the layer's rank."""
+    weight, rank = getattr(ops, name), spec.rank(name, layer)
+    if rank is None:
+        return [("w", weight.w[layer].astype(np.float64))]
+    return [("u", weight.u[layer][:, :rank].astype(np.float64)), ("v", weight.v[layer][:rank].astype(np.float64))]
+
+
+def _packed_f64(ops, spec):
+    """The packed operand built element by element from the layouts' definition: partition p of a block of
+    `count` tiles starting at feature k0 holds rows k0 + p·count + i (i < count), whole, one after another."""
+    rows = []
+    for layer in range(spec.num_layers):
+        row = np.zeros((128, 0))
+        for name in spec.packed_weights:
+            lay = layouts.Layouts(spec)
+            for part, values in _layer_values(ops, spec, name, layer):
+                layout = lay.input(name) if part != "v" else layouts.rank_layout(values.shape[0], values.shape[1])
+                for k0, ks, _, count, partitions in tiles.layout_blocks(layout):
+                    block = np.zeros((128, count * values.shape[1]))
+                    for p in range(partitions):
+                        for i in range(count):
+                            n = values.shape[1]
+                            block[p, i * n : (i + 1) * n] = values[k0 + p * count + i]
+                    row = np.concatenate([row, block], axis=1)
+        rows.append(row)
+    width = max(row.shape[1] for row in rows)
+    return np.stack([np.pad(row, ((0, 0), (0, width - row.shape[1]))) for row in rows])
+
+
+@pytest.mark.parametrize("spec", [GEMMA_PACKED, LLAMA_PACKED], ids=["gemma3-attention", "llama-dense"])
+def test_packed_layout_and_round_trip(rng, spec):
+    plain = packing.unpacked_spec(spec)
+    ops = DecodeOperands.of(fp8_operands(rng, plain, 2, 1, 8, 3), plain)
+    packed = packing.pack_weights(ops, spec)
+    check(spec, packed, "test", padded_ranks=True)
+    assert packed.packed.shape == layouts.packed_shape(spec) and packed.packed.dtype == FP8
+    np.testing.assert_array_equal(packed.packed.astype(np.float64), _packed_f64(ops, spec))
+    for name in spec.packed_weights:
+        weight = getattr(packed, name)
+        assert all(getattr(weight, part) is None for part in ("u", "v", "w") if hasattr(weight, part))
+    back = packing.unpack_weights(packed, spec)
+    assert back.packed is None
+    for name in PROJECTIONS:
+        want, got = getattr(ops, name), getattr(back, name)
+        for part, value in want.parts().items():  # factors padded past the largest rank as given
+            np.testing.assert_array_equal(getattr(got, part).astype(np.float64), value.astype(np.float64))
+
+
+@pytest.mark.parametrize("composition", ["looped", "per_layer"])
+@pytest.mark.parametrize("spec, b, t, s, w", [(GEMMA_PACKED, 1, 2, 20, 7), (LLAMA_PACKED, 3, 1, 12, 11)])
+def test_kernels_on_packed_weights_match_float64_reference(rng, composition, spec, b, t, s, w):
+    """The packed step against the float64 reference of the unpacked operands, and bit for bit the unpacked
+    kernels' step (the same matmuls on the same values; the reference's tolerance is bf16 activations' over a few
+    layers of fp8 weights spanning the whole e4m3 range, the unpacked kernels' error on the same draw)."""
+    plain = packing.unpacked_spec(spec)
+    operands = fp8_operands(rng, plain, b, t, s, w)
+    packed = packing.pack_weights(DecodeOperands.of(operands, plain), spec)
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, plain)
+    np.testing.assert_array_equal(reference.decode_step_f64(packed, spec)[0], want_logits)  # it unpacks them
+    k_before, v_before = operands[10].copy(), operands[11].copy()
+    logits, k_cache, v_cache = run_decode_step(composition, packed, spec, **RING)
+    assert np.std(want_logits) > 0.1
+    assert relative_error(logits, want_logits) < 5e-2
+    check_cache(k_cache, k_before, want_k, w, t, 5e-2)
+    check_cache(v_cache, v_before, want_v, w, t, 5e-2)
+    caches = dict(k_cache=k_before.copy(), v_cache=v_before.copy())
+    unpacked = run_decode_step(composition, DecodeOperands.of(operands, plain).replace(**caches), plain, **RING)
+    np.testing.assert_array_equal(logits, unpacked[0])
+    np.testing.assert_array_equal(k_cache.view(np.uint8), unpacked[1].view(np.uint8))
+
+
+def test_default_packing_takes_gemma_attention_factors_only():
+    models = decode.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B"])
+    gemma = comparison.decode_spec(models["Gemma 3 270M"], 18, compressed=True, fp8=True)
+    assert gemma.packed_weights == ATTENTION and layouts.packed_shape(gemma) == (18, 128, 8448)
+    assert comparison.decode_spec(models["Gemma 3 270M"], 18, compressed=False, fp8=True).packed_weights == ()
+    assert comparison.decode_spec(models["Gemma 3 270M"], 18, compressed=True).packed_weights == ()
+    assert comparison.decode_spec(models["Llama-3.2-1B"], 2, compressed=True, fp8=True).packed_weights == ()
+
+
+def test_packed_attention_moves_long_runs_once():
+    """Gemma 3 270M (2 layers, keep 0.8, fp8): the packed step reads the bytes the unpacked one does, and its
+    attention factors in one 8448-byte run a partition a layer where alone they moved 256 to 2048 bytes."""
+    model = decode.published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
+    spec = comparison.decode_spec(model, 2, compressed=True, fp8=True)
+    runs = {}
+    for key, case in (("packed", spec), ("plain", packing.unpacked_spec(spec))):
+        records = []
+        trace.add_listener(records.append)
+        try:
+            with emulator.use_target("trn2"), emulator.count_only():
+                run_decode_step("looped", comparison.operand_specs(case, 1, 64), case, numerics=False)
+        finally:
+            trace.remove_listener(records.append)
+        runs[key] = records[0]
+
+    def hbm_read(run):
+        return sum(r.dma.nbytes for r in run.records if r.engine == "dma" and r.dma and r.dma.src_buffer == "hbm")
+
+    assert hbm_read(runs["packed"]) == hbm_read(runs["plain"])
+
+    def weight_runs(run):
+        return {
+            cost_model.dma_buffer_bytes(r)
+            for r in run.records
+            if r.engine == "dma" and r.dma and r.dma.src_buffer == "hbm" and r.line.split("/")[-1].startswith("ring")
+        }
+
+    assert {256, 640} <= weight_runs(runs["plain"])
+    assert 8448 in weight_runs(runs["packed"]) and min(weight_runs(runs["packed"])) > 1024
+
+
+def test_bad_packing_is_refused_naming_the_argument(rng):
+    with pytest.raises(ValueError, match=r"packed_weights.*fp8_weights does not name \['k'\]"):
+        dataclasses.replace(GEMMA3_8, fp8_weights=("q",), packed_weights=("q", "k"))
+    with pytest.raises(ValueError, match=r"packed_weights.*distinct names"):
+        dataclasses.replace(GEMMA3_8, packed_weights=("head",))
+    with pytest.raises(ValueError, match=r"packed_weights.*tensor_parallel=2"):
+        dataclasses.replace(GEMMA_PACKED, tensor_parallel=2)
+    plain = packing.unpacked_spec(GEMMA_PACKED)
+    ops = DecodeOperands.of(fp8_operands(rng, plain, 1, 1, 8, 3), plain)
+    packed = packing.pack_weights(ops, GEMMA_PACKED)
+    with pytest.raises(ValueError, match=r"test: packed: got None, expected \[L, 128, E\]"):
+        check(GEMMA_PACKED, packed.replace(packed=None), "test", padded_ranks=True)
+    with pytest.raises(ValueError, match=r"test: q.u: expected None since spec.packed_weights names q"):
+        check(GEMMA_PACKED, packed.replace(q=ops.q), "test", padded_ranks=True)
+    with pytest.raises(ValueError, match=r"test: packed: expected None since spec.packed_weights is \(\)"):
+        check(plain, ops.replace(packed=packed.packed), "test", padded_ranks=True)
+    with pytest.raises(ValueError, match=r"test: packed: got shape \(3, 128, 7\)"):
+        check(GEMMA_PACKED, packed.replace(packed=packed.packed[:, :, :7]), "test", padded_ranks=True)
+    with pytest.raises(TypeError, match=r"test: packed: got dtype float32, expected float8_e4m3"):
+        check(GEMMA_PACKED, packed.replace(packed=packed.packed.astype(np.float32)), "test", padded_ranks=True)
+    with pytest.raises(ValueError, match=r"pack_weights: spec.packed_weights is empty"):
+        packing.pack_weights(ops, plain)
+    with pytest.raises(ValueError, match=r"composition 'per_op'.*packed_weights"):
+        run_decode_step("per_op", packed, GEMMA_PACKED, **RING)
+    with pytest.raises(ValueError, match=r"q.u of layer 0 takes 140 bytes a partition.*ring_block_bytes"):
+        run_decode_step("looped", packed, GEMMA_PACKED, ring_block_bytes=128, ring_bytes=10000)
+
+
+def test_operand_lists_may_leave_out_packed(rng):
+    operands = fp8_operands(rng, GEMMA3_8, 1, 1, 8, 3)
+    assert len(operands) == len(dataclasses.fields(DecodeOperands)) - 1
+    assert DecodeOperands.of(operands, GEMMA3_8).packed is None
+    assert WEIGHT_INDEX["head"] == len(operands) - 1
