@@ -32,9 +32,16 @@ bf16 dense looped kernel; it traces our compositions only (no nkilib peer, no pl
 each model split over T NeuronCores in the Megatron layout (nki_kernels.decode.sharding; T = 1, 2, 4, 8, and 16,
 32 for Llama-3.1-8B, or --tp_degrees), every rank's kernels run together on the emulator with their collectives
 (simulate_spmd), rank 0 measured: per_op, per_layer and looped, dense and compressed, with µs per step, % of the
-aggregate peak bandwidth, µs in collectives and the physical bound beside each looped row, e.g.
+aggregate peak bandwidth, µs in collectives and, beside each looped row, the physical (byte) bound and the
+dependency floor (the same kernel with unlimited DMA and link bandwidth, cost_model.dependency_floor_us), e.g.
 
     python benchmarks/decode_compositions.py --tensor_parallel --batches=1,8 --cache_lengths=512
+
+--models, --tp_degrees, --batches, --cache_lengths and --compositions pick the cases (each traced dense and
+compressed), e.g. a handful of looped rows in a minute:
+
+    python benchmarks/decode_compositions.py --tensor_parallel --models="Gemma 3 270M" --tp_degrees=2,4 \
+        --batches=1 --cache_lengths=512 --compositions=looped --out_dir=/tmp/tp
 """
 
 from __future__ import annotations
@@ -446,7 +453,16 @@ def tensor_parallel_markdown(
         "collectives** = `traffic.collective_bytes`.",
         "- **Physical bound** (looped rows) = `comparison.tensor_parallel_bound_us`: the larger of one rank's "
         "must-move bytes at the peak DMA rate and its collectives on the links one after another (the layers' "
-        "data dependencies order them); the row's latency ÷ bound in parentheses.",
+        "data dependencies order them); the row's latency ÷ bound in parentheses. The issue's target is stated "
+        "against this bound.",
+        "- **Dependency floor** (looped rows) = `Measured.floor_us`: the same instruction stream scheduled with DMA "
+        "and link bandwidth unlimited (`cost_model.schedule(..., unlimited_bandwidth=True)`: transfers take only "
+        "their fixed ~1.3 µs latency, collectives only their hop latency, every engine instruction and dependency "
+        "as modeled), i.e. the kernel's own dependency chain; the row's latency ÷ floor in parentheses, then "
+        "which limit is larger: **bytes** (the byte bound) or **chain** (the floor). A row can be at most as fast "
+        "as the larger of the two; where the floor is larger, no overlap of DMA with compute reaches the byte "
+        "bound, only a shorter chain does. The bound column stays the byte bound; the targets below say which "
+        "rows meet the 5% target against which of the two.",
         f"- Depths: {'; '.join(f'{k}: {v}' for k, v in depths.items())}.",
         f"- Made by `{command}`: {timing}; {elapsed_s / 60:.1f} min in all on a 2-core machine shared with other "
         f"jobs (1-minute load average {loads[0]:.1f} at the start, {min(loads):.1f} to {max(loads):.1f} during "
@@ -500,9 +516,10 @@ def _speedup_overhead(per_layer, looped, target="trn2", speedup=1.3) -> str:
 
 def tensor_parallel_targets(ours, models, degrees) -> list[str]:
     """The issue's targets checked on the traced cases (batch 1, S 512, 0 µs per launch): the looped kernel against
-    its physical bound at every degree, Llama-3.1-8B at T = 8 on trn2, and looped scaling of Llama-3.2-1B."""
+    its physical (byte) bound at every degree (the rows that miss it also against the larger of that bound and
+    their dependency floor), Llama-3.1-8B at T = 8 on trn2, and looped scaling of Llama-3.2-1B."""
     lines = ["## Targets (modeled, batch 1, S 512, 0 µs per launch)", ""]
-    worst = None
+    worst, misses = None, []
     for m in models:
         for p in degrees(m):
             for compressed in (False, True):
@@ -511,14 +528,31 @@ def tensor_parallel_targets(ours, models, degrees) -> list[str]:
                     continue
                 spec = tp_spec(m, m.num_layers, compressed, p)
                 for t in TARGETS:
-                    ratio = looped.latency_us(t, 0.0) / tensor_parallel_bound_us(spec, 1, 512, t)
-                    if worst is None or ratio > worst[0]:
-                        worst = (ratio, f"{m.name} T = {p} {where(compressed)} on {t}")
+                    us, bound = looped.latency_us(t, 0.0), tensor_parallel_bound_us(spec, 1, 512, t)
+                    name = f"{m.name} T = {p} {where(compressed)} on {t}"
+                    if worst is None or us / bound > worst[0]:
+                        worst = (us / bound, name)
+                    if us / bound > 1.05:
+                        floor = looped.floor_us.get(t)
+                        if floor is None:
+                            misses.append(f"{name} {us / bound:.2f}x (no floor traced)")
+                        else:
+                            limit = max(bound, floor)
+                            misses.append(
+                                f"{name} {us / limit:.2f}x ({'chain' if floor > bound else 'bytes'}, "
+                                f"{'within' if us / limit <= 1.05 else 'over'} 5%)"
+                            )
     if worst is not None:
         verdict = "met" if worst[0] <= 1.05 else "NOT met"
         lines.append(
-            f"- the looped kernel within 5% of its physical bound at every shape: **{verdict}** (the farthest: "
-            f"{worst[1]}, {worst[0]:.2f}x its bound)"
+            f"- the looped kernel within 5% of its physical (byte) bound at every shape: **{verdict}** (the "
+            f"farthest: {worst[1]}, {worst[0]:.2f}x its bound)"
+        )
+    if misses:
+        lines.append(
+            "- rows over 1.05x their byte bound, each against the larger of its byte bound and dependency floor "
+            "(chain: the floor is the larger; the byte bound is out of reach of any overlap there): "
+            + "; ".join(misses)
         )
     big = ("Llama-3.1-8B", 8, False, 1, 512)
     looped, per_layer = ours.get((*big, "looped")), ours.get((*big, "per_layer"))

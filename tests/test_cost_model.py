@@ -454,3 +454,41 @@ def test_bad_target_and_engine_raise():
         cost_model.roofline_us(-1, 0, "trn1")
     with pytest.raises(ValueError, match="buffer_bytes"):
         cost_model.dma_efficiency(0)
+
+
+def _all_reduce(src, dst, nbytes, ranks=4):
+    """An nki.collectives all_reduce record over `ranks` ranks (HBM to HBM)."""
+    return trace.InstructionRecord(
+        opcode="all_reduce",
+        engine="dma",
+        line="k.py:4",
+        partitions=1,
+        free_elements=nbytes // 4,
+        dtype="float32",
+        reads=(A(src, "hbm", 0, 1, 0, nbytes),),
+        writes=(A(dst, "hbm", 0, 1, 0, nbytes),),
+        collective=trace.CollectiveInfo("all_reduce", nbytes, ranks, ranks),
+    )
+
+
+def test_unlimited_bandwidth_keeps_fixed_latencies_and_the_dependency_chain():
+    """With unlimited DMA and link bandwidth a transfer takes its fixed latency only (16 MiB loads on the same
+    engines no longer queue), a collective its hop latency, and compute and dependencies are as modeled."""
+    loads = [_dma(10 + i, 20 + i, 128 * FULL_RATE_BYTES * 4) for i in range(4)]
+    act = _elementwise("activation", "scalar", 23, 30, free=4096)  # reads the last load
+    reduce = _all_reduce(40, 41, 1 << 20)
+    run = _run(*loads, act, reduce, target="trn2")
+    links = cost_model.collective_links("trn2", hop_latency_us=1.5)
+    slow = cost_model.schedule(run, "trn2", links)
+    fast = cost_model.schedule(run, "trn2", links, unlimited_bandwidth=True)
+    fixed_us = cost_model.DMA_FIXED_LATENCY_NS / 1e3
+    assert fast.finish_us[:4] == pytest.approx((fixed_us,) * 4)
+    assert slow.finish_us[3] > 4 * fixed_us  # the loads queue on the engines at the modeled rate
+    ghz = cost_model.HARDWARE["trn2"].scalar_ghz
+    overhead = cost_model.DEPENDENT_OVERHEAD_CYCLES
+    assert fast.start_us[4] == pytest.approx(fixed_us + _us(overhead, ghz))
+    assert fast.finish_us[4] - fast.start_us[4] == pytest.approx(slow.finish_us[4] - slow.start_us[4])
+    assert fast.finish_us[5] - fast.start_us[5] == pytest.approx(1.5)  # one mesh hop, no bytes on the links
+    assert slow.finish_us[5] - slow.start_us[5] > 1.5
+    assert fast.engine_busy_us["dma"] == 0.0 and fast.engine_busy_us["scalar"] == slow.engine_busy_us["scalar"]
+    assert cost_model.dependency_floor_us(run, "trn2", links) == fast.latency_us < slow.latency_us

@@ -235,7 +235,9 @@ def test_quick_tensor_parallel_report(tmp_path):
         ("| 2", "dense"),
         ("| 2", "compressed"),
     ]
-    assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-1]
+    assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-2]  # byte bound per target
+    floors = [cell.split(" (")[1].split(")")[0] for cell in rows[2][-1].rstrip(" |").split(" / ")]
+    assert len(floors) == 2 and all(f.endswith((", chain", ", bytes")) for f in floors)  # dependency floors
     assert "T = 8 not run: tensor_parallel: got 8" in text and "modeled, not measured" in text
 
 

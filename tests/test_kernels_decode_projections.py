@@ -165,8 +165,9 @@ def head_kernel(h, w, *, block_bytes, ring_bytes, group, softcap):
 
 
 def test_head_ranges_narrow_to_the_tail():
-    """The head's column ranges cover the vocabulary in order; the last full-width one is halved down to
-    HEAD_TAIL_COLUMNS in whole 128-column groups; narrower or ragged ranges are left as they are."""
+    """The head's column ranges cover the vocabulary in order; the last full-width one, with a narrower remainder
+    after it, is halved down to HEAD_TAIL_COLUMNS in whole 128-column groups; a range narrower than that is left as
+    it is."""
     tail = projections.HEAD_TAIL_COLUMNS
 
     def widths(v, columns):
@@ -177,7 +178,10 @@ def test_head_ranges_narrow_to_the_tail():
 
     assert widths(262144, 4 * tail) == [4 * tail] * (262144 // (4 * tail) - 1) + [2 * tail, tail, tail]
     assert widths(4700, 8192) == [2304, 1152, 1244]  # one ragged range, cut at group boundaries
-    assert widths(130 * 128 + 77, 1536) == [1536] * 10 + [1357]
+    assert widths(130 * 128 + 77, 1536) == [1536] * 10 + [1357]  # no wider than HEAD_TAIL_COLUMNS: as they are
+    assert widths(65536, 3072) == [3072] * 20 + [2048, 2048]  # 3072 + 1024: no 3072-wide range at the end
+    assert widths(6000, 4096) == [2944, 1408, 1648]
+    assert widths(8191, 4096) == [3968, 2048, 1024, 1151]  # 4096 + 4095: every piece within `columns`
     assert widths(100, 8192) == [100]
 
 

@@ -111,6 +111,20 @@ def test_latency_is_modeled_per_target_on_first_read(monkeypatch):
         r.latency_us["trn9"]
 
 
+def test_dependency_floor_is_modeled_beside_the_latency_when_asked():
+    run = _synthetic_run()
+    with emulator.profile(dependency_floor=True) as prof:
+        trace.kernel_finished(run)
+    with emulator.profile() as plain:
+        trace.kernel_finished(run)
+    r = prof.runs[0]
+    for target in cost_model.TARGETS:
+        assert r.dependency_floor_us[target] == pytest.approx(cost_model.dependency_floor_us(run, target))
+        assert 0 < r.dependency_floor_us[target] < r.latency_us[target] == plain.runs[0].latency_us[target]
+    with pytest.raises(ValueError, match="dependency_floor=True"):
+        plain.runs[0].dependency_floor_us["trn2"]
+
+
 def test_listener_is_removed_after_the_block():
     with emulator.profile() as prof:
         pass

@@ -251,13 +251,16 @@ def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cach
     and composition in `ours` ({(model name, T, compressed, batch, S, composition): Measured of rank 0}), with
     launches, one rank's HBM bytes moved and must-move and bytes sent to collectives, and per target the modeled
     µs of the step, tok/s (batch ÷ µs, all ranks together), % of the aggregate peak bandwidth (T ranks' must-move
-    bytes ÷ µs ÷ T cores' peak) and µs in collectives; beside each looped row, the physical bound per target
-    (tensor_parallel_bound_us) and the row's latency as a multiple of it."""
+    bytes ÷ µs ÷ T cores' peak) and µs in collectives; beside each looped row, per target, the physical (byte)
+    bound (tensor_parallel_bound_us) and its dependency floor (Measured.floor_us: the same kernel with unlimited
+    DMA and link bandwidth), each with the row's latency as a multiple of it, and which of the two is larger:
+    "bytes" or "chain" (the engines' dependency chain)."""
     lines = [
         "| T | batch | S | model | composition | launches | per rank: HBM MB moved / must move, KB to collectives "
         + "".join(f"| {t} µs / tok/s / % aggregate peak / µs in collectives " for t in TARGETS)
-        + f"| looped: physical bound µs (latency ÷ bound), {' / '.join(TARGETS)} |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|",
+        + f"| looped: physical (byte) bound µs (latency ÷ bound), {' / '.join(TARGETS)} "
+        + f"| looped: dependency floor µs (latency ÷ floor, the larger limit), {' / '.join(TARGETS)} |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|",
     ]
     for p in degrees:
         for b in batches:
@@ -284,19 +287,25 @@ def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cach
                                 f"{us:.1f} / {b / us * 1e6:,.0f} / {100 * peak_fraction(need, us, t):.0f}% / "
                                 f"{coll:.1f} ({100 * coll / us:.0f}%)"
                             )
-                        bound = "–"
+                        bound = floor = "–"
                         if comp == "looped" and m.kernel_us:
-                            bounds = []
+                            bounds, floors = [], []
                             for t in TARGETS:
-                                floor, us = tensor_parallel_bound_us(spec, b, s, t), m.latency_us(t, 0.0)
-                                bounds.append(f"{floor:.1f} ({us / floor:.2f}x)" if us is not None else "–")
-                            bound = " / ".join(bounds)
+                                limit, us = tensor_parallel_bound_us(spec, b, s, t), m.latency_us(t, 0.0)
+                                bounds.append(f"{limit:.1f} ({us / limit:.2f}x)" if us is not None else "–")
+                                chain = m.floor_us.get(t)
+                                floors.append(
+                                    f"{chain:.1f} ({us / chain:.2f}x, {'chain' if chain > limit else 'bytes'})"
+                                    if us is not None and chain
+                                    else "–"
+                                )
+                            bound, floor = " / ".join(bounds), " / ".join(floors)
                         moved = f"{m.hbm_bytes / 1e6:.1f}" if m.kernel_us else "–"
                         lines.append(
                             f"| {p} | {b} | {s} | {where(compressed)} | {LABELS[comp]} | {m.launches:.0f} "
                             f"| {moved} / {need / 1e6:.1f}, {sent / 1e3:.1f} "
                             + "".join(f"| {c} " for c in cells)
-                            + f"| {bound} |"
+                            + f"| {bound} | {floor} |"
                         )
     return lines
 
@@ -318,6 +327,9 @@ class Measured:
     extrapolated: tuple = ()
     note: str = ""
     collective_us: dict = dataclasses.field(default_factory=dict)  # target -> µs in collectives (tensor parallel)
+    # target -> µs of the same launches with unlimited DMA and link bandwidth (cost_model.dependency_floor_us;
+    # looped cases of measure_spec only, else empty)
+    floor_us: dict = dataclasses.field(default_factory=dict)
 
     def latency_us(self, target: str, overhead_us: float) -> float | None:
         """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
@@ -326,7 +338,8 @@ class Measured:
         return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
 
     @classmethod
-    def from_runs(cls, runs_by_target: dict, note: str = "") -> Measured:
+    def from_runs(cls, runs_by_target: dict, note: str = "", floor: bool = False) -> Measured:
+        """floor: the runs were profiled with their dependency floor (profiled(..., dependency_floor=True))."""
         first = next(iter(runs_by_target.values()))
         head = {
             t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
@@ -338,6 +351,9 @@ class Measured:
             {t: us for t, us in head.items() if us},
             note=note,
             collective_us={t: sum(r.collective_us[t] for r in runs) for t, runs in runs_by_target.items()},
+            floor_us={t: sum(r.dependency_floor_us[t] for r in runs) for t, runs in runs_by_target.items()}
+            if floor
+            else {},
         )
 
 
@@ -357,12 +373,14 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
         collective_us={
             t: at(m1.collective_us[t], m2.collective_us[t]) for t in m1.collective_us if t in m2.collective_us
         },
+        floor_us={t: at(m1.floor_us[t], m2.floor_us[t]) for t in m1.floor_us if t in m2.floor_us},
     )
 
 
-def profiled(fn, target: str) -> list:
-    """The profiled runs of fn() on the emulator in count-only mode on `target`."""
-    with emulator.use_target(target), emulator.count_only(), emulator.profile() as prof:
+def profiled(fn, target: str, dependency_floor: bool = False) -> list:
+    """The profiled runs of fn() on the emulator in count-only mode on `target` (with each run's dependency floor
+    when dependency_floor is set)."""
+    with emulator.use_target(target), emulator.count_only(), emulator.profile(dependency_floor) as prof:
         fn()
     return prof.runs
 
@@ -376,8 +394,10 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int)
     """One composition of our kernels at `spec`'s depth, count-only, on each target (a target where it fails is
     named in the note). A tensor-parallel spec (one rank's shard) runs on spec.tensor_parallel ranks at once
     (collectives priced by the cost model's link model) and is measured on rank 0 (every rank runs the same
-    shapes): one rank's latency, HBM bytes and time in collectives."""
+    shapes): one rank's latency, HBM bytes and time in collectives. A looped case also has its dependency floor
+    (Measured.floor_us)."""
     operands = operand_specs(spec, batch, cache_len)
+    floor = composition == "looped"
 
     def step():
         if spec.tensor_parallel == 1:
@@ -388,13 +408,13 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int)
     runs, failures = {}, []
     for t in TARGETS:
         try:
-            runs[t] = [run for run in profiled(step, t) if run.rank == 0]
+            runs[t] = [run for run in profiled(step, t, floor) if run.rank == 0]
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {describe_error(error)}")
     note = "did not run on " + "; ".join(failures) if failures else ""
     if not runs:
         return Measured({}, 0, 0.0, note=note)
-    return Measured.from_runs(runs, note=note)
+    return Measured.from_runs(runs, note=note, floor=floor)
 
 
 def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:

@@ -428,7 +428,7 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     """out_rows [R, V] (HBM, float32) = (x · w [K, V])·diag(scale), softcap·tanh(·/softcap) when softcap is set.
 
     w in the model dtype (scale None) or fp8 with float32 scales [V] (HBM); x: column tiles of `layout` in the
-    model dtype. Head blocks (one per layout block of K rows) stream through the ring column range by column range,
+    model dtype. Head blocks (one per 128-row K tile) stream through the ring column range by column range,
     and each range's logits accumulate in PSUM chunks (`_LogitRows`: bf16 weights, HEAD_COLUMNS a chunk;
     `_LogitColumns`: fp8, as many 128-column groups as PROJECTION_PSUM_BANKS hold). A range whose logits fit one
     chunk multiplies each block as soon as it loads, which frees it, so only the ring's prefetch is in flight,
@@ -456,8 +456,15 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
 
-    def load(v0, vc, k0, ks, count, partitions):
-        return ring.load(w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count)), partitions, count, vc)
+    # (first row, rows, first x tile, tiles, partitions of the layout block; the K tile in it)
+    k_tiles = [(*block, i) for block in in_blocks for i in range(block[3])]
+
+    def load(v0, vc, k0, ks, _, count, partitions, i):
+        """K tile i of the layout block at row k0, columns [v0, v0 + vc): a ring block [partitions, 1, vc]. One
+        load a tile, not a layout block: a tile's matmuls wait for its bytes only, so when the last weights land
+        one tile's matmuls are left, not a block's."""
+        rows_of_block = w[k0 : k0 + ks, v0 : v0 + vc].reshape_dim(0, (partitions, count))
+        return ring.load(rows_of_block[:, i : i + 1, :], partitions, 1, vc)
 
     def issue(stores):
         for dst, src in stores:
@@ -469,21 +476,22 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
         stores = []
         if len(chunks) == 1:
             acc = out.accumulator(chunks[0])
-            for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
-                block = load(v0, vc, k0, ks, count, partitions)
-                if b == len(in_blocks) - 1 and len(pending) == HEAD_STORE_DELAY:
+            for b, tile in enumerate(k_tiles):
+                block = load(v0, vc, *tile)
+                if b == len(k_tiles) - 1 and len(pending) == HEAD_STORE_DELAY:
                     issue(pending.pop(0))
-                out.multiply(acc, chunks[0], block, b, s0, count, partitions)
+                _, _, s0, _, partitions, i = tile
+                out.multiply(acc, chunks[0], block, b, s0 + i, 1, partitions)
                 del block
             stores += out.store(acc, chunks[0])
         else:
-            blocks = [load(v0, vc, k0, ks, count, partitions) for k0, ks, _, count, partitions in in_blocks]
+            blocks = [load(v0, vc, *tile) for tile in k_tiles]
             if len(pending) == HEAD_STORE_DELAY:
                 issue(pending.pop(0))
             for chunk in chunks:
                 acc = out.accumulator(chunk)
-                for b, (block, (_, _, s0, count, partitions)) in enumerate(zip(blocks, in_blocks)):
-                    out.multiply(acc, chunk, block, b, s0, count, partitions)
+                for b, (block, (_, _, s0, _, partitions, i)) in enumerate(zip(blocks, k_tiles)):
+                    out.multiply(acc, chunk, block, b, s0 + i, 1, partitions)
                 stores += out.store(acc, chunk)
             del blocks
         pending.append(stores)
@@ -492,11 +500,16 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
 
 
 def head_ranges(v, columns):
-    """The head's column ranges [(first column, columns)]: `columns` wide, the last full-width one split into
-    halves, quarters, ... (in whole 128-column groups) down to HEAD_TAIL_COLUMNS."""
+    """The head's column ranges [(first column, columns)]: `columns` wide, the last full-width one (with the
+    narrower remainder after it, if any, when `columns` exceeds HEAD_TAIL_COLUMNS: then every piece is at most
+    `columns` wide) split into halves, quarters, ... (in whole 128-column groups) down to HEAD_TAIL_COLUMNS."""
     pmax = nl.tile_size.pmax
     ranges = spans(v, columns)
     v0, vc = ranges.pop()
+    if ranges and vc < columns and HEAD_TAIL_COLUMNS < columns:
+        # A remainder alone at the end would leave the full range before it ending late: the step's last DMAs
+        # need not land in issue order, and that range's whole work would follow its last bytes.
+        v0, vc = ranges.pop()[0], vc + columns
     while vc > HEAD_TAIL_COLUMNS and vc >= 2 * pmax:
         half = vc // 2 - vc // 2 % pmax
         ranges.append((v0, half))

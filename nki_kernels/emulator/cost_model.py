@@ -87,6 +87,11 @@ The model is a list scheduler over the run's instruction records:
   collective_costs.py gives it (NeuronLink and on-chip links, hop latency; its docstring cites the sources) on
   a queue of their own (the CC cores), in program order, starting when its sources are ready; the kernel's
   other DMAs do not wait for it unless they depend on its data.
+- Dependency floor (`schedule(..., unlimited_bandwidth=True)`, `dependency_floor_us`): the same records with
+  DMA and link bandwidth taken as infinite, i.e. a transfer occupies no DMA engine time and a collective costs
+  its hop latencies only; the fixed ~1300 ns per DMA, every compute instruction's cost and the dependencies
+  stay. What is left is the latency of the kernel's dependency chain (engines, fixed latencies), the part of a
+  run that no bandwidth can shorten: beside a bound on the bytes it shows which of the two limits a kernel.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
   kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
   (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
@@ -454,16 +459,26 @@ def collective_links(
     return collective_costs.make_links(target, core_link_gbps, hop_latency_us, ranks_per_chip)
 
 
-def schedule(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> Schedule:
+def schedule(
+    run: trace.KernelRun,
+    target: str,
+    links: collective_costs.Links | None = None,
+    unlimited_bandwidth: bool = False,
+) -> Schedule:
     """List-schedule `run` on `target` (see the module docstring for the rules).
 
     links: the link figures collectives are priced with (default: collective_links(target)).
+    unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, module docstring): transfers take
+    no engine time, only their fixed latency, and collectives their hop latencies (links' bandwidths made
+    infinite, their hop latency kept).
     """
     hw = _check_target(target)
     if links is None:
         links = collective_links(target)
     elif links.target != target:
         raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
+    if unlimited_bandwidth:
+        links = dataclasses.replace(links, chip_link_bytes_per_ns=math.inf, core_link_bytes_per_ns=math.inf)
     collective_free = collective_busy = 0.0
     records = run.records
     # Per storage: byte extent, and the last record that writes / touches it. A read only
@@ -522,7 +537,8 @@ def schedule(run: trace.KernelRun, target: str, links: collective_costs.Links | 
             key = (record.partitions, dma) if dma is not None else None
             cost = dma_costs.get(key)
             if cost is None:
-                cost = dma_costs[key] = dma_transfer_ns(record, hw)
+                engines, transfer_ns = dma_transfer_ns(record, hw)
+                cost = dma_costs[key] = (engines, 0.0 if unlimited_bandwidth else transfer_ns)
             engines, transfer_ns = cost
             # Each engine's share goes to the engines that can start it earliest. Engines with
             # identical bookings form one group ([engine, count]) and are evaluated once.
@@ -578,6 +594,12 @@ def schedule(run: trace.KernelRun, target: str, links: collective_costs.Links | 
 def model_latency(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
     """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2"); links: see `schedule`."""
     return schedule(run, target, links).latency_us
+
+
+def dependency_floor_us(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
+    """Modeled µs of `run` on `target` with unlimited DMA and link bandwidth: its dependency chain (module
+    docstring, "Dependency floor"); links: see `schedule` (their hop latency is what counts)."""
+    return schedule(run, target, links, unlimited_bandwidth=True).latency_us
 
 
 def roofline_us(flops: float, hbm_bytes: float, target: str, input_dtype: str = "bfloat16") -> float:

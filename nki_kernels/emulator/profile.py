@@ -7,6 +7,10 @@
     prof.runs[0].latency_us["trn2"] # modeled latency (see cost_model.py)
     prof.runs[0].collective_us["trn2"]  # of which nki.collectives calls took (simulate_spmd runs)
 
+    with emulator.profile(dependency_floor=True) as prof:  # also the dependency floor of each run
+        kernel(x, w)
+    prof.runs[0].dependency_floor_us["trn2"]  # µs with unlimited DMA and link bandwidth (cost_model.py)
+
 The profile listens to finished `KernelRun`s (trace.py) and keeps a
 `RunSummary` of each; it never looks at emulator state. Counters are taken
 when a run finishes; the modeled latency of a target is scheduled on first
@@ -39,20 +43,25 @@ class _PerTarget(Mapping):
 
 class ModeledLatency(_PerTarget):
     """Read-only {target: modeled µs} of one run; each target is scheduled when first read. `collective_us` is
-    the {target: µs} that run's nki.collectives calls took in the same schedules."""
+    the {target: µs} that run's nki.collectives calls took in the same schedules; `dependency_floor_us` the
+    {target: µs} with unlimited DMA and link bandwidth (cost_model.dependency_floor_us), scheduled beside each
+    target's latency when dependency_floor is set (the records are not kept for a later request)."""
 
-    def __init__(self, run: trace.KernelRun) -> None:
+    def __init__(self, run: trace.KernelRun, dependency_floor: bool = False) -> None:
         # A snapshot of the record list, so later changes to `run` cannot alter the result.
         self._run: trace.KernelRun | None = dataclasses.replace(run, grid=tuple(run.grid), records=list(run.records))
-        self._schedules: dict[str, tuple[float, float]] = {}  # target -> (latency, collective µs)
+        self._floor = dependency_floor
+        self._schedules: dict[str, tuple[float, float, float | None]] = {}  # target -> (latency, collective, floor)
         self.collective_us = _CollectiveTime(self)
+        self.dependency_floor_us = _DependencyFloor(self)
 
-    def _scheduled(self, target: str) -> tuple[float, float]:
+    def _scheduled(self, target: str) -> tuple[float, float, float | None]:
         if target not in self._schedules:
             if target not in cost_model.TARGETS:
                 raise KeyError(target)
             scheduled = cost_model.schedule(self._run, target)
-            self._schedules[target] = (scheduled.latency_us, scheduled.collective_us)
+            floor = cost_model.dependency_floor_us(self._run, target) if self._floor else None
+            self._schedules[target] = (scheduled.latency_us, scheduled.collective_us, floor)
             if len(self._schedules) == len(cost_model.TARGETS):
                 self._run = None  # every target known: the records are no longer needed
         return self._schedules[target]
@@ -69,6 +78,20 @@ class _CollectiveTime(_PerTarget):
 
     def __getitem__(self, target: str) -> float:
         return self._latency._scheduled(target)[1]
+
+
+class _DependencyFloor(_PerTarget):
+    """Read-only {target: µs of the run with unlimited DMA and link bandwidth} (cost_model.dependency_floor_us);
+    only for runs profiled with dependency_floor=True."""
+
+    def __init__(self, latency: ModeledLatency) -> None:
+        self._latency = latency
+
+    def __getitem__(self, target: str) -> float:
+        floor = self._latency._scheduled(target)[2]
+        if floor is None:
+            raise ValueError("dependency_floor_us: the run was profiled without profile(dependency_floor=True)")
+        return floor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +114,8 @@ class RunSummary:
     rank: the run's rank under simulate_spmd (0 for a plain launch).
     collectives: nki.collectives calls; collective_bytes: the source bytes they sent (trace.CollectiveInfo).
     collective_us: modeled µs of those calls per target, within latency_us (same keys, computed with it).
+    dependency_floor_us: modeled µs per target with unlimited DMA and link bandwidth (profile(dependency_floor=
+      True) only; computed with latency_us).
     """
 
     name: str
@@ -116,6 +141,10 @@ class RunSummary:
         return self.latency_us.collective_us
 
     @property
+    def dependency_floor_us(self) -> Mapping[str, float]:
+        return self.latency_us.dependency_floor_us
+
+    @property
     def dma_bytes(self) -> int:
         return sum(self.dma_sizes)
 
@@ -124,8 +153,9 @@ class RunSummary:
         return self.dma_bytes / self.dma_count if self.dma_count else 0.0
 
 
-def summarize(run: trace.KernelRun) -> RunSummary:
-    """Counters of one finished kernel run, with its modeled latency on every target (lazy)."""
+def summarize(run: trace.KernelRun, dependency_floor: bool = False) -> RunSummary:
+    """Counters of one finished kernel run, with its modeled latency on every target (lazy) and, with
+    dependency_floor, its dependency floor beside it."""
     engine_counts = {engine: 0 for engine in trace.ENGINES}
     hbm_read = hbm_written = 0
     dma_sizes = []
@@ -165,7 +195,7 @@ def summarize(run: trace.KernelRun) -> RunSummary:
         pe_fill=pe_fill_sum / matmul_count if matmul_count else 0.0,
         moving_fill=moving_fill_sum / matmul_count if matmul_count else 0.0,
         engine_counts=engine_counts,
-        latency_us=ModeledLatency(run),
+        latency_us=ModeledLatency(run, dependency_floor),
         rank=run.rank,
         collectives=collectives,
         collective_bytes=collective_bytes,
@@ -175,11 +205,12 @@ def summarize(run: trace.KernelRun) -> RunSummary:
 class Profile:
     """What `profile()` recorded: `.runs` (RunSummary per kernel run, in order) and totals."""
 
-    def __init__(self) -> None:
+    def __init__(self, dependency_floor: bool = False) -> None:
         self.runs: list[RunSummary] = []
+        self._floor = dependency_floor
 
     def _record(self, run: trace.KernelRun) -> None:
-        self.runs.append(summarize(run))
+        self.runs.append(summarize(run, self._floor))
 
     @property
     def hbm_bytes_read(self) -> int:
@@ -313,9 +344,10 @@ def _row(
 
 
 @contextlib.contextmanager
-def profile() -> Iterator[Profile]:
-    """Record every kernel run finished inside the block; yields the `Profile`."""
-    prof = Profile()
+def profile(dependency_floor: bool = False) -> Iterator[Profile]:
+    """Record every kernel run finished inside the block; yields the `Profile`. dependency_floor: model each run's
+    dependency floor (RunSummary.dependency_floor_us) beside its latency."""
+    prof = Profile(dependency_floor)
     trace.add_listener(prof._record)
     try:
         yield prof
