@@ -62,7 +62,7 @@ class Config:
     include: tuple
     steps: tuple = RECOMMENDED_STEPS
     method: str = RECOMMENDED_METHOD
-    block: int = 128
+    block: int | None = None  # compress_model's default: 128, 64 for allocated ranks
     distill: DistillOptions = DistillOptions()
 
 
@@ -352,7 +352,12 @@ def load_model():
 def describe(options: DistillOptions, windows: int) -> str:
     """The distillation settings of a report row trained on `windows` training windows, in words."""
     where = f"at {options.positions} sampled positions" if options.positions else "at every position"
-    loss = f"full-vocabulary KL {where}" if options.loss == "kl" else f"centered logits + top-{options.top_k} KL"
+    rows = (
+        f"over the rows among the teacher's top {options.vocab_top_k} tokens at some sampled training position"
+        if options.vocab_top_k
+        else "over the whole vocabulary"
+    )
+    loss = f"KL {rows} {where}" if options.loss == "kl" else f"centered logits + top-{options.top_k} KL"
     return (
         f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
         f"{' relative to each factor RMS' if options.relative else ''} after {options.warmup} warm-up steps "

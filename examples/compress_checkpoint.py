@@ -63,7 +63,12 @@ flags.DEFINE_integer(
     "than layer-wise calibration uses: distillation gains from more text).",
     lower_bound=1,
 )
-flags.DEFINE_integer("block", 128, "Rank alignment used with --keep.", lower_bound=1)
+flags.DEFINE_integer(
+    "block",
+    None,
+    "Rank alignment used with --keep (default: 128, or 64 for the ranks --steps=allocate chooses).",
+    lower_bound=1,
+)
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the compressed checkpoint.")
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(

@@ -7,8 +7,10 @@ import pytest
 
 from jax_neuronmm.compress.distill import (
     DistillOptions,
+    _kl_loss,
     distill_factors,
     learning_rate_schedule,
+    likely_rows,
     top_k_kl,
     unembedding,
     vocab_kl,
@@ -87,6 +89,35 @@ def test_top_k_kl_matches_float64():
     np.testing.assert_allclose(np.asarray(got), _kl64(student, teacher), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("cap,factored", [(None, False), (4.0, True)])
+def test_likely_rows_and_the_kl_over_them_match_float64(cap, factored):
+    rng = np.random.default_rng(11)
+    vocab, width, rank = 1003, 12, 5
+    table = (rng.standard_normal((vocab, width)) * 1.5).astype(np.float32)
+    teacher = rng.standard_normal((3, 37, width)).astype(np.float32)  # 37: the stride leaves a ragged tail
+    rows = np.asarray(likely_rows(teacher, jnp.asarray(table), cap, 6))
+    top = np.argsort(-_logits64(teacher[:, ::4].reshape(-1, width), table, cap), axis=-1)[:, :6]
+    np.testing.assert_array_equal(rows, np.unique(top))
+    assert 6 < len(rows) < vocab
+    student = teacher + 0.3 * rng.standard_normal(teacher.shape).astype(np.float32)
+    positions = np.stack([np.sort(rng.choice(37, 9, replace=False)) for _ in range(3)]).astype(np.int32)
+    head, student_logits = None, _logits64(student.reshape(-1, width), table, cap)
+    if factored:  # the student's head (u, v) over the whole vocabulary; the loss restricts v's columns to rows
+        u, v = (
+            rng.standard_normal((width, rank)).astype(np.float32),
+            rng.standard_normal((rank, vocab)).astype(np.float32),
+        )
+        head = (jnp.asarray(u), jnp.asarray(v))
+        logits = student.reshape(-1, width).astype(np.float64) @ u @ v
+        student_logits = logits if cap is None else np.tanh(logits / cap) * cap
+    loss = _kl_loss(cap, DistillOptions(vocab_chunk=100), jnp.asarray(rows))
+    got = loss(jnp.asarray(student), head, jnp.asarray(table[rows]), teacher, jnp.asarray(positions), None)
+    picked = (np.arange(3)[:, None] * 37 + positions).reshape(-1)
+    teacher_logits = _logits64(teacher.reshape(-1, width), table, cap)
+    expected = _kl64(student_logits[picked][:, rows], teacher_logits[picked][:, rows]).mean()
+    np.testing.assert_allclose(float(got), expected, rtol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model = from_preset("gemma3", "tiny", num_layers=2, vocab_size=300)
@@ -100,13 +131,21 @@ def _full_kl64(student_model, teacher_model, ids):
     return float(np.mean(_kl64(student, teacher)))
 
 
-@pytest.mark.parametrize("loss", ["kl", "topk"])
-def test_distill_lowers_the_full_vocabulary_kl(tiny, loss):
+@pytest.mark.parametrize("loss,vocab_top_k", [("kl", 0), ("kl", 5), ("topk", 0)])
+def test_distill_lowers_the_full_vocabulary_kl(tiny, loss, vocab_top_k):
     model, ids = tiny
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
     before = _full_kl64(compressed, model, ids[:8])
     options = DistillOptions(
-        steps=40, batch=4, learning_rate=3e-3, relative=False, warmup=5, loss=loss, positions=11, top_k=7
+        steps=40,
+        batch=4,
+        learning_rate=3e-3,
+        relative=False,
+        warmup=5,
+        loss=loss,
+        positions=11,
+        top_k=7,
+        vocab_top_k=vocab_top_k,
     )
     distill_factors(compressed, model, ids, options, progress=False)
     after = _full_kl64(compressed, model, ids[:8])
@@ -123,13 +162,21 @@ def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
         model,
         ids,
         DistillOptions(
-            steps=12, batch=2, learning_rate=3e-3, relative=False, warmup=0, eval_every=4, holdout=4, positions=0
+            steps=12,
+            batch=2,
+            learning_rate=3e-3,
+            relative=False,
+            warmup=0,
+            eval_every=4,
+            holdout=4,
+            positions=0,
+            vocab_top_k=0,
         ),
         progress=False,
         on_step=lambda done, m: seen.append(_full_kl64(m, model, held)),
     )
-    # With every position sampled, the held-out loss is the full KL on the held-out windows (float32): the kept
-    # factors are those of the best of steps 0, 4, 8 and 12.
+    # With every position sampled and the whole vocabulary, the held-out loss is the full KL on the held-out
+    # windows (float32): the kept factors are those of the best of steps 0, 4, 8 and 12.
     start = _full_kl64(compress_model(model, 0.5, method="svd", block=8, progress=False), model, held)
     best = min([start] + [seen[i - 1] for i in (4, 8, 12)])
     np.testing.assert_allclose(_full_kl64(compressed, model, held), best, rtol=1e-3)
@@ -148,6 +195,7 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
         ("clip_norm", float("nan"), "DistillOptions.clip_norm: got nan, expected a finite number >= 0"),
         ("positions", -3, "DistillOptions.positions: got -3, expected a non-negative int"),
         ("vocab_chunk", 0, "DistillOptions.vocab_chunk: got 0, expected a positive int"),
+        ("vocab_top_k", -1, "DistillOptions.vocab_top_k: got -1, expected a non-negative int"),
         ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
         ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
         ("schedule", "linear", r"DistillOptions.schedule: got 'linear', expected one of \('cosine', 'constant'\)"),

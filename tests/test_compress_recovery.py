@@ -1,6 +1,7 @@
 """Accuracy-recovery steps: refit of v, rank allocation, whitening reuse, local MLP fine-tuning, distillation, and
 their wiring in compress_model (steps=, recommended pipeline, calibration checks)."""
 
+import itertools
 import warnings
 
 import jax.numpy as jnp
@@ -9,10 +10,19 @@ import pytest
 from flax import nnx
 
 from jax_neuronmm.compress import svd
-from jax_neuronmm.compress.allocation import allocate_ranks
-from jax_neuronmm.compress.distill import DistillOptions, centered_logit_error, distill_factors, is_factor
+from jax_neuronmm.compress.allocation import allocate_ranks, loss_curve
+from jax_neuronmm.compress.distill import (
+    DistillOptions,
+    centered_logit_error,
+    distill_factors,
+    final_hidden,
+    is_factor,
+    unembedding,
+)
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
 from jax_neuronmm.compress.refit import refit_v
+from jax_neuronmm.compress.sensitivity import kl_sensitivity
+from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import NoCalibrationWarning, compress_model
 from jax_neuronmm.nn.nnx import SVDMLP
@@ -73,18 +83,98 @@ def test_whitening_factor_reused_gives_whitened_svd():
     np.testing.assert_allclose(lost, np.sum(sigma[37:] ** 2), rtol=1e-6)
 
 
-def test_allocate_ranks_respects_budget_blocks_and_favours_hard_projections():
-    shapes = [(640, 2048)] * 3 + [(256, 640)]
-    flat = np.ones(640)
-    steep = np.geomspace(100, 1e-3, 640)
-    spectra = [flat, steep, steep, np.ones(256)]
-    ranks = allocate_ranks(spectra, shapes, 0.6, 128)
-    assert all(r % 128 == 0 and r >= 128 for r in ranks)
-    assert sum(r * (k + n) for r, (k, n) in zip(ranks, shapes)) <= 0.6 * sum(k * n for k, n in shapes)
-    assert all(r <= (k * n // (k + n)) // 128 * 128 for r, (k, n) in zip(ranks, shapes))
-    assert ranks[0] > ranks[1]  # flat spectrum: each block removes more relative error than on a steep one
-    with pytest.raises(ValueError, match="spectra"):
-        allocate_ranks([flat], [(100, 200)], 0.5)
+def test_loss_curve_interpolates_geometrically_and_never_rises():
+    curve = loss_curve({256: 0.04, 384: 0.01, 512: 0.004}, 640)
+    assert curve.shape == (641,)
+    np.testing.assert_allclose(curve[[256, 384, 512]], [0.04, 0.01, 0.004], rtol=1e-12)
+    np.testing.assert_allclose(curve[320], np.sqrt(0.04 * 0.01), rtol=1e-12)  # log-linear between measurements
+    np.testing.assert_allclose(curve[128], 0.04 * 4.0, rtol=1e-12)  # the lowest segment's slope continues
+    np.testing.assert_allclose(curve[576], 0.004 * np.sqrt(0.4), rtol=1e-12)
+    assert curve[640] == 0.0 and np.all(np.diff(curve) <= 0)
+    noisy = loss_curve({10: 0.2, 20: 0.3}, 40)  # a higher rank measured worse: clipped, not rising
+    assert np.all(np.diff(noisy) <= 0) and noisy[20] == noisy[10] == 0.2
+    np.testing.assert_allclose(loss_curve({7: 0.5}, 9)[:9], 0.5)
+    with pytest.raises(ValueError, match="measured"):
+        loss_curve({40: 0.1}, 40)
+    with pytest.raises(ValueError, match="measured"):
+        loss_curve({4: -1.0}, 40)
+
+
+def test_allocate_ranks_matches_the_brute_force_optimum():
+    # Equal K + N: every block costs the same, so greedy on convex curves is optimal (not so for unequal costs).
+    shapes = [(40, 72), (72, 40), (56, 56), (32, 80)]
+    rng = np.random.default_rng(7)
+    curves = [
+        loss_curve({8: float(a), 16: float(a * b)}, min(k, n))
+        for (k, n), a, b in zip(shapes, rng.uniform(0.1, 2.0, 4), rng.uniform(0.2, 0.6, 4))
+    ]
+    keep, block = 0.55, 4
+    ranks = allocate_ranks(curves, shapes, keep, block)
+    budget = keep * sum(k * n for k, n in shapes)
+    caps = [(k * n // (k + n)) // block * block for k, n in shapes]
+    assert all(r % block == 0 and block <= r <= c for r, c in zip(ranks, caps))
+    assert sum(r * (k + n) for r, (k, n) in zip(ranks, shapes)) <= budget
+    best = min(
+        sum(c[r] for c, r in zip(curves, combo))
+        for combo in itertools.product(*[range(block, c + 1, block) for c in caps])
+        if sum(r * (k + n) for r, (k, n) in zip(combo, shapes)) <= budget
+    )
+    np.testing.assert_allclose(sum(c[r] for c, r in zip(curves, ranks)), best, rtol=1e-12)
+    with pytest.raises(ValueError, match="losses"):
+        allocate_ranks(curves[:1], shapes, keep)
+    with pytest.raises(ValueError, match=r"losses\[0\]"):
+        allocate_ranks([np.ones(4)], [(4, 8)], keep)
+
+
+def _kl64(student_hidden, teacher_hidden, table, rows):
+    """Mean KL (float64) from the teacher's to the student's distribution over table rows `rows` [V']."""
+    e = np.asarray(table, np.float64)[rows]
+    t, s = np.asarray(teacher_hidden, np.float64) @ e.T, np.asarray(student_hidden, np.float64) @ e.T
+    log_p = t - t.max(-1, keepdims=True)
+    log_p -= np.log(np.exp(log_p).sum(-1, keepdims=True))
+    log_q = s - s.max(-1, keepdims=True)
+    log_q -= np.log(np.exp(log_q).sum(-1, keepdims=True))
+    return float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)))
+
+
+@pytest.mark.parametrize("top_k", [300, 7])
+def test_kl_sensitivity_matches_the_truncated_model_in_float64(tiny, top_k):
+    model, calibration, _ = tiny
+    calibration = calibration[:14]  # 448 tokens: enough to fill down_proj's 384-wide Gram matrix
+    before = {path: np.array(v) for path, v in nnx.to_flat_state(nnx.state(model))}
+    probes = {
+        (1, "down_proj"): [3, 11],
+        (0, "gate_proj"): [5],
+        (1, "up_proj"): [5],
+        (0, "up_proj"): [2],
+        (1, "gate_proj"): [2],
+        (0, "down_proj"): [9],
+    }
+    measured = kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=2, top_k=top_k, progress=False)
+    assert set(measured) == set(probes) and measured[(1, "down_proj")].keys() == {3, 11}
+    for path, value in nnx.to_flat_state(nnx.state(model)):  # the dense model is left as it was
+        np.testing.assert_array_equal(np.asarray(value), before[path])
+    table = unembedding(model)
+    teacher = np.asarray(final_hidden(model, calibration[-2:])).reshape(-1, table.shape[1])
+    rows = np.unique(np.argsort(-(teacher @ np.asarray(table).T), axis=-1)[:, :top_k])
+    assert measured[(1, "down_proj")][3] > measured[(1, "down_proj")][11] > 0
+    # the reference: down_proj of layer 1 whitened by its dense inputs on all calibration windows, truncated
+    hidden = []
+    x, positions, masks = calibration_batch(model, calibration)
+    layer0 = model.layers[0]
+    x = record_inputs(layer0, x, positions, masks[layer0.self_attn.spec.sliding_window], [])[0]
+    layer1 = model.layers[1]
+    hidden = record_inputs(layer1, x, positions, masks[layer1.self_attn.spec.sliding_window], [("mlp", "down_proj")])[
+        1
+    ][0]
+    truncated = nnx.clone(model)
+    kernel = truncated.layers[1].mlp.down_proj.kernel
+    u, v = svd.whitened_svd(np.asarray(kernel[...], np.float64), hidden.astype(np.float64), 3)
+    kernel[...] = jnp.asarray(u @ v, kernel[...].dtype)
+    student = np.asarray(final_hidden(truncated, calibration[-2:])).reshape(-1, table.shape[1])
+    np.testing.assert_allclose(measured[(1, "down_proj")][3], _kl64(student, teacher, table, rows), rtol=2e-3)
+    with pytest.raises(ValueError, match="probe_windows"):
+        kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=7, progress=False)
 
 
 def test_local_finetune_lowers_mlp_output_error():

@@ -1,49 +1,73 @@
-"""Rank allocation across projections under one global parameter budget, by whitened truncation error.
+"""Rank allocation across projections under one global parameter budget, from each projection's loss at every rank.
 
-Each projection W [K, N] with calibration inputs X has whitened singular values σ (those of Sᵀ·W, XᵀX = S·Sᵀ):
-truncating it to rank r costs (K + N)·r parameters and loses Σ_{i>r} σ_i² = ‖X·W − X·u·v‖_F² of output energy.
-Errors are compared relative to each projection's own output energy ‖X·W‖_F² = Σ σ², so a layer with large
-activations does not take the whole budget. Ranks move in steps of `block` (the PE array's tile rows).
+Truncating projection i (W [K, N]) to rank r costs (K + N)·r parameters and `losses[i][r]` of accuracy: the
+end-to-end KL divergence of the model's next-token distribution when that projection alone is truncated
+(`compress.sensitivity`), interpolated between measured ranks by `loss_curve`. The losses of different projections
+are added, the first-order picture of small, independent errors. Ranks move in steps of `block`.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
 from jax_neuronmm.compress import svd
 
 
+def loss_curve(measured: Mapping[int, float], full_rank: int) -> np.ndarray:
+    """The loss at every rank 0..full_rank [full_rank + 1] from losses measured at a few ranks.
+
+    Between measured ranks the log of the loss is linear in the rank (truncation losses fall about geometrically
+    with the rank); below the lowest and above the highest measured rank the nearest segment's slope continues (a
+    single measurement: flat), the loss at full_rank is 0 (the projection is exact) and the curve never rises
+    with the rank (a measurement above a lower rank's is clipped to it)."""
+    points = sorted((int(r), float(v)) for r, v in measured.items() if 0 < int(r) < full_rank)
+    if not points:
+        raise ValueError(f"measured: got ranks {sorted(measured)}, expected at least one in [1, {full_rank})")
+    if any(not np.isfinite(v) or v < 0 for _, v in points):
+        raise ValueError(f"measured: got losses {[v for _, v in points]}, expected finite values >= 0")
+    ranks = np.array([r for r, _ in points], np.float64)
+    # A noisy measurement above a lower rank's is clipped first, so no segment (nor its extrapolation) rises.
+    logs = np.log(np.maximum(np.minimum.accumulate([v for _, v in points]), 1e-30))
+    grid = np.arange(full_rank + 1, dtype=np.float64)
+    if len(points) == 1:
+        curve = np.full(grid.shape, logs[0])
+    else:
+        curve = np.interp(grid, ranks, logs)
+        low = (logs[1] - logs[0]) / (ranks[1] - ranks[0])
+        high = (logs[-1] - logs[-2]) / (ranks[-1] - ranks[-2])
+        curve = np.where(grid < ranks[0], logs[0] + low * (grid - ranks[0]), curve)
+        curve = np.where(grid > ranks[-1], logs[-1] + high * (grid - ranks[-1]), curve)
+    curve = np.minimum.accumulate(np.exp(curve))
+    curve[full_rank] = 0.0
+    return curve
+
+
 def allocate_ranks(
-    spectra: Sequence[np.ndarray], shapes: Sequence[tuple[int, int]], keep: float, block: int = 128
+    losses: Sequence[np.ndarray], shapes: Sequence[tuple[int, int]], keep: float, block: int = 128
 ) -> list[int]:
     """Block-aligned ranks, one per projection, whose factors hold at most keep·Σ K·N parameters in total.
 
-    spectra[i]: the whitened singular values of projection i (descending, length min(K, N)); shapes[i] = (K, N).
+    losses[i]: projection i's loss at every rank 0..min(K, N) (non-increasing; `loss_curve`); shapes[i] = (K, N).
     Every projection starts at one block and no rank passes the largest block multiple under the break-even rank
     K·N/(K+N), so no factored layer is bigger than its dense one (layers under one block keep `block_aligned_rank`).
-    Greedy: the block that removes the most relative error per parameter goes next, until the budget is spent.
-    Returns the ranks in the order of `spectra`.
+    Greedy: the block that removes the most loss per parameter goes next, until the budget is spent (optimal when
+    each curve is convex). Returns the ranks in the order of `losses`.
     """
-    if len(spectra) != len(shapes) or not spectra:
+    if len(losses) != len(shapes) or not losses:
         raise ValueError(
-            f"spectra and shapes: got {len(spectra)} and {len(shapes)} entries, expected the same non-zero number"
+            f"losses and shapes: got {len(losses)} and {len(shapes)} entries, expected the same non-zero number"
         )
     svd.check_keep(keep)
     budget = keep * sum(k * n for k, n in shapes)
-    ranks, caps, tails = [], [], []
-    for index, (sigma, (k, n)) in enumerate(zip(spectra, shapes)):
-        sigma = np.asarray(sigma, np.float64)
-        if sigma.ndim != 1 or sigma.shape[0] != min(k, n):
-            raise ValueError(f"spectra[{index}]: got shape {sigma.shape}, expected ({min(k, n)},) for shape {(k, n)}")
-        energy = sigma**2
-        total = float(energy.sum())
-        # Cumulative energy kept at each rank: tails[r] = relative error at rank r.
-        tails.append(
-            1.0 - np.concatenate([[0.0], np.cumsum(energy)]) / total if total > 0 else np.zeros(len(sigma) + 1)
-        )
+    ranks, caps, curves = [], [], []
+    for index, (curve, (k, n)) in enumerate(zip(losses, shapes)):
+        curve = np.asarray(curve, np.float64)
+        if curve.ndim != 1 or curve.shape[0] != min(k, n) + 1:
+            raise ValueError(f"losses[{index}]: got shape {curve.shape}, expected ({min(k, n) + 1},) for {(k, n)}")
+        curves.append(curve)
         cap = (k * n // (k + n)) // block * block
         if cap == 0:  # under one block: not allocated, the uniform rule's unaligned rank
             cap = svd.block_aligned_rank(k, n, keep, block)
@@ -54,7 +78,7 @@ def allocate_ranks(
     def gain(i: int) -> float:
         k, n = shapes[i]
         step = min(block, caps[i] - ranks[i])
-        return (tails[i][ranks[i]] - tails[i][ranks[i] + step]) / (step * (k + n))
+        return (curves[i][ranks[i]] - curves[i][ranks[i] + step]) / (step * (k + n))
 
     heap = [(-gain(i), i) for i in range(len(ranks)) if ranks[i] < caps[i]]
     heapq.heapify(heap)

@@ -138,7 +138,7 @@ def compress_layers(
             _factor_without_data(model.layers, include, ranks, fused_activation, bar)
         return
     x_compressed, positions, masks = calibration_batch(model, calibration_ids)
-    dense_passes = _dense_calibration(dense.layers, x_compressed, positions, masks, _taps(include))
+    dense_passes = dense_calibration(dense.layers, x_compressed, positions, masks, calibration_taps(include))
     # BLAS pinned to one thread once for both lanes (threadpoolctl's limits are process-wide).
     with bar, svd.single_threaded_blas(), futures.ThreadPoolExecutor(1, thread_name_prefix="factor") as lane:
         for index, (layer, dense_inputs) in enumerate(zip(model.layers, dense_passes)):
@@ -168,14 +168,14 @@ def compress_layers(
             bar.update()
 
 
-def _taps(include) -> list:
+def calibration_taps(include) -> list:
     """The (submodule, projection) inputs calibration records: the first projection of each attention group, and
     the MLP's gate_proj and down_proj (the gated hidden)."""
     taps = [("self_attn", group[0]) for group in ATTENTION_GROUPS] if "attention" in include else []
     return taps + [("mlp", "gate_proj"), ("mlp", "down_proj")] if "mlp" in include else taps
 
 
-def _dense_calibration(layers, x, positions, masks, taps):
+def dense_calibration(layers, x, positions, masks, taps):
     """Yields, for each of the dense `layers` in order, [inputs [n, K] float32 recorded at `taps`], the layers fed
     their own outputs starting from x (one compiled pass per layer).
 
@@ -190,28 +190,6 @@ def _dense_calibration(layers, x, positions, masks, taps):
         pending = inputs
     if pending is not None:
         yield _to_host(pending)
-
-
-def whitened_spectra(
-    dense, calibration_ids, include, *, damping: float = svd.DEFAULT_DAMPING, progress: bool = True
-) -> dict:
-    """{(layer_index, projection_name): whitened singular values σ [min(K, N)]} of every projection `include`
-    selects, on the dense model's own activations (the input of rank allocation)."""
-    x, positions, masks = calibration_batch(dense, calibration_ids)
-    groups = list(ATTENTION_GROUPS) if "attention" in include else []
-    groups += [("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else []
-    spectra = {}
-    dense_passes = _dense_calibration(dense.layers, x, positions, masks, _taps(include))
-    bar = tqdm(total=len(dense.layers), desc="whitened spectra", disable=not progress, unit="layer")
-    with bar:
-        for index, (layer, inputs) in enumerate(zip(dense.layers, dense_passes)):
-            for group, group_inputs in zip(groups, inputs):
-                chol = svd.whitening(group_inputs, damping=damping)[0]
-                parent = layer.mlp if group[0] in MLP_PROJECTIONS else layer.self_attn
-                for name in group:
-                    spectra[(index, name)] = svd.whitened_decomposition(getattr(parent, name).kernel[...], chol)[1]
-            bar.update()
-    return spectra
 
 
 def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, decomposition=None):

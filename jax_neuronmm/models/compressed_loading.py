@@ -35,7 +35,14 @@ from jax_neuronmm.compress.checkpoint import (
     write_atomically,
 )
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
-from jax_neuronmm.models.compression import MLP_PROJECTIONS, compress_model, fused_mlp_activation, resolve_pipeline
+from jax_neuronmm.models.compression import (
+    ALLOCATION_BLOCK,
+    BLOCK,
+    MLP_PROJECTIONS,
+    compress_model,
+    fused_mlp_activation,
+    resolve_pipeline,
+)
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.gguf_loading import load_gguf
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
@@ -69,7 +76,7 @@ def compress_checkpoint(
     include=("mlp",),
     calibration_ids=None,
     distill_ids=None,
-    block: int = 128,
+    block: int | None = None,
     dtype=jnp.float32,
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
@@ -123,7 +130,7 @@ def compress_checkpoint(
         metadata={
             "source": os.path.abspath(src_dir),
             "include": ",".join((include,) if isinstance(include, str) else include),
-            "block": str(block),
+            "block": str(block) if block is not None else f"{BLOCK} ({ALLOCATION_BLOCK} for allocated ranks)",
             "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
             FILES_SHA256: json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}),
         },

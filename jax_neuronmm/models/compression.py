@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 # Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import allocation, local_finetune, sequential, svd
+from jax_neuronmm.compress import allocation, local_finetune, sensitivity, sequential, svd
 from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.models import quantization
@@ -35,9 +35,9 @@ STEPS = ("allocate", "sequential", "refit", "local", "distill")
 RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
-# and a technical text): whitened + sequential 1.75x / 1.94x, + distill (DistillOptions' defaults, 160 windows of
-# 256 tokens) 1.29x / 1.34x; "local" (1.86x / 1.81x) and "refit" trade one text for the other, so they stay opt-in.
-RECOMMENDED_STEPS = ("sequential", "distill")
+# and a technical text): see benchmarks/results/accuracy_report.md; "local" and "refit" trade one text for the
+# other, so they stay opt-in.
+RECOMMENDED_STEPS = ("allocate", "sequential", "distill")
 
 
 class NoCalibrationWarning(UserWarning):
@@ -50,6 +50,11 @@ class RankRoundingWarning(UserWarning):
 
 # How far the kept fraction may drift from keep before compress_model warns.
 KEEP_TOLERANCE = 0.05
+# Rank granularity: a PE tile for one rule for every projection; half a tile for allocated ranks, since at a full
+# tile a 640 x 2048 projection's ranks stop at 384 (the largest multiple under its break-even rank 487), the uniform
+# rank at keep 0.8, and allocation could only take rank away.
+BLOCK = 128
+ALLOCATION_BLOCK = 64
 
 
 def _check_arguments(model, keep, rank, method, steps, include, calibration_ids):
@@ -102,8 +107,8 @@ def _check_ids(model, ids, name: str) -> np.ndarray:
     return check_token_ids(ids, model.config.vocab_size, name=name)
 
 
-def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
-    """{(layer_index, projection_name): rank} for every projection to factor."""
+def _projections(model: CausalLM, include) -> list:
+    """[(layer_index, projection_name, dense linear)] of every projection in layers that `include` selects."""
     entries = []
     for index, layer in enumerate(model.layers):
         if "attention" in include:
@@ -112,12 +117,13 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
             if not isinstance(layer.mlp, GatedMLP):
                 raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
             entries += [(index, name, getattr(layer.mlp, name)) for name in MLP_PROJECTIONS]
+    return entries
+
+
+def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
+    """{(layer_index, projection_name): rank} for every projection to factor, one rule for all of them."""
+    entries = _projections(model, include)
     shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
-    if spectra is not None:
-        allocated = allocation.allocate_ranks(
-            [spectra[(index, name)] for index, name, _ in entries], shapes, keep, block
-        )
-        return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
     ranks = {}
     for (index, name, _), (k, n) in zip(entries, shapes):
         if rank is None:
@@ -135,6 +141,27 @@ def _ranks(model: CausalLM, include, keep, rank, block, spectra) -> dict:
                 stacklevel=4,
             )
     return ranks
+
+
+def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, progress) -> dict:
+    """The "allocate" step's ranks: each projection's end-to-end KL measured at its uniform rank and up to two blocks
+    on either side (`sensitivity.kl_sensitivity`), then the block-aligned ranks with the least summed loss under the
+    budget keep·Σ K·N (`allocation.allocate_ranks`)."""
+    entries = _projections(dense, include)
+    if not entries:
+        return {}
+    probes = {}
+    for index, name, linear in entries:
+        k, n = linear.in_features, linear.out_features
+        full, center = min(k, n), svd.block_aligned_rank(k, n, keep, block)
+        # Two blocks either side, kept inside [one block, full rank): both ends of each curve are measured.
+        low, high = max(center - 2 * block, min(block, center)), min(center + 2 * block, full - 1)
+        probes[(index, name)] = sorted({r for r in (low, center, high) if 0 < r < full})
+    measured = sensitivity.kl_sensitivity(dense, calibration_ids, include, probes, progress=progress)
+    shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
+    curves = [allocation.loss_curve(measured[(i, name)], min(k, n)) for (i, name, _), (k, n) in zip(entries, shapes)]
+    allocated = allocation.allocate_ranks(curves, shapes, keep, block)
+    return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
 
 
 def resolve_pipeline(method, steps, calibration_ids):
@@ -167,7 +194,7 @@ def compress_model(
     *,
     steps=None,
     rank: int | str | None = None,
-    block: int = 128,
+    block: int | None = None,
     local: local_finetune.LocalFinetuneOptions | None = None,
     distill: distillation.DistillOptions | None = None,
     distill_ids=None,
@@ -180,12 +207,15 @@ def compress_model(
     the "allocate" step, of all compressed projections' parameters together); rank: instead of keep, one rank for
     every projection, or "full" (min(K, N): reproduces the dense model). include: "mlp", "attention" and/or
     "head" (the LM head, factored by `factor_head` after the layers; a tied embedding's lookup stays exact).
+    block: ranks are multiples of it; None: BLOCK (a PE tile) for uniform ranks and the head, ALLOCATION_BLOCK for
+    the ranks "allocate" chooses.
 
     method: "svd" (plain truncation) or "whitened" (SVD-LLM whitening with activations on calibration_ids [B, T],
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
-    calibration_ids): "allocate" (ranks across projections under one budget by whitened truncation error,
-    block-aligned), "sequential" (each layer calibrated on the compressed layers' outputs), "refit" (closed-form
-    ridge update of v towards the dense outputs), "local" (per-MLP fine-tuning of the factors; options in `local`),
+    calibration_ids): "allocate" (ranks across projections under one budget by each projection's measured
+    end-to-end KL divergence at a few ranks, `compress.sensitivity`), "sequential" (each layer calibrated on the
+    compressed layers' outputs), "refit" (closed-form ridge update of v towards the dense outputs), "local" (per-MLP
+    fine-tuning of the factors; options in `local`),
     "distill" (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
     distill_ids [B', T'] when given, else on calibration_ids: distillation gains from more text than layer-wise
     calibration needs, which costs a forward pass and a Gram matrix per token).
@@ -238,10 +268,10 @@ def compress_model(
 
 def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):
     model = nnx.clone(dense)
-    spectra = (
-        sequential.whitened_spectra(dense, calibration_ids, include, progress=progress) if "allocate" in steps else None
-    )
-    ranks = _ranks(model, include, keep, rank, block, spectra)
+    if "allocate" in steps:
+        ranks = _allocated_ranks(dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, progress)
+    else:
+        ranks = _ranks(model, include, keep, rank, block or BLOCK)
     options = sequential.LayerwiseOptions(
         sequential="sequential" in steps,
         refit="refit" in steps,
@@ -252,7 +282,7 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
             model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation, progress=progress
         )
     if "head" in include:
-        factor_head(model, head_rank(dense, keep, rank, block), method, calibration_ids)
+        factor_head(model, head_rank(dense, keep, rank, block or BLOCK), method, calibration_ids)
     if "distill" in steps:
         distillation.distill_factors(
             model, dense, distill_ids, distill or distillation.DistillOptions(), progress=progress
