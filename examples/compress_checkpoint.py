@@ -121,7 +121,7 @@ def main(argv):
             FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows, FLAGS.calibration_tokens
         )
         steps = models.compression.resolve_pipeline(
-            None if FLAGS.method == "recommended" else FLAGS.method, FLAGS.steps, ids
+            None if FLAGS.method == "recommended" else FLAGS.method, FLAGS.steps, ids, FLAGS.rank
         )[1]
         if "distill" in steps:
             distill_ids = calibration_ids(

@@ -174,7 +174,7 @@ def test_kl_sensitivity_matches_the_truncated_model_in_float64(tiny, top_k):
     student = np.asarray(final_hidden(truncated, calibration[-2:])).reshape(-1, table.shape[1])
     np.testing.assert_allclose(measured[(1, "down_proj")][3], _kl64(student, teacher, table, rows), rtol=2e-3)
     with pytest.raises(ValueError, match="probe_windows"):
-        kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=7, progress=False)
+        kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=15, progress=False)
 
 
 def test_local_finetune_lowers_mlp_output_error():

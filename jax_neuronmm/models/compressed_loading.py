@@ -102,7 +102,7 @@ def compress_checkpoint(
             contents[name] = f.read()
 
     dense = load_hf(src_dir, dtype=dtype)
-    method, steps = resolve_pipeline(method, steps, calibration_ids)
+    method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
     compressed = compress_model(
         dense,
         keep=keep,

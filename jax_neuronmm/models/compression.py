@@ -164,9 +164,10 @@ def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, pro
     return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
 
 
-def resolve_pipeline(method, steps, calibration_ids):
+def resolve_pipeline(method, steps, calibration_ids, rank=None):
     """(method, steps) that `compress_model` runs: without method, the recommended pipeline when there are
-    calibration ids, else plain SVD with a `NoCalibrationWarning`; steps default to none for an explicit method."""
+    calibration ids (without "allocate" when one `rank` is asked for every projection), else plain SVD with a
+    `NoCalibrationWarning`; steps default to none for an explicit method."""
     if isinstance(steps, (str, bytes)):  # tuple("sequential") would be its letters
         raise TypeError(
             f"steps: got the string {steps!r}, expected a sequence of step names from {STEPS}, e.g. ({steps!r},)"
@@ -181,7 +182,9 @@ def resolve_pipeline(method, steps, calibration_ids):
                 stacklevel=3,
             )
             return "svd", () if steps is None else tuple(steps)
-        return RECOMMENDED_METHOD, RECOMMENDED_STEPS if steps is None else tuple(steps)
+        if steps is None:
+            steps = tuple(step for step in RECOMMENDED_STEPS if rank is None or step != "allocate")
+        return RECOMMENDED_METHOD, tuple(steps)
     return method, () if steps is None else tuple(steps)
 
 
@@ -237,7 +240,7 @@ def compress_model(
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
     if weight_dtype is not None and weight_dtype not in quantization.WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype: got {weight_dtype!r}, expected None or one of {quantization.WEIGHT_DTYPES}")
-    method, steps = resolve_pipeline(method, steps, calibration_ids)
+    method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
     include, steps, calibration_ids = _check_arguments(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids
     )
