@@ -52,6 +52,7 @@ from nki_kernels.decode.comparison import (
     roofline_us,
 )
 from nki_kernels.decode.contract import PROJECTIONS, WEIGHTS
+from nki_kernels.decode.packing import attention_packing
 
 # --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs and --render_only
 # are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
@@ -148,7 +149,8 @@ DENSE_FP8_TARGET = 1.02
 
 def config_spec(base, config: Config):
     """`base` (a dense DecodeSpec) as `config` stores its weights: block-aligned ranks of the included projections
-    (the same in every layer) and head, every weight in fp8 with config.fp8."""
+    (the same in every layer) and head, every weight in fp8 with config.fp8, the fp8 attention factors packed
+    where `attention_packing` packs them (as models.decode.model_spec of the built model)."""
 
     def group(projection):
         return "attention" if projection in decode.ATTENTION else "mlp"
@@ -163,7 +165,8 @@ def config_spec(base, config: Config):
     head_rank = None
     if "head" in config.include:
         head_rank = ranks.block_aligned_rank(base.hidden, base.vocab, config.keep, config.block)
-    return dataclasses.replace(base, ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
+    spec = dataclasses.replace(base, ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
+    return dataclasses.replace(spec, packed_weights=attention_packing(spec))
 
 
 class Builder:
@@ -381,7 +384,9 @@ def render(results: dict, out_dir: str) -> None:
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
         f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
         "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "
-        "checked) and `fp8_weights` naming its fp8 weights. **x** = bf16 dense looped µs ÷ this µs, bf16 dense "
+        "checked), `fp8_weights` naming its fp8 weights and `packed_weights` the fp8 attention factors "
+        "`packing.attention_packing` packs (Gemma 3 270M's with attention factored; none of the Llamas'). "
+        "**x** = bf16 dense looped µs ÷ this µs, bf16 dense "
         "traced in the same run; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
         "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
         f"- **Runs** on a 2-core machine shared with a long accuracy experiment (1-minute load averages beside each "

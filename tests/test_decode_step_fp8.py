@@ -22,7 +22,7 @@ from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
 import jax_neuronmm
 from jax_neuronmm import decode_step
 from nki_kernels import reference
-from nki_kernels.decode import DecodeOperands, Factored, Quantized, packing
+from nki_kernels.decode import DecodeOperands, Factored, Quantized, layouts, packing
 
 B, SLOTS, STEPS = 4, 8, 3
 SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)
@@ -158,3 +158,50 @@ def test_packed_attention_weights_compute_the_unpacked_step_on_both_backends():
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match=r"decode_step: q.u: expected None since spec.packed_weights names q"):
         decode_step(packed.replace(q=ops.q), spec=packed_spec)
+
+
+def test_generate_packs_a_compressed_fp8_models_attention_factors(monkeypatch):
+    """A compressed Gemma 3 (bf16 activations) in fp8: attention and MLPs factored at per-layer ranks, k dense in
+    layer 1 (stacked as exact fp8 factors of another rank). Its decode plan packs the attention's factors
+    (model_spec's packed_weights: attention_packing's choice, all four); stack_weights keeps their scales only and
+    the values in packed [L, 128, E], once per generate call. A decode step's logits equal the unpacked step's
+    exactly (XLA), and generate gives the same greedy tokens packed on XLA, unpacked on XLA (attention_packing
+    patched to pack none) and packed on the emulator (the looped kernel reading the packed operand)."""
+    from test_decode_step import VOCAB, _compressed, _random_model
+
+    from jax_neuronmm.models import Gemma, GemmaConfig, decode, generate, quantize_model
+
+    config = GemmaConfig.preset("gemma3-tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136)
+    dense = _random_model(functools.partial(Gemma, dtype=jnp.bfloat16), config, 5)
+    model = quantize_model(_compressed(dense, (5, 13, 9), dense_k_in_layer=1), progress=False)
+    spec = decode.model_spec(model)
+    unpacked = packing.unpacked_spec(spec)
+    assert spec.packed_weights == packing.attention_packing(unpacked) == ("q", "k", "v", "o")
+    assert [spec.rank("k", layer) for layer in range(3)] == [5, 64, 9]  # k dense in layer 1: rank min(K, N) = 64
+    plan = decode.decode_plan(model)
+    assert plan.spec == spec
+    weights = decode.stack_weights(model, plan)
+    assert weights.packed.shape == layouts.packed_shape(spec) and weights.packed.dtype == jnp.float8_e4m3fn
+    q = weights.projections[0]
+    assert q.u is None and q.v is None and q.u_scale.shape == (3, 13) and q.v_scale.shape == (3, 128)
+
+    unpacked_plan = dataclasses.replace(plan, spec=unpacked)
+    unpacked_weights = decode.stack_weights(model, unpacked_plan)
+    assert unpacked_weights.packed is None and unpacked_weights.projections[0].u.dtype == jnp.float8_e4m3fn
+    rng = np.random.default_rng(9)
+    ids = rng.integers(0, VOCAB, size=(2, 5))
+    _, cache = model(jnp.asarray(ids), positions=jnp.tile(jnp.arange(5), (2, 1)), cache=model.init_cache(2, 8))
+    tokens, positions = jnp.asarray(ids[:, -1:]), jnp.full((2, 1), 5, jnp.int32)
+    got, got_cache = decode.decode(model, plan, weights, tokens, positions, cache)
+    want, want_cache = decode.decode(model, unpacked_plan, unpacked_weights, tokens, positions, cache)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(got_cache.keys, np.float32), np.asarray(want_cache.keys, np.float32))
+
+    packed_tokens = np.asarray(generate(model, ids, 5))
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        on_emulator = np.asarray(generate(model, ids, 5))
+    assert [run.name for run in prof.runs].count("decode_step_kernel") == 4
+    monkeypatch.setattr(decode, "attention_packing", lambda spec: ())
+    assert decode.decode_plan(model).spec == unpacked
+    np.testing.assert_array_equal(np.asarray(generate(model, ids, 5)), packed_tokens)
+    np.testing.assert_array_equal(on_emulator, packed_tokens)

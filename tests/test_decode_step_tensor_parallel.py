@@ -234,6 +234,7 @@ def _assert_generate_on_mesh(name, mesh):
     sharded = _shard_megatron(model, mesh)
     plan = decode.decode_plan(sharded)
     assert plan.tensor_parallel == decode.TensorParallel(mesh, "model"), plan.tensor_parallel
+    assert plan.spec.packed_weights == ()  # a packed operand is one rank's layout: Megatron shards pack none
     generation.TRACE_COUNTS.clear()
     on_mesh = np.asarray(generate(sharded, prompts, 5, **sampling))
     np.testing.assert_array_equal(on_mesh, single)
@@ -251,6 +252,8 @@ def generate_on_2_ranks_decodes_through_the_sharded_step():
 
 @check
 def generate_fp8_on_2_ranks_decodes_through_the_sharded_step():
+    # On one device the fp8 attention factors are packed (the sharded step's are not): the same tokens.
+    assert decode.decode_plan(_model("llama-fp8")).spec.packed_weights == ("q", "k", "v", "o")
     _assert_generate_on_mesh("llama-fp8", _model_mesh(2))
 
 

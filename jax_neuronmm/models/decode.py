@@ -1,7 +1,8 @@
 """A CausalLM's decode steps through the `decode_step` primitive (every layer, final norm and LM head in one op).
 
     plan = decode_plan(model)                  # None: the model is not covered (see `unsupported_reason`)
-    weights = stack_weights(model, plan)       # once per generate call: [L, ...] stacks, head = embedding.T
+    weights = stack_weights(model, plan)       # once per generate call: [L, ...] stacks, head = embedding.T,
+                                               # the packed fp8 attention factors (spec.packed_weights)
     logits, cache = decode(model, plan, weights, token_ids, positions, cache)   # per step, under jit
 
 Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
@@ -24,7 +25,10 @@ Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections 
 Quantized(w, scale) or Factored(u, v, u_scale, v_scale), `fp8_weights` naming it; a projection type is fp8 in
 every layer or in none. Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
 holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
-dense layers become factors (W, I) or (I, W) of rank min(K, N). Not covered (generate keeps the model's own
+dense layers become factors (W, I) or (I, W) of rank min(K, N). On one device, fp8 factored attention
+projections are packed where `nki_kernels.decode.packing.attention_packing` packs them (the spec's
+packed_weights; `stack_weights` moves their values into the packed operand once per generate call); Megatron
+shards are never packed (a packed operand is one rank's layout). Not covered (generate keeps the model's own
 forward for them): attention or MLP biases, an MLP activation the kernels do not fuse, layers that differ in
 norm eps or query scaling.
 """
@@ -54,7 +58,8 @@ from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rop
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, DecodeOperands, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.packing import attention_packing, pack_weights
 
 ATTENTION = ("q", "k", "v", "o")
 
@@ -89,8 +94,9 @@ class DecodePlan:
     """What a model's decode step is specialized on (hashable: a static jit argument).
 
     ropes[i]: the RoPE config of table i (spec.layer_rope indexes it); windows[i]: the sliding window (None =
-    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1);
-    tensor_parallel: where its weights are Megatron shards (decode runs one decode_step per rank), or None.
+    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1; its
+    packed_weights () with tensor_parallel); tensor_parallel: where its weights are Megatron shards (decode runs
+    one decode_step per rank), or None.
     """
 
     spec: DecodeSpec
@@ -104,14 +110,17 @@ class DecodePlan:
 class DecodeWeights:
     """A model's weights as `decode_step` takes them: norms [L, NN, H], qk_norms [L, 2, D] or None,
     projections (one per name in PROJECTIONS: dense [L, K, N] or (u [L, K, Rmax], v [L, Rmax, N]); fp8 ones a
-    Quantized(w [L, K, N], scale [L, N]) or Factored(u, v, u_scale [L, Rmax], v_scale [L, N])), final_norm [H], head
-    dense [H, V], (u [H, r], v [r, V]), Quantized or Factored."""
+    Quantized(w [L, K, N], scale [L, N]) or Factored(u, v, u_scale [L, Rmax], v_scale [L, N]); one named in
+    spec.packed_weights a Factored(None, None, u_scale, v_scale)), final_norm [H], head dense [H, V],
+    (u [H, r], v [r, V]), Quantized or Factored; packed [L, 128, E] float8_e4m3fn, the values of spec.packed_weights
+    in the kernels' layout (`nki_kernels.decode.packing.pack_weights`), or None when the spec packs none."""
 
     norms: jax.Array
     qk_norms: jax.Array | None
     projections: tuple
     final_norm: jax.Array
     head: jax.Array | tuple
+    packed: jax.Array | None
 
 
 def _projection_modules(layer):
@@ -163,8 +172,10 @@ def unsupported_reason(model: CausalLM) -> str | None:
 
 def decode_plan(model: CausalLM) -> DecodePlan | None:
     """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack. With
-    parameters split in the Megatron layout it carries their mesh axis (`tensor_parallel_layout`); ValueError for
-    projections split otherwise, or for heads, KV heads or MLP features that do not split over the axis."""
+    parameters split in the Megatron layout it carries their mesh axis (`tensor_parallel_layout`) and packs no
+    weights; ValueError for projections split otherwise, or for heads, KV heads or MLP features that do not split
+    over the axis. Else its spec packs the weights `attention_packing` picks (fp8 factored attention whose packed
+    row of a layer fits one weight-ring block)."""
     if unsupported_reason(model) is not None:
         return None
     specs = model.attention_specs()
@@ -178,6 +189,8 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
                 f"decode_plan: the projections are split over mesh axis {layout.axis!r} ({layout.ranks} ranks), "
                 f"but the model does not split into {layout.ranks} Megatron shards: {error}"
             ) from None
+    else:
+        spec = dataclasses.replace(spec, packed_weights=attention_packing(spec))
     return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout)
 
 
@@ -250,13 +263,15 @@ def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
 
 
 def model_spec(model: CausalLM) -> DecodeSpec:
-    """The DecodeSpec of `model`'s decode step (the weights `quantize_model` made fp8 named in its fp8_weights):
-    what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec traces it).
-    ValueError naming what the kernels lack (`unsupported_reason`), e.g. an fp8 weight in some layers only."""
+    """The DecodeSpec of `model`'s decode step, `decode_plan(model).spec` (the weights `quantize_model` made fp8
+    named in its fp8_weights, those `attention_packing` picks in its packed_weights unless the model is split in
+    Megatron shards): what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec
+    traces it). ValueError naming what the kernels lack (`unsupported_reason`), e.g. an fp8 weight in some layers
+    only."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"model_spec: {reason}")
-    return _spec(model)
+    return decode_plan(model).spec
 
 
 def _windows(model: CausalLM) -> tuple:
@@ -398,7 +413,8 @@ def _stack_factors(pairs):
 
 
 def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
-    """The model's weights stacked over layers, in its dtype (once per generate call; compiled once per model
+    """The model's weights stacked over layers, in its dtype, the values of plan.spec.packed_weights moved into
+    the packed operand (once per generate call, so the decode steps read them as they are; compiled once per model
     structure); with plan.tensor_parallel placed as the Megatron shards each decode step's ranks read, so a step
     moves no weights between devices."""
     weights = _stack_weights(model, plan)
@@ -418,6 +434,7 @@ def stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         projections=tuple(like(getattr(specs, n), w) for n, w in zip(PROJECTIONS, weights.projections)),
         final_norm=specs.final_norm,
         head=like(specs.head, weights.head),
+        packed=None,  # Megatron shards pack no weights (decode_plan)
     )
     if plan.spec.vocab % layout.ranks:  # tensor_parallel_decode_step pads the head on every step, then splits it
         shardings.head = jax.tree_util.tree_map(lambda _: PartitionSpec(), shardings.head)
@@ -463,12 +480,17 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:
         head = model.lm_head.kernel[...].astype(dtype)
+    packed = None
+    if spec.packed_weights:  # their fp8 Factored stacks -> scales only, values in packed [L, 128, E]
+        ops = pack_weights(DecodeOperands(**dict(zip(PROJECTIONS, projections))), spec, jnp)
+        projections, packed = [getattr(ops, name) for name in PROJECTIONS], ops.packed
     return DecodeWeights(
         norms=norms,
         qk_norms=qk_norms,
         projections=tuple(projections),
         final_norm=model.norm.weight[...].astype(dtype),
         head=head,
+        packed=packed,
     )
 
 
@@ -514,6 +536,7 @@ def decode(model: CausalLM, plan: DecodePlan, weights: DecodeWeights, token_ids,
         mask_bias=bias,
         final_norm=weights.final_norm,
         head=weights.head,
+        packed=weights.packed,
         spec=plan.spec,
     )
     if layout is not None:
