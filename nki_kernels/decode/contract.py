@@ -41,6 +41,12 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3)
 SCALE = np.dtype(np.float32)
 
 
+def _check_names(field: str, names, allowed: tuple) -> None:
+    """ValueError naming DecodeSpec.<field> unless names is a tuple of distinct entries of allowed."""
+    if not isinstance(names, tuple) or any(name not in allowed for name in names) or len(set(names)) != len(names):
+        raise ValueError(f"DecodeSpec.{field}: got {names!r}, expected a tuple of distinct names of {allowed}")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeSpec:
     """Sizes and variants of a decode step; hashable (a static kernel argument).
@@ -141,23 +147,8 @@ class DecodeSpec:
                 f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
                 f"[1, {min(self.hidden, self.whole_vocab)}]"
             )
-        if (
-            not isinstance(self.fp8_weights, tuple)
-            or any(name not in WEIGHTS for name in self.fp8_weights)
-            or len(set(self.fp8_weights)) != len(self.fp8_weights)
-        ):
-            raise ValueError(
-                f"DecodeSpec.fp8_weights: got {self.fp8_weights!r}, expected a tuple of distinct names of {WEIGHTS}"
-            )
-        if (
-            not isinstance(self.packed_weights, tuple)
-            or any(name not in PROJECTIONS for name in self.packed_weights)
-            or len(set(self.packed_weights)) != len(self.packed_weights)
-        ):
-            raise ValueError(
-                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, expected a tuple of distinct names of "
-                f"{PROJECTIONS}"
-            )
+        _check_names("fp8_weights", self.fp8_weights, WEIGHTS)
+        _check_names("packed_weights", self.packed_weights, PROJECTIONS)
         unquantized = [name for name in self.packed_weights if name not in self.fp8_weights]
         if unquantized:
             raise ValueError(
