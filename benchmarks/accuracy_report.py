@@ -151,14 +151,14 @@ seen about once in 200 steps; the same 48 calibration windows) the same 8 window
 texts at 1.300x / 1.366x (top-1 0.618 / 0.708, 828 s): better on both texts, and the gap is down to 0.05, so 160 is
 the default; the row "mlp 0.8, 80 training windows" is the 80-window run.
 
-Ranks chosen by measured sensitivity ("allocate", now in the recommended pipeline): each MLP projection's
-end-to-end KL, measured with that projection alone truncated (whitened) to 256, 384 and 512 in the dense model, on 2
-probe windows, differs 5x across layers and types at rank 384 (down_proj and up_proj cost more than gate_proj; layer
-3 the most, layers 13-15 the least), which the projections' own whitened errors ("allocate" by truncation error: 2%
-better) do not show. Greedy at block 64 under the same budget moves rank from gate_proj and the middle layers to
-down_proj, up_proj and the first and last layers: before distillation 1.614x / 1.801x instead of 1.754x / 1.944x,
-and after 280 steps (scratch, load 3-4) 1.263x / 1.277x instead of 1.291x / 1.344x. The measurement takes about
-a minute on idle cores (2 minutes at load 4).
+Ranks chosen by measured sensitivity ("allocate", now in the recommended pipeline): each MLP projection's end-to-end
+KL, measured with that projection alone truncated (whitened) to 256, 384 and 512 in the dense model, on 2 probe
+windows, differs 16x across projections at rank 384 (5x between layers' sums) (down_proj and up_proj cost more than
+gate_proj; layer 3 the most, layers 13-15 the least), which the projections' own whitened errors ("allocate" by
+truncation error: 2% better) do not show. Greedy at block 64 under the same budget moves rank from gate_proj and the
+middle layers to down_proj, up_proj and the first and last layers: before distillation 1.614x / 1.801x instead of
+1.754x / 1.944x, and after 280 steps (scratch, load 3-4) 1.263x / 1.277x instead of 1.291x / 1.344x. The measurement
+takes 107 s with nothing else running (2 minutes at load 4).
 
 The KL over the likely rows: the teacher's top-64 tokens at every fourth position of the 156 training windows are
 22,718 of the 262,144 vocabulary rows (the teacher puts 1.8% of its mass outside them on the training windows, about
@@ -168,17 +168,17 @@ rows of every training position (scratch, load 2.4-5.9) reached 1.225x / 1.249x 
 1.263x / 1.277x for 280 steps over the whole vocabulary. The recommended pipeline runs 480 steps.
 
 The targets are NOT met. The recommended pipeline (allocate + sequential + 480 distillation steps over the likely
-rows) gives keep 0.8 MLP 1.230x / 1.261x (target 1.05x), top-1 agreement 64% / 73% (target 85%), in 942 s at load
-3.5-4.5 (other jobs shared the cores; the rank measurement, compression, teacher pass and 480 steps at about 0.95 s
-each come to about 750 s on idle cores, not measured alone); MLP + attention 1.450x / 1.440x (target 1.10x; top-1
-0.565 / 0.670) in 1088 s at load 5-6; keep 0.6 MLP 1.434x / 1.422x (target 1.20x; top-1 0.569 / 0.690) in 770 s at
-load 5.9-1.9: allocation gains most where compression is heaviest. The uniform-rank, whole-vocabulary rows (280
-steps) measured 1.291x / 1.344x, 1.591x / 1.607x and 1.739x / 1.737x in 766 s, 836 s and 738 s alone. The held-out
-ratio still falls ever more slowly with steps (with uniform ranks and 200 steps the training windows themselves
-ended at 1.25x): what is left is steps beyond a 15-minute 2-core budget (an accelerator runs such a step in
-milliseconds) or a rank above keep 0.8's for this small model's MLPs. The whole model (MLP + attention + head at
-keep 0.8, 200 steps, uniform ranks): 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other
-jobs, 21.7% of a decode step's bytes saved."""
+rows) gives keep 0.8 MLP 1.230x / 1.261x (target 1.05x), top-1 agreement 64% / 73% (target 85%), in 804 s with
+nothing else running (load 1.6-2.1; the row "mlp 0.8 recommended, shared cores", the same pipeline at load 3.5-4.5,
+gave 1.230x / 1.261x in 942 s); MLP + attention 1.450x / 1.440x (target 1.10x; top-1 0.565 / 0.670) in 1088 s at
+load 5-6; keep 0.6 MLP 1.434x / 1.422x (target 1.20x; top-1 0.569 / 0.690) in 770 s at load 5.9-1.9: allocation
+gains most where compression is heaviest. The uniform-rank, whole-vocabulary rows (280 steps) measured 1.291x /
+1.344x, 1.591x / 1.607x and 1.739x / 1.737x in 766 s, 836 s and 738 s alone. The held-out ratio still falls ever
+more slowly with steps (with uniform ranks and 200 steps the training windows themselves ended at 1.25x): what is
+left is steps beyond a 15-minute 2-core budget (an accelerator runs such a step in milliseconds) or a rank above
+keep 0.8's for this small model's MLPs. The whole model (MLP + attention + head at keep 0.8, 200 steps, uniform
+ranks): 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs, 21.7% of a decode
+step's bytes saved."""
 
 
 def token_ids(model, text: str) -> np.ndarray:
