@@ -38,6 +38,7 @@ def kl_sensitivity(
     top_k: int = 64,
     vocab_chunk: int = 16384,
     damping: float = svd.DEFAULT_DAMPING,
+    output_chols: dict | None = None,
     progress: bool = True,
 ) -> dict:
     """{(layer_index, projection_name): {rank: KL}} for every projection `include` ("mlp", "attention") selects and
@@ -45,7 +46,10 @@ def kl_sensitivity(
 
     calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probe_windows` of them
     (at least 1, at most B). `dense` is not modified (a copy is perturbed and restored projection by projection).
+    output_chols {(layer_index, projection_name): L}: each truncation's output weighting, as compression applies it
+    (`sequential.compress_layers`).
     """
+    output_chols = output_chols or {}
     ids = np.asarray(calibration_ids, np.int32)
     if not isinstance(probe_windows, int) or isinstance(probe_windows, bool) or not 1 <= probe_windows <= len(ids):
         raise ValueError(
@@ -86,11 +90,12 @@ def kl_sensitivity(
                 for name in group:
                     kernel = getattr(parent, name).kernel
                     weight = np.asarray(kernel[...], np.float32)
-                    decomposition = svd.whitened_decomposition(weight, chol)
+                    out_chol = output_chols.get((index, name))
+                    decomposition = svd.whitened_decomposition(weight, chol, out_chol)
                     costs = {}
                     for rank in sorted(set(probe_ranks[(index, name)])):
                         svd.check_rank(rank, weight.shape)
-                        u, v = svd.whitened_factors(weight, chol, rank, decomposition)
+                        u, v = svd.whitened_factors(weight, chol, rank, decomposition, out_chol)
                         kernel[...] = jnp.asarray(u @ v, kernel[...].dtype)
                         costs[rank] = kl_from(index)
                     kernel[...] = jnp.asarray(weight, kernel[...].dtype)

@@ -120,14 +120,20 @@ def compress_layers(
     options: LayerwiseOptions,
     fused_activation,
     *,
+    output_chols: dict | None = None,
     progress: bool = True,
 ) -> None:
     """Replaces, in place, the projections of `model` (a clone of `dense`) by factored modules.
 
     ranks[(layer_index, projection_name)] -> rank. method "svd" | "whitened". fused_activation(mlp) -> svd_mlp's
     activation name or None (then the MLP keeps its GatedMLP with three SVDLinear). calibration_ids [B, T] may be
-    None only for method "svd" without refit / local / sequential (then no model is run).
+    None only for method "svd" without refit / local / sequential (then no model is run). output_chols
+    {(layer_index, projection_name): L [N, N]} (method "whitened"): the output-side weighting of each projection's
+    truncation (`svd.output_whitening` of `compress.fisher.output_grams`); projections it lacks are unweighted.
     """
+    if output_chols and method != "whitened":
+        raise ValueError(f"output_chols: an output weighting of the whitened truncation; got method {method!r}")
+    output_chols = output_chols or {}
     needs_data = method == "whitened" or options.refit or options.local is not None or options.sequential
     for layer in model.layers:
         if "mlp" in include and not isinstance(layer.mlp, GatedMLP):
@@ -154,14 +160,31 @@ def compress_layers(
                     for name in group:
                         linear = getattr(layer.self_attn, name)
                         u, v = _factor(
-                            linear.kernel[...], ranks[(index, name)], method, chol, inputs, dense_in, options
+                            linear.kernel[...],
+                            ranks[(index, name)],
+                            method,
+                            chol,
+                            inputs,
+                            dense_in,
+                            options,
+                            output_chols.get((index, name)),
                         )
                         setattr(layer.self_attn, name, SVDLinear.from_factors(linear, u, v))
             if "mlp" in include:
                 dense_in, dense_hidden = dense_inputs[-2:]
                 inputs = compressed_inputs(("mlp", "gate_proj")) if options.sequential else dense_in
                 layer.mlp = _compress_mlp(
-                    layer.mlp, index, inputs, dense_in, dense_hidden, ranks, method, options, fused_activation, lane
+                    layer.mlp,
+                    index,
+                    inputs,
+                    dense_in,
+                    dense_hidden,
+                    ranks,
+                    method,
+                    options,
+                    fused_activation,
+                    lane,
+                    output_chols,
                 )
             if options.sequential:
                 x_compressed = record_inputs(layer, x_compressed, positions, mask, [])[0]
@@ -192,11 +215,12 @@ def dense_calibration(layers, x, positions, masks, taps):
         yield _to_host(pending)
 
 
-def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, decomposition=None):
-    """(u, v) of kernel [K, N]: whitened with `chol` (or plain SVD), v refitted towards dense_inputs·kernel."""
+def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, out_chol=None):
+    """(u, v) of kernel [K, N]: whitened with `chol` (outputs weighted by out_chol when given) or plain SVD, v
+    refitted towards dense_inputs·kernel."""
     kernel = np.asarray(kernel)
     if method == "whitened":
-        u, v = svd.whitened_factors(kernel, chol, rank, decomposition)
+        u, v = svd.whitened_factors(kernel, chol, rank, out_chol=out_chol)
     else:
         u, v = svd.truncated_svd(kernel, rank)
     if options.refit:
@@ -254,9 +278,11 @@ def _compress_mlp(
     options,
     fused_activation,
     lane: futures.Executor,
+    output_chols: dict,
 ):
     """The factored MLP. inputs / dense_inputs [n, hidden]: what the compressed / dense model feed it;
-    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs.
+    dense_hidden [n, intermediate]: the dense MLP's down_proj input on dense_inputs; output_chols as in
+    `compress_layers`.
 
     Factorizations that do not depend on each other run two at a time, one on `lane` (an executor with one
     worker): numpy's LAPACK releases the GIL, so single-threaded factorizations use two cores side by side.
@@ -265,7 +291,9 @@ def _compress_mlp(
     whitened = method == "whitened"
 
     def factor(name, chol, x, dense_x):
-        return _factor(kernels[name], ranks[(index, name)], method, chol, x, dense_x, options)
+        return _factor(
+            kernels[name], ranks[(index, name)], method, chol, x, dense_x, options, output_chols.get((index, name))
+        )
 
     def factor_down(hidden):
         chol = svd.whitening(hidden, damping=options.damping)[0] if whitened else None

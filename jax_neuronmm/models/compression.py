@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 # Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import allocation, local_finetune, sensitivity, sequential, svd
+from jax_neuronmm.compress import allocation, fisher, local_finetune, sensitivity, sequential, svd
 from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.models import quantization
@@ -31,7 +31,7 @@ EVALUATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch50-61.txt")
 INCLUDE_CHOICES = ("mlp", "attention", "head")
 METHODS = ("svd", "whitened")
 # Recovery steps, in the order they run (allocate before factoring, distill after).
-STEPS = ("allocate", "sequential", "refit", "local", "distill")
+STEPS = ("fisher", "allocate", "sequential", "refit", "local", "distill")
 RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
@@ -69,6 +69,8 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
         raise ValueError(f"steps: got {steps!r}, expected a subset of {STEPS}")
     if "allocate" in steps and rank is not None:
         raise ValueError(f"rank: got {rank!r} with steps containing 'allocate'; allocation chooses the ranks")
+    if "fisher" in steps and method != "whitened":
+        raise ValueError(f"steps: 'fisher' weights the whitened truncation's outputs; got method {method!r}")
     include = (include,) if isinstance(include, str) else tuple(include)
     if not include or set(include) - set(INCLUDE_CHOICES):
         raise ValueError(f"include: got {include!r}, expected a non-empty subset of {INCLUDE_CHOICES}")
@@ -143,7 +145,7 @@ def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
     return ranks
 
 
-def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, progress) -> dict:
+def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, output_chols, progress) -> dict:
     """The "allocate" step's ranks: each projection's end-to-end KL measured at its uniform rank and up to two blocks
     on either side (`sensitivity.kl_sensitivity`), then the block-aligned ranks with the least summed loss under the
     budget keep·Σ K·N (`allocation.allocate_ranks`)."""
@@ -157,7 +159,9 @@ def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, pro
         # Two blocks either side, kept inside [one block, full rank): both ends of each curve are measured.
         low, high = max(center - 2 * block, min(block, center)), min(center + 2 * block, full - 1)
         probes[(index, name)] = sorted({r for r in (low, center, high) if 0 < r < full})
-    measured = sensitivity.kl_sensitivity(dense, calibration_ids, include, probes, progress=progress)
+    measured = sensitivity.kl_sensitivity(
+        dense, calibration_ids, include, probes, output_chols=output_chols, progress=progress
+    )
     shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
     curves = [allocation.loss_curve(measured[(i, name)], min(k, n)) for (i, name, _), (k, n) in zip(entries, shapes)]
     allocated = allocation.allocate_ranks(curves, shapes, keep, block)
@@ -271,8 +275,14 @@ def compress_model(
 
 def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):
     model = nnx.clone(dense)
+    output_chols = None
+    if "fisher" in steps and set(include) - {"head"}:
+        grams = fisher.output_grams(dense, calibration_ids, include, progress=progress)
+        output_chols = {key: svd.output_whitening(gram, damping=fisher.DEFAULT_DAMPING) for key, gram in grams.items()}
     if "allocate" in steps:
-        ranks = _allocated_ranks(dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, progress)
+        ranks = _allocated_ranks(
+            dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, progress
+        )
     else:
         ranks = _ranks(model, include, keep, rank, block or BLOCK)
     options = sequential.LayerwiseOptions(
@@ -282,7 +292,16 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
     )
     if set(include) - {"head"}:
         sequential.compress_layers(
-            model, dense, calibration_ids, include, ranks, method, options, fused_mlp_activation, progress=progress
+            model,
+            dense,
+            calibration_ids,
+            include,
+            ranks,
+            method,
+            options,
+            fused_mlp_activation,
+            output_chols=output_chols,
+            progress=progress,
         )
     if "head" in include:
         factor_head(model, head_rank(dense, keep, rank, block or BLOCK), method, calibration_ids)

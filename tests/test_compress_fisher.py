@@ -1,0 +1,143 @@
+"""The output-weighted truncation (svd.whitened_factors with out_chol, svd.output_whitening), the Fisher Gram
+matrices at projection outputs (compress.fisher.output_grams) and the "fisher" step of compress_model."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_neuronmm.compress import fisher, svd
+from jax_neuronmm.compress.distill import final_hidden, unembedding
+from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.nn.nnx import SVDMLP
+
+
+def _spd(rng, n, spread):
+    """A symmetric positive definite [n, n] matrix with eigenvalues spread over `spread` decades."""
+    q = np.linalg.qr(rng.standard_normal((n, n)))[0]
+    return (q * np.geomspace(1.0, 10.0**-spread, n)) @ q.T
+
+
+@pytest.mark.parametrize("k,n,r", [(37, 53, 11), (60, 29, 1)])
+def test_output_weighted_factors_are_the_float64_optimum(k, n, r):
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n))
+    x = rng.standard_normal((400, k)) * np.geomspace(10, 0.1, k)
+    gram = _spd(rng, n, 4)
+    chol = svd.whitening(x)[0]
+    out_chol = svd.output_whitening(gram, damping=1e-3)
+    weighting = gram + 1e-3 * np.mean(np.diag(gram)) * np.eye(n)
+    np.testing.assert_allclose(out_chol @ out_chol.T, weighting, rtol=1e-10, atol=1e-12)
+    u, v = svd.whitened_factors(w, chol, r, out_chol=out_chol)
+    # Reference: the rank-r truncation of Sᵀ·W·L, mapped back by explicit inverses.
+    s_t = np.linalg.cholesky(x.T @ x).T
+    ell = np.linalg.cholesky(weighting)
+    left, sigma, right_t = np.linalg.svd(s_t @ w @ ell)
+    best = np.linalg.inv(s_t) @ (left[:, :r] * sigma[:r]) @ right_t[:r] @ np.linalg.inv(ell)
+    np.testing.assert_allclose(u @ v, best, rtol=1e-7, atol=1e-9 * np.abs(best).max())
+
+    def weighted(delta):
+        return np.trace(delta.T @ (x.T @ x) @ delta @ weighting)
+
+    np.testing.assert_allclose(weighted(w - u @ v), np.sum(sigma[r:] ** 2), rtol=1e-7)
+    plain_u, plain_v = svd.whitened_factors(w, chol, r)  # unweighted: optimal for another norm, worse for this one
+    assert weighted(w - plain_u @ plain_v) > weighted(w - u @ v)
+    decomposition = svd.whitened_decomposition(w, chol, out_chol)
+    np.testing.assert_allclose(decomposition[1], sigma[: min(k, n)], rtol=1e-9)
+    reused = svd.whitened_factors(w, chol, r, decomposition, out_chol)
+    np.testing.assert_allclose(reused[0] @ reused[1], u @ v, rtol=1e-12, atol=1e-14)
+
+
+def test_output_whitening_checks_its_input():
+    assert np.array_equal(svd.output_whitening(np.zeros((4, 4))), np.eye(4))  # no gradient reached it: no weighting
+    with pytest.raises(ValueError, match="square"):
+        svd.output_whitening(np.ones((3, 4)))
+    with pytest.raises(ValueError, match="damping"):
+        svd.output_whitening(np.eye(3), damping=0.0)
+    with pytest.raises(ValueError, match="out_chol"):
+        svd.whitened_decomposition(np.ones((5, 3)), np.eye(5), np.eye(4))
+
+
+class _Shift(nnx.Module):
+    """A projection whose output gets a fixed shift [T, N] added (the finite-difference reference's probe)."""
+
+    def __init__(self, inner, shift):
+        self.inner, self.shift = inner, shift
+
+    def __call__(self, x):
+        y = self.inner(x)
+        return y + self.shift.reshape(y.shape)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = from_preset("gemma3", "tiny", num_layers=2, vocab_size=300)
+    return model, np.random.default_rng(7).integers(0, 300, (16, 24))
+
+
+def test_output_grams_match_finite_differences(tiny):
+    model, _ = tiny
+    ids = np.random.default_rng(8).integers(0, 300, (2, 5))
+    grams = fisher.output_grams(model, ids, ("mlp",), windows=2, seed=3, progress=False)
+    assert set(grams) == {(i, name) for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")}
+    table = unembedding(model)
+    keys = jax.random.split(jax.random.PRNGKey(3), len(ids))  # the sampling rule output_grams documents
+    graphdef, state = nnx.split(model)
+    for index, name in ((1, "down_proj"), (0, "up_proj")):
+        width = grams[(index, name)].shape[0]
+        expected = np.zeros((width, width))
+        for window, key in zip(ids, keys):
+            tokens = jax.random.categorical(key, final_hidden(model, window[None])[0] @ table.T, axis=-1)
+
+            def log_likelihood(shift, window=window, tokens=tokens, index=index, name=name):
+                shifted = nnx.merge(graphdef, state)
+                mlp = shifted.layers[index].mlp
+                setattr(mlp, name, _Shift(getattr(mlp, name), shift))
+                logits = final_hidden(shifted, window[None])[0] @ table.T
+                return jnp.sum(jnp.take_along_axis(jax.nn.log_softmax(logits, -1), tokens[:, None], -1))
+
+            # Central differences along every (position, output) coordinate, all in one vmapped pass.
+            step = 1e-2
+            basis = np.eye(len(window) * width, dtype=np.float32).reshape(-1, len(window), width) * step
+            plus = jax.jit(jax.vmap(log_likelihood))(jnp.asarray(basis))
+            minus = jax.jit(jax.vmap(log_likelihood))(jnp.asarray(-basis))
+            g = (np.asarray(plus, np.float64) - np.asarray(minus, np.float64)).reshape(len(window), width) / (2 * step)
+            expected += g.T @ g
+        np.testing.assert_allclose(grams[(index, name)], expected, rtol=2e-2, atol=2e-3 * np.abs(expected).max())
+
+
+def _weighted_error(kernel, factors, inputs, gram):
+    delta = np.asarray(kernel, np.float64) - np.asarray(factors[0], np.float64) @ np.asarray(factors[1], np.float64)
+    return np.trace(delta.T @ (inputs.T @ inputs) @ delta @ gram)
+
+
+def test_fisher_step_weights_every_projection_by_its_output_gram(tiny):
+    model, calibration = tiny
+    weighted = compress_model(model, 0.5, "whitened", calibration, steps=("fisher",), block=8, progress=False)
+    plain = compress_model(model, 0.5, "whitened", calibration, steps=(), block=8, progress=False)
+    assert all(isinstance(layer.mlp, SVDMLP) for layer in weighted.layers)
+    grams = fisher.output_grams(model, calibration, ("mlp",), progress=False)
+    x, positions, masks = calibration_batch(model, calibration)
+    for index, layer in enumerate(model.layers):
+        mask = masks[layer.self_attn.spec.sliding_window]
+        inputs = dict(
+            zip(
+                ("gate_proj", "down_proj"),
+                record_inputs(layer, x, positions, mask, [("mlp", "gate_proj"), ("mlp", "down_proj")])[1],
+            )
+        )
+        inputs["up_proj"] = inputs["gate_proj"]
+        x = record_inputs(layer, x, positions, mask, [])[0]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            gram = grams[(index, name)]
+            gram = gram + fisher.DEFAULT_DAMPING * np.mean(np.diag(gram)) * np.eye(len(gram))
+            kernel = getattr(layer.mlp, name).kernel[...]
+            mine = [getattr(getattr(weighted.layers[index].mlp, name), part)[...] for part in "uv"]
+            theirs = [getattr(getattr(plain.layers[index].mlp, name), part)[...] for part in "uv"]
+            x64 = inputs[name].astype(np.float64)
+            assert _weighted_error(kernel, mine, x64, gram) < _weighted_error(kernel, theirs, x64, gram)
+    with pytest.raises(ValueError, match="fisher"):
+        compress_model(model, 0.5, "svd", calibration, steps=("fisher",), progress=False)
