@@ -89,7 +89,7 @@ TARGETS = (
 BUDGET_SECONDS = 15 * 60
 # What the measured rows show; written by hand after a run (the tables are generated).
 FINDINGS = """\
-Findings. Every measurement here ran on this project's 2-core machine while other jobs shared it (the load column).
+Findings. Every measurement here ran on this project's 2-core machine; the load column says what else shared it.
 
 The calibration text decides what survives. MLPs at keep 0.8, whitened + sequential, calibrated on 16 windows of the
 novel alone: 1.74x dense perplexity on the held-out novel, 10.6x on the held-out half of the Python reference;
@@ -151,7 +151,7 @@ seen about once in 200 steps; the same 48 calibration windows) the same 8 window
 texts at 1.300x / 1.366x (top-1 0.618 / 0.708, 828 s): better on both texts, and the gap is down to 0.05, so 160 is
 the default; the row "mlp 0.8, 80 training windows" is the 80-window run.
 
-Ranks chosen by measured sensitivity ("allocate", now in the recommended pipeline): each MLP projection's end-to-end
+Ranks chosen by measured sensitivity ("allocate", in the recommended pipeline): each MLP projection's end-to-end
 KL, measured with that projection alone truncated (whitened) to 256, 384 and 512 in the dense model, on 2 probe
 windows, differs 16x across projections at rank 384 (5x between layers' sums) (down_proj and up_proj cost more than
 gate_proj; layer 3 the most, layers 13-15 the least), which the projections' own whitened errors ("allocate" by
@@ -167,18 +167,34 @@ from about 2.3 s to 1.1 s, so twice the steps fit the budget. With the allocated
 rows of every training position (scratch, load 2.4-5.9) reached 1.225x / 1.249x (top-1 0.649 / 0.726), against
 1.263x / 1.277x for 280 steps over the whole vocabulary. The recommended pipeline runs 480 steps.
 
-The targets are NOT met. The recommended pipeline (allocate + sequential + 480 distillation steps over the likely
-rows) gives keep 0.8 MLP 1.230x / 1.261x (target 1.05x), top-1 agreement 64% / 73% (target 85%), in 804 s with
-nothing else running (load 1.6-2.1; the row "mlp 0.8 recommended, shared cores", the same pipeline at load 3.5-4.5,
-gave 1.230x / 1.261x in 942 s); MLP + attention 1.450x / 1.440x (target 1.10x; top-1 0.565 / 0.670) in 1088 s at
-load 5-6; keep 0.6 MLP 1.434x / 1.422x (target 1.20x; top-1 0.569 / 0.690) in 770 s at load 5.9-1.9: allocation
-gains most where compression is heaviest. The uniform-rank, whole-vocabulary rows (280 steps) measured 1.291x /
-1.344x, 1.591x / 1.607x and 1.739x / 1.737x in 766 s, 836 s and 738 s alone. The held-out ratio still falls ever
-more slowly with steps (with uniform ranks and 200 steps the training windows themselves ended at 1.25x): what is
-left is steps beyond a 15-minute 2-core budget (an accelerator runs such a step in milliseconds) or a rank above
-keep 0.8's for this small model's MLPs. The whole model (MLP + attention + head at keep 0.8, 200 steps, uniform
-ranks): 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs, 21.7% of a decode
-step's bytes saved."""
+The output side of each truncation ("fisher", now the recommended pipeline's first step, compress/fisher.py):
+whitening makes each projection's truncation optimal for its output error ‖X·ΔW‖, every output direction weighted
+alike, while the KL the model is judged by weighs them very unequally (Gemma 3 normalizes the MLP's output before the
+residual add). To second order, in the Kronecker-factored (K-FAC) form, truncating W costs tr(ΔWᵀ·XᵀX·ΔW·G), G the
+Gram matrix of the gradients of log p(token) at the projection's output with the token sampled from the dense model
+(its Fisher information); the best rank-r W is the SVD of Sᵀ·W·L (XᵀX = S·Sᵀ, G = L·Lᵀ). G from 24 calibration
+windows (one forward and backward pass each, about 95 s with its compilation) at MLP rank 384, nothing else
+(scratch, load 1.5-2): 1.459x / 1.343x against 1.781x / 2.026x whitened alone, the largest gain of any change this
+report measures (damping G by 1e-3 of its mean diagonal; 1e-2: 1.471x / 1.366x, 1e-1: 1.475x / 1.417x, 1: 1.569x /
+1.526x). With it, sequential calibration stops helping (fisher + sequential 1.474x / 1.434x; fisher + allocate +
+sequential 1.355x / 1.375x in 346 s; fisher + allocate 1.349x / 1.322x in 271 s, against 1.614x / 1.801x for
+allocate + sequential), so the recommended pipeline is now fisher + allocate + distill.
+
+The targets are NOT met. The recommended pipeline (fisher + allocate + 480 distillation steps over the likely rows)
+gives keep 0.8 MLP 1.198x / 1.169x (target 1.05x), top-1 agreement 67% / 76% (target 85%), in 820 s with nothing
+else running (load 1.6-1.9); MLP + attention 1.289x / 1.306x (target 1.10x; top-1 0.614 / 0.695) in 954 s, over the
+15-minute budget (load 1.9-2.2); keep 0.6 MLP 1.359x / 1.291x (target 1.20x; top-1 0.616 / 0.723) in 841 s (load
+2.2-2.6: tests shared the cores). The same rows with allocate + sequential instead of fisher + allocate (the rows
+"... allocate + sequential", the recommended pipeline before) measured 1.230x / 1.261x, 1.450x / 1.440x and 1.434x /
+1.422x; with uniform ranks and 280 whole-vocabulary steps, 1.291x / 1.344x, 1.591x / 1.607x and 1.739x / 1.737x.
+The better start leaves distillation less to add (keep 0.8 MLP before distillation
+1.349x / 1.322x against 1.614x / 1.801x, after it 1.198x / 1.169x against 1.230x / 1.261x), and the held-out ratio
+still falls ever more slowly with steps: what is left is steps beyond a 15-minute 2-core budget (an accelerator runs
+such a step in milliseconds), a better second-order start (the Fisher with both sides' correlations, or refreshed
+on the compressed model), or a rank above keep 0.8's
+for this small model's MLPs. The whole model (MLP + attention + head at keep 0.8, 200 steps, uniform ranks, before
+the Fisher weighting): 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs, 21.7%
+of a decode step's bytes saved."""
 
 
 def token_ids(model, text: str) -> np.ndarray:

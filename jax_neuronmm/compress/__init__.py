@@ -4,6 +4,7 @@
   truncated_svd(w, rank) -> (u, v)                 Eckart–Young optimal factors, u = U·√Σ, v = √Σ·Vᵀ
   whitened_svd(w, activations, rank) -> (u, v)     SVD-LLM truncation-aware whitening with calibration inputs
   whitening(x) / whitened_factors(w, S, rank)      the same, with the Cholesky factor S computed once per input
+  output_whitening(G) / whitened_factors(..., out_chol=L)   the truncation also weighted by an output Gram G
   refit_v(u, x̃, y)                                 closed-form ridge update of v given u on calibration data
   allocate_ranks(losses, shapes, keep)              block-aligned ranks under one global parameter budget
   compress_params(params, keep=|rank=, ...)        kernel → (u, v) over Linen / NNX trees, with a report
@@ -11,8 +12,9 @@
   gptq_fp8(w, gram) -> (values, scale)             the same format, rounded with error feedback (GPTQ)
   save_compressed / load_compressed                 safetensors + metadata + checksums, atomic writes
 
-Model-level recovery (layer-by-layer calibration, local and end-to-end fine-tuning) lives in compress.sequential,
-compress.local_finetune and compress.distill and is driven by `jax_neuronmm.models.compress_model`.
+Model-level recovery (the output Fisher weighting, rank allocation, layer-by-layer calibration, local and end-to-end
+fine-tuning) lives in compress.fisher, compress.sensitivity, compress.sequential, compress.local_finetune and
+compress.distill and is driven by `jax_neuronmm.models.compress_model`.
 """
 
 from jax_neuronmm.compress.allocation import allocate_ranks
@@ -24,6 +26,7 @@ from jax_neuronmm.compress.svd import (
     WhitenedFactors,
     WhiteningDampedWarning,
     block_aligned_rank,
+    output_whitening,
     single_threaded_blas,
     truncated_svd,
     whitened_decomposition,
@@ -49,6 +52,7 @@ __all__ = [
     "dequantize_fp8",
     "gptq_fp8",
     "load_compressed",
+    "output_whitening",
     "quantize_fp8",
     "refit_v",
     "save_compressed",

@@ -37,7 +37,7 @@ RECOMMENDED_METHOD = "whitened"
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
 # and a technical text): see benchmarks/results/accuracy_report.md; "local" and "refit" trade one text for the
 # other, so they stay opt-in.
-RECOMMENDED_STEPS = ("allocate", "sequential", "distill")
+RECOMMENDED_STEPS = ("fisher", "allocate", "distill")
 
 
 class NoCalibrationWarning(UserWarning):
