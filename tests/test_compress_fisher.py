@@ -9,6 +9,7 @@ from flax import nnx
 
 from jax_neuronmm.compress import fisher, svd
 from jax_neuronmm.compress.distill import final_hidden, unembedding
+from jax_neuronmm.compress.sensitivity import kl_sensitivity
 from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model
@@ -141,3 +142,33 @@ def test_fisher_step_weights_every_projection_by_its_output_gram(tiny):
             assert _weighted_error(kernel, mine, x64, gram) < _weighted_error(kernel, theirs, x64, gram)
     with pytest.raises(ValueError, match="fisher"):
         compress_model(model, 0.5, "svd", calibration, steps=("fisher",), progress=False)
+
+
+def test_sensitivity_measures_the_output_weighted_truncation(tiny):
+    model, calibration = tiny
+    calibration = calibration[:16]  # 384 tokens: enough to fill down_proj's 384-wide Gram matrix
+    grams = fisher.output_grams(model, calibration, ("mlp",), windows=4, progress=False)
+    out_chol = svd.output_whitening(grams[(1, "down_proj")])
+    probes = {(i, name): [5] for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")}
+    chols = {(1, "down_proj"): out_chol}
+    measured = kl_sensitivity(model, calibration, ("mlp",), probes, top_k=300, output_chols=chols, progress=False)
+    measured = measured[(1, "down_proj")][5]
+    # Reference: the dense model with layer 1's down_proj replaced by its output-weighted truncation, KL in float64.
+    x, positions, masks = calibration_batch(model, calibration)
+    layer0, layer1 = model.layers
+    x = record_inputs(layer0, x, positions, masks[layer0.self_attn.spec.sliding_window], [])[0]
+    hidden = record_inputs(layer1, x, positions, masks[layer1.self_attn.spec.sliding_window], [("mlp", "down_proj")])
+    kernel = np.asarray(layer1.mlp.down_proj.kernel[...], np.float64)
+    u, v = svd.whitened_factors(kernel, svd.whitening(hidden[1][0].astype(np.float64))[0], 5, out_chol=out_chol)
+    truncated = nnx.clone(model)
+    truncated.layers[1].mlp.down_proj.kernel[...] = jnp.asarray(u @ v, jnp.float32)
+    table = np.asarray(unembedding(model), np.float64)
+
+    def log_probs(m):
+        logits = np.asarray(final_hidden(m, calibration[-2:]), np.float64).reshape(-1, table.shape[1]) @ table.T
+        logits -= logits.max(-1, keepdims=True)
+        return logits - np.log(np.exp(logits).sum(-1, keepdims=True))
+
+    teacher, student = log_probs(model), log_probs(truncated)
+    expected = np.mean(np.sum(np.exp(teacher) * (teacher - student), -1))
+    np.testing.assert_allclose(measured, expected, rtol=2e-3)
