@@ -402,8 +402,8 @@ def render(results: dict, out_dir: str) -> None:
         "**x** = bf16 dense looped µs ÷ this µs, bf16 dense "
         "traced in the same run; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
         "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
-        f"- **Runs** on a 2-core machine shared with a long accuracy experiment (1-minute load averages beside each "
-        f"figure): speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
+        "- **Runs** on this 2-core machine (1-minute load averages beside each figure; above 2, other jobs shared "
+        f"it): speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
         f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
         f"{speed_meta['load']}; accuracy rows: the build (compress / quantize) seconds and load per row below"
         + (
