@@ -36,7 +36,7 @@ RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
 # and a technical text): see benchmarks/results/accuracy_report.md; "local" and "refit" trade one text for the
-# other, so they stay opt-in.
+# other, and "sequential" measured no better once "fisher" weights the truncations, so they stay opt-in.
 RECOMMENDED_STEPS = ("fisher", "allocate", "distill")
 
 
@@ -219,7 +219,9 @@ def compress_model(
 
     method: "svd" (plain truncation) or "whitened" (SVD-LLM whitening with activations on calibration_ids [B, T],
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
-    calibration_ids): "allocate" (ranks across projections under one budget by each projection's measured
+    calibration_ids): "fisher" (method "whitened": each projection's truncation also weighted on its output side by
+    the dense model's sampled Fisher Gram matrix there, `compress.fisher`), "allocate" (ranks across projections
+    under one budget by each projection's measured
     end-to-end KL divergence at a few ranks, `compress.sensitivity`), "sequential" (each layer calibrated on the
     compressed layers' outputs), "refit" (closed-form ridge update of v towards the dense outputs), "local" (per-MLP
     fine-tuning of the factors; options in `local`),
