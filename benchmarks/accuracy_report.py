@@ -178,7 +178,10 @@ windows (one forward and backward pass each, about 95 s with its compilation) at
 report measures (damping G by 1e-3 of its mean diagonal; 1e-2: 1.471x / 1.366x, 1e-1: 1.475x / 1.417x, 1: 1.569x /
 1.526x). With it, sequential calibration stops helping (fisher + sequential 1.474x / 1.434x; fisher + allocate +
 sequential 1.355x / 1.375x in 346 s; fisher + allocate 1.349x / 1.322x in 271 s, against 1.614x / 1.801x for
-allocate + sequential), so the recommended pipeline is now fisher + allocate + distill.
+allocate + sequential), so the recommended pipeline is now fisher + allocate + distill. More windows for G help
+(fisher + allocate, scratch, load 2.4-2.5): 12 windows 1.426x / 1.363x in 250 s, 24 (the default) 1.349x / 1.322x,
+48 windows 1.301x / 1.274x in 412 s; whether 48 windows beat 24 windows and the ~130 distillation steps the
+difference would buy is not measured.
 
 The targets are NOT met. The recommended pipeline (fisher + allocate + 480 distillation steps over the likely rows)
 gives keep 0.8 MLP 1.198x / 1.169x (target 1.05x), top-1 agreement 67% / 76% (target 85%), in 820 s with nothing
