@@ -30,7 +30,8 @@ from jax_neuronmm.decoder_math import soft_cap
 
 # Calibration windows whose sampled gradients make G: on Gemma 3 270M 24 windows (6,144 positions, enough to fill a
 # 2048-wide G) take about 95 s on 2 CPU cores with the compilation (about 40 s of it), a forward and backward pass
-# over the whole vocabulary each.
+# over the whole vocabulary each. More windows measure better (fisher + allocate at keep 0.8, before distillation:
+# 12 windows 1.426x / 1.363x, 24 1.349x / 1.322x, 48 1.301x / 1.274x) at about 4 s a window.
 DEFAULT_WINDOWS = 24
 # Relative damping of G (svd.output_whitening): on Gemma 3 270M's MLPs at rank 384, 1e-3 measured 1.459x / 1.343x,
 # 1e-2 1.471x / 1.366x, 1e-1 1.475x / 1.417x.
