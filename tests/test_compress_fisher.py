@@ -134,7 +134,7 @@ def test_fisher_step_weights_every_projection_by_its_output_gram(tiny):
         x = record_inputs(layer, x, positions, mask, [])[0]
         for name in ("gate_proj", "up_proj", "down_proj"):
             gram = grams[(index, name)]
-            gram = gram + fisher.DEFAULT_DAMPING * np.mean(np.diag(gram)) * np.eye(len(gram))
+            gram = gram + svd.OUTPUT_DAMPING * np.mean(np.diag(gram)) * np.eye(len(gram))
             kernel = getattr(layer.mlp, name).kernel[...]
             mine = [getattr(getattr(weighted.layers[index].mlp, name), part)[...] for part in "uv"]
             theirs = [getattr(getattr(plain.layers[index].mlp, name), part)[...] for part in "uv"]

@@ -25,7 +25,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import distill
-from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from jax_neuronmm.compress.projections import layer_projections
 from jax_neuronmm.decoder_math import soft_cap
 
 # Calibration windows whose sampled gradients make G: on Gemma 3 270M 24 windows (6,144 positions, enough to fill a
@@ -33,9 +33,6 @@ from jax_neuronmm.decoder_math import soft_cap
 # over the whole vocabulary each. More windows measure better (fisher + allocate at keep 0.8, before distillation:
 # 12 windows 1.426x / 1.363x, 24 1.349x / 1.322x, 48 1.301x / 1.274x) at about 4 s a window.
 DEFAULT_WINDOWS = 24
-# Relative damping of G (svd.output_whitening): on Gemma 3 270M's MLPs at rank 384, 1e-3 measured 1.459x / 1.343x,
-# 1e-2 1.471x / 1.366x, 1e-1 1.475x / 1.417x.
-DEFAULT_DAMPING = 1e-3
 
 
 class _Perturbed(nnx.Module):
@@ -51,13 +48,6 @@ class _Perturbed(nnx.Module):
         return y + self.delta.reshape(y.shape)
 
 
-def projections(model, include) -> list:
-    """[(layer index, "mlp" | "self_attn", projection name)] of the projections `include` selects, in layer order."""
-    selected = [("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []
-    selected += [("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else []
-    return [(index, parent, name) for index in range(len(model.layers)) for parent, name in selected]
-
-
 def output_grams(dense, calibration_ids, include, *, windows: int = DEFAULT_WINDOWS, seed: int = 0, progress=True):
     """{(layer index, projection name): G [N, N] float64}: Σ gᵀ·g over every position of the first `windows`
     windows of calibration_ids [B, T] (all B when fewer), g [N] the gradient of log p(y_t) at the projection's
@@ -66,7 +56,7 @@ def output_grams(dense, calibration_ids, include, *, windows: int = DEFAULT_WIND
     ids = np.asarray(calibration_ids, np.int32)
     if not isinstance(windows, int) or isinstance(windows, bool) or windows < 1:
         raise ValueError(f"windows: got {windows!r}, expected a positive int")
-    targets = projections(dense, include)
+    targets = layer_projections(len(dense.layers), include)
     graphdef, state = nnx.split(dense)
     table = distill.unembedding(dense)
     cap = getattr(dense.config, "final_logit_softcapping", None)

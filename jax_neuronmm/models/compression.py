@@ -14,7 +14,7 @@ from flax import nnx
 # Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
 from jax_neuronmm.compress import allocation, fisher, local_finetune, sensitivity, sequential, svd
 from jax_neuronmm.compress import distill as distillation
-from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, layer_projections
 from jax_neuronmm.models import quantization
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
@@ -111,15 +111,14 @@ def _check_ids(model, ids, name: str) -> np.ndarray:
 
 def _projections(model: CausalLM, include) -> list:
     """[(layer_index, projection_name, dense linear)] of every projection in layers that `include` selects."""
-    entries = []
-    for index, layer in enumerate(model.layers):
-        if "attention" in include:
-            entries += [(index, name, getattr(layer.self_attn, name)) for name in ATTENTION_PROJECTIONS]
-        if "mlp" in include:
+    if "mlp" in include:
+        for layer in model.layers:
             if not isinstance(layer.mlp, GatedMLP):
                 raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
-            entries += [(index, name, getattr(layer.mlp, name)) for name in MLP_PROJECTIONS]
-    return entries
+    return [
+        (index, name, getattr(getattr(model.layers[index], parent), name))
+        for index, parent, name in layer_projections(len(model.layers), include)
+    ]
 
 
 def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
@@ -220,7 +219,8 @@ def compress_model(
     method: "svd" (plain truncation) or "whitened" (SVD-LLM whitening with activations on calibration_ids [B, T],
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
     calibration_ids): "fisher" (method "whitened": each projection's truncation also weighted on its output side by
-    the dense model's sampled Fisher Gram matrix there, `compress.fisher`), "allocate" (ranks across projections
+    the dense model's sampled Fisher Gram matrix there, `compress.fisher`; not the LM head, whose output is the
+    vocabulary), "allocate" (ranks across projections
     under one budget by each projection's measured
     end-to-end KL divergence at a few ranks, `compress.sensitivity`), "sequential" (each layer calibrated on the
     compressed layers' outputs), "refit" (closed-form ridge update of v towards the dense outputs), "local" (per-MLP
@@ -280,7 +280,7 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
     output_chols = None
     if "fisher" in steps and set(include) - {"head"}:
         grams = fisher.output_grams(dense, calibration_ids, include, progress=progress)
-        output_chols = {key: svd.output_whitening(gram, damping=fisher.DEFAULT_DAMPING) for key, gram in grams.items()}
+        output_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
     if "allocate" in steps:
         ranks = _allocated_ranks(
             dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, progress
