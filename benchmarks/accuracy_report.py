@@ -11,7 +11,10 @@ with windows of half of the Python Language Reference's topic texts that CPython
 prose with code). Held-out texts, never seen by any calibration or training step: chapters 50-61 of the novel, and
 the other half of the reference's topics. Each configuration's result is appended
 to benchmarks/results/accuracy_report.json as soon as it is measured (a rerun skips configurations already there),
-and the Markdown + PNG are rendered from that file; --render_only re-renders without running anything.
+and the Markdown + PNG are rendered from that file; --render_only re-renders without running anything. The JSON is
+committed with the report (each row costs 2-20 CPU-minutes; a machine without it would re-render the report with
+only its new rows); rows marked recovered_from_markdown were rebuilt from the committed Markdown after the file was
+lost (values as the Markdown rounds them; meta.recovered_from_markdown says what was derived).
 """
 
 from __future__ import annotations

@@ -13,13 +13,14 @@ models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (m
 technical = the held-out half of the Python reference (models.calibration.technical_texts()[1]), --eval_windows
 windows of --seq_len tokens each; calibration on the first --calibration_windows (default here 48) of
 models.calibration.training_windows, distillation on all --distill_windows. Each row's accuracy is appended to
-benchmarks/results/frontier.json (gitignored) as soon as it is measured, and a rerun skips rows already there;
+benchmarks/results/frontier.json (committed) as soon as it is measured, and a rerun skips rows already there;
 configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
 report lists every configuration not measured. The modeled speeds of every configuration (ranks from
 nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; bf16 dense
 looped traced in the same run as every speedup's base; 10-30 minutes on 2 cores) are kept in the JSON with a
 digest of what decides them (every spec and the source of the decode kernels, the emulator and its cost model),
-and traced again when that digest changes or with --retrace.
+and traced again when that digest changes or with --retrace. Rows and speeds marked recovered_from_markdown were
+rebuilt from the committed Markdown after the JSON was lost (values as the Markdown rounds them).
 
 Writes benchmarks/results/frontier.md and frontier.png.
 """
