@@ -10,10 +10,12 @@ from flax import nnx
 from jax_neuronmm.compress import fisher, svd
 from jax_neuronmm.compress.distill import final_hidden, unembedding
 from jax_neuronmm.compress.sensitivity import kl_sensitivity
-from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
+from jax_neuronmm.compress.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.compression import compress_model, fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP
+
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 
 def _spd(rng, n, spread):
@@ -172,3 +174,44 @@ def test_sensitivity_measures_the_output_weighted_truncation(tiny):
     teacher, student = log_probs(model), log_probs(truncated)
     expected = np.mean(np.sum(np.exp(teacher) * (teacher - student), -1))
     np.testing.assert_allclose(measured, expected, rtol=2e-3)
+
+
+def test_compression_reuses_the_sensitivity_decompositions(tiny):
+    model, calibration = tiny
+    include = ("mlp", "attention")
+    grams = fisher.output_grams(model, calibration, include, windows=4, progress=False)
+    out_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
+    rng = np.random.default_rng(11)
+    ranks = {}
+    for index, layer in enumerate(model.layers):
+        for parent, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")), ("mlp", MLP_NAMES)):
+            for name in names:
+                kernel = getattr(getattr(layer, parent), name).kernel
+                ranks[(index, name)] = int(rng.integers(1, min(kernel.shape)))  # ragged, different per projection
+    decompositions = {}
+    kl_sensitivity(
+        model,
+        calibration,
+        include,
+        {key: [1] for key in ranks},
+        output_chols=out_chols,
+        decompositions=decompositions,
+        progress=False,
+    )
+    assert set(decompositions) == set(ranks)
+    reused, fresh = nnx.clone(model), nnx.clone(model)
+    options = LayerwiseOptions()
+    args = (calibration, include, ranks, "whitened", options, fused_mlp_activation)
+    compress_layers(reused, model, *args, output_chols=out_chols, decompositions=decompositions, progress=False)
+    compress_layers(fresh, model, *args, output_chols=out_chols, progress=False)
+    for key, rank in ranks.items():
+        index, name = key
+        parent = "mlp" if name in MLP_NAMES else "self_attn"
+        mine, theirs = (getattr(getattr(m.layers[index], parent), name) for m in (reused, fresh))
+        assert mine.u.shape[1] == rank
+        product = np.asarray(mine.u[...], np.float64) @ np.asarray(mine.v[...], np.float64)
+        expected = np.asarray(theirs.u[...], np.float64) @ np.asarray(theirs.v[...], np.float64)
+        np.testing.assert_allclose(product, expected, rtol=1e-5, atol=1e-6 * np.abs(expected).max())
+    with pytest.raises(ValueError, match=r"decompositions: no entry for \[\(0, 'q_proj'\)"):
+        partial = {key: value for key, value in decompositions.items() if key != (0, "q_proj")}
+        compress_layers(nnx.clone(model), model, *args, decompositions=partial, progress=False)

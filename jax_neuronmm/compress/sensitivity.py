@@ -39,6 +39,7 @@ def kl_sensitivity(
     vocab_chunk: int = 16384,
     damping: float = svd.DEFAULT_DAMPING,
     output_chols: dict | None = None,
+    decompositions: dict | None = None,
     progress: bool = True,
 ) -> dict:
     """{(layer_index, projection_name): {rank: KL}} for every projection `include` ("mlp", "attention") selects and
@@ -47,7 +48,9 @@ def kl_sensitivity(
     calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probe_windows` of them
     (at least 1, at most B). `dense` is not modified (a copy is perturbed and restored projection by projection).
     output_chols {(layer_index, projection_name): L}: each truncation's output weighting, as compression applies it
-    (`sequential.compress_layers`).
+    (`sequential.compress_layers`). decompositions: a dict filled with {(layer_index, projection_name): (S, SVD, L)},
+    each projection's whitening factor, `svd.whitened_decomposition` and output weighting (None when unweighted), so
+    that compression at the chosen ranks reuses them instead of a second calibration pass and SVD.
     """
     output_chols = output_chols or {}
     ids = np.asarray(calibration_ids, np.int32)
@@ -92,6 +95,8 @@ def kl_sensitivity(
                     weight = np.asarray(kernel[...], np.float32)
                     out_chol = output_chols.get((index, name))
                     decomposition = svd.whitened_decomposition(weight, chol, out_chol)
+                    if decompositions is not None:
+                        decompositions[(index, name)] = (chol, decomposition, out_chol)
                     costs = {}
                     for rank in sorted(set(probe_ranks[(index, name)])):
                         svd.check_rank(rank, weight.shape)

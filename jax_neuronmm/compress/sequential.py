@@ -121,6 +121,7 @@ def compress_layers(
     fused_activation,
     *,
     output_chols: dict | None = None,
+    decompositions: dict | None = None,
     progress: bool = True,
 ) -> None:
     """Replaces, in place, the projections of `model` (a clone of `dense`) by factored modules.
@@ -130,6 +131,10 @@ def compress_layers(
     None only for method "svd" without refit / local / sequential (then no model is run). output_chols
     {(layer_index, projection_name): L [N, N]} (method "whitened"): the output-side weighting of each projection's
     truncation (`svd.output_whitening` of `compress.fisher.output_grams`); projections it lacks are unweighted.
+    decompositions {(layer_index, projection_name): (S, SVD, L)} (`sensitivity.kl_sensitivity` fills it, from the
+    dense model's inputs on the same calibration windows): method "whitened" without sequential / refit / local then
+    truncates them instead of running the calibration pass and the SVDs again (the same factors, about a minute
+    less on Gemma 3 270M's MLPs); it must hold every projection `include` selects.
     """
     if output_chols and method != "whitened":
         raise ValueError(f"output_chols: an output weighting of the whitened truncation; got method {method!r}")
@@ -139,6 +144,10 @@ def compress_layers(
         if "mlp" in include and not isinstance(layer.mlp, GatedMLP):
             raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
     bar = tqdm(total=len(model.layers), desc=f"compressing ({method})", disable=not progress, unit="layer")
+    if decompositions and method == "whitened" and not (options.sequential or options.refit or options.local):
+        with bar:
+            _factor_decomposed(model.layers, include, ranks, decompositions, fused_activation, bar)
+        return
     if not needs_data:
         with bar:
             _factor_without_data(model.layers, include, ranks, fused_activation, bar)
@@ -256,6 +265,30 @@ def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
             if "mlp" in include:
                 layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
             bar.update()
+
+
+def _factor_decomposed(layers, include, ranks, decompositions, fused_activation, bar) -> None:
+    """Every projection `include` selects truncated from its precomputed whitened decomposition."""
+    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + (
+        [("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else []
+    )
+    missing = [(i, name) for i in range(len(layers)) for _, name in selected if (i, name) not in decompositions]
+    if missing:
+        raise ValueError(f"decompositions: no entry for {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for index, layer in enumerate(layers):
+        factors = {}
+        for parent, name in selected:
+            chol, decomposition, out_chol = decompositions[(index, name)]
+            kernel = np.asarray(getattr(getattr(layer, parent), name).kernel[...])
+            factors[name] = svd.whitened_factors(kernel, chol, ranks[(index, name)], decomposition, out_chol)
+        if "attention" in include:
+            for name in ATTENTION_PROJECTIONS:
+                setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
+        if "mlp" in include:
+            layer.mlp = _mlp_module(
+                layer.mlp, {name: factors[name] for name in MLP_PROJECTIONS}, fused_activation(layer.mlp)
+            )
+        bar.update()
 
 
 def _gated_hidden(x, gate, up, activation):

@@ -144,10 +144,12 @@ def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
     return ranks
 
 
-def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, output_chols, progress) -> dict:
+def _allocated_ranks(
+    dense: CausalLM, calibration_ids, include, keep, block, output_chols, decompositions, progress
+) -> dict:
     """The "allocate" step's ranks: each projection's end-to-end KL measured at its uniform rank and up to two blocks
-    on either side (`sensitivity.kl_sensitivity`), then the block-aligned ranks with the least summed loss under the
-    budget keep·Σ K·N (`allocation.allocate_ranks`)."""
+    on either side (`sensitivity.kl_sensitivity`, filling `decompositions` when a dict), then the block-aligned ranks
+    with the least summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`)."""
     entries = _projections(dense, include)
     if not entries:
         return {}
@@ -159,7 +161,13 @@ def _allocated_ranks(dense: CausalLM, calibration_ids, include, keep, block, out
         low, high = max(center - 2 * block, min(block, center)), min(center + 2 * block, full - 1)
         probes[(index, name)] = sorted({r for r in (low, center, high) if 0 < r < full})
     measured = sensitivity.kl_sensitivity(
-        dense, calibration_ids, include, probes, output_chols=output_chols, progress=progress
+        dense,
+        calibration_ids,
+        include,
+        probes,
+        output_chols=output_chols,
+        decompositions=decompositions,
+        progress=progress,
     )
     shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
     curves = [allocation.loss_curve(measured[(i, name)], min(k, n)) for (i, name, _), (k, n) in zip(entries, shapes)]
@@ -281,9 +289,11 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
     if "fisher" in steps and set(include) - {"head"}:
         grams = fisher.output_grams(dense, calibration_ids, include, progress=progress)
         output_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
+    # Allocation whitens and decomposes every projection already; compression without layer-wise steps reuses that.
+    decompositions = {} if "allocate" in steps and not {"sequential", "refit", "local"} & set(steps) else None
     if "allocate" in steps:
         ranks = _allocated_ranks(
-            dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, progress
+            dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, decompositions, progress
         )
     else:
         ranks = _ranks(model, include, keep, rank, block or BLOCK)
@@ -303,6 +313,7 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
             options,
             fused_mlp_activation,
             output_chols=output_chols,
+            decompositions=decompositions,
             progress=progress,
         )
     if "head" in include:
