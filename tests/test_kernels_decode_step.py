@@ -6,6 +6,8 @@ and masks, factored projections and head with different per-layer ranks) specs, 
 padding mask, and a small weight ring so blocks wrap around it within a layer.
 """
 
+import dataclasses
+
 import numpy as np
 import pytest
 from decode_operands import (
@@ -14,15 +16,17 @@ from decode_operands import (
     GEMMA3_DENSE,
     LLAMA,
     RING,
+    WEIGHT_INDEX,
     check_cache,
     llama_like,
     make_operands,
+    placeholders,
     relative_error,
 )
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode.contract import DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
@@ -116,6 +120,52 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
     sliding = spec.layer_mask.count(1)
     slot_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2 + t * 4  # k and v (bf16), the mask bias (fp32)
     assert read[()] - read[(None, WINDOW)] == sliding * b * (s - WINDOW) * slot_bytes
+
+
+# MLP ranks that differ from layer to layer and are not multiples of 128 (rank layouts of grouped whole tiles and a
+# ragged tail), in stacks (Rmax = largest + 3) whose rows the kernels read whole (bf16: 1046 bytes or less) or
+# only each layer's rank of (float32: 2092 bytes).
+RAGGED_MLP_RANKS = {
+    "bf16": (BF16, {"gate": (320, 448), "up": (448, 320), "down": (520, 300)}, 2e-2),
+    "fp32": (np.float32, {"gate": (300, 520), "up": (520, 300), "down": (300, 520)}, 1e-5),
+}
+
+
+@pytest.mark.parametrize("composition", ["looped", "per_layer"])
+@pytest.mark.parametrize("case", RAGGED_MLP_RANKS)
+def test_mlp_ranks_that_differ_per_layer_match_float64_reference(rng, composition, case):
+    dtype, mlp_ranks, tolerance = RAGGED_MLP_RANKS[case]
+    spec = llama_like(num_layers=2, hidden=640, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=768)
+    spec = dataclasses.replace(spec, ranks=tuple(mlp_ranks.get(name) for name in PROJECTIONS))
+    b, t, s, w = 2, 1, 12, 5
+    operands = make_operands(rng, spec, b, t, s, w, dtype)
+    k_before, v_before = operands[10].copy(), operands[11].copy()
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    with profile() as prof:
+        logits, k_cache, v_cache = run_decode_step(composition, operands, spec, **RING)
+    assert relative_error(logits, want_logits) < tolerance
+    check_cache(k_cache, k_before, want_k, w, t, tolerance)
+    check_cache(v_cache, v_before, want_v, w, t, tolerance)
+    # Count-only: a stack 3 wider than the largest rank costs bf16 those 3 columns of u in every layer (rows read
+    # whole, their padding with them), float32 nothing (each layer's rank read).
+    tight = list(operands)
+    for name, ranks in mlp_ranks.items():
+        u, v = operands[WEIGHT_INDEX[name]]
+        tight[WEIGHT_INDEX[name]] = [u[:, :, : max(ranks)], v[:, : max(ranks)]]
+    read = [
+        sum(run.hbm_bytes_read for run in _profiled_runs(composition, placeholders(ops), spec))
+        for ops in (operands, tight)
+    ]
+    itemsize = np.dtype(dtype).itemsize
+    padding = sum(spec.num_layers * spec.in_features(name) * 3 * itemsize for name in mlp_ranks)
+    assert read[0] - read[1] == (padding if dtype == BF16 else 0)
+    assert len(prof.runs) == {"looped": 1, "per_layer": spec.num_layers + 1}[composition]
+
+
+def _profiled_runs(composition, operands, spec):
+    with profile() as prof:
+        run_decode_step(composition, operands, spec, numerics=False, **RING)
+    return prof.runs
 
 
 def test_today_runs_the_fused_mlp_kernels_when_factored(rng):

@@ -20,10 +20,14 @@ after the head (nki_kernels.decode.parallel); per_op runs those collectives as l
 Operands: nki_kernels.decode.contract (DecodeOperands; the looped and per-layer kernels take them as one list
 argument, DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediate are row-grouped column
 tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
-Ragged per-layer ranks: factors are stacked to the largest rank, layer l reads only the first ranks[l] columns of
-u / rows of v (trace-time slices), so padding costs HBM capacity, never bandwidth. fp8 weights (spec.fp8_weights)
-cross HBM as fp8 and are scaled as their PSUM sums are evicted (nki_kernels.decode.projections); activations stay
-in the model dtype (x's), which must then be bfloat16 or float16 (TensorE takes fp8 beside 2-byte floats only).
+Ragged per-layer ranks: factors are stacked to the largest rank, layer l multiplies only the first ranks[l] columns
+of u / rows of v (trace-time slices). It reads only those, except where u's stored rows are short
+(projections.whole_rows: 2 KiB or less): then whole stored rows, padding included, since ranks[l] values of each
+row alone would be DMA runs of a fraction of the rate (Gemma 3 270M's MLP at ranks 320 / 448 alternating: 640-byte
+runs at 26%, 12 µs a layer on trn1; whole 896-byte rows one run per partition of a block, at 97%).
+fp8 weights (spec.fp8_weights) cross HBM as fp8 and are scaled as their PSUM sums are evicted
+(nki_kernels.decode.projections); activations stay in the model dtype (x's), which must then be bfloat16 or float16
+(TensorE takes fp8 beside 2-byte floats only).
 
 Dimensions in the kernels' docstrings: B rows of T new tokens (R = B·T <= 128), H hidden, V vocabulary, L layers,
 K / N a projection's input / output features.

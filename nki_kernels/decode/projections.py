@@ -32,6 +32,10 @@ from nki_kernels.svd_matmul import spans
 
 # PSUM banks a projection's accumulators may use at once (of 8): the rest is for the norm, attention, the head.
 PROJECTION_PSUM_BANKS = 4
+# Run length under which a DMA run costs about as long as one of this length: the DMA efficiency curve (NKI docs,
+# figure nki-dma-intro-1: 21% of the rate at 512 B, 42% at 1 KiB, 82% at 2 KiB, i.e. a fixed cost per run; the DMA
+# bandwidth guide: runs of 2 KiB or more approach the peak). See `whole_rows`.
+SHORT_RUN_BYTES = 2048
 # Logits columns one LM-head PSUM chunk accumulates: 4 banks of float32.
 HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
 # Widest head column range: 8 KiB runs of each head row per DMA (the DMA curve's flat part: 4 KiB runs move at
@@ -250,9 +254,20 @@ class OnChipWeight:
         self.dtype = blocks[0].dtype
 
 
-def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None):
+def whole_rows(columns, stored, itemsize):
+    """Whether a weight whose rows hold `columns` values of `stored` (a factor's u stacked past this layer's rank)
+    is read as whole stored rows: when its own runs are shorter than SHORT_RUN_BYTES and a stored row is no
+    longer. A run under 2 KiB takes about as long as a 2 KiB one, so such a row costs no more read whole, and the
+    rows of a block then make one run (a rank-320 layer's u in a stack of rank 448, bf16: 640-byte runs at 26% of
+    the DMA rate, or 896-byte rows read in one run at 97%)."""
+    return columns < stored and stored * itemsize <= SHORT_RUN_BYTES
+
+
+def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None, columns=None):
     """x [K features] @ w [K, N] (an HBM view in the model dtype, or fp8; or an OnChipWeight) for `rows` rows, out
-    in `out_layout`.
+    in `out_layout`. columns: N when w's rows are longer (w [K, ≥N], e.g. a factor's u stacked past the layer's
+    rank; its first N columns are the weight): the rest is never multiplied, and read only where `whole_rows`
+    makes longer DMA runs of it.
 
     x: column tiles of in_layout in the model dtype. Weights in HBM stream through `ring`, one DMA per (input block,
     column chunk), an input block split into blocks of rows_per_block rows per partition where its rows do not fit
@@ -264,12 +279,18 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None
     the PSUM is freed after the chunk.
     """
     pmax = nl.tile_size.pmax
-    k, n = w.shape
+    k, stored = w.shape
+    n = stored if columns is None else columns
     in_blocks = layout_blocks(in_layout)
     in_count_max = max(count for _, _, _, count, _ in in_blocks)
     on_chip = isinstance(w, OnChipWeight)
+    if on_chip and n != stored:
+        raise ValueError(f"dense_projection: an OnChipWeight of {stored} columns, columns={n}; expected all of them")
     block_elements = in_count_max * n if on_chip else ring.block_elements(w.dtype)
-    per_block = rows_per_block(in_count_max, n, block_elements)
+    # Columns past N a chunk ending at N reads with it (whole stored rows), and the block elements they leave.
+    whole = not on_chip and whole_rows(n, stored, w.dtype.itemsize) and stored <= block_elements
+    padding = stored - n if whole else 0
+    per_block = rows_per_block(in_count_max, n + padding, block_elements)
     rows_pad = padded_rows(rows)
 
     def weight_blocks(b, k0, ks, count, partitions, n0, width):
@@ -277,11 +298,14 @@ def dense_projection(x, in_layout, w, out_layout, rows, ring, evict, scales=None
         if on_chip:
             yield 0, count, w.blocks[b][0:partitions, :, n0 : n0 + width]
             return
+        width += padding if n0 + width == n else 0
         view = w[k0 : k0 + ks, n0 : n0 + width].reshape_dim(0, (partitions, count))
         for i0, ic in spans(count, per_block):
             yield i0, ic, ring.load(view if ic == count else view[:, i0 : i0 + ic, :], partitions, ic, width)
 
-    for n0, width, out_s0, out_count in _column_chunks(out_layout, per_block, block_elements, rows):
+    for n0, width, out_s0, out_count in _column_chunks(
+        out_layout, per_block, block_elements - per_block * padding, rows
+    ):
         acc = nl.ndarray((pmax, out_count, rows_pad), dtype=nl.float32, buffer=nl.psum, name="proj_psum")
         for b, (k0, ks, s0, count, partitions) in enumerate(in_blocks):
             for i0, ic, block in weight_blocks(b, k0, ks, count, partitions, n0, width):
@@ -377,7 +401,7 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
         return
     u, v = weight.u, weight.v
     if not isinstance(u, OnChipWeight):  # stacked to the largest rank in HBM; packed ones are the layer's
-        u, v = u[:, 0:rank], v[0:rank, :]
+        v = v[0:rank, :]  # u's first rank columns: dense_projection reads them, or whole rows (whole_rows)
     layout = rank_layout(rank, v.shape[1])
     if scales is None:
         u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], layout)
@@ -386,11 +410,11 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
         u_scales, v_scales = scales
     xu = column_tiles(layout, rows, x.dtype, "xuT", zero=False)
     if reduce is None:
-        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(xu), u_scales)
+        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(xu), u_scales, rank)
     else:
         # Summed in float32, then rounded to x's dtype once (as one rank rounds its whole sum).
         partial = column_tiles(layout, rows, nl.float32, "partial_xuT")
-        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(partial), u_scales)
+        dense_projection(x, in_layout, u, layout, rows, ring, copy_into(partial), u_scales, rank)
         reduce(partial)
         nisa.tensor_copy(dst=xu[:, :, 0:rows], src=partial[:, :, 0:rows])
     dense_projection(xu, layout, v, out_layout, rows, ring, evict, v_scales)
