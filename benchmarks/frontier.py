@@ -64,6 +64,12 @@ flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the JSON, Markdown, PNG go"
 )
 flags.DEFINE_bool("retrace", False, "trace the modeled speeds again even when the JSON holds them for this digest")
+flags.DEFINE_bool(
+    "skip_speeds",
+    False,
+    "measure accuracy rows only: the modeled speeds stay as the JSON holds them (a configuration without one shows "
+    "none) until a run without this flag traces them",
+)
 FLAGS = flags.FLAGS
 
 GEMMA = "Gemma 3 270M"
@@ -142,7 +148,26 @@ CONFIGS = (
             ("sequential", "distill"),
             distill=DistillOptions(steps=200, positions=128, vocab_top_k=0, eval_every=25),
         )
-        for name, include in (("mlp", ("mlp",)), ("mlp+attention", ("mlp", "attention")))
+        for name, include in (("mlp", ("mlp",)),)
+        for fp8 in (False, True)
+    ),
+    # Every keep over the MLPs, MLPs + attention and + head: the output Fisher weighting and distillation of the
+    # recommended pipeline at uniform ranks (the looped kernel streams uniform ranks at the peak rate; block 64 keeps
+    # 0.9 / 0.8 / 0.6 apart: MLP ranks 448 / 384 / 320), 160 steps over the teacher's likely rows (a third of the
+    # recommended 480: nine such rows fit a session's 2-core time), then for fp8 every weight quantized as above.
+    *(
+        Config(
+            f"{'+'.join(include)} {keep} fisher + distilled {'fp8' if fp8 else 'bf16'}",
+            include,
+            keep,
+            fp8,
+            True,
+            ("fisher", "distill"),
+            block=HEAD_BLOCK,
+            distill=DistillOptions(steps=160),
+        )
+        for include in (("mlp",), ("mlp", "attention"), ("mlp", "attention", "head"))
+        for keep in (0.9, 0.8, 0.6)
         for fp8 in (False, True)
     ),
 )
@@ -394,7 +419,12 @@ def render(results: dict, out_dir: str) -> None:
         "training windows (the recommended pipeline when these rows were measured), then for fp8 `quantize_model` "
         "of that model with the calibration ids; today's recommended pipeline (output Fisher weighting + rank "
         "allocation + 480 steps over the teacher's likely rows, 160 training windows) measures 1.198x / 1.169x for "
-        "mlp 0.8 bf16 (benchmarks/results/accuracy_report.md).",
+        "mlp 0.8 bf16 (benchmarks/results/accuracy_report.md). **fisher + distilled**: `compress_model(..., "
+        "method='whitened', steps=('fisher', 'distill'), block=64)`: the recommended pipeline at uniform ranks "
+        "(MLP 448 / 384 / 320 at keep 0.9 / 0.8 / 0.6; q and o 384 / 320 / 256, k and v 128; the head 576 / 512 / "
+        "384), each truncation weighted by its output's Fisher Gram matrix, then 160 distillation steps (a third "
+        "of the recommended 480) over the teacher's likely rows on the 80 training windows; fp8 as for "
+        "sequential + distilled.",
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
         f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
         "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "
@@ -707,7 +737,9 @@ def main(argv):
     gemma = DecodeModel(GEMMA, "the loaded checkpoint, through models.decode.model_spec", decode.model_spec(dense))
     specs = speed_specs(gemma)
     digest = speed_digest(specs)
-    if FLAGS.retrace or results.get("speed_digest") != digest:
+    if FLAGS.skip_speeds:
+        print("modeled speeds: not traced (--skip_speeds)", flush=True)
+    elif FLAGS.retrace or results.get("speed_digest") != digest:
         load_before, start = _load(), time.perf_counter()
         results["speed"], seconds = trace_speeds(specs)
         results["speed_digest"] = digest
