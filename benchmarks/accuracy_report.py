@@ -183,8 +183,11 @@ report measures (damping G by 1e-3 of its mean diagonal; 1e-2: 1.471x / 1.366x, 
 sequential 1.355x / 1.375x in 346 s; fisher + allocate 1.349x / 1.322x in 271 s, against 1.614x / 1.801x for
 allocate + sequential), so the recommended pipeline is now fisher + allocate + distill. More windows for G help
 (fisher + allocate, scratch, load 2.4-2.5): 12 windows 1.426x / 1.363x in 250 s, 24 (the default) 1.349x / 1.322x,
-48 windows 1.301x / 1.274x in 412 s; whether 48 windows beat 24 windows and the ~130 distillation steps the
-difference would buy is not measured.
+48 windows 1.301x / 1.274x in 412 s. At equal time the extra windows do not pay: 48 windows and 350 distillation
+steps (the ~130 steps fewer their ~140 s cost) end at 1.210x / 1.150x (top-1 0.663 / 0.765; scratch, load 1.1-5.7
+with another job) against 1.198x / 1.169x for 24 windows and 480 steps: no better on the worst text, so 24 stays.
+Compression after allocation now truncates the decompositions the sensitivity measurement computed instead of a
+second calibration pass and SVD per projection (that pass took 59 s of the scratch run above).
 
 The targets are NOT met. The recommended pipeline (fisher + allocate + 480 distillation steps over the likely rows)
 gives keep 0.8 MLP 1.198x / 1.169x (target 1.05x), top-1 agreement 67% / 76% (target 85%), in 820 s with nothing
