@@ -22,6 +22,7 @@ from nki_kernels.decode.contract import PROJECTIONS, Quantized
 from nki_kernels.decode.layouts import rank_layout
 from nki_kernels.decode.tiles import (
     column_tiles,
+    evict_alternating,
     fp32_per_psum_bank,
     layout_blocks,
     load_columns,
@@ -575,7 +576,10 @@ class _LogitRows:
         c0, cw = chunk
         logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
         if self.softcap is None:
-            nisa.tensor_copy(dst=logits, src=acc)
+            # A PSUM bank at a time, VectorE and ScalarE in turn: a row of a chunk is cw elements on one partition,
+            # whose copy on one engine (cw cycles) follows the step's last matmuls (Gemma 3 270M: 1.9 µs on trn1).
+            for k, (b0, bw) in enumerate(spans(cw, nl.tile_size.psum_bank_fmax)):
+                evict_alternating(logits[:, b0 : b0 + bw], acc[:, b0 : b0 + bw], k)
         else:
             nisa.activation(dst=logits, op=nl.tanh, data=acc, scale=1.0 / self.softcap)
             nisa.tensor_scalar(dst=logits, data=logits, op0=nl.multiply, operand0=float(self.softcap))
