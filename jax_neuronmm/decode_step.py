@@ -12,9 +12,10 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
     [write_index, write_index + T)), write_index [1, 1] int32,
   cos, sin [NR, B, T, D] float32, mask_bias [NM, B, T, S] float32, final_norm [H], head: dense [H, V] or a pair
     (u [H, r], v [r, V]),
-  packed [L, 128, E] or None (the last, may be left out): the values of the fp8 projections spec.packed_weights
-    names, each layer's in the kernels' layout (`nki_kernels.decode.packing.pack_weights`), their stored weights
-    then holding only their scales.
+  packed [L, 128, E] or None (the last, may be left out): the values of the projections spec.packed_weights
+    names (all fp8, or all factored in x's dtype), each layer's in the kernels' layout
+    (`nki_kernels.decode.packing.pack_weights`), their stored weights then holding only their scales (fp8), or
+    nothing (`Factored()`, or None).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
 fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
@@ -480,6 +481,11 @@ def tensor_parallel_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
         raise ValueError(f"{OP}: spec.tensor_parallel: got {spec.tensor_parallel}, expected 1 (the whole model's spec)")
     if not isinstance(ranks, int) or ranks < 1:
         raise ValueError(f"{OP}: ranks: got {ranks!r}, expected a positive int")
+    if spec.packed_weights:
+        raise ValueError(
+            f"{OP}: spec.packed_weights: got {spec.packed_weights!r}; a packed operand is one rank's layout and does "
+            "not split over the mesh (unpack with nki_kernels.decode.packing.unpack_weights and unpacked_spec)"
+        )
     sizes = {name: getattr(spec, name) for name in ("num_heads", "num_kv_heads", "intermediate", "vocab")}
     for name, size in sizes.items():
         if size % ranks:

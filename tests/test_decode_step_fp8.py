@@ -201,7 +201,7 @@ def test_generate_packs_a_compressed_fp8_models_attention_factors(monkeypatch):
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
         on_emulator = np.asarray(generate(model, ids, 5))
     assert [run.name for run in prof.runs].count("decode_step_kernel") == 4
-    monkeypatch.setattr(decode, "attention_packing", lambda spec: ())
+    monkeypatch.setattr(decode, "attention_packing", lambda spec, **_: ())
     assert decode.decode_plan(model).spec == unpacked
     np.testing.assert_array_equal(np.asarray(generate(model, ids, 5)), packed_tokens)
     np.testing.assert_array_equal(on_emulator, packed_tokens)

@@ -11,6 +11,7 @@ import pytest
 
 from jax_neuronmm.models.decode import published_decode_models
 from nki_kernels.decode import comparison as bench
+from nki_kernels.decode import layouts, packing
 from nki_kernels.decode.contract import PROJECTIONS
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
@@ -54,7 +55,11 @@ def test_specs_and_operands_follow_the_contract(name, compressed):
     spec = bench.decode_spec(m, 7, compressed)
     assert spec.num_layers == 7 and len(spec.layer_rope) == 7
     ops = bench.operand_specs(spec, 3, 130)
-    assert len(ops) == 19 and ops[18] is None  # packed: only with spec.packed_weights (fp8)
+    assert len(ops) == 19 and (ops[18] is None) == (not spec.packed_weights)  # packed: with spec.packed_weights
+    if spec.packed_weights:  # Gemma 3 270M's bf16 attention factors (packing.attention_packing)
+        assert ops[18].shape == layouts.packed_shape(spec) and ops[18].dtype == bench.BF16
+        spec = packing.unpacked_spec(spec)
+        ops = bench.operand_specs(spec, 3, 130)
     assert ops[0].shape == (3, 1, m.hidden)
     assert ops[10].shape == ops[11].shape == (7, 3, 130, m.num_kv_heads, m.head_dim)
     assert ops[15].shape == (spec.num_masks, 3, 1, 130)

@@ -190,7 +190,7 @@ def decode_plan(model: CausalLM) -> DecodePlan | None:
                 f"but the model does not split into {layout.ranks} Megatron shards: {error}"
             ) from None
     else:
-        spec = dataclasses.replace(spec, packed_weights=attention_packing(spec))
+        spec = dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
     return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout)
 
 

@@ -32,7 +32,7 @@ from nki_kernels.decode.contract import (
     expected_dtypes,
     expected_shapes,
 )
-from nki_kernels.decode.packing import attention_packing
+from nki_kernels.decode.packing import attention_packing, unpacked_spec
 from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import shard_spec
 from nki_kernels.emulator import collective_costs, launch
@@ -396,6 +396,8 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int)
     (collectives priced by the cost model's link model) and is measured on rank 0 (every rank runs the same
     shapes): one rank's latency, HBM bytes and time in collectives. A looped case also has its dependency floor
     (Measured.floor_us)."""
+    if composition.startswith("per_op"):  # they read each weight on its own: packed weights are not their layout
+        spec = unpacked_spec(spec)
     operands = operand_specs(spec, batch, cache_len)
     floor = composition == "looped"
 

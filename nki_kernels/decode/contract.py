@@ -67,10 +67,12 @@ class DecodeSpec:
     rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each layer then
     all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product x·u);
     the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
-    packed_weights: names of PROJECTIONS, each also in fp8_weights, whose fp8 values every layer stores in the one
-    `packed` operand in the kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of
-    them per partition) instead of in their own stored weights, which keep only their scales; () for none. One
-    rank only (tensor_parallel 1).
+    packed_weights: names of PROJECTIONS whose values every layer stores in the one `packed` operand in the
+    kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of them per partition)
+    instead of in their own stored weights, which keep only their scales (fp8) or nothing (an empty Factored, in
+    the model's dtype); () for none. All of them fp8 (the operand is fp8), or all factored in the model's dtype
+    (the operand is in the model's dtype). With tensor_parallel > 1 the packed operand is this rank's: the layout
+    of its shard's values.
     """
 
     num_layers: int
@@ -149,16 +151,17 @@ class DecodeSpec:
             )
         _check_names("fp8_weights", self.fp8_weights, WEIGHTS)
         _check_names("packed_weights", self.packed_weights, PROJECTIONS)
-        unquantized = [name for name in self.packed_weights if name not in self.fp8_weights]
-        if unquantized:
+        fp8 = [name for name in self.packed_weights if self.fp8(name)]
+        if fp8 and len(fp8) != len(self.packed_weights):
             raise ValueError(
-                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but fp8_weights does not name "
-                f"{unquantized}: packed weights are fp8"
+                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but fp8_weights names only {fp8} of them: "
+                "packed weights share one dtype (all fp8, or all in the model's dtype)"
             )
-        if self.packed_weights and self.tensor_parallel != 1:
+        dense = [name for name in self.packed_weights if not fp8 and not self.factored(name)]
+        if dense:
             raise ValueError(
-                f"DecodeSpec.packed_weights: got {self.packed_weights!r} with tensor_parallel={self.tensor_parallel}; "
-                "packed weights are one rank's layout (expected () with tensor_parallel > 1)"
+                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but {dense} are dense in the model's dtype: "
+                "packed weights in the model's dtype are factored (a dense one would leave no stored weight)"
             )
         if self.mask_windows and (
             len(self.mask_windows) != self.num_masks
@@ -244,6 +247,11 @@ class DecodeSpec:
             return self.fp8(weight)
         return weight not in self.packed_weights
 
+    @property
+    def packed_fp8(self) -> bool:
+        """Whether the packed operand holds fp8 values (else the model's dtype)."""
+        return bool(self.packed_weights) and self.fp8(self.packed_weights[0])
+
 
 def _finite_positive(value) -> bool:
     """A real number (not a bool, a string or an array), finite and > 0: NaN would pass a negated "> 0" test."""
@@ -256,10 +264,10 @@ def _finite_positive(value) -> bool:
 
 
 # What an operand's dtype must be: the model's (x's), a weight's (the model's, or the fp8 dtype for a weight the
-# spec names in fp8_weights), the fp8 dtype, or a fixed one.
+# spec names in fp8_weights), the packed weights' (fp8 or the model's, DecodeSpec.packed_fp8), or a fixed one.
 MODEL_DTYPE = "model"
 WEIGHT_DTYPE = "weight"
-FP8_DTYPE = "fp8"
+PACKED_DTYPE = "packed"
 
 
 def _part(shape, dtype=WEIGHT_DTYPE):
@@ -353,8 +361,9 @@ class DecodeOperands:
     mask_bias [NM, B, T, S] float32, 0 or a large negative number (layer l reads spec.layer_mask[l]; with
     spec.mask_windows the kernels read only the window of slots ending at each query's slot, so the mask must hide
     every slot outside it). final_norm [H]. head: dense [H, V] or Factored(u [H, r], v [r, V]), fp8 as the
-    projections. packed [L, 128, E] fp8, or None without spec.packed_weights: those projections' values of each
-    layer in the kernels' layout (nki_kernels.decode.layouts; their stored weights then hold only their scales).
+    projections. packed [L, 128, E] (fp8, or the model's dtype: DecodeSpec.packed_fp8), or None without
+    spec.packed_weights: those projections' values of each layer in the kernels' layout (nki_kernels.decode.layouts;
+    their stored weights then hold only their scales: an fp8 one's u_scale, v_scale, a bf16 one nothing, Factored()).
     """
 
     x: Any = _operand("[B, T, H]", lambda spec, b, t, s: (b, t, spec.hidden), batch_axis=0)
@@ -402,14 +411,17 @@ class DecodeOperands:
             weight="head",
         ),
     )
-    packed: Any = _operand("[L, 128, E]", lambda spec, b, t, s: packed_shape(spec), FP8_DTYPE, present="packed_weights")
+    packed: Any = _operand(
+        "[L, 128, E]", lambda spec, b, t, s: packed_shape(spec), PACKED_DTYPE, present="packed_weights"
+    )
 
     @classmethod
     def of(cls, operands, spec: DecodeSpec) -> DecodeOperands:
         """`operands` as DecodeOperands: itself, or a sequence in field order (`packed`, the last, may be left out
         when None) where a weight may be given as the list of its parts (how a kernel's list argument comes back):
         a Quantized where `spec` stores the weight dense in fp8, else a Factored ([u, v], or [u, v, u_scale,
-        v_scale]; a packed one's u and v None)."""
+        v_scale]; a packed one's u and v None). A packed weight with no parts (in the model's dtype) may be given
+        as None or () (kernel_arg's None): Factored()."""
         if isinstance(operands, cls):
             return operands
         names = operand_fields()
@@ -421,7 +433,9 @@ class DecodeOperands:
         values = {}
         for field, value in zip(dataclasses.fields(cls), operands):
             weight = field.metadata.get("weight")
-            if weight is not None and isinstance(value, (list, tuple)):
+            if weight is not None and _partless(spec, weight) and (value is None or _empty_sequence(value)):
+                value = Factored()
+            elif weight is not None and isinstance(value, (list, tuple)):
                 kind = stored_type(spec, weight) or Factored
                 if 2 <= len(value) <= len(dataclasses.fields(kind)):
                     value = kind(*value)
@@ -453,6 +467,15 @@ class DecodeOperands:
 
     def replace(self, **changes) -> DecodeOperands:
         return dataclasses.replace(self, **changes)
+
+
+def _partless(spec: DecodeSpec, weight: str) -> bool:
+    """Whether `weight`'s stored weight holds no parts: packed in the model's dtype (its values in `packed`)."""
+    return weight in spec.packed_weights and not spec.fp8(weight)
+
+
+def _empty_sequence(value) -> bool:
+    return isinstance(value, (list, tuple)) and len(value) == 0
 
 
 def operand_fields() -> tuple[str, ...]:
@@ -517,7 +540,7 @@ def expected_dtypes(spec: DecodeSpec, model_dtype, fp8_dtype=FP8) -> DecodeOpera
     def resolve(rule, weight):
         if isinstance(rule, np.dtype):
             return rule
-        if rule == FP8_DTYPE or (rule == WEIGHT_DTYPE and spec.fp8(weight)):
+        if (rule == PACKED_DTYPE and spec.packed_fp8) or (rule == WEIGHT_DTYPE and spec.fp8(weight)):
             return fp8_dtype
         return model_dtype
 
@@ -643,9 +666,14 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
     if padded_ranks:
         for name, value in zip(operand_fields(), ops.values()):
             weight = fields[name].metadata.get("weight")
-            if not isinstance(value, Factored):
+            stacked_part = (
+                next((p for p in (value.u, value.u_scale) if p is not None), None)
+                if isinstance(value, Factored)
+                else None
+            )  # packed: its scales'; packed in the model's dtype: none (stacked to the largest rank)
+            if stacked_part is None:
                 continue
-            stacked = (value.u if value.u is not None else value.u_scale).shape[-1]  # packed: its scales'
+            stacked = stacked_part.shape[-1]
             if stacked >= _rank(spec, weight):
                 padding[name] = stacked
     want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2], padding)
@@ -719,13 +747,14 @@ def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> No
 
 def kernel_arg(value):
     """An operand as an NKI kernel argument (tensors, or lists of them): a stored weight as the list of its parts
-    in field order up to the last present one (a packed weight's values None)."""
+    in field order up to the last present one (a packed weight's values None); None for one with no parts (packed
+    in the model's dtype)."""
     if not isinstance(value, StoredWeight):
         return value
     parts = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    while parts[-1] is None:
+    while parts and parts[-1] is None:
         parts.pop()
-    return parts
+    return parts or None
 
 
 def as_weight(value, factored: bool):

@@ -1,4 +1,4 @@
-"""Packed fp8 weights of the decode step (DecodeSpec.packed_weights; their layout: nki_kernels.decode.layouts):
+"""Packed weights of the decode step (DecodeSpec.packed_weights; their layout: nki_kernels.decode.layouts):
 which weights a spec packs by default (`attention_packing`), the moves between the packed operand and the
 contract's stacked weights (`pack_weights` / `unpack_weights`: numpy, or any module with numpy's reshape /
 concatenate / pad / stack, such as jax.numpy, with which the XLA reference unpacks), and the kernels' loads of a
@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from nki_kernels.binding import nl
-from nki_kernels.decode.contract import FP8, DecodeOperands, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, DecodeSpec, Factored, Quantized
 from nki_kernels.decode.layouts import packed_segments, packed_width
 from nki_kernels.decode.projections import OnChipWeight
 from nki_kernels.decode.ring import RING_BLOCK_BYTES
@@ -21,16 +21,27 @@ from nki_kernels.decode.ring import RING_BLOCK_BYTES
 ATTENTION = ("q", "k", "v", "o")
 
 
-def attention_packing(spec: DecodeSpec) -> tuple[str, ...]:
-    """The projections a one-rank spec packs by default: its fp8 factored attention projections (of q, k, v, o)
-    when every layer's packed row of them fits one weight-ring block (RING_BLOCK_BYTES a partition: one DMA a
-    layer), else none. Gemma 3 270M at keep 0.8 packs all four (8448 bytes a partition); Llama-3.2-1B's would take
-    63 KiB, its factors' runs already 1.5 KiB or longer; a dense fp8 weight's runs are K/128 times N long."""
-    names = tuple(name for name in ATTENTION if spec.fp8(name) and spec.factored(name))
-    if spec.tensor_parallel != 1 or not names:
+# Bytes of a packed value in the model's dtype, as attention_packing sizes a packed row (bf16 and fp16; an fp32
+# model's row may take two ring blocks, which load_packed loads as two DMAs).
+MODEL_ITEMSIZE = 2
+
+
+def attention_packing(spec: DecodeSpec, fp8_only: bool = False) -> tuple[str, ...]:
+    """The projections a spec packs by default: its factored attention projections (of q, k, v, o) of one dtype
+    (the fp8 ones where any is fp8, else those in the model's dtype) when every layer's packed row of them fits one
+    weight-ring block (RING_BLOCK_BYTES a partition: one DMA a layer), else none. Gemma 3 270M at keep 0.8 packs
+    all four: 8448 bytes a partition in fp8, 16896 in bf16, where read alone its bf16 k and v factors move 1280
+    and 512 bytes a partition (52% and 21% of the DMA rate); Llama-3.2-1B's would take 63 KiB in fp8, its factors'
+    runs already 1.5 KiB or longer; a dense fp8 weight's runs are K/128 times N long. A tensor-parallel spec (one
+    rank's shard) packs its shard's factors the same way (each rank's packed operand holds its own shard).
+    fp8_only: pack fp8 factors only (models.decode.decode_plan's choice: its stacked bf16 weights stay (u, v))."""
+    factored = [name for name in ATTENTION if spec.factored(name)]
+    fp8 = tuple(name for name in factored if spec.fp8(name))
+    names = fp8 or (() if fp8_only else tuple(factored))
+    if not names:
         return ()
     width = packed_width(dataclasses.replace(spec, packed_weights=names))
-    return names if width * FP8.itemsize <= RING_BLOCK_BYTES else ()
+    return names if width * (FP8.itemsize if fp8 else MODEL_ITEMSIZE) <= RING_BLOCK_BYTES else ()
 
 
 def unpacked_spec(spec: DecodeSpec) -> DecodeSpec:
@@ -58,7 +69,7 @@ def pack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands
     for layer in range(spec.num_layers):
         pieces = []
         for s in packed_segments(spec, layer):
-            values = _stage_values(getattr(ops, s.weight), s.part, layer, spec.rank(s.weight, layer))
+            values = _stage_values(_as_stored(getattr(ops, s.weight)), s.part, layer, spec.rank(s.weight, layer))
             block = xp.reshape(values[s.k0 : s.k0 + s.rows, :], (s.partitions, s.width))
             pieces.append(xp.pad(block, ((0, pmax - s.partitions), (0, 0))))
         row = xp.concatenate(pieces, axis=1)
@@ -67,22 +78,31 @@ def pack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands
     return ops.replace(packed=xp.stack(layers), **values)
 
 
+def _as_stored(weight):
+    """A stored weight; a (u, v) pair of factors in the model's dtype as Factored(u, v)."""
+    if isinstance(weight, (tuple, list)) and len(weight) == 2:
+        return Factored(*weight)
+    return weight
+
+
 def _without_values(weight):
-    """A stored fp8 weight with its values' parts set to None (its scales kept)."""
+    """A stored weight with its values' parts set to None (an fp8 one's scales kept; one in the model's dtype
+    then holds nothing: Factored())."""
+    weight = _as_stored(weight)
     if isinstance(weight, Factored):
         return dataclasses.replace(weight, u=None, v=None)
     if isinstance(weight, Quantized):
         return dataclasses.replace(weight, w=None)
     raise ValueError(
-        f"pack_weights: got {type(weight).__name__}, expected a Factored or Quantized fp8 weight (packed weights "
-        "are fp8)"
+        f"pack_weights: got {type(weight).__name__}, expected a Factored weight, or a Quantized fp8 one (packed "
+        "weights in the model's dtype are factored)"
     )
 
 
 def unpack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands:
     """The inverse of `pack_weights`: ops following `spec` as the operands of `unpacked_spec(spec)`, each packed
     weight's values back in its stored weight, stacked over layers (factors zero padded to the rank their scales
-    are stacked to)."""
+    are stacked to, or without scales to the largest rank)."""
     if not spec.packed_weights:
         return ops
     packed = ops.packed
@@ -101,7 +121,10 @@ def unpack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperan
                 xp.concatenate([b for layer_b, b in blocks if layer_b == layer], axis=0)
                 for layer in range(spec.num_layers)
             ]
-            stacked_rank = weight.u_scale.shape[-1] if part != "w" else None
+            stacked_rank = None
+            if part != "w":
+                ranks = spec.ranks[PROJECTIONS.index(name)]
+                stacked_rank = max(ranks) if weight.u_scale is None else weight.u_scale.shape[-1]
             if part == "u":
                 per_layer = [xp.pad(u, ((0, 0), (0, stacked_rank - u.shape[1]))) for u in per_layer]
             elif part == "v":
@@ -135,11 +158,17 @@ def packed_pieces(spec: DecodeSpec, layer: int, block_bytes: int, itemsize: int)
 def load_packed(packed, layer, spec, ring):
     """Layer `layer`'s packed weights (packed: the [L, 128, E] operand in HBM) loaded through `ring`, one DMA
     block per piece (`packed_pieces`): {weight: {part: OnChipWeight}}, each stage as one [partitions, count,
-    columns] SBUF view per block of its input layout."""
+    columns] SBUF view per block of its input layout. The blocks stay pinned in the ring (later loads skip their
+    bytes) until the next call, as weights that are not packed may stream through the ring before a packed one is
+    read (with the attention's four packed, none do)."""
     loaded = {}
+    ring.pinned = []
+    pinned = []
     for first, elements, partitions, segments in packed_pieces(spec, layer, ring.block_bytes, packed.dtype.itemsize):
         src = packed[layer, 0:partitions, first : first + elements].reshape_dim(1, (1, elements))
         block = ring.load(src, partitions, 1, elements)
+        pinned.append((ring.cursor - elements * packed.dtype.itemsize, ring.cursor))  # the stretch it took
+        ring.pinned = list(pinned)  # a layer's pieces never overwrite one another
         for s in segments:
             view = block[0:partitions, 0, s.offset - first : s.offset - first + s.width].reshape_dim(
                 1, (s.count, s.columns)

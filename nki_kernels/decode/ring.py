@@ -41,6 +41,9 @@ class WeightRing:
         self.ring_bytes = ring_bytes - ring_bytes % nl.float32.itemsize  # a row viewable in any weight dtype
         self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_bytes), dtype=nl.uint8, buffer=nl.sbuf, name="weight_ring")
         self.cursor = 0  # bytes
+        # [(start, end)] byte ranges later loads skip: blocks read after other blocks stream through the ring (a
+        # layer's packed weights, nki_kernels.decode.packing.load_packed, until its next layer's replace them).
+        self.pinned = []
 
     def block_elements(self, dtype):
         """The largest block per partition, in elements of `dtype`."""
@@ -63,6 +66,18 @@ class WeightRing:
         self.cursor += -self.cursor % itemsize
         if self.cursor + size > self.ring_bytes:
             self.cursor = 0
+        for _ in range(len(self.pinned) + 1):
+            clash = next((end for start, end in self.pinned if start < self.cursor + size and self.cursor < end), None)
+            if clash is None:
+                break
+            self.cursor = clash + -clash % itemsize
+            if self.cursor + size > self.ring_bytes:
+                self.cursor = 0
+        else:
+            raise ValueError(
+                f"WeightRing: no stretch of {size} bytes beside the pinned blocks {self.pinned} in a ring of "
+                f"{self.ring_bytes} bytes (ring_bytes); expected a ring that holds a layer's packed weights and a block"
+            )
         stretch = self.ring[0:partitions, self.cursor : self.cursor + size].view(src.dtype)
         block = stretch.reshape((partitions, per_partition, columns))
         self.cursor += size

@@ -11,6 +11,7 @@ Rank r of T = tensor_parallel ranks holds (contract.DecodeSpec.tensor_parallel d
 - the MLP by the intermediate features [r·I/T, (r+1)·I/T): gate and up's columns, down's rows;
 - the LM head by the vocabulary [r·V/T, (r+1)·V/T): its columns;
 - everything else whole: x, norms, q/k norms, RoPE tables, masks, write_index, final norm.
+Packed weights (DecodeSpec.packed_weights) stay packed: each rank's packed operand holds its own shard's values.
 A column-split weight that is factored keeps u whole and splits v's columns; a row-split one (contract.SPLIT_ROWS:
 o and down) splits u's rows and keeps v whole. fp8 scales go with their columns: a column-split weight's output
 scales are split, a row-split one's (and every u_scale, over the whole rank) kept. Per-layer ranks are the whole
@@ -34,6 +35,7 @@ from nki_kernels.decode.contract import (
     check,
     check_spec,
 )
+from nki_kernels.decode.packing import pack_weights, unpack_weights, unpacked_spec
 
 
 def shard_spec(spec: DecodeSpec, tensor_parallel: int) -> DecodeSpec:
@@ -108,9 +110,13 @@ def _weight_shard(weight, split_rows: bool, span: slice):
 def shard_operands(spec: DecodeSpec, operands, tensor_parallel: int) -> tuple[DecodeSpec, list[DecodeOperands]]:
     """(per-rank spec, [rank r's DecodeOperands for r in range(tensor_parallel)]) of a whole model's step:
     `operands` (DecodeOperands or a sequence in field order; numpy arrays) follow the contract for `spec` (its
-    tensor_parallel 1); each rank's are standalone arrays cut as the module docstring says."""
+    tensor_parallel 1); each rank's are standalone arrays cut as the module docstring says. Packed weights
+    (spec.packed_weights) are packed per rank: each rank's `packed` holds its shard's values in its layout."""
     rank_spec = shard_spec(spec, tensor_parallel)
     ops = check(spec, operands, "shard_operands", padded_ranks=True)
+    if spec.packed_weights:  # cut from the stored weights; each rank's packed again in its shard's layout
+        shards = shard_operands(unpacked_spec(spec), unpack_weights(ops, spec), tensor_parallel)[1]
+        return rank_spec, [pack_weights(shard, rank_spec) for shard in shards]
     ranks = rank_spec.tensor_parallel
     shards = []
     for r in range(ranks):
