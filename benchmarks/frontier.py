@@ -214,7 +214,7 @@ class Builder:
 
     def __init__(self, dense, calibration_ids, distill_ids):
         self.dense, self.calibration_ids, self.distill_ids = dense, calibration_ids, distill_ids
-        self._projections, self._bf16 = None, {}
+        self._projections, self._bf16 = None, None
         self.projections_seconds = None
 
     def projections_fp8(self):
@@ -244,9 +244,13 @@ class Builder:
 
     def bf16(self, config: Config):
         twin = dataclasses.replace(config, fp8=False)
-        if twin not in self._bf16:
-            self._bf16[twin] = self.compress(self.dense, twin)
-        return self._bf16[twin]
+        # Keyed by what compression does (the twins' names differ); only the last model is kept (each holds a copy
+        # of the model's weights), and CONFIGS lists each bf16 row right before its fp8 twin.
+        key = (twin.include, twin.keep, twin.steps, twin.block, twin.distill)
+        if self._bf16 is None or self._bf16[0] != key:
+            self._bf16 = None  # the previous model is freed before the next is built
+            self._bf16 = (key, self.compress(self.dense, twin))
+        return self._bf16[1]
 
     def build(self, config: Config):
         if not config.fp8:
