@@ -34,7 +34,7 @@ from nki_kernels.binding import nki, nl
 from nki_kernels.decode import projections, tiles, traffic
 from nki_kernels.decode.compositions import projection_kernel
 from nki_kernels.decode.contract import FP8, WEIGHTS, DecodeSpec, Factored, Quantized, check
-from nki_kernels.decode.ring import WeightRing
+from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
 from nki_kernels.emulator.kernel import Spec, run
@@ -185,13 +185,15 @@ def test_missing_or_misshapen_scales_name_the_operand(rng):
 @nki.jit
 def fp8_head_kernel(h, w, scale, *, softcap, block_bytes=None):
     """head_projection of rows h [R, K] (bf16) by fp8 w [K, V] with scales [V], in a weight ring of the default
-    size (blocks of block_bytes per partition, default when None)."""
+    size beside the head's staged logits (blocks of block_bytes per partition, default when None)."""
     rows, k = h.shape
     layout = tiles.feature_layout(k, tiles.head_group(k))
     hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
-    projections.head_projection(hc, layout, w, rows, WeightRing(block_bytes), logits, softcap, scale)
+    block = RING_BLOCK_BYTES if block_bytes is None else block_bytes
+    staging = projections.head_staging_bytes(layout, w.dtype, True, rows, w.shape[1], block)
+    projections.head_projection(hc, layout, w, rows, WeightRing(block_bytes, None, staging), logits, softcap, scale)
     return logits
 
 

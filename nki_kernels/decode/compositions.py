@@ -40,9 +40,9 @@ import dataclasses
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
-from nki_kernels.decode.layouts import Layouts
+from nki_kernels.decode.layouts import Layouts, rank_layout
 from nki_kernels.decode.packing import load_packed
-from nki_kernels.decode.ring import WeightRing
+from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
@@ -62,11 +62,12 @@ class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype (the activations' matmul dtype), layouts, the
     weight ring, norm constants, and (a looped kernel's) every layer's fp8 scales."""
 
-    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, weights=None):
+    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, weights=None, head=False):
         """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF).
         weights: {projection: stacked weight (HBM)} of a looped kernel, whose every layer's fp8 scales are then
         loaded at once where `scales_fit` (their tiles kept out of the ring's SBUF too); None: each layer loads
-        its own."""
+        its own. head: the kernel runs the LM head (its staged logits are kept out of the ring's SBUF; the cache
+        tiles and the scales are dropped by then, so the larger of the two counts)."""
         self.spec = spec
         self.rows = rows
         self.dtype = dtype
@@ -75,6 +76,9 @@ class StepContext:
         preload = weights is not None and scales_fit(spec, out_layouts)
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
+        if head:
+            beside = max(beside, head_staging_bytes(spec, self.layouts.hidden, rows, dtype, ring_block_bytes))
+        beside += activation_bytes(self.layouts, rows)
         self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
@@ -84,6 +88,24 @@ class StepContext:
     def layer_scales(self, name, layer):
         """What projections.projection takes as `scales` for `name` in `layer` (None: it loads them itself)."""
         return None if self.scales is None else self.scales.of(name, layer, self.spec.rank(name, layer))
+
+
+def activation_bytes(layouts, rows):
+    """SBUF bytes per partition at most that a layer's activation column tiles hold at once beside the ring, R =
+    rows (a bound, counted as float32: the hidden state and a few float32 copies of it, q and attention's working
+    copies of it (normed, rotated, the rotation's products), k and v, the MLP's intermediate and its product),
+    beside ring.SBUF_RESERVED_BYTES (constants, the input rows): they grow with R (Gemma 3 270M at R = 128: 23 KiB)."""
+    tiles_live = 4 * len(layouts.hidden) + 6 * len(layouts.q) + 2 * len(layouts.kv) + 2 * len(layouts.inter)
+    return rows * tiles_live * nl.float32.itemsize
+
+
+def head_staging_bytes(spec, hidden_layout, rows, dtype, ring_block_bytes=None):
+    """projections.head_staging_bytes of spec's LM head (stage 2 of a factored one) on normed column tiles of
+    hidden_layout in the model dtype `dtype`, in a ring of ring_block_bytes blocks (None: ring.RING_BLOCK_BYTES)."""
+    fp8 = spec.fp8("head")
+    layout = hidden_layout if spec.head_rank is None else rank_layout(spec.head_rank, projections.HEAD_COLUMNS)
+    block = RING_BLOCK_BYTES if ring_block_bytes is None else ring_block_bytes
+    return projections.head_staging_bytes(layout, nl.float8_e4m3 if fp8 else dtype, fp8, rows, spec.vocab, block)
 
 
 def scales_fit(spec, out_layouts):
@@ -259,15 +281,15 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
             are written IN PLACE at this step's slots.
         spec: DecodeSpec (static).
         ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
-            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and
-            attention's cache tiles).
+            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and the
+            larger of attention's cache tiles (with fp8 scales) and the head's staged logits).
     Returns:
         (logits [B, T, V·spec.tensor_parallel] float32 in HBM, k_cache, v_cache).
     """
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, weights=ops.weights)
+    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, ops.weights, head=True)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     early = None
@@ -357,7 +379,7 @@ def lm_head_kernel(x, final_norm, head, *, spec, ring_block_bytes=None, ring_byt
     rows = b * t
     head = as_weight(head, spec.head_rank is not None)
     check_fp8_activations("lm_head_kernel", spec, final_norm.dtype)
-    ctx = StepContext(spec, rows, final_norm.dtype, ring_block_bytes, ring_bytes)
+    ctx = StepContext(spec, rows, final_norm.dtype, ring_block_bytes, ring_bytes, head=True)
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(x, rows), ctx.layouts.hidden)
     return _head(ctx, hidden, final_norm, head, b, t)
@@ -476,7 +498,7 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     layout = tiles.feature_layout(
         features, tiles.head_group(features) if spec.head_rank is None else tiles.choose_group(features, spec.head_rank)
     )
-    ring = WeightRing(ring_block_bytes, ring_bytes)
+    ring = WeightRing(ring_block_bytes, ring_bytes, head_staging_bytes(spec, layout, rows, h.dtype, ring_block_bytes))
     hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")

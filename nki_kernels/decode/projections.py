@@ -44,7 +44,7 @@ HEAD_COLUMNS = 4 * nl.tile_size.psum_bank_fmax
 # blocks fit a third of the ring (see head_projection).
 HEAD_RUN_BYTES = 8192
 # Widest head range whose logits are staged as float32 rows until stored (bf16 weights, or more than HEAD_TURN_ROWS
-# rows): 16 KiB per partition a range, HEAD_STORE_DELAY + 1 ranges at once.
+# rows): 16 KiB per partition a range, HEAD_STORE_DELAY ranges at once (head_staging_bytes).
 HEAD_STAGED_COLUMNS = 4096
 # Narrowest range the head's last full range is halved down to: what TensorE and the logits' turning and stores do
 # after the last weight block arrives is one range's work, so the step ends sooner after its last byte (2 KiB fp8
@@ -54,7 +54,7 @@ HEAD_TAIL_COLUMNS = 2048
 # right after its range's matmuls (it waits for them) would sit ahead of the next ranges' weight blocks and leave
 # the DMA engines idle until its logits are ready; issued after the blocks of the next HEAD_STORE_DELAY ranges, it
 # queues behind a stream that is already busy. Its logits rows stay in SBUF that long (a few fp32 rows).
-HEAD_STORE_DELAY = 2
+HEAD_STORE_DELAY = 1
 # Most rows for which the fp8 head's logit columns gather over ranges into buffers of 128 groups that are turned
 # into rows one row at a time (`_LogitColumns._flush`: R·m transposes per 128 groups, m = HEAD_COLUMNS / 128, where
 # turning per range a group at a time takes 128 whatever R; each row's staged logits hold HEAD_COLUMNS float32 per
@@ -469,7 +469,7 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     moving = nl.tile_size.gemm_moving_fmax
     block_elements = ring.block_elements(w.dtype)
     out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
-    columns = min(HEAD_RUN_BYTES // w.dtype.itemsize, out.widest_range, block_elements // in_count_max)
+    columns = _widest_columns(w.dtype, out.widest_range, block_elements, in_count_max)
     blocks_elements = sum(count for _, _, _, count, _ in in_blocks)
     while columns > HEAD_COLUMNS and blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a head of rank 576 in fp8 on trn1: 4096-column ranges where 8192 take over a third of the ring
@@ -522,6 +522,30 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
         pending.append(stores)
     for stores in pending:
         issue(stores)
+
+
+def _widest_columns(dtype, widest_range, block_elements, in_count_max):
+    """A head range's widest width before head_projection narrows it to a third of the ring."""
+    return min(HEAD_RUN_BYTES // dtype.itemsize, widest_range, block_elements // in_count_max)
+
+
+def head_staging_bytes(layout, dtype, fp8, rows, vocab, block_bytes):
+    """SBUF bytes per partition at most that head_projection's staged logits hold at once, for a head whose input
+    lies in `layout`, weights in `dtype` (fp8: with scales), R = rows, V = vocab, ring blocks of block_bytes: what
+    the kernel keeps beside the weight ring in the head (where attention's cache tiles are no longer live). A range's
+    logits are allocated once the oldest pending range's stores are issued, so HEAD_STORE_DELAY ranges' float32
+    rows are live at most (the fp8 head's: its 128-group column buffer and the rows of its flushes)."""
+    pmax, ranges = nl.tile_size.pmax, max(1, HEAD_STORE_DELAY)
+    if not fp8:
+        in_count_max = max(count for _, _, _, count, _ in layout_blocks(layout))
+        columns = _widest_columns(dtype, HEAD_STAGED_COLUMNS, block_bytes // dtype.itemsize, in_count_max)
+        if columns >= nl.tile_size.gemm_moving_fmax:
+            columns -= columns % nl.tile_size.gemm_moving_fmax
+        return ranges * min(max(columns, 1), vocab) * nl.float32.itemsize
+    if rows <= HEAD_TURN_ROWS:  # a buffer of 128 groups; a flush stages HEAD_COLUMNS of each row
+        return (pmax * rows + ranges * rows * HEAD_COLUMNS) * nl.float32.itemsize
+    groups = -(-HEAD_STAGED_COLUMNS // pmax)  # a range's column tiles and its rows
+    return ranges * (groups * rows + HEAD_STAGED_COLUMNS) * nl.float32.itemsize
 
 
 def head_ranges(v, columns):
