@@ -239,10 +239,11 @@ def per_head(columns, table, features, head_dim):
 # -- the pieces ----------------------------------------------------------------------------------------------
 
 
-def rms_norm_heads(x, features, weights, spec, constants):
+def rms_norm_heads(x, features, weights, spec, constants, engine=None):
     """fp32 column tiles of x (column tiles of `features` = n·D features, any float dtype) normalized over each
     head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
-    (already 1 + w)."""
+    (already 1 + w). engine: the element-wise multiplies' (None: VectorE)."""
+    engine = nisa.vector_engine if engine is None else engine
     d = spec.head_dim
     parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
@@ -251,25 +252,31 @@ def rms_norm_heads(x, features, weights, spec, constants):
     squares = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_squares")
     nisa.activation(dst=squares, op=nl.square, data=x[0:parts, 0:tiles, :])
     rstd = nl.ndarray((parts, groups, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_rstd")
-    # Per-tile partial means on every partition of the head (one matmul per PSUM bank of tiles).
-    per_bank = max(nd, (fp32_per_psum_bank(r)) // nd * nd)
-    for t0, tn in spans(tiles, per_bank):
-        mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
-        for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
-            nisa.nc_matmul(
-                dst=mean[0:parts, c0 : c0 + cn, :],
-                stationary=constants.head_mean[0:parts, 0:parts],
-                moving=squares[0:parts, t0 + c0 : t0 + c0 + cn, :],
-            )
-        out = rstd[0:parts, t0 // nd : (t0 + tn) // nd, :]
-        if nd > 1:  # a head's mean is the sum of its tiles' partial means
-            total = nl.ndarray((parts, tn // nd, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_norm_mean")
-            nisa.tensor_reduce(
-                dst=total, op=nl.add, data=mean.reshape_dim(1, (tn // nd, nd)).permute((0, 1, 3, 2)), axis=3
-            )
-            nisa.activation(dst=out, op=nl.rsqrt, data=total, bias=constants.eps[0:parts])
-        else:
-            nisa.activation(dst=out, op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
+    if nd > 1:
+        # A head's mean is the sum of its nd tiles' partial means: accumulated in PSUM by its nd matmuls (one
+        # per tile), so rsqrt reads the sum there, with no VectorE reduce between the matmuls and it.
+        for g0, gn in spans(groups, max(1, fp32_per_psum_bank(r))):
+            mean = nl.ndarray((parts, gn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
+            for g in range(gn):
+                for j in range(nd):
+                    nisa.nc_matmul(
+                        dst=mean[0:parts, g, :],
+                        stationary=constants.head_mean[0:parts, 0:parts],
+                        moving=squares[0:parts, (g0 + g) * nd + j, :],
+                        accumulate=j > 0,
+                    )
+            nisa.activation(dst=rstd[0:parts, g0 : g0 + gn, :], op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
+    else:
+        # Per-tile means on every partition of the head (one matmul per ≤512 columns, a PSUM bank of tiles).
+        for t0, tn in spans(tiles, max(1, fp32_per_psum_bank(r))):
+            mean = nl.ndarray((parts, tn, r), dtype=nl.float32, buffer=nl.psum, name="qk_norm_mean_psum")
+            for c0, cn in spans(tn, max(1, nl.tile_size.gemm_moving_fmax // r)):
+                nisa.nc_matmul(
+                    dst=mean[0:parts, c0 : c0 + cn, :],
+                    stationary=constants.head_mean[0:parts, 0:parts],
+                    moving=squares[0:parts, t0 + c0 : t0 + c0 + cn, :],
+                )
+            nisa.activation(dst=rstd[0:parts, t0 : t0 + tn, :], op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
     normed = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
     view = normed[0:parts].reshape_dim(1, (groups, nd))
     nisa.tensor_tensor(
@@ -277,14 +284,19 @@ def rms_norm_heads(x, features, weights, spec, constants):
         data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
         data2=rstd.expand_dim(2).broadcast(2, nd),
         op=nl.multiply,
+        engine=engine,
     )
     xw, w = per_head(normed, weights, features, d)
-    nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply)
+    nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply, engine=engine)
     return normed
 
 
-def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
-    """x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D), into a new fp32 tile."""
+def rope_heads(x, features, cos_t, sin_t, spec, constants, name, engine=None):
+    """x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D), into a new fp32 tile. engine: the
+    element-wise ops' (None: VectorE; x·sin on GpSimd when it is VectorE, else on VectorE; an add from PSUM on
+    VectorE whatever it is)."""
+    engine = nisa.vector_engine if engine is None else engine
+    other = nisa.gpsimd_engine if engine is nisa.vector_engine else nisa.vector_engine
     d = spec.head_dim
     parts, tiles = natural_tiles(features)
     _, nd = head_tiles(d)
@@ -292,11 +304,9 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
     x_cos = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cos")
     x_sin = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_sin")
     out = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=name)
-    for product, table, engine in ((x_cos, cos_t, nisa.vector_engine), (x_sin, sin_t, nisa.gpsimd_engine)):
+    for product, table, on in ((x_cos, cos_t, engine), (x_sin, sin_t, other)):
         xv, tv = per_head(x, table, features, d)
-        nisa.tensor_tensor(
-            dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply, engine=engine
-        )
+        nisa.tensor_tensor(dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply, engine=on)
     if constants.rotate is not None:
         # rotate_half(x)·sin = rotate_half(x·sin): sin's halves are equal, so one matmul per ≤512 columns.
         per_bank = max(1, nl.tile_size.gemm_moving_fmax // r)
@@ -306,15 +316,19 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name):
                 dst=turned, stationary=constants.rotate[0:parts, 0:parts], moving=x_sin[0:parts, t0 : t0 + tn, :]
             )
             nisa.tensor_tensor(
-                dst=out[0:parts, t0 : t0 + tn, :], data1=x_cos[0:parts, t0 : t0 + tn, :], data2=turned, op=nl.add
+                dst=out[0:parts, t0 : t0 + tn, :],
+                data1=x_cos[0:parts, t0 : t0 + tn, :],
+                data2=turned,
+                op=nl.add,
+                engine=nisa.vector_engine,  # GpSimd cannot read PSUM
             )
     else:
         half = nd // 2
         xc = x_cos.reshape_dim(1, (tiles // nd, 2, half))
         xs = x_sin.reshape_dim(1, (tiles // nd, 2, half))
         o = out.reshape_dim(1, (tiles // nd, 2, half))
-        nisa.tensor_tensor(dst=o[:, :, 0], data1=xc[:, :, 0], data2=xs[:, :, 1], op=nl.subtract)
-        nisa.tensor_tensor(dst=o[:, :, 1], data1=xc[:, :, 1], data2=xs[:, :, 0], op=nl.add)
+        nisa.tensor_tensor(dst=o[:, :, 0], data1=xc[:, :, 0], data2=xs[:, :, 1], op=nl.subtract, engine=engine)
+        nisa.tensor_tensor(dst=o[:, :, 1], data1=xc[:, :, 1], data2=xs[:, :, 0], op=nl.add, engine=engine)
     return out
 
 
@@ -334,15 +348,16 @@ def load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows):
     return cos_t, sin_t, weights
 
 
-def norm_rope(x, which, tables, spec, constants):
+def norm_rope(x, which, tables, spec, constants, engine=None):
     """fp32 column tiles of q (which = 0) or k (which = 1) after the optional head-dim RMSNorm and RoPE, from
-    x (column tiles, any float dtype) and load_rope_tables' tables."""
+    x (column tiles, any float dtype) and load_rope_tables' tables. engine: the element-wise ops' (None: VectorE;
+    rms_norm_heads, rope_heads)."""
     d = spec.head_dim
     features = (spec.num_heads, spec.num_kv_heads)[which] * d
     cos_t, sin_t, weights = tables
     if spec.qk_norm:
-        x = rms_norm_heads(x, features, weights[:, :, which : which + 1], spec, constants)
-    return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which])
+        x = rms_norm_heads(x, features, weights[:, :, which : which + 1], spec, constants, engine)
+    return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which], engine)
 
 
 def load_write_index(write_index):
@@ -1056,7 +1071,8 @@ def attention(
     )
     features = spec.num_kv_heads * spec.head_dim
     kp, _ = natural_tiles(features)
-    k_rotated = norm_rope(kT, 1, early.tables, spec, constants)
+    # k's element-wise chain on GpSimd, q's on VectorE: the two run side by side, not one after the other.
+    k_rotated = norm_rope(kT, 1, early.tables, spec, constants, nisa.gpsimd_engine)
     # The new piece's Kᵀ, cast on GpSimd: VectorE carries the norm and RoPE chains.
     keys = nl.ndarray((kp, k_rotated.shape[1], rows), dtype=k_cache.dtype, buffer=nl.sbuf, name="new_keysT")
     nisa.tensor_copy(dst=keys, src=k_rotated[0:kp], engine=nisa.gpsimd_engine)
