@@ -36,12 +36,15 @@ CASES = [
     (LLAMA, 3, 1, 12, 11, np.float32, 1e-5),
     (GEMMA3, 1, 2, 20, 7, np.float32, 1e-5),
     (GEMMA3_DENSE, 3, 1, 10, 4, BF16, 2e-2),
+    (GEMMA3, 1, 1, 20, 7, np.float32, 1e-5),  # one row: the sandwich norms' fused residual adds
 ]
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
 @pytest.mark.parametrize(
-    "spec, b, t, s, w, dtype, tolerance", CASES, ids=["llama-fp32", "gemma3-factored-fp32", "gemma3-dense-bf16"]
+    "spec, b, t, s, w, dtype, tolerance",
+    CASES,
+    ids=["llama-fp32", "gemma3-factored-fp32", "gemma3-dense-bf16", "gemma3-one-row"],
 )
 def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
     operands = make_operands(rng, spec, b, t, s, w, dtype)

@@ -133,6 +133,14 @@ def _add(dst, other):
     nisa.tensor_tensor(dst=dst, data1=dst, data2=other, op=nl.add)
 
 
+def _add_normed(ctx, x, y, weights, j, name):
+    """x += norm j of y (float32): fused into one VectorE instruction after the norm's sum for one row."""
+    if ctx.rows == 1:
+        projections.rms_norm_add(x, y, weights[:, :, j : j + 1], ctx.layouts.hidden, ctx.consts)
+    else:
+        _add(x, _normed(ctx, y, weights, j, nl.float32, name))
+
+
 def _prefetch(ops, layer, spec, rows):
     """attention.prefetch of `layer`: what its attention needs that waits for no projection."""
     return attention.prefetch(
@@ -222,14 +230,14 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     if spec.sandwich:
         y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
-        _add(x, _normed(ctx, y, w_norm, 1, nl.float32, "attn_out_normed"))
+        _add_normed(ctx, x, y, w_norm, 1, "attn_out_normed")
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
         projections.gated_mlp(
             h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales, reduce
         )
         following = _prefetch(ops, layer + 1, spec, rows) if prefetch_next else None
-        _add(x, _normed(ctx, m, w_norm, 3, nl.float32, "mlp_out_normed"))
+        _add_normed(ctx, x, m, w_norm, 3, "mlp_out_normed")
     else:
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")

@@ -100,6 +100,42 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
     """
     pmax = nl.tile_size.pmax
     tiles = len(layout)
+    rstd = _rstd(x, layout, rows, consts, features)
+    if rows == 1:
+        nisa.scalar_tensor_tensor(
+            dst=dst[:, :, 0:1],
+            data=x[:, :, 0:1],
+            op0=nl.multiply,
+            operand0=rstd[:, 0, :],
+            op1=nl.multiply,
+            operand1=weight[:, :, 0:1],
+        )
+        return
+    scaled = nl.ndarray((pmax, tiles, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
+    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, tiles), op=nl.multiply)
+    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
+
+
+def rms_norm_add(x, y, weight, layout, consts):
+    """x += rms_norm(y)·weight for one row (R = 1; x, y float32 column tiles with zero padding; weight as rms_norm's):
+    y·weight on GpSimd while ScalarE and TensorE sum y's squares, then one VectorE instruction x + (y·weight)·rstd,
+    where a norm into a tile of its own and an add were two VectorE instructions on the step's serial chain (the
+    sandwich norms' residual adds)."""
+    pmax = nl.tile_size.pmax
+    tiles = len(layout)
+    yw = nl.ndarray((pmax, tiles, 1), dtype=nl.float32, buffer=nl.sbuf, name="norm_yw")
+    nisa.tensor_tensor(dst=yw, data1=y[:, :, 0:1], data2=weight[:, :, 0:1], op=nl.multiply, engine=nisa.gpsimd_engine)
+    rstd = _rstd(y, layout, 1, consts)
+    nisa.scalar_tensor_tensor(
+        dst=x[:, :, 0:1], data=yw, op0=nl.multiply, operand0=rstd[:, 0, :], op1=nl.add, operand1=x[:, :, 0:1]
+    )
+
+
+def _rstd(x, layout, rows, consts, features=None):
+    """rsqrt(mean(x²) + eps) of each row of float32 column tiles x over `layout`'s features, on every partition:
+    [128, 1, R] float32 (see rms_norm)."""
+    pmax = nl.tile_size.pmax
+    tiles = len(layout)
     features = sum(size for size, _ in layout) if features is None else features
     partial = nl.ndarray((pmax, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_partial")
     if rows == 1:
@@ -121,19 +157,7 @@ def rms_norm(dst, x, weight, layout, rows, consts, features=None):
     nisa.nc_matmul(dst=total, stationary=consts.ones, moving=partial, accumulate=False)
     rstd = nl.ndarray((pmax, 1, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_rstd")
     nisa.activation(dst=rstd[:, 0, :], op=nl.rsqrt, data=total, scale=1.0 / features, bias=consts.eps)
-    if rows == 1:
-        nisa.scalar_tensor_tensor(
-            dst=dst[:, :, 0:1],
-            data=x[:, :, 0:1],
-            op0=nl.multiply,
-            operand0=rstd[:, 0, :],
-            op1=nl.multiply,
-            operand1=weight[:, :, 0:1],
-        )
-        return
-    scaled = nl.ndarray((pmax, tiles, rows), dtype=nl.float32, buffer=nl.sbuf, name="norm_scaled")
-    nisa.tensor_tensor(dst=scaled, data1=x[:, :, 0:rows], data2=rstd.broadcast(1, tiles), op=nl.multiply)
-    nisa.tensor_tensor(dst=dst[:, :, 0:rows], data1=scaled, data2=weight[:, :, 0:1].broadcast(2, rows), op=nl.multiply)
+    return rstd
 
 
 def _column_chunks(out_layout, per_block, block_elements, rows):
