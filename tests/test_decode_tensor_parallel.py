@@ -27,7 +27,7 @@ from decode_operands import (
 )
 
 from nki_kernels import reference
-from nki_kernels.decode import comparison, traffic
+from nki_kernels.decode import comparison, parallel, traffic
 from nki_kernels.decode.contract import WEIGHTS, DecodeOperands, Factored, Quantized
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands, shard_spec
@@ -75,6 +75,20 @@ def test_sharded_step_matches_whole_model(rng, composition, spec, ranks, b, t, s
     # Two all-reduces a layer (o, down) and one gather, on every rank; priced by the cost model.
     assert sum(run.collectives for run in runs) == ranks * (2 * spec.num_layers + 1)
     assert all(run.collective_us["trn2"] > 0 for run in runs if run.collectives)
+
+
+def test_one_row_logits_gather_in_pieces(rng, monkeypatch):
+    """One row's logits gathered a piece of each rank's slice at a time (parallel.gather_pieces: 75 columns a rank
+    cut into 37, 19 and 19 with a tail of 16; strided pieces of the logits row) equal the float64 reference."""
+    monkeypatch.setattr(parallel, "GATHER_TAIL_COLUMNS", 16)
+    spec, ranks, b, t, s, w = GEMMA3, 4, 1, 1, 8, 6
+    pieces = parallel.gather_pieces(shard_spec(spec, ranks).vocab)
+    assert pieces == [(0, 37), (37, 19), (56, 19)]
+    operands = make_operands(rng, spec, b, t, s, w, np.float32)
+    want_logits, _, _ = reference.decode_step_f64(operands, spec)
+    (logits, _, _), runs = _step(spec, ranks, operands, "looped")
+    assert relative_error(logits, want_logits) < 1e-5
+    assert sum(run.collectives for run in runs) == ranks * (2 * spec.num_layers + len(pieces))
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
