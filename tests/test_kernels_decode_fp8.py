@@ -192,7 +192,7 @@ def fp8_head_kernel(h, w, scale, *, softcap, block_bytes=None):
     tiles.load_columns(hc, h, layout)
     logits = nl.ndarray((rows, w.shape[1]), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")
     block = RING_BLOCK_BYTES if block_bytes is None else block_bytes
-    staging = projections.head_staging_bytes(layout, w.dtype, True, rows, w.shape[1], block)
+    staging = projections.head_staging_bytes(w.dtype, True, rows, w.shape[1], block)
     projections.head_projection(hc, layout, w, rows, WeightRing(block_bytes, None, staging), logits, softcap, scale)
     return logits
 

@@ -40,7 +40,7 @@ import dataclasses
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
-from nki_kernels.decode.layouts import Layouts, rank_layout
+from nki_kernels.decode.layouts import Layouts
 from nki_kernels.decode.packing import load_packed
 from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
 from nki_kernels.svd_mlp import activation_op
@@ -77,7 +77,7 @@ class StepContext:
         beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
         if head:
-            beside = max(beside, head_staging_bytes(spec, self.layouts.hidden, rows, dtype, ring_block_bytes))
+            beside = max(beside, head_staging_bytes(spec, rows, dtype, ring_block_bytes))
         beside += activation_bytes(self.layouts, rows)
         self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
@@ -99,13 +99,12 @@ def activation_bytes(layouts, rows):
     return rows * tiles_live * nl.float32.itemsize
 
 
-def head_staging_bytes(spec, hidden_layout, rows, dtype, ring_block_bytes=None):
-    """projections.head_staging_bytes of spec's LM head (stage 2 of a factored one) on normed column tiles of
-    hidden_layout in the model dtype `dtype`, in a ring of ring_block_bytes blocks (None: ring.RING_BLOCK_BYTES)."""
+def head_staging_bytes(spec, rows, dtype, ring_block_bytes=None):
+    """projections.head_staging_bytes of spec's LM head (stage 2 of a factored one) for R = rows in the model dtype
+    `dtype`, in a ring of ring_block_bytes blocks (None: ring.RING_BLOCK_BYTES)."""
     fp8 = spec.fp8("head")
-    layout = hidden_layout if spec.head_rank is None else rank_layout(spec.head_rank, projections.HEAD_COLUMNS)
     block = RING_BLOCK_BYTES if ring_block_bytes is None else ring_block_bytes
-    return projections.head_staging_bytes(layout, nl.float8_e4m3 if fp8 else dtype, fp8, rows, spec.vocab, block)
+    return projections.head_staging_bytes(nl.float8_e4m3 if fp8 else dtype, fp8, rows, spec.vocab, block)
 
 
 def scales_fit(spec, out_layouts):
@@ -506,7 +505,7 @@ def head_kernel(h, head, *, spec, ring_block_bytes=None, ring_bytes=None):
     layout = tiles.feature_layout(
         features, tiles.head_group(features) if spec.head_rank is None else tiles.choose_group(features, spec.head_rank)
     )
-    ring = WeightRing(ring_block_bytes, ring_bytes, head_staging_bytes(spec, layout, rows, h.dtype, ring_block_bytes))
+    ring = WeightRing(ring_block_bytes, ring_bytes, head_staging_bytes(spec, rows, h.dtype, ring_block_bytes))
     hc = tiles.column_tiles(layout, rows, h.dtype, "h", zero=False)
     tiles.load_columns(hc, h, layout)
     out = nl.ndarray((rows, spec.vocab), dtype=nl.float32, buffer=nl.shared_hbm, name="logits")

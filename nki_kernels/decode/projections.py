@@ -489,18 +489,17 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
     """
     k, v = w.shape
     in_blocks = layout_blocks(layout)
-    in_count_max = max(count for _, _, _, count, _ in in_blocks)
     moving = nl.tile_size.gemm_moving_fmax
     block_elements = ring.block_elements(w.dtype)
     out = _LogitRows(x, rows, out_rows, softcap) if scale is None else _LogitColumns(x, rows, out_rows, softcap, scale)
-    columns = _widest_columns(w.dtype, out.widest_range, block_elements, in_count_max)
+    columns = _widest_columns(w.dtype, out.widest_range, block_elements)
     blocks_elements = sum(count for _, _, _, count, _ in in_blocks)
     while columns > HEAD_COLUMNS and blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a head of rank 576 in fp8 on trn1: 4096-column ranges where 8192 take over a third of the ring
         columns = max(HEAD_COLUMNS, columns // 2)
     if blocks_elements * columns > ring.ring_elements(w.dtype) // 3:
         # e.g. a factored head of rank ~1600, or attention's cache tiles shrinking the ring: streamed ranges.
-        columns = min(HEAD_COLUMNS, block_elements // in_count_max)
+        columns = min(HEAD_COLUMNS, block_elements)
     if columns >= moving:
         columns -= columns % moving  # whole moving tiles per block
     columns = max(1, columns)
@@ -548,21 +547,21 @@ def head_projection(x, layout, w, rows, ring, out_rows, softcap=None, scale=None
         issue(stores)
 
 
-def _widest_columns(dtype, widest_range, block_elements, in_count_max):
-    """A head range's widest width before head_projection narrows it to a third of the ring."""
-    return min(HEAD_RUN_BYTES // dtype.itemsize, widest_range, block_elements // in_count_max)
+def _widest_columns(dtype, widest_range, block_elements):
+    """A head range's widest width before head_projection narrows it to a third of the ring: a ring block holds one
+    K tile's row of the range (head_projection loads a block per tile)."""
+    return min(HEAD_RUN_BYTES // dtype.itemsize, widest_range, block_elements)
 
 
-def head_staging_bytes(layout, dtype, fp8, rows, vocab, block_bytes):
-    """SBUF bytes per partition at most that head_projection's staged logits hold at once, for a head whose input
-    lies in `layout`, weights in `dtype` (fp8: with scales), R = rows, V = vocab, ring blocks of block_bytes: what
-    the kernel keeps beside the weight ring in the head (where attention's cache tiles are no longer live). A range's
-    logits are allocated once the oldest pending range's stores are issued, so HEAD_STORE_DELAY ranges' float32
-    rows are live at most (the fp8 head's: its 128-group column buffer and the rows of its flushes)."""
+def head_staging_bytes(dtype, fp8, rows, vocab, block_bytes):
+    """SBUF bytes per partition at most that head_projection's staged logits hold at once, for a head of weights in
+    `dtype` (fp8: with scales), R = rows, V = vocab, ring blocks of block_bytes: what the kernel keeps beside the
+    weight ring in the head (where attention's cache tiles are no longer live). A range's logits are allocated once
+    the oldest pending range's stores are issued, so HEAD_STORE_DELAY ranges' float32 rows are live at most (the fp8
+    head's: its 128-group column buffer and the rows of its flushes)."""
     pmax, ranges = nl.tile_size.pmax, max(1, HEAD_STORE_DELAY)
     if not fp8:
-        in_count_max = max(count for _, _, _, count, _ in layout_blocks(layout))
-        columns = _widest_columns(dtype, HEAD_STAGED_COLUMNS, block_bytes // dtype.itemsize, in_count_max)
+        columns = _widest_columns(dtype, HEAD_STAGED_COLUMNS, block_bytes // dtype.itemsize)
         if columns >= nl.tile_size.gemm_moving_fmax:
             columns -= columns % nl.tile_size.gemm_moving_fmax
         return ranges * min(max(columns, 1), vocab) * nl.float32.itemsize
