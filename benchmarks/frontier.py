@@ -440,7 +440,9 @@ def render(results: dict, out_dir: str) -> None:
         "- **Runs** on this 2-core machine (1-minute load averages beside each figure; above 2, other jobs shared "
         f"it): speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
         f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
-        f"{speed_meta['load']}; accuracy rows: the build (compress / quantize) seconds and load per row below"
+        f"{speed_meta['load']}"
+        + (f" ({speed_meta['kernels']})" if speed_meta.get("kernels") else "")
+        + "; accuracy rows: the build (compress / quantize) seconds and load per row below"
         + (
             f"; the shared GPTQ fp8 projections took {meta['projections_seconds']:.0f} s (load "
             f"{meta['projections_load']}), not included in the rows' build times."
