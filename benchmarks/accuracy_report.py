@@ -191,7 +191,9 @@ second calibration pass and SVD per projection (that pass took 59 s of the scrat
 
 The targets are NOT met. The recommended pipeline (fisher + allocate + 480 distillation steps over the likely rows)
 gives keep 0.8 MLP 1.198x / 1.169x (target 1.05x), top-1 agreement 67% / 76% (target 85%), in 820 s with nothing
-else running (load 1.6-1.9); MLP + attention 1.289x / 1.306x (target 1.10x; top-1 0.614 / 0.695) in 954 s, over the
+else running (load 1.6-1.9); MLP + attention 1.289x / 1.306x (target 1.10x; top-1 0.614 / 0.695) in 954 s (1138 s
+re-measured alone on a slower machine with compression reusing allocation's decompositions: 4 s instead of about 60
+s for that step; same ratios), over the
 15-minute budget (load 1.9-2.2); keep 0.6 MLP 1.359x / 1.291x (target 1.20x; top-1 0.616 / 0.723) in 841 s (load
 2.2-2.6: tests shared the cores). The same rows with allocate + sequential instead of fisher + allocate (the rows
 "... allocate + sequential", the recommended pipeline before) measured 1.230x / 1.261x, 1.450x / 1.440x and 1.434x /
