@@ -215,3 +215,13 @@ def test_compression_reuses_the_sensitivity_decompositions(tiny):
     with pytest.raises(ValueError, match=r"decompositions: no entry for \[\(0, 'q_proj'\)"):
         partial = {key: value for key, value in decompositions.items() if key != (0, "q_proj")}
         compress_layers(nnx.clone(model), model, *args, decompositions=partial, progress=False)
+    with pytest.raises(ValueError, match="decompositions: .* without sequential"):
+        sequential_args = (calibration, include, ranks, "whitened", LayerwiseOptions(sequential=True))
+        compress_layers(
+            nnx.clone(model),
+            model,
+            *sequential_args,
+            fused_mlp_activation,
+            decompositions=decompositions,
+            progress=False,
+        )

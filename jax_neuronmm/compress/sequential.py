@@ -144,7 +144,12 @@ def compress_layers(
         if "mlp" in include and not isinstance(layer.mlp, GatedMLP):
             raise TypeError(f"model: MLP is a {type(layer.mlp).__name__}; is it compressed already?")
     bar = tqdm(total=len(model.layers), desc=f"compressing ({method})", disable=not progress, unit="layer")
-    if decompositions and method == "whitened" and not (options.sequential or options.refit or options.local):
+    if decompositions:
+        if method != "whitened" or options.sequential or options.refit or options.local is not None:
+            raise ValueError(
+                "decompositions: the dense model's whitened truncations, usable only by method 'whitened' without "
+                f"sequential / refit / local; got method {method!r} with {options}"
+            )
         with bar:
             _factor_decomposed(model.layers, include, ranks, decompositions, fused_activation, bar)
         return
@@ -237,12 +242,25 @@ def _factor(kernel, rank, method, chol, inputs, dense_inputs, options, out_chol=
     return u, v
 
 
+def _selected(include) -> list:
+    """The (submodule, projection) pairs of a layer that `include` selects."""
+    attention = [("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []
+    return attention + ([("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else [])
+
+
+def _install(layer, include, factors, fused_activation) -> None:
+    """Replaces layer's selected projections by their factors {projection name: (u, v)}."""
+    if "attention" in include:
+        for name in ATTENTION_PROJECTIONS:
+            setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
+    if "mlp" in include:
+        layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
+
+
 def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
     """Plain SVD of every projection `include` selects, two at a time (one per core; LAPACK releases the GIL),
     each layer's modules replaced once its factors are ready."""
-    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + (
-        [("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else []
-    )
+    selected = _selected(include)
     with svd.single_threaded_blas(), futures.ThreadPoolExecutor(2, thread_name_prefix="factor") as pool:
         jobs = [
             {
@@ -256,22 +274,13 @@ def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
             for index, layer in enumerate(layers)
         ]
         for layer, factors in zip(layers, jobs):
-            factors = {name: job.result() for name, job in factors.items()}
-            if "attention" in include:
-                for name in ATTENTION_PROJECTIONS:
-                    setattr(
-                        layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name])
-                    )
-            if "mlp" in include:
-                layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
+            _install(layer, include, {name: job.result() for name, job in factors.items()}, fused_activation)
             bar.update()
 
 
 def _factor_decomposed(layers, include, ranks, decompositions, fused_activation, bar) -> None:
     """Every projection `include` selects truncated from its precomputed whitened decomposition."""
-    selected = ([("self_attn", name) for name in ATTENTION_PROJECTIONS] if "attention" in include else []) + (
-        [("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else []
-    )
+    selected = _selected(include)
     missing = [(i, name) for i in range(len(layers)) for _, name in selected if (i, name) not in decompositions]
     if missing:
         raise ValueError(f"decompositions: no entry for {missing[:4]}{' ...' if len(missing) > 4 else ''}")
@@ -281,13 +290,7 @@ def _factor_decomposed(layers, include, ranks, decompositions, fused_activation,
             chol, decomposition, out_chol = decompositions[(index, name)]
             kernel = np.asarray(getattr(getattr(layer, parent), name).kernel[...])
             factors[name] = svd.whitened_factors(kernel, chol, ranks[(index, name)], decomposition, out_chol)
-        if "attention" in include:
-            for name in ATTENTION_PROJECTIONS:
-                setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
-        if "mlp" in include:
-            layer.mlp = _mlp_module(
-                layer.mlp, {name: factors[name] for name in MLP_PROJECTIONS}, fused_activation(layer.mlp)
-            )
+        _install(layer, include, factors, fused_activation)
         bar.update()
 
 

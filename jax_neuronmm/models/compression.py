@@ -290,7 +290,8 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
         grams = fisher.output_grams(dense, calibration_ids, include, progress=progress)
         output_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
     # Allocation whitens and decomposes every projection already; compression without layer-wise steps reuses that.
-    decompositions = {} if "allocate" in steps and not {"sequential", "refit", "local"} & set(steps) else None
+    reusable = method == "whitened" and "allocate" in steps and not {"sequential", "refit", "local"} & set(steps)
+    decompositions = {} if reusable else None
     if "allocate" in steps:
         ranks = _allocated_ranks(
             dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, decompositions, progress
