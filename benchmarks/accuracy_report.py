@@ -161,7 +161,13 @@ gate_proj; layer 3 the most, layers 13-15 the least), which the projections' own
 truncation error: 2% better) do not show. Greedy at block 64 under the same budget moves rank from gate_proj and the
 middle layers to down_proj, up_proj and the first and last layers: before distillation 1.614x / 1.801x instead of
 1.754x / 1.944x, and after 280 steps (scratch, load 3-4) 1.263x / 1.277x instead of 1.291x / 1.344x. The measurement
-takes 107 s with nothing else running (2 minutes at load 4).
+takes 107 s with nothing else running (2 minutes at load 4). The same second-order model the fisher step truncates by
+predicts it without probes: allocating by each projection's Fisher-weighted truncation error (the tail sums of the
+squared singular values of Sᵀ·W·L, already in the decompositions) gave ranks that move rank to down_proj and the
+first layers too, and after 480 distillation steps 1.202x / 1.166x (top-1 0.658 / 0.755; scratch, keep 0.8 MLP,
+load 1.9-3.7 with the test suite) against 1.198x / 1.169x for the measured KL: the same within noise, in the 88 s
+(load 3.7) the decompositions take without the probes' forward passes. The measured KL stays the default until
+the prediction is measured on MLP + attention, where the probes cost most.
 
 The KL over the likely rows: the teacher's top-64 tokens at every fourth position of the 156 training windows are
 22,718 of the 262,144 vocabulary rows (the teacher puts 1.8% of its mass outside them on the training windows, about
