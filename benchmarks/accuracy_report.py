@@ -166,8 +166,9 @@ predicts it without probes: allocating by each projection's Fisher-weighted trun
 squared singular values of Sᵀ·W·L, already in the decompositions) gave ranks that move rank to down_proj and the
 first layers too, and after 480 distillation steps 1.202x / 1.166x (top-1 0.658 / 0.755; scratch, keep 0.8 MLP,
 load 1.9-3.7 with the test suite) against 1.198x / 1.169x for the measured KL: the same within noise, in the 88 s
-(load 3.7) the decompositions take without the probes' forward passes. The measured KL stays the default until
-the prediction is measured on MLP + attention, where the probes cost most.
+(load 3.7) the decompositions take without the probes' forward passes. On MLP + attention at keep 0.8 (scratch,
+alone, load 1.2-1.9): 1.289x / 1.302x (top-1 0.610 / 0.691) against 1.289x / 1.306x, the sensitivity step 76 s
+instead of 251 s, 1046 s in all instead of 1138 s: still over the 15-minute budget on this machine.
 
 The KL over the likely rows: the teacher's top-64 tokens at every fourth position of the 156 training windows are
 22,718 of the 262,144 vocabulary rows (the teacher puts 1.8% of its mass outside them on the training windows, about
