@@ -1,5 +1,6 @@
 """The output-weighted truncation (svd.whitened_factors with out_chol, svd.output_whitening), the Fisher Gram
-matrices at projection outputs (compress.fisher.output_grams) and the "fisher" step of compress_model."""
+matrices at projection outputs (compress.fisher.output_grams), the "fisher" step of compress_model and the Fisher
+losses rank allocation uses after it (compress.sensitivity.fisher_losses)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,8 +9,9 @@ import pytest
 from flax import nnx
 
 from jax_neuronmm.compress import fisher, svd
+from jax_neuronmm.compress.allocation import allocate_ranks
 from jax_neuronmm.compress.distill import final_hidden, unembedding
-from jax_neuronmm.compress.sensitivity import kl_sensitivity
+from jax_neuronmm.compress.sensitivity import fisher_losses, kl_sensitivity
 from jax_neuronmm.compress.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model, fused_mlp_activation
@@ -225,3 +227,57 @@ def test_compression_reuses_the_sensitivity_decompositions(tiny):
             decompositions=decompositions,
             progress=False,
         )
+
+
+def test_fisher_losses_are_the_weighted_truncation_errors(tiny):
+    model, calibration = tiny
+    include = ("mlp", "attention")
+    grams = fisher.output_grams(model, calibration, include, windows=4, progress=False)
+    out_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
+    decompositions = {}
+    losses = fisher_losses(model, calibration, include, out_chols, decompositions=decompositions, progress=False)
+    assert set(losses) == set(decompositions) == set(out_chols)
+    rng = np.random.default_rng(12)
+    for (index, name), loss in losses.items():
+        parent = "mlp" if name in MLP_NAMES else "self_attn"
+        kernel = np.asarray(getattr(getattr(model.layers[index], parent), name).kernel[...], np.float64)
+        assert loss.shape == (min(kernel.shape) + 1,) and loss[-1] == 0.0
+        assert np.all(np.diff(loss) <= 0)
+        chol, _, out_chol = decompositions[(index, name)]
+        # Reference: the weighted error tr(ΔWᵀ·S·Sᵀ·ΔW·L·Lᵀ) of the rank-r factors, products in float64.
+        for rank in rng.integers(1, min(kernel.shape), 2):
+            u, v = svd.whitened_factors(kernel, chol, int(rank), out_chol=out_chol)
+            delta = kernel - u @ v
+            expected = np.trace(delta.T @ chol @ chol.T @ delta @ out_chol @ out_chol.T)
+            np.testing.assert_allclose(loss[rank], expected, rtol=1e-6)
+    partial = {key: value for key, value in out_chols.items() if key != (1, "o_proj")}
+    with pytest.raises(ValueError, match=r"output_chols: no output weighting for \[\(1, 'o_proj'\)\]"):
+        fisher_losses(model, calibration, include, partial, progress=False)
+
+
+def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
+    model, calibration = tiny
+    steps = ("fisher", "allocate")
+    compressed = compress_model(model, 0.5, "whitened", calibration, steps=steps, block=8, progress=False)
+    grams = fisher.output_grams(model, calibration, ("mlp",), progress=False)
+    out_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
+    losses = fisher_losses(model, calibration, ("mlp",), out_chols, progress=False)
+    keys = [(index, name) for index in range(len(model.layers)) for name in MLP_NAMES]
+    shapes = [getattr(model.layers[index].mlp, name).kernel.shape for index, name in keys]
+    expected = allocate_ranks([losses[key] for key in keys], shapes, 0.5, 8)
+    got = [getattr(compressed.layers[index].mlp, name).u.shape[1] for index, name in keys]
+    assert got == expected
+    assert sum(r * (k + n) for r, (k, n) in zip(got, shapes)) <= 0.5 * sum(k * n for k, n in shapes)
+    by_kl = compress_model(
+        model, 0.5, "whitened", calibration, steps=steps, block=8, allocation_loss="kl", progress=False
+    )
+    assert all(isinstance(layer.mlp, SVDMLP) for layer in by_kl.layers)
+    for allocation_loss, steps, match in (
+        ("fisher", ("allocate",), "'fisher' predicts from the 'fisher' step"),
+        ("kl", ("fisher",), "only used by the 'allocate' step"),
+        ("measured", steps, r"expected None or one of \('fisher', 'kl'\)"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            compress_model(
+                model, 0.5, "whitened", calibration, steps=steps, allocation_loss=allocation_loss, progress=False
+            )

@@ -10,6 +10,10 @@ and up_proj cost more than gate_proj), which a projection's own whitened truncat
 The KL runs over the vocabulary rows that are among the dense model's `top_k` most likely tokens at some probe
 position (both distributions renormalized over them): a few thousand of Gemma's 262,144 rows, which hold nearly all
 of the teacher's mass there, so a measurement costs a forward pass from the projection's layer on.
+
+Once the "fisher" step has weighted each truncation's output side, the cost can be predicted instead
+(`fisher_losses`): the Fisher-weighted truncation error is the same second-order model of the KL, read off the
+singular values the decompositions already hold, with no probe passes.
 """
 
 from __future__ import annotations
@@ -77,36 +81,98 @@ def kl_sensitivity(
         student = model.norm(hidden).reshape(-1, table.shape[1])
         return float(_mean_kl(student, teacher, table, cap, vocab_chunk))
 
-    groups = list(ATTENTION_GROUPS) if "attention" in include else []
-    groups += [("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else []
-    x_all, positions_all, masks_all = sequential.calibration_batch(dense, ids)
-    passes = sequential.dense_calibration(
-        dense.layers, x_all, positions_all, masks_all, sequential.calibration_taps(include)
-    )
     measured = {}
-    bar = tqdm(total=len(model.layers), desc="rank sensitivity", disable=not progress, unit="layer")
+    for index, name, chol, decomposition, out_chol in _decompositions(
+        dense, ids, include, damping, output_chols, decompositions, "rank sensitivity", progress
+    ):
+        layer = model.layers[index]
+        kernel = getattr(layer.mlp if name in MLP_PROJECTIONS else layer.self_attn, name).kernel
+        weight = np.asarray(kernel[...], np.float32)
+        costs = {}
+        for rank in sorted(set(probe_ranks[(index, name)])):
+            svd.check_rank(rank, weight.shape)
+            u, v = svd.whitened_factors(weight, chol, rank, decomposition, out_chol)
+            kernel[...] = jnp.asarray(u @ v, kernel[...].dtype)
+            costs[rank] = kl_from(index)
+        kernel[...] = jnp.asarray(weight, kernel[...].dtype)
+        measured[(index, name)] = costs
+    return measured
+
+
+def fisher_losses(
+    dense,
+    calibration_ids,
+    include,
+    output_chols: dict,
+    *,
+    damping: float = svd.DEFAULT_DAMPING,
+    decompositions: dict | None = None,
+    progress: bool = True,
+) -> dict:
+    """{(layer_index, projection_name): loss [min(K, N) + 1]}: each projection's predicted end-to-end cost at every
+    rank, without measuring it: the Fisher-weighted truncation error tr(ΔWᵀ·XᵀX·ΔW·G) that the "fisher" step's
+    truncation minimizes, the second-order model of the KL divergence (`compress.fisher`), which is the tail sum
+    Σ_{i≥r} σ_i² of the singular values of Sᵀ·W·L. Losses share one unit (up to one factor common to every
+    projection, all that rank allocation compares).
+
+    output_chols {(layer_index, projection_name): L}: the output weighting of every projection `include` selects
+    (a ValueError names the missing ones: without it the tail sums are output errors in each projection's own units,
+    not comparable across projections). decompositions: as in `kl_sensitivity`.
+
+    On Gemma 3 270M (keep 0.8 MLP, then 480 distillation steps) the ranks these losses allocate measure the same as
+    the measured KL's (1.202x / 1.166x against 1.198x / 1.169x dense perplexity; MLP + attention 1.289x / 1.302x
+    against 1.289x / 1.306x) and skip the probe passes (76 s instead of 251 s for MLP + attention).
+    """
+    wanted = set(_selected(dense, include))
+    missing = sorted(wanted - set(output_chols or {}))
+    if missing:
+        raise ValueError(
+            f"output_chols: no output weighting for {missing[:4]}{' ...' if len(missing) > 4 else ''}; the Fisher "
+            "losses need the 'fisher' step's weighting of every projection"
+        )
+    ids = np.asarray(calibration_ids, np.int32)
+    losses = {}
+    for index, name, _, (_, sigma, _), _ in _decompositions(
+        dense, ids, include, damping, output_chols, decompositions, "Fisher losses", progress
+    ):
+        energies = np.asarray(sigma, np.float64) ** 2
+        losses[(index, name)] = np.concatenate([np.cumsum(energies[::-1])[::-1], [0.0]])
+    return losses
+
+
+def _groups(include) -> list:
+    """The projections `include` selects in groups that share their input, in the order calibration taps them."""
+    groups = list(ATTENTION_GROUPS) if "attention" in include else []
+    return groups + ([("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else [])
+
+
+def _selected(dense, include) -> list:
+    """[(layer_index, projection_name)] of every projection `include` selects."""
+    return [(index, name) for index in range(len(dense.layers)) for group in _groups(include) for name in group]
+
+
+def _decompositions(dense, ids, include, damping, output_chols, decompositions, desc, progress):
+    """Yields (layer_index, projection_name, S, (U, σ, Vᵀ), L) for every projection `include` selects, layer by
+    layer: S the whitening factor of its inputs in the dense model on ids, L its output weighting (None when
+    output_chols has none), the SVD of Sᵀ·W·L (`svd.whitened_decomposition`); recorded in `decompositions` when a
+    dict."""
+    groups = _groups(include)
+    x, positions, masks = sequential.calibration_batch(dense, ids)
+    passes = sequential.dense_calibration(dense.layers, x, positions, masks, sequential.calibration_taps(include))
+    bar = tqdm(total=len(dense.layers), desc=desc, disable=not progress, unit="layer")
     with bar, svd.single_threaded_blas():
-        for index, (layer, inputs) in enumerate(zip(model.layers, passes)):
+        for index, (layer, inputs) in enumerate(zip(dense.layers, passes)):
             for group, group_inputs in zip(groups, inputs):
                 chol = svd.whitening(group_inputs, damping=damping)[0]
                 parent = layer.mlp if group[0] in MLP_PROJECTIONS else layer.self_attn
                 for name in group:
-                    kernel = getattr(parent, name).kernel
-                    weight = np.asarray(kernel[...], np.float32)
+                    weight = np.asarray(getattr(parent, name).kernel[...], np.float32)
                     out_chol = output_chols.get((index, name))
                     decomposition = svd.whitened_decomposition(weight, chol, out_chol)
                     if decompositions is not None:
                         decompositions[(index, name)] = (chol, decomposition, out_chol)
-                    costs = {}
-                    for rank in sorted(set(probe_ranks[(index, name)])):
-                        svd.check_rank(rank, weight.shape)
-                        u, v = svd.whitened_factors(weight, chol, rank, decomposition, out_chol)
-                        kernel[...] = jnp.asarray(u @ v, kernel[...].dtype)
-                        costs[rank] = kl_from(index)
-                    kernel[...] = jnp.asarray(weight, kernel[...].dtype)
-                    measured[(index, name)] = costs
+                    yield index, name, chol, decomposition, out_chol
             bar.update()
-    return measured
 
 
 def _window(layer):

@@ -32,6 +32,9 @@ INCLUDE_CHOICES = ("mlp", "attention", "head")
 METHODS = ("svd", "whitened")
 # Recovery steps, in the order they run (allocate before factoring, distill after).
 STEPS = ("fisher", "allocate", "sequential", "refit", "local", "distill")
+# What the "allocate" step ranks projections by: "fisher", the Fisher-weighted truncation errors the "fisher" step's
+# decompositions predict (`sensitivity.fisher_losses`), or "kl", end-to-end KL probes (`sensitivity.kl_sensitivity`).
+ALLOCATION_LOSSES = ("fisher", "kl")
 RECOMMENDED_METHOD = "whitened"
 # The pipeline `compress_model` runs when given calibration ids and no method (benchmarks/accuracy_report.md).
 # The best measured on Gemma 3 270M (keep 0.8, MLPs, 48 calibration windows, held-out perplexity / dense on a novel
@@ -85,6 +88,22 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
             "calibration_ids: only used by method='whitened' or recovery steps; got it with method='svd' and no steps"
         )
     return include, steps, calibration_ids
+
+
+def _check_allocation_loss(allocation_loss, steps) -> str | None:
+    """The "allocate" step's loss: allocation_loss as given, or its default for these steps (None without it)."""
+    if allocation_loss is None:
+        return None if "allocate" not in steps else "fisher" if "fisher" in steps else "kl"
+    if allocation_loss not in ALLOCATION_LOSSES:
+        raise ValueError(f"allocation_loss: got {allocation_loss!r}, expected None or one of {ALLOCATION_LOSSES}")
+    if "allocate" not in steps:
+        raise ValueError(f"allocation_loss: only used by the 'allocate' step; got it with steps {steps}")
+    if allocation_loss == "fisher" and "fisher" not in steps:
+        raise ValueError(
+            f"allocation_loss: 'fisher' predicts from the 'fisher' step's output weighting; got steps {steps} "
+            "(add 'fisher', or use 'kl')"
+        )
+    return allocation_loss
 
 
 def _check_dense(model, include) -> None:
@@ -145,32 +164,42 @@ def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
 
 
 def _allocated_ranks(
-    dense: CausalLM, calibration_ids, include, keep, block, output_chols, decompositions, progress
+    dense: CausalLM, calibration_ids, include, keep, block, allocation_loss, output_chols, decompositions, progress
 ) -> dict:
-    """The "allocate" step's ranks: each projection's end-to-end KL measured at its uniform rank and up to two blocks
-    on either side (`sensitivity.kl_sensitivity`, filling `decompositions` when a dict), then the block-aligned ranks
-    with the least summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`)."""
+    """The "allocate" step's ranks: each projection's loss at every rank, then the block-aligned ranks with the least
+    summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`). allocation_loss "fisher": the losses
+    `sensitivity.fisher_losses` predicts from output_chols; "kl": the end-to-end KL measured at each projection's
+    uniform rank and up to two blocks on either side (`sensitivity.kl_sensitivity`), interpolated between them. Both
+    fill `decompositions` when a dict."""
     entries = _projections(dense, include)
     if not entries:
         return {}
-    probes = {}
-    for index, name, linear in entries:
-        k, n = linear.in_features, linear.out_features
-        full, center = min(k, n), svd.block_aligned_rank(k, n, keep, block)
-        # Two blocks either side, kept inside [one block, full rank): both ends of each curve are measured.
-        low, high = max(center - 2 * block, min(block, center)), min(center + 2 * block, full - 1)
-        probes[(index, name)] = sorted({r for r in (low, center, high) if 0 < r < full})
-    measured = sensitivity.kl_sensitivity(
-        dense,
-        calibration_ids,
-        include,
-        probes,
-        output_chols=output_chols,
-        decompositions=decompositions,
-        progress=progress,
-    )
     shapes = [(linear.in_features, linear.out_features) for _, _, linear in entries]
-    curves = [allocation.loss_curve(measured[(i, name)], min(k, n)) for (i, name, _), (k, n) in zip(entries, shapes)]
+    if allocation_loss == "fisher":
+        losses = sensitivity.fisher_losses(
+            dense, calibration_ids, include, output_chols, decompositions=decompositions, progress=progress
+        )
+        curves = [losses[(index, name)] for index, name, _ in entries]
+    else:
+        probes = {}
+        for (index, name, _), (k, n) in zip(entries, shapes):
+            full, center = min(k, n), svd.block_aligned_rank(k, n, keep, block)
+            # Two blocks either side, kept inside [one block, full rank): both ends of each curve are measured.
+            low, high = max(center - 2 * block, min(block, center)), min(center + 2 * block, full - 1)
+            probes[(index, name)] = sorted({r for r in (low, center, high) if 0 < r < full})
+        measured = sensitivity.kl_sensitivity(
+            dense,
+            calibration_ids,
+            include,
+            probes,
+            output_chols=output_chols,
+            decompositions=decompositions,
+            progress=progress,
+        )
+        curves = [
+            allocation.loss_curve(measured[(index, name)], min(k, n))
+            for (index, name, _), (k, n) in zip(entries, shapes)
+        ]
     allocated = allocation.allocate_ranks(curves, shapes, keep, block)
     return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
 
@@ -213,6 +242,7 @@ def compress_model(
     distill: distillation.DistillOptions | None = None,
     distill_ids=None,
     weight_dtype=None,
+    allocation_loss: str | None = None,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -228,12 +258,13 @@ def compress_model(
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
     calibration_ids): "fisher" (method "whitened": each projection's truncation also weighted on its output side by
     the dense model's sampled Fisher Gram matrix there, `compress.fisher`; not the LM head, whose output is the
-    vocabulary), "allocate" (ranks across projections
-    under one budget by each projection's measured
-    end-to-end KL divergence at a few ranks, `compress.sensitivity`), "sequential" (each layer calibrated on the
-    compressed layers' outputs), "refit" (closed-form ridge update of v towards the dense outputs), "local" (per-MLP
-    fine-tuning of the factors; options in `local`),
-    "distill" (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
+    vocabulary), "allocate" (ranks across projections under one budget by each projection's cost at every rank:
+    allocation_loss "fisher", the Fisher-weighted truncation errors the "fisher" step predicts, or "kl", the
+    end-to-end KL divergence measured at a few ranks, `compress.sensitivity`; None: "fisher" when the "fisher" step
+    runs, else "kl"; both measured alike on Gemma 3 270M, "fisher" without the probes' forward passes),
+    "sequential" (each layer calibrated on the compressed layers' outputs), "refit" (closed-form ridge update of v
+    towards the dense outputs), "local" (per-MLP fine-tuning of the factors; options in `local`), "distill"
+    (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
     distill_ids [B', T'] when given, else on calibration_ids: distillation gains from more text than layer-wise
     calibration needs, which costs a forward pass and a Gram matrix per token).
 
@@ -259,6 +290,7 @@ def compress_model(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids
     )
     _check_dense(model, include)
+    allocation_loss = _check_allocation_loss(allocation_loss, steps)
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
@@ -276,6 +308,7 @@ def compress_model(
             local,
             distill,
             calibration_ids if distill_ids is None else distill_ids,
+            allocation_loss,
             progress,
         )
     if weight_dtype is None:
@@ -283,7 +316,21 @@ def compress_model(
     return quantization.quantize_model(compressed, weight_dtype, targets=include, progress=progress)
 
 
-def _compress(dense, keep, method, calibration_ids, include, steps, rank, block, local, distill, distill_ids, progress):
+def _compress(
+    dense,
+    keep,
+    method,
+    calibration_ids,
+    include,
+    steps,
+    rank,
+    block,
+    local,
+    distill,
+    distill_ids,
+    allocation_loss,
+    progress,
+):
     model = nnx.clone(dense)
     output_chols = None
     if "fisher" in steps and set(include) - {"head"}:
@@ -294,7 +341,15 @@ def _compress(dense, keep, method, calibration_ids, include, steps, rank, block,
     decompositions = {} if reusable else None
     if "allocate" in steps:
         ranks = _allocated_ranks(
-            dense, calibration_ids, include, keep, block or ALLOCATION_BLOCK, output_chols, decompositions, progress
+            dense,
+            calibration_ids,
+            include,
+            keep,
+            block or ALLOCATION_BLOCK,
+            allocation_loss,
+            output_chols,
+            decompositions,
+            progress,
         )
     else:
         ranks = _ranks(model, include, keep, rank, block or BLOCK)
