@@ -212,8 +212,15 @@ def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[st
 
 def tp_spec(model: DecodeModel, num_layers: int, compressed: bool, ranks: int) -> DecodeSpec:
     """One rank's spec of `model` cut to num_layers layers (dense or at keep KEEP, bf16) split over `ranks` ranks
-    (sharding.shard_spec: a ValueError when they do not divide the model)."""
-    return shard_spec(decode_spec(model, num_layers, compressed), ranks)
+    (sharding.shard_spec: a ValueError when they do not divide the model). On several ranks its attention is
+    packed where `packing.attention_packing` packs the rank's shard, dense projections included (dense=True: a
+    rank's small dense shards, read alone, are short DMA runs); one rank's spec is decode_spec's, as the
+    single-core report measures it (the T = 1 cases share its traces)."""
+    spec = decode_spec(model, num_layers, compressed)
+    if ranks == 1:
+        return shard_spec(spec, 1)
+    rank_spec = shard_spec(unpacked_spec(spec), ranks)
+    return dataclasses.replace(rank_spec, packed_weights=attention_packing(rank_spec, dense=True))
 
 
 def collective_floor_us(spec: DecodeSpec, batch: int, target: str) -> float:
