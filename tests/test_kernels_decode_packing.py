@@ -205,10 +205,11 @@ def test_tensor_parallel_ranks_each_pack_their_shard(rng, spec):
 
 
 def test_tensor_parallel_ranks_pack_dense_attention_where_it_fits_a_block():
-    """comparison.tp_spec packs a rank's dense bf16 attention (attention_packing(..., dense=True)) where the four
-    shards fit one ring block a partition: Llama-3.1-8B at T = 32 exactly (q, k, v [4096, 128], o [128, 4096]:
-    32 KiB), not at T = 8; one rank keeps decode_spec's packing (none for a dense model); compressed shards pack
-    their factors as before, and fp8_only (the JAX side's choice) never packs dense weights."""
+    """comparison.tp_spec packs a rank's dense bf16 attention (attention_packing(..., dense=True)) at batch 1
+    where the four shards fit one ring block a partition: Llama-3.1-8B at T = 32 exactly (q, k, v [4096, 128],
+    o [128, 4096]: 32 KiB), not at T = 8; one rank and batch 8 keep decode_spec's packing (none for a dense
+    model); compressed shards pack their factors as before, and fp8_only (the JAX side's choice) never packs dense
+    weights."""
     models = decode.published_decode_models(["Gemma 3 270M", "Llama-3.1-8B"])
     llama = models["Llama-3.1-8B"]
     spec = comparison.tp_spec(llama, 2, False, 32)
@@ -218,6 +219,8 @@ def test_tensor_parallel_ranks_pack_dense_attention_where_it_fits_a_block():
     assert comparison.tp_spec(models["Gemma 3 270M"], 2, False, 1).packed_weights == ()
     assert comparison.tp_spec(models["Gemma 3 270M"], 2, False, 4).packed_weights == ATTENTION
     assert comparison.tp_spec(models["Gemma 3 270M"], 2, True, 4).packed_weights == ATTENTION
+    assert comparison.tp_spec(llama, 2, False, 32, batch=8).packed_weights == ()  # chain-bound: left unpacked
+    assert comparison.tp_spec(models["Gemma 3 270M"], 2, True, 4, batch=8).packed_weights == ATTENTION
     assert packing.attention_packing(spec, fp8_only=True) == () and packing.attention_packing(spec) == ()
     assert packing.attention_packing(packing.unpacked_spec(spec), dense=True) == ATTENTION
 
