@@ -405,7 +405,7 @@ def run_tensor_parallel(models, degrees, batches, cache_lengths, extrapolated, c
         start, cached = time.time(), key in cache.cases
         ours[(m.name, p, c, b, s, comp)] = cache.get(
             key,
-            lambda: measure_depths(lambda layers: measure_spec(tp_spec(m, layers, c, p), comp, b, s), m, depths),
+            lambda: measure_depths(lambda layers: measure_spec(tp_spec(m, layers, c, p, b), comp, b, s), m, depths),
         )
         seconds[(m.name, p, c, b, s, comp)] = None if cached else time.time() - start
         loads.append(os.getloadavg()[0])
@@ -445,6 +445,13 @@ def tensor_parallel_markdown(
         "all of their u factors (o and down split u's rows and keep v whole). A rank's compressed bytes therefore "
         "shrink much more slowly than its dense bytes as T grows, and from T = 4 (Llama) compressed moves more "
         "per rank than dense: the MB-moved column shows it.",
+        "- **Packed attention** (`comparison.tp_spec`): at batch 1 on several ranks each rank packs its shard's q, "
+        "k, v and o, dense ones included, into one operand read in one DMA a layer where the four fit a 32 KiB "
+        "ring block a partition (`packing.attention_packing(..., dense=True)`: dense Gemma 3 270M at T = 2 and 4, "
+        "Llama-3.2-1B at T = 8, Llama-3.1-8B at T = 32; compressed Gemma 3 270M packs its factors as on one "
+        "rank); read alone, such small dense shards are short DMA runs (Llama-3.1-8B T = 32: 2 KiB a partition, "
+        "82% of the DMA rate). Batch 8 and T = 1 keep the single-core report's packing (none for dense weights): "
+        "batch-8 steps are bound by their dependency chain, which a layer's whole packed block delays.",
         "- **µs** = one rank's modeled step (all ranks run the same shapes). **tok/s** = batch ÷ µs (all T ranks "
         "together). **% aggregate peak** = T ranks' must-move bytes (`nki_kernels.decode.traffic.must_move_bytes` "
         "of one rank's shard, replicated KV heads counted on each rank, the whole logits written by each) ÷ µs ÷ "

@@ -17,6 +17,8 @@ from decode_operands import (
     BF16,
     GEMMA3,
     GEMMA3_8,
+    GEMMA3_DENSE,
+    LLAMA,
     LLAMA8,
     RING,
     WEIGHT_INDEX,
@@ -29,7 +31,7 @@ from decode_operands import (
 from jax_neuronmm.models import decode
 from nki_kernels import emulator, reference
 from nki_kernels.decode import comparison, layouts, packing, tiles
-from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, check
+from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, Dense, Factored, check
 from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 from nki_kernels.emulator import cost_model, trace
@@ -39,8 +41,12 @@ GEMMA_PACKED = dataclasses.replace(GEMMA3_8, packed_weights=ATTENTION)
 LLAMA_PACKED = dataclasses.replace(LLAMA8, packed_weights=("k", "o", "up"))
 # bf16: the factored attention projections (k is dense) and down (ranks 60, 1, 100: a rank-1 layer's 1-element rows).
 GEMMA_BF16_PACKED = dataclasses.replace(GEMMA3, packed_weights=("q", "v", "o", "down"))
-SPECS = [GEMMA_PACKED, LLAMA_PACKED, GEMMA_BF16_PACKED]
-SPEC_IDS = ["gemma3-attention", "llama-dense", "gemma3-bf16"]
+# bf16 with dense projections packed (packing.attention_packing(..., dense=True), a tensor-parallel rank's small
+# shards): the attention with k dense beside its factors, and every one of Llama's dense (H = 200: natural tiles).
+GEMMA_BF16_MIXED = dataclasses.replace(GEMMA3, packed_weights=ATTENTION)
+LLAMA_BF16_PACKED = dataclasses.replace(LLAMA, packed_weights=ATTENTION)
+SPECS = [GEMMA_PACKED, LLAMA_PACKED, GEMMA_BF16_PACKED, GEMMA_BF16_MIXED, LLAMA_BF16_PACKED]
+SPEC_IDS = ["gemma3-attention", "llama-dense", "gemma3-bf16", "gemma3-bf16-dense-k", "llama-bf16-dense"]
 
 
 def _operands(rng, spec, b, t, s, w, dtype=BF16):
@@ -56,7 +62,7 @@ def _layer_values(ops, spec, name, layer):
     """[(part, [K, N] float64 values)] of projection `name` in `layer`, cut to the layer's rank."""
     weight, rank = getattr(ops, name), spec.rank(name, layer)
     if rank is None:
-        return [("w", weight.w[layer].astype(np.float64))]
+        return [("w", (weight.w if hasattr(weight, "w") else weight)[layer].astype(np.float64))]
     return [("u", weight.u[layer][:, :rank].astype(np.float64)), ("v", weight.v[layer][:rank].astype(np.float64))]
 
 
@@ -94,7 +100,8 @@ def test_packed_layout_and_round_trip(rng, spec):
     for name in spec.packed_weights:
         weight = getattr(packed, name)
         assert all(getattr(weight, part) is None for part in ("u", "v", "w") if hasattr(weight, part))
-        if not spec.packed_fp8:  # nothing left of it: an empty Factored, None as a kernel argument
+        if not spec.packed_fp8:  # nothing left of it: an empty Factored (Dense), None as a kernel argument
+            assert type(weight) is (Factored if spec.factored(name) else Dense)
             assert weight.parts() == {} and DecodeOperands.of(packed.kernel_args(), spec) == packed
     back = packing.unpack_weights(packed, spec)
     assert back.packed is None
@@ -118,8 +125,11 @@ def test_packed_layout_and_round_trip(rng, spec):
         (LLAMA_PACKED, 3, 1, 12, 11, BF16, 5e-2),
         (GEMMA_BF16_PACKED, 2, 3, 19, 5, BF16, 1e-1),
         (GEMMA_BF16_PACKED, 1, 2, 20, 7, np.float32, 1e-5),
+        (GEMMA_BF16_MIXED, 2, 1, 19, 5, BF16, 1e-1),
+        (LLAMA_BF16_PACKED, 3, 1, 13, 11, BF16, 5e-2),
+        (LLAMA_BF16_PACKED, 1, 7, 20, 4, np.float32, 1e-5),
     ],
-    ids=[*SPEC_IDS, "gemma3-fp32"],
+    ids=[*SPEC_IDS[:3], "gemma3-fp32", *SPEC_IDS[3:], "llama-fp32-dense"],
 )
 def test_kernels_on_packed_weights_match_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
     """The packed step against the float64 reference of the unpacked operands, and bit for bit the unpacked
@@ -161,7 +171,11 @@ def test_default_packing_takes_gemma_attention_factors_only():
     assert packing.attention_packing(mixed) == ("q", "o")
 
 
-@pytest.mark.parametrize("spec", [GEMMA_PACKED, GEMMA_BF16_PACKED], ids=["fp8", "bf16"])
+@pytest.mark.parametrize(
+    "spec",
+    [GEMMA_PACKED, GEMMA_BF16_PACKED, dataclasses.replace(GEMMA3_DENSE, packed_weights=ATTENTION)],
+    ids=["fp8", "bf16", "bf16-dense"],
+)
 def test_tensor_parallel_ranks_each_pack_their_shard(rng, spec):
     """A whole model's packed step split over T = 2 and 4 ranks (shard_operands unpacks, shards, and packs each
     rank's shard in its own layout): every rank's looped kernel on its packed shard returns bit for bit what the
@@ -188,6 +202,27 @@ def test_tensor_parallel_ranks_each_pack_their_shard(rng, spec):
         np.testing.assert_array_equal(
             k_cache.view(np.uint8), gather_cache(unpacked[1], spec.num_kv_heads).view(np.uint8)
         )
+
+
+def test_tensor_parallel_ranks_pack_dense_attention_where_it_fits_a_block():
+    """comparison.tp_spec packs a rank's dense bf16 attention (attention_packing(..., dense=True)) at batch 1
+    where the four shards fit one ring block a partition: Llama-3.1-8B at T = 32 exactly (q, k, v [4096, 128],
+    o [128, 4096]: 32 KiB), not at T = 8; one rank and batch 8 keep decode_spec's packing (none for a dense
+    model); compressed shards pack their factors as before, and fp8_only (the JAX side's choice) never packs dense
+    weights."""
+    models = decode.published_decode_models(["Gemma 3 270M", "Llama-3.1-8B"])
+    llama = models["Llama-3.1-8B"]
+    spec = comparison.tp_spec(llama, 2, False, 32)
+    assert spec.packed_weights == ATTENTION and not spec.packed_fp8
+    assert layouts.packed_shape(spec) == (2, 128, packing.RING_BLOCK_BYTES // 2)
+    assert comparison.tp_spec(llama, 2, False, 8).packed_weights == ()
+    assert comparison.tp_spec(models["Gemma 3 270M"], 2, False, 1).packed_weights == ()
+    assert comparison.tp_spec(models["Gemma 3 270M"], 2, False, 4).packed_weights == ATTENTION
+    assert comparison.tp_spec(models["Gemma 3 270M"], 2, True, 4).packed_weights == ATTENTION
+    assert comparison.tp_spec(llama, 2, False, 32, batch=8).packed_weights == ()  # chain-bound: left unpacked
+    assert comparison.tp_spec(models["Gemma 3 270M"], 2, True, 4, batch=8).packed_weights == ATTENTION
+    assert packing.attention_packing(spec, fp8_only=True) == () and packing.attention_packing(spec) == ()
+    assert packing.attention_packing(packing.unpacked_spec(spec), dense=True) == ATTENTION
 
 
 def test_packed_attention_moves_long_runs_once():
@@ -225,8 +260,6 @@ def test_packed_attention_moves_long_runs_once():
 def test_bad_packing_is_refused_naming_the_argument(rng):
     with pytest.raises(ValueError, match=r"packed_weights.*fp8_weights names only \['q'\].*share one dtype"):
         dataclasses.replace(GEMMA3_8, fp8_weights=("q",), packed_weights=("q", "v"))
-    with pytest.raises(ValueError, match=r"packed_weights.*\['k'\] are dense in the model's dtype"):
-        dataclasses.replace(GEMMA3, packed_weights=("q", "k"))
     with pytest.raises(ValueError, match=r"packed_weights.*distinct names"):
         dataclasses.replace(GEMMA3_8, packed_weights=("head",))
     bf16_plain = packing.unpacked_spec(GEMMA_BF16_PACKED)

@@ -1,7 +1,8 @@
 """One decode step over all decoder layers as NKI kernels, around one operand contract.
 
 contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperands (the named operands),
-                 Factored(u, v[, u_scale, v_scale]) and Quantized(w, scale) (fp8 weights), expected_shapes and
+                 Factored(u, v[, u_scale, v_scale]), Quantized(w, scale) (fp8 weights) and Dense() (a dense weight
+                 packed in the model's dtype), expected_shapes and
                  check (check_write_index: the one value rule): the one description of the operands
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
@@ -20,6 +21,7 @@ from nki_kernels.decode.contract import (
     WEIGHTS,
     DecodeOperands,
     DecodeSpec,
+    Dense,
     Factored,
     Quantized,
     check,
@@ -32,6 +34,7 @@ __all__ = [
     "WEIGHTS",
     "DecodeOperands",
     "DecodeSpec",
+    "Dense",
     "Factored",
     "Quantized",
     "check",

@@ -210,10 +210,22 @@ def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[st
     return lines
 
 
-def tp_spec(model: DecodeModel, num_layers: int, compressed: bool, ranks: int) -> DecodeSpec:
+def tp_spec(model: DecodeModel, num_layers: int, compressed: bool, ranks: int, batch: int = 1) -> DecodeSpec:
     """One rank's spec of `model` cut to num_layers layers (dense or at keep KEEP, bf16) split over `ranks` ranks
-    (sharding.shard_spec: a ValueError when they do not divide the model)."""
-    return shard_spec(decode_spec(model, num_layers, compressed), ranks)
+    (sharding.shard_spec: a ValueError when they do not divide the model), for steps of `batch` rows. On several
+    ranks at batch 1 its attention is packed where `packing.attention_packing` packs the rank's shard, dense
+    projections included (dense=True: a rank's small dense shards, read alone, are short DMA runs, and a batch-1
+    step is bound by its bytes); otherwise, and on one rank, decode_spec's packing (the T = 1 cases share the
+    single-core report's traces). At batch 8 the dense packing measured slower: those steps are bound by their
+    dependency chain, which then waits for a layer's whole packed block before q's first matmul (Llama-3.2-1B,
+    T = 8: 1335.5 -> 1424.0 µs on trn1, 1376.6 -> 1495.5 on trn2)."""
+    spec = decode_spec(model, num_layers, compressed)
+    if ranks == 1:
+        return shard_spec(spec, 1)
+    if batch != 1:
+        return shard_spec(spec, ranks)
+    rank_spec = shard_spec(unpacked_spec(spec), ranks)
+    return dataclasses.replace(rank_spec, packed_weights=attention_packing(rank_spec, dense=True))
 
 
 def collective_floor_us(spec: DecodeSpec, batch: int, target: str) -> float:

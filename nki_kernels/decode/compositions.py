@@ -173,6 +173,8 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
             return weight
         if not packed:
             packed.update(load_packed(ops.packed, layer, spec, ctx.ring))
+        if isinstance(weight, contract.Dense):  # dense in the model's dtype: its values are all there is
+            return packed[name]["w"]
         return dataclasses.replace(weight, **packed[name])
 
     def layer_projection(src, src_layout, name, out_layout, evict):

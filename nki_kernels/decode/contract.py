@@ -69,10 +69,10 @@ class DecodeSpec:
     the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
     packed_weights: names of PROJECTIONS whose values every layer stores in the one `packed` operand in the
     kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of them per partition)
-    instead of in their own stored weights, which keep only their scales (fp8) or nothing (an empty Factored, in
-    the model's dtype); () for none. All of them fp8 (the operand is fp8), or all factored in the model's dtype
-    (the operand is in the model's dtype). With tensor_parallel > 1 the packed operand is this rank's: the layout
-    of its shard's values.
+    instead of in their own stored weights, which keep only their scales (fp8) or nothing (in the model's dtype:
+    an empty Factored, or for a dense weight an empty Dense); () for none. All of them fp8 (the operand is fp8),
+    or all in the model's dtype, factored or dense (the operand is in the model's dtype). With tensor_parallel > 1
+    the packed operand is this rank's: the layout of its shard's values.
     """
 
     num_layers: int
@@ -156,12 +156,6 @@ class DecodeSpec:
             raise ValueError(
                 f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but fp8_weights names only {fp8} of them: "
                 "packed weights share one dtype (all fp8, or all in the model's dtype)"
-            )
-        dense = [name for name in self.packed_weights if not fp8 and not self.factored(name)]
-        if dense:
-            raise ValueError(
-                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but {dense} are dense in the model's dtype: "
-                "packed weights in the model's dtype are factored (a dense one would leave no stored weight)"
             )
         if self.mask_windows and (
             len(self.mask_windows) != self.num_masks
@@ -315,9 +309,23 @@ class Quantized(StoredWeight):
     scale: Any = _part(lambda k, r, n: (n,), SCALE)
 
 
+@dataclasses.dataclass(frozen=True)
+class Dense(StoredWeight):
+    """A dense weight in the model's dtype as a stored weight: only as the placeholder of one that
+    spec.packed_weights names (Dense(): its values are in the `packed` operand); otherwise a dense weight is one
+    array [L, K, N]."""
+
+    w: Any = _part(lambda k, r, n: (k, n))
+
+
 def stored_type(spec: DecodeSpec, weight: str):
-    """How the spec stores `weight`: Factored, Quantized (dense fp8), or None (one dense array)."""
-    return Factored if spec.factored(weight) else Quantized if spec.fp8(weight) else None
+    """How the spec stores `weight`: Factored, Quantized (dense fp8), Dense (dense in the model's dtype and packed:
+    an empty placeholder) or None (one dense array)."""
+    if spec.factored(weight):
+        return Factored
+    if spec.fp8(weight):
+        return Quantized
+    return Dense if weight in spec.packed_weights else None
 
 
 def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None):
@@ -421,7 +429,7 @@ class DecodeOperands:
         when None) where a weight may be given as the list of its parts (how a kernel's list argument comes back):
         a Quantized where `spec` stores the weight dense in fp8, else a Factored ([u, v], or [u, v, u_scale,
         v_scale]; a packed one's u and v None). A packed weight with no parts (in the model's dtype) may be given
-        as None or () (kernel_arg's None): Factored()."""
+        as None or () (kernel_arg's None): Factored(), or Dense() for a dense one."""
         if isinstance(operands, cls):
             return operands
         names = operand_fields()
@@ -434,7 +442,7 @@ class DecodeOperands:
         for field, value in zip(dataclasses.fields(cls), operands):
             weight = field.metadata.get("weight")
             if weight is not None and _partless(spec, weight) and (value is None or _empty_sequence(value)):
-                value = Factored()
+                value = stored_type(spec, weight)()
             elif weight is not None and isinstance(value, (list, tuple)):
                 kind = stored_type(spec, weight) or Factored
                 if 2 <= len(value) <= len(dataclasses.fields(kind)):
@@ -588,10 +596,15 @@ def _check_structure(where: str, spec: DecodeSpec, name: str, value, layout: str
             f"{where}: {name}: got {got}, expected Quantized(w, scale) (fp8 values and float32 per-column scales) "
             f"since spec.fp8_weights names it {contract}"
         )
-    if kind is None and isinstance(value, Quantized):
+    if kind is Dense and not isinstance(value, Dense):
         raise ValueError(
-            f"{where}: {name}: got Quantized, expected one dense array in x's dtype since spec.fp8_weights does not "
-            f"name it {contract}"
+            f"{where}: {name}: got {type(value).__name__}, expected Dense() (or None) since spec.packed_weights names "
+            f"{name}, dense in the model's dtype: its values are in the packed operand"
+        )
+    if kind is None and isinstance(value, (Quantized, Dense)):
+        raise ValueError(
+            f"{where}: {name}: got {type(value).__name__}, expected one dense array in x's dtype since neither "
+            f"spec.fp8_weights nor spec.packed_weights names it {contract}"
         )
     if kind is None:
         return

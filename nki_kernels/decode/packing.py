@@ -12,7 +12,7 @@ import dataclasses
 import numpy as np
 
 from nki_kernels.binding import nl
-from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, DecodeSpec, Dense, Factored, Quantized
 from nki_kernels.decode.layouts import packed_segments, packed_width
 from nki_kernels.decode.projections import OnChipWeight
 from nki_kernels.decode.ring import RING_BLOCK_BYTES
@@ -26,7 +26,7 @@ ATTENTION = ("q", "k", "v", "o")
 MODEL_ITEMSIZE = 2
 
 
-def attention_packing(spec: DecodeSpec, fp8_only: bool = False) -> tuple[str, ...]:
+def attention_packing(spec: DecodeSpec, fp8_only: bool = False, dense: bool = False) -> tuple[str, ...]:
     """The projections a spec packs by default: its factored attention projections (of q, k, v, o) of one dtype
     (the fp8 ones where any is fp8, else those in the model's dtype) when every layer's packed row of them fits one
     weight-ring block (RING_BLOCK_BYTES a partition: one DMA a layer), else none. Gemma 3 270M at keep 0.8 packs
@@ -34,10 +34,15 @@ def attention_packing(spec: DecodeSpec, fp8_only: bool = False) -> tuple[str, ..
     and 512 bytes a partition (52% and 21% of the DMA rate); Llama-3.2-1B's would take 63 KiB in fp8, its factors'
     runs already 1.5 KiB or longer; a dense fp8 weight's runs are K/128 times N long. A tensor-parallel spec (one
     rank's shard) packs its shard's factors the same way (each rank's packed operand holds its own shard).
-    fp8_only: pack fp8 factors only (models.decode.decode_plan's choice: its stacked bf16 weights stay (u, v))."""
+    fp8_only: pack fp8 factors only (models.decode.decode_plan's choice: its stacked bf16 weights stay (u, v)).
+    dense: (without fp8 factors) also pack the attention's dense projections in the model's dtype, beside its
+    factored ones: a tensor-parallel rank's small shards, read alone, move short runs (Llama-3.1-8B at T = 32:
+    q, k and v [4096, 128] each, 2 KiB a partition per DMA, 82% of the DMA rate; the four 32 KiB a partition
+    together, 100%; Gemma 3 270M at T = 4: 2560 bytes, 86%, against 10 KiB together, 99%)."""
     factored = [name for name in ATTENTION if spec.factored(name)]
     fp8 = tuple(name for name in factored if spec.fp8(name))
-    names = fp8 or (() if fp8_only else tuple(factored))
+    in_model = tuple(name for name in ATTENTION if not spec.fp8(name) and (dense or spec.factored(name)))
+    names = fp8 or (() if fp8_only else in_model)
     if not names:
         return ()
     width = packed_width(dataclasses.replace(spec, packed_weights=names))
@@ -52,7 +57,7 @@ def unpacked_spec(spec: DecodeSpec) -> DecodeSpec:
 def _stage_values(weight, part: str, layer: int, rank: int | None):
     """Layer `layer`'s [K, N] values of a stage of a stacked stored weight (u cut to rank columns, v to rank rows)."""
     if part == "w":
-        return weight.w[layer]
+        return (weight.w if isinstance(weight, Quantized) else weight)[layer]
     if part == "u":
         return weight.u[layer][:, 0:rank]
     return weight.v[layer][0:rank, :]
@@ -87,15 +92,17 @@ def _as_stored(weight):
 
 def _without_values(weight):
     """A stored weight with its values' parts set to None (an fp8 one's scales kept; one in the model's dtype
-    then holds nothing: Factored())."""
+    then holds nothing: Factored(), or Dense() for a dense array)."""
     weight = _as_stored(weight)
     if isinstance(weight, Factored):
         return dataclasses.replace(weight, u=None, v=None)
     if isinstance(weight, Quantized):
         return dataclasses.replace(weight, w=None)
+    if hasattr(weight, "shape") and hasattr(weight, "dtype"):
+        return Dense()
     raise ValueError(
-        f"pack_weights: got {type(weight).__name__}, expected a Factored weight, or a Quantized fp8 one (packed "
-        "weights in the model's dtype are factored)"
+        f"pack_weights: got {type(weight).__name__}, expected a Factored weight, a Quantized fp8 one or a dense "
+        "array in the model's dtype"
     )
 
 
@@ -130,7 +137,7 @@ def unpack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperan
             elif part == "v":
                 per_layer = [xp.pad(v, ((0, stacked_rank - v.shape[0]), (0, 0))) for v in per_layer]
             stacked[part] = xp.stack(per_layer)
-        values[name] = dataclasses.replace(weight, **stacked)
+        values[name] = stacked["w"] if isinstance(weight, Dense) else dataclasses.replace(weight, **stacked)
     return ops.replace(packed=None, **values)
 
 
