@@ -168,7 +168,16 @@ first layers too, and after 480 distillation steps 1.202x / 1.166x (top-1 0.658 
 load 1.9-3.7 with the test suite) against 1.198x / 1.169x for the measured KL: the same within noise, in the 88 s
 (load 3.7) the decompositions take without the probes' forward passes. On MLP + attention at keep 0.8 (scratch,
 alone, load 1.2-1.9): 1.289x / 1.302x (top-1 0.610 / 0.691) against 1.289x / 1.306x, the sensitivity step 76 s
-instead of 251 s, 1046 s in all instead of 1138 s: still over the 15-minute budget on this machine.
+instead of 251 s, 1046 s in all instead of 1138 s: still over the 15-minute budget on this machine. So after the
+"fisher" step, "allocate" now ranks by these predicted losses (`sensitivity.fisher_losses`;
+compress_model(allocation_loss="kl") measures the probes instead). The three "recommended" rows of the table were
+measured with the KL probes; the figures just above are the same pipeline with the predicted losses (keep 0.6 MLP
+not yet measured with them).
+
+Shorter training windows, more steps: 960 steps of one 128-token window (the same ~41k training tokens cut in
+half-length windows, so each step costs about half) instead of 480 of 256 tokens, keep 0.8 MLP with the predicted
+ranks: 1.246x / 1.206x (top-1 0.632 / 0.751) in 1027 s (scratch, alone, load 1.2-1.8) against 1.202x / 1.166x:
+worse on both texts and slower (a 128-token step costs more than half a 256-token one), so windows stay 256 tokens.
 
 The KL over the likely rows: the teacher's top-64 tokens at every fourth position of the 156 training windows are
 22,718 of the 262,144 vocabulary rows (the teacher puts 1.8% of its mass outside them on the training windows, about
