@@ -42,7 +42,7 @@ from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
 from nki_kernels.decode.layouts import Layouts
 from nki_kernels.decode.packing import load_packed
-from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
+from nki_kernels.decode.ring import RING_BLOCK_BYTES, SBUF_RESERVED_BYTES, SMALL_TILE_BYTES, WeightRing
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
@@ -78,7 +78,7 @@ class StepContext:
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
         if head:
             beside = max(beside, head_staging_bytes(spec, rows, dtype, ring_block_bytes))
-        beside += activation_bytes(self.layouts, rows)
+        beside += activation_bytes(self.layouts, rows) + staging_bytes(spec)
         self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
@@ -97,6 +97,13 @@ def activation_bytes(layouts, rows):
     beside ring.SBUF_RESERVED_BYTES (constants, the input rows): they grow with R (Gemma 3 270M at R = 128: 23 KiB)."""
     tiles_live = 4 * len(layouts.hidden) + 6 * len(layouts.q) + 2 * len(layouts.kv) + 2 * len(layouts.inter)
     return rows * tiles_live * nl.float32.itemsize
+
+
+def staging_bytes(spec):
+    """SBUF bytes per partition that ring.SBUF_RESERVED_BYTES lacks for a staged [R, hidden] float32 row block
+    (tiles.load_columns, e.g. a layer's norm weights) beside the small tiles (SMALL_TILE_BYTES): 0 up to hidden
+    2048 (Gemma 3 270M, Llama-3.2-1B), 8 KiB for Llama-3.1-8B's 4096."""
+    return max(0, spec.hidden * nl.float32.itemsize + SMALL_TILE_BYTES - SBUF_RESERVED_BYTES)
 
 
 def head_staging_bytes(spec, rows, dtype, ring_block_bytes=None):

@@ -13,6 +13,9 @@ from nki_kernels.svd_matmul import spans
 # 481.6 -> 466.1 µs modeled with the head's staging sized separately).
 RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 16 * 1024
+# The small tiles' share of that reserve, at most (the rest holds a staged [R, hidden] float32 row block, which the
+# kernel adds to beside_bytes where the hidden size leaves too little: compositions.staging_bytes).
+SMALL_TILE_BYTES = 8 * 1024
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
 # transfer on one engine, e.g. a logits row, would otherwise hold up the whole next block).
@@ -44,7 +47,10 @@ class WeightRing:
             )
         self.block_bytes = block_bytes
         self.ring_bytes = ring_bytes - ring_bytes % nl.float32.itemsize  # a row viewable in any weight dtype
-        self.ring = nl.ndarray((nl.tile_size.pmax, self.ring_bytes), dtype=nl.uint8, buffer=nl.sbuf, name="weight_ring")
+        # Allocated at the first block, so that what a kernel stages before its first weight (the step's input
+        # rows, every layer's fp8 scales: [R, F] float32 rows, 57 KiB a partition for Llama-3.1-8B's intermediate)
+        # is freed before the ring takes the SBUF it leaves.
+        self.ring = None
         self.cursor = 0  # bytes
         # [(start, end)] byte ranges later loads skip: blocks read after other blocks stream through the ring (a
         # layer's packed weights, nki_kernels.decode.packing.load_packed, until its next layer's replace them).
@@ -82,6 +88,10 @@ class WeightRing:
             raise ValueError(
                 f"WeightRing: no stretch of {size} bytes beside the pinned blocks {self.pinned} in a ring of "
                 f"{self.ring_bytes} bytes (ring_bytes); expected a ring that holds a layer's packed weights and a block"
+            )
+        if self.ring is None:
+            self.ring = nl.ndarray(
+                (nl.tile_size.pmax, self.ring_bytes), dtype=nl.uint8, buffer=nl.sbuf, name="weight_ring"
             )
         stretch = self.ring[0:partitions, self.cursor : self.cursor + size].view(src.dtype)
         block = stretch.reshape((partitions, per_partition, columns))
