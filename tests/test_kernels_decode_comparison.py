@@ -196,3 +196,13 @@ def test_fp8_table_speedups_are_over_bf16_dense_looped():
     base = 3 * bench.roofline_us(0, need[(False, False)], "trn1")
     us = bench.roofline_us(0, need[(True, True)], "trn1")
     assert fp8_compressed[7] == f"{us:.1f} / 100% / {base / us:.2f}x"
+
+
+@pytest.mark.parametrize("num_layers,fp8", [(1, True), (2, False)])
+def test_llama_8b_looped_step_fits_one_core_sbuf(num_layers, fp8):
+    # Hidden 4096: a staged [R, hidden] float32 row block (16 KiB a partition) and the small tiles beside it
+    # overflowed the ring's reserve; every layer's fp8 scales (an [R, 14336] float32 staging) came before the ring.
+    spec = bench.decode_spec(MODELS["Llama-3.1-8B"], num_layers, False, fp8=fp8)
+    measured = bench.measure_spec(spec, "looped", 1, 512)
+    assert measured.note == ""
+    assert all(measured.latency_us(target, 0.0) > 0 for target in ("trn1", "trn2"))
