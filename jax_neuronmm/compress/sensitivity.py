@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 # Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
 from jax_neuronmm.compress import distill, sequential, svd
-from jax_neuronmm.compress.projections import ATTENTION_GROUPS, MLP_PROJECTIONS
+from jax_neuronmm.compress.projections import ATTENTION_GROUPS, MLP_PROJECTIONS, layer_projections
 from jax_neuronmm.decoder_math import soft_cap
 
 
@@ -123,7 +123,7 @@ def fisher_losses(
     the measured KL's (1.202x / 1.166x against 1.198x / 1.169x dense perplexity; MLP + attention 1.289x / 1.302x
     against 1.289x / 1.306x) and skip the probe passes (76 s instead of 251 s for MLP + attention).
     """
-    wanted = set(_selected(dense, include))
+    wanted = {(index, name) for index, _, name in layer_projections(len(dense.layers), include)}
     missing = sorted(wanted - set(output_chols or {}))
     if missing:
         raise ValueError(
@@ -144,11 +144,6 @@ def _groups(include) -> list:
     """The projections `include` selects in groups that share their input, in the order calibration taps them."""
     groups = list(ATTENTION_GROUPS) if "attention" in include else []
     return groups + ([("gate_proj", "up_proj"), ("down_proj",)] if "mlp" in include else [])
-
-
-def _selected(dense, include) -> list:
-    """[(layer_index, projection_name)] of every projection `include` selects."""
-    return [(index, name) for index in range(len(dense.layers)) for group in _groups(include) for name in group]
 
 
 def _decompositions(dense, ids, include, damping, output_chols, decompositions, desc, progress):
