@@ -12,14 +12,17 @@ Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.pr
 models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (models.compression.EVALUATION_TEXT),
 technical = the held-out half of the Python reference (models.calibration.technical_texts()[1]), --eval_windows
 windows of --seq_len tokens each; calibration on the first --calibration_windows (default here 48) of
-models.calibration.training_windows, distillation on all --distill_windows. Each row's accuracy is appended to
+models.calibration.training_windows, distillation on all --distill_windows (a configuration's own count where it
+names one: the recommended pipeline's rows train on 160). Each row's accuracy is appended to
 benchmarks/results/frontier.json (committed) as soon as it is measured, and a rerun skips rows already there;
 configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
 report lists every configuration not measured. The modeled speeds of every configuration (ranks from
-nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; bf16 dense
-looped traced in the same run as every speedup's base; 10-30 minutes on 2 cores) are kept in the JSON with a
-digest of what decides them (every spec and the source of the decode kernels, the emulator and its cost model),
-and traced again when that digest changes or with --retrace. Rows and speeds marked recovered_from_markdown were
+nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; where
+compression allocates the ranks, those of the built model, stored with its row and traced after it; 10-30 minutes
+on 2 cores for every row) are kept in the JSON with a digest per row of what decides them (its spec and the source
+of the decode kernels, the emulator and its cost model), and traced again when that digest changes or with
+--retrace; every speedup's base, bf16 dense looped, is traced with the same kernel sources as the rows it divides.
+Rows and speeds marked recovered_from_markdown were
 rebuilt from the committed Markdown after the JSON was lost (values as the Markdown rounds them).
 
 Writes benchmarks/results/frontier.md and frontier.png.
@@ -41,6 +44,7 @@ from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
+from jax_neuronmm.models.compression import RECOMMENDED_STEPS
 from nki_kernels import ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.comparison import (
@@ -57,9 +61,10 @@ from nki_kernels.decode.packing import attention_packing
 # --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs and --render_only
 # are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
 flags.FLAGS.set_default("calibration_windows", 48)
-# Its distilled rows were measured on 80 training windows (the accuracy report's default is 160); the JSON's
-# setup must match for rows to resume.
+# Its older distilled rows were measured on 80 training windows; the JSON's setup must match for rows to resume.
+# The recommended-pipeline rows train on the accuracy report's 160 (Config.distill_windows).
 flags.FLAGS.set_default("distill_windows", 80)
+RECOMMENDED_DISTILL_WINDOWS = 160
 flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the JSON, Markdown, PNG go"
 )
@@ -83,10 +88,11 @@ FP8 = "float8_e4m3"
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One configuration: the projections of `include` ("mlp", "attention", "head") SVD-factored at `keep`
-    (compress_model: whitened, then `steps`; block-aligned ranks at `block`), weights in bf16 or (fp8) every weight
-    in fp8 e4m3 with float32 scales: dense ones GPTQ-rounded on the calibration windows (gptq) or rounded to
-    nearest, factors rounded to nearest or (factors_gptq, the head's only) GPTQ-rounded too. expensive: measured
-    only when named in --configs."""
+    (compress_model: whitened, then `steps`; block-aligned ranks at `block`, None: compress_model's default),
+    weights in bf16 or (fp8) every weight in fp8 e4m3 with float32 scales: dense ones GPTQ-rounded on the
+    calibration windows (gptq) or rounded to nearest, factors rounded to nearest or (factors_gptq, the head's only)
+    GPTQ-rounded too. distill_windows: training windows of the "distill" step (None: --distill_windows).
+    expensive: measured only when named in --configs."""
 
     name: str
     include: tuple = ()
@@ -94,10 +100,16 @@ class Config:
     fp8: bool = False
     gptq: bool = True
     steps: tuple = ()
-    block: int = 128
+    block: int | None = 128
     expensive: bool = False
     factors_gptq: bool = False
     distill: DistillOptions | None = None
+    distill_windows: int | None = None
+
+    @property
+    def allocated(self) -> bool:
+        """Whether compression chooses the ranks (the "allocate" step): the spec is known once the model is built."""
+        return "allocate" in self.steps
 
     @property
     def weights(self) -> str:
@@ -151,20 +163,21 @@ CONFIGS = (
         for name, include in (("mlp", ("mlp",)),)
         for fp8 in (False, True)
     ),
-    # Every keep over the MLPs, MLPs + attention and + head: the output Fisher weighting and distillation of the
-    # recommended pipeline at uniform ranks (the looped kernel streams uniform ranks at the peak rate; block 64 keeps
-    # 0.9 / 0.8 / 0.6 apart: MLP ranks 448 / 384 / 320), 160 steps over the teacher's likely rows (a third of the
-    # recommended 480: nine such rows fit a session's 2-core time), then for fp8 every weight quantized as above.
+    # Every keep over the MLPs, MLPs + attention and + head: compress_model's recommended pipeline as a user runs it
+    # (output Fisher weighting, ranks allocated across projections, 480 distillation steps on 160 training windows),
+    # then for fp8 every weight quantized as above. Allocated ranks differ across layers: their modeled speed is of
+    # the built model's spec, traced once the row is measured.
     *(
         Config(
-            f"{'+'.join(include)} {keep} fisher + distilled {'fp8' if fp8 else 'bf16'}",
+            f"{'+'.join(include)} {keep} recommended {'fp8' if fp8 else 'bf16'}",
             include,
             keep,
             fp8,
             True,
-            ("fisher", "distill"),
-            block=HEAD_BLOCK,
-            distill=DistillOptions(steps=160),
+            RECOMMENDED_STEPS,
+            block=None,
+            distill=DistillOptions(),
+            distill_windows=RECOMMENDED_DISTILL_WINDOWS,
         )
         for include in (("mlp",), ("mlp", "attention"), ("mlp", "attention", "head"))
         for keep in (0.9, 0.8, 0.6)
@@ -185,26 +198,39 @@ TARGET_SPEEDUPS = (("a", 1.9, 1.03, False), ("b", 2.3, 1.08, True))
 DENSE_FP8_TARGET = 1.02
 
 
-def config_spec(base, config: Config):
+def config_spec(base, config: Config, row: dict | None = None):
     """`base` (a dense DecodeSpec) as `config` stores its weights: block-aligned ranks of the included projections
-    (the same in every layer) and head, every weight in fp8 with config.fp8, the fp8 attention factors packed
-    where `attention_packing` packs them (as models.decode.model_spec of the built model)."""
+    (the same in every layer) and head, or for an allocated config the ranks its built model held (`row["ranks"]`,
+    `spec_ranks`; None before the row is measured); every weight in fp8 with config.fp8, the fp8 attention factors
+    packed where `attention_packing` packs them (as models.decode.model_spec of the built model)."""
 
     def group(projection):
         return "attention" if projection in decode.ATTENTION else "mlp"
 
-    layer_ranks = tuple(
-        (ranks.block_aligned_rank(base.in_features(p), base.out_features(p), config.keep, config.block),)
-        * base.num_layers
-        if group(p) in config.include
-        else None
-        for p in PROJECTIONS
-    )
-    head_rank = None
-    if "head" in config.include:
-        head_rank = ranks.block_aligned_rank(base.hidden, base.vocab, config.keep, config.block)
+    if config.allocated:
+        if row is None or "ranks" not in row:
+            return None
+        layer_ranks = tuple(None if r is None else tuple(r) for r in row["ranks"]["layers"])
+        head_rank = row["ranks"]["head"]
+    else:
+        layer_ranks = tuple(
+            (ranks.block_aligned_rank(base.in_features(p), base.out_features(p), config.keep, config.block),)
+            * base.num_layers
+            if group(p) in config.include
+            else None
+            for p in PROJECTIONS
+        )
+        head_rank = None
+        if "head" in config.include:
+            head_rank = ranks.block_aligned_rank(base.hidden, base.vocab, config.keep, config.block)
     spec = dataclasses.replace(base, ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
     return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
+
+
+def spec_ranks(spec) -> dict:
+    """The ranks of a built model's DecodeSpec as a row stores them (JSON): per projection of PROJECTIONS, its
+    per-layer ranks or None (dense), and the head's rank or None."""
+    return {"layers": [None if r is None else list(r) for r in spec.ranks], "head": spec.head_rank}
 
 
 class Builder:
@@ -213,6 +239,7 @@ class Builder:
     head whitened by them), and the bf16 model of an expensive configuration is kept for its fp8 row."""
 
     def __init__(self, dense, calibration_ids, distill_ids):
+        """distill_ids: a function of a window count to the training windows [count, seq_len]."""
         self.dense, self.calibration_ids, self.distill_ids = dense, calibration_ids, distill_ids
         self._projections, self._bf16 = None, None
         self.projections_seconds = None
@@ -237,7 +264,7 @@ class Builder:
             steps=config.steps,
             block=config.block,
             distill=config.distill,
-            distill_ids=self.distill_ids if "distill" in config.steps else None,
+            distill_ids=self.distill_ids(config.distill_windows) if "distill" in config.steps else None,
             weight_dtype=weight_dtype,
             progress=False,
         )
@@ -246,7 +273,7 @@ class Builder:
         twin = dataclasses.replace(config, fp8=False)
         # Keyed by what compression does (the twins' names differ); only the last model is kept (each holds a copy
         # of the model's weights), and CONFIGS lists each bf16 row right before its fp8 twin.
-        key = (twin.include, twin.keep, twin.steps, twin.block, twin.distill)
+        key = (twin.include, twin.keep, twin.steps, twin.block, twin.distill, twin.distill_windows)
         if self._bf16 is None or self._bf16[0] != key:
             self._bf16 = None  # the previous model is freed before the next is built
             self._bf16 = (key, self.compress(self.dense, twin))
@@ -287,41 +314,58 @@ def measure_accuracy(model, windows, dense_predictions) -> dict:
     return row
 
 
-def trace_speeds(specs: dict) -> tuple[dict, list]:
-    """{(model, config name): DecodeModel at the config's spec} -> ({"model|config|batch": Measured fields}, the
-    seconds each distinct trace took), looped composition at CACHE_LEN, each distinct spec traced once."""
-    traced, speeds, seconds = {}, {}, []
-    for (model_name, config_name), model in specs.items():
-        for batch in BATCHES:
-            key = (model_name, model.spec, batch)
-            if key not in traced:
-                start = time.perf_counter()
-                traced[key] = measure_model(model, "looped", batch, CACHE_LEN, extrapolated=model_name != GEMMA)
-                seconds.append(time.perf_counter() - start)
-                print(f"traced {model_name} {config_name} batch {batch}: {seconds[-1]:.0f} s", flush=True)
-            speeds[f"{model_name}|{config_name}|{batch}"] = dataclasses.asdict(traced[key])
-    return speeds, seconds
-
-
-def speed_digest(specs: dict) -> str:
-    """sha256 over what the modeled speeds depend on: every (model, configuration, spec) and the source files of
-    the decode kernels, the emulator (its cost model included) and the rank rule."""
+def sources_digest() -> str:
+    """sha256 over the source files the modeled speeds depend on: the decode kernels, the emulator (its cost model
+    included) and the rank rule."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sources = sorted(
         glob.glob(os.path.join(root, "nki_kernels", "decode", "*.py"))
         + glob.glob(os.path.join(root, "nki_kernels", "emulator", "*.py"))
         + [os.path.join(root, "nki_kernels", "ranks.py")]
     )
-    digest = hashlib.sha256(repr(sorted((k, repr(v.spec)) for k, v in specs.items())).encode())
+    digest = hashlib.sha256()
     for path in sources:
         with open(path, "rb") as f:
             digest.update(os.path.relpath(path, root).encode() + b"\0" + f.read())
     return digest.hexdigest()
 
 
-def speed_specs(gemma: DecodeModel) -> dict:
-    """{(model, config name): DecodeModel at that configuration's spec} for every report row."""
-    specs = {(GEMMA, c.name): dataclasses.replace(gemma, spec=config_spec(gemma.spec, c)) for c in CONFIGS}
+def trace_speeds(specs: dict, results: dict, retrace: bool) -> tuple[list, int]:
+    """Traces the looped composition at CACHE_LEN, batch by batch, of every {(model, config name): DecodeModel} in
+    `specs` whose spec or kernel sources differ from what results["speed_digests"] records (all with `retrace`;
+    each distinct spec once) into results["speed"] ("model|config|batch": Measured fields); speeds of configurations
+    no longer in `specs` are dropped. Returns the seconds each trace took and how many speeds were reused."""
+    sources = sources_digest()
+    old_speeds, old_digests = results.get("speed", {}), results.get("speed_digests", {})
+    speeds, digests, traced, seconds, reused = {}, {}, {}, [], 0
+    for (model_name, config_name), model in specs.items():
+        digest = hashlib.sha256((sources + repr(model.spec)).encode()).hexdigest()
+        for batch in BATCHES:
+            key = f"{model_name}|{config_name}|{batch}"
+            if not retrace and old_digests.get(key) == digest and key in old_speeds:
+                speeds[key], digests[key] = old_speeds[key], digest
+                reused += 1
+                continue
+            case = (model_name, model.spec, batch)
+            if case not in traced:
+                start = time.perf_counter()
+                traced[case] = measure_model(model, "looped", batch, CACHE_LEN, extrapolated=model_name != GEMMA)
+                seconds.append(time.perf_counter() - start)
+                print(f"traced {model_name} {config_name} batch {batch}: {seconds[-1]:.0f} s", flush=True)
+            speeds[key], digests[key] = dataclasses.asdict(traced[case]), digest
+    results["speed"], results["speed_digests"] = speeds, digests
+    results.pop("speed_digest", None)  # the one digest over every spec that per-row digests replace
+    return seconds, reused
+
+
+def speed_specs(gemma: DecodeModel, rows: dict) -> dict:
+    """{(model, config name): DecodeModel at the config's spec} for every report row whose spec is known (an
+    allocated configuration's once `rows` holds its measured ranks)."""
+    specs = {}
+    for c in CONFIGS:
+        spec = config_spec(gemma.spec, c, rows.get(c.name))
+        if spec is not None:
+            specs[(GEMMA, c.name)] = dataclasses.replace(gemma, spec=spec)
     for name, model in decode.published_decode_models(SPEED_ONLY_MODELS).items():
         for c in SPEED_ONLY_CONFIGS:
             specs[(name, c.name)] = dataclasses.replace(model, spec=config_spec(model.spec, c))
@@ -378,10 +422,10 @@ def _x(value):
 
 
 def render(results: dict, out_dir: str) -> None:
-    meta, rows = results["meta"], results["rows"]
+    configs = {c.name: c for c in CONFIGS}
+    meta, rows = results["meta"], {n: r for n, r in results["rows"].items() if n in configs}
     dense = meta["dense"]
     speeds = Speeds(results)
-    configs = {c.name: c for c in CONFIGS}
     measured = [name for name in configs if name in rows]
     points = {n: (speeds.speedup(GEMMA, n, 1, "trn2"), worst(rows[n], dense)) for n in measured}
     points = {n: p for n, p in points.items() if p[0] is not None}
@@ -421,26 +465,30 @@ def render(results: dict, out_dir: str) -> None:
         "**sequential + distilled**: `compress_model(..., method='whitened', steps=('sequential', 'distill'))` at "
         "uniform ranks, distilled with the full-vocabulary KL at 128 sampled positions per window, 200 steps on 80 "
         "training windows (the recommended pipeline when these rows were measured), then for fp8 `quantize_model` "
-        "of that model with the calibration ids; today's recommended pipeline (output Fisher weighting + rank "
-        "allocation + 480 steps over the teacher's likely rows, 160 training windows) measures 1.198x / 1.169x for "
-        "mlp 0.8 bf16 (benchmarks/results/accuracy_report.md). **fisher + distilled**: `compress_model(..., "
-        "method='whitened', steps=('fisher', 'distill'), block=64)`: the recommended pipeline at uniform ranks "
-        "(MLP 448 / 384 / 320 at keep 0.9 / 0.8 / 0.6; q and o 384 / 320 / 256, k and v 128; the head 576 / 512 / "
-        "384), each truncation weighted by its output's Fisher Gram matrix, then 160 distillation steps (a third "
-        "of the recommended 480) over the teacher's likely rows on the 80 training windows; fp8 as for "
-        "sequential + distilled.",
+        "of that model with the calibration ids. **recommended**: `compress_model(..., method='whitened', "
+        "steps=('fisher', 'allocate', 'distill'))`, the package's default pipeline: each truncation weighted by its "
+        "output's Fisher Gram matrix, ranks allocated across the compressed projections (multiples of 64) by their "
+        "predicted Fisher-weighted truncation errors, then 480 distillation steps over the teacher's likely rows on "
+        "160 training windows (`DistillOptions()`; the layers' ranks differ, the head's is block-aligned at 128); "
+        "fp8 as for sequential + distilled.",
         "- **Modeled speed**: the looped decode step (one kernel for every layer, the final norm and the LM head) "
         f"at S {CACHE_LEN}, batch 1 and 8, one new token per row; each configuration's `DecodeSpec` has the ranks "
-        "of `nki_kernels.ranks.block_aligned_rank` (equal to `models.decode.model_spec` of each built model, "
+        "of `nki_kernels.ranks.block_aligned_rank`, or the built model's where compression allocates them "
+        "(equal to `models.decode.model_spec` of each built model, "
         "checked), `fp8_weights` naming its fp8 weights and `packed_weights` the fp8 attention factors "
         "`packing.attention_packing` packs (Gemma 3 270M's with attention factored; none of the Llamas'). "
         "**x** = bf16 dense looped µs ÷ this µs, bf16 dense "
-        "traced in the same run; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
+        "traced with the same kernel sources; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
         "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
         "- **Runs** on this 2-core machine (1-minute load averages beside each figure; above 2, other jobs shared "
-        f"it): speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
+        f"it): the last run's speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
         f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
         f"{speed_meta['load']}"
+        + (
+            f", beside {speed_meta['reused']} speeds traced by earlier runs with the same spec and kernel sources"
+            if speed_meta.get("reused")
+            else ""
+        )
         + (f" ({speed_meta['kernels']})" if speed_meta.get("kernels") else "")
         + "; accuracy rows: the build (compress / quantize) seconds and load per row below"
         + (
@@ -459,7 +507,7 @@ def render(results: dict, out_dir: str) -> None:
     gemma_specs = results["specs"]
     for name, config in configs.items():
         row = rows.get(name)
-        weight_mb = gemma_specs[name]["weight_bytes"] / 1e6
+        weight_mb = f"{gemma_specs[name]['weight_bytes'] / 1e6:.1f}" if name in gemma_specs else "–"
         speed_cells = " | ".join(_x(speeds.speedup(GEMMA, name, b, t)) for b in BATCHES for t in TARGETS)
         if row is None:
             accuracy = "not measured | – | – | – | –"
@@ -472,7 +520,7 @@ def render(results: dict, out_dir: str) -> None:
             mark = "**yes**" if name in on_frontier else ""
             build, load = f"{row['seconds']:.0f}", row["load"]
         lines.append(
-            f"| {name} | {mark} | {config.weights} | {config.svd} | {accuracy} | {weight_mb:.1f} | {speed_cells} "
+            f"| {name} | {mark} | {config.weights} | {config.svd} | {accuracy} | {weight_mb} | {speed_cells} "
             f"| {build} | {load} |"
         )
     lines += ["", *frontier_lines(rows, dense, points, on_frontier, configs), ""]
@@ -486,7 +534,8 @@ def render(results: dict, out_dir: str) -> None:
         (
             "Accuracy of: "
             + "; ".join(f"{n}{' (expensive: distillation)' if configs[n].expensive else ''}" for n in missing)
-            + ". Their modeled speeds above are of their block-aligned ranks. "
+            + ". The modeled speeds above of those with uniform ranks are of their block-aligned ranks; "
+            "those whose ranks compression allocates have none until measured. "
             '`python benchmarks/frontier.py --configs="NAME,NAME"` measures them and resumes from the JSON.'
         )
         if missing
@@ -508,8 +557,10 @@ def render(results: dict, out_dir: str) -> None:
             + "|",
             "|---|---|---|---|" + "---|" * len(TARGETS),
         ]
+        spec_info = results["specs"] if model_name == GEMMA else results["speed_only_specs"][model_name]
         for config in config_list:
-            spec_info = results["specs"] if model_name == GEMMA else results["speed_only_specs"][model_name]
+            if config.name not in spec_info:  # allocated ranks: known once the row is measured
+                continue
             info = spec_info[config.name]
             for b in BATCHES:
                 need = info["must_move"][str(b)]
@@ -739,37 +790,18 @@ def main(argv):
     tokenizer = dense.tokenizer
     bos = tokenizer.token_to_id("<bos>")
 
-    # Modeled speeds of every row, bf16 dense included, traced in this run.
     gemma = DecodeModel(GEMMA, "the loaded checkpoint, through models.decode.model_spec", decode.model_spec(dense))
-    specs = speed_specs(gemma)
-    digest = speed_digest(specs)
-    if FLAGS.skip_speeds:
-        print("modeled speeds: not traced (--skip_speeds)", flush=True)
-    elif FLAGS.retrace or results.get("speed_digest") != digest:
-        load_before, start = _load(), time.perf_counter()
-        results["speed"], seconds = trace_speeds(specs)
-        results["speed_digest"] = digest
-        results["speed_meta"] = dict(
-            traces=len(seconds),
-            min_s=min(seconds),
-            max_s=max(seconds),
-            seconds=time.perf_counter() - start,
-            load=f"{load_before} before, {_load()} after",
-        )
-        _write(json_path, json.dumps(results, indent=1).encode())
-    else:
-        print(f"modeled speeds: reused from {json_path} (same specs and kernel sources)", flush=True)
-    results["speed_depths"] = {
-        name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
-        for name in (GEMMA, *SPEED_ONLY_MODELS)
-    }
-    results["specs"] = {c.name: spec_info(specs[(GEMMA, c.name)]) for c in CONFIGS}
-    results["speed_only_specs"] = {
-        m: {c.name: spec_info(specs[(m, c.name)]) for c in SPEED_ONLY_CONFIGS} for m in SPEED_ONLY_MODELS
-    }
+    dropped = sorted(set(results["rows"]) - {c.name for c in CONFIGS})
+    if dropped:
+        print(f"rows of configurations no longer listed, dropped: {dropped}", flush=True)
+        results["rows"] = {n: r for n, r in results["rows"].items() if n not in dropped}
+    calibration_ids = calibration.training_windows(tokenizer, FLAGS.distill_windows, FLAGS.seq_len, bos)[
+        : FLAGS.calibration_windows
+    ]
 
-    distill_ids = calibration.training_windows(tokenizer, FLAGS.distill_windows, FLAGS.seq_len, bos)
-    calibration_ids = distill_ids[: FLAGS.calibration_windows]
+    def distill_ids(count):  # the calibration windows lead every count's windows
+        return calibration.training_windows(tokenizer, count or FLAGS.distill_windows, FLAGS.seq_len, bos)
+
     texts = {
         "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
         "technical": calibration.technical_texts()[1],
@@ -792,18 +824,51 @@ def main(argv):
         if not shared_built and builder.projections_seconds is not None:  # built for this row, shared by the others
             seconds -= builder.projections_seconds
             results["meta"].update(projections_seconds=builder.projections_seconds, projections_load=load_before)
-        built, predicted = decode.model_spec(model), specs[(GEMMA, config.name)].spec
+        built = decode.model_spec(model)
+        held = {"ranks": spec_ranks(built)} if config.allocated else None
+        predicted = config_spec(gemma.spec, config, held)
         if built != predicted:
             raise RuntimeError(f"{config.name}: the built model's DecodeSpec {built} is not the predicted {predicted}")
         row = measure_accuracy(model, windows, dense_predictions)
-        row.update(seconds=seconds, load=f"{load_before}-{_load()}")
+        row.update(seconds=seconds, load=f"{load_before}-{_load()}", **(held or {}))
         results["rows"][config.name] = row
         print(f"{config.name}: {row}", flush=True)
         del model
         _write(json_path, json.dumps(results, indent=1).encode())
         render(results, FLAGS.out_dir)
+    update_speeds(results, gemma)
     _write(json_path, json.dumps(results, indent=1).encode())
     render(results, FLAGS.out_dir)
+
+
+def update_speeds(results: dict, gemma: DecodeModel) -> None:
+    """The modeled speeds of every row whose spec is known, bf16 dense included: traced where the spec or the kernel
+    sources changed since the JSON's traces (all with --retrace; none with --skip_speeds), then each spec's bytes."""
+    specs = speed_specs(gemma, results["rows"])
+    if FLAGS.skip_speeds:
+        print("modeled speeds: not traced (--skip_speeds)", flush=True)
+    else:
+        load_before, start = _load(), time.perf_counter()
+        seconds, reused = trace_speeds(specs, results, FLAGS.retrace)
+        if seconds:
+            results["speed_meta"] = dict(
+                traces=len(seconds),
+                reused=reused,
+                min_s=min(seconds),
+                max_s=max(seconds),
+                seconds=time.perf_counter() - start,
+                load=f"{load_before} before, {_load()} after",
+            )
+        else:
+            print("modeled speeds: every spec's traces reused from the JSON (same specs and kernel sources)")
+    results["speed_depths"] = {
+        name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
+        for name in (GEMMA, *SPEED_ONLY_MODELS)
+    }
+    results["specs"] = {c: spec_info(m) for (name, c), m in specs.items() if name == GEMMA}
+    results["speed_only_specs"] = {
+        m: {c.name: spec_info(specs[(m, c.name)]) for c in SPEED_ONLY_CONFIGS} for m in SPEED_ONLY_MODELS
+    }
 
 
 if __name__ == "__main__":
