@@ -26,6 +26,7 @@ from decode_operands import (
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
+from nki_kernels.decode import compositions
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
@@ -220,6 +221,23 @@ def test_default_ring_leaves_sbuf_for_a_long_cache():
         with use_target(target):
             logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
         assert logits.shape == (1, 1, spec.vocab)
+
+
+@pytest.mark.parametrize("hidden, rows", [(256, 1), (640, 8), (2048, 1)])
+def test_default_ring_reserves_the_small_tiles_and_a_staged_row(hidden, rows):
+    """The looped step's default ring leaves the small tiles and a staged [R, hidden] float32 row block beside it,
+    sized from the hidden size (10.5 KiB at Gemma 3 270M's 640, 16 KiB at Llama-3.2-1B's 2048), and the step fits
+    SBUF with it: the emulator checks every instruction's live SBUF."""
+    spec = llama_like(num_layers=2, hidden=hidden, num_heads=4, num_kv_heads=1, head_dim=64, intermediate=256)
+    assert compositions.reserved_bytes(spec) == compositions.SMALL_TILE_BYTES + 4 * hidden
+    operands = [
+        op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
+        for op in make_operands(np.random.default_rng(0), spec, rows, 1, 64, 5, BF16)
+    ]
+    for target in ("trn1", "trn2"):
+        with use_target(target):
+            logits, _, _ = run_decode_step("looped", operands, spec, numerics=False)
+        assert logits.shape == (rows, 1, spec.vocab)
 
 
 def test_rejects_bad_arguments(rng):

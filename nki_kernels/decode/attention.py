@@ -1052,6 +1052,7 @@ def attention(
     *,
     constants=None,
     prefetched=None,
+    writes=None,
 ):
     """One layer's attention at decode, inside a kernel; returns attnT column tiles [128, ceil(heads·D/128), R]
     in the cache dtype (ready as the o projection's moving operand).
@@ -1061,7 +1062,9 @@ def attention(
     the slots its mask can make visible (attend) with this step's k (normed, rotated) and v from chip, then writes
     them into the caches at [write_index, write_index + T) IN PLACE. constants: AttentionConstants(spec), built
     once per kernel when attention runs for several layers. prefetched: prefetch(...) of this layer, issued before
-    the projections (None: issued here).
+    the projections (None: issued here). writes: None (the cache writes are issued here, last), or a list that
+    receives them as functions to call later (`write_rows` at a runtime slot orders every later read of the cache
+    after it, so a kernel that reads another layer's window next issues them after that read).
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
@@ -1079,11 +1082,16 @@ def attention(
     q_rotated = norm_rope(qT, 0, early.tables, spec, constants)
     values = cache_rows(vT, features, v_cache.dtype, "new_value_rows")
     attn = attend(q_rotated, early.reader, constants, new_kv=(keys, values))
-    # Written last: the window was read without waiting for these writes (the same HBM bytes). The k rows evict on
-    # ScalarE first: VectorE carries the o projection's inputs next.
+    # Written last (or later, by the caller): the window was read without waiting for these writes (the same HBM
+    # bytes). The k rows evict on ScalarE first: VectorE carries the o projection's inputs next.
     index = early.reader.index
-    write_rows(values, v_cache, layer, index)
-    write_rows(cache_rows(k_rotated, features, k_cache.dtype, "new_key_rows", turn=1), k_cache, layer, index)
+    key_rows = cache_rows(k_rotated, features, k_cache.dtype, "new_key_rows", turn=1)
+    issue = [lambda: write_rows(values, v_cache, layer, index), lambda: write_rows(key_rows, k_cache, layer, index)]
+    if writes is None:
+        for write in issue:
+            write()
+    else:
+        writes += issue
     return attn
 
 

@@ -42,7 +42,7 @@ from nki_kernels.decode import attention, contract, parallel, projections, tiles
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
 from nki_kernels.decode.layouts import Layouts
 from nki_kernels.decode.packing import load_packed
-from nki_kernels.decode.ring import RING_BLOCK_BYTES, SBUF_RESERVED_BYTES, SMALL_TILE_BYTES, WeightRing
+from nki_kernels.decode.ring import RING_BLOCK_BYTES, SMALL_TILE_BYTES, WeightRing
 from nki_kernels.svd_mlp import activation_op
 
 COMPOSITIONS = ("per_op", "per_layer", "looped", "per_op_svd_mlp")
@@ -78,8 +78,8 @@ class StepContext:
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
         if head:
             beside = max(beside, head_staging_bytes(spec, rows, dtype, ring_block_bytes))
-        beside += activation_bytes(self.layouts, rows) + staging_bytes(spec)
-        self.ring = WeightRing(ring_block_bytes, ring_bytes, beside)
+        beside += activation_bytes(self.layouts, rows)
+        self.ring = WeightRing(ring_block_bytes, ring_bytes, beside, reserved_bytes(spec))
         self.consts = projections.NormConstants(spec.norm_eps)
         self.act = activation_op(spec.activation)
         self.attention = attention.AttentionConstants(spec)
@@ -94,16 +94,17 @@ def activation_bytes(layouts, rows):
     """SBUF bytes per partition at most that a layer's activation column tiles hold at once beside the ring, R =
     rows (a bound, counted as float32: the hidden state and a few float32 copies of it, q and attention's working
     copies of it (normed, rotated, the rotation's products), k and v, the MLP's intermediate and its product),
-    beside ring.SBUF_RESERVED_BYTES (constants, the input rows): they grow with R (Gemma 3 270M at R = 128: 23 KiB)."""
+    beside reserved_bytes (constants, the input rows): they grow with R (Gemma 3 270M at R = 128: 23 KiB)."""
     tiles_live = 4 * len(layouts.hidden) + 6 * len(layouts.q) + 2 * len(layouts.kv) + 2 * len(layouts.inter)
     return rows * tiles_live * nl.float32.itemsize
 
 
-def staging_bytes(spec):
-    """SBUF bytes per partition that ring.SBUF_RESERVED_BYTES lacks for a staged [R, hidden] float32 row block
-    (tiles.load_columns, e.g. a layer's norm weights) beside the small tiles (SMALL_TILE_BYTES): 0 up to hidden
-    2048 (Gemma 3 270M, Llama-3.2-1B), 8 KiB for Llama-3.1-8B's 4096."""
-    return max(0, spec.hidden * nl.float32.itemsize + SMALL_TILE_BYTES - SBUF_RESERVED_BYTES)
+def reserved_bytes(spec):
+    """SBUF bytes per partition a decode-step kernel keeps beside its weight ring for the small tiles
+    (SMALL_TILE_BYTES) and a staged [R, hidden] float32 row block (tiles.load_columns, e.g. a layer's norm weights):
+    10.5 KiB for Gemma 3 270M's hidden 640 (a 5.5 KiB deeper ring than ring.SBUF_RESERVED_BYTES leaves), 16 KiB for
+    Llama-3.2-1B's 2048, 24 KiB for Llama-3.1-8B's 4096."""
+    return SMALL_TILE_BYTES + spec.hidden * nl.float32.itemsize
 
 
 def head_staging_bytes(spec, rows, dtype, ring_block_bytes=None):
@@ -158,12 +159,17 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     """One decoder layer on the hidden state x (float32 column tiles of ctx.layouts.hidden, updated in place).
 
     ops: DecodeOperands in HBM (x, final_norm and head unused). The k/v of this step go into the caches in place.
-    early: this layer's attention prefetch (_prefetch) when an earlier layer issued it, else None (issued here).
+    early: this layer's attention prefetch (_prefetch) when an earlier layer issued it, else None (issued here:
+    before the projections, or by attention after them where the layer's weights are packed).
     prefetch_next: issue layer + 1's prefetch once the MLP's matmuls are issued and return it: its PE transposes
     and evictions then run while this layer waits for its down all-reduce and its last norms, which TensorE idles
     through, instead of between the next layer's first norm and its q/k/v matmuls (on the step's serial chain:
     Gemma 3 270M at T = 4, 1.2 µs a layer on trn2). Layer + 1's cache tiles are allocated after this layer's
     attention last reads its own, so the two need not be live at once (one layer's in StepContext's beside bytes).
+    With prefetch_next, this layer's cache writes are issued after that prefetch (else by attention, as it ends):
+    a write at the step's runtime slot orders every later read of the cache after it, so layer + 1's window reads,
+    issued before it, wait for no write of this layer (they would start only once it lands, mid-layer, and claim
+    DMA engines at that moment, between weight blocks that then cannot fill the engines' time before them).
     """
     spec, rows, lay = ctx.spec, ctx.rows, ctx.layouts
     weights = ops.weights
@@ -172,6 +178,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     reduce = parallel.all_reduce_columns(spec.tensor_parallel)
 
     packed = {}  # this layer's packed weights (spec.packed_weights), loaded when the first of them is used
+    last_packed = max(spec.packed_weights, key=PROJECTIONS.index, default=None)  # in the layer's order
 
     def stored(name):
         """This layer's weight of projection `name`: HBM views, a packed one's values on chip."""
@@ -183,6 +190,14 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         if isinstance(weight, contract.Dense):  # dense in the model's dtype: its values are all there is
             return packed[name]["w"]
         return dataclasses.replace(weight, **packed[name])
+
+    def release(*names):
+        """Unpin this layer's packed blocks once `names`, the projections just issued, include its last packed one:
+        later loads (the rest of the layer's, the next layer's, the LM head's) may then take their ring bytes, each
+        waiting for the matmuls that read them (the last layer's would otherwise stay pinned through the head, a
+        shallower ring for its prefetch)."""
+        if packed and last_packed in names:
+            ctx.ring.pinned = []
 
     def layer_projection(src, src_layout, name, out_layout, evict):
         rank = spec.rank(name, layer)
@@ -199,11 +214,16 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
             ctx.layer_scales(name, layer),
             reduce if name in contract.SPLIT_ROWS else None,
         )
+        release(name)
 
     h = _normed(ctx, x, w_norm, 0, ctx.dtype, "attn_in")
-    # Attention's inputs that wait for no projection (its tables, the cache window's row 0) go first.
-    if early is None:
+    # Attention's inputs that wait for no projection (its tables, the cache window's row 0) go first, unless the
+    # layer's weights are packed: q, k and v's matmuls then wait for the packed block's DMA, and TensorE would take
+    # the prefetch's transposes (the mask columns, the window's keys) before them in program order, so the window's
+    # DMAs, queued behind the packed block, would delay q too; attention issues them after the projections instead.
+    if early is None and not spec.packed_weights:
         early = _prefetch(ops, layer, spec, rows)
+    writes = [] if prefetch_next else None  # this layer's cache writes, issued once layer + 1's prefetch is
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
         qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
@@ -224,6 +244,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         spec,
         constants=ctx.attention,
         prefetched=early,
+        writes=writes,
     )
     del qkv
     if attn.dtype != ctx.dtype:
@@ -244,7 +265,10 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         projections.gated_mlp(
             h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales, reduce
         )
+        release(*MLP_PROJECTIONS)
         following = _prefetch(ops, layer + 1, spec, rows) if prefetch_next else None
+        for write in writes or ():
+            write()
         _add_normed(ctx, x, m, w_norm, 3, "mlp_out_normed")
     else:
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
@@ -252,7 +276,10 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         projections.gated_mlp(
             h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales, reduce
         )
+        release(*MLP_PROJECTIONS)
         following = _prefetch(ops, layer + 1, spec, rows) if prefetch_next else None
+        for write in writes or ():
+            write()
     return following
 
 
@@ -297,8 +324,8 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
             are written IN PLACE at this step's slots.
         spec: DecodeSpec (static).
         ring_block_bytes, ring_bytes: the weight ring's geometry per partition (default: blocks of up to
-            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less SBUF_RESERVED_BYTES and the
-            larger of attention's cache tiles (with fp8 scales) and the head's staged logits).
+            ring.RING_BLOCK_BYTES in a ring filling the target's SBUF less reserved_bytes and the larger of
+            attention's cache tiles (with fp8 scales) and the head's staged logits).
     Returns:
         (logits [B, T, V·spec.tensor_parallel] float32 in HBM, k_cache, v_cache).
     """

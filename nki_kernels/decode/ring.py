@@ -6,15 +6,16 @@ from nki_kernels.binding import nisa, nl
 from nki_kernels.svd_matmul import spans
 
 # Largest weight block per partition, and the SBUF left beside the ring for the small tiles every kernel holds
-# (activations, norm and attention constants, the step's input rows); what grows with the shape (attention's cache
-# tiles, fp8 scales, the LM head's staged logits) is the ring's beside_bytes, computed by the kernel from the spec.
+# (activations, norm and attention constants, the step's input rows) unless the kernel sizes it from its shape (a
+# decode-step kernel's compositions.reserved_bytes); what grows with the shape (attention's cache tiles, fp8 scales,
+# the LM head's staged logits) is the ring's beside_bytes, computed by the kernel from the spec.
 # Gemma 3 270M at batch 1 holds under 3 KiB of those small tiles (5 KiB at batch 8; Llama-3.1-8B 4-5 KiB, its
 # input rows 16 KiB before any other tile): a 64 KiB reserve was one ring 48 KiB shallower (trn2, T = 4 dense:
 # 481.6 -> 466.1 µs modeled with the head's staging sized separately).
 RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 16 * 1024
-# The small tiles' share of that reserve, at most (the rest holds a staged [R, hidden] float32 row block, which the
-# kernel adds to beside_bytes where the hidden size leaves too little: compositions.staging_bytes).
+# The small tiles' share of that reserve, at most (the rest holds a staged [R, hidden] float32 row block: a
+# decode-step kernel reserves this and that row block, compositions.reserved_bytes).
 SMALL_TILE_BYTES = 8 * 1024
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small
@@ -34,12 +35,12 @@ class WeightRing:
     ring (an fp8 block holds twice the elements of a bf16 one in the same bytes).
     """
 
-    def __init__(self, block_bytes=None, ring_bytes=None, beside_bytes=0):
-        """beside_bytes: SBUF per partition that other tiles hold beside SBUF_RESERVED_BYTES while the ring is in
-        use (attention's cache tiles); the default ring takes the rest."""
+    def __init__(self, block_bytes=None, ring_bytes=None, beside_bytes=0, reserved_bytes=SBUF_RESERVED_BYTES):
+        """beside_bytes: SBUF per partition that other tiles hold beside reserved_bytes (the small tiles') while the
+        ring is in use (attention's cache tiles); the default ring takes the rest."""
         block_bytes = RING_BLOCK_BYTES if block_bytes is None else block_bytes
         if ring_bytes is None:
-            ring_bytes = nl.tile_size.sbuf_fmax_bytes - SBUF_RESERVED_BYTES - beside_bytes
+            ring_bytes = nl.tile_size.sbuf_fmax_bytes - reserved_bytes - beside_bytes
         if not 0 < block_bytes <= ring_bytes:
             raise ValueError(
                 f"WeightRing: block_bytes={block_bytes}, ring_bytes={ring_bytes}; expected "
@@ -53,7 +54,7 @@ class WeightRing:
         self.ring = None
         self.cursor = 0  # bytes
         # [(start, end)] byte ranges later loads skip: blocks read after other blocks stream through the ring (a
-        # layer's packed weights, nki_kernels.decode.packing.load_packed, until its next layer's replace them).
+        # layer's packed weights, nki_kernels.decode.packing.load_packed, until their last matmuls are issued).
         self.pinned = []
 
     def block_elements(self, dtype):
