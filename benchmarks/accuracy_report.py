@@ -179,6 +179,15 @@ half-length windows, so each step costs about half) instead of 480 of 256 tokens
 ranks: 1.246x / 1.206x (top-1 0.632 / 0.751) in 1027 s (scratch, alone, load 1.2-1.8) against 1.202x / 1.166x:
 worse on both texts and slower (a 128-token step costs more than half a 256-token one), so windows stay 256 tokens.
 
+Text the dense model samples itself: 64 windows of 256 tokens, each the first 32 tokens of a training window (its
+start or its middle) continued by the dense model at temperature 1 (models.generate, batches of 32), added to the
+160 training windows, keep 0.8 MLP, the same 480 steps: 1.179x / 1.144x (top-1 0.673 / 0.771) against 1.202x /
+1.166x, better on both texts, but the sampling took 313 s (about 20 ms a token at batch 32: the 262k-row head and
+the sampling over it at every new token) and the run 1425 s beside it (scratch, load 2.6-2.8: a modeled-speed job
+shared the cores). A sampled token costs about five times what a distillation step spends on one, so within the
+15-minute budget the samples would displace most of the steps; on an accelerator, where both are cheap, they are
+the way to more training text.
+
 The KL over the likely rows: the teacher's top-64 tokens at every fourth position of the 156 training windows are
 22,718 of the 262,144 vocabulary rows (the teacher puts 1.8% of its mass outside them on the training windows, about
 2% on the held-out texts); the KL over those rows alone (both distributions renormalized) takes a distillation step
