@@ -206,3 +206,13 @@ def test_llama_8b_looped_step_fits_one_core_sbuf(num_layers, fp8):
     measured = bench.measure_spec(spec, "looped", 1, 512)
     assert measured.note == ""
     assert all(measured.latency_us(target, 0.0) > 0 for target in ("trn1", "trn2"))
+
+
+@pytest.mark.parametrize("model", ["Llama-3.2-1B", "Llama-3.1-8B"])
+def test_per_op_step_fits_one_core_sbuf(model):
+    # A projection kernel's output rows (up to the intermediate size, staged in float32) overflowed the reserve
+    # beside a full weight ring until the ring was released after its last block.
+    spec = bench.decode_spec(MODELS[model], 1, False)
+    measured = bench.measure_spec(spec, "per_op", 1, 512)
+    assert measured.note == ""
+    assert all(measured.latency_us(target, 0.0) > 0 for target in ("trn1", "trn2"))
