@@ -477,9 +477,9 @@ def render(results: dict, out_dir: str) -> None:
         "(equal to `models.decode.model_spec` of each built model, "
         "checked), `fp8_weights` naming its fp8 weights and `packed_weights` the fp8 attention factors "
         "`packing.attention_packing` packs (Gemma 3 270M's with attention factored; none of the Llamas'). "
-        "**x** = bf16 dense looped µs ÷ this µs, bf16 dense "
-        "traced with the same kernel sources; **% peak** = must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak "
-        "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
+        "**x** = bf16 dense looped µs ÷ this µs, bf16 dense traced with the same kernel sources; **% peak** = "
+        "must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak DMA-to-HBM rate (272 GB/s trn1, "
+        "362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
         "- **Runs** on this 2-core machine (1-minute load averages beside each figure; above 2, other jobs shared "
         f"it): the last run's speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
         f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
