@@ -223,7 +223,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     # DMAs, queued behind the packed block, would delay q too; attention issues them after the projections instead.
     if early is None and not spec.packed_weights:
         early = _prefetch(ops, layer, spec, rows)
-    writes = [] if prefetch_next else None  # this layer's cache writes, issued once layer + 1's prefetch is
+    writes = [] if prefetch_next else None  # this layer's cache writes, issued after layer + 1's prefetch
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
         qkv[name] = tiles.column_tiles(layout, rows, ctx.dtype, f"{name}T", zero=False)
