@@ -208,6 +208,16 @@ def test_llama_8b_looped_step_fits_one_core_sbuf(num_layers, fp8):
     assert all(measured.latency_us(target, 0.0) > 0 for target in ("trn1", "trn2"))
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_gemma_fp8_looped_step_with_8_rows_fits_one_core_sbuf(compressed):
+    # The fp8 head's scales (8 KiB a partition for a 262,144-token vocabulary) beside its staged logits for 8 rows,
+    # with the layers' fp8 scales still live, overflowed a ring sized from the hidden size's reserve.
+    spec = bench.decode_spec(MODELS["Gemma 3 270M"], 18, compressed, fp8=True)
+    measured = bench.measure_spec(spec, "looped", 8, 512)
+    assert measured.note == ""
+    assert all(measured.latency_us(target, 0.0) > 0 for target in ("trn1", "trn2"))
+
+
 @pytest.mark.parametrize("model", ["Llama-3.2-1B", "Llama-3.1-8B"])
 def test_per_op_step_fits_one_core_sbuf(model):
     # A projection kernel's output rows (up to the intermediate size, staged in float32) overflowed the reserve

@@ -338,6 +338,7 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     early = None
     for layer in range(spec.num_layers):
         early = decoder_layer(ctx, hidden, layer, ops, early, prefetch_next=layer + 1 < spec.num_layers)
+    ctx.scales = None  # the layers' fp8 scales: their SBUF is the head's (StepContext counts the larger of the two)
     logits = _head(ctx, hidden, ops.final_norm, ops.head, b, t)
     return logits, ops.k_cache, ops.v_cache
 

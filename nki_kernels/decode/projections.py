@@ -558,7 +558,7 @@ def head_staging_bytes(dtype, fp8, rows, vocab, block_bytes):
     `dtype` (fp8: with scales), R = rows, V = vocab, ring blocks of block_bytes: what the kernel keeps beside the
     weight ring in the head (where attention's cache tiles are no longer live). A range's logits are allocated once
     the oldest pending range's stores are issued, so HEAD_STORE_DELAY ranges' float32 rows are live at most (the fp8
-    head's: its 128-group column buffer and the rows of its flushes)."""
+    head's: its 128-group column buffer and the rows of its flushes, beside its scales for the whole vocabulary)."""
     pmax, ranges = nl.tile_size.pmax, max(1, HEAD_STORE_DELAY)
     if not fp8:
         columns = _widest_columns(dtype, HEAD_STAGED_COLUMNS, block_bytes // dtype.itemsize)
@@ -566,9 +566,14 @@ def head_staging_bytes(dtype, fp8, rows, vocab, block_bytes):
             columns -= columns % nl.tile_size.gemm_moving_fmax
         return ranges * min(max(columns, 1), vocab) * nl.float32.itemsize
     if rows <= HEAD_TURN_ROWS:  # a buffer of 128 groups; a flush stages HEAD_COLUMNS of each row
-        return (pmax * rows + ranges * rows * HEAD_COLUMNS) * nl.float32.itemsize
-    groups = -(-HEAD_STAGED_COLUMNS // pmax)  # a range's column tiles and its rows
-    return ranges * (groups * rows + HEAD_STAGED_COLUMNS) * nl.float32.itemsize
+        staged = (pmax * rows + ranges * rows * HEAD_COLUMNS) * nl.float32.itemsize
+    else:
+        groups = -(-HEAD_STAGED_COLUMNS // pmax)  # a range's column tiles and its rows
+        staged = ranges * (groups * rows + HEAD_STAGED_COLUMNS) * nl.float32.itemsize
+    # The scales ([128, Q·m, 1]) stay live through the whole head; the rows they are read as (Q of 128·m columns)
+    # are freed before any logits stage.
+    count, m = _scale_rows(vocab)
+    return count * m * nl.float32.itemsize + max(pmax * m * nl.float32.itemsize, staged)
 
 
 def head_ranges(v, columns):
@@ -790,6 +795,13 @@ class _LogitColumns:
         return stores
 
 
+def _scale_rows(vocab):
+    """(Q, m): `_scale_groups` reads a scale [V = vocab] as Q rows of 128·m columns (m = ⌈G/128⌉, G = ⌈V/128⌉)."""
+    pmax = nl.tile_size.pmax
+    m = -(-(-(-vocab // pmax)) // pmax)
+    return -(-vocab // (pmax * m)), m
+
+
 def _scale_groups(scale):
     """scale [V] (HBM, float32) as [128, G, 1] SBUF (G = ⌈V/128⌉ groups of 128 columns, column g·128 + p on
     partition p of group g). One DMA reads it as Q ≤ 128 contiguous rows of B = 128·m columns (m = ⌈G/128⌉; 8 KiB
@@ -797,10 +809,9 @@ def _scale_groups(scale):
     group q·m + j. A ragged last row is zeroed first (an unwritten element would spoil a transpose on trn1)."""
     pmax = nl.tile_size.pmax
     v = scale.shape[0]
-    groups = -(-v // pmax)
-    m = -(-groups // pmax)
+    count, m = _scale_rows(v)
     width = pmax * m
-    count, full = -(-v // width), v // width
+    full = v // width
     staged = nl.ndarray((count, width), dtype=nl.float32, buffer=nl.sbuf, name="head_scale_rows")
     if full < count:
         nisa.memset(dst=staged, value=0.0)
