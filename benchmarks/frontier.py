@@ -149,6 +149,16 @@ CONFIGS = (
         )
         for keep, block in ((0.7, HEAD_BLOCK), (0.69, 8))
     ),
+    # The same with every forward pass of the distillation seeing the factors rounded to fp8 (straight through).
+    Config(
+        "head 0.69 fp8 distilled through fp8",
+        ("head",),
+        0.69,
+        fp8=True,
+        steps=("distill",),
+        block=8,
+        distill=DistillOptions(steps=120, positions=64, vocab_top_k=0, weight_dtype=FP8),
+    ),
     # The layers' rows keep the pipeline they were measured with (uniform ranks, which the speed spec assumes).
     *(
         Config(

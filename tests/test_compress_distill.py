@@ -1,7 +1,10 @@
 """Distillation losses against float64 references, and what training with them does on a small model."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -9,6 +12,7 @@ from jax_neuronmm.compress.distill import (
     DistillOptions,
     _kl_loss,
     distill_factors,
+    fp8_rounded,
     learning_rate_schedule,
     likely_rows,
     top_k_kl,
@@ -17,6 +21,7 @@ from jax_neuronmm.compress.distill import (
 )
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.quantization import quantize_model
 
 
 def _log_softmax64(logits):
@@ -182,6 +187,43 @@ def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
     np.testing.assert_allclose(_full_kl64(compressed, model, held), best, rtol=1e-3)
 
 
+def test_fp8_rounded_is_the_stored_rounding_with_a_straight_through_gradient():
+    rng = np.random.default_rng(11)
+    # Ragged [37, 19], columns from 1e-3 to 1e3 in magnitude, one all zero.
+    w = rng.standard_normal((37, 19)) * np.logspace(-3, 3, 19)
+    w[:, 4] = 0.0
+    w32 = w.astype(np.float32)
+    amax = np.abs(w32.astype(np.float64)).max(0)
+    scale = np.where(amax > 0, amax / 240.0, 1.0).astype(np.float32).astype(np.float64)
+    want = (w32 / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * scale
+    got = np.asarray(fp8_rounded(jnp.asarray(w32)), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+    assert np.abs(got - w32).max(0)[5] > 0  # the rounding changes the weights
+    c = rng.standard_normal(w.shape).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(fp8_rounded(x) * c))(jnp.asarray(w32))
+    np.testing.assert_array_equal(np.asarray(grad), c)
+
+
+def test_distill_through_fp8_lowers_the_kl_of_the_fp8_model(tiny):
+    model, ids = tiny
+    start = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    before = _full_kl64(quantize_model(start, targets=("mlp", "attention"), progress=False), model, ids[:8])
+    options = DistillOptions(
+        steps=40, batch=4, learning_rate=3e-3, relative=False, warmup=5, positions=11, vocab_top_k=0
+    )
+    trained = {}
+    for weight_dtype in (None, "float8_e4m3"):
+        trained[weight_dtype] = compress_model(model, 0.5, method="svd", block=8, progress=False)
+        distill = dataclasses.replace(options, weight_dtype=weight_dtype)
+        distill_factors(trained[weight_dtype], model, ids, distill, progress=False)
+    fp8 = quantize_model(trained["float8_e4m3"], targets=("mlp", "attention"), progress=False)
+    after = _full_kl64(fp8, model, ids[:8])
+    assert after < 0.7 * before, (before, after)
+    # The forward passes saw the rounded factors: training took another path than on the float factors.
+    u_fp8, u_float = (np.asarray(trained[d].layers[0].mlp.down_proj.u[...]) for d in ("float8_e4m3", None))
+    assert np.abs(u_fp8 - u_float).max() > 1e-3 * np.abs(u_float).max()
+
+
 def test_unembedding_is_the_tied_embedding_or_the_head():
     tied = from_preset("gemma3", "tiny", num_layers=1, vocab_size=50)
     np.testing.assert_array_equal(np.asarray(unembedding(tied)), np.asarray(tied.embed_tokens.embedding[...]))
@@ -199,6 +241,11 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
         ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
         ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
         ("schedule", "linear", r"DistillOptions.schedule: got 'linear', expected one of \('cosine', 'constant'\)"),
+        (
+            "weight_dtype",
+            "int8",
+            r"DistillOptions.weight_dtype: got 'int8', expected None or one of \('float8_e4m3',\)",
+        ),
     ],
 )
 def test_distill_options_are_checked(field, value, message):

@@ -42,6 +42,7 @@ from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential
 from jax_neuronmm.compress.local_finetune import check_adam_options
+from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, dequantize_fp8, quantize_fp8
 from jax_neuronmm.decoder_math import soft_cap
 
 LOSSES = ("kl", "topk")
@@ -62,7 +63,10 @@ class DistillOptions:
     windows (`likely_rows`; 0: the whole vocabulary); vocab_chunk: LM-head rows per chunk of the "kl" loss; top_k:
     tokens per position of the "topk" loss's KL term (0: the centered-logit error alone); holdout: training windows
     held out to choose which step's factors to keep (0: keep the last step's);
-    eval_every: steps between held-out measurements; seed: window order and sampled positions.
+    eval_every: steps between held-out measurements; seed: window order and sampled positions; weight_dtype: None,
+    or "float8_e4m3": every forward pass sees the factors rounded to fp8 as compress_model(weight_dtype=...) stores
+    them (`quantize_fp8`, a scale per column), the gradient passed straight through the rounding to the float
+    factors, so training corrects the error the rounding adds (the kept factors are float; round them after).
     """
 
     steps: int = 480
@@ -80,6 +84,7 @@ class DistillOptions:
     holdout: int = 4
     eval_every: int = 40
     seed: int = 0
+    weight_dtype: str | None = None
 
     def __post_init__(self):
         check_adam_options(self)  # steps, batch, learning_rate: the checks local fine-tuning's options share
@@ -96,6 +101,10 @@ class DistillOptions:
             raise ValueError(f"DistillOptions.loss: got {self.loss!r}, expected one of {LOSSES}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"DistillOptions.schedule: got {self.schedule!r}, expected one of {SCHEDULES}")
+        if self.weight_dtype is not None and self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(
+                f"DistillOptions.weight_dtype: got {self.weight_dtype!r}, expected None or one of {WEIGHT_DTYPES}"
+            )
 
 
 def _check_int(name, value, low):
@@ -108,6 +117,13 @@ def _check_int(name, value, low):
 def is_factor(path, value) -> bool:
     """nnx filter: the u / v parameters of SVDLinear layers."""
     return isinstance(value, nnx.Param) and bool(path) and path[-1] in ("u", "v")
+
+
+def fp8_rounded(w) -> jax.Array:
+    """w [K, N] as its fp8 round-to-nearest with a scale per column (`quantize_fp8`, dequantized) in the forward
+    pass; the gradient passes straight through (the rounding's derivative taken as 1)."""
+    values, scale = quantize_fp8(w)
+    return w + jax.lax.stop_gradient(dequantize_fp8(values, scale, dtype=w.dtype) - w)
 
 
 def final_hidden(model, ids) -> jax.Array:
@@ -299,6 +315,8 @@ def distill_factors(
 
     # The model's other weights and the unembedding are arguments, not constants baked into the compiled steps.
     def loss_of(factors, rest, table, batch):
+        if options.weight_dtype is not None:
+            factors = jax.tree.map(fp8_rounded, factors)
         student = nnx.merge(graphdef, factors, rest)
         return loss_fn(final_hidden(student, batch[0]), factored_head(student), table, *batch[1:])
 

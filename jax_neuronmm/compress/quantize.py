@@ -15,6 +15,9 @@ import numpy as np
 
 from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX, SCALE_DTYPE, is_fp8  # noqa: F401  (FP8_* public here)
 
+# The stored weight dtypes besides the model's own (compress_model / quantize_model's weight_dtype).
+WEIGHT_DTYPES = ("float8_e4m3",)
+
 
 def _axes(op, ndim, axis):
     if ndim < 2:

@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from jax_neuronmm.compress.quantize import gptq_fp8
+from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
 from jax_neuronmm.compress.svd import single_threaded_blas
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
@@ -34,7 +34,6 @@ from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from jax_neuronmm.reference import jnp_activation
 
-WEIGHT_DTYPES = ("float8_e4m3",)
 TARGETS = ("attention", "mlp", "head")
 
 
