@@ -798,7 +798,8 @@ class _LogitColumns:
 def _scale_rows(vocab):
     """(Q, m): `_scale_groups` reads a scale [V = vocab] as Q rows of 128·m columns (m = ⌈G/128⌉, G = ⌈V/128⌉)."""
     pmax = nl.tile_size.pmax
-    m = -(-(-(-vocab // pmax)) // pmax)
+    groups = -(-vocab // pmax)
+    m = -(-groups // pmax)
     return -(-vocab // (pmax * m)), m
 
 
