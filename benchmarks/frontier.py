@@ -386,7 +386,7 @@ def speed_specs(gemma: DecodeModel, rows: dict) -> dict:
 
 
 def _measured(results, model_name, config_name, batch) -> Measured | None:
-    fields = results["speed"].get(f"{model_name}|{config_name}|{batch}")
+    fields = results.get("speed", {}).get(f"{model_name}|{config_name}|{batch}")
     if fields is None:
         return None
     return Measured(**{**fields, "extrapolated": tuple(fields["extrapolated"])})
@@ -441,7 +441,7 @@ def render(results: dict, out_dir: str) -> None:
     points = {n: p for n, p in points.items() if p[0] is not None}
     on_frontier = frontier(points)
     setup = meta["setup"]
-    speed_meta = results["speed_meta"]
+    speed_meta = results.get("speed_meta")
     lines = [
         "# Speed-accuracy frontier of Gemma 3 270M (benchmarks/frontier.py)",
         "",
@@ -491,15 +491,19 @@ def render(results: dict, out_dir: str) -> None:
         "must-move bytes (`traffic.must_move_bytes`) ÷ µs ÷ the core's peak DMA-to-HBM rate (272 GB/s trn1, "
         "362.5 GB/s trn2); tok/s = batch ÷ µs, per NeuronCore.",
         "- **Runs** on this 2-core machine (1-minute load averages beside each figure; above 2, other jobs shared "
-        f"it): the last run's speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
-        f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
-        f"{speed_meta['load']}"
         + (
-            f", beside {speed_meta['reused']} speeds traced by earlier runs with the same spec and kernel sources"
-            if speed_meta.get("reused")
-            else ""
+            "it): no speed traced yet (runs with --skip_speeds)"
+            if speed_meta is None
+            else f"it): the last run's speed traces {speed_meta['traces']} distinct cases, {speed_meta['min_s']:.0f}-"
+            f"{speed_meta['max_s']:.0f} s each, {speed_meta['seconds'] / 60:.1f} min in all, load "
+            f"{speed_meta['load']}"
+            + (
+                f", beside {speed_meta['reused']} speeds traced by earlier runs with the same spec and kernel sources"
+                if speed_meta.get("reused")
+                else ""
+            )
+            + (f" ({speed_meta['kernels']})" if speed_meta.get("kernels") else "")
         )
-        + (f" ({speed_meta['kernels']})" if speed_meta.get("kernels") else "")
         + "; accuracy rows: the build (compress / quantize) seconds and load per row below"
         + (
             f"; the shared GPTQ fp8 projections took {meta['projections_seconds']:.0f} s (load "
@@ -844,6 +848,7 @@ def main(argv):
         results["rows"][config.name] = row
         print(f"{config.name}: {row}", flush=True)
         del model
+        record_specs(results, gemma)
         _write(json_path, json.dumps(results, indent=1).encode())
         render(results, FLAGS.out_dir)
     update_speeds(results, gemma)
@@ -851,10 +856,26 @@ def main(argv):
     render(results, FLAGS.out_dir)
 
 
+def record_specs(results: dict, gemma: DecodeModel) -> dict:
+    """Each row's spec facts the report shows beside its speed (bytes, how deep it is traced) into `results`;
+    returns the specs (`speed_specs`)."""
+    specs = speed_specs(gemma, results["rows"])
+    results["speed_depths"] = {
+        name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
+        for name in (GEMMA, *SPEED_ONLY_MODELS)
+    }
+    results["specs"] = {c: spec_info(m) for (name, c), m in specs.items() if name == GEMMA}
+    results["speed_only_specs"] = {
+        m: {c.name: spec_info(specs[(m, c.name)]) for c in SPEED_ONLY_CONFIGS} for m in SPEED_ONLY_MODELS
+    }
+    return specs
+
+
 def update_speeds(results: dict, gemma: DecodeModel) -> None:
     """The modeled speeds of every row whose spec is known, bf16 dense included: traced where the spec or the kernel
-    sources changed since the JSON's traces (all with --retrace; none with --skip_speeds), then each spec's bytes."""
-    specs = speed_specs(gemma, results["rows"])
+    sources changed since the JSON's traces (all with --retrace; none with --skip_speeds), beside each spec's
+    facts (`record_specs`)."""
+    specs = record_specs(results, gemma)
     if FLAGS.skip_speeds:
         print("modeled speeds: not traced (--skip_speeds)", flush=True)
     else:
@@ -871,14 +892,6 @@ def update_speeds(results: dict, gemma: DecodeModel) -> None:
             )
         else:
             print("modeled speeds: every spec's traces reused from the JSON (same specs and kernel sources)")
-    results["speed_depths"] = {
-        name: "full trace" if name == GEMMA else "traced at 1 and 2 layers, extrapolated linearly in L"
-        for name in (GEMMA, *SPEED_ONLY_MODELS)
-    }
-    results["specs"] = {c: spec_info(m) for (name, c), m in specs.items() if name == GEMMA}
-    results["speed_only_specs"] = {
-        m: {c.name: spec_info(specs[(m, c.name)]) for c in SPEED_ONLY_CONFIGS} for m in SPEED_ONLY_MODELS
-    }
 
 
 if __name__ == "__main__":
