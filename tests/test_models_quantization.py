@@ -207,6 +207,20 @@ def test_compress_model_with_fp8_factors():
         compress_model(model, weight_dtype="fp8")
 
 
+def test_compress_model_to_fp8_distills_through_the_rounding_unless_told(monkeypatch):
+    from jax_neuronmm.compress import distill
+
+    seen = []
+    monkeypatch.setattr(distill, "distill_factors", lambda model, dense, ids, options, **_: seen.append(options))
+    model, ids = _llama(), _ids(4, 9, seed=5)
+    common = dict(keep=0.6, block=8, method="svd", calibration_ids=ids, steps=("distill",), progress=False)
+    compress_model(model, weight_dtype="float8_e4m3", **common)
+    compress_model(model, weight_dtype="float8_e4m3", distill=distill.DistillOptions(steps=3), **common)
+    compress_model(model, **common)
+    assert [options.weight_dtype for options in seen] == ["float8_e4m3", None, None]
+    assert seen[0] == distill.DistillOptions(weight_dtype="float8_e4m3") and seen[1].steps == 3
+
+
 def test_decode_weight_bytes_count_fp8_weights_as_stored():
     from jax_neuronmm.models.decode import decode_weight_bytes
     from jax_neuronmm.nn.nnx import SVDLinear
