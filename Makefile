@@ -31,7 +31,7 @@ demo: $(DEMO_STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n auto --dist loadfile tests
 
 # AWS_NEURON_SDK: a checkout of aws-neuron/aws-neuron-sdk, to run AWS's example kernels and check the cost model.
 # NKI_LIBRARY: a checkout of aws-neuron/nki-library, to run its kernels unmodified on the emulator and add its

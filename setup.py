@@ -31,6 +31,7 @@ setup(
         "neuron": ["jax-neuronx", "neuronx-cc", "nki"],
         "test": [
             "pytest>=8,<10",
+            "pytest-xdist>=3.5,<4",  # make test: one worker per core, each test file whole on one worker
             "hypothesis>=6.100,<7",
             "transformers>=4.50,<6",
             "accelerate>=1,<2",  # transformers needs it to load GGUF files (the GGUF loader's reference)

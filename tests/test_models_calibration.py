@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jax_neuronmm.models import calibration
-from jax_neuronmm.models.compression import CALIBRATION_TEXT
+from jax_neuronmm.models.compression import CALIBRATION_TEXT, TRAINING_TEXT
 
 
 class CharTokenizer:
@@ -48,3 +48,17 @@ def test_training_windows_alternate_the_novel_and_the_reference():
     assert decoded[1] == reference[:11] and decoded[3] == reference[11:22]
     with pytest.raises(ValueError, match="count: got 3, expected an even number >= 2"):
         calibration.training_windows(CharTokenizer(), 3)
+
+
+def test_training_windows_continue_the_novel_into_chapters_13_to_49():
+    def read(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+
+    first, more = read(CALIBRATION_TEXT), read(TRAINING_TEXT)
+    assert first.rstrip().endswith("Colonel Forster was going to be married.") and more.startswith("Chapter 13\n")
+    span = 1000  # characters a window (after bos): 103 novel windows run past chapter 12's 101,849 characters
+    count = 2 * (len(first) // span + 2)
+    windows = calibration.training_windows(CharTokenizer(), count, span + 1, bos_id=1)
+    novel = "".join("".join(map(chr, row[1:])) for row in windows[0::2])
+    assert novel == (first.rstrip("\n") + "\n\n" + more)[: len(novel)] and len(novel) > len(first) + span

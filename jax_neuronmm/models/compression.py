@@ -26,6 +26,8 @@ from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 # Public-domain English text shipped for calibration and for held-out evaluation (jax_neuronmm/data/SOURCES.txt).
 _DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CALIBRATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch01-12.txt")
+# More of the novel for distillation (models.calibration.training_windows): chapters 13-49, after the calibration text.
+TRAINING_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch13-49.txt")
 EVALUATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch50-61.txt")
 # "head": the LM head (for tied embeddings, a factored copy; the embedding lookup stays exact).
 INCLUDE_CHOICES = ("mlp", "attention", "head")
