@@ -14,8 +14,9 @@ calibrated pipeline `compress_model` recommends; for every method but svd the te
 the bundled public-domain calibration text) is tokenized with the checkpoint's tokenizer (UTF-8 bytes when it has
 none) and its first --calibration_windows windows of --calibration_tokens tokens calibrate the compression (the
 distill step trains on its first --distill_windows windows). The calibration default is the accuracy report's
-(benchmarks/results/accuracy_report.md: 48 windows of 256 tokens); it distills on 160 windows of two texts, this
-script on 80 windows of one (the bundled text, 22,622 Gemma 3 tokens, holds 88).
+(benchmarks/results/accuracy_report.md: 48 windows of 256 tokens); it distills on 480 windows of two texts (the
+novel's chapters 1-49 and the Python reference), this script on 80 windows of one (the bundled calibration text,
+chapters 1-12, 22,622 Gemma 3 tokens, holds 88): pass a larger corpus and --distill_windows for more.
 
 Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
 examples/generate.py --checkpoint OUT:
