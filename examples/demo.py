@@ -53,7 +53,7 @@ from jax_neuronmm.nn.nnx import SVDMLP
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
 # Calibration and distillation windows (models.calibration.training_windows). The accuracy report distills on 480
-# (nearer the dense model on its held-out texts, about 7 minutes more); 160 keeps the demo's first run near 15 minutes.
+# (nearer the dense model on its held-out texts, about 5 minutes more); 160 keeps the demo's first run near 15 minutes.
 SEQ_LEN, CALIBRATION_WINDOWS, DISTILL_WINDOWS = 256, 48, 160
 
 flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept")

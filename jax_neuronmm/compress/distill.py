@@ -360,7 +360,8 @@ def _window_schedule(count: int, batch: int, options: DistillOptions, rng) -> tu
     """(schedule [steps, batch], drawn [W]): the training windows of each step, as indices into drawn, the sorted
     windows of 0..count-1 some step trains on. Epochs: every window once in a fresh order, then again, so a run
     sees as many different windows as its steps can (more text measured better on Gemma 3 270M: 480 windows against
-    160 for the same 480 steps, benchmarks/results/accuracy_report.md)."""
+    160 for the same 480 steps, benchmarks/results/accuracy_report.md). With batch > 1 a step that spans two epochs
+    may hold one window twice."""
     epochs = -(-options.steps * batch // count)
     order = np.concatenate([rng.permutation(count) for _ in range(epochs)])[: options.steps * batch]
     drawn, schedule = np.unique(order, return_inverse=True)
@@ -392,10 +393,9 @@ def _kl_loss(cap, options, vocab_rows=None):
     return loss
 
 
-# Positions of each training window whose likely tokens `likely_rows` collects: a quarter of them, which found
-# nearly every row all of them do at a quarter of the teacher head's cost.
-# likely_rows looks at every 4th position, or sparser when the windows hold more than _LIKELY_ROWS_POSITIONS of them:
-# each position costs a product with the whole vocabulary, and more rows make every distillation step slower.
+# Positions whose likely tokens `likely_rows` collects: every 4th of each window (which found nearly every row all of
+# them do, at a quarter of the teacher head's cost), sparser past _LIKELY_ROWS_POSITIONS in all: each position costs a
+# product with the whole vocabulary, and more rows make every distillation step slower.
 _LIKELY_ROWS_STRIDE = 4
 _LIKELY_ROWS_POSITIONS = 10_240
 
