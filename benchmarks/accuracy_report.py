@@ -220,7 +220,9 @@ second calibration pass and SVD per projection (that pass took 59 s of the scrat
 
 The targets are NOT met. The recommended pipeline (fisher + allocate + 480 distillation steps over the likely rows,
 480 training windows) gives keep 0.8 MLP 1.153x / 1.114x (target 1.05x), top-1 agreement 66% / 77% (target 85%),
-in 1123 s with nothing else running (load 1.6-2.0): over the 15-minute budget (below). On 160 training windows
+in 1123 s with nothing else running (load 1.6-2.0): over the 15-minute budget (below); keep 0.6 MLP 1.269x /
+1.209x (target 1.20x; top-1 0.635 / 0.734) in 976 s (alone, load 2.0), against 1.335x / 1.261x on 160 windows with
+the same ranks. MLP + attention was not measured on 480 windows. On 160 training windows
 (the rows "..., 160 training windows, ranks by KL probes", ranks then measured by the probes) it measured keep 0.8
 MLP 1.198x / 1.169x in 820 s (load 1.6-1.9); MLP + attention 1.289x / 1.306x (target 1.10x; top-1 0.614 / 0.695)
 in 1138 s, over the budget (load 1.9-2.2); keep 0.6 MLP 1.359x / 1.291x (target 1.20x; top-1 0.616 / 0.723) in
