@@ -172,11 +172,11 @@ load 1.9-3.7 with the test suite) against 1.198x / 1.169x for the measured KL: t
 alone, load 1.2-1.9): 1.289x / 1.302x (top-1 0.610 / 0.691) against 1.289x / 1.306x, the sensitivity step 76 s
 instead of 251 s, 1046 s in all instead of 1138 s: still over the 15-minute budget on this machine. So after the
 "fisher" step, "allocate" now ranks by these predicted losses (`sensitivity.fisher_losses`;
-compress_model(allocation_loss="kl") measures the probes instead). The three "recommended" rows of the table were
-measured with the KL probes; the figures just above are the same pipeline with the predicted losses. Keep 0.6 MLP
-with them (benchmarks/results/frontier.md, the same material): 1.335x / 1.261x (top-1 0.615 / 0.723) against 1.359x
-/ 1.291x with the probes, in 1553 s at load 2.4-3.4 (a second compression shared the cores); keep 0.9 MLP, 1.155x /
-1.127x (top-1 0.682 / 0.775) in 1176 s (load 1.4-2.7).
+compress_model(allocation_loss="kl") measures the probes instead). The rows "..., 160 training windows, ranks by KL
+probes" were measured with the probes; the figures just above are the same pipeline with the predicted losses. Keep
+0.6 MLP with them (benchmarks/results/frontier.md, the same material): 1.335x / 1.261x (top-1 0.615 / 0.723)
+against 1.359x / 1.291x with the probes, in 1553 s at load 2.4-3.4 (a second compression shared the cores); keep 0.9
+MLP, 1.155x / 1.127x (top-1 0.682 / 0.775) in 1176 s (load 1.4-2.7).
 
 Shorter training windows, more steps: 960 steps of one 128-token window (the same ~41k training tokens cut in
 half-length windows, so each step costs about half) instead of 480 of 256 tokens, keep 0.8 MLP with the predicted

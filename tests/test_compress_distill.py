@@ -319,7 +319,7 @@ def test_likely_rows_look_at_sparser_positions_past_their_budget(monkeypatch):
 @pytest.mark.parametrize("count, steps, batch", [(13, 5, 1), (13, 30, 1), (7, 9, 2)])
 def test_window_schedule_visits_every_window_once_an_epoch(count, steps, batch):
     rng = np.random.default_rng(count * steps)
-    schedule, drawn = _window_schedule(count, batch, DistillOptions(steps=steps, batch=batch), rng)
+    schedule, drawn = _window_schedule(count, steps, batch, rng)
     assert schedule.shape == (steps, batch) and np.all(np.diff(drawn) > 0) and drawn.min() >= 0 and drawn.max() < count
     windows = drawn[schedule].reshape(-1)
     np.testing.assert_array_equal(np.unique(windows), drawn)  # drawn holds exactly the windows some step uses
