@@ -242,9 +242,9 @@ step) end at 1.226x / 1.157x (top-1 0.635 / 0.758), no better than 480: at step 
 1.232x, 3000 1.249x / 1.185x, 4000 1.232x / 1.167x, 5000 1.227x / 1.157x (intermediate points are mid-schedule).
 Each of the 156 training windows is seen about 38 times in 6000 steps, and the held-out texts stop improving: with
 the ~41k tokens of training text the package ships, the 480-step result is close to what distillation of these
-factors reaches at any budget. What was left: more and more varied training text, a better second-order start
-(the Fisher with both sides' correlations, or refreshed on the compressed model), or a rank above keep 0.8's for
-this small model's MLPs.
+factors reaches at any budget. Left then: more and more varied training text and a rank above keep 0.8's for this
+small model's MLPs (both measured below), and a better second-order start (the Fisher with both sides' correlations,
+or refreshed on the compressed model; not measured).
 
 More training text is the lever that measured. The novel's chapters 13-49 now ship beside chapters 1-12
 (jax_neuronmm/data/), and `training_windows` continues the novel into them (chapters 1-49: 461 windows); the

@@ -12,6 +12,8 @@ other half, never trained on, for evaluation. Distillation gains from text it ha
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 from jax_neuronmm.models.compression import CALIBRATION_TEXT, TRAINING_TEXT
@@ -43,11 +45,6 @@ def interleaved(*parts: np.ndarray) -> np.ndarray:
     return np.stack([window for group in zip(*parts) for window in group])
 
 
-def _read(path: str) -> str:
-    with open(path, encoding="utf-8") as f:
-        return f.read()
-
-
 def training_windows(tokenizer, count: int, seq_len: int = 256, bos_id: int | None = None) -> np.ndarray:
     """`count` (even) windows [count, seq_len] for calibration and distillation: one of the shipped novel (chapters
     1-12, then 13-49), one of the training half of the Python reference, in turn; the first k of them are the
@@ -55,7 +52,8 @@ def training_windows(tokenizer, count: int, seq_len: int = 256, bos_id: int | No
     the reference half holds 241 windows, so count is at most 482."""
     if count < 2 or count % 2:
         raise ValueError(f"count: got {count!r}, expected an even number >= 2 (one window of each text in turn)")
-    novel = "\n\n".join(_read(path).rstrip("\n") for path in (CALIBRATION_TEXT, TRAINING_TEXT))
+    parts = (Path(path).read_text(encoding="utf-8").rstrip("\n") for path in (CALIBRATION_TEXT, TRAINING_TEXT))
+    novel = "\n\n".join(parts)
     half = count // 2
     return interleaved(
         text_windows(tokenizer, novel, half, seq_len, bos_id, name="the shipped novel"),
