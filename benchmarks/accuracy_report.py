@@ -145,8 +145,9 @@ stopped there.
 Which projections to compress (the sensitivity table): the LM head is by far the best trade: factored alone at keep
 0.8 (whitened by the final hidden states of the calibration windows, no training) it costs 1.030x / 1.015x with
 top-1 agreement 0.82 / 0.85 and saves more of a decode step's bytes than all the MLPs at keep 0.8 do (the head is
-62% of them): compress_model(include=("head",)). The MLPs come next; attention projections cost the most perplexity
-per byte saved (4.3x / 3.9x whitened + sequential at keep 0.8). fp8 weights (benchmarks/results/fp8_accuracy.md:
+62% of them): compress_model(include=("head",)). The MLPs come next; attention projections factored one by one
+cost the most perplexity per byte saved (4.3x / 3.9x whitened + sequential at keep 0.8; q, k and v factored on one
+basis cost the least, below). fp8 weights (benchmarks/results/fp8_accuracy.md:
 1.000x with GPTQ for every projection and the head) halve the bytes at no measured cost.
 
 The training text: on 80 windows, 8 of the windows distillation trains on went from 2.035x to 1.465x, 1.209x,
@@ -243,8 +244,8 @@ step) end at 1.226x / 1.157x (top-1 0.635 / 0.758), no better than 480: at step 
 Each of the 156 training windows is seen about 38 times in 6000 steps, and the held-out texts stop improving: with
 the ~41k tokens of training text the package ships, the 480-step result is close to what distillation of these
 factors reaches at any budget. Left then: more and more varied training text and a rank above keep 0.8's for this
-small model's MLPs (both measured below), and a better second-order start (the Fisher with both sides' correlations,
-or refreshed on the compressed model; not measured).
+small model's MLPs (both measured below), and a better second-order start (the Fisher refreshed on the compressed
+model and groups factored on one basis, measured below; the Fisher with both sides' correlations, not measured).
 
 More training text is the lever that measured. The novel's chapters 13-49 now ship beside chapters 1-12
 (jax_neuronmm/data/), and `training_windows` continues the novel into them (chapters 1-49: 461 windows); the
@@ -284,6 +285,40 @@ windows (scratch, alone, load 0.9-1.7) measured 1.137x / 1.064x (top-1 0.694 / 0
 the MLPs' parameters for 0.016 on the novel. With these factors, this text and these steps the novel stays above
 1.13x: a 1.05x model at keep 0.8 of the MLPs would need another compressed form than a rank-r product trained end to
 end; fp8 weights halve the bytes at 1.000x-1.008x (fp8_accuracy.md, frontier.md).
+
+Projections that read one input, factored on one basis. q, k and v read the same normed hidden state, as do gate
+and up; factoring a group's weights side by side ([Wq Wk Wv], one u [H, r] for the group, one v per projection,
+the Fisher weightings of their outputs block-diagonal) spends the same parameters as separate factors and gives
+every projection of the group the group's rank. Scratch runs (fisher start as compress_model computes it, 48
+calibration windows; the package does not factor groups jointly):
+- Attention alone at keep 0.8, no training: separate (q 315, k 146, v 146, o 315) 1.267x / 1.255x (top-1 0.661 /
+  0.740); q, k and v on one basis of rank 361 (o as before) 1.036x / 1.059x (top-1 0.830 / 0.856). Gemma 3 270M's k
+  and v are 256 wide (one KV head): alone at keep 0.8 each keeps 146 of 256 directions. Per byte saved, attention so
+  factored costs less than the MLPs (MLPs at rank 384, the same weighting: 1.444x / 1.343x for 5.6% of a decode
+  step's bytes, attention 3.7%), the reverse of the sensitivity table's order above.
+- MLPs, no training: gate and up on one basis of rank 436 against 384 each, 1.376x / 1.327x against 1.444x / 1.343x
+  (rank 363 against 320: 1.675x / 1.594x against 1.741x / 1.633x).
+- MLPs at keep 0.8, the recommended ranks, then gate and up re-factored on one basis at the same parameters, 480
+  steps on 480 windows: 1.318x / 1.279x before distillation, 1.149x / 1.103x (top-1 0.688 / 0.777) after, in 1216 s
+  (alone, load 1.7-1.9), against 1.153x / 1.114x (0.661 / 0.770).
+- MLP + attention at keep 0.8, ranks allocated over the groups (q/k/v, o, gate/up, down) by their Fisher-weighted
+  tail sums (q/k/v get rank 320 where the separate allocation gives q, k and v 128 each), 480 steps on 480 windows:
+  1.351x / 1.324x before distillation, 1.187x / 1.174x (top-1 0.652 / 0.736) after, in 1432 s (alone, load 0.9-2.0),
+  against 1.184x / 1.213x (0.626 / 0.705); at the separate allocation's parameters instead, 1.457x / 1.479x and
+  1.199x / 1.212x (1366 s).
+Distillation closes most of what the shared basis gains before training: after it, the worst text of MLP +
+attention moves from 1.213x to 1.187x and top-1 agreement rises by 3 points, short of the 1.10x target. Shipping it
+means a fused group module (one svd_matmul over the concatenated outputs, split after), its place in checkpoints,
+the looped decode kernel's operand packing and a tensor-parallel split by heads.
+
+The Fisher weighting refreshed on the compressed model. The "fisher" step computes each output Gram matrix G once,
+on the dense model. Recomputed on the compressed model instead (its factored MLPs' products as dense kernels, the
+same 24 windows; about 2.5 minutes a round here) and each MLP projection re-truncated from its dense weight at the
+same rank under the new weighting (the input side as before, from the dense model), keep 0.8 MLP before distillation
+went from 1.376x / 1.327x (top-1 0.609 / 0.729) to 1.341x / 1.285x after one round and 1.319x / 1.240x (0.633 /
+0.750) after two (scratch, 48 calibration windows). Two rounds, then 480 steps on 480 windows: 1.156x / 1.113x
+(top-1 0.675 / 0.770) in 1528 s (alone, load 1.8-1.9), against 1.153x / 1.114x (0.661 / 0.770): distillation ends
+where it ends from the dense model's weighting.
 
 The whole model (MLP + attention + head at keep 0.8, 200 steps, uniform ranks, before the Fisher weighting):
 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs, 21.7% of a decode step's bytes
