@@ -299,13 +299,13 @@ calibration windows; the package does not factor groups jointly):
 - MLPs, no training: gate and up on one basis of rank 436 against 384 each, 1.376x / 1.327x against 1.444x / 1.343x
   (rank 363 against 320: 1.675x / 1.594x against 1.741x / 1.633x).
 - MLPs at keep 0.8, the recommended ranks, then gate and up re-factored on one basis at the same parameters, 480
-  steps on 480 windows: 1.318x / 1.279x before distillation, 1.149x / 1.103x (top-1 0.688 / 0.777) after, in 1216 s
-  (alone, load 1.7-1.9), against 1.153x / 1.114x (0.661 / 0.770).
+  steps on 480 windows: 1.318x / 1.279x before distillation (separate: 1.376x / 1.327x), 1.149x / 1.103x (top-1
+  0.688 / 0.777) after, in 1216 s (alone, load 1.7-1.9), against 1.153x / 1.114x (0.661 / 0.770).
 - MLP + attention at keep 0.8, ranks allocated over the groups (q/k/v, o, gate/up, down) by their Fisher-weighted
-  tail sums (q/k/v get rank 320 where the separate allocation gives q, k and v 128 each), 480 steps on 480 windows:
-  1.351x / 1.324x before distillation, 1.187x / 1.174x (top-1 0.652 / 0.736) after, in 1432 s (alone, load 0.9-2.0),
-  against 1.184x / 1.213x (0.626 / 0.705); at the separate allocation's parameters instead, 1.457x / 1.479x and
-  1.199x / 1.212x (1366 s).
+  tail sums (in layers 0 and 8, q/k/v get rank 320 where the separate allocation gives q, k and v 128 each), 480
+  steps on 480 windows: 1.351x / 1.324x before distillation, 1.187x / 1.174x (top-1 0.652 / 0.736) after, in 1432 s
+  (alone, load 0.9-2.0), against 1.184x / 1.213x (0.626 / 0.705); at the separate allocation's parameters instead,
+  1.457x / 1.479x and 1.199x / 1.212x (1366 s).
 Distillation closes most of what the shared basis gains before training: after it, the worst text of MLP +
 attention moves from 1.213x to 1.187x and top-1 agreement rises by 3 points, short of the 1.10x target. Shipping it
 means a fused group module (one svd_matmul over the concatenated outputs, split after), its place in checkpoints,
