@@ -60,7 +60,8 @@ TEXTS = ("novel", "technical")
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """One report row: compress_model(dense, keep, method, include=include, steps=steps, block=block, distill=...)."""
+    """One report row: compress_model(dense, keep, method, include=include, steps=steps, block=block, distill=...,
+    allow_dense=allow_dense)."""
 
     name: str
     keep: float
@@ -69,6 +70,7 @@ class Config:
     method: str = RECOMMENDED_METHOD
     block: int | None = None  # compress_model's default: 128, 64 for allocated ranks
     distill: DistillOptions = DistillOptions()
+    allow_dense: bool = True  # the "allocate" step may leave a projection dense
 
 
 # Every configuration, most telling first. The sensitivity rows factor one projection type each, whitened + sequential
@@ -83,6 +85,9 @@ CONFIGS = (
     Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
     Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
     Config("mlp+attention+head 0.8 recommended", 0.8, ("mlp", "attention", "head")),
+    Config("mlp 0.8, every projection factored", 0.8, ("mlp",), allow_dense=False),
+    Config("mlp+attention 0.8, every projection factored", 0.8, ("mlp", "attention"), allow_dense=False),
+    Config("mlp 0.6, every projection factored", 0.6, ("mlp",), allow_dense=False),
 )
 SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
 # (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text.
@@ -609,6 +614,7 @@ def main(argv):
             block=config.block,
             distill=config.distill,
             distill_ids=distill_ids if "distill" in config.steps else None,
+            allow_dense=config.allow_dense,
         )
         seconds = time.perf_counter() - start
         row = measure(compressed, held_out, bos)

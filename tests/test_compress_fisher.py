@@ -15,7 +15,8 @@ from jax_neuronmm.compress.sensitivity import fisher_losses, kl_sensitivity
 from jax_neuronmm.compress.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.models.compression import compress_model, fused_mlp_activation
-from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.models.layers import GatedMLP
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -255,23 +256,55 @@ def test_fisher_losses_are_the_weighted_truncation_errors(tiny):
         fisher_losses(model, calibration, include, partial, progress=False)
 
 
+def _rank(projection):
+    return projection.u.shape[1] if isinstance(projection, SVDLinear) else None
+
+
 def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
     model, calibration = tiny
     steps = ("fisher", "allocate")
-    compressed = compress_model(model, 0.5, "whitened", calibration, steps=steps, block=8, progress=False)
+    compressed = compress_model(model, 0.6, "whitened", calibration, steps=steps, block=8, progress=False)
     grams = fisher.output_grams(model, calibration, ("mlp",), progress=False)
     out_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
     losses = fisher_losses(model, calibration, ("mlp",), out_chols, progress=False)
     keys = [(index, name) for index in range(len(model.layers)) for name in MLP_NAMES]
     shapes = [getattr(model.layers[index].mlp, name).kernel.shape for index, name in keys]
-    expected = allocate_ranks([losses[key] for key in keys], shapes, 0.5, 8)
-    got = [getattr(compressed.layers[index].mlp, name).u.shape[1] for index, name in keys]
-    assert got == expected
-    assert sum(r * (k + n) for r, (k, n) in zip(got, shapes)) <= 0.5 * sum(k * n for k, n in shapes)
+    curves = [losses[key] for key in keys]
+
+    def ranks_of(model):  # None where the projection stayed dense
+        return [_rank(getattr(model.layers[index].mlp, name)) for index, name in keys]
+
+    got = ranks_of(compressed)
+    assert got == allocate_ranks(curves, shapes, 0.6, 8, allow_dense=True)
+    assert None in got  # the tiny model's most sensitive projections cost less dense than at their largest rank
+    assert sum(k * n if r is None else r * (k + n) for r, (k, n) in zip(got, shapes)) <= 0.6 * sum(
+        k * n for k, n in shapes
+    )
+    for index, layer in enumerate(compressed.layers):
+        dense_here = [name for name in MLP_NAMES if got[keys.index((index, name))] is None]
+        assert isinstance(layer.mlp, GatedMLP if dense_here else SVDMLP)
+        for name in dense_here:  # the dense weight itself, untouched
+            np.testing.assert_array_equal(
+                getattr(layer.mlp, name).kernel[...], getattr(model.layers[index].mlp, name).kernel[...]
+            )
+    factored = compress_model(
+        model, 0.6, "whitened", calibration, steps=steps, block=8, allow_dense=False, progress=False
+    )
+    assert ranks_of(factored) == allocate_ranks(curves, shapes, 0.6, 8)
     by_kl = compress_model(
-        model, 0.5, "whitened", calibration, steps=steps, block=8, allocation_loss="kl", progress=False
+        model,
+        0.5,
+        "whitened",
+        calibration,
+        steps=steps,
+        block=8,
+        allocation_loss="kl",
+        allow_dense=False,
+        progress=False,
     )
     assert all(isinstance(layer.mlp, SVDMLP) for layer in by_kl.layers)
+    with pytest.raises(ValueError, match="allow_dense: got 1, expected a bool"):
+        compress_model(model, 0.5, "whitened", calibration, steps=steps, allow_dense=1, progress=False)
     for allocation_loss, steps, match in (
         ("fisher", ("allocate",), "'fisher' predicts from the 'fisher' step"),
         ("kl", ("fisher",), "only used by the 'allocate' step"),

@@ -126,8 +126,10 @@ def compress_layers(
 ) -> None:
     """Replaces, in place, the projections of `model` (a clone of `dense`) by factored modules.
 
-    ranks[(layer_index, projection_name)] -> rank. method "svd" | "whitened". fused_activation(mlp) -> svd_mlp's
-    activation name or None (then the MLP keeps its GatedMLP with three SVDLinear). calibration_ids [B, T] may be
+    ranks[(layer_index, projection_name)] -> rank, or None: that projection stays dense (an MLP with a dense
+    projection keeps its GatedMLP, its other projections SVDLinear). method "svd" | "whitened".
+    fused_activation(mlp) -> svd_mlp's activation name or None (then the MLP keeps its GatedMLP with three
+    SVDLinear). calibration_ids [B, T] may be
     None only for method "svd" without refit / local / sequential (then no model is run). output_chols
     {(layer_index, projection_name): L [N, N]} (method "whitened"): the output-side weighting of each projection's
     truncation (`svd.output_whitening` of `compress.fisher.output_grams`); projections it lacks are unweighted.
@@ -172,6 +174,8 @@ def compress_layers(
                     inputs = compressed_inputs(("self_attn", group[0])) if options.sequential else dense_in
                     chol = svd.whitening(inputs, damping=options.damping)[0] if method == "whitened" else None
                     for name in group:
+                        if ranks[(index, name)] is None:
+                            continue  # stays dense
                         linear = getattr(layer.self_attn, name)
                         u, v = _factor(
                             linear.kernel[...],
@@ -249,10 +253,12 @@ def _selected(include) -> list:
 
 
 def _install(layer, include, factors, fused_activation) -> None:
-    """Replaces layer's selected projections by their factors {projection name: (u, v)}."""
+    """Replaces layer's selected projections by their factors {projection name: (u, v)}; a selected projection
+    without factors stays dense."""
     if "attention" in include:
         for name in ATTENTION_PROJECTIONS:
-            setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
+            if name in factors:
+                setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
     if "mlp" in include:
         layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
 
@@ -287,6 +293,8 @@ def _factor_decomposed(layers, include, ranks, decompositions, fused_activation,
     for index, layer in enumerate(layers):
         factors = {}
         for parent, name in selected:
+            if ranks[(index, name)] is None:
+                continue  # stays dense
             chol, decomposition, out_chol = decompositions[(index, name)]
             kernel = np.asarray(getattr(getattr(layer, parent), name).kernel[...])
             factors[name] = svd.whitened_factors(kernel, chol, ranks[(index, name)], decomposition, out_chol)
@@ -327,11 +335,16 @@ def _compress_mlp(
     whitened = method == "whitened"
 
     def factor(name, chol, x, dense_x):
+        """name's (u, v), or its dense kernel when its rank is None."""
+        if ranks[(index, name)] is None:
+            return kernels[name]
         return _factor(
             kernels[name], ranks[(index, name)], method, chol, x, dense_x, options, output_chols.get((index, name))
         )
 
     def factor_down(hidden):
+        if ranks[(index, "down_proj")] is None:
+            return kernels["down_proj"]
         chol = svd.whitening(hidden, damping=options.damping)[0] if whitened else None
         return factor("down_proj", chol, hidden, dense_hidden)
 
@@ -352,8 +365,9 @@ def _compress_mlp(
         )
     else:
         factors["down_proj"] = down.result()
+    factors = {name: weight for name, weight in factors.items() if isinstance(weight, tuple)}  # dense ones stay
     fused = fused_activation(mlp)
-    if options.local is not None and fused is not None:
+    if options.local is not None and fused is not None and len(factors) == len(MLP_PROJECTIONS):
         flat = {
             f"{name.split('_')[0]}_{part}": value for name, pair in factors.items() for part, value in zip("uv", pair)
         }
@@ -365,9 +379,12 @@ def _compress_mlp(
 
 
 def _mlp_module(mlp: GatedMLP, factors: dict, fused: str | None):
-    """SVDMLP (fused svd_mlp) when `fused` names its activation, else the GatedMLP with three SVDLinear."""
-    converted = {name: SVDLinear.from_factors(getattr(mlp, name), *factors[name]) for name in MLP_PROJECTIONS}
-    if fused is None:
+    """SVDMLP (fused svd_mlp) when `fused` names its activation and every projection has factors; else the GatedMLP
+    with an SVDLinear for each projection in `factors` {name: (u, v)} (the others stay dense)."""
+    converted = {
+        name: SVDLinear.from_factors(getattr(mlp, name), *factors[name]) for name in MLP_PROJECTIONS if name in factors
+    }
+    if fused is None or len(converted) < len(MLP_PROJECTIONS):
         for name, layer in converted.items():
             setattr(mlp, name, layer)
         return mlp

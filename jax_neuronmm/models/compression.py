@@ -166,10 +166,20 @@ def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
 
 
 def _allocated_ranks(
-    dense: CausalLM, calibration_ids, include, keep, block, allocation_loss, output_chols, decompositions, progress
+    dense: CausalLM,
+    calibration_ids,
+    include,
+    keep,
+    block,
+    allocation_loss,
+    allow_dense,
+    output_chols,
+    decompositions,
+    progress,
 ) -> dict:
-    """The "allocate" step's ranks: each projection's loss at every rank, then the block-aligned ranks with the least
-    summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`). allocation_loss "fisher": the losses
+    """The "allocate" step's ranks: each projection's loss at every rank, then the block-aligned ranks (None: stays
+    dense, when allow_dense) with the least summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`).
+    allocation_loss "fisher": the losses
     `sensitivity.fisher_losses` predicts from output_chols; "kl": the end-to-end KL measured at each projection's
     uniform rank and up to two blocks on either side (`sensitivity.kl_sensitivity`), interpolated between them. Both
     fill `decompositions` when a dict."""
@@ -202,7 +212,7 @@ def _allocated_ranks(
             allocation.loss_curve(measured[(index, name)], min(k, n))
             for (index, name, _), (k, n) in zip(entries, shapes)
         ]
-    allocated = allocation.allocate_ranks(curves, shapes, keep, block)
+    allocated = allocation.allocate_ranks(curves, shapes, keep, block, allow_dense=allow_dense)
     return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
 
 
@@ -245,6 +255,7 @@ def compress_model(
     distill_ids=None,
     weight_dtype=None,
     allocation_loss: str | None = None,
+    allow_dense: bool = True,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -263,7 +274,10 @@ def compress_model(
     vocabulary), "allocate" (ranks across projections under one budget by each projection's cost at every rank:
     allocation_loss "fisher", the Fisher-weighted truncation errors the "fisher" step predicts, or "kl", the
     end-to-end KL divergence measured at a few ranks, `compress.sensitivity`; None: "fisher" when the "fisher" step
-    runs, else "kl"; both measured alike on Gemma 3 270M, "fisher" without the probes' forward passes),
+    runs, else "kl"; both measured alike on Gemma 3 270M, "fisher" without the probes' forward passes; with
+    allow_dense, a projection may also stay dense, at K·N parameters and no loss, where that buys more accuracy
+    than its parameters spent on other projections' ranks: an MLP with a dense projection keeps a GatedMLP of
+    SVDLinear and dense projections, not the fused SVDMLP, and "local" skips it),
     "sequential" (each layer calibrated on the compressed layers' outputs), "refit" (closed-form ridge update of v
     towards the dense outputs), "local" (per-MLP fine-tuning of the factors; options in `local`), "distill"
     (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
@@ -298,6 +312,8 @@ def compress_model(
     )
     _check_dense(model, include)
     allocation_loss = _check_allocation_loss(allocation_loss, steps)
+    if not isinstance(allow_dense, bool):
+        raise ValueError(f"allow_dense: got {allow_dense!r}, expected a bool")
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
@@ -316,6 +332,7 @@ def compress_model(
             distill,
             calibration_ids if distill_ids is None else distill_ids,
             allocation_loss,
+            allow_dense,
             progress,
         )
     if weight_dtype is None:
@@ -336,6 +353,7 @@ def _compress(
     distill,
     distill_ids,
     allocation_loss,
+    allow_dense,
     progress,
 ):
     model = nnx.clone(dense)
@@ -354,6 +372,7 @@ def _compress(
             keep,
             block or ALLOCATION_BLOCK,
             allocation_loss,
+            allow_dense,
             output_chols,
             decompositions,
             progress,
