@@ -48,7 +48,7 @@ from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import compression, decode, evaluation, quality
 from jax_neuronmm.models.calibration import training_windows
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
-from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
@@ -110,9 +110,12 @@ def held_out_text(tokenizer) -> np.ndarray:
 
 def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gguf_path: str):
     """(`compress_model(dense, keep, calibration_ids=..., distill_ids=...)` (the recommended pipeline) or the same
-    MLP factors from the cache, the cache file or None when the factors could not be cached)."""
-    # The key names everything the factors depend on: model file, keep, token ids and the pipeline's settings.
-    pipeline = "+".join((compression.RECOMMENDED_METHOD, *compression.RECOMMENDED_STEPS, repr(DistillOptions())))
+    MLP factors from the cache, the cache file)."""
+    # The key names everything the factors depend on: model file, keep, token ids and the pipeline's settings (its
+    # allocation may leave projections dense: those are the dense model's and are not cached).
+    pipeline = "+".join(
+        (compression.RECOMMENDED_METHOD, *compression.RECOMMENDED_STEPS, "allow_dense", repr(DistillOptions()))
+    )
     digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + pipeline.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
@@ -126,49 +129,45 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     start = time.perf_counter()
     model = models.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration, distill_ids=distill_ids)
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
-    if all(isinstance(layer.mlp, SVDMLP) for layer in model.layers):
-        os.makedirs(FLAGS.cache_dir, exist_ok=True)
-        factors = {
-            i: {
-                name: {
-                    "u": np.asarray(getattr(layer.mlp, name).u[...]),
-                    "v": np.asarray(getattr(layer.mlp, name).v[...]),
-                }
-                for name in MLP_PROJECTIONS
-            }
-            for i, layer in enumerate(model.layers)
+    os.makedirs(FLAGS.cache_dir, exist_ok=True)
+    factors = {
+        i: {
+            name: {"u": np.asarray(projection.u[...]), "v": np.asarray(projection.v[...])}
+            for name in MLP_PROJECTIONS
+            if isinstance(projection := getattr(layer.mlp, name), SVDLinear)
         }
-        compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
-        print(f"; factors cached in {cache} (delete it to compress again)")
-        return model, cache
-    print(" (not cached: some MLPs are not fused SVDMLPs)")
-    return model, None
+        for i, layer in enumerate(model.layers)
+    }
+    compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
+    print(f"; factors cached in {cache} (delete it to compress again)")
+    return model, cache
 
 
 def _from_cache(dense, cache: str):
-    """A copy of `dense` whose MLPs are SVDMLPs holding the cached factors (ranks from their shapes)."""
+    """A copy of `dense` whose MLP projections hold the cached factors (ranks from their shapes; a projection
+    without factors stays dense): an SVDMLP where all three are factored, else a GatedMLP of both kinds."""
     factors = compress.load_compressed(cache)[0]["layers"]
     model = nnx.clone(dense)
     activation = fused_mlp_activation(dense.layers[0].mlp)
     for i, layer in enumerate(model.layers):
-        saved = factors[i]
-        ranks = tuple(saved[name]["u"].shape[1] for name in MLP_PROJECTIONS)
-        mlp = SVDMLP(
-            layer.mlp.gate_proj.in_features,
-            layer.mlp.gate_proj.out_features,
-            ranks,
-            out_features=layer.mlp.down_proj.out_features,
-            activation=activation,
-            rngs=nnx.Rngs(0),
-        )
+        saved = factors.get(i, {})
+        projections = {}
         for name in MLP_PROJECTIONS:
-            projection = getattr(mlp, name)
-            for factor in ("u", "v"):
-                if saved[name][factor].shape != getattr(projection, factor).shape:
-                    raise ValueError(f"layer {i} {name}.{factor}: cached shape {saved[name][factor].shape}")
-                getattr(projection, factor).value = jnp.asarray(saved[name][factor])
-        layer.mlp = mlp
+            linear = getattr(layer.mlp, name)
+            if name not in saved:
+                projections[name] = linear
+                continue
+            projections[name] = SVDLinear.from_factors(linear, saved[name]["u"], saved[name]["v"])  # checks shapes
+        if all(isinstance(p, SVDLinear) for p in projections.values()):
+            layer.mlp = SVDMLP.from_projections(*projections.values(), activation=activation)
+        else:
+            for name, projection in projections.items():
+                setattr(layer.mlp, name, projection)
     return model
+
+
+def _rank(projection) -> str:
+    return str(projection.rank) if isinstance(projection, SVDLinear) else "dense"
 
 
 def side_by_side(dense, compressed, tokenizer):
@@ -282,15 +281,13 @@ def real_model_demo(path: str):
     compressed, cache = compressed_model(dense, calibration, distill_ids, path)
     mlp = compressed.layers[0].mlp
     print(
-        f"    layer 0 MLP ranks (gate, up, down): {mlp.gate_proj.rank}, {mlp.up_proj.rank}, {mlp.down_proj.rank} "
+        f"    layer 0 MLP ranks (gate, up, down): {_rank(mlp.gate_proj)}, {_rank(mlp.up_proj)}, {_rank(mlp.down_proj)} "
         f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n"
     )
     side_by_side(dense, compressed, tokenizer)
     held_out_quality(dense, compressed, held_out_text(tokenizer))
     # The deployed dtype: the decode step's weights are in the model's dtype, so a bf16 copy models bf16 bytes.
-    emulated_tokens(
-        compressed if cache is None else _from_cache(models.load_gguf(path, dtype=jnp.bfloat16), cache), tokenizer
-    )
+    emulated_tokens(_from_cache(models.load_gguf(path, dtype=jnp.bfloat16), cache), tokenizer)
     cpu_speed(dense, compressed, tokenizer)
 
 

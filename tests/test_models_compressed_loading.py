@@ -253,3 +253,29 @@ def test_loader_errors_name_the_file(rng, tmp_path, loader):
         load(path)
     weights.write_bytes(good[weights])
     assert load(path).tokenizer.encode("w3").ids == [3]
+
+
+def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
+    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration)
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    dense_entries = [layer for layer in report.layers if layer.rank is None]
+    assert dense_entries and len(report.layers) == 2 * 3  # every MLP projection listed, the dense ones too
+    assert all(layer.params_after == layer.params_before and layer.relative_error == 0 for layer in dense_entries)
+    assert sum(layer.params_after for layer in report.layers) <= 0.8 * sum(
+        layer.params_before for layer in report.layers
+    )
+    assert "dense" in str(report)
+
+    loaded = load_compressed_checkpoint(tmp_path / "out")
+    dense = load_hf(str(tmp_path / "hf"))
+    expected = compress_model(dense, progress=False, **options)
+    for layer in dense_entries:
+        index, name = int(layer.path.split("/")[1]), layer.path.split("/")[-1]
+        assert isinstance(loaded.layers[index].mlp, GatedMLP)
+        assert isinstance(getattr(loaded.layers[index].mlp, name), nnx.Linear)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, HF_CONFIG["vocab_size"], size=(2, 9)))
+    np.testing.assert_allclose(
+        np.asarray(_logits(loaded, ids), np.float64), np.asarray(_logits(expected, ids), np.float64), atol=1e-5, rtol=0
+    )

@@ -114,7 +114,8 @@ def save_compressed(
         raise ValueError("params has no array leaves to save")
 
     ranks = _ranks(paths, tensors)
-    if report is not None and report.ranks != ranks:
+    # A report's rank None is a projection left dense: it has a kernel, no factors.
+    if report is not None and {path: r for path, r in report.ranks.items() if r is not None} != ranks:
         raise ValueError(f"report ranks {report.ranks} do not match the u/v factors in params {ranks}")
     header = {
         "format": FORMAT,

@@ -41,12 +41,13 @@ class LayerReport:
 
     relative_error is ‖W − u·v‖_F / ‖W‖_F over the whole (possibly stacked) kernel. output_error is
     ‖X·W − X·u·v‖_F / ‖X·W‖_F on the calibration activations (method="whitened" only, else None). damping is the
-    relative damping that had to be added to XᵀX (0.0 when none was needed or method="svd").
+    relative damping that had to be added to XᵀX (0.0 when none was needed or method="svd"). rank None: a
+    projection rank allocation left dense (params_after = params_before, no error).
     """
 
     path: str
     shape: tuple[int, ...]
-    rank: int
+    rank: int | None
     params_before: int
     params_after: int
     relative_error: float
@@ -72,7 +73,7 @@ class CompressionReport:
         return sum(layer.params_after for layer in self.layers)
 
     @property
-    def ranks(self) -> dict[str, int]:
+    def ranks(self) -> dict[str, int | None]:
         return {layer.path: layer.rank for layer in self.layers}
 
     def to_dict(self) -> dict:
@@ -92,8 +93,9 @@ class CompressionReport:
             params = f"{layer.params_before:,} → {layer.params_after:,}"
             output = "-" if layer.output_error is None else f"{layer.output_error:.4f}"
             damped = f"  (damping {layer.damping:.2g})" if layer.damping else ""
+            rank = "dense" if layer.rank is None else layer.rank
             lines.append(
-                f"{layer.path:<{width}}  {shape:>18}  {layer.rank:>5}  {params:>23}  "
+                f"{layer.path:<{width}}  {shape:>18}  {rank:>5}  {params:>23}  "
                 f"{layer.relative_error:8.4f}  {output:>8}{damped}"
             )
         ratio = self.params_after / self.params_before if self.params_before else float("nan")

@@ -35,6 +35,7 @@ from jax_neuronmm.compress.checkpoint import (
     write_atomically,
 )
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
+from jax_neuronmm.compress.projections import layer_projections
 from jax_neuronmm.models.compression import (
     ALLOCATION_BLOCK,
     BLOCK,
@@ -117,6 +118,7 @@ def compress_checkpoint(
     report = _report(
         dense,
         compressed,
+        (include,) if isinstance(include, str) else include,
         method="+".join((method, *steps)),
         keep=keep if rank is None else None,
         rank=rank if isinstance(rank, int) else None,
@@ -208,24 +210,31 @@ def _check_output_files(src_dir: str, out_dir: str, outputs: list[str]) -> None:
         )
 
 
-def _report(dense: CausalLM, compressed: CausalLM, *, method, keep, rank) -> CompressionReport:
-    """Per factored projection: its shape, rank, parameter counts and ‖W − u·v‖_F / ‖W‖_F."""
+def _report(dense: CausalLM, compressed: CausalLM, include, *, method, keep, rank) -> CompressionReport:
+    """Per projection `include` selects, in tree order: a factored one's shape, rank, parameter counts and
+    ‖W − u·v‖_F / ‖W‖_F; one that rank allocation left dense, rank None and its parameters unchanged."""
     kernels = {keys[:-1]: variable for keys, variable in nnx.to_flat_state(nnx.state(dense)) if keys[-1] == "kernel"}
+    selected = {
+        ("layers", index, parent, name) for index, parent, name in layer_projections(len(dense.layers), include)
+    }
     factors = dict(nnx.to_flat_state(nnx.state(compressed)))
     layers = []
-    for keys, u in factors.items():
+    for keys, weight in factors.items():
+        path = keys[:-1]
+        if keys[-1] == "kernel" and path in selected:
+            w = weight[...]
+            layers.append(LayerReport(tree.join(path), w.shape, None, w.size, w.size, 0.0))
         if keys[-1] != "u":
             continue
-        path = keys[:-1]
         w = np.asarray(kernels[path][...], np.float64)
-        approx = np.asarray(u[...], np.float64) @ np.asarray(factors[path + ("v",)][...], np.float64)
+        approx = np.asarray(weight[...], np.float64) @ np.asarray(factors[path + ("v",)][...], np.float64)
         layers.append(
             LayerReport(
                 path=tree.join(path),
                 shape=w.shape,
-                rank=int(u.shape[-1]),
+                rank=int(weight.shape[-1]),
                 params_before=w.size,
-                params_after=int(u.size + factors[path + ("v",)].size),
+                params_after=int(weight.size + factors[path + ("v",)].size),
                 relative_error=float(np.linalg.norm(w - approx) / np.linalg.norm(w)),
             )
         )
