@@ -256,6 +256,47 @@ def test_fisher_losses_are_the_weighted_truncation_errors(tiny):
         fisher_losses(model, calibration, include, partial, progress=False)
 
 
+def test_compress_layers_leaves_projections_of_rank_none_dense(tiny):
+    model, calibration = tiny
+    rng = np.random.default_rng(12)
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ranks = {}
+    for index, layer in enumerate(model.layers):
+        for parent, names in (("self_attn", attention), ("mlp", MLP_NAMES)):
+            for name in names:
+                ranks[(index, name)] = int(rng.integers(1, min(getattr(getattr(layer, parent), name).kernel.shape)))
+    for key in ((0, "k_proj"), (0, "down_proj"), (1, "gate_proj"), (1, "up_proj"), (1, "down_proj")):
+        ranks[key] = None  # layer 1's MLP wholly dense, layer 0's partly
+    built = {}
+    for include, sequential in ((("mlp", "attention"), False), (("mlp",), False), (("mlp",), True)):
+        compressed = nnx.clone(model)
+        selected = {key: r for key, r in ranks.items() if ("mlp" if key[1] in MLP_NAMES else "attention") in include}
+        options = LayerwiseOptions(sequential=sequential)
+        compress_layers(
+            compressed, model, calibration, include, selected, "whitened", options, fused_mlp_activation, progress=False
+        )
+        for (index, name), rank in selected.items():
+            parent = "mlp" if name in MLP_NAMES else "self_attn"
+            mine = getattr(getattr(compressed.layers[index], parent), name)
+            if rank is None:
+                dense = getattr(getattr(model.layers[index], parent), name).kernel[...]
+                np.testing.assert_array_equal(mine.kernel[...], dense)
+            else:
+                assert isinstance(mine, SVDLinear) and mine.rank == rank
+        assert all(isinstance(layer.mlp, GatedMLP) for layer in compressed.layers)
+        built[(include, sequential)] = compressed
+    # Layer 0's gate and up see the dense model's inputs either way: sequential calibration with a dense down_proj
+    # factors them alike.
+    for name in ("gate_proj", "up_proj"):
+        a, b = (getattr(built[(("mlp",), s)].layers[0].mlp, name) for s in (False, True))
+        np.testing.assert_allclose(
+            np.asarray(a.u[...], np.float64) @ np.asarray(a.v[...], np.float64),
+            np.asarray(b.u[...], np.float64) @ np.asarray(b.v[...], np.float64),
+            rtol=1e-5,
+            atol=1e-6,
+        )
+
+
 def _rank(projection):
     return projection.u.shape[1] if isinstance(projection, SVDLinear) else None
 

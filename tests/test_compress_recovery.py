@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_neuronmm.compress import svd
+from jax_neuronmm.compress import allocation, svd
 from jax_neuronmm.compress.allocation import allocate_ranks, loss_curve
 from jax_neuronmm.compress.distill import (
     DistillOptions,
@@ -124,6 +124,44 @@ def test_allocate_ranks_matches_the_brute_force_optimum():
         allocate_ranks(curves[:1], shapes, keep)
     with pytest.raises(ValueError, match=r"losses\[0\]"):
         allocate_ranks([np.ones(4)], [(4, 8)], keep)
+
+
+def test_allocate_ranks_with_the_dense_option_matches_the_brute_force_optimum(monkeypatch):
+    # Unequal shapes and curves whose tails stay large: keeping some projections dense is cheaper than their ranks.
+    shapes = [(40, 72), (72, 40), (56, 56), (32, 80), (48, 64)]
+    block = 4
+
+    def cost(rank, k, n):
+        return k * n if rank is None else rank * (k + n)
+
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        curves = [
+            loss_curve({8: float(a), 16: float(a * b)}, min(k, n))
+            for (k, n), a, b in zip(shapes, rng.uniform(0.1, 2.0, 5), rng.uniform(0.3, 0.9, 5))
+        ]
+        keep = float(rng.uniform(0.5, 0.8))
+        ranks = allocate_ranks(curves, shapes, keep, block, allow_dense=True)
+        budget = keep * sum(k * n for k, n in shapes)
+        assert sum(cost(r, k, n) for r, (k, n) in zip(ranks, shapes)) <= budget
+        caps = [(k * n // (k + n)) // block * block for k, n in shapes]
+        options = [[*range(block, cap + 1, block), None] for cap in caps]
+        best = min(
+            sum(0.0 if r is None else c[r] for c, r in zip(curves, combo))
+            for combo in itertools.product(*options)
+            if sum(cost(r, k, n) for r, (k, n) in zip(combo, shapes)) <= budget
+        )
+        got = sum(0.0 if r is None else c[r] for c, r in zip(curves, ranks))
+        np.testing.assert_allclose(got, best, rtol=1e-12)
+        factored_only = allocate_ranks(curves, shapes, keep, block)
+        assert None not in factored_only
+        assert got <= sum(c[r] for c, r in zip(curves, factored_only))
+    assert None in ranks  # the last case keeps a projection dense
+    # A budget finer than MAX_CELLS cells is counted in coarser units, each option's cost rounded up: still within it.
+    monkeypatch.setattr(allocation, "MAX_CELLS", 50)
+    coarse = allocate_ranks(curves, shapes, keep, block, allow_dense=True)
+    assert sum(cost(r, k, n) for r, (k, n) in zip(coarse, shapes)) <= budget
+    assert best <= sum(0.0 if r is None else c[r] for c, r in zip(curves, coarse))
 
 
 def _kl64(student_hidden, teacher_hidden, table, rows):
