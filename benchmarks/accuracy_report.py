@@ -71,6 +71,7 @@ class Config:
     block: int | None = None  # compress_model's default: 128, 64 for allocated ranks
     distill: DistillOptions = DistillOptions()
     allow_dense: bool = True  # the "allocate" step may leave a projection dense
+    distill_windows: int | None = None  # the first this many training windows (None: --distill_windows)
 
 
 # Every configuration, most telling first. The sensitivity rows factor one projection type each, whitened + sequential
@@ -88,12 +89,21 @@ CONFIGS = (
     Config("mlp 0.8, every projection factored", 0.8, ("mlp",), allow_dense=False),
     Config("mlp+attention 0.8, every projection factored", 0.8, ("mlp", "attention"), allow_dense=False),
     Config("mlp 0.6, every projection factored", 0.6, ("mlp",), allow_dense=False),
+    Config(
+        "mlp+attention 0.8, 360 steps on 360 windows",
+        0.8,
+        ("mlp", "attention"),
+        distill=DistillOptions(steps=360),
+        distill_windows=360,
+    ),
 )
 SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
-# (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text.
+# (configuration, perplexity x dense at most, top-1 agreement at least) asked of the report on every held-out text;
+# a target listed twice is met by either configuration (the second: the same pipeline in fewer steps).
 TARGETS = (
     ("mlp 0.8 recommended", 1.05, 0.85),
     ("mlp+attention 0.8 recommended", 1.10, None),
+    ("mlp+attention 0.8, 360 steps on 360 windows", 1.10, None),
     ("mlp 0.6 recommended", 1.20, None),
 )
 BUDGET_SECONDS = 15 * 60
@@ -613,7 +623,7 @@ def main(argv):
             steps=config.steps,
             block=config.block,
             distill=config.distill,
-            distill_ids=distill_ids if "distill" in config.steps else None,
+            distill_ids=distill_ids[: config.distill_windows] if "distill" in config.steps else None,
             allow_dense=config.allow_dense,
         )
         seconds = time.perf_counter() - start
@@ -628,7 +638,7 @@ def main(argv):
             continuation_text=[tokenizer.decode(c) for c in row["continuations"]],
         )
         if "distill" in config.steps:
-            row["distill"] = describe(config.distill, FLAGS.distill_windows)
+            row["distill"] = describe(config.distill, config.distill_windows or FLAGS.distill_windows)
         results["rows"][config.name] = row
         print(
             f"{config.name}: novel {row['ppl_novel'] / dense_row['ppl_novel']:.3f}x, technical "
