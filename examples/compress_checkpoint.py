@@ -71,6 +71,12 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "Parameter dtype of the compressed checkpoint.")
+flags.DEFINE_bool(
+    "allow_dense",
+    True,
+    "With the allocate step: a projection may stay dense where that costs less accuracy than its factors "
+    "(--noallow_dense: factor every projection).",
+)
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
     "steps",
@@ -143,6 +149,7 @@ def main(argv):
             distill_ids=distill_ids,
             block=FLAGS.block,
             dtype=jnp.dtype(FLAGS.dtype),
+            allow_dense=FLAGS.allow_dense,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

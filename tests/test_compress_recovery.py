@@ -101,7 +101,7 @@ def test_loss_curve_interpolates_geometrically_and_never_rises():
 
 
 def test_allocate_ranks_matches_the_brute_force_optimum():
-    # Equal K + N: every block costs the same, so greedy on convex curves is optimal (not so for unequal costs).
+    # Every projection factored: the least summed loss any block-aligned ranks within the budget reach.
     shapes = [(40, 72), (72, 40), (56, 56), (32, 80)]
     rng = np.random.default_rng(7)
     curves = [

@@ -79,12 +79,13 @@ def compress_checkpoint(
     distill_ids=None,
     block: int | None = None,
     dtype=jnp.float32,
+    allow_dense: bool = True,
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
-    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block are `compress_model`'s
-    (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the model is loaded,
-    factored and saved in.
+    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block / allow_dense are
+    `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the
+    model is loaded, factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
     Nothing the user has is replaced, and the output is checked before anything is compressed: see
@@ -114,6 +115,7 @@ def compress_checkpoint(
         include=include,
         rank=rank,
         block=block,
+        allow_dense=allow_dense,
     )
     report = _report(
         dense,
