@@ -50,7 +50,7 @@ flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-
 flags.DEFINE_integer("prompt_tokens", 32, "tokens per prompt")
 flags.DEFINE_integer("new_tokens", 32, "greedy tokens generated per prompt")
 flags.DEFINE_integer("cloze_items", 100, "cloze items from the held-out novel")
-flags.DEFINE_list("configs", None, "only these configuration names (default: all)")
+flags.DEFINE_multi_string("configs", None, "only this configuration (repeat the flag for several; default: all)")
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
 FLAGS = flags.FLAGS
@@ -578,6 +578,9 @@ def main(argv):
     if FLAGS.render_only:
         render(results)
         return
+    unknown = sorted(set(FLAGS.configs or ()) - {config.name for config in CONFIGS})
+    if unknown:
+        raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")
     model = load_model()
     tokenizer = model.tokenizer
     bos = tokenizer.token_to_id("<bos>")

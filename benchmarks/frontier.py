@@ -6,6 +6,7 @@ frontier of worst-text perplexity against modeled speedup; speed-only rows for L
 
     python benchmarks/frontier.py                       # the cheap configurations not in the JSON yet
     python benchmarks/frontier.py --configs="head 0.69 fp8 distilled"   # expensive ones (distillation), by name
+                                                                          # (repeat --configs for several)
     python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
 
 Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.predictions,
@@ -554,7 +555,8 @@ def render(results: dict, out_dir: str) -> None:
             + "; ".join(f"{n}{' (expensive: distillation)' if configs[n].expensive else ''}" for n in missing)
             + ". The modeled speeds above of those with uniform ranks are of their block-aligned ranks; "
             "those whose ranks compression allocates have none until measured. "
-            '`python benchmarks/frontier.py --configs="NAME,NAME"` measures them and resumes from the JSON.'
+            '`python benchmarks/frontier.py --configs="NAME" --configs="NAME"` measures them and resumes from the '
+            "JSON."
         )
         if missing
         else "Every configuration's accuracy was measured.",
