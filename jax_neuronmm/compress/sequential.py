@@ -343,15 +343,18 @@ def _compress_mlp(
         )
 
     def factor_down(hidden):
-        if ranks[(index, "down_proj")] is None:
-            return kernels["down_proj"]
         chol = svd.whitening(hidden, damping=options.damping)[0] if whitened else None
         return factor("down_proj", chol, hidden, dense_hidden)
 
     # Without sequential, down_proj sees the dense model's hidden activations: it is factored beside gate/up. The
     # lane runs in this thread's context (a copy), so svd.damping_summary collects its damping too.
-    down = None if options.sequential else lane.submit(contextvars.copy_context().run, factor_down, dense_hidden)
-    chol = svd.whitening(inputs, damping=options.damping)[0] if whitened else None
+    down = (
+        None
+        if options.sequential or ranks[(index, "down_proj")] is None
+        else lane.submit(contextvars.copy_context().run, factor_down, dense_hidden)
+    )
+    gate_up_factored = any(ranks[(index, name)] is not None for name in ("gate_proj", "up_proj"))
+    chol = svd.whitening(inputs, damping=options.damping)[0] if whitened and gate_up_factored else None
     up = (
         lane.submit(contextvars.copy_context().run, factor, "up_proj", chol, inputs, dense_inputs)
         if options.sequential
@@ -359,7 +362,9 @@ def _compress_mlp(
     )
     factors = {"gate_proj": factor("gate_proj", chol, inputs, dense_inputs)}
     factors["up_proj"] = up.result() if up is not None else factor("up_proj", chol, inputs, dense_inputs)
-    if options.sequential:  # down_proj sees what the compressed gate/up produce
+    if ranks[(index, "down_proj")] is None:  # stays dense: no hidden activations to factor it on
+        factors["down_proj"] = kernels["down_proj"]
+    elif options.sequential:  # down_proj sees what the compressed gate/up produce
         factors["down_proj"] = factor_down(
             _gated_hidden(inputs, factors["gate_proj"], factors["up_proj"], mlp.activation)
         )
