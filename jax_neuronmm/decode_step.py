@@ -7,7 +7,8 @@ The operands are `nki_kernels.decode.DecodeOperands`' fields, in order (their sh
 there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_layers:
   x [B, T, H] (embedded tokens), norms [L, 2 or 4, H], qk_norms [L, 2, D] or None,
   q, k, v, o, gate, up, down: each a dense [L, K, N] or a factored pair (u [L, K, Rmax], v [L, Rmax, N]), layer l
-    using the first spec.ranks[...][l] columns / rows (the rest zeros),
+    using the first spec.ranks[...][l] columns / rows (the rest zeros; a layer whose rank is None holds its dense
+    W as exact factors, `nki_kernels.decode.contract.dense_in_stack`, which the kernels read alone),
   k_cache, v_cache [L, B, S, kv_heads, D] (this step's keys / values are written at slots
     [write_index, write_index + T)), write_index [1, 1] int32,
   cos, sin [NR, B, T, D] float32, mask_bias [NM, B, T, S] float32, final_norm [H], head: dense [H, V] or a pair

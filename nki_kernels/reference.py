@@ -64,8 +64,9 @@ def _rms_norm_f64(x, weight, eps, unit_offset) -> np.ndarray:
 
 def _projection_f64(h, weight, layer, rank) -> np.ndarray:
     """h [..., K] @ layer `layer` of a dense [L, K, N] weight or of factors [u [L, K, Rmax], v [L, Rmax, N]]
-    (the first `rank` columns of u / rows of v)."""
-    if rank is None:
+    (the first `rank` columns of u / rows of v; rank None in a factored stack: the layer's whole factors, which
+    hold its dense W exactly, contract.dense_in_stack)."""
+    if not isinstance(weight, Factored):
         return h @ _f64(weight[layer])
     u, v = weight
     return (h @ _f64(u[layer][:, :rank])) @ _f64(v[layer][:rank])

@@ -11,7 +11,7 @@ import dataclasses
 import ml_dtypes
 import numpy as np
 
-from nki_kernels.decode.contract import PROJECTIONS, WEIGHTS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, WEIGHTS, DecodeSpec, dense_as_factors
 from nki_kernels.emulator.kernel import Spec
 
 BF16 = ml_dtypes.bfloat16
@@ -65,11 +65,18 @@ GEMMA3 = DecodeSpec(
     head_rank=70,
 )
 GEMMA3_DENSE = DecodeSpec(**{**GEMMA3.__dict__, "ranks": (None,) * len(PROJECTIONS), "head_rank": None})
+# Layers left dense in factored stacks (rank None; contract.dense_in_stack): q and gate (columns split, K <= N), v
+# (K > N: the stack as wide as K), o and down (rows split: W in u).
+GEMMA3_DENSE_LAYERS = dataclasses.replace(
+    GEMMA3, ranks=((70, None, 130), None, (5, None, 1), (None, 40, 60), (None, 130, 7), (33, 20, 129), (60, None, 100))
+)
 
 
 def make_operands(rng, spec, b, t, s, w, dtype):
-    """Random operands per the contract: factors stacked to Rmax = max rank + 3 with zero padding, rotate-half
-    tables with duplicated halves, a causal mask with a padded first slot for row 0 (second table: a window)."""
+    """Random operands per the contract: factors stacked to Rmax = spec.stacked_rank + 3 with zero padding (a layer
+    the spec leaves dense in a factored stack: a random W as its exact factors, contract.dense_as_factors),
+    rotate-half tables with duplicated halves, a causal mask with a padded first slot for row 0 (second table: a
+    window)."""
     h, d, layers = spec.hidden, spec.head_dim, spec.num_layers
 
     def arr(shape, scale=1.0):
@@ -86,9 +93,15 @@ def make_operands(rng, spec, b, t, s, w, dtype):
         if ranks is None:
             operands.append(arr((layers, k, n), k**-0.5))
             continue
-        rmax = max(ranks) + 3
-        u, v = arr((layers, k, rmax), k**-0.5), arr((layers, rmax, n), max(ranks) ** -0.5)
+        rmax = spec.stacked_rank(name) + 3
+        spread = max(r for r in ranks if r is not None)
+        u, v = arr((layers, k, rmax), k**-0.5), arr((layers, rmax, n), spread**-0.5)
         for layer, r in enumerate(ranks):
+            if r is None:
+                du, dv = dense_as_factors(name, arr((k, n), k**-0.5))
+                u[layer], v[layer] = 0, 0
+                u[layer, :, : du.shape[1]], v[layer, : dv.shape[0]] = du, dv
+                continue
             u[layer, :, r:] = 0
             v[layer, r:] = 0
         operands.append([u, v])
@@ -132,6 +145,7 @@ FP8 = np.dtype(ml_dtypes.float8_e4m3)  # Trainium's e4m3: ±240
 WEIGHT_INDEX = {name: 3 + i for i, name in enumerate(WEIGHTS[:-1])} | {"head": 17}
 LLAMA8 = dataclasses.replace(LLAMA, fp8_weights=WEIGHTS)
 GEMMA3_8 = dataclasses.replace(GEMMA3, fp8_weights=WEIGHTS)  # k dense, the rest factored (head too)
+GEMMA3_DENSE_LAYERS_8 = dataclasses.replace(GEMMA3_DENSE_LAYERS, fp8_weights=WEIGHTS)
 
 
 def fp8_matrix(rng, shape, contraction):
@@ -149,15 +163,25 @@ def fp8_matrix(rng, shape, contraction):
     return (values * magnitude).astype(FP8), np.squeeze(scale, -2).astype(np.float32)
 
 
-def fp8_weight(rng, bf16_weight, ranks=None):
+def fp8_weight(rng, bf16_weight, ranks=None, name=None):
     """The operand of a weight as fp8 parts with the shapes of `bf16_weight` (stacked factors keep their zero rank
-    padding): [w, scale] dense, [u, v, u_scale, v_scale] factored (ranks: the per-layer ranks, for v's spread)."""
+    padding): [w, scale] dense, [u, v, u_scale, v_scale] factored (ranks: the per-layer ranks, for v's spread; a
+    layer with rank None holds W as exact factors of projection `name`: the identity in fp8 with unit u_scale, W's
+    scales in v_scale, contract.dense_in_stack)."""
     if not isinstance(bf16_weight, list):
         return list(fp8_matrix(rng, bf16_weight.shape, bf16_weight.shape[-2]))
+    spread = max((r for r in ranks if r is not None), default=None) if ranks else None
     u, u_scale = fp8_matrix(rng, bf16_weight[0].shape, bf16_weight[0].shape[-2])
-    v, v_scale = fp8_matrix(rng, bf16_weight[1].shape, max(ranks) if ranks else bf16_weight[1].shape[-2])
+    v, v_scale = fp8_matrix(rng, bf16_weight[1].shape, spread or bf16_weight[1].shape[-2])
     for padded, factor in zip((u, v), bf16_weight):
         padded[factor.astype(np.float32) == 0] = 0  # the stacked factors' zero padding past each layer's rank
+    for layer, r in enumerate(ranks or ()):
+        if r is None:
+            identity = v if name in SPLIT_ROWS else u
+            width = identity.shape[-1] if name in SPLIT_ROWS else identity.shape[-2]
+            identity[layer] = 0
+            identity[layer, :width, :width] = np.eye(width, dtype=FP8)
+            u_scale[layer] = 1
     return [u, v, u_scale, v_scale]
 
 
@@ -166,7 +190,7 @@ def fp8_operands(rng, spec, b, t, s, w, dtype=BF16):
     operands = make_operands(rng, spec, b, t, s, w, dtype)
     for name in spec.fp8_weights:
         ranks = spec.ranks[WEIGHTS.index(name)] if name != "head" else None
-        operands[WEIGHT_INDEX[name]] = fp8_weight(rng, operands[WEIGHT_INDEX[name]], ranks)
+        operands[WEIGHT_INDEX[name]] = fp8_weight(rng, operands[WEIGHT_INDEX[name]], ranks, name)
     return operands
 
 

@@ -18,6 +18,7 @@ from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, 
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels import reference
 from nki_kernels.activations import HF_ACTIVATIONS
+from nki_kernels.decode import traffic
 
 VOCAB = 97
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=136)
@@ -342,6 +343,9 @@ def test_emulator_kernel_equals_xla_and_the_float64_reference(name, rng):
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
         on_emulator = jax.block_until_ready(step(*args))
     assert [run.name for run in prof.runs] == ["decode_step_kernel"]
+    if name == "llama-compressed":  # k_proj dense in layer 0: the spec marks it, and the kernel reads its W alone
+        assert [plan.spec.rank("k", layer) for layer in range(2)] == [None, 19]
+        assert traffic.weight_bytes(plan.spec, itemsize=4) == decode.decode_weight_bytes(model, bytes_per_weight=4)
     kernel_args = [list(a) if isinstance(a, tuple) else (None if a is None else np.asarray(a)) for a in args]
     want = reference.decode_step_f64(kernel_args, plan.spec)
     for got_xla, got_emulator, f64 in zip(on_xla, on_emulator, want):

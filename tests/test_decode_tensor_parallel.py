@@ -18,6 +18,7 @@ import pytest
 from decode_operands import (
     BF16,
     GEMMA3,
+    GEMMA3_DENSE_LAYERS,
     RING,
     check_cache,
     fp8_operands,
@@ -37,6 +38,8 @@ LLAMA_TP = llama_like(num_layers=2, hidden=200, num_heads=8, num_kv_heads=4, hea
 # Gemma 3's variants with 4 KV heads of 2 query heads each; its ragged per-layer ranks, factored head.
 GEMMA3_TP = dataclasses.replace(GEMMA3, num_heads=8, num_kv_heads=4, head_dim=32)
 GEMMA3_TP_FP8 = dataclasses.replace(GEMMA3_TP, fp8_weights=WEIGHTS)
+# Layers left dense in factored stacks: each rank reads its shard of W alone (v's columns, o's and down's u's rows).
+GEMMA3_TP_DENSE_LAYERS = dataclasses.replace(GEMMA3_DENSE_LAYERS, num_heads=8, num_kv_heads=4, head_dim=32)
 
 # (spec, ranks, B, T, S, write slot, dtype, tolerance against the float64 reference)
 CASES = [
@@ -45,8 +48,16 @@ CASES = [
     (GEMMA3_TP, 2, 1, 2, 20, 7, np.float32, 1e-5),
     (GEMMA3_TP, 4, 2, 1, 10, 4, BF16, 2e-2),
     (GEMMA3, 4, 1, 1, 8, 6, np.float32, 1e-5),  # one KV head, replicated on the 4 ranks
+    (GEMMA3_TP_DENSE_LAYERS, 2, 2, 1, 12, 5, np.float32, 1e-5),
 ]
-IDS = ["llama-dense-2", "llama-dense-4", "gemma3-factored-2", "gemma3-factored-bf16-4", "gemma3-kv-replicated-4"]
+IDS = [
+    "llama-dense-2",
+    "llama-dense-4",
+    "gemma3-factored-2",
+    "gemma3-factored-bf16-4",
+    "gemma3-kv-replicated-4",
+    "gemma3-dense-layers-2",
+]
 
 
 def _step(spec, ranks, operands, composition):
@@ -92,8 +103,9 @@ def test_one_row_logits_gather_in_pieces(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-def test_sharded_fp8_step_matches_whole_model(rng, composition):
-    spec, ranks, b, t, s, w = GEMMA3_TP_FP8, 2, 1, 2, 12, 5
+@pytest.mark.parametrize("spec", [GEMMA3_TP_FP8, dataclasses.replace(GEMMA3_TP_DENSE_LAYERS, fp8_weights=WEIGHTS)])
+def test_sharded_fp8_step_matches_whole_model(rng, composition, spec):
+    ranks, b, t, s, w = 2, 1, 2, 12, 5
     operands = fp8_operands(rng, spec, b, t, s, w)
     want_logits, want_k, _ = reference.decode_step_f64(operands, spec)
     (logits, k_cache, _), _ = _step(spec, ranks, operands, composition)

@@ -16,6 +16,7 @@ from decode_operands import (
     BF16,
     GEMMA3,
     GEMMA3_8,
+    GEMMA3_DENSE_LAYERS_8,
     LLAMA,
     LLAMA8,
     RING,
@@ -40,11 +41,11 @@ from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
 from nki_kernels.emulator.kernel import Spec, run
 
 # (spec, B, T, S, write slot)
-CASES = [(LLAMA8, 3, 1, 12, 11), (GEMMA3_8, 1, 2, 20, 7)]
+CASES = [(LLAMA8, 3, 1, 12, 11), (GEMMA3_8, 1, 2, 20, 7), (GEMMA3_DENSE_LAYERS_8, 2, 1, 12, 5)]
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("spec, b, t, s, w", CASES, ids=["llama-dense", "gemma3-factored"])
+@pytest.mark.parametrize("spec, b, t, s, w", CASES, ids=["llama-dense", "gemma3-factored", "gemma3-dense-layers"])
 def test_composition_matches_float64_reference_of_dequantized_weights(rng, composition, spec, b, t, s, w):
     operands = fp8_operands(rng, spec, b, t, s, w)
     assert np.abs(operands[3][0].astype(np.float32)).max() == 240

@@ -18,6 +18,8 @@ from decode_operands import (
     GEMMA3,
     GEMMA3_8,
     GEMMA3_DENSE,
+    GEMMA3_DENSE_LAYERS,
+    GEMMA3_DENSE_LAYERS_8,
     LLAMA,
     LLAMA8,
     RING,
@@ -45,8 +47,27 @@ GEMMA_BF16_PACKED = dataclasses.replace(GEMMA3, packed_weights=("q", "v", "o", "
 # shards): the attention with k dense beside its factors, and every one of Llama's dense (H = 200: natural tiles).
 GEMMA_BF16_MIXED = dataclasses.replace(GEMMA3, packed_weights=ATTENTION)
 LLAMA_BF16_PACKED = dataclasses.replace(LLAMA, packed_weights=ATTENTION)
-SPECS = [GEMMA_PACKED, LLAMA_PACKED, GEMMA_BF16_PACKED, GEMMA_BF16_MIXED, LLAMA_BF16_PACKED]
-SPEC_IDS = ["gemma3-attention", "llama-dense", "gemma3-bf16", "gemma3-bf16-dense-k", "llama-bf16-dense"]
+# Layers left dense in factored stacks (rank None: their W packed alone), fp8 and bf16.
+GEMMA_DENSE_LAYERS_PACKED = dataclasses.replace(GEMMA3_DENSE_LAYERS_8, packed_weights=("q", "v", "o"))
+GEMMA_BF16_DENSE_LAYERS_PACKED = dataclasses.replace(GEMMA3_DENSE_LAYERS, packed_weights=("q", "v", "o", "down"))
+SPECS = [
+    GEMMA_PACKED,
+    LLAMA_PACKED,
+    GEMMA_BF16_PACKED,
+    GEMMA_BF16_MIXED,
+    LLAMA_BF16_PACKED,
+    GEMMA_DENSE_LAYERS_PACKED,
+    GEMMA_BF16_DENSE_LAYERS_PACKED,
+]
+SPEC_IDS = [
+    "gemma3-attention",
+    "llama-dense",
+    "gemma3-bf16",
+    "gemma3-bf16-dense-k",
+    "llama-bf16-dense",
+    "gemma3-dense-layers",
+    "gemma3-bf16-dense-layers",
+]
 
 
 def _operands(rng, spec, b, t, s, w, dtype=BF16):
@@ -59,8 +80,13 @@ def _operands(rng, spec, b, t, s, w, dtype=BF16):
 
 
 def _layer_values(ops, spec, name, layer):
-    """[(part, [K, N] float64 values)] of projection `name` in `layer`, cut to the layer's rank."""
+    """[(part, [K, N] float64 values)] of projection `name` in `layer`, cut to the layer's rank (a layer left dense
+    in a factored stack: its W, v's first K rows or o's and down's u's first N columns)."""
     weight, rank = getattr(ops, name), spec.rank(name, layer)
+    if rank is None and isinstance(weight, Factored):
+        k, n = spec.in_features(name), spec.out_features(name)
+        w = weight.u[layer][:, :n] if name in ("o", "down") else weight.v[layer][:k]
+        return [("w", w.astype(np.float64))]
     if rank is None:
         return [("w", (weight.w if hasattr(weight, "w") else weight)[layer].astype(np.float64))]
     return [("u", weight.u[layer][:, :rank].astype(np.float64)), ("v", weight.v[layer][:rank].astype(np.float64))]
@@ -128,8 +154,10 @@ def test_packed_layout_and_round_trip(rng, spec):
         (GEMMA_BF16_MIXED, 2, 1, 19, 5, BF16, 1e-1),
         (LLAMA_BF16_PACKED, 3, 1, 13, 11, BF16, 5e-2),
         (LLAMA_BF16_PACKED, 1, 7, 20, 4, np.float32, 1e-5),
+        (GEMMA_DENSE_LAYERS_PACKED, 2, 1, 19, 5, BF16, 5e-2),
+        (GEMMA_BF16_DENSE_LAYERS_PACKED, 1, 2, 20, 7, np.float32, 1e-5),
     ],
-    ids=[*SPEC_IDS[:3], "gemma3-fp32", *SPEC_IDS[3:], "llama-fp32-dense"],
+    ids=[*SPEC_IDS[:3], "gemma3-fp32", *SPEC_IDS[3:5], "llama-fp32-dense", *SPEC_IDS[5:]],
 )
 def test_kernels_on_packed_weights_match_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
     """The packed step against the float64 reference of the unpacked operands, and bit for bit the unpacked

@@ -14,6 +14,7 @@ from decode_operands import (
     BF16,
     GEMMA3,
     GEMMA3_DENSE,
+    GEMMA3_DENSE_LAYERS,
     LLAMA,
     RING,
     WEIGHT_INDEX,
@@ -26,7 +27,7 @@ from decode_operands import (
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode import compositions
+from nki_kernels.decode import compositions, traffic
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
@@ -38,6 +39,8 @@ CASES = [
     (GEMMA3, 1, 2, 20, 7, np.float32, 1e-5),
     (GEMMA3_DENSE, 3, 1, 10, 4, BF16, 2e-2),
     (GEMMA3, 1, 1, 20, 7, np.float32, 1e-5),  # one row: the sandwich norms' fused residual adds
+    (GEMMA3_DENSE_LAYERS, 1, 2, 20, 7, np.float32, 1e-5),
+    (GEMMA3_DENSE_LAYERS, 2, 1, 12, 5, BF16, 2e-2),
 ]
 
 
@@ -45,7 +48,14 @@ CASES = [
 @pytest.mark.parametrize(
     "spec, b, t, s, w, dtype, tolerance",
     CASES,
-    ids=["llama-fp32", "gemma3-factored-fp32", "gemma3-dense-bf16", "gemma3-one-row"],
+    ids=[
+        "llama-fp32",
+        "gemma3-factored-fp32",
+        "gemma3-dense-bf16",
+        "gemma3-one-row",
+        "gemma3-dense-layers-fp32",
+        "gemma3-dense-layers-bf16",
+    ],
 )
 def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
     operands = make_operands(rng, spec, b, t, s, w, dtype)
@@ -166,6 +176,24 @@ def test_mlp_ranks_that_differ_per_layer_match_float64_reference(rng, compositio
     assert len(prof.runs) == {"looped": 1, "per_layer": spec.num_layers + 1}[composition]
 
 
+@pytest.mark.parametrize("composition", COMPOSITIONS)
+def test_layers_left_dense_in_a_factored_stack_read_their_weight_alone(composition):
+    """A layer whose rank the spec leaves None reads its W [K, N] alone, never the identity its stack holds beside
+    it: every composition reads, beyond the weights the traffic model counts (K·N for such a layer, r·(K + N) for
+    a factored one), what it reads beyond them for the all-dense model. float32 stacks wider than 2 KiB a row, so
+    factored layers read their rank's columns only (projections.whole_rows)."""
+    dense = llama_like(num_layers=2, hidden=640, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=768)
+    mixed = {"q": (None, 60), "k": (None, 30), "o": (None, 60), "gate": (None, 320), "down": (300, None)}
+    mixed = dataclasses.replace(dense, ranks=tuple(mixed.get(name) for name in PROJECTIONS))
+    beyond = []
+    for spec in (dense, mixed):
+        operands = make_operands(np.random.default_rng(0), spec, 2, 1, 12, 5, np.float32)
+        read = sum(run.hbm_bytes_read for run in _profiled_runs(composition, placeholders(operands), spec))
+        beyond.append(read - traffic.weight_bytes(spec, itemsize=4))
+    assert beyond[0] == beyond[1]
+    assert traffic.weight_bytes(mixed, 4) < traffic.weight_bytes(dense, 4)
+
+
 def _profiled_runs(composition, operands, spec):
     with profile() as prof:
         run_decode_step(composition, operands, spec, numerics=False, **RING)
@@ -244,6 +272,18 @@ def test_rejects_bad_arguments(rng):
     for windows in ((4,), (None, 0), (None, 2.5)):
         with pytest.raises(ValueError, match="mask_windows"):
             DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": windows})
+    for q_ranks in ((None, None, None), (70, 0, 130), (70, 257, 130), (70, 33)):
+        ranks = (q_ranks, *GEMMA3.ranks[1:])
+        with pytest.raises(ValueError, match=r"DecodeSpec.ranks\['q'\]: got .* 3 entries, each a rank in \[1, 256\]"):
+            DecodeSpec(**{**GEMMA3.__dict__, "ranks": ranks})
+    # The stacks' width: the largest rank, or the width that holds a dense layer's W (v's K rows, o's N columns).
+    assert [GEMMA3_DENSE_LAYERS.stacked_rank(name) for name in ("q", "v", "o", "up", "head")] == [
+        256,
+        256,
+        256,
+        129,
+        70,
+    ]
     operands = make_operands(rng, LLAMA, 1, 1, 8, 3, np.float32)
     with pytest.raises(ValueError, match="composition"):
         run_decode_step("fused", operands, LLAMA)

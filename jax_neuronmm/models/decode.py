@@ -25,8 +25,9 @@ Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections 
 Quantized(w, scale) or Factored(u, v, u_scale, v_scale), `fp8_weights` naming it; a projection type is fp8 in
 every layer or in none. Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
 holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
-dense layers become factors (W, I) or (I, W) of rank min(K, N). On one device, fp8 factored attention
-projections are packed where `nki_kernels.decode.packing.attention_packing` packs them (the spec's
+dense layers become exact factors (I, W) or, for o and down, (W, I) (`nki_kernels.decode.contract.dense_in_stack`),
+and the spec marks them dense (rank None in that layer), so the kernels read W alone. On one device, fp8
+factored attention projections are packed where `nki_kernels.decode.packing.attention_packing` packs them (the spec's
 packed_weights; `stack_weights` moves their values into the packed operand once per generate call); Megatron
 shards are never packed (a packed operand is one rank's layout). Not covered (generate keeps the model's own
 forward for them): attention or MLP biases, an MLP activation the kernels do not fuse, layers that differ in
@@ -58,7 +59,15 @@ from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rop
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
-from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, DecodeOperands, DecodeSpec, Factored, Quantized
+from nki_kernels.decode.contract import (
+    PROJECTIONS,
+    SPLIT_ROWS,
+    DecodeOperands,
+    DecodeSpec,
+    Factored,
+    Quantized,
+    dense_as_factors,
+)
 from nki_kernels.decode.packing import attention_packing, pack_weights
 
 ATTENTION = ("q", "k", "v", "o")
@@ -286,9 +295,7 @@ def _spec(model: CausalLM) -> DecodeSpec:
     for name in PROJECTIONS:
         modules = [_projection_modules(layer)[name] for layer in layers]
         if any(isinstance(m, _FACTORED_TYPES) for m in modules):
-            ranks.append(
-                tuple(m.rank if isinstance(m, _FACTORED_TYPES) else min(m.in_features, m.out_features) for m in modules)
-            )
+            ranks.append(tuple(m.rank if isinstance(m, _FACTORED_TYPES) else None for m in modules))
         else:
             ranks.append(None)
         if _fp8(modules[0]):
@@ -367,36 +374,32 @@ def widen_windows(plan: DecodePlan, pad_slots: int) -> DecodePlan:
     return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, mask_windows=windows))
 
 
-def _factors(module, dtype):
-    """(u [K, r], v [r, N]) of an SVDLinear, or of a dense nnx.Linear exactly: (W, I) or (I, W)."""
+def _factors(name, module, dtype):
+    """(u [K, r], v [r, N]) of projection `name`'s SVDLinear, or of a dense nnx.Linear exactly as a factored stack
+    holds it (contract.dense_as_factors)."""
     if isinstance(module, SVDLinear):
         return module.u[...].astype(dtype), module.v[...].astype(dtype)
-    kernel = module.kernel[...].astype(dtype)
-    k_in, n_out = kernel.shape
-    if n_out <= k_in:
-        return kernel, jnp.eye(n_out, dtype=dtype)
-    return jnp.eye(k_in, dtype=dtype), kernel
+    return dense_as_factors(name, module.kernel[...].astype(dtype), jnp)
 
 
-def _fp8_weight(module, factored: bool):
-    """One fp8 module as the contract stores it: Quantized(kernel, kernel_scale), or (factored) Factored(u, v,
-    u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly: (W, I) with W's scales and ones, or (I, W)
-    with ones and W's scales (the identity and 1.0 are exact in fp8)."""
+def _fp8_weight(name, module, factored: bool):
+    """One fp8 module of projection `name` (or the head) as the contract stores it: Quantized(kernel,
+    kernel_scale), or (factored) Factored(u, v, u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly
+    as a factored stack holds it (contract.dense_as_factors, u_scale ones and W's scales as v_scale: the identity
+    and 1.0 are exact in fp8)."""
     if isinstance(module, Fp8SVDLinear):
         return Factored(module.u[...], module.v[...], module.u_scale[...], module.v_scale[...])
     kernel, scale = module.kernel[...], module.kernel_scale[...]
     if not factored:
         return Quantized(kernel, scale)
-    k_in, n_out = kernel.shape
-    if n_out <= k_in:
-        return Factored(kernel, jnp.eye(n_out, dtype=kernel.dtype), scale, jnp.ones((n_out,), scale.dtype))
-    return Factored(jnp.eye(k_in, dtype=kernel.dtype), kernel, jnp.ones((k_in,), scale.dtype), scale)
+    u, v = dense_as_factors(name, kernel, jnp)
+    return Factored(u, v, jnp.ones((u.shape[1],), scale.dtype), scale)
 
 
-def _stack_fp8(modules, factored: bool):
-    """The stacked fp8 weight of one projection's modules: Quantized(w [L, K, N], scale [L, N]), or Factored
-    with u [L, K, Rmax], v [L, Rmax, N], u_scale [L, Rmax], v_scale [L, N], zero padded to the largest rank."""
-    weights = [_fp8_weight(m, factored) for m in modules]
+def _stack_fp8(name, modules, factored: bool):
+    """The stacked fp8 weight of projection `name`'s modules: Quantized(w [L, K, N], scale [L, N]), or Factored
+    with u [L, K, Rmax], v [L, Rmax, N], u_scale [L, Rmax], v_scale [L, N], zero padded to the widest layer."""
+    weights = [_fp8_weight(name, m, factored) for m in modules]
     if not factored:
         return Quantized(jnp.stack([w.w for w in weights]), jnp.stack([w.scale for w in weights]))
     u, v = _stack_factors([(w.u, w.v) for w in weights])
@@ -405,7 +408,7 @@ def _stack_fp8(modules, factored: bool):
 
 
 def _stack_factors(pairs):
-    """[(u [K, r_l], v [r_l, N])] -> (u [L, K, Rmax], v [L, Rmax, N]), zero padded to the largest rank."""
+    """[(u [K, r_l], v [r_l, N])] -> (u [L, K, Rmax], v [L, Rmax, N]), zero padded to the widest layer."""
     rmax = max(u.shape[1] for u, _ in pairs)
     us = [jnp.pad(u, ((0, 0), (0, rmax - u.shape[1]))) for u, _ in pairs]
     vs = [jnp.pad(v, ((0, rmax - v.shape[0]), (0, 0))) for _, v in pairs]
@@ -461,11 +464,11 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     for name, ranks in zip(PROJECTIONS, spec.ranks):
         modules = [_projection_modules(layer)[name] for layer in layers]
         if spec.fp8(name):
-            projections.append(_stack_fp8(modules, factored=ranks is not None))
+            projections.append(_stack_fp8(name, modules, factored=ranks is not None))
         elif ranks is None:
             projections.append(jnp.stack([m.kernel[...].astype(dtype) for m in modules]))
         else:
-            projections.append(_stack_factors([_factors(m, dtype) for m in modules]))
+            projections.append(_stack_factors([_factors(name, m, dtype) for m in modules]))
     norms = jnp.stack([jnp.stack([n.weight[...].astype(dtype) for n in layer.norms()]) for layer in layers])
     qk_norms = None
     if spec.qk_norm:
@@ -475,7 +478,7 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
     if model.lm_head is None:
         head = model.embed_tokens.embedding[...].astype(dtype).T  # tied: transposed once per generate call
     elif spec.fp8("head"):
-        head = _fp8_weight(model.lm_head, factored=spec.head_rank is not None)
+        head = _fp8_weight("head", model.lm_head, factored=spec.head_rank is not None)
     elif isinstance(model.lm_head, SVDLinear):
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:

@@ -181,14 +181,18 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     last_packed = max(spec.packed_weights, key=PROJECTIONS.index, default=None)  # in the layer's order
 
     def stored(name):
-        """This layer's weight of projection `name`: HBM views, a packed one's values on chip."""
+        """This layer's weight of projection `name`: HBM views, a packed one's values on chip; a layer left dense
+        in a factored stack as its dense weight (contract.dense_in_stack: W alone is read, not the identity)."""
         weight = layer_weight(weights[name], layer)
+        dense_in_stack = isinstance(weight, contract.Factored) and spec.rank(name, layer) is None
         if name not in spec.packed_weights:
-            return weight
+            return contract.dense_in_stack(spec, name, weight) if dense_in_stack else weight
         if not packed:
             packed.update(load_packed(ops.packed, layer, spec, ctx.ring))
         if isinstance(weight, contract.Dense):  # dense in the model's dtype: its values are all there is
             return packed[name]["w"]
+        if dense_in_stack:
+            return contract.dense_in_stack(spec, name, weight, packed[name]["w"])
         return dataclasses.replace(weight, **packed[name])
 
     def release(*names):

@@ -52,7 +52,9 @@ class DecodeSpec:
     """Sizes and variants of a decode step; hashable (a static kernel argument).
 
     ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
-    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]).
+    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]), where None
+    marks a layer whose weight W [K, N] stays dense: the stack holds it as exact factors (`dense_in_stack`) and the
+    kernels read W alone.
     head_rank: None for a dense LM head, else the rank of its factors.
     fp8_weights: names of WEIGHTS stored as fp8 values with float32 per-output-column scales (a dense one as
     Quantized, a factored one as Factored with u_scale and v_scale), in any order; () for none.
@@ -138,9 +140,14 @@ class DecodeSpec:
             if ranks is None:
                 continue
             limit = min(self.whole_features(name))
-            if len(ranks) != self.num_layers or any(not isinstance(r, int) or not 1 <= r <= limit for r in ranks):
+            if (
+                len(ranks) != self.num_layers
+                or any(r is not None and (not isinstance(r, int) or not 1 <= r <= limit) for r in ranks)
+                or all(r is None for r in ranks)
+            ):
                 raise ValueError(
-                    f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} ranks in [1, {limit}]"
+                    f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} entries, each a rank in "
+                    f"[1, {limit}] or None (that layer dense), at least one a rank (else None for the whole entry)"
                 )
         if self.head_rank is not None and not (
             isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.whole_vocab)
@@ -222,9 +229,18 @@ class DecodeSpec:
         return self.vocab * self.tensor_parallel
 
     def rank(self, projection: str, layer: int) -> int | None:
-        """The rank of `projection` in `layer`, or None when it is dense."""
+        """The rank of `projection` in `layer`, or None when it is dense there (in every layer, or in this one)."""
         ranks = self.ranks[PROJECTIONS.index(projection)]
         return None if ranks is None else ranks[layer]
+
+    def stacked_rank(self, weight: str) -> int:
+        """The width a factored weight's factors are stacked to at least: its largest per-layer rank, or where a
+        layer stays dense, the width that holds its W (`dense_in_stack`); the LM head's rank."""
+        if weight == "head":
+            return self.head_rank
+        k, n = self.in_features(weight), self.out_features(weight)
+        dense_width = n if weight in SPLIT_ROWS else k
+        return max(dense_width if r is None else r for r in self.ranks[PROJECTIONS.index(weight)])
 
     def factored(self, weight: str) -> bool:
         """Whether `weight` (a name of WEIGHTS) is stored as factors."""
@@ -291,8 +307,9 @@ class StoredWeight:
 class Factored(StoredWeight):
     """A weight stored as factors: x·W = (x·u)·v, or with fp8 factors ((x·u)·diag(u_scale))·v·diag(v_scale).
     Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N] (layer l uses the first spec.ranks[...][l] columns
-    of u / rows of v, the rest zeros), u_scale [L, Rmax] and v_scale [L, N]; the LM head's are u [H, r], v [r, V],
-    u_scale [r], v_scale [V]. The scales are None unless the spec names the weight in fp8_weights."""
+    of u / rows of v, the rest zeros; a layer the spec leaves dense holds its W as `dense_in_stack` says),
+    u_scale [L, Rmax] and v_scale [L, N]; the LM head's are u [H, r], v [r, V], u_scale [r], v_scale [V]. The
+    scales are None unless the spec names the weight in fp8_weights."""
 
     u: Any = _part(lambda k, r, n: (k, r))
     v: Any = _part(lambda k, r, n: (r, n))
@@ -500,11 +517,6 @@ def batch_axes() -> dict[str, int]:
     }
 
 
-def _rank(spec: DecodeSpec, weight: str) -> int:
-    """The rank a factored weight's factors are stacked to (the largest per-layer rank, the head's rank)."""
-    return spec.head_rank if weight == "head" else max(spec.ranks[PROJECTIONS.index(weight)])
-
-
 def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
     """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
     per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to the largest rank) or a
@@ -528,7 +540,7 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_
         if kind is None:
             shapes[field.name] = stacked + shape
             continue
-        r = rank_padding.get(field.name, _rank(spec, weight)) if kind is Factored else None
+        r = rank_padding.get(field.name, spec.stacked_rank(weight)) if kind is Factored else None
         shapes[field.name] = kind(
             **{
                 part.name: stacked + part.metadata["shape"](shape[0], r, shape[1])
@@ -687,7 +699,7 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
             if stacked_part is None:
                 continue
             stacked = stacked_part.shape[-1]
-            if stacked >= _rank(spec, weight):
+            if stacked >= spec.stacked_rank(weight):
                 padding[name] = stacked
     want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2], padding)
     model = np.dtype(x.dtype)
@@ -784,3 +796,28 @@ def layer_weight(weight, layer: int):
     if isinstance(weight, StoredWeight):
         return type(weight)(**{name: part[layer] for name, part in weight.parts().items()})
     return weight[layer]
+
+
+def dense_in_stack(spec: DecodeSpec, projection: str, weight, values=None):
+    """Of a layer where spec.rank(projection, layer) is None though the projection is factored in other layers:
+    its dense weight as the kernels read it, from `weight`, that layer's Factored (HBM views or arrays). Such a
+    layer's W [K, N] is stored as exact factors, so a product of every layer's factors stays exact: for a projection
+    whose columns tensor-parallel ranks split, u = I [K, K] and W in v's first K rows; for a row-split one
+    (SPLIT_ROWS: o, down), W in u's first N columns and v = I [N, N]; the rest of the stack zeros. Either way a
+    rank's shard of the factor is its shard of W. With fp8 factors W's scales are v_scale (u_scale ones), so the
+    layer reads as Quantized(W, v_scale). values: W already loaded (a packed layer's OnChipWeight) instead of the
+    view into u or v."""
+    if values is None:
+        k, n = spec.in_features(projection), spec.out_features(projection)
+        values = weight.u[:, 0:n] if projection in SPLIT_ROWS else weight.v[0:k, :]
+    return values if weight.v_scale is None else Quantized(values, weight.v_scale)
+
+
+def dense_as_factors(projection: str, w, xp=np):
+    """(u, v): the exact factors a factored stack holds a dense layer's W [K, N] as (`dense_in_stack`): (I [K, K],
+    W) for a projection whose columns tensor-parallel ranks split, (W, I [N, N]) for SPLIT_ROWS; in W's dtype (the
+    identity is exact in fp8 too). xp: numpy, or a module with its eye (jax.numpy)."""
+    k, n = w.shape
+    if projection in SPLIT_ROWS:
+        return w, xp.eye(n, dtype=w.dtype)
+    return xp.eye(k, dtype=w.dtype), w

@@ -36,10 +36,8 @@ def _min_row_elements(spec, names):
     """The fewest columns any weight contracting over a vector has (dense N, or the smallest rank)."""
     widths = []
     for name in names:
-        if spec.factored(name):
-            widths.append(min(spec.rank(name, layer) for layer in range(spec.num_layers)))
-        else:
-            widths.append(spec.out_features(name))
+        dense = spec.out_features(name)
+        widths += [dense if r is None else r for r in (spec.rank(name, layer) for layer in range(spec.num_layers))]
     return min(widths)
 
 

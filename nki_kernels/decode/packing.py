@@ -12,7 +12,17 @@ import dataclasses
 import numpy as np
 
 from nki_kernels.binding import nl
-from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, DecodeSpec, Dense, Factored, Quantized
+from nki_kernels.decode.contract import (
+    FP8,
+    DecodeOperands,
+    DecodeSpec,
+    Dense,
+    Factored,
+    Quantized,
+    dense_as_factors,
+    dense_in_stack,
+    layer_weight,
+)
 from nki_kernels.decode.layouts import packed_segments, packed_width
 from nki_kernels.decode.projections import OnChipWeight
 from nki_kernels.decode.ring import RING_BLOCK_BYTES
@@ -54,8 +64,13 @@ def unpacked_spec(spec: DecodeSpec) -> DecodeSpec:
     return dataclasses.replace(spec, packed_weights=())
 
 
-def _stage_values(weight, part: str, layer: int, rank: int | None):
-    """Layer `layer`'s [K, N] values of a stage of a stacked stored weight (u cut to rank columns, v to rank rows)."""
+def _stage_values(spec: DecodeSpec, name: str, weight, part: str, layer: int):
+    """Layer `layer`'s [K, N] values of a stage of a stacked stored weight (u cut to the layer's rank of columns, v
+    to its rank of rows; a layer left dense in a factored stack: its W, contract.dense_in_stack)."""
+    rank = spec.rank(name, layer)
+    if part == "w" and isinstance(weight, Factored):
+        w = dense_in_stack(spec, name, layer_weight(weight, layer))
+        return w.w if isinstance(w, Quantized) else w
     if part == "w":
         return (weight.w if isinstance(weight, Quantized) else weight)[layer]
     if part == "u":
@@ -74,7 +89,7 @@ def pack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands
     for layer in range(spec.num_layers):
         pieces = []
         for s in packed_segments(spec, layer):
-            values = _stage_values(_as_stored(getattr(ops, s.weight)), s.part, layer, spec.rank(s.weight, layer))
+            values = _stage_values(spec, s.weight, _as_stored(getattr(ops, s.weight)), s.part, layer)
             block = xp.reshape(values[s.k0 : s.k0 + s.rows, :], (s.partitions, s.width))
             pieces.append(xp.pad(block, ((0, pmax - s.partitions), (0, 0))))
         row = xp.concatenate(pieces, axis=1)
@@ -109,35 +124,35 @@ def _without_values(weight):
 def unpack_weights(ops: DecodeOperands, spec: DecodeSpec, xp=np) -> DecodeOperands:
     """The inverse of `pack_weights`: ops following `spec` as the operands of `unpacked_spec(spec)`, each packed
     weight's values back in its stored weight, stacked over layers (factors zero padded to the rank their scales
-    are stacked to, or without scales to the largest rank)."""
+    are stacked to, or without scales to spec.stacked_rank; a layer left dense in a factored stack as its exact
+    factors, contract.dense_as_factors)."""
     if not spec.packed_weights:
         return ops
     packed = ops.packed
     values = {}
     for name in spec.packed_weights:
         weight = getattr(ops, name)
-        parts = {}
+        blocks = {}  # (layer, part) -> the stage's row blocks, in order
         for layer in range(spec.num_layers):
             for s in packed_segments(spec, layer):
                 if s.weight == name:
                     block = packed[layer, 0 : s.partitions, s.offset : s.offset + s.width]
-                    parts.setdefault(s.part, []).append((layer, xp.reshape(block, (s.rows, s.columns))))
-        stacked = {}
-        for part, blocks in parts.items():
-            per_layer = [
-                xp.concatenate([b for layer_b, b in blocks if layer_b == layer], axis=0)
-                for layer in range(spec.num_layers)
-            ]
-            stacked_rank = None
-            if part != "w":
-                ranks = spec.ranks[PROJECTIONS.index(name)]
-                stacked_rank = max(ranks) if weight.u_scale is None else weight.u_scale.shape[-1]
-            if part == "u":
-                per_layer = [xp.pad(u, ((0, 0), (0, stacked_rank - u.shape[1]))) for u in per_layer]
-            elif part == "v":
-                per_layer = [xp.pad(v, ((0, stacked_rank - v.shape[0]), (0, 0))) for v in per_layer]
-            stacked[part] = xp.stack(per_layer)
-        values[name] = stacked["w"] if isinstance(weight, Dense) else dataclasses.replace(weight, **stacked)
+                    blocks.setdefault((layer, s.part), []).append(xp.reshape(block, (s.rows, s.columns)))
+        layers = [
+            {part: xp.concatenate(b, axis=0) for (at, part), b in blocks.items() if at == layer}
+            for layer in range(spec.num_layers)
+        ]
+        if not isinstance(weight, Factored):
+            w = xp.stack([parts["w"] for parts in layers])
+            values[name] = w if isinstance(weight, Dense) else dataclasses.replace(weight, w=w)
+            continue
+        stacked = spec.stacked_rank(name) if weight.u_scale is None else weight.u_scale.shape[-1]
+        us, vs = [], []
+        for parts in layers:
+            u, v = dense_as_factors(name, parts["w"], xp) if "w" in parts else (parts["u"], parts["v"])
+            us.append(xp.pad(u, ((0, 0), (0, stacked - u.shape[1]))))
+            vs.append(xp.pad(v, ((0, stacked - v.shape[0]), (0, 0))))
+        values[name] = dataclasses.replace(weight, u=xp.stack(us), v=xp.stack(vs))
     return ops.replace(packed=None, **values)
 
 

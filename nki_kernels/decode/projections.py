@@ -224,9 +224,11 @@ class LayerScales:
                 self.tiles[name] = load_scales(weight.scale, out_layouts[name])
                 continue
             self.tiles[name] = load_scales(weight.v_scale, out_layouts[name])
+            # Layers left dense in the stack have no u scales to read: W's scales are v_scale's.
             self.u_runs[name] = [
                 (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], rank_layout(rank, spec.out_features(name))))
                 for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
+                if rank is not None
             ]
 
     @staticmethod
@@ -242,12 +244,14 @@ class LayerScales:
                 tiles += sum(
                     len(rank_layout(rank, columns)) * (l1 - l0)
                     for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
+                    if rank is not None
                 )
         return tiles * nl.float32.itemsize
 
     def of(self, name, layer, rank):
         """Layer `layer`'s scales of projection `name` (rank: its rank there, None when dense): the [128, tiles,
-        1] tiles of a Quantized weight, or (u's, v's) of a Factored one; None when the projection is not fp8."""
+        1] tiles of a Quantized weight or of a dense layer in a factored stack (its v_scale), or (u's, v's) of a
+        factored layer; None when the projection is not fp8."""
         if name not in self.tiles:
             return None
         scales = self.tiles[name][:, :, layer : layer + 1]

@@ -171,11 +171,13 @@ def _run_per_op(svd_mlp, ops, spec, ring):
 
     def projection_launch(src, name, layer, out_dtype):
         rank = spec.rank(name, layer)
+        weight, at = _each(kernel_arg, weights[name]), layer
+        if rank is None and spec.factored(name):  # a layer left dense in a factored stack: W alone
+            weight, at = _each(lambda w: _dense_in_stack(w, spec, name, layer), weights[name]), 0
         if ranks == 1 or name not in SPLIT_ROWS:
-            weight = _each(kernel_arg, weights[name])
-            return _launch(projection_kernel, src, weight, layer=layer, rank=rank, out_dtype=out_dtype, **ring)
+            return _launch(projection_kernel, src, weight, layer=at, rank=rank, out_dtype=out_dtype, **ring)
         if rank is None:
-            return all_reduce(_launch(projection_kernel, src, _each(kernel_arg, weights[name]), layer=layer, **ring))
+            return all_reduce(_launch(projection_kernel, src, weight, layer=at, **ring))
         # A factored o or down: its (x·u) summed over the ranks between the launches of u and of v.
         u, v = (_each(lambda w, f=f: _factor_stage(w, f, layer, rank), weights[name]) for f in ("u", "v"))
         xu = all_reduce(_launch(projection_kernel, src, u, layer=0, **ring), model)
@@ -269,6 +271,19 @@ def _factor_stage(weight, factor, layer, rank):
     if scale is None:
         return values
     return [values, _one_layer(_factor_slice(scale, layer, rank, 0 if factor == "u" else None))]
+
+
+def _dense_in_stack(weight, spec, name, layer):
+    """Layer `layer` of a stacked Factored that the spec leaves dense there, as projection_kernel's stacked dense
+    weight of one layer: W [1, K, N] from the factor that holds it (contract.dense_in_stack), or with fp8 factors
+    [values, v_scale [1, N]]."""
+    if name in SPLIT_ROWS:
+        values = _one_layer(_factor_slice(weight.u, layer, spec.out_features(name), 1))
+    else:
+        values = _one_layer(_factor_slice(weight.v, layer, spec.in_features(name), 0))
+    if weight.v_scale is None:
+        return values
+    return [values, _one_layer(_factor_slice(weight.v_scale, layer, None, None))]
 
 
 def _one_layer(part):
