@@ -352,14 +352,18 @@ perplexity before distillation from 1.376x / 1.327x to 1.243x / 1.253x (top-1 0.
 allocation keeping 20 dense, whose distilled model measured 1.105x / 1.089x). Unlike the better starts above, the
 gain carries through distillation: keep 0.8 MLP 1.121x / 1.089x (top-1 0.704 / 0.800) against 1.153x / 1.114x;
 MLP + attention 1.078x / 1.085x (top-1 0.750 / 0.805) against 1.184x / 1.213x, the first configuration to meet its
-target; keep 0.6 MLP 1.265x / 1.207x against 1.269x / 1.209x (at keep 0.6 only 6 projections stay dense).
-What the decode step reads of it today: the looped decode kernel stacks a projection that is dense in some layers
-and factored in others as factors of the stack's shape, a dense layer as (W, I) or (I, W) of rank min(K, N)
-(models/decode.py), so it reads the identity too. At keep 0.8 MLP the stored weights save 5.28% of a decode step's
-bytes (every projection factored: 5.29%), the decode bytes column, but the looped kernel's weight reads (the
-traffic model of its spec) save 2.53%. Reading such a layer as the dense weight it is (a per-layer mark in the
-DecodeSpec; the stacked factor that would hold W exists) is the kernel change that gives the decode step the bytes
-the column counts; it is not made yet.
+target; keep 0.6 MLP 1.265x / 1.207x against 1.269x / 1.209x (at keep 0.6 only 6 projections stay dense). Training the
+projections left dense beside the factors (14 of them down_proj, right after the factored gate and up they could
+compensate for; Adam on their kernels at the same steps relative to each kernel's RMS; scratch, keep 0.8 MLP, 480
+steps on 480 windows, load 1.5-1.9 with the test suite sharing the cores for 8 minutes) measured 1.123x / 1.088x
+(top-1 0.688 / 0.792) in 1729 s against 1.121x / 1.089x: no gain, as for the dense attention above, so only the
+factors train.
+What the decode step reads of it: the looped decode kernel stacks a projection that is dense in some layers and
+factored in others as factors, a dense layer's W as exact factors (I, W), or (W, I) for o and down (models/decode.py),
+and the DecodeSpec marks that layer dense (its rank None), so the kernel reads W alone, not the identity beside it
+(nki_kernels.decode.contract.dense_in_stack). At keep 0.8 MLP the decode step's weight reads then save what the
+decode bytes column counts, 5.28% of a step's bytes (every projection factored: 5.29%); read as factors, identity
+included, they would save 2.53%.
 
 The whole model (MLP + attention + head at keep 0.8, 200 steps, uniform ranks, before the Fisher weighting):
 1.659x / 1.650x, top-1 0.507 / 0.615, in 2318 s on a machine shared with other jobs, 21.7% of a decode step's bytes
