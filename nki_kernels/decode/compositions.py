@@ -184,14 +184,14 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         """This layer's weight of projection `name`: HBM views, a packed one's values on chip; a layer left dense
         in a factored stack as its dense weight (contract.dense_in_stack: W alone is read, not the identity)."""
         weight = layer_weight(weights[name], layer)
-        dense_in_stack = isinstance(weight, contract.Factored) and spec.rank(name, layer) is None
+        dense_layer = isinstance(weight, contract.Factored) and spec.rank(name, layer) is None
         if name not in spec.packed_weights:
-            return contract.dense_in_stack(spec, name, weight) if dense_in_stack else weight
+            return contract.dense_in_stack(spec, name, weight) if dense_layer else weight
         if not packed:
             packed.update(load_packed(ops.packed, layer, spec, ctx.ring))
         if isinstance(weight, contract.Dense):  # dense in the model's dtype: its values are all there is
             return packed[name]["w"]
-        if dense_in_stack:
+        if dense_layer:
             return contract.dense_in_stack(spec, name, weight, packed[name]["w"])
         return dataclasses.replace(weight, **packed[name])
 

@@ -519,7 +519,7 @@ def batch_axes() -> dict[str, int]:
 
 def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
     """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
-    per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to the largest rank) or a
+    per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to spec.stacked_rank) or a
     Quantized of tuples per stored weight (`stored_type`; the scales only for fp8 weights, the values only for
     weights not packed), None where the spec has no such operand."""
     rank_padding = rank_padding or {}
