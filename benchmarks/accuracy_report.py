@@ -358,6 +358,16 @@ compensate for; Adam on their kernels at the same steps relative to each kernel'
 steps on 480 windows, load 1.5-1.9 with the test suite sharing the cores for 8 minutes) measured 1.123x / 1.088x
 (top-1 0.688 / 0.792) in 1729 s against 1.121x / 1.089x: no gain, as for the dense attention above, so only the
 factors train.
+The allocation's optimum is not distillation's: a Lagrangian allocation (each projection takes the option that
+minimizes its loss + λ·parameters, λ the smallest that fits the budget: points on each curve's convex hull) keeps 20
+projections dense where the exact program keeps 18, at a predicted loss 0.8% higher (1.320e7 against 1.31e7);
+distilled alike (keep 0.8 MLP, 480 steps on 480 windows; scratch runs of compress_model with allocate_ranks patched)
+it measured 1.105x / 1.089x (top-1 0.716 / 0.801, 1261 s alone, load 1.8-1.9) against the exact program's 1.121x /
+1.089x with distillation seed 0, and 1.108x / 1.096x (top-1 0.709 / 0.807, 1481 s alone) against 1.124x / 1.099x
+(top-1 0.702 / 0.803; 2266 s, the test suite sharing the cores) with seed 1: better on the novel with both seeds, no
+worse on the technical text: how the budget is split matters beyond the predicted loss (the exact program's extra
+options off the curves' convex hulls lower the predicted loss, not the distilled one). The package still allocates
+exactly; adopting the hull's choice means rerunning the report's rows with it.
 What the decode step reads of it: the looped decode kernel stacks a projection that is dense in some layers and
 factored in others as factors, a dense layer's W as exact factors (I, W), or (W, I) for o and down (models/decode.py),
 and the DecodeSpec marks that layer dense (its rank None), so the kernel reads W alone, not the identity beside it
