@@ -235,12 +235,19 @@ class DecodeSpec:
 
     def stacked_rank(self, weight: str) -> int:
         """The width a factored weight's factors are stacked to at least: its largest per-layer rank, or where a
-        layer stays dense, the width that holds its W (`dense_in_stack`); the LM head's rank."""
+        layer stays dense, the width that holds its W (`dense_factor`); the LM head's rank."""
         if weight == "head":
             return self.head_rank
-        k, n = self.in_features(weight), self.out_features(weight)
-        dense_width = n if weight in SPLIT_ROWS else k
+        dense_width = self.dense_factor(weight)[1]
         return max(dense_width if r is None else r for r in self.ranks[PROJECTIONS.index(weight)])
+
+    def dense_factor(self, projection: str) -> tuple[str, int]:
+        """(factor, width): where a factored stack holds the W [K, N] of a layer it leaves dense (`dense_in_stack`):
+        ("v", K), W in v's first K rows, for a projection whose columns tensor-parallel ranks split; ("u", N), W in
+        u's first N columns, for SPLIT_ROWS (o, down). Either way a rank's shard of the factor is its shard of W."""
+        if projection in SPLIT_ROWS:
+            return "u", self.out_features(projection)
+        return "v", self.in_features(projection)
 
     def factored(self, weight: str) -> bool:
         """Whether `weight` (a name of WEIGHTS) is stored as factors."""
@@ -801,22 +808,20 @@ def layer_weight(weight, layer: int):
 def dense_in_stack(spec: DecodeSpec, projection: str, weight, values=None):
     """Of a layer where spec.rank(projection, layer) is None though the projection is factored in other layers:
     its dense weight as the kernels read it, from `weight`, that layer's Factored (HBM views or arrays). Such a
-    layer's W [K, N] is stored as exact factors, so a product of every layer's factors stays exact: for a projection
-    whose columns tensor-parallel ranks split, u = I [K, K] and W in v's first K rows; for a row-split one
-    (SPLIT_ROWS: o, down), W in u's first N columns and v = I [N, N]; the rest of the stack zeros. Either way a
-    rank's shard of the factor is its shard of W. With fp8 factors W's scales are v_scale (u_scale ones), so the
-    layer reads as Quantized(W, v_scale). values: W already loaded (a packed layer's OnChipWeight) instead of the
-    view into u or v."""
+    layer's W [K, N] is stored as exact factors (`dense_as_factors`), so a product of every layer's factors stays
+    exact: W in the factor spec.dense_factor names, the identity in the other, the rest of the stack zeros. With fp8
+    factors W's scales are v_scale (u_scale ones), so the layer reads as Quantized(W, v_scale). values: W already
+    loaded (a packed layer's OnChipWeight) instead of the view into u or v."""
     if values is None:
-        k, n = spec.in_features(projection), spec.out_features(projection)
-        values = weight.u[:, 0:n] if projection in SPLIT_ROWS else weight.v[0:k, :]
+        factor, width = spec.dense_factor(projection)
+        values = weight.u[:, 0:width] if factor == "u" else weight.v[0:width, :]
     return values if weight.v_scale is None else Quantized(values, weight.v_scale)
 
 
 def dense_as_factors(projection: str, w, xp=np):
-    """(u, v): the exact factors a factored stack holds a dense layer's W [K, N] as (`dense_in_stack`): (I [K, K],
-    W) for a projection whose columns tensor-parallel ranks split, (W, I [N, N]) for SPLIT_ROWS; in W's dtype (the
-    identity is exact in fp8 too). xp: numpy, or a module with its eye (jax.numpy)."""
+    """(u, v): the exact factors a factored stack holds a dense layer's W [K, N] as (`DecodeSpec.dense_factor`):
+    (I [K, K], W) for a projection whose columns tensor-parallel ranks split, (W, I [N, N]) for SPLIT_ROWS; in W's
+    dtype (the identity is exact in fp8 too). xp: numpy, or a module with its eye (jax.numpy)."""
     k, n = w.shape
     if projection in SPLIT_ROWS:
         return w, xp.eye(n, dtype=w.dtype)

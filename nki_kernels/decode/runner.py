@@ -277,10 +277,8 @@ def _dense_in_stack(weight, spec, name, layer):
     """Layer `layer` of a stacked Factored that the spec leaves dense there, as projection_kernel's stacked dense
     weight of one layer: W [1, K, N] from the factor that holds it (contract.dense_in_stack), or with fp8 factors
     [values, v_scale [1, N]]."""
-    if name in SPLIT_ROWS:
-        values = _one_layer(_factor_slice(weight.u, layer, spec.out_features(name), 1))
-    else:
-        values = _one_layer(_factor_slice(weight.v, layer, spec.in_features(name), 0))
+    factor, width = spec.dense_factor(name)
+    values = _one_layer(_factor_slice(getattr(weight, factor), layer, width, 1 if factor == "u" else 0))
     if weight.v_scale is None:
         return values
     return [values, _one_layer(_factor_slice(weight.v_scale, layer, None, None))]
