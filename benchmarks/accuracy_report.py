@@ -61,7 +61,7 @@ TEXTS = ("novel", "technical")
 @dataclasses.dataclass(frozen=True)
 class Config:
     """One report row: compress_model(dense, keep, method, include=include, steps=steps, block=block, distill=...,
-    allow_dense=allow_dense)."""
+    allow_dense=allow_dense, allocation_solver=allocation_solver)."""
 
     name: str
     keep: float
@@ -71,6 +71,7 @@ class Config:
     block: int | None = None  # compress_model's default: 128, 64 for allocated ranks
     distill: DistillOptions = DistillOptions()
     allow_dense: bool = True  # the "allocate" step may leave a projection dense
+    allocation_solver: str = "lagrangian"
     distill_windows: int | None = None  # the first this many training windows (None: --distill_windows)
 
 
@@ -86,15 +87,32 @@ CONFIGS = (
     Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
     Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
     Config("mlp+attention+head 0.8 recommended", 0.8, ("mlp", "attention", "head")),
-    Config("mlp 0.8, every projection factored", 0.8, ("mlp",), allow_dense=False),
-    Config("mlp+attention 0.8, every projection factored", 0.8, ("mlp", "attention"), allow_dense=False),
-    Config("mlp 0.6, every projection factored", 0.6, ("mlp",), allow_dense=False),
+    Config("mlp 0.8, exact allocation", 0.8, ("mlp",), allocation_solver="exact"),
+    Config("mlp 0.6, exact allocation", 0.6, ("mlp",), allocation_solver="exact"),
+    Config("mlp+attention 0.8, exact allocation", 0.8, ("mlp", "attention"), allocation_solver="exact"),
+    Config("mlp 0.8, every projection factored", 0.8, ("mlp",), allow_dense=False, allocation_solver="exact"),
+    Config(
+        "mlp+attention 0.8, every projection factored",
+        0.8,
+        ("mlp", "attention"),
+        allow_dense=False,
+        allocation_solver="exact",
+    ),
+    Config("mlp 0.6, every projection factored", 0.6, ("mlp",), allow_dense=False, allocation_solver="exact"),
     Config(
         "mlp+attention 0.8, 360 steps on 360 windows",
         0.8,
         ("mlp", "attention"),
         distill=DistillOptions(steps=360),
         distill_windows=360,
+    ),
+    Config(
+        "mlp+attention 0.8, 360 steps on 360 windows, exact allocation",
+        0.8,
+        ("mlp", "attention"),
+        distill=DistillOptions(steps=360),
+        distill_windows=360,
+        allocation_solver="exact",
     ),
 )
 SENSITIVITY = ("mlp 0.8 whitened + sequential", "attention 0.8 whitened + sequential", "head 0.8 whitened")
@@ -668,6 +686,7 @@ def main(argv):
             distill=config.distill,
             distill_ids=distill_ids[: config.distill_windows] if "distill" in config.steps else None,
             allow_dense=config.allow_dense,
+            allocation_solver=config.allocation_solver,
         )
         seconds = time.perf_counter() - start
         row = measure(compressed, held_out, bos)
@@ -676,6 +695,7 @@ def main(argv):
             calibration_windows=FLAGS.calibration_windows,
             include=list(config.include),
             steps=list(config.steps),
+            allocation_solver=config.allocation_solver,
             seconds=seconds,
             load=f"{load_before:.1f}-{os.getloadavg()[0]:.1f}",
             continuation_text=[tokenizer.decode(c) for c in row["continuations"]],

@@ -332,6 +332,10 @@ def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
         model, 0.6, "whitened", calibration, steps=steps, block=8, allow_dense=False, progress=False
     )
     assert ranks_of(factored) == allocate_ranks(curves, shapes, 0.6, 8)
+    exact = compress_model(
+        model, 0.6, "whitened", calibration, steps=steps, block=8, allocation_solver="exact", progress=False
+    )
+    assert ranks_of(exact) == allocate_ranks(curves, shapes, 0.6, 8, allow_dense=True, solver="exact")
     by_kl = compress_model(
         model,
         0.5,
@@ -346,6 +350,8 @@ def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
     assert all(isinstance(layer.mlp, SVDMLP) for layer in by_kl.layers)
     with pytest.raises(ValueError, match="allow_dense: got 1, expected a bool"):
         compress_model(model, 0.5, "whitened", calibration, steps=steps, allow_dense=1, progress=False)
+    with pytest.raises(ValueError, match=r"allocation_solver: got 'dp', expected one of \('lagrangian', 'exact'\)"):
+        compress_model(model, 0.5, "whitened", calibration, steps=steps, allocation_solver="dp", progress=False)
     for allocation_loss, steps, match in (
         ("fisher", ("allocate",), "'fisher' predicts from the 'fisher' step"),
         ("kl", ("fisher",), "only used by the 'allocate' step"),

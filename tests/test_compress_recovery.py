@@ -109,7 +109,7 @@ def test_allocate_ranks_matches_the_brute_force_optimum():
         for (k, n), a, b in zip(shapes, rng.uniform(0.1, 2.0, 4), rng.uniform(0.2, 0.6, 4))
     ]
     keep, block = 0.55, 4
-    ranks = allocate_ranks(curves, shapes, keep, block)
+    ranks = allocate_ranks(curves, shapes, keep, block, solver="exact")
     budget = keep * sum(k * n for k, n in shapes)
     caps = [(k * n // (k + n)) // block * block for k, n in shapes]
     assert all(r % block == 0 and block <= r <= c for r, c in zip(ranks, caps))
@@ -124,6 +124,8 @@ def test_allocate_ranks_matches_the_brute_force_optimum():
         allocate_ranks(curves[:1], shapes, keep)
     with pytest.raises(ValueError, match=r"losses\[0\]"):
         allocate_ranks([np.ones(4)], [(4, 8)], keep)
+    with pytest.raises(ValueError, match="solver"):
+        allocate_ranks(curves, shapes, keep, block, solver="greedy")
 
 
 def test_allocate_ranks_with_the_dense_option_matches_the_brute_force_optimum(monkeypatch):
@@ -141,7 +143,7 @@ def test_allocate_ranks_with_the_dense_option_matches_the_brute_force_optimum(mo
             for (k, n), a, b in zip(shapes, rng.uniform(0.1, 2.0, 5), rng.uniform(0.3, 0.9, 5))
         ]
         keep = float(rng.uniform(0.5, 0.8))
-        ranks = allocate_ranks(curves, shapes, keep, block, allow_dense=True)
+        ranks = allocate_ranks(curves, shapes, keep, block, allow_dense=True, solver="exact")
         budget = keep * sum(k * n for k, n in shapes)
         assert sum(cost(r, k, n) for r, (k, n) in zip(ranks, shapes)) <= budget
         caps = [(k * n // (k + n)) // block * block for k, n in shapes]
@@ -153,15 +155,80 @@ def test_allocate_ranks_with_the_dense_option_matches_the_brute_force_optimum(mo
         )
         got = sum(0.0 if r is None else c[r] for c, r in zip(curves, ranks))
         np.testing.assert_allclose(got, best, rtol=1e-12)
-        factored_only = allocate_ranks(curves, shapes, keep, block)
+        factored_only = allocate_ranks(curves, shapes, keep, block, solver="exact")
         assert None not in factored_only
         assert got <= sum(c[r] for c, r in zip(curves, factored_only))
     assert None in ranks  # the last case keeps a projection dense
     # A budget finer than MAX_CELLS cells is counted in coarser units, each option's cost rounded up: still within it.
     monkeypatch.setattr(allocation, "MAX_CELLS", 50)
-    coarse = allocate_ranks(curves, shapes, keep, block, allow_dense=True)
+    coarse = allocate_ranks(curves, shapes, keep, block, allow_dense=True, solver="exact")
     assert sum(cost(r, k, n) for r, (k, n) in zip(coarse, shapes)) <= budget
     assert best <= sum(0.0 if r is None else c[r] for c, r in zip(curves, coarse))
+
+
+@pytest.mark.parametrize("allow_dense", [False, True])
+def test_lagrangian_allocation_is_the_least_price_per_parameter_that_fits(allow_dense):
+    # Reference by the definition, over every option (no hull): at each price λ every projection takes its option of
+    # least loss + λ·parameters; the answer is the choice at the smallest price whose parameters fit the budget.
+    shapes = [(40, 72), (72, 40), (56, 56), (32, 80), (48, 64)]
+    block = 4
+
+    def cost(rank, k, n):
+        return k * n if rank is None else rank * (k + n)
+
+    def loss(curve, rank):
+        return 0.0 if rank is None else curve[rank]
+
+    differs = 0
+    for seed in range(6):
+        rng = np.random.default_rng(100 + seed)
+        # Three measured ranks with random ratios: curves that bend both ways, so hulls skip some ranks.
+        curves = [
+            loss_curve({8: float(a), 12: float(a * b), 20: float(a * b * c)}, min(k, n))
+            for (k, n), a, b, c in zip(
+                shapes, rng.uniform(0.1, 2.0, 5), rng.uniform(0.2, 0.95, 5), rng.uniform(0.05, 0.9, 5)
+            )
+        ]
+        keep = float(rng.uniform(0.45, 0.8))
+        budget = keep * sum(k * n for k, n in shapes)
+        caps = [(k * n // (k + n)) // block * block for k, n in shapes]
+        options = [[*range(block, cap + 1, block), *([None] if allow_dense else [])] for cap in caps]
+        # The choices change only at the rates between two options of one projection: try a price between each two.
+        rates = sorted(
+            {
+                (loss(c, a) - loss(c, b)) / (cost(b, k, n) - cost(a, k, n))
+                for c, (k, n), opts in zip(curves, shapes, options)
+                for a, b in itertools.combinations(opts, 2)
+                if cost(a, k, n) < cost(b, k, n)
+            }
+            | {0.0}
+        )
+        prices = [(low + high) / 2 for low, high in zip(rates, rates[1:])] + [2 * rates[-1] + 1.0]
+        for price in prices:
+            expected = [
+                min(opts, key=lambda r, c=c, k=k, n=n: loss(c, r) + price * cost(r, k, n))
+                for c, (k, n), opts in zip(curves, shapes, options)
+            ]
+            if sum(cost(r, k, n) for r, (k, n) in zip(expected, shapes)) <= budget:
+                break
+        ranks = allocate_ranks(curves, shapes, keep, block, allow_dense=allow_dense)
+        assert ranks == expected
+        spent = sum(cost(r, k, n) for r, (k, n) in zip(ranks, shapes))
+        got = sum(loss(c, r) for c, r in zip(curves, ranks))
+        # A Lagrangian choice is the exact optimum at the parameters it spends, and no better than the exact one.
+        best_at_spent = min(
+            sum(loss(c, r) for c, r in zip(curves, combo))
+            for combo in itertools.product(*options)
+            if sum(cost(r, k, n) for r, (k, n) in zip(combo, shapes)) <= spent
+        )
+        np.testing.assert_allclose(got, best_at_spent, rtol=1e-12)
+        exact = allocate_ranks(curves, shapes, keep, block, allow_dense=allow_dense, solver="exact")
+        assert sum(loss(c, r) for c, r in zip(curves, exact)) <= got * (1 + 1e-12)
+        differs += exact != ranks
+    # With the dense option's jump in parameters, the two solvers part in some of these cases.
+    assert differs > 0 if allow_dense else differs == 0
+    # A budget below one block each: every projection gets its smallest rank.
+    assert allocate_ranks(curves, shapes, 0.01, block, allow_dense=allow_dense) == [block] * len(shapes)
 
 
 def _kl64(student_hidden, teacher_hidden, table, rows):

@@ -173,12 +173,13 @@ def _allocated_ranks(
     block,
     allocation_loss,
     allow_dense,
+    allocation_solver,
     output_chols,
     decompositions,
     progress,
 ) -> dict:
     """The "allocate" step's ranks: each projection's loss at every rank, then the block-aligned ranks (None: stays
-    dense, when allow_dense) with the least summed loss under the budget keep·Σ K·N (`allocation.allocate_ranks`).
+    dense, when allow_dense) that allocation_solver chooses under the budget keep·Σ K·N (`allocation.allocate_ranks`).
     allocation_loss "fisher": the losses
     `sensitivity.fisher_losses` predicts from output_chols; "kl": the end-to-end KL measured at each projection's
     uniform rank and up to two blocks on either side (`sensitivity.kl_sensitivity`), interpolated between them. Both
@@ -212,7 +213,9 @@ def _allocated_ranks(
             allocation.loss_curve(measured[(index, name)], min(k, n))
             for (index, name, _), (k, n) in zip(entries, shapes)
         ]
-    allocated = allocation.allocate_ranks(curves, shapes, keep, block, allow_dense=allow_dense)
+    allocated = allocation.allocate_ranks(
+        curves, shapes, keep, block, allow_dense=allow_dense, solver=allocation_solver
+    )
     return {(index, name): r for (index, name, _), r in zip(entries, allocated)}
 
 
@@ -256,6 +259,7 @@ def compress_model(
     weight_dtype=None,
     allocation_loss: str | None = None,
     allow_dense: bool = True,
+    allocation_solver: str = "lagrangian",
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -277,7 +281,10 @@ def compress_model(
     runs, else "kl"; both measured alike on Gemma 3 270M, "fisher" without the probes' forward passes; with
     allow_dense, a projection may also stay dense, at K·N parameters and no loss, where that buys more accuracy
     than its parameters spent on other projections' ranks: an MLP with a dense projection keeps a GatedMLP of
-    SVDLinear and dense projections, not the fused SVDMLP, and "local" skips it),
+    SVDLinear and dense projections, not the fused SVDMLP, and "local" skips it; allocation_solver: how the ranks
+    are chosen from those costs, `allocation.SOLVERS`: "lagrangian" (each projection's option of least
+    loss + λ·parameters, λ the smallest that fits; measured better after distillation) or "exact" (the least
+    predicted summed loss)),
     "sequential" (each layer calibrated on the compressed layers' outputs), "refit" (closed-form ridge update of v
     towards the dense outputs), "local" (per-MLP fine-tuning of the factors; options in `local`), "distill"
     (end-to-end fine-tuning of all factors from the dense logits; options in `distill`; it trains on
@@ -314,6 +321,8 @@ def compress_model(
     allocation_loss = _check_allocation_loss(allocation_loss, steps)
     if not isinstance(allow_dense, bool):
         raise ValueError(f"allow_dense: got {allow_dense!r}, expected a bool")
+    if allocation_solver not in allocation.SOLVERS:
+        raise ValueError(f"allocation_solver: got {allocation_solver!r}, expected one of {allocation.SOLVERS}")
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
@@ -333,6 +342,7 @@ def compress_model(
             calibration_ids if distill_ids is None else distill_ids,
             allocation_loss,
             allow_dense,
+            allocation_solver,
             progress,
         )
     if weight_dtype is None:
@@ -354,6 +364,7 @@ def _compress(
     distill_ids,
     allocation_loss,
     allow_dense,
+    allocation_solver,
     progress,
 ):
     model = nnx.clone(dense)
@@ -373,6 +384,7 @@ def _compress(
             block or ALLOCATION_BLOCK,
             allocation_loss,
             allow_dense,
+            allocation_solver,
             output_chols,
             decompositions,
             progress,
