@@ -31,7 +31,7 @@ from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
-from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.models.compression import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -71,7 +71,7 @@ class Config:
     block: int | None = None  # compress_model's default: 128, 64 for allocated ranks
     distill: DistillOptions = DistillOptions()
     allow_dense: bool = True  # the "allocate" step may leave a projection dense
-    allocation_solver: str = "lagrangian"
+    allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER
     distill_windows: int | None = None  # the first this many training windows (None: --distill_windows)
 
 

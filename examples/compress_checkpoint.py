@@ -32,6 +32,7 @@ import numpy as np
 from absl import app, flags
 
 from jax_neuronmm import models
+from jax_neuronmm.compress import allocation
 
 flags.DEFINE_string("checkpoint_dir", None, "Local HF checkpoint directory (config.json + *.safetensors).")
 flags.DEFINE_string("output_dir", None, "New directory to write the compressed checkpoint into.")
@@ -76,6 +77,13 @@ flags.DEFINE_bool(
     True,
     "With the allocate step: a projection may stay dense where that costs less accuracy than its factors "
     "(--noallow_dense: factor every projection).",
+)
+flags.DEFINE_enum(
+    "allocation_solver",
+    models.compression.RECOMMENDED_ALLOCATION_SOLVER,
+    list(allocation.SOLVERS),
+    "With the allocate step: how ranks are chosen from each projection's costs (lagrangian: each projection's "
+    "option of least loss + price x parameters at the smallest price that fits; exact: the least predicted loss).",
 )
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
@@ -150,6 +158,7 @@ def main(argv):
             block=FLAGS.block,
             dtype=jnp.dtype(FLAGS.dtype),
             allow_dense=FLAGS.allow_dense,
+            allocation_solver=FLAGS.allocation_solver,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

@@ -114,7 +114,13 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     # The key names everything the factors depend on: model file, keep, token ids and the pipeline's settings (its
     # allocation may leave projections dense: those are the dense model's and are not cached).
     pipeline = "+".join(
-        (compression.RECOMMENDED_METHOD, *compression.RECOMMENDED_STEPS, "allow_dense", repr(DistillOptions()))
+        (
+            compression.RECOMMENDED_METHOD,
+            *compression.RECOMMENDED_STEPS,
+            "allow_dense",
+            compression.RECOMMENDED_ALLOCATION_SOLVER,
+            repr(DistillOptions()),
+        )
     )
     digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + pipeline.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]

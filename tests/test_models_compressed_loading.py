@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
-from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
+from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed
 from jax_neuronmm.models import (
     GatedMLP,
     compress_checkpoint,
@@ -279,3 +279,30 @@ def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
     np.testing.assert_allclose(
         np.asarray(_logits(loaded, ids), np.float64), np.asarray(_logits(expected, ids), np.float64), atol=1e-5, rtol=0
     )
+
+
+def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
+    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration)
+    solvers = []
+    allocate = allocation.allocate_ranks
+    monkeypatch.setattr(
+        allocation,
+        "allocate_ranks",
+        lambda *args, **kwargs: solvers.append(kwargs["solver"]) or allocate(*args, **kwargs),
+    )
+    report = compress_checkpoint(
+        tmp_path / "hf", tmp_path / "out", allow_dense=False, allocation_solver="exact", **options
+    )
+    assert solvers == ["exact"]
+    # Every projection factored (at 0.8 this model keeps some dense when allowed: the round-trip test above).
+    assert all(layer.rank is not None for layer in report.layers)
+    expected = compress_model(
+        load_hf(str(tmp_path / "hf")), allow_dense=False, allocation_solver="exact", progress=False, **options
+    )
+    assert report.ranks == {
+        f"layers/{index}/mlp/{name}": getattr(layer.mlp, name).rank
+        for index, layer in enumerate(expected.layers)
+        for name in MLP_NAMES
+    }

@@ -6,7 +6,8 @@
   whitening(x) / whitened_factors(w, S, rank)      the same, with the Cholesky factor S computed once per input
   output_whitening(G) / whitened_factors(..., out_chol=L)   the truncation also weighted by an output Gram G
   refit_v(u, x̃, y)                                 closed-form ridge update of v given u on calibration data
-  allocate_ranks(losses, shapes, keep)              block-aligned ranks (or dense: allow_dense) under one budget
+  allocate_ranks(losses, shapes, keep)              block-aligned ranks (or dense: allow_dense) under one budget,
+                                                   by a Lagrangian price per parameter or exactly (solver=)
   compress_params(params, keep=|rank=, ...)        kernel → (u, v) over Linen / NNX trees, with a report
   quantize_fp8(w, axis=-1) -> (values, scale)      fp8 e4m3 (±240) values, one fp32 scale per output channel
   gptq_fp8(w, gram) -> (values, scale)             the same format, rounded with error feedback (GPTQ)

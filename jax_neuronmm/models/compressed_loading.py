@@ -40,6 +40,7 @@ from jax_neuronmm.models.compression import (
     ALLOCATION_BLOCK,
     BLOCK,
     MLP_PROJECTIONS,
+    RECOMMENDED_ALLOCATION_SOLVER,
     compress_model,
     fused_mlp_activation,
     resolve_pipeline,
@@ -80,12 +81,13 @@ def compress_checkpoint(
     block: int | None = None,
     dtype=jnp.float32,
     allow_dense: bool = True,
+    allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
-    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block / allow_dense are
-    `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank). dtype: the parameter dtype the
-    model is loaded, factored and saved in.
+    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block / allow_dense /
+    allocation_solver are `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank). dtype: the
+    parameter dtype the model is loaded, factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
     Nothing the user has is replaced, and the output is checked before anything is compressed: see
@@ -116,6 +118,7 @@ def compress_checkpoint(
         rank=rank,
         block=block,
         allow_dense=allow_dense,
+        allocation_solver=allocation_solver,
     )
     report = _report(
         dense,

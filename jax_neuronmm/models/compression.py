@@ -43,6 +43,9 @@ RECOMMENDED_METHOD = "whitened"
 # and a technical text): see benchmarks/results/accuracy_report.md; "local" and "refit" trade one text for the
 # other, and "sequential" measured no better once "fisher" weights the truncations, so they stay opt-in.
 RECOMMENDED_STEPS = ("fisher", "allocate", "distill")
+# How "allocate" chooses ranks from each projection's costs (`allocation.SOLVERS`); the report's "exact allocation"
+# rows measure the other solver.
+RECOMMENDED_ALLOCATION_SOLVER = "lagrangian"
 
 
 class NoCalibrationWarning(UserWarning):
@@ -259,7 +262,7 @@ def compress_model(
     weight_dtype=None,
     allocation_loss: str | None = None,
     allow_dense: bool = True,
-    allocation_solver: str = "lagrangian",
+    allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
