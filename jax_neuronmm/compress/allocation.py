@@ -8,10 +8,10 @@ also stay dense (`allocate_ranks(..., allow_dense=True)`).
 
 Two solvers (`SOLVERS`): "lagrangian" prices a parameter at λ and gives each projection its option of least
 loss + λ·parameters, λ the smallest price whose choices fit the budget (each projection moves along the lower
-convex hull of its options); "exact" minimizes the summed loss under the budget by dynamic programming. The exact
-optimum of the predicted loss can sit on a point between a projection's hull vertices, where its curve bends
-upwards: a rank whose predicted saving the first-order model trusts most. Distilled Gemma 3 270M measured better
-with the Lagrangian choice (keep 0.8 MLPs, benchmarks/results/accuracy_report.md), so it is the default.
+convex hull of its options); "exact" minimizes the summed loss under the budget by dynamic programming. They part
+where the exact optimum fills the budget with options off a projection's convex hull, or leaves a hull vertex the
+price would take for a combination that fits more tightly. After distillation Gemma 3 270M measured better with the
+Lagrangian choice (benchmarks/results/accuracy_report.md), so it is the default.
 """
 
 from __future__ import annotations
