@@ -107,6 +107,7 @@ def test_bad_flags_are_usage_errors(tmp_path):
         (["--keep=0.5", "--rank=8"], "give --keep or --rank, not both"),
         (["--rank=0"], "--rank"),
         (["--include=mlp,ffn"], "--include takes mlp and/or attention"),
+        (["--allocation_solver=dp"], "value should be one of <lagrangian|exact>"),
     ):
         result = run(f"--checkpoint_dir={tmp_path}", f"--output_dir={tmp_path / 'out'}", *flags)
         assert result.returncode != 0 and message in result.stderr, (flags, result.stderr)
