@@ -66,7 +66,22 @@ def lowers_whole_arrays(ctx):
     return not devices or len(devices) == 1
 
 
-__all__ += ["add_host_callback", "lowers_whole_arrays", "require_devices_during_lowering", "varying_axes"]
+def partially_manual(ctx):
+    """True when `ctx` lowers inside a shard_map that is Manual over some mesh axes but not all of them."""
+    axis_context = ctx.module_context.axis_context
+    if not isinstance(axis_context, _sharding_impls.SPMDAxisContext):
+        return False
+    manual = set(axis_context.manual_axes)
+    return bool(manual) and manual != set(axis_context.mesh.axis_names)
+
+
+__all__ += [
+    "add_host_callback",
+    "lowers_whole_arrays",
+    "partially_manual",
+    "require_devices_during_lowering",
+    "varying_axes",
+]
 
 
 # --- Backends (jax_neuronmm/backend.py) -----------------------------------------------------------

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_neuronmm.explicit_sharding import typed_alike
+from jax_neuronmm.explicit_sharding import split_alike, typed_alike
 from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype
 
@@ -82,7 +82,7 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     batch, tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     groups = num_heads // num_kv_heads
-    q = q.reshape(batch, tokens, num_kv_heads, groups, head_dim)
+    q = split_alike(q.reshape(batch, tokens, num_kv_heads, groups, head_dim), (0, 2), keys, (0, 2))
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * jnp.asarray(scaling, q.dtype)
     scores = scores.astype(jnp.float32)
     scores = soft_cap(scores, logit_softcap)

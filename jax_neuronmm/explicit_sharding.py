@@ -161,6 +161,28 @@ def typed_alike(operand, update):
     return operand, update
 
 
+def split_alike(x, dims, like, like_dims):
+    """`x` with its dims `dims` split as `like`'s dims `like_dims`, for dots whose batch dims must split alike.
+
+    Where `like` is typed on a mesh with Explicit axes, `x` is resharded so: its other dims keep their split unless
+    it uses a mesh axis those dims now take (one typed without a mesh starts unsplit). Otherwise `x` comes back
+    unchanged. Attention needs it for the queries against a cache that keeps its own split: how a reshape carries
+    a split dim into the new ones differs between JAX releases.
+    """
+    like_aval = jax.typeof(like)
+    mesh = like_aval.sharding.mesh
+    if not _has_explicit_axes(mesh):
+        return x
+    aval = jax.typeof(x)
+    entries = list(_entries(aval)) if aval.sharding.mesh == mesh else [()] * aval.ndim
+    wanted = {d: _entries(like_aval)[ld] for d, ld in zip(dims, like_dims)}
+    taken = {a for e in wanted.values() for a in e}
+    split = [wanted.get(d, () if set(e) & taken else e) for d, e in enumerate(entries)]
+    if aval.sharding.mesh == mesh and split == list(_entries(aval)):
+        return x
+    return jax.sharding.reshard(x, NamedSharding(mesh, _spec(split)))
+
+
 def _typed_on_explicit_axes(x, sharding: NamedSharding) -> bool:
     return _has_explicit_axes(jax.typeof(x).sharding.mesh) or _has_explicit_axes(sharding.mesh.abstract_mesh)
 

@@ -36,6 +36,7 @@ from jax_neuronmm._compat import (
     lower_fun,
     lowering_platform,
     lowers_whole_arrays,
+    partially_manual,
     register_lowering,
     require_devices_during_lowering,
 )
@@ -100,6 +101,11 @@ def _lower(primitive, ctx, *operands, **params):
         kernel_calls.check_kernel_dtype(backend, ctx.avals_in[0].dtype)
     factor_rule = _rules[primitive].partitioning(params["n_batch"], ctx.avals_in[0].ndim, len(ctx.avals_in))
     local_fn = local_impl(primitive, platform)
+    if backend == "xla" and partially_manual(ctx):
+        # The reference's jnp ops on the blocks shard_map gives, left for XLA to partition over the axes that are
+        # not Manual: custom_partitioning there leaves a Sharding custom call that JAX 0.11 cannot compile.
+        reference = lower_fun(functools.partial(local_fn, **params), multiple_results=False)
+        return explicit_sharding.constrain_results(ctx, reference(explicit_sharding.local_context(ctx), *operands))
     check_blocks = None
     if isinstance(local_fn, host_callback.HostKernel):
         # Shapes no kernel fits fail here, with the reason, rather than in the host callback at run time:

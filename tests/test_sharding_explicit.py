@@ -379,6 +379,43 @@ def explicit_partial_shard_map_manual_model_axis_explicit_data_axis():
                 np.testing.assert_allclose(np.asarray(apply(*placed)), mlp_f64(*args), rtol=1e-4, atol=1e-4)
 
 
+def _attention_f64(q, keys, values, bias, scaling):
+    """Grouped-query attention in float64: query head h reads kv head h // (heads / kv_heads)."""
+    q, keys, values, bias = (np.asarray(a, np.float64) for a in (q, keys, values, bias))
+    groups = q.shape[2] // keys.shape[2]
+    keys, values = np.repeat(keys, groups, axis=2), np.repeat(values, groups, axis=2)
+    scores = np.einsum("bthd,bshd->bhts", q, keys) * scaling + bias[:, None]
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    out = np.einsum("bhts,bshd->bthd", weights, values)
+    return out.reshape(*out.shape[:2], -1)
+
+
+@check
+def attention_queries_take_the_caches_split():
+    # The attention dots need q's batch and kv-head dims split as the cache's; how a reshape carries the heads'
+    # split into (kv_heads, groups) differs between JAX releases, so attend reshards q to the cache's split.
+    from jax_neuronmm import decoder_math
+
+    r = rng("attend_split")
+    q = r.standard_normal((2, 3, 8, 16)).astype(np.float32)
+    keys, values = (r.standard_normal((2, 5, 4, 16)).astype(np.float32) for _ in range(2))
+    bias = np.where(r.random((2, 3, 5)) < 0.3, decoder_math.MASKED, 0.0).astype(np.float32)
+    bias[..., 0] = 0.0  # every query sees at least one key
+    expected = _attention_f64(q, keys, values, bias, 0.25)
+    attend = jax.jit(lambda *a: decoder_math.attend(*a, scaling=0.25, logit_softcap=None))
+    mesh = _mesh("explicit")
+    with jax.set_mesh(mesh):
+        for cache_spec in (P(None, None, "model"), P("data", None, "model")):
+            for q_spec in (P(), P(None, None, None, "model"), P("data", None, "model"), P(None, None, "data")):
+                placed_q = jax.device_put(q, NamedSharding(mesh, q_spec))
+                kv = [jax.device_put(a, NamedSharding(mesh, cache_spec)) for a in (keys, values)]
+                got = attend(placed_q, *kv, jax.device_put(bias, NamedSharding(mesh, P())))
+                np.testing.assert_allclose(
+                    np.asarray(got), expected, rtol=1e-5, atol=1e-5, err_msg=f"q {q_spec}, cache {cache_spec}"
+                )
+
+
 # The Megatron layout of a compressed Llama (examples/tensor_parallel_generate.py): (path regex, spec).
 _MEGATRON = (
     (r"mlp/(gate_proj|up_proj)/v$", P(None, "model")),
@@ -417,17 +454,9 @@ def generate_on_explicit_mesh_matches_one_device():
         np.testing.assert_array_equal(np.asarray(models.generate(sharded, prompts, 6, **sampling)), expected)
 
 
-# Known limitation on JAX >= 0.12: a partially Manual shard_map (Manual over "model", Explicit "data") around the
-# op leaves a Sharding custom call in the compiled host program ("No registered implementation for untyped custom
-# call to Sharding for Host"). Fully Manual shard_map and jit over Explicit meshes pass there.
-FAILS_ON_JAX_0_12 = {"explicit_partial_shard_map_manual_model_axis_explicit_data_axis"}
-
-
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_explicit_sharding(check_results, name):
     failure = check_results[name]
-    if failure is not None and name in FAILS_ON_JAX_0_12 and jax.__version_info__ >= (0, 12):
-        pytest.xfail(next(line for line in failure.splitlines() if "JaxRuntimeError" in line or "Error:" in line))
     assert failure is None, failure
 
 
