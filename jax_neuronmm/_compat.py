@@ -1,6 +1,6 @@
 """Every import of JAX internals lives here, so a JAX upgrade touches one file.
 
-Supported: JAX 0.10.x and 0.11.x.
+Supported: JAX 0.10, 0.11 and 0.12 (README: Versions).
 """
 
 from jax._src.dispatch import apply_primitive  # eager execution of a primitive
