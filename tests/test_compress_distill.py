@@ -271,14 +271,14 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(steps, warmup):
 def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
     from flax import nnx
 
-    from jax_neuronmm.compress.distill import is_factor
+    from jax_neuronmm.compress.distill import is_trained
 
     model, ids = tiny
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
-    before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_factor))}
+    before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_trained))}
     options = DistillOptions(steps=1, learning_rate=1e-2, relative=True, warmup=0, holdout=0, positions=5)
     distill_factors(compressed, model, ids, options, progress=False)
-    after = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_factor))}
+    after = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_trained))}
     rms = {k: np.sqrt(np.mean(v**2)) for k, v in before.items()}
     assert len({round(float(v), 6) for v in rms.values()}) > 1  # factors of different scales
     for key in before:

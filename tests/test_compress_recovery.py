@@ -16,7 +16,7 @@ from jax_neuronmm.compress.distill import (
     centered_logit_error,
     distill_factors,
     final_hidden,
-    is_factor,
+    is_trained,
     unembedding,
 )
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
@@ -396,7 +396,7 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
 
 
 def _factors(model):
-    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, is_factor))}
+    return {k: np.asarray(v.get_value()) for k, v in nnx.to_flat_state(nnx.state(model, is_trained))}
 
 
 def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):

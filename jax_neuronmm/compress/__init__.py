@@ -11,6 +11,7 @@
   compress_params(params, keep=|rank=, ...)        kernel → (u, v) over Linen / NNX trees, with a report
   quantize_fp8(w, axis=-1) -> (values, scale)      fp8 e4m3 (±240) values, one fp32 scale per output channel
   gptq_fp8(w, gram) -> (values, scale)             the same format, rounded with error feedback (GPTQ)
+  prune_neurons(HᵀH, W_down, keep_count, M)        a gated MLP's neurons kept (greedy OBS), down_proj rows refit
   save_compressed / load_compressed                 safetensors + metadata + checksums, atomic writes
 
 Model-level recovery (the output Fisher weighting, rank allocation, layer-by-layer calibration, local and end-to-end
@@ -21,6 +22,7 @@ compress.distill and is driven by `jax_neuronmm.models.compress_model`.
 from jax_neuronmm.compress.allocation import allocate_ranks
 from jax_neuronmm.compress.checkpoint import CheckpointError, CheckpointInfo, load_compressed, save_compressed
 from jax_neuronmm.compress.params import DEFAULT_INCLUDE, CompressionReport, LayerReport, compress_params
+from jax_neuronmm.compress.prune import prune_neurons
 from jax_neuronmm.compress.quantize import FP8_DTYPE, FP8_MAX, dequantize_fp8, gptq_fp8, quantize_fp8
 from jax_neuronmm.compress.refit import refit_v
 from jax_neuronmm.compress.svd import (
@@ -54,6 +56,7 @@ __all__ = [
     "gptq_fp8",
     "load_compressed",
     "output_whitening",
+    "prune_neurons",
     "quantize_fp8",
     "refit_v",
     "save_compressed",

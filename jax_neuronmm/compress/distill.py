@@ -1,8 +1,9 @@
 """End-to-end distillation of a compressed CausalLM's SVD factors from the dense model's next-token distributions.
 
-Only the factors (every SVDLinear's u and v, inside SVDMLP too) are trained; embeddings, norms, the LM head and any
-projection left dense stay frozen. The dense model runs once, up front, and its final normed hidden states are
-cached; its logits are recomputed from them where a loss needs them. Two losses (`DistillOptions.loss`):
+Only the compressed weights are trained (`is_trained`: every SVDLinear's u and v, inside SVDMLP too, and the kernels
+of MLPs whose neurons were pruned); embeddings, norms, the LM head and any projection left dense stay frozen. The
+dense model runs once, up front, and its final normed hidden states are cached; its logits are recomputed from them
+where a loss needs them. Two losses (`DistillOptions.loss`):
 
   * "kl" (the default): the KL divergence from the teacher's to the student's next-token distribution, at every
     position of each window or at `positions` randomly sampled ones, over the vocabulary rows among the teacher's
@@ -42,6 +43,7 @@ from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential
 from jax_neuronmm.compress.local_finetune import check_adam_options
+from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, dequantize_fp8, quantize_fp8
 from jax_neuronmm.decoder_math import soft_cap
 
@@ -114,9 +116,9 @@ def _check_int(name, value, low):
         )
 
 
-def is_factor(path, value) -> bool:
-    """nnx filter: the u / v parameters of SVDLinear layers."""
-    return isinstance(value, nnx.Param) and bool(path) and path[-1] in ("u", "v")
+def is_trained(path, value) -> bool:
+    """nnx filter: what distillation trains, the u / v parameters of SVDLinear layers and pruned MLPs' kernels."""
+    return isinstance(value, PrunedKernel) or (isinstance(value, nnx.Param) and bool(path) and path[-1] in ("u", "v"))
 
 
 def fp8_rounded(w) -> jax.Array:
@@ -301,7 +303,7 @@ def distill_factors(
         loss_fn, teacher = _kl_loss(cap, options, rows), np.zeros((ids.shape[0], 0), np.float32)
     else:
         loss_fn, teacher = _top_k_loss(targets, table, cap, options)
-    graphdef, factors, rest = nnx.split(model, is_factor, ...)
+    graphdef, factors, rest = nnx.split(model, is_trained, ...)
     optimizer = optax.chain(
         optax.clip_by_global_norm(options.clip_norm) if options.clip_norm else optax.identity(),
         optax.adam(learning_rate_schedule(options)),

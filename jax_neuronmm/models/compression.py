@@ -15,7 +15,7 @@ from flax import nnx
 from jax_neuronmm.compress import allocation, fisher, local_finetune, sensitivity, sequential, svd
 from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, layer_projections
-from jax_neuronmm.models import quantization
+from jax_neuronmm.models import pruning, quantization
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
@@ -31,6 +31,8 @@ TRAINING_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch13-49.txt")
 EVALUATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch50-61.txt")
 # "head": the LM head (for tied embeddings, a factored copy; the embedding lookup stays exact).
 INCLUDE_CHOICES = ("mlp", "attention", "head")
+# How "mlp" in include compresses the gated MLPs: SVD factors (the fused svd_mlp) or neurons pruned (models.pruning).
+MLP_FORMS = ("factored", "pruned")
 METHODS = ("svd", "whitened")
 # Recovery steps, in the order they run (allocate before factoring, distill after).
 STEPS = ("fisher", "allocate", "sequential", "refit", "local", "distill")
@@ -93,6 +95,18 @@ def _check_arguments(model, keep, rank, method, steps, include, calibration_ids)
             "calibration_ids: only used by method='whitened' or recovery steps; got it with method='svd' and no steps"
         )
     return include, steps, calibration_ids
+
+
+def _check_mlp_form(mlp_form, include, rank, calibration_ids) -> None:
+    if mlp_form not in MLP_FORMS:
+        raise ValueError(f"mlp_form: got {mlp_form!r}, expected one of {MLP_FORMS}")
+    if mlp_form == "pruned":
+        if "mlp" not in include:
+            raise ValueError(f"mlp_form: 'pruned' prunes the MLPs; got include {include!r} without 'mlp'")
+        if rank is not None:
+            raise ValueError(f"rank: got {rank!r} with mlp_form='pruned'; pruning keeps a fraction `keep` of neurons")
+        if calibration_ids is None:
+            raise ValueError("calibration_ids: mlp_form='pruned' chooses neurons on calibration token ids [B, T]")
 
 
 def _check_allocation_loss(allocation_loss, steps) -> str | None:
@@ -263,6 +277,7 @@ def compress_model(
     allocation_loss: str | None = None,
     allow_dense: bool = True,
     allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
+    mlp_form: str = "factored",
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored; the input model is left unchanged.
@@ -299,6 +314,13 @@ def compress_model(
     primitive) when its activation is fused-supported and it has no biases ("local" tunes only those); otherwise,
     and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
 
+    mlp_form: "factored" (the above) or "pruned": every gated MLP instead keeps `pruning.mlp_width(I, keep, block or
+    ALLOCATION_BLOCK)` of its I intermediate neurons, a narrower dense GatedMLP (`models.pruning.prune_mlps`: neurons
+    chosen and down_proj refit layer by layer on calibration_ids, under the "fisher" step's down_proj Fisher metric
+    when it runs), the model's config saying the new intermediate_size; "allocate", "sequential", "refit" and
+    "local" then apply to the other included projections, and "distill" trains the pruned kernels with any factors.
+    On Gemma 3 270M's MLPs at keep 0.8 it measures better than factors (benchmarks/results/accuracy_report.md).
+
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
     worse, see models/quantization.py). Without `distill` options, the "distill" step then trains through that
@@ -326,6 +348,7 @@ def compress_model(
         raise ValueError(f"allow_dense: got {allow_dense!r}, expected a bool")
     if allocation_solver not in allocation.SOLVERS:
         raise ValueError(f"allocation_solver: got {allocation_solver!r}, expected one of {allocation.SOLVERS}")
+    _check_mlp_form(mlp_form, include, rank, calibration_ids)
     if distill_ids is not None:
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
@@ -346,6 +369,7 @@ def compress_model(
             allocation_loss,
             allow_dense,
             allocation_solver,
+            mlp_form,
             progress,
         )
     if weight_dtype is None:
@@ -368,17 +392,22 @@ def _compress(
     allocation_loss,
     allow_dense,
     allocation_solver,
+    mlp_form,
     progress,
 ):
     model = nnx.clone(dense)
-    output_chols = None
+    grams = output_chols = None
     if "fisher" in steps and set(include) - {"head"}:
         grams = fisher.output_grams(dense, calibration_ids, include, progress=progress)
         output_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
+    if mlp_form == "pruned":
+        width = pruning.mlp_width(dense.config.intermediate_size, keep, block or ALLOCATION_BLOCK)
+        pruning.prune_mlps(model, calibration_ids, width, grams, progress=progress)
+        include = tuple(name for name in include if name != "mlp")
     # Allocation whitens and decomposes every projection already; compression without layer-wise steps reuses that.
     reusable = method == "whitened" and "allocate" in steps and not {"sequential", "refit", "local"} & set(steps)
     decompositions = {} if reusable else None
-    if "allocate" in steps:
+    if "allocate" in steps and set(include) - {"head"}:
         ranks = _allocated_ranks(
             dense,
             calibration_ids,

@@ -1,0 +1,70 @@
+"""prune_mlps: every gated MLP of a CausalLM narrowed to a fraction of its intermediate neurons (compress.prune).
+
+Each MLP keeps `mlp_width(I, keep, block)` of its I neurons, the same number in every layer (the decode step stacks
+the layers' weights), so gate_proj / up_proj become [hidden, I'] and down_proj [I', hidden] dense kernels and the
+model's config says intermediate_size I'. Layer by layer, in order, each MLP is calibrated on what the already
+pruned layers before it feed it (its gated activations over the calibration windows), its neurons chosen by
+`compress.prune.prune_neurons` under the down_proj output's Fisher metric when given (else the squared error), and
+its kept down_proj rows refit. The kernels become `PrunedKernel`s, which end-to-end distillation trains beside any
+SVD factors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tqdm.auto import tqdm
+
+from jax_neuronmm.compress import prune, sequential
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.layers import GatedMLP
+
+_KERNELS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _narrow(linear: nnx.Linear, kernel: np.ndarray) -> None:
+    """`linear` with a kernel of another width (its features follow), held as a PrunedKernel."""
+    linear.kernel = PrunedKernel(jnp.asarray(kernel, linear.kernel[...].dtype))
+    linear.in_features, linear.out_features = kernel.shape
+
+
+def mlp_width(intermediate: int, keep: float, block: int) -> int:
+    """The neurons a pruned MLP keeps: keep·intermediate rounded down to a multiple of `block` (never more
+    parameters than keep asks for), at least one block (or every neuron of an MLP narrower than a block)."""
+    width = int(keep * intermediate) // block * block
+    return max(width, min(block, intermediate))
+
+
+def prune_mlps(model: CausalLM, calibration_ids, width: int, output_grams=None, *, progress: bool = True) -> None:
+    """Prunes `model`'s gated MLPs in place to `width` neurons each (see the module docstring).
+
+    calibration_ids [B, T]: token ids the activations are recorded on; output_grams: None, or
+    {(layer index, "down_proj"): G [hidden, hidden]} (`compress.fisher.output_grams`) weighting each MLP's output
+    error. Every MLP must be a dense GatedMLP without biases (TypeError otherwise).
+    """
+    for index, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, GatedMLP) or not all(isinstance(getattr(mlp, n), nnx.Linear) for n in _KERNELS):
+            raise TypeError(
+                f"model: layer {index}'s MLP is a {type(mlp).__name__} with factored or fp8 projections; "
+                "pruning takes dense gated MLPs"
+            )
+        if any(getattr(mlp, n).bias is not None for n in _KERNELS):
+            raise TypeError(f"model: layer {index}'s MLP has biases; pruning takes gated MLPs without them")
+    x, positions, masks = sequential.calibration_batch(model, calibration_ids)
+    for index, layer in enumerate(tqdm(model.layers, desc="pruning MLP neurons", unit="layer", disable=not progress)):
+        mask = masks[layer.self_attn.spec.sliding_window]
+        _, (hidden,) = sequential.record_inputs(layer, x, positions, mask, [("mlp", "down_proj")])
+        hidden = hidden.astype(np.float64)
+        mlp = layer.mlp
+        metric = None if output_grams is None else output_grams[(index, "down_proj")]
+        kept, down = prune.prune_neurons(hidden.T @ hidden, np.asarray(mlp.down_proj.kernel[...]), width, metric)
+        _narrow(mlp.gate_proj, np.asarray(mlp.gate_proj.kernel[...])[:, kept])
+        _narrow(mlp.up_proj, np.asarray(mlp.up_proj.kernel[...])[:, kept])
+        _narrow(mlp.down_proj, down)
+        x = sequential.record_inputs(layer, x, positions, mask, [])[0]
+    model.config = dataclasses.replace(model.config, intermediate_size=width)

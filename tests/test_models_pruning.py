@@ -1,0 +1,134 @@
+"""models.pruning and compress_model(mlp_form="pruned"): a small Gemma 3's and Llama's MLP neurons pruned layer by
+layer against float64 references; the pruned model decodes through the decode step (XLA and the emulator's looped
+kernel) and distillation trains its pruned kernels."""
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jax_neuronmm
+from jax_neuronmm.compress import prune, sequential
+from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.models import decode, from_preset, generate
+from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.pruning import mlp_width, prune_mlps
+from jax_neuronmm.nn.nnx import SVDLinear
+
+_ACTIVATIONS64 = {
+    "silu": lambda z: z / (1 + np.exp(-z)),
+    "gelu_pytorch_tanh": lambda z: 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))),
+}
+
+
+@pytest.fixture(scope="module", params=["gemma3", "llama"])
+def tiny(request):
+    model = from_preset(request.param, "tiny", num_layers=2, vocab_size=300, seed=3)
+    return model, np.random.default_rng(11).integers(0, 300, (12, 29))
+
+
+def _kernel64(linear):
+    return np.asarray(linear.kernel[...], np.float64)
+
+
+@pytest.mark.parametrize("metric", ["squared", "fisher"])
+def test_each_layer_keeps_what_prune_neurons_picks_on_the_activations_the_pruned_layers_feed_it(tiny, metric):
+    model, ids = tiny
+    width = mlp_width(model.config.intermediate_size, 0.7, 8)
+    assert width == 264  # 0.7 of 384 is 268.8: down to a multiple of 8
+    rng = np.random.default_rng(2)
+    grams = None
+    if metric == "fisher":
+        roots = [rng.standard_normal((model.config.hidden_size,) * 2) for _ in model.layers]
+        grams = {(i, "down_proj"): r @ r.T for i, r in enumerate(roots)}
+    pruned = nnx.clone(model)
+    prune_mlps(pruned, ids, width, grams, progress=False)
+    assert pruned.config.intermediate_size == width and model.config.intermediate_size == 384
+    x, positions, masks = sequential.calibration_batch(model, ids)
+    for index, (dense_layer, layer) in enumerate(zip(model.layers, pruned.layers)):
+        mask = masks[layer.self_attn.spec.sliding_window]
+        # The MLP's input as the pruned layers before it make it (layer 0: the dense model's own).
+        _, (mlp_in,) = sequential.record_inputs(layer, x, positions, mask, [("mlp", "gate_proj")])
+        mlp_in = mlp_in.astype(np.float64)
+        dense_mlp = dense_layer.mlp
+        act = _ACTIVATIONS64[dense_mlp.activation]
+        hidden = act(mlp_in @ _kernel64(dense_mlp.gate_proj)) * (mlp_in @ _kernel64(dense_mlp.up_proj))
+        metric_gram = None if grams is None else grams[(index, "down_proj")]
+        kept, down = prune.prune_neurons(hidden.T @ hidden, _kernel64(dense_mlp.down_proj), width, metric_gram)
+        mlp = layer.mlp
+        assert all(isinstance(getattr(mlp, n).kernel, PrunedKernel) for n in ("gate_proj", "up_proj", "down_proj"))
+        np.testing.assert_array_equal(_kernel64(mlp.gate_proj), _kernel64(dense_mlp.gate_proj)[:, kept])
+        np.testing.assert_array_equal(_kernel64(mlp.up_proj), _kernel64(dense_mlp.up_proj)[:, kept])
+        np.testing.assert_allclose(_kernel64(mlp.down_proj), down, rtol=1e-3, atol=1e-3 * np.abs(down).max())
+        # The refit MLP tracks the dense one on these activations better than the kept rows left as they were.
+        target = hidden @ _kernel64(dense_mlp.down_proj)
+        refit_error = np.linalg.norm(hidden[:, kept] @ _kernel64(mlp.down_proj) - target)
+        unfit_error = np.linalg.norm(hidden[:, kept] @ _kernel64(dense_mlp.down_proj)[kept] - target)
+        assert refit_error < 0.9 * unfit_error, (index, refit_error, unfit_error)
+        x = sequential.record_inputs(layer, x, positions, mask, [])[0]
+
+
+def _greedy_without_cache(model, prompts, steps):
+    tokens = np.asarray(prompts)
+    for _ in range(steps):
+        logits = np.asarray(model(jnp.asarray(tokens)), np.float64)[:, -1]
+        tokens = np.concatenate([tokens, logits.argmax(-1)[:, None]], axis=1)
+    return tokens[:, np.asarray(prompts).shape[1] :]
+
+
+def test_a_pruned_model_decodes_through_the_decode_step(tiny):
+    model, ids = tiny
+    pruned = compress_model(model, 0.6, calibration_ids=ids, mlp_form="pruned", steps=(), block=8, progress=False)
+    width = mlp_width(384, 0.6, 8)
+    plan = decode.decode_plan(pruned)
+    assert plan.spec.intermediate == width == 224
+    prompts = ids[:2, :6]
+    expected = _greedy_without_cache(pruned, prompts, 4)
+    np.testing.assert_array_equal(np.asarray(generate(pruned, prompts, 4))[:, prompts.shape[1] :], expected)
+    with jax_neuronmm.use_backend("emulator"):
+        on_emulator = np.asarray(generate(pruned, prompts, 3))[:, prompts.shape[1] :]
+    np.testing.assert_array_equal(on_emulator, expected[:, :3])
+
+
+def _kl64(student, teacher, ids):
+    log_q, log_p = (np.asarray(jnp.asarray(m(jnp.asarray(ids)), jnp.float32), np.float64) for m in (student, teacher))
+    log_q, log_p = (z - z.max(-1, keepdims=True) for z in (log_q, log_p))
+    log_q, log_p = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (log_q, log_p))
+    return float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)))
+
+
+def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny):
+    model, ids = tiny
+    options = DistillOptions(steps=24, batch=2, learning_rate=3e-3, warmup=3, positions=9, vocab_top_k=0, holdout=0)
+    common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", block=8, progress=False)
+    before = compress_model(model, 0.7, steps=("fisher", "allocate"), **common)
+    after = compress_model(model, 0.7, steps=("fisher", "allocate", "distill"), distill=options, **common)
+    attention = ("q_proj", "k_proj", "v_proj", "o_proj")
+    for compressed in (before, after):
+        assert all(layer.mlp.up_proj.kernel[...].shape == (128, 264) for layer in compressed.layers)
+        # The allocation may keep some attention projections dense, not all of them at keep 0.7.
+        assert any(isinstance(getattr(layer.self_attn, n), SVDLinear) for layer in compressed.layers for n in attention)
+    # Distillation moved the pruned kernels (and the factors), and the compressed model nearer the dense one.
+    moved = np.abs(np.asarray(after.layers[1].mlp.down_proj.kernel[...] - before.layers[1].mlp.down_proj.kernel[...]))
+    assert moved.max() > 1e-4
+    assert _kl64(after, model, ids[:4]) < 0.9 * _kl64(before, model, ids[:4])
+
+
+def test_bad_mlp_form_arguments_name_what_is_wrong(tiny):
+    model, ids = tiny
+    with pytest.raises(ValueError, match=r"mlp_form: got 'narrow', expected one of \('factored', 'pruned'\)"):
+        compress_model(model, 0.7, calibration_ids=ids, mlp_form="narrow")
+    with pytest.raises(ValueError, match=r"mlp_form: 'pruned' prunes the MLPs; got include \('attention',\)"):
+        compress_model(model, 0.7, calibration_ids=ids, include=("attention",), mlp_form="pruned")
+    with pytest.raises(ValueError, match=r"rank: got 64 with mlp_form='pruned'"):
+        compress_model(model, calibration_ids=ids, rank=64, mlp_form="pruned", steps=())
+    with pytest.raises(ValueError, match=r"calibration_ids: mlp_form='pruned' chooses neurons"):
+        compress_model(model, 0.7, method="svd", mlp_form="pruned")
+    with pytest.raises(ValueError, match=r"keep_count: got 0"):
+        prune_mlps(nnx.clone(model), ids, 0, progress=False)
+    quantized = compress_model(model, 0.7, method="svd", block=8, progress=False)
+    with pytest.raises(TypeError, match=r"layer 0's MLP is a SVDMLP"):
+        prune_mlps(quantized, ids, 8, progress=False)
