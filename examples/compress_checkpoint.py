@@ -85,6 +85,13 @@ flags.DEFINE_enum(
     "With the allocate step: how ranks are chosen from each projection's costs (lagrangian: each projection's "
     "option of least loss + price x parameters at the smallest price that fits; exact: the least predicted loss).",
 )
+flags.DEFINE_enum(
+    "mlp_form",
+    "factored",
+    list(models.compression.MLP_FORMS),
+    "How the MLPs are compressed: factored (SVD factors, the fused svd_mlp kernel) or pruned (each keeps a fraction "
+    "--keep of its neurons, a narrower dense MLP; needs calibration text).",
+)
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
     "steps",
@@ -125,6 +132,11 @@ def main(argv):
         raise app.UsageError("give --keep or --rank, not both")
     if FLAGS.steps is not None and FLAGS.method != "whitened":
         raise app.UsageError("--steps needs --method whitened (--method recommended picks its own steps)")
+    if FLAGS.mlp_form == "pruned" and (FLAGS.method == "svd" or FLAGS.rank is not None or "mlp" not in FLAGS.include):
+        raise app.UsageError(
+            "--mlp_form pruned keeps a fraction --keep of the MLPs' neurons chosen on calibration "
+            "text: it needs --include mlp, --keep rather than --rank, and --method other than svd"
+        )
     # Source and output first: a bad --checkpoint_dir / --output_dir fails before any text is read or any compressing.
     try:
         models.compressed_loading.check_output_dir(FLAGS.checkpoint_dir, FLAGS.output_dir)
@@ -159,6 +171,7 @@ def main(argv):
             dtype=jnp.dtype(FLAGS.dtype),
             allow_dense=FLAGS.allow_dense,
             allocation_solver=FLAGS.allocation_solver,
+            mlp_form=FLAGS.mlp_form,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

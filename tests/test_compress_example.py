@@ -79,6 +79,24 @@ def test_default_is_the_recommended_calibrated_pipeline(rng, tmp_path):
     assert info.method == "+".join((RECOMMENDED_METHOD, *(s for s in RECOMMENDED_STEPS if s != "allocate")))
 
 
+def test_pruned_mlps_are_written_and_load_back_narrower(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    text = tmp_path / "calibration.txt"
+    text.write_text(" ".join(f"w{i}" for i in rng.integers(0, HF_CONFIG["vocab_size"], size=400)))
+    flags = ["--mlp_form=pruned", "--keep=0.6", "--block=8", "--method=whitened", "--steps=fisher"]
+    result = run(
+        f"--checkpoint_dir={tmp_path / 'hf'}",
+        f"--output_dir={tmp_path / 'out'}",
+        f"--calibration_text={text}",
+        "--calibration_tokens=50",
+        *flags,
+    )
+    assert result.returncode == 0, result.stderr
+    loaded = load_compressed_checkpoint(tmp_path / "out")
+    assert loaded.config.intermediate_size == 80  # 0.6 of 136, down to a multiple of 8
+    assert loaded.layers[0].mlp.gate_proj.kernel[...].shape == (HF_CONFIG["hidden_size"], 80)
+
+
 def test_steps_need_the_whitened_method(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", "--steps=sequential")
@@ -108,6 +126,8 @@ def test_bad_flags_are_usage_errors(tmp_path):
         (["--rank=0"], "--rank"),
         (["--include=mlp,ffn"], "--include takes mlp and/or attention"),
         (["--allocation_solver=dp"], "value should be one of <lagrangian|exact>"),
+        (["--mlp_form=pruned", "--method=svd"], "--mlp_form pruned keeps a fraction --keep"),
+        (["--mlp_form=pruned", "--rank=8"], "--mlp_form pruned keeps a fraction --keep"),
     ):
         result = run(f"--checkpoint_dir={tmp_path}", f"--output_dir={tmp_path / 'out'}", *flags)
         assert result.returncode != 0 and message in result.stderr, (flags, result.stderr)

@@ -20,6 +20,7 @@ from jax_neuronmm.models import (
     load_compressed_checkpoint,
     load_hf,
 )
+from jax_neuronmm.models.pruning import mlp_width
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 KEEP, BLOCK = 0.5, 16
@@ -306,3 +307,39 @@ def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
         for index, layer in enumerate(expected.layers)
         for name in MLP_NAMES
     }
+
+
+def test_pruned_mlps_round_trip(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    calibration = np.random.default_rng(6).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
+    options = dict(keep=0.6, block=8, steps=("fisher",), calibration_ids=calibration, mlp_form="pruned")
+    options["include"] = ("mlp", "attention")
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    width = mlp_width(HF_CONFIG["intermediate_size"], 0.6, 8)
+    assert width == 80  # 0.6 of 136 is 81.6
+    mlp_entries = [layer for layer in report.layers if "/mlp/" in layer.path]
+    assert len(mlp_entries) == 2 * 3 and len(report.layers) == 2 * 7
+    for entry in mlp_entries:
+        assert entry.rank is None and entry.params_after * HF_CONFIG["intermediate_size"] == entry.params_before * width
+        assert 0 < entry.relative_error < 1, entry
+
+    loaded = load_compressed_checkpoint(tmp_path / "out")
+    expected = compress_model(load_hf(str(tmp_path / "hf")), progress=False, **options)
+    assert loaded.config.intermediate_size == expected.config.intermediate_size == width
+    assert loaded.layers[1].mlp.down_proj.kernel[...].shape == (width, HF_CONFIG["hidden_size"])
+    ids = jnp.asarray(np.random.default_rng(7).integers(0, HF_CONFIG["vocab_size"], size=(2, 9)))
+    np.testing.assert_allclose(
+        np.asarray(_logits(loaded, ids), np.float64), np.asarray(_logits(expected, ids), np.float64), atol=1e-5, rtol=0
+    )
+    np.testing.assert_array_equal(np.asarray(generate(loaded, ids, 5)), np.asarray(generate(expected, ids, 5)))
+
+    # A checkpoint whose layers' MLPs differ in width names the file and the widths.
+    params, info = load_compressed(tmp_path / "out" / "model.safetensors")
+    mlp = params["layers"][1]["mlp"]
+    mlp["gate_proj"]["kernel"], mlp["up_proj"]["kernel"] = (mlp[n]["kernel"][:, :-8] for n in ("gate_proj", "up_proj"))
+    mlp["down_proj"]["kernel"] = mlp["down_proj"]["kernel"][:-8]
+    shutil.copytree(tmp_path / "out", tmp_path / "uneven")
+    os.remove(tmp_path / "uneven" / "model.safetensors")
+    save_compressed(tmp_path / "uneven" / "model.safetensors", params, metadata=info.user)
+    with pytest.raises(CheckpointError, match=r"uneven/model.safetensors'?: MLP widths \[\(0, 80\), \(1, 72\)\]"):
+        load_compressed_checkpoint(tmp_path / "uneven")

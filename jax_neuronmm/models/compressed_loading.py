@@ -15,6 +15,7 @@ parameters are filled from the file.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,6 +37,8 @@ from jax_neuronmm.compress.checkpoint import (
 )
 from jax_neuronmm.compress.params import CompressionReport, LayerReport
 from jax_neuronmm.compress.projections import layer_projections
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.models import pruning
 from jax_neuronmm.models.compression import (
     ALLOCATION_BLOCK,
     BLOCK,
@@ -82,12 +85,13 @@ def compress_checkpoint(
     dtype=jnp.float32,
     allow_dense: bool = True,
     allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
+    mlp_form: str = "factored",
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
     keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block / allow_dense /
-    allocation_solver are `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank). dtype: the
-    parameter dtype the model is loaded, factored and saved in.
+    allocation_solver / mlp_form are `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank).
+    dtype: the parameter dtype the model is loaded, factored and saved in.
     Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
 
     Nothing the user has is replaced, and the output is checked before anything is compressed: see
@@ -119,6 +123,7 @@ def compress_checkpoint(
         block=block,
         allow_dense=allow_dense,
         allocation_solver=allocation_solver,
+        mlp_form=mlp_form,
     )
     report = _report(
         dense,
@@ -217,7 +222,8 @@ def _check_output_files(src_dir: str, out_dir: str, outputs: list[str]) -> None:
 
 def _report(dense: CausalLM, compressed: CausalLM, include, *, method, keep, rank) -> CompressionReport:
     """Per projection `include` selects, in tree order: a factored one's shape, rank, parameter counts and
-    ‖W − u·v‖_F / ‖W‖_F; one that rank allocation left dense, rank None and its parameters unchanged."""
+    ‖W − u·v‖_F / ‖W‖_F; one that rank allocation left dense, rank None and its parameters unchanged; a pruned MLP's
+    projection, rank None, its kept parameters and ‖W − Ŵ‖_F / ‖W‖_F with Ŵ zero at the pruned neurons."""
     kernels = {keys[:-1]: variable for keys, variable in nnx.to_flat_state(nnx.state(dense)) if keys[-1] == "kernel"}
     selected = {
         ("layers", index, parent, name) for index, parent, name in layer_projections(len(dense.layers), include)
@@ -227,8 +233,14 @@ def _report(dense: CausalLM, compressed: CausalLM, include, *, method, keep, ran
     for keys, weight in factors.items():
         path = keys[:-1]
         if keys[-1] == "kernel" and path in selected:
-            w = weight[...]
-            layers.append(LayerReport(tree.join(path), w.shape, None, w.size, w.size, 0.0))
+            w = np.asarray(kernels[path][...], np.float64)
+            if isinstance(weight, PrunedKernel):
+                error = np.linalg.norm(w - pruning.embedded(weight, path[-1], dense.config.intermediate_size))
+                layers.append(
+                    LayerReport(tree.join(path), w.shape, None, w.size, weight.size, float(error / np.linalg.norm(w)))
+                )
+            else:
+                layers.append(LayerReport(tree.join(path), w.shape, None, w.size, w.size, 0.0))
         if keys[-1] != "u":
             continue
         w = np.asarray(kernels[path][...], np.float64)
@@ -300,6 +312,7 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
     }
 
     model = abstract_model(path, dtype)
+    _narrow_pruned_mlps(model, tensors, weights_path)
     _factor_projections(model, ranks, weights_path)
     graphdef, abstract_state = nnx.split(model)
     expected = dict(nnx.to_flat_state(abstract_state))
@@ -334,6 +347,37 @@ def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
                 f"{file}: checksum mismatch: the file differs from the one the checkpoint was written with "
                 f"(sha256 {found}, expected {digest} as {CHECKPOINT_FILE} records); restore it"
             )
+
+
+def _narrow_pruned_mlps(model: CausalLM, tensors: dict, weights_path: str) -> None:
+    """Where the checkpoint's MLP kernels are narrower than config.json's intermediate_size (MLPs whose neurons
+    compress_model pruned), every layer's dense MLP rebuilt at that width, and the model's config saying so."""
+    widths = {
+        keys[1]: int(value.shape[-1])
+        for keys, value in tensors.items()
+        if len(keys) == 5 and keys[2:] == ("mlp", "gate_proj", "kernel") and value.ndim == 2
+    }
+    intermediate = model.config.intermediate_size
+    if not widths or set(widths.values()) == {intermediate}:
+        return
+    if len(set(widths.values())) != 1 or len(widths) != len(model.layers):
+        raise CheckpointError(
+            f"checkpoint {weights_path!r}: MLP widths {sorted(widths.items())} differ between layers; pruned MLPs "
+            "keep one width in every layer"
+        )
+    width = next(iter(widths.values()))
+    for layer in model.layers:
+        mlp = layer.mlp
+        for name in MLP_PROJECTIONS:
+            linear = getattr(mlp, name)
+            shape = (linear.in_features, width) if name != "down_proj" else (width, linear.out_features)
+            narrow = nnx.eval_shape(
+                lambda shape=shape, linear=linear: nnx.Linear(
+                    *shape, use_bias=False, dtype=linear.dtype, param_dtype=linear.param_dtype, rngs=nnx.Rngs(0)
+                )
+            )
+            setattr(mlp, name, narrow)
+    model.config = dataclasses.replace(model.config, intermediate_size=width)
 
 
 def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: str) -> None:

@@ -5,8 +5,8 @@ the layers' weights), so gate_proj / up_proj become [hidden, I'] and down_proj [
 model's config says intermediate_size I'. Layer by layer, in order, each MLP is calibrated on what the already
 pruned layers before it feed it (its gated activations over the calibration windows), its neurons chosen by
 `compress.prune.prune_neurons` under the down_proj output's Fisher metric when given (else the squared error), and
-its kept down_proj rows refit. The kernels become `PrunedKernel`s, which end-to-end distillation trains beside any
-SVD factors.
+its kept down_proj rows refit. The kernels become `PrunedKernel`s (recording which of the dense model's neurons they
+kept), which end-to-end distillation trains beside any SVD factors.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from jax_neuronmm.models.layers import GatedMLP
 _KERNELS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _narrow(linear: nnx.Linear, kernel: np.ndarray) -> None:
-    """`linear` with a kernel of another width (its features follow), held as a PrunedKernel."""
-    linear.kernel = PrunedKernel(jnp.asarray(kernel, linear.kernel[...].dtype))
+def _narrow(linear: nnx.Linear, kernel: np.ndarray, kept: np.ndarray) -> None:
+    """`linear` with a kernel of another width (its features follow), held as a PrunedKernel that records the
+    dense model's indices of the neurons it kept (`kept`)."""
+    linear.kernel = PrunedKernel(jnp.asarray(kernel, linear.kernel[...].dtype), kept=tuple(int(i) for i in kept))
     linear.in_features, linear.out_features = kernel.shape
 
 
@@ -63,8 +64,21 @@ def prune_mlps(model: CausalLM, calibration_ids, width: int, output_grams=None, 
         mlp = layer.mlp
         metric = None if output_grams is None else output_grams[(index, "down_proj")]
         kept, down = prune.prune_neurons(hidden.T @ hidden, np.asarray(mlp.down_proj.kernel[...]), width, metric)
-        _narrow(mlp.gate_proj, np.asarray(mlp.gate_proj.kernel[...])[:, kept])
-        _narrow(mlp.up_proj, np.asarray(mlp.up_proj.kernel[...])[:, kept])
-        _narrow(mlp.down_proj, down)
+        _narrow(mlp.gate_proj, np.asarray(mlp.gate_proj.kernel[...])[:, kept], kept)
+        _narrow(mlp.up_proj, np.asarray(mlp.up_proj.kernel[...])[:, kept], kept)
+        _narrow(mlp.down_proj, down, kept)
         x = sequential.record_inputs(layer, x, positions, mask, [])[0]
     model.config = dataclasses.replace(model.config, intermediate_size=width)
+
+
+def embedded(variable: PrunedKernel, name: str, intermediate: int) -> np.ndarray:
+    """The pruned kernel `variable` of projection `name` placed in its dense shape, zero at the pruned neurons."""
+    kernel = np.asarray(variable[...], np.float64)
+    axis = 0 if name == "down_proj" else 1
+    shape = list(kernel.shape)
+    shape[axis] = intermediate
+    full = np.zeros(shape)
+    index = [slice(None), slice(None)]
+    index[axis] = np.asarray(variable.kept)
+    full[tuple(index)] = kernel
+    return full
