@@ -81,6 +81,14 @@ def test_each_layer_keeps_what_prune_neurons_picks_on_the_activations_the_pruned
         x = sequential.record_inputs(layer, x, positions, mask, [])[0]
 
 
+@pytest.mark.parametrize(
+    "intermediate, keep, block, width",
+    [(2048, 0.8, 64, 1600), (384, 0.7, 8, 264), (100, 0.29, 1, 29), (50, 0.1, 64, 5), (10, 0.01, 64, 1)],
+)
+def test_mlp_width_rounds_down_to_blocks(intermediate, keep, block, width):
+    assert mlp_width(intermediate, keep, block) == width
+
+
 def _greedy_without_cache(model, prompts, steps):
     tokens = np.asarray(prompts)
     for _ in range(steps):

@@ -19,11 +19,10 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import prune, sequential
+from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
-
-_KERNELS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _narrow(linear: nnx.Linear, kernel: np.ndarray, kept: np.ndarray) -> None:
@@ -35,9 +34,9 @@ def _narrow(linear: nnx.Linear, kernel: np.ndarray, kept: np.ndarray) -> None:
 
 def mlp_width(intermediate: int, keep: float, block: int) -> int:
     """The neurons a pruned MLP keeps: keep·intermediate rounded down to a multiple of `block` (never more
-    parameters than keep asks for), at least one block (or every neuron of an MLP narrower than a block)."""
-    width = int(keep * intermediate) // block * block
-    return max(width, min(block, intermediate))
+    parameters than keep asks for); where that is no block at all, keep·intermediate rounded down, at least 1."""
+    wanted = int(round(keep * intermediate, 6))  # rounded first: 0.29 * 100 is 28.999999999999996
+    return wanted // block * block or max(wanted, 1)
 
 
 def prune_mlps(model: CausalLM, calibration_ids, width: int, output_grams=None, *, progress: bool = True) -> None:
@@ -49,12 +48,12 @@ def prune_mlps(model: CausalLM, calibration_ids, width: int, output_grams=None, 
     """
     for index, layer in enumerate(model.layers):
         mlp = layer.mlp
-        if not isinstance(mlp, GatedMLP) or not all(isinstance(getattr(mlp, n), nnx.Linear) for n in _KERNELS):
+        if not isinstance(mlp, GatedMLP) or not all(isinstance(getattr(mlp, n), nnx.Linear) for n in MLP_PROJECTIONS):
             raise TypeError(
                 f"model: layer {index}'s MLP is a {type(mlp).__name__} with factored or fp8 projections; "
                 "pruning takes dense gated MLPs"
             )
-        if any(getattr(mlp, n).bias is not None for n in _KERNELS):
+        if any(getattr(mlp, n).bias is not None for n in MLP_PROJECTIONS):
             raise TypeError(f"model: layer {index}'s MLP has biases; pruning takes gated MLPs without them")
     x, positions, masks = sequential.calibration_batch(model, calibration_ids)
     for index, layer in enumerate(tqdm(model.layers, desc="pruning MLP neurons", unit="layer", disable=not progress)):
