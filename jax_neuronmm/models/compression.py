@@ -321,7 +321,8 @@ def compress_model(
     when it runs), the model's config saying the new intermediate_size; "allocate", "sequential", "refit" and
     "local" then apply to the other included projections, and "distill" trains the pruned kernels with any factors.
     On Gemma 3 270M's MLPs it measured 1.069x / 1.043x dense perplexity at keep 0.8 (factors: 1.105x / 1.089x) and
-    1.203x / 1.135x at keep 0.6 (1.261x / 1.215x) (benchmarks/results/accuracy_report.md).
+    1.203x / 1.135x at keep 0.6 (1.261x / 1.215x), but greedy continuations that part from the dense model's sooner
+    (benchmarks/results/accuracy_report.md), so "factored" stays the default.
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
