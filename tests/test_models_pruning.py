@@ -2,12 +2,11 @@
 layer against float64 references; the pruned model decodes through the decode step (XLA and the emulator's looped
 kernel) and distillation trains its pruned kernels."""
 
-import math
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_compress_distill import _full_kl64
 
 import jax_neuronmm
 from jax_neuronmm.compress import prune, sequential
@@ -17,11 +16,7 @@ from jax_neuronmm.models import decode, from_preset, generate
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.pruning import mlp_width, prune_mlps
 from jax_neuronmm.nn.nnx import SVDLinear
-
-_ACTIVATIONS64 = {
-    "silu": lambda z: z / (1 + np.exp(-z)),
-    "gelu_pytorch_tanh": lambda z: 0.5 * z * (1 + np.tanh(math.sqrt(2 / math.pi) * (z + 0.044715 * z**3))),
-}
+from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
 
 
 def _tiny(family):
@@ -64,7 +59,7 @@ def test_each_layer_keeps_what_prune_neurons_picks_on_the_activations_the_pruned
         _, (mlp_in,) = sequential.record_inputs(layer, x, positions, mask, [("mlp", "gate_proj")])
         mlp_in = mlp_in.astype(np.float64)
         dense_mlp = dense_layer.mlp
-        act = _ACTIVATIONS64[dense_mlp.activation]
+        act = ACTIVATIONS[HF_ACTIVATIONS[dense_mlp.activation]].reference
         hidden = act(mlp_in @ _kernel64(dense_mlp.gate_proj)) * (mlp_in @ _kernel64(dense_mlp.up_proj))
         metric_gram = None if grams is None else grams[(index, "down_proj")]
         kept, down = prune.prune_neurons(hidden.T @ hidden, _kernel64(dense_mlp.down_proj), width, metric_gram)
@@ -111,13 +106,6 @@ def test_a_pruned_model_decodes_through_the_decode_step(gemma3):
     np.testing.assert_array_equal(on_emulator, expected[:, :3])
 
 
-def _kl64(student, teacher, ids):
-    log_q, log_p = (np.asarray(jnp.asarray(m(jnp.asarray(ids)), jnp.float32), np.float64) for m in (student, teacher))
-    log_q, log_p = (z - z.max(-1, keepdims=True) for z in (log_q, log_p))
-    log_q, log_p = (z - np.log(np.exp(z).sum(-1, keepdims=True)) for z in (log_q, log_p))
-    return float(np.mean(np.sum(np.exp(log_p) * (log_p - log_q), -1)))
-
-
 def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny):
     model, ids = tiny
     options = DistillOptions(steps=24, batch=2, learning_rate=3e-3, warmup=3, positions=9, vocab_top_k=0, holdout=0)
@@ -132,7 +120,7 @@ def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny
     # Distillation moved the pruned kernels (and the factors), and the compressed model nearer the dense one.
     moved = np.abs(np.asarray(after.layers[1].mlp.down_proj.kernel[...] - before.layers[1].mlp.down_proj.kernel[...]))
     assert moved.max() > 1e-4
-    assert _kl64(after, model, ids[:4]) < 0.9 * _kl64(before, model, ids[:4])
+    assert _full_kl64(after, model, ids[:4]) < 0.9 * _full_kl64(before, model, ids[:4])
 
 
 def test_bad_mlp_form_arguments_name_what_is_wrong(gemma3):
