@@ -54,6 +54,27 @@ def test_each_removal_is_the_cheapest_by_brute_force(seed):
         assert _error(hidden, down, kept, rows, metric) == pytest.approx(min(costs.values()), rel=1e-7)
 
 
+@pytest.mark.parametrize("per_round", [3, 5])
+def test_rounds_remove_the_cheapest_neurons_of_each_round_and_refit_exactly(per_round):
+    # Each round removes the per_round neurons whose removal alone (the rest refit) costs least, found by brute
+    # force with float64 least squares; the last round removes what remains to remove (13 - 4 = 9 is no multiple
+    # of either), and the kept rows are the least-squares fit of the dense output.
+    hidden, down, metric = _problem(8)
+    gram, width = hidden.T @ hidden, hidden.shape[1]
+    damped = metric + prune.OUTPUT_DAMPING * np.mean(np.diag(metric)) * np.eye(metric.shape[0])
+    alive = list(range(width))
+    while len(alive) > 4:
+        costs = {}
+        for j in alive:
+            rest = [i for i in alive if i != j]
+            costs[j] = _error(hidden, down, rest, _refit(hidden, down, rest), damped)
+        for j in sorted(costs, key=costs.get)[: min(per_round, len(alive) - 4)]:
+            alive.remove(j)
+    kept, rows = prune.prune_neurons(gram, down, 4, metric, damping=0.0, per_round=per_round)
+    assert kept.tolist() == alive
+    np.testing.assert_allclose(rows, _refit(hidden, down, kept), rtol=1e-8, atol=1e-8)
+
+
 def test_the_metric_decides_which_neurons_go():
     # Two outputs; the metric weighs only the first, so a neuron writing only the second goes first under it.
     rng = np.random.default_rng(5)
@@ -83,3 +104,6 @@ def test_bad_arguments_name_what_is_wrong():
         prune.prune_neurons(gram, down, 5, metric[:-1, :-1])
     with pytest.raises(ValueError, match="damping: got -1"):
         prune.prune_neurons(gram, down, 5, damping=-1)
+    for per_round in (0, 2.0, True):
+        with pytest.raises(ValueError, match=r"per_round: got .* expected a positive int"):
+            prune.prune_neurons(gram, down, 5, per_round=per_round)

@@ -12,6 +12,8 @@ from flax import nnx
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed
+from jax_neuronmm.compress.distill import is_trained
+from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import (
     GatedMLP,
     compress_checkpoint,
@@ -20,6 +22,7 @@ from jax_neuronmm.models import (
     load_compressed_checkpoint,
     load_hf,
 )
+from jax_neuronmm.models.compressed_loading import PRUNED_NEURONS
 from jax_neuronmm.models.pruning import mlp_width
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
@@ -332,6 +335,27 @@ def test_pruned_mlps_round_trip(rng, tmp_path):
         np.asarray(_logits(loaded, ids), np.float64), np.asarray(_logits(expected, ids), np.float64), atol=1e-5, rtol=0
     )
     np.testing.assert_array_equal(np.asarray(generate(loaded, ids, 5)), np.asarray(generate(expected, ids, 5)))
+    # The kept neurons come back with the kernels, so distilling the loaded model trains them again.
+    for loaded_layer, expected_layer in zip(loaded.layers, expected.layers):
+        for name in MLP_NAMES:
+            kernel = getattr(loaded_layer.mlp, name).kernel
+            assert isinstance(kernel, PrunedKernel) and kernel.kept == getattr(expected_layer.mlp, name).kernel.kept
+    trained = {keys for keys, _ in nnx.to_flat_state(nnx.state(loaded, is_trained))}
+    assert {keys[2:] for keys in trained if keys[2] == "mlp"} == {("mlp", name, "kernel") for name in MLP_NAMES}
+
+    # Metadata that lost or damaged the kept neurons is named.
+    params, info = load_compressed(tmp_path / "out" / "model.safetensors")
+    kept = json.loads(info.user[PRUNED_NEURONS])
+    for name, user in (
+        ("unlisted", {k: v for k, v in info.user.items() if k != PRUNED_NEURONS}),
+        ("short", {**info.user, PRUNED_NEURONS: json.dumps([kept[0][:-1], kept[1]])}),
+        ("one_layer", {**info.user, PRUNED_NEURONS: json.dumps(kept[:1])}),
+    ):
+        shutil.copytree(tmp_path / "out", tmp_path / name)
+        os.remove(tmp_path / name / "model.safetensors")
+        save_compressed(tmp_path / name / "model.safetensors", params, metadata=user)
+        with pytest.raises(CheckpointError, match=f"{name}/model.safetensors'?: .*{PRUNED_NEURONS}"):
+            load_compressed_checkpoint(tmp_path / name)
 
     # A checkpoint whose layers' MLPs differ in width names the file and the widths.
     params, info = load_compressed(tmp_path / "out" / "model.safetensors")

@@ -11,7 +11,9 @@ rule for rows: removing neuron j from the kept set K (the others refit) adds
 to the output error Σ_t (y_t − ŷ_t)·M·(y_t − ŷ_t)ᵀ, w_j the current (refit) row j of W_down and M [N, N] an output
 metric (the identity for the squared error; `compress.fisher.output_grams` for the error's effect on the model's
 log-likelihood). Each removal updates the refit rows and the inverse Gram matrix in rank one, so choosing I − I'
-neurons costs O((I − I')·I·(I + N)).
+neurons costs O((I − I')·I·(I + N)). With `per_round` > 1, each round removes the per_round neurons of least cost
+together and refits the others exactly for that set (a rank-per_round update): per_round times fewer updates of the
+[I, I] inverse, for choices that ignore how removing one neuron of a round changes the others' costs.
 
 Everything runs on the host in float64 numpy.
 """
@@ -39,12 +41,15 @@ def _check_keep_count(keep_count, width: int) -> None:
         raise ValueError(f"keep_count: got {keep_count!r}, expected an int in [1, {width}] (the MLP is {width} wide)")
 
 
-def prune_neurons(gram, down, keep_count: int, output_gram=None, *, damping: float = DEFAULT_DAMPING):
+def prune_neurons(
+    gram, down, keep_count: int, output_gram=None, *, damping: float = DEFAULT_DAMPING, per_round: int = 1
+):
     """(kept [keep_count] sorted neuron indices, refit down rows [keep_count, N] float64).
 
     gram: HᵀH [I, I] of the MLP's gated activations h on calibration tokens (damped by damping·mean(diag) on its
     diagonal); down: W_down [I, N]; output_gram: M [N, N], positive semi-definite, damped by OUTPUT_DAMPING like
-    `svd.output_whitening` (None: the squared error, M = I).
+    `svd.output_whitening` (None: the squared error, M = I); per_round: neurons removed together per round (1: one
+    at a time, each the cheapest given every removal before it).
     """
     gram = np.asarray(gram, np.float64)
     weights = np.array(down, np.float64)
@@ -54,6 +59,8 @@ def prune_neurons(gram, down, keep_count: int, output_gram=None, *, damping: flo
     _check_keep_count(keep_count, width)
     if not (isinstance(damping, numbers.Real) and np.isfinite(damping) and damping >= 0):
         raise ValueError(f"damping: got {damping!r}, expected a finite number >= 0")
+    if isinstance(per_round, bool) or not isinstance(per_round, numbers.Integral) or per_round < 1:
+        raise ValueError(f"per_round: got {per_round!r}, expected a positive int")
     outputs = weights.shape[1]
     if output_gram is None:
         metric = np.eye(outputs)
@@ -65,16 +72,16 @@ def prune_neurons(gram, down, keep_count: int, output_gram=None, *, damping: flo
     inverse = np.linalg.inv(gram + damping * float(np.mean(np.diag(gram))) * np.eye(width))
     weighted = weights @ metric  # rows w_j·M, updated alongside the refit rows
     alive = np.ones(width, bool)
-    for _ in range(width - keep_count):
+    for remaining in range(width - keep_count, 0, -per_round):
         diagonal = np.where(alive, np.diag(inverse), 1.0)
         cost = np.where(alive, np.einsum("in,in->i", weights, weighted) / diagonal, np.inf)
-        j = int(np.argmin(cost))
-        # Refit the kept rows: the removed row's contribution moves onto them along column j of the inverse.
-        step = inverse[:, j] / inverse[j, j]
-        weights -= np.outer(step, weights[j])
-        weighted -= np.outer(step, weighted[j])
-        inverse -= np.outer(inverse[:, j], inverse[j]) / inverse[j, j]
-        weights[j], weighted[j], inverse[j], inverse[:, j] = 0.0, 0.0, 0.0, 0.0
-        alive[j] = False
+        gone = np.argsort(cost, kind="stable")[: min(per_round, remaining)]
+        # Refit the kept rows: the removed rows' contributions move onto them along the inverse's columns `gone`.
+        step = inverse[:, gone] @ np.linalg.inv(inverse[np.ix_(gone, gone)])
+        weights -= step @ weights[gone]
+        weighted -= step @ weighted[gone]
+        inverse -= step @ inverse[gone]
+        weights[gone], weighted[gone], inverse[gone], inverse[:, gone] = 0.0, 0.0, 0.0, 0.0
+        alive[gone] = False
     kept = np.flatnonzero(alive)
     return kept, weights[kept]

@@ -68,6 +68,9 @@ COPIED_FILES = (
 DEFAULT_KEEP = 0.8
 # model.safetensors' user metadata key: JSON {copied file name: sha256 hex of its bytes}.
 FILES_SHA256 = "files_sha256"
+# model.safetensors' user metadata key of a checkpoint with pruned MLPs: JSON [[dense model's index of each neuron a
+# layer's MLP kept], ...] one list per layer, so a loaded model's kernels are PrunedKernels that distillation trains.
+PRUNED_NEURONS = "pruned_neurons"
 
 
 def compress_checkpoint(
@@ -145,6 +148,7 @@ def compress_checkpoint(
             "block": str(block) if block is not None else f"{BLOCK} ({ALLOCATION_BLOCK} for allocated ranks)",
             "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
             FILES_SHA256: json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}),
+            **_pruned_neurons(compressed),
         },
     )
     write_atomically(
@@ -157,6 +161,15 @@ def compress_checkpoint(
             os.path.join(out_dir, name), lambda temporary, data=data: _write_bytes(temporary, data), overwrite=False
         )
     return report
+
+
+def _pruned_neurons(model: CausalLM) -> dict[str, str]:
+    """{PRUNED_NEURONS: JSON of each layer's kept neurons} when `model`'s MLPs are pruned, else {}."""
+    kernels = [getattr(layer.mlp, "gate_proj", None) for layer in model.layers]
+    kernels = [getattr(linear, "kernel", None) for linear in kernels]
+    if not all(isinstance(kernel, PrunedKernel) for kernel in kernels):
+        return {}
+    return {PRUNED_NEURONS: json.dumps([list(kernel.kept) for kernel in kernels])}
 
 
 def _write_bytes(path: str, data: bytes) -> None:
@@ -312,7 +325,7 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
     }
 
     model = abstract_model(path, dtype)
-    _narrow_pruned_mlps(model, tensors, weights_path)
+    _narrow_pruned_mlps(model, tensors, weights_path, info.user)
     _factor_projections(model, ranks, weights_path)
     graphdef, abstract_state = nnx.split(model)
     expected = dict(nnx.to_flat_state(abstract_state))
@@ -349,9 +362,10 @@ def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
             )
 
 
-def _narrow_pruned_mlps(model: CausalLM, tensors: dict, weights_path: str) -> None:
+def _narrow_pruned_mlps(model: CausalLM, tensors: dict, weights_path: str, user: dict) -> None:
     """Where the checkpoint's MLP kernels are narrower than config.json's intermediate_size (MLPs whose neurons
-    compress_model pruned), every layer's dense MLP rebuilt at that width, and the model's config saying so."""
+    compress_model pruned), every layer's dense MLP rebuilt at that width with PrunedKernels that record the kept
+    neurons (user metadata PRUNED_NEURONS), and the model's config saying so."""
     widths = {
         keys[1]: int(value.shape[-1])
         for keys, value in tensors.items()
@@ -366,7 +380,8 @@ def _narrow_pruned_mlps(model: CausalLM, tensors: dict, weights_path: str) -> No
             "keep one width in every layer"
         )
     width = next(iter(widths.values()))
-    for layer in model.layers:
+    kept = _kept_neurons(user, len(model.layers), width, intermediate, weights_path)
+    for layer, layer_kept in zip(model.layers, kept):
         mlp = layer.mlp
         for name in MLP_PROJECTIONS:
             linear = getattr(mlp, name)
@@ -376,8 +391,39 @@ def _narrow_pruned_mlps(model: CausalLM, tensors: dict, weights_path: str) -> No
                     *shape, use_bias=False, dtype=linear.dtype, param_dtype=linear.param_dtype, rngs=nnx.Rngs(0)
                 )
             )
+            narrow.kernel = PrunedKernel(narrow.kernel.get_value(), kept=layer_kept)
             setattr(mlp, name, narrow)
     model.config = dataclasses.replace(model.config, intermediate_size=width)
+
+
+def _kept_neurons(user: dict, layers: int, width: int, intermediate: int, weights_path: str) -> list[tuple]:
+    """Each layer's kept neuron indices from the user metadata PRUNED_NEURONS, checked against the kernels' width."""
+    if PRUNED_NEURONS not in user:
+        raise CheckpointError(
+            f"checkpoint {weights_path!r}: its MLPs are {width} wide where config.json says {intermediate}, but its "
+            f"metadata has no {PRUNED_NEURONS!r} saying which neurons they kept (not written by compress_checkpoint?)"
+        )
+    try:
+        kept = [tuple(int(i) for i in indices) for indices in json.loads(user[PRUNED_NEURONS])]
+    except (json.JSONDecodeError, TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint {weights_path!r} has damaged metadata {PRUNED_NEURONS!r} ({error})"
+        ) from error
+    for indices in kept:
+        if (
+            len(indices) != width
+            or list(indices) != sorted(set(indices))
+            or not 0 <= indices[0] <= indices[-1] < intermediate
+        ):
+            raise CheckpointError(
+                f"checkpoint {weights_path!r}: metadata {PRUNED_NEURONS!r} does not list {width} distinct sorted "
+                f"neuron indices in [0, {intermediate}) for every layer"
+            )
+    if len(kept) != layers:
+        raise CheckpointError(
+            f"checkpoint {weights_path!r}: metadata {PRUNED_NEURONS!r} lists {len(kept)} layers, the model has {layers}"
+        )
+    return kept
 
 
 def _factor_projections(model: CausalLM, ranks: dict[tuple, int], weights_path: str) -> None:
