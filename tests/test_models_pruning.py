@@ -15,6 +15,7 @@ from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.pruning import mlp_width, prune_mlps
+from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDLinear
 from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
 
@@ -104,6 +105,30 @@ def test_a_pruned_model_decodes_through_the_decode_step(gemma3):
     with jax_neuronmm.use_backend("emulator"):
         on_emulator = np.asarray(generate(pruned, prompts, 3))[:, prompts.shape[1] :]
     np.testing.assert_array_equal(on_emulator, expected[:, :3])
+
+
+def test_pruned_mlps_in_fp8_compute_their_dequantized_weights_and_decode(gemma3):
+    model, ids = gemma3
+    common = dict(calibration_ids=ids, mlp_form="pruned", steps=(), block=8, progress=False)
+    pruned = compress_model(model, 0.6, **common)
+    quantized = compress_model(model, 0.6, weight_dtype="float8_e4m3", **common)
+    reference = nnx.clone(pruned)  # the pruned model with each MLP kernel replaced by its fp8 values · scales
+    for layer, fp8_layer in zip(reference.layers, quantized.layers):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            fp8 = getattr(fp8_layer.mlp, name)
+            assert isinstance(fp8, Fp8Linear) and fp8.kernel[...].shape == getattr(layer.mlp, name).kernel[...].shape
+            values = np.asarray(fp8.kernel[...], np.float64) * np.asarray(fp8.kernel_scale[...], np.float64)
+            getattr(layer.mlp, name).kernel.set_value(jnp.asarray(values, jnp.float32))
+    tokens = jnp.asarray(ids[:2, :9])
+    got, want = (np.asarray(m(tokens), np.float64) for m in (quantized, reference))
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
+    assert 0 < np.abs(got - np.asarray(pruned(tokens), np.float64)).max()  # the rounding shows
+    plan = decode.decode_plan(quantized)
+    assert plan.spec.intermediate == 224 and plan.spec.fp8_weights
+    prompts = ids[:2, :6]
+    np.testing.assert_array_equal(
+        np.asarray(generate(quantized, prompts, 4))[:, prompts.shape[1] :], _greedy_without_cache(quantized, prompts, 4)
+    )
 
 
 def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny):
