@@ -84,6 +84,16 @@ WITHIN_BUDGET = Config(
     distill=DistillOptions(steps=360),
     distill_windows=360,
 )
+# Pruned MLPs within the budget, and pruned kernels trained at the factors' step size (the default before).
+PRUNED_WITHIN_BUDGET = Config(
+    "mlp 0.8 pruned, 360 steps on 360 windows",
+    0.8,
+    ("mlp",),
+    mlp_form="pruned",
+    distill=DistillOptions(steps=360),
+    distill_windows=360,
+)
+AT_2E3 = DistillOptions(pruned_learning_rate=2e-3)
 # Every configuration, most telling first. The sensitivity rows factor one projection type each, whitened + sequential
 # without training: their perplexity cost per byte saved is what chooses what to compress.
 CONFIGS = (
@@ -94,8 +104,18 @@ CONFIGS = (
     Config("mlp 0.6 recommended", 0.6, ("mlp",)),
     Config("mlp 0.9 recommended", 0.9, ("mlp",)),
     Config("mlp 0.8 pruned", 0.8, ("mlp",), mlp_form="pruned"),
+    PRUNED_WITHIN_BUDGET,
+    dataclasses.replace(PRUNED_WITHIN_BUDGET, name="mlp 0.6 pruned, 360 steps on 360 windows", keep=0.6),
     Config("mlp 0.6 pruned", 0.6, ("mlp",), mlp_form="pruned"),
     Config("mlp+attention 0.8 pruned", 0.8, ("mlp", "attention"), mlp_form="pruned"),
+    *(
+        Config(f"{name}, pruned kernels at 2e-3", keep, include, mlp_form="pruned", distill=AT_2E3)
+        for name, keep, include in (
+            ("mlp 0.8 pruned", 0.8, ("mlp",)),
+            ("mlp 0.6 pruned", 0.6, ("mlp",)),
+            ("mlp+attention 0.8 pruned", 0.8, ("mlp", "attention")),
+        )
+    ),
     Config("head 0.8 whitened", 0.8, ("head",), steps=()),
     Config("mlp 0.8 whitened + sequential", 0.8, ("mlp",), steps=("sequential",)),
     Config("attention 0.8 whitened + sequential", 0.8, ("attention",), steps=("sequential",)),
@@ -126,7 +146,9 @@ TARGETS = (
     ("mlp+attention 0.8, 360 steps on 360 windows, exact allocation", 1.10, None),
     ("mlp 0.6 recommended", 1.20, None),
     ("mlp 0.8 pruned", 1.05, 0.85),
+    ("mlp 0.8 pruned, 360 steps on 360 windows", 1.05, 0.85),
     ("mlp 0.6 pruned", 1.20, None),
+    ("mlp 0.6 pruned, 360 steps on 360 windows", 1.20, None),
 )
 BUDGET_SECONDS = 15 * 60
 # What the measured rows show; written by hand after a run (the tables are generated).
@@ -667,7 +689,8 @@ def describe(options: DistillOptions, windows: int) -> str:
     )
     loss = f"KL {rows} {where}" if options.loss == "kl" else f"centered logits + top-{options.top_k} KL"
     return (
-        f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate}"
+        f"{options.steps} Adam steps of {options.batch} window, learning rate {options.learning_rate} "
+        f"(pruned MLP kernels {options.pruned_learning_rate})"
         f"{' relative to each factor RMS' if options.relative else ''} after {options.warmup} warm-up steps "
         f"({options.schedule} after them), gradient norm clipped at {options.clip_norm}, loss {options.loss!r} "
         f"({loss} per window), held-out check every {options.eval_every} steps, on {windows} training windows"

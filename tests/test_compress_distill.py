@@ -241,6 +241,8 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
         ("vocab_top_k", -1, "DistillOptions.vocab_top_k: got -1, expected a non-negative int"),
         ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
         ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
+        ("pruned_learning_rate", 0.0, "DistillOptions.pruned_learning_rate: got 0.0, expected a positive finite"),
+        ("pruned_learning_rate", True, "DistillOptions.pruned_learning_rate: got True, expected a positive finite"),
         ("schedule", "linear", r"DistillOptions.schedule: got 'linear', expected one of \('cosine', 'constant'\)"),
         (
             "weight_dtype",
@@ -286,6 +288,29 @@ def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
         # by the factor's RMS.
         steps = np.abs(after[key] - before[key]) / rms[key]
         np.testing.assert_allclose(steps.max(), 1e-2, rtol=1e-3)
+
+
+def test_pruned_kernels_step_by_their_own_learning_rate_beside_factors(tiny):
+    from flax import nnx
+
+    from jax_neuronmm.compress.distill import is_trained
+    from jax_neuronmm.compress.prune import PrunedKernel
+
+    model, ids = tiny
+    common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", steps=(), block=8)
+    compressed = compress_model(model, 0.5, progress=False, **common)
+    state = nnx.state(compressed, is_trained)
+    before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(state)}
+    pruned = {k for k, v in nnx.to_flat_state(state) if isinstance(v, PrunedKernel)}
+    assert pruned and set(before) - pruned  # pruned MLP kernels beside attention factors
+    options = DistillOptions(
+        steps=1, learning_rate=1e-2, pruned_learning_rate=3e-3, warmup=0, holdout=0, positions=5, vocab_top_k=0
+    )
+    distill_factors(compressed, model, ids, options, progress=False)
+    after = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_trained))}
+    for key in before:
+        steps = np.abs(after[key] - before[key]) / np.sqrt(np.mean(before[key] ** 2))
+        np.testing.assert_allclose(steps.max(), 3e-3 if key in pruned else 1e-2, rtol=1e-3)
 
 
 def test_compress_model_factors_the_head_and_keeps_the_embedding_lookup_exact(tiny):

@@ -41,7 +41,6 @@ def test_each_removal_is_the_cheapest_by_brute_force(seed):
     # adds least to the metric's error, found by trying every neuron with float64 least squares.
     hidden, down, metric = _problem(seed)
     gram, width = hidden.T @ hidden, hidden.shape[1]
-    metric = metric + prune.OUTPUT_DAMPING * np.mean(np.diag(metric)) * np.eye(metric.shape[0])
     alive = list(range(width))
     for removed in range(1, width - 2):
         costs = {}
@@ -61,13 +60,12 @@ def test_rounds_remove_the_cheapest_neurons_of_each_round_and_refit_exactly(per_
     # of either), and the kept rows are the least-squares fit of the dense output.
     hidden, down, metric = _problem(8)
     gram, width = hidden.T @ hidden, hidden.shape[1]
-    damped = metric + prune.OUTPUT_DAMPING * np.mean(np.diag(metric)) * np.eye(metric.shape[0])
     alive = list(range(width))
     while len(alive) > 4:
         costs = {}
         for j in alive:
             rest = [i for i in alive if i != j]
-            costs[j] = _error(hidden, down, rest, _refit(hidden, down, rest), damped)
+            costs[j] = _error(hidden, down, rest, _refit(hidden, down, rest), metric)
         for j in sorted(costs, key=costs.get)[: min(per_round, len(alive) - 4)]:
             alive.remove(j)
     kept, rows = prune.prune_neurons(gram, down, 4, metric, damping=0.0, per_round=per_round)

@@ -14,7 +14,7 @@ from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
 from jax_neuronmm.models.compression import compress_model
-from jax_neuronmm.models.pruning import mlp_width, prune_mlps
+from jax_neuronmm.models.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDLinear
 from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
@@ -63,7 +63,15 @@ def test_each_layer_keeps_what_prune_neurons_picks_on_the_activations_the_pruned
         act = ACTIVATIONS[HF_ACTIVATIONS[dense_mlp.activation]].reference
         hidden = act(mlp_in @ _kernel64(dense_mlp.gate_proj)) * (mlp_in @ _kernel64(dense_mlp.up_proj))
         metric_gram = None if grams is None else grams[(index, "down_proj")]
-        kept, down = prune.prune_neurons(hidden.T @ hidden, _kernel64(dense_mlp.down_proj), width, metric_gram)
+        # Each window's first position weighs SINK_WEIGHT in the Gram matrix (rows are window-major).
+        weights = np.tile(np.where(np.arange(ids.shape[1]) == 0, SINK_WEIGHT, 1.0), ids.shape[0])
+        kept, down = prune.prune_neurons(
+            hidden.T @ (hidden * weights[:, None]),
+            _kernel64(dense_mlp.down_proj),
+            width,
+            metric_gram,
+            per_round=NEURONS_PER_ROUND,
+        )
         mlp = layer.mlp
         assert all(isinstance(getattr(mlp, n).kernel, PrunedKernel) for n in ("gate_proj", "up_proj", "down_proj"))
         np.testing.assert_array_equal(_kernel64(mlp.gate_proj), _kernel64(dense_mlp.gate_proj)[:, kept])
@@ -75,6 +83,26 @@ def test_each_layer_keeps_what_prune_neurons_picks_on_the_activations_the_pruned
         unfit_error = np.linalg.norm(hidden[:, kept] @ _kernel64(dense_mlp.down_proj)[kept] - target)
         assert refit_error < 0.9 * unfit_error, (index, refit_error, unfit_error)
         x = sequential.record_inputs(layer, x, positions, mask, [])[0]
+
+
+def test_the_sink_weight_keeps_the_first_positions_output(gemma3):
+    # Layer 0 sees the dense model's own inputs under either weight: weighing each window's first position (the
+    # attention sink every later token reads) keeps that position's MLP output closer to the dense one.
+    model, ids = gemma3
+    x, positions, masks = sequential.calibration_batch(model, ids)
+    mask = masks[model.layers[0].self_attn.spec.sliding_window]
+    _, (hidden,) = sequential.record_inputs(model.layers[0], x, positions, mask, [("mlp", "down_proj")])
+    first = hidden.astype(np.float64).reshape(ids.shape[0], ids.shape[1], -1)[:, 0]
+    target = first @ _kernel64(model.layers[0].mlp.down_proj)
+    errors = []
+    for weight in (1.0, 1e4):
+        pruned = nnx.clone(model)
+        prune_mlps(pruned, ids, 96, sink_weight=weight, progress=False)
+        kernel = pruned.layers[0].mlp.down_proj.kernel
+        errors.append(
+            np.linalg.norm(first[:, np.asarray(kernel.kept)] @ _kernel64(pruned.layers[0].mlp.down_proj) - target)
+        )
+    assert errors[1] < 0.1 * errors[0], errors
 
 
 @pytest.mark.parametrize(
@@ -160,6 +188,9 @@ def test_bad_mlp_form_arguments_name_what_is_wrong(gemma3):
         compress_model(model, 0.7, method="svd", mlp_form="pruned")
     with pytest.raises(ValueError, match=r"keep_count: got 0"):
         prune_mlps(nnx.clone(model), ids, 0, progress=False)
+    for weight in (0.0, -1, True):
+        with pytest.raises(ValueError, match=r"sink_weight: got .* expected a positive number"):
+            prune_mlps(nnx.clone(model), ids, 8, sink_weight=weight, progress=False)
     factored = compress_model(model, 0.7, method="svd", block=8, progress=False)
     with pytest.raises(TypeError, match=r"layer 0's MLP is a SVDMLP with factored or fp8 projections"):
         prune_mlps(factored, ids, 8, progress=False)

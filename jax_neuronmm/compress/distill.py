@@ -58,7 +58,10 @@ class DistillOptions:
     steps: Adam steps; batch: training windows per step; learning_rate: Adam's peak step size, reached after
     `warmup` steps of linear warm-up, relative to each factor's RMS when `relative` (the factors of whitened SVD
     differ in scale by orders of magnitude across layers and projections, so one absolute step size fits few of
-    them), else absolute; schedule: after the warm-up, "cosine" (decays to 0 at the last step: the last steps'
+    them), else absolute; pruned_learning_rate: the same for pruned MLP kernels (they start as the dense model's own
+    neurons, nearer where training ends than SVD factors: on Gemma 3 270M at keep 0.8 of the MLPs, 5e-4 measured
+    1.060x / 1.049x dense perplexity where 2e-3 measured 1.069x / 1.043x, top-1 agreement 76% / 86% against 73% /
+    83%); schedule: after the warm-up, "cosine" (decays to 0 at the last step: the last steps'
     factors are the least noisy) or "constant"; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
     positions: positions per window of the "kl" loss (0: every position); vocab_top_k: the "kl" loss runs over the
     vocabulary rows among the teacher's vocab_top_k most likely tokens at some sampled position of the training
@@ -74,6 +77,7 @@ class DistillOptions:
     steps: int = 480
     batch: int = 1
     learning_rate: float = 2e-3
+    pruned_learning_rate: float = 5e-4
     relative: bool = True
     warmup: int = 20
     schedule: str = "cosine"
@@ -90,6 +94,9 @@ class DistillOptions:
 
     def __post_init__(self):
         check_adam_options(self)  # steps, batch, learning_rate: the checks local fine-tuning's options share
+        rate = self.pruned_learning_rate
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
+            raise ValueError(f"DistillOptions.pruned_learning_rate: got {rate!r}, expected a positive finite number")
         for name in ("vocab_chunk", "eval_every"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup", "positions", "vocab_top_k", "top_k", "holdout", "seed"):
@@ -309,7 +316,15 @@ def distill_factors(
         optax.adam(learning_rate_schedule(options)),
     )
     state = optimizer.init(factors)
-    scales = jax.tree.map(lambda p: jnp.sqrt(jnp.mean(jnp.square(p))) if options.relative else 1.0, factors)
+    # Each leaf's step: the schedule's, times its RMS when relative, times pruned / learning_rate for pruned kernels.
+    scales = jax.tree.map(
+        lambda p: p.replace(
+            (jnp.sqrt(jnp.mean(jnp.square(p[...]))) if options.relative else jnp.float32(1.0))
+            * (options.pruned_learning_rate / options.learning_rate if isinstance(p, PrunedKernel) else 1.0)
+        ),
+        factors,
+        is_leaf=lambda p: isinstance(p, nnx.Variable),
+    )
     window = ids.shape[1]
     sampled = min(options.positions, window) if options.positions else window
 

@@ -25,8 +25,6 @@ import numbers
 import numpy as np
 from flax import nnx
 
-from jax_neuronmm.compress.svd import OUTPUT_DAMPING
-
 # Relative damping of the activations' Gram matrix HᵀH: a neuron that never fires on the calibration text has a zero
 # row there.
 DEFAULT_DAMPING = 1e-4
@@ -47,8 +45,10 @@ def prune_neurons(
     """(kept [keep_count] sorted neuron indices, refit down rows [keep_count, N] float64).
 
     gram: HᵀH [I, I] of the MLP's gated activations h on calibration tokens (damped by damping·mean(diag) on its
-    diagonal); down: W_down [I, N]; output_gram: M [N, N], positive semi-definite, damped by OUTPUT_DAMPING like
-    `svd.output_whitening` (None: the squared error, M = I); per_round: neurons removed together per round (1: one
+    diagonal); down: W_down [I, N]; output_gram: M [N, N], positive semi-definite, used undamped (None: the squared
+    error, M = I; damped by svd.OUTPUT_DAMPING as `svd.output_whitening` damps it, Gemma 3 270M's MLPs pruned to
+    1600 of 2048 neurons measured 1.235x / 1.238x dense perplexity before distillation against 1.217x / 1.226x
+    undamped); per_round: neurons removed together per round (1: one
     at a time, each the cheapest given every removal before it).
     """
     gram = np.asarray(gram, np.float64)
@@ -68,7 +68,6 @@ def prune_neurons(
         metric = np.asarray(output_gram, np.float64)
         if metric.shape != (outputs, outputs):
             raise ValueError(f"output_gram: got shape {metric.shape}, expected [{outputs}, {outputs}] (down's N)")
-        metric = metric + OUTPUT_DAMPING * max(float(np.mean(np.diag(metric))), 0.0) * np.eye(outputs)
     inverse = np.linalg.inv(gram + damping * float(np.mean(np.diag(gram))) * np.eye(width))
     weighted = weights @ metric  # rows w_j·M, updated alongside the refit rows
     alive = np.ones(width, bool)
