@@ -161,7 +161,16 @@ def test_pruned_mlps_in_fp8_compute_their_dequantized_weights_and_decode(gemma3)
 
 def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny):
     model, ids = tiny
-    options = DistillOptions(steps=24, batch=2, learning_rate=3e-3, warmup=3, positions=9, vocab_top_k=0, holdout=0)
+    options = DistillOptions(
+        steps=24,
+        batch=2,
+        learning_rate=3e-3,
+        pruned_learning_rate=3e-3,
+        warmup=3,
+        positions=9,
+        vocab_top_k=0,
+        holdout=0,
+    )
     common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", block=8, progress=False)
     before = compress_model(model, 0.7, steps=("fisher", "allocate"), **common)
     after = compress_model(model, 0.7, steps=("fisher", "allocate", "distill"), distill=options, **common)

@@ -45,11 +45,11 @@ def prune_neurons(
     """(kept [keep_count] sorted neuron indices, refit down rows [keep_count, N] float64).
 
     gram: HᵀH [I, I] of the MLP's gated activations h on calibration tokens (damped by damping·mean(diag) on its
-    diagonal); down: W_down [I, N]; output_gram: M [N, N], positive semi-definite, used undamped (None: the squared
-    error, M = I; damped by svd.OUTPUT_DAMPING as `svd.output_whitening` damps it, Gemma 3 270M's MLPs pruned to
-    1600 of 2048 neurons measured 1.235x / 1.238x dense perplexity before distillation against 1.217x / 1.226x
-    undamped); per_round: neurons removed together per round (1: one
-    at a time, each the cheapest given every removal before it).
+    diagonal); down: W_down [I, N]; output_gram: M [N, N], positive semi-definite, used as given (None: the squared
+    error, M = I): damped by svd.OUTPUT_DAMPING as `svd.output_whitening` damps it for factors, Gemma 3 270M's MLPs
+    pruned to 1600 of 2048 neurons measured 1.235x / 1.238x dense perplexity before distillation against 1.217x /
+    1.226x undamped; per_round: neurons removed together per round (1: one at a time, each the cheapest given every
+    removal before it).
     """
     gram = np.asarray(gram, np.float64)
     weights = np.array(down, np.float64)
