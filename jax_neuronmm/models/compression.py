@@ -322,8 +322,9 @@ def compress_model(
     "local" then apply to the other included projections, and "distill" trains the pruned kernels with any factors.
     On Gemma 3 270M's MLPs it measured 1.067x / 1.040x dense perplexity at keep 0.8, top-1 agreement 77% / 86%
     (factors: 1.105x / 1.089x, 72% / 80%), and within 15 minutes (360 steps on 360 windows) 1.064x / 1.044x at
-    keep 0.8 and 1.236x / 1.161x at keep 0.6; "factored" stays the default until the configurations with
-    attention and the LM head are measured with pruned MLPs (benchmarks/results/accuracy_report.md).
+    keep 0.8 and 1.220x / 1.144x at keep 0.6 (pruned_learning_rate 1e-3); "factored" stays the default until the
+    configurations with attention and the LM head are measured with pruned MLPs
+    (benchmarks/results/accuracy_report.md).
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
