@@ -493,7 +493,7 @@ Three things those rows did wrong, each found by measurement. (1) The step size:
 0.259 at step 40 to 0.300 at step 80 before it fell (0.155 at step 480): too large a step for kernels that start as
 the dense model's own neurons. At 5e-4 it fell at every check, to 0.122, and keep 0.8 measured 1.060x / 1.049x, top-1
 0.764 / 0.857, greedy median 2, cloze 0.35 (the row "..., kernels at 5e-4, before the sink weight", 1354 s at load
-3.5-3.9 with scratch scripts beside it). `DistillOptions.pruned_learning_rate` (5e-4) now sets the pruned kernels'
+3.0-3.9 with scratch scripts beside it). `DistillOptions.pruned_learning_rate` (5e-4) now sets the pruned kernels'
 step, the factors keep 2e-3. (2) The attention sink: every window starts with <bos>, whose residual norm is 7-25x
 another token's in layers 0-9 and which every later token attends to, but in the activations' Gram matrix it is one
 position in 256. Pruned to 1600 neurons, <bos>'s hidden state moved 33% at layer 5 and 46-60% at layers 6-15 (at
