@@ -241,8 +241,8 @@ def test_unembedding_is_the_tied_embedding_or_the_head():
         ("vocab_top_k", -1, "DistillOptions.vocab_top_k: got -1, expected a non-negative int"),
         ("steps", 2.5, "DistillOptions.steps: got 2.5, expected a positive int"),
         ("relative", 1, "DistillOptions.relative: got 1, expected a bool"),
-        ("pruned_learning_rate", 0.0, "DistillOptions.pruned_learning_rate: got 0.0, expected a positive finite"),
-        ("pruned_learning_rate", True, "DistillOptions.pruned_learning_rate: got True, expected a positive finite"),
+        ("pruned_learning_rate", 0.0, "DistillOptions.pruned_learning_rate: got 0.0, expected a finite positive"),
+        ("pruned_learning_rate", True, "DistillOptions.pruned_learning_rate: got True, expected a finite positive"),
         ("schedule", "linear", r"DistillOptions.schedule: got 'linear', expected one of \('cosine', 'constant'\)"),
         (
             "weight_dtype",

@@ -93,10 +93,8 @@ class DistillOptions:
     weight_dtype: str | None = None
 
     def __post_init__(self):
-        check_adam_options(self)  # steps, batch, learning_rate: the checks local fine-tuning's options share
-        rate = self.pruned_learning_rate
-        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (math.isfinite(rate) and rate > 0):
-            raise ValueError(f"DistillOptions.pruned_learning_rate: got {rate!r}, expected a positive finite number")
+        # steps, batch and the step sizes: the checks local fine-tuning's options share
+        check_adam_options(self, rates=("learning_rate", "pruned_learning_rate"))
         for name in ("vocab_chunk", "eval_every"):
             _check_int(name, getattr(self, name), 1)
         for name in ("warmup", "positions", "vocab_top_k", "top_k", "holdout", "seed"):

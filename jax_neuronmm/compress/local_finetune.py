@@ -22,20 +22,20 @@ from nki_kernels.activations import ACTIVATIONS
 FACTOR_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
 
 
-def check_adam_options(options) -> None:
-    """ValueError naming the field unless options.steps and options.batch are positive ints and
-    options.learning_rate is a finite positive number (the fine-tuning options of local_finetune and distill)."""
+def check_adam_options(options, rates=("learning_rate",)) -> None:
+    """ValueError naming the field unless options.steps and options.batch are positive ints and each of `rates`
+    (options' step-size fields) is a finite positive number (the fine-tuning options of local_finetune and distill)."""
     kind = type(options).__name__
     for name in ("steps", "batch"):
         value = getattr(options, name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{kind}.{name}: got {value!r}, expected a positive int")
-    rate = options.learning_rate
-    # An infinite rate gives NaN factors (or, in distill, steps the loss check silently undoes).
-    if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
-        raise ValueError(f"{kind}.learning_rate: got {rate!r}, expected a finite positive number")
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"{kind}.learning_rate: got {rate!r}, expected a finite positive number")
+    for name in rates:
+        rate = getattr(options, name)
+        # An infinite rate gives NaN factors (or, in distill, steps the loss check silently undoes).
+        numeric = not isinstance(rate, bool) and isinstance(rate, (int, float, np.integer, np.floating))
+        if not (numeric and math.isfinite(rate) and rate > 0):
+            raise ValueError(f"{kind}.{name}: got {rate!r}, expected a finite positive number")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -413,7 +413,8 @@ def _kept_neurons(user: dict, layers: int, width: int, intermediate: int, weight
         if (
             len(indices) != width
             or list(indices) != sorted(set(indices))
-            or not 0 <= indices[0] <= indices[-1] < intermediate
+            or not 0 <= indices[0]
+            or indices[-1] >= intermediate
         ):
             raise CheckpointError(
                 f"checkpoint {weights_path!r}: metadata {PRUNED_NEURONS!r} does not list {width} distinct sorted "
