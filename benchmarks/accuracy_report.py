@@ -105,6 +105,9 @@ CONFIGS = (
     Config("mlp 0.9 recommended", 0.9, ("mlp",)),
     Config("mlp 0.8 pruned", 0.8, ("mlp",), mlp_form="pruned"),
     PRUNED_WITHIN_BUDGET,
+    dataclasses.replace(
+        PRUNED_WITHIN_BUDGET, name="mlp+attention 0.8 pruned, 360 steps on 360 windows", include=("mlp", "attention")
+    ),
     dataclasses.replace(PRUNED_WITHIN_BUDGET, name="mlp 0.6 pruned, 360 steps on 360 windows", keep=0.6),
     dataclasses.replace(
         PRUNED_WITHIN_BUDGET,

@@ -87,10 +87,11 @@ flags.DEFINE_enum(
 )
 flags.DEFINE_enum(
     "mlp_form",
-    "factored",
-    list(models.compression.MLP_FORMS),
-    "How the MLPs are compressed: factored (SVD factors, the fused svd_mlp kernel) or pruned (each keeps a fraction "
-    "--keep of its neurons, a narrower dense MLP; needs calibration text).",
+    "recommended",
+    ["recommended", *models.compression.MLP_FORMS],
+    "How the MLPs are compressed: factored (SVD factors, the fused svd_mlp kernel), pruned (each keeps a fraction "
+    "--keep of its neurons, a narrower dense MLP; needs calibration text) or recommended (pruned with --method "
+    "recommended and --keep, factored otherwise).",
 )
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
@@ -171,7 +172,7 @@ def main(argv):
             dtype=jnp.dtype(FLAGS.dtype),
             allow_dense=FLAGS.allow_dense,
             allocation_solver=FLAGS.allocation_solver,
-            mlp_form=FLAGS.mlp_form,
+            mlp_form=None if FLAGS.mlp_form == "recommended" else FLAGS.mlp_form,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

@@ -25,6 +25,7 @@ there; the generated ids are noise).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import statistics
@@ -45,7 +46,8 @@ from tqdm.auto import tqdm
 import jax_neuronmm
 from jax_neuronmm import compress, models
 from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import compression, decode, evaluation, quality
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.models import compression, decode, evaluation, pruning, quality
 from jax_neuronmm.models.calibration import training_windows
 from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
@@ -110,13 +112,13 @@ def held_out_text(tokenizer) -> np.ndarray:
 
 def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gguf_path: str):
     """(`compress_model(dense, keep, calibration_ids=..., distill_ids=...)` (the recommended pipeline) or the same
-    MLP factors from the cache, the cache file)."""
-    # The key names everything the factors depend on: model file, keep, token ids and the pipeline's settings (its
-    # allocation may leave projections dense: those are the dense model's and are not cached).
+    compressed MLPs from the cache, the cache file)."""
+    # The key names everything the MLPs depend on: model file, keep, token ids and the pipeline's settings.
     pipeline = "+".join(
         (
             compression.RECOMMENDED_METHOD,
             *compression.RECOMMENDED_STEPS,
+            compression.RECOMMENDED_MLP_FORM,
             "allow_dense",
             compression.RECOMMENDED_ALLOCATION_SOLVER,
             repr(DistillOptions()),
@@ -128,7 +130,7 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     if os.path.isfile(cache):
         try:
             model = _from_cache(dense, cache)
-            print(f"    compressed MLP factors loaded from the cache {cache}")
+            print(f"    compressed MLPs loaded from the cache {cache}")
             return model, cache
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
@@ -136,27 +138,45 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     model = models.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration, distill_ids=distill_ids)
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     os.makedirs(FLAGS.cache_dir, exist_ok=True)
-    factors = {
-        i: {
-            name: {"u": np.asarray(projection.u[...]), "v": np.asarray(projection.v[...])}
-            for name in MLP_PROJECTIONS
-            if isinstance(projection := getattr(layer.mlp, name), SVDLinear)
-        }
-        for i, layer in enumerate(model.layers)
-    }
-    compress.save_compressed(cache, {"layers": factors}, overwrite=True)  # the demo's own cache file
-    print(f"; factors cached in {cache} (delete it to compress again)")
+    compress.save_compressed(cache, {"layers": _mlp_weights(model)}, overwrite=True)  # the demo's own cache file
+    print(f"; MLPs cached in {cache} (delete it to compress again)")
     return model, cache
 
 
+def _mlp_weights(model) -> dict:
+    """Each layer's compressed MLP weights: u and v of factored projections (a projection left dense is the dense
+    model's and is not cached), or the kernels of pruned MLPs and the neurons they kept."""
+    weights = {}
+    for i, layer in enumerate(model.layers):
+        mlp, saved = layer.mlp, {}
+        for name in MLP_PROJECTIONS:
+            projection = getattr(mlp, name)
+            if isinstance(projection, SVDLinear):
+                saved[name] = {"u": np.asarray(projection.u[...]), "v": np.asarray(projection.v[...])}
+            elif isinstance(getattr(projection, "kernel", None), PrunedKernel):
+                saved[name] = {"kernel": np.asarray(projection.kernel[...])}
+                saved["kept"] = np.array(projection.kernel.kept, np.int32)
+        weights[i] = saved
+    return weights
+
+
 def _from_cache(dense, cache: str):
-    """A copy of `dense` whose MLP projections hold the cached factors (ranks from their shapes; a projection
-    without factors stays dense): an SVDMLP where all three are factored, else a GatedMLP of both kinds."""
-    factors = compress.load_compressed(cache)[0]["layers"]
+    """A copy of `dense` whose MLPs hold the cached weights: pruned MLPs narrowed to their kept neurons; factored
+    projections with their factors (ranks from their shapes; a projection without factors stays dense), an SVDMLP
+    where all three are factored, else a GatedMLP of both kinds."""
+    weights = compress.load_compressed(cache)[0]["layers"]
     model = nnx.clone(dense)
     activation = fused_mlp_activation(dense.layers[0].mlp)
+    widths = {len(saved["kept"]) for saved in weights.values() if "kept" in saved}
+    if widths:  # pruned: one width in every layer (the decode step stacks the layers' weights)
+        if len(widths) != 1 or len(weights) != len(model.layers):
+            raise ValueError(f"pruned MLP widths {sorted(widths)} in {len(weights)} of {len(model.layers)} layers")
+        model.config = dataclasses.replace(model.config, intermediate_size=widths.pop())
     for i, layer in enumerate(model.layers):
-        saved = factors.get(i, {})
+        saved = weights.get(i, {})
+        if "kept" in saved:
+            pruning.narrow_mlp(layer.mlp, {name: saved[name]["kernel"] for name in MLP_PROJECTIONS}, saved["kept"])
+            continue
         projections = {}
         for name in MLP_PROJECTIONS:
             linear = getattr(layer.mlp, name)
@@ -172,8 +192,15 @@ def _from_cache(dense, cache: str):
     return model
 
 
-def _rank(projection) -> str:
-    return str(projection.rank) if isinstance(projection, SVDLinear) else "dense"
+def _mlp_summary(dense, compressed) -> str:
+    """What compression made of layer 0's MLP: its kept neurons, or each projection's rank."""
+    mlp = compressed.layers[0].mlp
+    if isinstance(getattr(mlp.gate_proj, "kernel", None), PrunedKernel):
+        return f"MLP neurons kept per layer: {mlp.gate_proj.out_features} of {dense.config.intermediate_size}"
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    ranks = ", ".join(str(p.rank) if isinstance(p, SVDLinear) else "dense" for p in projections)
+    full = min(dense.config.hidden_size, dense.config.intermediate_size)
+    return f"layer 0 MLP ranks (gate, up, down): {ranks} of {full}"
 
 
 def side_by_side(dense, compressed, tokenizer):
@@ -255,12 +282,13 @@ def emulated_tokens(compressed, tokenizer):
         f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
         f"{tokenizer.decode(on_emulator[0, prompt.shape[1] :].tolist())!r}; same tokens as XLA: {same}"
     )
+    steps, trn1, trn2 = decode_step_time(prof)
     print(
-        f"    NKI kernel launches ({len(prof.runs)}: the prefill's fused MLP kernels, 2 x {layers} layers, then "
-        f"{n - 1} decode steps of one kernel each, every layer + final norm + LM head):"
+        f"    NKI kernel launches ({len(prof.runs)}: {len(prof.runs) - steps} in the prompt's pass (the fused kernels "
+        f"of factored projections), then {steps} decode steps of one kernel each, every layer + final norm + LM "
+        "head):"
     )
     print(textwrap.indent(prof.grouped(), "    "))
-    steps, trn1, trn2 = decode_step_time(prof)
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
         f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs"
@@ -305,11 +333,7 @@ def real_model_demo(path: str):
         f"{distill_ids.size} tokens of the shipped novel and Python reference text in turn"
     )
     compressed, cache = compressed_model(dense, calibration, distill_ids, path)
-    mlp = compressed.layers[0].mlp
-    print(
-        f"    layer 0 MLP ranks (gate, up, down): {_rank(mlp.gate_proj)}, {_rank(mlp.up_proj)}, {_rank(mlp.down_proj)} "
-        f"of {min(mlp.gate_proj.in_features, mlp.gate_proj.out_features)}\n"
-    )
+    print(f"    {_mlp_summary(dense, compressed)}\n")
     side_by_side(dense, compressed, tokenizer)
     held_out_quality(dense, compressed, held_out_text(tokenizer))
     # The deployed dtype: the decode step's weights are in the model's dtype, so a bf16 copy models bf16 bytes.

@@ -1,6 +1,8 @@
 """The example CLIs: one flag vocabulary, bad flag values as usage errors (no traceback, no work done),
 generate.py on a compressed checkpoint directory and its grouped emulator profile, quickstart's rank rule."""
 
+import functools
+import importlib.util
 import os
 import subprocess
 import sys
@@ -187,3 +189,33 @@ def test_quickstart_uses_the_library_rank_rule():
     assert result.returncode == 0, result.stderr
     rank = compress.block_aligned_rank(300, 1000, 0.5)
     assert rank == 128 and f"rank {rank})" in result.stdout
+
+
+@functools.cache
+def _demo_module():
+    """examples/demo.py imported once (it defines absl flags; the functions tests call read none)."""
+    spec = importlib.util.spec_from_file_location("demo", os.path.join(EXAMPLES, "demo.py"))
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+    return demo
+
+
+@pytest.mark.parametrize("mlp_form", ["pruned", "factored"])
+def test_the_demo_cache_holds_the_compressed_mlps(tmp_path, mlp_form):
+    demo = _demo_module()
+    dense = models.from_preset("gemma3", "tiny", num_layers=2, vocab_size=300, seed=5)
+    ids = np.random.default_rng(6).integers(0, 300, (12, 29))
+    compressed = models.compress_model(dense, 0.6, "whitened", ids, block=8, mlp_form=mlp_form, progress=False)
+    cache = str(tmp_path / "mlps.safetensors")
+    compress.save_compressed(cache, {"layers": demo._mlp_weights(compressed)})
+    loaded = demo._from_cache(dense, cache)
+    assert loaded.config == compressed.config
+    np.testing.assert_array_equal(np.asarray(loaded(ids[:2])), np.asarray(compressed(ids[:2])))
+    if mlp_form == "pruned":
+        assert loaded.layers[1].mlp.up_proj.kernel.kept == compressed.layers[1].mlp.up_proj.kernel.kept
+    # A cache of another model's MLPs is refused (the demo then compresses again).
+    other = models.from_preset("gemma3", "tiny", num_layers=2, vocab_size=300, seed=5, intermediate_size=128)
+    with pytest.raises(
+        ValueError, match=r"kept: expected distinct neuron indices in \[0, 128\)" if mlp_form == "pruned" else "shape"
+    ):
+        demo._from_cache(other, cache)

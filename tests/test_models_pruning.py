@@ -13,7 +13,7 @@ from jax_neuronmm.compress import prune, sequential
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
-from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.compression import compress_model, resolve_mlp_form
 from jax_neuronmm.models.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDLinear
@@ -203,3 +203,22 @@ def test_bad_mlp_form_arguments_name_what_is_wrong(gemma3):
     factored = compress_model(model, 0.7, method="svd", block=8, progress=False)
     with pytest.raises(TypeError, match=r"layer 0's MLP is a SVDMLP with factored or fp8 projections"):
         prune_mlps(factored, ids, 8, progress=False)
+
+
+def test_the_recommended_pipeline_prunes_the_mlps_and_an_explicit_method_or_rank_factors_them(gemma3):
+    model, ids = gemma3
+    options = dict(block=8, distill=DistillOptions(steps=2, holdout=0), progress=False)
+    recommended = compress_model(model, 0.7, calibration_ids=ids, **options)
+    assert recommended.config.intermediate_size == mlp_width(384, 0.7, 8)
+    assert all(isinstance(layer.mlp.gate_proj.kernel, PrunedKernel) for layer in recommended.layers)
+    explicit = compress_model(model, 0.7, "whitened", ids, steps=("fisher",), block=8, progress=False)
+    one_rank = compress_model(model, calibration_ids=ids, rank=16, steps=("fisher",), progress=False)
+    for factored in (explicit, one_rank):
+        assert factored.config.intermediate_size == 384
+        assert all(isinstance(layer.mlp.gate_proj, SVDLinear) for layer in factored.layers)
+    # MLPs pruning does not take (biases here) are factored by the recommended pipeline too.
+    biased = from_preset("llama", "tiny", num_layers=2, vocab_size=300, seed=3, mlp_bias=True)
+    assert resolve_mlp_form(None, biased, None, ids, ("mlp",)) == "factored"
+    assert resolve_mlp_form(None, model, None, ids, ("mlp",)) == "pruned"
+    assert resolve_mlp_form(None, model, None, ids, ("attention",)) == "factored"
+    assert resolve_mlp_form("factored", model, None, ids, ("mlp",)) == "factored"

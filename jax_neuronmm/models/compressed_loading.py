@@ -46,6 +46,7 @@ from jax_neuronmm.models.compression import (
     RECOMMENDED_ALLOCATION_SOLVER,
     compress_model,
     fused_mlp_activation,
+    resolve_mlp_form,
     resolve_pipeline,
 )
 from jax_neuronmm.models.decoder import CausalLM
@@ -88,7 +89,7 @@ def compress_checkpoint(
     dtype=jnp.float32,
     allow_dense: bool = True,
     allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
-    mlp_form: str = "factored",
+    mlp_form: str | None = None,
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
@@ -113,6 +114,7 @@ def compress_checkpoint(
             contents[name] = f.read()
 
     dense = load_hf(src_dir, dtype=dtype)
+    mlp_form = resolve_mlp_form(mlp_form, dense, method, calibration_ids, include, rank)
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
     compressed = compress_model(
         dense,

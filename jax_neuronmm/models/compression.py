@@ -48,6 +48,10 @@ RECOMMENDED_STEPS = ("fisher", "allocate", "distill")
 # How "allocate" chooses ranks from each projection's costs (`allocation.SOLVERS`); the report's "exact allocation"
 # rows measure the other solver.
 RECOMMENDED_ALLOCATION_SOLVER = "lagrangian"
+# How the recommended pipeline compresses MLPs: pruned (each keeps a fraction of its neurons) measured nearer the
+# dense model than factored on Gemma 3 270M's held-out texts at every keep and include the report compares, in less
+# time (benchmarks/results/accuracy_report.md).
+RECOMMENDED_MLP_FORM = "pruned"
 
 
 class NoCalibrationWarning(UserWarning):
@@ -260,6 +264,17 @@ def resolve_pipeline(method, steps, calibration_ids, rank=None):
     return method, () if steps is None else tuple(steps)
 
 
+def resolve_mlp_form(mlp_form, model, method, calibration_ids, include, rank=None) -> str:
+    """The MLP form `compress_model` uses: mlp_form when given; without it, RECOMMENDED_MLP_FORM where the
+    recommended pipeline runs (no method, calibration_ids given, keep rather than one rank, "mlp" included) on MLPs
+    `prune_mlps` takes (gated, without biases), else "factored"."""
+    if mlp_form is not None:
+        return mlp_form
+    include = (include,) if isinstance(include, str) else tuple(include)
+    recommended = method is None and calibration_ids is not None and rank is None and "mlp" in include
+    return RECOMMENDED_MLP_FORM if recommended and pruning.unprunable(model) is None else "factored"
+
+
 def compress_model(
     model: CausalLM,
     keep: float = 0.8,
@@ -277,7 +292,7 @@ def compress_model(
     allocation_loss: str | None = None,
     allow_dense: bool = True,
     allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
-    mlp_form: str = "factored",
+    mlp_form: str | None = None,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored (or MLPs pruned: mlp_form); the input model is left
@@ -341,6 +356,7 @@ def compress_model(
         raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
     if weight_dtype is not None and weight_dtype not in quantization.WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype: got {weight_dtype!r}, expected None or one of {quantization.WEIGHT_DTYPES}")
+    mlp_form = resolve_mlp_form(mlp_form, model, method, calibration_ids, include, rank)
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
     if weight_dtype is not None and distill is None:
         distill = distillation.DistillOptions(weight_dtype=weight_dtype)

@@ -37,11 +37,22 @@ NEURONS_PER_ROUND = 16
 SINK_WEIGHT = 255.0
 
 
-def _narrow(linear: nnx.Linear, kernel: np.ndarray, kept: np.ndarray) -> None:
-    """`linear` with a kernel of another width (its features follow), held as a PrunedKernel that records the
-    dense model's indices of the neurons it kept (`kept`)."""
-    linear.kernel = PrunedKernel(jnp.asarray(kernel, linear.kernel[...].dtype), kept=tuple(int(i) for i in kept))
-    linear.in_features, linear.out_features = kernel.shape
+def narrow_mlp(mlp: GatedMLP, kernels: dict, kept) -> None:
+    """`mlp`'s projections replaced in place by the pruned `kernels` {name: gate / up [hidden, I'], down [I', hidden]}
+    of the dense model's neurons `kept` [I'] (distinct, each below `mlp`'s width), held as PrunedKernels that
+    record them. ValueError when kept or a kernel's shape is not that."""
+    kept, width = tuple(int(i) for i in kept), mlp.gate_proj.out_features
+    if not kept or len(set(kept)) != len(kept) or not all(0 <= i < width for i in kept):
+        span = f"[{min(kept)}, {max(kept)}]" if kept else "none"
+        raise ValueError(f"kept: expected distinct neuron indices in [0, {width}), got {len(kept)} in {span}")
+    for name in MLP_PROJECTIONS:
+        linear = getattr(mlp, name)
+        kernel = np.asarray(kernels[name])
+        expected = (len(kept), linear.out_features) if name == "down_proj" else (linear.in_features, len(kept))
+        if kernel.shape != expected:
+            raise ValueError(f"kernels[{name!r}]: got shape {kernel.shape}, expected {expected} for the kept neurons")
+        linear.kernel = PrunedKernel(jnp.asarray(kernel, linear.kernel[...].dtype), kept=kept)
+        linear.in_features, linear.out_features = kernel.shape
 
 
 def mlp_width(intermediate: int, keep: float, block: int) -> int:
@@ -49,6 +60,20 @@ def mlp_width(intermediate: int, keep: float, block: int) -> int:
     parameters than keep asks for); where that is no block at all, keep·intermediate rounded down, at least 1."""
     wanted = int(round(keep * intermediate, 6))  # rounded first: 0.29 * 100 is 28.999999999999996
     return wanted // block * block or max(wanted, 1)
+
+
+def unprunable(model: CausalLM) -> str | None:
+    """Why `prune_mlps` cannot take `model` (None: it can): it prunes dense gated MLPs without biases."""
+    for index, layer in enumerate(model.layers):
+        mlp = layer.mlp
+        if not isinstance(mlp, GatedMLP) or not all(isinstance(getattr(mlp, n), nnx.Linear) for n in MLP_PROJECTIONS):
+            return (
+                f"layer {index}'s MLP is a {type(mlp).__name__} with factored or fp8 projections; "
+                "pruning takes dense gated MLPs"
+            )
+        if any(getattr(mlp, n).bias is not None for n in MLP_PROJECTIONS):
+            return f"layer {index}'s MLP has biases; pruning takes gated MLPs without them"
+    return None
 
 
 def prune_mlps(
@@ -69,15 +94,9 @@ def prune_mlps(
     first position in the activations' Gram matrix (SINK_WEIGHT). Every MLP must be a dense GatedMLP without biases
     (TypeError otherwise).
     """
-    for index, layer in enumerate(model.layers):
-        mlp = layer.mlp
-        if not isinstance(mlp, GatedMLP) or not all(isinstance(getattr(mlp, n), nnx.Linear) for n in MLP_PROJECTIONS):
-            raise TypeError(
-                f"model: layer {index}'s MLP is a {type(mlp).__name__} with factored or fp8 projections; "
-                "pruning takes dense gated MLPs"
-            )
-        if any(getattr(mlp, n).bias is not None for n in MLP_PROJECTIONS):
-            raise TypeError(f"model: layer {index}'s MLP has biases; pruning takes gated MLPs without them")
+    reason = unprunable(model)
+    if reason is not None:
+        raise TypeError(f"model: {reason}")
     if isinstance(sink_weight, bool) or not isinstance(sink_weight, (int, float)) or not sink_weight > 0:
         raise ValueError(f"sink_weight: got {sink_weight!r}, expected a positive number")
     x, positions, masks = sequential.calibration_batch(model, calibration_ids)
@@ -96,9 +115,8 @@ def prune_mlps(
             metric,
             per_round=per_round,
         )
-        _narrow(mlp.gate_proj, np.asarray(mlp.gate_proj.kernel[...])[:, kept], kept)
-        _narrow(mlp.up_proj, np.asarray(mlp.up_proj.kernel[...])[:, kept], kept)
-        _narrow(mlp.down_proj, down, kept)
+        kernels = {name: np.asarray(getattr(mlp, name).kernel[...])[:, kept] for name in ("gate_proj", "up_proj")}
+        narrow_mlp(mlp, {**kernels, "down_proj": down}, kept)
         x = sequential.record_inputs(layer, x, positions, mask, [])[0]
     model.config = dataclasses.replace(model.config, intermediate_size=width)
 
