@@ -20,6 +20,7 @@ from jax_neuronmm.compress.distill import (
     unembedding,
 )
 from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
+from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.compress.refit import refit_v
 from jax_neuronmm.compress.sensitivity import kl_sensitivity
 from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
@@ -477,7 +478,9 @@ def test_compress_model_without_method(tiny):
             local=LocalFinetuneOptions(steps=2),
             distill=DistillOptions(steps=2),
         )
-    assert isinstance(recommended.layers[0].mlp, SVDMLP)
+    # The recommended pipeline prunes the MLPs' neurons (RECOMMENDED_MLP_FORM) to half the width.
+    assert all(isinstance(layer.mlp.gate_proj.kernel, PrunedKernel) for layer in recommended.layers)
+    assert recommended.config.intermediate_size == model.config.intermediate_size // 2
 
 
 def test_compress_model_checks_calibration_ids(tiny):

@@ -262,7 +262,7 @@ def test_loader_errors_name_the_file(rng, tmp_path, loader):
 def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
-    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration)
+    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration, mlp_form="factored")
     report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
     dense_entries = [layer for layer in report.layers if layer.rank is None]
     assert dense_entries and len(report.layers) == 2 * 3  # every MLP projection listed, the dense ones too
@@ -288,7 +288,7 @@ def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
 def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
     write_hf_checkpoint(rng, tmp_path / "hf")
     calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
-    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration)
+    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration, mlp_form="factored")
     solvers = []
     allocate = allocation.allocate_ranks
     monkeypatch.setattr(
