@@ -1,13 +1,14 @@
-"""Compress a local Hugging Face Llama / Gemma checkpoint into a directory of SVD factors
-(`models.compress_checkpoint`).
+"""Compress a local Hugging Face Llama / Gemma checkpoint into a new directory (`models.compress_checkpoint`): by
+default the recommended pipeline, its MLPs' neurons pruned to --keep (--mlp_form factored: SVD factors instead).
 
     python examples/compress_checkpoint.py --checkpoint_dir ~/llama --output_dir /tmp/llama-svd --keep 0.8
     python examples/compress_checkpoint.py ... --calibration_text my_corpus.txt   # calibrate on your own text
     python examples/compress_checkpoint.py ... --method whitened --steps sequential,distill
     python examples/compress_checkpoint.py ... --method svd                       # plain SVD, no calibration
 
-Writes <output_dir>/model.safetensors (every parameter in our layout, each compressed projection as u [in, r] and
-v [r, out], with method / keep / ranks / per-tensor sha256 in the header), compression_report.json (rank, params
+Writes <output_dir>/model.safetensors (every parameter in our layout, each factored projection as u [in, r] and
+v [r, out], pruned MLPs as narrower kernels with the neurons they kept, with method / keep / ranks / per-tensor
+sha256 in the header), compression_report.json (rank, params
 before/after, relative error per projection) and copies config.json and the tokenizer files. The output directory
 must be new or hold none of these files: the source checkpoint is never touched. The default method is the
 calibrated pipeline `compress_model` recommends; for every method but svd the text of --calibration_text (default:
@@ -18,7 +19,7 @@ distill step trains on its first --distill_windows windows). The calibration def
 novel's chapters 1-49 and the Python reference), this script on 80 windows of one (the bundled calibration text,
 chapters 1-12, 22,622 Gemma 3 tokens, holds 88): pass a larger corpus and --distill_windows for more.
 
-Load the result as a model with SVD-factored projections at the saved ranks (no SVD runs again), or run it with
+Load the result as a model with the saved ranks and widths (no SVD or pruning runs again), or run it with
 examples/generate.py --checkpoint OUT:
 
     from jax_neuronmm.models import generate, load_compressed_checkpoint

@@ -325,21 +325,21 @@ def compress_model(
     distill_ids [B', T'] when given, else on calibration_ids: distillation gains from more text than layer-wise
     calibration needs, which costs a forward pass and a Gram matrix per token).
 
-    Without method: with calibration_ids, the recommended pipeline (RECOMMENDED_METHOD + RECOMMENDED_STEPS);
-    without, plain SVD and a `NoCalibrationWarning`. Each gated MLP becomes one `SVDMLP` (the fused svd_mlp
-    primitive) when its activation is fused-supported and it has no biases ("local" tunes only those); otherwise,
-    and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
+    Without method: with calibration_ids, the recommended pipeline (RECOMMENDED_METHOD + RECOMMENDED_STEPS, MLPs
+    pruned: mlp_form); without, plain SVD and a `NoCalibrationWarning`. A factored gated MLP becomes one `SVDMLP`
+    (the fused svd_mlp primitive) when its activation is fused-supported and it has no biases ("local" tunes only
+    those); otherwise, and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
 
     mlp_form: "factored" (the above) or "pruned": every gated MLP instead keeps `pruning.mlp_width(I, keep, block or
     ALLOCATION_BLOCK)` of its I intermediate neurons, a narrower dense GatedMLP (`models.pruning.prune_mlps`: neurons
     chosen and down_proj refit layer by layer on calibration_ids, under the "fisher" step's down_proj Fisher metric
     when it runs), the model's config saying the new intermediate_size; "allocate", "sequential", "refit" and
     "local" then apply to the other included projections, and "distill" trains the pruned kernels with any factors.
-    On Gemma 3 270M's MLPs it measured 1.067x / 1.040x dense perplexity at keep 0.8, top-1 agreement 77% / 86%
-    (factors: 1.105x / 1.089x, 72% / 80%), and within 15 minutes (360 steps on 360 windows) 1.064x / 1.044x at
-    keep 0.8 and 1.220x / 1.144x at keep 0.6 (pruned_learning_rate 1e-3); "factored" stays the default until the
-    configurations with attention and the LM head are measured with pruned MLPs
-    (benchmarks/results/accuracy_report.md).
+    None: `resolve_mlp_form` ("pruned", RECOMMENDED_MLP_FORM, where the recommended pipeline runs on MLPs pruning
+    takes; else "factored"). On Gemma 3 270M, within 15 minutes (360 steps on 360 windows), pruned MLPs measured
+    1.064x / 1.044x dense perplexity at keep 0.8 (factored, 480 steps: 1.105x / 1.089x), 1.060x / 1.060x with
+    attention factored beside them (factored MLPs: 1.082x / 1.092x) and 1.220x / 1.144x at keep 0.6 with
+    pruned_learning_rate 1e-3 (factored: 1.261x / 1.215x) (benchmarks/results/accuracy_report.md).
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
