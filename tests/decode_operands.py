@@ -1,7 +1,7 @@
 """Decode-step specs and random operands shared by the decode tests (a helper module, not a test file).
 
-Tiny ragged specs (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384, V = 300): Llama-like (dense, no
-softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE tables and
+Tiny ragged specs (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 320 / 384, V = 300): Llama-like (dense,
+no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE tables and
 masks, factored projections and head with different per-layer ranks); random operands per the contract, in bf16 /
 float32 or with fp8 weights (`fp8_operands`).
 """
@@ -43,6 +43,8 @@ def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermedia
 
 
 LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
+# An intermediate of whole tiles and a ragged one (a pruned MLP's width): down's rows grouped, then 64 alone.
+LLAMA_RAGGED_INTERMEDIATE = dataclasses.replace(LLAMA, intermediate=320)
 GEMMA3 = DecodeSpec(
     num_layers=3,
     hidden=256,

@@ -101,7 +101,7 @@ def _packed_f64(ops, spec):
         for name in spec.packed_weights:
             lay = layouts.Layouts(spec)
             for part, values in _layer_values(ops, spec, name, layer):
-                layout = lay.input(name) if part != "v" else layouts.rank_layout(values.shape[0], values.shape[1])
+                layout = lay.input(name) if part != "v" else layouts.grouped_layout(values.shape[0], values.shape[1])
                 for k0, ks, _, count, partitions in tiles.layout_blocks(layout):
                     block = np.zeros((128, count * values.shape[1]))
                     for p in range(partitions):

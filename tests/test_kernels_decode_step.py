@@ -1,8 +1,8 @@
 """The decode step over all layers (nki_kernels.decode.runner): every composition equals the float64 reference.
 
-Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384, V = 300), Llama-like (dense,
-no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE tables
-and masks, factored projections and head with different per-layer ranks) specs, fresh random inputs, a causal +
+Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 320 / 384, V = 300), Llama-like
+(dense, no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE
+tables and masks, factored projections and head with different per-layer ranks) specs, fresh random inputs, a causal +
 padding mask, and a small weight ring so blocks wrap around it within a layer.
 """
 
@@ -16,6 +16,7 @@ from decode_operands import (
     GEMMA3_DENSE,
     GEMMA3_DENSE_LAYERS,
     LLAMA,
+    LLAMA_RAGGED_INTERMEDIATE,
     RING,
     WEIGHT_INDEX,
     check_cache,
@@ -27,7 +28,7 @@ from decode_operands import (
 from emulator_helpers import sliding_window_case
 
 from nki_kernels import reference
-from nki_kernels.decode import compositions, traffic
+from nki_kernels.decode import compositions, layouts, tiles, traffic
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import profile, use_target
@@ -41,6 +42,7 @@ CASES = [
     (GEMMA3, 1, 1, 20, 7, np.float32, 1e-5),  # one row: the sandwich norms' fused residual adds
     (GEMMA3_DENSE_LAYERS, 1, 2, 20, 7, np.float32, 1e-5),
     (GEMMA3_DENSE_LAYERS, 2, 1, 12, 5, BF16, 2e-2),
+    (LLAMA_RAGGED_INTERMEDIATE, 2, 1, 12, 5, np.float32, 1e-5),
 ]
 
 
@@ -55,6 +57,7 @@ CASES = [
         "gemma3-one-row",
         "gemma3-dense-layers-fp32",
         "gemma3-dense-layers-bf16",
+        "llama-ragged-intermediate-fp32",
     ],
 )
 def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, w, dtype, tolerance):
@@ -302,3 +305,10 @@ def test_rejects_bad_arguments(rng):
     narrow_operands = make_operands(rng, narrow, 1, 1, 8, 3, np.float32)
     with pytest.raises(ValueError, match="head_dim: got 16 with 2 KV heads, expected a multiple of 32"):
         run_decode_step("looped", narrow_operands, narrow)
+
+
+def test_an_intermediate_with_a_ragged_tile_groups_its_whole_tiles():
+    """down's rows for an intermediate of 2 whole tiles and 64 more: one block of 2 grouped tiles (long runs per
+    partition), then the 64 alone, not three natural tiles."""
+    inter = layouts.Layouts(LLAMA_RAGGED_INTERMEDIATE).inter
+    assert [(k0, ks, count) for k0, ks, _, count, _ in tiles.layout_blocks(inter)] == [(0, 256, 2), (256, 64, 1)]

@@ -1,4 +1,4 @@
-"""Where a decode step's vectors and weights lie in SBUF: the feature layouts of a spec (`Layouts`, `rank_layout`)
+"""Where a decode step's vectors and weights lie in SBUF: the feature layouts of a spec (`Layouts`, `grouped_layout`)
 and the layout of packed weights (DecodeSpec.packed_weights; nki_kernels.decode.packing packs, unpacks and loads
 them).
 
@@ -12,7 +12,7 @@ factored projections 8448 bytes a partition together (98%).
 The layout of one layer (`packed_segments`): a sequence of segments, one per *stage* (a dense weight's w; a
 factored one's u [K, r], then v [r, N], at the layer's rank r) and per block of the layout the stage's input
 vector lies in (`tiles.layout_blocks`: hidden for q, k, v, gate, up; the attention output for o; the intermediate
-for down; `rank_layout` for a v). A block of `count` tiles of `partitions` partitions, its first feature k0, holds
+for down; `grouped_layout` for a v). A block of `count` tiles of `partitions` partitions, its first feature k0, holds
 the stage's rows k0 .. k0 + partitions·count - 1 with partition p holding rows k0 + p·count .. k0 + p·count +
 count - 1, whole, as `count·columns` consecutive elements of that partition: the [partitions, count, columns] block
 the projections multiply (stationary tiles [partitions, columns of an output tile] of each of its count rows).
@@ -41,13 +41,14 @@ def _min_row_elements(spec, names):
     return min(widths)
 
 
-def rank_layout(rank, v_columns):
-    """The layout of a factored projection's rank-r intermediate (x·u)ᵀ: grouped for v's rows of v_columns. A rank
-    that is not a multiple of 128 groups its whole 128-row tiles, its last rank % 128 rows in a tile of their own
-    (Gemma 3 270M's down v [320, 640] in bf16: 2560-byte runs for 256 of its rows, 1280 for the last 64, where
-    natural tiles read every row as a 1280-byte run, 52% of the DMA rate)."""
-    whole = rank - rank % nl.tile_size.pmax
-    return tiles.feature_layout(rank, tiles.choose_group(whole, v_columns) if whole else 1)
+def grouped_layout(features, row_columns):
+    """The layout of a vector of `features` contracted against weight rows of `row_columns` columns (a factored
+    projection's rank-r intermediate (x·u)ᵀ against v, an MLP's intermediate against down): its whole 128-row tiles
+    grouped (`tiles.choose_group`), the last features % 128 rows in a tile of their own (Gemma 3 270M's down v [320,
+    640] in bf16: 2560-byte runs for 256 of its rows, 1280 for the last 64, where natural tiles read every row as a
+    1280-byte run, 52% of the DMA rate; an MLP pruned to 1600 neurons: down's rows in 1536 grouped, 64 alone)."""
+    whole = features - features % nl.tile_size.pmax
+    return tiles.feature_layout(features, tiles.choose_group(whole, row_columns) if whole else 1)
 
 
 class Layouts:
@@ -58,9 +59,7 @@ class Layouts:
         head_width = spec.vocab if spec.head_rank is None else spec.head_rank
         hidden_rows = min(_min_row_elements(spec, ("q", "k", "v", "gate", "up")), head_width)
         self.hidden = tiles.feature_layout(spec.hidden, tiles.choose_group(spec.hidden, hidden_rows))
-        self.inter = tiles.feature_layout(
-            spec.intermediate, tiles.choose_group(spec.intermediate, _min_row_elements(spec, ("down",)))
-        )
+        self.inter = grouped_layout(spec.intermediate, _min_row_elements(spec, ("down",)))
         self.q = tiles.feature_layout(spec.num_heads * spec.head_dim)
         # The attention output, regrouped on chip for o's weight rows (attention returns natural tiles).
         self.attn = tiles.feature_layout(
@@ -110,7 +109,7 @@ def _stages(spec, layouts: Layouts, name: str, layer: int):
     if rank is None:
         return [("w", layouts.input(name), spec.out_features(name))]
     n = spec.out_features(name)
-    return [("u", layouts.input(name), rank), ("v", rank_layout(rank, n), n)]
+    return [("u", layouts.input(name), rank), ("v", grouped_layout(rank, n), n)]
 
 
 @functools.lru_cache(maxsize=256)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from nki_kernels.binding import nisa, nl
 from nki_kernels.decode.contract import PROJECTIONS, Quantized
-from nki_kernels.decode.layouts import rank_layout
+from nki_kernels.decode.layouts import grouped_layout
 from nki_kernels.decode.tiles import (
     column_tiles,
     evict_alternating,
@@ -226,7 +226,7 @@ class LayerScales:
             self.tiles[name] = load_scales(weight.v_scale, out_layouts[name])
             # Layers left dense in the stack have no u scales to read: W's scales are v_scale's.
             self.u_runs[name] = [
-                (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], rank_layout(rank, spec.out_features(name))))
+                (l0, l1, load_scales(weight.u_scale[l0:l1, 0:rank], grouped_layout(rank, spec.out_features(name))))
                 for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
                 if rank is not None
             ]
@@ -242,7 +242,7 @@ class LayerScales:
             if spec.factored(name):
                 columns = spec.out_features(name)
                 tiles += sum(
-                    len(rank_layout(rank, columns)) * (l1 - l0)
+                    len(grouped_layout(rank, columns)) * (l1 - l0)
                     for l0, l1, rank in rank_runs(spec.ranks[PROJECTIONS.index(name)])
                     if rank is not None
                 )
@@ -431,7 +431,7 @@ def projection(x, in_layout, weight, rank, out_layout, rows, ring, evict, scales
     u, v = weight.u, weight.v
     if not isinstance(u, OnChipWeight):  # stacked to the largest rank in HBM; packed ones are the layer's
         v = v[0:rank, :]  # u's first rank columns: dense_projection reads them, or whole rows (whole_rows)
-    layout = rank_layout(rank, v.shape[1])
+    layout = grouped_layout(rank, v.shape[1])
     if scales is None:
         u_scales = None if weight.u_scale is None else load_scales(weight.u_scale[0:rank], layout)
         v_scales = load_scales(weight.v_scale, out_layout)
@@ -852,7 +852,7 @@ def head_logits(h, layout, head, head_rank, rows, ring, out_rows, softcap=None):
         w, scale = (head.w, head.scale) if isinstance(head, Quantized) else (head, None)
         head_projection(h, layout, w, rows, ring, out_rows, softcap, scale)
         return
-    xu_layout = rank_layout(head_rank, HEAD_COLUMNS)
+    xu_layout = grouped_layout(head_rank, HEAD_COLUMNS)
     u_scales = None if head.u_scale is None else load_scales(head.u_scale[0:head_rank], xu_layout)
     xu = column_tiles(xu_layout, rows, h.dtype, "head_xuT", zero=False)
     dense_projection(h, layout, head.u[:, 0:head_rank], xu_layout, rows, ring, copy_into(xu), u_scales)
