@@ -273,8 +273,9 @@ def agreement(model, on_xla, on_emulator, prompt_tokens: int) -> str:
     )
 
 
-def emulated_tokens(compressed, tokenizer):
-    """The compressed model in bf16 on the emulator backend (compressed: its bf16 copy from the cache)."""
+def emulated_tokens(dense, compressed, tokenizer):
+    """The compressed model in bf16 on the emulator backend, and the modeled decode step of both (dense, compressed:
+    bf16 copies, the latter with the cached MLPs)."""
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
     on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)
@@ -284,15 +285,20 @@ def emulated_tokens(compressed, tokenizer):
         f"{tokenizer.decode(on_emulator[0, prompt.shape[1] :].tolist())!r}; same tokens as XLA: {same}"
     )
     steps, trn1, trn2 = decode_step_time(prof)
+    in_prompt = len(prof.runs) - steps
     print(
-        f"    NKI kernel launches ({len(prof.runs)}: {len(prof.runs) - steps} in the prompt's pass (the fused kernels "
-        f"of factored projections), then {steps} decode steps of one kernel each, every layer + final norm + LM "
-        "head):"
+        f"    NKI kernel launches ({len(prof.runs)}: "
+        + (f"{in_prompt} in the prompt's pass (the fused kernels of factored projections), then " if in_prompt else "")
+        + f"{steps} decode steps of one kernel each, every layer + final norm + LM head):"
     )
     print(textwrap.indent(prof.grouped(), "    "))
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as dense_prof:
+        models.generate(dense, prompt, 2)
+    _, dense_trn1, dense_trn2 = decode_step_time(dense_prof)
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
-        f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs"
+        f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; the dense "
+        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs ({dense_trn1 / trn1:.3f}x and {dense_trn2 / trn2:.3f}x)"
     )
 
 
@@ -338,7 +344,8 @@ def real_model_demo(path: str):
     side_by_side(dense, compressed, tokenizer)
     held_out_quality(dense, compressed, held_out_text(tokenizer))
     # The deployed dtype: the decode step's weights are in the model's dtype, so a bf16 copy models bf16 bytes.
-    emulated_tokens(_from_cache(models.load_gguf(path, dtype=jnp.bfloat16), cache), tokenizer)
+    dense_bf16 = models.load_gguf(path, dtype=jnp.bfloat16)
+    emulated_tokens(dense_bf16, _from_cache(dense_bf16, cache), tokenizer)
     cpu_speed(dense, compressed, tokenizer)
 
 
