@@ -168,11 +168,11 @@ def _from_cache(dense, cache: str):
     weights = compress.load_compressed(cache)[0]["layers"]
     model = nnx.clone(dense)
     activation = fused_mlp_activation(dense.layers[0].mlp)
-    widths = {len(saved["kept"]) for saved in weights.values() if "kept" in saved}
-    if widths:  # pruned: one width in every layer (the decode step stacks the layers' weights)
-        if len(widths) != 1 or len(weights) != len(model.layers):
-            raise ValueError(f"pruned MLP widths {sorted(widths)} in {len(weights)} of {len(model.layers)} layers")
-        model.config = dataclasses.replace(model.config, intermediate_size=widths.pop())
+    pruned = [len(saved["kept"]) for saved in weights.values() if "kept" in saved]
+    if pruned:  # one width in every layer (the decode step stacks the layers' weights)
+        if len(set(pruned)) != 1 or len(pruned) != len(model.layers):
+            raise ValueError(f"pruned MLP widths {sorted(set(pruned))} in {len(pruned)} of {len(model.layers)} layers")
+        model.config = dataclasses.replace(model.config, intermediate_size=pruned[0])
     for i, layer in enumerate(model.layers):
         saved = weights.get(i, {})
         if "kept" in saved:
@@ -298,7 +298,7 @@ def emulated_tokens(dense, compressed, tokenizer):
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
         f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; the dense "
-        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs ({dense_trn1 / trn1:.3f}x and {dense_trn2 / trn2:.3f}x)"
+        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.3f}x / {dense_trn2 / trn2:.3f}x)"
     )
 
 
