@@ -298,7 +298,8 @@ def emulated_tokens(dense, compressed, tokenizer):
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
         f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; the dense "
-        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.3f}x / {dense_trn2 / trn2:.3f}x)"
+        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.3f}x / "
+        f"{dense_trn2 / trn2:.3f}x)"
     )
 
 
