@@ -293,7 +293,7 @@ def emulated_tokens(dense, compressed, tokenizer):
     )
     print(textwrap.indent(prof.grouped(), "    "))
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as dense_prof:
-        models.generate(dense, prompt, 2)
+        np.asarray(models.generate(dense, prompt, n))  # the kernels run when the result is read
     _, dense_trn1, dense_trn2 = decode_step_time(dense_prof)
     print(
         f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
