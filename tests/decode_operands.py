@@ -43,8 +43,9 @@ def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermedia
 
 
 LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
-# An intermediate of whole tiles and a ragged one (a pruned MLP's width): down's rows grouped, then 64 alone.
-LLAMA_RAGGED_INTERMEDIATE = dataclasses.replace(LLAMA, intermediate=320)
+# An intermediate of 9 whole tiles and a ragged one (a pruned MLP's width): down's rows in grouped blocks of 5 and 4
+# tiles (9 is prime to every group that reaches long runs), then 64 alone.
+LLAMA_RAGGED_INTERMEDIATE = dataclasses.replace(LLAMA, intermediate=1216)
 GEMMA3 = DecodeSpec(
     num_layers=3,
     hidden=256,
@@ -148,6 +149,7 @@ WEIGHT_INDEX = {name: 3 + i for i, name in enumerate(WEIGHTS[:-1])} | {"head": 1
 LLAMA8 = dataclasses.replace(LLAMA, fp8_weights=WEIGHTS)
 GEMMA3_8 = dataclasses.replace(GEMMA3, fp8_weights=WEIGHTS)  # k dense, the rest factored (head too)
 GEMMA3_DENSE_LAYERS_8 = dataclasses.replace(GEMMA3_DENSE_LAYERS, fp8_weights=WEIGHTS)
+LLAMA_RAGGED_INTERMEDIATE_8 = dataclasses.replace(LLAMA_RAGGED_INTERMEDIATE, fp8_weights=WEIGHTS)
 
 
 def fp8_matrix(rng, shape, contraction):

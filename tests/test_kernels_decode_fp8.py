@@ -19,6 +19,7 @@ from decode_operands import (
     GEMMA3_DENSE_LAYERS_8,
     LLAMA,
     LLAMA8,
+    LLAMA_RAGGED_INTERMEDIATE_8,
     RING,
     WEIGHT_INDEX,
     check_cache,
@@ -41,11 +42,20 @@ from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
 from nki_kernels.emulator.kernel import Spec, run
 
 # (spec, B, T, S, write slot)
-CASES = [(LLAMA8, 3, 1, 12, 11), (GEMMA3_8, 1, 2, 20, 7), (GEMMA3_DENSE_LAYERS_8, 2, 1, 12, 5)]
+CASES = [
+    (LLAMA8, 3, 1, 12, 11),
+    (GEMMA3_8, 1, 2, 20, 7),
+    (GEMMA3_DENSE_LAYERS_8, 2, 1, 12, 5),
+    (LLAMA_RAGGED_INTERMEDIATE_8, 2, 1, 12, 5),  # packed down rows in blocks of 5 and 4 tiles, then 64
+]
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("spec, b, t, s, w", CASES, ids=["llama-dense", "gemma3-factored", "gemma3-dense-layers"])
+@pytest.mark.parametrize(
+    "spec, b, t, s, w",
+    CASES,
+    ids=["llama-dense", "gemma3-factored", "gemma3-dense-layers", "llama-ragged-intermediate"],
+)
 def test_composition_matches_float64_reference_of_dequantized_weights(rng, composition, spec, b, t, s, w):
     operands = fp8_operands(rng, spec, b, t, s, w)
     assert np.abs(operands[3][0].astype(np.float32)).max() == 240

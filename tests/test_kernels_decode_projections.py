@@ -120,13 +120,25 @@ def test_gated_mlp(rng, rows, h, i, rank, activation, group_h, group_i):
 
 
 def test_layouts_cover_every_feature_once():
-    for features, group in ((200, 1), (640, 5), (384, 3), (300, 2)):
+    for features, group in ((200, 1), (640, 5), (384, 3), (300, 2), (1664, 7), (1728, 7)):
         layout = tiles.feature_layout(features, group)
         covered = np.concatenate([np.arange(features)[feats] for _, feats in layout])
         assert sorted(covered) == list(range(features))
         assert all(size == len(range(features)[feats]) for size, feats in layout)
     assert tiles.choose_group(640, 256) == 5 and tiles.choose_group(2048, 640) == 8 and tiles.choose_group(200, 10) == 1
     assert tiles.choose_group(4096, 1024) == 4 and tiles.choose_group(4096, 8) == tiles.MAX_GROUP
+    # 12 tiles against 640 columns: no group reaches RUN_ELEMENTS, 6 divides them (blocks of 7 would leave 5).
+    assert tiles.choose_group(1536, 640) == 6
+
+
+def test_a_prime_tile_count_groups_in_unequal_blocks():
+    """13 tiles (an MLP pruned to 1664 neurons) against 640 columns: blocks of 7 and 6 tiles (runs of 4480 and 3840
+    elements a partition), where a divisor of 13 could only be 1 (640); a ragged 64 after them stays alone."""
+    assert tiles.choose_group(1664, 640) == 7
+    blocks = [(k0, ks, count) for k0, ks, _, count, _ in tiles.layout_blocks(tiles.feature_layout(1728, 7))]
+    assert blocks == [(0, 896, 7), (896, 768, 6), (1664, 64, 1)]
+    # Gemma 3 1B's 6912 neurons pruned to 5504 (43 tiles) against its 1152 columns: blocks of 4 and a last one of 3.
+    assert tiles.choose_group(5504, 1152) == 4
 
 
 def test_rows_per_block_keeps_whole_rows():

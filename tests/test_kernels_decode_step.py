@@ -308,7 +308,8 @@ def test_rejects_bad_arguments(rng):
 
 
 def test_an_intermediate_with_a_ragged_tile_groups_its_whole_tiles():
-    """down's rows for an intermediate of 2 whole tiles and 64 more: one block of 2 grouped tiles (long runs per
-    partition), then the 64 alone, not three natural tiles."""
+    """down's rows for an intermediate of 9 whole tiles and 64 more: grouped blocks of 5 and 4 tiles (long runs per
+    partition), then the 64 alone, not ten natural tiles."""
     inter = layouts.Layouts(LLAMA_RAGGED_INTERMEDIATE).inter
-    assert [(k0, ks, count) for k0, ks, _, count, _ in tiles.layout_blocks(inter)] == [(0, 256, 2), (256, 64, 1)]
+    blocks = [(k0, ks, count) for k0, ks, _, count, _ in tiles.layout_blocks(inter)]
+    assert blocks == [(0, 640, 5), (640, 512, 4), (1152, 64, 1)]

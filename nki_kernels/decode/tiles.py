@@ -41,10 +41,15 @@ MAX_GROUP = 8
 
 def feature_layout(features, group=1):
     """((size, features slice), ...) per tile: blocks of 128·group features, partition p of tile i of a block ↔
-    feature block_start + p·group + i; a ragged block (not a multiple of 128) in natural 128-feature tiles."""
+    feature block_start + p·group + i; the last block holds the whole tiles left (fewer than group), permuted
+    alike, then the last features % 128 in a tile of their own."""
+    pmax = nl.tile_size.pmax
     tiles = []
-    for k0, ks in spans(features, nl.tile_size.pmax * group):
-        tiles.extend(k_slots(k0, ks))
+    for k0, ks in spans(features, pmax * group):
+        whole = ks - ks % pmax
+        for start, size in ((k0, whole), (k0 + whole, ks - whole)):
+            if size:
+                tiles.extend(k_slots(start, size))
     return tuple(tiles)
 
 
@@ -63,15 +68,21 @@ def layout_blocks(layout):
 
 
 def choose_group(features, row_elements):
-    """Group for a vector of `features` contracted against weights with `row_elements` columns: the smallest
-    divisor g ≤ MAX_GROUP of features/128 with g·row_elements ≥ RUN_ELEMENTS (the largest when none reaches it);
-    1 when features is not a multiple of 128."""
+    """Group for a vector of `features` contracted against weights with `row_elements` columns: blocks of g tiles
+    (the last one the tiles % g left), g ≤ MAX_GROUP the smallest whose every block reads runs of at least
+    RUN_ELEMENTS, else the one whose shortest block is longest, a divisor of the tile count on a tie (a prime count
+    above MAX_GROUP, 13 tiles of an MLP pruned to 1664 neurons against 640 columns, takes blocks of 7 and 6 where
+    a divisor could only be 1); 1 when features is not a multiple of 128."""
     pmax = nl.tile_size.pmax
     if features % pmax:
         return 1
     tiles = features // pmax
-    divisors = [d for d in range(1, min(tiles, MAX_GROUP) + 1) if tiles % d == 0]
-    return next((d for d in divisors if d * row_elements >= RUN_ELEMENTS), divisors[-1])
+
+    def shortest(group):
+        return min(group, tiles % group or group)
+
+    groups = range(1, min(tiles, MAX_GROUP) + 1)
+    return next((g for g in groups if shortest(g) * row_elements >= RUN_ELEMENTS), max(groups, key=shortest))
 
 
 def head_group(features):
