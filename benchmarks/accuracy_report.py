@@ -548,7 +548,22 @@ MLPs pruned at keep 0.8, attention and the LM head factored at keep 0.8 of their
 windows): 1.073x / 1.059x, top-1 0.729 / 0.808, greedy median 2, cloze 0.34, 20.4% of a decode step's bytes saved, in
 1347 s (alone, load 1.9-2.1), against 1.085x / 1.080x, top-1 0.720 / 0.791, 19.9% for the factored whole model in 480
 steps (1572 s): better on both texts, but over the 15-minute budget, since a distillation step through the factored LM
-head takes 2.2 s instead of 1.2 s."""
+head takes 2.2 s instead of 1.2 s.
+
+Tried for the two MLP targets still missed, and not kept (scratch runs of this harness, alone, load 1.7-2.0). Keep 0.6
+in 360 steps on 360 windows with other step sizes for the pruned kernels: at 4e-3 the held-out training KL rose to
+0.47-0.52 at steps 40-80 and never fell back below its start, so distillation kept the start (1.366x / 1.238x, the
+pruned model untrained; 827 s); at 3e-3 after 60 warm-up steps 1.212x / 1.148x (top-1 0.653 / 0.762, 822 s); at 2e-3
+after 100 warm-up steps instead of 20, 1.207x / 1.148x (top-1 0.674 / 0.767, 829 s). 2e-3 after 20 warm-up steps
+(1.202x / 1.146x) stays the best measured, 0.002 above the target. Per-layer widths: each layer's greedy removal
+path, on the dense model's inputs, gives its output error in the Fisher metric at every width (multiples of 64 down to
+896); the widths of least summed error at the same total (18 x 1600 neurons) keep layers 5 and 9-15 whole and cut
+layers 0, 2, 4 and 17 to 896. Before distillation they measured 1.159x / 1.113x (top-1 0.709 / 0.817) against 1.121x /
+1.089x (0.749 / 0.849) for 1600 neurons in every layer, and at keep 0.6 1.415x / 1.312x against 1.366x / 1.238x: the
+summed error fell 8.7x while perplexity rose, with the sink position weighted or not, so these per-layer errors do
+not compare across layers (Gemma's norm after each MLP rescales what its error does downstream). The decode step
+stacks one width for every layer, and per-layer widths would need it and the pruned checkpoint format to carry a
+width per layer; without a measure that finds them better they stay out."""
 
 
 def token_ids(model, text: str) -> np.ndarray:
