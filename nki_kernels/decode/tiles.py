@@ -6,14 +6,14 @@ Naming, across nki_kernels.decode: a *tile* is one [≤128 partitions, R] column
 attention); a *slot* is only ever a KV-cache position; a *block* is what one DMA moves (a weight block in the
 ring, a cache block). The dst operand comes first, as in NKI's ISA calls.
 
-Feature layouts: F features live as cols[0:size_s, s, 0:R] for tile s of a *feature layout*, a tuple of
-(size, features) per tile, `features` a slice whose p-th element is the feature on partition p.
-`feature_layout(F, 1)` is the natural tiling (tile i ↔ features i·128 .. i·128+127, the last tile ragged). With a
-group g > 1, each block of 128·g features (the last one the whole tiles left, then any ragged rest alone) is
-permuted so that partition p holds g consecutive features (tile i of the block ↔ features p·g + i): a weight whose rows follow that layout is read with g whole rows per partition, one
-contiguous run of g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v: N =
-256). The layout of a vector only matters to the projections that contract over it; q, k, v and the attention
-output keep the natural layout (what attention takes and returns), the hidden state and the MLP intermediate use
+Feature layouts: F features live as cols[0:size_s, s, 0:R] for tile s of a *feature layout*, a tuple of (size, features)
+per tile, `features` a slice whose p-th element is the feature on partition p. `feature_layout(F, 1)` is the natural
+tiling (tile i ↔ features i·128 .. i·128+127, the last tile ragged). With a group g > 1, each block of 128·g features
+(the last one the whole tiles left, then any ragged rest alone) is permuted so that partition p holds g consecutive
+features (tile i of the block ↔ features p·g + i): a weight whose rows follow that layout is read with g whole rows per
+partition, one contiguous run of g·N elements, which the DMA efficiency curve needs when N is small (Gemma 3 270M's k/v:
+N = 256). The layout of a vector only matters to the projections that contract over it; q, k, v and the attention output
+keep the natural layout (what attention takes and returns), the hidden state and the MLP intermediate use
 `choose_group`'s. Column tiles that feed a norm or the residual stream are zeroed when allocated, so whole-tile
 instructions may cover a ragged tile's unused partitions.
 
