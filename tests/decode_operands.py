@@ -44,7 +44,7 @@ def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermedia
 
 LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
 # An intermediate of 9 whole tiles and a ragged one (a pruned MLP's width): down's rows in grouped blocks of 5 and 4
-# tiles (9 is prime to every group that reaches long runs), then 64 alone.
+# tiles (9's divisors up to MAX_GROUP, 1 and 3, give shorter blocks), then 64 alone.
 LLAMA_RAGGED_INTERMEDIATE = dataclasses.replace(LLAMA, intermediate=1216)
 GEMMA3 = DecodeSpec(
     num_layers=3,
