@@ -1,6 +1,6 @@
 """The decode step over all layers (nki_kernels.decode.runner): every composition equals the float64 reference.
 
-Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 320 / 384, V = 300), Llama-like
+Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384 / 1216, V = 300), Llama-like
 (dense, no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE
 tables and masks, factored projections and head with different per-layer ranks) specs, fresh random inputs, a causal +
 padding mask, and a small weight ring so blocks wrap around it within a layer.
