@@ -46,6 +46,7 @@ from jax_neuronmm.models.compression import (
     BLOCK,
     MLP_PROJECTIONS,
     RECOMMENDED_ALLOCATION_SOLVER,
+    check_rank,
     compress_model,
     fused_mlp_activation,
     resolve_mlp_form,
@@ -115,6 +116,8 @@ def compress_checkpoint(
         with open(os.path.join(src_dir, name), "rb") as f:
             contents[name] = f.read()
 
+    # Shapes from config.json: a rank no projection can have fails before the weights are read.
+    check_rank(abstract_model(src_dir, dtype), include, rank)
     dense = load_hf(src_dir, dtype=dtype)
     mlp_form = resolve_mlp_form(mlp_form, dense, method, calibration_ids, include, rank)
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
