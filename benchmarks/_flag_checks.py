@@ -108,3 +108,17 @@ def not_with(flag: str, others: Iterable[str], why: str) -> None:
         return True
 
     flags.register_multi_flags_validator([flag, *others], check)
+
+
+def unused(names: Iterable[str], script: str) -> None:
+    """Refuses the flags `names` on the command line: defined by a module `script` imports (the accuracy report's),
+    but not read by `script`, so a value given there would be silently ignored."""
+    names = tuple(names)
+
+    def check(_):
+        given = [f"--{name}" for name in names if flags.FLAGS[name].present]
+        if given:
+            raise flags.ValidationError(f"{', '.join(given)}: not used by {script} (the accuracy report's flags)")
+        return True
+
+    flags.register_multi_flags_validator(list(names), check)

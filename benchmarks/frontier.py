@@ -80,6 +80,7 @@ flags.DEFINE_bool(
 )
 FLAGS = flags.FLAGS
 _flag_checks.output_directory("out_dir")
+_flag_checks.unused(("prompts", "prompt_tokens", "new_tokens", "cloze_items", "load_note"), "frontier.py")
 
 GEMMA = "Gemma 3 270M"
 SPEED_ONLY_MODELS = ("Llama-3.2-1B", "Llama-3.1-8B")

@@ -136,9 +136,20 @@ def cases_table(paths):
         ),
         "frontier": (
             [[]],
-            [("parse", [f"--out_dir={a_file}"], "is a file"), ("parse", ["--eval_windows=0"], "--eval"), *windows],
+            [
+                ("parse", [f"--out_dir={a_file}"], "is a file"),
+                ("parse", ["--eval_windows=0"], "--eval_windows=0"),
+                ("parse", ["--prompts=4"], "--prompts: not used by frontier.py"),
+                *windows,
+            ],
         ),
-        "fp8_accuracy": ([[]], [("parse", ["--eval_windows=0"], "--eval_windows=0")]),
+        "fp8_accuracy": (
+            [[], ["--calibration_windows=4", "--eval_windows=2", "--seq_len=64"]],
+            [
+                ("parse", ["--eval_windows=0"], "--eval_windows=0"),
+                ("parse", ["--distill_windows=10", "--render_only"], "--distill_windows, --render_only: not used by"),
+            ],
+        ),
         "aws_examples": (
             [[f"--sdk_path={sdk}"]],
             [
