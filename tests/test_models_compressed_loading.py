@@ -226,6 +226,12 @@ def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
     os.remove(file)
     with pytest.raises((CheckpointError, FileNotFoundError), match=rf"{file}|has no {name}"):
         load_compressed_checkpoint(tmp_path / "out")
+    # A config or tokenizer file the checkpoint was not written with is not read unchecked either.
+    file.write_bytes(good)
+    added = tmp_path / "out" / "tokenizer_config.json"
+    added.write_text("{}")
+    with pytest.raises(CheckpointError, match=rf"{added}: not one of the files .* was written with"):
+        load_compressed_checkpoint(tmp_path / "out")
 
 
 def test_copied_files_checksums_cannot_be_stripped(rng, tmp_path):

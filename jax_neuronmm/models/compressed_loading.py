@@ -347,8 +347,9 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
 
 def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
     """Raises CheckpointError naming the file when a copied file differs from the checksum model.safetensors
-    records, or when it records none: integrity fails closed, so a checkpoint without its checksums (stripped, or
-    written before compress_checkpoint recorded them) is refused rather than trusted."""
+    records, when a config / tokenizer file is there that it records no checksum of, or when it records none:
+    integrity fails closed, so a checkpoint without its checksums (stripped, or written before compress_checkpoint
+    recorded them) is refused rather than trusted."""
     if FILES_SHA256 not in user:
         raise CheckpointError(
             f"checkpoint {weights_path!r} records no checksums of config.json and the tokenizer files (metadata "
@@ -362,6 +363,12 @@ def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
         raise CheckpointError(
             f"checkpoint {weights_path!r} has damaged metadata {FILES_SHA256!r}: expected {{file name: sha256}} "
             "naming config.json"
+        )
+    unrecorded = [name for name in COPIED_FILES if name not in recorded and os.path.lexists(os.path.join(path, name))]
+    if unrecorded:
+        raise CheckpointError(
+            f"{os.path.join(path, unrecorded[0])}: not one of the files {weights_path!r} was written with (it "
+            f"records checksums of {sorted(recorded)}); remove it, or re-create the checkpoint with compress_checkpoint"
         )
     for name, digest in recorded.items():
         file = os.path.join(path, name)
