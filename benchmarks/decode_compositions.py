@@ -58,6 +58,7 @@ import sys
 import time
 from collections.abc import Callable
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
@@ -157,6 +158,8 @@ flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the markdown and PNG go"
 )
 FLAGS = flags.FLAGS
+_flag_checks.output_directory("out_dir")
+_flag_checks.not_with("quick", ("models", "batches", "cache_lengths"), "traces one small shape at batch 1, cache 128")
 
 NKILIB = "nkilib"  # the peer's row label in tables: "dense (nkilib megakernel)"
 

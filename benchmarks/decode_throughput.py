@@ -23,6 +23,7 @@ import time
 # made them ten times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
+import _flag_checks  # noqa: E402  (sibling module: the script's folder is on sys.path)
 import jax  # noqa: E402
 import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
@@ -35,15 +36,27 @@ from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blo
 from nki_kernels.emulator import count_only, profile  # noqa: E402
 
 flags.DEFINE_bool("quick", False, "smaller run: 2 layers, 16 new tokens, 3 rounds, 2 paper models")
-flags.DEFINE_integer("num_layers", 3, "decoder layers of the measured model")
-flags.DEFINE_integer("vocab_size", 1024, "vocabulary of the measured model (small: the head is not the subject)")
-flags.DEFINE_integer("prompt_len", 8, "prompt tokens")
-flags.DEFINE_integer("new_tokens", 48, "tokens generated per round")
-flags.DEFINE_integer("rounds", 5, "alternating dense / compressed rounds")
-flags.DEFINE_float("keep", paper_shapes.PAPER_KEEP, "fraction of MLP parameters kept")
+flags.DEFINE_integer("num_layers", 3, "decoder layers of the measured model", lower_bound=1)
+flags.DEFINE_integer(
+    "vocab_size", 1024, "vocabulary of the measured model (small: the head is not the subject)", lower_bound=1
+)
+flags.DEFINE_integer("prompt_len", 8, "prompt tokens", lower_bound=1)
+# generate(n) - generate(1) times n - 1 decode steps: at least one.
+flags.DEFINE_integer("new_tokens", 48, "tokens generated per round (at least 2)", lower_bound=2)
+flags.DEFINE_integer("rounds", 5, "alternating dense / compressed rounds", lower_bound=1)
+flags.DEFINE_float("keep", paper_shapes.PAPER_KEEP, "fraction of MLP parameters kept, in (0, 1]")
 flags.DEFINE_bool("skip_measured", False, "only the modeled Trainium table")
 flags.DEFINE_bool("skip_modeled", False, "only the measured CPU comparison")
 FLAGS = flags.FLAGS
+MEASURED_FLAGS = ("num_layers", "vocab_size", "prompt_len", "new_tokens", "rounds", "keep")
+_flag_checks.fraction("keep")
+_flag_checks.not_with("quick", ("num_layers", "new_tokens", "rounds"), "sets the layers, new tokens and rounds")
+_flag_checks.not_with("skip_measured", MEASURED_FLAGS, "skips the measured comparison those flags configure")
+flags.register_multi_flags_validator(
+    ["skip_measured", "skip_modeled"],
+    lambda values: not (values["skip_measured"] and values["skip_modeled"]),
+    message="--skip_measured and --skip_modeled together leave nothing to run; give at most one",
+)
 
 TARGET_RATIO = 1.2
 BF16 = np.dtype(ml_dtypes.bfloat16)

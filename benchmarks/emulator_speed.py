@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import ml_dtypes
 import numpy as np
 from absl import app, flags
@@ -26,11 +27,12 @@ from nki_kernels.emulator import trace
 from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("k", 2048, "contraction size of the matmul workload")
-flags.DEFINE_integer("m", 1280, "rows of the matmul output (stationary side)")
-flags.DEFINE_integer("n", 1024, "columns of the matmul output (moving side)")
-flags.DEFINE_integer("repeats", 3, "timed runs per workload and mode (best is reported)")
+flags.DEFINE_integer("k", 2048, "contraction size of the matmul workload", lower_bound=1)
+flags.DEFINE_integer("m", 1280, "rows of the matmul output (stationary side)", lower_bound=1)
+flags.DEFINE_integer("n", 1024, "columns of the matmul output (moving side)", lower_bound=1)
+flags.DEFINE_integer("repeats", 3, "timed runs per workload and mode (best is reported)", lower_bound=1)
 flags.DEFINE_string("target", "trn1", "emulated target (trn1 or trn2): block sizes and hardware rules")
+_flag_checks.target("target")
 
 # The reference layer: Llama-3.2-1B's MLP with every factor at rank 1280.
 MLP_TOKENS, MLP_HIDDEN, MLP_INTERMEDIATE, MLP_RANK = 128, 2048, 8192, 1280

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from accuracy_report import load_model
 
@@ -24,6 +25,19 @@ from jax_neuronmm.models import calibration, compression, evaluation, quality
 # --checkpoint_dir, --seq_len, --calibration_windows and --eval_windows are the accuracy report's flags (defined
 # when it is imported), with its defaults: 256-token windows, 16 to calibrate, 8 to evaluate.
 FLAGS = flags.FLAGS
+_flag_checks.unused(
+    (
+        "distill_windows",
+        "prompts",
+        "prompt_tokens",
+        "new_tokens",
+        "cloze_items",
+        "configs",
+        "render_only",
+        "load_note",
+    ),
+    "fp8_accuracy.py",
+)
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 CONFIGURATIONS = [  # (label, targets, calibrated)

@@ -38,8 +38,9 @@ import json
 import os
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
-from accuracy_report import load_model
+from accuracy_report import check_window_counts, load_model
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
@@ -78,6 +79,8 @@ flags.DEFINE_bool(
     "none) until a run without this flag traces them",
 )
 FLAGS = flags.FLAGS
+_flag_checks.output_directory("out_dir")
+_flag_checks.unused(("prompts", "prompt_tokens", "new_tokens", "cloze_items", "load_note"), "frontier.py")
 
 GEMMA = "Gemma 3 270M"
 SPEED_ONLY_MODELS = ("Llama-3.2-1B", "Llama-3.1-8B")
@@ -793,6 +796,7 @@ def main(argv):
     if FLAGS.render_only:
         render(results, FLAGS.out_dir)
         return
+    check_window_counts()
     unknown = sorted(set(FLAGS.configs or ()) - {c.name for c in CONFIGS})
     if unknown:
         raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")

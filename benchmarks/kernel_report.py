@@ -22,6 +22,7 @@ import pathlib
 import statistics
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import ml_dtypes
 import nkilib_dense
 import numpy as np
@@ -46,6 +47,11 @@ flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the markdown and PNG go"
 )
 FLAGS = flags.FLAGS
+_flag_checks.choice_list("models", lambda: paper_shapes.PAPER_MLP_SHAPES)
+_flag_checks.int_list("tokens")
+_flag_checks.directory_with("nki_library", os.path.join("src", "nkilib_src", "nkilib"), "aws-neuron/nki-library")
+_flag_checks.output_directory("out_dir")
+_flag_checks.not_with("quick", ("models", "tokens"), "reports Llama-3.2-1B at T in {1, 512}")
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 TARGETS = hardware.TARGETS
@@ -657,11 +663,6 @@ def main(argv):
     del argv
     models = ["Llama-3.2-1B"] if FLAGS.quick else FLAGS.models
     tokens = [1, 512] if FLAGS.quick else [int(t) for t in FLAGS.tokens]
-    for model in models:
-        if model not in paper_shapes.PAPER_MLP_SHAPES:
-            raise ValueError(
-                f"--models: unknown model {model!r}, expected some of {list(paper_shapes.PAPER_MLP_SHAPES)}"
-            )
     cases = run_cases(models, tokens)
     mlp_cases = run_mlp_cases(models, tokens)
     os.makedirs(FLAGS.out_dir, exist_ok=True)

@@ -16,7 +16,7 @@ from absl import app, flags
 
 import jax_neuronmm as jn
 
-flags.DEFINE_integer("repeats", 60, "Timed calls per implementation and shape.")
+flags.DEFINE_integer("repeats", 60, "Timed calls per implementation and shape.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 SHAPES = [  # (tokens, K, r, N)

@@ -144,6 +144,12 @@ def main(argv):
         models.compressed_loading.check_output_dir(FLAGS.checkpoint_dir, FLAGS.output_dir)
     except (OSError, ValueError) as error:  # missing / malformed config.json; output empty, a file, taken, read-only
         raise app.UsageError(str(error)) from error
+    try:  # from config.json's shapes, before any weight is read
+        models.compression.check_rank(
+            models.hf_loading.abstract_model(FLAGS.checkpoint_dir, jnp.dtype(FLAGS.dtype)), FLAGS.include, FLAGS.rank
+        )
+    except ValueError as error:
+        raise app.UsageError(f"--{error}") from error
     ids = distill_ids = None
     if FLAGS.method != "svd":
         ids = calibration_ids(

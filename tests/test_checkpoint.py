@@ -15,10 +15,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors.numpy
+from checkpoint_files import edit_metadata, rewrite_header, swap, swap_json_entries
 from flax import nnx
 
 from jax_neuronmm.compress import CheckpointError, compress_params, load_compressed, save_compressed
-from jax_neuronmm.compress.checkpoint import write_atomically
+from jax_neuronmm.compress.checkpoint import FORMAT_V1, HEADER_SHA256, _digest, header_digest, write_atomically
 from jax_neuronmm.nn import SVDLinear
 
 
@@ -305,10 +306,16 @@ def test_tampered_metadata(rng, tmp_path):
     header = safetensors.safe_open(str(path), framework="numpy").metadata()
     header["ranks"] = json.dumps({"a": 5})
     safetensors.numpy.save_file(tensors, str(path), metadata=header)
+    with pytest.raises(CheckpointError, match="metadata checksum mismatch"):
+        load_compressed(path)
+    # Behind the metadata checksum (re-sealed, as a forger would), each entry is still checked.
+    header[HEADER_SHA256] = header_digest(header)
+    safetensors.numpy.save_file(tensors, str(path), metadata=header)
     with pytest.raises(CheckpointError, match="recorded ranks"):
         load_compressed(path)
     # A tensor added to the file: the error names it (not every tensor).
     header["ranks"] = json.dumps({"a": 2})
+    header[HEADER_SHA256] = header_digest(header)
     safetensors.numpy.save_file(dict(tensors, **{"a/extra": np.zeros(3, np.float32)}), str(path), metadata=header)
     with pytest.raises(CheckpointError, match=r"not in the recorded names: \['a/extra'\]$"):
         load_compressed(path)
@@ -316,6 +323,7 @@ def test_tampered_metadata(rng, tmp_path):
     with pytest.raises(CheckpointError, match=r"recorded tensors missing from the file: \['a/v'\]$"):
         load_compressed(path)
     del header["sha256"]
+    header[HEADER_SHA256] = header_digest(header)
     safetensors.numpy.save_file(tensors, str(path), metadata=header)
     with pytest.raises(CheckpointError, match="damaged metadata"):
         load_compressed(path)
@@ -346,3 +354,110 @@ def test_report_must_match_params(rng, tmp_path):
         save_compressed(tmp_path / "x.safetensors", params, report=other_report)
     with pytest.raises(TypeError, match="metadata must map str to str"):
         save_compressed(tmp_path / "x.safetensors", params, metadata={"n": 3})
+
+
+def two_layers(rng):
+    """Two layers whose factors have the same (ragged) shapes, so exchanging them keeps every shape valid."""
+    return {
+        "layers": [
+            {"up_proj": {"u": rng.standard_normal((13, 3)).astype(np.float32), "v": rng.standard_normal((3, 7))}}
+            for _ in range(2)
+        ]
+    }
+
+
+def assert_loads_as(path, params):
+    loaded, _ = load_compressed(path)
+    for index in range(2):
+        for name in ("u", "v"):
+            expected = params["layers"][index]["up_proj"][name]
+            np.testing.assert_array_equal(loaded["layers"][index]["up_proj"][name], expected)
+
+
+def test_swapped_tensor_paths_are_refused(rng, tmp_path):
+    # Swapping the `paths` entries of two same-shaped tensors used to load the layers exchanged, every checksum
+    # passing: the checksums did not cover which tensor a path named.
+    params = two_layers(rng)
+    path = tmp_path / "x.safetensors"
+    save_compressed(path, params)
+    good = path.read_bytes()
+    first, second = "layers/0/up_proj/u", "layers/1/up_proj/u"
+    edit_metadata(path, lambda metadata: swap_json_entries(metadata, "paths", first, second), reseal=False)
+    with pytest.raises(CheckpointError, match="metadata checksum mismatch: its metadata was edited"):
+        load_compressed(path)
+    path.write_bytes(good)
+    edit_metadata(path, lambda metadata: swap_json_entries(metadata, "paths", first, second), reseal=True)
+    with pytest.raises(CheckpointError, match=f"tensor '{first}' is recorded at key path '{second}'"):
+        load_compressed(path)
+
+    # The two tensors' data exchanged together with their checksums: each checksum covers its tensor's name.
+    def exchange(header):
+        swap(header, first, second)
+        swap_json_entries(header["__metadata__"], "sha256", first, second)
+
+    path.write_bytes(good)
+    rewrite_header(path, exchange, reseal=True)
+    with pytest.raises(
+        CheckpointError, match=rf"checksum mismatch \(corrupt data\) in tensors \['{first}', '{second}'\]"
+    ):
+        load_compressed(path)
+    path.write_bytes(good)
+    assert_loads_as(path, params)
+
+
+def test_stripped_metadata_checksum_is_refused(rng, tmp_path):
+    path = tmp_path / "x.safetensors"
+    save_compressed(path, two_layers(rng), metadata={"note": "kept"})
+    good = path.read_bytes()
+    edit_metadata(path, lambda metadata: metadata.pop(HEADER_SHA256), reseal=False)
+    with pytest.raises(CheckpointError, match=f"has no '{HEADER_SHA256}' in its metadata"):
+        load_compressed(path)
+    # Stripping the checksum and editing an entry: still refused (not a downgrade to no checks).
+    path.write_bytes(good)
+    edit_metadata(path, lambda metadata: metadata.update({HEADER_SHA256: "0" * 64}), reseal=False)
+    with pytest.raises(CheckpointError, match="metadata checksum mismatch"):
+        load_compressed(path)
+    path.write_bytes(good)
+    edit_metadata(path, lambda metadata: metadata.update({"user": json.dumps({"note": "edited"})}), reseal=False)
+    with pytest.raises(CheckpointError, match="metadata checksum mismatch"):
+        load_compressed(path)
+
+
+def downgrade_to_v1(params):
+    """An edit that turns a current file into what save_compressed wrote before: format 1, tensor checksums
+    without the name, no metadata checksum."""
+    tensors = {
+        f"layers/{index}/up_proj/{name}": np.asarray(layer["up_proj"][name])
+        for index, layer in enumerate(params["layers"])
+        for name in ("u", "v")
+    }
+
+    def edit(metadata):
+        metadata["format"] = FORMAT_V1
+        metadata["sha256"] = json.dumps({name: _digest(array, None) for name, array in tensors.items()})
+        del metadata[HEADER_SHA256]
+
+    return edit
+
+
+def test_earlier_format_loads_only_with_its_checksums(rng, tmp_path):
+    params = two_layers(rng)
+    path = tmp_path / "x.safetensors"
+    save_compressed(path, params)
+    edit_metadata(path, downgrade_to_v1(params), reseal=False)
+    assert_loads_as(path, params)
+    v1 = path.read_bytes()
+    # Its tensor checksums do not cover the name, so a path that is not its tensor's name is refused by itself.
+    edit_metadata(
+        path,
+        lambda metadata: swap_json_entries(metadata, "paths", "layers/0/up_proj/v", "layers/1/up_proj/v"),
+        reseal=False,
+    )
+    with pytest.raises(
+        CheckpointError, match="tensor 'layers/0/up_proj/v' is recorded at key path 'layers/1/up_proj/v'"
+    ):
+        load_compressed(path)
+    path.write_bytes(v1)
+    edit_metadata(path, lambda metadata: metadata.pop("sha256"), reseal=False)
+    with pytest.raises(CheckpointError, match="damaged metadata"):
+        load_compressed(path)

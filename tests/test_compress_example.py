@@ -11,7 +11,7 @@ import pytest
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import load_compressed
-from jax_neuronmm.models import load_compressed_checkpoint
+from jax_neuronmm.models import compressed_loading, load_compressed_checkpoint
 from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compress_checkpoint.py")
@@ -132,6 +132,24 @@ def test_bad_flags_are_usage_errors(tmp_path):
         result = run(f"--checkpoint_dir={tmp_path}", f"--output_dir={tmp_path / 'out'}", *flags)
         assert result.returncode != 0 and message in result.stderr, (flags, result.stderr)
         assert "Traceback" not in result.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_rank_beyond_a_projection_is_a_usage_error_before_loading(rng, tmp_path, monkeypatch):
+    # --rank 100000 used to be a traceback from truncated_svd after the model had loaded.
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    smallest = min(HF_CONFIG["hidden_size"], HF_CONFIG["intermediate_size"])
+    for flags in (["--method=svd", "--rank=100000"], ["--method=svd", f"--rank={smallest + 1}"]):
+        result = run(f"--checkpoint_dir={tmp_path / 'hf'}", f"--output_dir={tmp_path / 'out'}", *flags)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+        assert f"--rank: got {flags[1].split('=')[1]}, expected at most {smallest}" in result.stderr
+        assert not os.path.exists(tmp_path / "out")
+    # The library refuses it before reading a weight (load_hf is never reached).
+    monkeypatch.setattr(compressed_loading, "load_hf", lambda *args, **kwargs: pytest.fail("weights were loaded"))
+    with pytest.raises(ValueError, match=f"rank: got {smallest + 1}, expected at most {smallest}: layers/0/mlp/"):
+        compressed_loading.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=smallest + 1, method="svd")
+    with pytest.raises(ValueError, match=f"rank: got 70, expected at most {HF_CONFIG['hidden_size']}: lm_head"):
+        compressed_loading.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=70, include=("head",))
+    assert not os.path.exists(tmp_path / "out")
 
 
 def _read_only_directory(tmp_path):

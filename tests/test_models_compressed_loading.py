@@ -8,10 +8,12 @@ import shutil
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from checkpoint_files import edit_metadata
 from flax import nnx
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
-from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed
+from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed, tree
+from jax_neuronmm.compress.checkpoint import FORMAT_V1, HEADER_SHA256, _digest
 from jax_neuronmm.compress.distill import is_trained
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import (
@@ -22,7 +24,7 @@ from jax_neuronmm.models import (
     load_compressed_checkpoint,
     load_hf,
 )
-from jax_neuronmm.models.compressed_loading import PRUNED_NEURONS
+from jax_neuronmm.models.compressed_loading import FILES_SHA256, PRUNED_NEURONS
 from jax_neuronmm.models.pruning import mlp_width
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
@@ -109,13 +111,14 @@ def test_partially_factored_mlp_stays_unfused(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
     # Keep only layer 1's gate and up projections factored (compress_model factors whole MLPs).
-    params, _ = load_compressed(tmp_path / "out" / "model.safetensors")
+    params, info = load_compressed(tmp_path / "out" / "model.safetensors")
     dense_model = load_hf(tmp_path / "hf")
     for layer, names in ((0, MLP_NAMES), (1, ("down_proj",))):
         for name in names:
             kernel = np.asarray(getattr(dense_model.layers[layer].mlp, name).kernel[...])
             params["layers"][layer]["mlp"][name] = {"kernel": kernel}
-    save_compressed(tmp_path / "out" / "model.safetensors", params, overwrite=True)
+    # The copied files' checksums go along: a checkpoint without them is refused.
+    save_compressed(tmp_path / "out" / "model.safetensors", params, metadata=info.user, overwrite=True)
     model = load_compressed_checkpoint(tmp_path / "out")
     assert isinstance(model.layers[0].mlp, GatedMLP) and isinstance(model.layers[0].mlp.gate_proj, nnx.Linear)
     mlp = model.layers[1].mlp
@@ -223,6 +226,58 @@ def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
     os.remove(file)
     with pytest.raises((CheckpointError, FileNotFoundError), match=rf"{file}|has no {name}"):
         load_compressed_checkpoint(tmp_path / "out")
+    # A config or tokenizer file the checkpoint was not written with is not read unchecked either.
+    file.write_bytes(good)
+    added = tmp_path / "out" / "tokenizer_config.json"
+    added.write_text("{}")
+    with pytest.raises(CheckpointError, match=rf"{added}: not one of the files .* was written with"):
+        load_compressed_checkpoint(tmp_path / "out")
+
+
+def test_copied_files_checksums_cannot_be_stripped(rng, tmp_path):
+    # Deleting files_sha256 from the header, then editing config.json, used to load the edited config silently.
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    weights, config = tmp_path / "out" / "model.safetensors", tmp_path / "out" / "config.json"
+    good = weights.read_bytes()
+    config.write_text(json.dumps({**HF_CONFIG, "rms_norm_eps": 0.5}))
+
+    def strip(metadata):
+        user = json.loads(metadata["user"])
+        del user[FILES_SHA256]
+        metadata["user"] = json.dumps(user)
+
+    edit_metadata(weights, strip, reseal=False)
+    with pytest.raises(CheckpointError, match="metadata checksum mismatch"):
+        load_compressed_checkpoint(tmp_path / "out")
+    # Re-sealed, or in the earlier format that had no metadata checksum: no checksums, no load.
+    weights.write_bytes(good)
+    edit_metadata(weights, strip, reseal=True)
+    with pytest.raises(CheckpointError, match=f"records no checksums of config.json .*'{FILES_SHA256}'"):
+        load_compressed_checkpoint(tmp_path / "out")
+    params, _ = load_compressed(tmp_path / "out" / "model.safetensors")
+    tensors = {tree.join(keys): np.asarray(value) for keys, value in tree.iter_leaves(params)}
+
+    def downgrade(metadata):
+        metadata["format"] = FORMAT_V1
+        metadata["sha256"] = json.dumps({name: _digest(array, None) for name, array in tensors.items()})
+        del metadata[HEADER_SHA256]
+
+    edit_metadata(weights, downgrade, reseal=False)
+    with pytest.raises(CheckpointError, match=f"records no checksums of config.json .*'{FILES_SHA256}'"):
+        load_compressed_checkpoint(tmp_path / "out")
+    # An earlier-format checkpoint that carries its checksums still loads, and still checks config.json.
+    weights.write_bytes(good)
+    edit_metadata(weights, downgrade, reseal=False)
+    with pytest.raises(CheckpointError, match=f"{config}: checksum mismatch"):
+        load_compressed_checkpoint(tmp_path / "out")
+    shutil.copy(tmp_path / "hf" / "config.json", config)
+    expected = load_compressed_checkpoint(tmp_path / "out")
+    ids = jnp.asarray(np.random.default_rng(3).integers(0, HF_CONFIG["vocab_size"], size=(2, 7)))
+    weights.write_bytes(good)
+    np.testing.assert_array_equal(
+        np.asarray(_logits(load_compressed_checkpoint(tmp_path / "out"), ids)), np.asarray(_logits(expected, ids))
+    )
 
 
 @pytest.mark.parametrize("loader", ["load_hf", "load_compressed_checkpoint"])

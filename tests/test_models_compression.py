@@ -100,6 +100,10 @@ def test_bad_arguments():
         compress_model(model, keep=1.5)
     with pytest.raises(TypeError, match="compressed already"):
         compress_model(compress_model(model, keep=0.5))
+    # A rank no projection can have: named before any factoring (it used to fail inside truncated_svd).
+    smallest = min(model.config.hidden_size, model.config.intermediate_size)
+    with pytest.raises(ValueError, match=f"rank: got 100000, expected at most {smallest}: layers/0/mlp/"):
+        compress_model(model, rank=100000)
 
 
 def test_emulator_backend_generates_the_same_tokens():

@@ -21,7 +21,7 @@ import transformers
 from flax import nnx
 from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-from jax_neuronmm.models import RopeConfig, load_gguf
+from jax_neuronmm.models import RopeConfig, generate, load_gguf
 
 Q = gguf.GGMLQuantizationType
 _logits = nnx.jit(lambda model, ids: model(ids))
@@ -515,6 +515,7 @@ def test_declared_counts_must_match_the_tensors(tmp_path, overrides, match):
         ({"attention.head_count": (float("nan"), V.FLOAT32)}, r"head_count' is nan, expected an integer >= 1"),
         ({"attention.head_count": ("4", V.STRING)}, r"head_count' is '4', expected an integer >= 1"),
         ({"embedding_length": (256.5, V.FLOAT32)}, r"embedding_length' is 256\.5, expected an integer >= 1"),
+        ({"context_length": (0, V.UINT32)}, r"context_length' is 0, expected an integer >= 1"),
         # Head counts that do not fit the file's q / k rows (4 and 2 heads of 64).
         (
             {"attention.head_count": (3, V.UINT32), "attention.head_count_kv": (1, V.UINT32)},
@@ -570,6 +571,20 @@ def test_zero_element_tensor_is_named(tmp_path, name):
     _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=7, empty=(name,))
     with pytest.raises(ValueError, match=rf"empty\.gguf.*{re.escape(name)}.*no elements"):
         load_gguf(path)
+
+
+def test_context_length_bounds_generate(llama_file, tmp_path):
+    # <arch>.context_length used to be ignored: max_position_embeddings stayed None and generate ran past it.
+    model = load_gguf(llama_file)
+    assert model.config.max_position_embeddings == 64  # what _write declares
+    prompt = jnp.asarray(np.random.default_rng(4).integers(0, 300, size=(1, 59)))
+    assert generate(model, prompt, 5).shape == (1, 64)
+    with pytest.raises(ValueError, match=r"59 prompt tokens \+ 6 new tokens exceed the model's context of 64"):
+        generate(model, prompt, 6)
+    path = str(tmp_path / "long.gguf")
+    overrides = {"context_length": (8192, V.UINT32)}
+    _write(path, "llama", tied=True, bias=False, tokenizer="llama", seed=3, overrides=overrides)
+    assert load_gguf(path).config.max_position_embeddings == 8192
 
 
 @pytest.mark.parametrize("dtype", [jnp.int32, "int8", bool, "not a dtype"])

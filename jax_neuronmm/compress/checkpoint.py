@@ -2,13 +2,19 @@
 
 Layout: one tensor per leaf, named by its "/"-joined key path. The safetensors header metadata (string → string)
 holds:
-  format       "jax_neuronmm.params/1"
+  format       "jax_neuronmm.params/2"
   method, keep compression method ("svd" | "whitened" | "none") and kept fraction (JSON, null if by rank)
   ranks        JSON {layer path: rank}, one entry per sub-tree holding both `u` and `v`
   paths        JSON {tensor name: [key, ...]}, so int keys (NNX lists) survive the round trip
-  sha256       JSON {tensor name: hex digest of "dtype|shape|" + the tensor's bytes}
+  sha256       JSON {tensor name: hex digest of the JSON-quoted name + "|dtype|shape|" + the tensor's bytes}
   report       JSON of the `CompressionReport` (when one was given)
   user         JSON of the caller's own string metadata
+  header_sha256  hex digest of every other metadata entry (canonical JSON of the sorted items)
+Integrity fails closed: a file of this format without its header or tensor checksums is refused; a tensor's name
+is its "/"-joined key path and is inside its checksum, so swapping two tensors' `paths` entries (or their data and
+checksums) is refused too. Files of the earlier "jax_neuronmm.params/1" format (tensor checksums without the
+name, no header checksum) are still read: their names must equal their joined paths and every tensor checksum
+must be present and match.
 fp8 weights (see compress/quantize.py) are stored as safetensors F8_E4M3 (float8_e4m3fn bits, values within
 Trainium's ±240) next to their float32 scales (`u_scale`, `v_scale`, `kernel_scale` beside `u`, `v`, `kernel`),
 checksummed like every tensor.
@@ -43,7 +49,10 @@ from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX
 
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
-FORMAT = "jax_neuronmm.params/1"
+FORMAT = "jax_neuronmm.params/2"
+# What save_compressed wrote before the header checksum and name-bound tensor checksums; still read.
+FORMAT_V1 = "jax_neuronmm.params/1"
+HEADER_SHA256 = "header_sha256"
 
 
 class CheckpointError(ValueError):
@@ -123,11 +132,12 @@ def save_compressed(
         "keep": json.dumps(report.keep if report is not None else None),
         "ranks": json.dumps(ranks),
         "paths": json.dumps(paths),
-        "sha256": json.dumps({name: _digest(array) for name, array in tensors.items()}),
+        "sha256": json.dumps({name: _digest(array, name) for name, array in tensors.items()}),
         "user": json.dumps(dict(metadata or {})),
     }
     if report is not None:
         header["report"] = json.dumps(report.to_dict())
+    header[HEADER_SHA256] = header_digest(header)
 
     write_atomically(
         path,
@@ -233,7 +243,7 @@ def _process_alive(pid: int) -> bool:
 
 
 def load_compressed(path, *, like=None):
-    """Read a checkpoint written by `save_compressed`, verifying every tensor's checksum.
+    """Read a checkpoint written by `save_compressed`, verifying its metadata checksum and every tensor's checksum.
 
     Args:
       path: the safetensors file.
@@ -246,8 +256,8 @@ def load_compressed(path, *, like=None):
 
     Raises:
       FileNotFoundError: no file at path.
-      CheckpointError (a ValueError): unreadable/corrupt file, checksum mismatch, not written by
-        `save_compressed`, or not matching `like`.
+      CheckpointError (a ValueError): unreadable/corrupt file, a missing or mismatched checksum (metadata or
+        tensor), a tensor path that is not its name, not written by `save_compressed`, or not matching `like`.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):
@@ -255,10 +265,10 @@ def load_compressed(path, *, like=None):
     try:
         with safetensors.safe_open(path, framework="numpy") as reader:
             header = reader.metadata() or {}
-            if header.get("format") != FORMAT:
+            if header.get("format") not in (FORMAT, FORMAT_V1):
                 raise CheckpointError(
                     f"checkpoint {path!r} was not written by save_compressed: format={header.get('format')!r}, "
-                    f"expected {FORMAT!r}"
+                    f"expected {FORMAT!r} (or the earlier {FORMAT_V1!r})"
                 )
             fp8_names = [n for n in reader.keys() if reader.get_slice(n).get_dtype() == FP8_SAFETENSORS_DTYPE]
             tensors = {name: reader.get_tensor(name) for name in reader.keys() if name not in fp8_names}
@@ -268,6 +278,7 @@ def load_compressed(path, *, like=None):
     except Exception as error:  # safetensors raises its own error types for damaged headers / truncated data
         raise CheckpointError(f"checkpoint {path!r} is corrupt or not a safetensors file: {error}") from error
 
+    _check_header_digest(header, path)
     try:
         digests, paths, ranks = (json.loads(header[key]) for key in ("sha256", "paths", "ranks"))
         info = CheckpointInfo(
@@ -285,7 +296,9 @@ def load_compressed(path, *, like=None):
         problems = [f"tensors not in the recorded names: {extra}"] if extra else []
         problems += [f"recorded tensors missing from the file: {missing}"] if missing else []
         raise CheckpointError(f"checkpoint {path!r}: " + "; ".join(problems))
-    corrupt = [name for name, array in tensors.items() if _digest(array) != digests[name]]
+    _check_paths(paths, path)
+    bound = header["format"] == FORMAT  # v1 checksums do not cover the name
+    corrupt = [name for name, array in tensors.items() if _digest(array, name if bound else None) != digests[name]]
     if corrupt:
         raise CheckpointError(f"checkpoint {path!r}: checksum mismatch (corrupt data) in tensors {corrupt}")
     if _ranks(paths, tensors) != info.ranks:
@@ -295,6 +308,43 @@ def load_compressed(path, *, like=None):
     if like is None:
         return tree.nest(flat), info
     return _fill_like(like, flat, path), info
+
+
+def header_digest(header: Mapping[str, str]) -> str:
+    """sha256 of every metadata entry but HEADER_SHA256 itself, as canonical JSON of the sorted items."""
+    entries = sorted((key, value) for key, value in header.items() if key != HEADER_SHA256)
+    return hashlib.sha256(json.dumps(entries, separators=(",", ":")).encode()).hexdigest()
+
+
+def _check_header_digest(header: Mapping[str, str], path: str) -> None:
+    """CheckpointError unless a current-format header carries HEADER_SHA256 and it matches: stripping or editing
+    any entry (a copied file's checksum, a tensor's path) is refused rather than trusted."""
+    if header["format"] != FORMAT:
+        return
+    if HEADER_SHA256 not in header:
+        raise CheckpointError(
+            f"checkpoint {path!r} has no {HEADER_SHA256!r} in its metadata, which save_compressed always writes: "
+            "its metadata was stripped or edited; refusing to load it unchecked"
+        )
+    if header_digest(header) != header[HEADER_SHA256]:
+        raise CheckpointError(
+            f"checkpoint {path!r}: metadata checksum mismatch: its metadata was edited after it was saved "
+            f"({HEADER_SHA256!r} does not match the other entries)"
+        )
+
+
+def _check_paths(paths: Mapping[str, object], path: str) -> None:
+    """CheckpointError unless every tensor's recorded key path is a list of str/int keys whose "/"-join is the
+    tensor's name: the name is what the checksum covers, so a path that disagrees would load verified data under
+    another key."""
+    for name, keys in paths.items():
+        if not isinstance(keys, list) or not all(isinstance(key, (str, int)) for key in keys):
+            raise CheckpointError(f"checkpoint {path!r} has damaged metadata: paths[{name!r}] is {keys!r}")
+        if tree.join(keys) != name:
+            raise CheckpointError(
+                f"checkpoint {path!r}: tensor {name!r} is recorded at key path {tree.join(keys)!r}; a tensor's "
+                "path must be its name (the metadata was edited)"
+            )
 
 
 def _read_fp8(path: str, names: list[str]) -> dict[str, np.ndarray]:
@@ -361,8 +411,11 @@ def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict
     return ranks
 
 
-def _digest(array: np.ndarray) -> str:
+def _digest(array: np.ndarray, name: str | None) -> str:
+    """sha256 of the tensor's name (JSON-quoted; None for the v1 format, whose checksums lack it), dtype, shape
+    and bytes."""
     contiguous = np.require(array, requirements="C")
-    digest = hashlib.sha256(f"{contiguous.dtype.str}|{list(contiguous.shape)}|".encode())
+    prefix = "" if name is None else json.dumps(name) + "|"
+    digest = hashlib.sha256(f"{prefix}{contiguous.dtype.str}|{list(contiguous.shape)}|".encode())
     digest.update(contiguous.reshape(-1).view(np.uint8))
     return digest.hexdigest()

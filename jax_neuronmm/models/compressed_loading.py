@@ -4,7 +4,8 @@
 The directory holds the HF config.json (and tokenizer files) copied from the source, `compression_report.json`,
 and `model.safetensors` written by `jax_neuronmm.compress.save_compressed` in our (Flax) layout (its metadata also
 records the sha256 of each copied file, so an edited config.json or tokenizer fails to load rather than changing
-the model's outputs): the model's
+the model's outputs; a checkpoint without those checksums is refused, and save_compressed's metadata checksum
+keeps them from being stripped): the model's
 `nnx.state` after `compress_model`, dense kernels [in, out] under ".../kernel", each compressed projection as
 u [in, r] and v [r, out] under its module path (e.g. layers/0/mlp/gate_proj/u). HF names are translated once, by
 `load_hf` (hf_loading.flax_keys). Loading reads the ranks from the u/v shapes, so no SVD runs: the model is built
@@ -29,6 +30,7 @@ from flax import nnx
 from jax_neuronmm.compress import tree
 from jax_neuronmm.compress.checkpoint import (
     FORMAT,
+    FORMAT_V1,
     CheckpointError,
     fit_problems,
     load_compressed,
@@ -44,6 +46,7 @@ from jax_neuronmm.models.compression import (
     BLOCK,
     MLP_PROJECTIONS,
     RECOMMENDED_ALLOCATION_SOLVER,
+    check_rank,
     compress_model,
     fused_mlp_activation,
     resolve_mlp_form,
@@ -113,6 +116,8 @@ def compress_checkpoint(
         with open(os.path.join(src_dir, name), "rb") as f:
             contents[name] = f.read()
 
+    # Shapes from config.json: a rank no projection can have fails before the weights are read.
+    check_rank(abstract_model(src_dir, dtype), include, rank)
     dense = load_hf(src_dir, dtype=dtype)
     mlp_form = resolve_mlp_form(mlp_form, dense, method, calibration_ids, include, rank)
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
@@ -280,7 +285,7 @@ def is_compressed_checkpoint(path) -> bool:
         return False
     try:
         with safetensors.safe_open(weights_path, framework="numpy") as reader:
-            return (reader.metadata() or {}).get("format") == FORMAT
+            return (reader.metadata() or {}).get("format") in (FORMAT, FORMAT_V1)
     except Exception:  # unreadable: not ours; the loader reports what is wrong
         return False
 
@@ -342,13 +347,29 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
 
 def _verify_copied_files(path: str, weights_path: str, user: dict) -> None:
     """Raises CheckpointError naming the file when a copied file differs from the checksum model.safetensors
-    records (checkpoints written before checksums were recorded have none to compare)."""
+    records, when a config / tokenizer file is there that it records no checksum of, or when it records none:
+    integrity fails closed, so a checkpoint without its checksums (stripped, or written before compress_checkpoint
+    recorded them) is refused rather than trusted."""
     if FILES_SHA256 not in user:
-        return
+        raise CheckpointError(
+            f"checkpoint {weights_path!r} records no checksums of config.json and the tokenizer files (metadata "
+            f"{FILES_SHA256!r}); refusing to load files it cannot verify. Re-create it with compress_checkpoint"
+        )
     try:
         recorded = json.loads(user[FILES_SHA256])
     except json.JSONDecodeError as error:
         raise CheckpointError(f"checkpoint {weights_path!r} has damaged metadata {FILES_SHA256!r} ({error})") from error
+    if not isinstance(recorded, dict) or "config.json" not in recorded:
+        raise CheckpointError(
+            f"checkpoint {weights_path!r} has damaged metadata {FILES_SHA256!r}: expected {{file name: sha256}} "
+            "naming config.json"
+        )
+    unrecorded = [name for name in COPIED_FILES if name not in recorded and os.path.lexists(os.path.join(path, name))]
+    if unrecorded:
+        raise CheckpointError(
+            f"{os.path.join(path, unrecorded[0])}: not one of the files {weights_path!r} was written with (it "
+            f"records checksums of {sorted(recorded)}); remove it, or re-create the checkpoint with compress_checkpoint"
+        )
     for name, digest in recorded.items():
         file = os.path.join(path, name)
         if not os.path.isfile(file):

@@ -163,6 +163,31 @@ def _projections(model: CausalLM, include) -> list:
     ]
 
 
+def check_rank(model: CausalLM, include, rank) -> None:
+    """ValueError naming `rank` when an int rank exceeds min(K, N) of a projection `include` selects (the LM head's
+    [hidden, vocab] with "head"). Reads only the projections' shapes, so it runs on an abstract model (hf_loading.
+    abstract_model) before any weight is loaded, where truncated_svd would fail one layer into the work."""
+    if not isinstance(rank, int) or isinstance(rank, bool):
+        return
+    include = (include,) if isinstance(include, str) else tuple(include)
+    shapes = {
+        f"layers/{index}/{parent}/{name}": (linear.in_features, linear.out_features)
+        for (index, parent, name), (_, _, linear) in zip(
+            layer_projections(len(model.layers), include), _projections(model, include)
+        )
+    }
+    if "head" in include:
+        shapes["lm_head"] = (model.config.hidden_size, model.config.vocab_size)
+    if not shapes:
+        return
+    path, (k, n) = min(shapes.items(), key=lambda item: min(item[1]))
+    if rank > min(k, n):
+        raise ValueError(
+            f"rank: got {rank}, expected at most {min(k, n)}: {path} is {k} x {n} and a rank-r factorization "
+            f"u [K, r], v [r, N] needs r <= min(K, N) (use rank='full' for each projection's full rank)"
+        )
+
+
 def _ranks(model: CausalLM, include, keep, rank, block) -> dict:
     """{(layer_index, projection_name): rank} for every projection to factor, one rule for all of them."""
     entries = _projections(model, include)
@@ -364,6 +389,7 @@ def compress_model(
         model, keep, rank, method, () if steps is None else steps, include, calibration_ids
     )
     _check_dense(model, include)
+    check_rank(model, include, rank)
     allocation_loss = _check_allocation_loss(allocation_loss, steps)
     if not isinstance(allow_dense, bool):
         raise ValueError(f"allow_dense: got {allow_dense!r}, expected a bool")

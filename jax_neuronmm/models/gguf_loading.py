@@ -250,6 +250,8 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         # llama.cpp writes the output projection only when it is not the embedding matrix.
         tie_word_embeddings="output.weight" not in tensors,
         eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
+        # The context the model was trained for (llama.cpp's n_ctx_train): generate refuses to run past it.
+        max_position_embeddings=metadata.arch_count("context_length"),
     )
     rope = {"rope_theta": metadata.arch_positive("rope.freq_base", 10000.0)}
     scaling = metadata.arch("rope.scaling.type")
