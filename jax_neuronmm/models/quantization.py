@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
+from jax_neuronmm.compress.gram import check_damping
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
 from jax_neuronmm.compress.svd import single_threaded_blas
@@ -166,6 +167,7 @@ def quantize_model(
         raise ValueError(f"quantize_model: targets={targets!r}; expected a non-empty subset of {TARGETS}")
     if not isinstance(model, CausalLM):
         raise TypeError(f"quantize_model: model is a {type(model).__name__}; expected a CausalLM")
+    damping = check_damping("quantize_model", damping)
     grams = None
     if calibration_ids is not None:
         ids = np.asarray(calibration_ids)
