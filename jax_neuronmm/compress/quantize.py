@@ -39,8 +39,9 @@ def quantize_fp8(w, axis=-1):
 
     axis: the output-channel axis, -1 (columns: w used as x·w, the layout of u, v and dense kernels) or -2
       (rows: w used as x·wᵀ, e.g. a tied embedding [V, H] as the LM head). The scale is the channel's largest
-      magnitude over the other of the last two axes (the contraction) divided by 240; all-zero channels get
-      scale 1. Leading axes are a stack of independent weights and keep their own scales.
+      magnitude over the other of the last two axes (the contraction) divided by 240; all-zero (or empty) channels
+      get scale 1. Leading axes are a stack of independent weights and keep their own scales. w is float16,
+      bfloat16, float32 or float64 (TypeError otherwise: an 8-bit float is already rounded).
 
     Returns:
       (values, scale): values has w's shape in float8_e4m3fn, round-to-nearest-even of w / scale clipped to
@@ -86,8 +87,10 @@ def gptq_fp8(w, gram, *, damping=0.01, block=128, column_chunk=8192):
     onto the rows not yet rounded, so that ‖X·(w − dequantized)‖ rather than ‖w − dequantized‖ stays small. The
     scales are `quantize_fp8`'s (each column's largest magnitude / 240), so values are clipped to ±240 where the
     feedback pushes past them. damping: added to the diagonal as a fraction of its mean (inputs that never vary
-    make the Gram matrix singular). Runs on the host in float64, columns in chunks of `column_chunk` (they are
-    independent given the shared Gram matrix).
+    make the Gram matrix singular). Runs on the host in float64, rows in blocks of `block`, columns in chunks of
+    `column_chunk` (they are independent given the shared Gram matrix). A damping that is not a finite number >= 0,
+    a block or column_chunk that is not a positive int, and a gram that is not finite, symmetric and (damped)
+    positive definite are ValueErrors naming them (`compress.gram`).
 
     Returns:
       (values [K, N] float8_e4m3fn, scale [N] float32), as `quantize_fp8(w)` returns.

@@ -153,7 +153,8 @@ def quantize_model(
       calibration_ids: None (round to nearest), or token ids [B, T] of representative text: error-feedback
         rounding against each weight's calibration inputs (GPTQ, see the module docstring).
       targets: a subset of ("attention", "mlp", "head"): the attention projections, the MLPs, the LM head.
-      damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal.
+      damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal (a finite number >= 0:
+        ValueError otherwise, checked with or without calibration_ids).
       calibrate_factors: with calibration_ids, round SVD factors with GPTQ too (measured worse: module docstring).
       progress: show a progress bar over the layers while calibrating.
 
