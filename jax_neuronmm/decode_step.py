@@ -19,8 +19,10 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
     nothing (`Factored()`, or None).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
-fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
-(`compress.quantize_fp8`) with float32 per-output-column scales: a dense one as
+fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn (or float8_e4m3: the same bits) values
+within ±240 (`compress.quantize_fp8`) with float32 per-output-column scales (values known at call time beyond ±240
+or NaN, and NaN / ±inf scales, are a ValueError; traced ones read as NaN on every backend, `shapes.fp8_read`): a
+dense one as
 `nki_kernels.decode.Quantized(w [L, K, N], scale [L, N])`, a factored one as
 `nki_kernels.decode.Factored(u, v, u_scale [L, Rmax], v_scale [L, N])` (the head's without the L axis). Both backends
 compute x·W as (x·values)·diag(scale): the values widened to x's dtype, the products summed in float32, the sum
@@ -141,7 +143,7 @@ def decode_step(*operands, spec: DecodeSpec, axis_name=None, **named):
     check_spec(spec, OP)
     ops = _operands_of(operands, named, spec)
     _check_axis(spec, axis_name)
-    ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    ops = shapes.checked_decode_operands(OP, spec, ops)
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef, **_axis_param(axis_name)))
 
@@ -331,6 +333,7 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     along the vocabulary in rank order. A factored MLP computes svd_mlp_ref's math with down's sum in the middle.
     """
     ops = unpack_weights(_operands(operands, spec, treedef), spec, jnp)
+    ops = jax.tree_util.tree_map(shapes.fp8_read, ops)  # NaN beyond ±240, as Trainium reads fp8 (shapes.fp8_read)
     spec = unpacked_spec(spec)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
     write_index = ops.write_index[0, 0]
@@ -566,7 +569,7 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     axis = _entry(names)
     ranks = math.prod(mesh.shape[name] for name in names)
     ops = _operands_of(operands, named, spec)
-    ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    ops = shapes.checked_decode_operands(OP, spec, ops)
     batch, groups = None, 1
     if batch_axis is not None:
         batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
