@@ -103,6 +103,7 @@ from nki_kernels.decode.contract import (
     Factored,
     Quantized,
     batch_axes,
+    check_lengths,
     check_spec,
     check_write_index,
     expected_shapes,
@@ -250,7 +251,8 @@ def _batch(args, dims, *, spec, treedef=None, axis_name=None):
     )
     names = [name for name, _ in _operands(list(range(len(args))), spec, treedef).named_leaves()]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if any(d is not None and name not in ROW_OPERANDS for name, d in zip(names, dims)):
+    # A paged step's pools are shared by its rows: batched steps run one after another.
+    if spec.paged or any(d is not None and name not in ROW_OPERANDS for name, d in zip(names, dims)):
         batched = [i for i, d in enumerate(dims) if d is not None]
 
         def one(sliced):
@@ -325,6 +327,9 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     factored in all three projections (all fp8, or none) runs as `svd_mlp_ref`, the XLA lowering of the compressed
     models' SVDMLP. fp8 weights are scaled after their float32 sums (`_projection`).
 
+    Paged (spec.block_size): the layers' attention reads and writes the pools through the block table, each row
+    at its own position (`_paged_attention`).
+
     Tensor parallel (axis_name set, inside shard_map; spec: one rank's shard): the operands are this rank's heads,
     KV heads, MLP features and vocabulary slice; o and down sum their partial products over the ranks
     (`_row_parallel`: one float32 psum each per layer, a factored one's of x·u), and the logits are all-gathered
@@ -333,16 +338,9 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     ops = unpack_weights(_operands(operands, spec, treedef), spec, jnp)
     spec = unpacked_spec(spec)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
-    write_index = ops.write_index[0, 0]
-    slots, tokens = ops.k_cache.shape[2], ops.x.shape[1]
-    # Out of range, dynamic_update_slice would clamp and write other slots: raise as the emulator's launch does
-    # (the callback runs only for a bad index).
-    check = functools.partial(check_write_index, OP, slots=slots, tokens=tokens)
-    lax.cond(
-        (write_index < 0) | (write_index > slots - tokens),
-        lambda: jax.debug.callback(check, write_index),
-        lambda: None,
-    )
+    write_index = None if spec.paged else _checked_write_index(ops)
+    if spec.paged:
+        _check_paged_values(ops, spec)
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
     layer_mask = jnp.asarray(spec.layer_mask, jnp.int32)
     xs = (ops.weights, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache, layer_rope, layer_mask)
@@ -377,7 +375,7 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
                 activation=spec.activation,
             )
         attention = functools.partial(
-            decoder_math.self_attention,
+            decoder_math.self_attention if spec.contiguous else functools.partial(_paged_attention, ops, spec),
             q_proj=proj["q"],
             k_proj=proj["k"],
             v_proj=proj["v"],
@@ -411,6 +409,63 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     return logits, k_cache, v_cache
 
 
+def _checked_write_index(ops):
+    """write_index's value, raising (in a host callback, only for a bad index) when out of range: there
+    dynamic_update_slice would clamp and write other slots, so the XLA backend raises as the emulator's launch."""
+    write_index = ops.write_index[0, 0]
+    slots, tokens = ops.k_cache.shape[2], ops.x.shape[1]
+    check = functools.partial(check_write_index, OP, slots=slots, tokens=tokens)
+    lax.cond(
+        (write_index < 0) | (write_index > slots - tokens),
+        lambda: jax.debug.callback(check, write_index),
+        lambda: None,
+    )
+    return write_index
+
+
+def _check_paged_values(ops, spec):
+    """Raise (a host callback, only for bad values) when lengths or the block table are out of range
+    (contract.check_lengths): the gathers would clamp and the scatters drop, silently reading and writing other
+    blocks."""
+    num_blocks, slots = ops.k_cache.shape[1], ops.block_table.shape[1] * spec.block_size
+    check = functools.partial(check_lengths, OP, block_size=spec.block_size, num_blocks=num_blocks)
+    bad = jnp.any((ops.lengths < -1) | (ops.lengths >= slots))
+    bad |= jnp.any((ops.block_table < 0) | (ops.block_table >= num_blocks))
+    lax.cond(bad, lambda: jax.debug.callback(check, ops.lengths, ops.block_table), lambda: None)
+
+
+def _paged_attention(ops, spec, x, *, kv, write_index, cos, sin, bias, **attention):
+    """decoder_math.self_attention over a paged cache (spec.block_size), each row at its own position p =
+    lengths[b]: each row's cache gathered from the layer's pools kv = (k_pool, v_pool) [NB, BS, kv_heads, D]
+    through block_table, the row's new k and v written at p (self_attention vectorized over the rows: one
+    scatter, not a loop) and attended over, then scattered into the pools at block block_table[b, p // BS], slot
+    p % BS (an inactive row, lengths[b] = -1, writes nothing). Returns (output, (k_pool, v_pool))."""
+    del write_index  # None: each row's position comes from lengths
+    table, bs = ops.block_table, spec.block_size
+    batch, max_blocks = table.shape
+    positions = jnp.maximum(ops.lengths, 0)
+
+    def rows(pool):  # [B, MB·BS, kv_heads, D]
+        return pool[table].reshape((batch, max_blocks * bs) + pool.shape[2:])
+
+    def one_row(x_b, cos_b, sin_b, bias_b, k_b, v_b, p_b):
+        out, (k_b, v_b) = decoder_math.self_attention(
+            x_b[None],
+            cos=cos_b[None],
+            sin=sin_b[None],
+            bias=bias_b[None],
+            kv=(k_b[None], v_b[None]),
+            write_index=p_b,
+            **attention,
+        )
+        return out[0], k_b[0, p_b], v_b[0, p_b]
+
+    out, k_new, v_new = jax.vmap(one_row)(x, cos, sin, bias, rows(kv[0]), rows(kv[1]), positions)
+    block = jnp.where(ops.lengths >= 0, table[jnp.arange(batch), positions // bs], kv[0].shape[0])  # past: dropped
+    pools = tuple(pool.at[block, positions % bs].set(new, mode="drop") for pool, new in zip(kv, (k_new, v_new)))
+    return out, pools
+
+
 def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
     """ops with convert(a) for every fp8 weight leaf a (float8_e4m3fn storage, which the kernels take as
     Trainium's float8_e4m3: the same bits within ±240)."""
@@ -442,6 +497,9 @@ def _run(plan, *operands, spec, treedef=None, axis_name=None):
     index = shapes.concrete_value(ops.write_index)
     if index is not None:
         check_write_index(OP, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+    lengths, table = shapes.concrete_value(ops.lengths), shapes.concrete_value(ops.block_table)
+    if lengths is not None and table is not None:
+        check_lengths(OP, lengths, table, block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
     return kernel(ops.kernel_args(), spec=spec, **kwargs)
 
 
