@@ -96,6 +96,7 @@ from jax_neuronmm.svd_mlp import svd_mlp_ref
 from nki_kernels import dispatch
 from nki_kernels.decode.contract import (
     FP8,
+    OPTIONAL_LAST,
     SPLIT_ROWS,
     WEIGHTS,
     DecodeOperands,
@@ -159,7 +160,8 @@ def _operands_of(operands, named, spec) -> DecodeOperands:
         if name not in fields or name in values:
             raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
         values[name] = value
-    values.setdefault("packed", None)  # the last operand, present only with spec.packed_weights
+    for name in OPTIONAL_LAST:  # the last operands, present only with spec.packed_weights / spec.block_size
+        values.setdefault(name, None)
     missing = [name for name in fields if name not in values]
     if missing:
         raise TypeError(f"{OP}: missing operands {missing}")
@@ -626,6 +628,11 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     ops = _operands_of(operands, named, spec)
     ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
     batch, groups = None, 1
+    if batch_axis is not None and spec.paged:
+        raise ValueError(
+            f"{OP}: batch_axis: got {batch_axis!r} with a paged cache (spec.block_size = {spec.block_size}), whose "
+            "pools every row shares: expected None (the rows of a paged step are not split over ranks)"
+        )
     if batch_axis is not None:
         batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
         if set(batch_names) & set(names):
@@ -743,7 +750,10 @@ def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
     if not first:
         return zeros
     try:
-        check_write_index(OP, ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+        if spec.paged:
+            check_lengths(OP, ops.lengths, ops.block_table, block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
+        else:
+            check_write_index(OP, ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
         parts = []
         for group in range(groups):
             rows = ops.replace(

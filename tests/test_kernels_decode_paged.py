@@ -26,7 +26,8 @@ from decode_operands import (
 from nki_kernels import reference
 from nki_kernels.decode import paged
 from nki_kernels.decode.contract import WEIGHTS, DecodeSpec
-from nki_kernels.decode.runner import run_decode_step
+from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
+from nki_kernels.decode.sharding import gather_cache, shard_operands
 
 WINDOWED = dataclasses.replace(GEMMA3, mask_windows=(None, WINDOW))  # layers 0 and 2 slide (mask table 1)
 WINDOWED_8 = dataclasses.replace(GEMMA3_8, mask_windows=(None, WINDOW))
@@ -85,6 +86,21 @@ def test_paged_step_matches_float64_reference(
     assert relative_error(logits[active], want_logits[active]) < tolerance
     check_pools(k_pool, k_before, want_k, lengths, table, block_size, tolerance)
     check_pools(v_pool, v_before, want_v, lengths, table, block_size, tolerance)
+
+
+@pytest.mark.parametrize("composition", ["looped", "per_layer"])
+def test_tensor_parallel_paged_step_matches_float64_reference(rng, composition):
+    """Two ranks, each with its KV head's slice of the pools (the Megatron layout), every row at its own position."""
+    spec = dataclasses.replace(WINDOWED, num_kv_heads=2, block_size=12)
+    lengths = [30, 12, -1, 47]
+    operands, table = paged_operands(rng, spec, lengths, 4, 24, np.float32, shared=1)
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    rank_spec, shards = shard_operands(spec, operands, 2)
+    logits, k_pools, v_pools = run_sharded_decode_step(composition, shards, rank_spec, **RING)
+    active = [row for row, p in enumerate(lengths) if p >= 0]
+    assert relative_error(logits[active], want_logits[active]) < 1e-5
+    for pools, before, want in ((k_pools, operands[10], want_k), (v_pools, operands[11], want_v)):
+        check_pools(gather_cache(pools, spec.num_kv_heads), before, want, lengths, table, 12, 1e-5)
 
 
 def _window_blocks(p, span, block_size, max_blocks):

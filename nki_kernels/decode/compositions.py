@@ -82,7 +82,7 @@ class StepContext:
         if k_cache is None:
             beside = 0
         elif paged is not None:
-            beside = paged_cache.cache_sbuf_bytes(k_cache, spec, paged.slots)
+            beside = paged_cache.cache_sbuf_bytes(k_cache, spec, paged.batch, paged.slots)
         else:
             beside = attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0

@@ -64,13 +64,19 @@ def window_blocks(span, block_size, max_blocks):
     return min(max_blocks, -(-(span - 1) // block_size) + 1)
 
 
-def paged_blocks(blocks, block_size, slot_bytes):
+def paged_blocks(blocks, block_size, slot_bytes, spread_bytes):
     """[(s0, np, q)]: the attention layout's cache blocks over `blocks` pool blocks of a row's window (window slot
     s0 + p·q + i at partition p, slot column i), each tuple whole pool blocks (s0 a multiple of BS, np of m =
-    BS / q partitions each), as many as fit 128 partitions."""
-    q = slots_per_partition(block_size, slot_bytes)
+    BS / q partitions each), as many as fit 128 partitions. q, a divisor of BS, as close as it comes to what
+    attention.slot_blocks gives a contiguous window of as many slots: the slots spread over all 128 partitions
+    (every DMA engine), at least spread_bytes and at most CACHE_BLOCK_BYTES per partition."""
+    pmax = nl.tile_size.pmax
+    q_max = max(1, CACHE_BLOCK_BYTES // slot_bytes)
+    want = min(q_max, max(-(-spread_bytes // slot_bytes), blocks * block_size // pmax))
+    fits = [d for d in range(1, min(block_size, q_max) + 1) if block_size % d == 0 and block_size // d <= pmax]
+    q = max((d for d in fits if d <= want), default=fits[0])
     m = block_size // q
-    per_tuple = nl.tile_size.pmax // m
+    per_tuple = pmax // m
     return [(first * block_size, min(per_tuple, blocks - first) * m, q) for first in range(0, blocks, per_tuple)]
 
 
@@ -103,6 +109,7 @@ class PagedRows:
         self.write_slots = self._write_slots(lengths)
         self._windows = {}
         self._within = {}
+        self._offsets = {}
 
     def _write_slots(self, lengths):
         """[B, 1] int32: row b's new slot in a layer's pool, table[b, p // BS]·BS + p mod BS (p = max(lengths[b],
@@ -206,6 +213,23 @@ class PagedRows:
         )
         return offsets
 
+    def window_offsets(self, span, blocks):
+        """[[offsets of each attention block] of each row]: slot_offsets of the window of `span` positions read as
+        `blocks` (paged_blocks), for every row; computed once per span, with the first layer that reads such a
+        window (before its projections), and shared by every later layer: they depend on no layer."""
+        if span not in self._offsets:
+            window = self.window(span)
+            self._offsets[span] = [
+                [
+                    self.slot_offsets(
+                        b, block, None if window.first_block is None else window.first_block[0:1, b : b + 1]
+                    )
+                    for block in blocks
+                ]
+                for b in range(self.batch)
+            ]
+        return self._offsets[span]
+
     def reader(self, k_cache, v_cache, mask_bias, layer, spec, rows):
         """The PagedWindowReader of layer `layer`'s window (attention.prefetch's reader for a paged spec)."""
         return PagedWindowReader(k_cache, v_cache, mask_bias, layer, self, spec, rows)
@@ -216,19 +240,17 @@ class PagedRows:
         return dataclasses.replace(new, index=self.positions[0:1, b : b + 1], window_offset=own)
 
 
-def read_blocks(pools, layer, b, blocks, paged, first_block):
-    """(K blocks, V blocks) [np, q, F] of row b's window (`blocks`: paged_blocks) from the pools (k, v)
-    [L, NB, BS, kv_heads, D], gathered by one DMA per block and cache at the per-partition pool slots
-    (PagedRows.slot_offsets)."""
+def read_blocks(pools, layer, blocks, offsets, paged):
+    """(K blocks, V blocks) [np, q, F] of one row's window (`blocks`: paged_blocks) from the pools (k, v)
+    [L, NB, BS, kv_heads, D], gathered by one DMA per block and cache at the row's per-partition pool slots
+    `offsets` (PagedRows.window_offsets)."""
     out = ([], [])
-    for block in blocks:
-        _, np_, q = block
-        offsets = paged.slot_offsets(b, block, first_block)
+    f = paged.features
+    first = layer * paged.num_blocks * paged.block_size * f
+    for (_, np_, q), slots in zip(blocks, offsets):
         for pool, tiles in zip(pools, out):
-            f = paged.features
             tile = nl.ndarray((np_, q, f), dtype=pool.dtype, buffer=nl.sbuf, name="cache_block")
-            first = layer * paged.num_blocks * paged.block_size * f
-            source = pool.ap([[f, np_], [f, q], [1, f]], offset=first, vector_offset=offsets, indirect_dim=2)
+            source = pool.ap([[f, np_], [f, q], [1, f]], offset=first, vector_offset=slots, indirect_dim=2)
             nisa.dma_copy(dst=tile, src=source)
             tiles.append(tile)
     return out
@@ -251,12 +273,12 @@ def shared_new_slots(rows):
     return NewSlots(None, None, masked, rows)
 
 
-def window_plan(spec, mask, slots, slot_bytes):
+def window_plan(spec, mask, slots, slot_bytes, batch):
     """(span, blocks) of a paged window under mask table `mask`: the logical slots a row reads (whole blocks of
-    its table) and their attention blocks (paged_blocks), for S = slots logical slots per row."""
+    its table) and their attention blocks (paged_blocks), for S = slots logical slots per row of B = batch."""
     bs = spec.block_size
     blocks = window_blocks(spec.window_slots(mask, slots, 1), bs, slots // bs)
-    return blocks * bs, paged_blocks(blocks, bs, slot_bytes)
+    return blocks * bs, paged_blocks(blocks, bs, slot_bytes, cache_spread_bytes(spec, batch))
 
 
 class PagedWindowReader(WindowReader):
@@ -269,10 +291,12 @@ class PagedWindowReader(WindowReader):
         self.layer, self.spec, self.paged, self.batch = layer, spec, paged, paged.batch
         self.index = self.start = None
         self.mask = spec.layer_mask[layer]
-        span, blocks = window_plan(spec, self.mask, paged.slots, paged.features * k_cache.dtype.itemsize)
-        self.window = paged.window(spec.window_slots(self.mask, paged.slots, 1))
-        spread = cache_spread_bytes(spec, paged.batch)
-        self.plan = plan_window(span, paged.features, k_cache.dtype, spread, blocks)
+        slot_bytes = paged.features * k_cache.dtype.itemsize
+        span, blocks = window_plan(spec, self.mask, paged.slots, slot_bytes, paged.batch)
+        window_span = spec.window_slots(self.mask, paged.slots, 1)
+        self.window = paged.window(window_span)
+        self.offsets = paged.window_offsets(window_span, blocks)
+        self.plan = plan_window(span, paged.features, k_cache.dtype, None, blocks)
         self.new = shared_new_slots(rows)
         self._loaded = {}
 
@@ -280,11 +304,10 @@ class PagedWindowReader(WindowReader):
         """Issue row b's reads now: its mask columns, its blocks gathered, Kᵀ turned (`row` hands them out)."""
         plan, window = self.plan, self.window
         start = None if window.first_slot is None else window.first_slot[0:1, b : b + 1]
-        first_block = None if window.first_block is None else window.first_block[0:1, b : b + 1]
         new = self.paged.row_new_slots(self.new, window, b)
         visible = load_mask_columns(self.mask_bias, self.mask, b, plan.blocks, plan.pieces, start, new)
         k_blocks, v_blocks = read_blocks(
-            (self.k_cache, self.v_cache), self.layer, b, plan.blocks, self.paged, first_block
+            (self.k_cache, self.v_cache), self.layer, plan.blocks, self.offsets[b], self.paged
         )
         keys = turn_keys(k_blocks, plan.blocks, plan.chunks, self.paged.features, self.k_cache.dtype)
         self._loaded[b] = RowCache(keys, v_blocks, visible)
@@ -294,15 +317,15 @@ class PagedWindowReader(WindowReader):
         write_new_rows(rows, cache, layer, self.paged)
 
 
-def cache_sbuf_bytes(k_cache, spec, slots):
-    """attention.cache_sbuf_bytes for a paged spec: a pool k_cache [L, NB, BS, kv_heads, D], S = slots logical
-    slots per row: per partition, one row's Kᵀ column tiles, its K and V blocks, at the largest window."""
+def cache_sbuf_bytes(k_cache, spec, batch, slots):
+    """attention.cache_sbuf_bytes for a paged spec: a pool k_cache [L, NB, BS, kv_heads, D], B = batch rows of
+    S = slots logical slots: per partition, one row's Kᵀ column tiles, its K and V blocks, at the largest window."""
     kv, d = k_cache.shape[3:]
     itemsize = k_cache.dtype.itemsize
     _, kt = natural_tiles(kv * d)
     largest = 0
     for mask in set(spec.layer_mask):
-        span, blocks = window_plan(spec, mask, slots, kv * d * itemsize)
+        span, blocks = window_plan(spec, mask, slots, kv * d * itemsize, batch)
         values = sum(q for _, _, q in blocks) * kv * d * itemsize
         largest = max(largest, kt * span * itemsize + 2 * values)
     return largest
