@@ -19,6 +19,17 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
     nothing (`Factored()`, or None).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
+A paged KV cache (spec.block_size = BS, one new token per row, T = 1): k_cache, v_cache are pools
+[L, num_blocks, BS, kv_heads, D] of blocks shared by every row, write_index is None, and the last two operands
+block_table [B, MB] int32 (row b's i-th block of positions) and lengths [B] int32 (row b's cached tokens; -1: an
+inactive row, which writes nothing) place each row: it writes its new k and v at position p = lengths[b] (block
+block_table[b, p // BS], slot p % BS) and attends over its positions 0 .. MB·BS - 1 through the table (mask_bias
+[NM, B, 1, MB·BS] over those positions, showing p and hiding what lies past it; cos, sin at p). Both backends
+compute the same step: XLA gathers each row's blocks and scatters its new slot (`_paged_attention`, vectorized over
+the rows), the looped kernel gathers them by DMA through the table (`nki_kernels.decode.paged`). Values out of range
+(a length past the table, a table entry past the pool) raise as a bad write_index does. The pools split over their
+KV heads under tensor_parallel_decode_step (rows not over a batch axis); vmap runs a paged step per instance.
+
 fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
 (`compress.quantize_fp8`) with float32 per-output-column scales: a dense one as
 `nki_kernels.decode.Quantized(w [L, K, N], scale [L, N])`, a factored one as
@@ -247,7 +258,8 @@ def _jvp(primals, tangents, *, spec, treedef=None, axis_name=None):
 
 
 def _batch(args, dims, *, spec, treedef=None, axis_name=None):
-    """vmap: batched row operands (x, caches, tables, mask) fold into B; anything else batched runs a lax.map."""
+    """vmap: batched row operands (x, caches, tables, mask) fold into B; anything else batched (for a paged step,
+    whose pools the rows share, anything batched) runs a lax.map."""
     bind = functools.partial(
         decode_step_p.bind, spec=spec, **({} if treedef is None else {"treedef": treedef}), **_axis_param(axis_name)
     )
