@@ -66,15 +66,21 @@ def window_blocks(span, block_size, max_blocks):
 
 def paged_blocks(blocks, block_size, slot_bytes, spread_bytes):
     """[(s0, np, q)]: the attention layout's cache blocks over `blocks` pool blocks of a row's window (window slot
-    s0 + p·q + i at partition p, slot column i), each tuple whole pool blocks (s0 a multiple of BS, np of m =
-    BS / q partitions each), as many as fit 128 partitions. q, a divisor of BS, as close as it comes to what
-    attention.slot_blocks gives a contiguous window of as many slots: the slots spread over all 128 partitions
-    (every DMA engine), at least spread_bytes and at most CACHE_BLOCK_BYTES per partition."""
+    s0 + p·q + i at partition p, slot column i), each tuple whole pool blocks (s0 a multiple of BS, np = m·(its
+    blocks), m = BS / q partitions per block, q a divisor of BS of at most CACHE_BLOCK_BYTES). q aims where
+    attention.slot_blocks puts a contiguous window of as many slots: spread over all 128 partitions (every DMA
+    engine), at least spread_bytes per partition. When the blocks fit one tuple, one tuple, at the smallest q
+    that reaches that aim (else the largest that fits): one DMA per cache, and no ragged tuple whose every slot
+    column is a score piece of its own; else tuples of 128 partitions at the largest q up to the aim."""
     pmax = nl.tile_size.pmax
     q_max = max(1, CACHE_BLOCK_BYTES // slot_bytes)
     want = min(q_max, max(-(-spread_bytes // slot_bytes), blocks * block_size // pmax))
-    fits = [d for d in range(1, min(block_size, q_max) + 1) if block_size % d == 0 and block_size // d <= pmax]
-    q = max((d for d in fits if d <= want), default=fits[0])
+    divisors = [d for d in range(1, min(block_size, q_max) + 1) if block_size % d == 0 and block_size // d <= pmax]
+    single = [d for d in divisors if block_size // d * blocks <= pmax]
+    if single:
+        q = min((d for d in single if d >= want), default=single[-1])
+        return [(0, blocks * (block_size // q), q)]
+    q = max((d for d in divisors if d <= want), default=divisors[0])
     m = block_size // q
     per_tuple = pmax // m
     return [(first * block_size, min(per_tuple, blocks - first) * m, q) for first in range(0, blocks, per_tuple)]
@@ -284,7 +290,11 @@ def window_plan(spec, mask, slots, slot_bytes, batch):
 class PagedWindowReader(WindowReader):
     """attention.WindowReader of a paged cache: row b's window is its blocks from the table entry its window
     starts at (PagedRows.window), gathered by DMA (read_blocks), Kᵀ turned on the PE; this step's slot of each
-    row masked out at the row's own offset, its k and v from chip; the writes scatter to each row's slot."""
+    row masked out at the row's own offset, its k and v from chip; the writes scatter to each row's slot.
+
+    As attend takes row b (`row`), the gathers of row b + 1 are issued (`fetch`): its blocks arrive while row b's
+    softmax runs, so its PE transposes need not wait for its DMAs' latency (they come later in TensorE's program
+    order, when attend takes that row)."""
 
     def __init__(self, k_cache, v_cache, mask_bias, layer, paged, spec, rows):
         self.k_cache, self.v_cache, self.mask_bias = k_cache, v_cache, mask_bias
@@ -299,18 +309,32 @@ class PagedWindowReader(WindowReader):
         self.plan = plan_window(span, paged.features, k_cache.dtype, None, blocks)
         self.new = shared_new_slots(rows)
         self._loaded = {}
+        self._fetched = {}
+
+    def fetch(self, b):
+        """Issue row b's gathers of its K and V blocks now (`load` turns them)."""
+        if b not in self._fetched:
+            pools = (self.k_cache, self.v_cache)
+            self._fetched[b] = read_blocks(pools, self.layer, self.plan.blocks, self.offsets[b], self.paged)
 
     def load(self, b):
-        """Issue row b's reads now: its mask columns, its blocks gathered, Kᵀ turned (`row` hands them out)."""
+        """Issue row b's reads now: its mask columns, its blocks gathered (unless fetched), Kᵀ turned (`row` hands
+        them out)."""
         plan, window = self.plan, self.window
         start = None if window.first_slot is None else window.first_slot[0:1, b : b + 1]
         new = self.paged.row_new_slots(self.new, window, b)
         visible = load_mask_columns(self.mask_bias, self.mask, b, plan.blocks, plan.pieces, start, new)
-        k_blocks, v_blocks = read_blocks(
-            (self.k_cache, self.v_cache), self.layer, plan.blocks, self.offsets[b], self.paged
-        )
+        self.fetch(b)
+        k_blocks, v_blocks = self._fetched.pop(b)
         keys = turn_keys(k_blocks, plan.blocks, plan.chunks, self.paged.features, self.k_cache.dtype)
         self._loaded[b] = RowCache(keys, v_blocks, visible)
+
+    def row(self, b):
+        """Row b's RowCache (loaded now unless `load` was), row b + 1's gathers issued."""
+        cache = super().row(b)
+        if b + 1 < self.batch:
+            self.fetch(b + 1)
+        return cache
 
     def write(self, rows, cache, layer):
         """Each row's new k or v (rows [B, F]) into its slot of the pool (write_new_rows)."""
@@ -319,7 +343,8 @@ class PagedWindowReader(WindowReader):
 
 def cache_sbuf_bytes(k_cache, spec, batch, slots):
     """attention.cache_sbuf_bytes for a paged spec: a pool k_cache [L, NB, BS, kv_heads, D], B = batch rows of
-    S = slots logical slots: per partition, one row's Kᵀ column tiles, its K and V blocks, at the largest window."""
+    S = slots logical slots: per partition, one row's Kᵀ column tiles, its K and V blocks and the next row's
+    (PagedWindowReader.fetch), at the largest window."""
     kv, d = k_cache.shape[3:]
     itemsize = k_cache.dtype.itemsize
     _, kt = natural_tiles(kv * d)
@@ -327,5 +352,5 @@ def cache_sbuf_bytes(k_cache, spec, batch, slots):
     for mask in set(spec.layer_mask):
         span, blocks = window_plan(spec, mask, slots, kv * d * itemsize, batch)
         values = sum(q for _, _, q in blocks) * kv * d * itemsize
-        largest = max(largest, kt * span * itemsize + 2 * values)
+        largest = max(largest, kt * span * itemsize + 4 * values)
     return largest
