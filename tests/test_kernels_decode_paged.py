@@ -190,3 +190,39 @@ def test_a_block_that_cannot_fit_the_partitions_is_refused(rng):
     with pytest.raises(ValueError, match="DecodeSpec.block_size: got 257"):
         paged.check_block_size(257, 4096)
     assert paged.slots_per_partition(48, 1024) == 16 and paged.slots_per_partition(12, 1024) == 12
+
+
+# (kv heads, head dim, block size, table blocks, lengths): one partition per slice of a block (m = BS / q > 1:
+# 48-slot blocks of 512-byte slots at q = 16, three partitions each); a window of more blocks than one tuple of 128
+# partitions holds (130 five-slot blocks: two tuples).
+LAYOUT_CASES = [(2, 64, 48, 3, [100, 48, 7]), (1, 64, 5, 130, [647, 400])]
+
+
+@pytest.mark.parametrize("kv, head_dim, block_size, max_blocks, lengths", LAYOUT_CASES, ids=["slices", "two-tuples"])
+def test_block_layouts_match_float64_reference(rng, kv, head_dim, block_size, max_blocks, lengths):
+    spec = dataclasses.replace(WINDOWED, num_kv_heads=kv, head_dim=head_dim, block_size=block_size)
+    num_blocks = max_blocks * len(lengths) + 3
+    operands, table = paged_operands(rng, spec, lengths, max_blocks, num_blocks, np.float32)
+    slot_bytes = kv * head_dim * 4
+    layouts = [paged.window_plan(spec, mask, max_blocks * block_size, slot_bytes, len(lengths))[1] for mask in (0, 1)]
+    assert any(block_size // q > 1 for layout in layouts for _, _, q in layout) or len(layouts[0]) > 1
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    logits, k_pool, v_pool = run_decode_step("looped", operands, spec, **RING)
+    assert relative_error(logits, want_logits) < 1e-5
+    check_pools(k_pool, operands[10], want_k, lengths, table, block_size, 1e-5)
+    check_pools(v_pool, operands[11], want_v, lengths, table, block_size, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "blocks, block_size, slot_bytes, spread",
+    [(33, 16, 512, 2048), (5, 128, 512, 2048), (130, 5, 256, 8192), (300, 48, 1024, 8192)],
+)
+def test_paged_blocks_cover_each_window_slot_once(blocks, block_size, slot_bytes, spread):
+    """Every slot of the window's blocks at exactly one (partition, column) of one tuple, each partition's slots in
+    one block, at most 128 partitions and CACHE_BLOCK_BYTES per partition."""
+    layout = paged.paged_blocks(blocks, block_size, slot_bytes, spread)
+    slots = [s0 + p * q + i for s0, np_, q in layout for p in range(np_) for i in range(q)]
+    assert sorted(slots) == list(range(blocks * block_size))
+    for s0, np_, q in layout:
+        assert s0 % block_size == 0 and block_size % q == 0 and np_ <= 128
+        assert q * slot_bytes <= paged.CACHE_BLOCK_BYTES
