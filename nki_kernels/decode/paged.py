@@ -13,9 +13,10 @@ How the kernels use it, with the contiguous cache's machinery unchanged downstre
 - A row's window is read in blocks of the attention layout (partition p holds q consecutive slots): q divides BS,
   so each partition's slots lie in one block of the pool, and one gathering DMA (a per-partition vector offset:
   the block's table entry·BS + the partition's place in its block) reads np·q slots for K, one for V. The table
-  entries come with one small DMA per row and block group, repeated m = BS / q times over the partitions by a
-  zero-stride access pattern, so the offsets are entry·BS + (p mod m)·q, one VectorE instruction.
-- Kᵀ is turned on the PE (the transposing DMA reads affine slot runs only).
+  entries come with one small DMA per row, block group and window span, once per launch (they depend on no
+  layer), repeated m = BS / q times over the partitions by a zero-stride access pattern, so the offsets are
+  entry·BS + (p mod m)·q, one VectorE instruction. A row's gathers are issued as attention takes the row before.
+- Kᵀ is turned on the PE (the transposing DMA the contiguous cache uses reads affine slot runs only).
 - The new token's k and v enter attention from chip (attention.NewSlots, one partition per row); the window's copy
   of the row's own slot is masked out at the row's runtime offset, as for the contiguous cache.
 """
