@@ -60,7 +60,7 @@ CASES = [
     # row 1 opens a block (12), row 3 at the last slot of its table (47 = 4·12 - 1); sliding windows over 2 blocks
     (WINDOWED, 12, [30, 12, 5, 47], 4, 24, 1, np.float32, "looped", 1e-5),
     (WINDOWED, 5, [33, 20, 9, 2, -1], 8, 50, 2, np.float32, "per_layer", 1e-5),
-    # 48-slot blocks: 3 partitions of 16 slots each; a bf16 cache
+    # 48-slot blocks (a partition each); a bf16 cache
     (WINDOWED, 48, [60, 48, 100], 3, 9, 1, BF16, "looped", 2e-2),
     (WINDOWED_8, 5, [17, 25, 3, -1], 6, 30, 2, BF16, "looped", 3e-2),
 ]
