@@ -772,6 +772,7 @@ def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
                 **{
                     name: np.ascontiguousarray(np.split(getattr(ops, name), groups, axis)[group])
                     for name, axis in ROW_OPERANDS.items()
+                    if getattr(ops, name) is not None  # a contiguous step has no block table nor lengths
                 }
             )
             rank_spec, shards = shard_operands(spec, rows, ranks)
