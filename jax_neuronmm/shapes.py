@@ -197,12 +197,17 @@ def accumulation_dtype(input_dtype):
 def check_decode_operands(op, spec, operands):
     """`operands` (nki_kernels.decode.DecodeOperands of arrays or abstract values) once they follow the decode
     step's contract for `spec` (fp8 weight values in FP8_DTYPE): a ValueError / TypeError naming the operand
-    otherwise. A concrete write_index is also checked against the cache (`decode_contract.check_write_index`); a
-    traced one is checked when the step runs."""
+    otherwise. A concrete write_index is also checked against the cache (`decode_contract.check_write_index`), as
+    are a paged step's concrete lengths and block table (`decode_contract.check_lengths`); traced ones are checked
+    when the step runs."""
     ops = decode_contract.check(spec, operands, op, fp8_dtype=FP8_DTYPE)
     index = concrete_value(ops.write_index)
     if index is not None:
         decode_contract.check_write_index(op, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+    lengths, table = concrete_value(ops.lengths), concrete_value(ops.block_table)
+    if lengths is not None and table is not None:
+        blocks = dict(block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
+        decode_contract.check_lengths(op, lengths, table, **blocks)
     return ops
 
 
