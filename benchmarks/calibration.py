@@ -38,10 +38,9 @@ import pathlib
 import time
 
 from absl import app, flags
+from traced_runs import rank0_runs, write_text
 
-from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models.decode import preset_decode_spec
-from nki_kernels import emulator
 from nki_kernels.decode.comparison import DecodeModel, decode_spec, operand_specs
 from nki_kernels.decode.packing import attention_packing, unpacked_spec
 from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
@@ -72,9 +71,26 @@ SHAPES = {
     "Mistral-7B-v0.2": (4096, 14336, 32, 32, 8, 32000),
     "Llama-3.1-405B": (16384, 53248, 126, 128, 8, 128256),
 }
-# Query and KV heads padded with zero heads to a multiple of the TP degree where it does not divide them (40 heads
-# over 32 ranks; the shards need whole heads): the padded weights are read as a padded shard reads them.
-PADDED_HEADS = {"Llama-2-13b": 64, "CodeLlama-13b": 64}
+
+
+# Where the TP degree does not divide a model's heads (40 heads over 32 ranks) or vocabulary (32016), they are padded
+# up to a multiple of it (zero heads and rows; the shards need whole heads and equal vocabulary shares), and the
+# padded weights are read as a padded shard reads them.
+def padded_shape(name: str, tp: int) -> tuple:
+    """SHAPES[name] with MHA heads and the vocabulary padded up to multiples of `tp` where it does not divide them."""
+    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[name]
+    if heads % tp and heads == kv_heads:
+        heads = kv_heads = -(-heads // tp) * tp
+    return hidden, intermediate, layers, heads, kv_heads, -(-vocab // tp) * tp
+
+
+def padding_note(name: str, tp: int) -> str:
+    """What padded_shape changed, for the row's differences."""
+    old, new = SHAPES[name], padded_shape(name, tp)
+    parts = [f"{what} {a} padded to {b}" for what, a, b in zip(("heads", "vocabulary"), old[3::2], new[3::2]) if a != b]
+    return "; here " + ", ".join(parts) if parts else ""
+
+
 # The 16-bit models of the published tables all run in bf16 here (Transformers NeuronX's rows: FP16 model, BF16
 # matmuls); what differs from AWS's stack, by stack.
 TNX = (
@@ -121,8 +137,7 @@ class Row:
 
 
 def _trn1(model, input_len, output_len, ms, role, weights="bf16"):
-    padded = f"; its 40 heads padded to {PADDED_HEADS[model]} here" if model in PADDED_HEADS else ""
-    return Row(model, "trn1", 32, 1, input_len, output_len, weights, ms, TRN1_CSV, role, TNX + padded)
+    return Row(model, "trn1", 32, 1, input_len, output_len, weights, ms, TRN1_CSV, role, TNX + padding_note(model, 32))
 
 
 ROWS = (
@@ -173,10 +188,9 @@ LIKE_FOR_LIKE_TOLERANCE = 0.25
 
 
 @functools.cache
-def model_of(name: str) -> DecodeModel:
-    """DecodeModel of `name`'s published shapes (SHAPES) on the Llama decode spec (built once per name)."""
-    hidden, intermediate, layers, heads, kv_heads, vocab = SHAPES[name]
-    heads = kv_heads = PADDED_HEADS.get(name, heads) if heads == kv_heads else heads
+def model_of(name: str, tp: int) -> DecodeModel:
+    """DecodeModel of `name`'s published shapes (padded_shape for `tp` ranks) on the Llama decode spec (built once)."""
+    hidden, intermediate, layers, heads, kv_heads, vocab = padded_shape(name, tp)
     spec = preset_decode_spec(
         "llama",
         "8b",
@@ -206,21 +220,14 @@ def trace_rank0(model: DecodeModel, layers: int, row: Row) -> trace.KernelRun:
     """The looped kernel's run on rank 0 for `row` at `layers` layers (count-only)."""
     spec = rank_spec(model, layers, row)
     operands = operand_specs(spec, row.batch, row.cache_len)
-    runs = []
 
-    def keep(run):
-        if run.rank == 0:
-            runs.append(run)
+    def step():
+        if row.tp == 1:
+            run_decode_step("looped", operands, spec, numerics=False)
+        else:
+            run_sharded_decode_step("looped", [operands] * row.tp, spec, numerics=False)
 
-    trace.add_listener(keep)
-    try:
-        with emulator.use_target(row.target), emulator.count_only():
-            if row.tp == 1:
-                run_decode_step("looped", operands, spec, numerics=False)
-            else:
-                run_sharded_decode_step("looped", [operands] * row.tp, spec, numerics=False)
-    finally:
-        trace.remove_listener(keep)
+    runs = rank0_runs(step, row.target)
     if len(runs) != 1:
         raise RuntimeError(f"{row.label}: expected one looped launch on rank 0, got {len(runs)}")
     return runs[0]
@@ -250,7 +257,7 @@ class Traced:
 
 
 def trace_row(row: Row) -> Traced:
-    model = model_of(row.model)
+    model = model_of(row.model, row.tp)
     runs = tuple(trace_rank0(model, layers, row) for layers in (1, 2))
     dmas = [sum(r.engine == "dma" and r.collective is None for r in run.records) for run in runs]
     return Traced(row, model.num_layers, runs, dmas[1] - dmas[0])
@@ -418,24 +425,17 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     plt.close(fig)
 
 
-def write_text(path, text: str) -> None:
-    """Write `text` to `path` atomically (a reader sees the old file or the new one)."""
-
-    def write(tmp):
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-
-    write_atomically(path, write)
-
-
 def main(argv):
     del argv
     start = time.time()
     rows = QUICK_ROWS if FLAGS.quick else ROWS
-    traced = []
+    traced, failed = [], []
     for row in rows:
         t0 = time.time()
-        traced.append(trace_row(row))
+        try:
+            traced.append(trace_row(row))
+        except ValueError as error:  # a shape our shards cannot take: reported, the other rows stand
+            failed.append(f"{row.label}: {str(error).splitlines()[0]}")
         print(f"traced {row.label} in {time.time() - t0:.0f} s", flush=True)
     fitted = fit_all(traced)
     results = [row_result(t, fitted) for t in traced]
@@ -447,9 +447,13 @@ def main(argv):
         "fitted": {t: dataclasses.asdict(v) for t, v in fitted.items()},
         "rows": results,
         "sources": {"repository": SDK, "paths": sorted({r.source for r in rows})},
+        "not_modeled": failed,
     }
     write_text(out / f"{stem}.json", json.dumps(payload, indent=1) + "\n")
-    write_text(out / f"{stem}.md", markdown(results, fitted, seconds, FLAGS.quick))
+    text = markdown(results, fitted, seconds, FLAGS.quick)
+    if failed:
+        text += "\nNot modeled: " + "; ".join(failed) + ".\n"
+    write_text(out / f"{stem}.md", text)
     plot(results, out / f"{stem}.png")
     if not FLAGS.quick:
         table = {
@@ -457,7 +461,7 @@ def main(argv):
             "targets": {t: dataclasses.asdict(v) for t, v in fitted.items()},
         }
         write_text(cost_model.FITTED_COSTS_PATH, json.dumps(table, indent=1) + "\n")
-    print(markdown(results, fitted, seconds, FLAGS.quick))
+    print(text)
 
 
 if __name__ == "__main__":
