@@ -198,21 +198,19 @@ def test_fitted_terms_read_a_given_file_and_fail_closed(tmp_path):
         cost_model.fitted_terms("trn1", path)
 
 
-def test_latency_band_runs_from_all_low_to_all_high_terms():
+@pytest.mark.parametrize("fitted_issue_ns", [0.0, 600.0, 1700.0])
+def test_latency_band_runs_from_all_low_to_all_high_terms(fitted_issue_ns):
     rng = np.random.default_rng()
     run = _mixed_run(rng, "trn2")
-    fitted = cost_model.CostTerms(dma_issue_ns=600.0, step_fixed_us=float(rng.uniform(10, 400)), lnc=2)
+    fitted = cost_model.CostTerms(dma_issue_ns=fitted_issue_ns, step_fixed_us=float(rng.uniform(10, 400)), lnc=2)
     low, high = speed_bands.latency_band(lambda t: cost_model.model_latency(run, "trn2", terms=t), fitted)
     at_fitted = cost_model.model_latency(run, "trn2", terms=fitted)
-    assert low == pytest.approx(
-        cost_model.model_latency(
-            run, "trn2", terms=dataclasses.replace(fitted, dma_issue_ns=0.0, step_fixed_us=0.0, compute_scale=1.0)
-        )
-    )
-    assert low < at_fitted < high
-    assert high == pytest.approx(
-        cost_model.model_latency(run, "trn2", terms=dataclasses.replace(fitted, compute_scale=2.0))
-    )
+    all_low = dataclasses.replace(fitted, dma_issue_ns=0.0, step_fixed_us=0.0, compute_scale=1.0)
+    assert low == pytest.approx(cost_model.model_latency(run, "trn2", terms=all_low))
+    assert low < at_fitted <= high
+    # A fit that found no issue cost still carries the documented ~600 ns at the band's high end.
+    all_high = dataclasses.replace(fitted, dma_issue_ns=max(fitted_issue_ns, 600.0), compute_scale=2.0)
+    assert high == pytest.approx(cost_model.model_latency(run, "trn2", terms=all_high))
 
 
 def test_speedup_band_holds_the_ratio_at_every_corner():
