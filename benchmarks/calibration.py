@@ -307,6 +307,22 @@ def fit_all(traced: list[Traced]) -> dict[str, cost_model.CostTerms]:
     return fitted
 
 
+def trn2_sensitivity(traced: list[Traced]) -> dict | None:
+    """Not the fit: trn2's HBM efficiency on the grid with its fixed cost, both fitted on the two NxD Inference rows
+    (70B, 405B), and every trn2 row's error at those terms: how far the trn2 split's choice moves the errors."""
+    trn2 = [t for t in traced if t.row.target == "trn2"]
+    if sum(t.row.source in (L70B, L405B) for t in trn2) < 2:
+        return None
+    refit = [
+        dataclasses.replace(t, row=dataclasses.replace(t.row, role="fit" if t.row.source in (L70B, L405B) else "-"))
+        for t in trn2
+    ]
+    base = cost_model.CostTerms(lnc=TRN2_LNC, dma_issue_ns=TRN2_ISSUE_NS)
+    terms = fit_target(refit, base, (TRN2_ISSUE_NS,), HBM_EFFICIENCY_GRID)
+    errors = {t.row.label: relative_error(t.step_ms(terms), t.row.published_ms) for t in trn2}
+    return {"terms": dataclasses.asdict(terms), "errors": errors}
+
+
 def row_result(t: Traced, fitted: dict) -> dict:
     row = t.row
     terms = fitted.get(row.target)
@@ -329,7 +345,7 @@ def row_result(t: Traced, fitted: dict) -> dict:
     return result
 
 
-def markdown(results: list[dict], fitted: dict, seconds: float, quick: bool) -> str:
+def markdown(results: list[dict], fitted: dict, seconds: float, quick: bool, sensitivity: dict | None = None) -> str:
     lines = [
         "# Cost model vs AWS's published end-to-end decode latencies" + (" (quick)" if quick else ""),
         "",
@@ -392,6 +408,14 @@ def markdown(results: list[dict], fitted: dict, seconds: float, quick: bool) -> 
             + ", ".join(f"{r['label']} {r['fitted_error']:+.0%}" for r in other)
             + "."
         )
+    if sensitivity:
+        terms = sensitivity["terms"]
+        lines.append(
+            f"- Sensitivity (not the fit): with trn2's HBM efficiency and fixed cost both fitted on the 70B and 405B "
+            f"rows ({terms['hbm_efficiency']:.2f}, {terms['step_fixed_us']:.0f} µs), trn2's errors would be "
+            + ", ".join(f"{label} {error:+.0%}" for label, error in sensitivity["errors"].items())
+            + "."
+        )
     lines += ["", f"Made by `python benchmarks/calibration.py{' --quick' if quick else ''}` in {seconds / 60:.1f} min."]
     return "\n".join(lines) + "\n"
 
@@ -438,6 +462,7 @@ def main(argv):
             failed.append(f"{row.label}: {str(error).splitlines()[0]}")
         print(f"traced {row.label} in {time.time() - t0:.0f} s", flush=True)
     fitted = fit_all(traced)
+    sensitivity = trn2_sensitivity(traced)
     results = [row_result(t, fitted) for t in traced]
     out = pathlib.Path(FLAGS.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -448,9 +473,10 @@ def main(argv):
         "rows": results,
         "sources": {"repository": SDK, "paths": sorted({r.source for r in rows})},
         "not_modeled": failed,
+        "trn2_sensitivity": sensitivity,
     }
     write_text(out / f"{stem}.json", json.dumps(payload, indent=1) + "\n")
-    text = markdown(results, fitted, seconds, FLAGS.quick)
+    text = markdown(results, fitted, seconds, FLAGS.quick, sensitivity)
     if failed:
         text += "\nNot modeled: " + "; ".join(failed) + ".\n"
     write_text(out / f"{stem}.md", text)
