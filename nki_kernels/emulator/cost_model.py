@@ -99,10 +99,11 @@ The model is a list scheduler over the run's instruction records:
   engines, HBM shares and issue queues; compute stays on one core's engines, as the project's kernels do not
   split their instruction stream). Without terms the schedule is the documented model alone.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
-  kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
-  (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
-  DGE mode issues each DMA is the compiler's choice, not visible in a kernel run); [PERF]'s
-  "close 70% DMA throughput utilization" for one profiled kernel (an example, not a rule).
+  kernel launch time (no documented numbers); in the documented model (no terms), the cost of triggering a
+  DMA on the issuing engine (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and
+  which engine or DGE mode issues each DMA is the compiler's choice, not visible in a kernel run: the fitted
+  terms put it on one issue queue per physical core); [PERF]'s "close 70% DMA throughput utilization" for one
+  profiled kernel (an example, not a rule).
 """
 
 from __future__ import annotations
