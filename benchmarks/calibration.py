@@ -356,7 +356,7 @@ def markdown(results: list[dict], fitted: dict, seconds: float, quick: bool, sen
         "the documented hardware model alone; **fitted** = with the fitted terms (`cost_model.CostTerms`, below), "
         "fitted on the rows marked *fit* only. Error = modeled ÷ published − 1. **Band** = the fitted model with the "
         "uncertain terms at their low and high ends (`nki_kernels/emulator/speed_bands.py`: fixed step cost 0 to "
-        "fitted, DMA issue cost 0 to fitted, compute x1 to x2).",
+        "fitted, DMA issue cost 0 to max(fitted, 600 ns), compute x1 to x2).",
         "",
         "## Fitted terms",
         "",

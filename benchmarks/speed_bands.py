@@ -7,9 +7,9 @@ one), KV cache 512, are traced count-only as those reports trace them (Gemma at 
 two layers, extrapolated), and each is scheduled by nki_kernels/emulator/cost_model.py three ways: documented (no
 terms, as the reports print), at the fitted terms (cost_model.fitted_terms: fitted_costs.json, written by
 benchmarks/calibration.py) and at the corners of its band (nki_kernels/emulator/speed_bands.py: fixed step cost 0
-to fitted, DMA issue cost 0 to fitted, compute x1 to x2). A step's fixed cost is added once per step whatever its
-launches (the host's cost of a step), so per-op compositions get it once too; per-launch overhead stays the
-reports' separate sweep (0 here).
+to fitted, DMA issue cost 0 to max(fitted, 600 ns), compute x1 to x2). A step's fixed cost is added once per
+step whatever its launches (the host's cost of a step), so per-op compositions get it once too; per-launch
+overhead stays the reports' separate sweep (0 here).
 
     python benchmarks/speed_bands.py           # every case, ~15 min on two cores
     python benchmarks/speed_bands.py --quick   # the Gemma fp8 batch-1 pair only (writes speed_bands_quick.*)
@@ -134,8 +134,8 @@ def markdown(cases: dict, speedups: list, fitted: dict, seconds: float, quick: b
         "the hardware model alone (what the reports print); **fitted** = with the terms fitted to AWS's published "
         "end-to-end latencies (`benchmarks/results/calibration.md`; a fixed cost once per step, a per-DMA issue "
         "cost, the core's HBM efficiency, LNC=2 on trn2); **band** = fixed step cost 0 to fitted, DMA issue cost 0 "
-        "to fitted, compute x1 to x2 (`nki_kernels/emulator/speed_bands.py`). A speedup's band is its smallest and "
-        "largest ratio over those 8 corners.",
+        "to max(fitted, 600 ns), compute x1 to x2 (`nki_kernels/emulator/speed_bands.py`). A speedup's band is its "
+        "smallest and largest ratio over those 8 corners.",
         "",
         "Fitted terms: "
         + "; ".join(

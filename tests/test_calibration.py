@@ -115,3 +115,24 @@ def test_committed_calibration_states_its_held_out_verdict():
     for r in held:
         if r["target"] == "trn1":
             assert abs(r["fitted_error"]) <= 0.25, r["label"]
+
+
+def test_committed_speed_bands_follow_from_their_cases():
+    """speed_bands.json: made at the committed fitted terms; each speedup is the ratio of its cases' latencies and
+    lies within its band; each latency lies within its band."""
+    report = json.loads((RESULTS / "speed_bands.json").read_text())
+    for target, terms in report["fitted"].items():
+        assert dataclasses.asdict(cost_model.fitted_terms(target)) == terms
+    cases = report["cases"]
+    for case in cases.values():
+        for target in report["fitted"]:
+            low, high = case[target]["band_us"]
+            assert low <= case[target]["fitted_us"] <= high * (1 + 1e-12)
+    assert report["speedups"]
+    for s in report["speedups"]:
+        for target in report["fitted"]:
+            slow, fast = cases[s["slow"]][target], cases[s["fast"]][target]
+            assert s[target]["documented"] == pytest.approx(slow["documented_us"] / fast["documented_us"])
+            assert s[target]["fitted"] == pytest.approx(slow["fitted_us"] / fast["fitted_us"])
+            low, high = s[target]["band"]
+            assert low <= s[target]["fitted"] * (1 + 1e-12) and s[target]["fitted"] <= high * (1 + 1e-12)
