@@ -427,7 +427,7 @@ def plot(results: list[dict], path: pathlib.Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.5, 5.5))
-    top = max(r["published_ms"] for r in results) * 1.3
+    top = max(max(r["published_ms"], r["documented_ms"], *r.get("band_ms", ())) for r in results) * 1.1
     ax.plot([0, top], [0, top], color="gray", lw=0.8)
     ax.fill_between(
         [0, top], [0, top * (1 - LIKE_FOR_LIKE_TOLERANCE)], [0, top * (1 + LIKE_FOR_LIKE_TOLERANCE)], alpha=0.12
