@@ -285,43 +285,6 @@ def generate_on_an_explicit_mesh_decodes_through_the_sharded_step():
 
 
 @check
-def generate_with_only_the_mlp_split_replicates_kv_heads_on_an_explicit_mesh():
-    # The layout of issue 50: the MLP factors split over "model" (4 ranks), attention whole; the model's 1 KV head
-    # (Gemma 3 270M's) does not split over 4 ranks, so the decode step gives each rank a copy of it.
-    explicit = (AxisType.Explicit, AxisType.Explicit)
-    plan = _assert_generate_on_mesh("gemma3-1kv-compressed", _model_mesh(4, data=2, axis_types=explicit), MLP_ONLY)
-    assert (plan.spec.num_heads, plan.spec.num_kv_heads) == (4, 4)
-
-
-@check
-def generate_replicates_one_kv_head_over_4_ranks():
-    # Attention split too (each rank one query head and its copy of the KV head), dense and compressed.
-    for name in ("gemma3-1kv", "gemma3-1kv-compressed"):
-        plan = _assert_generate_on_mesh(name, _model_mesh(4, data=2))
-        assert plan.spec.num_kv_heads == 4 and decode.decode_plan(_model(name)).spec.num_kv_heads == 1
-    # 4 KV heads of 8 query heads on 8 ranks: each KV head on 2.
-    plan = _assert_generate_on_mesh("llama-compressed", _model_mesh(8))
-    assert (plan.spec.num_heads, plan.spec.num_kv_heads) == (8, 8)
-
-
-@check
-def generate_decodes_other_layouts_through_the_model_forward():
-    # Layouts the Megatron step does not take still give one device's tokens, through the model's own forward:
-    # down's v split along its output features (Megatron keeps it whole), and query heads that do not split (4
-    # over 8 ranks).
-    down_columns = ((r"mlp/down_proj/v$", P(None, "model")),)
-    explicit = (AxisType.Explicit, AxisType.Explicit)
-    for name, mesh, layout in (
-        ("llama-compressed", _model_mesh(4, data=2), down_columns),
-        ("llama-compressed", _model_mesh(4, data=2, axis_types=explicit), down_columns),
-        ("gemma3-1kv-compressed", _model_mesh(8), MEGATRON),
-    ):
-        assert _assert_generate_on_mesh(name, mesh, layout, route="decode_model_forward") is None
-        reason = decode.tensor_parallel_fallback_reason(_shard_megatron(_model(name), mesh, layout))
-        assert re.search(r"down_proj/v is split along dim 1|spec\.num_heads = 4 does not split over 8", reason), reason
-
-
-@check
 def kernel_backends_refuse_per_device_binds():
     # decode_step bound on each device's shard inside your own shard_map: the emulator's collectives cannot meet
     # across the devices' host callbacks (tensor_parallel_decode_step runs every rank in one instead:
