@@ -149,14 +149,15 @@ def shard_model(model, mesh):
 
 
 def check_layout(config, mesh):
+    """Usage error unless the model splits into --model Megatron shards: its query heads and MLP features split, its
+    KV heads split or --model is a multiple of them (each KV head then repeated on the ranks sharing it)."""
     model_size = mesh.shape["model"]
-    for name, count in (
-        ("num_heads", config.num_heads),
-        ("num_kv_heads", config.num_kv_heads),
-        ("intermediate_size", config.intermediate_size),
-    ):
+    for name, count in (("num_heads", config.num_heads), ("intermediate_size", config.intermediate_size)):
         if count % model_size:
             raise app.UsageError(f"--model={model_size} must divide the model's {name} = {count}")
+    kv = config.num_kv_heads
+    if kv % model_size and model_size % kv:
+        raise app.UsageError(f"--model={model_size} must divide the model's num_kv_heads = {kv} or be a multiple of it")
 
 
 def free_port():
@@ -336,9 +337,11 @@ def main(argv):
         step = jax.jit(decode.decode, static_argnums=1).lower(sharded_model, plan, weights, ids, ids, cache)
         step_collectives = re.findall(r"= (\S+) (all-gather|all-reduce|reduce-scatter)", step.compile().as_text())
         rows = layout.batch_axis(FLAGS.batch)
+        kv_heads = model.config.num_kv_heads
+        repeated = "" if plan.spec.num_kv_heads == kv_heads else f"{kv_heads} KV heads as {plan.spec.num_kv_heads}, "
         print(
             f"{where}decode steps ran through decode_step sharded over mesh axis {layout.axis!r}: {layout.ranks} "
-            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), "
+            f"ranks, each on its Megatron shard (spec.tensor_parallel={layout.ranks}), {repeated}"
             f"{'rows not split' if rows is None else f'rows split over {rows!r}'}; one step compiles to "
             f"collectives {[(op, shape.split('{')[0]) for shape, op in step_collectives]} (two all-reduces in the "
             "layer loop, the logits' all-gather after it)"

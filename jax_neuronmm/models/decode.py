@@ -15,8 +15,12 @@ stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, a
 `jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
 groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
 emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
-ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
-projection split any other way is a ValueError naming it.
+ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). KV heads
+that do not split over the ranks (Gemma 3 270M's one KV head on 4) are repeated on the ranks that share them, as
+NxD Inference does (`megatron_spec`: the plan's spec has num_kv_heads = ranks; `stack_weights` repeats k's and v's
+columns of each head, `place_cache` the cache's heads). Parameters split any other way (another dim, several axes,
+query heads or MLP features that do not split) get no plan: generate decodes them through the model's own forward,
+which the SPMD partitioner runs in any layout (`tensor_parallel_fallback_reason` says why).
 
 `model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
 
@@ -103,9 +107,9 @@ class DecodePlan:
     """What a model's decode step is specialized on (hashable: a static jit argument).
 
     ropes[i]: the RoPE config of table i (spec.layer_rope indexes it); windows[i]: the sliding window (None =
-    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1; its
-    packed_weights () with tensor_parallel); tensor_parallel: where its weights are Megatron shards (decode runs
-    one decode_step per rank), or None.
+    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1; with
+    tensor_parallel its packed_weights are () and its KV heads `megatron_spec`'s, maybe repeated); tensor_parallel:
+    where its weights are Megatron shards (decode runs one decode_step per rank), or None.
     """
 
     spec: DecodeSpec
@@ -203,17 +207,21 @@ def tensor_parallel_fallback_reason(model: CausalLM) -> str | None:
 
 
 def _plan_or_reason(model: CausalLM) -> tuple[DecodePlan | None, str | None]:
+    """(plan, None), or (None, why) when the parameters are split in a layout the tensor-parallel step does not
+    take; for a model `unsupported_reason` accepts."""
     specs = model.attention_specs()
-    spec = _spec(model)
     try:
         layout = tensor_parallel_layout(model)
-        if layout is not None:
-            spec = megatron_spec(spec, layout.ranks)
+        spec = _one_device_spec(model) if layout is None else megatron_spec(_spec(model), layout.ranks)
     except ValueError as error:
         return None, str(error)
-    if layout is None:
-        spec = dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
     return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout), None
+
+
+def _one_device_spec(model: CausalLM) -> DecodeSpec:
+    """The spec of `model`'s step on one device: its weights `attention_packing` picks packed."""
+    spec = _spec(model)
+    return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
 
 
 def megatron_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
@@ -307,13 +315,14 @@ def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
 def model_spec(model: CausalLM) -> DecodeSpec:
     """The DecodeSpec of `model`'s decode step, `decode_plan(model).spec` (the weights `quantize_model` made fp8
     named in its fp8_weights, those `attention_packing` picks in its packed_weights unless the model is split in
-    Megatron shards): what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec
-    traces it). ValueError naming what the kernels lack (`unsupported_reason`), e.g. an fp8 weight in some layers
-    only."""
+    Megatron shards; one device's spec when they are split in another layout): what the decode step's modeled cost
+    depends on (nki_kernels.decode.comparison.measure_spec traces it). ValueError naming what the kernels lack
+    (`unsupported_reason`), e.g. an fp8 weight in some layers only."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"model_spec: {reason}")
-    return decode_plan(model).spec
+    plan = decode_plan(model)
+    return _one_device_spec(model) if plan is None else plan.spec
 
 
 def _windows(model: CausalLM) -> tuple:
