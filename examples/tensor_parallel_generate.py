@@ -4,7 +4,8 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
   MLP (svd_mlp)        gate/up v [r, I] split on I (column parallel), down u [I, r] split on I (row parallel):
                        one all-reduce for the whole MLP
   attention            q/k/v v [r, heads·D] split on heads (column parallel), o u [heads·D, r] split on heads
-                       (row parallel): one all-reduce
+                       (row parallel): one all-reduce; with more ranks than KV heads (--model 8 here) the
+                       decode steps repeat each KV head on the ranks that share it
   LM head              an untied head's kernel / v split on the vocabulary (column parallel); the tiny Llama's
                        is tied (the embedding, replicated)
   everything else      replicated. The factors stay sharded through generation. The prefill runs the model's
