@@ -209,18 +209,19 @@ def tensor_parallel_fallback_reason(model: CausalLM) -> str | None:
 def _plan_or_reason(model: CausalLM) -> tuple[DecodePlan | None, str | None]:
     """(plan, None), or (None, why) when the parameters are split in a layout the tensor-parallel step does not
     take; for a model `unsupported_reason` accepts."""
-    specs = model.attention_specs()
-    try:
+    specs, whole = model.attention_specs(), _spec(model)
+    try:  # only the layout's checks: their ValueErrors name why the Megatron step does not take it
         layout = tensor_parallel_layout(model)
-        spec = _one_device_spec(model) if layout is None else megatron_spec(_spec(model), layout.ranks)
+        spec = None if layout is None else megatron_spec(whole, layout.ranks)
     except ValueError as error:
         return None, str(error)
+    if spec is None:
+        spec = _one_device_spec(whole)
     return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout), None
 
 
-def _one_device_spec(model: CausalLM) -> DecodeSpec:
-    """The spec of `model`'s step on one device: its weights `attention_packing` picks packed."""
-    spec = _spec(model)
+def _one_device_spec(spec: DecodeSpec) -> DecodeSpec:
+    """A model's `spec` on one device: the weights `attention_packing` picks packed."""
     return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
 
 
@@ -322,7 +323,7 @@ def model_spec(model: CausalLM) -> DecodeSpec:
     if reason is not None:
         raise ValueError(f"model_spec: {reason}")
     plan = decode_plan(model)
-    return _one_device_spec(model) if plan is None else plan.spec
+    return _one_device_spec(_spec(model)) if plan is None else plan.spec
 
 
 def _windows(model: CausalLM) -> tuple:
