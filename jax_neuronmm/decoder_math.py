@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jax_neuronmm.explicit_sharding import split_alike, typed_alike
+from jax_neuronmm.explicit_sharding import reshape, split_alike, typed_alike
 from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype, fp8_read
 
@@ -87,13 +87,13 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     batch, tokens, num_heads, head_dim = q.shape
     num_kv_heads = keys.shape[2]
     groups = num_heads // num_kv_heads
-    q = split_alike(q.reshape(batch, tokens, num_kv_heads, groups, head_dim), (0, 2), keys, (0, 2))
+    q = split_alike(reshape(q, (batch, tokens, num_kv_heads, groups, head_dim)), (0, 2), keys, (0, 2))
     scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(q.dtype)) * jnp.asarray(scaling, q.dtype)
     scores = scores.astype(jnp.float32)
     scores = soft_cap(scores, logit_softcap)
     weights = jax.nn.softmax(scores + bias[:, None, None, :, :], axis=-1).astype(q.dtype)
     out = jnp.einsum("bkgts,bskd->btkgd", weights, values.astype(q.dtype))
-    return out.reshape(batch, tokens, num_heads * head_dim)
+    return reshape(out, (batch, tokens, num_heads * head_dim))
 
 
 def self_attention(
@@ -123,9 +123,9 @@ def self_attention(
     keys / values are first written at slots [write_index, write_index + T). bias [B, T, S].
     """
     batch, tokens, _ = x.shape
-    q = q_proj(x).reshape(batch, tokens, num_heads, head_dim)
-    k = k_proj(x).reshape(batch, tokens, num_kv_heads, head_dim)
-    v = v_proj(x).reshape(batch, tokens, num_kv_heads, head_dim)
+    q = reshape(q_proj(x), (batch, tokens, num_heads, head_dim))
+    k = reshape(k_proj(x), (batch, tokens, num_kv_heads, head_dim))
+    v = reshape(v_proj(x), (batch, tokens, num_kv_heads, head_dim))
     if q_norm is not None:
         q = q_norm(q)
         k = k_norm(k)

@@ -161,6 +161,19 @@ def typed_alike(operand, update):
     return operand, update
 
 
+def reshape(x, shape):
+    """`x.reshape(shape)`; where JAX cannot type that reshape on Explicit mesh axes (a split dim cut into heads the
+    split does not divide, or merged behind a dim before it), `x` made whole on its mesh first, so any layout of the
+    projections runs the model's attention."""
+    try:
+        return x.reshape(shape)
+    except ShardingTypeError:
+        mesh = jax.typeof(x).sharding.mesh
+        if not _has_explicit_axes(mesh):
+            raise
+        return jax.sharding.reshard(x, NamedSharding(mesh, PartitionSpec())).reshape(shape)
+
+
 def split_alike(x, dims, like, like_dims):
     """`x` with its dims `dims` split as `like`'s dims `like_dims`, for dots whose batch dims must split alike.
 

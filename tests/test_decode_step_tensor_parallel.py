@@ -48,10 +48,13 @@ def _model(name):
     if name.startswith("llama"):
         model = _random_model(Llama, LlamaConfig.preset("tiny", num_layers=2, tie_word_embeddings=False, **SIZES), 0)
         return _compressed(model, (7, 19), dense_k_in_layer=0) if name == "llama-compressed" else model
+    sizes = dict(SIZES, num_heads=4, num_kv_heads=1) if name.startswith("gemma3-1kv") else SIZES  # 270M's heads
     config = GemmaConfig.preset(
-        "gemma3-tiny", **SIZES, sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=10.0
+        "gemma3-tiny", **sizes, sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=10.0
     )
     model = _random_model(Gemma, config, 2)
+    if name == "gemma3-1kv-compressed":
+        return _compressed(model, (5, 13, 9))
     return _compressed(model, (5, 13, 9)) if name == "gemma3-compressed" else model
 
 
@@ -207,15 +210,20 @@ def xla_sharded_fp8_factored_step_equals_unsharded_2_ranks():
     _assert_fp8_sharded_equals_unsharded(dataclasses.replace(GEMMA3_8, num_kv_heads=2), 2)
 
 
-def _shard_megatron(model, mesh):
+MLP_ONLY = (
+    (r"mlp/(gate_proj|up_proj)/(v|kernel)$", P(None, "model")),
+    (r"mlp/down_proj/(u|kernel)$", P("model", None)),
+)
+MEGATRON = MLP_ONLY + (
+    (r"self_attn/(q_proj|k_proj|v_proj)/(v|kernel)$", P(None, "model")),
+    (r"self_attn/o_proj/(u|kernel)$", P("model", None)),
+)
+
+
+def _shard_megatron(model, mesh, layout=MEGATRON):
     """examples/tensor_parallel_generate.py's layout for dense or factored projections (the head stays whole: its
-    vocabulary of 97 does not split, so each step pads it and splits it then)."""
-    layout = (
-        (r"mlp/(gate_proj|up_proj)/(v|kernel)$", P(None, "model")),
-        (r"mlp/down_proj/(u|kernel)$", P("model", None)),
-        (r"self_attn/(q_proj|k_proj|v_proj)/(v|kernel)$", P(None, "model")),
-        (r"self_attn/o_proj/(u|kernel)$", P("model", None)),
-    )
+    vocabulary of 97 does not split, so each step pads it and splits it then); `layout` (regex, spec) pairs may
+    name another one."""
     graphdef, state = nnx.split(model)
 
     def place(path, value):
@@ -226,23 +234,29 @@ def _shard_megatron(model, mesh):
     return nnx.merge(graphdef, jax.tree_util.tree_map_with_path(place, state))
 
 
-def _assert_generate_on_mesh(name, mesh):
+def _assert_generate_on_mesh(name, mesh, layout=MEGATRON, route="decode_step_tensor_parallel"):
+    """generate on `model(name)` placed by `layout` over `mesh` gives one device's tokens, every decode step
+    through `route`; returns the sharded model's plan."""
     model = _model(name)
     prompts = _rng(name + "generate").integers(0, VOCAB, size=(2, 5))
     sampling = dict(temperature=0.8, seed=3)
     single = np.asarray(generate(model, prompts, 5, **sampling))
-    sharded = _shard_megatron(model, mesh)
+    sharded = _shard_megatron(model, mesh, layout)
     plan = decode.decode_plan(sharded)
-    assert plan.tensor_parallel == decode.TensorParallel(mesh, "model"), plan.tensor_parallel
-    assert plan.spec.packed_weights == ()  # a packed operand is one rank's layout: Megatron shards pack none
     generation.TRACE_COUNTS.clear()
     on_mesh = np.asarray(generate(sharded, prompts, 5, **sampling))
     np.testing.assert_array_equal(on_mesh, single)
-    # Every decode step went through the sharded decode_step, none through the model's own forward.
-    assert generation.TRACE_COUNTS["decode_step_tensor_parallel"] == 1, generation.TRACE_COUNTS
-    assert generation.TRACE_COUNTS["decode_model_forward"] == 0 and generation.TRACE_COUNTS["decode_step"] == 0
-    # The mesh's other axis (if any) splits the rows.
-    assert plan.tensor_parallel.batch_axis(2) == ("data" if mesh.shape["data"] == 2 else None)
+    # Every decode step went through `route`, none through the others.
+    routes = ("decode_step_tensor_parallel", "decode_model_forward", "decode_step")
+    assert {r: generation.TRACE_COUNTS[r] for r in routes} == {r: int(r == route) for r in routes}, (
+        generation.TRACE_COUNTS
+    )
+    if route == "decode_step_tensor_parallel":
+        assert plan.tensor_parallel == decode.TensorParallel(mesh, "model"), plan.tensor_parallel
+        assert plan.spec.packed_weights == ()  # a packed operand is one rank's layout: Megatron shards pack none
+        # The mesh's other axis (if any) splits the rows.
+        assert plan.tensor_parallel.batch_axis(2) == ("data" if mesh.shape["data"] == 2 else None)
+    return plan
 
 
 @check
@@ -383,15 +397,14 @@ def bad_layouts_and_sizes_name_what_is_wrong():
     _raises(
         ValueError,
         r"layers/0/q_proj/kernel is split along dim 0 over mesh axes \('model',\)",
-        decode.decode_plan,
+        decode.tensor_parallel_layout,
         nnx.merge(graphdef, wrong),
     )
-    _raises(
-        ValueError,
-        r"spec\.num_kv_heads = 4 does not split over 8",
-        decode.decode_plan,
-        _shard_megatron(model, _model_mesh(8)),
-    )
+    assert decode.decode_plan(nnx.merge(graphdef, wrong)) is None  # generate decodes it through the model's forward
+    # KV heads replicate over a multiple of them that divides the query heads only.
+    spec = plan.spec
+    _raises(ValueError, r"spec\.num_heads = 8 does not split over 16", decode.megatron_spec, spec, 16)
+    assert decode.megatron_spec(spec, 8).num_kv_heads == 8 and decode.megatron_spec(spec, 2) == spec
 
 
 test_tensor_parallel = check_test(CHECKS)

@@ -49,8 +49,9 @@ def _model(name):
         config = LlamaConfig.preset("tiny", num_layers=2, tie_word_embeddings=name == "llama", **SIZES)
         model = _random_model(Llama, config, 0)
         return _compressed(model, (7, 19), dense_k_in_layer=0) if name == "llama-compressed" else model
+    sizes = dict(SIZES, num_heads=4, num_kv_heads=1) if name == "gemma3-1kv" else SIZES  # Gemma 3 270M's heads
     config = GemmaConfig.preset(
-        "gemma3-tiny", **SIZES, sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=10.0
+        "gemma3-tiny", **sizes, sliding_window=4, attn_logit_softcapping=4.0, final_logit_softcapping=10.0
     )
     model = _random_model(Gemma, config, 2)
     return _compressed(model, (5, 13, 9)) if name == "gemma3-compressed" else model
@@ -178,6 +179,13 @@ def emulated_generate_llama_compressed_4_ranks_sampled_gives_one_devices_tokens(
 @check
 def emulated_generate_gemma3_4_ranks_2_data_gives_one_devices_tokens():
     _assert_generate_on_the_emulator("gemma3", _model_mesh(4, data=2))
+
+
+@check
+def emulated_generate_one_kv_head_on_4_ranks_gives_one_devices_tokens():
+    # Gemma 3 270M's single KV head repeated on the 4 ranks: each rank's kernel reads its own copy and cache of it.
+    assert decode.decode_plan(_shard_megatron(_model("gemma3-1kv"), _model_mesh(4))).spec.num_kv_heads == 4
+    _assert_generate_on_the_emulator("gemma3-1kv", _model_mesh(4))
 
 
 @check

@@ -113,6 +113,16 @@ def test_tensor_parallel_generate_decodes_through_the_sharded_decode_step():
         ("tensor_parallel_generate.py", ["--data=0"], "--data"),
         ("tensor_parallel_generate.py", ["--data=2", "--batch=3"], "--data must divide --batch"),
         ("tensor_parallel_generate.py", ["--new_tokens=3"], "Unknown command line flag 'new_tokens'"),
+        ("tensor_parallel_generate.py", ["--timeout_s=-1"], "--timeout_s must be a finite number > 0"),
+        ("tensor_parallel_generate.py", ["--timeout_s=nan"], "--timeout_s must be a finite number > 0"),
+        ("tensor_parallel_generate.py", ["--connect_timeout_s=inf"], "--connect_timeout_s must be a finite number > 0"),
+        ("tensor_parallel_generate.py", ["--coordinator_address=localhost"], "--coordinator_address must be HOST:PORT"),
+        ("tensor_parallel_generate.py", ["--process_id=1", "--num_processes=2"], "--process_id needs --coordinator"),
+        (
+            "tensor_parallel_generate.py",
+            ["--checkpoint_dir=/nonexistent"],
+            "--checkpoint_dir /nonexistent: no such directory",
+        ),
         ("quickstart.py", ["--keep=1.5"], "--keep must lie in (0, 1]"),
     ],
 )
@@ -120,6 +130,28 @@ def test_bad_flags_are_usage_errors(script, flags, message):
     result = run(script, *flags)
     assert result.returncode != 0 and message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "perplexity" not in result.stdout
+
+
+def test_tensor_parallel_generate_names_a_checkpoint_dir_it_cannot_use(rng, tmp_path):
+    # A compressed checkpoint (the example compresses an HF one itself) and a directory that is no checkpoint: usage
+    # errors before any work, not tracebacks; an HF checkpoint directory missing its weights names them.
+    write_hf_checkpoint(rng, tmp_path / "hf")
+    compress_checkpoint(tmp_path / "hf", tmp_path / "compressed", rank=8)
+    (tmp_path / "empty").mkdir()
+    for directory, message in (
+        ("compressed", "a compressed checkpoint; this example compresses an HF checkpoint itself"),
+        ("empty", "no config.json"),
+    ):
+        result = run("tensor_parallel_generate.py", f"--checkpoint_dir={tmp_path / directory}", "--num_processes=2")
+        assert result.returncode != 0 and f"--checkpoint_dir {tmp_path / directory}: {message}" in result.stderr
+        assert "Traceback" not in result.stderr and "processes exited" not in result.stdout, result.stderr
+    for weights in (tmp_path / "hf").glob("*.safetensors"):
+        weights.unlink()
+    result = run(
+        "tensor_parallel_generate.py", f"--checkpoint_dir={tmp_path / 'hf'}", "--cpu_devices=2", "--data=1", "--model=2"
+    )
+    assert result.returncode != 0 and f"--checkpoint_dir {tmp_path / 'hf'}: " in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_perplexity_text_that_is_not_utf8_is_a_usage_error(tmp_path):

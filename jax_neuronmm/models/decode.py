@@ -15,8 +15,12 @@ stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, a
 `jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
 groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
 emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
-ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). A
-projection split any other way is a ValueError naming it.
+ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). KV heads
+that do not split over the ranks (Gemma 3 270M's one KV head on 4) are repeated on the ranks that share them, as
+NxD Inference does (`megatron_spec`: the plan's spec has num_kv_heads = ranks; `stack_weights` repeats k's and v's
+columns of each head, `place_cache` the cache's heads). Parameters split any other way (another dim, several axes,
+query heads or MLP features that do not split) get no plan: generate decodes them through the model's own forward,
+which the SPMD partitioner runs in any layout (`tensor_parallel_fallback_reason` says why).
 
 `model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
 
@@ -103,9 +107,9 @@ class DecodePlan:
     """What a model's decode step is specialized on (hashable: a static jit argument).
 
     ropes[i]: the RoPE config of table i (spec.layer_rope indexes it); windows[i]: the sliding window (None =
-    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1; its
-    packed_weights () with tensor_parallel); tensor_parallel: where its weights are Megatron shards (decode runs
-    one decode_step per rank), or None.
+    full causal) of mask i (spec.layer_mask indexes it). spec is the whole model's (tensor_parallel 1; with
+    tensor_parallel its packed_weights are () and its KV heads `megatron_spec`'s, maybe repeated); tensor_parallel:
+    where its weights are Megatron shards (decode runs one decode_step per rank), or None.
     """
 
     spec: DecodeSpec
@@ -180,27 +184,65 @@ def unsupported_reason(model: CausalLM) -> str | None:
 
 
 def decode_plan(model: CausalLM) -> DecodePlan | None:
-    """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack. With
-    parameters split in the Megatron layout it carries their mesh axis (`tensor_parallel_layout`) and packs no
-    weights; ValueError for projections split otherwise, or for heads, KV heads or MLP features that do not split
-    over the axis. Else its spec packs the weights `attention_packing` picks (fp8 factored attention whose packed
-    row of a layer fits one weight-ring block)."""
+    """The `DecodePlan` of `model`, or None when `unsupported_reason(model)` names what the kernels lack, or when
+    its parameters are split over a mesh in a layout the tensor-parallel step does not take
+    (`tensor_parallel_fallback_reason`: generate then decodes through the model's own forward, which the SPMD
+    partitioner runs in any layout). With parameters split in the Megatron layout it carries their mesh axis
+    (`tensor_parallel_layout`), packs no weights, and repeats each KV head on the ranks that share it when the KV
+    heads do not split over them (`megatron_spec`). Else its spec packs the weights `attention_packing` picks (fp8
+    factored attention whose packed row of a layer fits one weight-ring block)."""
     if unsupported_reason(model) is not None:
         return None
-    specs = model.attention_specs()
-    spec = _spec(model)
-    layout = tensor_parallel_layout(model)
-    if layout is not None:
-        try:  # the vocabulary need not split: tensor_parallel_decode_step pads the head
-            tensor_parallel_spec(dataclasses.replace(spec, vocab=spec.vocab * layout.ranks), layout.ranks)
-        except ValueError as error:
-            raise ValueError(
-                f"decode_plan: the projections are split over mesh axis {layout.axis!r} ({layout.ranks} ranks), "
-                f"but the model does not split into {layout.ranks} Megatron shards: {error}"
-            ) from None
-    else:
-        spec = dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
-    return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout)
+    plan, _ = _plan_or_reason(model)
+    return plan
+
+
+def tensor_parallel_fallback_reason(model: CausalLM) -> str | None:
+    """Why `model`, whose parameters are split over a mesh, decodes through its own forward and not the
+    tensor-parallel decode step (a projection split along another dim than Megatron's, over several axes, or sizes
+    that do not split over the ranks), or None when it does not (covered: see `decode_plan`)."""
+    if unsupported_reason(model) is not None:
+        return None
+    return _plan_or_reason(model)[1]
+
+
+def _plan_or_reason(model: CausalLM) -> tuple[DecodePlan | None, str | None]:
+    """(plan, None), or (None, why) when the parameters are split in a layout the tensor-parallel step does not
+    take; for a model `unsupported_reason` accepts."""
+    specs, whole = model.attention_specs(), _spec(model)
+    try:  # only the layout's checks: their ValueErrors name why the Megatron step does not take it
+        layout = tensor_parallel_layout(model)
+        spec = None if layout is None else megatron_spec(whole, layout.ranks)
+    except ValueError as error:
+        return None, str(error)
+    if spec is None:
+        spec = _one_device_spec(whole)
+    return DecodePlan(spec, tuple(dict.fromkeys(s.rope for s in specs)), _windows(model), layout), None
+
+
+def _one_device_spec(spec: DecodeSpec) -> DecodeSpec:
+    """A model's `spec` on one device: the weights `attention_packing` picks packed."""
+    return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
+
+
+def megatron_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
+    """The whole-model spec whose Megatron shards over `ranks` ranks the tensor-parallel step runs: `spec` when its
+    KV heads split over the ranks; when the ranks are a multiple of the KV heads that divides the query heads (Gemma
+    3 270M: 1 KV head), each KV head repeated on the ranks that split its query heads (num_kv_heads = ranks: every
+    rank holds one copy and its own cache of it, as NxD Inference does; GQA groups are consecutive, so query head h
+    still reads a copy of its own KV head). ValueError naming the size that does not split (the vocabulary need
+    not: tensor_parallel_decode_step pads the head)."""
+    kv, heads = spec.num_kv_heads, spec.num_heads
+    if kv % ranks and not ranks % kv and not heads % ranks:
+        spec = dataclasses.replace(spec, num_kv_heads=ranks)
+    try:
+        tensor_parallel_spec(dataclasses.replace(spec, vocab=spec.vocab * ranks), ranks)
+    except ValueError as error:
+        raise ValueError(
+            f"decode_plan: the model does not split into {ranks} Megatron shards (KV heads replicate only over a "
+            f"multiple of them that divides the query heads): {error}"
+        ) from None
+    return spec
 
 
 def _megatron_dims(module, name: str) -> tuple[tuple[str, int | None], ...]:
@@ -274,13 +316,14 @@ def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
 def model_spec(model: CausalLM) -> DecodeSpec:
     """The DecodeSpec of `model`'s decode step, `decode_plan(model).spec` (the weights `quantize_model` made fp8
     named in its fp8_weights, those `attention_packing` picks in its packed_weights unless the model is split in
-    Megatron shards): what the decode step's modeled cost depends on (nki_kernels.decode.comparison.measure_spec
-    traces it). ValueError naming what the kernels lack (`unsupported_reason`), e.g. an fp8 weight in some layers
-    only."""
+    Megatron shards; one device's spec when they are split in another layout): what the decode step's modeled cost
+    depends on (nki_kernels.decode.comparison.measure_spec traces it). ValueError naming what the kernels lack
+    (`unsupported_reason`), e.g. an fp8 weight in some layers only."""
     reason = unsupported_reason(model)
     if reason is not None:
         raise ValueError(f"model_spec: {reason}")
-    return decode_plan(model).spec
+    plan = decode_plan(model)
+    return _one_device_spec(_spec(model)) if plan is None else plan.spec
 
 
 def _windows(model: CausalLM) -> tuple:
@@ -452,6 +495,13 @@ def place_cache(plan: DecodePlan, cache: KVCache) -> KVCache:
     layout = plan.tensor_parallel
     if layout is None:
         return cache
+    copies = plan.spec.num_kv_heads // cache.keys.shape[3]
+    if copies > 1:  # megatron_spec's replicated KV heads: a copy of each for every rank sharing it
+        cache = dataclasses.replace(
+            cache,
+            keys=_repeat_kv_heads(cache.keys, copies, layout.mesh),
+            values=_repeat_kv_heads(cache.values, copies, layout.mesh),
+        )
     heads = NamedSharding(layout.mesh, PartitionSpec(None, layout.batch_axis(cache.keys.shape[1]), None, layout.axis))
     whole = NamedSharding(layout.mesh, PartitionSpec())
     return jax.device_put(cache, KVCache(heads, heads, whole, whole, whole))
@@ -483,6 +533,13 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         head = (model.lm_head.u[...].astype(dtype), model.lm_head.v[...].astype(dtype))
     else:
         head = model.lm_head.kernel[...].astype(dtype)
+    copies = spec.num_kv_heads // model.attention_specs()[0].num_kv_heads
+    if copies > 1:  # megatron_spec's replicated KV heads: k's and v's columns of each head repeated
+        for name in ("k", "v"):
+            index = PROJECTIONS.index(name)
+            projections[index] = _repeat_kv_columns(
+                projections[index], copies, spec.head_dim, plan.tensor_parallel.mesh
+            )
     packed = None
     if spec.packed_weights:  # their fp8 Factored stacks -> scales only, values in packed [L, 128, E]
         ops = pack_weights(DecodeOperands(**dict(zip(PROJECTIONS, projections))), spec, jnp)
@@ -495,6 +552,35 @@ def _stack_weights(model: CausalLM, plan: DecodePlan) -> DecodeWeights:
         head=head,
         packed=packed,
     )
+
+
+def _replicated(a, mesh):
+    """`a` whole on every device of `mesh` where axes are Explicit (a reshape may not cut a split dim there)."""
+    return explicit_sharding.typed_as(a, NamedSharding(mesh, PartitionSpec()))
+
+
+def _repeat_kv_columns(weight, copies: int, head_dim: int, mesh):
+    """A stacked k or v weight with each KV head's head_dim output columns repeated `copies` times in place
+    (values, and an fp8 weight's column scales; u and u_scale unchanged)."""
+
+    def repeat(a):
+        a = _replicated(a, mesh)
+        heads = a.reshape(a.shape[:-1] + (a.shape[-1] // head_dim, head_dim))
+        return jnp.repeat(heads, copies, axis=-2).reshape(a.shape[:-1] + (a.shape[-1] * copies,))
+
+    if isinstance(weight, tuple):
+        return weight[0], repeat(weight[1])
+    if isinstance(weight, Quantized):
+        return Quantized(repeat(weight.w), repeat(weight.scale))
+    if isinstance(weight, Factored):
+        return dataclasses.replace(weight, v=repeat(weight.v), v_scale=repeat(weight.v_scale))
+    return repeat(weight)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _repeat_kv_heads(cache, copies: int, mesh):
+    """A cache [L, B, S, kv, D] with each KV head repeated `copies` times in place: [L, B, S, kv·copies, D]."""
+    return jnp.repeat(_replicated(cache, mesh), copies, axis=3)
 
 
 def step_tables(plan: DecodePlan, positions, key_positions, key_valid):

@@ -9,7 +9,8 @@ Tensor parallel: with parameters split over a mesh axis in the Megatron layout (
 each decode step is `decode_step` on every rank's shard (`jax.shard_map` over that axis, collectives after o and down
 and for the logits; the mesh's other axes split the rows when they divide the batch; on the emulator backend every
 rank's looped kernel in one emulated launch), the stacked weights and the cache's KV heads placed as the ranks hold
-them; a projection split any other way is a ValueError (`decode.decode_plan`).
+them (KV heads that do not split repeated on the ranks sharing them); parameters split any other way decode through
+the model's own forward (`decode.tensor_parallel_fallback_reason`), so every layout gives one device's tokens.
 
 The cache has T + max_new_tokens slots from the start, so every decode step sees the same shapes and the step is
 compiled once per (model structure, batch, prompt length, max_new_tokens, sampling mode), never per token.
