@@ -37,6 +37,7 @@ import os
 import pathlib
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from traced_runs import rank0_runs, write_text
 
@@ -51,6 +52,7 @@ flags.DEFINE_bool("quick", False, "three small trn1 rows only (a smoke run; writ
 flags.DEFINE_string(
     "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the reports go"
 )
+_flag_checks.output_directory("out_dir")
 FLAGS = flags.FLAGS
 
 SDK = "aws-neuron/aws-neuron-sdk"

@@ -25,10 +25,12 @@ import shlex
 import sys
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models.decode import published_decode_models
+from jax_neuronmm.models.presets import PUBLISHED
 from nki_kernels.decode.comparison import TARGETS, cut_layers, measure_depths, measure_spec, traced_layers
 
 FLAGS = flags.FLAGS
@@ -44,6 +46,12 @@ def define_flags():
     flags.DEFINE_list("weight_dtypes", ["bf16", "fp8"], "weights: bf16 and / or fp8 (every weight, float32 scales)")
     flags.DEFINE_bool("quick", False, "one 2-layer Gemma 3 270M shape with an 8192-token vocabulary")
     flags.DEFINE_string("out_dir", "benchmarks/results", "where decode_paged{,_quick}.{md,json} go")
+    _flag_checks.choice_list("models", lambda: PUBLISHED)
+    for name in ("batches", "cache_lengths", "block_sizes"):
+        _flag_checks.int_list(name)
+    _flag_checks.choice_list("weight_dtypes", lambda: ("bf16", "fp8"))
+    _flag_checks.output_directory("out_dir")
+    _flag_checks.not_with("quick", ("models",), "traces one 2-layer Gemma 3 270M shape")
 
 
 TARGET = 1.05  # paged / contiguous at block 128, at most
@@ -181,24 +189,13 @@ def report_section(out_dir: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ints(values, name):
-    try:
-        return [int(v) for v in values]
-    except ValueError:
-        raise app.UsageError(f"--{name}: expected integers, got {values}") from None
-
-
 def main(argv):
     del argv
     start = time.time()
-    try:
-        models = list(published_decode_models(FLAGS.models).values())
-    except ValueError as error:
-        raise app.UsageError(f"--models: {error}") from None
-    batches, cache_lengths = _ints(FLAGS.batches, "batches"), _ints(FLAGS.cache_lengths, "cache_lengths")
-    block_sizes = _ints(FLAGS.block_sizes, "block_sizes")
-    if not set(FLAGS.weight_dtypes) <= {"bf16", "fp8"}:
-        raise app.UsageError(f"--weight_dtypes: got {FLAGS.weight_dtypes}, expected bf16 and / or fp8")
+    models = list(published_decode_models(FLAGS.models).values())
+    batches, cache_lengths, block_sizes = (
+        [int(v) for v in FLAGS[name].value] for name in ("batches", "cache_lengths", "block_sizes")
+    )
     if FLAGS.quick:
         gemma = published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
         spec = dataclasses.replace(cut_layers(gemma.spec, 2), vocab=8192)

@@ -22,6 +22,7 @@ import json
 import pathlib
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from traced_runs import rank0_runs, write_text
 
@@ -33,6 +34,7 @@ from nki_kernels.emulator import cost_model, speed_bands
 
 flags.DEFINE_bool("quick", False, "the Gemma 3 270M fp8 / bf16 batch-1 looped pair only (a smoke run)")
 flags.DEFINE_string("out_dir", str(pathlib.Path(__file__).resolve().parent / "results"), "where the reports go")
+_flag_checks.output_directory("out_dir")
 FLAGS = flags.FLAGS
 
 GEMMA, LLAMA_1B, LLAMA_8B = "Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B"

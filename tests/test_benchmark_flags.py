@@ -20,6 +20,7 @@ import contextlib, importlib, io, json, sys
 sys.path[:0] = [{repo!r}, {benchmarks!r}]
 from absl import app, flags
 module = importlib.import_module({name!r})
+getattr(module, "define_flags", lambda: None)()  # scripts whose flags are defined only when they run
 
 def no_work(*args, **kwargs):
     raise RuntimeError("work started")
@@ -175,6 +176,20 @@ def cases_table(paths):
                 ("main", ["--models=nope"], "--models:"),
             ],
         ),
+        "decode_paged": (
+            [[], ["--quick"], ["--models=Llama-3.2-1B", "--block_sizes=5,12", "--weight_dtypes=fp8"]],
+            [
+                ("parse", ["--block_sizes=0"], "--block_sizes: got ['0'], expected distinct integers >= 1"),
+                ("parse", ["--batches=abc"], "--batches: got ['abc'], expected integers"),
+                ("parse", ["--cache_lengths=16,16"], "expected distinct integers"),
+                ("parse", ["--models=nope"], "--models: got ['nope'], expected distinct names"),
+                ("parse", ["--weight_dtypes=int8"], "--weight_dtypes: got ['int8'], expected distinct names"),
+                ("parse", ["--quick", "--models=Llama-3.2-1B"], "--quick traces one 2-layer Gemma 3 270M shape"),
+                ("parse", [f"--out_dir={a_file}"], "is a file"),
+            ],
+        ),
+        "calibration": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
+        "speed_bands": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
     }
     return table
 
@@ -189,7 +204,7 @@ def scripts():
 
 def test_every_cli_is_covered(paths):
     # A new benchmark script gets its bad-flag cases here too.
-    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 11
+    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 14
 
 
 @pytest.mark.parametrize("name", scripts())
