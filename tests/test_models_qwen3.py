@@ -283,9 +283,12 @@ def _write_qwen3_gguf(path, *, tied: bool, seed: int):
     s = GGUF_SHAPES
     writer = gguf.GGUFWriter(path, "qwen3")
     tokens, merges, types, special = _byte_level_vocab()
+    # Merges of digits: "qwen2" splits numbers into single digits first, so they never apply (GPT-2's split would).
+    tokens, merges, types = tokens + ["12", "23"], merges + ["1 2", "2 3"], types + [1, 1]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("qwen2")
     writer.add_token_merges(merges)
+    writer.add_add_bos_token(False)
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_eos_token_id(special["eos"])
@@ -348,6 +351,18 @@ def test_gguf_logits_match_transformers(tmp_path, tied):
     got = np.asarray(_forward(ours, jnp.asarray(ids)), np.float64)
     assert got.shape == expected.shape and np.abs(expected).max() > 1.0
     np.testing.assert_allclose(got, expected, atol=2e-4 * np.abs(expected).max(), rtol=0)
+
+
+def test_gguf_tokenizer_matches_transformers(tmp_path):
+    path = str(tmp_path / "qwen3.gguf")
+    _write_qwen3_gguf(path, tied=True, seed=2)
+    text = "the 12345 hello:the world 2023\n\nthen"
+    expected = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="qwen3.gguf")(text)["input_ids"]
+    got = load_gguf(path).tokenizer.encode(text).ids
+    assert got == expected
+    vocab = load_gguf(path).tokenizer.get_vocab()
+    assert vocab["12"] not in got and vocab["1"] in got  # digits one at a time, as Qwen's split regex has them
+    assert len(set(got)) > 8
 
 
 def test_gguf_rope_frequency_table_is_refused(tmp_path):
