@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from spmd_helpers import Checks, check_test, run_checks
@@ -32,10 +33,12 @@ from jax_neuronmm import decode_step
 from jax_neuronmm.models import (
     Qwen3,
     Qwen3Config,
+    compress_checkpoint,
     compress_model,
     decode,
     from_preset,
     generate,
+    load_compressed_checkpoint,
     load_gguf,
     load_hf,
     presets,
@@ -199,6 +202,20 @@ def test_pruned_mlps_decode_through_the_decode_step():
     assert decode.decode_plan(pruned) is not None
     prompt = _prompt(2, 5, VOCAB, seed=4)
     _assert_greedy_by_full_forward(pruned, prompt, generate(pruned, prompt, 6))
+
+
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.NoCalibrationWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+def test_compressed_checkpoint_round_trip(rng, tmp_path):
+    write_hf_checkpoint(rng, tmp_path / "hf", {**HF_CONFIG, "model_type": "qwen3"})
+    options = dict(keep=0.5, block=16, include=("mlp", "attention"))
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    loaded = load_compressed_checkpoint(tmp_path / "out")
+    expected = compress_model(load_hf(str(tmp_path / "hf")), progress=False, **options)
+    assert isinstance(loaded, Qwen3) and isinstance(loaded.layers[1].self_attn.v_proj, SVDLinear)
+    ids = jnp.asarray(_prompt(2, 7, HF_CONFIG["vocab_size"], seed=10))
+    want = np.asarray(_forward(expected, ids))
+    np.testing.assert_allclose(np.asarray(_forward(loaded, ids)), want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 def test_fp8_weights_compute_their_dequantized_values_and_decode():
