@@ -50,6 +50,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/accuracy_report.py
 	$(PY) benchmarks/fp8_accuracy.py
 	$(PY) benchmarks/frontier.py
+	$(PY) benchmarks/calibration.py
+	$(PY) benchmarks/speed_bands.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \
 	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
 	else echo "AWS_NEURON_SDK not set: skipping benchmarks/cost_model_check.py"; fi

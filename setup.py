@@ -10,7 +10,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.11",
     packages=find_packages(include=["jax_neuronmm", "jax_neuronmm.*", "nki_kernels", "nki_kernels.*"]),
-    package_data={"nki_kernels": ["*.json"], "jax_neuronmm": ["data/*"]},
+    package_data={"nki_kernels": ["*.json", "emulator/*.json"], "jax_neuronmm": ["data/*"]},
     install_requires=[
         "jax>=0.10,<0.13",
         "flax>=0.12,<0.14",

@@ -59,6 +59,7 @@ import time
 from collections.abc import Callable
 
 import _flag_checks  # sibling module: the script's folder is on sys.path
+import decode_paged  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 from tqdm import tqdm
@@ -1068,6 +1069,8 @@ def main(argv):
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     stem = os.path.join(FLAGS.out_dir, "decode_step_quick" if FLAGS.quick else "decode_step")
     text = markdown(res, batches, cache_lengths, FLAGS.quick, time.time() - start, depths, FLAGS.run_time_note)
+    if not FLAGS.quick:  # the paged-cache comparison, from decode_paged.py's data (benchmarks/decode_paged.py)
+        text += decode_paged.report_section(FLAGS.out_dir)
     write_atomically(stem + ".md", lambda temporary: pathlib.Path(temporary).write_text(text, encoding="utf-8"))
     plot(res, batches, cache_lengths, stem + ".png")
     print("\n".join(targets_table(res)))

@@ -613,7 +613,8 @@ def render(results: dict, out_dir: str) -> None:
 
 def frontier_lines(rows, dense, points, on_frontier, configs) -> list[str]:
     """What the frontier shows, in words: its rows in order of speed, then each SVD row off it and what beats it."""
-    order = sorted(on_frontier, key=lambda n: points[n][0])
+    listed = {n: i for i, n in enumerate(configs)}  # ties keep the configurations' order, not a set's
+    order = sorted(on_frontier, key=lambda n: (points[n][0], listed[n]))
     lines = [
         "**Frontier** (trn2, batch 1: no other measured row is as fast and as accurate, better in one): "
         + ", ".join(f"{n} ({points[n][0]:.2f}x, {points[n][1]:.3f}x perplexity)" for n in order)
@@ -631,13 +632,13 @@ def frontier_lines(rows, dense, points, on_frontier, configs) -> list[str]:
         )
     )
     beaten = []
-    for name in sorted(set(points) - on_frontier, key=lambda n: points[n][0]):
+    for name in sorted(set(points) - on_frontier, key=lambda n: (points[n][0], listed[n])):
         if not configs[name].include:
             continue
         speed, ratio = points[name]
         by = [n for n, (s, r) in points.items() if s >= speed and r <= ratio and n != name]
         plain = [n for n in by if not configs[n].include]
-        winner = min(plain or by, key=lambda n: points[n][1])
+        winner = min(plain or by, key=lambda n: (points[n][1], listed[n]))
         kind = "fp8 alone" if plain and configs[winner].fp8 else "a configuration without SVD" if plain else "SVD"
         beaten.append(
             f"{name} ({speed:.2f}x, {ratio:.3f}x) is beaten by {kind}: {winner} ({points[winner][0]:.2f}x, "

@@ -127,3 +127,15 @@ from jax._src.interpreters.mlir import lower_with_sharding_in_types  # noqa: E40
 from jax._src.sharding_impls import canonicalize_sharding  # noqa: E402
 
 __all__ += ["ShardingTypeError", "canonicalize_sharding", "lower_with_sharding_in_types"]
+
+
+# --- Checks of concrete values before binding (jax_neuronmm/shapes.py) ---------------------------------------
+from jax._src.core import Tracer as _Tracer  # noqa: E402
+
+
+def is_tracer(x):
+    """True when `x` is a JAX tracer (its value is not known at trace time)."""
+    return isinstance(x, _Tracer)
+
+
+__all__ += ["is_tracer"]

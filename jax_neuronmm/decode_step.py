@@ -19,8 +19,21 @@ there once; `spec` is a `nki_kernels.decode.DecodeSpec`), with L = spec.num_laye
     nothing (`Factored()`, or None).
 Results: logits [B, T, V] float32 (final soft-cap applied), the updated k_cache and v_cache.
 
-fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn values within ±240
-(`compress.quantize_fp8`) with float32 per-output-column scales: a dense one as
+A paged KV cache (spec.block_size = BS, one new token per row, T = 1): k_cache, v_cache are pools
+[L, num_blocks, BS, kv_heads, D] of blocks shared by every row, write_index is None, and the last two operands
+block_table [B, MB] int32 (row b's i-th block of positions) and lengths [B] int32 (row b's cached tokens; -1: an
+inactive row, which writes nothing) place each row: it writes its new k and v at position p = lengths[b] (block
+block_table[b, p // BS], slot p % BS) and attends over its positions 0 .. MB·BS - 1 through the table (mask_bias
+[NM, B, 1, MB·BS] over those positions, showing p and hiding what lies past it; cos, sin at p). Both backends
+compute the same step: XLA gathers each row's blocks and scatters its new slot (`_paged_attention`, vectorized over
+the rows), the looped kernel gathers them by DMA through the table (`nki_kernels.decode.paged`). Values out of range
+(a length past the table, a table entry past the pool) raise as a bad write_index does. The pools split over their
+KV heads under tensor_parallel_decode_step (rows not over a batch axis); vmap runs a paged step per instance.
+
+fp8 weights: a weight named in spec.fp8_weights is given as float8_e4m3fn (or float8_e4m3: the same bits) values
+within ±240 (`compress.quantize_fp8`) with float32 per-output-column scales (values known at call time beyond ±240
+or NaN, and NaN / ±inf scales, are a ValueError; traced ones read as NaN on every backend, `shapes.fp8_read`): a
+dense one as
 `nki_kernels.decode.Quantized(w [L, K, N], scale [L, N])`, a factored one as
 `nki_kernels.decode.Factored(u, v, u_scale [L, Rmax], v_scale [L, N])` (the head's without the L axis). Both backends
 compute x·W as (x·values)·diag(scale): the values widened to x's dtype, the products summed in float32, the sum
@@ -96,6 +109,7 @@ from jax_neuronmm.svd_mlp import svd_mlp_ref
 from nki_kernels import dispatch
 from nki_kernels.decode.contract import (
     FP8,
+    OPTIONAL_LAST,
     SPLIT_ROWS,
     WEIGHTS,
     DecodeOperands,
@@ -103,6 +117,7 @@ from nki_kernels.decode.contract import (
     Factored,
     Quantized,
     batch_axes,
+    check_lengths,
     check_spec,
     check_write_index,
     expected_shapes,
@@ -141,7 +156,7 @@ def decode_step(*operands, spec: DecodeSpec, axis_name=None, **named):
     check_spec(spec, OP)
     ops = _operands_of(operands, named, spec)
     _check_axis(spec, axis_name)
-    ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    ops = shapes.checked_decode_operands(OP, spec, ops)
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     return tuple(decode_step_p.bind(*leaves, spec=spec, treedef=treedef, **_axis_param(axis_name)))
 
@@ -158,7 +173,8 @@ def _operands_of(operands, named, spec) -> DecodeOperands:
         if name not in fields or name in values:
             raise TypeError(f"{OP}: unexpected or repeated operand {name!r}; the operands are {fields}")
         values[name] = value
-    values.setdefault("packed", None)  # the last operand, present only with spec.packed_weights
+    for name in OPTIONAL_LAST:  # the last operands, present only with spec.packed_weights / spec.block_size
+        values.setdefault(name, None)
     missing = [name for name in fields if name not in values]
     if missing:
         raise TypeError(f"{OP}: missing operands {missing}")
@@ -244,13 +260,15 @@ def _jvp(primals, tangents, *, spec, treedef=None, axis_name=None):
 
 
 def _batch(args, dims, *, spec, treedef=None, axis_name=None):
-    """vmap: batched row operands (x, caches, tables, mask) fold into B; anything else batched runs a lax.map."""
+    """vmap: batched row operands (x, caches, tables, mask) fold into B; anything else batched (for a paged step,
+    whose pools the rows share, anything batched) runs a lax.map."""
     bind = functools.partial(
         decode_step_p.bind, spec=spec, **({} if treedef is None else {"treedef": treedef}), **_axis_param(axis_name)
     )
     names = [name for name, _ in _operands(list(range(len(args))), spec, treedef).named_leaves()]
     size = next(a.shape[d] for a, d in zip(args, dims) if d is not None)
-    if any(d is not None and name not in ROW_OPERANDS for name, d in zip(names, dims)):
+    # A paged step's pools are shared by its rows: batched steps run one after another.
+    if spec.paged or any(d is not None and name not in ROW_OPERANDS for name, d in zip(names, dims)):
         batched = [i for i, d in enumerate(dims) if d is not None]
 
         def one(sliced):
@@ -325,24 +343,21 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     factored in all three projections (all fp8, or none) runs as `svd_mlp_ref`, the XLA lowering of the compressed
     models' SVDMLP. fp8 weights are scaled after their float32 sums (`_projection`).
 
+    Paged (spec.block_size): the layers' attention reads and writes the pools through the block table, each row
+    at its own position (`_paged_attention`).
+
     Tensor parallel (axis_name set, inside shard_map; spec: one rank's shard): the operands are this rank's heads,
     KV heads, MLP features and vocabulary slice; o and down sum their partial products over the ranks
     (`_row_parallel`: one float32 psum each per layer, a factored one's of x·u), and the logits are all-gathered
     along the vocabulary in rank order. A factored MLP computes svd_mlp_ref's math with down's sum in the middle.
     """
     ops = unpack_weights(_operands(operands, spec, treedef), spec, jnp)
+    ops = jax.tree_util.tree_map(shapes.fp8_read, ops)  # NaN beyond ±240, as Trainium reads fp8 (shapes.fp8_read)
     spec = unpacked_spec(spec)
     norm = functools.partial(decoder_math.rms_norm, eps=spec.norm_eps, unit_offset=spec.norm_unit_offset)
-    write_index = ops.write_index[0, 0]
-    slots, tokens = ops.k_cache.shape[2], ops.x.shape[1]
-    # Out of range, dynamic_update_slice would clamp and write other slots: raise as the emulator's launch does
-    # (the callback runs only for a bad index).
-    check = functools.partial(check_write_index, OP, slots=slots, tokens=tokens)
-    lax.cond(
-        (write_index < 0) | (write_index > slots - tokens),
-        lambda: jax.debug.callback(check, write_index),
-        lambda: None,
-    )
+    write_index = None if spec.paged else _checked_write_index(ops)
+    if spec.paged:
+        _check_paged_values(ops, spec)
     layer_rope = jnp.asarray(spec.layer_rope, jnp.int32)
     layer_mask = jnp.asarray(spec.layer_mask, jnp.int32)
     xs = (ops.weights, ops.norms, ops.qk_norms, ops.k_cache, ops.v_cache, layer_rope, layer_mask)
@@ -377,7 +392,7 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
                 activation=spec.activation,
             )
         attention = functools.partial(
-            decoder_math.self_attention,
+            decoder_math.self_attention if spec.contiguous else functools.partial(_paged_attention, ops, spec),
             q_proj=proj["q"],
             k_proj=proj["k"],
             v_proj=proj["v"],
@@ -411,6 +426,63 @@ def decode_step_ref(*operands, spec: DecodeSpec, treedef=None, axis_name=None):
     return logits, k_cache, v_cache
 
 
+def _checked_write_index(ops):
+    """write_index's value, raising (in a host callback, only for a bad index) when out of range: there
+    dynamic_update_slice would clamp and write other slots, so the XLA backend raises as the emulator's launch."""
+    write_index = ops.write_index[0, 0]
+    slots, tokens = ops.k_cache.shape[2], ops.x.shape[1]
+    check = functools.partial(check_write_index, OP, slots=slots, tokens=tokens)
+    lax.cond(
+        (write_index < 0) | (write_index > slots - tokens),
+        lambda: jax.debug.callback(check, write_index),
+        lambda: None,
+    )
+    return write_index
+
+
+def _check_paged_values(ops, spec):
+    """Raise (a host callback, only for bad values) when lengths or the block table are out of range
+    (contract.check_lengths): the gathers would clamp and the scatters drop, silently reading and writing other
+    blocks."""
+    num_blocks, slots = ops.k_cache.shape[1], ops.block_table.shape[1] * spec.block_size
+    check = functools.partial(check_lengths, OP, block_size=spec.block_size, num_blocks=num_blocks)
+    bad = jnp.any((ops.lengths < -1) | (ops.lengths >= slots))
+    bad |= jnp.any((ops.block_table < 0) | (ops.block_table >= num_blocks))
+    lax.cond(bad, lambda: jax.debug.callback(check, ops.lengths, ops.block_table), lambda: None)
+
+
+def _paged_attention(ops, spec, x, *, kv, write_index, cos, sin, bias, **attention):
+    """decoder_math.self_attention over a paged cache (spec.block_size), each row at its own position p =
+    lengths[b]: each row's cache gathered from the layer's pools kv = (k_pool, v_pool) [NB, BS, kv_heads, D]
+    through block_table, the row's new k and v written at p (self_attention vectorized over the rows: one
+    scatter, not a loop) and attended over, then scattered into the pools at block block_table[b, p // BS], slot
+    p % BS (an inactive row, lengths[b] = -1, writes nothing). Returns (output, (k_pool, v_pool))."""
+    del write_index  # None: each row's position comes from lengths
+    table, bs = ops.block_table, spec.block_size
+    batch, max_blocks = table.shape
+    positions = jnp.maximum(ops.lengths, 0)
+
+    def rows(pool):  # [B, MB·BS, kv_heads, D]
+        return pool[table].reshape((batch, max_blocks * bs) + pool.shape[2:])
+
+    def one_row(x_b, cos_b, sin_b, bias_b, k_b, v_b, p_b):
+        out, (k_b, v_b) = decoder_math.self_attention(
+            x_b[None],
+            cos=cos_b[None],
+            sin=sin_b[None],
+            bias=bias_b[None],
+            kv=(k_b[None], v_b[None]),
+            write_index=p_b,
+            **attention,
+        )
+        return out[0], k_b[0, p_b], v_b[0, p_b]
+
+    out, k_new, v_new = jax.vmap(one_row)(x, cos, sin, bias, rows(kv[0]), rows(kv[1]), positions)
+    block = jnp.where(ops.lengths >= 0, table[jnp.arange(batch), positions // bs], kv[0].shape[0])  # past: dropped
+    pools = tuple(pool.at[block, positions % bs].set(new, mode="drop") for pool, new in zip(kv, (k_new, v_new)))
+    return out, pools
+
+
 def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
     """ops with convert(a) for every fp8 weight leaf a (float8_e4m3fn storage, which the kernels take as
     Trainium's float8_e4m3: the same bits within ±240)."""
@@ -442,6 +514,9 @@ def _run(plan, *operands, spec, treedef=None, axis_name=None):
     index = shapes.concrete_value(ops.write_index)
     if index is not None:
         check_write_index(OP, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+    lengths, table = shapes.concrete_value(ops.lengths), shapes.concrete_value(ops.block_table)
+    if lengths is not None and table is not None:
+        check_lengths(OP, lengths, table, block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
     return kernel(ops.kernel_args(), spec=spec, **kwargs)
 
 
@@ -566,8 +641,13 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
     axis = _entry(names)
     ranks = math.prod(mesh.shape[name] for name in names)
     ops = _operands_of(operands, named, spec)
-    ops = shapes.check_decode_operands(OP, spec, jax.tree_util.tree_map(jnp.asarray, ops))
+    ops = shapes.checked_decode_operands(OP, spec, ops)
     batch, groups = None, 1
+    if batch_axis is not None and spec.paged:
+        raise ValueError(
+            f"{OP}: batch_axis: got {batch_axis!r} with a paged cache (spec.block_size = {spec.block_size}), whose "
+            "pools every row shares: expected None (the rows of a paged step are not split over ranks)"
+        )
     if batch_axis is not None:
         batch_names = _mesh_axes(mesh, "batch_axis", batch_axis)
         if set(batch_names) & set(names):
@@ -685,13 +765,17 @@ def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
     if not first:
         return zeros
     try:
-        check_write_index(OP, ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+        if spec.paged:
+            check_lengths(OP, ops.lengths, ops.block_table, block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
+        else:
+            check_write_index(OP, ops.write_index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
         parts = []
         for group in range(groups):
             rows = ops.replace(
                 **{
                     name: np.ascontiguousarray(np.split(getattr(ops, name), groups, axis)[group])
                     for name, axis in ROW_OPERANDS.items()
+                    if getattr(ops, name) is not None  # a contiguous step has no block table nor lengths
                 }
             )
             rank_spec, shards = shard_operands(spec, rows, ranks)

@@ -20,7 +20,7 @@ from jax import lax
 
 from jax_neuronmm.explicit_sharding import split_alike, typed_alike
 from jax_neuronmm.reference import jnp_activation
-from jax_neuronmm.shapes import accumulation_dtype
+from jax_neuronmm.shapes import accumulation_dtype, fp8_read
 
 MASKED = float(jnp.finfo(jnp.float32).min)  # the bias of an invisible key: a row with no visible key stays finite
 
@@ -45,11 +45,16 @@ def linear(x, kernel):
 
 def scaled_linear(x, kernel, scale, *, precision=None):
     """(x [..., K] @ kernel [K, N])·diag(scale [N]) in x's dtype, for fp8 kernels with float32 per-column scales:
-    kernel widened to x's dtype (exact for fp8), products summed in float32 (float64 for float64 x), the sum
-    scaled, then rounded to x's dtype: what the NKI kernels compute as they evict PSUM."""
+    kernel widened to x's dtype (exact for fp8; NaN beyond ±240, as Trainium reads it: `shapes.fp8_read`),
+    products summed in float32 (float64 for float64 x), the sum scaled, then rounded to x's dtype: what the NKI
+    kernels compute as they evict PSUM."""
     acc = accumulation_dtype(x.dtype)
     y = lax.dot_general(
-        x, kernel.astype(x.dtype), (((x.ndim - 1,), (0,)), ((), ())), precision=precision, preferred_element_type=acc
+        x,
+        fp8_read(kernel).astype(x.dtype),
+        (((x.ndim - 1,), (0,)), ((), ())),
+        precision=precision,
+        preferred_element_type=acc,
     )
     return (y * scale.astype(acc)).astype(x.dtype)
 

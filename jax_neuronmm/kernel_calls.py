@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from jax_neuronmm import shapes
 from nki_kernels.dispatch import FP8_ACTIVATION_DTYPES, FP8_WEIGHT_DTYPE, KERNEL_DTYPES
 
 
@@ -49,9 +50,11 @@ def fp8_weight_dtype(op, x_dtype):
 
 def kernel_fp8(w):
     """fp8 factors as the kernels take them: float8_e4m3fn storage reinterpreted as Trainium's float8_e4m3 (the
-    same bits for values within ±240, all that `compress.quantize_fp8` makes)."""
+    same bits for values within ±240, all that `compress.quantize_fp8` makes). Host blocks for the emulator are
+    read as the device reads them first (`shapes.fp8_read`: NaN beyond ±240), so the emulator and the XLA
+    lowering agree on a traced weight that no call-time check could refuse; on Trainium the bits go as they are."""
     if isinstance(w, np.ndarray):
-        return w.view(ml_dtypes.float8_e4m3)
+        return shapes.fp8_read(w).view(ml_dtypes.float8_e4m3)
     return jax.lax.bitcast_convert_type(w, jnp.float8_e4m3)
 
 

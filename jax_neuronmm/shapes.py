@@ -10,20 +10,84 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from jax_neuronmm._compat import is_tracer
 from nki_kernels.decode import contract as decode_contract
 
 COMPUTE_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 # fp8 weights: Trainium's float8_e4m3 (±240) stored as float8_e4m3fn, whose bits agree within ±240
-# (compress/quantize.py), with float32 scales.
+# (compress/quantize.py), with float32 scales. Arrays in float8_e4m3 (the format's own name in NKI and
+# ml_dtypes) are taken too and reinterpreted bit for bit as the storage dtype (`fp8_storage`).
 FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3fn)
+TRAINIUM_FP8_DTYPE = np.dtype(ml_dtypes.float8_e4m3)
 FP8_MAX = 240.0
 SCALE_DTYPE = np.dtype(np.float32)
+FP8_RECIPE = "quantize with compress.quantize_fp8 (scale = max|w| / 240), not the OCP recipe max|w| / 448"
 
 
 def is_fp8(dtype) -> bool:
     """Whether `dtype` is the fp8 weight storage dtype (float8_e4m3fn holding values within ±240)."""
     return np.dtype(dtype) == FP8_DTYPE
+
+
+def fp8_storage(a):
+    """`a` in the fp8 storage dtype when it is float8_e4m3 (Trainium's name of the format): the same bits
+    reinterpreted as float8_e4m3fn, equal values within ±240 (float8_e4m3's inf and NaN become float8_e4m3fn
+    values beyond ±240, which read as NaN: `fp8_read`). Any other array is returned as it is."""
+    if np.dtype(a.dtype) != TRAINIUM_FP8_DTYPE:
+        return a
+    if isinstance(a, np.ndarray):
+        return a.view(FP8_DTYPE)
+    return lax.bitcast_convert_type(a, FP8_DTYPE)
+
+
+def fp8_read(values):
+    """fp8 storage values (numpy or JAX) as Trainium reads their bits: unchanged within ±240, NaN beyond (its
+    float8_e4m3 reserves the top exponent for inf and NaN, and its kernels turn them into NaN outputs). The XLA
+    lowerings and the emulator's operands both go through this, so a value beyond ±240 that only a traced call
+    could not refuse (`check_fp8_contents`) gives NaN on every backend, as on the device. Arrays of any other
+    dtype are returned as they are."""
+    if not is_fp8(values.dtype):
+        return values
+    xp = np if isinstance(values, np.ndarray) else jnp
+    inside = xp.abs(values.astype(np.float32)) <= FP8_MAX
+    return xp.where(inside, values, xp.asarray(np.nan, FP8_DTYPE))
+
+
+def check_fp8_contents(op, named):
+    """A ValueError naming the first array of `named` (name -> array) whose values are known at trace time and
+    bad: an fp8 (storage) array with values beyond ±240 or NaN, which Trainium's float8_e4m3 cannot hold (the
+    device reads them as NaN), or a scale (any other float array) that is NaN or ±inf. Traced arrays are left to
+    `fp8_read`. The counts are computed where the arrays live (one small jitted reduction), not on the host."""
+    concrete = {name: a for name, a in named.items() if a is not None and not is_tracer(a)}
+    if not concrete:
+        return
+    fp8 = {name: a for name, a in concrete.items() if is_fp8(a.dtype)}
+    with jax.ensure_compile_time_eval():  # values, also while an enclosing function is traced
+        counts = _fault_counts(fp8, {name: a for name, a in concrete.items() if name not in fp8})
+    for name in concrete:
+        count = counts[name]
+        if int(count) == 0:
+            continue
+        values = np.asarray(concrete[name]).astype(np.float64).reshape(-1)
+        if name in fp8:
+            bad = values[~(np.abs(values) <= FP8_MAX)]
+            raise ValueError(
+                f"{op}: {name} holds {int(count)} fp8 value(s) beyond ±{FP8_MAX:g} or NaN (e.g. {bad[0]:g}), which "
+                f"Trainium's float8_e4m3 cannot hold (the device reads them as NaN); {FP8_RECIPE}"
+            )
+        bad = values[~np.isfinite(values)]
+        raise ValueError(
+            f"{op}: {name} holds {int(count)} non-finite value(s) (e.g. {bad[0]:g}); expected finite scales"
+        )
+
+
+@jax.jit
+def _fault_counts(fp8, scales):
+    """{name: count of bad values} over fp8 storage arrays (beyond ±240 or NaN) and scales (NaN or ±inf)."""
+    counts = {name: jnp.sum(~(jnp.abs(a.astype(jnp.float32)) <= FP8_MAX), dtype=jnp.int32) for name, a in fp8.items()}
+    counts.update({name: jnp.sum(~jnp.isfinite(a), dtype=jnp.int32) for name, a in scales.items()})
+    return counts
 
 
 def _dtype_names():
@@ -63,7 +127,10 @@ def check_scaled_factors(op, factors):
             if any(fp8.values()):
                 raise TypeError(f"{op}: {names}; fp8 factors come in pairs: both {FP8_DTYPE.name}, or neither")
             scales = " and ".join(n for n, g in given.items() if g)
-            raise TypeError(f"{op}: {scales} given with {names}; scales go with {FP8_DTYPE.name} factors only")
+            raise TypeError(
+                f"{op}: {scales} given with {names}; scales go with fp8 factors only ({FP8_DTYPE.name}, or "
+                f"{TRAINIUM_FP8_DTYPE.name} with the same bits)"
+            )
         missing = [n for n, g in given.items() if not g]
         if missing:
             raise TypeError(
@@ -130,12 +197,31 @@ def accumulation_dtype(input_dtype):
 def check_decode_operands(op, spec, operands):
     """`operands` (nki_kernels.decode.DecodeOperands of arrays or abstract values) once they follow the decode
     step's contract for `spec` (fp8 weight values in FP8_DTYPE): a ValueError / TypeError naming the operand
-    otherwise. A concrete write_index is also checked against the cache (`decode_contract.check_write_index`); a
-    traced one is checked when the step runs."""
+    otherwise. A concrete write_index is also checked against the cache (`decode_contract.check_write_index`), as
+    are a paged step's concrete lengths and block table (`decode_contract.check_lengths`); traced ones are checked
+    when the step runs."""
     ops = decode_contract.check(spec, operands, op, fp8_dtype=FP8_DTYPE)
     index = concrete_value(ops.write_index)
     if index is not None:
         decode_contract.check_write_index(op, index, slots=ops.k_cache.shape[2], tokens=ops.x.shape[1])
+    lengths, table = concrete_value(ops.lengths), concrete_value(ops.block_table)
+    if lengths is not None and table is not None:
+        blocks = dict(block_size=spec.block_size, num_blocks=ops.k_cache.shape[1])
+        decode_contract.check_lengths(op, lengths, table, **blocks)
+    return ops
+
+
+def checked_decode_operands(op, spec, operands):
+    """`operands` (DecodeOperands of arrays) as JAX arrays, fp8 weight values in the storage dtype (`fp8_storage`),
+    checked by `check_decode_operands` and, where known at call time, their fp8 values and scales by
+    `check_fp8_contents` (named by their place, e.g. "gate.u" or "head.scale")."""
+    ops = check_decode_operands(op, spec, jax.tree_util.tree_map(lambda a: fp8_storage(jnp.asarray(a)), operands))
+    named = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(ops)[0]:
+        name = jax.tree_util.keystr(path, simple=True, separator=".")
+        if is_fp8(leaf.dtype) or name.endswith("scale"):
+            named[name] = leaf
+    check_fp8_contents(op, named)
     return ops
 
 

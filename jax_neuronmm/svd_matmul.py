@@ -39,10 +39,12 @@ def svd_matmul(x, u, v, *, u_scale=None, v_scale=None, precision=None, preferred
       x: activations [..., K]; leading dims are tokens (their product may be 0).
       u: left factor [K, r].
       v: right factor [r, N].
-      u_scale, v_scale: None for float factors (x's dtype). With fp8 factors (both u and v float8_e4m3fn
-        holding Trainium e4m3 values, |value| ≤ 240; see `compress.quantize_fp8`) both are required: float32
-        per-column scales u_scale [r] and v_scale [N]. fp8 factors are inference-only: x is differentiable,
-        u, v and the scales are not.
+      u_scale, v_scale: None for float factors (x's dtype). With fp8 factors (u and v float8_e4m3fn or
+        float8_e4m3, the same bits, holding Trainium e4m3 values, |value| ≤ 240; see `compress.quantize_fp8`)
+        both are required: float32 per-column scales u_scale [r] and v_scale [N]. Values known at call time
+        beyond ±240 (or NaN), or NaN / ±inf scales, are a ValueError; traced ones read as NaN on every backend,
+        as on the device (`shapes.fp8_read`). fp8 factors are inference-only: x is differentiable, u, v and the
+        scales are not.
       precision: None, a `jax.lax.Precision` (or its name), or a pair of them.
       preferred_element_type: dtype of the result; defaults to x's dtype.
         Products accumulate in float32 either way (float64 for float64 inputs).
@@ -55,13 +57,14 @@ def svd_matmul(x, u, v, *, u_scale=None, v_scale=None, precision=None, preferred
       rounded to x's dtype, as the kernels keep it in SBUF.
     """
     op = "svd_matmul"
-    x, u, v = jnp.asarray(x), jnp.asarray(u), jnp.asarray(v)
+    x, u, v = jnp.asarray(x), shapes.fp8_storage(jnp.asarray(u)), shapes.fp8_storage(jnp.asarray(v))
     scales = [None if s is None else jnp.asarray(s) for s in (u_scale, v_scale)]
     shapes.check_activations(op, "x", x)
     shapes.check_matrix(op, "u", u, rows=x.shape[-1], rows_from="x.shape[-1] (K)")
     shapes.check_matrix(op, "v", v, rows=u.shape[1], rows_from="u.shape[1] (rank r)")
     if shapes.check_scaled_factors(op, [("u", u, "v", v, *scales)]):
         shapes.check_float_dtypes(op, {"x": x})
+        shapes.check_fp8_contents(op, {"u": u, "v": v, "u_scale": scales[0], "v_scale": scales[1]})
         operands = (x, u, v, *scales)
     else:
         shapes.check_float_dtypes(op, {"x": x, "u": u, "v": v})
@@ -227,17 +230,18 @@ def svd_matmul_ref(x, u, v, u_scale=None, v_scale=None, *, n_batch=0, precision=
 
     x [*B, *T, K], u [*B, K, r], v [*B, r, N] -> [*B, *T, N]; B: the n_batch leading dims.
     With fp8 factors and scales u_scale [*B, r], v_scale [*B, N] it computes what the kernels do: fp8 values
-    widened to x's dtype (exact), products accumulated in float32, the float32 sum scaled by u_scale and
-    rounded to x's dtype, then the second product's float32 sum scaled by v_scale and rounded to out_dtype.
+    widened to x's dtype (exact; NaN beyond ±240, as Trainium reads them: `shapes.fp8_read`), products
+    accumulated in float32, the float32 sum scaled by u_scale and rounded to x's dtype, then the second
+    product's float32 sum scaled by v_scale and rounded to out_dtype.
     """
     out_dtype = x.dtype if out_dtype is None else out_dtype
     if u_scale is None:
         xu = batched_dot(x, u, n_batch, precision, x.dtype)
         return batched_dot(xu, v, n_batch, precision, out_dtype)
     acc = accumulation_dtype(x.dtype)
-    xu = batched_dot(x, u.astype(x.dtype), n_batch, precision, acc)
+    xu = batched_dot(x, shapes.fp8_read(u).astype(x.dtype), n_batch, precision, acc)
     xu = (xu * per_column(u_scale, xu, n_batch).astype(acc)).astype(x.dtype)
-    y = batched_dot(xu, v.astype(x.dtype), n_batch, precision, acc)
+    y = batched_dot(xu, shapes.fp8_read(v).astype(x.dtype), n_batch, precision, acc)
     return (y * per_column(v_scale, y, n_batch).astype(acc)).astype(out_dtype)
 
 

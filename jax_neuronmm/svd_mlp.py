@@ -57,7 +57,8 @@ def svd_mlp(
 ):
     """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
 
-    With fp8 factors (all six float8_e4m3fn, see `compress.quantize_fp8`) every factor takes a float32 scale
+    With fp8 factors (all six float8_e4m3fn or float8_e4m3, values within ±240, see `compress.quantize_fp8`;
+    values known at call time beyond it, or NaN / ±inf scales, are a ValueError) every factor takes a float32 scale
     per column (`<factor>_scale`: [rg], [I], [ru], [I], [rd], [H_out]), all required, and each projection is
     `svd_matmul`'s ((x·u)·diag(u_scale))·v·diag(v_scale). fp8 factors are inference-only (x is differentiable).
 
@@ -79,7 +80,8 @@ def svd_mlp(
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(FUSED_ACTIVATIONS)}")
     x = jnp.asarray(x)
-    weights = dict(zip(WEIGHT_NAMES, map(jnp.asarray, (gate_u, gate_v, up_u, up_v, down_u, down_v))))
+    factors = (gate_u, gate_v, up_u, up_v, down_u, down_v)
+    weights = {name: shapes.fp8_storage(jnp.asarray(w)) for name, w in zip(WEIGHT_NAMES, factors)}
     given = (gate_u_scale, gate_v_scale, up_u_scale, up_v_scale, down_u_scale, down_v_scale)
     scales = dict(zip(SCALE_NAMES, (None if s is None else jnp.asarray(s) for s in given)))
     shapes.check_activations(op, "x", x)
@@ -104,6 +106,7 @@ def svd_mlp(
     ]
     if shapes.check_scaled_factors(op, pairs):
         shapes.check_float_dtypes(op, {"x": x})
+        shapes.check_fp8_contents(op, {**weights, **scales})
         operands = (x, *weights.values(), *scales.values())
     else:
         shapes.check_float_dtypes(op, {"x": x, **weights})

@@ -98,7 +98,10 @@ def decode_step_f64(operands, spec):
     lists of their parts; packed weights are unpacked, nki_kernels.decode.packing); fp8 weights count as their
     values times their scales (`dequantized_f64`).
     Returns (logits [B, T, V] float64 with the final softcap applied, k_cache, v_cache): the caches are new float64
-    arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T).
+    arrays with this step's k (after RoPE) and v written at slots [write_index, write_index + T). A paged spec
+    (spec.block_size): each row attends over its blocks of the pools read through block_table, its new k and v at
+    position lengths[b]; the pools come back with those slots written (an inactive row's logits are computed at
+    position 0 and nothing of it is written).
     """
     ops = unpack_weights(DecodeOperands.of(operands, spec), spec)
     spec = unpacked_spec(spec)
@@ -117,8 +120,14 @@ def decode_step_f64(operands, spec):
     b, t, _ = x.shape
     heads, kv_heads, d = spec.num_heads, spec.num_kv_heads, spec.head_dim
     group = heads // kv_heads
-    k_cache, v_cache = _f64(k_cache).copy(), _f64(v_cache).copy()
-    start = int(np.asarray(write_index).reshape(-1)[0])
+    if spec.paged:
+        pools = _f64(k_cache).copy(), _f64(v_cache).copy()
+        blocks, lengths = np.asarray(ops.block_table), np.asarray(ops.lengths)
+        k_cache, v_cache = (_paged_rows(pool, blocks) for pool in pools)
+        start = np.maximum(lengths, 0)
+    else:
+        k_cache, v_cache = _f64(k_cache).copy(), _f64(v_cache).copy()
+        start = int(np.asarray(write_index).reshape(-1)[0])
     act = ACTIVATIONS[spec.activation].reference
 
     def project(h, name, layer):
@@ -136,8 +145,12 @@ def decode_step_f64(operands, spec):
         c, s = _f64(cos[table])[:, :, None, :], _f64(sin[table])[:, :, None, :]
         q = q * c + _rotate_half(q) * s
         k = k * c + _rotate_half(k) * s
-        k_cache[layer, :, start : start + t] = k
-        v_cache[layer, :, start : start + t] = v
+        if spec.paged:  # T = 1: row b's token at its own position
+            k_cache[layer, np.arange(b), start] = k[:, 0]
+            v_cache[layer, np.arange(b), start] = v[:, 0]
+        else:
+            k_cache[layer, :, start : start + t] = k
+            v_cache[layer, :, start : start + t] = v
         scores = np.einsum("btkgd,bskd->bkgts", q.reshape(b, t, kv_heads, group, d), k_cache[layer])
         scores = scores * spec.query_scaling
         if spec.attn_logit_softcap is not None:
@@ -159,4 +172,18 @@ def decode_step_f64(operands, spec):
     logits = h @ _f64(head) if spec.head_rank is None else (h @ _f64(head.u)) @ _f64(head.v)
     if spec.final_logit_softcap is not None:
         logits = np.tanh(logits / spec.final_logit_softcap) * spec.final_logit_softcap
+    if spec.paged:
+        for pool, rows in zip(pools, (k_cache, v_cache)):
+            for row in np.flatnonzero(lengths >= 0):
+                p = start[row]
+                pool[:, blocks[row, p // spec.block_size], p % spec.block_size] = rows[:, row, p]
+        return (logits, *pools)
     return logits, k_cache, v_cache
+
+
+def _paged_rows(pool, block_table) -> np.ndarray:
+    """[L, B, MB·BS, kv_heads, D]: each row's logical cache, its blocks of pool [L, NB, BS, kv_heads, D] in
+    block_table [B, MB] order."""
+    layers, _, bs, kv, d = pool.shape
+    b, mb = block_table.shape
+    return pool[:, block_table].reshape(layers, b, mb * bs, kv, d)

@@ -208,3 +208,37 @@ def placeholders(operands):
         else Spec(op.shape, op.dtype)
         for op in operands
     ]
+
+
+def paged_operands(rng, spec, lengths, max_blocks, num_blocks, dtype, *, shared=0):
+    """(operands, block_table) of a paged step (spec.block_size = BS) for rows at positions `lengths` (-1: an
+    inactive row): make_operands' weights, x and tables for T = 1; random pools of num_blocks blocks; each row's
+    max_blocks table entries distinct blocks drawn at random from the pool (scattered), rows 0 and 1 sharing their
+    first `shared` blocks (a common prefix, wholly before both rows' positions); masks causal at each row's
+    position (the second table also a sliding window of WINDOW positions)."""
+    bs, b, s = spec.block_size, len(lengths), max_blocks * spec.block_size
+    lengths = np.asarray(lengths, dtype=np.int32)
+    operands = make_operands(rng, spec, b, 1, s, 0, dtype)
+    pool = (spec.num_layers, num_blocks, bs, spec.num_kv_heads, spec.head_dim)
+    operands[10] = (rng.standard_normal(pool)).astype(dtype)
+    operands[11] = (rng.standard_normal(pool)).astype(dtype)
+    operands[12] = None
+    table = np.stack([rng.permutation(num_blocks)[:max_blocks] for _ in range(b)]).astype(np.int32)
+    if shared:
+        assert min(lengths[0], lengths[1]) >= shared * bs, "a shared block is written by neither row"
+        table[1, :shared] = table[0, :shared]
+        # the rest of row 1's blocks must not be row 0's shared ones
+        others = [blk for blk in rng.permutation(num_blocks) if blk not in table[0, :shared]]
+        table[1, shared:] = others[: max_blocks - shared]
+    slots = np.arange(s)
+    position = np.maximum(lengths, 0)[:, None]
+    visible = slots[None, :] <= position  # [B, S]
+    masks = np.broadcast_to(visible[None, :, None, :], (spec.num_masks, b, 1, s)).copy()
+    if spec.num_masks > 1:
+        masks[1] &= (slots[None, :] > position - WINDOW)[:, None, :]
+    operands[15] = np.where(masks, 0.0, np.finfo(np.float32).min).astype(np.float32)
+    operands += [None, table, lengths]
+    return operands, table
+
+
+WINDOW = 4  # the sliding window (positions) of paged_operands' second mask table

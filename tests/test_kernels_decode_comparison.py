@@ -55,7 +55,8 @@ def test_specs_and_operands_follow_the_contract(name, compressed):
     spec = bench.decode_spec(m, 7, compressed)
     assert spec.num_layers == 7 and len(spec.layer_rope) == 7
     ops = bench.operand_specs(spec, 3, 130)
-    assert len(ops) == 19 and (ops[18] is None) == (not spec.packed_weights)  # packed: with spec.packed_weights
+    assert len(ops) == 21 and (ops[18] is None) == (not spec.packed_weights)  # packed: with spec.packed_weights
+    assert ops[19] is None and ops[20] is None  # block_table, lengths: a paged spec's
     if spec.packed_weights:  # Gemma 3 270M's bf16 attention factors (packing.attention_packing)
         assert ops[18].shape == layouts.packed_shape(spec) and ops[18].dtype == bench.BF16
         spec = packing.unpacked_spec(spec)

@@ -33,7 +33,7 @@ from decode_operands import (
 from jax_neuronmm.models import decode
 from nki_kernels import emulator, reference
 from nki_kernels.decode import comparison, layouts, packing, tiles
-from nki_kernels.decode.contract import FP8, PROJECTIONS, DecodeOperands, Dense, Factored, check
+from nki_kernels.decode.contract import FP8, OPTIONAL_LAST, PROJECTIONS, DecodeOperands, Dense, Factored, check
 from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 from nki_kernels.emulator import cost_model, trace
@@ -320,6 +320,6 @@ def test_bad_packing_is_refused_naming_the_argument(rng):
 
 def test_operand_lists_may_leave_out_packed(rng):
     operands = fp8_operands(rng, GEMMA3_8, 1, 1, 8, 3)
-    assert len(operands) == len(dataclasses.fields(DecodeOperands)) - 1
+    assert len(operands) == len(dataclasses.fields(DecodeOperands)) - len(OPTIONAL_LAST)  # packed, block table...
     assert DecodeOperands.of(operands, GEMMA3_8).packed is None
     assert WEIGHT_INDEX["head"] == len(operands) - 1

@@ -589,7 +589,7 @@ def test_context_length_bounds_generate(llama_file, tmp_path):
 
 @pytest.mark.parametrize("dtype", [jnp.int32, "int8", bool, "not a dtype"])
 def test_dtype_must_be_a_float_type(llama_file, dtype):
-    with pytest.raises(TypeError, match=r"load_gguf: dtype is .*expected a floating-point dtype"):
+    with pytest.raises(TypeError, match=r"load_gguf: dtype=.*expected a float parameter dtype"):
         load_gguf(llama_file, dtype=dtype)
 
 

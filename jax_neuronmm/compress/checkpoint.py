@@ -17,7 +17,8 @@ name, no header checksum) are still read: their names must equal their joined pa
 must be present and match.
 fp8 weights (see compress/quantize.py) are stored as safetensors F8_E4M3 (float8_e4m3fn bits, values within
 Trainium's ±240) next to their float32 scales (`u_scale`, `v_scale`, `kernel_scale` beside `u`, `v`, `kernel`),
-checksummed like every tensor.
+checksummed like every tensor; saving and loading both refuse fp8 values beyond ±240 or NaN and non-finite scales
+(`fp8_content_problems`).
 Files are written to a temporary file in the target directory (`write_atomically`) and moved into place in one
 step, so a crash never leaves a half-written checkpoint under the final name; an existing file is replaced only
 when the caller says `overwrite=True` (otherwise the temporary is hard-linked into place, which fails when the
@@ -45,7 +46,7 @@ import safetensors.numpy
 
 from jax_neuronmm.compress import tree
 from jax_neuronmm.compress.params import CompressionReport
-from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX
+from jax_neuronmm.shapes import FP8_DTYPE, FP8_MAX, FP8_RECIPE
 
 FP8_SAFETENSORS_DTYPE = "F8_E4M3"  # safetensors' name of float8_e4m3fn
 
@@ -114,13 +115,11 @@ def save_compressed(
             )
         tensors[name] = array
         paths[name] = [key if isinstance(key, int) else str(key) for key in keys]
-        if tensors[name].dtype == FP8_DTYPE and np.abs(tensors[name].astype(np.float32)).max(initial=0) > FP8_MAX:
-            raise ValueError(
-                f"params leaf {name!r} is {FP8_DTYPE.name} with values beyond ±{FP8_MAX:g}, which Trainium's "
-                f"float8_e4m3 cannot hold; quantize with compress.quantize_fp8"
-            )
     if not tensors:
         raise ValueError("params has no array leaves to save")
+    problems = fp8_content_problems(paths, tensors)
+    if problems:
+        raise ValueError(f"params leaves that Trainium cannot use: {'; '.join(problems)}; {FP8_RECIPE}")
 
     ranks = _ranks(paths, tensors)
     # A report's rank None is a projection left dense: it has a kernel, no factors.
@@ -303,6 +302,9 @@ def load_compressed(path, *, like=None):
         raise CheckpointError(f"checkpoint {path!r}: checksum mismatch (corrupt data) in tensors {corrupt}")
     if _ranks(paths, tensors) != info.ranks:
         raise CheckpointError(f"checkpoint {path!r}: recorded ranks {info.ranks} do not match the u/v tensors")
+    problems = fp8_content_problems(paths, tensors)
+    if problems:
+        raise CheckpointError(f"checkpoint {path!r}: fp8 tensors that Trainium cannot use: {'; '.join(problems)}")
 
     flat = {tuple(paths[name]): array for name, array in tensors.items()}
     if like is None:
@@ -409,6 +411,28 @@ def _ranks(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> dict
         if keys and keys[-1] == "u" and keys[:-1] + ("v",) in by_keys and u.ndim >= 2:
             ranks[tree.join(keys[:-1])] = int(u.shape[-1])
     return ranks
+
+
+def fp8_content_problems(paths: Mapping[str, list], tensors: Mapping[str, np.ndarray]) -> list[str]:
+    """What is wrong in the fp8 tensors (name -> array, key paths `paths`): values beyond ±240 or NaN, which
+    Trainium's float8_e4m3 cannot hold (the device reads them as NaN), and NaN / ±inf in the float32 scales
+    stored beside them (`<leaf>_scale`). A checksum proves only that the bytes are the ones written, so saving
+    and loading both look at the values."""
+    names = {tuple(keys): name for name, keys in paths.items()}
+    problems = []
+    for name, array in tensors.items():
+        if array.dtype != FP8_DTYPE:
+            continue
+        count = np.count_nonzero(~(np.abs(array.astype(np.float32)) <= FP8_MAX))
+        if count:
+            problems.append(f"{name!r} holds {count} value(s) beyond ±{FP8_MAX:g} or NaN")
+        keys = tuple(paths[name])
+        scale = names.get(keys[:-1] + (f"{keys[-1]}_scale",))
+        if scale is not None and tensors[scale].dtype.kind == "f":
+            count = np.count_nonzero(~np.isfinite(tensors[scale]))
+            if count:
+                problems.append(f"{scale!r} (the scales of {name!r}) holds {count} NaN or ±inf value(s)")
+    return problems
 
 
 def _digest(array: np.ndarray, name: str | None) -> str:

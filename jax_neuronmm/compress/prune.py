@@ -25,6 +25,8 @@ import numbers
 import numpy as np
 from flax import nnx
 
+from jax_neuronmm.compress.gram import check_gram, damped_cholesky
+
 # Relative damping of the activations' Gram matrix HᵀH: a neuron that never fires on the calibration text has a zero
 # row there.
 DEFAULT_DAMPING = 1e-4
@@ -49,13 +51,14 @@ def prune_neurons(
     error, M = I): damped by svd.OUTPUT_DAMPING as `svd.output_whitening` damps it for factors, Gemma 3 270M's MLPs
     pruned to 1600 of 2048 neurons measured 1.235x / 1.238x dense perplexity before distillation against 1.217x /
     1.226x undamped; per_round: neurons removed together per round (1: one at a time, each the cheapest given every
-    removal before it).
+    removal before it). A gram that is not finite, symmetric and (damped) positive definite is a ValueError naming
+    it (`compress.gram`).
     """
-    gram = np.asarray(gram, np.float64)
     weights = np.array(down, np.float64)
     width = weights.shape[0] if weights.ndim == 2 else -1
-    if weights.ndim != 2 or gram.shape != (width, width):
-        raise ValueError(f"gram {gram.shape} and down {weights.shape}: expected gram [I, I] and down [I, N]")
+    if weights.ndim != 2 or np.shape(gram) != (width, width):
+        raise ValueError(f"gram {np.shape(gram)} and down {weights.shape}: expected gram [I, I] and down [I, N]")
+    gram = check_gram("prune_neurons", gram, width)
     _check_keep_count(keep_count, width)
     if not (isinstance(damping, numbers.Real) and np.isfinite(damping) and damping >= 0):
         raise ValueError(f"damping: got {damping!r}, expected a finite number >= 0")
@@ -68,7 +71,7 @@ def prune_neurons(
         metric = np.asarray(output_gram, np.float64)
         if metric.shape != (outputs, outputs):
             raise ValueError(f"output_gram: got shape {metric.shape}, expected [{outputs}, {outputs}] (down's N)")
-    inverse = np.linalg.inv(gram + damping * float(np.mean(np.diag(gram))) * np.eye(width))
+    inverse = np.linalg.inv(damped_cholesky("prune_neurons", gram, damping)[0])
     weighted = weights @ metric  # rows w_j·M, updated alongside the refit rows
     alive = np.ones(width, bool)
     for remaining in range(width - keep_count, 0, -per_round):

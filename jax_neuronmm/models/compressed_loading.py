@@ -56,6 +56,7 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.gguf_loading import load_gguf
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.layers import GatedMLP
+from jax_neuronmm.models.validation import check_param_dtype
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 
 CHECKPOINT_FILE = "model.safetensors"
@@ -104,6 +105,7 @@ def compress_checkpoint(
     Nothing the user has is replaced, and the output is checked before anything is compressed: see
     `check_output_dir` for the errors.
     """
+    check_param_dtype("compress_checkpoint", dtype)
     src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
     if keep is not None and rank is not None:
         raise ValueError(f"keep, rank: got keep={keep!r} and rank={rank!r}, expected at most one")
@@ -316,8 +318,10 @@ def load_compressed_checkpoint(path, dtype=jnp.float32) -> CausalLM:
     the file for a malformed config.json or tokenizer.json, `jax_neuronmm.compress.CheckpointError` (a
     ValueError) naming the file when model.safetensors was not written by save_compressed, is corrupt, or does not
     fit the model config.json describes, or when config.json or a tokenizer file differs from the one the
-    checkpoint was written with (checksums recorded in model.safetensors).
+    checkpoint was written with (checksums recorded in model.safetensors). A `dtype` that is not a float parameter
+    dtype (fp8 included: `quantize_model` makes fp8 weights) is a TypeError.
     """
+    check_param_dtype("load_compressed_checkpoint", dtype)
     path = os.fspath(path)
     read_config(path)
     weights_path = os.path.join(path, CHECKPOINT_FILE)

@@ -18,7 +18,7 @@ from flax import nnx
 from jax_neuronmm import decoder_math
 from jax_neuronmm.explicit_sharding import typed_alike
 from jax_neuronmm.models.layers import Attention, AttentionSpec, GatedMLP, RMSNorm, attention_mask, linear
-from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.models.validation import check_param_dtype, check_token_ids
 
 
 def hf_decoder_fields(hf: Mapping[str, Any]) -> dict:
@@ -164,7 +164,7 @@ class CausalLM(nnx.Module):
     ):
         rngs = rngs if rngs is not None else nnx.Rngs(0)
         self.config = config
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = jnp.dtype(check_param_dtype(type(self).__name__, dtype))
         self.tokenizer = tokenizer
         self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
         bad_eos = [i for i in self.eos_token_ids if not 0 <= i < config.vocab_size]

@@ -31,6 +31,7 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.gguf_tokenizer import gguf_tokenizer
 from jax_neuronmm.models.hf_loading import model_from_config
 from jax_neuronmm.models.layers import RopeConfig
+from jax_neuronmm.models.validation import check_param_dtype
 
 SUPPORTED_ARCHITECTURES = ("llama", "gemma", "gemma3", "qwen3")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma3")
@@ -52,15 +53,15 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
     the file's vocabulary (adding BOS when `tokenizer.ggml.add_bos_token` says so) or None when the file has no
     vocabulary, and `model.eos_token_ids` the file's end-of-sequence id (a tuple, maybe empty).
 
-    Raises FileNotFoundError for a missing file, TypeError for a `dtype` that is not a float type, and ValueError
+    Raises FileNotFoundError for a missing file, TypeError for a `dtype` that is not a float parameter dtype (fp8
+    included: `quantize_model` makes fp8 weights), and ValueError
     naming the file and the field for an unsupported architecture, tokenizer or tensor type, a metadata value of
     the wrong type or out of range (a count that is not a positive integer, a head count that does not fit the
     width, a NaN, infinite or non-positive RoPE base or norm epsilon), a declared count (layers, width, vocabulary,
     MLP width) that the tensors present do not match, a missing, empty or misshapen tensor, and a truncated or
     corrupt file. Declared counts are checked against the tensors before any model is built.
     """
-    if not _is_float_dtype(dtype):
-        raise TypeError(f"load_gguf: dtype is {dtype!r}, expected a floating-point dtype such as jnp.float32")
+    check_param_dtype("load_gguf", dtype)
     with tqdm(total=2, desc=f"Reading {os.path.basename(path)}", unit="step", leave=False) as bar:
         reader = _open(path)
         metadata = _Metadata(reader, path)
@@ -74,13 +75,6 @@ def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
         graphdef, loaded = _load_tensors(path, metadata.architecture, hf_config, tensors, dtype, tokenizer, bar)
         bar.update(1)
     return nnx.merge(graphdef, nnx.from_flat_state(loaded))
-
-
-def _is_float_dtype(dtype) -> bool:
-    try:
-        return bool(jnp.issubdtype(jnp.dtype(dtype), jnp.floating))
-    except TypeError:
-        return False
 
 
 def _load_tensors(path: str, architecture: str, hf_config: dict, tensors: dict, dtype, tokenizer, bar):

@@ -23,6 +23,7 @@ from jax_neuronmm.models.decoder import CausalLM, eos_token_ids_of
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.qwen3 import Qwen3, Qwen3Config
+from jax_neuronmm.models.validation import check_param_dtype
 
 SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma3_text", "gemma3", "qwen3")
 # Prefixes under which a checkpoint may store the decoder ("model." for *ForCausalLM; the others are the text
@@ -179,11 +180,13 @@ def load_hf(path: str, dtype=jnp.float32) -> CausalLM:
 
     Returns the model (`model(token_ids [B, T]) -> logits [B, T, vocab]`); `model.tokenizer` is a
     `tokenizers.Tokenizer` when the directory has tokenizer.json (else None) and `model.eos_token_ids` the
-    config's end-of-sequence ids (a tuple, maybe empty). Raises FileNotFoundError for missing files, ValueError
+    config's end-of-sequence ids (a tuple, maybe empty). Raises TypeError for a `dtype` that is not a float
+    parameter dtype (fp8 included: `quantize_model` makes fp8 weights), FileNotFoundError for missing files, ValueError
     naming the file for an unsupported model_type or a malformed config.json / tokenizer.json, and
     `jax_neuronmm.compress.CheckpointError` (a ValueError) naming the file for corrupt weights or tensors that are
     missing, unexpected or of the wrong shape.
     """
+    check_param_dtype("load_hf", dtype)
     path = os.fspath(path)
     read_config(path)  # missing directory or config.json first
     files = _weight_files(path)

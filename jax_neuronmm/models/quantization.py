@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
+from jax_neuronmm.compress.gram import check_damping
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
 from jax_neuronmm.compress.svd import single_threaded_blas
@@ -152,7 +153,8 @@ def quantize_model(
       calibration_ids: None (round to nearest), or token ids [B, T] of representative text: error-feedback
         rounding against each weight's calibration inputs (GPTQ, see the module docstring).
       targets: a subset of ("attention", "mlp", "head"): the attention projections, the MLPs, the LM head.
-      damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal.
+      damping: GPTQ's diagonal damping, a fraction of the Gram matrix's mean diagonal (a finite number >= 0:
+        ValueError otherwise, checked with or without calibration_ids).
       calibrate_factors: with calibration_ids, round SVD factors with GPTQ too (measured worse: module docstring).
       progress: show a progress bar over the layers while calibrating.
 
@@ -166,6 +168,7 @@ def quantize_model(
         raise ValueError(f"quantize_model: targets={targets!r}; expected a non-empty subset of {TARGETS}")
     if not isinstance(model, CausalLM):
         raise TypeError(f"quantize_model: model is a {type(model).__name__}; expected a CausalLM")
+    damping = check_damping("quantize_model", damping)
     grams = None
     if calibration_ids is not None:
         ids = np.asarray(calibration_ids)

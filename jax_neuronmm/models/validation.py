@@ -1,6 +1,28 @@
-"""Checks of user-supplied token ids, shared by generation, model calls and calibration."""
+"""Checks of user-supplied token ids and parameter dtypes, shared by generation, model calls, calibration and the
+loaders."""
 
 import numpy as np
+
+PARAM_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def check_param_dtype(op: str, dtype) -> np.dtype:
+    """`dtype` as a numpy dtype when it is a float parameter dtype (PARAM_DTYPES); a TypeError naming `dtype`
+    otherwise. fp8 is a weight format with per-channel scales, not a dtype to cast a model's parameters to (the
+    cast alone loses the scales: NaN or far-off logits), so the error points at `quantize_model`."""
+    try:
+        resolved = None if dtype is None else np.dtype(dtype)  # np.dtype(None) would be float64
+    except TypeError:
+        resolved = None
+    if resolved is not None and resolved.name in PARAM_DTYPES:
+        return resolved
+    if resolved is not None and resolved.name.startswith("float8"):
+        raise TypeError(
+            f"{op}: dtype={resolved.name}: fp8 is a weight format with per-channel scales, not a parameter dtype; "
+            "load the model in bfloat16 or float32 and quantize it with models.quantize_model(model)"
+        )
+    got = resolved.name if resolved is not None else repr(dtype)
+    raise TypeError(f"{op}: dtype={got}: expected a float parameter dtype, one of {', '.join(PARAM_DTYPES)}")
 
 
 def check_token_ids(ids, vocab_size: int, *, name: str) -> np.ndarray:

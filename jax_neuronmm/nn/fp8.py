@@ -5,7 +5,8 @@
   Fp8SVDLinear  y = ((x·u)·diag(u_scale))·v·diag(v_scale) + bias through `svd_matmul` (`Fp8SVDLinear.from_svd`)
   Fp8SVDMLP     the gated MLP of three Fp8SVDLinear projections through the fused `svd_mlp` (`Fp8SVDMLP.from_svd`)
 
-Weights are float8_e4m3fn holding Trainium's e4m3 values (±240), made by `compress.quantize_fp8`; they and their
+Weights are float8_e4m3fn holding Trainium's e4m3 values (±240), made by `compress.quantize_fp8` (float8_e4m3 arrays
+are taken as the same bits; values beyond ±240 or NaN, and NaN / ±inf scales, are a ValueError); they and their
 scales are `Fp8Weight` variables, not `nnx.Param`s, so optimizers and `nnx.grad` over Params leave them alone.
 Fp8Linear computes with XLA ops (the fp8 values widened to the activations' dtype, exact; float32 sums, then the
 scale): there is no dense fp8 NKI kernel yet. Fp8SVDLinear calls the fused primitive, kernels included.
@@ -19,7 +20,7 @@ from flax import nnx
 from jax_neuronmm.compress.quantize import quantize_fp8
 from jax_neuronmm.decoder_math import scaled_linear
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-from jax_neuronmm.shapes import FP8_DTYPE, is_fp8
+from jax_neuronmm.shapes import FP8_DTYPE, check_fp8_contents, fp8_storage, is_fp8
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
 
@@ -32,19 +33,28 @@ def fp8_dense(x, kernel, kernel_scale, *, precision=None):
     """(x·kernel)·diag(kernel_scale): x [..., K] (float), kernel [K, N] fp8, kernel_scale [N] float32 → [..., N]
     in x's dtype; the fp8 values are widened to x's dtype (exactly) and the products summed in float32
     (`decoder_math.scaled_linear`, which the decode step's XLA lowering uses too)."""
+    kernel = fp8_storage(kernel)
     if not is_fp8(kernel.dtype):
-        raise TypeError(f"fp8_dense: kernel has dtype {kernel.dtype}; expected {FP8_DTYPE.name}")
+        raise TypeError(f"fp8_dense: kernel has dtype {kernel.dtype}; expected {FP8_DTYPE.name} or float8_e4m3")
+    check_fp8_contents("fp8_dense", {"kernel": kernel, "kernel_scale": kernel_scale})
     return scaled_linear(x, kernel, kernel_scale, precision=precision)
 
 
-def _check_pair(name, values, scale, columns):
+def _checked_pair(op, name, values, scale, columns):
+    """(values, scale) as JAX arrays, values in the fp8 storage dtype; TypeError for a wrong dtype or shape,
+    ValueError for values known here beyond ±240 or NaN, or non-finite scales (`shapes.check_fp8_contents`)."""
+    values, scale = fp8_storage(jnp.asarray(values)), jnp.asarray(scale)
     if not is_fp8(values.dtype) or values.ndim != 2:
-        raise TypeError(f"{name}: got {values.dtype}{list(values.shape)}, expected a 2-D {FP8_DTYPE.name} array")
+        raise TypeError(
+            f"{name}: got {values.dtype}{list(values.shape)}, expected a 2-D {FP8_DTYPE.name} (or float8_e4m3) array"
+        )
     if scale.dtype != jnp.float32 or tuple(scale.shape) != (values.shape[1],):
         raise TypeError(
             f"{name}_scale: got {scale.dtype}{list(scale.shape)}, expected float32 [{values.shape[1]}] (one per "
             f"{columns})"
         )
+    check_fp8_contents(op, {name: values, f"{name}_scale": scale})
+    return values, scale
 
 
 class Fp8Linear(nnx.Module):
@@ -55,8 +65,7 @@ class Fp8Linear(nnx.Module):
     """
 
     def __init__(self, kernel, kernel_scale, bias=None, *, dtype=None, precision=None):
-        kernel, kernel_scale = jnp.asarray(kernel), jnp.asarray(kernel_scale)
-        _check_pair("kernel", kernel, kernel_scale, "output feature")
+        kernel, kernel_scale = _checked_pair("Fp8Linear", "kernel", kernel, kernel_scale, "output feature")
         self.kernel = Fp8Weight(kernel)
         self.kernel_scale = Fp8Weight(kernel_scale)
         self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)
@@ -97,9 +106,8 @@ class Fp8SVDLinear(nnx.Module):
     """
 
     def __init__(self, u, v, u_scale, v_scale, bias=None, *, dtype=None, precision=None):
-        u, v, u_scale, v_scale = (jnp.asarray(a) for a in (u, v, u_scale, v_scale))
-        _check_pair("u", u, u_scale, "rank")
-        _check_pair("v", v, v_scale, "output feature")
+        u, u_scale = _checked_pair("Fp8SVDLinear", "u", u, u_scale, "rank")
+        v, v_scale = _checked_pair("Fp8SVDLinear", "v", v, v_scale, "output feature")
         self.u, self.v = Fp8Weight(u), Fp8Weight(v)
         self.u_scale, self.v_scale = Fp8Weight(u_scale), Fp8Weight(v_scale)
         self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)

@@ -3,11 +3,13 @@
 contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperands (the named operands),
                  Factored(u, v[, u_scale, v_scale]), Quantized(w, scale) (fp8 weights) and Dense() (a dense weight
                  packed in the model's dtype), expected_shapes and
-                 check (check_write_index: the one value rule): the one description of the operands
+                 check (check_write_index, check_lengths: the value rules): the one description of the operands
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
 projections.py   RMSNorm, projections (dense and factored), the gated MLP and the LM head on column tiles
 attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
+paged.py         a paged KV cache (DecodeSpec.block_size): each row's blocks gathered through its block table, its
+                 new token scattered to its own position
 compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step
 sharding.py      shard_operands: a whole model's operands cut into Megatron tensor-parallel shards, one per rank
 parallel.py      the kernels' tensor-parallel collectives: o's and down's all-reduces, the logits' all-gather
@@ -25,6 +27,7 @@ from nki_kernels.decode.contract import (
     Factored,
     Quantized,
     check,
+    check_lengths,
     check_write_index,
     expected_shapes,
 )
@@ -38,6 +41,7 @@ __all__ = [
     "Factored",
     "Quantized",
     "check",
+    "check_lengths",
     "check_write_index",
     "expected_shapes",
 ]

@@ -650,13 +650,15 @@ class CacheWindow:
     key_columns: tuple
 
 
-def plan_window(span, features, dtype, spread_bytes):
+def plan_window(span, features, dtype, spread_bytes, blocks=None):
     """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`,
-    blocks spread to spread_bytes per partition (cache_spread_bytes)."""
-    blocks = slot_blocks(span, features * dtype.itemsize, spread_bytes)
+    blocks spread to spread_bytes per partition (cache_spread_bytes), or `blocks` given (a paged cache's, whose
+    gathered blocks are turned on the PE)."""
+    paged = blocks is not None
+    blocks = blocks if paged else slot_blocks(span, features * dtype.itemsize, spread_bytes)
     chunks = score_chunks(blocks)
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    keys_by_dma = keys_by_dma_transpose(blocks, features, dtype)
+    keys_by_dma = not paged and keys_by_dma_transpose(blocks, features, dtype)
     key_columns = []
     for index, (s0, np_, q) in enumerate(blocks):
         column0 = next(c0 for (n, _, _, c0) in chunks if n == index)
@@ -906,7 +908,7 @@ class WindowReader:
         _, batch, s, kv, d = k_cache.shape
         t = rows // batch
         self.k_cache, self.v_cache, self.mask_bias = k_cache, v_cache, mask_bias
-        self.layer, self.index, self.spec = layer, index, spec
+        self.layer, self.index, self.spec, self.batch = layer, index, spec, batch
         self.mask = spec.layer_mask[layer]
         spread = cache_spread_bytes(spec, batch)
         self.plan = plan_window(spec.window_slots(self.mask, s, t), kv * d, k_cache.dtype, spread)
@@ -927,6 +929,10 @@ class WindowReader:
             self.load(b)
         return self._loaded.pop(b)
 
+    def write(self, rows, cache, layer):
+        """This step's rows [R, kv_heads·D] (SBUF, the cache dtype) into `cache` at the write slot (write_rows)."""
+        write_rows(rows, cache, layer, self.index)
+
 
 @dataclasses.dataclass(frozen=True)
 class Prefetched:
@@ -938,12 +944,16 @@ class Prefetched:
     reader: WindowReader
 
 
-def prefetch(k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows):
+def prefetch(k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows, paged=None):
     """Prefetched for attention() of layer `layer` (operands as attention's, rows: R = B·T): what a kernel issues
     before this step's projections, so that its loads, PE transposes and evictions fill the engines' wait for the
-    norm and the projections instead of following them."""
-    index = load_write_index(write_index)
-    reader = WindowReader(k_cache, v_cache, mask_bias, layer, index, spec, rows, new_slots=True)
+    norm and the projections instead of following them. paged: a paged spec's nki_kernels.decode.paged.PagedRows
+    (write_index then None), whose reader reads each row's window through its block table."""
+    if paged is None:
+        index = load_write_index(write_index)
+        reader = WindowReader(k_cache, v_cache, mask_bias, layer, index, spec, rows, new_slots=True)
+    else:
+        reader = paged.reader(k_cache, v_cache, mask_bias, layer, spec, rows)
     reader.load(0)
     return Prefetched(load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows), reader)
 
@@ -961,7 +971,7 @@ def attend(qT, reader, constants, *, new_kv=None):
         raise ValueError("attend: new_kv must be given exactly when the reader masks this step's slots (new_slots)")
     spec = reader.spec
     pmax = nl.tile_size.pmax
-    _, batch, _, kv, d = reader.k_cache.shape
+    batch, (kv, d) = reader.batch, reader.k_cache.shape[3:]
     dtype = reader.k_cache.dtype
     r = qT.shape[2]
     gt = spec.num_heads // kv * (r // batch)
@@ -988,7 +998,8 @@ def attend(qT, reader, constants, *, new_kv=None):
 
 def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer):
     """attention()'s arguments: its HBM operands as the contract gives them (contract.check_named, B and S from
-    k_cache, T from cos, the model's dtype k_cache's), and what attention itself needs: a head dim it can tile
+    k_cache, T from cos, the model's dtype k_cache's; a paged spec's pools and S from mask_bias, their block
+    table checked by the kernel's contract.check), and what attention itself needs: a head dim it can tile
     (check_head_dim), a static layer, B·T rows and G·T queries per kv head within one partition tile, and qT, kT,
     vT natural column tiles of B·T rows."""
     pmax = nl.tile_size.pmax
@@ -1013,6 +1024,10 @@ def check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bia
         mask_bias=mask_bias,
         qk_norms=qk_norm_weights,
     )
+    if spec.paged:
+        batch, slots = cos.shape[1], mask_bias.shape[3]
+        for name in ("k_cache", "v_cache", "write_index"):
+            del hbm[name]
     contract.check_named(spec, hbm, "attention", batch=batch, tokens=t, slots=slots, model_dtype=k_cache.dtype)
     r = batch * t
     g_size = spec.num_heads // spec.num_kv_heads
@@ -1053,6 +1068,7 @@ def attention(
     constants=None,
     prefetched=None,
     writes=None,
+    paged=None,
 ):
     """One layer's attention at decode, inside a kernel; returns attnT column tiles [128, ceil(heads·D/128), R]
     in the cache dtype (ready as the o projection's moving operand).
@@ -1064,13 +1080,15 @@ def attention(
     once per kernel when attention runs for several layers. prefetched: prefetch(...) of this layer, issued before
     the projections (None: issued here). writes: None (the cache writes are issued here, last), or a list that
     receives them as functions to call later (`write_rows` at a runtime slot orders every later read of the cache
-    after it, so a kernel that reads another layer's window next issues them after that read).
+    after it, so a kernel that reads another layer's window next issues them after that read). paged: a paged
+    spec's nki_kernels.decode.paged.PagedRows (write_index None): the caches are pools, each row written at its
+    own slot and its window read through its block table.
     """
     check_operands(qT, kT, vT, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norm_weights, spec, layer)
     constants = constants or AttentionConstants(spec)
     rows = qT.shape[2]
     early = prefetched or prefetch(
-        k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows
+        k_cache, v_cache, layer, write_index, cos, sin, mask_bias, qk_norm_weights, spec, rows, paged
     )
     features = spec.num_kv_heads * spec.head_dim
     kp, _ = natural_tiles(features)
@@ -1084,9 +1102,9 @@ def attention(
     attn = attend(q_rotated, early.reader, constants, new_kv=(keys, values))
     # Written last (or later, by the caller): the window was read without waiting for these writes (the same HBM
     # bytes). The k rows evict on ScalarE first: VectorE carries the o projection's inputs next.
-    index = early.reader.index
+    reader = early.reader
     key_rows = cache_rows(k_rotated, features, k_cache.dtype, "new_key_rows", turn=1)
-    issue = [lambda: write_rows(values, v_cache, layer, index), lambda: write_rows(key_rows, k_cache, layer, index)]
+    issue = [lambda: reader.write(values, v_cache, layer), lambda: reader.write(key_rows, k_cache, layer)]
     if writes is None:
         for write in issue:
             write()

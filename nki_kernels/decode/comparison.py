@@ -141,8 +141,10 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
     """Shape/dtype placeholders (emulator Specs) of the operands in the contract's order (bf16 model dtype), from
-    expected_shapes and expected_dtypes; a stored weight (Factored, Quantized) is one of them."""
-    shapes, dtypes = expected_shapes(spec, batch, tokens, cache_len), expected_dtypes(spec, BF16)
+    expected_shapes and expected_dtypes; a stored weight (Factored, Quantized) is one of them. A paged spec's pools
+    hold every row's cache_len slots (batch·cache_len / block_size blocks)."""
+    blocks = batch * (cache_len // spec.block_size) if spec.paged else 1
+    shapes, dtypes = expected_shapes(spec, batch, tokens, cache_len, num_blocks=blocks), expected_dtypes(spec, BF16)
     values = []
     for shape, dtype in zip(shapes.values(), dtypes.values()):
         if isinstance(shape, StoredWeight):

@@ -39,6 +39,7 @@ import dataclasses
 
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.decode import attention, contract, parallel, projections, tiles
+from nki_kernels.decode import paged as paged_cache
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec, as_weight, layer_weight
 from nki_kernels.decode.layouts import Layouts
 from nki_kernels.decode.packing import load_packed
@@ -62,8 +63,11 @@ class StepContext:
     """What every layer of a kernel shares: spec, rows, model dtype (the activations' matmul dtype), layouts, the
     weight ring, norm constants, and (a looped kernel's) every layer's fp8 scales."""
 
-    def __init__(self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, weights=None, head=False):
+    def __init__(
+        self, spec, rows, dtype, ring_block_bytes, ring_bytes, k_cache=None, weights=None, head=False, paged=None
+    ):
         """k_cache: the step's cache when the kernel runs attention (its tiles are kept out of the ring's SBUF).
+        paged: a paged spec's PagedRows (nki_kernels.decode.paged; k_cache its pool), for every layer's attention.
         weights: {projection: stacked weight (HBM)} of a looped kernel, whose every layer's fp8 scales are then
         loaded at once where `scales_fit` (their tiles kept out of the ring's SBUF too); None: each layer loads
         its own. head: the kernel runs the LM head (its staged logits are kept out of the ring's SBUF; the cache
@@ -74,7 +78,13 @@ class StepContext:
         self.layouts = Layouts(spec)
         out_layouts = {name: self.layouts.output(name) for name in PROJECTIONS}
         preload = weights is not None and scales_fit(spec, out_layouts)
-        beside = 0 if k_cache is None else attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
+        self.paged = paged
+        if k_cache is None:
+            beside = 0
+        elif paged is not None:
+            beside = paged_cache.cache_sbuf_bytes(k_cache, spec, paged.batch, paged.slots)
+        else:
+            beside = attention.cache_sbuf_bytes(k_cache, spec, rows // k_cache.shape[1])
         beside += projections.LayerScales.sbuf_bytes(spec, out_layouts) if preload else 0
         if head:
             beside = max(beside, head_staging_bytes(spec, rows, dtype, ring_block_bytes))
@@ -148,11 +158,26 @@ def _add_normed(ctx, x, y, weights, j, name):
         _add(x, _normed(ctx, y, weights, j, nl.float32, name))
 
 
-def _prefetch(ops, layer, spec, rows):
+def _prefetch(ctx, ops, layer):
     """attention.prefetch of `layer`: what its attention needs that waits for no projection."""
     return attention.prefetch(
-        ops.k_cache, ops.v_cache, layer, ops.write_index, ops.cos, ops.sin, ops.mask_bias, ops.qk_norms, spec, rows
+        ops.k_cache,
+        ops.v_cache,
+        layer,
+        ops.write_index,
+        ops.cos,
+        ops.sin,
+        ops.mask_bias,
+        ops.qk_norms,
+        ctx.spec,
+        ctx.rows,
+        ctx.paged,
     )
+
+
+def paged_rows(ops, spec):
+    """A paged spec's PagedRows of this launch (the rows' run-time indices, shared by every layer), else None."""
+    return paged_cache.PagedRows(ops.block_table, ops.lengths, ops.k_cache, spec) if spec.paged else None
 
 
 def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
@@ -226,7 +251,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     # the prefetch's transposes (the mask columns, the window's keys) before them in program order, so the window's
     # DMAs, queued behind the packed block, would delay q too; attention issues them after the projections instead.
     if early is None and not spec.packed_weights:
-        early = _prefetch(ops, layer, spec, rows)
+        early = _prefetch(ctx, ops, layer)
     writes = [] if prefetch_next else None  # this layer's cache writes, issued after layer + 1's prefetch
     qkv = {}
     for name, layout in (("q", lay.q), ("k", lay.kv), ("v", lay.kv)):
@@ -249,6 +274,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         constants=ctx.attention,
         prefetched=early,
         writes=writes,
+        paged=ctx.paged,
     )
     del qkv
     if attn.dtype != ctx.dtype:
@@ -270,7 +296,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
             h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales, reduce
         )
         release(*MLP_PROJECTIONS)
-        following = _prefetch(ops, layer + 1, spec, rows) if prefetch_next else None
+        following = _prefetch(ctx, ops, layer + 1) if prefetch_next else None
         for write in writes or ():
             write()
         _add_normed(ctx, x, m, w_norm, 3, "mlp_out_normed")
@@ -281,7 +307,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
             h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales, reduce
         )
         release(*MLP_PROJECTIONS)
-        following = _prefetch(ops, layer + 1, spec, rows) if prefetch_next else None
+        following = _prefetch(ctx, ops, layer + 1) if prefetch_next else None
         for write in writes or ():
             write()
     return following
@@ -336,7 +362,9 @@ def decode_step_kernel(operands, *, spec, ring_block_bytes=None, ring_bytes=None
     ops = check_operands("decode_step_kernel", operands, spec)
     b, t, _ = ops.x.shape
     rows = b * t
-    ctx = StepContext(spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, ops.weights, head=True)
+    ctx = StepContext(
+        spec, rows, ops.x.dtype, ring_block_bytes, ring_bytes, ops.k_cache, ops.weights, True, paged_rows(ops, spec)
+    )
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     early = None
@@ -399,7 +427,9 @@ def decoder_layer_kernel(operands, *, spec, layer, ring_block_bytes=None, ring_b
     b, t, _ = ops.x.shape
     rows = b * t
     check_fp8_activations("decoder_layer_kernel", spec, ops.norms.dtype)
-    ctx = StepContext(spec, rows, ops.norms.dtype, ring_block_bytes, ring_bytes, ops.k_cache)
+    ctx = StepContext(
+        spec, rows, ops.norms.dtype, ring_block_bytes, ring_bytes, ops.k_cache, paged=paged_rows(ops, spec)
+    )
     hidden = tiles.column_tiles(ctx.layouts.hidden, rows, nl.float32, "hidden")
     tiles.load_columns(hidden, _rows(ops.x, rows), ctx.layouts.hidden)
     decoder_layer(ctx, hidden, layer, ops)

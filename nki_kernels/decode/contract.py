@@ -75,6 +75,10 @@ class DecodeSpec:
     an empty Factored, or for a dense weight an empty Dense); () for none. All of them fp8 (the operand is fp8),
     or all in the model's dtype, factored or dense (the operand is in the model's dtype). With tensor_parallel > 1
     the packed operand is this rank's: the layout of its shard's values.
+    block_size: None (a contiguous cache per row, written at write_index), or the slots per block of a paged
+    cache: k_cache and v_cache are then pools of blocks [L, num_blocks, block_size, kv_heads, D] that every row
+    shares, read and written through the operands block_table [B, MB] and lengths [B] (one new token per row, T = 1,
+    at its own position lengths[b]; see DecodeOperands). The logical slots of a row are S = MB·block_size.
     """
 
     num_layers: int
@@ -100,6 +104,7 @@ class DecodeSpec:
     mask_windows: tuple[int | None, ...] = ()
     tensor_parallel: int = 1
     packed_weights: tuple[str, ...] = ()
+    block_size: int | None = None
 
     def __post_init__(self):
         for name in (
@@ -156,6 +161,10 @@ class DecodeSpec:
                 f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
                 f"[1, {min(self.hidden, self.whole_vocab)}]"
             )
+        if self.block_size is not None and (
+            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
+        ):
+            raise ValueError(f"DecodeSpec.block_size: got {self.block_size!r}, expected None or a positive int")
         _check_names("fp8_weights", self.fp8_weights, WEIGHTS)
         _check_names("packed_weights", self.packed_weights, PROJECTIONS)
         fp8 = [name for name in self.packed_weights if self.fp8(name)]
@@ -172,6 +181,16 @@ class DecodeSpec:
                 f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
                 f"entries (one per mask table), each None or a window of slots >= 1"
             )
+
+    @property
+    def paged(self) -> bool:
+        """Whether the cache is a pool of blocks read through a block table (block_size set)."""
+        return self.block_size is not None
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether each row has its own contiguous cache written at write_index (no block_size)."""
+        return self.block_size is None
 
     @property
     def num_norms(self) -> int:
@@ -352,14 +371,23 @@ def stored_type(spec: DecodeSpec, weight: str):
     return Dense if weight in spec.packed_weights else None
 
 
-def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None):
+def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None, paged=None):
     """A DecodeOperands field: `layout` the symbolic shape (for messages and docs), shape(spec, b, t, s) the
     concrete one, present: the spec's flag that says whether the operand exists (None when it does not),
-    batch_axis: its B axis for an operand with one per row (vmap folds rows into B there)."""
+    batch_axis: its B axis for an operand with one per row (vmap folds rows into B there; not for a paged
+    spec's pools), paged: (layout, shape(spec, num_blocks)) where a paged spec gives it another shape (the
+    caches as pools of blocks)."""
     return dataclasses.field(
         default=None,
-        metadata=dict(layout=layout, shape=shape, dtype=dtype, present=present, batch_axis=batch_axis),
+        metadata=dict(layout=layout, shape=shape, dtype=dtype, present=present, batch_axis=batch_axis, paged=paged),
     )
+
+
+# A paged spec's caches: pools of blocks shared by the rows.
+POOL = (
+    "[L, num_blocks, block_size, kv_heads, D]",
+    lambda spec, nb: (spec.num_layers, nb, spec.block_size, spec.num_kv_heads, spec.head_dim),
+)
 
 
 def _weight(projection: str):
@@ -382,6 +410,15 @@ def _weight(projection: str):
 @dataclasses.dataclass(frozen=True)
 class DecodeOperands:
     """The operands of one decode step, by name (L = spec.num_layers, B rows of T new tokens, S cache slots).
+
+    Paged (spec.block_size = BS): T = 1; k_cache, v_cache are pools [L, num_blocks, BS, kv_heads, D] of blocks
+    shared by all rows (what every slot holds must be finite), write_index is None, and block_table [B, MB] int32
+    (row b's i-th block of positions is block_table[b, i]; every entry a block of the pool) and lengths [B] int32
+    (the tokens of row b already cached) place each row: row b writes its new k and v at position p = lengths[b]
+    (block block_table[b, p // BS], slot p % BS) and attends over its logical slots 0 .. S - 1 = MB·BS - 1 through
+    the table, its mask_bias[:, b, 0] over those positions (which must show p and hide every position past it);
+    lengths[b] = -1: an inactive row (nothing written, its logits meaningless). cos, sin hold each row's tables of
+    its position p.
 
     x [B, T, H]: the embedded tokens. norms [L, NN, H] (NN = spec.num_norms). qk_norms [L, 2, D] (q_norm, k_norm)
     or None without spec.qk_norm. q, k, v, o, gate, up, down: a dense [L, K, N] or a Factored (zero padded to its
@@ -412,13 +449,15 @@ class DecodeOperands:
         "[L, B, S, kv_heads, D]",
         lambda spec, b, t, s: (spec.num_layers, b, s, spec.num_kv_heads, spec.head_dim),
         batch_axis=1,
+        paged=POOL,
     )
     v_cache: Any = _operand(
         "[L, B, S, kv_heads, D]",
         lambda spec, b, t, s: (spec.num_layers, b, s, spec.num_kv_heads, spec.head_dim),
         batch_axis=1,
+        paged=POOL,
     )
-    write_index: Any = _operand("[1, 1]", lambda spec, b, t, s: (1, 1), np.dtype(np.int32))
+    write_index: Any = _operand("[1, 1]", lambda spec, b, t, s: (1, 1), np.dtype(np.int32), present="contiguous")
     cos: Any = _operand(
         "[NR, B, T, D]",
         lambda spec, b, t, s: (spec.num_rope_tables, b, t, spec.head_dim),
@@ -446,20 +485,25 @@ class DecodeOperands:
     packed: Any = _operand(
         "[L, 128, E]", lambda spec, b, t, s: packed_shape(spec), PACKED_DTYPE, present="packed_weights"
     )
+    block_table: Any = _operand(
+        "[B, MB]", lambda spec, b, t, s: (b, s // spec.block_size), np.dtype(np.int32), present="paged", batch_axis=0
+    )
+    lengths: Any = _operand("[B]", lambda spec, b, t, s: (b,), np.dtype(np.int32), present="paged", batch_axis=0)
 
     @classmethod
     def of(cls, operands, spec: DecodeSpec) -> DecodeOperands:
-        """`operands` as DecodeOperands: itself, or a sequence in field order (`packed`, the last, may be left out
-        when None) where a weight may be given as the list of its parts (how a kernel's list argument comes back):
-        a Quantized where `spec` stores the weight dense in fp8, else a Factored ([u, v], or [u, v, u_scale,
-        v_scale]; a packed one's u and v None). A packed weight with no parts (in the model's dtype) may be given
-        as None or () (kernel_arg's None): Factored(), or Dense() for a dense one."""
+        """`operands` as DecodeOperands: itself, or a sequence in field order (the optional last ones, `packed`,
+        `block_table`, `lengths`, may be left out when None) where a weight may be given as the list of its parts
+        (how a kernel's list argument comes back): a Quantized where `spec` stores the weight dense in fp8, else a
+        Factored ([u, v], or [u, v, u_scale, v_scale]; a packed one's u and v None). A packed weight with no parts
+        (in the model's dtype) may be given as None or () (kernel_arg's None): Factored(), or Dense() for a dense
+        one."""
         if isinstance(operands, cls):
             return operands
         names = operand_fields()
         operands = list(operands)
-        if len(operands) == len(names) - 1:
-            operands.append(None)
+        if len(names) - len(OPTIONAL_LAST) <= len(operands) < len(names):
+            operands += [None] * (len(names) - len(operands))
         if len(operands) != len(names):
             raise ValueError(f"got {len(operands)} operands, expected {len(names)} {names}")
         values = {}
@@ -501,6 +545,10 @@ class DecodeOperands:
         return dataclasses.replace(self, **changes)
 
 
+# The operands a sequence may leave out at its end (each None unless the spec has it).
+OPTIONAL_LAST = ("packed", "block_table", "lengths")
+
+
 def _partless(spec: DecodeSpec, weight: str) -> bool:
     """Whether `weight`'s stored weight holds no parts: packed in the model's dtype (its values in `packed`)."""
     return weight in spec.packed_weights and not spec.fp8(weight)
@@ -516,7 +564,8 @@ def operand_fields() -> tuple[str, ...]:
 
 
 def batch_axes() -> dict[str, int]:
-    """{operand name: its B axis} of the operands with one entry per row."""
+    """{operand name: its B axis} of the operands with one entry per row (a contiguous spec's; a paged spec's
+    pools have none)."""
     return {
         field.name: field.metadata["batch_axis"]
         for field in dataclasses.fields(DecodeOperands)
@@ -524,11 +573,20 @@ def batch_axes() -> dict[str, int]:
     }
 
 
-def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None):
-    """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots: a tuple
-    per operand, a Factored (factors stacked to rank_padding.get(name) when given, else to spec.stacked_rank) or a
-    Quantized of tuples per stored weight (`stored_type`; the scales only for fp8 weights, the values only for
-    weights not packed), None where the spec has no such operand."""
+def layout_of(spec: DecodeSpec, name: str) -> str:
+    """The symbolic shape of operand `name` for `spec` (a paged spec's pools differ)."""
+    meta = next(field.metadata for field in dataclasses.fields(DecodeOperands) if field.name == name)
+    return meta["paged"][0] if spec.paged and meta.get("paged") else meta["layout"]
+
+
+def expected_shapes(
+    spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_padding: dict | None = None, num_blocks: int = 1
+):
+    """DecodeOperands of shapes for B = batch rows of T = tokens new tokens and S = slots cache slots (a paged
+    spec: logical slots per row, a multiple of block_size, in pools of num_blocks blocks): a tuple per operand, a
+    Factored (factors stacked to rank_padding.get(name) when given, else to spec.stacked_rank) or a Quantized of
+    tuples per stored weight (`stored_type`; the scales only for fp8 weights, the values only for weights not
+    packed), None where the spec has no such operand."""
     rank_padding = rank_padding or {}
     shapes = {}
     for field in dataclasses.fields(DecodeOperands):
@@ -536,6 +594,9 @@ def expected_shapes(spec: DecodeSpec, batch: int, tokens: int, slots: int, rank_
         present = meta.get("present")
         if present is not None and not getattr(spec, present):
             shapes[field.name] = None
+            continue
+        if spec.paged and meta.get("paged"):
+            shapes[field.name] = meta["paged"][1](spec, num_blocks)
             continue
         shape = meta["shape"](spec, batch, tokens, slots)
         weight = meta.get("weight")
@@ -572,7 +633,8 @@ def expected_dtypes(spec: DecodeSpec, model_dtype, fp8_dtype=FP8) -> DecodeOpera
         return model_dtype
 
     dtypes = {}
-    for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, 1).values()):
+    one = spec.block_size or 1  # one logical block of slots
+    for field, shape in zip(dataclasses.fields(DecodeOperands), expected_shapes(spec, 1, 1, one).values()):
         weight = field.metadata.get("weight")
         if isinstance(shape, StoredWeight):
             rules = {part.name: part.metadata["dtype"] for part in dataclasses.fields(shape)}
@@ -664,7 +726,7 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
         present = meta.get("present")
         if present is not None and (value is None) == bool(getattr(spec, present)):
             raise ValueError(
-                f"{where}: {name}: got None, expected {meta['layout']} since spec.{present} is set"
+                f"{where}: {name}: got None, expected {layout_of(spec, name)} since spec.{present} is set"
                 if value is None
                 else f"{where}: {name}: expected None since spec.{present} is {getattr(spec, present)!r}"
             )
@@ -676,23 +738,33 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
         if any(not (hasattr(a, "shape") and hasattr(a, "dtype")) for a in arrays):
             raise ValueError(f"{where}: {name}: got {type(value).__name__}, expected arrays of {meta['layout']}")
     x, cache = ops.x, ops.k_cache
-    for name, value, rank in (("x", x, 3), ("k_cache", cache, 5)):
+    for name, value, rank in (("x", x, 3), ("k_cache", cache, 5)) + (
+        (("block_table", ops.block_table, 2),) if spec.paged else ()
+    ):
         if len(value.shape) != rank:
             raise ValueError(
-                f"{where}: {name}: got shape {_shape_of(value)}, expected {fields[name].metadata['layout']} "
-                f"(the contract: {name} has shape {fields[name].metadata['layout']})"
+                f"{where}: {name}: got shape {_shape_of(value)}, expected {layout_of(spec, name)} "
+                f"(the contract: {name} has shape {layout_of(spec, name)})"
             )
+    slots, num_blocks = cache.shape[2], 1
+    if spec.paged:
+        slots, num_blocks = ops.block_table.shape[1] * spec.block_size, cache.shape[1]
     for name, size, what in (
         ("x", x.shape[0], "B (rows)"),
         ("x", x.shape[1], "T (tokens)"),
-        ("k_cache", cache.shape[2], "S (slots)"),
-    ):
+        ("block_table" if spec.paged else "k_cache", slots, "S (slots)"),
+    ) + ((("k_cache", num_blocks, "num_blocks"),) if spec.paged else ()):
         if size < 1:
             value = getattr(ops, name)
             raise ValueError(f"{where}: {name}: got shape {_shape_of(value)} with {what} = {size}, expected >= 1")
-    if cache.shape[2] < x.shape[1]:
+    if spec.paged and x.shape[1] != 1:
         raise ValueError(
-            f"{where}: k_cache: got {cache.shape[2]} slots, expected at least T = {x.shape[1]} (this step's tokens)"
+            f"{where}: x: got shape {_shape_of(x)}, expected T = 1 token per row since spec.block_size is set (a "
+            "paged step writes each row's one new token at its own position lengths[b])"
+        )
+    if slots < x.shape[1]:
+        raise ValueError(
+            f"{where}: k_cache: got {slots} slots, expected at least T = {x.shape[1]} (this step's tokens)"
         )
     padding = {}
     if padded_ranks:
@@ -708,7 +780,7 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
             stacked = stacked_part.shape[-1]
             if stacked >= spec.stacked_rank(weight):
                 padding[name] = stacked
-    want = expected_shapes(spec, x.shape[0], x.shape[1], cache.shape[2], padding)
+    want = expected_shapes(spec, x.shape[0], x.shape[1], slots, padding, num_blocks)
     model = np.dtype(x.dtype)
     if model not in (np.float16, np.float32, np.float64) and model.name != "bfloat16":
         raise TypeError(f"{where}: x: got dtype {model.name}, expected a float dtype (the model's)")
@@ -719,8 +791,8 @@ def check(spec: DecodeSpec, operands, where: str, *, padded_ranks: bool = False,
         if _shape_of(value) != wanted[name]:
             raise ValueError(
                 f"{where}: {name}: got shape {_shape_of(value)}, expected {wanted[name]} (from the spec and "
-                f"x [B, T, H] = {_shape_of(x)}, k_cache slots S = {cache.shape[2]}; the contract: "
-                f"{field.name} has shape {field.metadata['layout']})"
+                f"x [B, T, H] = {_shape_of(x)}, cache slots S = {slots}; the contract: "
+                f"{field.name} has shape {layout_of(spec, field.name)})"
             )
         got = np.dtype(value.dtype)
         if got != dtypes[name]:
@@ -774,6 +846,30 @@ def check_write_index(where: str, write_index, *, slots: int, tokens: int) -> No
         raise ValueError(
             f"{where}: write_index: got {index}, expected 0 <= write_index <= S - T = {slots - tokens} (the step "
             f"writes its T = {tokens} tokens at cache slots [write_index, write_index + T) of S = {slots})"
+        )
+
+
+def check_lengths(where: str, lengths, block_table, *, block_size: int, num_blocks: int) -> None:
+    """A ValueError starting with `where` and naming lengths or block_table unless a paged step can run on these
+    values (concrete arrays): every lengths[b] in [-1, S - 1] (S = MB·block_size logical slots; -1 an inactive
+    row) and every block_table entry a block of the pool, in [0, num_blocks) (the kernels read a row's whole
+    table, or its window of it, entries past its length included). `check` sees shapes only: out of range, the
+    kernels' DMAs would read or write other memory."""
+    lengths, table = np.asarray(lengths).reshape(-1), np.asarray(block_table)
+    slots = table.shape[1] * block_size
+    bad = np.flatnonzero((lengths < -1) | (lengths > slots - 1))
+    if bad.size:
+        b = int(bad[0])
+        raise ValueError(
+            f"{where}: lengths: got lengths[{b}] = {int(lengths[b])}, expected -1 (an inactive row) or a position in "
+            f"[0, S - 1 = {slots - 1}] (S = {table.shape[1]} blocks of {block_size} slots in the block table)"
+        )
+    bad = np.argwhere((table < 0) | (table >= num_blocks))
+    if bad.size:
+        b, i = (int(v) for v in bad[0])
+        raise ValueError(
+            f"{where}: block_table: got block_table[{b}, {i}] = {int(table[b, i])}, expected a block of the pool in "
+            f"[0, {num_blocks}) (every entry, those past a row's length too, must name a valid block)"
         )
 
 

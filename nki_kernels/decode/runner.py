@@ -36,7 +36,14 @@ from nki_kernels.decode.compositions import (
     norm_kernel,
     projection_kernel,
 )
-from nki_kernels.decode.contract import SPLIT_ROWS, DecodeOperands, check_write_index, kernel_arg, operand_fields
+from nki_kernels.decode.contract import (
+    SPLIT_ROWS,
+    DecodeOperands,
+    check_lengths,
+    check_write_index,
+    kernel_arg,
+    operand_fields,
+)
 from nki_kernels.emulator import count_only, simulate_spmd
 from nki_kernels.emulator.kernel import Spec, run
 from nki_kernels.gated_activation import gated_activation_kernel
@@ -113,6 +120,14 @@ def _run(where, composition, ops, spec, numerics, ring):
     first = _rank(ops, 0) if isinstance(ops.x, PerRank) else ops
     if isinstance(first.write_index, np.ndarray):
         check_write_index(where, first.write_index, slots=first.k_cache.shape[2], tokens=first.x.shape[1])
+    if isinstance(first.lengths, np.ndarray) and isinstance(first.block_table, np.ndarray):
+        blocks = dict(block_size=spec.block_size, num_blocks=first.k_cache.shape[1])
+        check_lengths(where, first.lengths, first.block_table, **blocks)
+    if spec.paged and composition not in ("looped", "per_layer"):
+        raise ValueError(
+            f"{where}: composition {composition!r} writes and reads a contiguous cache at write_index; a paged "
+            f"cache (spec.block_size = {spec.block_size}) runs in the looped and per-layer kernels"
+        )
     with contextlib.nullcontext() if numerics else count_only():
         if composition == "looped":
             return _launch(decode_step_kernel, _kernel_args(ops), spec=spec, **ring)

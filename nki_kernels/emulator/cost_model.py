@@ -92,18 +92,27 @@ The model is a list scheduler over the run's instruction records:
   its hop latencies only; the fixed ~1300 ns per DMA, every compute instruction's cost and the dependencies
   stay. What is left is the latency of the kernel's dependency chain (engines, fixed latencies), the part of a
   run that no bandwidth can shorten: beside a bound on the bytes it shows which of the two limits a kernel.
+- Fitted terms (`CostTerms`, values in fitted_costs.json, fitted by benchmarks/calibration.py to AWS's published
+  end-to-end decode latencies): a per-DMA issue cost on the core's issue queue ([ARCH2] ~600 ns per hardware-DGE
+  DMA), a fixed cost once per launch (host, runtime and synchronization of a step), the fraction of the core's
+  HBM share its DMA engines reach together, and LNC=2 (a trn2 rank spans two physical cores: both cores' DMA
+  engines, HBM shares and issue queues; compute stays on one core's engines, as the project's kernels do not
+  split their instruction stream). Without terms the schedule is the documented model alone.
 - Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
-  kernel launch time (no documented numbers); the cost of triggering a DMA on the issuing engine
-  (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and which engine or
-  DGE mode issues each DMA is the compiler's choice, not visible in a kernel run); [PERF]'s
-  "close 70% DMA throughput utilization" for one profiled kernel (an example, not a rule).
+  kernel launch time (no documented numbers); in the documented model (no terms), the cost of triggering a
+  DMA on the issuing engine (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and
+  which engine or DGE mode issues each DMA is the compiler's choice, not visible in a kernel run: the fitted
+  terms put it on one issue queue per physical core); [PERF]'s "close 70% DMA throughput utilization" for one
+  profiled kernel (an example, not a rule).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import json
 import math
+import pathlib
 
 from nki_kernels import hardware
 
@@ -216,6 +225,55 @@ _MAX_BUCKETS = 256
 # DMA engine idle gaps remembered for slotting in later transfers, and the shortest kept.
 _MAX_GAPS = 16
 _MIN_GAP_NS = 1e-3
+
+
+FITTED_COSTS_PATH = pathlib.Path(__file__).with_name("fitted_costs.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class CostTerms:
+    """Costs the documented model leaves out, as named terms (module docstring, "Fitted terms").
+
+    dma_issue_ns: ns a DMA holds its core's issue queue before its transfer can start (one queue per physical core).
+    step_fixed_us: µs added once per launch (a looped decode step is one launch).
+    hbm_efficiency: fraction of the core's HBM share that all its DMA engines reach together (the cap is per core).
+    lnc: physical cores per rank (2: trn2's default logical core).
+    compute_scale: factor on every compute instruction's time (1 as documented; the speed bands use 2).
+    """
+
+    dma_issue_ns: float = 0.0
+    step_fixed_us: float = 0.0
+    hbm_efficiency: float = 1.0
+    lnc: int = 1
+    compute_scale: float = 1.0
+
+    def __post_init__(self):
+        for name in ("dma_issue_ns", "step_fixed_us"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"CostTerms.{name}: got {value!r}, expected a finite number >= 0")
+        if not (isinstance(self.hbm_efficiency, (int, float)) and 0 < self.hbm_efficiency <= 1):
+            raise ValueError(f"CostTerms.hbm_efficiency: got {self.hbm_efficiency!r}, expected a number in (0, 1]")
+        if self.lnc not in (1, 2) or isinstance(self.lnc, bool):
+            raise ValueError(f"CostTerms.lnc: got {self.lnc!r}, expected 1 or 2 physical cores per rank")
+        if not (isinstance(self.compute_scale, (int, float)) and 0 < self.compute_scale < math.inf):
+            raise ValueError(f"CostTerms.compute_scale: got {self.compute_scale!r}, expected a finite number > 0")
+
+
+def fitted_terms(target: str, path: str | pathlib.Path | None = None) -> CostTerms:
+    """The CostTerms fitted for `target`, read from `path` (default FITTED_COSTS_PATH, written by
+    benchmarks/calibration.py). A missing target, an unknown or missing field fails with a ValueError."""
+    _check_target(target)
+    path = pathlib.Path(FITTED_COSTS_PATH if path is None else path)
+    with open(path, encoding="utf-8") as f:
+        table = json.load(f)
+    entry = table.get("targets", {}).get(target) if isinstance(table, dict) else None
+    fields = {f.name for f in dataclasses.fields(CostTerms)}
+    if not isinstance(entry, dict) or set(entry) != fields:
+        raise ValueError(
+            f"{path}: targets.{target}: got {entry!r}, expected an object with the fields {sorted(fields)}"
+        )
+    return CostTerms(**entry)
 
 
 def _check_target(target: str) -> Hardware:
@@ -382,10 +440,11 @@ class Schedule:
     finish_us: tuple[float, ...]
     engine_busy_us: dict[str, float]  # "tensor", "vector", "scalar", "gpsimd", "dma" (summed over engines)
     collective_us: float = 0.0  # time in nki.collectives calls (their own queue; collective_costs.py)
+    fixed_us: float = 0.0  # CostTerms.step_fixed_us: once per launch, after the last instruction
 
     @property
     def latency_us(self) -> float:
-        return max(self.finish_us, default=0.0)
+        return max(self.finish_us, default=0.0) + self.fixed_us
 
 
 def dma_efficiency(buffer_bytes: float) -> float:
@@ -420,8 +479,11 @@ def dma_engine_count(record: trace.InstructionRecord, hw: Hardware) -> int:
     return max(1, min(hw.dma_engines, -(-record.partitions // DMA_PARTITIONS_PER_ENGINE)))
 
 
-def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int, float]:
-    """(engines used, ns each engine is busy) for one DMA record, fixed latency excluded."""
+def dma_transfer_ns(
+    record: trace.InstructionRecord, hw: Hardware, hbm_efficiency: float | None = None
+) -> tuple[int, float]:
+    """(engines used, ns each engine is busy) for one DMA record, fixed latency excluded. hbm_efficiency (a
+    CostTerms field): the core's engines share that fraction of its HBM share; None: the cap is per transfer."""
     if record.dma is None:
         raise ValueError(f"record {record.opcode} at {record.line}: engine 'dma' without DmaInfo")
     dma = record.dma
@@ -431,7 +493,9 @@ def dma_transfer_ns(record: trace.InstructionRecord, hw: Hardware) -> tuple[int,
     if hbm_sides:
         # All engines together cannot draw more than the core's HBM share (each byte crosses
         # HBM once per HBM side).
-        per_engine_rate = min(per_engine_rate, hw.hbm_bytes_per_ns / (engines * hbm_sides))
+        sharing = engines if hbm_efficiency is None else hw.dma_engines
+        efficiency = 1.0 if hbm_efficiency is None else hbm_efficiency
+        per_engine_rate = min(per_engine_rate, efficiency * hw.hbm_bytes_per_ns / (sharing * hbm_sides))
     per_engine_rate *= dma_efficiency(dma_buffer_bytes(record))
     if dma.transpose:
         per_engine_rate *= DMA_TRANSPOSE_EFFICIENCY_FROM_HBM if hbm_sides else DMA_TRANSPOSE_EFFICIENCY_ON_CHIP
@@ -464,6 +528,7 @@ def schedule(
     target: str,
     links: collective_costs.Links | None = None,
     unlimited_bandwidth: bool = False,
+    terms: CostTerms | None = None,
 ) -> Schedule:
     """List-schedule `run` on `target` (see the module docstring for the rules).
 
@@ -471,8 +536,18 @@ def schedule(
     unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, module docstring): transfers take
     no engine time, only their fixed latency, and collectives their hop latencies (links' bandwidths made
     infinite, their hop latency kept).
+    terms: the fitted terms (CostTerms; fitted_terms(target) loads them); None: the documented model alone.
     """
     hw = _check_target(target)
+    hbm_efficiency = None
+    if terms is not None:
+        hw = dataclasses.replace(
+            hw, dma_engines=hw.dma_engines * terms.lnc, hbm_bytes_per_ns=hw.hbm_bytes_per_ns * terms.lnc
+        )
+        hbm_efficiency = terms.hbm_efficiency
+    issue_ns = 0.0 if terms is None else terms.dma_issue_ns
+    issue_free = [0.0] * (1 if terms is None else terms.lnc)  # per physical core: when its DMA issue queue frees
+    compute_scale = 1.0 if terms is None else terms.compute_scale
     if links is None:
         links = collective_links(target)
     elif links.target != target:
@@ -537,9 +612,12 @@ def schedule(
             key = (record.partitions, dma) if dma is not None else None
             cost = dma_costs.get(key)
             if cost is None:
-                engines, transfer_ns = dma_transfer_ns(record, hw)
+                engines, transfer_ns = dma_transfer_ns(record, hw, hbm_efficiency)
                 cost = dma_costs[key] = (engines, 0.0 if unlimited_bandwidth else transfer_ns)
             engines, transfer_ns = cost
+            if issue_ns:  # the transfer starts once the earliest free issue queue has issued it
+                q = min(range(len(issue_free)), key=issue_free.__getitem__)
+                ready = issue_free[q] = max(issue_free[q], ready) + issue_ns
             # Each engine's share goes to the engines that can start it earliest. Engines with
             # identical bookings form one group ([engine, count]) and are evaluated once.
             offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(dma_groups))
@@ -558,7 +636,7 @@ def schedule(
             busy["dma"] += transfer_ns * engines
         elif record.engine in engine_free:
             ghz = _engine_ghz(hw, record.engine)
-            cycles = compute_cycles(record, hw)
+            cycles = compute_cycles(record, hw) * compute_scale
             free = engine_free[record.engine]
             if record.engine != "tensor" and ready > 0.0 and ready >= free:
                 # Waiting on a dependency, including the engine's own previous instruction
@@ -588,12 +666,15 @@ def schedule(
         finish_us=tuple(finishes),
         engine_busy_us={k: v / 1e3 for k, v in busy.items()},
         collective_us=collective_busy / 1e3,
+        fixed_us=0.0 if terms is None else terms.step_fixed_us,
     )
 
 
-def model_latency(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
-    """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2"); links: see `schedule`."""
-    return schedule(run, target, links).latency_us
+def model_latency(
+    run: trace.KernelRun, target: str, links: collective_costs.Links | None = None, terms: CostTerms | None = None
+) -> float:
+    """Modeled latency in µs of one kernel run on `target` ("trn1" or "trn2"); links, terms: see `schedule`."""
+    return schedule(run, target, links, terms=terms).latency_us
 
 
 def dependency_floor_us(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
