@@ -1,4 +1,4 @@
-"""Llama and Gemma causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, fp8
+"""Llama, Gemma and Qwen3 causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, fp8
 weights (quantize_model), and compressed checkpoint directories (compress_checkpoint writes them,
 load_compressed_checkpoint loads them)."""
 
@@ -19,6 +19,7 @@ from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.presets import from_preset
 from jax_neuronmm.models.quantization import quantize_model
+from jax_neuronmm.models.qwen3 import Qwen3, Qwen3Config
 
 __all__ = [
     "CausalLM",
@@ -28,6 +29,8 @@ __all__ = [
     "KVCache",
     "Llama",
     "LlamaConfig",
+    "Qwen3",
+    "Qwen3Config",
     "RopeConfig",
     "compress_checkpoint",
     "compress_model",

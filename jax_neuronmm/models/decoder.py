@@ -107,8 +107,15 @@ class DecoderLayer(nnx.Module):
     ):
         norm = dict(eps=norm_eps, unit_offset=norm_unit_offset, param_dtype=dtype)
         self.input_layernorm = RMSNorm(hidden, **norm)
+        # QK-norms are RMSNorms of the family's kind: (1 + w) for Gemma 3, w for Qwen3.
         self.self_attn = Attention(
-            hidden, spec, use_bias=attention_bias, qk_norm_eps=qk_norm_eps, dtype=dtype, rngs=rngs
+            hidden,
+            spec,
+            use_bias=attention_bias,
+            qk_norm_eps=qk_norm_eps,
+            qk_norm_unit_offset=norm_unit_offset,
+            dtype=dtype,
+            rngs=rngs,
         )
         self.post_attention_layernorm = RMSNorm(hidden, **norm)
         if sandwich:

@@ -1,9 +1,9 @@
-"""Load a llama.cpp GGUF file (Llama, Gemma, Gemma 3) into our NNX models, with its tokenizer.
+"""Load a llama.cpp GGUF file (Llama, Gemma, Gemma 3, Qwen3) into our NNX models, with its tokenizer.
 
 The `gguf` package (llama.cpp's own reader) reads the file and dequantizes every tensor to float32. The model
-config is rebuilt from the GGUF metadata as an HF config dict, so the same `LlamaConfig.from_hf` /
-`GemmaConfig.from_hf` build it as for an HF checkpoint. Tensor names follow from our parameter paths (named like
-HF modules) through gguf's own HF -> GGUF name map. Two llama.cpp conventions are undone here:
+config is rebuilt from the GGUF metadata as an HF config dict, so the same `from_hf` of each family's config builds
+it as for an HF checkpoint. Tensor names follow from our parameter paths (named like HF modules) through gguf's own
+HF -> GGUF name map. Two llama.cpp conventions are undone here (Qwen3 files keep HF's layout and plain norms):
 
 - Llama: the converter permutes the rows of Q and K (weights and biases) per head from HF's rotate-half layout to
   interleaved pairs (`(heads, 2, d/2) -> (heads, d/2, 2)`); we permute them back.
@@ -33,7 +33,7 @@ from jax_neuronmm.models.hf_loading import model_from_config
 from jax_neuronmm.models.layers import RopeConfig
 from jax_neuronmm.models.validation import check_param_dtype
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "gemma", "gemma3", "qwen3")
 _GEMMA_ARCHITECTURES = ("gemma", "gemma3")
 # Types a weight may be stored in: floats and llama.cpp's block quantizations (integer types hold no weights).
 _INTEGER_TYPES = ("I8", "I16", "I32", "I64")
@@ -45,7 +45,7 @@ _GEMMA3_27B_LAYERS = 62
 
 
 def load_gguf(path: str, dtype=jnp.float32) -> CausalLM:
-    """Load the GGUF file `path` (architecture llama, gemma or gemma3) as a model with parameters in `dtype`.
+    """Load the GGUF file `path` (architecture llama, gemma, gemma3 or qwen3) as a model with parameters in `dtype`.
 
     Every tensor is dequantized to float32 first (F32, F16, BF16 and the block types the `gguf` package
     implements: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K ... Q6_K and more), then cast to `dtype`. Returns the model
@@ -194,7 +194,7 @@ class _Metadata:
 
 
 def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
-    """The HF config dict (model_type llama, gemma or gemma3_text) that the GGUF metadata (and, for the llama3
+    """The HF config dict (model_type llama, gemma, gemma3_text or qwen3) that the GGUF metadata (and, for the llama3
     RoPE scaling and the presence of biases and an LM head, the tensors by name) describes."""
     arch = metadata.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -260,6 +260,10 @@ def _hf_config(metadata: _Metadata, tensors: dict[str, Any]) -> dict[str, Any]:
         return dict(config, model_type="llama", rope_parameters=rope, mlp_bias="blk.0.ffn_gate.bias" in tensors)
     if arch == "gemma":
         return dict(config, model_type="gemma", rope_parameters=rope, hidden_activation="gelu_pytorch_tanh")
+    if arch == "qwen3":  # llama.cpp keeps Qwen3's rotate-half Q/K rows and plain norms: nothing to undo
+        if "rope_freqs.weight" in tensors:
+            raise ValueError(f"{metadata.path!r}: tensor 'rope_freqs.weight' is not supported for architecture 'qwen3'")
+        return dict(config, model_type="qwen3", rope_parameters=rope)
     pattern = metadata.arch("attention.sliding_window_pattern")
     if isinstance(pattern, list):  # one bool per layer: whether it uses the sliding window
         if len(pattern) != layers:

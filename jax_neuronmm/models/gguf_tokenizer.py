@@ -6,7 +6,8 @@ Two vocabulary kinds (`tokenizer.ggml.model`):
   merged token's score (for Gemma files by the token's position in the file, which is its merge order: the stored
   scores do not follow it). Gemma marks spaces by "▁" in its normalizer; Llama by a Metaspace pre-tokenizer that
   adds a prefix space when `tokenizer.ggml.add_space_prefix` (default true) says so.
-- "gpt2": byte-level BPE (Llama 3) with the merges the file stores and the split regex `tokenizer.ggml.pre` names.
+- "gpt2": byte-level BPE (Llama 3, Qwen3) with the merges the file stores and the split regex `tokenizer.ggml.pre`
+  names.
 
 Tokens the file marks as control (type 3) become special added tokens, user-defined ones (type 4) plain added
 tokens, so that both are matched whole in text. BOS (and EOS) are added as `tokenizer.ggml.add_bos_token`
@@ -28,6 +29,8 @@ _LLAMA3_SPLIT = (
 )
 # tokenizer.ggml.pre values whose split regex is Llama 3's.
 _LLAMA3_PRE = ("llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "dbrx")
+# Qwen2 / Qwen3 ("qwen2"): Llama 3's regex with digits split one at a time.
+_SPLITS = {**dict.fromkeys(_LLAMA3_PRE, _LLAMA3_SPLIT), "qwen2": _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")}
 
 
 def gguf_tokenizer(metadata) -> Tokenizer:
@@ -133,11 +136,11 @@ def _byte_level(metadata, tokens: list[str]) -> tuple[Tokenizer, set[str]]:
     }
     merges = [tuple(m.split(" ")) for m in metadata.require("tokenizer.ggml.merges")]
     tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, dropout=None, fuse_unk=False, byte_fallback=False))
-    pre = metadata.get("tokenizer.ggml.pre")
-    if pre in _LLAMA3_PRE:
+    split = _SPLITS.get(metadata.get("tokenizer.ggml.pre"))
+    if split is not None:
         tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
-                pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
             ]
         )

@@ -1,4 +1,4 @@
-"""Load a local Hugging Face checkpoint directory into a Llama or Gemma NNX model.
+"""Load a local Hugging Face checkpoint directory into a Llama, Gemma or Qwen3 NNX model.
 
 The directory holds config.json, the weights as one `model.safetensors` or several shards listed by
 `model.safetensors.index.json`, and optionally tokenizer.json. Our modules are named like the HF ones, so one
@@ -22,9 +22,10 @@ from jax_neuronmm.compress.checkpoint import CheckpointError, fit_problems
 from jax_neuronmm.models.decoder import CausalLM, eos_token_ids_of
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
+from jax_neuronmm.models.qwen3 import Qwen3, Qwen3Config
 from jax_neuronmm.models.validation import check_param_dtype
 
-SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma3_text", "gemma3")
+SUPPORTED_MODEL_TYPES = ("llama", "gemma", "gemma3_text", "gemma3", "qwen3")
 # Prefixes under which a checkpoint may store the decoder ("model." for *ForCausalLM; the others are the text
 # part of a multimodal Gemma 3 checkpoint, older and newer layouts).
 _DECODER_PREFIXES = ("model.", "model.language_model.", "language_model.model.")
@@ -71,7 +72,7 @@ def read_config(path: str) -> dict[str, Any]:
 def model_from_config(
     hf_config: dict[str, Any], *, dtype=jnp.float32, rngs: nnx.Rngs | None = None, tokenizer=None
 ) -> CausalLM:
-    """A randomly initialized model for an HF config dict (model_type llama, gemma, gemma3_text or gemma3), with
+    """A randomly initialized model for an HF config dict (model_type llama, gemma, gemma3_text, gemma3 or qwen3), with
     the config's end-of-sequence ids and `tokenizer` (see CausalLM)."""
     model_type = hf_config.get("model_type")
     eos_token_ids = eos_token_ids_of(hf_config)
@@ -84,6 +85,8 @@ def model_from_config(
         return Llama(LlamaConfig.from_hf(hf_config), **extras)
     if model_type in ("gemma", "gemma3_text"):
         return Gemma(GemmaConfig.from_hf(hf_config), **extras)
+    if model_type == "qwen3":
+        return Qwen3(Qwen3Config.from_hf(hf_config), **extras)
     raise ValueError(f"model_type: got {model_type!r} in config.json, expected one of {SUPPORTED_MODEL_TYPES}")
 
 
@@ -173,7 +176,7 @@ def _read_tensors(path: str, files: list[str], *, with_lm_head: bool) -> dict[tu
 
 
 def load_hf(path: str, dtype=jnp.float32) -> CausalLM:
-    """Load the HF checkpoint directory `path` as a Llama or Gemma model with parameters in `dtype`.
+    """Load the HF checkpoint directory `path` as a Llama, Gemma or Qwen3 model with parameters in `dtype`.
 
     Returns the model (`model(token_ids [B, T]) -> logits [B, T, vocab]`); `model.tokenizer` is a
     `tokenizers.Tokenizer` when the directory has tokenizer.json (else None) and `model.eos_token_ids` the

@@ -1,4 +1,4 @@
-"""Building blocks shared by the Llama and Gemma families (Flax NNX).
+"""Building blocks shared by the Llama, Gemma and Qwen3 families (Flax NNX).
 
 The math lives in `jax_neuronmm.decoder_math` (shared with the decode-step primitive); these modules hold the
 parameters and call it. Layouts: activations are [batch, tokens, features]; a linear layer's kernel is
@@ -179,7 +179,8 @@ def attention_mask(
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE, optional QK-norm and a static-shape KV cache.
 
-    q/k/v/o projections have kernels [hidden, heads*head_dim] ([heads*head_dim, hidden] for o_proj).
+    q/k/v/o projections have kernels [hidden, heads*head_dim] ([heads*head_dim, hidden] for o_proj). The QK-norms
+    (with qk_norm_eps) are RMSNorms over head_dim, (1 + w) with qk_norm_unit_offset (Gemma 3), w without (Qwen3).
     """
 
     def __init__(
@@ -189,6 +190,7 @@ class Attention(nnx.Module):
         *,
         use_bias: bool,
         qk_norm_eps: float | None,
+        qk_norm_unit_offset: bool = True,
         dtype,
         rngs: nnx.Rngs,
     ):
@@ -208,8 +210,9 @@ class Attention(nnx.Module):
             self.q_norm = None
             self.k_norm = None
         else:
-            self.q_norm = RMSNorm(spec.head_dim, eps=qk_norm_eps, unit_offset=True, param_dtype=dtype)
-            self.k_norm = RMSNorm(spec.head_dim, eps=qk_norm_eps, unit_offset=True, param_dtype=dtype)
+            norm = dict(eps=qk_norm_eps, unit_offset=qk_norm_unit_offset, param_dtype=dtype)
+            self.q_norm = RMSNorm(spec.head_dim, **norm)
+            self.k_norm = RMSNorm(spec.head_dim, **norm)
 
     def __call__(
         self,
