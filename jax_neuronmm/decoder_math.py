@@ -12,6 +12,7 @@ RoPE tables cos / sin [B, T, head_dim] float32 (rotate-half, halves duplicated);
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -91,6 +92,33 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     return out.reshape(batch, tokens, num_heads * head_dim)
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """Layer `layer`'s K/V in a paged cache, for `self_attention`'s kv: pools [L, num_blocks, block_size, kv_heads,
+    D] shared by all rows; write_slots [B, T] the flat slot (block·block_size + offset) of each of this call's
+    tokens, num_blocks·block_size for a token not written (padding, inactive rows: the scatter drops it);
+    read_slots [B, S] the flat slot of each key a row reads, through its block table."""
+
+    k_pool: jax.Array
+    v_pool: jax.Array
+    layer: int
+    write_slots: jax.Array
+    read_slots: jax.Array
+
+    def write_and_read(self, k, v):
+        """Writes k / v [B, T, kv_heads, D] at write_slots, then gathers each row's keys and values [B, S, kv_heads,
+        D]; returns ((k_pool, v_pool), keys, values). The whole pools are updated in place (one scatter each)."""
+        layers, blocks, block_size, heads, dim = self.k_pool.shape
+        slots = self.write_slots.reshape(-1)
+        pools = []
+        for pool, new in ((self.k_pool, k), (self.v_pool, v)):
+            flat = pool.reshape(layers, blocks * block_size, heads, dim)
+            flat = flat.at[self.layer, slots].set(new.reshape(-1, heads, dim).astype(pool.dtype), mode="drop")
+            pools.append(flat)
+        keys, values = (flat[self.layer][self.read_slots] for flat in pools)
+        return tuple(flat.reshape(self.k_pool.shape) for flat in pools), keys, values
+
+
 def self_attention(
     x,
     *,
@@ -115,7 +143,9 @@ def self_attention(
 
     q/k/v projections, optional per-head q/k norms (over head_dim), RoPE from cos / sin, then attention over the
     keys: with kv None this call's own keys (S == T); with kv = (keys, values) [B, S, kv_heads, D] this call's
-    keys / values are first written at slots [write_index, write_index + T). bias [B, T, S].
+    keys / values are first written at slots [write_index, write_index + T); with a `PagedKV` they are written
+    into its pools and each row reads its keys through its block table (the returned kv is then the pools).
+    bias [B, T, S].
     """
     batch, tokens, _ = x.shape
     q = q_proj(x).reshape(batch, tokens, num_heads, head_dim)
@@ -126,6 +156,10 @@ def self_attention(
         k = k_norm(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    if isinstance(kv, PagedKV):
+        pools, keys, values = kv.write_and_read(k, v)
+        out = attend(q, keys, values, bias, scaling=scaling, logit_softcap=logit_softcap)
+        return o_proj(out), pools
     if kv is not None:
         zero = jnp.zeros((), jnp.asarray(write_index).dtype)  # one index dtype (Python 0 is int64 under x64)
         start = (zero, write_index, zero, zero)
