@@ -2,17 +2,20 @@
 (different lengths, scattered blocks, a block shared by two rows' common prefix, a row that just crossed a block
 boundary, block sizes 3 and 5), sliding windows, fp8 / factored / pruned projections, and per-row sampling."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, quantize_model
-from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_forward, sample_rows
+from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_forward
+from jax_neuronmm.models.paged import sample_rows as _sample_rows
 
 VOCAB = 97
 _forward = nnx.jit(lambda model, ids: model(ids))
 _paged = nnx.jit(paged_forward)
+sample_rows = jax.jit(_sample_rows)
 
 
 def _randomize(model, seed):
@@ -122,22 +125,22 @@ def _sampling(rows, temperature, top_k=0, top_p=1.0, seed=0, step=0):
 def test_sample_rows_per_row_rules(rng):
     logits = jnp.asarray(rng.standard_normal((6, 50)) * 2, jnp.float32)
     greedy = np.asarray(logits).argmax(-1)
-    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 0.0), greedy_only=True), greedy)
-    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 0.0), greedy_only=False), greedy)
-    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 1.0, top_k=1), greedy_only=False), greedy)
-    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 1.0, top_p=1e-6), greedy_only=False), greedy)
+    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 0.0)), greedy)
+    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 0.0)), greedy)
+    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 1.0, top_k=1)), greedy)
+    np.testing.assert_array_equal(sample_rows(logits, _sampling(6, 1.0, top_p=1e-6)), greedy)
     top3 = np.argsort(-np.asarray(logits), axis=-1)[:, :3]
     for step in range(20):
-        drawn = np.asarray(sample_rows(logits, _sampling(6, 5.0, top_k=3, step=step), greedy_only=False))
+        drawn = np.asarray(sample_rows(logits, _sampling(6, 5.0, top_k=3, step=step)))
         assert all(drawn[r] in top3[r] for r in range(6))
     # A row's draw depends on its seed, step and logits only: not on its companions or its row index.
     one = _sampling(6, 2.0, seed=7, step=3)
-    a = np.asarray(sample_rows(logits, one, greedy_only=False))
+    a = np.asarray(sample_rows(logits, one))
     mixed = RowSampling(
         temperature=one.temperature.at[0].set(0.0), top_k=one.top_k, top_p=one.top_p, seeds=one.seeds, steps=one.steps
     )
-    b = np.asarray(sample_rows(logits[::-1], mixed, greedy_only=False))
+    b = np.asarray(sample_rows(logits[::-1], mixed))
     np.testing.assert_array_equal(a[::-1][1:], b[1:])
     assert b[0] == greedy[::-1][0]
-    draws = {int(sample_rows(logits, _sampling(6, 2.0, seed=s), greedy_only=False)[0]) for s in range(30)}
+    draws = {int(sample_rows(logits, _sampling(6, 2.0, seed=s))[0]) for s in range(30)}
     assert len(draws) > 3, "different seeds should draw different tokens"

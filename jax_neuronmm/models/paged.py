@@ -136,14 +136,16 @@ def paged_forward(model: CausalLM, token_ids, cache: PagedKVCache, batch: PagedB
     return logits, PagedKVCache(k_pool=k_pool, v_pool=v_pool)
 
 
-def sample_rows(logits, sampling: RowSampling, *, greedy_only: bool):
+def sample_rows(logits, sampling: RowSampling):
     """Next tokens [B] int32 from logits [B, vocab], each row under its own sampling: temperature 0 is the argmax;
     otherwise a draw from softmax(logits / temperature) restricted to the top_k most likely and to the smallest
-    set whose probability (after top_k) reaches top_p. greedy_only (static) skips the sort when no row samples."""
+    set whose probability (after top_k) reaches top_p. When no row samples, the sort is skipped at run time."""
     logits = logits.astype(jnp.float32)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    if greedy_only:
-        return greedy
+    return jax.lax.cond(jnp.any(sampling.temperature > 0), _draw, lambda *_: greedy, logits, sampling, greedy)
+
+
+def _draw(logits, sampling: RowSampling, greedy):
     vocab = logits.shape[-1]
     temperature = jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)
     scaled = logits / temperature[:, None]
@@ -164,13 +166,11 @@ def sample_rows(logits, sampling: RowSampling, *, greedy_only: bool):
     return jnp.where(sampling.temperature > 0, drawn, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "greedy_only"), donate_argnames=("cache",))
-def paged_step(
-    graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch, sampling: RowSampling, *, greedy_only
-):
+@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
+def paged_step(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch, sampling: RowSampling):
     """One jitted step for the whole batch: `paged_forward`, then `sample_rows`; returns (next tokens [B], cache).
-    Compiled once per (model, B, T, max_blocks, greedy_only); the cache is donated (updated in place)."""
+    Compiled once per (model, B, T, max_blocks); the cache is donated (updated in place)."""
     TRACE_COUNTS["paged_step"] += 1
     model = nnx.merge(graphdef, state)
     logits, cache = paged_forward(model, token_ids, cache, batch)
-    return sample_rows(logits, sampling, greedy_only=greedy_only), cache
+    return sample_rows(logits, sampling), cache
