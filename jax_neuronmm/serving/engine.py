@@ -30,6 +30,8 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_step
 from jax_neuronmm.serving.detokenize import Detokenizer
 
+SHUTDOWN = "the engine is shutting down"  # the error of requests a shutdown ends
+
 
 class QueueFull(RuntimeError):
     """The engine's waiting queue is at its bound (`EngineOptions.max_waiting`)."""
@@ -204,8 +206,16 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._stop_reason = SHUTDOWN
         self._ids = itertools.count()
-        self._stats = {"waiting": 0, "running": 0, "free_blocks": self.num_blocks, "preemptions": 0, "steps": 0}
+        self._stats = {
+            "waiting": 0,
+            "running": 0,
+            "free_blocks": self.num_blocks,
+            "preemptions": 0,
+            "aborted": 0,
+            "steps": 0,
+        }
 
     # --- the API (any thread) ---------------------------------------------------------------------------------
 
@@ -217,13 +227,19 @@ class Engine:
                 self._thread.start()
         return self
 
-    def shutdown(self, reason: str = "the engine is shutting down") -> None:
-        """Stops the scheduler; every unfinished request gets a final error event with `reason`."""
+    def stop_soon(self, reason: str = SHUTDOWN) -> None:
+        """Asks the scheduler to stop after its current step without waiting (safe in a signal handler's path):
+        every unfinished request then gets a final "error" event whose error is `reason`."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping, self._stop_reason = True, reason
+            self._lock.notify_all()
+
+    def shutdown(self, reason: str = SHUTDOWN) -> None:
+        """Stops the scheduler and waits for it; unfinished requests end as `stop_soon` says."""
+        self.stop_soon(reason)
         with self._lock:
             thread, self._thread = self._thread, None
-            self._stopping = True
-            self._stop_reason = reason
-            self._lock.notify_all()
         if thread is not None:
             thread.join()
 
@@ -281,7 +297,8 @@ class Engine:
             self._lock.notify_all()
 
     def stats(self) -> dict:
-        """waiting / running requests, free_blocks, preemptions and steps so far (as of the last step)."""
+        """waiting / running requests, free_blocks, and the preemptions, aborted (cancelled) requests and steps so
+        far (as of the last step)."""
         with self._lock:
             return dict(self._stats)
 
@@ -358,9 +375,11 @@ class Engine:
             return
         for request in [r for r in self._running if r.id in cancels]:
             self._finish(request, "abort")
+            self._stats["aborted"] += 1
         for request in [r for r in self._waiting if r.id in cancels]:
             self._waiting.remove(request)
             self._emit(request, "", [], finished=True, finish_reason="abort")
+            self._stats["aborted"] += 1
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
