@@ -148,17 +148,26 @@ def _wait_idle(engine):
         time.sleep(0.05)
 
 
-def test_disconnect_mid_stream_frees_row_and_blocks(server, client):
-    aborted = server.service.engine.stats()["aborted"]
-    body = {"model": "tiny-llama", "prompt": "w30 w31", "max_tokens": 60, "stream": True, "ignore_eos": True}
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=WAIT_S)
-    connection.request("POST", "/v1/completions", body=json.dumps(body), headers={"content-type": "application/json"})
-    response = connection.getresponse()
-    assert response.status == 200
-    while not response.fp.readline().startswith(b"data: "):
-        pass
-    connection.close()  # one chunk, then hang up
-    assert _wait_idle(server.service.engine)["aborted"] == aborted + 1  # cancelled, not run to its end
+def test_disconnect_mid_stream_frees_row_and_blocks(server, client, monkeypatch):
+    engine = server.service.engine
+    step = engine._step
+
+    def slow_step(*args):  # the tiny model would otherwise finish all 60 tokens before the client hangs up
+        time.sleep(0.05)
+        return step(*args)
+
+    monkeypatch.setattr(engine, "_step", slow_step)
+    aborted = engine.stats()["aborted"]
+    stream = client.completions.create(
+        model="tiny-llama", prompt="w30 w31", max_tokens=60, stream=True, extra_body={"ignore_eos": True}
+    )
+    next(iter(stream))
+    stream.close()  # one chunk, then hang up
+    deadline = time.monotonic() + WAIT_S
+    while engine.stats()["aborted"] == aborted:  # cancelled, not run to its end
+        assert time.monotonic() < deadline, "the request was not cancelled"
+        time.sleep(0.05)
+    assert _wait_idle(engine)["aborted"] == aborted + 1
     assert _complete(client, "w30 w31", 3)[1] == "length"
 
 

@@ -5,7 +5,8 @@ tokens is `block_table[b, i]`, `lengths[b]` tokens of it are cached before a cal
 written, its output ignored) and the call's `counts[b]` real tokens go to positions lengths[b] .. lengths[b] +
 counts[b] - 1 (their RoPE positions too). One call serves both prefill (T tokens, a prompt chunk per row) and
 decode (T = 1), each row at its own position; there is no per-row loop: the writes are one scatter per pool and
-layer, the reads one gather through the table. The layers are the model's own modules (`decoder_math.PagedKV` is
+pool after the last layer (every layer reads the pools as they were, its own new tokens merged into its view), the
+reads one gather per layer through the table. The layers are the model's own modules (`decoder_math.PagedKV` is
 the only new path in the attention), so fp8, factored and pruned projections and sliding windows work unchanged.
 
 `paged_step` is the jitted step the serving engine runs once per token for its whole batch: forward, then each
@@ -102,6 +103,34 @@ def paged_forward(model: CausalLM, token_ids, cache: PagedKVCache, batch: PagedB
     """Runs token_ids [B, T] through `model` over the paged cache; returns (logits [B, vocab] at each row's last
     real token, the updated cache). Token t of row b sits at position lengths[b] + t; it attends to the row's
     positions 0 .. its own (a sliding-window layer to the last `window` of them)."""
+    logits, written = paged_read(model, token_ids, cache, batch)
+    return logits, write_pools(cache, written)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class NewKV:
+    """A call's new keys and values [L, B·T, kv_heads, head_dim] and their (block, offset) [B·T] in the pools
+    (block num_blocks: not written)."""
+
+    keys: jax.Array
+    values: jax.Array
+    blocks: jax.Array
+    offsets: jax.Array
+
+
+def write_pools(cache: PagedKVCache, new: NewKV) -> PagedKVCache:
+    """The cache with `new` written: one scatter per pool (in place when the cache is donated and nothing else
+    reads it in the same computation, which is why it is a step of its own)."""
+    pools = [
+        pool.at[:, new.blocks, new.offsets].set(values, mode="drop")
+        for pool, values in ((cache.k_pool, new.keys), (cache.v_pool, new.values))
+    ]
+    return PagedKVCache(k_pool=pools[0], v_pool=pools[1])
+
+
+def paged_read(model: CausalLM, token_ids, cache: PagedKVCache, batch: PagedBatch):
+    """`paged_forward` without the write: (logits [B, vocab], NewKV); the pools are only read."""
     _check_shapes(token_ids, cache, batch)
     rows, tokens = token_ids.shape
     block_size, num_blocks = cache.block_size, cache.num_blocks
@@ -115,6 +144,7 @@ def paged_forward(model: CausalLM, token_ids, cache: PagedKVCache, batch: PagedB
     real = columns[None, :] < counts[:, None]
     block_of = jnp.take_along_axis(table, jnp.clip(positions // block_size, 0, max_blocks - 1), axis=1)
     write_slots = jnp.where(real, block_of * block_size + positions % block_size, num_blocks * block_size)
+    write_columns = jnp.where(real, positions, max_blocks * block_size)
     key_positions = jnp.broadcast_to(
         jnp.arange(max_blocks * block_size, dtype=jnp.int32), (rows, max_blocks * block_size)
     )
@@ -123,17 +153,20 @@ def paged_forward(model: CausalLM, token_ids, cache: PagedKVCache, batch: PagedB
 
     masks = {}
     x = model.embed(token_ids)
-    k_pool, v_pool = cache.k_pool, cache.v_pool
+    new = []
     for i, layer in enumerate(model.layers):
         window = layer.self_attn.spec.sliding_window
         if window not in masks:
             masks[window] = attention_mask(positions, key_positions, key_valid, window)
-        kv = PagedKV(k_pool, v_pool, i, write_slots, read_slots)
-        x, (k_pool, v_pool) = layer(x, positions, masks[window], kv, None)
+        kv = PagedKV(cache.k_pool, cache.v_pool, i, read_slots, write_columns)
+        x, layer_kv = layer(x, positions, masks[window], kv, None)
+        new.append(layer_kv)
     last = jnp.maximum(counts - 1, 0)
     x = jnp.take_along_axis(x, last[:, None, None], axis=1)
     logits = model.unembed(model.norm(x))[:, 0]
-    return logits, PagedKVCache(k_pool=k_pool, v_pool=v_pool)
+    keys, values = (jnp.stack(kv).reshape(len(new), rows * tokens, *kv[0].shape[2:]) for kv in zip(*new))
+    blocks, offsets = (write_slots // block_size).reshape(-1), (write_slots % block_size).reshape(-1)
+    return logits, NewKV(keys, values, blocks, offsets)
 
 
 def sample_rows(logits, sampling: RowSampling):
@@ -166,11 +199,20 @@ def _draw(logits, sampling: RowSampling, greedy):
     return jnp.where(sampling.temperature > 0, drawn, greedy)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",), donate_argnames=("cache",))
-def paged_step(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch, sampling: RowSampling):
-    """One jitted step for the whole batch: `paged_forward`, then `sample_rows`; returns (next tokens [B], cache).
-    Compiled once per (model, B, T, max_blocks); the cache is donated (updated in place)."""
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _read_and_sample(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch, sampling: RowSampling):
     TRACE_COUNTS["paged_step"] += 1
     model = nnx.merge(graphdef, state)
-    logits, cache = paged_forward(model, token_ids, cache, batch)
-    return sample_rows(logits, sampling), cache
+    logits, new = paged_read(model, token_ids, cache, batch)
+    return sample_rows(logits, sampling), new
+
+
+_write = jax.jit(write_pools, donate_argnames=("cache",))
+
+
+def paged_step(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch, sampling: RowSampling):
+    """One step for the whole batch: `paged_read` and `sample_rows` in one jitted call, then the write into the
+    donated pools in a second (XLA copies a pool it both reads and updates in one computation; alone, the
+    scatter updates it in place). Returns (next tokens [B], cache). Compiled once per (model, B, T, max_blocks)."""
+    next_tokens, new = _read_and_sample(graphdef, state, token_ids, cache, batch, sampling)
+    return next_tokens, _write(cache, new)

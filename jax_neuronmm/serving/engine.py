@@ -202,7 +202,7 @@ class Engine:
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._inbox: list[_Request] = []
-        self._cancels: set[str] = set()
+        self._cancels: collections.deque[str] = collections.deque()  # appended without the lock (see cancel)
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -291,10 +291,13 @@ class Engine:
         return request_id
 
     def cancel(self, request_id: str) -> None:
-        """Ends the request before the next step: its row and blocks are freed; it gets a final "abort" event."""
-        with self._lock:
-            self._cancels.add(request_id)
+        """Ends the request before the next step: its row and blocks are freed; it gets a final "abort" event.
+        Never blocks (a server's event loop calls it): the id goes on a deque that the scheduler drains before
+        every step; an id that is not running or waiting is ignored."""
+        self._cancels.append(request_id)
+        if self._lock.acquire(blocking=False):  # wake an idle scheduler; a busy one drains the deque anyway
             self._lock.notify_all()
+            self._lock.release()
 
     def stats(self) -> dict:
         """waiting / running requests, free_blocks, and the preemptions, aborted (cancelled) requests and steps so
@@ -333,7 +336,9 @@ class Engine:
                     break
                 self._waiting.extend(self._inbox)
                 self._inbox.clear()
-                cancels, self._cancels = self._cancels, set()
+                cancels = set()
+                while self._cancels:
+                    cancels.add(self._cancels.popleft())
             try:
                 self._cancel(cancels)
                 self._admit()

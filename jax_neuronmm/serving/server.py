@@ -33,7 +33,7 @@ from jax_neuronmm.serving.engine import (
     SamplingParams,
 )
 
-_DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+_DISCONNECT_POLL_S = 0.5  # how often a waiting request checks that its client is still there
 
 
 class APIError(Exception):
@@ -168,6 +168,22 @@ async def _collect(service: Service, request: Request, request_id: str, events: 
         raise
 
 
+class _RequestStream(StreamingResponse):
+    """A streamed response that cancels its engine request however the response ends: a client that hangs up
+    makes the send fail, and the server then drops the body generator without running its `finally`."""
+
+    def __init__(self, body, engine: Engine, request_id: str):
+        super().__init__(body, media_type="text/event-stream")
+        self.engine, self.request_id = engine, request_id
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self.body_iterator.aclose()
+            self.engine.cancel(self.request_id)  # a no-op for a request that already finished
+
+
 def _usage(event: Event) -> api.Usage:
     return api.Usage(
         prompt_tokens=event.prompt_tokens,
@@ -176,16 +192,24 @@ def _usage(event: Event) -> api.Usage:
     )
 
 
-async def _stream(service: Service, request_id: str, events: asyncio.Queue, chunk, include_usage: bool):
+async def _stream(service: Service, request: Request, request_id: str, events: asyncio.Queue, chunk, usage: bool):
     """SSE lines: chunk(text, finish_reason) per event, then usage (when asked) and [DONE]; an error event ends
-    the stream with OpenAI's error object. Cancels the request when the client goes away."""
+    the stream with OpenAI's error object. Cancels the request when the client goes away (checked at every event
+    and every poll interval: writes to a closed socket may still succeed for a while)."""
     finished = False
     try:
         first = chunk(None, None, start=True)
         if first is not None:
             yield _sse(first)
         while not finished:
-            event = await events.get()
+            try:
+                event = await asyncio.wait_for(events.get(), _DISCONNECT_POLL_S)
+            except TimeoutError:
+                event = None
+            if await request.is_disconnected():
+                break
+            if event is None:
+                continue
             finished = event.finished
             error = _event_error(event)
             if error is not None:
@@ -194,7 +218,7 @@ async def _stream(service: Service, request_id: str, events: asyncio.Queue, chun
                 break
             if event.text or event.finished:
                 yield _sse(chunk(event.text, event.finish_reason if event.finished else None))
-            if event.finished and include_usage:
+            if event.finished and usage:
                 usage_chunk = chunk(None, None)
                 usage_chunk.choices = []
                 usage_chunk.usage = _usage(event)
@@ -250,8 +274,8 @@ def create_app(service: Service) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            generator = _stream(service, request_id, events, chunk, include_usage)
-            return StreamingResponse(generator, media_type="text/event-stream")
+            generator = _stream(service, request, request_id, events, chunk, include_usage)
+            return _RequestStream(generator, service.engine, request_id)
         text, last = await _collect(service, request, request_id, events)
         response = chunk(text, last.finish_reason)
         response.usage = _usage(last)
@@ -270,8 +294,8 @@ def create_app(service: Service) -> FastAPI:
 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            generator = _stream(service, request_id, events, chunk, include_usage)
-            return StreamingResponse(generator, media_type="text/event-stream")
+            generator = _stream(service, request, request_id, events, chunk, include_usage)
+            return _RequestStream(generator, service.engine, request_id)
         text, last = await _collect(service, request, request_id, events)
         choice = api.ChatChoice(message=api.AssistantMessage(content=text), finish_reason=last.finish_reason)
         return api.ChatCompletionResponse(
