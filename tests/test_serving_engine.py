@@ -3,7 +3,6 @@ whatever shares the batch and whenever it arrives (chunked prefill, preemption w
 cancel frees its blocks; per-request sampling is reproducible; incremental detokenization never breaks a
 character and honours stop strings."""
 
-import dataclasses
 import threading
 
 import numpy as np
@@ -17,7 +16,10 @@ from jax_neuronmm.serving.detokenize import Detokenizer
 from jax_neuronmm.serving.engine import ContextExceeded, Engine, EngineOptions, QueueFull, SamplingParams
 
 VOCAB = 97
-OPTIONS = EngineOptions(max_batch=4, block_size=5, max_model_len=40, prefill_buckets=(4, 8), batch_buckets=(4,))
+# 12 blocks of 5 slots for four rows of up to 40 tokens: the mixed batches below run out of blocks and preempt.
+OPTIONS = EngineOptions(
+    max_batch=4, block_size=5, num_blocks=12, max_model_len=40, prefill_buckets=(4, 8), batch_buckets=(4,)
+)
 
 
 @pytest.fixture(scope="module")
@@ -90,14 +92,13 @@ def test_greedy_requests_equal_generate_in_a_mixed_batch(model, engine, rng):
     assert _tokens(again[0]) == _tokens(events[1]) and _tokens(again[1]) == _tokens(events[4])
 
 
-def test_preemption_when_blocks_run_out_keeps_greedy_tokens(model, rng):
-    # 9 blocks of 5 slots for four rows growing to 28 tokens each: the newest rows are preempted and recomputed.
+def test_preemption_when_blocks_run_out_keeps_greedy_tokens(model, engine, rng):
+    # Four rows growing to 26..28 tokens need 24 blocks of the 12: the newest rows are preempted and recomputed.
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (8, 5, 10, 7)]
-    options = dataclasses.replace(OPTIONS, num_blocks=9)
-    with Engine(model, options) as engine:
-        results = engine.generate(prompts, _greedy(18))
-        stats = engine.stats()
-    assert stats["preemptions"] > 0 and stats["free_blocks"] == 9 and stats["running"] == 0
+    preemptions = engine.stats()["preemptions"]
+    results = engine.generate(prompts, _greedy(18))
+    stats = engine.stats()
+    assert stats["preemptions"] > preemptions and stats["free_blocks"] == 12 and stats["running"] == 0
     for events, want in zip(results, _references(model, prompts, 18)):
         assert _tokens(events) == want
 

@@ -373,18 +373,20 @@ class Engine:
         request.blocks = []
         if request.detokenizer is not None and reason in ("stop", "length"):
             text += request.detokenizer.flush()
+        self._publish()  # whoever sees the final event sees the freed row and blocks in stats()
         self._emit(request, text, list(ids), finished=True, finish_reason=reason, error=error)
 
     def _cancel(self, cancels: set[str]) -> None:
         if not cancels:
             return
         for request in [r for r in self._running if r.id in cancels]:
+            self._stats["aborted"] += 1
             self._finish(request, "abort")
-            self._stats["aborted"] += 1
         for request in [r for r in self._waiting if r.id in cancels]:
-            self._waiting.remove(request)
-            self._emit(request, "", [], finished=True, finish_reason="abort")
             self._stats["aborted"] += 1
+            self._waiting.remove(request)
+            self._publish()
+            self._emit(request, "", [], finished=True, finish_reason="abort")
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
