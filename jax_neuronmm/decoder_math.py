@@ -12,6 +12,7 @@ RoPE tables cos / sin [B, T, head_dim] float32 (rotate-half, halves duplicated);
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import jax
@@ -96,6 +97,35 @@ def attend(q, keys, values, bias, *, scaling: float, logit_softcap: float | None
     return reshape(out, (batch, tokens, num_heads * head_dim))
 
 
+@dataclasses.dataclass(frozen=True)
+class PagedKV:
+    """Layer `layer`'s K/V in a paged cache, for `self_attention`'s kv: k_pool, v_pool [L, num_blocks,
+    block_size, kv_heads, D] as they were before this call (blocks shared by all rows); read_slots [B, S] the flat slot
+    (block·block_size + offset) of each key a row reads, through its block table; write_columns [B, T] the column
+    of that read view where each of this call's tokens goes (S for a token not written: padding, inactive rows).
+
+    The pools are only read here; the caller writes every layer's new K/V into them once, after the last layer,
+    so the pools update in place instead of being copied layer by layer."""
+
+    k_pool: jax.Array
+    v_pool: jax.Array
+    layer: int
+    read_slots: jax.Array
+    write_columns: jax.Array
+
+    def read(self, k, v):
+        """Each row's keys and values [B, S, kv_heads, D]: its cached ones gathered through the table, with this
+        call's k / v [B, T, kv_heads, D] (rounded to the pool dtype, as they will be stored) in their columns."""
+        rows = jnp.arange(k.shape[0])[:, None]
+        views = []
+        for pool, new in ((self.k_pool, k), (self.v_pool, v)):
+            block_size = pool.shape[2]
+            # One gather from the whole pool (no per-layer slice, no reshape: the pool stays in place).
+            view = pool[self.layer, self.read_slots // block_size, self.read_slots % block_size]
+            views.append(view.at[rows, self.write_columns].set(new.astype(pool.dtype), mode="drop"))
+        return views
+
+
 def self_attention(
     x,
     *,
@@ -120,7 +150,10 @@ def self_attention(
 
     q/k/v projections, optional per-head q/k norms (over head_dim), RoPE from cos / sin, then attention over the
     keys: with kv None this call's own keys (S == T); with kv = (keys, values) [B, S, kv_heads, D] this call's
-    keys / values are first written at slots [write_index, write_index + T). bias [B, T, S].
+    keys / values are first written at slots [write_index, write_index + T); with a `PagedKV` each row reads its
+    keys through its block table, this call's among them, and the returned kv is this call's (k, v) in the pool
+    dtype, for the caller to write into the pools.
+    bias [B, T, S].
     """
     batch, tokens, _ = x.shape
     q = reshape(q_proj(x), (batch, tokens, num_heads, head_dim))
@@ -131,6 +164,10 @@ def self_attention(
         k = k_norm(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    if isinstance(kv, PagedKV):
+        keys, values = kv.read(k, v)
+        out = attend(q, keys, values, bias, scaling=scaling, logit_softcap=logit_softcap)
+        return o_proj(out), (k.astype(kv.k_pool.dtype), v.astype(kv.v_pool.dtype))
     if kv is not None:
         zero = jnp.zeros((), jnp.asarray(write_index).dtype)  # one index dtype (Python 0 is int64 under x64)
         start = (zero, write_index, zero, zero)

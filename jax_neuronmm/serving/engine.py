@@ -1,0 +1,510 @@
+"""The serving engine: continuous batching of requests over a paged KV cache, scheduled on the host.
+
+A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
+prefill chunk of the oldest prefilling request (its prompt padded to a length bucket, a long prompt in chunks of
+the largest bucket), then one decode step for every decoding row (`models.paged.paged_step`: one jitted call for the
+whole batch, each row at its own position). Rows are virtual: the batch of a step is the decoding requests padded
+to a batch bucket, so any request can sit in any row and a finished request's row is free at once. Blocks come
+from a free list; when a decode step needs a block and none is free, the newest running request is preempted (its
+blocks freed, it waits at the head of the queue and is recomputed from its prompt and the tokens it already
+produced), so no other request is harmed. Each jitted shape compiles once per (batch bucket, tokens, table-width
+bucket).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jax_neuronmm.models.decoder import CausalLM
+from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_step
+from jax_neuronmm.serving.detokenize import Detokenizer
+
+SHUTDOWN = "the engine is shutting down"  # the error of requests a shutdown ends
+
+
+class QueueFull(RuntimeError):
+    """The engine's waiting queue is at its bound (`EngineOptions.max_waiting`)."""
+
+
+class ContextExceeded(ValueError):
+    """A request's prompt (plus the tokens it asks for) does not fit the context or the cache."""
+
+
+class EngineStopped(RuntimeError):
+    """The engine is not running (not started, or shut down)."""
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected an integer")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name}: got {value}, expected an integer in [{low}, {'inf' if high is None else high}]")
+    return int(value)
+
+
+def _check_float(name: str, value, low: float, high: float, *, open_low: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+        raise TypeError(f"{name}: got {value!r} ({type(value).__name__}), expected a number")
+    value = float(value)
+    if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
+        raise ValueError(f"{name}: got {value}, expected a number in {'(' if open_low else '['}{low}, {high}]")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """One request's sampling: temperature 0 is greedy; top_k 0 and top_p 1 are off; seed None draws one; stop
+    strings and stop_token_ids end the request (as does the model's end-of-sequence id unless ignore_eos)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_float("top_p", self.top_p, 0.0, 1.0, open_low=True)
+        _check_int("top_k", self.top_k, 0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**64 - 1)
+        if isinstance(self.stop, str) or not all(isinstance(s, str) for s in self.stop):
+            raise TypeError(f"stop: got {self.stop!r}, expected a sequence of strings")
+        for i in self.stop_token_ids:
+            _check_int("stop_token_ids", i, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineOptions:
+    """max_batch: rows decoded together. block_size / num_blocks: the KV pool (default: enough blocks for
+    max_batch full-context rows). max_model_len: the context served (default the model's, else 2048).
+    prefill_buckets: prompt-chunk lengths that compile (longer prompts go in chunks of the largest).
+    batch_buckets: decode batch sizes that compile (default powers of two up to max_batch; the largest must be
+    max_batch). max_waiting: queued requests beyond which `submit` raises QueueFull."""
+
+    max_batch: int = 16
+    block_size: int = 16
+    num_blocks: int | None = None
+    max_model_len: int | None = None
+    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    batch_buckets: tuple[int, ...] | None = None
+    max_waiting: int = 256
+
+    def __post_init__(self):
+        _check_int("max_batch", self.max_batch, 1)
+        _check_int("block_size", self.block_size, 1)
+        if self.num_blocks is not None:
+            _check_int("num_blocks", self.num_blocks, 1)
+        if self.max_model_len is not None:
+            _check_int("max_model_len", self.max_model_len, 2)
+        if not self.prefill_buckets:
+            raise ValueError("prefill_buckets: got an empty tuple, expected lengths >= 1")
+        for bucket in self.prefill_buckets:
+            _check_int("prefill_buckets", bucket, 1)
+        if self.batch_buckets is not None:
+            for size in self.batch_buckets:
+                _check_int("batch_buckets", size, 1, self.max_batch)
+            if max(self.batch_buckets) != self.max_batch:
+                raise ValueError(f"batch_buckets: got {self.batch_buckets}, expected the largest to be max_batch")
+        _check_int("max_waiting", self.max_waiting, 0)
+
+
+@dataclasses.dataclass
+class Event:
+    """What a request produced since its last event: text (detokenized, whole characters only) and token_ids;
+    the last event has finished True and finish_reason "stop", "length", "abort" (cancelled) or "error"."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    completion_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass
+class _Request:
+    id: str
+    prompt: list[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None]
+    order: int
+    seeds: tuple[int, int]
+    detokenizer: Detokenizer | None
+    outputs: list[int] = dataclasses.field(default_factory=list)
+    blocks: list[int] = dataclasses.field(default_factory=list)
+    cached: int = 0  # tokens of seq whose K/V are in the cache
+
+    decoded: bool = False  # prefilled: decode steps feed it its last output
+
+    @property
+    def seq(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+def _buckets(limit: int) -> list[int]:
+    """Powers of two below limit, then limit itself."""
+    sizes = [1 << i for i in range(max(limit, 1).bit_length()) if (1 << i) < limit]
+    return sizes + [limit]
+
+
+def _table_widths(max_blocks: int) -> list[int]:
+    """Block-table widths that compile: max_blocks, its half and its quarter (short rows read fewer blocks)."""
+    return sorted({-(-max_blocks // 4), -(-max_blocks // 2), max_blocks})
+
+
+def _bucket(value: int, sizes: Sequence[int]) -> int:
+    return next(size for size in sizes if size >= value)
+
+
+class Engine:
+    """Continuous batching for `model` (a `models.CausalLM`, with its tokenizer for text): `submit` requests,
+    receive `Event`s through their callback (called on the engine thread), `cancel` them. `start()` /
+    `shutdown()` run the scheduler thread (the engine is also a context manager)."""
+
+    def __init__(self, model: CausalLM, options: EngineOptions | None = None):
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
+        self.model = model
+        self.options = options = options or EngineOptions()
+        known = model.config.max_position_embeddings
+        self.max_model_len = options.max_model_len or known or 2048
+        if known is not None and self.max_model_len > known:
+            raise ValueError(f"max_model_len: got {self.max_model_len}, beyond the model's context of {known}")
+        self.block_size = options.block_size
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.num_blocks = options.num_blocks or self.max_blocks * options.max_batch
+        self.tokenizer = model.tokenizer
+        self.eos_token_ids = frozenset(model.eos_token_ids)
+        self._graphdef, self._state = nnx.split(model)
+        self._cache = PagedKVCache.create(model, self.num_blocks, self.block_size)
+        self._batch_sizes = sorted(options.batch_buckets or _buckets(options.max_batch))
+        self._table_widths = _table_widths(self.max_blocks)
+        self._prefill_sizes = sorted(set(options.prefill_buckets))
+        self._free = collections.deque(range(self.num_blocks))
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self._inbox: list[_Request] = []
+        self._cancels: collections.deque[str] = collections.deque()  # appended without the lock (see cancel)
+        self._lock = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._stop_reason = SHUTDOWN
+        self._ids = itertools.count()
+        self._stats = {
+            "waiting": 0,
+            "running": 0,
+            "free_blocks": self.num_blocks,
+            "preemptions": 0,
+            "aborted": 0,
+            "steps": 0,
+        }
+
+    # --- the API (any thread) ---------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        with self._lock:
+            if self._thread is None:
+                self._stopping = False
+                self._thread = threading.Thread(target=self._loop, name="jax_neuronmm-engine", daemon=True)
+                self._thread.start()
+        return self
+
+    def stop_soon(self, reason: str = SHUTDOWN) -> None:
+        """Asks the scheduler to stop after its current step without waiting (safe in a signal handler's path):
+        every unfinished request then gets a final "error" event whose error is `reason`."""
+        with self._lock:
+            if not self._stopping:
+                self._stopping, self._stop_reason = True, reason
+            self._lock.notify_all()
+
+    def shutdown(self, reason: str = SHUTDOWN) -> None:
+        """Stops the scheduler and waits for it; unfinished requests end as `stop_soon` says."""
+        self.stop_soon(reason)
+        with self._lock:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def check_request(self, prompt_ids: Sequence[int], params: SamplingParams) -> list[int]:
+        """The prompt as a list of ids after checking it and params fit: ContextExceeded when the prompt plus
+        max_tokens is beyond max_model_len, ValueError for an empty prompt or an id outside the vocabulary."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"params: got {type(params).__name__}, expected SamplingParams")
+        prompt = [_check_int("prompt", i, 0, self.model.config.vocab_size - 1) for i in prompt_ids]
+        if not prompt:
+            raise ValueError("prompt: got no tokens, expected at least one")
+        if len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextExceeded(
+                f"prompt, max_tokens: {len(prompt)} prompt tokens + {params.max_tokens} new tokens exceed the context "
+                f"of {self.max_model_len} tokens"
+            )
+        if self._blocks_for(len(prompt) + params.max_tokens) > self.num_blocks:
+            raise ContextExceeded(
+                f"prompt, max_tokens: {len(prompt) + params.max_tokens} tokens exceed the KV cache's "
+                f"{self.num_blocks * self.block_size} slots"
+            )
+        return prompt
+
+    def submit(self, prompt_ids: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None]) -> str:
+        """Queues a request; returns its id. Raises as `check_request` does, QueueFull when max_waiting requests
+        already wait, EngineStopped when the engine is not running."""
+        prompt = self.check_request(prompt_ids, params)
+        seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little")
+        seed %= 2**64
+        request_id = f"req-{next(self._ids)}"
+        detokenizer = None if self.tokenizer is None else Detokenizer(self.tokenizer, prompt, params.stop)
+        with self._lock:
+            if self._thread is None or self._stopping:
+                raise EngineStopped("the engine is not running")
+            if self._stats["waiting"] + len(self._inbox) >= self.options.max_waiting:
+                raise QueueFull(f"{self.options.max_waiting} requests are already waiting")
+            order = next(self._ids)
+            request = _Request(
+                request_id, prompt, params, on_event, order, (seed & 0xFFFFFFFF, seed >> 32), detokenizer
+            )
+            self._inbox.append(request)
+            self._lock.notify_all()
+        return request_id
+
+    def cancel(self, request_id: str) -> None:
+        """Ends the request before the next step: its row and blocks are freed; it gets a final "abort" event.
+        Never blocks (a server's event loop calls it): the id goes on a deque that the scheduler drains before
+        every step; an id that is not running or waiting is ignored."""
+        self._cancels.append(request_id)
+        if self._lock.acquire(blocking=False):  # wake an idle scheduler; a busy one drains the deque anyway
+            self._lock.notify_all()
+            self._lock.release()
+
+    def stats(self) -> dict:
+        """waiting / running requests, free_blocks, and the preemptions, aborted (cancelled) requests and steps so
+        far (as of the last step)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]):
+        """Submits every prompt at once and waits; returns each request's list of events (for scripts and tests)."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        done = [threading.Event() for _ in prompts]
+        events: list[list[Event]] = [[] for _ in prompts]
+
+        def collect(i):
+            def on_event(event):
+                events[i].append(event)
+                if event.finished:
+                    done[i].set()
+
+            return on_event
+
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.submit(prompt, p, collect(i))
+        for flag in done:
+            flag.wait()
+        return events
+
+    # --- the scheduler thread ------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not (self._stopping or self._inbox or self._cancels or self._waiting or self._running):
+                    self._lock.wait()
+                if self._stopping:
+                    break
+                self._waiting.extend(self._inbox)
+                self._inbox.clear()
+                cancels = set()
+                while self._cancels:
+                    cancels.add(self._cancels.popleft())
+            try:
+                self._cancel(cancels)
+                self._admit()
+                self._prefill_one()
+                self._decode()
+            except Exception as error:  # a failed step must not hang its requests or stop the engine
+                for request in self._running + list(self._waiting):
+                    self._finish(request, "error", error=f"{type(error).__name__}: {error}")
+                self._waiting.clear()
+            self._publish()
+        for request in self._running + list(self._waiting) + self._inbox:
+            self._finish(request, "error", error=self._stop_reason)
+        self._waiting.clear()
+        self._inbox.clear()
+        self._publish()
+
+    def _publish(self) -> None:
+        with self._lock:
+            self._stats.update(waiting=len(self._waiting), running=len(self._running), free_blocks=len(self._free))
+
+    def _emit(self, request: _Request, text: str, ids: list[int], **final) -> None:
+        event = Event(request.id, text, ids, len(request.prompt), len(request.outputs), **final)
+        try:
+            request.on_event(event)
+        except Exception:  # noqa: BLE001 - a consumer's failure (a closed connection) must not stop the engine
+            pass
+
+    def _finish(self, request: _Request, reason: str, *, error: str | None = None, text: str = "", ids=()) -> None:
+        if request in self._running:
+            self._running.remove(request)
+        self._free.extend(request.blocks)
+        request.blocks = []
+        if request.detokenizer is not None and reason in ("stop", "length"):
+            text += request.detokenizer.flush()
+        self._publish()  # whoever sees the final event sees the freed row and blocks in stats()
+        self._emit(request, text, list(ids), finished=True, finish_reason=reason, error=error)
+
+    def _cancel(self, cancels: set[str]) -> None:
+        if not cancels:
+            return
+        for request in [r for r in self._running if r.id in cancels]:
+            self._stats["aborted"] += 1
+            self._finish(request, "abort")
+        for request in [r for r in self._waiting if r.id in cancels]:
+            self._stats["aborted"] += 1
+            self._waiting.remove(request)
+            self._publish()
+            self._emit(request, "", [], finished=True, finish_reason="abort")
+
+    def _blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.options.max_batch:
+            request = self._waiting[0]
+            if len(self._free) < self._blocks_for(len(request.seq) + 1):
+                if self._running:
+                    return  # wait for blocks; FIFO, so nothing overtakes it
+                self._waiting.popleft()
+                self._finish(request, "error", error="the KV cache cannot hold this request (num_blocks too small)")
+                continue
+            self._waiting.popleft()
+            request.cached, request.decoded = 0, False
+            self._running.append(request)
+
+    def _grow(self, request: _Request, tokens: int) -> bool:
+        """Gives request blocks for `tokens` cached tokens, preempting the newest other requests when the free
+        list is empty; False when request itself was preempted."""
+        while len(request.blocks) < self._blocks_for(tokens):
+            if not self._free:
+                victim = max(self._running, key=lambda r: r.order)
+                self._preempt(victim)
+                if victim is request:
+                    return False
+                continue
+            request.blocks.append(self._free.popleft())
+        return True
+
+    def _preempt(self, request: _Request) -> None:
+        self._running.remove(request)
+        self._free.extend(request.blocks)
+        request.blocks, request.cached, request.decoded = [], 0, False
+        self._waiting.appendleft(request)
+        self._stats["preemptions"] += 1
+
+    def _table(self, requests: Sequence[_Request], rows: int, need_blocks: int) -> np.ndarray:
+        width = _bucket(max(need_blocks, 1), self._table_widths)
+        table = np.zeros((rows, width), np.int32)
+        for row, request in enumerate(requests):
+            table[row, : len(request.blocks)] = request.blocks[:width]
+        return table
+
+    def _sampling(self, requests: Sequence[_Request], rows: int) -> RowSampling:
+        temperature = np.zeros(rows, np.float32)
+        top_k = np.zeros(rows, np.int32)
+        top_p = np.ones(rows, np.float32)
+        seeds = np.zeros((rows, 2), np.uint32)
+        steps = np.zeros(rows, np.int32)
+        for row, request in enumerate(requests):
+            p = request.params
+            temperature[row], top_k[row], top_p[row] = p.temperature, p.top_k, p.top_p
+            seeds[row] = request.seeds
+            steps[row] = len(request.outputs)
+        return RowSampling(*(jnp.asarray(a) for a in (temperature, top_k, top_p, seeds, steps)))
+
+    def _step(self, tokens: np.ndarray, requests, lengths, counts, need_blocks) -> np.ndarray:
+        rows = tokens.shape[0]
+        table = self._table(requests, rows, need_blocks)
+        batch = PagedBatch(jnp.asarray(table), jnp.asarray(lengths, jnp.int32), jnp.asarray(counts, jnp.int32))
+        sampling = self._sampling(requests, rows)
+        next_tokens, self._cache = paged_step(
+            self._graphdef, self._state, jnp.asarray(tokens), self._cache, batch, sampling
+        )
+        self._stats["steps"] += 1
+        return np.asarray(jax.device_get(next_tokens))
+
+    def _prefill_one(self) -> None:
+        request = next((r for r in self._running if not r.decoded), None)
+        if request is None:
+            return
+        seq = request.seq
+        remaining = len(seq) - request.cached
+        width = (
+            _bucket(remaining, self._prefill_sizes) if remaining <= self._prefill_sizes[-1] else self._prefill_sizes[-1]
+        )
+        count = min(remaining, width)
+        if not self._grow(request, request.cached + count):
+            return
+        tokens = np.zeros((1, width), np.int32)
+        tokens[0, :count] = seq[request.cached : request.cached + count]
+        next_token = self._step(tokens, [request], [request.cached], [count], len(request.blocks))
+        request.cached += count
+        if request.cached == len(seq):
+            request.decoded = True
+            self._accept(request, int(next_token[0]))
+
+    def _decode(self) -> None:
+        for request in [r for r in self._running if r.decoded]:
+            if request in self._running:  # an earlier _grow may have preempted it
+                self._grow(request, request.cached + 1)
+        requests = [r for r in self._running if r.decoded]
+        if not requests:
+            return
+        rows = _bucket(len(requests), self._batch_sizes)
+        tokens = np.zeros((rows, 1), np.int32)
+        lengths = np.full(rows, -1, np.int32)
+        counts = np.zeros(rows, np.int32)
+        for row, request in enumerate(requests):
+            tokens[row, 0], lengths[row], counts[row] = request.outputs[-1], request.cached, 1
+        need = max(len(r.blocks) for r in requests)
+        next_tokens = self._step(tokens, requests, lengths, counts, need)
+        for row, request in enumerate(requests):
+            request.cached += 1
+            self._accept(request, int(next_tokens[row]))
+
+    def _accept(self, request: _Request, token: int) -> None:
+        """Appends a sampled token, streams its text, and finishes the request when it should stop."""
+        request.outputs.append(token)
+        p = request.params
+        stop_id = (token in self.eos_token_ids and not p.ignore_eos) or token in p.stop_token_ids
+        text = ""
+        if request.detokenizer is not None and not stop_id:
+            text = request.detokenizer.add(token)
+        if stop_id or (request.detokenizer is not None and request.detokenizer.stopped):
+            self._finish(request, "stop", text=text, ids=[token])
+        elif len(request.outputs) >= p.max_tokens or len(request.seq) >= self.max_model_len:
+            self._finish(request, "length", text=text, ids=[token])
+        else:
+            self._emit(request, text, [token])

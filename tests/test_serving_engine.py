@@ -1,0 +1,182 @@
+"""serving.engine: continuous batching over the paged cache. A greedy request's tokens equal `models.generate`'s
+whatever shares the batch and whenever it arrives (chunked prefill, preemption when blocks run out included);
+cancel frees its blocks; per-request sampling is reproducible; incremental detokenization never breaks a
+character and honours stop strings."""
+
+import threading
+
+import numpy as np
+import pytest
+import tokenizers
+from flax import nnx
+from test_models_paged import _randomize
+
+from jax_neuronmm.models import Llama, LlamaConfig, generate
+from jax_neuronmm.serving.detokenize import Detokenizer
+from jax_neuronmm.serving.engine import ContextExceeded, Engine, EngineOptions, QueueFull, SamplingParams
+
+VOCAB = 97
+# 12 blocks of 5 slots for four rows of up to 40 tokens: the mixed batches below run out of blocks and preempt.
+OPTIONS = EngineOptions(
+    max_batch=4, block_size=5, num_blocks=12, max_model_len=40, prefill_buckets=(4, 8), batch_buckets=(4,)
+)
+
+
+@pytest.fixture(scope="module")
+def model():
+    config = LlamaConfig.preset("tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136, num_layers=2)
+    return _randomize(Llama(config, rngs=nnx.Rngs(0), eos_token_ids=(3,)), seed=0)
+
+
+@pytest.fixture(scope="module")
+def engine(model):
+    with Engine(model, OPTIONS) as engine:
+        yield engine
+
+
+def _greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+def _tokens(events):
+    assert events[-1].finished and events[-1].error is None, events[-1]
+    return [t for e in events for t in e.token_ids]
+
+
+def _references(model, prompts, n):
+    """generate's greedy continuations of each prompt (one call, left padded: each row decodes as it would alone)."""
+    width = max(map(len, prompts))
+    ids = np.zeros((len(prompts), width), np.int32)
+    mask = np.zeros((len(prompts), width), bool)
+    for row, prompt in enumerate(prompts):
+        ids[row, width - len(prompt) :] = prompt
+        mask[row, width - len(prompt) :] = True
+    return np.asarray(generate(model, ids, n, pad_mask=mask))[:, width:].tolist()
+
+
+def test_greedy_requests_equal_generate_in_a_mixed_batch(model, engine, rng):
+    # Prompts of 1..19 tokens (beyond the largest prefill bucket: chunked), six requests for four rows, two of
+    # them sampling, and more arriving while the first decode.
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (3, 19, 1, 9, 12, 6)]
+    counts = [9, 6, 12, 5, 8, 7]
+    params = [_greedy(n) for n in counts]
+    params[1] = SamplingParams(max_tokens=6, temperature=1.5, top_k=20, seed=1, ignore_eos=True)
+    params[4] = SamplingParams(max_tokens=8, temperature=0.7, top_p=0.8, seed=2, ignore_eos=True)
+    events = [[] for _ in prompts]
+    done = [threading.Event() for _ in prompts]
+
+    def sink(i):
+        def on_event(event):
+            events[i].append(event)
+            if event.finished:
+                done[i].set()
+
+        return on_event
+
+    first_token = threading.Event()
+    engine.submit(prompts[0], params[0], lambda e: (sink(0)(e), first_token.set()))
+    engine.submit(prompts[1], params[1], sink(1))
+    first_token.wait(timeout=120)
+    for i in range(2, len(prompts)):
+        engine.submit(prompts[i], params[i], sink(i))
+    for flag in done:
+        assert flag.wait(timeout=300)
+    want = _references(model, prompts, max(counts))
+    for i, n in enumerate(counts):
+        got = _tokens(events[i])
+        assert len(got) == n and events[i][-1].finish_reason == "length"
+        if params[i].temperature == 0:
+            assert got == want[i][:n], i
+    # Seeded sampling depends on the seed only: the same request alone draws the same tokens.
+    again = engine.generate([prompts[1], prompts[4]], [params[1], params[4]])
+    assert _tokens(again[0]) == _tokens(events[1]) and _tokens(again[1]) == _tokens(events[4])
+
+
+def test_preemption_when_blocks_run_out_keeps_greedy_tokens(model, engine, rng):
+    # Four rows growing to 26..28 tokens need 24 blocks of the 12: the newest rows are preempted and recomputed.
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (8, 5, 10, 7)]
+    preemptions = engine.stats()["preemptions"]
+    results = engine.generate(prompts, _greedy(18))
+    stats = engine.stats()
+    assert stats["preemptions"] > preemptions and stats["free_blocks"] == 12 and stats["running"] == 0
+    for events, want in zip(results, _references(model, prompts, 18)):
+        assert _tokens(events) == want
+
+
+def test_stops_cancel_and_limits(model, engine, rng):
+    prompt = rng.integers(0, VOCAB, size=6).tolist()
+    free = engine.stats()["free_blocks"]
+    full = _tokens(engine.generate([prompt], _greedy(12))[0])
+    stop_id = full[4]
+    (stopped,) = engine.generate([prompt], SamplingParams(max_tokens=12, temperature=0.0, stop_token_ids=(stop_id,)))
+    assert _tokens(stopped) == full[: full.index(stop_id) + 1] and stopped[-1].finish_reason == "stop"
+    # Cancel after the first token: a final "abort" event and every block back on the free list.
+    events, finished = [], threading.Event()
+
+    def on_event(event):
+        events.append(event)
+        if len(events) == 1:
+            engine.cancel(event.request_id)
+        if event.finished:
+            finished.set()
+
+    engine.submit(prompt, _greedy(30), on_event)
+    assert finished.wait(timeout=120)
+    assert events[-1].finish_reason == "abort" and len(events) < 30
+    assert engine.stats()["free_blocks"] == free
+    with pytest.raises(ContextExceeded, match="context of 40"):
+        engine.submit(prompt, _greedy(35), on_event)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit([], _greedy(3), on_event)
+    with pytest.raises(ValueError, match="prompt"):
+        engine.submit([VOCAB], _greedy(3), on_event)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(TypeError, match="max_tokens"):
+        SamplingParams(max_tokens=2.5)
+
+
+def test_end_of_sequence_stops_unless_ignored(model, engine, rng):
+    for _ in range(20):  # a prompt whose greedy continuation meets the model's eos (id 3)
+        prompt = rng.integers(0, VOCAB, size=4).tolist()
+        full = _tokens(engine.generate([prompt], _greedy(30))[0])
+        if 3 in full:
+            break
+    else:
+        pytest.skip("no continuation reached the end-of-sequence id")
+    (events,) = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))
+    assert _tokens(events) == full[: full.index(3) + 1] and events[-1].finish_reason == "stop"
+
+
+def test_full_queue_raises(model):
+    with Engine(model, EngineOptions(max_batch=1, max_model_len=40, max_waiting=0)) as engine:
+        with pytest.raises(QueueFull):
+            engine.submit([1, 2], _greedy(2), lambda e: None)
+
+
+def _byte_tokenizer():
+    """One token per byte (byte-level, no merges): every multi-byte character spans several tokens."""
+    alphabet = tokenizers.pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE(vocab, [], unk_token=None))
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = tokenizers.decoders.ByteLevel()
+    return tokenizer
+
+
+def test_detokenizer_never_breaks_a_character_and_honours_stop_strings():
+    tokenizer = _byte_tokenizer()
+    text = "naïve café → 你好, ok ✓ done"
+    ids = tokenizer.encode(text).ids
+    assert len(ids) > len(text)  # multi-byte characters really are split
+    detokenizer = Detokenizer(tokenizer)
+    pieces = [detokenizer.add(i) for i in ids] + [detokenizer.flush()]
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+    assert sum(1 for p in pieces if p) > 10  # streamed, not all at the end
+    stopping = Detokenizer(tokenizer, stop=("你好", "zzz"))
+    out = ""
+    for i in ids:
+        out += stopping.add(i)
+        if stopping.stopped:
+            break
+    assert stopping.stopped and out == "naïve café → "
