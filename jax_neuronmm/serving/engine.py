@@ -3,10 +3,10 @@
 A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
 prefill chunk of the oldest prefilling request (its prompt padded to a length bucket, a long prompt in chunks of
 the largest bucket; `models.paged.paged_step`), then one decode step for every decoding row: one jitted call for the
-whole batch, each row at its own position, which for a model `models.decode` covers is one `decode_step` over the
-same pools (`models.paged.paged_decode_step`, the weights stacked once per engine: one looped kernel launch on the
-emulator and Trainium, K/V read through each row's block table) and otherwise the model's own layers
-(`paged_step`). The scheduler thread runs under the kernel backend in effect where `start()` was called (JAX's
+whole batch, each row at its own position: on the emulator and Trainium, for a model `models.decode` covers, one
+`decode_step` over the same pools (`models.paged.paged_decode_step`, the weights stacked once per engine: one
+looped kernel launch, K/V read through each row's block table); on XLA, and for other models, the model's own
+layers (`paged_step`). The scheduler thread runs under the kernel backend in effect where `start()` was called (JAX's
 config contexts are per thread). Rows are virtual: the batch of a step is the decoding requests padded
 to a batch bucket, so any request can sit in any row and a finished request's row is free at once. Blocks come
 from a free list; when a decode step needs a block and none is free, the newest running request is preempted (its
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jax_neuronmm.backend import get_backend, use_backend
+from jax_neuronmm.backend import effective_backend, get_backend, use_backend
 from jax_neuronmm.models.decode import stack_weights
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.paged import (
@@ -466,15 +466,21 @@ class Engine:
             steps[row] = len(request.outputs)
         return RowSampling(*(jnp.asarray(a) for a in (temperature, top_k, top_p, seeds, steps)))
 
+    def _decodes_through_kernels(self) -> bool:
+        """Decode steps take `paged_decode_step` where kernels run it (the emulator, Trainium) and the model covers
+        it; on the XLA backend the model's own layers are faster (decode_step's scan over stacked layers carries the
+        pools through every layer)."""
+        return self._plan is not None and effective_backend(jax.devices()[0].platform) != "xla"
+
     def _step(self, tokens: np.ndarray, requests, lengths, counts, need_blocks) -> np.ndarray:
-        """One jitted step: a decode step (counts None: one token per row) through `paged_decode_step` when the
-        engine has a plan, anything else through `paged_step`; returns the next tokens [rows]."""
+        """One jitted step: a decode step (counts None: one token per row) through `paged_decode_step` where
+        `_decodes_through_kernels`, anything else through `paged_step`; returns the next tokens [rows]."""
         rows = tokens.shape[0]
         table = jnp.asarray(self._table(requests, rows, need_blocks))
         lengths = jnp.asarray(lengths, jnp.int32)
         sampling = self._sampling(requests, rows)
         tokens = jnp.asarray(tokens)
-        if counts is None and self._plan is not None:
+        if counts is None and self._decodes_through_kernels():
             next_tokens, self._cache = paged_decode_step(
                 self._graphdef,
                 self._state,
