@@ -1,6 +1,9 @@
 """models.paged: the per-row step over a paged KV cache against float64 cache-free forwards on ragged rows
 (different lengths, scattered blocks, a block shared by two rows' common prefix, a row that just crossed a block
-boundary, block sizes 3 and 5), sliding windows, fp8 / factored / pruned projections, and per-row sampling."""
+boundary, block sizes 3 and 5), sliding windows, fp8 / factored / pruned projections, and per-row sampling; the
+decode step as one decode_step (paged_decode) against it on XLA and on the emulator's looped kernel."""
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -8,13 +11,23 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_neuronmm
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, quantize_model
-from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_forward
+from jax_neuronmm.models.decode import stack_weights
+from jax_neuronmm.models.paged import (
+    PagedBatch,
+    PagedKVCache,
+    RowSampling,
+    paged_decode,
+    paged_forward,
+    paged_plan,
+)
 from jax_neuronmm.models.paged import sample_rows as _sample_rows
 
 VOCAB = 97
 _forward = nnx.jit(lambda model, ids: model(ids))
 _paged = nnx.jit(paged_forward)
+_paged_decode = nnx.jit(paged_decode, static_argnums=(1,))
 sample_rows = jax.jit(_sample_rows)
 
 
@@ -57,12 +70,9 @@ def _plan(rng, block_size, num_blocks):
     return seqs, table
 
 
-def _run(model, seqs, table, block_size, num_blocks, reference):
-    """Prefill in two ragged chunks (row 1 starts after the shared block), then one decode step; every call's
-    logits against the cache-free forward of each active row's tokens so far. Returns the final cache."""
-    cache = PagedKVCache.create(model, num_blocks, block_size)
-    # Attention's softmax runs in float32 for every model dtype (decoder_math.attend), hence 1e-5 in float64.
-    tolerance = dict(rtol=1e-5, atol=1e-6) if model.dtype == jnp.float64 else dict(rtol=2e-4, atol=2e-5)
+def _calls(seqs, table, block_size):
+    """_run's three calls as (token_ids [4, T], PagedBatch): prefill in two ragged chunks (row 1 starts after the
+    shared block), then one decode step (one token per active row)."""
     n = [len(s) - 1 for s in seqs]
     calls = [  # (lengths before, counts) per row; -1 inactive
         ([0, -1, 0, -1], [8, 0, 7, 0], 8),
@@ -74,9 +84,18 @@ def _run(model, seqs, table, block_size, num_blocks, reference):
         for row, (start, count) in enumerate(zip(lengths, counts)):
             if start >= 0:
                 tokens[row, :count] = seqs[row][start : start + count]
-        batch = PagedBatch(jnp.asarray(table), jnp.asarray(lengths, jnp.int32), jnp.asarray(counts, jnp.int32))
-        logits, cache = _paged(model, jnp.asarray(tokens), cache, batch)
-        for row, (start, count) in enumerate(zip(lengths, counts)):
+        yield jnp.asarray(tokens), PagedBatch(*(jnp.asarray(a, jnp.int32) for a in (table, lengths, counts)))
+
+
+def _run(model, seqs, table, block_size, num_blocks, reference):
+    """The three `_calls`; every call's logits against the cache-free forward of each active row's tokens so far.
+    Returns the final cache."""
+    cache = PagedKVCache.create(model, num_blocks, block_size)
+    # Attention's softmax runs in float32 for every model dtype (decoder_math.attend), hence 1e-5 in float64.
+    tolerance = dict(rtol=1e-5, atol=1e-6) if model.dtype == jnp.float64 else dict(rtol=2e-4, atol=2e-5)
+    for tokens, batch in _calls(seqs, table, block_size):
+        logits, cache = _paged(model, tokens, cache, batch)
+        for row, (start, count) in enumerate(zip(batch.lengths.tolist(), batch.counts.tolist())):
             if start >= 0:
                 want = reference(seqs[row][: start + count])
                 np.testing.assert_allclose(np.asarray(logits[row]), want, **tolerance)
@@ -110,6 +129,36 @@ def test_compressed_and_fp8_models_match_their_own_forward(form, rng):
     seqs, table = _plan(rng, 5, 17)
     # The reference is the compressed model's own cache-free forward (same weights, same float32 math).
     _run(model, seqs, table, 5, 17, lambda s: np.asarray(_forward(model, s[None]))[0, -1])
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "factored gemma3"])
+def test_paged_decode_is_paged_forwards_decode_step_on_both_backends(name, rng):
+    """The decode call of `_calls` (a shared prefix block, a row opening a new block, an inactive row; Gemma 3's
+    4-token window; factors of per-layer ranks) as one decode_step: paged_forward's logits and pools on XLA and on
+    the emulator's looped kernel, and bad shapes raise naming the argument."""
+    model = _model("llama" if name == "llama" else "gemma3", jnp.float32)
+    if name.startswith("factored"):
+        model = compress_model(model, 0.5, method="svd", include=("mlp", "attention"), block=8, progress=False)
+    block_size, num_blocks = 5, 17
+    seqs, table = _plan(rng, block_size, num_blocks)
+    *prefill, (tokens, batch) = _calls(seqs, table, block_size)
+    cache = PagedKVCache.create(model, num_blocks, block_size)
+    for chunk, chunk_batch in prefill:
+        cache = _paged(model, chunk, cache, chunk_batch)[1]
+    want_logits, want = _paged(model, tokens, cache, batch)
+    plan = paged_plan(model, block_size)
+    weights = stack_weights(model, plan)
+    for backend in ("xla", "emulator"):
+        with jax_neuronmm.use_backend(backend):
+            logits, got = _paged_decode(model, plan, weights, tokens, cache, batch.block_table, batch.lengths)
+        np.testing.assert_allclose(np.asarray(logits)[:3], np.asarray(want_logits)[:3], rtol=2e-4, atol=2e-5)
+        for pool, want_pool in ((got.k_pool, want.k_pool), (got.v_pool, want.v_pool)):
+            np.testing.assert_allclose(np.asarray(pool), np.asarray(want_pool), rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match=r"token_ids: got shape \(4, 2\), expected \[B, 1\]"):
+        paged_decode(model, plan, weights, jnp.zeros((4, 2), jnp.int32), cache, batch.block_table, batch.lengths)
+    other = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, block_size=3))
+    with pytest.raises(ValueError, match="plan: got block_size 3, expected the pools' 5"):
+        paged_decode(model, other, weights, tokens, cache, batch.block_table, batch.lengths)
 
 
 def _sampling(rows, temperature, top_k=0, top_p=1.0, seed=0, step=0):

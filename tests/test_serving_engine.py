@@ -1,16 +1,19 @@
 """serving.engine: continuous batching over the paged cache. A greedy request's tokens equal `models.generate`'s
 whatever shares the batch and whenever it arrives (chunked prefill, preemption when blocks run out included);
-cancel frees its blocks; per-request sampling is reproducible; incremental detokenization never breaks a
-character and honours stop strings."""
+on the emulator each decode step of a model `models.decode` covers is one looped decode_step kernel launch (others
+decode through their own layers); cancel frees its blocks; per-request sampling is reproducible; incremental
+detokenization never breaks a character and honours stop strings."""
 
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import tokenizers
 from flax import nnx
-from test_models_paged import _randomize
+from test_models_paged import _model, _randomize
 
+import jax_neuronmm
 from jax_neuronmm.models import Llama, LlamaConfig, generate
 from jax_neuronmm.serving.detokenize import Detokenizer
 from jax_neuronmm.serving.engine import ContextExceeded, Engine, EngineOptions, QueueFull, SamplingParams
@@ -101,6 +104,38 @@ def test_preemption_when_blocks_run_out_keeps_greedy_tokens(model, engine, rng):
     assert stats["preemptions"] > preemptions and stats["free_blocks"] == 12 and stats["running"] == 0
     for events, want in zip(results, _references(model, prompts, 18)):
         assert _tokens(events) == want
+
+
+def _biased_llama():
+    """A Llama with attention biases, which the decode-step kernels do not take (models.decode.unsupported_reason)."""
+    config = LlamaConfig.preset(
+        "tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136, num_layers=2, attention_bias=True
+    )
+    return _randomize(Llama(config, rngs=nnx.Rngs(1)), seed=1)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "biased llama"])
+def test_each_decode_step_is_one_kernel_launch_on_the_emulator(name, rng):
+    """Three requests of different lengths decode together on the emulator, each row at its own position (one
+    prompt chunked, rows crossing 5-slot blocks, the Gemma 3's 4-token sliding window shorter than every row): each
+    decode step is exactly one decode_step_kernel launch (a prefill chunk runs the model's own dense layers: no
+    kernel), or none for a model the kernels do not cover, and the greedy tokens equal generate's."""
+    model = _biased_llama() if name == "biased llama" else _model(name, jnp.float32)
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (3, 11, 6)]
+    counts = [7, 4, 9]
+    options = EngineOptions(
+        max_batch=4, block_size=5, num_blocks=16, max_model_len=40, prefill_buckets=(8,), batch_buckets=(4,)
+    )
+    with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
+        with Engine(model, options) as engine:  # started under the emulator: its thread runs there too
+            results = engine.generate(prompts, [_greedy(n) for n in counts])
+            stats = engine.stats()
+    decode_steps = stats["steps"] - sum(-(-len(prompt) // 8) for prompt in prompts)  # minus the prefill chunks
+    assert stats["preemptions"] == 0 and decode_steps >= max(counts) - 1
+    launches = 0 if name == "biased llama" else decode_steps
+    assert [run.name for run in prof.runs] == ["decode_step_kernel"] * launches
+    for events, want, n in zip(results, _references(model, prompts, max(counts)), counts):
+        assert _tokens(events) == want[:n]
 
 
 def test_stops_cancel_and_limits(model, engine, rng):

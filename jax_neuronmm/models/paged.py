@@ -9,8 +9,12 @@ pool after the last layer (every layer reads the pools as they were, its own new
 reads one gather per layer through the table. The layers are the model's own modules (`decoder_math.PagedKV` is
 the only new path in the attention), so fp8, factored and pruned projections and sliding windows work unchanged.
 
-`paged_step` is the jitted step the serving engine runs once per token for its whole batch: forward, then each
-row's next token under its own sampling (greedy rows take the argmax, as `generate` does).
+`paged_step` is the jitted step the serving engine runs for a prefill chunk (and, for a model `models.decode` does
+not cover, for a decode step): forward, then each row's next token under its own sampling (greedy rows take the
+argmax, as `generate` does). `paged_decode_step` is the decode step (T = 1 for every row) of a covered model as one
+`decode_step` over the same pools (`paged_plan`: the model's DecodePlan with the pools' block_size), so on the
+emulator and Trainium it is one looped kernel launch, each row at its own position reading K/V through its block
+table.
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_neuronmm.decode_step import decode_step
 from jax_neuronmm.decoder_math import PagedKV
+from jax_neuronmm.models import decode
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import attention_mask
+from nki_kernels.decode.contract import PROJECTIONS
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 
@@ -216,3 +223,69 @@ def paged_step(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatc
     scatter updates it in place). Returns (next tokens [B], cache). Compiled once per (model, B, T, max_blocks)."""
     next_tokens, new = _read_and_sample(graphdef, state, token_ids, cache, batch, sampling)
     return next_tokens, _write(cache, new)
+
+
+def paged_plan(model: CausalLM, block_size: int) -> decode.DecodePlan | None:
+    """`model`'s DecodePlan for decode steps over pools of `block_size`-slot blocks (its spec paged), or None when
+    `models.decode` does not cover the model (`decode.unsupported_reason`) or its parameters are split over a mesh
+    (the pools are one device's)."""
+    plan = decode.decode_plan(model)
+    if plan is None or plan.tensor_parallel is not None:
+        return None
+    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, block_size=block_size))
+
+
+def paged_decode(
+    model: CausalLM,
+    plan: decode.DecodePlan,
+    weights: decode.DecodeWeights,
+    token_ids,
+    cache: PagedKVCache,
+    block_table,
+    lengths,
+):
+    """`paged_forward` of one token per row (token_ids [B, 1]) as one `decode_step` over the pools (plan from
+    `paged_plan` with the pools' block_size, weights `decode.stack_weights(model, plan)`): (logits [B, vocab]
+    float32, the updated cache). Row b's token sits at position p = lengths[b] (-1: an inactive row, which writes
+    nothing): RoPE at p, and the mask shows the row's positions <= p (a sliding-window layer's last `window` of
+    them) and hides the rest, so the table's entries past the row's blocks are never read into its output."""
+    if token_ids.ndim != 2 or token_ids.shape[1] != 1:
+        raise ValueError(f"token_ids: got shape {token_ids.shape}, expected [B, 1] (one decode token per row)")
+    if plan.spec.block_size != cache.block_size:
+        raise ValueError(f"plan: got block_size {plan.spec.block_size}, expected the pools' {cache.block_size}")
+    rows, slots = token_ids.shape[0], block_table.shape[1] * cache.block_size
+    positions = jnp.maximum(lengths, 0).astype(jnp.int32)[:, None]
+    key_positions = jnp.broadcast_to(jnp.arange(slots, dtype=jnp.int32), (rows, slots))
+    cos, sin, bias = decode.step_tables(plan, positions, key_positions, jnp.ones((rows, slots), bool))
+    logits, k_pool, v_pool = decode_step(
+        x=model.embed(token_ids),
+        norms=weights.norms,
+        qk_norms=weights.qk_norms,
+        **dict(zip(PROJECTIONS, weights.projections)),
+        k_cache=cache.k_pool,
+        v_cache=cache.v_pool,
+        write_index=None,
+        cos=cos,
+        sin=sin,
+        mask_bias=bias,
+        final_norm=weights.final_norm,
+        head=weights.head,
+        packed=weights.packed,
+        block_table=block_table.astype(jnp.int32),
+        lengths=lengths.astype(jnp.int32),
+        spec=plan.spec,
+    )
+    return logits[:, 0], PagedKVCache(k_pool=k_pool, v_pool=v_pool)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "plan"), donate_argnames=("cache",))
+def paged_decode_step(
+    graphdef, state, weights, token_ids, cache: PagedKVCache, block_table, lengths, sampling, *, plan
+):
+    """One decode step for the whole batch through `paged_decode` (one `decode_step`), then `sample_rows`: (next
+    tokens [B], cache), the pools donated (the primitive returns them updated). Compiled once per (model, B,
+    block-table width)."""
+    TRACE_COUNTS["paged_decode_step"] += 1
+    model = nnx.merge(graphdef, state)
+    logits, cache = paged_decode(model, plan, weights, token_ids, cache, block_table, lengths)
+    return sample_rows(logits, sampling), cache

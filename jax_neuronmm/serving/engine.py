@@ -2,8 +2,12 @@
 
 A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
 prefill chunk of the oldest prefilling request (its prompt padded to a length bucket, a long prompt in chunks of
-the largest bucket), then one decode step for every decoding row (`models.paged.paged_step`: one jitted call for the
-whole batch, each row at its own position). Rows are virtual: the batch of a step is the decoding requests padded
+the largest bucket; `models.paged.paged_step`), then one decode step for every decoding row: one jitted call for the
+whole batch, each row at its own position: on the emulator and Trainium, for a model `models.decode` covers, one
+`decode_step` over the same pools (`models.paged.paged_decode_step`, the weights stacked once per engine: one
+looped kernel launch, K/V read through each row's block table); on XLA, and for other models, the model's own
+layers (`paged_step`). The scheduler thread runs under the kernel backend in effect where `start()` was called (JAX's
+config contexts are per thread). Rows are virtual: the batch of a step is the decoding requests padded
 to a batch bucket, so any request can sit in any row and a finished request's row is free at once. Blocks come
 from a free list; when a decode step needs a block and none is free, the newest running request is preempted (its
 blocks freed, it waits at the head of the queue and is recomputed from its prompt and the tokens it already
@@ -26,8 +30,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_neuronmm.backend import effective_backend, get_backend, use_backend
+from jax_neuronmm.models.decode import stack_weights
 from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.paged import PagedBatch, PagedKVCache, RowSampling, paged_step
+from jax_neuronmm.models.paged import (
+    PagedBatch,
+    PagedKVCache,
+    RowSampling,
+    paged_decode_step,
+    paged_plan,
+    paged_step,
+)
 from jax_neuronmm.serving.detokenize import Detokenizer
 
 SHUTDOWN = "the engine is shutting down"  # the error of requests a shutdown ends
@@ -195,6 +208,10 @@ class Engine:
         self.eos_token_ids = frozenset(model.eos_token_ids)
         self._graphdef, self._state = nnx.split(model)
         self._cache = PagedKVCache.create(model, self.num_blocks, self.block_size)
+        # Decode steps as one decode_step (None: models.decode does not cover the model; its own layers decode).
+        self._plan = paged_plan(model, self.block_size)
+        self._weights = None if self._plan is None else stack_weights(model, self._plan)
+        self._backend = get_backend()  # start() takes its caller's
         self._batch_sizes = sorted(options.batch_buckets or _buckets(options.max_batch))
         self._table_widths = _table_widths(self.max_blocks)
         self._prefill_sizes = sorted(set(options.prefill_buckets))
@@ -223,7 +240,8 @@ class Engine:
         with self._lock:
             if self._thread is None:
                 self._stopping = False
-                self._thread = threading.Thread(target=self._loop, name="jax_neuronmm-engine", daemon=True)
+                self._backend = get_backend()  # the caller's: use_backend is per thread
+                self._thread = threading.Thread(target=self._run, name="jax_neuronmm-engine", daemon=True)
                 self._thread.start()
         return self
 
@@ -326,6 +344,10 @@ class Engine:
         return events
 
     # --- the scheduler thread ------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with use_backend(self._backend):
+            self._loop()
 
     def _loop(self) -> None:
         while True:
@@ -444,14 +466,36 @@ class Engine:
             steps[row] = len(request.outputs)
         return RowSampling(*(jnp.asarray(a) for a in (temperature, top_k, top_p, seeds, steps)))
 
+    def _decodes_through_kernels(self) -> bool:
+        """Decode steps take `paged_decode_step` where kernels run it (the emulator, Trainium) and the model covers
+        it; on the XLA backend the model's own layers are faster (decode_step's scan over stacked layers carries the
+        pools through every layer)."""
+        return self._plan is not None and effective_backend(jax.devices()[0].platform) != "xla"
+
     def _step(self, tokens: np.ndarray, requests, lengths, counts, need_blocks) -> np.ndarray:
+        """One jitted step: a decode step (counts None: one token per row) through `paged_decode_step` where
+        `_decodes_through_kernels`, anything else through `paged_step`; returns the next tokens [rows]."""
         rows = tokens.shape[0]
-        table = self._table(requests, rows, need_blocks)
-        batch = PagedBatch(jnp.asarray(table), jnp.asarray(lengths, jnp.int32), jnp.asarray(counts, jnp.int32))
+        table = jnp.asarray(self._table(requests, rows, need_blocks))
+        lengths = jnp.asarray(lengths, jnp.int32)
         sampling = self._sampling(requests, rows)
-        next_tokens, self._cache = paged_step(
-            self._graphdef, self._state, jnp.asarray(tokens), self._cache, batch, sampling
-        )
+        tokens = jnp.asarray(tokens)
+        if counts is None and self._decodes_through_kernels():
+            next_tokens, self._cache = paged_decode_step(
+                self._graphdef,
+                self._state,
+                self._weights,
+                tokens,
+                self._cache,
+                table,
+                lengths,
+                sampling,
+                plan=self._plan,
+            )
+        else:
+            counts = jnp.asarray((lengths >= 0).astype(jnp.int32) if counts is None else counts, jnp.int32)
+            batch = PagedBatch(table, lengths, counts)
+            next_tokens, self._cache = paged_step(self._graphdef, self._state, tokens, self._cache, batch, sampling)
         self._stats["steps"] += 1
         return np.asarray(jax.device_get(next_tokens))
 
@@ -485,11 +529,10 @@ class Engine:
         rows = _bucket(len(requests), self._batch_sizes)
         tokens = np.zeros((rows, 1), np.int32)
         lengths = np.full(rows, -1, np.int32)
-        counts = np.zeros(rows, np.int32)
         for row, request in enumerate(requests):
-            tokens[row, 0], lengths[row], counts[row] = request.outputs[-1], request.cached, 1
+            tokens[row, 0], lengths[row] = request.outputs[-1], request.cached
         need = max(len(r.blocks) for r in requests)
-        next_tokens = self._step(tokens, requests, lengths, counts, need)
+        next_tokens = self._step(tokens, requests, lengths, None, need)
         for row, request in enumerate(requests):
             request.cached += 1
             self._accept(request, int(next_tokens[row]))
