@@ -21,6 +21,7 @@ import resource
 import threading
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
@@ -28,10 +29,11 @@ from jax_neuronmm.models import generate, load_gguf
 from jax_neuronmm.serving.engine import Engine, EngineOptions, SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_integer("requests", 16, "requests in the mix")
-flags.DEFINE_multi_integer("clients", [1, 4, 16], "concurrent clients to measure")
+flags.DEFINE_integer("requests", 16, "requests in the mix", lower_bound=1)
+flags.DEFINE_multi_integer("clients", [1, 4, 16], "concurrent clients to measure", lower_bound=1)
 flags.DEFINE_integer("seed", 54, "seed of the prompt / output length mix")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"), "output folder")
+_flag_checks.output_directory("out")
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "jax_neuronmm", "data", "pride_and_prejudice_ch50-61.txt")
 

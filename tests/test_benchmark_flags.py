@@ -190,6 +190,14 @@ def cases_table(paths):
         ),
         "calibration": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
         "speed_bands": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
+        "serving": (
+            [[], ["--requests=4", "--clients=1", "--clients=2"]],
+            [
+                ("parse", ["--requests=0"], "--requests=0"),
+                ("parse", ["--clients=0"], "--clients=0"),
+                ("parse", [f"--out={a_file}"], "is a file"),
+            ],
+        ),
     }
     return table
 
@@ -204,7 +212,7 @@ def scripts():
 
 def test_every_cli_is_covered(paths):
     # A new benchmark script gets its bad-flag cases here too.
-    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 14
+    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 15
 
 
 @pytest.mark.parametrize("name", scripts())
