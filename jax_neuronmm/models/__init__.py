@@ -2,6 +2,7 @@
 weights (quantize_model), and compressed checkpoint directories (compress_checkpoint writes them,
 load_compressed_checkpoint loads them)."""
 
+from jax_neuronmm.models import self_distillation
 from jax_neuronmm.models.compressed_loading import (
     compress_checkpoint,
     is_compressed_checkpoint,
@@ -42,4 +43,5 @@ __all__ = [
     "model_from_config",
     "perplexity",
     "quantize_model",
+    "self_distillation",
 ]
