@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jax_neuronmm.compress.distill import DistillOptions, distill_factors
-from jax_neuronmm.models import from_preset, generate, self_distillation
+from jax_neuronmm.models import from_preset, generate, pruning, self_distillation
 from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.self_distillation import (
     SelfTextOptions,
@@ -175,8 +175,16 @@ def test_compress_model_generates_training_text_by_default(tiny, tmp_path, monke
         return real(dense, ids, dataclasses.replace(options, cache_dir=str(tmp_path)), **kwargs)
 
     monkeypatch.setattr(self_distillation, "generated_windows", recorded)
+    pruned_on = []
+    real_prune = pruning.prune_mlps
+    monkeypatch.setattr(
+        pruning, "prune_mlps", lambda m, ids, *a, **k: pruned_on.append(ids) or real_prune(m, ids, *a, **k)
+    )
     compress_model(model, 0.8, calibration_ids=user, progress=False)
     assert len(calls) == 1 and calls[0][0] == user.shape and calls[0][1] == SelfTextOptions()
+    # The layer-wise steps calibrate on the user's windows and the first 32 generated ones (all trained on).
+    generated = real(model, user, dataclasses.replace(SelfTextOptions(), cache_dir=str(tmp_path)), progress=False)
+    np.testing.assert_array_equal(pruned_on[0], np.concatenate([user, generated[:32]]))
     # Off on request, and off by default when the user passes their own corpus.
     compress_model(model, 0.8, calibration_ids=user, self_text=False, progress=False)
     compress_model(model, 0.8, calibration_ids=user, distill_ids=user, progress=False)
@@ -189,8 +197,14 @@ def test_compress_model_generates_training_text_by_default(tiny, tmp_path, monke
 
 @pytest.mark.parametrize(
     "field,value,message",
-    [("windows", 0, "windows"), ("holdout", 20, "holdout"), ("top_p", 0.0, "top_p"), ("from_start", 1.5, "from_start")],
+    [
+        ("windows", 0, "windows"),
+        ("holdout", 20, "holdout"),
+        ("calibration_windows", 17, "calibration_windows"),
+        ("top_p", 0.0, "top_p"),
+        ("from_start", 1.5, "from_start"),
+    ],
 )
 def test_self_text_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
-        SelfTextOptions(**{"windows": 20, "holdout": 4, field: value})
+        SelfTextOptions(**{"windows": 20, "holdout": 4, "calibration_windows": 8, field: value})

@@ -347,7 +347,9 @@ def compress_model(
     SelfTextOptions (or True: the defaults), False: none, None: the defaults where the recommended pipeline runs
     (no method, calibration_ids given) without distill_ids (a user's own corpus replaces them). Generated windows
     are mixed with the training windows (distill_ids, else calibration_ids), and the step kept is chosen on
-    SelfTextOptions.holdout generated windows no step trains on. Without `distill` options, the steps and step
+    SelfTextOptions.holdout generated windows no step trains on; the first SelfTextOptions.calibration_windows
+    generated windows also join calibration_ids for the layer-wise steps (when their windows are as long). Without
+    `distill` options, the steps and step
     sizes scale with the training windows (`self_distillation.scaled_options`: at most two passes over small text).
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
@@ -388,7 +390,11 @@ def compress_model(
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
     training_ids = calibration_ids if distill_ids is None else distill_ids
     if "distill" in steps:
-        training_ids, distill = _distill_text(model, training_ids, distill, scale_distill, self_text, progress)
+        training_ids, distill, generated = _distill_text(
+            model, training_ids, distill, scale_distill, self_text, progress
+        )
+        if generated is not None and self_text.calibration_windows and generated.shape[1] == calibration_ids.shape[1]:
+            calibration_ids = np.concatenate([calibration_ids, generated[: self_text.calibration_windows]])
     with svd.single_threaded_blas(), svd.damping_summary():
         compressed = _compress(
             model,
@@ -430,19 +436,21 @@ def _resolve_self_text(self_text, recommended: bool, steps, distill_ids):
 
 
 def _distill_text(dense, training_ids, distill, scale_distill: bool, self_text, progress: bool):
-    """(the "distill" step's windows, its options): training_ids mixed with the dense model's own samples when
-    self_text is given (the generated windows last held out), and options scaled to the windows trained on when
-    the caller gave none (`self_distillation.scaled_options`)."""
+    """(the "distill" step's windows, its options, the generated windows or None): training_ids mixed with the
+    dense model's own samples when self_text is given (the generated windows last held out), and options scaled to
+    the windows trained on when the caller gave none (`self_distillation.scaled_options`)."""
     base = distill or distillation.DistillOptions()
-    holdout = base.holdout
+    holdout, generated = base.holdout, None
     if self_text is not None:
         generated = self_distillation.generated_windows(dense, training_ids, self_text, progress=progress)
         training_ids = self_distillation.mixed_windows(training_ids, generated, self_text.holdout)
         holdout = self_text.holdout
     held = holdout if training_ids.shape[0] > holdout else 0
     if scale_distill:
-        return training_ids, self_distillation.scaled_options(training_ids.shape[0] - held, holdout, base)
-    return training_ids, dataclasses.replace(base, holdout=holdout)
+        distill = self_distillation.scaled_options(training_ids.shape[0] - held, holdout, base)
+    else:
+        distill = dataclasses.replace(base, holdout=holdout)
+    return training_ids, distill, generated
 
 
 def _compress(

@@ -47,8 +47,10 @@ class SelfTextOptions:
     user windows' first token alone (their beginning-of-sequence token; when the user's windows do not share one,
     every window continues a prompt); prompt_tokens: tokens of the user's text each other window continues (after
     that first token, when there is one); temperature, top_p: sampling; batch: windows generated together; holdout:
-    generated windows no step trains on, on which the step kept is chosen; seed: prompts and samples; cache_dir:
-    where samples are cached (None: `default_cache_dir()`; "" : not cached).
+    generated windows no step trains on, on which the step kept is chosen; calibration_windows: generated windows
+    (of those trained on) that compress_model also adds to the calibration windows of its layer-wise steps
+    (whitening, Fisher weights, neuron choice), so those steps see the model's general text beside the user's;
+    seed: prompts and samples; cache_dir: where samples are cached (None: `default_cache_dir()`; "": not cached).
     """
 
     windows: int = 96
@@ -58,11 +60,19 @@ class SelfTextOptions:
     top_p: float = 0.95
     batch: int = 16
     holdout: int = 8
+    calibration_windows: int = 32
     seed: int = 0
     cache_dir: str | None = None
 
     def __post_init__(self):
-        for name, low in (("windows", 1), ("prompt_tokens", 1), ("batch", 1), ("holdout", 1), ("seed", 0)):
+        for name, low in (
+            ("windows", 1),
+            ("prompt_tokens", 1),
+            ("batch", 1),
+            ("holdout", 1),
+            ("calibration_windows", 0),
+            ("seed", 0),
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"SelfTextOptions.{name}: got {value!r}, expected an int >= {low}")
@@ -70,6 +80,11 @@ class SelfTextOptions:
             raise ValueError(
                 f"SelfTextOptions.holdout: got {self.holdout}, expected fewer than windows ({self.windows}): "
                 "the rest are trained on"
+            )
+        if self.calibration_windows > self.windows - self.holdout:
+            raise ValueError(
+                f"SelfTextOptions.calibration_windows: got {self.calibration_windows}, expected at most windows - "
+                f"holdout ({self.windows - self.holdout}): held-out windows are seen by no step"
             )
         for name, low, high in (("from_start", 0.0, 1.0), ("top_p", 1e-9, 1.0), ("temperature", 1e-9, math.inf)):
             value = getattr(self, name)
