@@ -208,3 +208,11 @@ def test_compress_model_generates_training_text_by_default(tiny, tmp_path, monke
 def test_self_text_options_are_checked(field, value, message):
     with pytest.raises(ValueError, match=message):
         SelfTextOptions(**{"windows": 20, "holdout": 4, "calibration_windows": 8, field: value})
+
+
+def test_the_default_cache_directory_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("JAX_NEURONMM_CACHE", str(tmp_path / "mine"))
+    assert self_distillation.default_cache_dir() == str(tmp_path / "mine" / "generated")
+    monkeypatch.delenv("JAX_NEURONMM_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert self_distillation.default_cache_dir() == str(tmp_path / "xdg" / "jax_neuronmm" / "generated")
