@@ -24,6 +24,7 @@ import json
 import os
 import time
 
+import numpy as np
 from absl import app, flags
 
 from jax_neuronmm import models
@@ -58,6 +59,9 @@ class Config:
 
     name: str
     quantize: bool = False
+    # fp8 rows: GPTQ calibrated on "user" windows, on "user+generated" (the user's and the first
+    # SelfTextOptions.calibration_windows of the dense model's own samples), or "none" (round to nearest)
+    quantize_on: str = "user"
     keep: float = 0.8
     include: tuple = ("mlp",)
     self_text: bool = True
@@ -67,6 +71,8 @@ class Config:
 
 CONFIGS = (
     Config("fp8 gptq", quantize=True),
+    Config("fp8 round to nearest", quantize=True, quantize_on="none"),
+    Config("fp8 gptq, user + generated text", quantize=True, quantize_on="user+generated"),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
     Config("keep 0.8 mlp"),
     Config(
@@ -78,6 +84,12 @@ CONFIGS = (
 
 def build(dense, config: Config, user_ids):
     if config.quantize:
+        if config.quantize_on == "none":
+            return models.quantize_model(dense, "float8_e4m3")
+        if config.quantize_on == "user+generated":
+            options = self_distillation.SelfTextOptions()
+            generated = self_distillation.generated_windows(dense, user_ids, options)
+            user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return models.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
     extra = dict(self_text=config.self_text)
     if config.before:
@@ -140,7 +152,8 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
         seconds = time.perf_counter() - start
         load_after = os.getloadavg()
         kinds = measure(model, windows, dense_predictions)
-        generated = 0 if config.quantize or not config.self_text else self_distillation.SelfTextOptions().windows
+        uses_generated = config.quantize_on == "user+generated" if config.quantize else config.self_text
+        generated = self_distillation.SelfTextOptions().windows if uses_generated else 0
         row = dict(
             model=name,
             config=config.name,
