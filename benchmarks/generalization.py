@@ -45,6 +45,9 @@ flags.DEFINE_integer("user_tokens", 8192, "tokens of the user's text (whole wind
 flags.DEFINE_integer("eval_windows", 16, "at most this many evaluation windows of each kind")
 flags.DEFINE_bool("speed", True, "the modeled decode speed (trn2, batch 1, bytes roofline) of each row over bf16 dense")
 flags.DEFINE_bool("trace", False, "with --speed, also trace the looped decode kernel on the emulator's cost model")
+flags.DEFINE_integer(
+    "self_text_windows", None, "generated windows (SelfTextOptions.windows; default: the library's default)"
+)
 flags.DEFINE_bool("render_only", False, "only re-render the Markdown from the JSON")
 FLAGS = flags.FLAGS
 
@@ -82,16 +85,27 @@ CONFIGS = (
 )
 
 
+def self_text_options() -> self_distillation.SelfTextOptions:
+    """The library's SelfTextOptions, or --self_text_windows windows of them (a quarter of them calibrating)."""
+    options = self_distillation.SelfTextOptions()
+    if FLAGS.self_text_windows is None:
+        return options
+    windows = FLAGS.self_text_windows
+    return dataclasses.replace(
+        options, windows=windows, calibration_windows=min(options.calibration_windows, windows // 3)
+    )
+
+
 def build(dense, config: Config, user_ids):
     if config.quantize:
         if config.quantize_on == "none":
             return models.quantize_model(dense, "float8_e4m3")
         if config.quantize_on == "user+generated":
-            options = self_distillation.SelfTextOptions()
+            options = self_text_options()
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return models.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
-    extra = dict(self_text=config.self_text)
+    extra = dict(self_text=self_text_options() if config.self_text else False)
     if config.before:
         extra["distill"] = DistillOptions()
     return models.compress_model(dense, config.keep, calibration_ids=user_ids, include=config.include, **extra)
@@ -153,7 +167,7 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
         load_after = os.getloadavg()
         kinds = measure(model, windows, dense_predictions)
         uses_generated = config.quantize_on == "user+generated" if config.quantize else config.self_text
-        generated = self_distillation.SelfTextOptions().windows if uses_generated else 0
+        generated = self_text_options().windows if uses_generated else 0
         row = dict(
             model=name,
             config=config.name,
