@@ -85,9 +85,10 @@ CONFIGS = (
 )
 
 
-def self_text_options() -> self_distillation.SelfTextOptions:
-    """The library's SelfTextOptions, or --self_text_windows windows of them (a quarter of them calibrating)."""
-    options = self_distillation.SelfTextOptions()
+def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
+    """The library's SelfTextOptions (samples from start_id when given), or --self_text_windows windows of them (a
+    third of them calibrating)."""
+    options = self_distillation.SelfTextOptions(start_id=start_id)
     if FLAGS.self_text_windows is None:
         return options
     windows = FLAGS.self_text_windows
@@ -96,16 +97,16 @@ def self_text_options() -> self_distillation.SelfTextOptions:
     )
 
 
-def build(dense, config: Config, user_ids):
+def build(dense, config: Config, user_ids, start_id):
     if config.quantize:
         if config.quantize_on == "none":
             return models.quantize_model(dense, "float8_e4m3")
         if config.quantize_on == "user+generated":
-            options = self_text_options()
+            options = self_text_options(start_id)
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return models.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
-    extra = dict(self_text=self_text_options() if config.self_text else False)
+    extra = dict(self_text=self_text_options(start_id) if config.self_text else False)
     if config.before:
         extra["distill"] = DistillOptions()
     return models.compress_model(dense, config.keep, calibration_ids=user_ids, include=config.include, **extra)
@@ -149,6 +150,8 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
     dense = models.load_gguf(path)
     tokenizer = dense.tokenizer
     bos = tokenizer.token_to_id("<bos>") if key == "gemma" else None  # SmolLM2's tokenizer adds none
+    # Where samples without a prompt start: Gemma's windows share <bos>; SmolLM2's chat turns begin <|im_start|>.
+    start_id = None if key == "gemma" else tokenizer.token_to_id("<|im_start|>")
     user_ids = text_kinds.kind_windows(
         tokenizer, FLAGS.user_kind, FLAGS.seq_len, bos, max_windows=FLAGS.user_tokens // FLAGS.seq_len
     )
@@ -162,7 +165,7 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
     for config in configs:
         load_before = os.getloadavg()
         start = time.perf_counter()
-        model = build(dense, config, user_ids)
+        model = build(dense, config, user_ids, start_id)
         seconds = time.perf_counter() - start
         load_after = os.getloadavg()
         kinds = measure(model, windows, dense_predictions)

@@ -49,6 +49,9 @@ def test_prompts_start_from_bos_or_cut_from_the_user_text(tiny, tmp_path):
     mixed_first[0, 0] = BOS + 1
     start, text = prompts(mixed_first, options)
     assert start.shape == (0, 1) and text.shape == (7, 5)
+    # ... unless a start token is given: then the start rows begin with it, the text prompts are plain text.
+    start, text = prompts(mixed_first, _options(tmp_path, start_id=3))
+    assert start.shape == (2, 1) and np.all(start == 3) and text.shape == (5, 5)
 
 
 def test_generated_windows_are_the_seeded_samples_and_are_cached(tiny, tmp_path, monkeypatch):

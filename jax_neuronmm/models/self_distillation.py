@@ -43,10 +43,11 @@ def default_cache_dir() -> str:
 class SelfTextOptions:
     """How much of its own text the dense model writes, and how.
 
-    windows: generated windows, each as long as the user's windows; from_start: fraction of them started from the
-    user windows' first token alone (their beginning-of-sequence token; when the user's windows do not share one,
-    every window continues a prompt); prompt_tokens: tokens of the user's text each other window continues (after
-    that first token, when there is one); temperature, top_p: sampling; batch: windows generated together; holdout:
+    windows: generated windows, each as long as the user's windows; from_start: fraction of them started from a
+    start token alone: start_id, else the first token the user's windows share (their beginning-of-sequence token;
+    with neither, every window continues a prompt); prompt_tokens: tokens of the user's text each other window
+    continues (after the shared first token, when there is one); temperature, top_p: sampling; batch: windows
+    generated together; holdout:
     generated windows no step trains on, on which the step kept is chosen; calibration_windows: generated windows
     (of those trained on) that compress_model also adds to the calibration windows of its layer-wise steps
     (whitening, Fisher weights, neuron choice), so those steps see the model's general text beside the user's;
@@ -61,6 +62,7 @@ class SelfTextOptions:
     batch: int = 16
     holdout: int = 8
     calibration_windows: int = 32
+    start_id: int | None = None
     seed: int = 0
     cache_dir: str | None = None
 
@@ -90,6 +92,10 @@ class SelfTextOptions:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
                 raise ValueError(f"SelfTextOptions.{name}: got {value!r}, expected a number in [{low}, {high}]")
+        if self.start_id is not None and (
+            isinstance(self.start_id, bool) or not isinstance(self.start_id, int) or self.start_id < 0
+        ):
+            raise ValueError(f"SelfTextOptions.start_id: got {self.start_id!r}, expected None or a token id >= 0")
         if self.cache_dir is not None and not isinstance(self.cache_dir, str):
             raise ValueError(f"SelfTextOptions.cache_dir: got {self.cache_dir!r}, expected None or a path string")
 
@@ -102,12 +108,13 @@ def start_token(user_ids: np.ndarray) -> int | None:
 
 def prompts(user_ids: np.ndarray, options: SelfTextOptions) -> tuple[np.ndarray, np.ndarray]:
     """(start prompts [S, 1], text prompts [P, prompt_tokens (+1)]) for options.windows samples: S =
-    round(windows · from_start) rows of the shared first token (0 rows when the windows share none), the rest
-    prompt_tokens consecutive tokens from a random window and offset of user_ids [B, T] (after the shared first
-    token, which leads each of them)."""
+    round(windows · from_start) rows of the start token (options.start_id, else the first token all windows of
+    user_ids [B, T] share; 0 rows when there is neither), the rest prompt_tokens consecutive tokens from a random
+    window and offset of user_ids (after the shared first token, which leads each of them)."""
     user_ids = np.asarray(user_ids)
-    first = start_token(user_ids)
-    body = user_ids if first is None else user_ids[:, 1:]
+    shared = start_token(user_ids)
+    first = options.start_id if options.start_id is not None else shared
+    body = user_ids if shared is None else user_ids[:, 1:]
     if body.shape[1] <= options.prompt_tokens:
         raise ValueError(
             f"user_ids: windows of {user_ids.shape[1]} tokens, too short for prompts of "
@@ -120,8 +127,8 @@ def prompts(user_ids: np.ndarray, options: SelfTextOptions) -> tuple[np.ndarray,
     text = np.stack([body[r, o : o + options.prompt_tokens] for r, o in zip(rows, offsets)]).reshape(
         -1, options.prompt_tokens
     )
-    if first is not None:
-        text = np.concatenate([np.full((text.shape[0], 1), first), text], axis=1)
+    if shared is not None:
+        text = np.concatenate([np.full((text.shape[0], 1), shared), text], axis=1)
     return np.full((starts, 1), first if first is not None else 0, np.int64), text
 
 
