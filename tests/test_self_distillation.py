@@ -32,7 +32,8 @@ def tiny():
 
 
 def _options(tmp_path, **overrides):
-    fields = dict(windows=7, from_start=0.3, prompt_tokens=5, batch=3, holdout=2, seed=4, cache_dir=str(tmp_path))
+    fields = dict(windows=7, from_start=0.3, prompt_tokens=5, batch=3, holdout=2, calibration_windows=2, seed=4)
+    fields["cache_dir"] = str(tmp_path)
     return SelfTextOptions(**{**fields, **overrides})
 
 
