@@ -220,3 +220,14 @@ def test_the_default_cache_directory_follows_the_environment(monkeypatch, tmp_pa
     monkeypatch.delenv("JAX_NEURONMM_CACHE")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert self_distillation.default_cache_dir() == str(tmp_path / "xdg" / "jax_neuronmm" / "generated")
+
+
+def test_the_cache_key_does_not_depend_on_the_ids_integer_type(tiny, tmp_path, monkeypatch):
+    model, user = tiny
+    windows = generated_windows(model, user.astype(np.int64), _options(tmp_path), progress=False)
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("generated again instead of reading the cache")
+
+    monkeypatch.setattr(self_distillation, "generate", no_generation)
+    np.testing.assert_array_equal(generated_windows(model, user.astype(np.int32), _options(tmp_path)), windows)

@@ -159,8 +159,8 @@ def generated_windows(model, user_ids, options: SelfTextOptions = SelfTextOption
         key = hashlib.sha256(
             f"v{_CACHE_VERSION}|{model_digest(model)}|{length}|{options.temperature}|{options.top_p}|"
             f"{options.batch}|{options.seed}".encode()
-            + start.tobytes()
-            + text.tobytes()
+            + start.astype(np.int64).tobytes()  # one key whatever integer type the caller's ids have
+            + text.astype(np.int64).tobytes()
         ).hexdigest()[:24]
         cache = os.path.join(options.cache_dir or default_cache_dir(), f"generated-{key}.npy")
         cached = _read_cache(cache, (options.windows, length), model.config.vocab_size)
