@@ -27,3 +27,13 @@ def check_results(request):
     from spmd_helpers import checks_in_subprocess
 
     return checks_in_subprocess(request.module.__file__)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cache_in_a_temporary_directory(tmp_path_factory):
+    """Caches the package writes by default (models.self_distillation's generated text) go to a temporary
+    directory, not the user's ~/.cache."""
+    patch = pytest.MonkeyPatch()
+    patch.setenv("JAX_NEURONMM_CACHE", str(tmp_path_factory.mktemp("jax_neuronmm_cache")))
+    yield
+    patch.undo()

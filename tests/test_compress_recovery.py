@@ -391,9 +391,18 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
         lambda compressed, dense, ids, options, progress: seen.append(np.asarray(ids)),
     )
     compress_model(model, 0.5, calibration_ids=calibration[:4], distill_ids=calibration[4:], block=8, progress=False)
-    compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False)
+    compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, self_text=False, progress=False)
     np.testing.assert_array_equal(seen[0], calibration[4:])
     np.testing.assert_array_equal(seen[1], calibration[:4])
+    # By default the calibration windows are mixed with the dense model's own samples, which end the windows.
+    monkeypatch.setattr(
+        "jax_neuronmm.models.self_distillation.generated_windows",
+        lambda dense, ids, options, progress: np.full((options.windows, ids.shape[1]), 5, np.int32),
+    )
+    compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False)
+    assert seen[2].shape == (4 + 96, calibration.shape[1])
+    np.testing.assert_array_equal(seen[2][seen[2][:, 0] != 5], calibration[:4])
+    assert np.all(seen[2][-8:] == 5)
 
 
 def _factors(model):

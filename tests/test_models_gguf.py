@@ -675,3 +675,30 @@ def test_real_gemma3_270m_matches_transformers(real_gguf):
         expected = reference(torch.from_numpy(ids)).logits.double().numpy()
     np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)
     assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.95
+
+
+@pytest.fixture(scope="module")
+def real_smollm2():
+    if os.environ.get("JAX_NEURONMM_REAL_MODEL_TESTS") != "1":
+        pytest.skip("set JAX_NEURONMM_REAL_MODEL_TESTS=1 to compare the real SmolLM2-135M with transformers")
+    from jax_neuronmm.models import real_models
+
+    path = real_models.real_model_path(real_models.SMOLLM2_135M)
+    if path is None:
+        pytest.skip(real_models.missing_reason(real_models.SMOLLM2_135M))
+    return path
+
+
+def test_real_smollm2_135m_loads_with_its_shapes_and_matches_transformers(real_smollm2):
+    ours = load_gguf(real_smollm2)
+    config = ours.config
+    shapes = (config.num_layers, config.hidden_size, config.intermediate_size, config.num_heads, config.num_kv_heads)
+    assert shapes == (30, 576, 1536, 9, 3) and config.vocab_size == 49152 and config.tie_word_embeddings
+    ids = np.array([ours.tokenizer.encode(REAL_TEXT[:120]).ids])
+    got = np.asarray(_logits(ours, ids), np.float64)
+    del ours
+    reference = _transformers_from_gguf(real_smollm2)
+    with torch.no_grad():
+        expected = reference(torch.from_numpy(ids)).logits.double().numpy()
+    np.testing.assert_allclose(got, expected, atol=1e-3 * np.abs(expected).max(), rtol=0)
+    assert (got.argmax(-1) == expected.argmax(-1)).mean() > 0.95

@@ -1,7 +1,8 @@
 """Llama, Gemma and Qwen3 causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, fp8
-weights (quantize_model), and compressed checkpoint directories (compress_checkpoint writes them,
-load_compressed_checkpoint loads them)."""
+weights (quantize_model), compressed checkpoint directories (compress_checkpoint writes them,
+load_compressed_checkpoint loads them), and where the real GGUF checkpoints are installed (real_model_path)."""
 
+from jax_neuronmm.models import self_distillation
 from jax_neuronmm.models.compressed_loading import (
     compress_checkpoint,
     is_compressed_checkpoint,
@@ -20,6 +21,8 @@ from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.presets import from_preset
 from jax_neuronmm.models.quantization import quantize_model
 from jax_neuronmm.models.qwen3 import Qwen3, Qwen3Config
+from jax_neuronmm.models.real_models import real_model_path, real_model_paths
+from jax_neuronmm.models.self_distillation import SelfTextOptions
 
 __all__ = [
     "CausalLM",
@@ -32,6 +35,7 @@ __all__ = [
     "Qwen3",
     "Qwen3Config",
     "RopeConfig",
+    "SelfTextOptions",
     "compress_checkpoint",
     "compress_model",
     "from_preset",
@@ -45,4 +49,7 @@ __all__ = [
     "model_from_config",
     "perplexity",
     "quantize_model",
+    "real_model_path",
+    "real_model_paths",
+    "self_distillation",
 ]

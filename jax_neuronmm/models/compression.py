@@ -4,6 +4,7 @@ end-to-end fine-tuning of the factors)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 
@@ -15,7 +16,7 @@ from flax import nnx
 from jax_neuronmm.compress import allocation, fisher, local_finetune, sensitivity, sequential, svd
 from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, layer_projections
-from jax_neuronmm.models import pruning, quantization
+from jax_neuronmm.models import pruning, quantization, self_distillation
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
@@ -318,6 +319,7 @@ def compress_model(
     allow_dense: bool = True,
     allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
     mlp_form: str | None = None,
+    self_text: self_distillation.SelfTextOptions | bool | None = None,
     progress: bool = True,
 ) -> CausalLM:
     """A copy of `model` whose projections are SVD-factored (or MLPs pruned: mlp_form); the input model is left
@@ -366,6 +368,15 @@ def compress_model(
     attention factored beside them (factored MLPs: 1.082x / 1.092x) and 1.202x / 1.146x at keep 0.6 with
     pruned_learning_rate 2e-3 (factored: 1.261x / 1.215x) (benchmarks/results/accuracy_report.md).
 
+    self_text: the dense model's own samples as more training text for "distill" (`models.self_distillation`):
+    SelfTextOptions (or True: the defaults), False: none, None: the defaults where the recommended pipeline runs
+    (no method, calibration_ids given) without distill_ids (a user's own corpus replaces them). Generated windows
+    are mixed with the training windows (distill_ids, else calibration_ids), and the step kept is chosen on
+    SelfTextOptions.holdout generated windows no step trains on; the first SelfTextOptions.calibration_windows
+    generated windows also join calibration_ids for the layer-wise steps (when their windows are as long). Without
+    `distill` options, the steps and step
+    sizes scale with the training windows (`self_distillation.scaled_options`: at most two passes over small text).
+
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
     worse, see models/quantization.py). Without `distill` options, the "distill" step then trains through that
@@ -382,7 +393,10 @@ def compress_model(
     if weight_dtype is not None and weight_dtype not in quantization.WEIGHT_DTYPES:
         raise ValueError(f"weight_dtype: got {weight_dtype!r}, expected None or one of {quantization.WEIGHT_DTYPES}")
     mlp_form = resolve_mlp_form(mlp_form, model, method, calibration_ids, include, rank)
+    recommended = method is None and calibration_ids is not None
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
+    self_text = _resolve_self_text(self_text, recommended, steps, distill_ids)
+    scale_distill = distill is None
     if weight_dtype is not None and distill is None:
         distill = distillation.DistillOptions(weight_dtype=weight_dtype)
     include, steps, calibration_ids = _check_arguments(
@@ -400,6 +414,13 @@ def compress_model(
         if "distill" not in steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {steps}")
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
+    training_ids = calibration_ids if distill_ids is None else distill_ids
+    if "distill" in steps:
+        training_ids, distill, generated = _distill_text(
+            model, training_ids, distill, scale_distill, self_text, progress
+        )
+        if generated is not None and self_text.calibration_windows and generated.shape[1] == calibration_ids.shape[1]:
+            calibration_ids = np.concatenate([calibration_ids, generated[: self_text.calibration_windows]])
     with svd.single_threaded_blas(), svd.damping_summary():
         compressed = _compress(
             model,
@@ -412,7 +433,7 @@ def compress_model(
             block,
             local,
             distill,
-            calibration_ids if distill_ids is None else distill_ids,
+            training_ids,
             allocation_loss,
             allow_dense,
             allocation_solver,
@@ -422,6 +443,40 @@ def compress_model(
     if weight_dtype is None:
         return compressed
     return quantization.quantize_model(compressed, weight_dtype, targets=include, progress=progress)
+
+
+def _resolve_self_text(self_text, recommended: bool, steps, distill_ids):
+    """The SelfTextOptions compress_model generates with, or None (no generated text)."""
+    if self_text is None:
+        wanted = recommended and "distill" in steps and distill_ids is None
+        return self_distillation.SelfTextOptions() if wanted else None
+    if self_text is False:
+        return None
+    if self_text is True:
+        self_text = self_distillation.SelfTextOptions()
+    if not isinstance(self_text, self_distillation.SelfTextOptions):
+        raise TypeError(f"self_text: got {self_text!r}, expected None, a bool or a SelfTextOptions")
+    if "distill" not in steps:
+        raise ValueError(f"self_text: generated text trains the 'distill' step; got steps {steps}")
+    return self_text
+
+
+def _distill_text(dense, training_ids, distill, scale_distill: bool, self_text, progress: bool):
+    """(the "distill" step's windows, its options, the generated windows or None): training_ids mixed with the
+    dense model's own samples when self_text is given (the generated windows last held out), and options scaled to
+    the windows trained on when the caller gave none (`self_distillation.scaled_options`)."""
+    base = distill or distillation.DistillOptions()
+    holdout, generated = base.holdout, None
+    if self_text is not None:
+        generated = self_distillation.generated_windows(dense, training_ids, self_text, progress=progress)
+        training_ids = self_distillation.mixed_windows(training_ids, generated, self_text.holdout)
+        holdout = self_text.holdout
+    held = holdout if training_ids.shape[0] > holdout else 0
+    if scale_distill:
+        distill = self_distillation.scaled_options(training_ids.shape[0] - held, holdout, base)
+    else:
+        distill = dataclasses.replace(base, holdout=holdout)
+    return training_ids, distill, generated
 
 
 def _compress(

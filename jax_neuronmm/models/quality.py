@@ -97,3 +97,42 @@ def cloze_correct(model, items: Sequence[ClozeItem], bos_id: int | None) -> np.n
         top1 = np.asarray(window_predictions(model, jnp.asarray(row[None]))[1])[0]
         correct[index] = bool(np.all(top1[-len(item.target) :] == item.target))
     return correct
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioInterval:
+    """Perplexity of a model over its reference's on the same windows, and a bootstrap interval of that ratio."""
+
+    ratio: float
+    low: float
+    high: float
+    windows: int
+
+
+def perplexity_ratio_interval(
+    model_predictions: Predictions,
+    reference: Predictions,
+    *,
+    confidence: float = 0.95,
+    samples: int = 2000,
+    seed: int = 0,
+) -> RatioInterval:
+    """The perplexity ratio model / reference on the same windows, with a percentile bootstrap interval over windows:
+    windows are drawn with replacement `samples` times (both models scored on the same draw, so the interval is of
+    the paired difference), each draw's ratio exp(mean NLL(model) − mean NLL(reference)). Positions within a window
+    are not independent, hence windows, not tokens, are resampled."""
+    model_ll, reference_ll = np.asarray(model_predictions.log_likelihood), np.asarray(reference.log_likelihood)
+    if model_ll.shape != reference_ll.shape or model_ll.ndim != 2:
+        raise ValueError(
+            f"model_predictions: log-likelihood shape {model_ll.shape}, expected the reference's {reference_ll.shape} "
+            "(both [W, L-1] on the same windows)"
+        )
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence: got {confidence!r}, expected 0 < confidence < 1")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples: got {samples!r}, expected an int >= 1")
+    # Per-window mean NLL difference; windows have one length, so the mean over windows is the mean over tokens.
+    gap = np.mean(reference_ll - model_ll, axis=1, dtype=np.float64)
+    draws = np.random.default_rng(seed).integers(0, gap.size, size=(samples, gap.size))
+    low, high = np.quantile(np.exp(gap[draws].mean(axis=1)), [(1 - confidence) / 2, (1 + confidence) / 2])
+    return RatioInterval(float(np.exp(gap.mean())), float(low), float(high), int(gap.size))

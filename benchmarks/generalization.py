@@ -1,0 +1,266 @@
+"""Compression that holds on text it never saw: each real model (Gemma 3 270M, SmolLM2-135M) compressed or quantized
+on ~8k tokens of ONE kind of text (the "user's text": a software license, jax_neuronmm/data/gpl-3.0.txt), then
+measured on every other kind (models.text_kinds: a novel, the Python reference, the Declaration of Independence,
+CPython library docstrings), none of which any calibration, training or step-selection saw. Each kind gets the
+perplexity ratio over the dense model with a 95% bootstrap interval over windows and the top-1 agreement; the
+headline is the worst kind. Rows record their compression time, the machine's load average before and after, the
+user tokens and the generated tokens they used, and (--speed) the modeled decode speed on trn2 at batch 1 over bf16
+dense from the built model's own DecodeSpec: the bytes roofline (the spec's must-move bytes at the peak HBM rate,
+nki_kernels.decode.traffic) always, and with --trace the looped kernel traced on the emulator's cost model (which
+fails on SmolLM2-135M's 3 KV heads x 64: the attention's Kᵀ tiles assume KV features of at most one 128-wide tile
+or whole tiles). Never measured on hardware.
+
+    python benchmarks/generalization.py --models=smollm2 --configs="fp8 gptq"
+    python benchmarks/generalization.py --render_only
+
+Rows are appended to benchmarks/results/generalization.json as they finish (a rerun replaces a row it measures
+again); benchmarks/results/generalization.md is rendered from the JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+from absl import app, flags
+
+from jax_neuronmm import models
+from jax_neuronmm.compress.checkpoint import write_atomically
+from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.models import decode, evaluation, quality, real_models, self_distillation, text_kinds
+from nki_kernels.decode import traffic
+from nki_kernels.decode.comparison import DecodeModel, measure_model, roofline_us
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+MODELS = {"gemma": real_models.GEMMA3_270M, "smollm2": real_models.SMOLLM2_135M}
+
+flags.DEFINE_multi_string("models", None, f"models to measure, of {sorted(MODELS)} (default: both)")
+flags.DEFINE_multi_string("configs", None, "configurations to measure (default: all)")
+flags.DEFINE_integer("seq_len", 256, "tokens per window")
+flags.DEFINE_string("user_kind", "license", "the kind of text the user calibrates on (models.text_kinds)")
+flags.DEFINE_integer("user_tokens", 8192, "tokens of the user's text (whole windows of --seq_len)")
+flags.DEFINE_integer("eval_windows", 16, "at most this many evaluation windows of each kind")
+flags.DEFINE_bool("speed", True, "the modeled decode speed (trn2, batch 1, bytes roofline) of each row over bf16 dense")
+flags.DEFINE_bool("trace", False, "with --speed, also trace the looped decode kernel on the emulator's cost model")
+flags.DEFINE_integer(
+    "self_text_windows", None, "generated windows (SelfTextOptions.windows; default: the library's default)"
+)
+flags.DEFINE_bool("render_only", False, "only re-render the Markdown from the JSON")
+FLAGS = flags.FLAGS
+
+CACHE_LEN = 512
+TARGET = "trn2"
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """One row: fp8 GPTQ of the dense weights (quantize), or compress_model(dense, keep, calibration_ids=user
+    windows, include=include, **kwargs)."""
+
+    name: str
+    quantize: bool = False
+    # fp8 rows: GPTQ calibrated on "user" windows, on "user+generated" (the user's and the first
+    # SelfTextOptions.calibration_windows of the dense model's own samples), or "none" (round to nearest)
+    quantize_on: str = "user"
+    keep: float = 0.8
+    include: tuple = ("mlp",)
+    self_text: bool = True
+    # "before": the pipeline as it was: no generated text, the default distillation options on the user's windows.
+    before: bool = False
+
+
+CONFIGS = (
+    Config("fp8 gptq", quantize=True),
+    Config("fp8 round to nearest", quantize=True, quantize_on="none"),
+    Config("fp8 gptq, user + generated text", quantize=True, quantize_on="user+generated"),
+    Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
+    Config("keep 0.8 mlp"),
+    Config(
+        "keep 0.8 mlp+attention, before (user text only)", include=("mlp", "attention"), self_text=False, before=True
+    ),
+    Config("keep 0.8 mlp+attention", include=("mlp", "attention")),
+)
+
+
+def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
+    """The library's SelfTextOptions (samples from start_id when given), or --self_text_windows windows of them (a
+    third of them calibrating)."""
+    options = self_distillation.SelfTextOptions(start_id=start_id)
+    if FLAGS.self_text_windows is None:
+        return options
+    windows = FLAGS.self_text_windows
+    return dataclasses.replace(
+        options, windows=windows, calibration_windows=min(options.calibration_windows, windows // 3)
+    )
+
+
+def build(dense, config: Config, user_ids, start_id):
+    if config.quantize:
+        if config.quantize_on == "none":
+            return models.quantize_model(dense, "float8_e4m3")
+        if config.quantize_on == "user+generated":
+            options = self_text_options(start_id)
+            generated = self_distillation.generated_windows(dense, user_ids, options)
+            user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
+        return models.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
+    extra = dict(self_text=self_text_options(start_id) if config.self_text else False)
+    if config.before:
+        extra["distill"] = DistillOptions()
+    return models.compress_model(dense, config.keep, calibration_ids=user_ids, include=config.include, **extra)
+
+
+def modeled(model) -> dict:
+    """Modeled decode-step µs on TARGET at batch 1, cache CACHE_LEN, of `model`'s own DecodeSpec: "roofline_us"
+    (its must-move bytes at the peak HBM rate), and with --trace "looped_us" (None when the trace fails; its note
+    says why)."""
+    spec = decode.model_spec(model)
+    out = dict(roofline_us=roofline_us(0, traffic.must_move_bytes(spec, 1, CACHE_LEN), TARGET))
+    if FLAGS.trace:
+        traced = measure_model(DecodeModel("row", "models.decode.model_spec", spec), "looped", 1, CACHE_LEN, True)
+        out.update(looped_us=traced.latency_us(TARGET, 0.0), looped_note=traced.note)
+    return out
+
+
+def measure(model, windows: dict, dense_predictions: dict) -> dict:
+    kinds = {}
+    for kind, ids in windows.items():
+        predictions = evaluation.predictions(model, ids)
+        interval = quality.perplexity_ratio_interval(predictions, dense_predictions[kind])
+        kinds[kind] = dict(
+            ratio=interval.ratio,
+            low=interval.low,
+            high=interval.high,
+            windows=interval.windows,
+            ppl=predictions.perplexity,
+            dense_ppl=dense_predictions[kind].perplexity,
+            top1=quality.top1_agreement(predictions, dense_predictions[kind]),
+        )
+    return kinds
+
+
+def run_model(key: str, configs, results: dict, json_path: str) -> None:
+    name = MODELS[key]
+    path = real_models.real_model_path(name)
+    if path is None:
+        print(f"skipped: {real_models.missing_reason(name)}", flush=True)
+        return
+    dense = models.load_gguf(path)
+    tokenizer = dense.tokenizer
+    bos = tokenizer.token_to_id("<bos>") if key == "gemma" else None  # SmolLM2's tokenizer adds none
+    # Where samples without a prompt start: Gemma's windows share <bos>; SmolLM2's chat turns begin <|im_start|>.
+    start_id = None if key == "gemma" else tokenizer.token_to_id("<|im_start|>")
+    user_ids = text_kinds.kind_windows(
+        tokenizer, FLAGS.user_kind, FLAGS.seq_len, bos, max_windows=FLAGS.user_tokens // FLAGS.seq_len
+    )
+    windows = {
+        kind: text_kinds.kind_windows(tokenizer, kind, FLAGS.seq_len, bos, max_windows=FLAGS.eval_windows)
+        for kind in text_kinds.TEXT_KINDS
+        if kind != FLAGS.user_kind
+    }
+    dense_predictions = {kind: evaluation.predictions(dense, ids) for kind, ids in windows.items()}
+    dense_speed = modeled(models.load_gguf(path, dtype="bfloat16")) if FLAGS.speed else None
+    for config in configs:
+        load_before = os.getloadavg()
+        start = time.perf_counter()
+        model = build(dense, config, user_ids, start_id)
+        seconds = time.perf_counter() - start
+        load_after = os.getloadavg()
+        kinds = measure(model, windows, dense_predictions)
+        uses_generated = config.quantize_on == "user+generated" if config.quantize else config.self_text
+        generated = self_text_options().windows if uses_generated else 0
+        row = dict(
+            model=name,
+            config=config.name,
+            seconds=seconds,
+            load_before=list(load_before),
+            load_after=list(load_after),
+            user_kind=FLAGS.user_kind,
+            user_tokens=int(user_ids.size),
+            generated_tokens=int(generated * FLAGS.seq_len),
+            kinds=kinds,
+            worst_ratio=max(k["ratio"] for k in kinds.values()),
+            worst_top1=min(k["top1"] for k in kinds.values()),
+        )
+        if FLAGS.speed:
+            speed = modeled(model)
+            row.update(modeled_trn2_b1=speed, dense_bf16_trn2_b1=dense_speed)
+            row["roofline_speedup_trn2_b1"] = dense_speed["roofline_us"] / speed["roofline_us"]
+            if speed.get("looped_us") and dense_speed.get("looped_us"):
+                row["looped_speedup_trn2_b1"] = dense_speed["looped_us"] / speed["looped_us"]
+        print(json.dumps(row), flush=True)
+        results["rows"][f"{name}|{config.name}"] = row
+        _write(json_path, results)
+        del model
+
+
+def _write(json_path: str, results: dict) -> None:
+    payload = json.dumps(results, indent=1, sort_keys=True).encode()
+
+    def write(temporary):
+        with open(temporary, "wb") as f:
+            f.write(payload)
+
+    write_atomically(json_path, write)
+    render(results, os.path.dirname(json_path))
+
+
+def render(results: dict, out_dir: str) -> None:
+    lines = [
+        "# Compression on text it never saw",
+        "",
+        "Generated by benchmarks/generalization.py from generalization.json. Each row is calibrated (and distilled)",
+        "on the user's text of one kind only; every column below is a kind no step saw. Ratio: perplexity over the",
+        "dense model's on the same windows, with a 95% bootstrap interval over windows; top-1: agreement with the",
+        "dense model's next token. Load: the 1-minute load average before / after building (2 shared cores).",
+        "Speedup: MODELED decode step over bf16 dense (trn2, batch 1, cache 512) from the built model's own",
+        "DecodeSpec: the looped kernel's cost-model trace where the row has one, else the bytes roofline (must-move",
+        "bytes at the peak HBM rate). Never measured on hardware.",
+        "",
+    ]
+    rows = list(results["rows"].values())
+    kinds = sorted({k for row in rows for k in row["kinds"]})
+    head = ["model", "config", "worst ratio", "worst top-1", *kinds, "s", "load", "user tok", "gen tok", "speedup"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["model"], row["config"], f"{row['worst_ratio']:.3f}x", f"{row['worst_top1']:.2f}"]
+        for kind in kinds:
+            k = row["kinds"].get(kind)
+            cells.append("" if k is None else f"{k['ratio']:.3f} [{k['low']:.3f}, {k['high']:.3f}], {k['top1']:.2f}")
+        speed = row.get("looped_speedup_trn2_b1", row.get("roofline_speedup_trn2_b1"))
+        cells += [
+            f"{row['seconds']:.0f}",
+            f"{row['load_before'][0]:.1f}/{row['load_after'][0]:.1f}",
+            str(row["user_tokens"]),
+            str(row["generated_tokens"]),
+            "" if speed is None else f"{speed:.2f}x",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    with open(os.path.join(out_dir, "generalization.md"), "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv):
+    del argv
+    json_path = os.path.join(RESULTS, "generalization.json")
+    results = {"rows": {}}
+    if os.path.exists(json_path):
+        with open(json_path, encoding="utf-8") as f:
+            results = json.load(f)
+    if FLAGS.render_only:
+        render(results, RESULTS)
+        return
+    unknown = sorted(set(FLAGS.configs or ()) - {c.name for c in CONFIGS}) + sorted(
+        set(FLAGS.models or ()) - set(MODELS)
+    )
+    if unknown:
+        raise app.UsageError(f"unknown --models / --configs {unknown}; configs: {[c.name for c in CONFIGS]}")
+    configs = [c for c in CONFIGS if not FLAGS.configs or c.name in FLAGS.configs]
+    for key in FLAGS.models or sorted(MODELS):
+        run_model(key, configs, results, json_path)
+
+
+if __name__ == "__main__":
+    app.run(main)
