@@ -24,6 +24,7 @@ import json
 import os
 import time
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
@@ -39,16 +40,26 @@ MODELS = {"gemma": real_models.GEMMA3_270M, "smollm2": real_models.SMOLLM2_135M}
 
 flags.DEFINE_multi_string("models", None, f"models to measure, of {sorted(MODELS)} (default: both)")
 flags.DEFINE_multi_string("configs", None, "configurations to measure (default: all)")
-flags.DEFINE_integer("seq_len", 256, "tokens per window")
+flags.DEFINE_integer("seq_len", 256, "tokens per window", lower_bound=2)
 flags.DEFINE_string("user_kind", "license", "the kind of text the user calibrates on (models.text_kinds)")
-flags.DEFINE_integer("user_tokens", 8192, "tokens of the user's text (whole windows of --seq_len)")
-flags.DEFINE_integer("eval_windows", 16, "at most this many evaluation windows of each kind")
+flags.DEFINE_integer("user_tokens", 8192, "tokens of the user's text (whole windows of --seq_len)", lower_bound=1)
+flags.DEFINE_integer("eval_windows", 16, "at most this many evaluation windows of each kind", lower_bound=1)
 flags.DEFINE_bool("speed", True, "the modeled decode speed (trn2, batch 1, bytes roofline) of each row over bf16 dense")
 flags.DEFINE_bool("trace", False, "with --speed, also trace the looped decode kernel on the emulator's cost model")
 flags.DEFINE_integer(
-    "self_text_windows", None, "generated windows (SelfTextOptions.windows; default: the library's default)"
+    "self_text_windows",
+    None,
+    "generated windows (SelfTextOptions.windows; default: the library's default)",
+    lower_bound=1,
 )
 flags.DEFINE_bool("render_only", False, "only re-render the Markdown from the JSON")
+_flag_checks.choice_list("models", lambda: MODELS, optional=True)
+_flag_checks.choice_list("configs", lambda: [c.name for c in CONFIGS], optional=True)
+flags.register_validator(
+    "user_kind",
+    lambda kind: kind in text_kinds.TEXT_KINDS,
+    f"--user_kind: expected one of {list(text_kinds.TEXT_KINDS)}",
+)
 FLAGS = flags.FLAGS
 
 CACHE_LEN = 512
@@ -252,11 +263,6 @@ def main(argv):
     if FLAGS.render_only:
         render(results, RESULTS)
         return
-    unknown = sorted(set(FLAGS.configs or ()) - {c.name for c in CONFIGS}) + sorted(
-        set(FLAGS.models or ()) - set(MODELS)
-    )
-    if unknown:
-        raise app.UsageError(f"unknown --models / --configs {unknown}; configs: {[c.name for c in CONFIGS]}")
     configs = [c for c in CONFIGS if not FLAGS.configs or c.name in FLAGS.configs]
     for key in FLAGS.models or sorted(MODELS):
         run_model(key, configs, results, json_path)

@@ -190,6 +190,17 @@ def cases_table(paths):
         ),
         "calibration": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
         "speed_bands": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
+        "generalization": (
+            [[], ["--models=smollm2", "--user_kind=novel", "--render_only"]],
+            [
+                ("parse", ["--models=nope"], "--models: got ['nope'], expected distinct names"),
+                ("parse", ["--configs=nope"], "--configs: got ['nope'], expected distinct names"),
+                ("parse", ["--user_kind=poetry"], "--user_kind: expected one of"),
+                ("parse", ["--seq_len=1"], "--seq_len=1"),
+                ("parse", ["--eval_windows=0"], "--eval_windows=0"),
+                ("parse", ["--self_text_windows=0"], "--self_text_windows=0"),
+            ],
+        ),
         "serving": (
             [[], ["--requests=4", "--clients=1", "--clients=2"]],
             [
@@ -212,7 +223,7 @@ def scripts():
 
 def test_every_cli_is_covered(paths):
     # A new benchmark script gets its bad-flag cases here too.
-    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 15
+    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 16
 
 
 @pytest.mark.parametrize("name", scripts())
