@@ -395,7 +395,7 @@ def compress_model(
     mlp_form = resolve_mlp_form(mlp_form, model, method, calibration_ids, include, rank)
     recommended = method is None and calibration_ids is not None
     method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
-    self_text = _resolve_self_text(self_text, recommended, steps, distill_ids)
+    self_text = _resolve_self_text(self_text, recommended, steps, distill_ids, calibration_ids)
     scale_distill = distill is None
     if weight_dtype is not None and distill is None:
         distill = distillation.DistillOptions(weight_dtype=weight_dtype)
@@ -445,11 +445,14 @@ def compress_model(
     return quantization.quantize_model(compressed, weight_dtype, targets=include, progress=progress)
 
 
-def _resolve_self_text(self_text, recommended: bool, steps, distill_ids):
-    """The SelfTextOptions compress_model generates with, or None (no generated text)."""
+def _resolve_self_text(self_text, recommended: bool, steps, distill_ids, calibration_ids):
+    """The SelfTextOptions compress_model generates with, or None (no generated text). By default only where the
+    user's windows are longer than the prompts cut from them, so short calibration windows keep working."""
     if self_text is None:
-        wanted = recommended and "distill" in steps and distill_ids is None
-        return self_distillation.SelfTextOptions() if wanted else None
+        options = self_distillation.SelfTextOptions()
+        long_enough = calibration_ids is not None and np.shape(calibration_ids)[-1] > options.prompt_tokens
+        wanted = recommended and "distill" in steps and distill_ids is None and long_enough
+        return options if wanted else None
     if self_text is False:
         return None
     if self_text is True:
