@@ -39,12 +39,12 @@ import time
 
 import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
+from harness.comparison import DecodeModel, decode_spec, operand_specs
 from traced_runs import rank0_runs, write_text
 
 from jax_neuronmm.models.decode import preset_decode_spec
-from nki_kernels.decode.comparison import DecodeModel, decode_spec, operand_specs
 from nki_kernels.decode.packing import attention_packing, unpacked_spec
-from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
+from nki_kernels.decode.runner import run_looped_step, run_sharded_looped_step
 from nki_kernels.decode.sharding import shard_spec
 from nki_kernels.emulator import cost_model, speed_bands, trace
 
@@ -225,9 +225,9 @@ def trace_rank0(model: DecodeModel, layers: int, row: Row) -> trace.KernelRun:
 
     def step():
         if row.tp == 1:
-            run_decode_step("looped", operands, spec, numerics=False)
+            run_looped_step(operands, spec, numerics=False)
         else:
-            run_sharded_decode_step("looped", [operands] * row.tp, spec, numerics=False)
+            run_sharded_looped_step([operands] * row.tp, spec, numerics=False)
 
     runs = rank0_runs(step, row.target)
     if len(runs) != 1:

@@ -3,12 +3,12 @@
 For Gemma 3 270M, Llama-3.2-1B and Llama-3.1-8B shapes (the presets of their published config.json, as
 `jax_neuronmm.models.decode.decode_plan` turns them into DecodeSpecs), batch 1 and 8, one new token per row,
 KV-cache lengths 128 / 512 / 2048, dense and compressed at keep 0.8 (every projection of every layer and the LM
-head factored at `nki_kernels.ranks.block_aligned_rank`), each composition (nki_kernels.decode.compositions) runs
-on the emulator in count-only mode (`nki_kernels.decode.runner.run_decode_step`, operands are shape/dtype
-placeholders, no weight memory): per_op (i), per_layer (ii), looped (iii) and per_op_svd_mlp (per-op kernels,
-fused svd_mlp kernels for the MLP). What is measured and judged (must-move bytes, the targets and their bounds)
-is nki_kernels.decode.comparison. The peer "dense (nkilib megakernel)" is AWS nki-library's experimental
-transformer_tkg, run from a local checkout (`--nki_library`) on the same emulator.
+head factored at `nki_kernels.ranks.block_aligned_rank`), each composition (harness.compositions; the looped
+kernel is nki_kernels.decode.step's) runs on the emulator in count-only mode (`harness.runner.run_decode_step`,
+operands are shape/dtype placeholders, no weight memory): per_op (i), per_layer (ii), looped (iii) and
+per_op_svd_mlp (per-op kernels, fused svd_mlp kernels for the MLP). What is measured and judged (must-move bytes,
+the targets and their bounds) is harness.comparison. The peer "dense (nkilib megakernel)" is AWS nki-library's
+experimental transformer_tkg, run from a local checkout (`--nki_library`) on the same emulator.
 
 Latency of a composition = sum of its launches' modeled latencies (each launch scheduled on its own, so its
 pipeline fill and drain count) + launches x a per-launch overhead (`nki_kernels.emulator.launch`: no public
@@ -62,13 +62,7 @@ import _flag_checks  # sibling module: the script's folder is on sys.path
 import decode_paged  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
-from tqdm import tqdm
-
-from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.models.decode import published_decode_models
-from nki_kernels import emulator
-from nki_kernels.decode import traffic
-from nki_kernels.decode.comparison import (
+from harness.comparison import (
     BF16,
     COMPOSITIONS,
     LABELS,
@@ -87,6 +81,7 @@ from nki_kernels.decode.comparison import (
     nkilib_shards,
     peak_fraction,
     profiled,
+    published_decode_models,
     targets_table,
     tensor_parallel_bound_us,
     tensor_parallel_table,
@@ -94,6 +89,11 @@ from nki_kernels.decode.comparison import (
     traced_layers,
     where,
 )
+from tqdm import tqdm
+
+from jax_neuronmm.compress.checkpoint import write_atomically
+from nki_kernels import emulator
+from nki_kernels.decode import traffic
 from nki_kernels.emulator import collective_costs, launch
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
@@ -605,7 +605,7 @@ def fp8_markdown(
         "# Decode step with fp8 weights" + (" (quick subset)" if quick else ""),
         "",
         "**All figures are modeled, not measured**: count-only emulator runs of our decode-step kernels "
-        "(`nki_kernels.decode.runner.run_decode_step`), latency from `nki_kernels/emulator/cost_model.py` at 0 µs "
+        "(`harness.runner.run_decode_step`), latency from `nki_kernels/emulator/cost_model.py` at 0 µs "
         "per launch. fp8 = every weight (each projection of every layer and the LM head, dense or factored) stored "
         "as fp8 e4m3 (Trainium's, ±240) with one float32 scale per output column (`DecodeSpec.fp8_weights`): the "
         "kernels DMA the fp8 bytes and multiply PSUM sums by the scales as they evict them; activations, norms "
@@ -757,7 +757,7 @@ def markdown(
     lines = [
         "# Decode step over all layers: per-op vs per-layer vs looped kernels" + (" (quick subset)" if quick else ""),
         "",
-        "**All figures are modeled, not measured**: count-only emulator runs (`nki_kernels.decode.runner."
+        "**All figures are modeled, not measured**: count-only emulator runs (`harness.runner."
         "run_decode_step(composition, operands, spec, numerics=False)` on shape/dtype placeholders), latency from "
         "`nki_kernels/emulator/cost_model.py` per launch, composed by `nki_kernels/emulator/launch.py`. bf16 "
         "weights and cache, one new token per row, fp32 logits. Compressed = keep 0.8: every projection of every "

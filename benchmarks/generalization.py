@@ -27,13 +27,13 @@ import time
 import _flag_checks  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
+from harness.comparison import DecodeModel, measure_model, roofline_us
 
 from jax_neuronmm import models
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import decode, evaluation, quality, real_models, self_distillation, text_kinds
 from nki_kernels.decode import traffic
-from nki_kernels.decode.comparison import DecodeModel, measure_model, roofline_us
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 MODELS = {"gemma": real_models.GEMMA3_270M, "smollm2": real_models.SMOLLM2_135M}

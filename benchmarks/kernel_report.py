@@ -27,11 +27,12 @@ import ml_dtypes
 import nkilib_dense
 import numpy as np
 from absl import app, flags
+from harness import paper_shapes
+from harness.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 
 from jax_neuronmm.compress.checkpoint import write_atomically
-from nki_kernels import block_table, dispatch, hardware, paper_shapes, ranks
+from nki_kernels import block_table, dispatch, hardware, ranks
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks
-from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 from nki_kernels.emulator import count_only, profile, use_target
 from nki_kernels.emulator.cost_model import roofline_us
 

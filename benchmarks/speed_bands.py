@@ -24,12 +24,11 @@ import time
 
 import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
+from harness.comparison import decode_spec, operand_specs, published_decode_models, tp_spec
+from harness.runner import run_decode_step, run_sharded_decode_step
 from traced_runs import rank0_runs, write_text
 
-from jax_neuronmm.models.decode import published_decode_models
-from nki_kernels.decode.comparison import decode_spec, operand_specs, tp_spec
 from nki_kernels.decode.packing import unpacked_spec
-from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.emulator import cost_model, speed_bands
 
 flags.DEFINE_bool("quick", False, "the Gemma 3 270M fp8 / bf16 batch-1 looped pair only (a smoke run)")

@@ -72,7 +72,7 @@ On the emulator backend the same call runs the kernels' own tensor-parallel prog
 nki.collectives meet only between the ranks of one `simulate_spmd` launch, never across the host callbacks of
 separate devices, so one host callback, on the mesh's first device, gets the whole operands, cuts them into the
 same Megatron shards and runs every rank's looped kernel, its all-reduces and logits gather between the ranks, in
-one launch (`nki_kernels.decode.runner.run_sharded_decode_step`; one per group of rows when batch_axis splits
+one launch (`nki_kernels.decode.runner.run_sharded_looped_step`; one per group of rows when batch_axis splits
 them); the results come back with the shard_map's shardings (`_emulated_tensor_parallel_step`). `profile()` shows
 one decode_step_kernel run per rank (and row group). On "neuron", and for `decode_step(..., axis_name=...)` bound
 per device inside your own shard_map on either NKI-kernel backend, a tensor-parallel spec raises
@@ -124,8 +124,9 @@ from nki_kernels.decode.contract import (
     operand_fields,
 )
 from nki_kernels.decode.packing import unpack_weights, unpacked_spec
-from nki_kernels.decode.runner import run_sharded_decode_step
+from nki_kernels.decode.runner import run_sharded_looped_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
+from nki_kernels.decode.step import decode_step_plan
 
 for _cls in (DecodeOperands, Factored, Quantized):
     jax.tree_util.register_dataclass(_cls, data_fields=[f.name for f in dataclasses.fields(_cls)], meta_fields=[])
@@ -490,7 +491,7 @@ def _kernel_fp8(ops: DecodeOperands, convert) -> DecodeOperands:
 
 
 def _plan(*operands, target, spec, treedef=None, axis_name=None):
-    """The looped kernel from nki_kernels.dispatch, once its operand checks pass (`_looped_plan`). A spec with
+    """The looped kernel from nki_kernels.decode.step, once its operand checks pass (`_looped_plan`). A spec with
     tensor_parallel > 1 (one rank's shard, bound on each device inside shard_map) raises NotImplementedError
     (`_per_device_tensor_parallel_unsupported`)."""
     if spec.tensor_parallel != 1:
@@ -500,10 +501,10 @@ def _plan(*operands, target, spec, treedef=None, axis_name=None):
 
 def _looped_plan(ops: DecodeOperands, spec: DecodeSpec, target):
     """(kernel, kwargs) of the looped kernel for ops (arrays or abstract values; fp8 weights as float8_e4m3fn) from
-    nki_kernels.dispatch, whose checks also limit B·T to one partition tile and need bf16 / fp16 x beside fp8
-    weights; ValueError when they fail."""
+    nki_kernels.decode.step.decode_step_plan, whose checks also limit B·T to one partition tile and need bf16 /
+    fp16 x beside fp8 weights; ValueError when they fail."""
     ops = _kernel_fp8(ops, lambda a: jax.ShapeDtypeStruct(a.shape, FP8))
-    return dispatch.decode_step_plan(ops, spec, target)
+    return decode_step_plan(ops, spec, target)
 
 
 def _run(plan, *operands, spec, treedef=None, axis_name=None):
@@ -755,7 +756,7 @@ def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
     """Host side of `_emulated_tensor_parallel_step` on one device: zeros unless `first` (the mesh's first device).
     There, the whole model's operands (spec.tensor_parallel = 1) cut into `ranks` Megatron shards
     (`nki_kernels.decode.sharding.shard_operands`, the layout of `tensor_parallel_partition_specs`) and run as the
-    looped kernel on that many emulated NeuronCores (`runner.run_sharded_decode_step`: one simulate_spmd launch, real
+    looped kernel on that many emulated NeuronCores (`runner.run_sharded_looped_step`: one simulate_spmd launch, real
     data through nki.collectives), once for each of `groups` equal row groups; the ranks' caches put back together.
     Returns (logits, k_cache, v_cache, failure): failure zeros, or, when anything raised (write_index out of range
     included), the error's text (UTF-8, zero padded to _FAILURE_BYTES) and zero results."""
@@ -779,7 +780,7 @@ def _every_rank_on_the_emulator(first, *leaves, spec, treedef, ranks, groups):
                 }
             )
             rank_spec, shards = shard_operands(spec, rows, ranks)
-            logits, k_caches, v_caches = run_sharded_decode_step("looped", shards, rank_spec)
+            logits, k_caches, v_caches = run_sharded_looped_step(shards, rank_spec)
             parts.append((logits, *(gather_cache(c, spec.num_kv_heads) for c in (k_caches, v_caches))))
     except Exception as error:  # every error, raised on every device by _raise_failure
         text = f"{type(error).__name__}: {error}".encode()[:_FAILURE_BYTES]

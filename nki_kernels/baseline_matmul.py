@@ -12,7 +12,7 @@ every input byte then crosses HBM once. Differences: ragged edges by slicing, an
 (the tutorial's is the output dtype) so the result matches one PSUM accumulation; with a single K block PSUM
 is evicted straight to the output dtype.
 
-`baselines.py` composes it into the dense and unfused low-rank baselines.
+benchmarks/harness/baselines.py composes it into the dense and unfused low-rank baselines.
 """
 
 from __future__ import annotations

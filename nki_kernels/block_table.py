@@ -5,7 +5,7 @@ Kinds of kernel in the table (shape = (T, K, r, N) in each kind's own terms):
                      (svd_matmul_decode_kernel)
   "svd_mlp_gate_up"  x [T, H=K], gate/up factors of rank r, intermediate I=N; variant "cols"
   "svd_mlp_down"     hT [I=K, T], down factors of rank r, hidden H=N; variant "rows" (transposed input)
-Entries are written by the tuner (`python -m nki_kernels.tuning`); a shape the table lacks gets a
+Entries are written by the tuner (`python benchmarks/tuning.py`); a shape the table lacks gets a
 footprint-checked default.
 """
 
@@ -64,7 +64,7 @@ def load_table(path=TABLE_PATH):
 def save_table(entries, path=TABLE_PATH):
     """Write the table atomically (temp file in the same folder, then os.replace)."""
     payload = {
-        "about": "Block sizes tuned on the emulator's cost model by nki_kernels.tuning; "
+        "about": "Block sizes tuned on the emulator's cost model by benchmarks/tuning.py; "
         "keys kind|target|dtype|T|K|r|N.",
         "entries": dict(sorted(entries.items())),
     }

@@ -121,18 +121,3 @@ def svd_mlp_plan(T, H, I, r_gate, r_up, r_down, dtype, target="trn1", *, activat
         int(T), int(H), int(I), int(max(r_gate, r_up)), int(r_down), _dtype_name(dtype), target, weight
     )
     return (gate_up, dict(gate_up_blocks, activation=activation)), (down, dict(down_blocks))
-
-
-def decode_step_plan(operands, spec, target="trn1"):
-    """(kernel, kwargs) for one decode step as the looped kernel:
-
-    logits, k_cache, v_cache = kernel(operands.kernel_args(), spec=spec, **kwargs)
-
-    operands: nki_kernels.decode.DecodeOperands of arrays or shape/dtype stand-ins, checked against the contract
-    and the kernel's limits (B·T rows on one partition tile). One kernel serves trn1 and trn2.
-    """
-    check_target(target)
-    from nki_kernels.decode import compositions
-
-    compositions.check_operands("decode_step_kernel", operands, spec)
-    return compositions.decode_step_kernel, {}

@@ -209,6 +209,15 @@ def cases_table(paths):
                 ("parse", [f"--out={a_file}"], "is a file"),
             ],
         ),
+        "tuning": (
+            [[], ["--models=Llama-3.2-1B", "--tokens=1,16", "--resume"], [f"--merge={a_file}", f"--out={a_file}"]],
+            [
+                ("parse", ["--models=nope"], "--models: got ['nope'], expected distinct names from ['"),
+                ("parse", ["--tokens=0"], "--tokens: got ['0'], expected distinct integers >= 1"),
+                ("parse", [f"--merge={empty}/missing.json"], "--merge: expected existing table files"),
+                ("parse", [f"--out={empty}"], "--out: expected a file path, got a directory"),
+            ],
+        ),
     }
     return table
 
@@ -223,7 +232,7 @@ def scripts():
 
 def test_every_cli_is_covered(paths):
     # A new benchmark script gets its bad-flag cases here too.
-    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 16
+    assert sorted(cases_table(paths)) == scripts() and len(scripts()) == 17
 
 
 @pytest.mark.parametrize("name", scripts())

@@ -16,9 +16,8 @@ from jax_neuronmm import decode_step
 from jax_neuronmm.decode_step import ROW_OPERANDS, decode_step_p, operand_names
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-from nki_kernels import reference
 from nki_kernels.activations import HF_ACTIVATIONS
-from nki_kernels.decode import traffic
+from nki_kernels.decode import reference, traffic
 
 VOCAB = 97
 SIZES = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=136)

@@ -21,8 +21,7 @@ from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
 
 import jax_neuronmm
 from jax_neuronmm import decode_step
-from nki_kernels import reference
-from nki_kernels.decode import DecodeOperands, Factored, Quantized, layouts, packing
+from nki_kernels.decode import DecodeOperands, Factored, Quantized, layouts, packing, reference
 
 B, SLOTS, STEPS = 4, 8, 3
 SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)

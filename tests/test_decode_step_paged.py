@@ -18,8 +18,7 @@ from decode_operands import BF16, GEMMA3, GEMMA3_8, LLAMA, WINDOW, fp8_weight, p
 
 import jax_neuronmm
 from jax_neuronmm import decode_step
-from nki_kernels import reference
-from nki_kernels.decode import Factored, Quantized
+from nki_kernels.decode import Factored, Quantized, reference
 from nki_kernels.decode.contract import WEIGHTS
 
 WEIGHT_INDEX = {name: 3 + i for i, name in enumerate(WEIGHTS[:-1])} | {"head": 17}

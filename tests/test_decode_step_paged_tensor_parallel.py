@@ -18,7 +18,7 @@ from test_decode_step_tensor_parallel import _model_mesh
 
 import jax_neuronmm as jn
 from jax_neuronmm.decode_step import tensor_parallel_decode_step
-from nki_kernels import reference
+from nki_kernels.decode import reference
 
 CHECKS = Checks()
 check = CHECKS.check

@@ -32,7 +32,7 @@ import jax_neuronmm as jn
 from jax_neuronmm import backend, decode_step
 from jax_neuronmm.decode_step import tensor_parallel_decode_step, tensor_parallel_partition_specs, tensor_parallel_spec
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation, quantize_model
-from nki_kernels import reference
+from nki_kernels.decode import reference
 
 CHECKS = Checks()
 check = CHECKS.check

@@ -26,11 +26,11 @@ from decode_operands import (
     make_operands,
     relative_error,
 )
+from harness import comparison
+from harness.runner import COMPOSITIONS, run_decode_step, run_sharded_decode_step
 
-from nki_kernels import reference
-from nki_kernels.decode import comparison, parallel, traffic
+from nki_kernels.decode import parallel, reference, traffic
 from nki_kernels.decode.contract import WEIGHTS, DecodeOperands, Factored, Quantized
-from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands, shard_spec
 from nki_kernels.emulator import cost_model, profile, trace
 

@@ -3,6 +3,7 @@
 import ml_dtypes
 import numpy as np
 import pytest
+from harness.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 
 from nki_kernels import reference
 from nki_kernels.activations import ACTIVATIONS
@@ -12,7 +13,6 @@ from nki_kernels.baseline_matmul import (
     baseline_sbuf_bytes,
     fit_baseline_blocks,
 )
-from nki_kernels.baselines import dense_mlp, unfused_svd_matmul, unfused_svd_mlp
 from nki_kernels.emulator import profile
 from nki_kernels.gated_activation import gated_activation_kernel
 from nki_kernels.transpose import transpose_kernel

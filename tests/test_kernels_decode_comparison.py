@@ -1,4 +1,4 @@
-"""What benchmarks/decode_compositions.py measures (nki_kernels.decode.comparison): the bytes a decode step must move
+"""What benchmarks/decode_compositions.py measures (benchmarks/harness/comparison.py): the bytes a decode step must move
 (counted by hand here), the specs (from the presets through decode_plan) and operand placeholders of each model,
 the nkilib peer's sharding, the targets' bounds, and a --quick smoke run of the whole script."""
 
@@ -8,14 +8,13 @@ import subprocess
 import sys
 
 import pytest
+from harness import comparison as bench
 
-from jax_neuronmm.models.decode import published_decode_models
-from nki_kernels.decode import comparison as bench
 from nki_kernels.decode import layouts, packing
 from nki_kernels.decode.contract import PROJECTIONS
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
-MODELS = published_decode_models(["Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B"])
+MODELS = bench.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B"])
 
 
 def test_must_move_bytes_of_llama_1b_dense_counted_by_hand():

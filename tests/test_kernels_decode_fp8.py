@@ -30,14 +30,14 @@ from decode_operands import (
     placeholders,
     relative_error,
 )
+from harness.compositions import projection_kernel
+from harness.runner import COMPOSITIONS, run_decode_step
 
-from nki_kernels import emulator, reference
+from nki_kernels import emulator
 from nki_kernels.binding import nki, nl
-from nki_kernels.decode import projections, tiles, traffic
-from nki_kernels.decode.compositions import projection_kernel
+from nki_kernels.decode import projections, reference, tiles, traffic
 from nki_kernels.decode.contract import FP8, WEIGHTS, DecodeSpec, Factored, Quantized, check
 from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
-from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
 from nki_kernels.emulator.kernel import Spec, run
 

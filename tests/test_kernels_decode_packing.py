@@ -29,12 +29,12 @@ from decode_operands import (
     make_operands,
     relative_error,
 )
+from harness import comparison
+from harness.runner import run_decode_step, run_sharded_decode_step
 
-from jax_neuronmm.models import decode
-from nki_kernels import emulator, reference
-from nki_kernels.decode import comparison, layouts, packing, tiles
+from nki_kernels import emulator
+from nki_kernels.decode import layouts, packing, reference, tiles
 from nki_kernels.decode.contract import FP8, OPTIONAL_LAST, PROJECTIONS, DecodeOperands, Dense, Factored, check
-from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 from nki_kernels.emulator import cost_model, trace
 
@@ -183,7 +183,7 @@ def test_kernels_on_packed_weights_match_float64_reference(rng, composition, spe
 
 
 def test_default_packing_takes_gemma_attention_factors_only():
-    models = decode.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B"])
+    models = comparison.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B"])
     gemma = comparison.decode_spec(models["Gemma 3 270M"], 18, compressed=True, fp8=True)
     assert gemma.packed_weights == ATTENTION and layouts.packed_shape(gemma) == (18, 128, 8448)
     assert comparison.decode_spec(models["Gemma 3 270M"], 18, compressed=False, fp8=True).packed_weights == ()
@@ -238,7 +238,7 @@ def test_tensor_parallel_ranks_pack_dense_attention_where_it_fits_a_block():
     o [128, 4096]: 32 KiB), not at T = 8; one rank and batch 8 keep decode_spec's packing (none for a dense
     model); compressed shards pack their factors as before, and fp8_only (the JAX side's choice) never packs dense
     weights."""
-    models = decode.published_decode_models(["Gemma 3 270M", "Llama-3.1-8B"])
+    models = comparison.published_decode_models(["Gemma 3 270M", "Llama-3.1-8B"])
     llama = models["Llama-3.1-8B"]
     spec = comparison.tp_spec(llama, 2, False, 32)
     assert spec.packed_weights == ATTENTION and not spec.packed_fp8
@@ -256,7 +256,7 @@ def test_tensor_parallel_ranks_pack_dense_attention_where_it_fits_a_block():
 def test_packed_attention_moves_long_runs_once():
     """Gemma 3 270M (2 layers, keep 0.8, fp8): the packed step reads the bytes the unpacked one does, and its
     attention factors in one 8448-byte run a partition a layer where alone they moved 256 to 2048 bytes."""
-    model = decode.published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
+    model = comparison.published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
     spec = comparison.decode_spec(model, 2, compressed=True, fp8=True)
     runs = {}
     for key, case in (("packed", spec), ("plain", packing.unpacked_spec(spec))):

@@ -22,11 +22,10 @@ from decode_operands import (
     paged_operands,
     relative_error,
 )
+from harness.runner import run_decode_step, run_sharded_decode_step
 
-from nki_kernels import reference
-from nki_kernels.decode import paged
+from nki_kernels.decode import paged, reference
 from nki_kernels.decode.contract import WEIGHTS, DecodeSpec
-from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 
 WINDOWED = dataclasses.replace(GEMMA3, mask_windows=(None, WINDOW))  # layers 0 and 2 slide (mask table 1)

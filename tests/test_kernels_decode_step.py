@@ -26,11 +26,12 @@ from decode_operands import (
     relative_error,
 )
 from emulator_helpers import sliding_window_case
+from harness.runner import COMPOSITIONS, run_decode_step
 
-from nki_kernels import reference
-from nki_kernels.decode import compositions, layouts, tiles, traffic
+from nki_kernels.decode import layouts, reference, tiles, traffic
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
-from nki_kernels.decode.runner import COMPOSITIONS, run_decode_step
+from nki_kernels.decode.ring import SMALL_TILE_BYTES
+from nki_kernels.decode.step import reserved_bytes
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
 
@@ -260,7 +261,7 @@ def test_default_ring_reserves_the_small_tiles_and_a_staged_row(hidden, rows):
     sized from the hidden size (10.5 KiB at Gemma 3 270M's 640, 16 KiB at Llama-3.2-1B's 2048), and the step fits
     SBUF with it: the emulator checks every instruction's live SBUF."""
     spec = llama_like(num_layers=2, hidden=hidden, num_heads=4, num_kv_heads=1, head_dim=64, intermediate=256)
-    assert compositions.reserved_bytes(spec) == compositions.SMALL_TILE_BYTES + 4 * hidden
+    assert reserved_bytes(spec) == SMALL_TILE_BYTES + 4 * hidden
     operands = [
         op if op is None or isinstance(op, np.ndarray) and op.dtype == np.int32 else Spec(op.shape, op.dtype)
         for op in make_operands(np.random.default_rng(0), spec, rows, 1, 64, 5, BF16)

@@ -3,18 +3,18 @@
 import ml_dtypes
 import numpy as np
 import pytest
+import tuning  # benchmarks/tuning.py (pytest.ini puts benchmarks/ on sys.path)
+from harness import paper_shapes
 
 from nki_kernels import (
     block_table,
     dispatch,
     footprint,
     hardware,
-    paper_shapes,
     ranks,
     reference,
     svd_matmul,
     svd_mlp,
-    tuning,
 )
 from nki_kernels.emulator import count_only, use_target
 

@@ -48,7 +48,7 @@ from jax_neuronmm.models.compression import NoCalibrationWarning
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-from nki_kernels import reference
+from nki_kernels.decode import reference
 
 _forward = nnx.jit(lambda model, ids: model(ids))
 

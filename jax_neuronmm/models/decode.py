@@ -317,7 +317,7 @@ def model_spec(model: CausalLM) -> DecodeSpec:
     """The DecodeSpec of `model`'s decode step, `decode_plan(model).spec` (the weights `quantize_model` made fp8
     named in its fp8_weights, those `attention_packing` picks in its packed_weights unless the model is split in
     Megatron shards; one device's spec when they are split in another layout): what the decode step's modeled cost
-    depends on (nki_kernels.decode.comparison.measure_spec traces it). ValueError naming what the kernels lack
+    depends on (benchmarks/harness/comparison.py's measure_spec traces it). ValueError naming what the kernels lack
     (`unsupported_reason`), e.g. an fp8 weight in some layers only."""
     reason = unsupported_reason(model)
     if reason is not None:
@@ -383,19 +383,6 @@ def preset_decode_spec(family: str, preset: str, **overrides) -> DecodeSpec:
     if plan is None:
         raise ValueError(f"preset {family} {preset}: {unsupported_reason(model)}")
     return plan.spec
-
-
-def published_decode_models(names=None) -> dict:
-    """{name: nki_kernels.decode.comparison.DecodeModel} of the published models (`presets.PUBLISHED`; `names`
-    picks some), their specs from preset_decode_spec."""
-    from jax_neuronmm.models.presets import PUBLISHED
-    from nki_kernels.decode.comparison import DecodeModel
-
-    names = list(PUBLISHED) if names is None else list(names)
-    unknown = [name for name in names if name not in PUBLISHED]
-    if unknown:
-        raise ValueError(f"unknown models {unknown}, expected some of {list(PUBLISHED)}")
-    return {name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names}
 
 
 def pad_slots(token_mask) -> int:

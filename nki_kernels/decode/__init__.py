@@ -10,12 +10,12 @@ projections.py   RMSNorm, projections (dense and factored), the gated MLP and th
 attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
 paged.py         a paged KV cache (DecodeSpec.block_size): each row's blocks gathered through its block table, its
                  new token scattered to its own position
-compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step
+step.py          decode_step_kernel: the whole step as one looped kernel (decoder_layer, the head), its plan
 sharding.py      shard_operands: a whole model's operands cut into Megatron tensor-parallel shards, one per rank
 parallel.py      the kernels' tensor-parallel collectives: o's and down's all-reduces, the logits' all-gather
-runner.py        run_decode_step: a composition's launches on the emulator; run_sharded_decode_step: on T ranks
+runner.py        run_looped_step: the looped kernel on the emulator; run_sharded_looped_step: on T ranks
 traffic.py       must_move_bytes: what a step cannot avoid moving (fp8 weights at one byte plus their scales)
-comparison.py    what benchmarks/decode_compositions.py measures and judges: models, placeholders, targets
+reference.py     decode_step_f64: the step in float64, what the kernels are tested against
 """
 
 from nki_kernels.decode.contract import (

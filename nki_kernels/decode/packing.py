@@ -182,7 +182,7 @@ def load_packed(packed, layer, spec, ring):
     block per piece (`packed_pieces`): {weight: {part: OnChipWeight}}, each stage as one [partitions, count,
     columns] SBUF view per block of its input layout. The blocks stay pinned in the ring (later loads skip their
     bytes) until the next call or until the caller clears ring.pinned after its last packed weight's matmuls are
-    issued (compositions.decoder_layer), as weights that are not packed may stream through the ring before a packed
+    issued (step.decoder_layer), as weights that are not packed may stream through the ring before a packed
     one is read (with the attention's four packed, none do)."""
     loaded = {}
     ring.pinned = []

@@ -7,7 +7,7 @@ from nki_kernels.svd_matmul import spans
 
 # Largest weight block per partition, and the SBUF left beside the ring for the small tiles every kernel holds
 # (activations, norm and attention constants, the step's input rows) unless the kernel sizes it from its shape (a
-# decode-step kernel's compositions.reserved_bytes); what grows with the shape (attention's cache tiles, fp8 scales,
+# decode-step kernel's step.reserved_bytes); what grows with the shape (attention's cache tiles, fp8 scales,
 # the LM head's staged logits) is the ring's beside_bytes, computed by the kernel from the spec.
 # Gemma 3 270M at batch 1 holds under 3 KiB of those small tiles (5 KiB at batch 8; Llama-3.1-8B 4-5 KiB, its
 # input rows 16 KiB before any other tile): a 64 KiB reserve was one ring 48 KiB shallower (trn2, T = 4 dense:
@@ -15,7 +15,7 @@ from nki_kernels.svd_matmul import spans
 RING_BLOCK_BYTES = 32 * 1024
 SBUF_RESERVED_BYTES = 16 * 1024
 # The small tiles' share of that reserve, at most (the rest holds a staged [R, hidden] float32 row block: a
-# decode-step kernel reserves this and that row block, compositions.reserved_bytes).
+# decode-step kernel reserves this and that row block, step.reserved_bytes).
 SMALL_TILE_BYTES = 8 * 1024
 # Partitions per weight DMA: a block is issued as one DMA per group of DMA engines (8 partitions each), so each
 # engine takes its share as soon as it is free instead of waiting for a window free on all 16 at once (a small

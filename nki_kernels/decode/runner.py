@@ -1,18 +1,11 @@
-"""A decode step over all layers run on the emulator as one of the compositions: `run_decode_step(composition, ...)`.
+"""The looped decode step run on the emulator: `run_looped_step` on one NeuronCore, `run_sharded_looped_step` on
+P = spec.tensor_parallel ranks, each on its shard (nki_kernels.decode.sharding.shard_operands).
 
-The kernels live in nki_kernels.decode.compositions, whose docstring describes them; the operands are
-nki_kernels.decode.contract's. This runner is apart from them because kernel modules never import the emulator.
-
-Each kernel launch is one emulated run (one row of `emulator.profile()`); activations cross HBM between launches
-as numpy arrays. With numerics=False the launches are count-only traces and operands may be emulator `Spec`
-placeholders (shape and dtype, no memory), so full-size models trace without their weights.
-
-Tensor parallel (`run_sharded_decode_step`): a spec with tensor_parallel P > 1 and each rank's operands
-(nki_kernels.decode.sharding.shard_operands); every launch runs on P emulated NeuronCores at once
-(emulator.simulate_spmd, one profile row per rank), each on its own shard. per_op adds its collectives as launches
-of their own (all_reduce_kernel after o and down, or between a factored one's u and v launches;
-gather_vocabulary_kernel after the head); per_op_svd_mlp's fused MLP keeps down's (x·u)ᵀ on chip, so it
-all-reduces down's output.
+This runner is apart from the kernel (nki_kernels.decode.step) because kernel modules never import the emulator.
+Each launch is one emulated run (one row of `emulator.profile()`, one per rank on several ranks: simulate_spmd).
+With numerics=False the launch is a count-only trace and operands may be emulator `Spec` placeholders (shape and
+dtype, no memory), so full-size models trace without their weights. PerRank, launch and the operand checks are
+shared with benchmarks/harness/runner.py, which launches the other compositions of the step.
 """
 
 from __future__ import annotations
@@ -21,35 +14,12 @@ import contextlib
 
 import numpy as np
 
-from nki_kernels.decode import attention
-from nki_kernels.decode.compositions import (
-    COMPOSITIONS,
-    MLP_PROJECTIONS,
-    add_kernel,
-    all_reduce_kernel,
-    check_spec,
-    decode_step_kernel,
-    decoder_layer_kernel,
-    gather_vocabulary_kernel,
-    head_kernel,
-    lm_head_kernel,
-    norm_kernel,
-    projection_kernel,
-)
-from nki_kernels.decode.contract import (
-    SPLIT_ROWS,
-    DecodeOperands,
-    check_lengths,
-    check_write_index,
-    kernel_arg,
-    operand_fields,
-)
+from nki_kernels.decode.contract import DecodeOperands, check_lengths, check_write_index, operand_fields
+from nki_kernels.decode.step import check_spec, decode_step_kernel
 from nki_kernels.emulator import count_only, simulate_spmd
-from nki_kernels.emulator.kernel import Spec, run
-from nki_kernels.gated_activation import gated_activation_kernel
-from nki_kernels.svd_mlp import svd_mlp_down_kernel, svd_mlp_gate_up_kernel
+from nki_kernels.emulator.kernel import run
 
-__all__ = ["COMPOSITIONS", "run_decode_step", "run_sharded_decode_step"]
+__all__ = ["run_looped_step", "run_sharded_looped_step"]
 
 
 class PerRank(tuple):
@@ -60,253 +30,94 @@ class PerRank(tuple):
         return PerRank(fn(value) for value in self)
 
 
-def _each(fn, value):
+def each(fn, value):
     """fn of a value, or of each rank's (PerRank)."""
     return value.map(fn) if isinstance(value, PerRank) else fn(value)
 
 
-def _factor_slice(tensor, layer, rank, axis):
-    """Layer `layer` of stacked factor `tensor`, cut to `rank` along axis (1: u's columns, 0: v's rows or a rank
-    scale's entries; None: whole), as a standalone array (or a count-only Spec placeholder) for kernels that take
-    exact factors."""
-    if isinstance(tensor, Spec):
-        shape = list(tensor.shape[1:])
-        if axis is not None:
-            shape[axis] = rank
-        return Spec(shape, tensor.dtype)
-    part = tensor[layer]
-    return np.ascontiguousarray(part if axis is None else part[:, :rank] if axis == 1 else part[:rank])
-
-
-def run_decode_step(composition, operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
-    """Run one decode step as `composition` (one of COMPOSITIONS) on the emulator: (logits [B, T, V] float32,
-    k_cache, v_cache). operands: numpy arrays as in the module docstring (lists for factors), or emulator
-    `Spec` placeholders with numerics=False (a count-only trace: no weight memory, NaN-filled results)."""
+def single_operands(where, operands, spec, sharded):
+    """DecodeOperands of one NeuronCore's step; a ValueError naming `sharded`, the runner of a sharded step, when
+    the spec has several ranks."""
     check_spec(spec)
     if spec.tensor_parallel != 1:
         raise ValueError(
-            f"run_decode_step: spec.tensor_parallel is {spec.tensor_parallel}; a sharded step runs with "
-            f"run_sharded_decode_step (one operand set per rank)"
+            f"{where}: spec.tensor_parallel is {spec.tensor_parallel}; a sharded step runs with {sharded} (one "
+            f"operand set per rank)"
         )
-    ops = DecodeOperands.of(operands, spec)
-    ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
-    return _run("run_decode_step", composition, ops, spec, numerics, ring)
+    return DecodeOperands.of(operands, spec)
 
 
-def run_sharded_decode_step(composition, rank_operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
-    """Run one tensor-parallel decode step as `composition` on P = spec.tensor_parallel emulated ranks, rank r on
-    rank_operands[r] (its shard, as nki_kernels.decode.sharding.shard_operands cuts it; numpy arrays, or `Spec`
-    placeholders with numerics=False): (logits [B, T, V·P] float32, the whole vocabulary, which every rank
-    returns; [k_cache of each rank]; [v_cache of each rank]) (sharding.gather_cache puts a cache back together)."""
+def sharded_operands(where, rank_operands, spec):
+    """DecodeOperands whose every value is PerRank: rank r's from rank_operands[r], one set per rank."""
     check_spec(spec)
     ranks = spec.tensor_parallel
     if len(rank_operands) != ranks:
         raise ValueError(
-            f"run_sharded_decode_step: rank_operands: got {len(rank_operands)} operand sets, expected one per rank "
+            f"{where}: rank_operands: got {len(rank_operands)} operand sets, expected one per rank "
             f"(spec.tensor_parallel = {ranks})"
         )
     shards = [DecodeOperands.of(operands, spec) for operands in rank_operands]
-    ops = DecodeOperands(**{name: PerRank(getattr(o, name) for o in shards) for name in operand_fields()})
+    return DecodeOperands(**{name: PerRank(getattr(o, name) for o in shards) for name in operand_fields()})
+
+
+def run_looped_step(operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
+    """Run one decode step as the looped kernel on the emulator: (logits [B, T, V] float32, k_cache, v_cache).
+    operands: DecodeOperands (or their list) of numpy arrays, or emulator `Spec` placeholders with numerics=False
+    (a count-only trace: no weight memory, NaN-filled results)."""
+    ops = single_operands("run_looped_step", operands, spec, "run_sharded_looped_step")
     ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
-    logits, k_cache, v_cache = _run("run_sharded_decode_step", composition, ops, spec, numerics, ring)
+    return run_looped("run_looped_step", ops, spec, numerics, ring)
+
+
+def run_sharded_looped_step(rank_operands, spec, *, numerics=True, ring_block_bytes=None, ring_bytes=None):
+    """Run one tensor-parallel decode step as the looped kernel on P = spec.tensor_parallel emulated ranks, rank r
+    on rank_operands[r] (its shard, as nki_kernels.decode.sharding.shard_operands cuts it; numpy arrays, or `Spec`
+    placeholders with numerics=False): (logits [B, T, V·P] float32, the whole vocabulary, which every rank
+    returns; [k_cache of each rank]; [v_cache of each rank]) (sharding.gather_cache puts a cache back together)."""
+    ops = sharded_operands("run_sharded_looped_step", rank_operands, spec)
+    ring = dict(ring_block_bytes=ring_block_bytes, ring_bytes=ring_bytes)
+    logits, k_cache, v_cache = run_looped("run_sharded_looped_step", ops, spec, numerics, ring)
     return logits[0], list(k_cache), list(v_cache)
 
 
-def _run(where, composition, ops, spec, numerics, ring):
-    """The launches of `composition` on ops (each operand a value, or PerRank: one per tensor-parallel rank);
-    errors start with `where`."""
-    if composition not in COMPOSITIONS:
-        raise ValueError(f"composition: got {composition!r}, expected one of {COMPOSITIONS}")
-    first = _rank(ops, 0) if isinstance(ops.x, PerRank) else ops
+def run_looped(where, ops, spec, numerics, ring):
+    """One launch of the looped kernel on ops (each operand a value, or PerRank); errors start with `where`."""
+    check_values(where, ops, spec)
+    with emulation(numerics):
+        return launch(decode_step_kernel, kernel_args(ops), spec=spec, **ring)
+
+
+def emulation(numerics):
+    """The emulator's mode for a run: numerics, or a count-only trace."""
+    return contextlib.nullcontext() if numerics else count_only()
+
+
+def check_values(where, ops, spec):
+    """The run-time values' rules (write_index, a paged step's lengths and block table) where they are arrays
+    (rank 0's on several ranks); a ValueError starting with `where`."""
+    first = rank_of(ops, 0) if isinstance(ops.x, PerRank) else ops
     if isinstance(first.write_index, np.ndarray):
         check_write_index(where, first.write_index, slots=first.k_cache.shape[2], tokens=first.x.shape[1])
     if isinstance(first.lengths, np.ndarray) and isinstance(first.block_table, np.ndarray):
         blocks = dict(block_size=spec.block_size, num_blocks=first.k_cache.shape[1])
         check_lengths(where, first.lengths, first.block_table, **blocks)
-    if spec.paged and composition not in ("looped", "per_layer"):
-        raise ValueError(
-            f"{where}: composition {composition!r} writes and reads a contiguous cache at write_index; a paged "
-            f"cache (spec.block_size = {spec.block_size}) runs in the looped and per-layer kernels"
-        )
-    with contextlib.nullcontext() if numerics else count_only():
-        if composition == "looped":
-            return _launch(decode_step_kernel, _kernel_args(ops), spec=spec, **ring)
-        if composition == "per_layer":
-            x, k_cache, v_cache = ops.x, ops.k_cache, ops.v_cache
-            for layer in range(spec.num_layers):
-                layer_ops = ops.replace(x=x, k_cache=k_cache, v_cache=v_cache, final_norm=None, head=None)
-                x, k_cache, v_cache = _launch(
-                    decoder_layer_kernel, _kernel_args(layer_ops), spec=spec, layer=layer, **ring
-                )
-            head = _each(kernel_arg, ops.head)
-            return _launch(lm_head_kernel, x, ops.final_norm, head, spec=spec, **ring), k_cache, v_cache
-        if spec.packed_weights:
-            raise ValueError(
-                f"{where}: composition {composition!r} takes each weight on its own; spec.packed_weights "
-                f"{spec.packed_weights} is the looped and per-layer kernels' layout (unpack with "
-                "nki_kernels.decode.packing.unpack_weights and unpacked_spec)"
-            )
-        return _run_per_op(composition == "per_op_svd_mlp", ops, spec, ring)
 
 
-def _rank(ops, rank):
+def rank_of(ops, rank):
     """Rank `rank`'s DecodeOperands of ops holding PerRank values (a value shared by every rank as it is)."""
     values = (value[rank] if isinstance(value, PerRank) else value for value in ops.values())
     return DecodeOperands(**dict(zip(operand_fields(), values)))
 
 
-def _kernel_args(ops):
+def kernel_args(ops):
     """ops.kernel_args() (the looped and per-layer kernels' one list argument), PerRank when ops hold per-rank
     values."""
     if not isinstance(ops.x, PerRank):
         return ops.kernel_args()
-    return PerRank(_rank(ops, r).kernel_args() for r in range(len(ops.x)))
+    return PerRank(rank_of(ops, r).kernel_args() for r in range(len(ops.x)))
 
 
-def _run_per_op(svd_mlp, ops, spec, ring):
-    first = _rank(ops, 0) if isinstance(ops.x, PerRank) else ops
-    b, t, h_features = first.x.shape
-    rows = b * t
-    model = np.dtype(first.x.dtype).name
-    ranks = spec.tensor_parallel
-    x = _each(
-        lambda a: (
-            np.asarray(a).reshape(rows, h_features) if isinstance(a, np.ndarray) else _spec_like(a, (rows, h_features))
-        ),
-        ops.x,
-    )
-    k_cache, v_cache = ops.k_cache, ops.v_cache
-    weights = ops.weights
-
-    def norm(src, layer, j, out_dtype):
-        return _launch(norm_kernel, src, ops.norms, index=(layer, j), spec=spec, out_dtype=out_dtype)
-
-    def all_reduce(partial, out_dtype="float32"):
-        return _launch(all_reduce_kernel, partial, tensor_parallel=ranks, out_dtype=out_dtype)
-
-    def projection_launch(src, name, layer, out_dtype):
-        rank = spec.rank(name, layer)
-        weight, at = _each(kernel_arg, weights[name]), layer
-        if rank is None and spec.factored(name):  # a layer left dense in a factored stack: W alone
-            weight, at = _each(lambda w: _dense_in_stack(w, spec, name, layer), weights[name]), 0
-        if ranks == 1 or name not in SPLIT_ROWS:
-            return _launch(projection_kernel, src, weight, layer=at, rank=rank, out_dtype=out_dtype, **ring)
-        if rank is None:
-            return all_reduce(_launch(projection_kernel, src, weight, layer=at, **ring))
-        # A factored o or down: its (x·u) summed over the ranks between the launches of u and of v.
-        u, v = (_each(lambda w, f=f: _factor_stage(w, f, layer, rank), weights[name]) for f in ("u", "v"))
-        xu = all_reduce(_launch(projection_kernel, src, u, layer=0, **ring), model)
-        return _launch(projection_kernel, xu, v, layer=0, out_dtype=out_dtype, **ring)
-
-    for layer in range(spec.num_layers):
-        h = norm(x, layer, 0, model)
-        q, k, v = (projection_launch(h, name, layer, model) for name in ("q", "k", "v"))
-        q, k = _launch(
-            attention.rope_kernel,
-            _each(lambda a: a.reshape(b, t, -1), q),
-            _each(lambda a: a.reshape(b, t, -1), k),
-            ops.cos,
-            ops.sin,
-            ops.qk_norms,
-            layer=layer,
-            spec=spec,
-        )
-        k_cache, v_cache = _launch(
-            attention.cache_write_kernel,
-            k,
-            _each(lambda a: a.reshape(b, t, -1), v),
-            k_cache,
-            v_cache,
-            ops.write_index,
-            layer=layer,
-        )
-        attn = _launch(
-            attention.attention_kernel,
-            q,
-            k_cache,
-            v_cache,
-            ops.write_index,
-            ops.mask_bias,
-            layer=layer,
-            spec=spec,
-        )
-        y = projection_launch(_each(lambda a: a.reshape(rows, -1), attn), "o", layer, "float32")
-        if spec.sandwich:
-            y = norm(y, layer, 1, "float32")
-        x = _launch(add_kernel, x, y)
-        h = norm(x, layer, 2 if spec.sandwich else 1, model)
-        factored = all(spec.rank(name, layer) is not None for name in MLP_PROJECTIONS)
-        if svd_mlp and factored:
-            gate_up, down = _svd_mlp_args(weights, spec, layer)
-            hT = _launch(svd_mlp_gate_up_kernel, h, *gate_up, activation=spec.activation)
-            m = _launch(svd_mlp_down_kernel, hT, *down)
-            if ranks > 1:
-                m = all_reduce(m)  # the fused kernel keeps down's (x·u)ᵀ on chip: its output is summed
-        else:
-            gate, up = projection_launch(h, "gate", layer, model), projection_launch(h, "up", layer, model)
-            hidden = _launch(gated_activation_kernel, gate, up, activation=spec.activation)
-            m = projection_launch(hidden, "down", layer, "float32")
-        if spec.sandwich:
-            m = norm(m, layer, 3, "float32")
-        x = _launch(add_kernel, x, m)
-    h = _launch(norm_kernel, x, ops.final_norm, index=(), spec=spec, out_dtype=model)
-    logits = _launch(head_kernel, h, _each(kernel_arg, ops.head), spec=spec, **ring)
-    if ranks > 1:
-        logits = _launch(gather_vocabulary_kernel, logits, tensor_parallel=ranks)
-    return _each(lambda a: a.reshape(b, t, spec.whole_vocab), logits), k_cache, v_cache
-
-
-def _svd_mlp_args(weights, spec, layer):
-    """(gate_up, down): the fused svd_mlp kernels' factor arguments for layer `layer`, each cut to its rank (u's
-    columns, v's rows, u_scale's entries) and in the kernels' order: gate's and up's four factors, then (fp8) their
-    scales; down's u, v (, u_scale, v_scale). Each a PerRank where the weights are."""
-    cuts = {"u": 1, "v": 0, "u_scale": 0, "v_scale": None}
-
-    def cut(weight, name):
-        rank = spec.rank(name, layer)
-        return {part: _factor_slice(tensor, layer, rank, cuts[part]) for part, tensor in weight.parts().items()}
-
-    parts = {name: _each(lambda w, name=name: cut(w, name), weights[name]) for name in MLP_PROJECTIONS}
-
-    def pick(name, part):
-        return _each(lambda p: p[part], parts[name])
-
-    gate_up = [pick(name, f) for name in ("gate", "up") for f in ("u", "v")]
-    gate_up += [pick(name, f) for name in ("gate", "up") if spec.fp8(name) for f in ("u_scale", "v_scale")]
-    down = [pick("down", f) for f in ("u", "v", "u_scale", "v_scale") if spec.fp8("down") or f in ("u", "v")]
-    return gate_up, down
-
-
-def _factor_stage(weight, factor, layer, rank):
-    """Factor `factor` ("u" or "v") of layer `layer` of a stacked Factored, cut to `rank`, as projection_kernel's
-    stacked weight of one layer (layer 0): [1, K, rank] / [1, rank, N], or with fp8 factors [values, scales]
-    (a Quantized: u_scale's entries, or v_scale)."""
-    values = _one_layer(_factor_slice(getattr(weight, factor), layer, rank, 1 if factor == "u" else 0))
-    scale = getattr(weight, f"{factor}_scale")
-    if scale is None:
-        return values
-    return [values, _one_layer(_factor_slice(scale, layer, rank, 0 if factor == "u" else None))]
-
-
-def _dense_in_stack(weight, spec, name, layer):
-    """Layer `layer` of a stacked Factored that the spec leaves dense there, as projection_kernel's stacked dense
-    weight of one layer: W [1, K, N] from the factor that holds it (contract.dense_in_stack), or with fp8 factors
-    [values, v_scale [1, N]]."""
-    factor, width = spec.dense_factor(name)
-    values = _one_layer(_factor_slice(getattr(weight, factor), layer, width, 1 if factor == "u" else 0))
-    if weight.v_scale is None:
-        return values
-    return [values, _one_layer(_factor_slice(weight.v_scale, layer, None, None))]
-
-
-def _one_layer(part):
-    """A standalone part (or Spec placeholder) as a stack of one layer."""
-    if isinstance(part, Spec):
-        return Spec((1, *part.shape), part.dtype)
-    return part[None]
-
-
-def _launch(kernel, *args, **kwargs):
+def launch(kernel, *args, **kwargs):
     """One emulated launch (numpy arrays or count-only Spec placeholders as tensor arguments); with PerRank
     arguments, one launch on that many ranks (simulate_spmd), each taking its entry, returning PerRank results."""
     ranks = next((len(a) for a in args if isinstance(a, PerRank)), None)
@@ -317,7 +128,3 @@ def _launch(kernel, *args, **kwargs):
     if isinstance(outputs[0], tuple):
         return tuple(PerRank(out[i] for out in outputs) for i in range(len(outputs[0])))
     return PerRank(outputs)
-
-
-def _spec_like(placeholder, shape):
-    return Spec(shape, placeholder.dtype)

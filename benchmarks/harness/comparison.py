@@ -4,7 +4,7 @@ must move, and the targets the looped kernel is held to (benchmarks/decode_compo
 benchmarks/frontier.py trace their cases with these and write their reports).
 
 A `DecodeModel` is a model's name, where its shapes come from and its dense DecodeSpec at full depth
-(jax_neuronmm.models.decode.published_decode_models builds them from the presets through `decode_plan`); `decode_spec`
+(`published_decode_models` builds them from the presets through `decode_plan`); `decode_spec`
 cuts it to fewer layers, factors it at keep KEEP and stores its weights in fp8 on request; `operand_specs` gives
 count-only placeholders of the operands in the contract's order.
 
@@ -20,10 +20,13 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
+from harness.compositions import COMPOSITIONS
+from harness.runner import run_decode_step, run_sharded_decode_step
 
+from jax_neuronmm.models.decode import preset_decode_spec
+from jax_neuronmm.models.presets import PUBLISHED
 from nki_kernels import emulator, hardware, ranks
 from nki_kernels.decode import traffic
-from nki_kernels.decode.compositions import COMPOSITIONS
 from nki_kernels.decode.contract import (
     PROJECTIONS,
     WEIGHTS,
@@ -33,7 +36,6 @@ from nki_kernels.decode.contract import (
     expected_shapes,
 )
 from nki_kernels.decode.packing import attention_packing, unpacked_spec
-from nki_kernels.decode.runner import run_decode_step, run_sharded_decode_step
 from nki_kernels.decode.sharding import shard_spec
 from nki_kernels.emulator import collective_costs, launch
 from nki_kernels.emulator.cost_model import collective_links, roofline_us
@@ -102,6 +104,16 @@ class DecodeModel:
         """Whether `layer` reads only a sliding window of the cache."""
         windows = self.spec.mask_windows
         return bool(windows) and windows[self.spec.layer_mask[layer]] is not None
+
+
+def published_decode_models(names=None) -> dict:
+    """{name: DecodeModel} of the published models (`presets.PUBLISHED`; `names` picks some), their specs from
+    jax_neuronmm.models.decode.preset_decode_spec."""
+    names = list(PUBLISHED) if names is None else list(names)
+    unknown = [name for name in names if name not in PUBLISHED]
+    if unknown:
+        raise ValueError(f"unknown models {unknown}, expected some of {list(PUBLISHED)}")
+    return {name: DecodeModel(name, PUBLISHED[name][2], preset_decode_spec(*PUBLISHED[name][:2])) for name in names}
 
 
 def cut_layers(spec: DecodeSpec, num_layers: int) -> DecodeSpec:

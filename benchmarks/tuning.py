@@ -1,11 +1,11 @@
 """The tuner: searches block sizes per shape on the emulator's cost model and writes the shipped table.
 
-    python -m nki_kernels.tuning [--models=...] [--tokens=...] [--out=...] [--resume]
-    python -m nki_kernels.tuning --merge=a.json,b.json [--out=...]
+    python benchmarks/tuning.py [--models=...] [--tokens=...] [--out=...] [--resume]
+    python benchmarks/tuning.py --merge=a.json,b.json [--out=...]
 
 Each candidate that the footprint model (`footprint.fits`) admits runs once on the emulator in count-only
 mode; the profile's modeled latency per target picks the fastest. Results go to `block_table.json`
-(`block_table.save_table`), which `block_table.lookup` and so `dispatch` read.
+(`block_table.save_table`, beside the kernels), which `block_table.lookup` and so `dispatch` read.
 """
 
 from __future__ import annotations
@@ -13,7 +13,9 @@ from __future__ import annotations
 import functools
 import os
 
+import _flag_checks  # sibling module: the script's folder is on sys.path
 import numpy as np
+from harness.paper_shapes import PAPER_MLP_SHAPES, paper_tuning_jobs
 
 from nki_kernels import emulator, svd_matmul, svd_mlp
 from nki_kernels.block_table import (
@@ -27,7 +29,6 @@ from nki_kernels.block_table import (
 )
 from nki_kernels.footprint import fits
 from nki_kernels.hardware import TARGETS
-from nki_kernels.paper_shapes import PAPER_MLP_SHAPES, paper_tuning_jobs
 
 # Candidate block sizes searched (elements; multiples of 128). Token blocks only matter above 512 tokens;
 # smaller ones are a fallback for shapes where nothing else fits.
@@ -111,7 +112,7 @@ def tune(kind, shape, dtype, targets=TARGETS):
 
 
 def main(argv):
-    """Tune the paper shapes and write the table: `python -m nki_kernels.tuning [--models=...] [--out=...]`,
+    """Tune the paper shapes and write the table: `python benchmarks/tuning.py [--models=...] [--out=...]`,
     or merge partial tables: `--merge=a.json,b.json`."""
     del argv
     import ml_dtypes
@@ -137,7 +138,8 @@ def main(argv):
         print(f"[{number}/{len(jobs)}] {kind} {shape}", flush=True)
 
 
-def _define_flags():
+def define_flags():
+    """The script's flags, defined only when it runs (tests import the tuner's functions)."""
     from absl import flags
 
     flags.DEFINE_list("models", list(PAPER_MLP_SHAPES), "models (keys of PAPER_MLP_SHAPES) to tune")
@@ -145,10 +147,20 @@ def _define_flags():
     flags.DEFINE_string("out", None, "table to write (default: the shipped block_table.json)")
     flags.DEFINE_list("merge", [], "partial tables to merge into --out instead of tuning")
     flags.DEFINE_bool("resume", False, "skip shapes --out already has entries for")
+    _flag_checks.choice_list("models", lambda: PAPER_MLP_SHAPES)
+    _flag_checks.int_list("tokens")
+    flags.register_validator(
+        "merge",
+        lambda paths: all(os.path.isfile(path) for path in paths),
+        "--merge: expected existing table files (comma-separated)",
+    )
+    flags.register_validator(
+        "out", lambda path: path is None or not os.path.isdir(path), "--out: expected a file path, got a directory"
+    )
 
 
 if __name__ == "__main__":
     from absl import app
 
-    _define_flags()
+    define_flags()
     app.run(main)
