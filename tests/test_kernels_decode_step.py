@@ -1,4 +1,5 @@
-"""The decode step over all layers (nki_kernels.decode.runner): every composition equals the float64 reference.
+"""The decode step over all layers (harness.runner; the library's nki_kernels.decode.runner): every composition
+equals the float64 reference.
 
 Tiny ragged shapes (H = 200 natural tiles, H = 256 row-grouped tiles, I = 200 / 384 / 1216, V = 300), Llama-like
 (dense, no softcaps) and Gemma-3-like (unit-offset norms, q/k norms, sandwich norms, both softcaps, per-layer RoPE
@@ -31,6 +32,7 @@ from harness.runner import COMPOSITIONS, run_decode_step
 from nki_kernels.decode import layouts, reference, tiles, traffic
 from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
 from nki_kernels.decode.ring import SMALL_TILE_BYTES
+from nki_kernels.decode.runner import run_looped_step, run_sharded_looped_step
 from nki_kernels.decode.step import reserved_bytes
 from nki_kernels.emulator import profile, use_target
 from nki_kernels.emulator.kernel import Spec
@@ -306,6 +308,28 @@ def test_rejects_bad_arguments(rng):
     narrow_operands = make_operands(rng, narrow, 1, 1, 8, 3, np.float32)
     with pytest.raises(ValueError, match="head_dim: got 16 with 2 KV heads, expected a multiple of 32"):
         run_decode_step("looped", narrow_operands, narrow)
+
+
+def test_library_runner_runs_the_looped_kernel_alone(rng):
+    """nki_kernels.decode.runner (what the JAX side runs) launches the looped kernel once, as the harness's looped
+    composition does, against the float64 reference; a sharded spec is sent to the sharded runner by name."""
+    spec, b, t, s, w = LLAMA_RAGGED_INTERMEDIATE, 2, 1, 13, 6
+    operands = make_operands(rng, spec, b, t, s, w, np.float32)
+    k_before, v_before = operands[10].copy(), operands[11].copy()
+    again = [*operands[:10], k_before.copy(), v_before.copy(), *operands[12:]]  # the caches are written in place
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    with profile() as prof:
+        logits, k_cache, v_cache = run_looped_step(operands, spec, **RING)
+    assert len(prof.runs) == 1 and relative_error(logits, want_logits) < 1e-5
+    check_cache(k_cache, k_before, want_k, w, t, 1e-5)
+    check_cache(v_cache, v_before, want_v, w, t, 1e-5)
+    harness_logits, _, _ = run_decode_step("looped", again, spec, **RING)
+    np.testing.assert_array_equal(harness_logits, logits)
+    sharded = dataclasses.replace(spec, tensor_parallel=2)
+    with pytest.raises(ValueError, match="run_looped_step: spec.tensor_parallel is 2; .* run_sharded_looped_step"):
+        run_looped_step(operands, sharded)
+    with pytest.raises(ValueError, match="rank_operands: got 1 operand sets, expected one per rank"):
+        run_sharded_looped_step([operands], sharded)
 
 
 def test_an_intermediate_with_a_ragged_tile_groups_its_whole_tiles():
