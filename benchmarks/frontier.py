@@ -59,19 +59,13 @@ from frontier_render import render, write_bytes
 from jax_neuronmm import models
 from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
 from nki_kernels.decode import traffic
-from nki_kernels.decode.comparison import (
-    DecodeModel,
-    measure_model,
-)
+from nki_kernels.decode.comparison import DecodeModel, measure_model
 
-# --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs and --render_only
-# are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
+# --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs, --render_only and
+# --out_dir are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
 flags.FLAGS.set_default("calibration_windows", 48)
 # Its older distilled rows were measured on 80 training windows; the JSON's setup must match for rows to resume.
 flags.FLAGS.set_default("distill_windows", 80)
-flags.DEFINE_string(
-    "out_dir", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), "where the JSON, Markdown, PNG go"
-)
 flags.DEFINE_bool("retrace", False, "trace the modeled speeds again even when the JSON holds them for this digest")
 flags.DEFINE_bool(
     "skip_speeds",
@@ -80,7 +74,6 @@ flags.DEFINE_bool(
     "none) until a run without this flag traces them",
 )
 FLAGS = flags.FLAGS
-_flag_checks.output_directory("out_dir")
 _flag_checks.unused(("prompts", "prompt_tokens", "new_tokens", "cloze_items", "load_note"), "frontier.py")
 
 
