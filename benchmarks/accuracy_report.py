@@ -1,20 +1,15 @@
-"""Accuracy of compressed Gemma 3 270M on two held-out texts: perplexity, agreement with the dense model (top-1 under
-teacher forcing, greedy tokens before a continuation first differs), a LAMBADA-style cloze task, decode weight bytes
-saved, and compression time, for each configuration; and a sensitivity table (perplexity cost per byte saved of
-each projection type).
+"""Accuracy of the compressed real model on two held-out texts, per configuration of compress_model: perplexity,
+agreement with the dense model (top-1, greedy tokens before a continuation first differs), a cloze task, decode
+weight bytes saved and compression time; and a sensitivity table (perplexity cost per byte saved of each
+projection type).
 
     python benchmarks/accuracy_report.py                      # the real model from the `demo` extra's package
-    python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
+    python benchmarks/accuracy_report.py --checkpoint_dir DIR  # or an HF directory of the same model
+    python benchmarks/accuracy_report.py --render_only        # re-render the Markdown and PNG from the JSON
 
-Calibration and distillation text: windows of chapters 1-49 of Pride and Prejudice (jax_neuronmm/data/) alternating
-with windows of half of the Python Language Reference's topic texts that CPython ships (`pydoc_data.topics`: technical
-prose with code). Held-out texts, never seen by any calibration or training step: chapters 50-61 of the novel, and
-the other half of the reference's topics. Each configuration's result is appended
-to benchmarks/results/accuracy_report.json as soon as it is measured (a rerun skips configurations already there),
-and the Markdown + PNG are rendered from that file; --render_only re-renders without running anything. The JSON is
-committed with the report (each row costs 2-20 CPU-minutes; a machine without it would re-render the report with
-only its new rows); rows marked recovered_from_markdown were rebuilt from the committed Markdown after the file was
-lost (values as the Markdown rounds them; meta.recovered_from_markdown says what was derived).
+Rows resume from benchmarks/results/accuracy_report.json; the Markdown and PNG are rendered from it and from the
+hand-written results/accuracy_report_findings.md. docs/benchmarks.md ("accuracy_report.py") gives the texts and
+the resume rules.
 """
 
 from __future__ import annotations

@@ -1,32 +1,15 @@
-"""Speed-accuracy frontier of Gemma 3 270M: one row per configuration (dense, fp8 weights, the LM head SVD-factored,
-both; SVD of the MLPs / MLPs + attention with distillation when asked for), with its MEASURED held-out perplexity
-ratio and top-1 agreement with the dense model on the real model, its decode weight bytes, and the MODELED looped
-decode step on trn1 and trn2 (emulator cost model, count-only traces; never measured on hardware); the Pareto
-frontier of worst-text perplexity against modeled speedup; speed-only rows for Llama-3.2-1B and Llama-3.1-8B shapes.
+"""Speed-accuracy frontier: one row per configuration of the real model (dense, fp8 weights, the LM head or the
+layers SVD-factored, distilled), its MEASURED held-out perplexity ratio and top-1 agreement with the dense model
+beside its MODELED looped decode step on trn1 and trn2 (emulator cost model, never measured on hardware), and the
+Pareto frontier of the two; speed-only rows for Llama shapes.
 
     python benchmarks/frontier.py                       # the cheap configurations not in the JSON yet
     python benchmarks/frontier.py --configs="head 0.69 fp8 distilled"   # expensive ones (distillation), by name
-                                                                          # (repeat --configs for several)
     python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
 
-Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.predictions,
-models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (models.compression.EVALUATION_TEXT),
-technical = the held-out half of the Python reference (models.calibration.technical_texts()[1]), --eval_windows
-windows of --seq_len tokens each; calibration on the first --calibration_windows (default here 48) of
-models.calibration.training_windows, distillation on all --distill_windows (a configuration's own count where it
-names one: the recommended pipeline's rows train on 160). Each row's accuracy is appended to
-benchmarks/results/frontier.json (committed) as soon as it is measured, and a rerun skips rows already there;
-configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
-report lists every configuration not measured. The modeled speeds of every configuration (ranks from
-nki_kernels.ranks.block_aligned_rank, checked against each built model's models.decode.model_spec; where
-compression allocates the ranks, those of the built model, stored with its row and traced after it; 10-30 minutes
-on 2 cores for every row) are kept in the JSON with a digest per row of what decides them (its spec and the source
-of the decode kernels, the emulator and its cost model), and traced again when that digest changes or with
---retrace; every speedup's base, bf16 dense looped, is traced with the same kernel sources as the rows it divides.
-Rows and speeds marked recovered_from_markdown were
-rebuilt from the committed Markdown after the JSON was lost (values as the Markdown rounds them).
-
-Writes benchmarks/results/frontier.md and frontier.png.
+Rows resume from benchmarks/results/frontier.json; speeds are traced again only when what decides them changes.
+Writes frontier.md and frontier.png beside it. docs/benchmarks.md ("frontier.py") gives the texts, the
+configurations and the resume rules.
 """
 
 from __future__ import annotations
