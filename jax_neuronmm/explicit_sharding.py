@@ -65,7 +65,7 @@ def check_out_sharding(op, out_sharding, ndim):
 
 
 def result_sharding(op, rule, names, avals, out_sharding):
-    """Abstract eval: the sharding of the result of an op with factor rule `rule` (see module docstring).
+    """Abstract eval: the sharding of the result of an op with factor rule `rule` (docs/sharding.md).
 
     `names` and `avals` are the operands' names and abstract values, `out_sharding` the primitive's param.
     """

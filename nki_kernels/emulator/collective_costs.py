@@ -82,7 +82,7 @@ def _check(kind, nbytes, group_size, lk):
 
 
 def ring_us(kind, nbytes, group_size, lk: Links) -> float:
-    """Ring algorithm: steps x (hop latency + chunk / slowest link); see the module docstring."""
+    """Ring algorithm: steps x (hop latency + chunk / slowest link); docs/emulator.md, "Collective costs"."""
     _check(kind, nbytes, group_size, lk)
     n = group_size
     if n == 1:
@@ -102,7 +102,7 @@ def ring_us(kind, nbytes, group_size, lk: Links) -> float:
 
 
 def mesh_us(kind, nbytes, group_size, lk: Links) -> float:
-    """Mesh algorithm: one hop, every peer written directly; see the module docstring."""
+    """Mesh algorithm: one hop, every peer written directly; docs/emulator.md, "Collective costs"."""
     _check(kind, nbytes, group_size, lk)
     n = group_size
     if n == 1:

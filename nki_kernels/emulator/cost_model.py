@@ -134,7 +134,7 @@ FITTED_COSTS_PATH = pathlib.Path(__file__).with_name("fitted_costs.json")
 
 @dataclasses.dataclass(frozen=True)
 class CostTerms:
-    """Costs the documented model leaves out, as named terms (module docstring, "Fitted terms").
+    """Costs the documented model leaves out, as named terms (docs/emulator.md, "The cost model": "Fitted terms").
 
     dma_issue_ns: ns a DMA holds its core's issue queue before its transfer can start (one queue per physical core).
     step_fixed_us: µs added once per launch (a looped decode step is one launch).
@@ -425,6 +425,94 @@ def collective_links(
     return collective_costs.make_links(target, core_link_gbps, hop_latency_us, ranks_per_chip)
 
 
+class _Dependencies:
+    """When every region a later record may wait on was last read / written. Per storage, a read only matters to a
+    later write (WAR) and a write to a later access, so others are not indexed; DMA writes to HBM get an index of
+    their own because they never order each other (kernels write each output element once)."""
+
+    def __init__(self, records) -> None:
+        extent: dict[int, int] = {}  # per storage: byte extent
+        self.last_write: dict[int, int] = {}  # per storage: the last record that writes / touches it
+        self.last_access: dict[int, int] = {}
+        for i, record in enumerate(records):
+            for access in record.reads:
+                self.last_access[access.storage] = i
+                if access.b_stop > extent.get(access.storage, 0):
+                    extent[access.storage] = access.b_stop
+            for access in record.writes:
+                self.last_access[access.storage] = self.last_write[access.storage] = i
+                if access.b_stop > extent.get(access.storage, 0):
+                    extent[access.storage] = access.b_stop
+        bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
+        self.reads = _RegionIndex(bucket_bytes)
+        self.writes = _RegionIndex(bucket_bytes)
+        self.hbm_dma_writes = _RegionIndex(bucket_bytes)
+
+    def ready(self, record: trace.InstructionRecord, is_dma: bool) -> float:
+        """When every earlier record `record` depends on (RAW, WAR, WAW) has finished."""
+        ready = 0.0
+        for access in record.reads:
+            ready = max(ready, self.writes.latest_overlap(access), self.hbm_dma_writes.latest_overlap(access))
+        for access in record.writes:
+            ready = max(ready, self.reads.latest_overlap(access), self.writes.latest_overlap(access))
+            if not (is_dma and access.buffer == "hbm"):
+                ready = max(ready, self.hbm_dma_writes.latest_overlap(access))
+        return ready
+
+    def finished(self, i: int, record: trace.InstructionRecord, is_dma: bool, finish: float) -> None:
+        """Records that record `i` finishes at `finish`, for the later records that will depend on it."""
+        for access in record.reads:
+            if self.last_write.get(access.storage, -1) > i:
+                self.reads.add(access, finish)
+        for access in record.writes:
+            if self.last_access[access.storage] > i:
+                index = self.hbm_dma_writes if is_dma and access.buffer == "hbm" else self.writes
+                index.add(access, finish)
+
+
+class _DmaPool:
+    """The core's DMA engines. Engines with identical bookings form one group ([engine, count]), evaluated once."""
+
+    def __init__(self, engines: int) -> None:
+        self.groups = [[_DmaEngine(), engines]]
+
+    def book(self, ready: float, engines: int, transfer_ns: float) -> tuple[float, float]:
+        """Gives each of `engines` shares to the engines that can start it earliest; returns (first start, last
+        start)."""
+        offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(self.groups))
+        needed = engines
+        for t, k in offers:
+            group = self.groups[k]
+            if group[1] > needed:  # split off the engines this transfer leaves alone
+                self.groups.append([group[0].copy(), group[1] - needed])
+                group[1] = needed
+            group[0].book(t, transfer_ns)
+            needed -= group[1]
+            if needed == 0:
+                break
+        return offers[0][0], t
+
+
+def _scheduled_hardware(target: str, terms: CostTerms | None) -> Hardware:
+    """`target`'s hardware, with LNC=2's doubled DMA engines and HBM share when `terms` say so."""
+    hw = _check_target(target)
+    if terms is None:
+        return hw
+    return dataclasses.replace(
+        hw, dma_engines=hw.dma_engines * terms.lnc, hbm_bytes_per_ns=hw.hbm_bytes_per_ns * terms.lnc
+    )
+
+
+def _scheduled_links(target, links, unlimited_bandwidth) -> collective_costs.Links:
+    if links is None:
+        links = collective_links(target)
+    elif links.target != target:
+        raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
+    if unlimited_bandwidth:
+        links = dataclasses.replace(links, chip_link_bytes_per_ns=math.inf, core_link_bytes_per_ns=math.inf)
+    return links
+
+
 def schedule(
     run: trace.KernelRun,
     target: str,
@@ -432,86 +520,37 @@ def schedule(
     unlimited_bandwidth: bool = False,
     terms: CostTerms | None = None,
 ) -> Schedule:
-    """List-schedule `run` on `target` (see the module docstring for the rules).
+    """List-schedule `run` on `target` (the rules: docs/emulator.md, "The cost model").
 
     links: the link figures collectives are priced with (default: collective_links(target)).
-    unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, module docstring): transfers take
+    unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, docs/emulator.md): transfers take
     no engine time, only their fixed latency, and collectives their hop latencies (links' bandwidths made
     infinite, their hop latency kept).
     terms: the fitted terms (CostTerms; fitted_terms(target) loads them); None: the documented model alone.
     """
-    hw = _check_target(target)
-    hbm_efficiency = None
-    if terms is not None:
-        hw = dataclasses.replace(
-            hw, dma_engines=hw.dma_engines * terms.lnc, hbm_bytes_per_ns=hw.hbm_bytes_per_ns * terms.lnc
-        )
-        hbm_efficiency = terms.hbm_efficiency
+    hw = _scheduled_hardware(target, terms)
+    hbm_efficiency = None if terms is None else terms.hbm_efficiency
     issue_ns = 0.0 if terms is None else terms.dma_issue_ns
     issue_free = [0.0] * (1 if terms is None else terms.lnc)  # per physical core: when its DMA issue queue frees
     compute_scale = 1.0 if terms is None else terms.compute_scale
-    if links is None:
-        links = collective_links(target)
-    elif links.target != target:
-        raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
-    if unlimited_bandwidth:
-        links = dataclasses.replace(links, chip_link_bytes_per_ns=math.inf, core_link_bytes_per_ns=math.inf)
+    links = _scheduled_links(target, links, unlimited_bandwidth)
     collective_free = collective_busy = 0.0
-    records = run.records
-    # Per storage: byte extent, and the last record that writes / touches it. A read only
-    # matters to a later write (WAR) and a write to a later access, so others are not indexed.
-    extent: dict[int, int] = {}
-    last_write: dict[int, int] = {}
-    last_access: dict[int, int] = {}
-    for i, record in enumerate(records):
-        for access in record.reads:
-            last_access[access.storage] = i
-            if access.b_stop > extent.get(access.storage, 0):
-                extent[access.storage] = access.b_stop
-        for access in record.writes:
-            last_access[access.storage] = last_write[access.storage] = i
-            if access.b_stop > extent.get(access.storage, 0):
-                extent[access.storage] = access.b_stop
-    bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
-    reads_index = _RegionIndex(bucket_bytes)
-    writes_index = _RegionIndex(bucket_bytes)
-    hbm_dma_writes_index = _RegionIndex(bucket_bytes)
-
+    dependencies = _Dependencies(run.records)
     engine_free = {"tensor": 0.0, "vector": 0.0, "scalar": 0.0, "gpsimd": 0.0}
     busy = {engine: 0.0 for engine in trace.ENGINES}
-    dma_groups = [[_DmaEngine(), hw.dma_engines]]
+    dma_pool = _DmaPool(hw.dma_engines)
     dma_costs: dict = {}  # (partitions, DmaInfo) -> (engines, ns): tiles repeat their shapes
     starts, finishes = [], []
-    for i, record in enumerate(records):
+    for i, record in enumerate(run.records):
         is_dma = record.engine == "dma"
-        ready = 0.0
-        for access in record.reads:
-            t = writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            t = hbm_dma_writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-        for access in record.writes:
-            t = reads_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            t = writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            if not (is_dma and access.buffer == "hbm"):
-                t = hbm_dma_writes_index.latest_overlap(access)
-                if t > ready:
-                    ready = t
-
+        ready = dependencies.ready(record, is_dma)
         if record.collective is not None:
             # A collective runs on the CC cores' queue, in program order, once its sources are ready.
             start = max(collective_free, ready)
             finish = collective_free = start + collective_costs.record_ns(record, links)
             collective_busy += finish - start
         elif is_dma:
-            dma = record.dma
-            key = (record.partitions, dma) if dma is not None else None
+            key = (record.partitions, record.dma) if record.dma is not None else None
             cost = dma_costs.get(key)
             if cost is None:
                 engines, transfer_ns = dma_transfer_ns(record, hw, hbm_efficiency)
@@ -520,21 +559,8 @@ def schedule(
             if issue_ns:  # the transfer starts once the earliest free issue queue has issued it
                 q = min(range(len(issue_free)), key=issue_free.__getitem__)
                 ready = issue_free[q] = max(issue_free[q], ready) + issue_ns
-            # Each engine's share goes to the engines that can start it earliest. Engines with
-            # identical bookings form one group ([engine, count]) and are evaluated once.
-            offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(dma_groups))
-            start = offers[0][0]
-            needed = engines
-            for t, k in offers:
-                group = dma_groups[k]
-                if group[1] > needed:  # split off the engines this transfer leaves alone
-                    dma_groups.append([group[0].copy(), group[1] - needed])
-                    group[1] = needed
-                group[0].book(t, transfer_ns)
-                needed -= group[1]
-                if needed == 0:
-                    break
-            finish = t + transfer_ns + DMA_FIXED_LATENCY_NS
+            start, last_start = dma_pool.book(ready, engines, transfer_ns)
+            finish = last_start + transfer_ns + DMA_FIXED_LATENCY_NS
             busy["dma"] += transfer_ns * engines
         elif record.engine in engine_free:
             ghz = _engine_ghz(hw, record.engine)
@@ -545,21 +571,13 @@ def schedule(
                 # (then ready == free): the documented static overhead applies.
                 ready += DEPENDENT_OVERHEAD_CYCLES / ghz
             start = max(free, ready)
-            finish = start + cycles / ghz
-            engine_free[record.engine] = finish
+            finish = engine_free[record.engine] = start + cycles / ghz
             busy[record.engine] += cycles / ghz
         else:
             raise ValueError(
                 f"record {record.opcode} at {record.line}: engine {record.engine!r}, expected one of {trace.ENGINES}"
             )
-
-        for access in record.reads:
-            if last_write.get(access.storage, -1) > i:
-                reads_index.add(access, finish)
-        for access in record.writes:
-            if last_access[access.storage] > i:
-                index = hbm_dma_writes_index if is_dma and access.buffer == "hbm" else writes_index
-                index.add(access, finish)
+        dependencies.finished(i, record, is_dma, finish)
         starts.append(start / 1e3)
         finishes.append(finish / 1e3)
     return Schedule(
@@ -580,8 +598,8 @@ def model_latency(
 
 
 def dependency_floor_us(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
-    """Modeled µs of `run` on `target` with unlimited DMA and link bandwidth: its dependency chain (module
-    docstring, "Dependency floor"); links: see `schedule` (their hop latency is what counts)."""
+    """Modeled µs of `run` on `target` with unlimited DMA and link bandwidth: its dependency chain
+    (docs/emulator.md, "Dependency floor"); links: see `schedule` (their hop latency is what counts)."""
     return schedule(run, target, links, unlimited_bandwidth=True).latency_us
 
 
