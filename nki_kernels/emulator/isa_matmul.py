@@ -131,9 +131,9 @@ def nc_matmul(
     _on_chip(opcode, line, "stationary", stationary, kinds=("sbuf",))
     _on_chip(opcode, line, "moving", moving, kinds=("sbuf",))
     _on_chip(opcode, line, "dst", dst, kinds=("psum",))
-    double_row = perf_mode is matmul_perf_mode.double_row
     if not isinstance(perf_mode, matmul_perf_mode):
         _fail(opcode, line, f"perf_mode {perf_mode!r} must be a nisa.matmul_perf_mode")
+    double_row = perf_mode is matmul_perf_mode.double_row
     row_limit, column_limit = _matmul_tiling(opcode, line, ctx, tile_position, tile_size, double_row)
     contraction = stationary.shape[0]
     if moving.shape[0] != contraction:
@@ -144,23 +144,7 @@ def nc_matmul(
             f"partition (contraction) size",
         )
     if double_row:
-        if ctx.target == "trn1":
-            _fail(opcode, line, "perf_mode=double_row is not supported on NeuronCore-v2 (trn1)")
-        for label, t in (("stationary", stationary), ("moving", moving)):
-            if t.dtype not in _FP8:
-                _fail(
-                    opcode,
-                    line,
-                    f"perf_mode=double_row: {label} dtype {t.dtype.name} must be float8_e4m3 or float8_e5m2",
-                )
-            if t.ndim < 3 or t.shape[1] != 2:
-                _fail(
-                    opcode,
-                    line,
-                    f"perf_mode=double_row: {label} {t.describe()} must be [K, 2, ...] (the "
-                    f"first free dimension holds the second half of the contraction)",
-                )
-        stationary_free, moving_free = _free(stationary) // 2, _free(moving) // 2
+        stationary_free, moving_free = _double_row_free(opcode, line, ctx, stationary, moving)
     else:
         stationary_free, moving_free = _free(stationary), _free(moving)
     if contraction > row_limit:
@@ -179,23 +163,7 @@ def nc_matmul(
             line,
             f"dst {dst.describe()} must be [{stationary_free}, {moving_free}] (stationary free x moving free)",
         )
-    for label, t in (("stationary", stationary), ("moving", moving)):
-        if t.dtype not in dtypes.MATMUL_INPUT and not is_transpose:
-            _fail(
-                opcode,
-                line,
-                f"{label} dtype {t.dtype.name} is not a TensorE input type "
-                f"(float8_e4m3, float8_e5m2, bfloat16, float16, tfloat32, float32)",
-            )
-    if (stationary.dtype == dtypes.float32) != (moving.dtype == dtypes.float32) and not is_transpose:
-        _fail(
-            opcode,
-            line,
-            f"stationary {stationary.dtype.name} and moving {moving.dtype.name}: if one operand is "
-            f"float32 the other must be too",
-        )
-    if dst.dtype != dtypes.float32 and not (is_transpose and dst.dtype == stationary.dtype):
-        _fail(opcode, line, f"dst dtype {dst.dtype.name} must be float32 on trn1/trn2")
+    _check_matmul_dtypes(opcode, line, dst, stationary, moving, is_transpose)
     _psum_bank_check(opcode, line, dst)
     state = dst.psum_state()
     accumulate_mask = _accumulate_mask(opcode, line, dst, state, accumulate)
@@ -218,6 +186,49 @@ def nc_matmul(
     _record(
         ctx, opcode, "tensor", line, dst, (stationary, moving), matmul=info, partitions=contraction, free=moving_free
     )
+
+
+def _double_row_free(opcode, line, ctx, stationary, moving) -> tuple[int, int]:
+    """(stationary free, moving free) of a double_row matmul (trn2, fp8 operands [K, 2, ...]): half the free size,
+    the pair dimension being the second half of the contraction."""
+    if ctx.target == "trn1":
+        _fail(opcode, line, "perf_mode=double_row is not supported on NeuronCore-v2 (trn1)")
+    for label, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in _FP8:
+            _fail(
+                opcode,
+                line,
+                f"perf_mode=double_row: {label} dtype {t.dtype.name} must be float8_e4m3 or float8_e5m2",
+            )
+        if t.ndim < 3 or t.shape[1] != 2:
+            _fail(
+                opcode,
+                line,
+                f"perf_mode=double_row: {label} {t.describe()} must be [K, 2, ...] (the "
+                f"first free dimension holds the second half of the contraction)",
+            )
+    return _free(stationary) // 2, _free(moving) // 2
+
+
+def _check_matmul_dtypes(opcode, line, dst, stationary, moving, is_transpose) -> None:
+    """TensorE input types, fp32 on both sides or neither, and an fp32 dst (a transpose may keep its input's)."""
+    for label, t in (("stationary", stationary), ("moving", moving)):
+        if t.dtype not in dtypes.MATMUL_INPUT and not is_transpose:
+            _fail(
+                opcode,
+                line,
+                f"{label} dtype {t.dtype.name} is not a TensorE input type "
+                f"(float8_e4m3, float8_e5m2, bfloat16, float16, tfloat32, float32)",
+            )
+    if (stationary.dtype == dtypes.float32) != (moving.dtype == dtypes.float32) and not is_transpose:
+        _fail(
+            opcode,
+            line,
+            f"stationary {stationary.dtype.name} and moving {moving.dtype.name}: if one operand is "
+            f"float32 the other must be too",
+        )
+    if dst.dtype != dtypes.float32 and not (is_transpose and dst.dtype == stationary.dtype):
+        _fail(opcode, line, f"dst dtype {dst.dtype.name} must be float32 on trn1/trn2")
 
 
 def nc_transpose(dst, data, engine=engine.unknown, name=None):
