@@ -1,31 +1,15 @@
-"""The cost model held to AWS's published end-to-end decode latencies: fit its missing terms, report held-out error.
+"""The cost model held to AWS's published end-to-end decode latencies: fit the terms it leaves out
+(cost_model.CostTerms) on some rows and report the error on every row, the held-out ones being the test.
 
-AWS publishes time per output token (TPOT) of whole decode stacks in aws-neuron/aws-neuron-sdk:
-  [TRN1] about-neuron/benchmarks/trn1/latency_data_decoder.csv (Transformers NeuronX, trn1.32xlarge, TP32, batch 1)
-  [L70B] libraries/nxd-inference/tutorials/llama70b_perf_comparison.csv with trn2-llama3.3-70b-tutorial.rst (its
-         settings: TP64, LNC=2, batch 1, 10000 tokens in, 1500 out, bf16)
-  [405B] libraries/nxd-inference/tutorials/llama405b_perf_comparison.csv with
-         trn2-llama3.1-405b-speculative-tutorial.rst (the same settings; the bf16 row without speculation)
-  [VLLM] vllm-neuron/docs/tutorials/tutorial-eagle3-speculative-decoding-llama-3-1.md (Llama-3.1-8B, trn2.48xlarge,
-         TP8, concurrency 2, 512 tokens in, 128 out; the baseline median TPOT, labelled illustrative)
-Each row is modeled with this project's looped decode kernel (one launch per step) on the row's shard: the
-model's published shapes, its TP degree (rank 0 of a simulate_spmd run of every rank, collectives priced by the
-link model), its batch, bf16 weights (fp8 e4m3 for int8 ones: the same bytes), and a KV cache of the mean length
-over the generated tokens (input + output / 2). Traced count-only at one and two layers and extrapolated linearly
-to the model's depth (as benchmarks/decode_compositions.py does), each trace scheduled again for every set of
-terms tried.
+Each published row is modeled with this project's looped decode kernel on the row's shard (its shapes, TP degree,
+batch and mean KV-cache length), traced count-only and scheduled again for every set of terms tried. The fitted
+terms go to nki_kernels/emulator/fitted_costs.json, where cost_model.fitted_terms reads them.
 
-The documented model (no terms) is compared with AWS's figures; then the terms it leaves out
-(cost_model.CostTerms) are fitted on the rows marked "fit" and the error is reported on every row, the held-out
-ones being the test: trn1's DMA issue cost and HBM efficiency on a grid, its fixed step cost by least squares of
-the relative error at each grid point; trn2's LNC=2 and ~600 ns per DMA issue are documented (trainium2_arch.rst),
-its HBM efficiency is trn1's, its fixed step cost fitted on its one fit row. The fitted terms are written to
-nki_kernels/emulator/fitted_costs.json, where cost_model.fitted_terms reads them.
-
-    python benchmarks/calibration.py            # every row, ~10 min on two cores
+    python benchmarks/calibration.py            # every row
     python benchmarks/calibration.py --quick    # three small rows, a smoke run (writes calibration_quick.*)
 
-Writes benchmarks/results/calibration{,_quick}.md, .json and .png; the full run also fitted_costs.json.
+Writes benchmarks/results/calibration{,_quick}.md, .json and .png. docs/benchmarks.md ("calibration.py") cites
+the published sources and the fitting procedure.
 """
 
 from __future__ import annotations

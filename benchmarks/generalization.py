@@ -1,20 +1,14 @@
-"""Compression that holds on text it never saw: each real model (Gemma 3 270M, SmolLM2-135M) compressed or quantized
-on ~8k tokens of ONE kind of text (the "user's text": a software license, jax_neuronmm/data/gpl-3.0.txt), then
-measured on every other kind (models.text_kinds: a novel, the Python reference, the Declaration of Independence,
-CPython library docstrings), none of which any calibration, training or step-selection saw. Each kind gets the
-perplexity ratio over the dense model with a 95% bootstrap interval over windows and the top-1 agreement; the
-headline is the worst kind. Rows record their compression time, the machine's load average before and after, the
-user tokens and the generated tokens they used, and (--speed) the modeled decode speed on trn2 at batch 1 over bf16
-dense from the built model's own DecodeSpec: the bytes roofline (the spec's must-move bytes at the peak HBM rate,
-nki_kernels.decode.traffic) always, and with --trace the looped kernel traced on the emulator's cost model (which
-fails on SmolLM2-135M's 3 KV heads x 64: the attention's Kᵀ tiles assume KV features of at most one 128-wide tile
-or whole tiles). Never measured on hardware.
+"""Compression that holds on text it never saw: each real model compressed or quantized on a few thousand tokens of
+ONE kind of text (the "user's text"), then measured on every other kind (models.text_kinds), none of which any
+calibration, training or step-selection saw: perplexity ratio over the dense model with a bootstrap interval over
+windows, and top-1 agreement; the headline is the worst kind. With --speed, the modeled decode speed on trn2 over
+bf16 dense from the built model's own DecodeSpec (bytes roofline; --trace: the looped kernel on the cost model).
 
     python benchmarks/generalization.py --models=smollm2 --configs="fp8 gptq"
     python benchmarks/generalization.py --render_only
 
-Rows are appended to benchmarks/results/generalization.json as they finish (a rerun replaces a row it measures
-again); benchmarks/results/generalization.md is rendered from the JSON.
+Rows are appended to benchmarks/results/generalization.json as they finish; generalization.md is rendered from
+it. docs/benchmarks.md ("generalization.py") gives the texts and what each row records.
 """
 
 from __future__ import annotations

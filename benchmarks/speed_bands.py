@@ -1,18 +1,13 @@
 """The decode reports' headline latencies and speedups at the fitted cost terms, each with its band.
 
-The cases behind the figures the README quotes from decode_step.md (Gemma 3 270M: one kernel per op, per layer,
-looped; keep 0.8 over dense), decode_fp8.md (fp8 over bf16, batch 1 and 8; the same cases are frontier.md's fp8
-dense and keep-0.8 speed points) and decode_tensor_parallel.md (Llama-3.2-1B and Llama-3.1-8B on 8 ranks against
-one), KV cache 512, are traced count-only as those reports trace them (Gemma at full depth, the Llamas at one and
-two layers, extrapolated), and each is scheduled by nki_kernels/emulator/cost_model.py three ways: documented (no
-terms, as the reports print), at the fitted terms (cost_model.fitted_terms: fitted_costs.json, written by
-benchmarks/calibration.py) and at the corners of its band (nki_kernels/emulator/speed_bands.py: fixed step cost 0
-to fitted, DMA issue cost 0 to max(fitted, 600 ns), compute x1 to x2). A step's fixed cost is added once per
-step whatever its launches (the host's cost of a step), so per-op compositions get it once too; per-launch
-overhead stays the reports' separate sweep (0 here).
+The cases behind the decode reports' headline figures are traced count-only as those reports trace them and
+scheduled three ways: documented (no terms), at the fitted terms (fitted_costs.json) and at the corners of the
+band nki_kernels/emulator/speed_bands.py defines. Per-launch overhead stays the reports' separate sweep.
 
-    python benchmarks/speed_bands.py           # every case, ~15 min on two cores
-    python benchmarks/speed_bands.py --quick   # the Gemma fp8 batch-1 pair only (writes speed_bands_quick.*)
+    python benchmarks/speed_bands.py           # every case
+    python benchmarks/speed_bands.py --quick   # one fp8 batch-1 pair only (writes speed_bands_quick.*)
+
+docs/benchmarks.md ("speed_bands.py") lists the cases.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
 """JAX's sharding in types (Explicit mesh axes) for svd_matmul and svd_mlp.
 
-Under a mesh whose axes are `jax.sharding.AxisType.Explicit` (what `jax.make_mesh` creates by default) every
-array's type says how it is split, and every op must say how its result is split. The rules follow
-`lax.dot_general` (what `jnp.matmul` does):
-
-* With `out_sharding` (a `NamedSharding`, or a `PartitionSpec` of the mesh set with `jax.set_mesh`) the result
-  has that sharding; the partitioner (sharding.py) all-reduces or reduce-scatters the partial sums into it.
-* Without it, result dims take the split of the operand dims they come from: batch and token dims from x,
-  output features from the last factor (v; down_v). Operands that split one dimension must split it over the
-  same mesh axes. A summed dimension split on both sides of its contraction (K or r of svd_matmul, row- or
-  rank-parallel; I of a Megatron svd_mlp) leaves partial sums, and whether they become a replicated result
-  (all-reduce) or a split one (reduce-scatter) is the caller's choice: that raises `ShardingTypeError` asking
-  for `out_sharding`, as `jnp.matmul` does.
-
-Dimensions are named by the factors of `sharding.FactorRule`; a summed factor is on the left of its
-contraction in the operands where it is the last dim (x's k, u's r) and on the right in the others.
-Under Auto (or Manual, inside shard_map) axes the types carry no splits and all of this is a no-op.
+The result's sharding follows `lax.dot_general`'s rules: `out_sharding` when given, else each result dim takes the
+split of the operand dim it comes from; partial sums of a dimension split on both sides of its contraction raise
+`ShardingTypeError` asking for `out_sharding`, as `jnp.matmul` does. Under Auto or Manual axes this is a no-op.
+docs/sharding.md has the rules in full.
 """
 
 import jax
@@ -77,7 +65,7 @@ def check_out_sharding(op, out_sharding, ndim):
 
 
 def result_sharding(op, rule, names, avals, out_sharding):
-    """Abstract eval: the sharding of the result of an op with factor rule `rule` (see module docstring).
+    """Abstract eval: the sharding of the result of an op with factor rule `rule` (docs/sharding.md).
 
     `names` and `avals` are the operands' names and abstract values, `out_sharding` the primitive's param.
     """

@@ -1,31 +1,10 @@
 """Tensor parallelism: how svd_matmul and svd_mlp split over a device mesh.
 
-Two ways of writing SPMD programs in JAX, two mechanisms here:
-
-* `jit` with shardings (the automatic partitioner, Shardy). The lowering wraps the
-  per-shard computation in `jax.experimental.custom_partitioning` with an
-  einsum-like sharding rule that names the factor behind every dimension:
-
-      svd_matmul  x [*B, *T, k], u [*B, k, r], v [*B, r, n] -> [*B, *T, n]
-      svd_mlp     x [*B, *T, h], gate_u [*B, h, rg], gate_v [*B, rg, i],
-                  up_u [*B, h, ru], up_v [*B, ru, i], down_u [*B, i, rd],
-                  down_v [*B, rd, o] -> [*B, *T, o]
-
-  Batch, token and output factors split for free. Summed factors (k and r of
-  svd_matmul; i and rd of svd_mlp, the Megatron layout) split too: each device
-  runs the per-shard computation on its blocks and one all-reduce of the output
-  (in float32) completes the sum. h, rg and ru of svd_mlp feed the activation, so
-  they are never split. Operand blocks always come from the operands' own
-  shardings (a replicated operand is sliced, which is free), weights first, so a
-  sharded weight is never gathered. The per-shard computation is whatever
-  `lowering.local_impl` returns: the XLA reference, the emulator callback or the
-  NKI kernel, so a host callback sees only its device's blocks (`host_callback.py`).
-  Each op file states its `FactorRule` (`svd_matmul.factor_rule`, `svd_mlp.factor_rule`).
-
-* `jax.shard_map`. The user has already split the arrays; the primitives bind on
-  the blocks. `match_varying_axes` casts every operand to the union of the
-  operands' varying manual axes before binding, so that reverse mode sums the
-  cotangent of a replicated weight over the axes the activations vary on.
+Under `jit` with shardings the lowering wraps the per-shard computation in `custom_partitioning` with an
+einsum-like rule (`FactorRule`) naming the factor behind every dimension: batch, token and output factors split
+for free, summed factors split with one float32 all-reduce of the output, and a sharded weight is never gathered.
+Under `jax.shard_map` the primitives bind on the blocks; `match_varying_axes` makes reverse mode sum a replicated
+weight's cotangent over the axes the activations vary on. docs/sharding.md has the rules in full.
 """
 
 import math

@@ -132,6 +132,7 @@ def cases_table(paths):
                 ("parse", ["--prompts=0"], "--prompts=0"),
                 ("parse", ["--cloze_items=0"], "--cloze_items=0"),
                 ("parse", [f"--checkpoint_dir={empty}"], "--checkpoint_dir must be a Hugging Face checkpoint"),
+                ("parse", [f"--out_dir={a_file}"], "is a file"),
                 *windows,
             ],
         ),

@@ -196,10 +196,10 @@ def test_perplexity_scores_a_compressed_checkpoint_as_saved(rng, tmp_path):
 
 
 def test_generate_and_perplexity_open_a_gguf_file(tmp_path):
-    from test_models_gguf import _write
+    from gguf_files import write_gguf
 
     path = tmp_path / "model.gguf"
-    _write(str(path), "llama", tied=True, bias=False, tokenizer="llama", seed=8)
+    write_gguf(str(path), "llama", tied=True, bias=False, tokenizer="llama", seed=8)
     model = models.load_gguf(str(path))
     result = run("generate.py", f"--checkpoint={path}", "--prompt_ids=5,9,300,7", "--max_new_tokens=3")
     assert result.returncode == 0, result.stderr

@@ -19,12 +19,13 @@ import pytest
 import torch
 import transformers
 from flax import nnx
+from gguf_files import byte_level_vocab, random_tensor
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from spmd_helpers import Checks, check_test, run_checks
 from test_decode_step import VOCAB, _cached_forward, _compressed, _operands, _random_model, _step_inputs
-from test_models_gguf import _byte_level_vocab, _tensor, _transformers_from_gguf
+from test_models_gguf import _transformers_from_gguf
 from test_models_hf import SEQ_LEN, SHAPE, _prompt, _randomized_reference
 from test_models_quantization import _reference as _dequantized_reference
 
@@ -299,7 +300,7 @@ def _write_qwen3_gguf(path, *, tied: bool, seed: int):
     rng = np.random.default_rng(seed)
     s = GGUF_SHAPES
     writer = gguf.GGUFWriter(path, "qwen3")
-    tokens, merges, types, special = _byte_level_vocab()
+    tokens, merges, types, special = byte_level_vocab()
     # Merges of digits: "qwen2" splits numbers into single digits first, so they never apply (GPT-2's split would).
     tokens, merges, types = tokens + ["12", "23"], merges + ["1 2", "2 3"], types + [1, 1]
     writer.add_tokenizer_model("gpt2")
@@ -343,10 +344,10 @@ def _write_qwen3_gguf(path, *, tied: bool, seed: int):
         norms += [(b + n + ".weight", (hidden,)) for n in ("attn_norm", "ffn_norm")]
         norms += [(b + n + ".weight", (s["head_dim"],)) for n in ("attn_q_norm", "attn_k_norm")]
     for index, (name, shape) in enumerate(matrices):
-        data, _ = _tensor(rng, shape, GGUF_TYPES[index % len(GGUF_TYPES)])
+        data, _ = random_tensor(rng, shape, GGUF_TYPES[index % len(GGUF_TYPES)])
         writer.add_tensor(name, data, raw_dtype=GGUF_TYPES[index % len(GGUF_TYPES)] if data.dtype == np.uint8 else None)
     for name, shape in norms:
-        writer.add_tensor(name, _tensor(rng, shape, gguf.GGMLQuantizationType.F32, offset=1.0, scale=0.3)[0])
+        writer.add_tensor(name, random_tensor(rng, shape, gguf.GGMLQuantizationType.F32, offset=1.0, scale=0.3)[0])
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

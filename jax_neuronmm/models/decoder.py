@@ -78,6 +78,20 @@ class KVCache:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerVariant:
+    """How a family's decoder block differs from the plain pre-norm block: its RMSNorm eps and (1 + w) offset,
+    biases, QK-norm eps (None: no QK-norms), MLP activation and Gemma 3's sandwich norms."""
+
+    norm_eps: float
+    norm_unit_offset: bool
+    attention_bias: bool
+    qk_norm_eps: float | None
+    activation: str
+    mlp_bias: bool
+    sandwich: bool
+
+
 class DecoderLayer(nnx.Module):
     """One pre-norm decoder block; `layer(x [B, T, hidden], positions, mask, kv, write_index) -> (x, kv)`:
 
@@ -89,40 +103,27 @@ class DecoderLayer(nnx.Module):
         x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
     """
 
-    def __init__(
-        self,
-        hidden: int,
-        intermediate: int,
-        spec: AttentionSpec,
-        *,
-        norm_eps: float,
-        norm_unit_offset: bool,
-        attention_bias: bool,
-        qk_norm_eps: float | None,
-        activation: str,
-        mlp_bias: bool,
-        sandwich: bool,
-        dtype,
-        rngs: nnx.Rngs,
-    ):
-        norm = dict(eps=norm_eps, unit_offset=norm_unit_offset, param_dtype=dtype)
+    def __init__(self, hidden: int, intermediate: int, spec: AttentionSpec, variant: LayerVariant, *, dtype, rngs):
+        norm = dict(eps=variant.norm_eps, unit_offset=variant.norm_unit_offset, param_dtype=dtype)
         self.input_layernorm = RMSNorm(hidden, **norm)
         # QK-norms are RMSNorms of the family's kind: (1 + w) for Gemma 3, w for Qwen3.
         self.self_attn = Attention(
             hidden,
             spec,
-            use_bias=attention_bias,
-            qk_norm_eps=qk_norm_eps,
-            qk_norm_unit_offset=norm_unit_offset,
+            use_bias=variant.attention_bias,
+            qk_norm_eps=variant.qk_norm_eps,
+            qk_norm_unit_offset=variant.norm_unit_offset,
             dtype=dtype,
             rngs=rngs,
         )
         self.post_attention_layernorm = RMSNorm(hidden, **norm)
-        if sandwich:
+        if variant.sandwich:
             self.pre_feedforward_layernorm = RMSNorm(hidden, **norm)
             self.post_feedforward_layernorm = RMSNorm(hidden, **norm)
-        self.mlp = GatedMLP(hidden, intermediate, activation=activation, use_bias=mlp_bias, dtype=dtype, rngs=rngs)
-        self.sandwich = sandwich
+        self.mlp = GatedMLP(
+            hidden, intermediate, activation=variant.activation, use_bias=variant.mlp_bias, dtype=dtype, rngs=rngs
+        )
+        self.sandwich = variant.sandwich
 
     def norms(self) -> tuple[RMSNorm, ...]:
         """The hidden-size norms in `decoder_math.decoder_layer` order (2, or 4 with sandwich)."""

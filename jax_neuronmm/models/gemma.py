@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_neuronmm import decoder_math
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, LayerVariant, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 VARIANTS = ("gemma", "gemma3_text")
@@ -210,13 +210,15 @@ class GemmaDecoderLayer(DecoderLayer):
             config.hidden_size,
             config.intermediate_size,
             spec,
-            norm_eps=config.rms_norm_eps,
-            norm_unit_offset=True,
-            attention_bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None,
-            activation=config.hidden_act,
-            mlp_bias=False,
-            sandwich=config.is_gemma3,
+            LayerVariant(
+                norm_eps=config.rms_norm_eps,
+                norm_unit_offset=True,
+                attention_bias=config.attention_bias,
+                qk_norm_eps=config.rms_norm_eps if config.is_gemma3 else None,
+                activation=config.hidden_act,
+                mlp_bias=False,
+                sandwich=config.is_gemma3,
+            ),
             dtype=dtype,
             rngs=rngs,
         )

@@ -9,7 +9,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, LayerVariant, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 
@@ -112,13 +112,15 @@ class LlamaDecoderLayer(DecoderLayer):
             config.hidden_size,
             config.intermediate_size,
             spec,
-            norm_eps=config.rms_norm_eps,
-            norm_unit_offset=False,
-            attention_bias=config.attention_bias,
-            qk_norm_eps=None,
-            activation=config.hidden_act,
-            mlp_bias=config.mlp_bias,
-            sandwich=False,
+            LayerVariant(
+                norm_eps=config.rms_norm_eps,
+                norm_unit_offset=False,
+                attention_bias=config.attention_bias,
+                qk_norm_eps=None,
+                activation=config.hidden_act,
+                mlp_bias=config.mlp_bias,
+                sandwich=False,
+            ),
             dtype=dtype,
             rngs=rngs,
         )

@@ -10,7 +10,7 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, hf_decoder_fields
+from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, LayerVariant, hf_decoder_fields
 from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
 
 
@@ -91,13 +91,15 @@ class Qwen3DecoderLayer(DecoderLayer):
             config.hidden_size,
             config.intermediate_size,
             spec,
-            norm_eps=config.rms_norm_eps,
-            norm_unit_offset=False,  # every norm, the QK-norms too, multiplies by w
-            attention_bias=config.attention_bias,
-            qk_norm_eps=config.rms_norm_eps,
-            activation=config.hidden_act,
-            mlp_bias=False,
-            sandwich=False,
+            LayerVariant(
+                norm_eps=config.rms_norm_eps,
+                norm_unit_offset=False,  # every norm, the QK-norms too, multiplies by w
+                attention_bias=config.attention_bias,
+                qk_norm_eps=config.rms_norm_eps,
+                activation=config.hidden_act,
+                mlp_bias=False,
+                sandwich=False,
+            ),
             dtype=dtype,
             rngs=rngs,
         )

@@ -5,13 +5,12 @@
 ranks of `simulate_spmd`, several NeuronCores; a plain launch is one rank). Kernels normally get
 them through `nki_kernels.binding`; `as_nki()` lets unmodified kernel files `import nki`.
 
-Instruction modules by idea: `isa` (data movement, TensorE, element-wise basics), `isa_vector` (fused and
-accumulating arithmetic, bn_stats), `isa_select` (predicates, masks, top-8), `isa_gather` (gathers, shuffles,
-partition reductions, top-k), `isa_control` (registers, random numbers, DMA compute, multi-core, trn3-only);
-`language` with `language_math` (softmax, rms_norm, where, ...) and `language_control` (register loops,
-constants). `instruction_costs` holds the documented per-instruction costs the cost model consults,
-`collective_costs` the documented link figures it prices collectives with. `spmd` runs a kernel on several
-ranks (`simulate_spmd`): a thread and a KernelContext per rank, a rendezvous per collective call.
+Modules by idea: `tensor` (storages and views; `tensor_views` the view-building methods), `isa` (the namespace)
+over `isa_core` (copies, fills, element-wise basics and the shared checks), `isa_dma` (DMA), `isa_matmul` (TensorE),
+`isa_vector` (fused and accumulating arithmetic), `isa_select` (predicates, masks, top-8), `isa_gather` (gathers,
+shuffles, partition reductions) and `isa_control` (registers, random numbers, multi-core, trn3-only); `language`
+with `language_math` and `language_control`; `cost_model` (modeled latency; `instruction_costs`,
+`collective_costs` its documented figures); `spmd` (several ranks). Design notes and sources: docs/emulator.md.
 """
 
 from . import api, isa, language, trace

@@ -1,42 +1,7 @@
-"""Modeled time of `nki.collectives` calls: latency and bandwidth of NeuronLink (chip to chip) and of the path
-between ranks on one chip, from AWS's architecture guides; explicit parameters where they give no figure.
-
-Sources (aws-neuron/aws-neuron-sdk; the same pages are on awsdocs-neuron.readthedocs-hosted.com):
-  [TRN2CHIP] about-neuron/arch/neuron-hardware/trainium2.rst, table "Interconnect": Inter-chip Interconnect
-             (GB/sec/chip) Trainium 384, Trainium2 1280; Trainium2 "NeuronLink-v3 ... 1.28 TB/sec bandwidth per chip";
-             "Eight NeuronCore-v3" per chip.
-  [TRN2ARCH] about-neuron/arch/neuron-hardware/trn2-arch.rst: 16 Trainium2 chips per trn2.48xlarge in a 4x4 2D
-             torus; "Intra-instance NeuronLink-v3 bandwidth (GB/sec/chip)" 1,024 (inter-instance 256, UltraServer).
-  [TRN1ARCH] about-neuron/arch/neuron-hardware/trn1-arch.rst: up to 16 Trainium chips per trn1.32xlarge, NeuronLink-v2
-             2D torus; about-neuron/arch/neuron-hardware/trainium.rst: two NeuronCore-v2 per Trainium chip.
-  [CC]       neuron-runtime/about/collectives.rst, "System Connectivity": a rank is a physical or logical NeuronCore;
-             by default two trn2 NeuronCores form one rank (LNC=2), 4 ranks per chip; each chip has 4 NeuronLink
-             neighbours in the torus.
-  [INTRA]    neuron-runtime/explore/intranode-collective-comm.rst: time = latency + transfer; "the per-hop latency
-             of Ring/KangaRing is about 1-2 us (HBM load dependent)"; Ring runs 2(N-1) (all-reduce) or N-1 steps of
-             one chunk, with "multiple cycles with mutually exclusive wires in parallel for full wire bandwidth";
-             Mesh writes every peer directly in one step (routed through chips, links over-subscribed), best for
-             small messages; the runtime picks the algorithm by message size.
-
-The model, per collective call of one rank (its record's trace.CollectiveInfo: kind, source bytes B, rank-list
-size n):
-- Placement: a rank-list of n ranks is packed on ceil(n / c) chips, c = min(ranks_per_chip, n) ranks per chip
-  (trn1 2: one rank per NeuronCore-v2; trn2 4: LNC=2). More ranks than one instance holds (16 chips) raise:
-  inter-instance EFA is not modeled.
-- Links: between chips a collective uses the chip's NeuronLink egress, taken as half the documented per-chip
-  bandwidth (the figure read as both directions summed; AWS's rings spread over all of a chip's links). Between
-  ranks of one chip, `core_link` bytes/ns: no documented figure, so a parameter; by default
-  (cost_model.collective_links) the sending rank's own HBM-to-HBM DMA rate: its cores' 16 DMA engines, capped
-  by half their HBM share as the copy reads and writes HBM (cost_model.HARDWARE).
-- Ring: steps x (hop latency + chunk / the slowest link on the ring): all_reduce 2(n-1) steps of B/n,
-  all_gather n-1 steps of B, reduce_scatter and all_to_all n-1 steps of B/n, permute 1 step of B.
-- Mesh: one hop latency + the busier of (chunks to the c-1 peers on the chip over core_link, chunks of all c
-  ranks to the n-c peers on other chips over the chip's egress); all_reduce is the single-step mesh (each rank
-  broadcasts its whole buffer and reduces what it receives: chunk B), all_gather chunk B, reduce_scatter and
-  all_to_all chunk B/n, permute one chunk B.
-- The call takes min(ring, mesh): the runtime picks by size [INTRA]. A rank-list of one is a local copy.
-- Not modeled: KangaRing and RDH (between the two), the reduction's own compute, HBM contention with the
-  kernel's DMAs (the scheduler gives collectives their own queue: the CC cores), inter-instance links.
+"""Modeled time of `nki.collectives` calls: per call, the faster of a ring and a one-hop mesh over NeuronLink
+(chip to chip) and the path between ranks on one chip, priced from AWS's architecture guides, with explicit
+parameters where they give no figure (hop latency, the on-chip link). docs/emulator.md ("Collective costs") cites
+the sources and spells out the placement, the link and the algorithm rules.
 """
 
 from __future__ import annotations
@@ -117,7 +82,7 @@ def _check(kind, nbytes, group_size, lk):
 
 
 def ring_us(kind, nbytes, group_size, lk: Links) -> float:
-    """Ring algorithm: steps x (hop latency + chunk / slowest link); see the module docstring."""
+    """Ring algorithm: steps x (hop latency + chunk / slowest link); docs/emulator.md, "Collective costs"."""
     _check(kind, nbytes, group_size, lk)
     n = group_size
     if n == 1:
@@ -137,7 +102,7 @@ def ring_us(kind, nbytes, group_size, lk: Links) -> float:
 
 
 def mesh_us(kind, nbytes, group_size, lk: Links) -> float:
-    """Mesh algorithm: one hop, every peer written directly; see the module docstring."""
+    """Mesh algorithm: one hop, every peer written directly; docs/emulator.md, "Collective costs"."""
     _check(kind, nbytes, group_size, lk)
     n = group_size
     if n == 1:

@@ -1,31 +1,9 @@
 """`nki.collectives` on the emulator: real data exchanged between the ranks of a `simulate_spmd` launch.
 
-Each call checks the documented rules (below), meets the same call of every other rank (`spmd.World.exchange`:
-every rank issues the same collectives in the same order), computes this rank's result from the other ranks'
-snapshots of their sources, writes its dsts and records one instruction (engine "dma", with
-`trace.CollectiveInfo` for the cost model's link model). A plain launch is one rank: rank-lists are then [0].
-
-Rules checked, from AWS's `nki.collectives` API reference (nki 0.6 / Neuron 2.32; aws-neuron-sdk
-nki/api/nki/collectives/__init__.py) and neuron-runtime/about/collectives.rst:
-- ReplicaGroup: a list of rank-lists; the collective runs independently within each rank-list and each rank is in
-  only one of them (no overlap). The emulator also requires every rank of the launch to be in one rank-list
-  (every rank calls the collective: SPMD) and ranks in [0, num_ranks).
-- srcs / dsts: as many of each, all in HBM or all in SBUF (never PSUM); several tensors (coalesced) only on HBM;
-  `priority` only on NeuronCore-v4 (trn3), so an error on trn1 / trn2. op: nl.add, nl.minimum or nl.maximum.
-- all_gather: collective_dim 0 on HBM, 0 or 1 on SBUF (2-D tensors). reduce_scatter: collective_dim 0.
-  all_to_all: HBM only, collective_dim 0.
-- collective_permute: HBM only, one tensor each; in the (source, target) pairs each rank sends at most once and
-  receives at most once, and the pattern is circular (the senders are the receivers): the runtime supports only
-  circular permutes. A rank that is no target keeps its dst.
-- collective_permute_implicit(_reduce): one tensor per channel; channel_ids consecutive from 0; at most 4
-  channels (the documented maximum, for replica groups holding every device of a node).
-Shapes (what an SPMD collective needs): within a rank-list every rank passes tensors of the same shapes and
-dtypes; all_reduce dst = src shape; all_gather dst = src with collective_dim times the rank-list size;
-reduce_scatter src = dst with dim 0 times the size; all_to_all dst = src, dim 0 divisible by the size.
-Order: ranks are ordered by their position in their rank-list: all_gather concatenates in that order,
-reduce_scatter and all_to_all give position i the i-th chunk, the implicit ring sends to the next position.
-Reductions run in float32 (integers in int64) in rank-list order and round to dst's dtype.
-Not emulated: the variable-length collectives (all_gather_v, all_to_all_v) raise NotImplementedError.
+Each call checks the documented rules, meets the same call of every other rank (`spmd.World.exchange`), computes
+this rank's result from the other ranks' snapshots of their sources in float32 (integers in int64), writes its
+dsts and records one instruction with `trace.CollectiveInfo` for the cost model. A plain launch is one rank.
+docs/emulator.md ("Collectives: the rules checked") lists the rules, shapes and orders, with their sources.
 """
 
 from __future__ import annotations

@@ -1,109 +1,11 @@
 """Modeled latency of an emulated kernel run on trn1 / trn2, from documented hardware facts.
 
-Sources (AWS Neuron documentation, repository aws-neuron/aws-neuron-sdk):
-  [ARCH1] nki/guides/architecture/trainium_inferentia2_arch.rst (NeuronCore-v2, trn1)
-  [ARCH2] nki/guides/architecture/trainium2_arch.rst (NeuronCore-v3, trn2)
-  [ISA]   per-instruction "Estimated instruction cost" in the nki.isa API docstrings
-          (Neuron 2.23 release, general/nki/api/nki/isa/__init__.py)
-  [DMA]   nki/get-started/about/nki-dma-overview.rst and nki/deep-dives/nki-dma-bandwidth-guide.rst
-  [PERF]  nki/deep-dives/nki_perf_guide.rst
-  [KOPT]  nki/guides/tutorials/kernel-optimization.rst (trn2 profiles of the matmul tutorial's kernels)
-  [PROFILE] tools/neuron-explorer/profile-schema-reference.rst (profile summary fields)
-  [DGE]   nki/deep-dives/nki-dge.rst
-  [HBM]   trn1: 820 GB/s per chip, 2 NeuronCores; trn2: 2.9 TB/s per chip, 8 NeuronCores
-          (Trn1 / Trn2 architecture pages of the Neuron docs)
-
-The model is a list scheduler over the run's instruction records:
-- Compute engines (tensor, vector, scalar, gpsimd) execute their instructions in program order;
-  an instruction starts at max(engine free time, finish of every earlier instruction it depends on).
-- Dependencies are RAW, WAR and WAW overlaps of the records' Access regions (per storage, partition
-  range x byte range). Two DMA writes to HBM never order each other: HBM regions are flattened
-  byte spans that over-approximate strided tiles, and kernels write each output element once. An HBM
-  access at a runtime offset (`.ap(..., scalar_offset=...)`, e.g. a KV-cache write at the step's slot)
-  covers its whole tensor: the slot is data, so every later read of the tensor waits for the write.
-- DMA: each transfer is split over ceil(partitions / 8) DMA engines, at most 16 [DMA: "each DMA
-  engine corresponds to 8 partition lanes"; a 4-partition load is measured on a single engine, a
-  128-partition one on all 16]. Each engine serves its share at the documented per-engine
-  bandwidth, capped by the core's share of HBM bandwidth and scaled by the measured DMA
-  efficiency for the transfer's DMA buffer size (below); engines take work in any order that
-  respects dependencies (transfers from different DMA queues are scheduled round robin [DMA]), so
-  a transfer waiting on data does not block an independent one. Every transfer adds the
-  documented ~1300 ns descriptor/semaphore-to-start latency [DMA bandwidth guide], which delays
-  its completion but does not occupy the engine (several transfers are in flight at once).
-- DMA efficiency vs size: [DMA] figure nki-dma-intro-1 ("DMA Throughput varying Bytes per
-  Partition for p_dim = 128", HBM<->SBUF transfers of [128, F] tiles, one point per F from 32 B to
-  32 KiB per partition; the page's profiled examples run on a NeuronCore-v3, the figure itself
-  names no generation and its throughput axis carries no numbers). Only the shape is used:
-  throughput relative to the 32 KiB point, which the text calls nearly saturated from 4 KiB on.
-  The engine time of a transfer is its bytes / (peak per-engine rate x relative throughput), i.e.
-  the per-transfer overhead the bandwidth guide describes ("the engines spend more time on
-  overhead than on data movement") occupies the engine. The size looked up is the DMA buffer:
-  the contiguous bytes per SBUF partition, or the HBM-side contiguous run when that is shorter
-  ([ARCH1]: "Data within a DMA buffer must be continuous"; each SBUF partition is at least one
-  buffer); an HBM->HBM copy uses its contiguous run. The same relative curve is applied to trn1
-  and trn2 (the bandwidth guide gives the same 2 KiB / 4 KiB thresholds for both).
-  Buffers below the figure's smallest point (32 B per partition) are charged the time of a 32 B
-  buffer: an extrapolation (the figure stops at 32 B), continuing the fixed per-transfer cost that
-  the curve's lower part shows (throughput doubling with size) rather than inventing a number.
-- Compute instructions: [ISA]/[ARCH1] costs (compute_cycles). VectorE instructions with two input tiles take
-  ~2N cycles ([ARCH1] "If there are two input tiles ... roughly 2N"; tensor_tensor N when one input is in
-  PSUM [ISA]); an instruction whose start waits on a dependency, the engine's own previous instruction
-  included, pays the documented 100-cycle static overhead. A partition broadcast (nl.broadcast_to) is a
-  TensorE matmul into PSUM (the emulator records it so), so its consumer reads one input from PSUM.
-- Known gap (kept, not fitted away): nki_matmul_tiled is modeled at 1.47x its published trn1 latency
-  (bf16) and 1.45x its trn2 profile ([KOPT], fp32); every other published case is within ±30%. The kernel
-  differs from the hoisted one by re-loading lhsT [128, 128] tiles, rows 256 B (bf16) / 512 B (fp32) that
-  lie 8 / 16 KiB apart in HBM, which the curve charges ~4x the engine time per byte of the rhs [128, 512]
-  tiles (1 / 2 KiB rows). Both published sources show them costing about the same per byte: trn1, tiled
-  minus hoisted is 8.84 ms for 0.94 GiB more = 7.1 B/ns per engine, against 6.4 over the whole hoisted
-  kernel; trn2, the profiles' summed packet durations ([PROFILE] dma_packet_time; [KOPT] figures
-  v2-dma.png 519.58 ms, v3-dma.png 402.07 ms) grow by 117.5 ms for 1.9 GiB = 17.1 B/ns per engine, against
-  22.0 for the hoisted kernel (peak 23), while the model books 926 ms of engine time on the tiled kernel.
-  Checked against the documents, none giving a cause that can be modeled without a fitted number:
-  (a) DMA buffer size. Each SBUF partition is at least one buffer and a buffer is contiguous [ARCH1]; the
-      tiles' rows are not contiguous with each other in HBM, so 256 B (512 B) is the buffer on both sides.
-      The [DMA] Example 2 transfer of 2 KiB per engine covers 8 rows that are adjacent in HBM (a whole
-      [128, 128] tensor), which these rows are not.
-  (b) What the curve's x axis measures. Its points are proportional to bytes per partition within ±7%
-      from 64 B to 2 KiB: every [128, F <= 2 KiB] transfer in it takes one fixed time, ~1.15 us at trn1
-      rates (0.85 us at trn2). Its 256 B point is Example 2's [128, 128] bf16 load, whose profile
-      (figure nki-dma-intro-5.png) shows 97 ns of engine time per 2 KiB share within ~1.2 us from trigger
-      to completion: the curve's low end is mostly latency, not engine occupancy, as the trn2 packet times
-      above also show. Whether the figure's HBM side is contiguous across partitions is not stated; if it
-      is (as in the page's examples), strided rows can only be slower, so this cannot lower the cost.
-  (c) Engines and queues. A 128-partition load uses all 16 engines (Example 2), as modeled. Which queue a
-      load goes to follows its trigger engine and descriptor mode [DMA], chosen by the compiler; nothing
-      documented says whether one iteration's lhsT and rhs loads share a queue.
-  (d) Loop structure. The kernel re-loads each lhsT tile for every n; the published tiled latency exceeds
-      the hoisted one by about those bytes, so the compiler does not hoist them. Independent loads
-      already overlap in the model.
-  Charging only bytes / (0.92 x peak) (Example 2) as occupancy and the rest of the curve's time as
-  latency gives the trn2 cases 0.82 (tiled) and 0.99 (hoisted) but the trn1 tutorial kernels 0.41-0.42
-  (tiled, hoisted, blocked); fully optimized and the Mamba kernels do not move. Those trn1 latencies need
-  ~6.5 B/ns per engine (38% of the documented 17) whatever the row size, and what keeps trn1's engines
-  idle (host-built descriptors read from HBM [DGE], queue order, how many loads the compiler keeps in
-  flight) has no documented figures, so the curve stays charged as occupancy.
-- Collectives (records with CollectiveInfo, from nki.collectives under simulate_spmd): each takes the time
-  collective_costs.py gives it (NeuronLink and on-chip links, hop latency; its docstring cites the sources) on
-  a queue of their own (the CC cores), in program order, starting when its sources are ready; the kernel's
-  other DMAs do not wait for it unless they depend on its data.
-- Dependency floor (`schedule(..., unlimited_bandwidth=True)`, `dependency_floor_us`): the same records with
-  DMA and link bandwidth taken as infinite, i.e. a transfer occupies no DMA engine time and a collective costs
-  its hop latencies only; the fixed ~1300 ns per DMA, every compute instruction's cost and the dependencies
-  stay. What is left is the latency of the kernel's dependency chain (engines, fixed latencies), the part of a
-  run that no bandwidth can shorten: beside a bound on the bytes it shows which of the two limits a kernel.
-- Fitted terms (`CostTerms`, values in fitted_costs.json, fitted by benchmarks/calibration.py to AWS's published
-  end-to-end decode latencies): a per-DMA issue cost on the core's issue queue ([ARCH2] ~600 ns per hardware-DGE
-  DMA), a fixed cost once per launch (host, runtime and synchronization of a step), the fraction of the core's
-  HBM share its DMA engines reach together, and LNC=2 (a trn2 rank spans two physical cores: both cores' DMA
-  engines, HBM shares and issue queues; compute stays on one core's engines, as the project's kernels do not
-  split their instruction stream). Without terms the schedule is the documented model alone.
-- Not modeled: the end-to-end pipeline latency of TensorE, SBUF/PSUM access-port conflicts,
-  kernel launch time (no documented numbers); in the documented model (no terms), the cost of triggering a
-  DMA on the issuing engine (the ~600 ns per hardware-DGE instruction [ARCH2] is NeuronCore-v3 only, and
-  which engine or DGE mode issues each DMA is the compiler's choice, not visible in a kernel run: the fitted
-  terms put it on one issue queue per physical core); [PERF]'s "close 70% DMA throughput utilization" for one
-  profiled kernel (an example, not a rule).
+A list scheduler over the run's instruction records: each engine runs its instructions in program order, an
+instruction waits for the records it depends on (overlapping accesses), a DMA is spread over the DMA engines its
+partitions use at the documented per-engine rate scaled by the documented efficiency curve for its buffer size,
+and collectives take collective_costs.py's time on a queue of their own. Optional fitted terms (`CostTerms`,
+fitted_costs.json) add what the documents give no figure for. docs/emulator.md ("The cost model") cites every
+source and states what is not modeled and the known gaps.
 """
 
 from __future__ import annotations
@@ -232,7 +134,7 @@ FITTED_COSTS_PATH = pathlib.Path(__file__).with_name("fitted_costs.json")
 
 @dataclasses.dataclass(frozen=True)
 class CostTerms:
-    """Costs the documented model leaves out, as named terms (module docstring, "Fitted terms").
+    """Costs the documented model leaves out, as named terms (docs/emulator.md, "The cost model": "Fitted terms").
 
     dma_issue_ns: ns a DMA holds its core's issue queue before its transfer can start (one queue per physical core).
     step_fixed_us: µs added once per launch (a looped decode step is one launch).
@@ -523,6 +425,94 @@ def collective_links(
     return collective_costs.make_links(target, core_link_gbps, hop_latency_us, ranks_per_chip)
 
 
+class _Dependencies:
+    """When every region a later record may wait on was last read / written. Per storage, a read only matters to a
+    later write (WAR) and a write to a later access, so others are not indexed; DMA writes to HBM get an index of
+    their own because they never order each other (kernels write each output element once)."""
+
+    def __init__(self, records) -> None:
+        extent: dict[int, int] = {}  # per storage: byte extent
+        self.last_write: dict[int, int] = {}  # per storage: the last record that writes / touches it
+        self.last_access: dict[int, int] = {}
+        for i, record in enumerate(records):
+            for access in record.reads:
+                self.last_access[access.storage] = i
+                if access.b_stop > extent.get(access.storage, 0):
+                    extent[access.storage] = access.b_stop
+            for access in record.writes:
+                self.last_access[access.storage] = self.last_write[access.storage] = i
+                if access.b_stop > extent.get(access.storage, 0):
+                    extent[access.storage] = access.b_stop
+        bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
+        self.reads = _RegionIndex(bucket_bytes)
+        self.writes = _RegionIndex(bucket_bytes)
+        self.hbm_dma_writes = _RegionIndex(bucket_bytes)
+
+    def ready(self, record: trace.InstructionRecord, is_dma: bool) -> float:
+        """When every earlier record `record` depends on (RAW, WAR, WAW) has finished."""
+        ready = 0.0
+        for access in record.reads:
+            ready = max(ready, self.writes.latest_overlap(access), self.hbm_dma_writes.latest_overlap(access))
+        for access in record.writes:
+            ready = max(ready, self.reads.latest_overlap(access), self.writes.latest_overlap(access))
+            if not (is_dma and access.buffer == "hbm"):
+                ready = max(ready, self.hbm_dma_writes.latest_overlap(access))
+        return ready
+
+    def finished(self, i: int, record: trace.InstructionRecord, is_dma: bool, finish: float) -> None:
+        """Records that record `i` finishes at `finish`, for the later records that will depend on it."""
+        for access in record.reads:
+            if self.last_write.get(access.storage, -1) > i:
+                self.reads.add(access, finish)
+        for access in record.writes:
+            if self.last_access[access.storage] > i:
+                index = self.hbm_dma_writes if is_dma and access.buffer == "hbm" else self.writes
+                index.add(access, finish)
+
+
+class _DmaPool:
+    """The core's DMA engines. Engines with identical bookings form one group ([engine, count]), evaluated once."""
+
+    def __init__(self, engines: int) -> None:
+        self.groups = [[_DmaEngine(), engines]]
+
+    def book(self, ready: float, engines: int, transfer_ns: float) -> tuple[float, float]:
+        """Gives each of `engines` shares to the engines that can start it earliest; returns (first start, last
+        start)."""
+        offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(self.groups))
+        needed = engines
+        for t, k in offers:
+            group = self.groups[k]
+            if group[1] > needed:  # split off the engines this transfer leaves alone
+                self.groups.append([group[0].copy(), group[1] - needed])
+                group[1] = needed
+            group[0].book(t, transfer_ns)
+            needed -= group[1]
+            if needed == 0:
+                break
+        return offers[0][0], t
+
+
+def _scheduled_hardware(target: str, terms: CostTerms | None) -> Hardware:
+    """`target`'s hardware, with LNC=2's doubled DMA engines and HBM share when `terms` say so."""
+    hw = _check_target(target)
+    if terms is None:
+        return hw
+    return dataclasses.replace(
+        hw, dma_engines=hw.dma_engines * terms.lnc, hbm_bytes_per_ns=hw.hbm_bytes_per_ns * terms.lnc
+    )
+
+
+def _scheduled_links(target, links, unlimited_bandwidth) -> collective_costs.Links:
+    if links is None:
+        links = collective_links(target)
+    elif links.target != target:
+        raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
+    if unlimited_bandwidth:
+        links = dataclasses.replace(links, chip_link_bytes_per_ns=math.inf, core_link_bytes_per_ns=math.inf)
+    return links
+
+
 def schedule(
     run: trace.KernelRun,
     target: str,
@@ -530,86 +520,37 @@ def schedule(
     unlimited_bandwidth: bool = False,
     terms: CostTerms | None = None,
 ) -> Schedule:
-    """List-schedule `run` on `target` (see the module docstring for the rules).
+    """List-schedule `run` on `target` (the rules: docs/emulator.md, "The cost model").
 
     links: the link figures collectives are priced with (default: collective_links(target)).
-    unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, module docstring): transfers take
+    unlimited_bandwidth: DMA and link bandwidth infinite (the dependency floor, docs/emulator.md): transfers take
     no engine time, only their fixed latency, and collectives their hop latencies (links' bandwidths made
     infinite, their hop latency kept).
     terms: the fitted terms (CostTerms; fitted_terms(target) loads them); None: the documented model alone.
     """
-    hw = _check_target(target)
-    hbm_efficiency = None
-    if terms is not None:
-        hw = dataclasses.replace(
-            hw, dma_engines=hw.dma_engines * terms.lnc, hbm_bytes_per_ns=hw.hbm_bytes_per_ns * terms.lnc
-        )
-        hbm_efficiency = terms.hbm_efficiency
+    hw = _scheduled_hardware(target, terms)
+    hbm_efficiency = None if terms is None else terms.hbm_efficiency
     issue_ns = 0.0 if terms is None else terms.dma_issue_ns
     issue_free = [0.0] * (1 if terms is None else terms.lnc)  # per physical core: when its DMA issue queue frees
     compute_scale = 1.0 if terms is None else terms.compute_scale
-    if links is None:
-        links = collective_links(target)
-    elif links.target != target:
-        raise ValueError(f"links: figures of {links.target!r}, but the run is scheduled on {target!r}")
-    if unlimited_bandwidth:
-        links = dataclasses.replace(links, chip_link_bytes_per_ns=math.inf, core_link_bytes_per_ns=math.inf)
+    links = _scheduled_links(target, links, unlimited_bandwidth)
     collective_free = collective_busy = 0.0
-    records = run.records
-    # Per storage: byte extent, and the last record that writes / touches it. A read only
-    # matters to a later write (WAR) and a write to a later access, so others are not indexed.
-    extent: dict[int, int] = {}
-    last_write: dict[int, int] = {}
-    last_access: dict[int, int] = {}
-    for i, record in enumerate(records):
-        for access in record.reads:
-            last_access[access.storage] = i
-            if access.b_stop > extent.get(access.storage, 0):
-                extent[access.storage] = access.b_stop
-        for access in record.writes:
-            last_access[access.storage] = last_write[access.storage] = i
-            if access.b_stop > extent.get(access.storage, 0):
-                extent[access.storage] = access.b_stop
-    bucket_bytes = {s: max(_MIN_BUCKET_BYTES, math.ceil(e / _MAX_BUCKETS)) for s, e in extent.items()}
-    reads_index = _RegionIndex(bucket_bytes)
-    writes_index = _RegionIndex(bucket_bytes)
-    hbm_dma_writes_index = _RegionIndex(bucket_bytes)
-
+    dependencies = _Dependencies(run.records)
     engine_free = {"tensor": 0.0, "vector": 0.0, "scalar": 0.0, "gpsimd": 0.0}
     busy = {engine: 0.0 for engine in trace.ENGINES}
-    dma_groups = [[_DmaEngine(), hw.dma_engines]]
+    dma_pool = _DmaPool(hw.dma_engines)
     dma_costs: dict = {}  # (partitions, DmaInfo) -> (engines, ns): tiles repeat their shapes
     starts, finishes = [], []
-    for i, record in enumerate(records):
+    for i, record in enumerate(run.records):
         is_dma = record.engine == "dma"
-        ready = 0.0
-        for access in record.reads:
-            t = writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            t = hbm_dma_writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-        for access in record.writes:
-            t = reads_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            t = writes_index.latest_overlap(access)
-            if t > ready:
-                ready = t
-            if not (is_dma and access.buffer == "hbm"):
-                t = hbm_dma_writes_index.latest_overlap(access)
-                if t > ready:
-                    ready = t
-
+        ready = dependencies.ready(record, is_dma)
         if record.collective is not None:
             # A collective runs on the CC cores' queue, in program order, once its sources are ready.
             start = max(collective_free, ready)
             finish = collective_free = start + collective_costs.record_ns(record, links)
             collective_busy += finish - start
         elif is_dma:
-            dma = record.dma
-            key = (record.partitions, dma) if dma is not None else None
+            key = (record.partitions, record.dma) if record.dma is not None else None
             cost = dma_costs.get(key)
             if cost is None:
                 engines, transfer_ns = dma_transfer_ns(record, hw, hbm_efficiency)
@@ -618,21 +559,8 @@ def schedule(
             if issue_ns:  # the transfer starts once the earliest free issue queue has issued it
                 q = min(range(len(issue_free)), key=issue_free.__getitem__)
                 ready = issue_free[q] = max(issue_free[q], ready) + issue_ns
-            # Each engine's share goes to the engines that can start it earliest. Engines with
-            # identical bookings form one group ([engine, count]) and are evaluated once.
-            offers = sorted((group[0].earliest(ready, transfer_ns), k) for k, group in enumerate(dma_groups))
-            start = offers[0][0]
-            needed = engines
-            for t, k in offers:
-                group = dma_groups[k]
-                if group[1] > needed:  # split off the engines this transfer leaves alone
-                    dma_groups.append([group[0].copy(), group[1] - needed])
-                    group[1] = needed
-                group[0].book(t, transfer_ns)
-                needed -= group[1]
-                if needed == 0:
-                    break
-            finish = t + transfer_ns + DMA_FIXED_LATENCY_NS
+            start, last_start = dma_pool.book(ready, engines, transfer_ns)
+            finish = last_start + transfer_ns + DMA_FIXED_LATENCY_NS
             busy["dma"] += transfer_ns * engines
         elif record.engine in engine_free:
             ghz = _engine_ghz(hw, record.engine)
@@ -643,21 +571,13 @@ def schedule(
                 # (then ready == free): the documented static overhead applies.
                 ready += DEPENDENT_OVERHEAD_CYCLES / ghz
             start = max(free, ready)
-            finish = start + cycles / ghz
-            engine_free[record.engine] = finish
+            finish = engine_free[record.engine] = start + cycles / ghz
             busy[record.engine] += cycles / ghz
         else:
             raise ValueError(
                 f"record {record.opcode} at {record.line}: engine {record.engine!r}, expected one of {trace.ENGINES}"
             )
-
-        for access in record.reads:
-            if last_write.get(access.storage, -1) > i:
-                reads_index.add(access, finish)
-        for access in record.writes:
-            if last_access[access.storage] > i:
-                index = hbm_dma_writes_index if is_dma and access.buffer == "hbm" else writes_index
-                index.add(access, finish)
+        dependencies.finished(i, record, is_dma, finish)
         starts.append(start / 1e3)
         finishes.append(finish / 1e3)
     return Schedule(
@@ -678,8 +598,8 @@ def model_latency(
 
 
 def dependency_floor_us(run: trace.KernelRun, target: str, links: collective_costs.Links | None = None) -> float:
-    """Modeled µs of `run` on `target` with unlimited DMA and link bandwidth: its dependency chain (module
-    docstring, "Dependency floor"); links: see `schedule` (their hop latency is what counts)."""
+    """Modeled µs of `run` on `target` with unlimited DMA and link bandwidth: its dependency chain
+    (docs/emulator.md, "Dependency floor"); links: see `schedule` (their hop latency is what counts)."""
     return schedule(run, target, links, unlimited_bandwidth=True).latency_us
 
 

@@ -3,8 +3,8 @@
 Every instruction checks the documented hardware rules (raising NkiHardwareError that names the
 instruction and the kernel line), computes its result in float32 as the engines do (unless numerics are
 off in count-only mode), rounds into the destination dtype, and appends one trace.InstructionRecord.
-This module is the public namespace; the instructions live in isa_core (DMA, TensorE, elementwise engines)
-and, by idea, isa_control, isa_gather, isa_select and isa_vector.
+This module is the public namespace; the instructions live in isa_core (elementwise engines), isa_dma (DMA),
+isa_matmul (TensorE) and, by idea, isa_control, isa_gather, isa_select and isa_vector.
 """
 
 import numpy as np
@@ -37,14 +37,10 @@ from .isa_control import (
 from .isa_core import (
     NkiValidationError,
     activation,
-    dma_copy,
-    dma_transpose,
     get_nc_version,
     gpsimd_engine,
     iota,
     memset,
-    nc_matmul,
-    nc_transpose,
     scalar_engine,
     tensor_copy,
     tensor_engine,
@@ -55,6 +51,7 @@ from .isa_core import (
     unknown_engine,
     vector_engine,
 )
+from .isa_dma import dma_copy, dma_transpose
 from .isa_gather import (
     local_gather,
     nc_n_gather,
@@ -64,6 +61,7 @@ from .isa_gather import (
     tensor_partition_reduce,
     topk,
 )
+from .isa_matmul import nc_matmul, nc_transpose
 from .isa_select import (
     affine_select,
     max8,

@@ -14,8 +14,6 @@ from .isa_constants import engine as _Engine
 from .isa_constants import oob_mode as _OobMode
 from .isa_core import (
     PSUM_BY_OTHER,
-    _dma_info,
-    _dma_partitions,
     _f32_2d,
     _fail,
     _free,
@@ -25,8 +23,8 @@ from .isa_core import (
     _record,
     _tensor,
     _write,
-    dma_copy,
 )
+from .isa_dma import _dma_info, _dma_partitions, dma_copy
 from .tensor import NKIObject, NkiTensor
 
 

@@ -18,6 +18,7 @@ from . import isa_core as _core
 from . import ops as _ops
 from .errors import NkiHardwareError
 from .tensor import DynSlice, MemoryRegion, NKIObject, NkiTensor, allocate
+from .trace import MatmulInfo
 
 # -- dtypes ------------------------------------------------------------------------------------------
 bool_ = _dtypes.bool_
@@ -380,7 +381,7 @@ def broadcast_to(x, shape, dtype=None):
     if ctx.numerics:
         _core._write(out, np.broadcast_to(x.array().astype(np.float32), shape))
     if on_tensor:
-        info = _core.MatmulInfo(1, shape[0], free, _dtypes.NAME[x.dtype])
+        info = MatmulInfo(1, shape[0], free, _dtypes.NAME[x.dtype])
         _core._record(ctx, "nc_matmul", "tensor", line, out, (x,), matmul=info)
     else:
         _core._record(ctx, "tensor_copy", "vector", line, out, (x,))

@@ -3,24 +3,10 @@
     outs = simulate_spmd(kernel, num_ranks=4)((x0, w0), (x1, w1), (x2, w2), (x3, w3))
     outs[r]  # what rank r's launch returned
 
-What a rank is (as in AWS's Neuron collectives: a rank is a physical or logical NeuronCore, and
-`nki.collectives.rank_id()` says which): each rank runs the kernel on its own thread with its own KernelContext,
-so its own SBUF and PSUM (capacity checked per rank) and its own HBM: its arguments (copied per rank), its outputs
-and scratch. `nl.shared_hbm` is shared by the programs of one rank's launch grid (`kernel[2]`: the physical
-cores of a logical NeuronCore, where `nl.program_id` / `nl.num_programs` count those programs exactly as in a
-plain launch), never between ranks: ranks see each other's data only through collectives.
-
-Rendezvous: NKI kernels are SPMD, so every rank issues the same collectives in the same order (a rank that is no
-sender or receiver of a permute still calls it). The k-th collective call of every rank meets the k-th call of
-every other rank; when all have arrived, each rank computes its own result from the others' snapshots. Ranks
-that arrive with different collectives (another opcode, replica group, op or dimension) raise NkiCollectiveError
-naming each rank's call and file:line. A rank that waits for a call another rank can never make raises
-NkiDeadlockError with the waiting rank's collective and the other rank's file:line: immediately when the other
-rank has returned from the kernel (the line of its return) or failed, and after `timeout_s` seconds of waiting
-otherwise (the line it is executing then). Nothing waits forever.
-
-Launches are serialized by the emulator's launch lock, held by the calling thread for the whole SPMD launch; each
-rank's finished run goes to the trace listeners (profiles) in rank order, with KernelRun.rank set.
+Each rank runs on its own thread with its own KernelContext (its own SBUF, PSUM and HBM); the k-th collective call
+of every rank meets the k-th of every other. Mismatched calls raise NkiCollectiveError and a call no other rank can
+meet raises NkiDeadlockError, each naming file:line, so nothing waits forever. docs/emulator.md ("Several ranks:
+rendezvous") gives the full rules.
 """
 
 from __future__ import annotations
