@@ -16,9 +16,8 @@ DecodeOperands.kernel_args()). Layouts: the hidden state and the MLP intermediat
 tiles (nki_kernels.decode.tiles); q, k, v and the attention output natural ones (what attention takes and returns).
 Ragged per-layer ranks: factors are stacked to the largest rank, layer l multiplies only the first ranks[l] columns
 of u / rows of v (trace-time slices). It reads only those, except where u's stored rows are short
-(projections.whole_rows: 2 KiB or less): then whole stored rows, padding included, since ranks[l] values of each
-row alone would be DMA runs of a fraction of the rate (Gemma 3 270M's MLP at ranks 320 / 448 alternating: 640-byte
-runs at 26%, 12 µs a layer on trn1; whole 896-byte rows one run per partition of a block, at 97%).
+(projections.whole_rows): then whole stored rows, padding included, since ranks[l] values of each row alone would
+be short DMA runs at a fraction of the DMA rate, while whole rows are one run per partition of a block.
 fp8 weights (spec.fp8_weights) cross HBM as fp8 and are scaled as their PSUM sums are evicted
 (nki_kernels.decode.projections); activations stay in the model dtype (x's), which must then be bfloat16 or float16
 (TensorE takes fp8 beside 2-byte floats only).
@@ -98,7 +97,7 @@ def activation_bytes(layouts, rows):
     """SBUF bytes per partition at most that a layer's activation column tiles hold at once beside the ring, R =
     rows (a bound, counted as float32: the hidden state and a few float32 copies of it, q and attention's working
     copies of it (normed, rotated, the rotation's products), k and v, the MLP's intermediate and its product),
-    beside reserved_bytes (constants, the input rows): they grow with R (Gemma 3 270M at R = 128: 23 KiB)."""
+    beside reserved_bytes (constants, the input rows): they grow with R."""
     tiles_live = 4 * len(layouts.hidden) + 6 * len(layouts.q) + 2 * len(layouts.kv) + 2 * len(layouts.inter)
     return rows * tiles_live * nl.float32.itemsize
 
@@ -106,8 +105,7 @@ def activation_bytes(layouts, rows):
 def reserved_bytes(spec):
     """SBUF bytes per partition a decode-step kernel keeps beside its weight ring for the small tiles
     (SMALL_TILE_BYTES) and a staged [R, hidden] float32 row block (tiles.load_columns, e.g. a layer's norm weights):
-    10.5 KiB for Gemma 3 270M's hidden 640 (a 5.5 KiB deeper ring than ring.SBUF_RESERVED_BYTES leaves), 16 KiB for
-    Llama-3.2-1B's 2048, 24 KiB for Llama-3.1-8B's 4096."""
+    it grows with the hidden size, so small models keep a deeper ring than a fixed reserve would leave."""
     return SMALL_TILE_BYTES + spec.hidden * nl.float32.itemsize
 
 
@@ -182,9 +180,9 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     before the projections, or by attention after them where the layer's weights are packed).
     prefetch_next: issue layer + 1's prefetch once the MLP's matmuls are issued and return it: its PE transposes
     and evictions then run while this layer waits for its down all-reduce and its last norms, which TensorE idles
-    through, instead of between the next layer's first norm and its q/k/v matmuls (on the step's serial chain:
-    Gemma 3 270M at T = 4, 1.2 µs a layer on trn2). Layer + 1's cache tiles are allocated after this layer's
-    attention last reads its own, so the two need not be live at once (one layer's in StepContext's beside bytes).
+    through, instead of between the next layer's first norm and its q/k/v matmuls (on the step's serial chain).
+    Layer + 1's cache tiles are allocated after this layer's attention last reads its own, so the two need not be
+    live at once (one layer's in StepContext's beside bytes).
     With prefetch_next, this layer's cache writes are issued after that prefetch (else by attention, as it ends):
     a write at the step's runtime slot orders every later read of the cache after it, so layer + 1's window reads,
     issued before it, wait for no write of this layer (they would start only once it lands, mid-layer, and claim
