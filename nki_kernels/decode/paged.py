@@ -438,8 +438,8 @@ class PagedWindowReader(WindowReader):
             self._fetched[b] = read_blocks((self.k_cache, self.v_cache), self.layer, blocks, offsets, self.paged)
 
     def load(self, b):
-        """Issue row b's reads now: its mask columns, its blocks gathered (unless fetched), Kᵀ turned (`row` hands
-        them out)."""
+        """Issue row b's reads now: its mask columns, its gathers (unless fetched), Kᵀ turned on the PE unless
+        gathered transposed (`row` hands them out)."""
         plan, window = self.plan, self.window
         start = None if window.first_slot is None else window.first_slot[0:1, b : b + 1]
         new = self.paged.row_new_slots(self.new, window, b)
