@@ -19,7 +19,9 @@ How the kernels use it, with the contiguous cache's machinery unchanged downstre
 - Kᵀ comes from gathering transposes (`nisa.dma_transpose` of a vector_offset src: one slot per index, 16..128
   slots a DMA) on NeuronCore-v3+ when the window's blocks group into multiples of 16 slots and the cache dtype has
   2 bytes (gather_groups, keys_by_gather), so the PE, busy with the step's weights, does no transposes for it;
-  else the K blocks are gathered like V and turned on the PE.
+  else the K blocks are gathered like V and turned on the PE. Their index tiles ([128, M], read column-major) come
+  once per launch per row and window span; with BS < 128 the row's table entries are repeated over their blocks'
+  partitions by a one-hot matmul (column_entries).
 - The new token's k and v enter attention from chip (attention.NewSlots, one partition per row); the window's copy
   of the row's own slot is masked out at the row's runtime offset, as for the contiguous cache.
 """
@@ -41,6 +43,7 @@ from nki_kernels.decode.attention import (
     turn_keys,
 )
 from nki_kernels.decode.tiles import natural_tiles
+from nki_kernels.svd_matmul import spans
 
 # An indirect (gathering) transpose reads a multiple of 16 rows, 16..128 per index tile (nki.isa.dma_transpose).
 GATHER_TRANSPOSE_ROWS = 16
@@ -153,6 +156,7 @@ class PagedRows:
         self._offsets = {}
         self._indices = {}
         self._columns = {}
+        self._owners = None
 
     def _write_slots(self, lengths):
         """[B, 1] int32: row b's new slot in a layer's pool, table[b, p // BS]·BS + p mod BS (p = max(lengths[b],
@@ -283,25 +287,55 @@ class PagedRows:
             self._columns[columns] = within
         return self._columns[columns]
 
-    def column_indices(self, b, columns, first_block):
-        """[128, M] uint32 pool slots of row b's window slots c·128 + p (column c, partition p): table[b, first +
-        (c·128 + p) // BS]·BS + (c·128 + p) mod BS, the index tile of a [128, M] gathering transpose."""
+    def block_owners(self):
+        """fp32 [128 / BS, 128] one-hot: [k, p] = 1 where partition p lies in block k of a 128-slot column."""
+        if self._owners is None:
+            pmax, bs = nl.tile_size.pmax, self.block_size
+            shape = (pmax // bs, pmax)
+            place = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf, name="paged_owner_place")
+            nisa.iota(dst=place, pattern=[[1, pmax]], offset=0, channel_multiplier=-bs)  # p - k·BS
+            low = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_owner_low")
+            nisa.tensor_scalar(dst=low, data=place, op0=nl.greater_equal, operand0=0)
+            self._owners = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_block_owners")
+            nisa.tensor_scalar(dst=self._owners, data=place, op0=nl.less, operand0=bs)
+            nisa.tensor_tensor(dst=self._owners, data1=self._owners, data2=low, op=nl.multiply)
+        return self._owners
+
+    def column_entries(self, b, columns, first_block):
+        """[128, M] table entries of row b's window slots c·128 + p: table[b, first + (c·128 + p) // BS]. For
+        BS < 128 the row's M·128/BS entries come in one small DMA and a one-hot matmul repeats each over its
+        block's BS partitions (a DMA straight into [128, M] would move 128·M four-byte pieces)."""
         pmax, bs = nl.tile_size.pmax, self.block_size
-        entries = nl.ndarray((pmax, columns), dtype=nl.int32, buffer=nl.sbuf, name="paged_column_entries")
-        if pmax % bs == 0:  # a column holds 128 / BS blocks, BS partitions each
-            pattern = [[1, pmax // bs], [0, bs], [pmax // bs, columns]]
-        else:  # a block spans BS / 128 columns
-            pattern = [[0, pmax], [1, columns // (bs // pmax)], [0, bs // pmax]]
         offset = b * self.max_blocks
+        m = pmax // bs if pmax % bs == 0 else 1
+        if m == 1:  # BS a multiple of 128: a block spans BS / 128 columns, the same entry on every partition
+            shape, pattern = (pmax, columns), [[0, pmax], [1, columns // (bs // pmax)], [0, bs // pmax]]
+        else:  # entry (k, c) of block k of column c
+            shape, pattern = (m, columns), [[1, m], [m, columns]]
+        entries = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf, name="paged_column_entries")
         if first_block is None:
             source = self.block_table.ap(pattern, offset=offset)
         else:
             source = self.block_table.ap(pattern, offset=offset, scalar_offset=first_block, indirect_dim=1)
         nisa.dma_copy(dst=entries, src=source)
+        if m == 1:
+            return entries
+        values = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_entry_values")
+        nisa.tensor_copy(dst=values, src=entries)
+        spread = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.psum, name="paged_entries_psum")
+        for c0, cn in spans(columns, nl.tile_size.gemm_moving_fmax):
+            # Block indices stay below 2^24: exact in fp32.
+            nisa.nc_matmul(dst=spread[:, c0 : c0 + cn], stationary=self.block_owners(), moving=values[:, c0 : c0 + cn])
+        return spread
+
+    def column_indices(self, b, columns, first_block):
+        """[128, M] uint32 pool slots of row b's window slots c·128 + p (column c, partition p): table[b, first +
+        (c·128 + p) // BS]·BS + (c·128 + p) mod BS, the index tile of a [128, M] gathering transpose."""
+        pmax, bs = nl.tile_size.pmax, self.block_size
         indices = nl.ndarray((pmax, columns), dtype=nl.uint32, buffer=nl.sbuf, name="paged_column_indices")
         nisa.scalar_tensor_tensor(
             dst=indices,
-            data=entries,
+            data=self.column_entries(b, columns, first_block),
             op0=nl.multiply,
             operand0=bs,
             op1=nl.add,
