@@ -150,12 +150,14 @@ def table_lines(rows: list[dict]) -> list[str]:
 DESCRIPTION = (
     "The looped kernel (one launch for the whole step) with each row's cache contiguous vs in pools of blocks read "
     "through a per-row block table (`DecodeSpec.block_size`, `nki_kernels/decode/paged.py`): per row one small DMA "
-    "of its table entries per window span (once per launch, shared by the layers), one gathering DMA for K and one "
-    "for V per group of blocks (partition p holds a slice of one block), Kᵀ turned on the PE, each row's new token "
+    "of its table entries per window span (once per launch, shared by the layers), one gathering DMA for V per group "
+    "of blocks (partition p holds a slice of one block); Kᵀ on trn2 (a 2-byte cache) by gathering transposes (one slot "
+    "per index, [128, M] index tiles), where every transpose writes as many bytes per partition as the cache's DMAs "
+    "are spread to, else (and on trn1) K gathered like V and turned on the PE; each row's new token "
     "scattered to its own slot. A sliding-window layer reads the whole blocks that hold its window (up to one "
     "block more than the window). Deep models are traced at one and two repeats of their layer pattern and "
-    "extrapolated to their depth. A gathering DMA is priced like a plain DMA of the same shape: what an indirect "
-    "DMA's descriptors add on hardware has no documented figure."
+    "extrapolated to their depth. A gathering DMA (or transpose) is priced like a plain one of the same shape: what "
+    "an indirect DMA's descriptors add on hardware has no documented figure."
 )
 
 

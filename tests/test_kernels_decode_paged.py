@@ -24,6 +24,7 @@ from decode_operands import (
 )
 from harness.runner import run_decode_step, run_sharded_decode_step
 
+from nki_kernels import emulator
 from nki_kernels.decode import paged, reference
 from nki_kernels.decode.contract import WEIGHTS, DecodeSpec
 from nki_kernels.decode.sharding import gather_cache, shard_operands
@@ -225,3 +226,71 @@ def test_paged_blocks_cover_each_window_slot_once(blocks, block_size, slot_bytes
     for s0, np_, q in layout:
         assert s0 % block_size == 0 and block_size % q == 0 and np_ <= 128
         assert q * slot_bytes <= paged.CACHE_BLOCK_BYTES
+
+
+# (spec, block size, table blocks MB, pool blocks, lengths, shared, composition): bf16 caches whose windows tile into
+# gathering transposes (gather_groups): 16-slot blocks ([128, 2] and [32, 1] index tiles), 8-slot blocks with two kv
+# heads ([128, 1] and [32, 1]), 384-slot blocks (a multiple of 128, no power of two: one [128, 6] tile), 32-slot
+# blocks with fp8 weights.
+GATHER_CASES = [
+    (WINDOWED, 16, 18, 76, [270, 16, 77, -1], 1, "looped"),
+    (dataclasses.replace(WINDOWED, num_kv_heads=2), 8, 20, 70, [159, 40, 3], 2, "looped"),
+    (WINDOWED, 384, 2, 7, [700, 384, 5], 1, "per_layer"),
+    (WINDOWED_8, 32, 5, 23, [100, 64, 31, 159], 2, "looped"),
+]
+
+
+def _spy_gathers(monkeypatch):
+    """Counts paged.gather_keys calls; gathering transposes at any size (spread 0), so small shapes take them."""
+    calls = []
+    gather_keys, keys_by_gather = paged.gather_keys, paged.keys_by_gather
+    monkeypatch.setattr(paged, "gather_keys", lambda *args: calls.append(args[2]) or gather_keys(*args))
+    monkeypatch.setattr(paged, "keys_by_gather", lambda groups, f, dtype, spread: keys_by_gather(groups, f, dtype, 0))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "spec, block_size, max_blocks, num_blocks, lengths, shared, composition",
+    GATHER_CASES,
+    ids=["16", "8-two-kv-heads", "384-per-layer", "32-fp8"],
+)
+def test_keys_gathered_transposed_match_float64_reference(
+    rng, monkeypatch, spec, block_size, max_blocks, num_blocks, lengths, shared, composition
+):
+    """Kᵀ by gathering transposes (trn2, bf16 cache): every layer's window through them, scattered blocks."""
+    calls = _spy_gathers(monkeypatch)
+    spec = dataclasses.replace(spec, block_size=block_size)
+    operands, table = paged_operands(rng, spec, lengths, max_blocks, num_blocks, BF16, shared=shared)
+    if spec.fp8_weights:
+        operands = _fp8(rng, operands, spec)
+    want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
+    logits, k_pool, v_pool = run_decode_step(composition, operands, spec, **RING)
+    assert len(calls) == spec.num_layers * len(lengths)
+    assert any(m > 1 or n == 128 for groups in calls for _, n, m in groups)  # a column-major tile or a full one
+    active = [row for row, p in enumerate(lengths) if p >= 0]
+    assert relative_error(logits[active], want_logits[active]) < 3e-2
+    check_pools(k_pool, operands[10], want_k, lengths, table, block_size, 3e-2)
+    check_pools(v_pool, operands[11], want_v, lengths, table, block_size, 3e-2)
+
+
+def test_trn1_and_untiled_blocks_turn_keys_on_the_pe(rng, monkeypatch):
+    """No gathering transposes on trn1 (NeuronCore-v2) nor for 48-slot blocks (neither dividing 128 nor a multiple
+    of it); the PE path gives the reference's numbers."""
+    calls = _spy_gathers(monkeypatch)
+    for target, block_size in (("trn1", 16), ("trn2", 48)):
+        spec = dataclasses.replace(WINDOWED, block_size=block_size)
+        operands, table = paged_operands(rng, spec, [60, 17, 90], 144 // block_size, 30, BF16)
+        want_logits, _, _ = reference.decode_step_f64(operands, spec)
+        with emulator.use_target(target):
+            logits, _, _ = run_decode_step("looped", operands, spec, **RING)
+        assert relative_error(logits, want_logits) < 3e-2
+    assert calls == []
+
+
+def test_gather_groups_tile_windows_into_transposes():
+    """Column-major [128, M] tiles then one [n, 1] tile, whole blocks, n a multiple of 16; None where they cannot."""
+    assert paged.gather_groups(33, 16) == [(0, 512, 4), (512, 16, 1)]
+    assert paged.gather_groups(3, 384) == [(0, 1152, 9)]
+    assert paged.gather_groups(6, 8) == [(0, 48, 1)]
+    assert paged.gather_groups(5, 8) is None  # 40 slots
+    assert paged.gather_groups(8, 48) is None and paged.gather_groups(2, 200) is None

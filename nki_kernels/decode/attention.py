@@ -650,15 +650,16 @@ class CacheWindow:
     key_columns: tuple
 
 
-def plan_window(span, features, dtype, spread_bytes, blocks=None):
+def plan_window(span, features, dtype, spread_bytes, blocks=None, keys_by_dma=None):
     """The CacheWindow of `span` slots of a cache whose slots hold `features` values (kv_heads·D) in `dtype`,
-    blocks spread to spread_bytes per partition (cache_spread_bytes), or `blocks` given (a paged cache's, whose
-    gathered blocks are turned on the PE)."""
+    blocks spread to spread_bytes per partition (cache_spread_bytes), or `blocks` given (a paged cache's). Kᵀ by
+    transposing DMAs as keys_by_dma_transpose says, or as keys_by_dma says when given (a paged cache's choice)."""
     paged = blocks is not None
     blocks = blocks if paged else slot_blocks(span, features * dtype.itemsize, spread_bytes)
     chunks = score_chunks(blocks)
     pieces = [(index, i) for index, (_, _, q) in enumerate(blocks) for i in range(q)]
-    keys_by_dma = not paged and keys_by_dma_transpose(blocks, features, dtype)
+    if keys_by_dma is None:
+        keys_by_dma = not paged and keys_by_dma_transpose(blocks, features, dtype)
     key_columns = []
     for index, (s0, np_, q) in enumerate(blocks):
         column0 = next(c0 for (n, _, _, c0) in chunks if n == index)

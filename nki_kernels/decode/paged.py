@@ -16,7 +16,12 @@ How the kernels use it, with the contiguous cache's machinery unchanged downstre
   entries come with one small DMA per row, block group and window span, once per launch (they depend on no
   layer), repeated m = BS / q times over the partitions by a zero-stride access pattern, so the offsets are
   entry·BS + (p mod m)·q, one VectorE instruction. A row's gathers are issued as attention takes the row before.
-- Kᵀ is turned on the PE (the transposing DMA the contiguous cache uses reads affine slot runs only).
+- Kᵀ comes from gathering transposes (`nisa.dma_transpose` of a vector_offset src: one slot per index, 16..128
+  slots a DMA) on NeuronCore-v3+ when the window's blocks group into multiples of 16 slots and the cache dtype has
+  2 bytes (gather_groups, keys_by_gather), so the PE, busy with the step's weights, does no transposes for it;
+  else the K blocks are gathered like V and turned on the PE. Their index tiles ([128, M], read column-major) come
+  once per launch per row and window span; with BS < 128 the row's table entries are repeated over their blocks'
+  partitions by a one-hot matmul (column_entries).
 - The new token's k and v enter attention from chip (attention.NewSlots, one partition per row); the window's copy
   of the row's own slot is masked out at the row's runtime offset, as for the contiguous cache.
 """
@@ -38,6 +43,10 @@ from nki_kernels.decode.attention import (
     turn_keys,
 )
 from nki_kernels.decode.tiles import natural_tiles
+from nki_kernels.svd_matmul import spans
+
+# An indirect (gathering) transpose reads a multiple of 16 rows, 16..128 per index tile (nki.isa.dma_transpose).
+GATHER_TRANSPOSE_ROWS = 16
 
 
 def check_block_size(block_size, slot_bytes):
@@ -55,6 +64,34 @@ def slots_per_partition(block_size, slot_bytes):
     """q: the most slots of one block a partition holds, a divisor of block_size of at most CACHE_BLOCK_BYTES."""
     limit = max(1, CACHE_BLOCK_BYTES // slot_bytes)
     return max(q for q in range(1, min(block_size, limit) + 1) if block_size % q == 0)
+
+
+def gather_groups(blocks, block_size):
+    """[(s0, n, m)]: the slots of `blocks` consecutive pool blocks of a window in gathering transposes, each
+    gathering n slots from s0 by an index tile [n / m, m]: the first 128·M slots with [128, M] (read column-major),
+    the rest (< 128 slots, a multiple of 16) with [n, 1]. None when the blocks do not tile so: their slots are no
+    multiple of 16, or a block size neither divides 128 nor is a multiple of it (a column of 128 slots would not
+    be whole blocks or within one)."""
+    pmax = nl.tile_size.pmax
+    span = blocks * block_size
+    if span % GATHER_TRANSPOSE_ROWS or (pmax % block_size and block_size % pmax):
+        return None
+    columns = span // pmax
+    groups = [(0, columns * pmax, columns)] if columns else []
+    if span > columns * pmax:
+        groups.append((columns * pmax, span - columns * pmax, 1))
+    return groups
+
+
+def keys_by_gather(groups, features, dtype, spread_bytes):
+    """Whether a paged window's Kᵀ comes from gathering transposes: on NeuronCore-v3+ (trn2) only, for 2-byte
+    cache dtypes and blocks that tile (gather_groups), when every transpose writes at least spread_bytes per
+    partition (cache_spread_bytes: less with fp8 weights, whose step keeps the PE busier than the DMA engines,
+    so that turning K there costs more than a transposing DMA of a short window)."""
+    if groups is None or dtype.itemsize != 2 or nisa.get_nc_version() < nisa.nc_version.gen3:
+        return False
+    _, kt = natural_tiles(features)
+    return kt * min(n for _, n, _ in groups) * dtype.itemsize >= spread_bytes
 
 
 def window_blocks(span, block_size, max_blocks):
@@ -117,6 +154,9 @@ class PagedRows:
         self._windows = {}
         self._within = {}
         self._offsets = {}
+        self._indices = {}
+        self._columns = {}
+        self._owners = None
 
     def _write_slots(self, lengths):
         """[B, 1] int32: row b's new slot in a layer's pool, table[b, p // BS]·BS + p mod BS (p = max(lengths[b],
@@ -195,8 +235,8 @@ class PagedRows:
             self._within[q] = within
         return self._within[q]
 
-    def slot_offsets(self, b, block, first_block):
-        """[np, 1] int32 pool slots of one attention block (s0, np, q) of row b's window: partition p's first
+    def slot_offsets(self, b, block, first_block, dtype=nl.int32):
+        """[np, 1] pool slots (`dtype`) of one attention block (s0, np, q) of row b's window: partition p's first
         slot, table[b, first + s0 / BS + p // m]·BS + (p mod m)·q. first_block: the window's (a [1, 1] view of
         RowWindow.first_block) or None (block 0)."""
         s0, np_, q = block
@@ -209,7 +249,7 @@ class PagedRows:
         else:
             source = self.block_table.ap(pattern, offset=offset, scalar_offset=first_block, indirect_dim=1)
         nisa.dma_copy(dst=entries, src=source)
-        offsets = nl.ndarray((np_, 1), dtype=nl.int32, buffer=nl.sbuf, name="paged_slot_offsets")
+        offsets = nl.ndarray((np_, 1), dtype=dtype, buffer=nl.sbuf, name="paged_slot_offsets")
         nisa.scalar_tensor_tensor(
             dst=offsets,
             data=entries,
@@ -237,6 +277,92 @@ class PagedRows:
             ]
         return self._offsets[span]
 
+    def column_slots(self, columns):
+        """[128, M] int32: (c·128 + p) mod BS, the place in its pool block of window slot c·128 + p."""
+        if columns not in self._columns:
+            pmax = nl.tile_size.pmax
+            within = nl.ndarray((pmax, columns), dtype=nl.int32, buffer=nl.sbuf, name="paged_column_slots")
+            nisa.iota(dst=within, pattern=[[pmax, columns]], offset=0, channel_multiplier=1)
+            nisa.tensor_scalar(dst=within, data=within, op0=nl.mod, operand0=self.block_size)
+            self._columns[columns] = within
+        return self._columns[columns]
+
+    def block_owners(self):
+        """fp32 [128 / BS, 128] one-hot: [k, p] = 1 where partition p lies in block k of a 128-slot column."""
+        if self._owners is None:
+            pmax, bs = nl.tile_size.pmax, self.block_size
+            shape = (pmax // bs, pmax)
+            place = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf, name="paged_owner_place")
+            nisa.iota(dst=place, pattern=[[1, pmax]], offset=0, channel_multiplier=-bs)  # p - k·BS
+            low = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_owner_low")
+            nisa.tensor_scalar(dst=low, data=place, op0=nl.greater_equal, operand0=0)
+            self._owners = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_block_owners")
+            nisa.tensor_scalar(dst=self._owners, data=place, op0=nl.less, operand0=bs)
+            nisa.tensor_tensor(dst=self._owners, data1=self._owners, data2=low, op=nl.multiply)
+        return self._owners
+
+    def column_entries(self, b, columns, first_block):
+        """[128, M] table entries of row b's window slots c·128 + p: table[b, first + (c·128 + p) // BS]. For
+        BS < 128 the row's M·128/BS entries come in one small DMA and a one-hot matmul repeats each over its
+        block's BS partitions (a DMA straight into [128, M] would move 128·M four-byte pieces)."""
+        pmax, bs = nl.tile_size.pmax, self.block_size
+        offset = b * self.max_blocks
+        m = pmax // bs if pmax % bs == 0 else 1
+        if m == 1:  # BS a multiple of 128: a block spans BS / 128 columns, the same entry on every partition
+            shape, pattern = (pmax, columns), [[0, pmax], [1, columns // (bs // pmax)], [0, bs // pmax]]
+        else:  # entry (k, c) of block k of column c
+            shape, pattern = (m, columns), [[1, m], [m, columns]]
+        entries = nl.ndarray(shape, dtype=nl.int32, buffer=nl.sbuf, name="paged_column_entries")
+        if first_block is None:
+            source = self.block_table.ap(pattern, offset=offset)
+        else:
+            source = self.block_table.ap(pattern, offset=offset, scalar_offset=first_block, indirect_dim=1)
+        nisa.dma_copy(dst=entries, src=source)
+        if m == 1:
+            return entries
+        values = nl.ndarray(shape, dtype=nl.float32, buffer=nl.sbuf, name="paged_entry_values")
+        nisa.tensor_copy(dst=values, src=entries)
+        spread = nl.ndarray((pmax, columns), dtype=nl.float32, buffer=nl.psum, name="paged_entries_psum")
+        for c0, cn in spans(columns, nl.tile_size.gemm_moving_fmax):
+            # Block indices stay below 2^24: exact in fp32.
+            nisa.nc_matmul(dst=spread[:, c0 : c0 + cn], stationary=self.block_owners(), moving=values[:, c0 : c0 + cn])
+        return spread
+
+    def column_indices(self, b, columns, first_block):
+        """[128, M] uint32 pool slots of row b's window slots c·128 + p (column c, partition p): table[b, first +
+        (c·128 + p) // BS]·BS + (c·128 + p) mod BS, the index tile of a [128, M] gathering transpose."""
+        pmax, bs = nl.tile_size.pmax, self.block_size
+        indices = nl.ndarray((pmax, columns), dtype=nl.uint32, buffer=nl.sbuf, name="paged_column_indices")
+        nisa.scalar_tensor_tensor(
+            dst=indices,
+            data=self.column_entries(b, columns, first_block),
+            op0=nl.multiply,
+            operand0=bs,
+            op1=nl.add,
+            operand1=self.column_slots(columns),
+        )
+        return indices
+
+    def window_indices(self, span, groups):
+        """[[uint32 index tile of each group] of each row]: the pool slots of the window of `span` positions for
+        the gathering transposes of groups (s0, n, m) (gather_groups); once per span, shared by every later
+        layer, like window_offsets."""
+        if span not in self._indices:
+            window = self.window(span)
+            rows = []
+            for b in range(self.batch):
+                first = None if window.first_block is None else window.first_block[0:1, b : b + 1]
+                rows.append(
+                    [
+                        self.column_indices(b, m, first)
+                        if n == m * nl.tile_size.pmax
+                        else self.slot_offsets(b, (s0, n, 1), first, dtype=nl.uint32)
+                        for s0, n, m in groups
+                    ]
+                )
+            self._indices[span] = rows
+        return self._indices[span]
+
     def reader(self, k_cache, v_cache, mask_bias, layer, spec, rows):
         """The PagedWindowReader of layer `layer`'s window (attention.prefetch's reader for a paged spec)."""
         return PagedWindowReader(k_cache, v_cache, mask_bias, layer, self, spec, rows)
@@ -251,7 +377,7 @@ def read_blocks(pools, layer, blocks, offsets, paged):
     """(K blocks, V blocks) [np, q, F] of one row's window (`blocks`: paged_blocks) from the pools (k, v)
     [L, NB, BS, kv_heads, D], gathered by one DMA per block and cache at the row's per-partition pool slots
     `offsets` (PagedRows.window_offsets)."""
-    out = ([], [])
+    out = tuple([] for _ in pools)
     f = paged.features
     first = layer * paged.num_blocks * paged.block_size * f
     for (_, np_, q), slots in zip(blocks, offsets):
@@ -261,6 +387,21 @@ def read_blocks(pools, layer, blocks, offsets, paged):
             nisa.dma_copy(dst=tile, src=source)
             tiles.append(tile)
     return out
+
+
+def gather_keys(pool, layer, groups, indices, paged):
+    """Kᵀ column tiles [min(F, 128), ceil(F/128), span] of one row's window in window-slot order, from the K pool
+    [L, NB, BS, kv_heads, D]: one gathering transpose a group (gather_groups) at its pool slots `indices`
+    (PagedRows.window_indices)."""
+    f = paged.features
+    kp, kt = natural_tiles(f)
+    s0, n, _ = groups[-1]
+    keys = nl.ndarray((kp, kt, s0 + n), dtype=pool.dtype, buffer=nl.sbuf, name="keysT")
+    first = layer * paged.num_blocks * paged.block_size * f
+    for (s0, n, _), slots in zip(groups, indices):
+        source = pool.ap([[f, n], [kp, kt], [1, kp]], offset=first, vector_offset=slots, indirect_dim=2)
+        nisa.dma_transpose(dst=keys[:, :, s0 : s0 + n], src=source)
+    return keys
 
 
 def write_new_rows(rows, pool, layer, paged):
@@ -290,7 +431,8 @@ def window_plan(spec, mask, slots, slot_bytes, batch):
 
 class PagedWindowReader(WindowReader):
     """attention.WindowReader of a paged cache: row b's window is its blocks from the table entry its window
-    starts at (PagedRows.window), gathered by DMA (read_blocks), Kᵀ turned on the PE; this step's slot of each
+    starts at (PagedRows.window), gathered by DMA (read_blocks), Kᵀ gathered transposed (gather_keys) or turned
+    on the PE; this step's slot of each
     row masked out at the row's own offset, its k and v from chip; the writes scatter to each row's slot.
 
     As attend takes row b (`row`), the gathers of row b + 1 are issued (`fetch`): its blocks arrive while row b's
@@ -307,27 +449,39 @@ class PagedWindowReader(WindowReader):
         window_span = spec.window_slots(self.mask, paged.slots, 1)
         self.window = paged.window(window_span)
         self.offsets = paged.window_offsets(window_span, blocks)
-        self.plan = plan_window(span, paged.features, k_cache.dtype, None, blocks)
+        self.groups = gather_groups(span // paged.block_size, paged.block_size)
+        spread = cache_spread_bytes(spec, paged.batch)
+        by_gather = keys_by_gather(self.groups, paged.features, k_cache.dtype, spread)
+        self.indices = paged.window_indices(window_span, self.groups) if by_gather else None
+        self.plan = plan_window(span, paged.features, k_cache.dtype, None, blocks, keys_by_dma=by_gather)
         self.new = shared_new_slots(rows)
         self._loaded = {}
         self._fetched = {}
 
     def fetch(self, b):
-        """Issue row b's gathers of its K and V blocks now (`load` turns them)."""
-        if b not in self._fetched:
-            pools = (self.k_cache, self.v_cache)
-            self._fetched[b] = read_blocks(pools, self.layer, self.plan.blocks, self.offsets[b], self.paged)
+        """Issue row b's gathers now: Kᵀ by gathering transposes (plan.keys_by_dma) or its K blocks (`load` turns
+        them), and its V blocks."""
+        if b in self._fetched:
+            return
+        blocks, offsets = self.plan.blocks, self.offsets[b]
+        if self.plan.keys_by_dma:
+            keys = gather_keys(self.k_cache, self.layer, self.groups, self.indices[b], self.paged)
+            (values,) = read_blocks((self.v_cache,), self.layer, blocks, offsets, self.paged)
+            self._fetched[b] = (keys, values)
+        else:
+            self._fetched[b] = read_blocks((self.k_cache, self.v_cache), self.layer, blocks, offsets, self.paged)
 
     def load(self, b):
-        """Issue row b's reads now: its mask columns, its blocks gathered (unless fetched), Kᵀ turned (`row` hands
-        them out)."""
+        """Issue row b's reads now: its mask columns, its gathers (unless fetched), Kᵀ turned on the PE unless
+        gathered transposed (`row` hands them out)."""
         plan, window = self.plan, self.window
         start = None if window.first_slot is None else window.first_slot[0:1, b : b + 1]
         new = self.paged.row_new_slots(self.new, window, b)
         visible = load_mask_columns(self.mask_bias, self.mask, b, plan.blocks, plan.pieces, start, new)
         self.fetch(b)
-        k_blocks, v_blocks = self._fetched.pop(b)
-        keys = turn_keys(k_blocks, plan.blocks, plan.chunks, self.paged.features, self.k_cache.dtype)
+        keys, v_blocks = self._fetched.pop(b)
+        if not plan.keys_by_dma:
+            keys = turn_keys(keys, plan.blocks, plan.chunks, self.paged.features, self.k_cache.dtype)
         self._loaded[b] = RowCache(keys, v_blocks, visible)
 
     def row(self, b):

@@ -142,8 +142,10 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
     line = context.caller_line()
     _on_chip(opcode, line, "dst", dst, kinds=("sbuf",), compute_engine=False)
     _tensor(opcode, line, "src", src)
-    # Direct (non-indirect) transposes lower to unknown or hardware DGE only.
-    dge_mode = _dma_options(opcode, line, ctx, priority, dge_mode, (_DgeMode.unknown, _DgeMode.hwdge))
+    # Direct transposes lower to unknown or hardware DGE, indirect ones (a vector_offset src) to software DGE.
+    indirect = src.gather is not None
+    allowed = (_DgeMode.unknown, _DgeMode.swdge) if indirect else (_DgeMode.unknown, _DgeMode.hwdge)
+    dge_mode = _dma_options(opcode, line, ctx, priority, dge_mode, allowed)
     if src.storage.kind == "psum":
         _fail(opcode, line, f"src {src.describe()} must be in HBM or SBUF")
     default = _DMA_TRANSPOSE_AXES.get(src.ndim)
@@ -163,6 +165,32 @@ def dma_transpose(dst, src, axes=None, priority=None, dge_mode=dge_mode.unknown,
         )
     if dge_mode is _DgeMode.hwdge:
         _hwdge_transpose_limits(opcode, line, src)
+    if indirect:
+        _indirect_transpose_limits(opcode, line, ctx, src)
     if ctx.numerics:
         _write(dst, np.transpose(src.array(), axes))
     _record(ctx, opcode, "dma", line, dst, (src,), dma=_dma_info(dst, src, transpose=True))
+
+
+def _indirect_transpose_limits(opcode, line, ctx, src):
+    """The documented limits of a gathering transpose (dma_gather_transpose, software DGE): NeuronCore-v3+, a
+    2-byte src in HBM of a multiple of 16 rows, gathered by a uint32 index tile in SBUF of 16..128 rows (a
+    multiple of 16); src.shape[-1] <= 128 holds already, as the transposed dst's partition count."""
+    if ctx.target == "trn1":
+        _fail(opcode, line, "an indirect (gathering) transpose needs NeuronCore-v3 or newer, not trn1")
+    index = src.index
+    checks = (
+        (src.storage.kind == "hbm", f"src {src.describe()} must be in HBM"),
+        (src.dtype.itemsize == 2, f"src dtype must be 2 bytes, got {src.dtype.name}"),
+        (src.shape[0] % 16 == 0, f"src.shape[0] must be a multiple of 16, got {src.shape[0]}"),
+        (src.ndim != 4 or 1 in src.shape[1:3], f"a 4-D src needs shape[1] or shape[2] == 1, got {list(src.shape)}"),
+        (index.dtype == np.uint32, f"index tile {index.describe()} must be uint32"),
+        (index.storage.kind == "sbuf", f"index tile {index.describe()} must be in SBUF"),
+        (
+            index.ndim == 2 and 16 <= index.shape[0] <= 128 and index.shape[0] % 16 == 0,
+            f"index tile {index.describe()} must be 2-D with 16..128 rows, a multiple of 16",
+        ),
+    )
+    for ok, message in checks:
+        if not ok:
+            _fail(opcode, line, f"indirect transpose: {message}")

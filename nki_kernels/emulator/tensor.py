@@ -167,6 +167,7 @@ class NkiTensor(TensorViews, NKIObject):
         "gather",
         "dynamic",
         "oob",
+        "index",
     )
 
     def __class_getitem__(cls, shape):
@@ -198,6 +199,7 @@ class NkiTensor(TensorViews, NKIObject):
         self.gather = gather
         self.dynamic = indirect or gather is not None
         self.oob = None  # per-element mask of indirect elements outside the storage (see ap)
+        self.index = None  # the vector_offset index tile of an indirect view (see ap), for the DMAs' checks
 
     # -- basic properties -------------------------------------------------------------------------
     @property

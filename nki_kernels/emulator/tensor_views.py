@@ -40,7 +40,8 @@ class TensorViews:
 
         scalar_offset: a one-element index tile; adds value * self.strides[indirect_dim] to the start.
         vector_offset: a [P, 1] index tile, P = the pattern's first count; partition p of the result starts at
-        vector_offset[p] * self.strides[indirect_dim] (replacing the first pattern dimension's own stride).
+        vector_offset[p] * self.strides[indirect_dim] (replacing the first pattern dimension's own stride); or a
+        [128, M] tile for 128·M rows, read column-major (DMA batching).
         """
         if self.dynamic and (scalar_offset is not None or vector_offset is not None):
             index_error(self, "an indirect access of a view that is already indirect")
@@ -64,6 +65,11 @@ class TensorViews:
         available = self.storage.size * self.storage.dtype.itemsize // new_dtype.itemsize
         if vector_offset is not None:
             rows = index_values(vector_offset, "vector_offset", shape[0])
+            if isinstance(vector_offset, TensorViews) and vector_offset.ndim == 2 and vector_offset.shape[1] > 1:
+                # A [128, M] index tile (DMA batching) is read column-major: row j = index[j % 128, j // 128].
+                if vector_offset.shape[0] != 128:
+                    index_error(self, f"a [P, M > 1] vector_offset {vector_offset.describe()} needs P == 128")
+                rows = rows.reshape(vector_offset.shape).T.reshape(-1)
             inner = np.zeros(shape[1:], dtype=np.int64)
             for axis, (n, s) in enumerate(zip(shape[1:], strides[1:])):
                 inner = inner + (np.arange(n, dtype=np.int64) * s).reshape((n,) + (1,) * (len(shape) - 2 - axis))
@@ -72,6 +78,7 @@ class TensorViews:
             view = self._view(shape, strides, start, new_dtype, gather=np.where(outside, 0, gather))
             if outside.any():  # reading or writing these raises, unless a DMA skips them (oob_mode.skip)
                 view.oob = outside
+            view.index = vector_offset
             return view
         low = start + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
         high = start + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0)
