@@ -179,6 +179,10 @@ CASES = [
     (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
     (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys turned on the PE
     (128, 8, 8, 300, 1, 1, 299, False, None, BF16),  # bf16 keys by transposing DMA (8 tiles x 300 slots)
+    # KV features that end in a ragged tile (3 x 64 = 192, 5 x 64 = 320), queries too (9 x 64 = 576): keys turned
+    # on the PE, then by transposing DMA (bf16, 1100 slots)
+    (64, 9, 3, 40, 2, 2, 20, True, 30.0, np.float32),
+    (64, 10, 5, 1100, 1, 1, 1000, True, None, BF16),
 ]
 
 

@@ -4,7 +4,8 @@ Layouts: R = B·T rows (row r = b·T + t), features on partitions in natural col
 a tensor of F features is SBUF [128, ceil(F/128), R] with element [p, i, r] = feature i·128 + p of row r. q has heads·D
 features (feature h·D + d is head h's component d), k and v kv_heads·D; kv head g serves query heads g·G ..
 g·G + G - 1 (G = heads / kv_heads). The head dim D must divide 128 (several heads per tile) or be a multiple of
-256 (a head spans whole tiles and the rotate-half halves are whole tiles).
+256 (a head spans whole tiles and the rotate-half halves are whole tiles). heads·D and kv_heads·D need not be
+multiples of 128: a ragged last tile is read only on the partitions its features use.
 
 HBM operands (nki_kernels.decode.contract): k_cache, v_cache [L, B, S, kv_heads, D] (model dtype); write_index
 [1, 1] int32 (the first slot of this step, a runtime value); cos, sin [NR, B, T, D] float32 rotate-half tables
@@ -57,6 +58,7 @@ from nki_kernels.decode import contract
 from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.tiles import (
     evict_alternating,
+    feature_layout,
     fp32_per_psum_bank,
     load_natural_columns,
     natural_columns_to_rows,
@@ -64,6 +66,7 @@ from nki_kernels.decode.tiles import (
     rows_to_natural_columns,
     spread_across_partitions,
     store_natural_columns,
+    tile_runs,
     transpose_to_tiles,
 )
 from nki_kernels.svd_matmul import spans
@@ -239,10 +242,10 @@ def per_head(columns, table, features, head_dim):
 # -- the pieces ----------------------------------------------------------------------------------------------
 
 
-def rms_norm_heads(x, features, weights, spec, constants, engine=None):
-    """fp32 column tiles of x (column tiles of `features` = n·D features, any float dtype) normalized over each
-    head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1] in the load_head_table layout
-    (already 1 + w). engine: the element-wise multiplies' (None: VectorE)."""
+def rms_norm_heads(normed, x, features, weights, spec, constants, engine=None):
+    """normed (fp32 column tiles) = x (column tiles of `features` = n·D features filling their tiles' partitions,
+    any float dtype) normalized over each head's D features: x·rsqrt(mean(x²) + eps)·w; weights fp32 [128, nd, 1]
+    in the load_head_table layout (already 1 + w). engine: the element-wise multiplies' (None: VectorE)."""
     engine = nisa.vector_engine if engine is None else engine
     d = spec.head_dim
     parts, tiles = natural_tiles(features)
@@ -277,8 +280,7 @@ def rms_norm_heads(x, features, weights, spec, constants, engine=None):
                     moving=squares[0:parts, t0 + c0 : t0 + c0 + cn, :],
                 )
             nisa.activation(dst=rstd[0:parts, t0 : t0 + tn, :], op=nl.rsqrt, data=mean, bias=constants.eps[0:parts])
-    normed = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
-    view = normed[0:parts].reshape_dim(1, (groups, nd))
+    view = normed[0:parts, 0:tiles].reshape_dim(1, (groups, nd))
     nisa.tensor_tensor(
         dst=view,
         data1=x[0:parts, 0:tiles, :].reshape_dim(1, (groups, nd)),
@@ -288,13 +290,12 @@ def rms_norm_heads(x, features, weights, spec, constants, engine=None):
     )
     xw, w = per_head(normed, weights, features, d)
     nisa.tensor_tensor(dst=xw, data1=xw, data2=w, op=nl.multiply, engine=engine)
-    return normed
 
 
-def rope_heads(x, features, cos_t, sin_t, spec, constants, name, engine=None):
-    """x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D), into a new fp32 tile. engine: the
-    element-wise ops' (None: VectorE; x·sin on GpSimd when it is VectorE, else on VectorE; an add from PSUM on
-    VectorE whatever it is)."""
+def rope_heads(out, x, features, cos_t, sin_t, spec, constants, name, engine=None):
+    """out (fp32 column tiles) = x·cos + rotate_half(x)·sin of fp32 column tiles x (features = n·D filling their
+    tiles' partitions). engine: the element-wise ops' (None: VectorE; x·sin on GpSimd when it is VectorE, else on
+    VectorE; an add from PSUM on VectorE whatever it is)."""
     engine = nisa.vector_engine if engine is None else engine
     other = nisa.gpsimd_engine if engine is nisa.vector_engine else nisa.vector_engine
     d = spec.head_dim
@@ -303,7 +304,6 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name, engine=None):
     r = x.shape[2]
     x_cos = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_cos")
     x_sin = nl.ndarray((parts, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=f"{name}_sin")
-    out = nl.ndarray((nl.tile_size.pmax, tiles, r), dtype=nl.float32, buffer=nl.sbuf, name=name)
     for product, table, on in ((x_cos, cos_t, engine), (x_sin, sin_t, other)):
         xv, tv = per_head(x, table, features, d)
         nisa.tensor_tensor(dst=product.reshape_dim(1, (tiles // nd, nd)), data1=xv, data2=tv, op=nl.multiply, engine=on)
@@ -326,10 +326,9 @@ def rope_heads(x, features, cos_t, sin_t, spec, constants, name, engine=None):
         half = nd // 2
         xc = x_cos.reshape_dim(1, (tiles // nd, 2, half))
         xs = x_sin.reshape_dim(1, (tiles // nd, 2, half))
-        o = out.reshape_dim(1, (tiles // nd, 2, half))
+        o = out[0:parts, 0:tiles].reshape_dim(1, (tiles // nd, 2, half))
         nisa.tensor_tensor(dst=o[:, :, 0], data1=xc[:, :, 0], data2=xs[:, :, 1], op=nl.subtract, engine=engine)
         nisa.tensor_tensor(dst=o[:, :, 1], data1=xc[:, :, 1], data2=xs[:, :, 0], op=nl.add, engine=engine)
-    return out
 
 
 def load_rope_tables(cos, sin, qk_norm_weights, layer, spec, rows):
@@ -355,9 +354,28 @@ def norm_rope(x, which, tables, spec, constants, engine=None):
     d = spec.head_dim
     features = (spec.num_heads, spec.num_kv_heads)[which] * d
     cos_t, sin_t, weights = tables
+    name = ("q_rope", "k_rope")[which]
+    out = nl.ndarray((nl.tile_size.pmax, x.shape[1], x.shape[2]), dtype=nl.float32, buffer=nl.sbuf, name=name)
+    normed = None
     if spec.qk_norm:
-        x = rms_norm_heads(x, features, weights[:, :, which : which + 1], spec, constants, engine)
-    return rope_heads(x, features, cos_t, sin_t, spec, constants, ("q_rope", "k_rope")[which], engine)
+        normed = nl.ndarray(out.shape, dtype=nl.float32, buffer=nl.sbuf, name="qk_normed")
+    # Whole tiles, then a ragged last tile (F not a multiple of 128) on its own partitions: the partitions past F
+    # are never read, since the cross-partition matmuls would carry whatever they hold into every head.
+    for t0, count, size in natural_runs(features):
+        tiles_of = (slice(0, size), slice(t0, t0 + count))
+        source = x[tiles_of]
+        if normed is not None:
+            w = weights[:, :, which : which + 1]
+            rms_norm_heads(normed[tiles_of], source, size * count, w, spec, constants, engine)
+            source = normed[tiles_of]
+        rope_heads(out[tiles_of], source, size * count, cos_t, sin_t, spec, constants, name, engine)
+    return out
+
+
+def natural_runs(features):
+    """[(first tile, tiles, partitions)] of natural column tiles of `features`: the whole tiles, then a ragged last
+    one (the tiles.tile_runs of the natural layout)."""
+    return tile_runs(feature_layout(features))
 
 
 def load_write_index(write_index):
@@ -478,11 +496,12 @@ def prepare_queries(q, spec, batch, dtype, constants):
             moved = nl.ndarray((o_g + d, jn, r), dtype=nl.float32, buffer=nl.psum, name="queries_psum")
             for j in range(jn):
                 h = g * g_size + j0 + j
-                o_h = (h * d) % pmax
+                o_h, tile = (h * d) % pmax, h * d // pmax
+                size = min(parts, heads * d - tile * pmax)  # a ragged last tile: only its features' partitions
                 nisa.nc_matmul(
                     dst=moved[:, j, :],
-                    moving=q[0:parts, h * d // pmax, 0:r],
-                    stationary=constants.shift[0:parts, pmax - o_g + o_h : pmax + o_h + d],
+                    moving=q[0:size, tile, 0:r],
+                    stationary=constants.shift[0:size, pmax - o_g + o_h : pmax + o_h + d],
                 )
             nisa.activation(
                 dst=by_head[:, j0 : j0 + jn],
@@ -569,14 +588,16 @@ def turn_keys(k_blocks, blocks, chunks, features, dtype):
     for n, (index, i0, ni, c0) in enumerate(chunks):
         np_ = blocks[index][1]
         width = ni * np_
-        for k in range(kt):
-            turned = nl.ndarray((kp, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
+        # The last tile is ragged when F is not a multiple of 128 (e.g. 3 kv heads of 64): its partitions past F
+        # are left unwritten, and no score reads them (kv_head_place).
+        for k, (f0, fs) in enumerate(spans(features, kp)):
+            turned = nl.ndarray((fs, width), dtype=dtype, buffer=nl.psum, name="keysT_psum")
             for j in range(ni):
                 nisa.nc_transpose(
-                    dst=turned[0:kp, j * np_ : (j + 1) * np_],
-                    data=k_blocks[index][0:np_, i0 + j, k * kp : (k + 1) * kp],
+                    dst=turned[0:fs, j * np_ : (j + 1) * np_],
+                    data=k_blocks[index][0:np_, i0 + j, f0 : f0 + fs],
                 )
-            evict_alternating(keys[0:kp, k, c0 : c0 + width], turned, n + k)
+            evict_alternating(keys[0:fs, k, c0 : c0 + width], turned, n + k)
     return keys
 
 
@@ -612,10 +633,15 @@ def read_cache(k_cache, v_cache, layer, b, blocks, chunks, start):
         cache = k_cache if which == "k" else v_cache
         if which == "k" and keys_by_dma_transpose(blocks, f, dtype):
             keys = nl.ndarray((kp, kt, s), dtype=dtype, buffer=nl.sbuf, name="keysT")
+            full, rest = divmod(f, kp)
             for s0, np_, q in blocks:  # a DMA per block (whole slot rows: long contiguous runs)
                 n = np_ * q
-                source = window_view(cache, row + s0 * f, [[f, n], [kp, kt], [1, kp]], start, 2)
-                nisa.dma_transpose(dst=keys[:, :, s0 : s0 + n], src=source)
+                if full:
+                    source = window_view(cache, row + s0 * f, [[f, n], [kp, full], [1, kp]], start, 2)
+                    nisa.dma_transpose(dst=keys[:, 0:full, s0 : s0 + n], src=source)
+                if rest:  # a ragged last tile (F not a multiple of 128): its own DMA, not reading past a slot
+                    source = window_view(cache, row + s0 * f + full * kp, [[f, n], [1, rest]], start, 2)
+                    nisa.dma_transpose(dst=keys[0:rest, full, s0 : s0 + n], src=source)
             continue
         for s0, np_, q in blocks:
             tile = nl.ndarray((np_, q, f), dtype=dtype, buffer=nl.sbuf, name="cache_block")
@@ -1096,7 +1122,9 @@ def attention(
     k_rotated = norm_rope(kT, 1, early.tables, spec, constants, nisa.gpsimd_engine)
     # The new piece's Kᵀ, cast on GpSimd: VectorE carries the norm and RoPE chains.
     keys = nl.ndarray((kp, k_rotated.shape[1], rows), dtype=k_cache.dtype, buffer=nl.sbuf, name="new_keysT")
-    nisa.tensor_copy(dst=keys, src=k_rotated[0:kp], engine=nisa.gpsimd_engine)
+    for t0, count, size in natural_runs(features):
+        tiles_of = (slice(0, size), slice(t0, t0 + count))
+        nisa.tensor_copy(dst=keys[tiles_of], src=k_rotated[tiles_of], engine=nisa.gpsimd_engine)
     q_rotated = norm_rope(qT, 0, early.tables, spec, constants)
     values = cache_rows(vT, features, v_cache.dtype, "new_value_rows")
     attn = attend(q_rotated, early.reader, constants, new_kv=(keys, values))
