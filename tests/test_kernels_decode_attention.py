@@ -14,7 +14,13 @@ import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels.binding import nki, nl
-from nki_kernels.decode.attention import attention, attention_kernel, cache_write_kernel, rope_kernel
+from nki_kernels.decode.attention import (
+    AttentionOperands,
+    attention,
+    attention_kernel,
+    cache_write_kernel,
+    rope_kernel,
+)
 from nki_kernels.decode.contract import DecodeSpec
 from nki_kernels.decode.tiles import load_natural_columns, store_natural_columns
 from nki_kernels.emulator import count_only, profile
@@ -133,20 +139,8 @@ def reference(operands, spec, layer):
 @nki.jit
 def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
     """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
-    attnT = attention(
-        load_natural_columns(q),
-        load_natural_columns(k),
-        load_natural_columns(v),
-        k_cache,
-        v_cache,
-        layer,
-        write_index,
-        cos,
-        sin,
-        mask_bias,
-        qk_norms,
-        spec,
-    )
+    ops = AttentionOperands(k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms)
+    attnT = attention(load_natural_columns(q), load_natural_columns(k), load_natural_columns(v), ops, layer, spec)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_natural_columns(out, attnT)
     return out, k_cache, v_cache

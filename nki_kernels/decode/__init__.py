@@ -7,7 +7,9 @@ contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperand
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
 projections.py   RMSNorm, projections (dense and factored), the gated MLP and the LM head on column tiles
-attention.py     q/k norm, RoPE, the in-place KV-cache write and GQA attention over the cache
+attention.py     one layer's attention (q/k norm, RoPE, the in-place KV-cache write, GQA over the cache) and its
+                 per-op kernels, from its stages: attention_heads.py (head layouts, q/k norm, RoPE),
+                 attention_cache.py (the cache write, the window reads), attention_softmax.py (scores, softmax, ·V)
 paged.py         a paged KV cache (DecodeSpec.block_size): each row's blocks gathered through its block table, its
                  new token scattered to its own position
 compositions.py  the kernels: one per op, one per layer, one looped kernel for the whole step

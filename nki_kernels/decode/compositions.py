@@ -160,19 +160,7 @@ def _add_normed(ctx, x, y, weights, j, name):
 
 def _prefetch(ctx, ops, layer):
     """attention.prefetch of `layer`: what its attention needs that waits for no projection."""
-    return attention.prefetch(
-        ops.k_cache,
-        ops.v_cache,
-        layer,
-        ops.write_index,
-        ops.cos,
-        ops.sin,
-        ops.mask_bias,
-        ops.qk_norms,
-        ctx.spec,
-        ctx.rows,
-        ctx.paged,
-    )
+    return attention.prefetch(ops, layer, ctx.spec, ctx.rows, ctx.paged)
 
 
 def paged_rows(ops, spec):
@@ -262,14 +250,8 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         qkv["q"],
         qkv["k"],
         qkv["v"],
-        ops.k_cache,
-        ops.v_cache,
+        ops,
         layer,
-        ops.write_index,
-        ops.cos,
-        ops.sin,
-        ops.mask_bias,
-        ops.qk_norms,
         spec,
         constants=ctx.attention,
         prefetched=early,
