@@ -6,7 +6,8 @@ contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperand
                  check (check_write_index, check_lengths: the value rules): the one description of the operands
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
-projections.py   RMSNorm, projections (dense and factored), the gated MLP and the LM head on column tiles
+projections.py   the dense math on column tiles, from its stages: norm.py (RMSNorm), matmul.py (projections of dense
+                 and factored weights), mlp.py (the gated MLP), logits.py (the LM head)
 attention.py     one layer's attention (q/k norm, RoPE, the in-place KV-cache write, GQA over the cache) and its
                  per-op kernels, from its stages: attention_heads.py (head layouts, q/k norm, RoPE),
                  attention_cache.py (the cache write, the window reads), attention_softmax.py (scores, softmax, ·V)

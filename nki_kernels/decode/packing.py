@@ -24,7 +24,7 @@ from nki_kernels.decode.contract import (
     layer_weight,
 )
 from nki_kernels.decode.layouts import packed_segments, packed_width
-from nki_kernels.decode.projections import OnChipWeight
+from nki_kernels.decode.matmul import OnChipWeight
 from nki_kernels.decode.ring import RING_BLOCK_BYTES
 
 # The attention's projections, which `attention_packing` packs.
