@@ -1,9 +1,10 @@
 """One decode step over all decoder layers as NKI kernels, around one operand contract.
 
-contract.py      DecodeSpec (what the kernels are specialized on), DecodeOperands (the named operands),
-                 Factored(u, v[, u_scale, v_scale]), Quantized(w, scale) (fp8 weights) and Dense() (a dense weight
-                 packed in the model's dtype), expected_shapes and
-                 check (check_write_index, check_lengths: the value rules): the one description of the operands
+spec.py          DecodeSpec: what the kernels are specialized on
+weights.py       Factored(u, v[, u_scale, v_scale]), Quantized(w, scale) (fp8 weights) and Dense() (a dense weight
+                 packed in the model's dtype): how a weight is stored
+contract.py      DecodeOperands (the named operands), expected_shapes and check (check_write_index, check_lengths:
+                 the value rules): the one description of the operands; the spec's and weights' names too
 tiles.py         the column-tile library: feature layouts and moving rows <-> column tiles in SBUF
 ring.py          WeightRing: the SBUF ring weight blocks stream through (prefetch across layers)
 projections.py   the dense math on column tiles, from its stages: norm.py (RMSNorm), matmul.py (projections of dense
