@@ -216,7 +216,7 @@ class _LogitRows:
         logits = nl.ndarray(tuple(acc.shape), dtype=nl.float32, buffer=nl.sbuf, name="logits_rows")
         if self.softcap is None:
             # A PSUM bank at a time, VectorE and ScalarE in turn: a row of a chunk is cw elements on one partition,
-            # whose copy on one engine (cw cycles) follows the step's last matmuls (Gemma 3 270M: 1.9 µs on trn1).
+            # whose copy on one engine (cw cycles) follows the step's last matmuls.
             for k, (b0, bw) in enumerate(spans(cw, nl.tile_size.psum_bank_fmax)):
                 evict_alternating(logits[:, b0 : b0 + bw], acc[:, b0 : b0 + bw], k)
         else:
@@ -230,12 +230,11 @@ class _LogitColumns:
     R]): PSUM holds logits column tiles [≤128 of V, R], vocabulary on the partitions, one per 128-column group.
     TensorE takes 256 weights a cycle this way (64 cycles a tile) where the rows orientation takes 128, fewer than
     DMA brings of fp8 weights on trn2 (151 bytes a cycle). Turning the logits back into rows one PE transpose
-    (128 cycles) per group made a group of a rank-448 factored head cost 384 cycles, as long as DMA takes for its
-    bytes on trn2 (Gemma 3 270M, batch 1: TensorE busy 559 of 695 µs, the step 20 µs over its DMA time); with up
-    to HEAD_TURN_ROWS rows the logit columns of 128 groups are turned m = HEAD_COLUMNS / 128 at a time (`_flush`),
-    so a group costs the matmuls' 256 cycles plus 16 per row. The scales lie on the partitions too, so PSUM is
-    scaled on the way out with one VectorE multiply per run of groups, then soft-capped; they are loaded once for
-    the whole vocabulary (`_scale_groups`)."""
+    (128 cycles) per group would make a group of a rank-448 factored head cost 384 cycles, as long as DMA takes for
+    its bytes on trn2; with up to HEAD_TURN_ROWS rows the logit columns of 128 groups are turned m = HEAD_COLUMNS
+    / 128 at a time (`_flush`), so a group costs the matmuls' 256 cycles plus 16 per row. The scales lie on the
+    partitions too, so PSUM is scaled on the way out with one VectorE multiply per run of groups, then soft-capped;
+    they are loaded once for the whole vocabulary (`_scale_groups`)."""
 
     def __init__(self, x, rows, out_rows, softcap, scale):
         self.x, self.rows, self.out_rows, self.softcap = x, rows, out_rows, softcap

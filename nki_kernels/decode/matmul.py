@@ -81,8 +81,8 @@ def load_scales(scale, layout):
 class LayerScales:
     """The per-column scales of every layer's fp8 projections as float32 column tiles with a column per layer,
     loaded once when a kernel starts: the rows of a scale [L, F] go onto L partitions in one DMA and each tile takes
-    one PE transpose for all those layers, where loading them layer by layer takes one per tile per layer (on Gemma 3
-    270M's fp8 step, 54 transposes a layer, a seventh of the layer's TensorE time). A factored weight's u scales
+    one PE transpose for all those layers, where loading them layer by layer takes one per tile per layer (TensorE
+    time every layer would spend on its scales). A factored weight's u scales
     load per run of consecutive layers of one rank (the rank decides their layout), so every scale byte is read
     once. `of(name, layer, rank)` gives what `projection` takes as `scales`. Up to 128 layers (one partition each).
     """
