@@ -6,8 +6,6 @@ Kᵀ is built from cache blocks by PE transposes (short windows) or by transposi
 slice a ragged last tile at its own width, and q/k norm and RoPE must not mix the partitions past it into the heads.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from decode_operands import (
@@ -28,11 +26,9 @@ from nki_kernels.decode.runner import run_decode_step
 
 # 9 query heads over 3 KV heads of 64 (192 KV features), a ragged hidden size; q/k norms on to cover their
 # cross-partition sums over a ragged tile.
-NINE_BY_THREE = dataclasses.replace(
-    llama_like(num_layers=2, hidden=200, num_heads=9, num_kv_heads=3, head_dim=64, intermediate=200),
-    qk_norm=True,
-    norm_unit_offset=True,
-)
+NINE_BY_THREE = llama_like(
+    num_layers=2, hidden=200, num_heads=9, num_kv_heads=3, head_dim=64, intermediate=200
+).replace(qk_norm=True, norm_unit_offset=True)
 FIVE_BY_THIRTY_TWO = llama_like(num_layers=2, hidden=160, num_heads=5, num_kv_heads=5, head_dim=32, intermediate=96)
 TEN_BY_FIVE = llama_like(num_layers=2, hidden=128, num_heads=10, num_kv_heads=5, head_dim=64, intermediate=160)
 
@@ -62,7 +58,7 @@ CONTIGUOUS = [
 )
 def test_ragged_kv_width_matches_float64_reference(rng, composition, spec, b, t, s, w, fp8):
     if fp8:
-        spec = dataclasses.replace(spec, fp8_weights=WEIGHTS)
+        spec = spec.replace(fp8_weights=WEIGHTS)
     operands = make_operands(rng, spec, b, t, s, w, BF16)
     if fp8:
         operands = _fp8(rng, operands, spec)
@@ -83,7 +79,7 @@ def test_ragged_kv_width_matches_float64_reference(rng, composition, spec, b, t,
 )
 def test_ragged_kv_width_on_a_paged_cache(rng, composition, spec, fp8):
     """Rows at their own positions in 5-slot blocks scattered over a pool; only each row's slot is written."""
-    spec = dataclasses.replace(spec, block_size=5, fp8_weights=WEIGHTS if fp8 else ())
+    spec = spec.replace(block_size=5, fp8_weights=WEIGHTS if fp8 else ())
     lengths = [17, 10, -1]
     operands, table = paged_operands(rng, spec, lengths, 6, 30, BF16, shared=1)
     if fp8:

@@ -1,6 +1,7 @@
 """One decode step over all decoder layers as NKI kernels, around one operand contract.
 
-spec.py          DecodeSpec: what the kernels are specialized on
+spec.py          DecodeSpec: what the kernels are specialized on, by concern (DecodeShapes, ModelVariant,
+                 WeightStorage, tensor_parallel, block_size)
 weights.py       Factored(u, v[, u_scale, v_scale]), Quantized(w, scale) (fp8 weights) and Dense() (a dense weight
                  packed in the model's dtype): how a weight is stored
 contract.py      DecodeOperands (the named operands), expected_shapes and check (check_write_index, check_lengths:
@@ -26,10 +27,13 @@ from nki_kernels.decode.contract import (
     PROJECTIONS,
     WEIGHTS,
     DecodeOperands,
+    DecodeShapes,
     DecodeSpec,
     Dense,
     Factored,
+    ModelVariant,
     Quantized,
+    WeightStorage,
     check,
     check_lengths,
     check_write_index,
@@ -40,10 +44,13 @@ __all__ = [
     "PROJECTIONS",
     "WEIGHTS",
     "DecodeOperands",
+    "DecodeShapes",
     "DecodeSpec",
     "Dense",
     "Factored",
+    "ModelVariant",
     "Quantized",
+    "WeightStorage",
     "check",
     "check_lengths",
     "check_write_index",

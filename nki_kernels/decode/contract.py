@@ -18,7 +18,17 @@ from typing import Any
 import numpy as np
 
 from nki_kernels.decode.layouts import packed_shape
-from nki_kernels.decode.spec import FP8, PROJECTIONS, SCALE, SPLIT_ROWS, WEIGHTS, DecodeSpec
+from nki_kernels.decode.spec import (
+    FP8,
+    PROJECTIONS,
+    SCALE,
+    SPLIT_ROWS,
+    WEIGHTS,
+    DecodeShapes,
+    DecodeSpec,
+    ModelVariant,
+    WeightStorage,
+)
 from nki_kernels.decode.weights import (
     MODEL_DTYPE,
     PACKED_DTYPE,
@@ -48,11 +58,14 @@ __all__ = [
     "WEIGHTS",
     "WEIGHT_DTYPE",
     "DecodeOperands",
+    "DecodeShapes",
     "DecodeSpec",
     "Dense",
     "Factored",
+    "ModelVariant",
     "Quantized",
     "StoredWeight",
+    "WeightStorage",
     "as_weight",
     "batch_axes",
     "check",

@@ -35,38 +35,10 @@ def _check_names(field: str, names, allowed: tuple) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeSpec:
-    """Sizes and variants of a decode step; hashable (a static kernel argument).
-
-    ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
-    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]), where None
-    marks a layer whose weight W [K, N] stays dense: the stack holds it as exact factors (`dense_in_stack`) and the
-    kernels read W alone.
-    head_rank: None for a dense LM head, else the rank of its factors.
-    fp8_weights: names of WEIGHTS stored as fp8 values with float32 per-output-column scales (a dense one as
-    Quantized, a factored one as Factored with u_scale and v_scale), in any order; () for none.
-    mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
-    a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
-    in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
-    kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
-    write_index at run time, so one compiled kernel serves every step.
-    tensor_parallel: how many ranks (NeuronCores) the model is split over in the Megatron layout; the spec then
-    describes one rank's shard: num_heads, num_kv_heads, intermediate and vocab count this rank's query heads, KV
-    heads, MLP features and vocabulary entries, while hidden, head_dim and the factor ranks are whole (a factor's
-    rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each layer then
-    all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product x·u);
-    the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
-    packed_weights: names of PROJECTIONS whose values every layer stores in the one `packed` operand in the
-    kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of them per partition)
-    instead of in their own stored weights, which keep only their scales (fp8) or nothing (in the model's dtype:
-    an empty Factored, or for a dense weight an empty Dense); () for none. All of them fp8 (the operand is fp8),
-    or all in the model's dtype, factored or dense (the operand is in the model's dtype). With tensor_parallel > 1
-    the packed operand is this rank's: the layout of its shard's values.
-    block_size: None (a contiguous cache per row, written at write_index), or the slots per block of a paged
-    cache: k_cache and v_cache are then pools of blocks [L, num_blocks, block_size, kv_heads, D] that every row
-    shares, read and written through the operands block_table [B, MB] and lengths [B] (one new token per row, T = 1,
-    at its own position lengths[b]; see DecodeOperands). The logical slots of a row are S = MB·block_size.
-    """
+class DecodeShapes:
+    """A decode step's sizes: layers, the hidden size, query and KV heads of head_dim features, the MLP's
+    intermediate size and the vocabulary (with tensor_parallel > 1, this rank's heads, KV heads, intermediate and
+    vocabulary: see DecodeSpec)."""
 
     num_layers: int
     hidden: int
@@ -75,6 +47,22 @@ class DecodeSpec:
     head_dim: int
     intermediate: int
     vocab: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelVariant:
+    """What a model family's layers do beyond the shapes: the norms (eps, 1 + w weights with norm_unit_offset, q/k
+    head norms, sandwich norms around attention and the MLP), the MLP's activation, the query scaling, the logit
+    softcaps (None: none), and per layer the RoPE table and mask table it reads (layer_rope, layer_mask: indices
+    into the step's tables).
+
+    mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
+    a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
+    in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
+    kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
+    write_index at run time, so one compiled kernel serves every step.
+    """
+
     norm_eps: float
     norm_unit_offset: bool
     qk_norm: bool
@@ -85,15 +73,79 @@ class DecodeSpec:
     final_logit_softcap: float | None
     layer_rope: tuple[int, ...]
     layer_mask: tuple[int, ...]
+    mask_windows: tuple[int | None, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightStorage:
+    """How the step's weights are stored: factored (at what ranks), fp8, packed.
+
+    ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
+    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]), where None
+    marks a layer whose weight W [K, N] stays dense: the stack holds it as exact factors (`dense_in_stack`) and the
+    kernels read W alone.
+    head_rank: None for a dense LM head, else the rank of its factors.
+    fp8_weights: names of WEIGHTS stored as fp8 values with float32 per-output-column scales (a dense one as
+    Quantized, a factored one as Factored with u_scale and v_scale), in any order; () for none.
+    packed_weights: names of PROJECTIONS whose values every layer stores in the one `packed` operand in the
+    kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of them per partition)
+    instead of in their own stored weights, which keep only their scales (fp8) or nothing (in the model's dtype:
+    an empty Factored, or for a dense weight an empty Dense); () for none. All of them fp8 (the operand is fp8),
+    or all in the model's dtype, factored or dense (the operand is in the model's dtype). With tensor_parallel > 1
+    the packed operand is this rank's: the layout of its shard's values.
+    """
+
     ranks: tuple[tuple[int, ...] | None, ...] = (None,) * len(PROJECTIONS)
     head_rank: int | None = None
     fp8_weights: tuple[str, ...] = ()
-    mask_windows: tuple[int | None, ...] = ()
-    tensor_parallel: int = 1
     packed_weights: tuple[str, ...] = ()
+
+
+# DecodeSpec's parts whose fields it reads as its own (spec.num_heads is spec.shapes.num_heads).
+PARTS = {"shapes": DecodeShapes, "variant": ModelVariant, "storage": WeightStorage}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSpec:
+    """What the decode kernels are specialized on, by concern; hashable (a static kernel argument). The fields of
+    its parts read as its own (spec.num_heads, spec.fp8_weights, ...), and `replace` changes any of them.
+
+    shapes: DecodeShapes; variant: ModelVariant; storage: WeightStorage.
+    tensor_parallel (parallelism): how many ranks (NeuronCores) the model is split over in the Megatron layout; the
+    spec then describes one rank's shard: num_heads, num_kv_heads, intermediate and vocab count this rank's query
+    heads, KV heads, MLP features and vocabulary entries, while hidden, head_dim and the factor ranks are whole (a
+    factor's rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each
+    layer then all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product
+    x·u); the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
+    block_size (the cache): None (a contiguous cache per row, written at write_index), or the slots per block of a
+    paged cache: k_cache and v_cache are then pools of blocks [L, num_blocks, block_size, kv_heads, D] that every
+    row shares, read and written through the operands block_table [B, MB] and lengths [B] (one new token per row,
+    T = 1, at its own position lengths[b]; see DecodeOperands). The logical slots of a row are S = MB·block_size.
+    """
+
+    shapes: DecodeShapes
+    variant: ModelVariant
+    storage: WeightStorage = WeightStorage()
+    tensor_parallel: int = 1
     block_size: int | None = None
 
+    def replace(self, **changes) -> DecodeSpec:
+        """This spec with `changes` (names of its own fields or of its parts' fields) applied, checked anew."""
+        own = {name: changes.pop(name) for name in list(changes) if name not in _PART_OF}
+        for part in PARTS:
+            mine = {name: changes[name] for name in changes if _PART_OF[name] == part}
+            if mine and part in own:
+                raise ValueError(f"DecodeSpec.replace: got {part}= and {sorted(mine)}, expected one or the other")
+            if mine:
+                own[part] = dataclasses.replace(getattr(self, part), **mine)
+        return dataclasses.replace(self, **own)
+
     def __post_init__(self):
+        for part, kind in PARTS.items():
+            if not isinstance(getattr(self, part), kind):
+                raise TypeError(
+                    f"DecodeSpec.{part}: got {type(getattr(self, part)).__name__}, expected a {kind.__name__}"
+                )
         for name in (
             "tensor_parallel",
             "num_layers",
@@ -284,3 +336,21 @@ def _finite_positive(value) -> bool:
         and math.isfinite(value)
         and value > 0
     )
+
+
+# Each part's field name -> the part that holds it.
+_PART_OF = {field.name: part for part, kind in PARTS.items() for field in dataclasses.fields(kind)}
+
+
+def _read_part(part: str, name: str) -> property:
+    """A read-only property giving a DecodeSpec's part's field `name`."""
+    return property(lambda spec: getattr(getattr(spec, part), name), doc=f"{part}.{name}")
+
+
+def _read_parts_as_own(cls):
+    """Give `cls` (DecodeSpec) a property per field of its parts, so kernels read one spec."""
+    for name, part in _PART_OF.items():
+        setattr(cls, name, _read_part(part, name))
+
+
+_read_parts_as_own(DecodeSpec)
