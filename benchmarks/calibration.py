@@ -199,7 +199,7 @@ def rank_spec(model: DecodeModel, layers: int, row: Row):
     if row.batch != 1:
         return shard_spec(spec, row.tp)
     shard = shard_spec(unpacked_spec(spec), row.tp)
-    return dataclasses.replace(shard, packed_weights=attention_packing(shard, dense=True))
+    return shard.replace(packed_weights=attention_packing(shard, dense=True))
 
 
 def trace_rank0(model: DecodeModel, layers: int, row: Row) -> trace.KernelRun:

@@ -46,7 +46,6 @@ compressed), e.g. a handful of looped rows in a minute:
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import pathlib
 import shlex
@@ -160,7 +159,7 @@ def main(argv):
     if FLAGS.quick:
         # Its own name: case-cache keys name a model, its depth, the case and the traced depths.
         gemma = every["Gemma 3 270M"]
-        spec = dataclasses.replace(decode_spec(gemma, 2, False), vocab=8192)
+        spec = decode_spec(gemma, 2, False).replace(vocab=8192)
         models = [DecodeModel("Gemma 3 270M (2 layers, V 8192)", gemma.source, spec)]
         batches, cache_lengths = [1], [128]
     source = None

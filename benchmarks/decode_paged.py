@@ -67,7 +67,7 @@ JUDGED_BLOCK = 128
 def case_spec(model, weights: str, block_size: int | None):
     """model's dense spec, its weights in bf16 or fp8, with a contiguous (None) or paged cache."""
     fp8 = ("q", "k", "v", "o", "gate", "up", "down", "head") if weights == "fp8" else ()
-    return dataclasses.replace(model.spec, fp8_weights=fp8, block_size=block_size)
+    return model.spec.replace(fp8_weights=fp8, block_size=block_size)
 
 
 def measure(model, weights: str, block_size: int | None, batch: int, cache_len: int):
@@ -206,7 +206,7 @@ def main(argv):
     )
     if FLAGS.quick:
         gemma = published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
-        spec = dataclasses.replace(cut_layers(gemma.spec, 2), vocab=8192)
+        spec = cut_layers(gemma.spec, 2).replace(vocab=8192)
         models = [dataclasses.replace(gemma, name="Gemma 3 270M (2 layers, V 8192)", spec=spec)]
     rows = run(models, batches, cache_lengths, block_sizes, FLAGS.weight_dtypes)
     command = "python benchmarks/decode_paged.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])

@@ -171,8 +171,8 @@ def config_spec(base, config: Config, row: dict | None = None):
         head_rank = None
         if "head" in config.include:
             head_rank = ranks.block_aligned_rank(base.hidden, base.vocab, config.keep, config.block)
-    spec = dataclasses.replace(base, ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
-    return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
+    spec = base.replace(ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if config.fp8 else ())
+    return spec.replace(packed_weights=attention_packing(spec, fp8_only=True))
 
 
 def spec_ranks(spec) -> dict:

@@ -571,7 +571,7 @@ def tensor_parallel_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
                 f"of {ranks} (each rank holds whole KV-head groups, 1/{ranks} of the MLP features and of the "
                 "vocabulary)"
             )
-    return dataclasses.replace(spec, **{name: size // ranks for name, size in sizes.items()}, tensor_parallel=ranks)
+    return spec.replace(**{name: size // ranks for name, size in sizes.items()}, tensor_parallel=ranks)
 
 
 def _split_dim(name: str, ndim: int) -> int | None:
@@ -672,7 +672,7 @@ def tensor_parallel_decode_step(*operands, spec: DecodeSpec, mesh, axis_name="mo
         else:
             head = pad(head)
         ops = ops.replace(head=head)
-        spec = dataclasses.replace(spec, vocab=vocab + padding)
+        spec = spec.replace(vocab=vocab + padding)
     rank_spec = tensor_parallel_spec(spec, ranks)
     leaves, treedef = jax.tree_util.tree_flatten(ops)
     cache = PartitionSpec(None, batch, None, axis)

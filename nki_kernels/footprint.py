@@ -13,9 +13,10 @@ def _tiles(n, size=PMAX):
     return -(-n // size)
 
 
-def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n, weight_itemsize=None):
-    """Peak SBUF bytes per partition the kernel keeps live (the emulator's liveness rule: a tensor lives until
-    its last reference is dropped).
+def sbuf_bytes(kind, variant, shape, itemsize, blocks, weight_itemsize=None):
+    """Peak SBUF bytes per partition the kernel keeps live for `shape` (T, K, r, N) in activations of `itemsize`
+    bytes and `blocks` ({"block_t", "block_k", "block_n"}: the kernel's block-size keywords), by the emulator's
+    liveness rule: a tensor lives until its last reference is dropped.
 
     Stage 1 holds the (XU)ᵀ strip(s), a float32 accumulator when K spans several blocks, and two K blocks
     (the current one and the next being loaded) of Xᵀ and full-width U rows, plus the next block's staged X
@@ -23,6 +24,8 @@ def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n, w
     weight_itemsize: None (weights in the activations' dtype), or 1 for fp8 factors, which add their float32
     scales: U's per rank tile for the whole call, V's per block (repeated on every partition for "rows").
     """
+    t, k, r, n = shape
+    block_t, block_k, block_n = blocks["block_t"], blocks["block_k"], blocks["block_n"]
     tb = min(block_t, t)
     factors = 2 if kind == "svd_mlp_gate_up" else 1
     fp8 = weight_itemsize is not None
@@ -58,9 +61,12 @@ def sbuf_bytes(kind, variant, t, k, r, n, itemsize, block_t, block_k, block_n, w
     return max(stage1, stage2)
 
 
-def psum_banks(kind, variant, t, k, r, n, block_t, block_k, block_n):
-    """Peak PSUM banks live at once: stage 1 groups its rank tiles to fit beside one transpose tile; stage 2
-    holds one accumulator per 512 columns (rows) or per ≤512-token chunk and factor (cols)."""
+def psum_banks(kind, variant, shape, blocks):
+    """Peak PSUM banks live at once for `shape` (T, K, r, N) and `blocks` (as sbuf_bytes'): stage 1 groups its rank
+    tiles to fit beside one transpose tile; stage 2 holds one accumulator per 512 columns (rows) or per ≤512-token
+    chunk and factor (cols)."""
+    t, _, _, n = shape
+    block_t, block_n = blocks["block_t"], blocks["block_n"]
     tb = min(block_t, t)
     chunks = _tiles(tb, MOVING_FMAX)
     stage1 = max(1, (PSUM_BANKS - 1) // chunks) * chunks + 1
@@ -74,9 +80,7 @@ def psum_banks(kind, variant, t, k, r, n, block_t, block_k, block_n):
 def fits(kind, variant, shape, itemsize, blocks, target, weight_itemsize=None):
     """Whether `blocks` keep the kernel within `target`'s SBUF and PSUM for `shape` (T, K, r, N); weight_itemsize
     as in `sbuf_bytes`."""
-    t, k, r, n = shape
     return (
-        sbuf_bytes(kind, variant, t, k, r, n, itemsize, **blocks, weight_itemsize=weight_itemsize)
-        <= SBUF_BYTES_PER_PARTITION[target]
-        and psum_banks(kind, variant, t, k, r, n, **blocks) <= PSUM_BANKS
+        sbuf_bytes(kind, variant, shape, itemsize, blocks, weight_itemsize) <= SBUF_BYTES_PER_PARTITION[target]
+        and psum_banks(kind, variant, shape, blocks) <= PSUM_BANKS
     )

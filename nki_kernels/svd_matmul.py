@@ -32,6 +32,7 @@ Block sizes are keyword arguments fixed at trace time; `nki_kernels.dispatch` pi
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 
 from nki_kernels.binding import nisa, nki, nl
@@ -468,27 +469,40 @@ class Stage2(enum.Enum):
     COLS_TO_ROWS = "cols_to_rows"  # as COLS, each Yᵀ tile turned back on the PE → y [T, N] (decode)
 
 
-def svd_matmul_body(kernel, x, u, v, u_scale, v_scale, *, x_transposed, stage2, block_t, block_k, block_n):
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """A kernel's block sizes (its block_t, block_k, block_n keywords), multiples of 128 (`check`): t tokens per
+    block (the (XU)ᵀ strip held in SBUF), k rows of X and U per K block, n columns of V per DMA block."""
+
+    t: int
+    k: int
+    n: int
+
+    def check(self):
+        check_blocks(self.t, self.k, self.n)
+
+
+def svd_matmul_body(kernel, x, u, v, u_scale, v_scale, *, x_transposed, stage2, blocks):
     """Shared body of the svd_matmul kernels: validation, token blocking, the two stages.
 
     x_transposed: x is xᵀ [K, T] in HBM (else x [T, K]); stage2: a Stage2, which also fixes the output layout.
-    u_scale, v_scale: None, or float32 [r] / [N] scales of fp8 u / v (see check_scaled_factors).
+    u_scale, v_scale: None, or float32 [r] / [N] scales of fp8 u / v (see check_scaled_factors). blocks: Blocks.
     """
     x_name = "xT" if x_transposed else "x"
     check_2d(kernel, x_name, x, "[K, T]" if x_transposed else "[T, K]")
     k, t = (x.shape[0], x.shape[1]) if x_transposed else (x.shape[1], x.shape[0])
     r, n = check_factors(kernel, "xT.shape[0]" if x_transposed else "x.shape[1]", k, u, v)
     fp8 = check_scaled_factors(kernel, x_name, x, u, v, u_scale, v_scale)
-    check_blocks(block_t, block_k, block_n)
+    blocks.check()
     y_transposed = stage2 is Stage2.COLS
     out_shape = (n, t) if y_transposed else (t, n)
     out = nl.ndarray(out_shape, dtype=x.dtype, buffer=nl.shared_hbm, name="yT" if y_transposed else "y")
     write_stage2 = {Stage2.ROWS: stage2_rows, Stage2.COLS: stage2_cols, Stage2.COLS_TO_ROWS: stage2_cols_to_rows}
     # The per-rank scales stay in SBUF for every token block (r float32 values).
     scales = [load_scale_columns(u_scale, r)] if fp8 else None
-    for t0, tb in spans(t, block_t):
-        (xu,) = stage1(x, x_transposed, t0, tb, [u], block_k, scales)
-        write_stage2[stage2](xu, v, out, t0, tb, block_n, v_scale if fp8 else None)
+    for t0, tb in spans(t, blocks.t):
+        (xu,) = stage1(x, x_transposed, t0, tb, [u], blocks.k, scales)
+        write_stage2[stage2](xu, v, out, t0, tb, blocks.n, v_scale if fp8 else None)
         del xu  # dead before the next token block's stage 1
     return out
 
@@ -514,9 +528,7 @@ def svd_matmul_kernel(x, u, v, u_scale=None, v_scale=None, *, block_t=512, block
         v_scale,
         x_transposed=False,
         stage2=Stage2.ROWS,
-        block_t=block_t,
-        block_k=block_k,
-        block_n=block_n,
+        blocks=Blocks(block_t, block_k, block_n),
     )
 
 
@@ -533,9 +545,7 @@ def svd_matmul_t_out_kernel(x, u, v, u_scale=None, v_scale=None, *, block_t=512,
         v_scale,
         x_transposed=False,
         stage2=Stage2.COLS,
-        block_t=block_t,
-        block_k=block_k,
-        block_n=block_n,
+        blocks=Blocks(block_t, block_k, block_n),
     )
 
 
@@ -557,7 +567,5 @@ def svd_matmul_decode_kernel(x, u, v, u_scale=None, v_scale=None, *, block_t=512
         v_scale,
         x_transposed=False,
         stage2=Stage2.COLS_TO_ROWS,
-        block_t=block_t,
-        block_k=block_k,
-        block_n=block_n,
+        blocks=Blocks(block_t, block_k, block_n),
     )

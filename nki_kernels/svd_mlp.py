@@ -13,12 +13,14 @@ No rank-r intermediate touches HBM; the only intermediate in HBM is hᵀ (T·I e
 
 from __future__ import annotations
 
+import dataclasses
+
 from nki_kernels.activations import ACTIVATIONS, check_fused_activation
 from nki_kernels.binding import nisa, nki, nl
 from nki_kernels.svd_matmul import (
+    Blocks,
     Stage2,
     check_2d,
-    check_blocks,
     check_factors,
     check_scaled_factors,
     k_slots,
@@ -49,6 +51,21 @@ def load_slot_scales(scale, f0, fc):
     return scale_columns(row, pieces)
 
 
+@dataclasses.dataclass(frozen=True)
+class MlpFactors:
+    """The gate or the up projection's factors as gate_up_body takes them: u [H, r], v [r, I] and, for fp8 factors,
+    their float32 scales u_scale [r], v_scale [I] (else None)."""
+
+    u: object
+    v: object
+    u_scale: object = None
+    v_scale: object = None
+
+    def parts(self):
+        """(u, v, u_scale, v_scale)."""
+        return self.u, self.v, self.u_scale, self.v_scale
+
+
 @nki.jit
 def svd_mlp_gate_up_kernel(
     x,
@@ -74,35 +91,46 @@ def svd_mlp_gate_up_kernel(
     (gate_u_scale [rg], gate_v_scale [I], up_u_scale [ru], up_v_scale [I]): the rank scales are applied as
     stage 1 is evicted, the gate's feature scales inside the activation (its `scale`, one per partition), the
     up's in the multiply by the activated gate.
+
+    The argument list is the kernel's device call contract (each HBM tensor one kernel argument, as the JAX side
+    and NKI's JAX integration pass them; the block sizes the static keywords dispatch's tuned table fills), so it
+    stays flat; the body (gate_up_body) takes the factors and block sizes bundled.
     """
+    gate = MlpFactors(gate_u, gate_v, gate_u_scale, gate_v_scale)
+    up = MlpFactors(up_u, up_v, up_u_scale, up_v_scale)
+    return gate_up_body(x, gate, up, activation_op(activation), Blocks(block_t, block_k, block_n))
+
+
+def gate_up_body(x, gate, up, op, blocks):
+    """svd_mlp_gate_up_kernel's work: hᵀ [I, T] for x [T, H], gate and up MlpFactors, op the activation's ScalarE
+    function (activation_op) and `blocks` (svd_matmul.Blocks)."""
     kernel = "svd_mlp_gate_up_kernel"
-    op = activation_op(activation)
     check_2d(kernel, "x", x, "[T, H]")
     t, h = x.shape
-    _, i_gate = check_factors(kernel, "x.shape[1]", h, gate_u, gate_v, "gate_u", "gate_v")
-    _, i_up = check_factors(kernel, "x.shape[1]", h, up_u, up_v, "up_u", "up_v")
+    _, i_gate = check_factors(kernel, "x.shape[1]", h, gate.u, gate.v, "gate_u", "gate_v")
+    _, i_up = check_factors(kernel, "x.shape[1]", h, up.u, up.v, "up_u", "up_v")
     if i_gate != i_up:
         raise ValueError(
             f"{kernel}: gate_v has {i_gate} columns but up_v has {i_up}; both must be the intermediate size I"
         )
-    fp8 = check_scaled_factors(kernel, "x", x, gate_u, gate_v, gate_u_scale, gate_v_scale, "gate_u", "gate_v")
-    if check_scaled_factors(kernel, "x", x, up_u, up_v, up_u_scale, up_v_scale, "up_u", "up_v") != fp8:
+    fp8 = check_scaled_factors(kernel, "x", x, *gate.parts(), "gate_u", "gate_v")
+    if check_scaled_factors(kernel, "x", x, *up.parts(), "up_u", "up_v") != fp8:
         raise TypeError(f"{kernel}: gate and up factors must both be fp8 with scales, or neither")
-    check_blocks(block_t, block_k, block_n)
+    blocks.check()
     rank_scales = None
     if fp8:  # in SBUF for the whole call (r float32 values per factor)
-        rank_scales = [load_scale_columns(gate_u_scale, gate_u.shape[1]), load_scale_columns(up_u_scale, up_u.shape[1])]
+        rank_scales = [load_scale_columns(gate.u_scale, gate.u.shape[1]), load_scale_columns(up.u_scale, up.u.shape[1])]
     pmax = nl.tile_size.pmax
     hT = nl.ndarray((i_gate, t), dtype=x.dtype, buffer=nl.shared_hbm, name="hT")
-    gate_rank_tiles = spans(gate_v.shape[0], pmax)
-    up_rank_tiles = spans(up_v.shape[0], pmax)
-    for t0, tb in spans(t, block_t):
-        gate_xu, up_xu = stage1(x, False, t0, tb, [gate_u, up_u], block_k, rank_scales)  # one X load for both
-        for feature_start, feature_count in spans(i_gate, block_n):
-            gate_blk = load_row_block(gate_v, feature_start, feature_count)
-            up_blk = load_row_block(up_v, feature_start, feature_count)
-            gate_scales = load_slot_scales(gate_v_scale, feature_start, feature_count) if fp8 else None
-            up_scales = load_slot_scales(up_v_scale, feature_start, feature_count) if fp8 else None
+    gate_rank_tiles = spans(gate.v.shape[0], pmax)
+    up_rank_tiles = spans(up.v.shape[0], pmax)
+    for t0, tb in spans(t, blocks.t):
+        gate_xu, up_xu = stage1(x, False, t0, tb, [gate.u, up.u], blocks.k, rank_scales)  # one X load for both
+        for feature_start, feature_count in spans(i_gate, blocks.n):
+            gate_blk = load_row_block(gate.v, feature_start, feature_count)
+            up_blk = load_row_block(up.v, feature_start, feature_count)
+            gate_scales = load_slot_scales(gate.v_scale, feature_start, feature_count) if fp8 else None
+            up_scales = load_slot_scales(up.v_scale, feature_start, feature_count) if fp8 else None
             # Output features in the k_slots layout: slot s, partition p ↔ feature row p·q + s of the block,
             # so with all tokens in the block each partition writes q whole rows of hᵀ as one run. A single
             # token's column (T = 1 in all, not a ragged last block of one) is instead turned into one row: the
@@ -166,7 +194,5 @@ def svd_mlp_down_kernel(
         down_v_scale,
         x_transposed=True,
         stage2=Stage2.ROWS,
-        block_t=block_t,
-        block_k=block_k,
-        block_n=block_n,
+        blocks=Blocks(block_t, block_k, block_n),
     )

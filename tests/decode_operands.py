@@ -6,12 +6,19 @@ masks, factored projections and head with different per-layer ranks); random ope
 float32 or with fp8 weights (`fp8_operands`).
 """
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 
-from nki_kernels.decode.contract import PROJECTIONS, SPLIT_ROWS, WEIGHTS, DecodeSpec, dense_as_factors
+from nki_kernels.decode.contract import (
+    PROJECTIONS,
+    SPLIT_ROWS,
+    WEIGHTS,
+    DecodeShapes,
+    DecodeSpec,
+    ModelVariant,
+    WeightStorage,
+    dense_as_factors,
+)
 from nki_kernels.emulator.kernel import Spec
 
 BF16 = ml_dtypes.bfloat16
@@ -22,56 +29,59 @@ def llama_like(num_layers, hidden, num_heads, num_kv_heads, head_dim, intermedia
     """A Llama-like spec of this shape (vocabulary 300): SiLU, plain norms, no q/k or sandwich norms, no softcaps,
     1/sqrt(head_dim) query scaling, one RoPE table and one mask for every layer, dense projections and head."""
     return DecodeSpec(
-        num_layers=num_layers,
-        hidden=hidden,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate=intermediate,
-        vocab=300,
-        norm_eps=1e-5,
-        norm_unit_offset=False,
-        qk_norm=False,
-        sandwich=False,
-        activation="silu",
-        query_scaling=head_dim**-0.5,
-        attn_logit_softcap=None,
-        final_logit_softcap=None,
-        layer_rope=(0,) * num_layers,
-        layer_mask=(0,) * num_layers,
+        shapes=DecodeShapes(
+            num_layers=num_layers,
+            hidden=hidden,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            intermediate=intermediate,
+            vocab=300,
+        ),
+        variant=ModelVariant(
+            norm_eps=1e-5,
+            norm_unit_offset=False,
+            qk_norm=False,
+            sandwich=False,
+            activation="silu",
+            query_scaling=head_dim**-0.5,
+            attn_logit_softcap=None,
+            final_logit_softcap=None,
+            layer_rope=(0,) * num_layers,
+            layer_mask=(0,) * num_layers,
+        ),
     )
 
 
 LLAMA = llama_like(num_layers=2, hidden=200, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=200)
 # An intermediate of 9 whole tiles and a ragged one (a pruned MLP's width): down's rows in grouped blocks of 5 and 4
 # tiles (9's divisors up to MAX_GROUP, 1 and 3, give shorter blocks), then 64 alone.
-LLAMA_RAGGED_INTERMEDIATE = dataclasses.replace(LLAMA, intermediate=1216)
+LLAMA_RAGGED_INTERMEDIATE = LLAMA.replace(intermediate=1216)
 GEMMA3 = DecodeSpec(
-    num_layers=3,
-    hidden=256,
-    num_heads=4,
-    num_kv_heads=1,
-    head_dim=64,
-    intermediate=384,
-    vocab=300,
-    norm_eps=1e-6,
-    norm_unit_offset=True,
-    qk_norm=True,
-    sandwich=True,
-    activation="gelu_tanh",
-    query_scaling=0.125,
-    attn_logit_softcap=5.0,
-    final_logit_softcap=3.0,
-    layer_rope=(0, 1, 0),
-    layer_mask=(1, 0, 1),
-    ranks=((70, 33, 130), None, (5, 64, 1), (20, 40, 60), (40, 130, 7), (33, 20, 129), (60, 1, 100)),
-    head_rank=70,
+    shapes=DecodeShapes(
+        num_layers=3, hidden=256, num_heads=4, num_kv_heads=1, head_dim=64, intermediate=384, vocab=300
+    ),
+    variant=ModelVariant(
+        norm_eps=1e-6,
+        norm_unit_offset=True,
+        qk_norm=True,
+        sandwich=True,
+        activation="gelu_tanh",
+        query_scaling=0.125,
+        attn_logit_softcap=5.0,
+        final_logit_softcap=3.0,
+        layer_rope=(0, 1, 0),
+        layer_mask=(1, 0, 1),
+    ),
+    storage=WeightStorage(
+        ranks=((70, 33, 130), None, (5, 64, 1), (20, 40, 60), (40, 130, 7), (33, 20, 129), (60, 1, 100)), head_rank=70
+    ),
 )
-GEMMA3_DENSE = DecodeSpec(**{**GEMMA3.__dict__, "ranks": (None,) * len(PROJECTIONS), "head_rank": None})
+GEMMA3_DENSE = GEMMA3.replace(ranks=(None,) * len(PROJECTIONS), head_rank=None)
 # Layers left dense in factored stacks (rank None; contract.dense_in_stack): q and gate (columns split, K <= N), v
 # (K > N: the stack as wide as K), o and down (rows split: W in u).
-GEMMA3_DENSE_LAYERS = dataclasses.replace(
-    GEMMA3, ranks=((70, None, 130), None, (5, None, 1), (None, 40, 60), (None, 130, 7), (33, 20, 129), (60, None, 100))
+GEMMA3_DENSE_LAYERS = GEMMA3.replace(
+    ranks=((70, None, 130), None, (5, None, 1), (None, 40, 60), (None, 130, 7), (33, 20, 129), (60, None, 100))
 )
 
 
@@ -146,10 +156,10 @@ def check_cache(got, before, want, w, t, tolerance):
 
 FP8 = np.dtype(ml_dtypes.float8_e4m3)  # Trainium's e4m3: ±240
 WEIGHT_INDEX = {name: 3 + i for i, name in enumerate(WEIGHTS[:-1])} | {"head": 17}
-LLAMA8 = dataclasses.replace(LLAMA, fp8_weights=WEIGHTS)
-GEMMA3_8 = dataclasses.replace(GEMMA3, fp8_weights=WEIGHTS)  # k dense, the rest factored (head too)
-GEMMA3_DENSE_LAYERS_8 = dataclasses.replace(GEMMA3_DENSE_LAYERS, fp8_weights=WEIGHTS)
-LLAMA_RAGGED_INTERMEDIATE_8 = dataclasses.replace(LLAMA_RAGGED_INTERMEDIATE, fp8_weights=WEIGHTS)
+LLAMA8 = LLAMA.replace(fp8_weights=WEIGHTS)
+GEMMA3_8 = GEMMA3.replace(fp8_weights=WEIGHTS)  # k dense, the rest factored (head too)
+GEMMA3_DENSE_LAYERS_8 = GEMMA3_DENSE_LAYERS.replace(fp8_weights=WEIGHTS)
+LLAMA_RAGGED_INTERMEDIATE_8 = LLAMA_RAGGED_INTERMEDIATE.replace(fp8_weights=WEIGHTS)
 
 
 def fp8_matrix(rng, shape, contraction):

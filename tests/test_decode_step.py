@@ -2,7 +2,6 @@
 and compressed with per-layer ranks), under jit and vmap; bad operands name the argument; the emulator's looped
 kernel equals XLA and the float64 reference; generate runs each decode step as one launch, with XLA's tokens."""
 
-import dataclasses
 import functools
 
 import jax
@@ -290,10 +289,10 @@ def test_write_index_out_of_range_is_rejected_on_both_backends(rng, index):
 def test_spec_scalars_must_be_finite_and_positive(field, value):
     spec = decode.decode_plan(_model("llama")).spec
     with pytest.raises(ValueError, match=rf"DecodeSpec\.{field}: got .*, expected a finite positive float"):
-        dataclasses.replace(spec, **{field: value})
+        spec.replace(**{field: value})
     for cap in (float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"DecodeSpec\.final_logit_softcap: got .*, expected None or a finite"):
-            dataclasses.replace(spec, final_logit_softcap=cap)
+            spec.replace(final_logit_softcap=cap)
 
 
 def test_empty_batch_or_cache_names_the_argument(rng):

@@ -24,7 +24,7 @@ from jax_neuronmm import decode_step
 from nki_kernels.decode import DecodeOperands, Factored, Quantized, layouts, packing, reference
 
 B, SLOTS, STEPS = 4, 8, 3
-SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)
+SPEC = GEMMA3_8.replace(vocab=40, head_rank=23, final_logit_softcap=None)
 
 
 def _jax_operands(operands, spec):
@@ -143,7 +143,7 @@ def test_packed_attention_weights_compute_the_unpacked_step_on_both_backends():
     emulator's looped kernel reads the packed operand and returns exactly what it returns unpacked."""
     rng = np.random.default_rng(11)
     spec = SPEC
-    packed_spec = dataclasses.replace(spec, packed_weights=("q", "k", "v", "o"))
+    packed_spec = spec.replace(packed_weights=("q", "k", "v", "o"))
     operands = fp8_operands(rng, spec, B, 1, SLOTS, 2)
     operands[15] = _causal_mask(spec, 2)
     ops = DecodeOperands.of(_jax_operands(operands, spec), spec)

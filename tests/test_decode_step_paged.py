@@ -7,8 +7,6 @@ Operands as tests/decode_operands.py's paged_operands makes them (ragged rows, s
 inactive row), given to JAX as jnp arrays, fp8 values as float8_e4m3fn.
 """
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -72,7 +70,7 @@ def test_both_backends_equal_the_float64_reference_over_steps(rng):
     """Three steps of a Gemma-3-like model with sliding windows, 5-slot blocks: rows at different positions (one
     opening a block at the second step), two sharing a prefix block, one inactive; each backend's pools go on to its
     next step, and every step's logits and pools equal the reference's from the same pools."""
-    spec = dataclasses.replace(GEMMA3, block_size=5, mask_windows=(None, WINDOW))
+    spec = GEMMA3.replace(block_size=5, mask_windows=(None, WINDOW))
     operands, _ = paged_operands(rng, spec, [13, 9, -1, 30], 8, 40, np.float32, shared=1)
     step = _step(spec)
     pools = {"xla": operands[10:12], "emulator": operands[10:12]}
@@ -91,7 +89,7 @@ def test_both_backends_equal_the_float64_reference_over_steps(rng):
 
 
 def test_fp8_weights_on_both_backends(rng):
-    spec = dataclasses.replace(GEMMA3_8, block_size=12, mask_windows=(None, WINDOW))
+    spec = GEMMA3_8.replace(block_size=12, mask_windows=(None, WINDOW))
     operands, _ = paged_operands(rng, spec, [25, 12, 3], 4, 16, BF16, shared=1)
     for name in spec.fp8_weights:
         ranks = spec.ranks[WEIGHTS.index(name)] if name != "head" else None
@@ -114,7 +112,7 @@ def test_fp8_weights_on_both_backends(rng):
 )
 @pytest.mark.parametrize("backend", ["xla", "emulator"])
 def test_out_of_range_values_are_rejected_on_both_backends(rng, change, message, backend):
-    spec = dataclasses.replace(LLAMA, block_size=5)
+    spec = LLAMA.replace(block_size=5)
     operands, _ = paged_operands(rng, spec, [3, 7, 0], 4, 12, np.float32)
     change(operands)
     args = _jax_operands(operands, spec)

@@ -6,8 +6,6 @@ reference; splitting a paged step's rows over a batch axis is refused.
 Runs itself in a subprocess with 8 host devices, like test_sharding_spmd.py (see spmd_helpers).
 """
 
-import dataclasses
-
 import jax
 import numpy as np
 from decode_operands import LLAMA, paged_operands, relative_error
@@ -22,7 +20,7 @@ from nki_kernels.decode import reference
 
 CHECKS = Checks()
 check = CHECKS.check
-SPEC = dataclasses.replace(LLAMA, block_size=5)  # 2 KV heads: one a rank
+SPEC = LLAMA.replace(block_size=5)  # 2 KV heads: one a rank
 LENGTHS = [13, 10, -1, 4]  # row 1 opens a block, row 2 inactive
 
 

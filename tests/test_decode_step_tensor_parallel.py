@@ -10,7 +10,6 @@ Runs itself in a subprocess with 8 host devices, like test_sharding_spmd.py (see
 4 or all 8 of them.
 """
 
-import dataclasses
 import functools
 import re
 
@@ -142,7 +141,7 @@ def decode_step_inside_your_own_shard_map_on_the_shards():
     # decode_step(..., spec=tensor_parallel_spec(spec, T), axis_name=...) on each rank's blocks, with JAX's default
     # varying-axes checks on, gives what tensor_parallel_decode_step gives (which pads the vocabulary of 97).
     plan, args = _step_args("llama-compressed", 1)
-    spec = dataclasses.replace(plan.spec, vocab=98)
+    spec = plan.spec.replace(vocab=98)
     head_u, head_v = args[17]
     args = [*args[:17], (head_u, jnp.pad(head_v, ((0, 0), (0, 1))))]
     leaves, treedef = jax.tree_util.tree_flatten(args)
@@ -207,7 +206,7 @@ def xla_sharded_fp8_dense_step_equals_unsharded_2_ranks():
 @check
 def xla_sharded_fp8_factored_step_equals_unsharded_2_ranks():
     # Factored fp8 projections and head (k dense fp8), Gemma 3's variants; 2 KV heads to split.
-    _assert_fp8_sharded_equals_unsharded(dataclasses.replace(GEMMA3_8, num_kv_heads=2), 2)
+    _assert_fp8_sharded_equals_unsharded(GEMMA3_8.replace(num_kv_heads=2), 2)
 
 
 MLP_ONLY = (
@@ -290,7 +289,7 @@ def kernel_backends_refuse_per_device_binds():
     # across the devices' host callbacks (tensor_parallel_decode_step runs every rank in one instead:
     # test_decode_step_tensor_parallel_emulator.py), and nothing maps them onto Trainium's NeuronCores yet.
     plan, args = _step_args("llama", 1)
-    spec = dataclasses.replace(plan.spec, vocab=98)
+    spec = plan.spec.replace(vocab=98)
     leaves, treedef = jax.tree_util.tree_flatten([*args[:17], jnp.pad(args[17], ((0, 0), (0, 1)))])
     rank_spec = tensor_parallel_spec(spec, 2)
 
@@ -373,7 +372,7 @@ def bad_layouts_and_sizes_name_what_is_wrong():
         mesh=mesh,
         batch_axis="model",
     )
-    rank_spec = tensor_parallel_spec(dataclasses.replace(spec, vocab=100), 4)
+    rank_spec = tensor_parallel_spec(spec.replace(vocab=100), 4)
     _raises(
         ValueError,
         "spec.tensor_parallel is 4, so the operands are one rank's Megatron shard: expected axis_name",

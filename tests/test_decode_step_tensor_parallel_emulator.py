@@ -13,7 +13,6 @@ sliding window, soft-capping). Runs itself in a subprocess with 8 host devices, 
 spmd_helpers); the meshes use 2, 4 or 8 of them.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -146,7 +145,7 @@ def emulated_fp8_dense_step_2_ranks():
 @check
 def emulated_fp8_factored_step_2_ranks():
     # Factored fp8 projections and head (k dense fp8), Gemma 3's variants; 2 KV heads to split.
-    _assert_emulated_fp8_step(dataclasses.replace(GEMMA3_8, num_kv_heads=2), 2)
+    _assert_emulated_fp8_step(GEMMA3_8.replace(num_kv_heads=2), 2)
 
 
 def _assert_generate_on_the_emulator(name, mesh, **sampling):

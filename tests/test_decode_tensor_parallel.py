@@ -8,7 +8,6 @@ vocabulary 150 / 75 (not multiples of 128); Llama-like dense, Gemma-3-like with 
 ragged per-layer ranks (o and down split u's rows, the others v's columns), and fp8 weights.
 """
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -36,10 +35,10 @@ from nki_kernels.emulator import cost_model, profile, trace
 
 LLAMA_TP = llama_like(num_layers=2, hidden=200, num_heads=8, num_kv_heads=4, head_dim=32, intermediate=200)
 # Gemma 3's variants with 4 KV heads of 2 query heads each; its ragged per-layer ranks, factored head.
-GEMMA3_TP = dataclasses.replace(GEMMA3, num_heads=8, num_kv_heads=4, head_dim=32)
-GEMMA3_TP_FP8 = dataclasses.replace(GEMMA3_TP, fp8_weights=WEIGHTS)
+GEMMA3_TP = GEMMA3.replace(num_heads=8, num_kv_heads=4, head_dim=32)
+GEMMA3_TP_FP8 = GEMMA3_TP.replace(fp8_weights=WEIGHTS)
 # Layers left dense in factored stacks: each rank reads its shard of W alone (v's columns, o's and down's u's rows).
-GEMMA3_TP_DENSE_LAYERS = dataclasses.replace(GEMMA3_DENSE_LAYERS, num_heads=8, num_kv_heads=4, head_dim=32)
+GEMMA3_TP_DENSE_LAYERS = GEMMA3_DENSE_LAYERS.replace(num_heads=8, num_kv_heads=4, head_dim=32)
 
 # (spec, ranks, B, T, S, write slot, dtype, tolerance against the float64 reference)
 CASES = [
@@ -103,7 +102,7 @@ def test_one_row_logits_gather_in_pieces(rng, monkeypatch):
 
 
 @pytest.mark.parametrize("composition", COMPOSITIONS)
-@pytest.mark.parametrize("spec", [GEMMA3_TP_FP8, dataclasses.replace(GEMMA3_TP_DENSE_LAYERS, fp8_weights=WEIGHTS)])
+@pytest.mark.parametrize("spec", [GEMMA3_TP_FP8, GEMMA3_TP_DENSE_LAYERS.replace(fp8_weights=WEIGHTS)])
 def test_sharded_fp8_step_matches_whole_model(rng, composition, spec):
     ranks, b, t, s, w = 2, 1, 2, 12, 5
     operands = fp8_operands(rng, spec, b, t, s, w)
@@ -163,7 +162,7 @@ def test_shards_split_heads_features_and_vocabulary(rng):
 
 def test_replicated_kv_heads_go_to_the_ranks_of_their_query_heads(rng):
     """LLAMA_TP on 8 ranks: 4 KV heads of 2 query heads each; ranks 2j and 2j+1 share KV head j."""
-    spec = dataclasses.replace(LLAMA_TP, vocab=296)
+    spec = LLAMA_TP.replace(vocab=296)
     operands = DecodeOperands.of(make_operands(rng, spec, 1, 1, 6, 2, np.float32), spec)
     rank_spec, shards = shard_operands(spec, operands, 8)
     assert (rank_spec.num_heads, rank_spec.num_kv_heads, rank_spec.intermediate, rank_spec.vocab) == (1, 1, 25, 37)
@@ -180,11 +179,11 @@ def test_rejects_ranks_that_do_not_divide_the_model(rng):
         shard_spec(LLAMA_TP, 3)
     with pytest.raises(ValueError, match="nor is it a multiple of them that divides spec.num_heads = 8"):
         shard_spec(LLAMA_TP, 16)
-    uneven = dataclasses.replace(LLAMA_TP, num_heads=8, num_kv_heads=8, intermediate=196)
+    uneven = LLAMA_TP.replace(num_heads=8, num_kv_heads=8, intermediate=196)
     with pytest.raises(ValueError, match="tensor_parallel: got 8, which does not divide spec.intermediate = 196"):
         shard_spec(uneven, 8)
     with pytest.raises(ValueError, match="tensor_parallel: got 8, which does not divide spec.vocab = 300"):
-        shard_spec(dataclasses.replace(uneven, intermediate=200), 8)
+        shard_spec(uneven.replace(intermediate=200), 8)
     with pytest.raises(ValueError, match="tensor_parallel: got 0"):
         shard_spec(LLAMA_TP, 0)
     with pytest.raises(TypeError, match="tensor_parallel"):
@@ -267,7 +266,7 @@ def test_quick_tensor_parallel_report(tmp_path):
     assert "T = 8 not run: tensor_parallel: got 8" in text and "modeled, not measured" in text
 
 
-GEMMA3_TP_DENSE = dataclasses.replace(GEMMA3_TP, ranks=(None,) * len(GEMMA3_TP.ranks), head_rank=None)
+GEMMA3_TP_DENSE = GEMMA3_TP.replace(ranks=(None,) * len(GEMMA3_TP.ranks), head_rank=None)
 
 
 @pytest.mark.parametrize("spec, ranks", [(LLAMA_TP, 2), (GEMMA3_TP_DENSE, 4)], ids=["llama-2", "gemma3-4"])

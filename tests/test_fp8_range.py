@@ -8,7 +8,6 @@ NaN or ±inf scales are refused alike. Arrays in float8_e4m3 (NKI's and Trainium
 as the same bits as float8_e4m3fn.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -146,7 +145,7 @@ def test_traced_values_beyond_240_in_svd_mlp_and_fp8_dense_are_nan(rng):
 
 # --- item 4: decode_step's fp8 weights ------------------------------------------------------------------------
 
-SPEC = dataclasses.replace(GEMMA3_8, vocab=40, head_rank=23, final_logit_softcap=None)
+SPEC = GEMMA3_8.replace(vocab=40, head_rank=23, final_logit_softcap=None)
 SLOTS = 8
 
 

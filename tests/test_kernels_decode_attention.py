@@ -6,16 +6,20 @@ rotate-half RoPE from the tables, k and v written at slots [w, w + T) of layer `
 reads only the slots the mask can make visible: the rest are NaN in the windowed tests).
 """
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 import pytest
 from emulator_helpers import sliding_window_case
 
 from nki_kernels.binding import nki, nl
-from nki_kernels.decode.attention import attention, attention_kernel, cache_write_kernel, rope_kernel
-from nki_kernels.decode.contract import DecodeSpec
+from nki_kernels.decode.attention import (
+    AttentionOperands,
+    attention,
+    attention_kernel,
+    cache_write_kernel,
+    rope_kernel,
+)
+from nki_kernels.decode.contract import DecodeShapes, DecodeSpec, ModelVariant
 from nki_kernels.decode.tiles import load_natural_columns, store_natural_columns
 from nki_kernels.emulator import count_only, profile
 from nki_kernels.emulator.kernel import Spec, run
@@ -28,23 +32,21 @@ LAYER = 1  # uses rope table 0 and mask 1 (below), so table indexing is exercise
 
 def make_spec(heads, kv, d, qk_norm, softcap):
     return DecodeSpec(
-        num_layers=LAYERS,
-        hidden=64,
-        num_heads=heads,
-        num_kv_heads=kv,
-        head_dim=d,
-        intermediate=64,
-        vocab=32,
-        norm_eps=1e-6,
-        norm_unit_offset=True,
-        qk_norm=qk_norm,
-        sandwich=False,
-        activation="gelu_tanh",
-        query_scaling=d**-0.5,
-        attn_logit_softcap=softcap,
-        final_logit_softcap=None,
-        layer_rope=(1, 0),
-        layer_mask=(0, 1),
+        shapes=DecodeShapes(
+            num_layers=LAYERS, hidden=64, num_heads=heads, num_kv_heads=kv, head_dim=d, intermediate=64, vocab=32
+        ),
+        variant=ModelVariant(
+            norm_eps=1e-6,
+            norm_unit_offset=True,
+            qk_norm=qk_norm,
+            sandwich=False,
+            activation="gelu_tanh",
+            query_scaling=d**-0.5,
+            attn_logit_softcap=softcap,
+            final_logit_softcap=None,
+            layer_rope=(1, 0),
+            layer_mask=(0, 1),
+        ),
     )
 
 
@@ -133,20 +135,8 @@ def reference(operands, spec, layer):
 @nki.jit
 def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
     """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
-    attnT = attention(
-        load_natural_columns(q),
-        load_natural_columns(k),
-        load_natural_columns(v),
-        k_cache,
-        v_cache,
-        layer,
-        write_index,
-        cos,
-        sin,
-        mask_bias,
-        qk_norms,
-        spec,
-    )
+    ops = AttentionOperands(k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms)
+    attnT = attention(load_natural_columns(q), load_natural_columns(k), load_natural_columns(v), ops, layer, spec)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
     store_natural_columns(out, attnT)
     return out, k_cache, v_cache
@@ -179,6 +169,10 @@ CASES = [
     (64, 4, 2, 300, 2, 2, 150, False, None, np.float32),
     (256, 4, 1, 300, 1, 1, 299, True, None, BF16),  # Gemma 3 270M's heads; bf16 keys turned on the PE
     (128, 8, 8, 300, 1, 1, 299, False, None, BF16),  # bf16 keys by transposing DMA (8 tiles x 300 slots)
+    # KV features that end in a ragged tile (3 x 64 = 192, 5 x 64 = 320), queries too (9 x 64 = 576): keys turned
+    # on the PE, then by transposing DMA (bf16, 1100 slots)
+    (64, 9, 3, 40, 2, 2, 20, True, 30.0, np.float32),
+    (64, 10, 5, 1100, 1, 1, 1000, True, None, BF16),
 ]
 
 
@@ -244,7 +238,7 @@ WINDOW_CASES = [
 
 @pytest.mark.parametrize("d,heads,kv,s,b,t,w,window,dtype", WINDOW_CASES)
 def test_windowed_attention_reads_only_the_window(rng, d, heads, kv, s, b, t, w, window, dtype):
-    spec = dataclasses.replace(make_spec(heads, kv, d, True, 20.0), mask_windows=(None, window))
+    spec = make_spec(heads, kv, d, True, 20.0).replace(mask_windows=(None, window))
     poisoned, operands = windowed_operands(rng, spec, s, b, t, w, window, np.dtype(dtype))
     want, new_k, new_v = reference(operands, spec, LAYER)
     attn, k_cache, v_cache = attention_layer_kernel(*poisoned, layer=LAYER, spec=spec)
@@ -284,7 +278,7 @@ def test_new_tokens_enter_from_chip(rng, d, heads, kv, s, b, t, w, window, dtype
     if window is None:
         operands = list(make_operands(rng, spec, s, b, t, w, np.dtype(dtype)))
     else:
-        spec = dataclasses.replace(spec, mask_windows=(None, window))
+        spec = spec.replace(mask_windows=(None, window))
         _, operands = windowed_operands(rng, spec, s, b, t, w, window, np.dtype(dtype))
     want, new_k, new_v = reference(operands, spec, LAYER)
     stale = list(operands)
@@ -315,7 +309,7 @@ def test_windowed_attention_moves_only_the_window(s, t, window):
     read = {}
     for windows in ((), (None, window)):
         with count_only(), profile() as prof:
-            run(attention_kernel, args, dict(layer=LAYER, spec=dataclasses.replace(spec, mask_windows=windows)))
+            run(attention_kernel, args, dict(layer=LAYER, spec=spec.replace(mask_windows=windows)))
         read[windows] = prof.runs[0].hbm_bytes_read
     span = window + t - 1
     assert read[()] - read[(None, window)] == b * (s - span) * (2 * kv * d * dtype.itemsize + t * 4)

@@ -2,7 +2,6 @@
 (counted by hand here), the specs (from the presets through decode_plan) and operand placeholders of each model,
 the nkilib peer's sharding, the targets' bounds, and a --quick smoke run of the whole script."""
 
-import dataclasses
 import os
 import subprocess
 import sys
@@ -87,7 +86,7 @@ def test_cut_layers_keeps_per_layer_ranks_the_head_and_fp8_weights():
     m = MODELS["Gemma 3 270M"]
     full = bench.decode_spec(m, m.num_layers, True, fp8=True)
     assert bench.cut_layers(full, 5) == bench.decode_spec(m, 5, True, fp8=True)
-    uneven = dataclasses.replace(full, ranks=(tuple(range(1, 19)), *full.ranks[1:]), head_rank=448)
+    uneven = full.replace(ranks=(tuple(range(1, 19)), *full.ranks[1:]), head_rank=448)
     cut = bench.cut_layers(uneven, 7)
     assert cut.ranks[0] == (1, 2, 3, 4, 5, 6, 7) and cut.ranks[1:] == tuple(r[:7] for r in full.ranks[1:])
     assert cut.head_rank == 448 and cut.fp8_weights == full.fp8_weights and cut.mask_windows == full.mask_windows

@@ -7,8 +7,6 @@ per-output-column scales spanning four orders of magnitude (decode_operands.fp8_
 natural tiles, H = 256 row-grouped tiles, ranks 1 .. 130, V = 300), dense and factored projections and LM heads.
 """
 
-import dataclasses
-
 import ml_dtypes
 import numpy as np
 import pytest
@@ -36,7 +34,7 @@ from harness.runner import COMPOSITIONS, run_decode_step
 from nki_kernels import emulator
 from nki_kernels.binding import nki, nl
 from nki_kernels.decode import projections, reference, tiles, traffic
-from nki_kernels.decode.contract import FP8, WEIGHTS, DecodeSpec, Factored, Quantized, check
+from nki_kernels.decode.contract import FP8, WEIGHTS, Factored, Quantized, check
 from nki_kernels.decode.ring import RING_BLOCK_BYTES, WeightRing
 from nki_kernels.emulator import NkiHardwareError, cost_model, profile, trace
 from nki_kernels.emulator.kernel import Spec, run
@@ -87,7 +85,7 @@ def _hbm_bytes(composition, operands, spec):
 
 def test_must_move_bytes_count_fp8_weights_at_one_byte_plus_their_scales():
     for spec in (LLAMA, GEMMA3):
-        fp8 = dataclasses.replace(spec, fp8_weights=WEIGHTS)
+        fp8 = spec.replace(fp8_weights=WEIGHTS)
         values = scales = 0
         for name in WEIGHTS:
             k, n = (spec.hidden, spec.vocab) if name == "head" else (spec.in_features(name), spec.out_features(name))
@@ -101,7 +99,7 @@ def test_must_move_bytes_count_fp8_weights_at_one_byte_plus_their_scales():
         r = spec.head_rank
         h, v = spec.hidden, spec.vocab
         head_values, head_scales = (h * v, v) if r is None else (r * (h + v), r + v)
-        head_only = dataclasses.replace(spec, fp8_weights=("head",))
+        head_only = spec.replace(fp8_weights=("head",))
         assert bf16_bytes - traffic.must_move_bytes(head_only, 3, 40) == head_values - 4 * head_scales
 
 
@@ -127,7 +125,7 @@ def test_kernels_move_fp8_weights_at_half_the_bytes_of_bf16(rng, composition):
     once, at half of bf16's bytes, plus its float32 scales once (one row: the head's scales are read once); besides
     them, only the zero padding of the u rows read whole (the ragged GEMMA3 stacks)."""
     for spec in (LLAMA, GEMMA3):
-        fp8 = dataclasses.replace(spec, fp8_weights=WEIGHTS)
+        fp8 = spec.replace(fp8_weights=WEIGHTS)
         bf16_operands = make_operands(rng, spec, 1, 1, 40, 9, BF16)
         fp8_ops = list(bf16_operands)
         for name in WEIGHTS:
@@ -182,15 +180,15 @@ def test_missing_or_misshapen_scales_name_the_operand(rng):
     with pytest.raises(TypeError, match="k.w: got dtype bfloat16, expected float8_e4m3 .spec.fp8_weights names k"):
         replaced("k", Quantized(w.astype(BF16), scale))
     # Not named in fp8_weights: fp8 values are not a weight in x's dtype, and scales do not belong.
-    bf16_spec = dataclasses.replace(GEMMA3_8, fp8_weights=WEIGHTS[1:])
+    bf16_spec = GEMMA3_8.replace(fp8_weights=WEIGHTS[1:])
     with pytest.raises(ValueError, match=r"q.u_scale: expected None since spec.fp8_weights does not name q"):
         replaced("q", Factored(u, v, u_scale, v_scale), bf16_spec)
     with pytest.raises(TypeError, match="q.u: got dtype float8_e4m3, expected bfloat16 .x's dtype.; an fp8 weight"):
         replaced("q", Factored(u, v), bf16_spec)
     with pytest.raises(ValueError, match="k: got Quantized, expected one dense array"):
-        replaced("k", Quantized(w, scale), dataclasses.replace(GEMMA3_8, fp8_weights=("q",)))
+        replaced("k", Quantized(w, scale), GEMMA3_8.replace(fp8_weights=("q",)))
     with pytest.raises(ValueError, match="DecodeSpec.fp8_weights"):
-        DecodeSpec(**{**GEMMA3.__dict__, "fp8_weights": ("q", "lm_head")})
+        GEMMA3.replace(fp8_weights=("q", "lm_head"))
 
 
 @nki.jit

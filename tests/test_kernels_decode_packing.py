@@ -39,17 +39,17 @@ from nki_kernels.decode.sharding import gather_cache, shard_operands
 from nki_kernels.emulator import cost_model, trace
 
 ATTENTION = ("q", "k", "v", "o")
-GEMMA_PACKED = dataclasses.replace(GEMMA3_8, packed_weights=ATTENTION)
-LLAMA_PACKED = dataclasses.replace(LLAMA8, packed_weights=("k", "o", "up"))
+GEMMA_PACKED = GEMMA3_8.replace(packed_weights=ATTENTION)
+LLAMA_PACKED = LLAMA8.replace(packed_weights=("k", "o", "up"))
 # bf16: the factored attention projections (k is dense) and down (ranks 60, 1, 100: a rank-1 layer's 1-element rows).
-GEMMA_BF16_PACKED = dataclasses.replace(GEMMA3, packed_weights=("q", "v", "o", "down"))
+GEMMA_BF16_PACKED = GEMMA3.replace(packed_weights=("q", "v", "o", "down"))
 # bf16 with dense projections packed (packing.attention_packing(..., dense=True), a tensor-parallel rank's small
 # shards): the attention with k dense beside its factors, and every one of Llama's dense (H = 200: natural tiles).
-GEMMA_BF16_MIXED = dataclasses.replace(GEMMA3, packed_weights=ATTENTION)
-LLAMA_BF16_PACKED = dataclasses.replace(LLAMA, packed_weights=ATTENTION)
+GEMMA_BF16_MIXED = GEMMA3.replace(packed_weights=ATTENTION)
+LLAMA_BF16_PACKED = LLAMA.replace(packed_weights=ATTENTION)
 # Layers left dense in factored stacks (rank None: their W packed alone), fp8 and bf16.
-GEMMA_DENSE_LAYERS_PACKED = dataclasses.replace(GEMMA3_DENSE_LAYERS_8, packed_weights=("q", "v", "o"))
-GEMMA_BF16_DENSE_LAYERS_PACKED = dataclasses.replace(GEMMA3_DENSE_LAYERS, packed_weights=("q", "v", "o", "down"))
+GEMMA_DENSE_LAYERS_PACKED = GEMMA3_DENSE_LAYERS_8.replace(packed_weights=("q", "v", "o"))
+GEMMA_BF16_DENSE_LAYERS_PACKED = GEMMA3_DENSE_LAYERS.replace(packed_weights=("q", "v", "o", "down"))
 SPECS = [
     GEMMA_PACKED,
     LLAMA_PACKED,
@@ -195,13 +195,13 @@ def test_default_packing_takes_gemma_attention_factors_only():
     assert comparison.decode_spec(models["Llama-3.2-1B"], 2, compressed=True, fp8=True).packed_weights == ()
     assert comparison.decode_spec(models["Llama-3.2-1B"], 2, compressed=True).packed_weights == ()
     # fp8 beside bf16 factors: the fp8 ones (one dtype to a packed operand)
-    mixed = dataclasses.replace(packing.unpacked_spec(gemma), fp8_weights=("q", "o"))
+    mixed = packing.unpacked_spec(gemma).replace(fp8_weights=("q", "o"))
     assert packing.attention_packing(mixed) == ("q", "o")
 
 
 @pytest.mark.parametrize(
     "spec",
-    [GEMMA_PACKED, GEMMA_BF16_PACKED, dataclasses.replace(GEMMA3_DENSE, packed_weights=ATTENTION)],
+    [GEMMA_PACKED, GEMMA_BF16_PACKED, GEMMA3_DENSE.replace(packed_weights=ATTENTION)],
     ids=["fp8", "bf16", "bf16-dense"],
 )
 def test_tensor_parallel_ranks_each_pack_their_shard(rng, spec):
@@ -287,9 +287,9 @@ def test_packed_attention_moves_long_runs_once():
 
 def test_bad_packing_is_refused_naming_the_argument(rng):
     with pytest.raises(ValueError, match=r"packed_weights.*fp8_weights names only \['q'\].*share one dtype"):
-        dataclasses.replace(GEMMA3_8, fp8_weights=("q",), packed_weights=("q", "v"))
+        GEMMA3_8.replace(fp8_weights=("q",), packed_weights=("q", "v"))
     with pytest.raises(ValueError, match=r"packed_weights.*distinct names"):
-        dataclasses.replace(GEMMA3_8, packed_weights=("head",))
+        GEMMA3_8.replace(packed_weights=("head",))
     bf16_plain = packing.unpacked_spec(GEMMA_BF16_PACKED)
     bf16_ops = DecodeOperands.of(make_operands(rng, bf16_plain, 1, 1, 8, 3, BF16), bf16_plain)
     bf16 = packing.pack_weights(bf16_ops, GEMMA_BF16_PACKED)

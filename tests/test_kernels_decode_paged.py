@@ -7,8 +7,6 @@ sizes that are not powers of two (5, 12, 48), Llama-like and Gemma-3-like specs 
 weights), the looped and the per-layer kernels.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from decode_operands import (
@@ -26,11 +24,11 @@ from harness.runner import run_decode_step, run_sharded_decode_step
 
 from nki_kernels import emulator
 from nki_kernels.decode import paged, reference
-from nki_kernels.decode.contract import WEIGHTS, DecodeSpec
+from nki_kernels.decode.contract import WEIGHTS
 from nki_kernels.decode.sharding import gather_cache, shard_operands
 
-WINDOWED = dataclasses.replace(GEMMA3, mask_windows=(None, WINDOW))  # layers 0 and 2 slide (mask table 1)
-WINDOWED_8 = dataclasses.replace(GEMMA3_8, mask_windows=(None, WINDOW))
+WINDOWED = GEMMA3.replace(mask_windows=(None, WINDOW))  # layers 0 and 2 slide (mask table 1)
+WINDOWED_8 = GEMMA3_8.replace(mask_windows=(None, WINDOW))
 
 
 def _fp8(rng, operands, spec):
@@ -74,7 +72,7 @@ CASES = [
 def test_paged_step_matches_float64_reference(
     rng, spec, block_size, lengths, max_blocks, num_blocks, shared, dtype, composition, tolerance
 ):
-    spec = dataclasses.replace(spec, block_size=block_size)
+    spec = spec.replace(block_size=block_size)
     operands, table = paged_operands(rng, spec, lengths, max_blocks, num_blocks, dtype, shared=shared)
     if spec.fp8_weights:
         operands = _fp8(rng, operands, spec)
@@ -91,7 +89,7 @@ def test_paged_step_matches_float64_reference(
 @pytest.mark.parametrize("composition", ["looped", "per_layer"])
 def test_tensor_parallel_paged_step_matches_float64_reference(rng, composition):
     """Two ranks, each with its KV head's slice of the pools (the Megatron layout), every row at its own position."""
-    spec = dataclasses.replace(WINDOWED, num_kv_heads=2, block_size=12)
+    spec = WINDOWED.replace(num_kv_heads=2, block_size=12)
     lengths = [30, 12, -1, 47]
     operands, table = paged_operands(rng, spec, lengths, 4, 24, np.float32, shared=1)
     want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
@@ -115,7 +113,7 @@ def test_sliding_layers_read_only_their_windows_blocks(rng):
     """Every block of the pools no row's window holds is NaN in the sliding layers: the results stay finite and
     equal the reference's on clean pools (which the masks make independent of those blocks)."""
     block_size, max_blocks, lengths = 5, 8, [33, 21, 9, 2]
-    spec = dataclasses.replace(WINDOWED, block_size=block_size)
+    spec = WINDOWED.replace(block_size=block_size)
     operands, table = paged_operands(rng, spec, lengths, max_blocks, 40, np.float32)
     want_logits, want_k, want_v = reference.decode_step_f64(operands, spec)
     read = {table[row, i] for row, p in enumerate(lengths) for i in _window_blocks(p, WINDOW, block_size, max_blocks)}
@@ -152,7 +150,7 @@ def test_window_blocks_cover_every_window():
     ],
 )
 def test_bad_lengths_or_block_table_name_the_argument(rng, change, message):
-    spec = dataclasses.replace(LLAMA, block_size=5)
+    spec = LLAMA.replace(block_size=5)
     operands, _ = paged_operands(rng, spec, [3, 7, 0], 4, 12, np.float32)
     change(operands)
     with pytest.raises(ValueError, match=message):
@@ -160,7 +158,7 @@ def test_bad_lengths_or_block_table_name_the_argument(rng, change, message):
 
 
 def test_paged_operands_and_compositions_are_checked(rng):
-    spec = dataclasses.replace(LLAMA, block_size=5)
+    spec = LLAMA.replace(block_size=5)
     operands, _ = paged_operands(rng, spec, [3, 7, 0], 4, 12, np.float32)
     with pytest.raises(ValueError, match="composition 'per_op' writes and reads a contiguous cache"):
         run_decode_step("per_op", operands, spec, **RING)
@@ -182,7 +180,7 @@ def test_paged_operands_and_compositions_are_checked(rng):
 @pytest.mark.parametrize("block_size", [0, -3, 2.5, True])
 def test_block_size_must_be_a_positive_int(block_size):
     with pytest.raises(ValueError, match="DecodeSpec.block_size"):
-        DecodeSpec(**{**LLAMA.__dict__, "block_size": block_size})
+        LLAMA.replace(block_size=block_size)
 
 
 def test_a_block_that_cannot_fit_the_partitions_is_refused(rng):
@@ -200,7 +198,7 @@ LAYOUT_CASES = [(2, 64, 48, 3, [100, 48, 7]), (1, 64, 5, 130, [647, 400])]
 
 @pytest.mark.parametrize("kv, head_dim, block_size, max_blocks, lengths", LAYOUT_CASES, ids=["slices", "two-tuples"])
 def test_block_layouts_match_float64_reference(rng, kv, head_dim, block_size, max_blocks, lengths):
-    spec = dataclasses.replace(WINDOWED, num_kv_heads=kv, head_dim=head_dim, block_size=block_size)
+    spec = WINDOWED.replace(num_kv_heads=kv, head_dim=head_dim, block_size=block_size)
     num_blocks = max_blocks * len(lengths) + 3
     operands, table = paged_operands(rng, spec, lengths, max_blocks, num_blocks, np.float32)
     slot_bytes = kv * head_dim * 4
@@ -234,7 +232,7 @@ def test_paged_blocks_cover_each_window_slot_once(blocks, block_size, slot_bytes
 # blocks with fp8 weights.
 GATHER_CASES = [
     (WINDOWED, 16, 18, 76, [270, 16, 77, -1], 1, "looped"),
-    (dataclasses.replace(WINDOWED, num_kv_heads=2), 8, 20, 70, [159, 40, 3], 2, "looped"),
+    (WINDOWED.replace(num_kv_heads=2), 8, 20, 70, [159, 40, 3], 2, "looped"),
     (WINDOWED, 384, 2, 7, [700, 384, 5], 1, "per_layer"),
     (WINDOWED_8, 32, 5, 23, [100, 64, 31, 159], 2, "looped"),
 ]
@@ -259,7 +257,7 @@ def test_keys_gathered_transposed_match_float64_reference(
 ):
     """Kᵀ by gathering transposes (trn2, bf16 cache): every layer's window through them, scattered blocks."""
     calls = _spy_gathers(monkeypatch)
-    spec = dataclasses.replace(spec, block_size=block_size)
+    spec = spec.replace(block_size=block_size)
     operands, table = paged_operands(rng, spec, lengths, max_blocks, num_blocks, BF16, shared=shared)
     if spec.fp8_weights:
         operands = _fp8(rng, operands, spec)
@@ -278,7 +276,7 @@ def test_trn1_and_untiled_blocks_turn_keys_on_the_pe(rng, monkeypatch):
     of it); the PE path gives the reference's numbers."""
     calls = _spy_gathers(monkeypatch)
     for target, block_size in (("trn1", 16), ("trn2", 48)):
-        spec = dataclasses.replace(WINDOWED, block_size=block_size)
+        spec = WINDOWED.replace(block_size=block_size)
         operands, table = paged_operands(rng, spec, [60, 17, 90], 144 // block_size, 30, BF16)
         want_logits, _, _ = reference.decode_step_f64(operands, spec)
         with emulator.use_target(target):

@@ -10,6 +10,7 @@ import pytest
 
 from nki_kernels.activations import ACTIVATIONS
 from nki_kernels.binding import nki, nl
+from nki_kernels.decode import logits as head_stage
 from nki_kernels.decode import projections, tiles
 from nki_kernels.decode.contract import Factored
 from nki_kernels.decode.ring import WeightRing
@@ -50,19 +51,8 @@ def mlp_kernel(x, gate, up, down_u, down_v, *, rank, activation, group_h, group_
     tiles.load_columns(xc, x, hidden)
     hc = tiles.column_tiles(hidden, rows, gate.dtype, "h", zero=False)
     tiles.load_columns(hc, x, hidden)
-    projections.gated_mlp(
-        hc,
-        hidden,
-        gate,
-        up,
-        Factored(down_u, down_v),
-        (None, None, rank),
-        inter,
-        rows,
-        ring,
-        activation_op(activation),
-        projections.add_into(xc),
-    )
+    mlp = projections.GatedMlp(gate, up, Factored(down_u, down_v), activation_op(activation), (None, None, rank))
+    projections.gated_mlp(hc, hidden, inter, mlp, rows, ring, projections.add_into(xc))
     out = nl.ndarray((rows, h), dtype=nl.float32, buffer=nl.shared_hbm, name="out")
     tiles.store_columns(out, xc, hidden)
     return out
@@ -200,7 +190,7 @@ def test_head_ranges_narrow_to_the_tail():
 @pytest.mark.parametrize("rows, k, v, softcap", [(2, 256, 5000, None), (1, 640, 4700, 3.0)])
 def test_head_blocks_wider_than_a_psum_chunk(rng, rows, k, v, softcap, monkeypatch):
     """A head block holding all K rows spans several HEAD_COLUMNS PSUM chunks (and a ragged last one)."""
-    monkeypatch.setattr(projections, "HEAD_RUN_BYTES", 16384)  # float32 weights: as wide as bf16 ones get
+    monkeypatch.setattr(head_stage, "HEAD_RUN_BYTES", 16384)  # float32 weights: as wide as bf16 ones get
     assert len(tiles.layout_blocks(tiles.feature_layout(k, tiles.head_group(k)))) == 1
     h, w = f32(rng, (rows, k)), f32(rng, (k, v), k**-0.5)
     count = tiles.head_group(k)  # rows per partition of the one layout block

@@ -7,8 +7,6 @@ tables and masks, factored projections and head with different per-layer ranks) 
 padding mask, and a small weight ring so blocks wrap around it within a layer.
 """
 
-import dataclasses
-
 import numpy as np
 import pytest
 from decode_operands import (
@@ -30,7 +28,7 @@ from emulator_helpers import sliding_window_case
 from harness.runner import COMPOSITIONS, run_decode_step
 
 from nki_kernels.decode import layouts, reference, tiles, traffic
-from nki_kernels.decode.contract import PROJECTIONS, DecodeSpec
+from nki_kernels.decode.contract import PROJECTIONS
 from nki_kernels.decode.ring import SMALL_TILE_BYTES
 from nki_kernels.decode.runner import run_looped_step, run_sharded_looped_step
 from nki_kernels.decode.step import reserved_bytes
@@ -81,7 +79,7 @@ def test_composition_matches_float64_reference(rng, composition, spec, b, t, s, 
 
 
 WINDOW = 4
-GEMMA3_WINDOWED = DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": (None, WINDOW)})  # layers 0 and 2 slide
+GEMMA3_WINDOWED = GEMMA3.replace(mask_windows=(None, WINDOW))  # layers 0 and 2 slide
 
 
 def windowed_operands(rng, spec, b, t, s, w, dtype):
@@ -133,9 +131,7 @@ def test_count_only_sliding_layers_move_only_the_window(composition):
     read = {}
     for windows in ((), (None, WINDOW)):
         with profile() as prof:
-            run_decode_step(
-                composition, operands, DecodeSpec(**{**spec.__dict__, "mask_windows": windows}), numerics=False
-            )
+            run_decode_step(composition, operands, spec.replace(mask_windows=windows), numerics=False)
         read[windows] = sum(run.hbm_bytes_read for run in prof.runs)
     sliding = spec.layer_mask.count(1)
     slot_bytes = 2 * spec.num_kv_heads * spec.head_dim * 2 + t * 4  # k and v (bf16), the mask bias (fp32)
@@ -156,7 +152,7 @@ RAGGED_MLP_RANKS = {
 def test_mlp_ranks_that_differ_per_layer_match_float64_reference(rng, composition, case):
     dtype, mlp_ranks, tolerance = RAGGED_MLP_RANKS[case]
     spec = llama_like(num_layers=2, hidden=640, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=768)
-    spec = dataclasses.replace(spec, ranks=tuple(mlp_ranks.get(name) for name in PROJECTIONS))
+    spec = spec.replace(ranks=tuple(mlp_ranks.get(name) for name in PROJECTIONS))
     b, t, s, w = 2, 1, 12, 5
     operands = make_operands(rng, spec, b, t, s, w, dtype)
     k_before, v_before = operands[10].copy(), operands[11].copy()
@@ -190,7 +186,7 @@ def test_layers_left_dense_in_a_factored_stack_read_their_weight_alone(compositi
     factored layers read their rank's columns only (projections.whole_rows)."""
     dense = llama_like(num_layers=2, hidden=640, num_heads=4, num_kv_heads=2, head_dim=32, intermediate=768)
     mixed = {"q": (None, 60), "k": (None, 30), "o": (None, 60), "gate": (None, 320), "down": (300, None)}
-    mixed = dataclasses.replace(dense, ranks=tuple(mixed.get(name) for name in PROJECTIONS))
+    mixed = dense.replace(ranks=tuple(mixed.get(name) for name in PROJECTIONS))
     beyond = []
     for spec in (dense, mixed):
         operands = make_operands(np.random.default_rng(0), spec, 2, 1, 12, 5, np.float32)
@@ -207,14 +203,8 @@ def _profiled_runs(composition, operands, spec):
 
 
 def test_today_runs_the_fused_mlp_kernels_when_factored(rng):
-    spec = DecodeSpec(
-        **{
-            **GEMMA3.__dict__,
-            "num_layers": 1,
-            "layer_rope": (0,),
-            "layer_mask": (0,),
-            "ranks": tuple(None if r is None else r[:1] for r in GEMMA3.ranks),
-        }
+    spec = GEMMA3.replace(
+        num_layers=1, layer_rope=(0,), layer_mask=(0,), ranks=tuple(None if r is None else r[:1] for r in GEMMA3.ranks)
     )
     operands = make_operands(rng, spec, 1, 1, 8, 3, np.float32)
     with profile() as prof:
@@ -277,11 +267,11 @@ def test_default_ring_reserves_the_small_tiles_and_a_staged_row(hidden, rows):
 def test_rejects_bad_arguments(rng):
     for windows in ((4,), (None, 0), (None, 2.5)):
         with pytest.raises(ValueError, match="mask_windows"):
-            DecodeSpec(**{**GEMMA3.__dict__, "mask_windows": windows})
+            GEMMA3.replace(mask_windows=windows)
     for q_ranks in ((None, None, None), (70, 0, 130), (70, 257, 130), (70, 33)):
         ranks = (q_ranks, *GEMMA3.ranks[1:])
         with pytest.raises(ValueError, match=r"DecodeSpec.ranks\['q'\]: got .* 3 entries, each a rank in \[1, 256\]"):
-            DecodeSpec(**{**GEMMA3.__dict__, "ranks": ranks})
+            GEMMA3.replace(ranks=ranks)
     # The stacks' width: the largest rank, or the width that holds a dense layer's W (v's K rows, o's N columns).
     assert [GEMMA3_DENSE_LAYERS.stacked_rank(name) for name in ("q", "v", "o", "up", "head")] == [
         256,
@@ -325,7 +315,7 @@ def test_library_runner_runs_the_looped_kernel_alone(rng):
     check_cache(v_cache, v_before, want_v, w, t, 1e-5)
     harness_logits, _, _ = run_decode_step("looped", again, spec, **RING)
     np.testing.assert_array_equal(harness_logits, logits)
-    sharded = dataclasses.replace(spec, tensor_parallel=2)
+    sharded = spec.replace(tensor_parallel=2)
     with pytest.raises(ValueError, match="run_looped_step: spec.tensor_parallel is 2; .* run_sharded_looped_step"):
         run_looped_step(operands, sharded)
     with pytest.raises(ValueError, match="rank_operands: got 1 operand sets, expected one per rank"):

@@ -97,7 +97,7 @@ def test_default_blocks_for_unknown_shapes_fit_and_the_emulator_agrees():
     assert entry["variant"] == "rows"
     blocks = {name: entry[name] for name in block_table.BLOCK_NAMES}
     assert (
-        footprint.sbuf_bytes("svd_matmul", "rows", *shape, BF16.itemsize, **blocks)
+        footprint.sbuf_bytes("svd_matmul", "rows", shape, BF16.itemsize, blocks)
         <= hardware.SBUF_BYTES_PER_PARTITION["trn1"]
     )
     too_big = dict(blocks, block_k=14336)

@@ -236,6 +236,6 @@ def test_dispatch_plans_fp8_kernels(rng):
         dispatch.svd_matmul_plan(7, 200, 130, 1000, BF16, "trn2", weight_dtype=np.int8)
     # fp8 factors take half the SBUF of bf16 ones, plus their float32 scales.
     shape, blocks = (1, 2048, 1024, 8192), dict(block_t=512, block_k=1024, block_n=2048)
-    bf16 = footprint.sbuf_bytes("svd_matmul", "decode", *shape, 2, **blocks)
-    fp8 = footprint.sbuf_bytes("svd_matmul", "decode", *shape, 2, **blocks, weight_itemsize=1)
+    bf16 = footprint.sbuf_bytes("svd_matmul", "decode", shape, 2, blocks)
+    fp8 = footprint.sbuf_bytes("svd_matmul", "decode", shape, 2, blocks, weight_itemsize=1)
     assert fp8 < bf16

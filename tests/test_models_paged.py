@@ -156,7 +156,7 @@ def test_paged_decode_is_paged_forwards_decode_step_on_both_backends(name, rng):
             np.testing.assert_allclose(np.asarray(pool), np.asarray(want_pool), rtol=2e-4, atol=2e-5)
     with pytest.raises(ValueError, match=r"token_ids: got shape \(4, 2\), expected \[B, 1\]"):
         paged_decode(model, plan, weights, jnp.zeros((4, 2), jnp.int32), cache, batch.block_table, batch.lengths)
-    other = dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, block_size=3))
+    other = dataclasses.replace(plan, spec=plan.spec.replace(block_size=3))
     with pytest.raises(ValueError, match="plan: got block_size 3, expected the pools' 5"):
         paged_decode(model, other, weights, tokens, cache, batch.block_table, batch.lengths)
 

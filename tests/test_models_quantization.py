@@ -1,8 +1,6 @@
 """quantize_model (fp8 e4m3 projections and LM head) and fp8 checkpoints: logits against the model rebuilt from the
 dequantized weights, generation, save/load round trips, checksums, errors."""
 
-import dataclasses
-
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -321,7 +319,7 @@ def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
         (("head",), ("head",)),
     ):
         quantized = quantize_model(compressed, targets=targets)
-        assert model_spec(quantized) == dataclasses.replace(plan, fp8_weights=weights)
+        assert model_spec(quantized) == plan.replace(fp8_weights=weights)
         assert traffic.weight_bytes(model_spec(quantized)) == decode_weight_bytes(quantized)
         assert decode_plan(quantized).spec == model_spec(quantized)
     mixed = quantize_model(model, targets="attention")

@@ -20,9 +20,9 @@ import dataclasses
 
 import ml_dtypes
 import numpy as np
+
 from harness.compositions import COMPOSITIONS
 from harness.runner import run_decode_step, run_sharded_decode_step
-
 from jax_neuronmm.models.decode import preset_decode_spec
 from jax_neuronmm.models.presets import PUBLISHED
 from nki_kernels import emulator, hardware, ranks
@@ -119,8 +119,7 @@ def published_decode_models(names=None) -> dict:
 def cut_layers(spec: DecodeSpec, num_layers: int) -> DecodeSpec:
     """`spec` cut to its first num_layers layers: their RoPE tables, masks and ranks; head and fp8 weights kept."""
     layer_mask = spec.layer_mask[:num_layers]
-    return dataclasses.replace(
-        spec,
+    return spec.replace(
         num_layers=num_layers,
         layer_rope=spec.layer_rope[:num_layers],
         layer_mask=layer_mask,
@@ -142,13 +141,10 @@ def decode_spec(model: DecodeModel, num_layers: int, compressed: bool, fp8: bool
             for p in PROJECTIONS
         )
         head_rank = ranks.block_aligned_rank(full.hidden, full.vocab, KEEP)
-    spec = dataclasses.replace(
-        cut_layers(dataclasses.replace(full, ranks=(None,) * len(PROJECTIONS)), num_layers),
-        ranks=layer_ranks,
-        head_rank=head_rank,
-        fp8_weights=WEIGHTS if fp8 else (),
+    spec = cut_layers(full.replace(ranks=(None,) * len(PROJECTIONS)), num_layers).replace(
+        ranks=layer_ranks, head_rank=head_rank, fp8_weights=WEIGHTS if fp8 else ()
     )
-    return dataclasses.replace(spec, packed_weights=attention_packing(spec))
+    return spec.replace(packed_weights=attention_packing(spec))
 
 
 def operand_specs(spec: DecodeSpec, batch: int, cache_len: int, tokens: int = 1) -> tuple:
@@ -239,7 +235,7 @@ def tp_spec(model: DecodeModel, num_layers: int, compressed: bool, ranks: int, b
     if batch != 1:
         return shard_spec(spec, ranks)
     rank_spec = shard_spec(unpacked_spec(spec), ranks)
-    return dataclasses.replace(rank_spec, packed_weights=attention_packing(rank_spec, dense=True))
+    return rank_spec.replace(packed_weights=attention_packing(rank_spec, dense=True))
 
 
 def collective_floor_us(spec: DecodeSpec, batch: int, target: str) -> float:

@@ -14,6 +14,7 @@ the head); per_op_svd_mlp's fused MLP keeps down's (x·u)ᵀ on chip, so it all-
 from __future__ import annotations
 
 import numpy as np
+
 from harness.compositions import (
     COMPOSITIONS,
     add_kernel,
@@ -25,7 +26,6 @@ from harness.compositions import (
     norm_kernel,
     projection_kernel,
 )
-
 from nki_kernels.decode import attention
 from nki_kernels.decode.contract import SPLIT_ROWS, kernel_arg
 from nki_kernels.decode.runner import (

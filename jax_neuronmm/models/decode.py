@@ -67,9 +67,12 @@ from nki_kernels.decode.contract import (
     PROJECTIONS,
     SPLIT_ROWS,
     DecodeOperands,
+    DecodeShapes,
     DecodeSpec,
     Factored,
+    ModelVariant,
     Quantized,
+    WeightStorage,
     dense_as_factors,
 )
 from nki_kernels.decode.packing import attention_packing, pack_weights
@@ -222,7 +225,7 @@ def _plan_or_reason(model: CausalLM) -> tuple[DecodePlan | None, str | None]:
 
 def _one_device_spec(spec: DecodeSpec) -> DecodeSpec:
     """A model's `spec` on one device: the weights `attention_packing` picks packed."""
-    return dataclasses.replace(spec, packed_weights=attention_packing(spec, fp8_only=True))
+    return spec.replace(packed_weights=attention_packing(spec, fp8_only=True))
 
 
 def megatron_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
@@ -234,9 +237,9 @@ def megatron_spec(spec: DecodeSpec, ranks: int) -> DecodeSpec:
     not: tensor_parallel_decode_step pads the head)."""
     kv, heads = spec.num_kv_heads, spec.num_heads
     if kv % ranks and not ranks % kv and not heads % ranks:
-        spec = dataclasses.replace(spec, num_kv_heads=ranks)
+        spec = spec.replace(num_kv_heads=ranks)
     try:
-        tensor_parallel_spec(dataclasses.replace(spec, vocab=spec.vocab * ranks), ranks)
+        tensor_parallel_spec(spec.replace(vocab=spec.vocab * ranks), ranks)
     except ValueError as error:
         raise ValueError(
             f"decode_plan: the model does not split into {ranks} Megatron shards (KV heads replicate only over a "
@@ -346,7 +349,7 @@ def _spec(model: CausalLM) -> DecodeSpec:
     if _fp8(model.lm_head):
         fp8_weights.append("head")
     first, attn = specs[0], layers[0].self_attn
-    return DecodeSpec(
+    shapes = DecodeShapes(
         num_layers=len(layers),
         hidden=config.hidden_size,
         num_heads=first.num_heads,
@@ -354,6 +357,8 @@ def _spec(model: CausalLM) -> DecodeSpec:
         head_dim=first.head_dim,
         intermediate=config.intermediate_size,
         vocab=config.vocab_size,
+    )
+    variant = ModelVariant(
         norm_eps=model.norm.eps,
         norm_unit_offset=model.norm.unit_offset,
         qk_norm=attn.q_norm is not None,
@@ -364,13 +369,16 @@ def _spec(model: CausalLM) -> DecodeSpec:
         final_logit_softcap=getattr(config, "final_logit_softcapping", None),
         layer_rope=tuple(ropes.index(s.rope) for s in specs),
         layer_mask=tuple(windows.index(s.sliding_window) for s in specs),
-        ranks=tuple(ranks),
-        head_rank=model.lm_head.rank if isinstance(model.lm_head, _FACTORED_TYPES) else None,
-        fp8_weights=tuple(fp8_weights),
         # A row's cache slots hold consecutive positions (left padding, no padding): a window of W positions is
         # W slots (widen_windows when pad slots lie among a row's tokens).
         mask_windows=windows if any(w is not None for w in windows) else (),
     )
+    storage = WeightStorage(
+        ranks=tuple(ranks),
+        head_rank=model.lm_head.rank if isinstance(model.lm_head, _FACTORED_TYPES) else None,
+        fp8_weights=tuple(fp8_weights),
+    )
+    return DecodeSpec(shapes, variant, storage)
 
 
 def preset_decode_spec(family: str, preset: str, **overrides) -> DecodeSpec:
@@ -401,7 +409,7 @@ def widen_windows(plan: DecodePlan, pad_slots: int) -> DecodePlan:
     if not plan.spec.mask_windows or pad_slots == 0:
         return plan
     windows = tuple(None if w is None else w + pad_slots for w in plan.spec.mask_windows)
-    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, mask_windows=windows))
+    return dataclasses.replace(plan, spec=plan.spec.replace(mask_windows=windows))
 
 
 def _factors(name, module, dtype):

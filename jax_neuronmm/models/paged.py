@@ -232,7 +232,7 @@ def paged_plan(model: CausalLM, block_size: int) -> decode.DecodePlan | None:
     plan = decode.decode_plan(model)
     if plan is None or plan.tensor_parallel is not None:
         return None
-    return dataclasses.replace(plan, spec=dataclasses.replace(plan.spec, block_size=block_size))
+    return dataclasses.replace(plan, spec=plan.spec.replace(block_size=block_size))
 
 
 def paged_decode(

@@ -1,374 +1,88 @@
 """The decode step's operand contract, shared by the NKI kernels, the float64 reference, JAX and the benchmark.
 
-A decode step runs every decoder layer on a few new tokens per row and ends with the final norm and the LM head.
-`DecodeSpec` holds what the kernels are specialized on (sizes, the family's norm and attention variants, which
-projections are factored and at what rank per layer); everything that changes per step (tokens, positions, the
-cache) is an operand. Both families fit one spec: Llama has no unit-offset norms, QK-norm, sandwich norms or
-soft-capping; Gemma 3 has all of them and alternates RoPE tables and masks per layer (`layer_rope`,
-`layer_mask` index the step's tables).
+A decode step runs every decoder layer on a few new tokens per row and ends with the final norm and the LM head; what
+the kernels are specialized on is a DecodeSpec (nki_kernels.decode.spec), a weight's stored form Factored, Quantized or
+Dense (nki_kernels.decode.weights); those names are importable from here too.
 
-`DecodeOperands` names the operands; each field declares its shape (symbolic, and as a function of the spec and
-B, T, S) and dtype once, and `expected_shapes`, `check`, the kernels' argument lists, the JAX pytree and the
-benchmark's placeholders are all derived from those declarations: an added operand is one field here. A factored
-weight is a `Factored(u, v)`; a dense one a single array.
-
-fp8 weights: a weight the spec names in `fp8_weights` is stored as Trainium's float8_e4m3 values (±240) with one
-float32 scale per output column, x·W = (x·values)·diag(scale): a dense one as `Quantized(w, scale)`, a factored one
-as `Factored(u, v, u_scale, v_scale)` (x·W = ((x·u)·diag(u_scale))·v·diag(v_scale)). The kernels multiply by the
-scales as they evict the float32 matmul sums; the parts and their shapes are declared once, on the two types.
+`DecodeOperands` names the operands; each field declares its shape (symbolic, and as a function of the spec and B, T,
+S) and dtype once, and `expected_shapes`, `check`, the kernels' argument lists, the JAX pytree and the benchmark's
+placeholders are all derived from those declarations: an added operand is one field here. A factored weight is a
+`Factored(u, v)`; a dense one a single array.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
-from nki_kernels.activations import check_fused_activation
 from nki_kernels.decode.layouts import packed_shape
+from nki_kernels.decode.spec import (
+    FP8,
+    PROJECTIONS,
+    SCALE,
+    SPLIT_ROWS,
+    WEIGHTS,
+    DecodeShapes,
+    DecodeSpec,
+    ModelVariant,
+    WeightStorage,
+)
+from nki_kernels.decode.weights import (
+    MODEL_DTYPE,
+    PACKED_DTYPE,
+    WEIGHT_DTYPE,
+    Dense,
+    Factored,
+    Quantized,
+    StoredWeight,
+    as_weight,
+    dense_as_factors,
+    dense_in_stack,
+    kernel_arg,
+    layer_weight,
+    stored_type,
+)
 
-# The projections of one decoder layer, in operand order; the weights of a step: those, then the LM head.
-PROJECTIONS = ("q", "k", "v", "o", "gate", "up", "down")
-WEIGHTS = (*PROJECTIONS, "head")
-# Projections whose weight rows (K) are split over tensor-parallel ranks; the others split their columns (N).
-SPLIT_ROWS = ("o", "down")
-# fp8 weight values as the kernels take them: Trainium's float8_e4m3 (±240). JAX holds the same bits as
-# float8_e4m3fn (jax_neuronmm.compress.quantize), so `check` takes the fp8 dtype its caller holds.
-FP8 = np.dtype(ml_dtypes.float8_e4m3)
-SCALE = np.dtype(np.float32)
-
-
-def _check_names(field: str, names, allowed: tuple) -> None:
-    """ValueError naming DecodeSpec.<field> unless names is a tuple of distinct entries of allowed."""
-    if not isinstance(names, tuple) or any(name not in allowed for name in names) or len(set(names)) != len(names):
-        raise ValueError(f"DecodeSpec.{field}: got {names!r}, expected a tuple of distinct names of {allowed}")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeSpec:
-    """Sizes and variants of a decode step; hashable (a static kernel argument).
-
-    ranks: one entry per name in PROJECTIONS: None when that projection is dense in every layer, else a tuple of
-    the L per-layer ranks of its factors (stacked to the largest rank; layer l uses the first ranks[l]), where None
-    marks a layer whose weight W [K, N] stays dense: the stack holds it as exact factors (`dense_in_stack`) and the
-    kernels read W alone.
-    head_rank: None for a dense LM head, else the rank of its factors.
-    fp8_weights: names of WEIGHTS stored as fp8 values with float32 per-output-column scales (a dense one as
-    Quantized, a factored one as Factored with u_scale and v_scale), in any order; () for none.
-    mask_windows: () (no windows), or one entry per mask table: None when mask i may make any slot visible, else
-    a count W of slots such that mask i makes visible to the query written at slot j (write_index + t) only slots
-    in [j - W + 1, j] (a sliding window of W positions over a cache whose slots hold consecutive positions). The
-    kernels then read only the window_slots(i, S, T) slots a row's T queries can see, from a slot derived from
-    write_index at run time, so one compiled kernel serves every step.
-    tensor_parallel: how many ranks (NeuronCores) the model is split over in the Megatron layout; the spec then
-    describes one rank's shard: num_heads, num_kv_heads, intermediate and vocab count this rank's query heads, KV
-    heads, MLP features and vocabulary entries, while hidden, head_dim and the factor ranks are whole (a factor's
-    rank is replicated: q/k/v/gate/up and the head split v's columns, o and down split u's rows). Each layer then
-    all-reduces over the ranks the output of o and of down (for a factored o or down, its rank-r product x·u);
-    the logits are gathered over the ranks' vocabulary slices in rank order. 1: one rank, no collectives.
-    packed_weights: names of PROJECTIONS whose values every layer stores in the one `packed` operand in the
-    kernels' layout (nki_kernels.decode.layouts: one DMA reads a layer's bytes of all of them per partition)
-    instead of in their own stored weights, which keep only their scales (fp8) or nothing (in the model's dtype:
-    an empty Factored, or for a dense weight an empty Dense); () for none. All of them fp8 (the operand is fp8),
-    or all in the model's dtype, factored or dense (the operand is in the model's dtype). With tensor_parallel > 1
-    the packed operand is this rank's: the layout of its shard's values.
-    block_size: None (a contiguous cache per row, written at write_index), or the slots per block of a paged
-    cache: k_cache and v_cache are then pools of blocks [L, num_blocks, block_size, kv_heads, D] that every row
-    shares, read and written through the operands block_table [B, MB] and lengths [B] (one new token per row, T = 1,
-    at its own position lengths[b]; see DecodeOperands). The logical slots of a row are S = MB·block_size.
-    """
-
-    num_layers: int
-    hidden: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate: int
-    vocab: int
-    norm_eps: float
-    norm_unit_offset: bool
-    qk_norm: bool
-    sandwich: bool
-    activation: str
-    query_scaling: float
-    attn_logit_softcap: float | None
-    final_logit_softcap: float | None
-    layer_rope: tuple[int, ...]
-    layer_mask: tuple[int, ...]
-    ranks: tuple[tuple[int, ...] | None, ...] = (None,) * len(PROJECTIONS)
-    head_rank: int | None = None
-    fp8_weights: tuple[str, ...] = ()
-    mask_windows: tuple[int | None, ...] = ()
-    tensor_parallel: int = 1
-    packed_weights: tuple[str, ...] = ()
-    block_size: int | None = None
-
-    def __post_init__(self):
-        for name in (
-            "tensor_parallel",
-            "num_layers",
-            "hidden",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "intermediate",
-            "vocab",
-        ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a positive int")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"DecodeSpec.num_heads: got {self.num_heads}, expected a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        for name in ("norm_eps", "query_scaling"):
-            value = getattr(self, name)
-            if not _finite_positive(value):
-                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected a finite positive float")
-        check_fused_activation(self.activation, "DecodeSpec.activation")
-        for name in ("layer_rope", "layer_mask"):
-            value = getattr(self, name)
-            if len(value) != self.num_layers or any(not isinstance(i, int) or i < 0 for i in value):
-                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected {self.num_layers} table indices >= 0")
-        for name in ("attn_logit_softcap", "final_logit_softcap"):
-            value = getattr(self, name)
-            if value is not None and not _finite_positive(value):
-                raise ValueError(f"DecodeSpec.{name}: got {value!r}, expected None or a finite positive float")
-        if len(self.ranks) != len(PROJECTIONS):
-            raise ValueError(
-                f"DecodeSpec.ranks: got {len(self.ranks)} entries, expected one per projection {PROJECTIONS}"
-            )
-        for name, ranks in zip(PROJECTIONS, self.ranks):
-            if ranks is None:
-                continue
-            limit = min(self.whole_features(name))
-            if (
-                len(ranks) != self.num_layers
-                or any(r is not None and (not isinstance(r, int) or not 1 <= r <= limit) for r in ranks)
-                or all(r is None for r in ranks)
-            ):
-                raise ValueError(
-                    f"DecodeSpec.ranks[{name!r}]: got {ranks!r}, expected {self.num_layers} entries, each a rank in "
-                    f"[1, {limit}] or None (that layer dense), at least one a rank (else None for the whole entry)"
-                )
-        if self.head_rank is not None and not (
-            isinstance(self.head_rank, int) and 1 <= self.head_rank <= min(self.hidden, self.whole_vocab)
-        ):
-            raise ValueError(
-                f"DecodeSpec.head_rank: got {self.head_rank!r}, expected None or a rank in "
-                f"[1, {min(self.hidden, self.whole_vocab)}]"
-            )
-        if self.block_size is not None and (
-            isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size < 1
-        ):
-            raise ValueError(f"DecodeSpec.block_size: got {self.block_size!r}, expected None or a positive int")
-        _check_names("fp8_weights", self.fp8_weights, WEIGHTS)
-        _check_names("packed_weights", self.packed_weights, PROJECTIONS)
-        fp8 = [name for name in self.packed_weights if self.fp8(name)]
-        if fp8 and len(fp8) != len(self.packed_weights):
-            raise ValueError(
-                f"DecodeSpec.packed_weights: got {self.packed_weights!r}, but fp8_weights names only {fp8} of them: "
-                "packed weights share one dtype (all fp8, or all in the model's dtype)"
-            )
-        if self.mask_windows and (
-            len(self.mask_windows) != self.num_masks
-            or any(w is not None and (not isinstance(w, int) or w < 1) for w in self.mask_windows)
-        ):
-            raise ValueError(
-                f"DecodeSpec.mask_windows: got {self.mask_windows!r}, expected () or {self.num_masks} "
-                f"entries (one per mask table), each None or a window of slots >= 1"
-            )
-
-    @property
-    def paged(self) -> bool:
-        """Whether the cache is a pool of blocks read through a block table (block_size set)."""
-        return self.block_size is not None
-
-    @property
-    def contiguous(self) -> bool:
-        """Whether each row has its own contiguous cache written at write_index (no block_size)."""
-        return self.block_size is None
-
-    @property
-    def num_norms(self) -> int:
-        """Per-layer hidden-size norms: input and post-attention, plus pre/post-feedforward with sandwich."""
-        return 4 if self.sandwich else 2
-
-    @property
-    def num_rope_tables(self) -> int:
-        return max(self.layer_rope) + 1
-
-    @property
-    def num_masks(self) -> int:
-        return max(self.layer_mask) + 1
-
-    def window_slots(self, mask: int, slots: int, tokens: int) -> int:
-        """How many consecutive cache slots (of `slots`) mask table `mask` can make visible to a row's `tokens`
-        queries: all of them without a window, else min(slots, W + tokens - 1)."""
-        window = self.mask_windows[mask] if self.mask_windows else None
-        return slots if window is None else min(slots, window + tokens - 1)
-
-    def in_features(self, projection: str) -> int:
-        """K of a projection's [K, N] weight."""
-        return {
-            "q": self.hidden,
-            "k": self.hidden,
-            "v": self.hidden,
-            "o": self.num_heads * self.head_dim,
-            "gate": self.hidden,
-            "up": self.hidden,
-            "down": self.intermediate,
-        }[projection]
-
-    def out_features(self, projection: str) -> int:
-        """N of a projection's [K, N] weight."""
-        return {
-            "q": self.num_heads * self.head_dim,
-            "k": self.num_kv_heads * self.head_dim,
-            "v": self.num_kv_heads * self.head_dim,
-            "o": self.hidden,
-            "gate": self.intermediate,
-            "up": self.intermediate,
-            "down": self.hidden,
-        }[projection]
-
-    def whole_features(self, projection: str) -> tuple[int, int]:
-        """(K, N) of the whole model's weight of a projection, which this rank holds a 1/tensor_parallel slice of:
-        o and down split K (their rows), the others N (their columns)."""
-        k, n = self.in_features(projection), self.out_features(projection)
-        if projection in SPLIT_ROWS:
-            return k * self.tensor_parallel, n
-        return k, n * self.tensor_parallel
-
-    @property
-    def whole_vocab(self) -> int:
-        return self.vocab * self.tensor_parallel
-
-    def rank(self, projection: str, layer: int) -> int | None:
-        """The rank of `projection` in `layer`, or None when it is dense there (in every layer, or in this one)."""
-        ranks = self.ranks[PROJECTIONS.index(projection)]
-        return None if ranks is None else ranks[layer]
-
-    def stacked_rank(self, weight: str) -> int:
-        """The width a factored weight's factors are stacked to at least: its largest per-layer rank, or where a
-        layer stays dense, the width that holds its W (`dense_factor`); the LM head's rank."""
-        if weight == "head":
-            return self.head_rank
-        dense_width = self.dense_factor(weight)[1]
-        return max(dense_width if r is None else r for r in self.ranks[PROJECTIONS.index(weight)])
-
-    def dense_factor(self, projection: str) -> tuple[str, int]:
-        """(factor, width): where a factored stack holds the W [K, N] of a layer it leaves dense (`dense_in_stack`):
-        ("v", K), W in v's first K rows, for a projection whose columns tensor-parallel ranks split; ("u", N), W in
-        u's first N columns, for SPLIT_ROWS (o, down). Either way a rank's shard of the factor is its shard of W."""
-        if projection in SPLIT_ROWS:
-            return "u", self.out_features(projection)
-        return "v", self.in_features(projection)
-
-    def factored(self, weight: str) -> bool:
-        """Whether `weight` (a name of WEIGHTS) is stored as factors."""
-        return (self.head_rank if weight == "head" else self.ranks[PROJECTIONS.index(weight)]) is not None
-
-    def fp8(self, weight: str) -> bool:
-        """Whether `weight` (a name of WEIGHTS) is stored as fp8 values with scales."""
-        return weight in self.fp8_weights
-
-    def has_part(self, weight: str, part: dataclasses.Field) -> bool:
-        """Whether `weight`'s stored weight holds `part` (a field of Factored / Quantized): scales for fp8 weights
-        only, values unless the weight is packed (its values are in the `packed` operand)."""
-        if part.metadata["dtype"] is SCALE:
-            return self.fp8(weight)
-        return weight not in self.packed_weights
-
-    @property
-    def packed_fp8(self) -> bool:
-        """Whether the packed operand holds fp8 values (else the model's dtype)."""
-        return bool(self.packed_weights) and self.fp8(self.packed_weights[0])
-
-
-def _finite_positive(value) -> bool:
-    """A real number (not a bool, a string or an array), finite and > 0: NaN would pass a negated "> 0" test."""
-    return (
-        not isinstance(value, bool)
-        and isinstance(value, (int, float, np.integer, np.floating))
-        and math.isfinite(value)
-        and value > 0
-    )
-
-
-# What an operand's dtype must be: the model's (x's), a weight's (the model's, or the fp8 dtype for a weight the
-# spec names in fp8_weights), the packed weights' (fp8 or the model's, DecodeSpec.packed_fp8), or a fixed one.
-MODEL_DTYPE = "model"
-WEIGHT_DTYPE = "weight"
-PACKED_DTYPE = "packed"
-
-
-def _part(shape, dtype=WEIGHT_DTYPE):
-    """A field of a stored weight: shape(k, r, n) its per-layer shape for a [K, N] weight (at rank r when factored);
-    a SCALE part exists for fp8 weights only."""
-    return dataclasses.field(default=None, metadata=dict(shape=shape, dtype=dtype))
-
-
-class StoredWeight:
-    """A weight stored as several arrays (its parts, fields declaring their shapes and dtypes); iterating gives the
-    parts present (not None), in field order."""
-
-    def parts(self) -> dict:
-        """{part name: value} of the parts present (not None), in field order."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
-
-    def __iter__(self):
-        return iter(self.parts().values())
-
-    @property
-    def dtype(self):
-        """The dtype of the stored values (the first part's)."""
-        return next(iter(self)).dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class Factored(StoredWeight):
-    """A weight stored as factors: x·W = (x·u)·v, or with fp8 factors ((x·u)·diag(u_scale))·v·diag(v_scale).
-    Stacked over layers, u is [L, K, Rmax] and v [L, Rmax, N] (layer l uses the first spec.ranks[...][l] columns
-    of u / rows of v, the rest zeros; a layer the spec leaves dense holds its W as `dense_in_stack` says),
-    u_scale [L, Rmax] and v_scale [L, N]; the LM head's are u [H, r], v [r, V], u_scale [r], v_scale [V]. The
-    scales are None unless the spec names the weight in fp8_weights."""
-
-    u: Any = _part(lambda k, r, n: (k, r))
-    v: Any = _part(lambda k, r, n: (r, n))
-    u_scale: Any = _part(lambda k, r, n: (r,), SCALE)
-    v_scale: Any = _part(lambda k, r, n: (n,), SCALE)
-
-
-@dataclasses.dataclass(frozen=True)
-class Quantized(StoredWeight):
-    """A dense weight stored as fp8 values and one float32 scale per output column: x·W = (x·w)·diag(scale).
-    Stacked over layers, w is [L, K, N] and scale [L, N]; the LM head's are w [H, V] and scale [V]."""
-
-    w: Any = _part(lambda k, r, n: (k, n))
-    scale: Any = _part(lambda k, r, n: (n,), SCALE)
-
-
-@dataclasses.dataclass(frozen=True)
-class Dense(StoredWeight):
-    """A dense weight in the model's dtype as a stored weight: only as the placeholder of one that
-    spec.packed_weights names (Dense(): its values are in the `packed` operand); otherwise a dense weight is one
-    array [L, K, N]."""
-
-    w: Any = _part(lambda k, r, n: (k, n))
-
-
-def stored_type(spec: DecodeSpec, weight: str):
-    """How the spec stores `weight`: Factored, Quantized (dense fp8), Dense (dense in the model's dtype and packed:
-    an empty placeholder) or None (one dense array)."""
-    if spec.factored(weight):
-        return Factored
-    if spec.fp8(weight):
-        return Quantized
-    return Dense if weight in spec.packed_weights else None
+# The spec's and the weights' names, importable from here as before the split.
+__all__ = [
+    "FP8",
+    "MODEL_DTYPE",
+    "OPTIONAL_LAST",
+    "PACKED_DTYPE",
+    "POOL",
+    "PROJECTIONS",
+    "SCALE",
+    "SPLIT_ROWS",
+    "WEIGHTS",
+    "WEIGHT_DTYPE",
+    "DecodeOperands",
+    "DecodeShapes",
+    "DecodeSpec",
+    "Dense",
+    "Factored",
+    "ModelVariant",
+    "Quantized",
+    "StoredWeight",
+    "WeightStorage",
+    "as_weight",
+    "batch_axes",
+    "check",
+    "check_lengths",
+    "check_named",
+    "check_spec",
+    "check_write_index",
+    "dense_as_factors",
+    "dense_in_stack",
+    "expected_dtypes",
+    "expected_shapes",
+    "kernel_arg",
+    "layer_weight",
+    "layout_of",
+    "operand_fields",
+    "stored_type",
+]
 
 
 def _operand(layout: str, shape, dtype=MODEL_DTYPE, *, present=None, batch_axis=None, paged=None):
@@ -871,54 +585,3 @@ def check_lengths(where: str, lengths, block_table, *, block_size: int, num_bloc
             f"{where}: block_table: got block_table[{b}, {i}] = {int(table[b, i])}, expected a block of the pool in "
             f"[0, {num_blocks}) (every entry, those past a row's length too, must name a valid block)"
         )
-
-
-def kernel_arg(value):
-    """An operand as an NKI kernel argument (tensors, or lists of them): a stored weight as the list of its parts
-    in field order up to the last present one (a packed weight's values None); None for one with no parts (packed
-    in the model's dtype)."""
-    if not isinstance(value, StoredWeight):
-        return value
-    parts = [getattr(value, field.name) for field in dataclasses.fields(value)]
-    while parts and parts[-1] is None:
-        parts.pop()
-    return parts or None
-
-
-def as_weight(value, factored: bool):
-    """A kernel's weight argument as the contract's weight: the list of its parts as a Factored when `factored`
-    (the spec says so), else as a Quantized; a dense array itself."""
-    if not isinstance(value, (list, tuple)):
-        return value
-    return (Factored if factored else Quantized)(*value)
-
-
-def layer_weight(weight, layer: int):
-    """Layer `layer` of a stacked weight: [K, N], or the stored weight of that layer's parts (e.g. a Factored of
-    u [K, Rmax], v [Rmax, N] and, for fp8, u_scale [Rmax], v_scale [N])."""
-    if isinstance(weight, StoredWeight):
-        return type(weight)(**{name: part[layer] for name, part in weight.parts().items()})
-    return weight[layer]
-
-
-def dense_in_stack(spec: DecodeSpec, projection: str, weight, values=None):
-    """Of a layer where spec.rank(projection, layer) is None though the projection is factored in other layers:
-    its dense weight as the kernels read it, from `weight`, that layer's Factored (HBM views or arrays). Such a
-    layer's W [K, N] is stored as exact factors (`dense_as_factors`), so a product of every layer's factors stays
-    exact: W in the factor spec.dense_factor names, the identity in the other, the rest of the stack zeros. With fp8
-    factors W's scales are v_scale (u_scale ones), so the layer reads as Quantized(W, v_scale). values: W already
-    loaded (a packed layer's OnChipWeight) instead of the view into u or v."""
-    if values is None:
-        factor, width = spec.dense_factor(projection)
-        values = weight.u[:, 0:width] if factor == "u" else weight.v[0:width, :]
-    return values if weight.v_scale is None else Quantized(values, weight.v_scale)
-
-
-def dense_as_factors(projection: str, w, xp=np):
-    """(u, v): the exact factors a factored stack holds a dense layer's W [K, N] as (`DecodeSpec.dense_factor`):
-    (I [K, K], W) for a projection whose columns tensor-parallel ranks split, (W, I [N, N]) for SPLIT_ROWS; in W's
-    dtype (the identity is exact in fp8 too). xp: numpy, or a module with its eye (jax.numpy)."""
-    k, n = w.shape
-    if projection in SPLIT_ROWS:
-        return w, xp.eye(n, dtype=w.dtype)
-    return xp.eye(k, dtype=w.dtype), w

@@ -24,7 +24,7 @@ from nki_kernels.decode.contract import (
     layer_weight,
 )
 from nki_kernels.decode.layouts import packed_segments, packed_width
-from nki_kernels.decode.projections import OnChipWeight
+from nki_kernels.decode.matmul import OnChipWeight
 from nki_kernels.decode.ring import RING_BLOCK_BYTES
 
 # The attention's projections, which `attention_packing` packs.
@@ -55,13 +55,13 @@ def attention_packing(spec: DecodeSpec, fp8_only: bool = False, dense: bool = Fa
     names = fp8 or (() if fp8_only else in_model)
     if not names:
         return ()
-    width = packed_width(dataclasses.replace(spec, packed_weights=names))
+    width = packed_width(spec.replace(packed_weights=names))
     return names if width * (FP8.itemsize if fp8 else MODEL_ITEMSIZE) <= RING_BLOCK_BYTES else ()
 
 
 def unpacked_spec(spec: DecodeSpec) -> DecodeSpec:
     """`spec` with no packed weights (the contract `pack_weights` takes and `unpack_weights` gives)."""
-    return dataclasses.replace(spec, packed_weights=())
+    return spec.replace(packed_weights=())
 
 
 def _stage_values(spec: DecodeSpec, name: str, weight, part: str, layer: int):

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from nki_kernels.binding import nisa, nl
-from nki_kernels.decode.attention import (
+from nki_kernels.decode.attention_cache import (
     CACHE_BLOCK_BYTES,
     MASKED_SCORE,
     NewSlots,

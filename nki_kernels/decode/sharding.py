@@ -67,8 +67,7 @@ def shard_spec(spec: DecodeSpec, tensor_parallel: int) -> DecodeSpec:
                 f"{where}: tensor_parallel: got {ranks}, which does not divide spec.{name} = {size} (each rank "
                 f"takes an equal share of the {name})"
             )
-    return dataclasses.replace(
-        spec,
+    return spec.replace(
         tensor_parallel=ranks,
         num_heads=heads // ranks,
         num_kv_heads=max(1, kv // ranks),

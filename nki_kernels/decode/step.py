@@ -152,19 +152,7 @@ def _add_normed(ctx, x, y, weights, j, name):
 
 def _prefetch(ctx, ops, layer):
     """attention.prefetch of `layer`: what its attention needs that waits for no projection."""
-    return attention.prefetch(
-        ops.k_cache,
-        ops.v_cache,
-        layer,
-        ops.write_index,
-        ops.cos,
-        ops.sin,
-        ops.mask_bias,
-        ops.qk_norms,
-        ctx.spec,
-        ctx.rows,
-        ctx.paged,
-    )
+    return attention.prefetch(ops, layer, ctx.spec, ctx.rows, ctx.paged)
 
 
 def paged_rows(ops, spec):
@@ -254,14 +242,8 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
         qkv["q"],
         qkv["k"],
         qkv["v"],
-        ops.k_cache,
-        ops.v_cache,
+        ops,
         layer,
-        ops.write_index,
-        ops.cos,
-        ops.sin,
-        ops.mask_bias,
-        ops.qk_norms,
         spec,
         constants=ctx.attention,
         prefetched=early,
@@ -276,17 +258,15 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     if lay.attn != lay.q:
         attn = tiles.relayout(attn, lay.q, lay.attn, rows)
     ranks = tuple(spec.rank(name, layer) for name in MLP_PROJECTIONS)
-    mlp = [stored(name) for name in MLP_PROJECTIONS]
-    mlp_scales = tuple(ctx.layer_scales(name, layer) for name in MLP_PROJECTIONS)
+    scales = tuple(ctx.layer_scales(name, layer) for name in MLP_PROJECTIONS)
+    mlp = projections.GatedMlp(*(stored(name) for name in MLP_PROJECTIONS), ctx.act, ranks, scales)
     if spec.sandwich:
         y = tiles.column_tiles(lay.hidden, rows, nl.float32, "attn_out")
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.copy_into(y))
         _add_normed(ctx, x, y, w_norm, 1, "attn_out_normed")
         h = _normed(ctx, x, w_norm, 2, ctx.dtype, "mlp_in")
         m = tiles.column_tiles(lay.hidden, rows, nl.float32, "mlp_out")
-        projections.gated_mlp(
-            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.copy_into(m), mlp_scales, reduce
-        )
+        projections.gated_mlp(h, lay.hidden, lay.inter, mlp, rows, ctx.ring, projections.copy_into(m), reduce)
         release(*MLP_PROJECTIONS)
         following = _prefetch(ctx, ops, layer + 1) if prefetch_next else None
         for write in writes or ():
@@ -295,9 +275,7 @@ def decoder_layer(ctx, x, layer, ops, early=None, prefetch_next=False):
     else:
         layer_projection(attn, lay.attn, "o", lay.hidden, projections.add_into(x))
         h = _normed(ctx, x, w_norm, 1, ctx.dtype, "mlp_in")
-        projections.gated_mlp(
-            h, lay.hidden, *mlp, ranks, lay.inter, rows, ctx.ring, ctx.act, projections.add_into(x), mlp_scales, reduce
-        )
+        projections.gated_mlp(h, lay.hidden, lay.inter, mlp, rows, ctx.ring, projections.add_into(x), reduce)
         release(*MLP_PROJECTIONS)
         following = _prefetch(ctx, ops, layer + 1) if prefetch_next else None
         for write in writes or ():
@@ -379,19 +357,8 @@ def logits_of(ctx, hidden, final_norm, head, b, t):
     final_w = projections.load_norm_weights(
         final_norm.reshape((1, spec.hidden)), ctx.layouts.hidden, spec.norm_unit_offset
     )
-    projections.lm_head(
-        hidden,
-        ctx.layouts.hidden,
-        final_w,
-        head,
-        spec.head_rank,
-        ctx.rows,
-        ctx.ring,
-        ctx.consts,
-        local,
-        ctx.dtype,
-        spec.final_logit_softcap,
-    )
+    lm = projections.LmHead(head, spec.head_rank, spec.final_logit_softcap)
+    projections.lm_head(hidden, ctx.layouts.hidden, final_w, lm, ctx.rows, ctx.ring, ctx.consts, local, ctx.dtype)
     if spec.tensor_parallel > 1:
         parallel.gather_vocabulary(rows_of(logits, ctx.rows), local, spec.tensor_parallel)
     return logits
