@@ -17,6 +17,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
+from mlp_calls import svd_mlp_of_factors
 from test_decode_step_fp8 import _causal_mask, _jax_operands
 
 import jax_neuronmm as jn
@@ -76,13 +77,13 @@ def test_svd_mlp_and_the_nnx_modules_name_the_bad_array(rng):
     x = rng.standard_normal((3, 20)).astype(np.float32)
     weights = [quantize_fp8(rng.standard_normal(shape)) for shape in ((20, 4), (4, 30), (20, 5), (5, 30), (30, 3))]
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    values, scales = [w for w, _ in weights], {f"{n}_scale": s for n, (_, s) in zip(names, weights)}
-    bad = [with_value(v, (1, 2), 300.0) if n == "down_v" else v for n, v in zip(names, values)]
-    with pytest.raises(ValueError, match=rf"svd_mlp: down_v holds 1 fp8 value\(s\) {BEYOND}"):
-        jn.svd_mlp(x, *bad, **scales)
-    with pytest.raises(ValueError, match="svd_mlp: up_v_scale holds 1 non-finite"):
-        jn.svd_mlp(x, *values, **{**scales, "up_v_scale": scales["up_v_scale"].at[0].set(np.inf)})
+    gate, up, down = (jn.Factored(u, v, us, vs) for (u, us), (v, vs) in zip(weights[::2], weights[1::2]))
+    bad_down = dataclasses.replace(down, v=with_value(down.v, (1, 2), 300.0))
+    with pytest.raises(ValueError, match=rf"svd_mlp: down\.v holds 1 fp8 value\(s\) {BEYOND}"):
+        jn.svd_mlp(x, gate, up, bad_down)
+    bad_up = dataclasses.replace(up, v_scale=up.v_scale.at[0].set(np.inf))
+    with pytest.raises(ValueError, match=r"svd_mlp: up\.v_scale holds 1 non-finite"):
+        jn.svd_mlp(x, gate, bad_up, down)
 
     with pytest.raises(ValueError, match=rf"Fp8Linear: kernel holds \d+ fp8 value\(s\) {BEYOND}"):
         Fp8Linear(*ocp_fp8(rng.standard_normal((20, 6))))
@@ -133,8 +134,7 @@ def test_traced_values_beyond_240_in_svd_mlp_and_fp8_dense_are_nan(rng):
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
     values, scales = [w for w, _ in weights], [s for _, s in weights]
     values[5] = with_value(values[5], (1, 7), 448.0)  # down_v: output column 7
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    f = jax.jit(lambda x, *v: jn.svd_mlp(x, *v, **{f"{n}_scale": s for n, s in zip(names, scales)}))
+    f = jax.jit(lambda x, *v: svd_mlp_of_factors(x, *v, *scales))
     for backend in ("xla", "emulator"):
         with jn.use_backend(backend):
             y = np.asarray(f(x, *values), np.float32)
@@ -222,10 +222,9 @@ def test_float8_e4m3_in_svd_mlp_and_decode_step(rng, decode_ops):
     x = rng.standard_normal((5, 20)).astype(BF16)
     weights = [quantize_fp8(rng.standard_normal(shape)) for shape in ((20, 4), (4, 30), (20, 5), (5, 30), (30, 3))]
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    scales = {f"{n}_scale": s for n, (_, s) in zip(names, weights)}
-    want = jn.svd_mlp(x, *(w for w, _ in weights), **scales)
-    got = jn.svd_mlp(x, *(as_trainium(w) for w, _ in weights), **scales)
+    scales = [s for _, s in weights]
+    want = svd_mlp_of_factors(x, *(w for w, _ in weights), *scales)
+    got = svd_mlp_of_factors(x, *(as_trainium(w) for w, _ in weights), *scales)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
     k = decode_ops[WEIGHT_INDEX["k"]]

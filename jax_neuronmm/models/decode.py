@@ -12,7 +12,7 @@ Tensor parallel: when the model's projections (and untied LM head) are split ove
 layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD factor v's; o and down by rows: a
 kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
 stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
-`jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
+`jax_neuronmm.decode_step_parallel.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
 groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
 emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
 ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). KV heads
@@ -51,9 +51,9 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_neuronmm import decoder_math, explicit_sharding
-from jax_neuronmm.decode_step import (
-    decode_step,
-    operand_treedef,
+from jax_neuronmm.decode_step import decode_step
+from jax_neuronmm.decode_step_operands import operand_treedef
+from jax_neuronmm.decode_step_parallel import (
     tensor_parallel_decode_step,
     tensor_parallel_partition_specs,
     tensor_parallel_spec,

@@ -23,6 +23,7 @@ from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from jax_neuronmm.shapes import FP8_DTYPE, check_fp8_contents, fp8_storage, is_fp8
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from jax_neuronmm.weights import Factored
 
 
 class Fp8Weight(nnx.Variable):
@@ -158,15 +159,11 @@ class Fp8SVDMLP(nnx.Module):
     def __call__(self, inputs):
         if self.dtype is not None:
             inputs = inputs.astype(self.dtype)
-        layers = (self.gate_proj, self.up_proj, self.down_proj)
-        factors = [f[...] for layer in layers for f in (layer.u, layer.v)]
-        names = ("gate", "up", "down")
-        scales = {
-            f"{name}_{factor}_scale": getattr(layer, f"{factor}_scale")[...]
-            for name, layer in zip(names, layers)
-            for factor in ("u", "v")
-        }
-        return svd_mlp(inputs, *factors, **scales, activation=self.activation, precision=self.gate_proj.precision)
+        gate, up, down = (
+            Factored(layer.u[...], layer.v[...], layer.u_scale[...], layer.v_scale[...])
+            for layer in (self.gate_proj, self.up_proj, self.down_proj)
+        )
+        return svd_mlp(inputs, gate, up, down, activation=self.activation, precision=self.gate_proj.precision)
 
     @classmethod
     def from_svd(cls, mlp: SVDMLP) -> Fp8SVDMLP:

@@ -16,6 +16,7 @@ from jax_neuronmm.compress import svd
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from jax_neuronmm.weights import Factored
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nnx.initializers.lecun_normal()
@@ -221,9 +222,12 @@ class SVDMLP(nnx.Module):
         )
         # An MLP's result joins the residual stream: under Explicit mesh axes it is split like its input, features
         # whole (a Megatron-split MLP leaves partial sums, which svd_mlp would otherwise ask to be placed).
+        gate, up, down = (Factored(u, v) for u, v in zip(factors[::2], factors[1::2]))
         return svd_mlp(
             inputs,
-            *factors,
+            gate,
+            up,
+            down,
             activation=self.activation,
             precision=self.precision,
             out_sharding=explicit_sharding.features_unsplit(inputs),
