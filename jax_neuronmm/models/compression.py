@@ -20,7 +20,7 @@ from jax_neuronmm.models import pruning, quantization, self_distillation
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
-from jax_neuronmm.nn.nnx import Linear, SVDLinear, describe
+from jax_neuronmm.nn.nnx import FactorInit, Linear, SVDLinear, describe
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
 # Public-domain English text shipped for calibration and for held-out evaluation (jax_neuronmm/data/SOURCES.txt).
@@ -591,8 +591,7 @@ def factor_head(model: CausalLM, rank: int, method: str, calibration_ids) -> Non
             use_bias=False,
             dtype=model.dtype,
             param_dtype=dtype,
-            u_init=lambda *_: jnp.asarray(u, dtype),  # the factors as given: nothing drawn at random
-            v_init=lambda *_: jnp.asarray(v, dtype),
+            init=FactorInit(lambda *_: jnp.asarray(u, dtype), lambda *_: jnp.asarray(v, dtype)),  # as given
             rngs=nnx.Rngs(0),
         )
     )

@@ -10,6 +10,9 @@ and the checkpoints use.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from flax import nnx
 from flax.linen import dtypes
@@ -26,6 +29,25 @@ from jax_neuronmm.weights import Factored, WeightFormat
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nnx.initializers.lecun_normal()
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorInit:
+    """The initializers of an SVD layer's u, v and bias (as `nnx.Linear`'s kernel_init / bias_init): LeCun normal
+    factors by default, which keep the output variance of a LeCun-initialized dense layer, and a zero bias."""
+
+    u: Callable = default_factor_init
+    v: Callable = default_factor_init
+    bias: Callable = nnx.initializers.zeros_init()
+
+
+def _given(array, *, cast: bool = True):
+    """An initializer returning `array` as given, nothing drawn at random: in the requested dtype (cast), or in its
+    own (a bias copied with its dtype)."""
+    return lambda key, shape, dtype: jnp.asarray(array, dtype if cast else None)
+
+
+_ZEROS = FactorInit(nnx.initializers.zeros_init(), nnx.initializers.zeros_init())
 
 
 class QuantizedWeight(nnx.Variable):
@@ -112,9 +134,8 @@ class SVDLinear(nnx.Module):
     """y = (x·u)·v + bias, x [..., in_features] → y [..., out_features], with u [in_features, rank], v [rank, out];
     in a scaled format ((x·u)·diag(u_scale))·v·diag(v_scale) + bias.
 
-    Arguments follow `nnx.Linear`, plus `rank`; `u_init` / `v_init` replace `kernel_init` (both LeCun normal by
-    default, which keeps the output variance of a LeCun-initialized dense layer). The constructor makes a FLOAT
-    layer; `from_values` takes stored values of any format, `quantized` converts one.
+    Arguments follow `nnx.Linear`, plus `rank`; `init` (a `FactorInit`) replaces `kernel_init` / `bias_init`. The
+    constructor makes a FLOAT layer; `from_values` takes stored values of any format, `quantized` converts one.
     """
 
     def __init__(
@@ -127,17 +148,15 @@ class SVDLinear(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
-        u_init=default_factor_init,
-        v_init=default_factor_init,
-        bias_init=nnx.initializers.zeros_init(),
+        init: FactorInit = FactorInit(),
         preferred_element_type=None,
         rngs: nnx.Rngs,
     ):
         svd.check_rank(rank, (in_features, out_features))
-        self.u = nnx.Param(u_init(rngs.params(), (in_features, rank), param_dtype))
-        self.v = nnx.Param(v_init(rngs.params(), (rank, out_features), param_dtype))
+        self.u = nnx.Param(init.u(rngs.params(), (in_features, rank), param_dtype))
+        self.v = nnx.Param(init.v(rngs.params(), (rank, out_features), param_dtype))
         self.u_scale, self.v_scale = nnx.data(None), nnx.data(None)
-        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+        self.bias = nnx.Param(init.bias(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
         self.format = WeightFormat.FLOAT
         self.in_features = in_features
         self.out_features = out_features
@@ -176,7 +195,6 @@ class SVDLinear(nnx.Module):
         (k, rank), (rank_v, n) = u_var[...].shape, v_var[...].shape
         if rank_v != rank:
             raise ValueError(f"SVDLinear: u, v: got shapes {(k, rank)} and {(rank_v, n)}, expected [K, r] and [r, N]")
-        zeros = nnx.initializers.zeros_init()
         bias_dtype = jnp.asarray(bias).dtype if bias is not None else jnp.float32
         layer = cls(
             k,
@@ -186,9 +204,7 @@ class SVDLinear(nnx.Module):
             dtype=dtype,
             param_dtype=bias_dtype,
             precision=precision,
-            u_init=zeros,
-            v_init=zeros,
-            bias_init=lambda key, shape, dtype: jnp.asarray(bias),
+            init=dataclasses.replace(_ZEROS, bias=_given(bias, cast=False)),
             rngs=nnx.Rngs(0),
         )
         layer.u, layer.v, layer.u_scale, layer.v_scale, layer.format = u_var, v_var, u_scale_var, v_scale_var, u_format
@@ -247,9 +263,6 @@ class SVDLinear(nnx.Module):
                 f"[r, {linear.out_features}] for a {linear.in_features} -> {linear.out_features} linear"
             )
 
-        def given(array):
-            return lambda key, shape, dtype: jnp.asarray(array, dtype)
-
         bias = linear.bias[...] if linear.bias is not None else None
         return cls(
             linear.in_features,
@@ -260,9 +273,7 @@ class SVDLinear(nnx.Module):
             param_dtype=linear.param_dtype,
             precision=linear.precision,
             preferred_element_type=linear.preferred_element_type,
-            u_init=given(u),
-            v_init=given(v),
-            bias_init=lambda key, shape, dtype: jnp.asarray(bias),
+            init=FactorInit(_given(u), _given(v), _given(bias, cast=False)),
             rngs=nnx.Rngs(0),
         )
 
@@ -331,8 +342,7 @@ class SVDMLP(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
-        u_init=default_factor_init,
-        v_init=default_factor_init,
+        init: FactorInit = FactorInit(),
         rngs: nnx.Rngs,
     ):
         if activation not in FUSED_ACTIVATIONS:
@@ -344,8 +354,7 @@ class SVDMLP(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,
-            u_init=u_init,
-            v_init=v_init,
+            init=init,
             rngs=rngs,
         )
         self.gate_proj = SVDLinear(in_features, intermediate_features, gate_rank, **common)
@@ -443,7 +452,6 @@ class SVDMLP(nnx.Module):
         if len(set(formats.values())) > 1:
             raise TypeError(f"gate_proj, up_proj, down_proj: got formats {formats}; expected one format for all three")
         # Built with zero factors (cheaper than tracing the random initializers) and then given the layers.
-        zeros = nnx.initializers.zeros_init()
         mlp = cls(
             gate_proj.in_features,
             gate_proj.out_features,
@@ -453,8 +461,7 @@ class SVDMLP(nnx.Module):
             dtype=gate_proj.dtype,
             param_dtype=gate_proj.param_dtype,
             precision=gate_proj.precision,
-            u_init=zeros,
-            v_init=zeros,
+            init=_ZEROS,
             rngs=nnx.Rngs(0),
         )
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
