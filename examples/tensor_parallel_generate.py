@@ -10,10 +10,11 @@ The Megatron layout, written as NamedShardings of the factors; jit and the SPMD 
                        is tied (the embedding, replicated)
   everything else      replicated. The factors stay sharded through generation. The prefill runs the model's
                        forward under the SPMD partitioner; every decode step after it runs through
-                       `jax_neuronmm.decode_step` sharded over "model" (`decode_step.tensor_parallel_decode_step`:
-                       jax.shard_map, each device one decode_step on its Megatron shard, KV cache split by KV
-                       heads, per layer one all-reduce after o and one after down, the logits all-gathered over
-                       the vocabulary), "data" splitting the rows: each (data) group of ranks decodes B / --data
+                       `jax_neuronmm.decode_step` sharded over "model"
+                       (`decode_step_parallel.tensor_parallel_decode_step`: jax.shard_map, each device one
+                       decode_step on its Megatron shard, KV cache split by KV heads, per layer one all-reduce
+                       after o and one after down, the logits all-gathered over the vocabulary), "data"
+                       splitting the rows: each (data) group of ranks decodes B / --data
                        rows. The prefill's batch is not split (generate places the prompts unsharded); "data"
                        also splits the separately compiled MLP shown at the end.
 Generates (same sampling seed) on one device and on the mesh, checks that the decode steps ran through the

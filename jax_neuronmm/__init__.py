@@ -13,6 +13,7 @@ from jax_neuronmm.decode_step import decode_step, decode_step_p, decode_step_ref
 from jax_neuronmm.profiling import Profile, profile
 from jax_neuronmm.svd_matmul import svd_matmul, svd_matmul_p, svd_matmul_ref
 from jax_neuronmm.svd_mlp import svd_mlp, svd_mlp_p, svd_mlp_ref
+from jax_neuronmm.weights import Factored, Quantized
 
 _nki_frontend.install()
 
@@ -20,7 +21,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BACKENDS",
+    "Factored",
     "Profile",
+    "Quantized",
     "decode_step",
     "decode_step_p",
     "decode_step_ref",

@@ -1,13 +1,10 @@
 """The math of one decoder layer as pure jnp functions, written once for the models and the decode-step primitive.
 
-`models.layers` / `models.decoder` (the NNX modules) and `decode_step`'s XLA lowering (a `lax.scan` over stacked
-layer weights) both call these, so a decode step through the primitive computes what the model's own forward
-computes. Projections, norms and the MLP are passed in as callables (an NNX submodule, or a closure over one
-layer's slice of the stacked weights), which keeps compression's input recorders and factored modules working.
-
-Layouts: activations [B, T, features]; heads [B, T, heads, head_dim]; caches [B, S, kv_heads, head_dim];
-RoPE tables cos / sin [B, T, head_dim] float32 (rotate-half, halves duplicated); mask biases [B, T, S] float32
-(0 where the key slot is visible, float32 min where not).
+The NNX models and `decode_step`'s XLA lowering both call these, so a decode step computes what the model's own
+forward computes. Projections, norms and the MLP come in as callables (an NNX submodule, or a closure over one
+layer's slice of stacked weights), which keeps compression's input recorders and factored modules working.
+Layouts: activations [B, T, features]; heads [B, T, heads, head_dim]; caches [B, S, kv_heads, head_dim]; RoPE
+tables [B, T, head_dim] float32; mask biases [B, T, S] float32 (0 visible, float32 min hidden).
 """
 
 from __future__ import annotations
@@ -126,25 +123,33 @@ class PagedKV:
         return views
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionProjections:
+    """One attention layer's weights as callables x -> x·W (an NNX submodule, or a closure over a layer's slice of
+    stacked weights), and its optional per-head q / k norms over head_dim (both or neither)."""
+
+    q: Callable
+    k: Callable
+    v: Callable
+    o: Callable
+    q_norm: Callable | None = None
+    k_norm: Callable | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionGeometry:
+    """Head layout and score scaling of one attention layer: query heads, grouped KV heads, head size, the factor
+    the scores are multiplied by, and the soft-cap of the scores (None: none)."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scaling: float
+    logit_softcap: float | None = None
+
+
 def self_attention(
-    x,
-    *,
-    q_proj: Callable,
-    k_proj: Callable,
-    v_proj: Callable,
-    o_proj: Callable,
-    q_norm: Callable | None,
-    k_norm: Callable | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scaling: float,
-    logit_softcap: float | None,
-    cos,
-    sin,
-    bias,
-    kv,
-    write_index,
+    x, projections: AttentionProjections, geometry: AttentionGeometry, *, cos, sin, bias, kv, write_index
 ):
     """Self-attention of x [B, T, hidden] -> (output [B, T, hidden], (keys, values)).
 
@@ -156,26 +161,28 @@ def self_attention(
     bias [B, T, S].
     """
     batch, tokens, _ = x.shape
-    q = reshape(q_proj(x), (batch, tokens, num_heads, head_dim))
-    k = reshape(k_proj(x), (batch, tokens, num_kv_heads, head_dim))
-    v = reshape(v_proj(x), (batch, tokens, num_kv_heads, head_dim))
-    if q_norm is not None:
-        q = q_norm(q)
-        k = k_norm(k)
+    heads, kv_heads, head_dim = geometry.num_heads, geometry.num_kv_heads, geometry.head_dim
+    q = reshape(projections.q(x), (batch, tokens, heads, head_dim))
+    k = reshape(projections.k(x), (batch, tokens, kv_heads, head_dim))
+    v = reshape(projections.v(x), (batch, tokens, kv_heads, head_dim))
+    if projections.q_norm is not None:
+        q = projections.q_norm(q)
+        k = projections.k_norm(k)
     q = apply_rope(q, cos, sin)
     k = apply_rope(k, cos, sin)
+    scores = dict(scaling=geometry.scaling, logit_softcap=geometry.logit_softcap)
     if isinstance(kv, PagedKV):
         keys, values = kv.read(k, v)
-        out = attend(q, keys, values, bias, scaling=scaling, logit_softcap=logit_softcap)
-        return o_proj(out), (k.astype(kv.k_pool.dtype), v.astype(kv.v_pool.dtype))
+        out = attend(q, keys, values, bias, **scores)
+        return projections.o(out), (k.astype(kv.k_pool.dtype), v.astype(kv.v_pool.dtype))
     if kv is not None:
         zero = jnp.zeros((), jnp.asarray(write_index).dtype)  # one index dtype (Python 0 is int64 under x64)
         start = (zero, write_index, zero, zero)
         # Under Explicit mesh axes k / v come split like their projections; the cache keeps its own split.
         k = lax.dynamic_update_slice(*typed_alike(kv[0], k.astype(kv[0].dtype)), start)
         v = lax.dynamic_update_slice(*typed_alike(kv[1], v.astype(kv[1].dtype)), start)
-    out = attend(q, k, v, bias, scaling=scaling, logit_softcap=logit_softcap)
-    return o_proj(out), (k, v)
+    out = attend(q, k, v, bias, **scores)
+    return projections.o(out), (k, v)
 
 
 def gated_mlp(x, *, gate_proj: Callable, up_proj: Callable, down_proj: Callable, activation: str):

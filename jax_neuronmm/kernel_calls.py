@@ -1,18 +1,9 @@
 """Running an op as NKI kernel launches: what every op file's `KernelLaunches` is made of.
 
-One code path for both kernel backends: on Trainium an op's launches are traced
-with JAX arrays (the real `nki.jit` turns each launch into an
-`AwsNeuronCustomNativeKernel` custom call); with the "emulator" backend they run
-inside a host callback on numpy blocks, and the same kernels execute on the CPU
-emulator. `nki_kernels.dispatch` picks the kernel variant and block sizes from
-the token count and shapes.
-
-Operands carry `n_batch` leading batch dims (vmap over stacked weights); each
-batch element is one kernel launch. Token dims are flattened to T.
-
-Kernels write their output in the operands' dtype; `preferred_element_type` is
-applied after, so bf16 operands give bf16-rounded values even when float32 is
-requested (the XLA reference rounds only once, to the requested dtype).
+One code path for both kernel backends: traced with JAX arrays on Trainium (each launch becomes a custom call), run
+on numpy blocks in a host callback on the emulator. `nki_kernels.dispatch` picks the kernel and block sizes; each
+element of the `n_batch` leading dims is one launch, token dims flatten to T. Kernels write the operands' dtype and
+`preferred_element_type` is applied after, so bf16 operands give bf16-rounded values even when float32 is asked.
 """
 
 import dataclasses

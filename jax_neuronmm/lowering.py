@@ -1,26 +1,10 @@
-"""Lowering machinery that every op file calls once, at its bottom:
-
-    lowering.register(svd_matmul_p, reference=svd_matmul_ref, kernels=SVD_MATMUL_KERNELS,
-                      partitioning=factor_rule)
-
-One rule per primitive, for every platform, shardable. The rule traces the primitive's per-shard
-computation, `local_impl(primitive, platform)`, wrapped by `sharding.partitioned`: on one device (or inside
-shard_map) it runs on the operands as given; under a multi-device jit the SPMD partitioner runs it on every
-device's blocks (see `sharding.py`). Backends plug in at `local_impl`, so they are partitioned like the XLA
-reference and only ever see one device's blocks:
-
-- "xla": the op's `reference` (jnp).
-- "emulator": the op's `kernels` (a `kernel_calls.KernelLaunches`) on numpy blocks in a host callback
-  (`host_callback.HostKernel`); shapes no kernel fits fail when the computation is lowered.
-- "neuron": the same `kernels` traced with JAX arrays; the real `nki.jit` turns each launch into its custom call.
-
-Ops with several results that run on whole arrays on one device (the decode step over all layers) register with
-`register_whole` instead: no custom_partitioning rule (decode_step partitions by `jax.shard_map` over Megatron
-shards, `decode_step.tensor_parallel_decode_step`); the emulator backend runs their kernels in one host callback.
-
-The rule is registered for all platforms at once (JAX uses a platform's specific rule when there is one and
-this generic rule otherwise), so a Neuron plugin loaded after this package gets the kernels too: there is no
-separate "neuron" registration.
+"""Lowering machinery every op file calls once, at its bottom (`register(primitive, reference=, kernels=,
+partitioning=)`): one rule per primitive for every platform, wrapped by `sharding.partitioned` so the SPMD
+partitioner runs it on each device's blocks. Backends plug in per shard: "xla" runs the op's jnp `reference`,
+"emulator" its `kernels` (`kernel_calls.KernelLaunches`) on numpy blocks in a host callback, "neuron" the same
+kernels traced with JAX arrays (the real `nki.jit` emits the custom calls). The rule is registered for all
+platforms at once, so a Neuron plugin loaded later gets the kernels too. `register_whole` serves ops that run on
+whole arrays on one device (the decode step, which partitions by shard_map in `decode_step_parallel`).
 """
 
 import dataclasses

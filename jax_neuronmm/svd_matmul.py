@@ -1,17 +1,10 @@
 """The `svd_matmul` primitive: y = (x·u)·v in one fused operation.
 
-Public form: x [..., K], u [K, r], v [r, N] -> y [..., N]. Internally the
-operands may carry `n_batch` leading dims shared by all three (vmap over stacked
-layers or experts adds them): x [*B, *T, K], u [*B, K, r], v [*B, r, N].
-With fp8 factors two more operands follow, u_scale [*B, r] and v_scale [*B, N], and
-y = ((x·u)·diag(u_scale))·v·diag(v_scale); the rules then differentiate in x only.
-
-This file owns the op's whole story, in order: the public function, the primitive
-and its rules (abstract eval, JVP (trilinear: one svd_matmul per tangent),
-transpose (w.r.t. x it is svd_matmul with vᵀ, uᵀ; w.r.t. u and v plain
-contractions over tokens), batching), then its three lowerings' parts (the XLA
-reference, the NKI kernel launches, the sharding factor rule), registered with
-`lowering.register` at the bottom.
+x [..., K], u [K, r], v [r, N] -> y [..., N]; internally the operands may carry `n_batch` leading dims shared by
+all three (vmap over stacked weights). With fp8 factors u_scale [*B, r] and v_scale [*B, N] follow and
+y = ((x·u)·diag(u_scale))·v·diag(v_scale), differentiable in x only. The file holds the op's whole story: the
+public function, the primitive's rules (the transpose in x is svd_matmul with vᵀ, uᵀ), then the XLA reference, the
+kernel launches and the sharding factor rule, registered at the bottom.
 """
 
 import functools

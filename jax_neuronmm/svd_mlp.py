@@ -1,16 +1,9 @@
 """The `svd_mlp` primitive: a gated MLP whose three projections are low rank.
 
-y = (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd with act ∈ {silu, gelu_tanh}. Public form:
-x [..., H], gate_u [H, rg], gate_v [rg, I], up_u [H, ru], up_v [ru, I],
-down_u [I, rd], down_v [rd, H_out] -> y [..., H_out].
-
-On Trainium it is two kernel calls (gate+up with the activation applied while
-evicting PSUM, written transposed; then down). Its JVP is the JVP of the same
-computation written with `svd_matmul`, so reverse mode runs through svd_matmul
-(and its kernels) and needs no transpose rule of its own.
-
-As `svd_matmul.py`: the public function, the primitive and its rules, then the
-XLA reference, the kernel launches and the factor rule, registered at the bottom.
+y = (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd with act ∈ {silu, gelu_tanh}; gate, up and down are `Factored` weights
+(with scales when fp8). On Trainium it is two kernel calls (gate+up with the activation applied as PSUM is
+evicted, written transposed; then down). Its JVP is that of the same computation written with `svd_matmul`, so
+reverse mode runs through svd_matmul's kernels and needs no transpose rule here.
 """
 
 import functools
@@ -25,48 +18,31 @@ from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.shapes import accumulation_dtype
 from jax_neuronmm.sharding import FactorRule, check_varying_axes, leading_factors, match_varying_axes
 from jax_neuronmm.svd_matmul import check_weights_constant, svd_matmul_p, svd_matmul_ref
+from jax_neuronmm.weights import factored_parts
 from nki_kernels import dispatch
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 svd_mlp_p = Primitive("svd_mlp")
 svd_mlp_p.def_impl(functools.partial(apply_primitive, svd_mlp_p))
 
-WEIGHT_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-SCALE_NAMES = tuple(f"{name}_scale" for name in WEIGHT_NAMES)  # operands 7..12, only with fp8 factors
+PROJECTIONS = ("gate", "up", "down")
+# The primitive's operands after x: the six factors, then (fp8 only) their six scales.
+WEIGHT_NAMES = tuple(f"{p}.{f}" for p in PROJECTIONS for f in ("u", "v"))
+SCALE_NAMES = tuple(f"{name}_scale" for name in WEIGHT_NAMES)
 
 
-def svd_mlp(
-    x,
-    gate_u,
-    gate_v,
-    up_u,
-    up_v,
-    down_u,
-    down_v,
-    *,
-    gate_u_scale=None,
-    gate_v_scale=None,
-    up_u_scale=None,
-    up_v_scale=None,
-    down_u_scale=None,
-    down_v_scale=None,
-    activation="silu",
-    precision=None,
-    preferred_element_type=None,
-    out_sharding=None,
-):
+def svd_mlp(x, gate, up, down, *, activation="silu", precision=None, preferred_element_type=None, out_sharding=None):
     """Gated low-rank MLP (act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd as one fused operation.
 
     With fp8 factors (all six float8_e4m3fn or float8_e4m3, values within ±240, see `compress.quantize_fp8`;
-    values known at call time beyond it, or NaN / ±inf scales, are a ValueError) every factor takes a float32 scale
-    per column (`<factor>_scale`: [rg], [I], [ru], [I], [rd], [H_out]), all required, and each projection is
+    values known at call time beyond it, or NaN / ±inf scales, are a ValueError) every weight carries its float32
+    per-column scales (gate: u_scale [rg], v_scale [I]; up: [ru], [I]; down: [rd], [H_out]) and each projection is
     `svd_matmul`'s ((x·u)·diag(u_scale))·v·diag(v_scale). fp8 factors are inference-only (x is differentiable).
 
     Args:
       x: activations [..., H].
-      gate_u, gate_v: gate projection factors [H, rg], [rg, I].
-      up_u, up_v: up projection factors [H, ru], [ru, I].
-      down_u, down_v: down projection factors [I, rd], [rd, H_out].
+      gate, up: `Factored(u [H, r], v [r, I])` (r may differ), with u_scale, v_scale when fp8.
+      down: `Factored(u [I, rd], v [rd, H_out])`, with scales when fp8.
       activation: "silu" (Llama) or "gelu_tanh" (Gemma), applied to the gate.
       precision: as in `svd_matmul`.
       preferred_element_type: dtype of the result; defaults to x's dtype.
@@ -80,26 +56,27 @@ def svd_mlp(
     if activation not in FUSED_ACTIVATIONS:
         raise ValueError(f"{op}: activation={activation!r}; expected one of {sorted(FUSED_ACTIVATIONS)}")
     x = jnp.asarray(x)
-    factors = (gate_u, gate_v, up_u, up_v, down_u, down_v)
-    weights = {name: shapes.fp8_storage(jnp.asarray(w)) for name, w in zip(WEIGHT_NAMES, factors)}
-    given = (gate_u_scale, gate_v_scale, up_u_scale, up_v_scale, down_u_scale, down_v_scale)
-    scales = dict(zip(SCALE_NAMES, (None if s is None else jnp.asarray(s) for s in given)))
+    weights, scales = {}, {}
+    for projection, weight in zip(PROJECTIONS, (gate, up, down)):
+        u, v, u_scale, v_scale = factored_parts(op, projection, weight)
+        weights[f"{projection}.u"], weights[f"{projection}.v"] = u, v
+        scales[f"{projection}.u_scale"], scales[f"{projection}.v_scale"] = u_scale, v_scale
     shapes.check_activations(op, "x", x)
     hidden = x.shape[-1]
-    shapes.check_matrix(op, "gate_u", weights["gate_u"], rows=hidden, rows_from="x.shape[-1] (H)")
-    shapes.check_matrix(op, "gate_v", weights["gate_v"], rows=weights["gate_u"].shape[1], rows_from="gate_u.shape[1]")
-    shapes.check_matrix(op, "up_u", weights["up_u"], rows=hidden, rows_from="x.shape[-1] (H)")
-    shapes.check_matrix(op, "up_v", weights["up_v"], rows=weights["up_u"].shape[1], rows_from="up_u.shape[1]")
-    intermediate = weights["gate_v"].shape[1]
-    if weights["up_v"].shape[1] != intermediate:
+    shapes.check_matrix(op, "gate.u", weights["gate.u"], rows=hidden, rows_from="x.shape[-1] (H)")
+    shapes.check_matrix(op, "gate.v", weights["gate.v"], rows=weights["gate.u"].shape[1], rows_from="gate.u.shape[1]")
+    shapes.check_matrix(op, "up.u", weights["up.u"], rows=hidden, rows_from="x.shape[-1] (H)")
+    shapes.check_matrix(op, "up.v", weights["up.v"], rows=weights["up.u"].shape[1], rows_from="up.u.shape[1]")
+    intermediate = weights["gate.v"].shape[1]
+    if weights["up.v"].shape[1] != intermediate:
         raise ValueError(
-            f"{op}: up_v has shape {tuple(weights['up_v'].shape)}; its second dim must equal "
-            f"gate_v.shape[1] (intermediate size I) = {intermediate}"
+            f"{op}: up.v has shape {tuple(weights['up.v'].shape)}; its second dim must equal "
+            f"gate.v.shape[1] (intermediate size I) = {intermediate}"
         )
     shapes.check_matrix(
-        op, "down_u", weights["down_u"], rows=intermediate, rows_from="gate_v.shape[1] (intermediate size I)"
+        op, "down.u", weights["down.u"], rows=intermediate, rows_from="gate.v.shape[1] (intermediate size I)"
     )
-    shapes.check_matrix(op, "down_v", weights["down_v"], rows=weights["down_u"].shape[1], rows_from="down_u.shape[1]")
+    shapes.check_matrix(op, "down.v", weights["down.v"], rows=weights["down.u"].shape[1], rows_from="down.u.shape[1]")
     pairs = [
         (u_name, weights[u_name], v_name, weights[v_name], scales[f"{u_name}_scale"], scales[f"{v_name}_scale"])
         for u_name, v_name in zip(WEIGHT_NAMES[::2], WEIGHT_NAMES[1::2])
@@ -175,8 +152,8 @@ def _batch(args, dims, *, n_batch, out_sharding, **params):
 def svd_mlp_ref(x, *weights, activation="silu", n_batch=0, precision=None, out_dtype=None):
     """(act(x·Ug·Vg) * (x·Uu·Vu))·Ud·Vd; gate and up stay in float32 until the product (the XLA lowering).
 
-    weights: gate_u, gate_v, up_u, up_v, down_u, down_v, then with fp8 factors their six scales; each
-    projection is `svd_matmul_ref` (fp8: scaled float32 sums).
+    weights: the flat operands (gate.u, gate.v, up.u, up.v, down.u, down.v, then with fp8 factors their six
+    scales); each projection is `svd_matmul_ref` (fp8: scaled float32 sums).
     """
     gate_u, gate_v, up_u, up_v, down_u, down_v = weights[:6]
     gate_scales, up_scales, down_scales = (weights[6:8], weights[8:10], weights[10:12]) if weights[6:] else ((),) * 3
@@ -189,8 +166,9 @@ def svd_mlp_ref(x, *weights, activation="silu", n_batch=0, precision=None, out_d
     return mm(hidden, down_u, down_v, *down_scales, out_dtype=out_dtype)
 
 
-def _plan(x, gate_u, gate_v, up_u, up_v, down_u, down_v, *scales, target, activation, n_batch, **unused_params):
+def _plan(x, *weights, target, activation, n_batch, **unused_params):
     """((gate_up kernel, kwargs), (down kernel, kwargs)) per batch element, or None when the result is empty."""
+    (gate_u, gate_v, up_u, _, down_u, down_v), scales = weights[:6], weights[6:]
     weight_dtype = fp8_weight_dtype("svd_mlp", x.dtype) if scales else None
     _, _, _, t = split_leading(x, n_batch, 1)
     h, i, h_out = x.shape[-1], gate_v.shape[-1], down_v.shape[-1]
@@ -226,8 +204,8 @@ def _run(plan, x, *weights, activation, n_batch, precision, out_dtype):
 
 
 def factor_rule(n_batch, x_ndim, n_operands=7):
-    """x [*B, *T, h], gate_u [*B, h, rg], gate_v [*B, rg, i], up_u [*B, h, ru], up_v [*B, ru, i],
-    down_u [*B, i, rd], down_v [*B, rd, o] -> [*B, *T, o]: i and rd summed (Megatron), h, rg, ru never split
+    """x [*B, *T, h], gate.u [*B, h, rg], gate.v [*B, rg, i], up.u [*B, h, ru], up.v [*B, ru, i],
+    down.u [*B, i, rd], down.v [*B, rd, o] -> [*B, *T, o]: i and rd summed (Megatron), h, rg, ru never split
     (they feed the activation). With fp8 factors the six scales follow, each split with its factor's columns:
     [*B, rg], [*B, i], [*B, ru], [*B, i], [*B, rd], [*B, o]."""
     batch, tokens = leading_factors(n_batch, x_ndim)

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from mlp_calls import svd_mlp_of_factors
 
 import jax_neuronmm as jn
 from nki_kernels import emulator
@@ -113,7 +114,7 @@ def test_scan_over_layers_on_the_emulator(rng):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_jitted_mlp_is_two_kernel_calls(rng, activation):
     args = mlp_factors(rng, (2, 9), 100, 300, 13)
-    fn = jax.jit(lambda *a: jn.svd_mlp(*a, activation=activation))
+    fn = jax.jit(lambda *a: svd_mlp_of_factors(*a, activation=activation))
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = fn(*args)
     assert [c.name for c in prof.runs] == ["svd_mlp_gate_up_kernel", "svd_mlp_down_kernel"]
@@ -122,7 +123,7 @@ def test_jitted_mlp_is_two_kernel_calls(rng, activation):
 
 def test_mlp_grad_on_the_emulator_matches_xla(rng):
     args = mlp_factors(rng, (5,), 32, 64, 4)
-    grad = jax.jit(jax.grad(lambda *a: jnp.sum(jn.svd_mlp(*a) ** 2), argnums=tuple(range(7))))
+    grad = jax.jit(jax.grad(lambda *a: jnp.sum(svd_mlp_of_factors(*a) ** 2), argnums=tuple(range(7))))
     with jn.use_backend("emulator"), jn.profile() as prof:
         emulated = grad(*args)
     assert len(prof.runs) >= 3
@@ -176,9 +177,9 @@ def test_mlp_with_output_width_unlike_input_width(rng):
     shapes = [(40, 6), (6, 96), (40, 6), (6, 96), (96, 5), (5, 72)]  # H = 40 in, 72 out
     weights = [(rng.standard_normal(s) / np.sqrt(s[0])).astype(np.float32) for s in shapes]
     with jn.use_backend("emulator"), jn.profile() as prof:
-        emulated = jax.jit(jn.svd_mlp)(x, *weights)
+        emulated = jax.jit(svd_mlp_of_factors)(x, *weights)
     assert emulated.shape == (3, 72) and len(prof.runs) == 2
-    np.testing.assert_allclose(emulated, jax.jit(jn.svd_mlp)(x, *weights), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(emulated, jax.jit(svd_mlp_of_factors)(x, *weights), rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.parametrize("op", ["svd_matmul", "svd_mlp"])
@@ -204,4 +205,4 @@ def test_shape_no_kernel_fits_fails_when_lowering_naming_op_shape_and_target(op)
         emulator.use_target("trn1"),
         pytest.raises(ValueError, match=rf"^{op}: .*\(100, 100000\).* on trn1: .*no block sizes fit"),
     ):
-        jax.jit(getattr(jn, op)).lower(*args)
+        jax.jit(jn.svd_matmul if op == "svd_matmul" else svd_mlp_of_factors).lower(*args)

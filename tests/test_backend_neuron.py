@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from mlp_calls import svd_mlp_of_factors
 from neuron_platform import stand_in_platform
 
 import jax_neuronmm as jn
@@ -67,7 +68,7 @@ def test_svd_matmul_lowers_to_one_nki_kernel_on_neuron(rng, neuron_platform):
 def test_svd_mlp_lowers_to_two_kernels_on_neuron(rng, neuron_platform):
     shapes = [(5, 64), (64, 8), (8, 160), (64, 8), (8, 160), (160, 8), (8, 64)]
     args = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    text = jax.jit(jn.svd_mlp).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
+    text = jax.jit(svd_mlp_of_factors).trace(*args).lower(lowering_platforms=("neuron",)).as_text()
     assert [c[0] for c in kernel_calls(text)] == ["svd_mlp_gate_up_kernel", "svd_mlp_down_kernel"]
     assert kernel_calls(text)[0][2].startswith("tensor<160x5xf32>")  # hᵀ [I, T] between the two kernels
     assert "dot_general" not in text
@@ -115,11 +116,10 @@ def test_fp8_svd_mlp_lowers_to_two_kernels_with_their_scales(rng, neuron_platfor
 
     shapes = [(64, 8), (8, 160), (64, 8), (8, 160), (160, 8), (8, 64)]
     quantized = [quantize_fp8(rng.standard_normal(s)) for s in shapes]
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
     x = rng.standard_normal((5, 64)).astype(jnp.bfloat16)
 
     def mlp(x, *weights):
-        return jn.svd_mlp(x, *weights[:6], **{f"{n}_scale": s for n, s in zip(names, weights[6:])})
+        return svd_mlp_of_factors(x, *weights)
 
     args = [q for q, _ in quantized] + [s for _, s in quantized]
     text = jax.jit(mlp).trace(x, *args).lower(lowering_platforms=("neuron",)).as_text()

@@ -12,7 +12,8 @@ from flax import nnx
 
 import jax_neuronmm
 from jax_neuronmm import decode_step
-from jax_neuronmm.decode_step import ROW_OPERANDS, decode_step_p, operand_names
+from jax_neuronmm.decode_step import decode_step_p
+from jax_neuronmm.decode_step_operands import ROW_OPERANDS, operand_names
 from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from nki_kernels.activations import HF_ACTIVATIONS

@@ -15,7 +15,7 @@ from test_decode_step_paged import _jax_operands
 from test_decode_step_tensor_parallel import _model_mesh
 
 import jax_neuronmm as jn
-from jax_neuronmm.decode_step import tensor_parallel_decode_step
+from jax_neuronmm.decode_step_parallel import tensor_parallel_decode_step
 from nki_kernels.decode import reference
 
 CHECKS = Checks()

@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from mlp_calls import svd_mlp_of_factors
 
 import jax_neuronmm as jn
 from jax_neuronmm.compress import FP8_DTYPE, FP8_MAX, dequantize_fp8, gptq_fp8, quantize_fp8
@@ -264,8 +265,6 @@ def test_emulator_backend_needs_2_byte_activations(rng):
 
 # --- svd_mlp with fp8 factors ----------------------------------------------------------------------------------
 
-MLP_NAMES = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-
 
 def mlp_operands(rng, tokens, h, i, ranks, dtype=np.float32):
     """x, six fp8 factors, their six scales, and the dequantized factors in float64."""
@@ -291,7 +290,7 @@ def mlp_f64(x, d, activation):
 
 
 def fp8_mlp(x, factors, scales, **kwargs):
-    return jn.svd_mlp(x, *factors, **{f"{n}_scale": s for n, s in zip(MLP_NAMES, scales)}, **kwargs)
+    return svd_mlp_of_factors(x, *factors, *scales, **kwargs)
 
 
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
@@ -332,10 +331,10 @@ def test_mlp_gradient_in_x_and_vmap(rng, x64):
 
 def test_mlp_errors(rng):
     x, factors, scales, _ = mlp_operands(rng, (3,), 20, 30, (4, 3, 5))
-    with pytest.raises(TypeError, match="svd_mlp: down_u and down_v are float8_e4m3fn; down_v_scale"):
+    with pytest.raises(TypeError, match="svd_mlp: down.u and down.v are float8_e4m3fn; down.v_scale"):
         fp8_mlp(x, factors, scales[:5] + [None])
     with pytest.raises(TypeError, match="svd_mlp: either every factor pair is float8_e4m3fn with scales, or none"):
         floats = factors[:4] + [np.asarray(f, np.float32) for f in factors[4:]]
         fp8_mlp(x, floats, scales[:4] + [None, None])
-    with pytest.raises(TypeError, match="svd_mlp: cannot differentiate with respect to gate_v_scale"):
+    with pytest.raises(TypeError, match="svd_mlp: cannot differentiate with respect to gate.v_scale"):
         jax.grad(lambda s: fp8_mlp(x, factors, [scales[0], s, *scales[2:]]).sum())(scales[1])

@@ -8,6 +8,7 @@ NaN or ±inf scales are refused alike. Arrays in float8_e4m3 (NKI's and Trainium
 as the same bits as float8_e4m3fn.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -16,11 +17,13 @@ import ml_dtypes
 import numpy as np
 import pytest
 from decode_operands import GEMMA3_8, WEIGHT_INDEX, fp8_operands
+from mlp_calls import svd_mlp_of_factors
 from test_decode_step_fp8 import _causal_mask, _jax_operands
 
 import jax_neuronmm as jn
 from jax_neuronmm.compress import FP8_DTYPE, quantize_fp8
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, fp8_dense
+from jax_neuronmm.nn.fp8 import fp8_dense
+from jax_neuronmm.nn.nnx import Linear, SVDLinear
 from nki_kernels.decode import Factored, Quantized
 
 BF16 = ml_dtypes.bfloat16
@@ -75,24 +78,29 @@ def test_svd_mlp_and_the_nnx_modules_name_the_bad_array(rng):
     x = rng.standard_normal((3, 20)).astype(np.float32)
     weights = [quantize_fp8(rng.standard_normal(shape)) for shape in ((20, 4), (4, 30), (20, 5), (5, 30), (30, 3))]
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    values, scales = [w for w, _ in weights], {f"{n}_scale": s for n, (_, s) in zip(names, weights)}
-    bad = [with_value(v, (1, 2), 300.0) if n == "down_v" else v for n, v in zip(names, values)]
-    with pytest.raises(ValueError, match=rf"svd_mlp: down_v holds 1 fp8 value\(s\) {BEYOND}"):
-        jn.svd_mlp(x, *bad, **scales)
-    with pytest.raises(ValueError, match="svd_mlp: up_v_scale holds 1 non-finite"):
-        jn.svd_mlp(x, *values, **{**scales, "up_v_scale": scales["up_v_scale"].at[0].set(np.inf)})
+    gate, up, down = (jn.Factored(u, v, us, vs) for (u, us), (v, vs) in zip(weights[::2], weights[1::2]))
+    bad_down = dataclasses.replace(down, v=with_value(down.v, (1, 2), 300.0))
+    with pytest.raises(ValueError, match=rf"svd_mlp: down\.v holds 1 fp8 value\(s\) {BEYOND}"):
+        jn.svd_mlp(x, gate, up, bad_down)
+    bad_up = dataclasses.replace(up, v_scale=up.v_scale.at[0].set(np.inf))
+    with pytest.raises(ValueError, match=r"svd_mlp: up\.v_scale holds 1 non-finite"):
+        jn.svd_mlp(x, gate, bad_up, down)
 
-    with pytest.raises(ValueError, match=rf"Fp8Linear: kernel holds \d+ fp8 value\(s\) {BEYOND}"):
-        Fp8Linear(*ocp_fp8(rng.standard_normal((20, 6))))
+    ocp_values, ocp_scale = ocp_fp8(rng.standard_normal((20, 6)))
+    with pytest.raises(ValueError, match=rf"^Linear: kernel holds \d+ fp8 value\(s\) {BEYOND}"):
+        Linear(ocp_values, kernel_scale=ocp_scale)
     kernel, scale = quantize_fp8(rng.standard_normal((20, 6)))
-    with pytest.raises(ValueError, match="Fp8Linear: kernel_scale holds 1 non-finite"):
-        Fp8Linear(kernel, scale.at[0].set(np.nan))
+    with pytest.raises(ValueError, match="^Linear: kernel_scale holds 1 non-finite"):
+        Linear(kernel, kernel_scale=scale.at[0].set(np.nan))
     uq, us, vq, vs = factors(rng)
-    with pytest.raises(ValueError, match=rf"Fp8SVDLinear: u holds 1 fp8 value\(s\) {BEYOND}"):
-        Fp8SVDLinear(with_value(uq, (0, 0), 256.0), vq, us, vs)
-    with pytest.raises(ValueError, match="Fp8SVDLinear: v_scale holds 1 non-finite"):
-        Fp8SVDLinear(uq, vq, us, vs.at[5].set(-np.inf))
+    with pytest.raises(ValueError, match=rf"^SVDLinear: u holds 1 fp8 value\(s\) {BEYOND}"):
+        SVDLinear.from_values(with_value(uq, (0, 0), 256.0), vq, u_scale=us, v_scale=vs)
+    with pytest.raises(ValueError, match="^SVDLinear: v_scale holds 1 non-finite"):
+        SVDLinear.from_values(uq, vq, u_scale=us, v_scale=vs.at[5].set(-np.inf))
+    with pytest.raises(TypeError, match=r"^SVDLinear: u_scale: got None, expected float32 \[\d+\]"):
+        SVDLinear.from_values(uq, vq, v_scale=vs)
+    with pytest.raises(TypeError, match="^Linear: kernel_scale given with float32 kernel; scales go with fp8"):
+        Linear(np.ones((3, 2), np.float32), kernel_scale=np.ones(2, np.float32))
     with pytest.raises(ValueError, match=rf"fp8_dense: kernel holds 1 fp8 value\(s\) {BEYOND}"):
         fp8_dense(x, with_value(kernel, (0, 0), 256.0), scale)
 
@@ -132,8 +140,7 @@ def test_traced_values_beyond_240_in_svd_mlp_and_fp8_dense_are_nan(rng):
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
     values, scales = [w for w, _ in weights], [s for _, s in weights]
     values[5] = with_value(values[5], (1, 7), 448.0)  # down_v: output column 7
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    f = jax.jit(lambda x, *v: jn.svd_mlp(x, *v, **{f"{n}_scale": s for n, s in zip(names, scales)}))
+    f = jax.jit(lambda x, *v: svd_mlp_of_factors(x, *v, *scales))
     for backend in ("xla", "emulator"):
         with jn.use_backend(backend):
             y = np.asarray(f(x, *values), np.float32)
@@ -203,13 +210,12 @@ def test_float8_e4m3_factors_are_the_same_bits(rng):
             for u, v in ((as_trainium(uq), as_trainium(vq)), (uq, as_trainium(vq))):
                 np.testing.assert_array_equal(np.asarray(f(x, u, v), np.float32), want)
                 np.testing.assert_array_equal(np.asarray(jn.svd_matmul(x, u, v, u_scale=us, v_scale=vs)), want)
-    np.testing.assert_array_equal(
-        np.asarray(Fp8SVDLinear(as_trainium(uq), np.asarray(as_trainium(vq)), us, vs)(x), np.float32), want
-    )
+    layer = SVDLinear.from_values(as_trainium(uq), np.asarray(as_trainium(vq)), u_scale=us, v_scale=vs)
+    np.testing.assert_array_equal(np.asarray(layer(x), np.float32), want)
     kernel, scale = quantize_fp8(rng.standard_normal((70, 6)))
-    dense = Fp8Linear(as_trainium(kernel), scale)
+    dense = Linear(as_trainium(kernel), kernel_scale=scale)
     assert dense.kernel[...].dtype == FP8_DTYPE
-    np.testing.assert_array_equal(np.asarray(dense(x)), np.asarray(Fp8Linear(kernel, scale)(x)))
+    np.testing.assert_array_equal(np.asarray(dense(x)), np.asarray(Linear(kernel, kernel_scale=scale)(x)))
     # float8_e4m3's inf (the bits of e4m3fn's 256) is not a weight value.
     with pytest.raises(ValueError, match=rf"svd_matmul: u holds 1 fp8 value\(s\) {BEYOND}"):
         jn.svd_matmul(x, as_trainium(uq).at[0, 0].set(jnp.inf), vq, u_scale=us, v_scale=vs)
@@ -221,10 +227,9 @@ def test_float8_e4m3_in_svd_mlp_and_decode_step(rng, decode_ops):
     x = rng.standard_normal((5, 20)).astype(BF16)
     weights = [quantize_fp8(rng.standard_normal(shape)) for shape in ((20, 4), (4, 30), (20, 5), (5, 30), (30, 3))]
     weights.append(quantize_fp8(rng.standard_normal((3, 20))))
-    names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-    scales = {f"{n}_scale": s for n, (_, s) in zip(names, weights)}
-    want = jn.svd_mlp(x, *(w for w, _ in weights), **scales)
-    got = jn.svd_mlp(x, *(as_trainium(w) for w, _ in weights), **scales)
+    scales = [s for _, s in weights]
+    want = svd_mlp_of_factors(x, *(w for w, _ in weights), *scales)
+    got = svd_mlp_of_factors(x, *(as_trainium(w) for w, _ in weights), *scales)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
     k = decode_ops[WEIGHT_INDEX["k"]]

@@ -15,8 +15,8 @@ from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
 from jax_neuronmm.models.compression import compress_model, resolve_mlp_form
 from jax_neuronmm.models.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
-from jax_neuronmm.nn.fp8 import Fp8Linear
-from jax_neuronmm.nn.nnx import SVDLinear
+from jax_neuronmm.nn.nnx import Linear, SVDLinear
+from jax_neuronmm.weights import WeightFormat
 from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
 
 
@@ -144,7 +144,8 @@ def test_pruned_mlps_in_fp8_compute_their_dequantized_weights_and_decode(gemma3)
     for layer, fp8_layer in zip(reference.layers, quantized.layers):
         for name in ("gate_proj", "up_proj", "down_proj"):
             fp8 = getattr(fp8_layer.mlp, name)
-            assert isinstance(fp8, Fp8Linear) and fp8.kernel[...].shape == getattr(layer.mlp, name).kernel[...].shape
+            assert isinstance(fp8, Linear) and fp8.format is WeightFormat.FP8_E4M3
+            assert fp8.kernel[...].shape == getattr(layer.mlp, name).kernel[...].shape
             values = np.asarray(fp8.kernel[...], np.float64) * np.asarray(fp8.kernel_scale[...], np.float64)
             getattr(layer.mlp, name).kernel.set_value(jnp.asarray(values, jnp.float32))
     tokens = jnp.asarray(ids[:2, :9])

@@ -14,8 +14,13 @@ from tiny_models import token_ids as _ids
 
 from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
 from jax_neuronmm.models import compress_model, generate, quantize_model
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
-from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear
+from jax_neuronmm.weights import WeightFormat
+
+
+def _fp8(module, cls) -> bool:
+    """Whether `module` is a `cls` holding fp8 weights (WeightFormat.FP8_E4M3)."""
+    return isinstance(module, cls) and module.format is WeightFormat.FP8_E4M3
 
 
 def _dequantized(values, scale):
@@ -29,11 +34,11 @@ def _reference(original, quantized):
     ref = nnx.clone(original)
 
     def copy(target, source):
-        if isinstance(source, Fp8Linear):
+        if _fp8(source, Linear):
             target.kernel.set_value(
                 jnp.asarray(_dequantized(source.kernel[...], source.kernel_scale[...]), jnp.float32)
             )
-        elif isinstance(source, Fp8SVDLinear):
+        elif _fp8(source, SVDLinear):
             target.u.set_value(jnp.asarray(_dequantized(source.u[...], source.u_scale[...]), jnp.float32))
             target.v.set_value(jnp.asarray(_dequantized(source.v[...], source.v_scale[...]), jnp.float32))
 
@@ -55,9 +60,9 @@ def test_dense_model_matches_dequantized_reference(make_model):
     model = make_model()
     ids = _ids(2, 9, seed=1)
     quantized = quantize_model(model)
-    assert isinstance(quantized.layers[0].self_attn.q_proj, Fp8Linear)
-    assert isinstance(quantized.layers[1].mlp.down_proj, Fp8Linear)
-    assert isinstance(quantized.lm_head, Fp8Linear)
+    assert _fp8(quantized.layers[0].self_attn.q_proj, Linear)
+    assert _fp8(quantized.layers[1].mlp.down_proj, Linear)
+    assert _fp8(quantized.lm_head, Linear)
     assert quantized.layers[0].mlp.up_proj.kernel[...].dtype == ml_dtypes.float8_e4m3fn
     assert isinstance(model.layers[0].self_attn.q_proj, nnx.Linear), "the input model must stay unchanged"
     got = np.asarray(_logits(quantized, ids), np.float64)
@@ -72,8 +77,8 @@ def test_compressed_model_matches_dequantized_reference():
         model = compress_model(_gemma3(), keep=0.6, block=8, include=("mlp", "attention"))
     assert isinstance(model.layers[0].mlp, SVDMLP)
     quantized = quantize_model(model, targets=("attention", "mlp"))
-    assert isinstance(quantized.layers[0].mlp, Fp8SVDMLP)
-    assert isinstance(quantized.layers[0].self_attn.o_proj, Fp8SVDLinear)
+    assert _fp8(quantized.layers[0].mlp, SVDMLP)
+    assert _fp8(quantized.layers[0].self_attn.o_proj, SVDLinear)
     assert quantized.lm_head is None  # the head was not a target
     ids = _ids(2, 7, seed=3)
     got = np.asarray(_logits(quantized, ids), np.float64)
@@ -91,7 +96,7 @@ def test_calibration_aware_rounding_lowers_output_error(make_model):
     dense = np.asarray(_logits(model, held_out), np.float64)
     nearest = quantize_model(model)
     calibrated = quantize_model(model, calibration_ids=_ids(32, 64, seed=7), progress=False)
-    assert isinstance(calibrated.lm_head, Fp8Linear)
+    assert _fp8(calibrated.lm_head, Linear)
     errors = [np.linalg.norm(np.asarray(_logits(q, held_out), np.float64) - dense) for q in (nearest, calibrated)]
     assert errors[1] < errors[0], errors
     # The calibrated weights are still the format's: per-column scales of round to nearest, values within ±240.
@@ -114,7 +119,7 @@ def test_calibration_of_compressed_factors():
         np.asarray(nearest_model.layers[0].mlp.gate_proj.u[...], np.float32),
     )
     calibrated = quantize_model(model, calibration_ids=ids, targets=("attention", "mlp"), calibrate_factors=True)
-    assert isinstance(calibrated.layers[1].mlp, Fp8SVDMLP)
+    assert _fp8(calibrated.layers[1].mlp, SVDMLP)
     got = np.asarray(_logits(calibrated, held_out), np.float64)
     want = np.asarray(_logits(_reference(model, calibrated), held_out), np.float64)
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * np.abs(want).max())
@@ -183,7 +188,7 @@ def test_errors():
         quantize_model(model, targets=("embed",))
     with pytest.raises(ValueError, match=r"quantize_model: calibration_ids has shape \(4,\); expected int token ids"):
         quantize_model(model, calibration_ids=np.arange(4))
-    with pytest.raises(TypeError, match="layer 0 q_proj is a Fp8Linear"):
+    with pytest.raises(TypeError, match="layer 0 q_proj is a Linear in FP8_E4M3"):
         quantize_model(quantize_model(model, targets="attention"), targets="attention")
 
 
@@ -192,9 +197,7 @@ def test_compress_model_with_fp8_factors():
     with pytest.warns(UserWarning, match="without calibration_ids"):
         compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"))
         quantized = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"), weight_dtype="float8_e4m3")
-    assert isinstance(quantized.layers[0].mlp, Fp8SVDMLP) and isinstance(
-        quantized.layers[0].self_attn.k_proj, Fp8SVDLinear
-    )
+    assert _fp8(quantized.layers[0].mlp, SVDMLP) and _fp8(quantized.layers[0].self_attn.k_proj, SVDLinear)
     assert quantized.lm_head is None or isinstance(quantized.lm_head, nnx.Linear)  # the head is not included
     ids = _ids(2, 7, seed=3)
     want = np.asarray(_logits(_reference(compressed, quantized), ids), np.float64)
@@ -251,7 +254,14 @@ def test_mlp_hidden_is_down_proj_input_for_every_mlp_form():
         compressed = compress_model(model, keep=0.6, block=8, include=("mlp",))
     mlps = [model.layers[0].mlp, compressed.layers[0].mlp]
     mlps += [quantize_model(m, targets="mlp").layers[0].mlp for m in (model, compressed)]
-    assert [type(p.down_proj).__name__ for p in mlps] == ["Linear", "SVDLinear", "Fp8Linear", "Fp8SVDLinear"]
+    kinds = [(type(p.down_proj).__name__, getattr(p.down_proj, "format", WeightFormat.FLOAT)) for p in mlps]
+    fp8 = WeightFormat.FP8_E4M3
+    assert kinds == [
+        ("Linear", WeightFormat.FLOAT),
+        ("SVDLinear", WeightFormat.FLOAT),
+        ("Linear", fp8),
+        ("SVDLinear", fp8),
+    ]
     x = np.asarray(np.random.default_rng(4).standard_normal((5, 96)), np.float32)
     for mlp in mlps:
         want = np.asarray(mlp(jnp.asarray(x)), np.float64)
@@ -268,7 +278,7 @@ def test_quantize_and_compress_compose():
     factored = dict(method="whitened", steps=(), calibration_ids=ids, include=("head",), block=8, progress=False)
     bf16_head = compress_model(projections, 0.6, **factored)
     fp8_head = compress_model(projections, 0.6, weight_dtype="float8_e4m3", **factored)
-    assert isinstance(fp8_head.lm_head, Fp8SVDLinear) and fp8_head.lm_head.rank == bf16_head.lm_head.rank
+    assert _fp8(fp8_head.lm_head, SVDLinear) and fp8_head.lm_head.rank == bf16_head.lm_head.rank
     for name in ("u", "v"):  # the bf16 factors rounded to fp8
         scale = getattr(fp8_head.lm_head, f"{name}_scale")[...]
         np.testing.assert_allclose(
@@ -278,7 +288,7 @@ def test_quantize_and_compress_compose():
             atol=float(np.max(scale)),
         )
     layer, source = fp8_head.layers[1], projections.layers[1]
-    assert isinstance(layer.mlp.down_proj, Fp8Linear)
+    assert _fp8(layer.mlp.down_proj, Linear)
     np.testing.assert_array_equal(
         np.asarray(layer.mlp.down_proj.kernel[...], np.float32),
         np.asarray(source.mlp.down_proj.kernel[...], np.float32),
@@ -290,12 +300,16 @@ def test_quantize_and_compress_compose():
     with pytest.warns(UserWarning, match="without calibration_ids"):
         fp8_mlps = compress_model(model, keep=0.6, block=8, include=("mlp",), weight_dtype="float8_e4m3")
     rest = quantize_model(fp8_mlps, targets=("attention", "head"), calibration_ids=ids, progress=False)
-    assert isinstance(rest.layers[0].self_attn.q_proj, Fp8Linear) and isinstance(rest.lm_head, Fp8Linear)
+    assert _fp8(rest.layers[0].self_attn.q_proj, Linear) and _fp8(rest.lm_head, Linear)
     assert rest.layers[0].mlp.gate_proj.u[...].dtype == ml_dtypes.float8_e4m3fn
 
-    with pytest.raises(TypeError, match="layer 0 gate_proj is a Fp8Linear; compress_model factors dense float"):
+    with pytest.raises(
+        TypeError, match="layer 0 gate_proj is a Linear in FP8_E4M3; compress_model factors dense float"
+    ):
         compress_model(projections, 0.6, method="whitened", steps=(), calibration_ids=ids, include=("mlp",))
-    with pytest.raises(TypeError, match="the LM head is a Fp8Linear; compress_model factors dense float weights"):
+    with pytest.raises(
+        TypeError, match="the LM head is a Linear in FP8_E4M3; compress_model factors dense float weights"
+    ):
         compress_model(quantize_model(model, targets="head"), 0.6, **factored)
 
 

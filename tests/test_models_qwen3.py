@@ -47,8 +47,8 @@ from jax_neuronmm.models import (
 )
 from jax_neuronmm.models.compression import NoCalibrationWarning
 from jax_neuronmm.models.layers import GatedMLP
-from jax_neuronmm.nn.fp8 import Fp8Linear
-from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear
+from jax_neuronmm.weights import WeightFormat
 from nki_kernels.decode import reference
 
 _forward = nnx.jit(lambda model, ids: model(ids))
@@ -222,7 +222,8 @@ def test_compressed_checkpoint_round_trip(rng, tmp_path):
 def test_fp8_weights_compute_their_dequantized_values_and_decode():
     model = _tiny(tie_word_embeddings=False)
     quantized = quantize_model(model)
-    assert isinstance(quantized.layers[1].self_attn.k_proj, Fp8Linear) and isinstance(quantized.lm_head, Fp8Linear)
+    for module in (quantized.layers[1].self_attn.k_proj, quantized.lm_head):
+        assert isinstance(module, Linear) and module.format is WeightFormat.FP8_E4M3
     ids = jnp.asarray(_prompt(2, 9, VOCAB, seed=6))
     got = np.asarray(_forward(quantized, ids), np.float64)
     want = np.asarray(_forward(_dequantized_reference(model, quantized), ids), np.float64)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
+from mlp_calls import svd_mlp_of_factors
 from spmd_helpers import (
     Checks,
     collectives,
@@ -83,7 +84,7 @@ LAYOUTS = {
         [("all-reduce", "f32[7,40]")],
     ),
     "megatron_mlp": Layout(
-        jn.svd_mlp,
+        svd_mlp_of_factors,
         lambda: mlp_operands("megatron"),
         MEGATRON,
         P("data"),
@@ -94,7 +95,7 @@ LAYOUTS = {
 
 
 def _reference(layout, args):
-    return (mlp_f64 if layout.op is jn.svd_mlp else matmul_f64)(*args)
+    return (mlp_f64 if layout.op is svd_mlp_of_factors else matmul_f64)(*args)
 
 
 def _call(layout, mesh_kind):
@@ -151,7 +152,7 @@ def _check_layout_grads(name, mesh_kind, backend):
         grad = jax.jit(jax.grad(loss, argnums=argnums))
         grads = grad(*placed)
         found = collectives(grad.lower(*placed).compile().as_text())
-    reference_op = jn.svd_mlp_ref if layout.op is jn.svd_mlp else jn.svd_matmul_ref
+    reference_op = jn.svd_mlp_ref if layout.op is svd_mlp_of_factors else jn.svd_matmul_ref
     with jax.enable_x64(True):
         expected = jax.grad(lambda *a: jnp.sum(reference_op(*a) * cotangent), argnums=argnums)(
             *(a.astype(np.float64) for a in args)
@@ -208,7 +209,9 @@ def explicit_megatron_mlp_without_out_sharding_asks_for_it():
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
         placed = _place(mesh, mlp_operands("mlp_ask"), MEGATRON)
-        _raises(ShardingTypeError, lambda: jax.jit(jn.svd_mlp)(*placed), "svd_mlp", "out_sharding", "down_u dim 0")
+        _raises(
+            ShardingTypeError, lambda: jax.jit(svd_mlp_of_factors)(*placed), "svd_mlp", "out_sharding", "down.u dim 0"
+        )
 
 
 @check
@@ -242,7 +245,9 @@ def out_sharding_bad_values_raise_naming_the_argument():
     auto = _mesh("auto")
     with jax.set_mesh(auto):
         args = _place(auto, mlp_operands("bad"), MEGATRON)
-        _raises(ValueError, lambda: jn.svd_mlp(*args, out_sharding=P("data")), "svd_mlp", "out_sharding", "Auto")
+        _raises(
+            ValueError, lambda: svd_mlp_of_factors(*args, out_sharding=P("data")), "svd_mlp", "out_sharding", "Auto"
+        )
 
 
 @check
@@ -349,7 +354,7 @@ def explicit_shard_map_matmul_layouts_both_backends():
 @check
 def explicit_shard_map_megatron_mlp_both_backends():
     args = mlp_operands("sm_mlp", tokens=(4, 3))
-    apply = _explicit_shard_map(lambda *blocks: jax.lax.psum(jn.svd_mlp(*blocks), "model"), MEGATRON, P("data"))
+    apply = _explicit_shard_map(lambda *blocks: jax.lax.psum(svd_mlp_of_factors(*blocks), "model"), MEGATRON, P("data"))
     mesh = _mesh("explicit")
     with jax.set_mesh(mesh):
         placed = _place(mesh, args, MEGATRON)
@@ -365,7 +370,7 @@ def explicit_partial_shard_map_manual_model_axis_explicit_data_axis():
     mesh = _mesh("explicit")
 
     def tp_mlp(*blocks):
-        y = jn.svd_mlp(*blocks)
+        y = svd_mlp_of_factors(*blocks)
         assert jax.typeof(y).sharding.spec[0] == "data", jax.typeof(y)
         return jax.lax.psum(y, "model")
 

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mlp_calls import svd_mlp_of_factors
 from spmd_helpers import Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import mesh as _mesh
@@ -91,8 +92,7 @@ def mlp_megatron_scales_split_with_the_intermediate():
     factors, scales = [q[0] for q in quantized], [q[1] for q in quantized]
 
     def mlp(x, *weights):
-        names = ("gate_u", "gate_v", "up_u", "up_v", "down_u", "down_v")
-        return jn.svd_mlp(x, *weights[:6], **{f"{n}_scale": s for n, s in zip(names, weights[6:])})
+        return svd_mlp_of_factors(x, *weights)
 
     factor_specs = [P(), P(None, "model"), P(), P(None, "model"), P("model"), P()]
     scale_specs = [P(), P("model"), P(), P("model"), P(), P()]

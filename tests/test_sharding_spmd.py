@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from mlp_calls import svd_mlp_of_factors
 from spmd_helpers import DEVICE_COUNT, Checks, check_test, run_checks
 from spmd_helpers import collectives as _collectives
 from spmd_helpers import matmul_f64 as _matmul_f64
@@ -183,7 +184,7 @@ def mlp_emulator_backend_megatron_two_kernels_per_device():
     specs = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
 
     def fn(*a):
-        return jn.svd_mlp(*a)
+        return svd_mlp_of_factors(*a)
 
     with jn.use_backend("emulator"), jn.profile() as prof:
         sharded, collectives = _run_layout(fn, (x, *weights), specs)
@@ -199,8 +200,8 @@ MEGATRON = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"),
 @check
 def mlp_megatron_one_all_reduce_for_whole_mlp():
     args = _mlp_operands("megatron")
-    single = np.asarray(jax.jit(jn.svd_mlp)(*args))
-    sharded, collectives = _run_layout(jn.svd_mlp, args, MEGATRON)
+    single = np.asarray(jax.jit(svd_mlp_of_factors)(*args))
+    sharded, collectives = _run_layout(svd_mlp_of_factors, args, MEGATRON)
     np.testing.assert_allclose(sharded, _mlp_f64(*args), rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(sharded, single, rtol=1e-5, atol=1e-5)
     assert collectives == [("all-reduce", "f32[1,6,48]")], collectives
@@ -209,7 +210,7 @@ def mlp_megatron_one_all_reduce_for_whole_mlp():
 @check
 def mlp_tokens_sharded_no_communication():
     args = _mlp_operands("mlp_tokens", tokens=(4, 8))
-    sharded, collectives = _run_layout(jn.svd_mlp, args, (P("data", "model"),) + (P(),) * 6)
+    sharded, collectives = _run_layout(svd_mlp_of_factors, args, (P("data", "model"),) + (P(),) * 6)
     np.testing.assert_allclose(sharded, _mlp_f64(*args), rtol=1e-4, atol=1e-4)
     assert collectives == [], collectives
 
@@ -218,7 +219,7 @@ def mlp_tokens_sharded_no_communication():
 def mlp_down_rank_sharded_one_all_reduce():
     args = _mlp_operands("mlp_rd")
     specs = (P(), P(), P(), P(), P(), P(None, "model"), P("model"))
-    sharded, collectives = _run_layout(jn.svd_mlp, args, specs)
+    sharded, collectives = _run_layout(svd_mlp_of_factors, args, specs)
     np.testing.assert_allclose(sharded, _mlp_f64(*args), rtol=1e-4, atol=1e-4)
     assert collectives == [("all-reduce", "f32[2,6,48]")], collectives
 
@@ -269,7 +270,7 @@ def shard_map_megatron_mlp_grads_match_single_device():
         cotangent = _rng("sm_mlp_ct").standard_normal((4, 3, 48))
 
         def tp_mlp(*blocks):
-            return jax.lax.psum(jn.svd_mlp(*blocks), "model")
+            return jax.lax.psum(svd_mlp_of_factors(*blocks), "model")
 
         specs = (P("data"), P(), P(None, "model"), P(), P(None, "model"), P("model"), P())
         apply = _shard_map(tp_mlp, specs, P("data"))

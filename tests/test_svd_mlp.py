@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
+from mlp_calls import svd_mlp_of_factors
 
 import jax_neuronmm as jn
 
@@ -40,7 +41,7 @@ def mlp64(x, gu, gv, uu, uv, du, dv, activation="silu"):
 )
 def test_float32_matches_float64(rng, activation, tokens, hidden, inter, ranks):
     args = mlp_factors(rng, tokens, hidden, inter, ranks)
-    y = jax.jit(jn.svd_mlp, static_argnames="activation")(*args, activation=activation)
+    y = jax.jit(svd_mlp_of_factors, static_argnames="activation")(*args, activation=activation)
     assert y.shape == tokens + (hidden,)
     want = mlp64(*args, activation=activation)
     np.testing.assert_allclose(np.asarray(y, np.float64), want, rtol=2e-5, atol=2e-5)
@@ -48,7 +49,7 @@ def test_float32_matches_float64(rng, activation, tokens, hidden, inter, ranks):
 
 def test_bf16_error_bound(rng):
     args = mlp_factors(rng, (33,), 64, 160, (16, 16, 24), jnp.bfloat16)
-    y = jn.svd_mlp(*args)
+    y = svd_mlp_of_factors(*args)
     want = mlp64(*args)
     assert y.dtype == jnp.bfloat16
     assert np.linalg.norm(np.asarray(y, np.float64) - want) / np.linalg.norm(want) <= 2e-2
@@ -57,12 +58,12 @@ def test_bf16_error_bound(rng):
 @pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
 def test_check_grads_second_order(rng, x64, activation):
     args = mlp_factors(rng, (3,), 5, 7, (2, 3, 2), np.float64)
-    check_grads(lambda *a: jn.svd_mlp(*a, activation=activation), args, order=2, modes=["fwd", "rev"])
+    check_grads(lambda *a: svd_mlp_of_factors(*a, activation=activation), args, order=2, modes=["fwd", "rev"])
 
 
 def test_reverse_mode_runs_through_svd_matmul(rng):
     args = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
-    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jn.svd_mlp(*a).sum(), argnums=tuple(range(7))))(*args)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: svd_mlp_of_factors(*a).sum(), argnums=tuple(range(7))))(*args)
     names = [e.primitive.name for e in jaxpr.eqns]
     assert names.count("svd_matmul") >= 4 and "svd_mlp" not in names
 
@@ -76,7 +77,7 @@ def test_vmap(rng, batched):
         np.stack([a] + [rng.standard_normal(a.shape).astype(a.dtype) / 3 for _ in range(size - 1)]) if ax == 0 else a
         for a, ax in zip(base, axes)
     ]
-    got = jax.vmap(jn.svd_mlp, in_axes=axes)(*args)
+    got = jax.vmap(svd_mlp_of_factors, in_axes=axes)(*args)
     for i in range(size):
         sliced = [a[i] if ax == 0 else a for a, ax in zip(args, axes)]
         np.testing.assert_allclose(got[i], mlp64(*sliced), rtol=2e-5, atol=2e-5)
@@ -84,24 +85,24 @@ def test_vmap(rng, batched):
 
 def test_jaxpr_has_one_svd_mlp(rng):
     args = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
-    jaxpr = jax.make_jaxpr(jn.svd_mlp)(*args)
+    jaxpr = jax.make_jaxpr(svd_mlp_of_factors)(*args)
     assert [e.primitive.name for e in jaxpr.eqns] == ["svd_mlp"]
 
 
 @pytest.mark.parametrize(
     "index,shape,words",
     [
-        (1, (9, 2), ["gate_u", "(9, 2)", "x.shape[-1] (H)"]),
-        (4, (2, 11), ["up_v", "(2, 11)", "gate_v.shape[1]"]),
-        (5, (11, 2), ["down_u", "intermediate size I"]),
-        (6, (5, 8), ["down_v", "down_u.shape[1]"]),
+        (1, (9, 2), ["gate.u", "(9, 2)", "x.shape[-1] (H)"]),
+        (4, (2, 11), ["up.v", "(2, 11)", "gate.v.shape[1]"]),
+        (5, (11, 2), ["down.u", "intermediate size I"]),
+        (6, (5, 8), ["down.v", "down.u.shape[1]"]),
     ],
 )
 def test_bad_shapes_name_the_argument(rng, index, shape, words):
     args = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
     args[index] = np.ones(shape, np.float32)
     with pytest.raises(ValueError) as info:
-        jn.svd_mlp(*args)
+        svd_mlp_of_factors(*args)
     for word in words:
         assert word in str(info.value)
 
@@ -109,7 +110,28 @@ def test_bad_shapes_name_the_argument(rng, index, shape, words):
 def test_bad_activation_and_dtypes(rng):
     args = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
     with pytest.raises(ValueError, match="activation='relu'"):
-        jn.svd_mlp(*args, activation="relu")
+        svd_mlp_of_factors(*args, activation="relu")
     args[3] = args[3].astype(np.float16)
-    with pytest.raises(TypeError, match="up_u=float16"):
-        jn.svd_mlp(*args)
+    with pytest.raises(TypeError, match=r"up\.u=float16"):
+        svd_mlp_of_factors(*args)
+
+
+def test_weights_that_are_not_factored_name_the_projection(rng):
+    x, gu, gv, uu, uv, du, dv = mlp_factors(rng, (4,), 8, 12, (2, 2, 2))
+    gate, down = jn.Factored(gu, gv), jn.Factored(du, dv)
+    with pytest.raises(TypeError, match=r"svd_mlp: up: got tuple, expected a Factored\(u, v\)"):
+        jn.svd_mlp(x, gate, (uu, uv), down)
+    with pytest.raises(TypeError, match=r"svd_mlp: down\.v missing"):
+        jn.svd_mlp(x, gate, jn.Factored(uu, uv), jn.Factored(du))
+
+
+def test_factored_weights_are_pytrees_under_jit_and_vmap(rng):
+    """Factored weights pass through jit and vmap as pytrees: vmap over a stack of down projections."""
+    x, gu, gv, uu, uv, du, dv = mlp_factors(rng, (5,), 9, 14, (3, 2, 4))
+    stacked_u = np.stack([du, rng.standard_normal(du.shape).astype(np.float32) / 4])
+    down = jn.Factored(stacked_u, dv)
+    gate, up = jn.Factored(gu, gv), jn.Factored(uu, uv)
+    got = jax.jit(jax.vmap(jn.svd_mlp, in_axes=(None, None, None, jn.Factored(0, None))))(x, gate, up, down)
+    for i in range(2):
+        want = mlp64(x, gu, gv, uu, uv, stacked_u[i], dv)
+        np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=2e-5)

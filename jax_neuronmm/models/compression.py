@@ -20,8 +20,7 @@ from jax_neuronmm.models import pruning, quantization, self_distillation
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.models.validation import check_token_ids
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear
-from jax_neuronmm.nn.nnx import SVDLinear
+from jax_neuronmm.nn.nnx import FactorInit, Linear, SVDLinear, describe
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
 # Public-domain English text shipped for calibration and for held-out evaluation (jax_neuronmm/data/SOURCES.txt).
@@ -135,14 +134,14 @@ def _check_dense(model, include) -> None:
     factor first, then quantize. Weights outside `include` may be anything the model runs with."""
     fix = "compress_model factors dense float weights: factor first, then quantize (weight_dtype= or quantize_model)"
     if "head" in include and model.lm_head is not None and not isinstance(model.lm_head, nnx.Linear):
-        raise TypeError(f"model: the LM head is a {type(model.lm_head).__name__}; {fix}")
+        raise TypeError(f"model: the LM head is {describe(model.lm_head)}; {fix}")
     for index, layer in enumerate(model.layers):
         for group, names in (("attention", ATTENTION_PROJECTIONS), ("mlp", MLP_PROJECTIONS)):
             parent = layer.self_attn if group == "attention" else layer.mlp
             for name in names if group in include else ():
                 module = getattr(parent, name)
-                if isinstance(module, (Fp8Linear, Fp8SVDLinear)):
-                    raise TypeError(f"model: layer {index} {name} is a {type(module).__name__}; {fix}")
+                if isinstance(module, (Linear, SVDLinear)) and module.format.scaled:
+                    raise TypeError(f"model: layer {index} {name} is {describe(module)}; {fix}")
 
 
 def _check_ids(model, ids, name: str) -> np.ndarray:
@@ -592,8 +591,7 @@ def factor_head(model: CausalLM, rank: int, method: str, calibration_ids) -> Non
             use_bias=False,
             dtype=model.dtype,
             param_dtype=dtype,
-            u_init=lambda *_: jnp.asarray(u, dtype),  # the factors as given: nothing drawn at random
-            v_init=lambda *_: jnp.asarray(v, dtype),
+            init=FactorInit(lambda *_: jnp.asarray(u, dtype), lambda *_: jnp.asarray(v, dtype)),  # as given
             rngs=nnx.Rngs(0),
         )
     )

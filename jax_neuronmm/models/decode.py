@@ -12,7 +12,7 @@ Tensor parallel: when the model's projections (and untied LM head) are split ove
 layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD factor v's; o and down by rows: a
 kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
 stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
-`jax_neuronmm.decode_step.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
+`jax_neuronmm.decode_step_parallel.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
 groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
 emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
 ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). KV heads
@@ -51,17 +51,17 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jax_neuronmm import decoder_math, explicit_sharding
-from jax_neuronmm.decode_step import (
-    decode_step,
-    operand_treedef,
+from jax_neuronmm.decode_step import decode_step
+from jax_neuronmm.decode_step_operands import operand_treedef
+from jax_neuronmm.decode_step_parallel import (
     tensor_parallel_decode_step,
     tensor_parallel_partition_specs,
     tensor_parallel_spec,
 )
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig, attention_mask, rope_tables
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
-from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear
+from jax_neuronmm.weights import WeightFormat
 from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 from nki_kernels.decode.contract import (
     PROJECTIONS,
@@ -147,7 +147,7 @@ def _projection_modules(layer):
 
 
 def _activation(mlp):
-    if isinstance(mlp, (SVDMLP, Fp8SVDMLP)):
+    if isinstance(mlp, SVDMLP):
         return mlp.activation
     if isinstance(mlp, GatedMLP):
         return HF_ACTIVATIONS.get(mlp.activation)
@@ -254,17 +254,10 @@ def _megatron_dims(module, name: str) -> tuple[tuple[str, int | None], ...]:
     with fp8 the scales of those columns: kernel_scale, v_scale; u_scale goes with the rank, whole)."""
     rows = name in SPLIT_ROWS
     if isinstance(module, SVDLinear):
-        return (("u", 0 if rows else None), ("v", None if rows else 1))
-    if isinstance(module, Fp8SVDLinear):
-        return (
-            ("u", 0 if rows else None),
-            ("v", None if rows else 1),
-            ("u_scale", None),
-            ("v_scale", None if rows else 0),
-        )
-    if isinstance(module, Fp8Linear):
-        return (("kernel", 0 if rows else 1), ("kernel_scale", None if rows else 0))
-    return (("kernel", 0 if rows else 1),)
+        dims = (("u", 0 if rows else None), ("v", None if rows else 1))
+        return dims + ((("u_scale", None), ("v_scale", None if rows else 0)) if _fp8(module) else ())
+    dims = (("kernel", 0 if rows else 1),)
+    return dims + ((("kernel_scale", None if rows else 0),) if _fp8(module) else ())
 
 
 def tensor_parallel_layout(model: CausalLM) -> TensorParallel | None:
@@ -422,10 +415,10 @@ def _factors(name, module, dtype):
 
 def _fp8_weight(name, module, factored: bool):
     """One fp8 module of projection `name` (or the head) as the contract stores it: Quantized(kernel,
-    kernel_scale), or (factored) Factored(u, v, u_scale, v_scale) of an Fp8SVDLinear, or of an Fp8Linear exactly
+    kernel_scale), or (factored) Factored(u, v, u_scale, v_scale) of an fp8 SVDLinear, or of an fp8 Linear exactly
     as a factored stack holds it (contract.dense_as_factors, u_scale ones and W's scales as v_scale: the identity
     and 1.0 are exact in fp8)."""
-    if isinstance(module, Fp8SVDLinear):
+    if isinstance(module, SVDLinear):
         return Factored(module.u[...], module.v[...], module.u_scale[...], module.v_scale[...])
     kernel, scale = module.kernel[...], module.kernel_scale[...]
     if not factored:
@@ -656,18 +649,18 @@ def decode_weight_bytes(model, bytes_per_weight: int = 2) -> int:
     return total
 
 
-_PROJECTION_TYPES = (nnx.Linear, SVDLinear, Fp8Linear, Fp8SVDLinear)
-_FACTORED_TYPES = (SVDLinear, Fp8SVDLinear)
+_PROJECTION_TYPES = (nnx.Linear, SVDLinear, Linear)
+_FACTORED_TYPES = (SVDLinear,)
 
 
 def _fp8(module) -> bool:
-    return isinstance(module, (Fp8Linear, Fp8SVDLinear))
+    return isinstance(module, (Linear, SVDLinear)) and module.format is WeightFormat.FP8_E4M3
 
 
 def _projection_bytes(projection, bytes_per_weight: int) -> int:
-    if isinstance(projection, Fp8SVDLinear):
-        return sum(p[...].nbytes for p in (projection.u, projection.v, projection.u_scale, projection.v_scale))
-    if isinstance(projection, Fp8Linear):
-        return sum(p[...].nbytes for p in (projection.kernel, projection.kernel_scale))
-    weights = (projection.u, projection.v) if isinstance(projection, SVDLinear) else (projection.kernel,)
+    factored = isinstance(projection, SVDLinear)
+    if _fp8(projection):
+        parts = ("u", "v", "u_scale", "v_scale") if factored else ("kernel", "kernel_scale")
+        return sum(getattr(projection, part)[...].nbytes for part in parts)
+    weights = (projection.u, projection.v) if factored else (projection.kernel,)
     return bytes_per_weight * sum(p[...].size for p in weights)

@@ -230,19 +230,16 @@ class Attention(nnx.Module):
         """
         spec = self.spec
         cos, sin = rope_tables(positions, spec.rope, spec.head_dim)
+        projections = decoder_math.AttentionProjections(
+            self.q_proj, self.k_proj, self.v_proj, self.o_proj, q_norm=self.q_norm, k_norm=self.k_norm
+        )
+        geometry = decoder_math.AttentionGeometry(
+            spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.scaling, logit_softcap=spec.logit_softcap
+        )
         return decoder_math.self_attention(
             x,
-            q_proj=self.q_proj,
-            k_proj=self.k_proj,
-            v_proj=self.v_proj,
-            o_proj=self.o_proj,
-            q_norm=self.q_norm,
-            k_norm=self.k_norm,
-            num_heads=spec.num_heads,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            scaling=spec.scaling,
-            logit_softcap=spec.logit_softcap,
+            projections,
+            geometry,
             cos=cos,
             sin=sin,
             bias=decoder_math.mask_bias(mask),

@@ -1,8 +1,8 @@
 """quantize_model: a copy of a model whose projections and LM head hold fp8 e4m3 weights with fp32 scales.
 
-Dense projections become `nn.fp8.Fp8Linear`, SVD-factored ones `Fp8SVDLinear` / `Fp8SVDMLP` (each factor
-quantized per column), the LM head an Fp8Linear (a tied embedding stays bf16 for the lookup; the head gets its
-own fp8 copy, transposed, one scale per vocabulary entry), with one scale per output channel. Without calibration
+Dense projections become `nn.nnx.Linear`, SVD-factored ones stay `SVDLinear` / `SVDMLP` (each factor quantized per
+column), the LM head a Linear (a tied embedding stays bf16 for the lookup; the head gets its own transposed copy,
+one scale per vocabulary entry), all in `WeightFormat.FP8_E4M3`, one scale per output channel. Without calibration
 ids the values are rounded to nearest (`compress.quantize_fp8`); with them, dense weights are rounded with error
 feedback against the Gram matrix of their inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs
 recorded from the unquantized model (one pass over its layers). SVD factors stay rounded to nearest unless
@@ -31,9 +31,9 @@ from jax_neuronmm.compress.svd import single_threaded_blas
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
 from jax_neuronmm.models.validation import check_token_ids
-from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
-from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear, describe
 from jax_neuronmm.reference import jnp_activation
+from jax_neuronmm.weights import WeightFormat
 
 TARGETS = ("attention", "mlp", "head")
 
@@ -41,21 +41,25 @@ TARGETS = ("attention", "mlp", "head")
 def _quantized(module, where, gram=None, damping=None, calibrate_factors=False):
     """The fp8 module of a projection; gram: None (round to nearest) or XᵀX [K, K] of its inputs (GPTQ, for SVD
     factors only with calibrate_factors)."""
+    fp8 = WeightFormat.FP8_E4M3
     if isinstance(module, nnx.Linear):
         if gram is None:
-            return Fp8Linear.from_linear(module)
+            return Linear.from_linear(module, fp8)
         values, scale = gptq_fp8(module.kernel[...], gram, damping=damping)
         bias = module.bias[...] if module.bias is not None else None
-        return Fp8Linear(values, scale, bias, dtype=module.dtype, precision=module.precision)
-    if isinstance(module, SVDLinear):
+        return Linear(values, bias, kernel_scale=scale, dtype=module.dtype, precision=module.precision)
+    if isinstance(module, SVDLinear) and not module.format.scaled:
         if gram is None or not calibrate_factors:
-            return Fp8SVDLinear.from_svd(module)
+            return module.quantized(fp8)
         u, u_scale = gptq_fp8(module.u[...], gram, damping=damping)
         u64 = np.asarray(u, np.float64) * np.asarray(u_scale, np.float64)
         v, v_scale = gptq_fp8(module.v[...], u64.T @ gram @ u64, damping=damping)  # v's inputs: x·u (quantized)
         bias = module.bias[...] if module.bias is not None else None
-        return Fp8SVDLinear(u, v, u_scale, v_scale, bias, dtype=module.dtype, precision=module.precision)
-    raise TypeError(f"quantize_model: {where} is a {type(module).__name__}; expected nnx.Linear or SVDLinear")
+        scales = dict(u_scale=u_scale, v_scale=v_scale)
+        return SVDLinear.from_values(u, v, bias, **scales, dtype=module.dtype, precision=module.precision)
+    raise TypeError(
+        f"quantize_model: {where} is {describe(module)}; expected nnx.Linear or SVDLinear with float weights"
+    )
 
 
 class _Recorder(nnx.Module):
@@ -99,14 +103,12 @@ def _projected(layer, x):
     def f32(param):
         return param[...].astype(jnp.float32)
 
-    if isinstance(layer, Fp8Linear):
-        out = x @ f32(layer.kernel) * f32(layer.kernel_scale)
-    elif isinstance(layer, Fp8SVDLinear):
-        out = (x @ f32(layer.u) * f32(layer.u_scale)) @ f32(layer.v) * f32(layer.v_scale)
-    elif isinstance(layer, SVDLinear):
-        out = x @ f32(layer.u) @ f32(layer.v)
+    scaled = isinstance(layer, (Linear, SVDLinear)) and layer.format.scaled
+    if isinstance(layer, SVDLinear):
+        xu = x @ f32(layer.u) * f32(layer.u_scale) if scaled else x @ f32(layer.u)
+        out = xu @ f32(layer.v) * f32(layer.v_scale) if scaled else xu @ f32(layer.v)
     else:
-        out = x @ f32(layer.kernel)
+        out = x @ f32(layer.kernel) * f32(layer.kernel_scale) if scaled else x @ f32(layer.kernel)
     return out if layer.bias is None else out + f32(layer.bias)
 
 
@@ -114,7 +116,7 @@ def _mlp_hidden(mlp, x):
     """The MLP's gated hidden act(x·Wg) * (x·Wu) [n, I] float32 (down_proj's input) for inputs x [n, H]; its
     projections dense or factored, in fp8 or not."""
     x = jnp.asarray(x, jnp.float32)
-    act = jnp_activation(mlp.activation) if isinstance(mlp, (SVDMLP, Fp8SVDMLP)) else activation_fn(mlp.activation)
+    act = jnp_activation(mlp.activation) if isinstance(mlp, SVDMLP) else activation_fn(mlp.activation)
     return np.asarray(act(_projected(mlp.gate_proj, x)) * _projected(mlp.up_proj, x), np.float32)
 
 
@@ -208,7 +210,7 @@ def _quantize(model, targets, grams, damping, calibrate_factors):
                 for name in MLP_PROJECTIONS
             }
             if isinstance(mlp, SVDMLP):
-                layer.mlp = Fp8SVDMLP(*projections.values(), activation=mlp.activation, dtype=mlp.dtype)
+                layer.mlp = SVDMLP.from_projections(*projections.values(), activation=mlp.activation)
             else:
                 for name, module in projections.items():
                     setattr(mlp, name, module)
@@ -218,10 +220,10 @@ def _quantize(model, targets, grams, damping, calibrate_factors):
             # lm_head was None (static); the head now holds data.
             embed = quantized.embed_tokens
             if head_gram is None:
-                head = Fp8Linear.from_embedding(embed)
+                head = Linear.from_embedding(embed, WeightFormat.FP8_E4M3)
             else:
                 values, scale = gptq_fp8(embed.embedding[...].T, head_gram, damping=damping)
-                head = Fp8Linear(values, scale, dtype=embed.dtype)
+                head = Linear(values, kernel_scale=scale, dtype=embed.dtype)
             quantized.lm_head = nnx.data(head)
         else:
             quantized.lm_head = _quantized(quantized.lm_head, "lm_head", head_gram, damping, calibrate_factors)

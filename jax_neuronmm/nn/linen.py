@@ -20,6 +20,7 @@ from jax_neuronmm.compress import svd
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from jax_neuronmm.weights import Factored
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nn.initializers.lecun_normal()
@@ -139,7 +140,8 @@ class SVDMLP(nn.Module):
         for name, layer_rank, (features, layer_in) in zip(MLP_PROJECTIONS, ranks, shapes):
             factors += _Factors(features, layer_rank, self.param_dtype, self.u_init, self.v_init, name=name)(layer_in)
         inputs, *factors = dtypes.promote_dtype(inputs, *factors, dtype=self.dtype)
-        return svd_mlp(inputs, *factors, activation=self.activation, precision=self.precision)
+        gate, up, down = (Factored(u, v) for u, v in zip(factors[::2], factors[1::2]))
+        return svd_mlp(inputs, gate, up, down, activation=self.activation, precision=self.precision)
 
     @staticmethod
     def params_from_dense(

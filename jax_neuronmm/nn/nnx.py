@@ -1,11 +1,17 @@
-"""Flax NNX modules with SVD-factored weights: `SVDLinear` (drop-in for `nnx.Linear`) and the gated `SVDMLP`.
+"""Flax NNX layers on the fused primitives: `SVDLinear` (drop-in for `nnx.Linear`, SVD factors), the gated `SVDMLP`
+and `Linear` (a dense projection), each in any `WeightFormat`.
 
-Both call the `svd_matmul` / `svd_mlp` primitives, so a jitted model reaches the fused kernels on Trainium (and the
-XLA reference lowering elsewhere). Parameters: `u` [in_features, rank], `v` [rank, out_features], `bias`
-[out_features] — the names `compress_params` produces from an `nnx.Linear`'s `kernel`.
+A layer's format is a value (`layer.format`), not its class: FLOAT layers hold trainable `nnx.Param`s, FP8_E4M3
+layers fp8 values and their float32 per-column scales as `QuantizedWeight`s (saved with the state, never trained).
+`SVDLinear` / `SVDMLP` call `svd_matmul` / `svd_mlp`, so a jitted model reaches the fused kernels on Trainium.
+Parameter names (`u` [in, rank], `v` [rank, out], `kernel`, their `*_scale`, `bias`) are those `compress_params`
+and the checkpoints use.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from flax import nnx
@@ -13,19 +19,123 @@ from flax.linen import dtypes
 
 from jax_neuronmm import explicit_sharding
 from jax_neuronmm.compress import svd
+from jax_neuronmm.compress.quantize import quantize_fp8
 from jax_neuronmm.nn.factorize import factorize_kernel, gated_hidden, three_ranks
+from jax_neuronmm.nn.fp8 import checked_fp8_values, fp8_dense
+from jax_neuronmm.shapes import fp8_storage
 from jax_neuronmm.svd_matmul import svd_matmul
 from jax_neuronmm.svd_mlp import svd_mlp
+from jax_neuronmm.weights import Factored, WeightFormat
 from nki_kernels.activations import FUSED_ACTIVATIONS
 
 default_factor_init = nnx.initializers.lecun_normal()
 
 
-class SVDLinear(nnx.Module):
-    """y = (x·u)·v + bias, x [..., in_features] → y [..., out_features], with u [in_features, rank], v [rank, out].
+@dataclasses.dataclass(frozen=True)
+class FactorInit:
+    """The initializers of an SVD layer's u, v and bias (as `nnx.Linear`'s kernel_init / bias_init): LeCun normal
+    factors by default, which keep the output variance of a LeCun-initialized dense layer, and a zero bias."""
 
-    Arguments follow `nnx.Linear`, plus `rank`; `u_init` / `v_init` replace `kernel_init` (both LeCun normal by
-    default, which keeps the output variance of a LeCun-initialized dense layer).
+    u: Callable = default_factor_init
+    v: Callable = default_factor_init
+    bias: Callable = nnx.initializers.zeros_init()
+
+
+def _given(array, *, cast: bool = True):
+    """An initializer returning `array` as given, nothing drawn at random: in the requested dtype (cast), or in its
+    own (a bias copied with its dtype)."""
+    return lambda key, shape, dtype: jnp.asarray(array, dtype if cast else None)
+
+
+_ZEROS = FactorInit(nnx.initializers.zeros_init(), nnx.initializers.zeros_init())
+
+
+class QuantizedWeight(nnx.Variable):
+    """Quantized weight values or their scales: saved and loaded with the model's state, never trained."""
+
+
+def describe(module) -> str:
+    """A module's type for messages, with its weight format when it has one: "a Linear in FP8_E4M3"."""
+    format = getattr(module, "format", None)
+    return f"a {type(module).__name__}" + (f" in {format.name}" if isinstance(format, WeightFormat) else "")
+
+
+def quantize(weight, format: WeightFormat, axis: int = -1):
+    """(values, scale) of a float weight [K, N] in `format`, one scale per output channel along `axis` (scale None
+    for FLOAT, whose values are the weight itself)."""
+    if format is WeightFormat.FLOAT:
+        return jnp.asarray(weight), None
+    if format is WeightFormat.FP8_E4M3:
+        return quantize_fp8(weight, axis=axis)
+    raise ValueError(f"format: got {format!r}, expected a WeightFormat")
+
+
+def _stored(op, name, values, scale, columns):
+    """(variable of values, variable of scale or nnx.data(None), format) of one stored matrix: Params for float
+    values (scale must be None), QuantizedWeights for fp8 ones (checked: `nn.fp8.checked_fp8_values`)."""
+    values = fp8_storage(jnp.asarray(values))
+    format = WeightFormat.of(values.dtype)
+    if format.scaled:
+        values, scale = checked_fp8_values(op, name, values, scale, columns)
+        return QuantizedWeight(values), QuantizedWeight(scale), format
+    if scale is not None:
+        raise TypeError(f"{op}: {name}_scale given with {values.dtype} {name}; scales go with fp8 values only")
+    return nnx.Param(values), nnx.data(None), format
+
+
+class Linear(nnx.Module):
+    """y = x·kernel + bias in any WeightFormat, with a scaled format (x·kernel)·diag(kernel_scale) + bias.
+
+    kernel [in_features, out_features] (the format follows its dtype), kernel_scale [out_features] float32 for fp8
+    values, bias [out_features] or None. dtype: the compute dtype (inputs cast to it; None keeps theirs). fp8 runs
+    as XLA ops (`nn.fp8.fp8_dense`): there is no dense fp8 kernel. The models' float projections are Flax's own
+    `nnx.Linear`; `Linear.from_linear` converts one to a format.
+    """
+
+    def __init__(self, kernel, bias=None, *, kernel_scale=None, dtype=None, precision=None):
+        self.kernel, self.kernel_scale, self.format = _stored(
+            "Linear", "kernel", kernel, kernel_scale, "output feature"
+        )
+        self.bias = nnx.Param(jnp.asarray(bias)) if bias is not None else nnx.data(None)
+        self.in_features, self.out_features = self.kernel[...].shape
+        self.dtype = dtype
+        self.precision = precision
+
+    def __call__(self, inputs):
+        if self.dtype is not None:
+            inputs = inputs.astype(self.dtype)
+        if self.format.scaled:
+            y = fp8_dense(inputs, self.kernel[...], self.kernel_scale[...], precision=self.precision)
+        else:
+            kernel = self.kernel[...].astype(inputs.dtype)
+            y = jnp.matmul(inputs, kernel, precision=self.precision)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y
+
+    @classmethod
+    def from_linear(cls, linear: nnx.Linear, format: WeightFormat = WeightFormat.FP8_E4M3) -> Linear:
+        """`linear` with its kernel in `format` (rounded to nearest per output feature for fp8)."""
+        _check_linear(linear, "linear")
+        values, scale = quantize(linear.kernel[...], format)
+        bias = linear.bias[...] if linear.bias is not None else None
+        return cls(values, bias, kernel_scale=scale, dtype=linear.dtype, precision=linear.precision)
+
+    @classmethod
+    def from_embedding(cls, embed: nnx.Embed, format: WeightFormat = WeightFormat.FP8_E4M3, *, dtype=None) -> Linear:
+        """The LM head of a tied embedding [vocab, hidden]: kernel = embeddingᵀ [hidden, vocab] in `format` with one
+        scale per vocabulary entry (logits = hidden · embeddingᵀ, as `nnx.Embed.attend`); dtype: the compute
+        dtype, the embedding's by default."""
+        values, scale = quantize(embed.embedding[...], format, axis=-2)
+        return cls(values.T, kernel_scale=scale, dtype=dtype if dtype is not None else embed.dtype)
+
+
+class SVDLinear(nnx.Module):
+    """y = (x·u)·v + bias, x [..., in_features] → y [..., out_features], with u [in_features, rank], v [rank, out];
+    in a scaled format ((x·u)·diag(u_scale))·v·diag(v_scale) + bias.
+
+    Arguments follow `nnx.Linear`, plus `rank`; `init` (a `FactorInit`) replaces `kernel_init` / `bias_init`. The
+    constructor makes a FLOAT layer; `from_values` takes stored values of any format, `quantized` converts one.
     """
 
     def __init__(
@@ -38,16 +148,16 @@ class SVDLinear(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
-        u_init=default_factor_init,
-        v_init=default_factor_init,
-        bias_init=nnx.initializers.zeros_init(),
+        init: FactorInit = FactorInit(),
         preferred_element_type=None,
         rngs: nnx.Rngs,
     ):
         svd.check_rank(rank, (in_features, out_features))
-        self.u = nnx.Param(u_init(rngs.params(), (in_features, rank), param_dtype))
-        self.v = nnx.Param(v_init(rngs.params(), (rank, out_features), param_dtype))
-        self.bias = nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+        self.u = nnx.Param(init.u(rngs.params(), (in_features, rank), param_dtype))
+        self.v = nnx.Param(init.v(rngs.params(), (rank, out_features), param_dtype))
+        self.u_scale, self.v_scale = nnx.data(None), nnx.data(None)
+        self.bias = nnx.Param(init.bias(rngs.params(), (out_features,), param_dtype)) if use_bias else nnx.data(None)
+        self.format = WeightFormat.FLOAT
         self.in_features = in_features
         self.out_features = out_features
         self.rank = rank
@@ -59,11 +169,57 @@ class SVDLinear(nnx.Module):
 
     def __call__(self, inputs):
         bias = self.bias[...] if self.bias is not None else None
-        inputs, u, v, bias = dtypes.promote_dtype(inputs, self.u[...], self.v[...], bias, dtype=self.dtype)
-        y = svd_matmul(inputs, u, v, precision=self.precision, preferred_element_type=self.preferred_element_type)
+        if self.format.scaled:
+            inputs = inputs if self.dtype is None else inputs.astype(self.dtype)
+            u, v = self.u[...], self.v[...]
+            scales = dict(u_scale=self.u_scale[...], v_scale=self.v_scale[...])
+        else:
+            inputs, u, v, bias = dtypes.promote_dtype(inputs, self.u[...], self.v[...], bias, dtype=self.dtype)
+            scales = {}
+        y = svd_matmul(
+            inputs, u, v, **scales, precision=self.precision, preferred_element_type=self.preferred_element_type
+        )
         if bias is not None:
             y = y + bias.astype(y.dtype)
         return y
+
+    @classmethod
+    def from_values(cls, u, v, bias=None, *, u_scale=None, v_scale=None, dtype=None, precision=None) -> SVDLinear:
+        """The SVDLinear storing u [in_features, r] and v [r, out_features] as given, its format following their
+        dtype: fp8 values need their float32 scales u_scale [r] and v_scale [out_features] (TypeError without
+        them, ValueError for values beyond ±240 or non-finite scales), float ones none. dtype: the compute dtype."""
+        u_var, u_scale_var, u_format = _stored("SVDLinear", "u", u, u_scale, "rank")
+        v_var, v_scale_var, v_format = _stored("SVDLinear", "v", v, v_scale, "output feature")
+        if u_format is not v_format:
+            raise TypeError(f"SVDLinear: u is {u_format.name} and v {v_format.name}; expected one format for both")
+        (k, rank), (rank_v, n) = u_var[...].shape, v_var[...].shape
+        if rank_v != rank:
+            raise ValueError(f"SVDLinear: u, v: got shapes {(k, rank)} and {(rank_v, n)}, expected [K, r] and [r, N]")
+        bias_dtype = jnp.asarray(bias).dtype if bias is not None else jnp.float32
+        layer = cls(
+            k,
+            n,
+            rank,
+            use_bias=bias is not None,
+            dtype=dtype,
+            param_dtype=bias_dtype,
+            precision=precision,
+            init=dataclasses.replace(_ZEROS, bias=_given(bias, cast=False)),
+            rngs=nnx.Rngs(0),
+        )
+        layer.u, layer.v, layer.u_scale, layer.v_scale, layer.format = u_var, v_var, u_scale_var, v_scale_var, u_format
+        return layer
+
+    def quantized(self, format: WeightFormat = WeightFormat.FP8_E4M3) -> SVDLinear:
+        """This FLOAT layer with its factors in `format`, each quantized per column (u per rank, v per output
+        feature); bias, dtype and precision kept."""
+        if self.format.scaled:
+            raise TypeError(f"SVDLinear.quantized: the layer is already {self.format.name}; expected a FLOAT layer")
+        (u, u_scale), (v, v_scale) = quantize(self.u[...], format), quantize(self.v[...], format)
+        bias = self.bias[...] if self.bias is not None else None
+        return SVDLinear.from_values(
+            u, v, bias, u_scale=u_scale, v_scale=v_scale, dtype=self.dtype, precision=self.precision
+        )
 
     @classmethod
     def from_linear(
@@ -107,9 +263,6 @@ class SVDLinear(nnx.Module):
                 f"[r, {linear.out_features}] for a {linear.in_features} -> {linear.out_features} linear"
             )
 
-        def given(array):
-            return lambda key, shape, dtype: jnp.asarray(array, dtype)
-
         bias = linear.bias[...] if linear.bias is not None else None
         return cls(
             linear.in_features,
@@ -120,9 +273,7 @@ class SVDLinear(nnx.Module):
             param_dtype=linear.param_dtype,
             precision=linear.precision,
             preferred_element_type=linear.preferred_element_type,
-            u_init=given(u),
-            v_init=given(v),
-            bias_init=lambda key, shape, dtype: jnp.asarray(bias),
+            init=FactorInit(_given(u), _given(v), _given(bias, cast=False)),
             rngs=nnx.Rngs(0),
         )
 
@@ -175,8 +326,9 @@ class SVDMLP(nnx.Module):
 
     x [..., in_features] → y [..., out_features (default in_features)]. Sub-modules `gate_proj`, `up_proj`
     [in_features → intermediate_features] and `down_proj` [intermediate_features → out_features] are bias-free
-    SVDLinear layers holding the factors; `rank` is one int or (gate, up, down). activation: "silu" (Llama) or
-    "gelu_tanh" (Gemma).
+    SVDLinear layers holding the factors, all in one format (`format`); `rank` is one int or (gate, up, down).
+    activation: "silu" (Llama) or "gelu_tanh" (Gemma). The constructor makes a FLOAT MLP; `from_projections` takes
+    layers of any format, `quantized` converts one.
     """
 
     def __init__(
@@ -190,8 +342,7 @@ class SVDMLP(nnx.Module):
         dtype=None,
         param_dtype=jnp.float32,
         precision=None,
-        u_init=default_factor_init,
-        v_init=default_factor_init,
+        init: FactorInit = FactorInit(),
         rngs: nnx.Rngs,
     ):
         if activation not in FUSED_ACTIVATIONS:
@@ -203,8 +354,7 @@ class SVDMLP(nnx.Module):
             dtype=dtype,
             param_dtype=param_dtype,
             precision=precision,
-            u_init=u_init,
-            v_init=v_init,
+            init=init,
             rngs=rngs,
         )
         self.gate_proj = SVDLinear(in_features, intermediate_features, gate_rank, **common)
@@ -214,16 +364,28 @@ class SVDMLP(nnx.Module):
         self.dtype = dtype
         self.precision = precision
 
+    @property
+    def format(self) -> WeightFormat:
+        """The format of the three projections (one, checked by `from_projections`)."""
+        return self.gate_proj.format
+
     def __call__(self, inputs):
         layers = (self.gate_proj, self.up_proj, self.down_proj)
-        inputs, *factors = dtypes.promote_dtype(
-            inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype
-        )
+        if self.format.scaled:
+            inputs = inputs if self.dtype is None else inputs.astype(self.dtype)
+            gate, up, down = (Factored(p.u[...], p.v[...], p.u_scale[...], p.v_scale[...]) for p in layers)
+        else:
+            inputs, *factors = dtypes.promote_dtype(
+                inputs, *(factor for layer in layers for factor in (layer.u[...], layer.v[...])), dtype=self.dtype
+            )
+            gate, up, down = (Factored(u, v) for u, v in zip(factors[::2], factors[1::2]))
         # An MLP's result joins the residual stream: under Explicit mesh axes it is split like its input, features
         # whole (a Megatron-split MLP leaves partial sums, which svd_mlp would otherwise ask to be placed).
         return svd_mlp(
             inputs,
-            *factors,
+            gate,
+            up,
+            down,
             activation=self.activation,
             precision=self.precision,
             out_sharding=explicit_sharding.features_unsplit(inputs),
@@ -279,13 +441,17 @@ class SVDMLP(nnx.Module):
     def from_projections(
         cls, gate_proj: SVDLinear, up_proj: SVDLinear, down_proj: SVDLinear, *, activation: str = "silu"
     ) -> SVDMLP:
-        """The SVDMLP made of three bias-free SVDLinear layers as they are (their factors are kept, not copied).
+        """The SVDMLP made of three bias-free SVDLinear layers of one format as they are (their factors are kept,
+        not copied).
 
         gate_proj, up_proj: [in_features → intermediate]; down_proj: [intermediate → out_features].
         """
         _check_gated_projections(gate_proj, up_proj, down_proj, SVDLinear)
+        layers = {"gate_proj": gate_proj, "up_proj": up_proj, "down_proj": down_proj}
+        formats = {name: layer.format.name for name, layer in layers.items()}
+        if len(set(formats.values())) > 1:
+            raise TypeError(f"gate_proj, up_proj, down_proj: got formats {formats}; expected one format for all three")
         # Built with zero factors (cheaper than tracing the random initializers) and then given the layers.
-        zeros = nnx.initializers.zeros_init()
         mlp = cls(
             gate_proj.in_features,
             gate_proj.out_features,
@@ -295,9 +461,13 @@ class SVDMLP(nnx.Module):
             dtype=gate_proj.dtype,
             param_dtype=gate_proj.param_dtype,
             precision=gate_proj.precision,
-            u_init=zeros,
-            v_init=zeros,
+            init=_ZEROS,
             rngs=nnx.Rngs(0),
         )
         mlp.gate_proj, mlp.up_proj, mlp.down_proj = gate_proj, up_proj, down_proj
         return mlp
+
+    def quantized(self, format: WeightFormat = WeightFormat.FP8_E4M3) -> SVDMLP:
+        """This FLOAT MLP with its six factors in `format`, each quantized per column."""
+        layers = (self.gate_proj, self.up_proj, self.down_proj)
+        return SVDMLP.from_projections(*(p.quantized(format) for p in layers), activation=self.activation)
