@@ -27,11 +27,12 @@ import time
 import numpy as np
 from absl import app, flags
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
-from jax_neuronmm.models.compression import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.models import decode, evaluation, quality, text_kinds
+from jax_neuronmm.pipeline import calibration
+from jax_neuronmm.pipeline.compression import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.pipeline.distill import DistillOptions
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -289,7 +290,7 @@ from about 2.3 s to 1.1 s, so twice the steps fit the budget. With the allocated
 rows of every training position (scratch, load 2.4-5.9) reached 1.225x / 1.249x (top-1 0.649 / 0.726), against
 1.263x / 1.277x for 280 steps over the whole vocabulary. The recommended pipeline runs 480 steps.
 
-The output side of each truncation ("fisher", now the recommended pipeline's first step, compress/fisher.py):
+The output side of each truncation ("fisher", now the recommended pipeline's first step, pipeline/fisher.py):
 whitening makes each projection's truncation optimal for its output error ‖X·ΔW‖, every output direction weighted
 alike, while the KL the model is judged by weighs them very unequally (Gemma 3 normalizes the MLP's output before the
 residual add). To second order, in the Kronecker-factored (K-FAC) form, truncating W costs tr(ΔWᵀ·XᵀX·ΔW·G), G the
@@ -810,13 +811,13 @@ def main(argv):
     model = load_model()
     tokenizer = model.tokenizer
     bos = tokenizer.token_to_id("<bos>")
-    technical_held_out = calibration.technical_texts()[1]
+    technical_held_out = text_kinds.technical_texts()[1]
     distill_ids = calibration.training_windows(tokenizer, FLAGS.distill_windows, FLAGS.seq_len, bos)
     calibration_ids = distill_ids[: FLAGS.calibration_windows]
-    texts = {"novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
+    texts = {"novel": open(text_kinds.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
     text_ids = {name: token_ids(model, text) for name, text in texts.items()}
     windows = {
-        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        name: text_kinds.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
         for name, text in texts.items()
     }
     after_windows = FLAGS.eval_windows * (FLAGS.seq_len - 1)
@@ -868,7 +869,7 @@ def main(argv):
         if config.name in results["rows"] or (FLAGS.configs and config.name not in FLAGS.configs):
             continue
         load_before, start = os.getloadavg()[0], time.perf_counter()
-        compressed = models.compress_model(
+        compressed = pipeline.compress_model(
             model,
             config.keep,
             method=config.method,

@@ -10,10 +10,10 @@ frontier of worst-text perplexity against modeled speedup; speed-only rows for L
     python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
 
 Accuracy: the accuracy report's held-out texts and metrics (models.evaluation.predictions,
-models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (models.compression.EVALUATION_TEXT),
-technical = the held-out half of the Python reference (models.calibration.technical_texts()[1]), --eval_windows
+models.quality.top1_agreement): novel = chapters 50-61 of Pride and Prejudice (models.text_kinds.EVALUATION_TEXT),
+technical = the held-out half of the Python reference (models.text_kinds.technical_texts()[1]), --eval_windows
 windows of --seq_len tokens each; calibration on the first --calibration_windows (default here 48) of
-models.calibration.training_windows, distillation on all --distill_windows (a configuration's own count where it
+pipeline.calibration.training_windows, distillation on all --distill_windows (a configuration's own count where it
 names one: the recommended pipeline's rows train on 160). Each row's accuracy is appended to
 benchmarks/results/frontier.json (committed) as soon as it is measured, and a rerun skips rows already there;
 configurations marked expensive (10-25 CPU-minutes of distillation each) run only when named in --configs, and the
@@ -42,11 +42,12 @@ import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from accuracy_report import check_window_counts, load_model
 
-from jax_neuronmm import models
+from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
-from jax_neuronmm.models.compression import RECOMMENDED_STEPS
+from jax_neuronmm.models import decode, evaluation, quality, text_kinds
+from jax_neuronmm.pipeline import calibration
+from jax_neuronmm.pipeline.compression import RECOMMENDED_STEPS
+from jax_neuronmm.pipeline.distill import DistillOptions
 from nki_kernels import ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.comparison import (
@@ -262,7 +263,7 @@ class Builder:
     def projections_fp8(self):
         if self._projections is None:
             start = time.perf_counter()
-            self._projections = models.quantize_model(
+            self._projections = pipeline.quantize_model(
                 self.dense, targets=("attention", "mlp"), calibration_ids=self.calibration_ids, progress=False
             )
             self.projections_seconds = time.perf_counter() - start
@@ -270,7 +271,7 @@ class Builder:
         return self._projections
 
     def compress(self, model, config: Config, weight_dtype=None):
-        return models.compress_model(
+        return pipeline.compress_model(
             model,
             config.keep,
             method="whitened",
@@ -301,12 +302,12 @@ class Builder:
             return self.bf16(config) if config.expensive else self.compress(self.dense, config)
         if not config.include:
             if not config.gptq:
-                return models.quantize_model(self.dense, progress=False)
-            return models.quantize_model(
+                return pipeline.quantize_model(self.dense, progress=False)
+            return pipeline.quantize_model(
                 self.projections_fp8(), targets="head", calibration_ids=self.calibration_ids, progress=False
             )
         if config.include == ("head",) and config.factors_gptq:
-            return models.quantize_model(
+            return pipeline.quantize_model(
                 self.compress(self.projections_fp8(), config),
                 targets="head",
                 calibration_ids=self.calibration_ids,
@@ -316,7 +317,7 @@ class Builder:
         if config.include == ("head",):
             return self.compress(self.projections_fp8(), config, weight_dtype=FP8)
         # Layers factored (and distilled) in bf16 first, then every weight quantized: GPTQ on the dense ones.
-        return models.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
+        return pipeline.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
 
 
 def measure_accuracy(model, windows, dense_predictions) -> dict:
@@ -460,7 +461,7 @@ def render(results: dict, out_dir: str) -> None:
         f"of {setup['seq_len']} tokens each. **x dense** = perplexity ÷ the dense model's ({dense['ppl_novel']:.3f} "
         f"novel, {dense['ppl_technical']:.3f} technical); **worst** = the larger of the two; **top-1** = share of "
         "positions where the model's most likely next token is the dense model's (teacher forcing).",
-        f"- **Calibration**: the first {setup['calibration_windows']} of `models.calibration.training_windows` "
+        f"- **Calibration**: the first {setup['calibration_windows']} of `pipeline.calibration.training_windows` "
         "(novel ch. 1-12 and the other half of the reference, in turn; "
         f"{setup['calibration_windows'] * setup['seq_len']} tokens): whitening of every SVD and GPTQ of every "
         f"fp8 dense weight; distillation (expensive rows) on all {setup['distill_windows']}.",
@@ -830,11 +831,11 @@ def main(argv):
         return calibration.training_windows(tokenizer, count or FLAGS.distill_windows, FLAGS.seq_len, bos)
 
     texts = {
-        "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
-        "technical": calibration.technical_texts()[1],
+        "novel": open(text_kinds.EVALUATION_TEXT, encoding="utf-8").read(),
+        "technical": text_kinds.technical_texts()[1],
     }
     windows = {
-        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        name: text_kinds.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
         for name, text in texts.items()
     }
     dense_predictions = {name: evaluation.predictions(dense, w) for name, w in windows.items()}

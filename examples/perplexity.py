@@ -24,7 +24,7 @@ import _common  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
@@ -102,7 +102,7 @@ def main(argv):
     include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
     for keep in (float(k) for k in FLAGS.keep):
         start = time.perf_counter()
-        compressed = models.compress_model(
+        compressed = pipeline.compress_model(
             model,
             keep=keep,
             method=FLAGS.method,

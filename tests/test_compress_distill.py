@@ -8,7 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_neuronmm.compress.distill import (
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import (
     DistillOptions,
     _kl_loss,
     _window_schedule,
@@ -20,9 +22,7 @@ from jax_neuronmm.compress.distill import (
     unembedding,
     vocab_kl,
 )
-from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model
-from jax_neuronmm.models.quantization import quantize_model
+from jax_neuronmm.pipeline.quantization import quantize_model
 
 
 def _log_softmax64(logits):
@@ -273,7 +273,7 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(steps, warmup):
 def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
     from flax import nnx
 
-    from jax_neuronmm.compress.distill import is_trained
+    from jax_neuronmm.pipeline.distill import is_trained
 
     model, ids = tiny
     compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
@@ -293,8 +293,8 @@ def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
 def test_pruned_kernels_step_by_their_own_learning_rate_beside_factors(tiny):
     from flax import nnx
 
-    from jax_neuronmm.compress.distill import is_trained
     from jax_neuronmm.compress.prune import PrunedKernel
+    from jax_neuronmm.pipeline.distill import is_trained
 
     model, ids = tiny
     common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", steps=(), block=8)
@@ -330,7 +330,7 @@ def test_compress_model_factors_the_head_and_keeps_the_embedding_lookup_exact(ti
 
 
 def test_likely_rows_look_at_sparser_positions_past_their_budget(monkeypatch):
-    from jax_neuronmm.compress import distill
+    from jax_neuronmm.pipeline import distill
 
     rng = np.random.default_rng(12)
     table = rng.standard_normal((211, 8)).astype(np.float32)

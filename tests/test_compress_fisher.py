@@ -1,6 +1,6 @@
 """The output-weighted truncation (svd.whitened_factors with out_chol, svd.output_whitening), the Fisher Gram
-matrices at projection outputs (compress.fisher.output_grams), the "fisher" step of compress_model and the Fisher
-losses rank allocation uses after it (compress.sensitivity.fisher_losses)."""
+matrices at projection outputs (pipeline.fisher.output_grams), the "fisher" step of compress_model and the Fisher
+losses rank allocation uses after it (pipeline.sensitivity.fisher_losses)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_neuronmm.compress import fisher, svd
+from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.allocation import allocate_ranks
-from jax_neuronmm.compress.distill import final_hidden, unembedding
-from jax_neuronmm.compress.sensitivity import fisher_losses, kl_sensitivity
-from jax_neuronmm.compress.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model, fused_mlp_activation
-from jax_neuronmm.models.layers import GatedMLP
+from jax_neuronmm.models.layers import GatedMLP, fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import fisher
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import final_hidden, unembedding
+from jax_neuronmm.pipeline.sensitivity import fisher_losses, kl_sensitivity
+from jax_neuronmm.pipeline.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 

@@ -11,7 +11,12 @@ from flax import nnx
 
 from jax_neuronmm.compress import allocation, svd
 from jax_neuronmm.compress.allocation import allocate_ranks, loss_curve
-from jax_neuronmm.compress.distill import (
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.compress.refit import refit_v
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.pipeline.compression import NoCalibrationWarning, compress_model
+from jax_neuronmm.pipeline.distill import (
     DistillOptions,
     centered_logit_error,
     distill_factors,
@@ -19,14 +24,9 @@ from jax_neuronmm.compress.distill import (
     is_trained,
     unembedding,
 )
-from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
-from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.compress.refit import refit_v
-from jax_neuronmm.compress.sensitivity import kl_sensitivity
-from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
-from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import NoCalibrationWarning, compress_model
-from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.pipeline.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
+from jax_neuronmm.pipeline.sensitivity import kl_sensitivity
+from jax_neuronmm.pipeline.sequential import calibration_batch, record_inputs
 from nki_kernels.activations import ACTIVATIONS
 
 
@@ -387,7 +387,7 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
         )
     seen = []
     monkeypatch.setattr(
-        "jax_neuronmm.compress.distill.distill_factors",
+        "jax_neuronmm.pipeline.distill.distill_factors",
         lambda compressed, dense, ids, options, progress: seen.append(np.asarray(ids)),
     )
     compress_model(model, 0.5, calibration_ids=calibration[:4], distill_ids=calibration[4:], block=8, progress=False)
@@ -396,7 +396,7 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
     np.testing.assert_array_equal(seen[1], calibration[:4])
     # By default the calibration windows are mixed with the dense model's own samples, which end the windows.
     monkeypatch.setattr(
-        "jax_neuronmm.models.self_distillation.generated_windows",
+        "jax_neuronmm.pipeline.self_distillation.generated_windows",
         lambda dense, ids, options, progress: np.full((options.windows, ids.shape[1]), 5, np.int32),
     )
     compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False)

@@ -31,7 +31,8 @@ from test_decode_step_fp8 import _jax_operands as _fp8_jax_operands
 import jax_neuronmm as jn
 from jax_neuronmm import backend, decode_step
 from jax_neuronmm.decode_step import tensor_parallel_decode_step, tensor_parallel_partition_specs, tensor_parallel_spec
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation, quantize_model
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation
+from jax_neuronmm.pipeline import quantize_model
 from nki_kernels import reference
 
 CHECKS = Checks()

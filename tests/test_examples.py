@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from hf_checkpoints import write_hf_checkpoint
 
-from jax_neuronmm import compress, models
-from jax_neuronmm.models import compress_checkpoint, generate, load_compressed_checkpoint
+from jax_neuronmm import compress, models, pipeline
+from jax_neuronmm.models import generate, load_compressed_checkpoint
+from jax_neuronmm.pipeline import compress_checkpoint
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
@@ -237,7 +238,7 @@ def test_the_demo_cache_holds_the_compressed_mlps(tmp_path, mlp_form):
     demo = _demo_module()
     dense = models.from_preset("gemma3", "tiny", num_layers=2, vocab_size=300, seed=5)
     ids = np.random.default_rng(6).integers(0, 300, (12, 29))
-    compressed = models.compress_model(dense, 0.6, "whitened", ids, block=8, mlp_form=mlp_form, progress=False)
+    compressed = pipeline.compress_model(dense, 0.6, "whitened", ids, block=8, mlp_form=mlp_form, progress=False)
     cache = str(tmp_path / "mlps.safetensors")
     compress.save_compressed(cache, {"layers": demo._mlp_weights(compressed)})
     loaded = demo._from_cache(dense, cache)

@@ -14,19 +14,13 @@ from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed, tree
 from jax_neuronmm.compress.checkpoint import FORMAT_V1, HEADER_SHA256, _digest
-from jax_neuronmm.compress.distill import is_trained
 from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.models import (
-    GatedMLP,
-    compress_checkpoint,
-    compress_model,
-    generate,
-    load_compressed_checkpoint,
-    load_hf,
-)
+from jax_neuronmm.models import GatedMLP, generate, load_compressed_checkpoint, load_hf
 from jax_neuronmm.models.compressed_loading import FILES_SHA256, PRUNED_NEURONS
-from jax_neuronmm.models.pruning import mlp_width
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import compress_checkpoint, compress_model
+from jax_neuronmm.pipeline.distill import is_trained
+from jax_neuronmm.pipeline.pruning import mlp_width
 
 KEEP, BLOCK = 0.5, 16
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -166,7 +160,7 @@ def test_output_dir_is_checked_before_compressing(rng, tmp_path, monkeypatch):
     write_hf_checkpoint(rng, tmp_path / "hf")
     (tmp_path / "a_file").write_text("the user's")
     loaded = []
-    monkeypatch.setattr("jax_neuronmm.models.compressed_loading.load_hf", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("jax_neuronmm.pipeline.compressed_saving.load_hf", lambda *a, **k: loaded.append(a))
     for out, error, match in (
         ("", ValueError, "out_dir: got an empty path"),
         (tmp_path / "a_file", NotADirectoryError, "a_file' is a file, expected a directory"),
@@ -176,7 +170,7 @@ def test_output_dir_is_checked_before_compressing(rng, tmp_path, monkeypatch):
             compress_checkpoint(tmp_path / "hf", out, rank=8)
     # A directory that refuses new files (as root, permission bits do not: make the probe fail instead).
     monkeypatch.setattr(
-        "jax_neuronmm.models.compressed_loading.tempfile.TemporaryFile",
+        "jax_neuronmm.pipeline.compressed_saving.tempfile.TemporaryFile",
         lambda dir: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
     )
     with pytest.raises(

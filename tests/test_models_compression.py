@@ -15,10 +15,11 @@ from tiny_models import token_ids as _ids
 
 import jax_neuronmm
 from jax_neuronmm.compress import svd
-from jax_neuronmm.models import GatedMLP, Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, from_preset, generate
-from jax_neuronmm.models.compression import RankRoundingWarning
+from jax_neuronmm.models import GatedMLP, Gemma, GemmaConfig, Llama, LlamaConfig, from_preset, generate
 from jax_neuronmm.models.layers import activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import compress_model
+from jax_neuronmm.pipeline.compression import RankRoundingWarning
 
 
 @pytest.mark.parametrize("make_model", [_llama, _gemma3], ids=["llama", "gemma3"])

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, perplexity
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, perplexity
+from jax_neuronmm.pipeline import compress_model
 
 VOCAB = 101
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jax_neuronmm
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, quantize_model
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig
 from jax_neuronmm.models.decode import stack_weights
 from jax_neuronmm.models.paged import (
     PagedBatch,
@@ -23,6 +23,7 @@ from jax_neuronmm.models.paged import (
     paged_plan,
 )
 from jax_neuronmm.models.paged import sample_rows as _sample_rows
+from jax_neuronmm.pipeline import compress_model, quantize_model
 
 VOCAB = 97
 _forward = nnx.jit(lambda model, ids: model(ids))

@@ -1,4 +1,4 @@
-"""models.pruning and compress_model(mlp_form="pruned"): a small Gemma 3's and Llama's MLP neurons pruned layer by
+"""pipeline.pruning and compress_model(mlp_form="pruned"): a small Gemma 3's and Llama's MLP neurons pruned layer by
 layer against float64 references; the pruned model decodes through the decode step (XLA and the emulator's looped
 kernel) and distillation trains its pruned kernels."""
 
@@ -9,14 +9,15 @@ from flax import nnx
 from test_compress_distill import _full_kl64
 
 import jax_neuronmm
-from jax_neuronmm.compress import prune, sequential
-from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.compress import prune
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
-from jax_neuronmm.models.compression import compress_model, resolve_mlp_form
-from jax_neuronmm.models.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDLinear
+from jax_neuronmm.pipeline import sequential
+from jax_neuronmm.pipeline.compression import compress_model, resolve_mlp_form
+from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
 
 

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.evaluation import predictions
 from jax_neuronmm.models.quality import (
     ClozeItem,
@@ -15,6 +14,7 @@ from jax_neuronmm.models.quality import (
     tokens_until_divergence,
     top1_agreement,
 )
+from jax_neuronmm.pipeline.compression import compress_model
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,10 @@ from tiny_models import logits as _logits
 from tiny_models import token_ids as _ids
 
 from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
-from jax_neuronmm.models import compress_model, generate, quantize_model
+from jax_neuronmm.models import generate
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.pipeline import compress_model, quantize_model
 
 
 def _dequantized(values, scale):
@@ -208,7 +209,7 @@ def test_compress_model_with_fp8_factors():
 
 
 def test_compress_model_to_fp8_distills_through_the_rounding_unless_told(monkeypatch):
-    from jax_neuronmm.compress import distill
+    from jax_neuronmm.pipeline import distill
 
     seen = []
     monkeypatch.setattr(distill, "distill_factors", lambda model, dense, ids, options, **_: seen.append(options))
@@ -246,7 +247,7 @@ def test_decode_weight_bytes_count_fp8_weights_as_stored():
 def test_mlp_hidden_is_down_proj_input_for_every_mlp_form():
     """The calibration pass's down_proj inputs: hidden · W_down reproduces the MLP's output whether its projections
     are dense or factored, in fp8 or not (a model quantized in two calls, or compressed with fp8 factors)."""
-    from jax_neuronmm.models.quantization import _mlp_hidden, _projected
+    from jax_neuronmm.pipeline.quantization import _mlp_hidden, _projected
 
     model = _gemma3()
     with pytest.warns(UserWarning, match="without calibration_ids"):

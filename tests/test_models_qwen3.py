@@ -33,8 +33,6 @@ from jax_neuronmm import decode_step
 from jax_neuronmm.models import (
     Qwen3,
     Qwen3Config,
-    compress_checkpoint,
-    compress_model,
     decode,
     from_preset,
     generate,
@@ -42,12 +40,12 @@ from jax_neuronmm.models import (
     load_gguf,
     load_hf,
     presets,
-    quantize_model,
 )
-from jax_neuronmm.models.compression import NoCalibrationWarning
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.fp8 import Fp8Linear
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import compress_checkpoint, compress_model, quantize_model
+from jax_neuronmm.pipeline.compression import NoCalibrationWarning
 from nki_kernels import reference
 
 _forward = nnx.jit(lambda model, ids: model(ids))
@@ -174,7 +172,7 @@ def test_full_rank_factors_reproduce_dense_logits():
     np.testing.assert_allclose(np.asarray(_forward(factored, ids)), dense, rtol=0, atol=1e-4 * np.abs(dense).max())
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_whitened_factors_of_mlp_and_attention_decode_through_the_decode_step():
     model, ids = _tiny(), _calibration_ids()
     common = dict(keep=0.6, include=("mlp", "attention"), block=8, mlp_form="factored", progress=False)
@@ -191,7 +189,7 @@ def test_whitened_factors_of_mlp_and_attention_decode_through_the_decode_step():
     _assert_greedy_by_full_forward(whitened, prompt, generate(whitened, prompt, 6))
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_pruned_mlps_decode_through_the_decode_step():
     model = _tiny()
     pruned = compress_model(
@@ -204,8 +202,8 @@ def test_pruned_mlps_decode_through_the_decode_step():
     _assert_greedy_by_full_forward(pruned, prompt, generate(pruned, prompt, 6))
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.NoCalibrationWarning")
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.NoCalibrationWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_compressed_checkpoint_round_trip(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf", {**HF_CONFIG, "model_type": "qwen3"})
     options = dict(keep=0.5, block=16, include=("mlp", "attention"))

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_neuronmm.compress.distill import DistillOptions, distill_factors
-from jax_neuronmm.models import from_preset, generate, pruning, self_distillation
-from jax_neuronmm.models.compression import compress_model
-from jax_neuronmm.models.self_distillation import (
+from jax_neuronmm.models import from_preset, generate
+from jax_neuronmm.pipeline import pruning, self_distillation
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import DistillOptions, distill_factors
+from jax_neuronmm.pipeline.self_distillation import (
     SelfTextOptions,
     generated_windows,
     mixed_windows,

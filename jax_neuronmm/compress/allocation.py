@@ -2,7 +2,7 @@
 
 Truncating projection i (W [K, N]) to rank r costs (K + N)·r parameters and `losses[i][r]` of accuracy: the
 end-to-end KL divergence of the model's next-token distribution when that projection alone is truncated
-(`compress.sensitivity`), interpolated between measured ranks by `loss_curve`. The losses of different projections
+(`pipeline.sensitivity`), interpolated between measured ranks by `loss_curve`. The losses of different projections
 are added, the first-order picture of small, independent errors. Ranks move in steps of `block`; a projection may
 also stay dense (`allocate_ranks(..., allow_dense=True)`).
 

@@ -9,7 +9,7 @@ rule for rows: removing neuron j from the kept set K (the others refit) adds
     w_j · M · w_jᵀ / [(H_Kᵀ·H_K)⁻¹]_jj
 
 to the output error Σ_t (y_t − ŷ_t)·M·(y_t − ŷ_t)ᵀ, w_j the current (refit) row j of W_down and M [N, N] an output
-metric (the identity for the squared error; `compress.fisher.output_grams` for the error's effect on the model's
+metric (the identity for the squared error; `pipeline.fisher.output_grams` for the error's effect on the model's
 log-likelihood). Each removal updates the refit rows and the inverse Gram matrix in rank one, so choosing I − I'
 neurons costs O((I − I')·I·(I + N)). With `per_round` > 1, each round removes the per_round neurons of least cost
 together and refits the others exactly for that set (a rank-per_round update): per_round times fewer updates of the
@@ -33,7 +33,7 @@ DEFAULT_DAMPING = 1e-4
 
 
 class PrunedKernel(nnx.Param):
-    """A pruned MLP's kernel (models.pruning): a dense weight that end-to-end distillation trains like SVD factors."""
+    """A pruned MLP's kernel (pipeline.pruning): a dense weight that end-to-end distillation trains like SVD factors."""
 
 
 def _check_keep_count(keep_count, width: int) -> None:

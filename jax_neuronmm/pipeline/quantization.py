@@ -23,7 +23,6 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
 from jax_neuronmm.compress.gram import check_damping
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
@@ -33,6 +32,7 @@ from jax_neuronmm.models.layers import GatedMLP, activation_fn
 from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear, Fp8SVDMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import sequential
 from jax_neuronmm.reference import jnp_activation
 
 TARGETS = ("attention", "mlp", "head")

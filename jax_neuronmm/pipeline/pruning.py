@@ -19,11 +19,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import prune, sequential
+from jax_neuronmm.compress import prune
 from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
+from jax_neuronmm.pipeline import sequential
 
 # Neurons removed together per round of the greedy choice: on Gemma 3 270M at 1600 of 2048 neurons (without
 # sink_weight), 16 a round measured 1.217x / 1.226x dense perplexity on the held-out novel / technical text before
@@ -89,7 +90,7 @@ def prune_mlps(
     """Prunes `model`'s gated MLPs in place to `width` neurons each (see the module docstring).
 
     calibration_ids [B, T]: token ids the activations are recorded on; output_grams: None, or
-    {(layer index, "down_proj"): G [hidden, hidden]} (`compress.fisher.output_grams`) weighting each MLP's output
+    {(layer index, "down_proj"): G [hidden, hidden]} (`pipeline.fisher.output_grams`) weighting each MLP's output
     error; per_round: neurons `prune_neurons` removes together per round; sink_weight: the weight of each window's
     first position in the activations' Gram matrix (SINK_WEIGHT). Every MLP must be a dense GatedMLP without biases
     (TypeError otherwise).

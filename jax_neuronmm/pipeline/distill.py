@@ -41,11 +41,11 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import sequential
-from jax_neuronmm.compress.local_finetune import check_adam_options
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, dequantize_fp8, quantize_fp8
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import sequential
+from jax_neuronmm.pipeline.local_finetune import check_adam_options
 
 LOSSES = ("kl", "topk")
 SCHEDULES = ("cosine", "constant")

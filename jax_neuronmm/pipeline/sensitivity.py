@@ -26,10 +26,10 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-# Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import distill, sequential, svd
+from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.projections import ATTENTION_GROUPS, MLP_PROJECTIONS, layer_projections
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import distill, sequential
 
 
 def kl_sensitivity(
@@ -111,7 +111,7 @@ def fisher_losses(
 ) -> dict:
     """{(layer_index, projection_name): loss [min(K, N) + 1]}: each projection's predicted end-to-end cost at every
     rank, without measuring it: the Fisher-weighted truncation error tr(ΔWᵀ·XᵀX·ΔW·G) that the "fisher" step's
-    truncation minimizes, the second-order model of the KL divergence (`compress.fisher`), which is the tail sum
+    truncation minimizes, the second-order model of the KL divergence (`pipeline.fisher`), which is the tail sum
     Σ_{i≥r} σ_i² of the singular values of Sᵀ·W·L. Losses share one unit (up to one factor common to every
     projection, all that rank allocation compares).
 

@@ -24,9 +24,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import distill
 from jax_neuronmm.compress.projections import layer_projections
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import distill
 
 # Calibration windows whose sampled gradients make G: on Gemma 3 270M 24 windows (6,144 positions, enough to fill a
 # 2048-wide G) take about 95 s on 2 CPU cores with the compilation (about 40 s of it), a forward and backward pass

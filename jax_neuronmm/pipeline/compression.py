@@ -5,34 +5,33 @@ end-to-end fine-tuning of the factors)."""
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-# Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import allocation, fisher, local_finetune, sensitivity, sequential, svd
-from jax_neuronmm.compress import distill as distillation
+from jax_neuronmm.compress import allocation, svd
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, layer_projections
-from jax_neuronmm.models import pruning, quantization, self_distillation
 from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.layers import GatedMLP
+from jax_neuronmm.models.layers import GatedMLP, fused_mlp_activation
 from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.nn.fp8 import Fp8Linear, Fp8SVDLinear
 from jax_neuronmm.nn.nnx import SVDLinear
-from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
+from jax_neuronmm.pipeline import distill as distillation
+from jax_neuronmm.pipeline import (
+    fisher,
+    local_finetune,
+    pruning,
+    quantization,
+    self_distillation,
+    sensitivity,
+    sequential,
+)
 
-# Public-domain English text shipped for calibration and for held-out evaluation (jax_neuronmm/data/SOURCES.txt).
-_DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
-CALIBRATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch01-12.txt")
-# More of the novel for distillation (models.calibration.training_windows): chapters 13-49, after the calibration text.
-TRAINING_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch13-49.txt")
-EVALUATION_TEXT = os.path.join(_DATA, "pride_and_prejudice_ch50-61.txt")
 # "head": the LM head (for tied embeddings, a factored copy; the embedding lookup stays exact).
 INCLUDE_CHOICES = ("mlp", "attention", "head")
-# How "mlp" in include compresses the gated MLPs: SVD factors (the fused svd_mlp) or neurons pruned (models.pruning).
+# How "mlp" in include compresses the gated MLPs: SVD factors (the fused svd_mlp) or neurons pruned (pipeline.pruning).
 MLP_FORMS = ("factored", "pruned")
 METHODS = ("svd", "whitened")
 # Recovery steps, in the order they run (allocate before factoring, distill after).
@@ -335,10 +334,10 @@ def compress_model(
     method: "svd" (plain truncation) or "whitened" (SVD-LLM whitening with activations on calibration_ids [B, T],
     int token ids in [0, vocab_size)). steps: recovery steps from STEPS, run in that order (each needs
     calibration_ids): "fisher" (method "whitened": each projection's truncation also weighted on its output side by
-    the dense model's sampled Fisher Gram matrix there, `compress.fisher`; not the LM head, whose output is the
+    the dense model's sampled Fisher Gram matrix there, `pipeline.fisher`; not the LM head, whose output is the
     vocabulary), "allocate" (ranks across projections under one budget by each projection's cost at every rank:
     allocation_loss "fisher", the Fisher-weighted truncation errors the "fisher" step predicts, or "kl", the
-    end-to-end KL divergence measured at a few ranks, `compress.sensitivity`; None: "fisher" when the "fisher" step
+    end-to-end KL divergence measured at a few ranks, `pipeline.sensitivity`; None: "fisher" when the "fisher" step
     runs, else "kl"; both measured alike on Gemma 3 270M, "fisher" without the probes' forward passes; with
     allow_dense, a projection may also stay dense, at K·N parameters and no loss, where that buys more accuracy
     than its parameters spent on other projections' ranks: an MLP with a dense projection keeps a GatedMLP of
@@ -358,7 +357,7 @@ def compress_model(
     those); otherwise, and for attention, each projection becomes an `SVDLinear` (svd_matmul). progress: tqdm bars.
 
     mlp_form: "factored" (the above) or "pruned": every gated MLP instead keeps `pruning.mlp_width(I, keep, block or
-    ALLOCATION_BLOCK)` of its I intermediate neurons, a narrower dense GatedMLP (`models.pruning.prune_mlps`: neurons
+    ALLOCATION_BLOCK)` of its I intermediate neurons, a narrower dense GatedMLP (`pipeline.pruning.prune_mlps`: neurons
     chosen and down_proj refit layer by layer on calibration_ids, under the "fisher" step's down_proj Fisher metric
     when it runs), the model's config saying the new intermediate_size; "allocate", "sequential", "refit" and
     "local" then apply to the other included projections, and "distill" trains the pruned kernels with any factors.
@@ -368,7 +367,7 @@ def compress_model(
     attention factored beside them (factored MLPs: 1.082x / 1.092x) and 1.202x / 1.146x at keep 0.6 with
     pruned_learning_rate 2e-3 (factored: 1.261x / 1.215x) (benchmarks/results/accuracy_report.md).
 
-    self_text: the dense model's own samples as more training text for "distill" (`models.self_distillation`):
+    self_text: the dense model's own samples as more training text for "distill" (`pipeline.self_distillation`):
     SelfTextOptions (or True: the defaults), False: none, None: the defaults where the recommended pipeline runs
     (no method, calibration_ids given) without distill_ids (a user's own corpus replaces them). Generated windows
     are mixed with the training windows (distill_ids, else calibration_ids), and the step kept is chosen on
@@ -379,7 +378,7 @@ def compress_model(
 
     weight_dtype: None (factors in the model's dtype) or "float8_e4m3": after recovery the factors of the included
     projections are rounded to nearest in fp8 with per-column scales (`quantize_model`; GPTQ on factors measured
-    worse, see models/quantization.py). Without `distill` options, the "distill" step then trains through that
+    worse, see pipeline/quantization.py). Without `distill` options, the "distill" step then trains through that
     rounding (DistillOptions(weight_dtype=weight_dtype)): on Gemma 3 270M's LM head at keep 0.69 it measured 1.070x
     / 1.056x dense perplexity against 1.076x / 1.070x distilled in float and rounded after
     (benchmarks/results/frontier.md).
@@ -597,12 +596,3 @@ def factor_head(model: CausalLM, rank: int, method: str, calibration_ids) -> Non
             rngs=nnx.Rngs(0),
         )
     )
-
-
-def fused_mlp_activation(mlp: GatedMLP):
-    """svd_mlp's activation name when `mlp` can become one fused SVDMLP (no biases, SiLU or GELU-tanh), else None."""
-    if any(getattr(mlp, name).bias is not None for name in MLP_PROJECTIONS):
-        return None
-    # An MLP whose activation the kernels do not apply is compressed projection by projection.
-    activation = HF_ACTIVATIONS.get(mlp.activation)
-    return activation if activation in FUSED_ACTIVATIONS else None

@@ -27,11 +27,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import svd
-from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp
 from jax_neuronmm.compress.projections import ATTENTION_GROUPS, ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.refit import DEFAULT_RIDGE, refit_v
 from jax_neuronmm.models.layers import GatedMLP, activation_fn, attention_mask
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline.local_finetune import LocalFinetuneOptions, finetune_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,7 +132,7 @@ def compress_layers(
     SVDLinear). calibration_ids [B, T] may be
     None only for method "svd" without refit / local / sequential (then no model is run). output_chols
     {(layer_index, projection_name): L [N, N]} (method "whitened"): the output-side weighting of each projection's
-    truncation (`svd.output_whitening` of `compress.fisher.output_grams`); projections it lacks are unweighted.
+    truncation (`svd.output_whitening` of `pipeline.fisher.output_grams`); projections it lacks are unweighted.
     decompositions {(layer_index, projection_name): (S, SVD, L)} (`sensitivity.kl_sensitivity` fills it, from the
     dense model's inputs on the same calibration windows): method "whitened" without sequential / refit / local then
     truncates them instead of running the calibration pass and the SVDs again (the same factors, about a minute
