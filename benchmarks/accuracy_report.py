@@ -871,17 +871,19 @@ def main(argv):
         load_before, start = os.getloadavg()[0], time.perf_counter()
         compressed = pipeline.compress_model(
             model,
-            config.keep,
-            method=config.method,
+            pipeline.Recipe(
+                keep=config.keep,
+                include=config.include,
+                mlp_form=config.mlp_form,
+                method=config.method,
+                steps=config.steps,
+                block=config.block,
+                allow_dense=config.allow_dense,
+                allocation_solver=config.allocation_solver,
+                distill=config.distill,
+            ),
             calibration_ids=calibration_ids,
-            include=config.include,
-            steps=config.steps,
-            block=config.block,
-            distill=config.distill,
             distill_ids=distill_ids[: config.distill_windows] if "distill" in config.steps else None,
-            allow_dense=config.allow_dense,
-            allocation_solver=config.allocation_solver,
-            mlp_form=config.mlp_form,
         )
         seconds = time.perf_counter() - start
         row = measure(compressed, held_out, bos)

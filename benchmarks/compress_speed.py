@@ -118,7 +118,9 @@ def main(argv):
         try:
             with timed_linalg(totals, calls):
                 start = time.perf_counter()
-                pipeline.compress_model(model, 0.8, method=method, calibration_ids=calibration, progress=False)
+                pipeline.compress_model(
+                    model, pipeline.Recipe(keep=0.8, method=method), calibration_ids=calibration, progress=False
+                )
                 seconds = time.perf_counter() - start
         finally:
             svd.single_threaded_blas = pin

@@ -67,9 +67,11 @@ def measured_cpu(num_layers, new_tokens, rounds):
         "llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size, tie_word_embeddings=False
     )
     start = time.perf_counter()
-    compressed_mlp = pipeline.compress_model(model, keep=FLAGS.keep, method="svd", include=("mlp",))
+    compressed_mlp = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, include=("mlp",), method="svd"))
     # Attention factored on top of the MLP-compressed model: its MLP factors are reused as they are.
-    compressed_all = pipeline.compress_model(compressed_mlp, keep=FLAGS.keep, method="svd", include=("attention",))
+    compressed_all = pipeline.compress_model(
+        compressed_mlp, pipeline.Recipe(keep=FLAGS.keep, include=("attention",), method="svd")
+    )
     print(f"compressed {num_layers} layers at keep {FLAGS.keep} in {time.perf_counter() - start:.1f} s")
     prompt = np.random.default_rng(0).integers(0, FLAGS.vocab_size, size=(1, FLAGS.prompt_len))
     contenders = {"dense": model, "compressed MLP": compressed_mlp, "compressed MLP + attention": compressed_all}

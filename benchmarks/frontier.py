@@ -273,15 +273,17 @@ class Builder:
     def compress(self, model, config: Config, weight_dtype=None):
         return pipeline.compress_model(
             model,
-            config.keep,
-            method="whitened",
+            pipeline.Recipe(
+                keep=config.keep,
+                include=config.include,
+                method="whitened",
+                steps=config.steps,
+                block=config.block,
+                distill=config.distill,
+                weight_dtype=weight_dtype,
+            ),
             calibration_ids=self.calibration_ids,
-            include=config.include,
-            steps=config.steps,
-            block=config.block,
-            distill=config.distill,
             distill_ids=self.distill_ids(config.distill_windows) if "distill" in config.steps else None,
-            weight_dtype=weight_dtype,
             progress=False,
         )
 

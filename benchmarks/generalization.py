@@ -118,10 +118,13 @@ def build(dense, config: Config, user_ids, start_id):
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
-    extra = dict(self_text=self_text_options(start_id) if config.self_text else False)
-    if config.before:
-        extra["distill"] = DistillOptions()
-    return pipeline.compress_model(dense, config.keep, calibration_ids=user_ids, include=config.include, **extra)
+    recipe = pipeline.Recipe(
+        keep=config.keep,
+        include=config.include,
+        self_text=self_text_options(start_id) if config.self_text else False,
+        distill=DistillOptions() if config.before else None,
+    )
+    return pipeline.compress_model(dense, recipe, calibration_ids=user_ids)
 
 
 def modeled(model) -> dict:

@@ -34,12 +34,13 @@ from absl import app, flags
 
 from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress import allocation
+from jax_neuronmm.pipeline import calibration
 
 flags.DEFINE_string("checkpoint_dir", None, "Local HF checkpoint directory (config.json + *.safetensors).")
 flags.DEFINE_string("output_dir", None, "New directory to write the compressed checkpoint into.")
 flags.DEFINE_float(
     "keep",
-    pipeline.compressed_saving.DEFAULT_KEEP,
+    pipeline.recipe.DEFAULT_KEEP,
     "Fraction of each compressed projection's parameters to keep, in (0, 1].",
 )
 flags.DEFINE_integer("rank", None, "One rank for every compressed projection (instead of --keep).", lower_bound=1)
@@ -54,7 +55,7 @@ flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {l
 flags.DEFINE_list("include", ["mlp"], "What to compress: mlp and/or attention.")
 flags.DEFINE_string(
     "calibration_text",
-    pipeline.calibration.CALIBRATION_TEXT,
+    calibration.CALIBRATION_TEXT,
     "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).",
 )
 flags.DEFINE_integer("calibration_windows", 48, "Windows of the calibration text used.", lower_bound=1)
@@ -168,18 +169,20 @@ def main(argv):
         report = pipeline.compress_checkpoint(
             FLAGS.checkpoint_dir,
             FLAGS.output_dir,
-            keep=None if FLAGS.rank is not None else FLAGS.keep,
-            rank=FLAGS.rank,
-            method=None if FLAGS.method == "recommended" else FLAGS.method,
-            steps=FLAGS.steps,
-            include=tuple(FLAGS.include),
+            pipeline.Recipe(
+                keep=None if FLAGS.rank is not None else FLAGS.keep,
+                rank=FLAGS.rank,
+                include=tuple(FLAGS.include),
+                mlp_form=None if FLAGS.mlp_form == "recommended" else FLAGS.mlp_form,
+                method=None if FLAGS.method == "recommended" else FLAGS.method,
+                steps=FLAGS.steps,
+                block=FLAGS.block,
+                allow_dense=FLAGS.allow_dense,
+                allocation_solver=FLAGS.allocation_solver,
+            ),
             calibration_ids=ids,
             distill_ids=distill_ids,
-            block=FLAGS.block,
             dtype=jnp.dtype(FLAGS.dtype),
-            allow_dense=FLAGS.allow_dense,
-            allocation_solver=FLAGS.allocation_solver,
-            mlp_form=None if FLAGS.mlp_form == "recommended" else FLAGS.mlp_form,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

@@ -138,7 +138,9 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
     start = time.perf_counter()
-    model = pipeline.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration, distill_ids=distill_ids)
+    model = pipeline.compress_model(
+        dense, pipeline.Recipe(keep=FLAGS.keep), calibration_ids=calibration, distill_ids=distill_ids
+    )
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     os.makedirs(FLAGS.cache_dir, exist_ok=True)
     compress.save_compressed(cache, {"layers": _mlp_weights(model)}, overwrite=True)  # the demo's own cache file
@@ -354,7 +356,7 @@ def real_model_demo(path: str):
 
 def random_emulated_generation():
     model = models.from_preset("llama", "tiny", seed=0, **SMALL)
-    compressed = pipeline.compress_model(model, keep=FLAGS.keep, method="svd")
+    compressed = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, method="svd"))
     mlp = compressed.layers[0].mlp
     print(
         f"[1] Llama {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, MLP {SMALL['intermediate_size']}:"
@@ -382,7 +384,7 @@ def random_emulated_generation():
 def random_timed_comparison():
     model = models.from_preset("llama", "tiny", seed=1, **MEDIUM)
     start = time.perf_counter()
-    compressed = pipeline.compress_model(model, keep=FLAGS.keep, method="svd")
+    compressed = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, method="svd"))
     print(
         f"\n[2] Llama {MEDIUM['num_layers']} layers, hidden {MEDIUM['hidden_size']}, MLP "
         f"{MEDIUM['intermediate_size']} on CPU XLA (compressed in {time.perf_counter() - start:.1f} s)"

@@ -90,9 +90,7 @@ def main(argv):
         start = time.perf_counter()
         model = pipeline.compress_model(
             model,
-            keep=FLAGS.keep,
-            method=FLAGS.method,
-            include=include,
+            pipeline.Recipe(keep=FLAGS.keep, include=include, method=FLAGS.method),
             calibration_ids=ids if FLAGS.method == "whitened" else None,
         )
         print(

@@ -104,10 +104,7 @@ def main(argv):
         start = time.perf_counter()
         compressed = pipeline.compress_model(
             model,
-            keep=keep,
-            method=FLAGS.method,
-            include=include,
-            block=FLAGS.block,
+            pipeline.Recipe(keep=keep, include=include, method=FLAGS.method, block=FLAGS.block),
             calibration_ids=calibration if calibration_count else None,
         )
         ppl = models.perplexity(compressed, scored)

@@ -12,7 +12,7 @@ from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import load_compressed
 from jax_neuronmm.models import load_compressed_checkpoint
-from jax_neuronmm.pipeline import compressed_saving
+from jax_neuronmm.pipeline import Recipe, compressed_saving
 from jax_neuronmm.pipeline.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compress_checkpoint.py")
@@ -147,9 +147,11 @@ def test_rank_beyond_a_projection_is_a_usage_error_before_loading(rng, tmp_path,
     # The library refuses it before reading a weight (load_hf is never reached).
     monkeypatch.setattr(compressed_saving, "load_hf", lambda *args, **kwargs: pytest.fail("weights were loaded"))
     with pytest.raises(ValueError, match=f"rank: got {smallest + 1}, expected at most {smallest}: layers/0/mlp/"):
-        compressed_saving.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=smallest + 1, method="svd")
+        compressed_saving.compress_checkpoint(
+            tmp_path / "hf", tmp_path / "out", Recipe(rank=smallest + 1, method="svd")
+        )
     with pytest.raises(ValueError, match=f"rank: got 70, expected at most {HF_CONFIG['hidden_size']}: lm_head"):
-        compressed_saving.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=70, include=("head",))
+        compressed_saving.compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=70, include=("head",)))
     assert not os.path.exists(tmp_path / "out")
 
 

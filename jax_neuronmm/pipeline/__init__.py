@@ -17,11 +17,13 @@ from jax_neuronmm.pipeline.compression import compress_model
 from jax_neuronmm.pipeline.distill import DistillOptions
 from jax_neuronmm.pipeline.local_finetune import LocalFinetuneOptions
 from jax_neuronmm.pipeline.quantization import quantize_model
+from jax_neuronmm.pipeline.recipe import Recipe
 from jax_neuronmm.pipeline.self_distillation import SelfTextOptions
 
 __all__ = [
     "DistillOptions",
     "LocalFinetuneOptions",
+    "Recipe",
     "SelfTextOptions",
     "compress_checkpoint",
     "compress_model",

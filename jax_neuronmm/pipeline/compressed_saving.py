@@ -32,52 +32,33 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.hf_loading import abstract_model, load_hf, read_config
 from jax_neuronmm.models.validation import check_param_dtype
 from jax_neuronmm.pipeline import pruning
-from jax_neuronmm.pipeline.compression import (
-    ALLOCATION_BLOCK,
-    BLOCK,
-    RECOMMENDED_ALLOCATION_SOLVER,
-    check_rank,
-    compress_model,
-    resolve_mlp_form,
-    resolve_pipeline,
-)
-
-DEFAULT_KEEP = 0.8
+from jax_neuronmm.pipeline.compression import check_rank, compress_model, resolve
+from jax_neuronmm.pipeline.recipe import ALLOCATION_BLOCK, BLOCK, Recipe
 
 
 def compress_checkpoint(
-    src_dir,
-    out_dir,
-    *,
-    keep: float | None = None,
-    rank: int | str | None = None,
-    method: str | None = None,
-    steps=None,
-    include=("mlp",),
-    calibration_ids=None,
-    distill_ids=None,
-    block: int | None = None,
-    dtype=jnp.float32,
-    allow_dense: bool = True,
-    allocation_solver: str = RECOMMENDED_ALLOCATION_SOLVER,
-    mlp_form: str | None = None,
+    src_dir, out_dir, recipe: Recipe = Recipe(), *, calibration_ids=None, distill_ids=None, dtype=jnp.float32
 ) -> CompressionReport:
     """Compress the HF checkpoint directory `src_dir` (see `load_hf`) into a new directory `out_dir`.
 
-    keep / rank / method / steps / include / calibration_ids [B, T] / distill_ids / block / allow_dense /
-    allocation_solver / mlp_form are `compress_model`'s (keep defaults to 0.8; give at most one of keep and rank).
-    dtype: the parameter dtype the model is loaded, factored and saved in.
-    Returns the per-layer `CompressionReport` (also written to out_dir/compression_report.json).
+    recipe / calibration_ids [B, T] / distill_ids are `compress_model`'s; the choices the recipe leaves open are
+    made once, before compressing, and the report names them. The weights are saved in float (recipe.weight_dtype
+    must be None: quantize a loaded model with `quantize_model`). dtype: the parameter dtype the model is loaded,
+    compressed and saved in. Returns the per-layer `CompressionReport` (also written to
+    out_dir/compression_report.json).
 
     Nothing the user has is replaced, and the output is checked before anything is compressed: see
     `check_output_dir` for the errors.
     """
     check_param_dtype("compress_checkpoint", dtype)
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe: got {type(recipe).__name__}, expected a jax_neuronmm.pipeline.Recipe")
+    if recipe.weight_dtype is not None:
+        raise ValueError(
+            f"recipe.weight_dtype: got {recipe.weight_dtype!r}, expected None: compressed checkpoints hold float "
+            "weights (quantize the loaded model with pipeline.quantize_model)"
+        )
     src_dir, out_dir = os.fspath(src_dir), os.fspath(out_dir)
-    if keep is not None and rank is not None:
-        raise ValueError(f"keep, rank: got keep={keep!r} and rank={rank!r}, expected at most one")
-    if keep is None and rank is None:
-        keep = DEFAULT_KEEP
     copied = check_output_dir(src_dir, out_dir)
     # Read once: the copies are these bytes, and their checksums go into model.safetensors.
     contents = {}
@@ -86,31 +67,17 @@ def compress_checkpoint(
             contents[name] = f.read()
 
     # Shapes from config.json: a rank no projection can have fails before the weights are read.
-    check_rank(abstract_model(src_dir, dtype), include, rank)
+    check_rank(abstract_model(src_dir, dtype), recipe.include, recipe.rank)
     dense = load_hf(src_dir, dtype=dtype)
-    mlp_form = resolve_mlp_form(mlp_form, dense, method, calibration_ids, include, rank)
-    method, steps = resolve_pipeline(method, steps, calibration_ids, rank)
-    compressed = compress_model(
-        dense,
-        keep=keep,
-        method=method,
-        steps=steps,
-        calibration_ids=calibration_ids,
-        distill_ids=distill_ids,
-        include=include,
-        rank=rank,
-        block=block,
-        allow_dense=allow_dense,
-        allocation_solver=allocation_solver,
-        mlp_form=mlp_form,
-    )
+    plan = resolve(recipe, dense, calibration_ids)
+    compressed = compress_model(dense, plan, calibration_ids=calibration_ids, distill_ids=distill_ids)
     report = _report(
         dense,
         compressed,
-        (include,) if isinstance(include, str) else include,
-        method="+".join((method, *steps)),
-        keep=keep if rank is None else None,
-        rank=rank if isinstance(rank, int) else None,
+        plan.include,
+        method="+".join((plan.method, *plan.steps)),
+        keep=plan.target_keep,
+        rank=plan.rank if isinstance(plan.rank, int) else None,
     )
 
     os.makedirs(out_dir, exist_ok=True)
@@ -120,8 +87,8 @@ def compress_checkpoint(
         report=report,
         metadata={
             "source": os.path.abspath(src_dir),
-            "include": ",".join((include,) if isinstance(include, str) else include),
-            "block": str(block) if block is not None else f"{BLOCK} ({ALLOCATION_BLOCK} for allocated ranks)",
+            "include": ",".join(plan.include),
+            "block": str(plan.block) if plan.block is not None else f"{BLOCK} ({ALLOCATION_BLOCK} for allocated ranks)",
             "layout": "flax: kernel [in, out], u [in, r], v [r, out], y = x·u·v",
             FILES_SHA256: json.dumps({name: hashlib.sha256(data).hexdigest() for name, data in contents.items()}),
             **_pruned_neurons(compressed),

@@ -18,6 +18,7 @@ singular values the decompositions already hold, with no probe passes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -32,15 +33,29 @@ from jax_neuronmm.decoder_math import soft_cap
 from jax_neuronmm.pipeline import distill, sequential
 
 
+@dataclasses.dataclass(frozen=True)
+class KLProbes:
+    """How `kl_sensitivity` measures a KL: on the last `windows` calibration windows, over the vocabulary rows among
+    the dense model's `top_k` most likely tokens at some probe position, the LM head `vocab_chunk` rows at a time."""
+
+    windows: int = 2
+    top_k: int = 64
+    vocab_chunk: int = 16384
+
+    def __post_init__(self):
+        for name in ("windows", "top_k", "vocab_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KLProbes.{name}: got {value!r}, expected a positive int")
+
+
 def kl_sensitivity(
     dense,
     calibration_ids,
     include,
     probe_ranks: dict,
     *,
-    probe_windows: int = 2,
-    top_k: int = 64,
-    vocab_chunk: int = 16384,
+    probes: KLProbes = KLProbes(),
     damping: float = svd.DEFAULT_DAMPING,
     output_chols: dict | None = None,
     decompositions: dict | None = None,
@@ -49,8 +64,8 @@ def kl_sensitivity(
     """{(layer_index, projection_name): {rank: KL}} for every projection `include` ("mlp", "attention") selects and
     every rank in probe_ranks[(layer_index, projection_name)] (ranks in [1, min(K, N)]).
 
-    calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probe_windows` of them
-    (at least 1, at most B). `dense` is not modified (a copy is perturbed and restored projection by projection).
+    calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probes.windows` of them
+    (at most B), as `probes` says. `dense` is not modified (a copy is perturbed and restored projection by projection).
     output_chols {(layer_index, projection_name): L}: each truncation's output weighting, as compression applies it
     (`sequential.compress_layers`). decompositions: a dict filled with {(layer_index, projection_name): (S, SVD, L)},
     each projection's whitening factor, `svd.whitened_decomposition` and output weighting (None when unweighted), so
@@ -58,12 +73,10 @@ def kl_sensitivity(
     """
     output_chols = output_chols or {}
     ids = np.asarray(calibration_ids, np.int32)
-    if not isinstance(probe_windows, int) or isinstance(probe_windows, bool) or not 1 <= probe_windows <= len(ids):
-        raise ValueError(
-            f"probe_windows: got {probe_windows!r}, expected an int in [1, {len(ids)}] (calibration windows)"
-        )
+    if probes.windows > len(ids):
+        raise ValueError(f"probes.windows: got {probes.windows!r}, expected at most {len(ids)} (calibration windows)")
     model = nnx.clone(dense)
-    probe = ids[-probe_windows:]
+    probe = ids[-probes.windows :]
     x, positions, masks = sequential.calibration_batch(model, probe)
     layer_inputs = [x]  # the residual stream entering each layer on the probe windows, then the last layer's output
     for layer in model.layers:
@@ -71,7 +84,7 @@ def kl_sensitivity(
     table = distill.unembedding(model)
     cap = getattr(model.config, "final_logit_softcapping", None)
     teacher = model.norm(layer_inputs[-1]).reshape(-1, table.shape[1])
-    rows = np.unique(np.asarray(_top_rows(teacher, table, cap, min(top_k, table.shape[0]))))
+    rows = np.unique(np.asarray(_top_rows(teacher, table, cap, min(probes.top_k, table.shape[0]))))
     table = table[jnp.asarray(rows)]
 
     def kl_from(index):
@@ -79,7 +92,7 @@ def kl_sensitivity(
         for layer in model.layers[index:]:
             hidden = sequential.record_inputs(layer, hidden, positions, masks[_window(layer)], [])[0]
         student = model.norm(hidden).reshape(-1, table.shape[1])
-        return float(_mean_kl(student, teacher, table, cap, vocab_chunk))
+        return float(_mean_kl(student, teacher, table, cap, probes.vocab_chunk))
 
     measured = {}
     for index, name, chol, decomposition, out_chol in _decompositions(
