@@ -31,8 +31,8 @@ from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models import decode, evaluation, quality, text_kinds
 from jax_neuronmm.pipeline import calibration
-from jax_neuronmm.pipeline.compression import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
 from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -552,7 +552,7 @@ short unit tests shared the cores in its first minutes), within the budget, agai
 2e-3 pruned row in 480 steps. So pruned MLPs measure better than factored ones at every keep and include compared
 here, on every check (perplexity on both texts, top-1 agreement, cloze; greedy agreement except the 2e-3 MLP +
 attention row), in less time, and the recommended pipeline of `compress_model` (no method, calibration ids, keep)
-prunes the MLPs (`compression.RECOMMENDED_MLP_FORM`); factored MLPs remain `mlp_form="factored"`, the fused svd_mlp
+prunes the MLPs (`recipe.RECOMMENDED_MLP_FORM`); factored MLPs remain `mlp_form="factored"`, the fused svd_mlp
 kernel's case. The whole model with pruned MLPs (the row "mlp+attention+head 0.8 pruned, 360 steps on 360 windows":
 MLPs pruned at keep 0.8, attention and the LM head factored at keep 0.8 of their parameters together, 360 steps on 360
 windows): 1.073x / 1.059x, top-1 0.729 / 0.808, greedy median 2, cloze 0.34, 20.4% of a decode step's bytes saved, in

@@ -46,8 +46,8 @@ from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models import decode, evaluation, quality, text_kinds
 from jax_neuronmm.pipeline import calibration
-from jax_neuronmm.pipeline.compression import RECOMMENDED_STEPS
 from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_STEPS
 from nki_kernels import ranks
 from nki_kernels.decode import traffic
 from nki_kernels.decode.comparison import (

@@ -51,7 +51,7 @@ flags.DEFINE_enum(
     "recommended: the calibrated pipeline compress_model runs by default (whitened SVD + its recommended "
     "recovery steps); svd: plain truncated SVD, no calibration; whitened: SVD-LLM whitening with --steps.",
 )
-flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(pipeline.compression.STEPS)}.")
+flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(pipeline.recipe.STEPS)}.")
 flags.DEFINE_list("include", ["mlp"], "What to compress: mlp and/or attention.")
 flags.DEFINE_string(
     "calibration_text",
@@ -82,7 +82,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_enum(
     "allocation_solver",
-    pipeline.compression.RECOMMENDED_ALLOCATION_SOLVER,
+    pipeline.recipe.RECOMMENDED_ALLOCATION_SOLVER,
     list(allocation.SOLVERS),
     "With the allocate step: how ranks are chosen from each projection's costs (lagrangian: each projection's "
     "option of least loss + price x parameters at the smallest price that fits; exact: the least predicted loss).",
@@ -90,7 +90,7 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
     "mlp_form",
     "recommended",
-    ["recommended", *pipeline.compression.MLP_FORMS],
+    ["recommended", *pipeline.recipe.MLP_FORMS],
     "How the MLPs are compressed: factored (SVD factors, the fused svd_mlp kernel), pruned (each keeps a fraction "
     "--keep of its neurons, a narrower dense MLP; needs calibration text) or recommended (pruned with --method "
     "recommended and --keep, factored otherwise).",
@@ -98,8 +98,8 @@ flags.DEFINE_enum(
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
     "steps",
-    lambda steps: steps is None or set(steps) <= set(pipeline.compression.STEPS),
-    message=f"--steps takes steps from {list(pipeline.compression.STEPS)}",
+    lambda steps: steps is None or set(steps) <= set(pipeline.recipe.STEPS),
+    message=f"--steps takes steps from {list(pipeline.recipe.STEPS)}",
 )
 flags.register_validator(
     "include",

@@ -51,7 +51,7 @@ from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, evaluation, quality
 from jax_neuronmm.models.layers import fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
-from jax_neuronmm.pipeline import compression, pruning
+from jax_neuronmm.pipeline import pruning, recipe
 from jax_neuronmm.pipeline.calibration import training_windows
 from jax_neuronmm.pipeline.distill import DistillOptions
 
@@ -119,11 +119,11 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     # The key names everything the MLPs depend on: model file, keep, token ids and the pipeline's settings.
     settings = "+".join(
         (
-            compression.RECOMMENDED_METHOD,
-            *compression.RECOMMENDED_STEPS,
-            compression.RECOMMENDED_MLP_FORM,
+            recipe.RECOMMENDED_METHOD,
+            *recipe.RECOMMENDED_STEPS,
+            recipe.RECOMMENDED_MLP_FORM,
             "allow_dense",
-            compression.RECOMMENDED_ALLOCATION_SOLVER,
+            recipe.RECOMMENDED_ALLOCATION_SOLVER,
             repr(DistillOptions()),
         )
     )

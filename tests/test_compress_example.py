@@ -13,7 +13,7 @@ from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 from jax_neuronmm.compress import load_compressed
 from jax_neuronmm.models import load_compressed_checkpoint
 from jax_neuronmm.pipeline import Recipe, compressed_saving
-from jax_neuronmm.pipeline.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compress_checkpoint.py")
 

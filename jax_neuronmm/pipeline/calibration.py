@@ -30,8 +30,8 @@ def interleaved(*parts: np.ndarray) -> np.ndarray:
 def training_windows(tokenizer, count: int, seq_len: int = 256, bos_id: int | None = None) -> np.ndarray:
     """`count` (even) windows [count, seq_len] for calibration and distillation: one of the shipped novel (chapters
     1-12, then 13-49), one of the training half of the Python reference, in turn; the first k of them are the
-    calibration windows of a pipeline that distills on all of them. With Gemma 3's tokenizer and 256-token windows
-    the reference half holds 241 windows, so count is at most 482."""
+    calibration windows of a pipeline that distills on all of them. The reference half bounds count (ValueError
+    naming the text that is too short)."""
     if count < 2 or count % 2:
         raise ValueError(f"count: got {count!r}, expected an even number >= 2 (one window of each text in turn)")
     parts = (Path(path).read_text(encoding="utf-8").rstrip("\n") for path in (CALIBRATION_TEXT, TRAINING_TEXT))

@@ -7,9 +7,7 @@ ids the values are rounded to nearest (`compress.quantize_fp8`); with them, dens
 feedback against the Gram matrix of their inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs
 recorded from the unquantized model (one pass over its layers). SVD factors stay rounded to nearest unless
 `calibrate_factors` (then u against x's Gram matrix, v against that of x·u with its quantized u), which measured
-worse on Gemma 3 270M (MLPs whitened at keep 0.8: 1.773x dense perplexity against 1.749x rounded to nearest and
-1.757x in bf16), while GPTQ on the dense projections and head took fp8 from 1.027x to 1.000x
-(benchmarks/results/fp8_accuracy.md).
+worse than rounding to nearest, while GPTQ helps the dense projections and head (benchmarks/results/fp8_accuracy.md).
 
 Quantized models generate through `decode_step` like any other: `models.decode.decode_plan` stacks their fp8 values
 and scales as the step's operands (`DecodeSpec.fp8_weights` names them).

@@ -3,13 +3,12 @@
 A projection's cost at rank r is measured, not predicted from its own error: in a copy of the dense model, that
 projection alone is replaced by its whitened rank-r truncation u·v (whitened by the dense model's activations on
 the calibration windows, as compression factors it) and the KL divergence from the dense model's to this model's
-next-token distribution is averaged over every position of a few probe windows. On Gemma 3 270M the MLP projections'
-costs at rank 384 differ 16x (layer 3's up_proj the most, layer 11's gate_proj the least; layers' sums 5x; down_proj
-and up_proj cost more than gate_proj), which a projection's own whitened truncation error does not show.
+next-token distribution is averaged over every position of a few probe windows. Projections' costs at one rank
+differ widely, which a projection's own whitened truncation error does not show.
 
 The KL runs over the vocabulary rows that are among the dense model's `top_k` most likely tokens at some probe
-position (both distributions renormalized over them): a few thousand of Gemma's 262,144 rows, which hold nearly all
-of the teacher's mass there, so a measurement costs a forward pass from the projection's layer on.
+position (both distributions renormalized over them), which hold nearly all of the teacher's mass there, so a
+measurement costs a forward pass from the projection's layer on.
 
 Once the "fisher" step has weighted each truncation's output side, the cost can be predicted instead
 (`fisher_losses`): the Fisher-weighted truncation error is the same second-order model of the KL, read off the
@@ -130,11 +129,8 @@ def fisher_losses(
 
     output_chols {(layer_index, projection_name): L}: the output weighting of every projection `include` selects
     (a ValueError names the missing ones: without it the tail sums are output errors in each projection's own units,
-    not comparable across projections). decompositions: as in `kl_sensitivity`.
-
-    On Gemma 3 270M (keep 0.8 MLP, then 480 distillation steps) the ranks these losses allocate measure the same as
-    the measured KL's (1.202x / 1.166x against 1.198x / 1.169x dense perplexity; MLP + attention 1.289x / 1.302x
-    against 1.289x / 1.306x) and skip the probe passes (76 s instead of 251 s for MLP + attention).
+    not comparable across projections). decompositions: as in `kl_sensitivity`. The ranks these losses allocate
+    measure as well as the probed KL's, without the probe passes (benchmarks/results/accuracy_report.md).
     """
     wanted = {(index, name) for index, _, name in layer_projections(len(dense.layers), include)}
     missing = sorted(wanted - set(output_chols or {}))

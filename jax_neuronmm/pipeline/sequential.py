@@ -134,8 +134,8 @@ def compress_layers(
     truncation (`svd.output_whitening` of `pipeline.fisher.output_grams`); projections it lacks are unweighted.
     decompositions {(layer_index, projection_name): (S, SVD, L)} (`sensitivity.kl_sensitivity` fills it, from the
     dense model's inputs on the same calibration windows): method "whitened" without sequential / refit / local then
-    truncates them instead of running the calibration pass and the SVDs again (the same factors, about a minute
-    less on Gemma 3 270M's MLPs); it must hold every projection `include` selects.
+    truncates them instead of running the calibration pass and the SVDs again (the same factors); it must hold every
+    projection `include` selects.
     """
     if output_chols and method != "whitened":
         raise ValueError(f"output_chols: an output weighting of the whitened truncation; got method {method!r}")
