@@ -54,8 +54,6 @@ KEEP_TOLERANCE = 0.05
 def _check_calibration(model, recipe: Recipe, calibration_ids):
     """calibration_ids checked as int token ids [B, T] where the resolved `recipe` needs them (ValueError where it
     needs none or lacks them)."""
-    if recipe.steps and "fisher" in recipe.steps and recipe.method != "whitened":
-        raise ValueError(f"steps: 'fisher' weights the whitened truncation's outputs; got method {recipe.method!r}")
     if recipe.method == "whitened" or recipe.steps:
         if calibration_ids is None:
             raise ValueError(

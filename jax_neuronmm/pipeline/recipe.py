@@ -126,7 +126,7 @@ class Recipe:
         if not self.include or set(self.include) - set(INCLUDE_CHOICES):
             raise ValueError(f"Recipe.include: got {self.include!r}, expected a non-empty subset of {INCLUDE_CHOICES}")
         if self.method is not None and self.method not in METHODS:
-            raise ValueError(f"Recipe.method: got {self.method!r}, expected None or one of {METHODS}")
+            raise ValueError(f"Recipe.method: got {self.method!r}, expected one of {METHODS} or None")
         steps = self.steps or ()
         if set(steps) - set(STEPS):
             raise ValueError(f"Recipe.steps: got {self.steps!r}, expected a subset of {STEPS}")
@@ -137,7 +137,7 @@ class Recipe:
         if "fisher" in steps and self.method == "svd":
             raise ValueError("Recipe.steps: 'fisher' weights the whitened truncation's outputs; got method 'svd'")
         if self.mlp_form is not None and self.mlp_form not in MLP_FORMS:
-            raise ValueError(f"Recipe.mlp_form: got {self.mlp_form!r}, expected None or one of {MLP_FORMS}")
+            raise ValueError(f"Recipe.mlp_form: got {self.mlp_form!r}, expected one of {MLP_FORMS} or None")
         if self.mlp_form == "pruned":
             if "mlp" not in self.include:
                 raise ValueError(
