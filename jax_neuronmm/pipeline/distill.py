@@ -1,28 +1,11 @@
-"""End-to-end distillation of a compressed CausalLM's SVD factors from the dense model's next-token distributions.
+"""The "distill" step: end-to-end fine-tuning of a compressed CausalLM's compressed weights (`is_trained`: SVD
+factors and pruned MLP kernels; everything else frozen) towards the dense model's next-token distributions.
 
-Only the compressed weights are trained (`is_trained`: every SVDLinear's u and v, inside SVDMLP too, and the kernels
-of MLPs whose neurons were pruned); embeddings, norms, the LM head and any projection left dense stay frozen. The
-dense model runs once, up front, and its final normed hidden states are cached; its logits are recomputed from them
-where a loss needs them. Two losses (`DistillOptions.loss`):
-
-  * "kl" (the default): the KL divergence from the teacher's to the student's next-token distribution, at every
-    position of each window or at `positions` randomly sampled ones, over the vocabulary rows among the teacher's
-    `vocab_top_k` most likely tokens at some sampled position of the training windows (`likely_rows`; both
-    distributions renormalized over them), or over the whole vocabulary (vocab_top_k 0). The head runs over
-    `vocab_chunk` rows at a time, so the forward pass holds positions x vocab_chunk logits at once. With a large
-    vocabulary the likely rows are a small part of it, so a step costs far less than over the whole vocabulary and
-    the same time buys more steps.
-  * "topk": the squared error of the centered logits over the whole vocabulary, ‖(h̃ − h)·Eᵀ·C‖² (h̃, h the
-    student's and teacher's final hidden states, E the unembedding, C centering; computed through the Gram matrix
-    Eᵀ·C·E), relative to the teacher's logit energy, plus the KL restricted to the teacher's top_k tokens, both
-    distributions renormalized over them. Mass the student puts outside the teacher's top tokens costs nothing.
-
-The accuracy report compares the two losses (benchmarks/results/accuracy_report.md). Training is Adam
-with a linear warm-up, a cosine decay and global-norm clipping; the last `holdout` windows of the training ids are
-held out, their loss measured every `eval_every` steps, and the factors with the lowest held-out loss are kept (early
-stopping).
-
-Runs on JAX's default device.
+The dense model runs once and its final hidden states are cached. The loss (`DistillOptions.loss`) is "kl", the KL
+divergence from teacher to student over the vocabulary rows the teacher finds likely somewhere in the training
+windows (`likely_rows`, the head `vocab_chunk` rows at a time), or "topk", the centered-logit error plus the KL over
+the teacher's top tokens. Adam with warm-up, cosine decay and clipping; the factors of the step with the lowest loss
+on `holdout` held-out windows are kept. docs/compression.md says why each choice. Runs on JAX's default device.
 """
 
 from __future__ import annotations
