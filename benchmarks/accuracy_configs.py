@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models.compression import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_ALLOCATION_SOLVER, RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 TEXTS = ("novel", "technical")
 

@@ -25,9 +25,10 @@ from absl import app, flags
 from accuracy_configs import CONFIGS, TEXTS
 from accuracy_render import render, write_bytes
 
-from jax_neuronmm import models
-from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
+from jax_neuronmm import models, pipeline
+from jax_neuronmm.models import decode, evaluation, quality, text_kinds
+from jax_neuronmm.pipeline import calibration
+from jax_neuronmm.pipeline.distill import DistillOptions
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -146,11 +147,11 @@ def held_out_material(model, bos: int) -> tuple[HeldOut, dict]:
     """The held-out windows, prompts and cloze items with the dense model's results on them, and the report's meta
     (the setup and the dense row)."""
     tokenizer = model.tokenizer
-    technical_held_out = calibration.technical_texts()[1]
-    texts = {"novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
+    technical_held_out = text_kinds.technical_texts()[1]
+    texts = {"novel": open(text_kinds.EVALUATION_TEXT, encoding="utf-8").read(), "technical": technical_held_out}
     text_ids = {name: token_ids(model, text) for name, text in texts.items()}
     windows = {
-        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        name: text_kinds.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
         for name, text in texts.items()
     }
     after_windows = FLAGS.eval_windows * (FLAGS.seq_len - 1)
@@ -204,19 +205,21 @@ def compress_and_measure(model, config, held_out: HeldOut, calibration_ids, dist
     """The report row of `config`: compress_model of the dense `model`, timed, then every metric on `held_out`."""
     tokenizer = model.tokenizer
     load_before, start = os.getloadavg()[0], time.perf_counter()
-    compressed = models.compress_model(
+    compressed = pipeline.compress_model(
         model,
-        config.keep,
-        method=config.method,
+        pipeline.Recipe(
+            keep=config.keep,
+            include=config.include,
+            mlp_form=config.mlp_form,
+            method=config.method,
+            steps=config.steps,
+            block=config.block,
+            allow_dense=config.allow_dense,
+            allocation_solver=config.allocation_solver,
+            distill=config.distill,
+        ),
         calibration_ids=calibration_ids,
-        include=config.include,
-        steps=config.steps,
-        block=config.block,
-        distill=config.distill,
         distill_ids=distill_ids[: config.distill_windows] if "distill" in config.steps else None,
-        allow_dense=config.allow_dense,
-        allocation_solver=config.allocation_solver,
-        mlp_form=config.mlp_form,
     )
     seconds = time.perf_counter() - start
     row = measure(compressed, held_out, tokenizer.token_to_id("<bos>"))

@@ -21,7 +21,7 @@ import numpy as np
 import scipy.linalg
 from absl import app, flags
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.checkpoint import write_atomically
 
@@ -118,7 +118,9 @@ def main(argv):
         try:
             with timed_linalg(totals, calls):
                 start = time.perf_counter()
-                models.compress_model(model, 0.8, method=method, calibration_ids=calibration, progress=False)
+                pipeline.compress_model(
+                    model, pipeline.Recipe(keep=0.8, method=method), calibration_ids=calibration, progress=False
+                )
                 seconds = time.perf_counter() - start
         finally:
             svd.single_threaded_blas = pin
@@ -144,7 +146,7 @@ def main(argv):
         f"{load_start:.1f} at the start and {os.getloadavg()[0]:.1f} at the end (the other processes' load slows "
         f"both columns). {FLAGS.load_note}",
         "",
-        "How compress_model keeps to its LAPACK time (jax_neuronmm/compress/sequential.py): BLAS is pinned to one "
+        "How compress_model keeps to its LAPACK time (jax_neuronmm/pipeline/sequential.py): BLAS is pinned to one "
         "thread and two factorizations run side by side (LAPACK releases the GIL); the next layer's compiled "
         "calibration pass is dispatched before this layer is factored, so JAX computes it meanwhile; one "
         "compilation serves every layer of a structure; factored modules are built from the arrays directly.",

@@ -31,7 +31,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from harness import paper_shapes  # noqa: E402  (sibling package: the script's folder is on sys.path)
 
-from jax_neuronmm import models  # noqa: E402
+from jax_neuronmm import models, pipeline  # noqa: E402
 from nki_kernels import dispatch, hardware, ranks  # noqa: E402
 from nki_kernels.baseline_matmul import baseline_matmul_kernel, fit_baseline_blocks  # noqa: E402
 from nki_kernels.emulator import count_only, profile  # noqa: E402
@@ -68,9 +68,11 @@ def measured_cpu(num_layers, new_tokens, rounds):
         "llama", "1b", num_layers=num_layers, vocab_size=FLAGS.vocab_size, tie_word_embeddings=False
     )
     start = time.perf_counter()
-    compressed_mlp = models.compress_model(model, keep=FLAGS.keep, method="svd", include=("mlp",))
+    compressed_mlp = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, include=("mlp",), method="svd"))
     # Attention factored on top of the MLP-compressed model: its MLP factors are reused as they are.
-    compressed_all = models.compress_model(compressed_mlp, keep=FLAGS.keep, method="svd", include=("attention",))
+    compressed_all = pipeline.compress_model(
+        compressed_mlp, pipeline.Recipe(keep=FLAGS.keep, include=("attention",), method="svd")
+    )
     print(f"compressed {num_layers} layers at keep {FLAGS.keep} in {time.perf_counter() - start:.1f} s")
     prompt = np.random.default_rng(0).integers(0, FLAGS.vocab_size, size=(1, FLAGS.prompt_len))
     contenders = {"dense": model, "compressed MLP": compressed_mlp, "compressed MLP + attention": compressed_all}

@@ -4,7 +4,7 @@ dense model, round to nearest vs calibration-aware (GPTQ) rounding, projections 
     python benchmarks/fp8_accuracy.py                      # the real model from the `demo` extra's package
     python benchmarks/fp8_accuracy.py --checkpoint_dir DIR  # or an HF directory of Gemma 3 270M
 
-Windows and metrics are the accuracy report's (models.calibration.text_windows, models.evaluation.predictions,
+Windows and metrics are the accuracy report's (models.text_kinds.text_windows, models.evaluation.predictions,
 models.quality.top1_agreement): chapters 1-12 of Pride and Prejudice calibrate, chapters 50-61 evaluate.
 Writes benchmarks/results/fp8_accuracy.md.
 """
@@ -18,9 +18,10 @@ import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
 from accuracy_report import load_model
 
-from jax_neuronmm import models
+from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.models import calibration, compression, evaluation, quality
+from jax_neuronmm.models import evaluation, quality, text_kinds
+from jax_neuronmm.pipeline.calibration import CALIBRATION_TEXT
 
 # --checkpoint_dir, --seq_len, --calibration_windows and --eval_windows are the accuracy report's flags (defined
 # when it is imported), with its defaults: 256-token windows, 16 to calibrate, 8 to evaluate.
@@ -53,20 +54,20 @@ def text_windows(model, path: str, count: int):
     with open(path, encoding="utf-8") as f:
         text = f.read()
     bos = model.tokenizer.token_to_id("<bos>")
-    return calibration.text_windows(model.tokenizer, text, count, FLAGS.seq_len, bos, name=os.path.basename(path))
+    return text_kinds.text_windows(model.tokenizer, text, count, FLAGS.seq_len, bos, name=os.path.basename(path))
 
 
 def main(argv):
     del argv
     model = load_model()
-    calibration = text_windows(model, compression.CALIBRATION_TEXT, FLAGS.calibration_windows)
-    held_out = text_windows(model, compression.EVALUATION_TEXT, FLAGS.eval_windows)
+    calibration = text_windows(model, CALIBRATION_TEXT, FLAGS.calibration_windows)
+    held_out = text_windows(model, text_kinds.EVALUATION_TEXT, FLAGS.eval_windows)
     dense = evaluation.predictions(model, held_out)
     dense_ppl = dense.perplexity
     rows = []
     for label, targets, calibrated in CONFIGURATIONS:
         start = time.time()
-        quantized = models.quantize_model(
+        quantized = pipeline.quantize_model(
             model, targets=targets, calibration_ids=calibration if calibrated else None, progress=False
         )
         seconds = time.time() - start

@@ -40,8 +40,9 @@ from frontier_configs import (
 from frontier_render import render, write_bytes
 from harness.comparison import DecodeModel, measure_model, published_decode_models
 
-from jax_neuronmm import models
-from jax_neuronmm.models import calibration, compression, decode, evaluation, quality
+from jax_neuronmm import pipeline
+from jax_neuronmm.models import decode, evaluation, quality, text_kinds
+from jax_neuronmm.pipeline import calibration
 from nki_kernels.decode import traffic
 
 # --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs, --render_only and
@@ -74,7 +75,7 @@ class Builder:
     def projections_fp8(self):
         if self._projections is None:
             start = time.perf_counter()
-            self._projections = models.quantize_model(
+            self._projections = pipeline.quantize_model(
                 self.dense, targets=("attention", "mlp"), calibration_ids=self.calibration_ids, progress=False
             )
             self.projections_seconds = time.perf_counter() - start
@@ -82,17 +83,19 @@ class Builder:
         return self._projections
 
     def compress(self, model, config: Config, weight_dtype=None):
-        return models.compress_model(
+        return pipeline.compress_model(
             model,
-            config.keep,
-            method="whitened",
+            pipeline.Recipe(
+                keep=config.keep,
+                include=config.include,
+                method="whitened",
+                steps=config.steps,
+                block=config.block,
+                distill=config.distill,
+                weight_dtype=weight_dtype,
+            ),
             calibration_ids=self.calibration_ids,
-            include=config.include,
-            steps=config.steps,
-            block=config.block,
-            distill=config.distill,
             distill_ids=self.distill_ids(config.distill_windows) if "distill" in config.steps else None,
-            weight_dtype=weight_dtype,
             progress=False,
         )
 
@@ -113,12 +116,12 @@ class Builder:
             return self.bf16(config) if config.expensive else self.compress(self.dense, config)
         if not config.include:
             if not config.gptq:
-                return models.quantize_model(self.dense, progress=False)
-            return models.quantize_model(
+                return pipeline.quantize_model(self.dense, progress=False)
+            return pipeline.quantize_model(
                 self.projections_fp8(), targets="head", calibration_ids=self.calibration_ids, progress=False
             )
         if config.include == ("head",) and config.factors_gptq:
-            return models.quantize_model(
+            return pipeline.quantize_model(
                 self.compress(self.projections_fp8(), config),
                 targets="head",
                 calibration_ids=self.calibration_ids,
@@ -128,7 +131,7 @@ class Builder:
         if config.include == ("head",):
             return self.compress(self.projections_fp8(), config, weight_dtype=FP8)
         # Layers factored (and distilled) in bf16 first, then every weight quantized: GPTQ on the dense ones.
-        return models.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
+        return pipeline.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
 
 
 def measure_accuracy(model, windows, dense_predictions) -> dict:
@@ -256,11 +259,11 @@ def main(argv):
         return calibration.training_windows(tokenizer, count or FLAGS.distill_windows, FLAGS.seq_len, bos)
 
     texts = {
-        "novel": open(compression.EVALUATION_TEXT, encoding="utf-8").read(),
-        "technical": calibration.technical_texts()[1],
+        "novel": open(text_kinds.EVALUATION_TEXT, encoding="utf-8").read(),
+        "technical": text_kinds.technical_texts()[1],
     }
     windows = {
-        name: calibration.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
+        name: text_kinds.text_windows(tokenizer, text, FLAGS.eval_windows, FLAGS.seq_len, bos, name=name)
         for name, text in texts.items()
     }
     dense_predictions = {name: evaluation.predictions(dense, w) for name, w in windows.items()}

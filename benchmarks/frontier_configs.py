@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_neuronmm.compress.distill import DistillOptions
 from jax_neuronmm.models import decode
-from jax_neuronmm.models.compression import RECOMMENDED_STEPS
+from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_STEPS
 from nki_kernels import ranks
 from nki_kernels.decode.contract import PROJECTIONS, WEIGHTS
 from nki_kernels.decode.packing import attention_packing

@@ -23,10 +23,11 @@ import numpy as np
 from absl import app, flags
 from harness.comparison import DecodeModel, measure_model, roofline_us
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.compress.distill import DistillOptions
-from jax_neuronmm.models import decode, evaluation, quality, real_models, self_distillation, text_kinds
+from jax_neuronmm.models import decode, evaluation, quality, real_models, text_kinds
+from jax_neuronmm.pipeline import self_distillation
+from jax_neuronmm.pipeline.distill import DistillOptions
 from nki_kernels.decode import traffic
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -105,16 +106,19 @@ def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
 def build(dense, config: Config, user_ids, start_id):
     if config.quantize:
         if config.quantize_on == "none":
-            return models.quantize_model(dense, "float8_e4m3")
+            return pipeline.quantize_model(dense, "float8_e4m3")
         if config.quantize_on == "user+generated":
             options = self_text_options(start_id)
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
-        return models.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
-    extra = dict(self_text=self_text_options(start_id) if config.self_text else False)
-    if config.before:
-        extra["distill"] = DistillOptions()
-    return models.compress_model(dense, config.keep, calibration_ids=user_ids, include=config.include, **extra)
+        return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
+    recipe = pipeline.Recipe(
+        keep=config.keep,
+        include=config.include,
+        self_text=self_text_options(start_id) if config.self_text else False,
+        distill=DistillOptions() if config.before else None,
+    )
+    return pipeline.compress_model(dense, recipe, calibration_ids=user_ids)
 
 
 def modeled(model) -> dict:

@@ -1,4 +1,4 @@
-"""Compress a local Hugging Face Llama / Gemma checkpoint into a new directory (`models.compress_checkpoint`): by
+"""Compress a local Hugging Face Llama / Gemma checkpoint into a new directory (`pipeline.compress_checkpoint`): by
 default the recommended pipeline, its MLPs' neurons pruned to --keep (--mlp_form factored: SVD factors instead).
 
     python examples/compress_checkpoint.py --checkpoint_dir ~/llama --output_dir /tmp/llama-svd --keep 0.8
@@ -32,14 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 from jax_neuronmm.compress import allocation
+from jax_neuronmm.pipeline import calibration
 
 flags.DEFINE_string("checkpoint_dir", None, "Local HF checkpoint directory (config.json + *.safetensors).")
 flags.DEFINE_string("output_dir", None, "New directory to write the compressed checkpoint into.")
 flags.DEFINE_float(
     "keep",
-    models.compressed_loading.DEFAULT_KEEP,
+    pipeline.recipe.DEFAULT_KEEP,
     "Fraction of each compressed projection's parameters to keep, in (0, 1].",
 )
 flags.DEFINE_integer("rank", None, "One rank for every compressed projection (instead of --keep).", lower_bound=1)
@@ -50,11 +51,11 @@ flags.DEFINE_enum(
     "recommended: the calibrated pipeline compress_model runs by default (whitened SVD + its recommended "
     "recovery steps); svd: plain truncated SVD, no calibration; whitened: SVD-LLM whitening with --steps.",
 )
-flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(models.compression.STEPS)}.")
+flags.DEFINE_list("steps", None, f"Recovery steps for --method whitened, from {list(pipeline.recipe.STEPS)}.")
 flags.DEFINE_list("include", ["mlp"], "What to compress: mlp and/or attention.")
 flags.DEFINE_string(
     "calibration_text",
-    models.compression.CALIBRATION_TEXT,
+    calibration.CALIBRATION_TEXT,
     "UTF-8 text that calibrates every method but svd (default: the bundled public-domain text).",
 )
 flags.DEFINE_integer("calibration_windows", 48, "Windows of the calibration text used.", lower_bound=1)
@@ -81,7 +82,7 @@ flags.DEFINE_bool(
 )
 flags.DEFINE_enum(
     "allocation_solver",
-    models.compression.RECOMMENDED_ALLOCATION_SOLVER,
+    pipeline.recipe.RECOMMENDED_ALLOCATION_SOLVER,
     list(allocation.SOLVERS),
     "With the allocate step: how ranks are chosen from each projection's costs (lagrangian: each projection's "
     "option of least loss + price x parameters at the smallest price that fits; exact: the least predicted loss).",
@@ -89,7 +90,7 @@ flags.DEFINE_enum(
 flags.DEFINE_enum(
     "mlp_form",
     "recommended",
-    ["recommended", *models.compression.MLP_FORMS],
+    ["recommended", *pipeline.recipe.MLP_FORMS],
     "How the MLPs are compressed: factored (SVD factors, the fused svd_mlp kernel), pruned (each keeps a fraction "
     "--keep of its neurons, a narrower dense MLP; needs calibration text) or recommended (pruned with --method "
     "recommended and --keep, factored otherwise).",
@@ -97,8 +98,8 @@ flags.DEFINE_enum(
 flags.register_validator("keep", lambda keep: 0 < keep <= 1, message="--keep must lie in (0, 1]")
 flags.register_validator(
     "steps",
-    lambda steps: steps is None or set(steps) <= set(models.compression.STEPS),
-    message=f"--steps takes steps from {list(models.compression.STEPS)}",
+    lambda steps: steps is None or set(steps) <= set(pipeline.recipe.STEPS),
+    message=f"--steps takes steps from {list(pipeline.recipe.STEPS)}",
 )
 flags.register_validator(
     "include",
@@ -141,11 +142,11 @@ def main(argv):
         )
     # Source and output first: a bad --checkpoint_dir / --output_dir fails before any text is read or any compressing.
     try:
-        models.compressed_loading.check_output_dir(FLAGS.checkpoint_dir, FLAGS.output_dir)
+        pipeline.compressed_saving.check_output_dir(FLAGS.checkpoint_dir, FLAGS.output_dir)
     except (OSError, ValueError) as error:  # missing / malformed config.json; output empty, a file, taken, read-only
         raise app.UsageError(str(error)) from error
     try:  # from config.json's shapes, before any weight is read
-        models.compression.check_rank(
+        pipeline.compression.check_rank(
             models.hf_loading.abstract_model(FLAGS.checkpoint_dir, jnp.dtype(FLAGS.dtype)), FLAGS.include, FLAGS.rank
         )
     except ValueError as error:
@@ -155,7 +156,7 @@ def main(argv):
         ids = calibration_ids(
             FLAGS.checkpoint_dir, FLAGS.calibration_text, FLAGS.calibration_windows, FLAGS.calibration_tokens
         )
-        steps = models.compression.resolve_pipeline(
+        steps = pipeline.compression.resolve_pipeline(
             None if FLAGS.method == "recommended" else FLAGS.method, FLAGS.steps, ids, FLAGS.rank
         )[1]
         if "distill" in steps:
@@ -165,21 +166,23 @@ def main(argv):
     elif FLAGS["calibration_text"].present:
         raise app.UsageError("--calibration_text calibrates every method but svd")
     try:
-        report = models.compress_checkpoint(
+        report = pipeline.compress_checkpoint(
             FLAGS.checkpoint_dir,
             FLAGS.output_dir,
-            keep=None if FLAGS.rank is not None else FLAGS.keep,
-            rank=FLAGS.rank,
-            method=None if FLAGS.method == "recommended" else FLAGS.method,
-            steps=FLAGS.steps,
-            include=tuple(FLAGS.include),
+            pipeline.Recipe(
+                keep=None if FLAGS.rank is not None else FLAGS.keep,
+                rank=FLAGS.rank,
+                include=tuple(FLAGS.include),
+                mlp_form=None if FLAGS.mlp_form == "recommended" else FLAGS.mlp_form,
+                method=None if FLAGS.method == "recommended" else FLAGS.method,
+                steps=FLAGS.steps,
+                block=FLAGS.block,
+                allow_dense=FLAGS.allow_dense,
+                allocation_solver=FLAGS.allocation_solver,
+            ),
             calibration_ids=ids,
             distill_ids=distill_ids,
-            block=FLAGS.block,
             dtype=jnp.dtype(FLAGS.dtype),
-            allow_dense=FLAGS.allow_dense,
-            allocation_solver=FLAGS.allocation_solver,
-            mlp_form=None if FLAGS.mlp_form == "recommended" else FLAGS.mlp_form,
         )
     except (FileExistsError, FileNotFoundError, PermissionError, NotADirectoryError) as error:
         raise app.UsageError(str(error)) from error  # the output taken or made unwritable meanwhile

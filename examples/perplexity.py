@@ -24,7 +24,7 @@ import _common  # sibling module: the script's folder is on sys.path
 import numpy as np
 from absl import app, flags
 
-from jax_neuronmm import models
+from jax_neuronmm import models, pipeline
 
 DEFAULT_TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 
@@ -102,12 +102,9 @@ def main(argv):
     include = ("mlp", "attention") if FLAGS.compress_attention else ("mlp",)
     for keep in (float(k) for k in FLAGS.keep):
         start = time.perf_counter()
-        compressed = models.compress_model(
+        compressed = pipeline.compress_model(
             model,
-            keep=keep,
-            method=FLAGS.method,
-            include=include,
-            block=FLAGS.block,
+            pipeline.Recipe(keep=keep, include=include, method=FLAGS.method, block=FLAGS.block),
             calibration_ids=calibration if calibration_count else None,
         )
         ppl = models.perplexity(compressed, scored)

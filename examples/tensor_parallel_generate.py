@@ -70,7 +70,7 @@ from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
-from jax_neuronmm import models  # noqa: E402
+from jax_neuronmm import models, pipeline  # noqa: E402
 from jax_neuronmm.models import decode, generation  # noqa: E402
 
 flags.DEFINE_integer(
@@ -313,7 +313,7 @@ def main(argv):
     model = load_model()  # after join_runtime: jax.distributed must start before any computation
     check_layout(model.config, mesh)
     # Every MLP becomes an SVDMLP, every attention projection an SVDLinear.
-    model = models.compress_model(model, keep=FLAGS.keep, method="svd", include=("mlp", "attention"))
+    model = pipeline.compress_model(model, pipeline.Recipe(keep=FLAGS.keep, include=("mlp", "attention"), method="svd"))
 
     rng = np.random.default_rng(FLAGS.seed)
     prompts = rng.integers(0, model.config.vocab_size, size=(FLAGS.batch, FLAGS.prompt_tokens), dtype=np.int32)

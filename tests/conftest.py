@@ -31,7 +31,7 @@ def check_results(request):
 
 @pytest.fixture(autouse=True, scope="session")
 def _cache_in_a_temporary_directory(tmp_path_factory):
-    """Caches the package writes by default (models.self_distillation's generated text) go to a temporary
+    """Caches the package writes by default (pipeline.self_distillation's generated text) go to a temporary
     directory, not the user's ~/.cache."""
     patch = pytest.MonkeyPatch()
     patch.setenv("JAX_NEURONMM_CACHE", str(tmp_path_factory.mktemp("jax_neuronmm_cache")))

@@ -8,7 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jax_neuronmm.compress.distill import (
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.pipeline import Recipe
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import (
     DistillOptions,
     _kl_loss,
     _window_schedule,
@@ -20,9 +23,7 @@ from jax_neuronmm.compress.distill import (
     unembedding,
     vocab_kl,
 )
-from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model
-from jax_neuronmm.models.quantization import quantize_model
+from jax_neuronmm.pipeline.quantization import quantize_model
 
 
 def _log_softmax64(logits):
@@ -140,7 +141,7 @@ def _full_kl64(student_model, teacher_model, ids):
 @pytest.mark.parametrize("loss,vocab_top_k", [("kl", 0), ("kl", 5), ("topk", 0)])
 def test_distill_lowers_the_full_vocabulary_kl(tiny, loss, vocab_top_k):
     model, ids = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     before = _full_kl64(compressed, model, ids[:8])
     options = DistillOptions(
         steps=40,
@@ -160,7 +161,7 @@ def test_distill_lowers_the_full_vocabulary_kl(tiny, loss, vocab_top_k):
 
 def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
     model, ids = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     held = ids[-4:]
     seen = []
     distill_factors(
@@ -183,7 +184,7 @@ def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
     )
     # With every position sampled and the whole vocabulary, the held-out loss is the full KL on the held-out
     # windows (float32): the kept factors are those of the best of steps 0, 4, 8 and 12.
-    start = _full_kl64(compress_model(model, 0.5, method="svd", block=8, progress=False), model, held)
+    start = _full_kl64(compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False), model, held)
     best = min([start] + [seen[i - 1] for i in (4, 8, 12)])
     np.testing.assert_allclose(_full_kl64(compressed, model, held), best, rtol=1e-3)
 
@@ -207,14 +208,14 @@ def test_fp8_rounded_is_the_stored_rounding_with_a_straight_through_gradient():
 
 def test_distill_through_fp8_lowers_the_kl_of_the_fp8_model(tiny):
     model, ids = tiny
-    start = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    start = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     before = _full_kl64(quantize_model(start, targets=("mlp", "attention"), progress=False), model, ids[:8])
     options = DistillOptions(
         steps=40, batch=4, learning_rate=3e-3, relative=False, warmup=5, positions=11, vocab_top_k=0
     )
     trained = {}
     for weight_dtype in (None, "float8_e4m3"):
-        trained[weight_dtype] = compress_model(model, 0.5, method="svd", block=8, progress=False)
+        trained[weight_dtype] = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
         distill = dataclasses.replace(options, weight_dtype=weight_dtype)
         distill_factors(trained[weight_dtype], model, ids, distill, progress=False)
     fp8 = quantize_model(trained["float8_e4m3"], targets=("mlp", "attention"), progress=False)
@@ -273,10 +274,10 @@ def test_cosine_schedule_warms_up_then_decays_to_zero(steps, warmup):
 def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
     from flax import nnx
 
-    from jax_neuronmm.compress.distill import is_trained
+    from jax_neuronmm.pipeline.distill import is_trained
 
     model, ids = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(nnx.state(compressed, is_trained))}
     options = DistillOptions(steps=1, learning_rate=1e-2, relative=True, warmup=0, holdout=0, positions=5)
     distill_factors(compressed, model, ids, options, progress=False)
@@ -293,12 +294,12 @@ def test_relative_learning_rate_scales_each_factor_by_its_rms(tiny):
 def test_pruned_kernels_step_by_their_own_learning_rate_beside_factors(tiny):
     from flax import nnx
 
-    from jax_neuronmm.compress.distill import is_trained
     from jax_neuronmm.compress.prune import PrunedKernel
+    from jax_neuronmm.pipeline.distill import is_trained
 
     model, ids = tiny
-    common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", steps=(), block=8)
-    compressed = compress_model(model, 0.5, progress=False, **common)
+    recipe = Recipe(keep=0.5, include=("mlp", "attention"), mlp_form="pruned", steps=(), block=8)
+    compressed = compress_model(model, recipe, calibration_ids=ids, progress=False)
     state = nnx.state(compressed, is_trained)
     before = {k: np.asarray(v.get_value(), np.float64) for k, v in nnx.to_flat_state(state)}
     pruned = {k for k, v in nnx.to_flat_state(state) if isinstance(v, PrunedKernel)}
@@ -318,19 +319,23 @@ def test_compress_model_factors_the_head_and_keeps_the_embedding_lookup_exact(ti
 
     model, ids = tiny
     assert model.lm_head is None  # tied embeddings
-    full = compress_model(model, rank="full", method="whitened", calibration_ids=ids, include=("head",), steps=())
+    full = compress_model(
+        model, Recipe(rank="full", include=("head",), method="whitened", steps=()), calibration_ids=ids
+    )
     assert isinstance(full.lm_head, SVDLinear) and full.lm_head.rank == model.config.hidden_size
     np.testing.assert_array_equal(
         np.asarray(full.embed_tokens.embedding[...]), np.asarray(model.embed_tokens.embedding[...])
     )
     window = jnp.asarray(ids[:2])
     np.testing.assert_allclose(np.asarray(full(window)), np.asarray(model(window)), rtol=2e-3, atol=2e-3)
-    low = compress_model(model, 0.5, method="whitened", calibration_ids=ids, include=("head",), steps=(), block=8)
+    low = compress_model(
+        model, Recipe(keep=0.5, include=("head",), method="whitened", steps=(), block=8), calibration_ids=ids
+    )
     assert low.lm_head.rank < model.config.hidden_size and isinstance(low.layers[0].mlp, type(model.layers[0].mlp))
 
 
 def test_likely_rows_look_at_sparser_positions_past_their_budget(monkeypatch):
-    from jax_neuronmm.compress import distill
+    from jax_neuronmm.pipeline import distill
 
     rng = np.random.default_rng(12)
     table = rng.standard_normal((211, 8)).astype(np.float32)

@@ -1,4 +1,4 @@
-"""examples/compress_checkpoint.py: compresses through models.compress_checkpoint, never replaces a user's file,
+"""examples/compress_checkpoint.py: compresses through pipeline.compress_checkpoint, never replaces a user's file,
 and turns bad flags into usage errors before any work."""
 
 import json
@@ -11,8 +11,9 @@ import pytest
 from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import load_compressed
-from jax_neuronmm.models import compressed_loading, load_compressed_checkpoint
-from jax_neuronmm.models.compression import RECOMMENDED_METHOD, RECOMMENDED_STEPS
+from jax_neuronmm.models import load_compressed_checkpoint
+from jax_neuronmm.pipeline import Recipe, compressed_saving
+from jax_neuronmm.pipeline.recipe import RECOMMENDED_METHOD, RECOMMENDED_STEPS
 
 EXAMPLE = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "compress_checkpoint.py")
 
@@ -144,11 +145,13 @@ def test_rank_beyond_a_projection_is_a_usage_error_before_loading(rng, tmp_path,
         assert f"--rank: got {flags[1].split('=')[1]}, expected at most {smallest}" in result.stderr
         assert not os.path.exists(tmp_path / "out")
     # The library refuses it before reading a weight (load_hf is never reached).
-    monkeypatch.setattr(compressed_loading, "load_hf", lambda *args, **kwargs: pytest.fail("weights were loaded"))
+    monkeypatch.setattr(compressed_saving, "load_hf", lambda *args, **kwargs: pytest.fail("weights were loaded"))
     with pytest.raises(ValueError, match=f"rank: got {smallest + 1}, expected at most {smallest}: layers/0/mlp/"):
-        compressed_loading.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=smallest + 1, method="svd")
+        compressed_saving.compress_checkpoint(
+            tmp_path / "hf", tmp_path / "out", Recipe(rank=smallest + 1, method="svd")
+        )
     with pytest.raises(ValueError, match=f"rank: got 70, expected at most {HF_CONFIG['hidden_size']}: lm_head"):
-        compressed_loading.compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=70, include=("head",))
+        compressed_saving.compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=70, include=("head",)))
     assert not os.path.exists(tmp_path / "out")
 
 

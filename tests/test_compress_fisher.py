@@ -1,6 +1,6 @@
 """The output-weighted truncation (svd.whitened_factors with out_chol, svd.output_whitening), the Fisher Gram
-matrices at projection outputs (compress.fisher.output_grams), the "fisher" step of compress_model and the Fisher
-losses rank allocation uses after it (compress.sensitivity.fisher_losses)."""
+matrices at projection outputs (pipeline.fisher.output_grams), the "fisher" step of compress_model and the Fisher
+losses rank allocation uses after it (pipeline.sensitivity.fisher_losses)."""
 
 import jax
 import jax.numpy as jnp
@@ -8,15 +8,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_neuronmm.compress import fisher, svd
+from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.allocation import allocate_ranks
-from jax_neuronmm.compress.distill import final_hidden, unembedding
-from jax_neuronmm.compress.sensitivity import fisher_losses, kl_sensitivity
-from jax_neuronmm.compress.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model, fused_mlp_activation
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import Recipe, fisher
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import final_hidden, unembedding
+from jax_neuronmm.pipeline.sensitivity import KLProbes, fisher_losses, kl_sensitivity
+from jax_neuronmm.pipeline.sequential import LayerwiseOptions, calibration_batch, compress_layers, record_inputs
 
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -122,8 +123,15 @@ def _weighted_error(kernel, factors, inputs, gram):
 
 def test_fisher_step_weights_every_projection_by_its_output_gram(tiny):
     model, calibration = tiny
-    weighted = compress_model(model, 0.5, "whitened", calibration, steps=("fisher",), block=8, progress=False)
-    plain = compress_model(model, 0.5, "whitened", calibration, steps=(), block=8, progress=False)
+    weighted = compress_model(
+        model,
+        Recipe(keep=0.5, method="whitened", steps=("fisher",), block=8),
+        calibration_ids=calibration,
+        progress=False,
+    )
+    plain = compress_model(
+        model, Recipe(keep=0.5, method="whitened", steps=(), block=8), calibration_ids=calibration, progress=False
+    )
     assert all(isinstance(layer.mlp, SVDMLP) for layer in weighted.layers)
     grams = fisher.output_grams(model, calibration, ("mlp",), progress=False)
     x, positions, masks = calibration_batch(model, calibration)
@@ -146,7 +154,9 @@ def test_fisher_step_weights_every_projection_by_its_output_gram(tiny):
             x64 = inputs[name].astype(np.float64)
             assert _weighted_error(kernel, mine, x64, gram) < _weighted_error(kernel, theirs, x64, gram)
     with pytest.raises(ValueError, match="fisher"):
-        compress_model(model, 0.5, "svd", calibration, steps=("fisher",), progress=False)
+        compress_model(
+            model, Recipe(keep=0.5, method="svd", steps=("fisher",)), calibration_ids=calibration, progress=False
+        )
 
 
 def test_sensitivity_measures_the_output_weighted_truncation(tiny):
@@ -156,7 +166,9 @@ def test_sensitivity_measures_the_output_weighted_truncation(tiny):
     out_chol = svd.output_whitening(grams[(1, "down_proj")])
     probes = {(i, name): [5] for i in range(2) for name in ("gate_proj", "up_proj", "down_proj")}
     chols = {(1, "down_proj"): out_chol}
-    measured = kl_sensitivity(model, calibration, ("mlp",), probes, top_k=300, output_chols=chols, progress=False)
+    measured = kl_sensitivity(
+        model, calibration, ("mlp",), probes, probes=KLProbes(top_k=300), output_chols=chols, progress=False
+    )
     measured = measured[(1, "down_proj")][5]
     # Reference: the dense model with layer 1's down_proj replaced by its output-weighted truncation, KL in float64.
     x, positions, masks = calibration_batch(model, calibration)
@@ -204,7 +216,7 @@ def test_compression_reuses_the_sensitivity_decompositions(tiny):
     assert set(decompositions) == set(ranks)
     reused, fresh = nnx.clone(model), nnx.clone(model)
     options = LayerwiseOptions()
-    args = (calibration, include, ranks, "whitened", options, fused_mlp_activation)
+    args = (calibration, include, ranks, "whitened", options)
     compress_layers(reused, model, *args, output_chols=out_chols, decompositions=decompositions, progress=False)
     compress_layers(fresh, model, *args, output_chols=out_chols, progress=False)
     for key, rank in ranks.items():
@@ -224,7 +236,6 @@ def test_compression_reuses_the_sensitivity_decompositions(tiny):
             nnx.clone(model),
             model,
             *sequential_args,
-            fused_mlp_activation,
             decompositions=decompositions,
             progress=False,
         )
@@ -272,9 +283,7 @@ def test_compress_layers_leaves_projections_of_rank_none_dense(tiny):
         compressed = nnx.clone(model)
         selected = {key: r for key, r in ranks.items() if ("mlp" if key[1] in MLP_NAMES else "attention") in include}
         options = LayerwiseOptions(sequential=sequential)
-        compress_layers(
-            compressed, model, calibration, include, selected, "whitened", options, fused_mlp_activation, progress=False
-        )
+        compress_layers(compressed, model, calibration, include, selected, "whitened", options, progress=False)
         for (index, name), rank in selected.items():
             parent = "mlp" if name in MLP_NAMES else "self_attn"
             mine = getattr(getattr(compressed.layers[index], parent), name)
@@ -304,7 +313,9 @@ def _rank(projection):
 def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
     model, calibration = tiny
     steps = ("fisher", "allocate")
-    compressed = compress_model(model, 0.6, "whitened", calibration, steps=steps, block=8, progress=False)
+    compressed = compress_model(
+        model, Recipe(keep=0.6, method="whitened", steps=steps, block=8), calibration_ids=calibration, progress=False
+    )
     grams = fisher.output_grams(model, calibration, ("mlp",), progress=False)
     out_chols = {key: svd.output_whitening(gram) for key, gram in grams.items()}
     losses = fisher_losses(model, calibration, ("mlp",), out_chols, progress=False)
@@ -329,29 +340,40 @@ def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
                 getattr(layer.mlp, name).kernel[...], getattr(model.layers[index].mlp, name).kernel[...]
             )
     factored = compress_model(
-        model, 0.6, "whitened", calibration, steps=steps, block=8, allow_dense=False, progress=False
+        model,
+        Recipe(keep=0.6, method="whitened", steps=steps, block=8, allow_dense=False),
+        calibration_ids=calibration,
+        progress=False,
     )
     assert ranks_of(factored) == allocate_ranks(curves, shapes, 0.6, 8)
     exact = compress_model(
-        model, 0.6, "whitened", calibration, steps=steps, block=8, allocation_solver="exact", progress=False
+        model,
+        Recipe(keep=0.6, method="whitened", steps=steps, block=8, allocation_solver="exact"),
+        calibration_ids=calibration,
+        progress=False,
     )
     assert ranks_of(exact) == allocate_ranks(curves, shapes, 0.6, 8, allow_dense=True, solver="exact")
     by_kl = compress_model(
         model,
-        0.5,
-        "whitened",
-        calibration,
-        steps=steps,
-        block=8,
-        allocation_loss="kl",
-        allow_dense=False,
+        Recipe(keep=0.5, method="whitened", steps=steps, block=8, allocation_loss="kl", allow_dense=False),
+        calibration_ids=calibration,
         progress=False,
     )
     assert all(isinstance(layer.mlp, SVDMLP) for layer in by_kl.layers)
     with pytest.raises(ValueError, match="allow_dense: got 1, expected a bool"):
-        compress_model(model, 0.5, "whitened", calibration, steps=steps, allow_dense=1, progress=False)
+        compress_model(
+            model,
+            Recipe(keep=0.5, method="whitened", steps=steps, allow_dense=1),
+            calibration_ids=calibration,
+            progress=False,
+        )
     with pytest.raises(ValueError, match=r"allocation_solver: got 'dp', expected one of \('lagrangian', 'exact'\)"):
-        compress_model(model, 0.5, "whitened", calibration, steps=steps, allocation_solver="dp", progress=False)
+        compress_model(
+            model,
+            Recipe(keep=0.5, method="whitened", steps=steps, allocation_solver="dp"),
+            calibration_ids=calibration,
+            progress=False,
+        )
     for allocation_loss, steps, match in (
         ("fisher", ("allocate",), "'fisher' predicts from the 'fisher' step"),
         ("kl", ("fisher",), "only used by the 'allocate' step"),
@@ -359,5 +381,8 @@ def test_allocate_ranks_by_the_fisher_losses_after_the_fisher_step(tiny):
     ):
         with pytest.raises(ValueError, match=match):
             compress_model(
-                model, 0.5, "whitened", calibration, steps=steps, allocation_loss=allocation_loss, progress=False
+                model,
+                Recipe(keep=0.5, method="whitened", steps=steps, allocation_loss=allocation_loss),
+                calibration_ids=calibration,
+                progress=False,
             )

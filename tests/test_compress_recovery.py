@@ -11,7 +11,13 @@ from flax import nnx
 
 from jax_neuronmm.compress import allocation, svd
 from jax_neuronmm.compress.allocation import allocate_ranks, loss_curve
-from jax_neuronmm.compress.distill import (
+from jax_neuronmm.compress.prune import PrunedKernel
+from jax_neuronmm.compress.refit import refit_v
+from jax_neuronmm.models import from_preset
+from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.pipeline import Recipe
+from jax_neuronmm.pipeline.compression import NoCalibrationWarning, compress_model
+from jax_neuronmm.pipeline.distill import (
     DistillOptions,
     centered_logit_error,
     distill_factors,
@@ -19,14 +25,9 @@ from jax_neuronmm.compress.distill import (
     is_trained,
     unembedding,
 )
-from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
-from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.compress.refit import refit_v
-from jax_neuronmm.compress.sensitivity import kl_sensitivity
-from jax_neuronmm.compress.sequential import calibration_batch, record_inputs
-from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import NoCalibrationWarning, compress_model
-from jax_neuronmm.nn.nnx import SVDMLP
+from jax_neuronmm.pipeline.local_finetune import LocalFinetuneOptions, finetune_mlp, relative_error
+from jax_neuronmm.pipeline.sensitivity import KLProbes, kl_sensitivity
+from jax_neuronmm.pipeline.sequential import calibration_batch, record_inputs
 from nki_kernels.activations import ACTIVATIONS
 
 
@@ -256,7 +257,9 @@ def test_kl_sensitivity_matches_the_truncated_model_in_float64(tiny, top_k):
         (1, "gate_proj"): [2],
         (0, "down_proj"): [9],
     }
-    measured = kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=2, top_k=top_k, progress=False)
+    measured = kl_sensitivity(
+        model, calibration, ("mlp",), probes, probes=KLProbes(windows=2, top_k=top_k), progress=False
+    )
     assert set(measured) == set(probes) and measured[(1, "down_proj")].keys() == {3, 11}
     for path, value in nnx.to_flat_state(nnx.state(model)):  # the dense model is left as it was
         np.testing.assert_array_equal(np.asarray(value), before[path])
@@ -279,8 +282,10 @@ def test_kl_sensitivity_matches_the_truncated_model_in_float64(tiny, top_k):
     kernel[...] = jnp.asarray(u @ v, kernel[...].dtype)
     student = np.asarray(final_hidden(truncated, calibration[-2:])).reshape(-1, table.shape[1])
     np.testing.assert_allclose(measured[(1, "down_proj")][3], _kl64(student, teacher, table, rows), rtol=2e-3)
-    with pytest.raises(ValueError, match="probe_windows"):
-        kl_sensitivity(model, calibration, ("mlp",), probes, probe_windows=15, progress=False)
+    with pytest.raises(ValueError, match=r"probes.windows: got 15, expected at most 14"):
+        kl_sensitivity(model, calibration, ("mlp",), probes, probes=KLProbes(windows=15), progress=False)
+    with pytest.raises(ValueError, match="KLProbes.top_k: got 0, expected a positive int"):
+        KLProbes(top_k=0)
 
 
 def test_local_finetune_lowers_mlp_output_error():
@@ -315,7 +320,7 @@ def tiny():
 
 def test_distill_lowers_the_logit_error(tiny):
     model, calibration, _ = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     before = centered_logit_error(compressed, model, calibration)
     distill_factors(
         compressed,
@@ -342,11 +347,14 @@ def test_distill_top_k_term_lowers_the_kl_on_the_teachers_likely_tokens(tiny):
     model, calibration, _ = tiny
     ids = jnp.asarray(calibration[:8])
     before = _top_k_kl64(
-        compress_model(model, 0.5, method="svd", block=8, progress=False)(ids), model(ids), calibration[:8], 7
+        compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)(ids),
+        model(ids),
+        calibration[:8],
+        7,
     )
     kls = []
     for top_k in (0, 7):
-        compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+        compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
         distill_factors(
             compressed,
             model,
@@ -373,33 +381,34 @@ def test_distill_options_and_distill_ids_are_checked(tiny, monkeypatch):
     with pytest.raises(ValueError, match="top_k: got -1, expected a non-negative int"):
         DistillOptions(top_k=-1)
     with pytest.raises(ValueError, match=r"distill_ids: token id 300 is outside the vocabulary range \[0, 300\)"):
-        compress_model(model, 0.5, calibration_ids=calibration, distill_ids=calibration + 1, block=8, progress=False)
+        compress_model(
+            model, Recipe(keep=0.5, block=8), calibration_ids=calibration, distill_ids=calibration + 1, progress=False
+        )
     with pytest.raises(ValueError, match="distill_ids: only used by the 'distill' step"):
         compress_model(
             model,
-            0.5,
-            method="whitened",
+            Recipe(keep=0.5, method="whitened", steps=("sequential",), block=8),
             calibration_ids=calibration,
             distill_ids=calibration,
-            steps=("sequential",),
-            block=8,
             progress=False,
         )
     seen = []
     monkeypatch.setattr(
-        "jax_neuronmm.compress.distill.distill_factors",
+        "jax_neuronmm.pipeline.distill.distill_factors",
         lambda compressed, dense, ids, options, progress: seen.append(np.asarray(ids)),
     )
-    compress_model(model, 0.5, calibration_ids=calibration[:4], distill_ids=calibration[4:], block=8, progress=False)
-    compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, self_text=False, progress=False)
+    compress_model(
+        model, Recipe(keep=0.5, block=8), calibration_ids=calibration[:4], distill_ids=calibration[4:], progress=False
+    )
+    compress_model(model, Recipe(keep=0.5, block=8, self_text=False), calibration_ids=calibration[:4], progress=False)
     np.testing.assert_array_equal(seen[0], calibration[4:])
     np.testing.assert_array_equal(seen[1], calibration[:4])
     # By default the calibration windows are mixed with the dense model's own samples, which end the windows.
     monkeypatch.setattr(
-        "jax_neuronmm.models.self_distillation.generated_windows",
+        "jax_neuronmm.pipeline.self_distillation.generated_windows",
         lambda dense, ids, options, progress: np.full((options.windows, ids.shape[1]), 5, np.int32),
     )
-    compress_model(model, 0.5, calibration_ids=calibration[:4], block=8, progress=False)
+    compress_model(model, Recipe(keep=0.5, block=8), calibration_ids=calibration[:4], progress=False)
     assert seen[2].shape == (4 + 96, calibration.shape[1])
     np.testing.assert_array_equal(seen[2][seen[2][:, 0] != 5], calibration[:4])
     assert np.all(seen[2][-8:] == 5)
@@ -411,7 +420,7 @@ def _factors(model):
 
 def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
     model, calibration, _ = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     start = centered_logit_error(compressed, model, calibration)
     seen = []
     distill_factors(
@@ -430,7 +439,7 @@ def test_distill_on_step_sees_each_step_and_the_best_factors_are_kept(tiny):
 
 def test_distill_keeps_the_starting_factors_when_training_raises_the_loss(tiny):
     model, calibration, _ = tiny
-    compressed = compress_model(model, 0.5, method="svd", block=8, progress=False)
+    compressed = compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
     before = _factors(compressed)
     errors = []
     distill_factors(
@@ -453,14 +462,16 @@ def test_compress_model_steps_build_fused_mlps_within_budget(tiny, steps):
     model, calibration, evaluation = tiny
     compressed = compress_model(
         model,
-        0.5,
-        method="whitened",
+        Recipe(
+            keep=0.5,
+            include=("mlp", "attention"),
+            method="whitened",
+            steps=steps,
+            block=8,
+            local=LocalFinetuneOptions(steps=5, batch=64),
+        ),
         calibration_ids=calibration,
-        block=8,
-        steps=steps,
-        include=("mlp", "attention"),
         progress=False,
-        local=LocalFinetuneOptions(steps=5, batch=64),
     )
     dense_params = sum(layer.mlp.gate_proj.kernel.size * 3 for layer in model.layers)
     factored = 0
@@ -475,17 +486,14 @@ def test_compress_model_steps_build_fused_mlps_within_budget(tiny, steps):
 def test_compress_model_without_method(tiny):
     model, calibration, _ = tiny
     with pytest.warns(NoCalibrationWarning, match="calibration_ids"):
-        compress_model(model, 0.5, block=8, progress=False)
+        compress_model(model, Recipe(keep=0.5, block=8), progress=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error", NoCalibrationWarning)
         recommended = compress_model(
             model,
-            0.5,
+            Recipe(keep=0.5, block=8, local=LocalFinetuneOptions(steps=2), distill=DistillOptions(steps=2)),
             calibration_ids=calibration[:4],
-            block=8,
             progress=False,
-            local=LocalFinetuneOptions(steps=2),
-            distill=DistillOptions(steps=2),
         )
     # The recommended pipeline prunes the MLPs' neurons (RECOMMENDED_MLP_FORM) to half the width.
     assert all(isinstance(layer.mlp.gate_proj.kernel, PrunedKernel) for layer in recommended.layers)
@@ -495,10 +503,12 @@ def test_compress_model_without_method(tiny):
 def test_compress_model_checks_calibration_ids(tiny):
     model, calibration, _ = tiny
     with pytest.raises(ValueError, match=r"calibration_ids: token id 300 is outside the vocabulary range \[0, 300\)"):
-        compress_model(model, 0.5, method="whitened", calibration_ids=calibration + 1, block=8, progress=False)
+        compress_model(
+            model, Recipe(keep=0.5, method="whitened", block=8), calibration_ids=calibration + 1, progress=False
+        )
     with pytest.raises(ValueError, match="calibration_ids"):
-        compress_model(model, 0.5, steps=("refit",), method="svd", progress=False)
+        compress_model(model, Recipe(keep=0.5, method="svd", steps=("refit",)), progress=False)
     with pytest.raises(ValueError, match="steps"):
-        compress_model(model, 0.5, method="whitened", calibration_ids=calibration, steps=("magic",))
+        compress_model(model, Recipe(keep=0.5, method="whitened", steps=("magic",)), calibration_ids=calibration)
     with pytest.raises(ValueError, match="rank"):
-        compress_model(model, rank=8, method="whitened", calibration_ids=calibration, steps=("allocate",))
+        compress_model(model, Recipe(rank=8, method="whitened", steps=("allocate",)), calibration_ids=calibration)

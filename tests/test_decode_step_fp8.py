@@ -168,7 +168,8 @@ def test_generate_packs_a_compressed_fp8_models_attention_factors(monkeypatch):
     patched to pack none) and packed on the emulator (the looped kernel reading the packed operand)."""
     from test_decode_step import VOCAB, _compressed, _random_model
 
-    from jax_neuronmm.models import Gemma, GemmaConfig, decode, generate, quantize_model
+    from jax_neuronmm.models import Gemma, GemmaConfig, decode, generate
+    from jax_neuronmm.pipeline import quantize_model
 
     config = GemmaConfig.preset("gemma3-tiny", vocab_size=VOCAB, hidden_size=64, intermediate_size=136)
     dense = _random_model(functools.partial(Gemma, dtype=jnp.bfloat16), config, 5)

@@ -34,7 +34,8 @@ from jax_neuronmm.decode_step_parallel import (
     tensor_parallel_partition_specs,
     tensor_parallel_spec,
 )
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation, quantize_model
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation
+from jax_neuronmm.pipeline import quantize_model
 from nki_kernels.decode import reference
 
 CHECKS = Checks()

@@ -29,7 +29,8 @@ from test_decode_step_tensor_parallel import _model_mesh, _shard_megatron
 import jax_neuronmm as jn
 from jax_neuronmm import decode_step
 from jax_neuronmm.decode_step_parallel import tensor_parallel_decode_step
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation, quantize_model
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, decode, generate, generation
+from jax_neuronmm.pipeline import quantize_model
 from nki_kernels.decode import reference
 
 CHECKS = Checks()

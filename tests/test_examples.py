@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 from hf_checkpoints import write_hf_checkpoint
 
-from jax_neuronmm import compress, models
-from jax_neuronmm.models import compress_checkpoint, generate, load_compressed_checkpoint
+from jax_neuronmm import compress, models, pipeline
+from jax_neuronmm.models import generate, load_compressed_checkpoint
+from jax_neuronmm.pipeline import Recipe, compress_checkpoint
 
 EXAMPLES = os.path.join(os.path.dirname(__file__), os.pardir, "examples")
 
@@ -25,7 +26,7 @@ def run(script, *args):
 
 def test_generate_runs_a_compressed_checkpoint_directory(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=8))
     # Used to fail with "no embedding tensor found": generate.py only knew HF directories.
     result = run("generate.py", f"--checkpoint_dir={tmp_path / 'out'}", "--prompt=w3 w11 w5 w40", "--max_new_tokens=5")
     assert result.returncode == 0, result.stderr
@@ -136,7 +137,7 @@ def test_tensor_parallel_generate_names_a_checkpoint_dir_it_cannot_use(rng, tmp_
     # A compressed checkpoint (the example compresses an HF one itself) and a directory that is no checkpoint: usage
     # errors before any work, not tracebacks; an HF checkpoint directory missing its weights names them.
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "compressed", rank=8)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "compressed", Recipe(rank=8))
     (tmp_path / "empty").mkdir()
     for directory, message in (
         ("compressed", "a compressed checkpoint; this example compresses an HF checkpoint itself"),
@@ -164,7 +165,7 @@ def test_perplexity_text_that_is_not_utf8_is_a_usage_error(tmp_path):
 
 def test_generate_refuses_a_tampered_compressed_checkpoint(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=8))
     weights = tmp_path / "out" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-3] ^= 0x10
@@ -182,7 +183,7 @@ def _printed_perplexity(stdout, row):
 
 def test_perplexity_scores_a_compressed_checkpoint_as_saved(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=8))
     words = rng.integers(0, 97, size=70)
     text = tmp_path / "text.txt"
     text.write_text(" ".join(f"w{i}" for i in words))
@@ -237,7 +238,12 @@ def test_the_demo_cache_holds_the_compressed_mlps(tmp_path, mlp_form):
     demo = _demo_module()
     dense = models.from_preset("gemma3", "tiny", num_layers=2, vocab_size=300, seed=5)
     ids = np.random.default_rng(6).integers(0, 300, (12, 29))
-    compressed = models.compress_model(dense, 0.6, "whitened", ids, block=8, mlp_form=mlp_form, progress=False)
+    compressed = pipeline.compress_model(
+        dense,
+        pipeline.Recipe(keep=0.6, mlp_form=mlp_form, method="whitened", block=8),
+        calibration_ids=ids,
+        progress=False,
+    )
     cache = str(tmp_path / "mlps.safetensors")
     compress.save_compressed(cache, {"layers": demo._mlp_weights(compressed)})
     loaded = demo._from_cache(dense, cache)

@@ -13,15 +13,8 @@ from jax_neuronmm.compress import FP8_DTYPE, CheckpointError, dequantize_fp8, gp
 from jax_neuronmm.compress import checkpoint as checkpoint_module
 from jax_neuronmm.compress.checkpoint import load_compressed, save_compressed
 from jax_neuronmm.compress.prune import prune_neurons
-from jax_neuronmm.models import (
-    Llama,
-    compress_checkpoint,
-    load_checkpoint,
-    load_compressed_checkpoint,
-    load_gguf,
-    load_hf,
-    quantize_model,
-)
+from jax_neuronmm.models import Llama, load_checkpoint, load_compressed_checkpoint, load_gguf, load_hf
+from jax_neuronmm.pipeline import compress_checkpoint, quantize_model
 
 # --- item 5: fp8 contents of checkpoints ------------------------------------------------------------------------
 
@@ -80,7 +73,7 @@ def test_load_refuses_fp8_contents_whose_checksums_hold(tmp_path, rng, monkeypat
 
 # --- item 6: fp8 is not a parameter dtype -------------------------------------------------------------------------
 
-FP8_MESSAGE = r"dtype=float8_e4m3fn: fp8 is a weight format .*models.quantize_model\(model\)"
+FP8_MESSAGE = r"dtype=float8_e4m3fn: fp8 is a weight format .*pipeline.quantize_model\(model\)"
 
 
 def test_loaders_refuse_fp8_and_int_parameter_dtypes(tmp_path, rng):

@@ -143,3 +143,46 @@ def test_kernels_reach_the_emulator_only_through_the_binding():
             name,
             sorted(imported),
         )
+
+
+def _folder(module):
+    """The folder node of a module: a package stands for itself, any other module for the package holding it (so
+    the root modules of jax_neuronmm form the node "jax_neuronmm")."""
+    return module if MODULES[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def folder_graph(package):
+    """{folder: set of other folders it imports} for the folders inside `package`, from the module graph."""
+    graph = {}
+    for module, edges in import_graph().items():
+        if module.split(".")[0] != package:
+            continue
+        graph.setdefault(_folder(module), set())
+        for imported in edges:
+            if imported.split(".")[0] == package and _folder(imported) != _folder(module):
+                graph[_folder(module)].add(_folder(imported))
+    return graph
+
+
+def test_jax_neuronmm_folders_import_each_other_one_way():
+    graph = folder_graph("jax_neuronmm")
+    assert {"jax_neuronmm", "jax_neuronmm.compress", "jax_neuronmm.models", "jax_neuronmm.nn"} <= set(graph)
+    assert cycles(graph) == [], graph
+    assert "jax_neuronmm.pipeline" in graph
+
+
+def test_weight_math_models_and_nn_never_import_the_pipeline():
+    """compress is weight math (no model, no module wrapper, no pipeline); nn wraps it (the package root beside);
+    models run and load models and never import how they get compressed."""
+    graph = folder_graph("jax_neuronmm")
+    assert graph["jax_neuronmm.compress"] <= {"jax_neuronmm"}, graph["jax_neuronmm.compress"]
+    assert graph["jax_neuronmm.nn"] <= {"jax_neuronmm", "jax_neuronmm.compress"}, graph["jax_neuronmm.nn"]
+    assert "jax_neuronmm.pipeline" not in graph["jax_neuronmm.models"], graph["jax_neuronmm.models"]
+    assert graph["jax_neuronmm.pipeline"] >= {"jax_neuronmm.compress", "jax_neuronmm.models"}
+
+
+def test_folder_of_a_module_and_of_a_package():
+    assert _folder("jax_neuronmm.decode_step") == "jax_neuronmm"
+    assert _folder("jax_neuronmm") == "jax_neuronmm"
+    assert _folder("jax_neuronmm.models") == "jax_neuronmm.models"
+    assert _folder("jax_neuronmm.models.decoder") == "jax_neuronmm.models"

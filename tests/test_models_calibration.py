@@ -5,8 +5,9 @@ import types
 import numpy as np
 import pytest
 
-from jax_neuronmm.models import calibration
-from jax_neuronmm.models.compression import CALIBRATION_TEXT, TRAINING_TEXT
+from jax_neuronmm.models import text_kinds
+from jax_neuronmm.pipeline import calibration
+from jax_neuronmm.pipeline.calibration import CALIBRATION_TEXT, TRAINING_TEXT
 
 
 class CharTokenizer:
@@ -19,7 +20,7 @@ class CharTokenizer:
 def test_technical_halves_alternate_the_topics():
     from pydoc_data.topics import topics
 
-    training, held_out = calibration.technical_texts()
+    training, held_out = text_kinds.technical_texts()
     keys = sorted(topics)
     assert training == "\n\n".join(topics[key] for key in keys[0::2])
     assert held_out == "\n\n".join(topics[key] for key in keys[1::2])
@@ -29,19 +30,19 @@ def test_technical_halves_alternate_the_topics():
 
 def test_text_windows_are_consecutive_tokens_after_bos():
     text = "".join(chr(65 + i % 26) for i in range(1000))
-    windows = calibration.text_windows(CharTokenizer(), text, 3, 17, 7, name="t")
+    windows = text_kinds.text_windows(CharTokenizer(), text, 3, 17, 7, name="t")
     assert windows.shape == (3, 17) and np.all(windows[:, 0] == 7)
     np.testing.assert_array_equal(windows[:, 1:].reshape(-1), [ord(c) for c in text[: 3 * 16]])
-    plain = calibration.text_windows(CharTokenizer(), text, 2, 10, None, name="t")
+    plain = text_kinds.text_windows(CharTokenizer(), text, 2, 10, None, name="t")
     np.testing.assert_array_equal(plain.reshape(-1), [ord(c) for c in text[:20]])
     with pytest.raises(ValueError, match=r"short text: 5 tokens, fewer than the 1 x 9 asked for"):
-        calibration.text_windows(CharTokenizer(), "abcde", 1, 10, 0, name="short text")
+        text_kinds.text_windows(CharTokenizer(), "abcde", 1, 10, 0, name="short text")
 
 
 def test_training_windows_alternate_the_novel_and_the_reference():
     windows = calibration.training_windows(CharTokenizer(), 4, 12, bos_id=1)
     novel = open(CALIBRATION_TEXT, encoding="utf-8").read()
-    reference = calibration.technical_texts()[0]
+    reference = text_kinds.technical_texts()[0]
     assert windows.shape == (4, 12) and np.all(windows[:, 0] == 1)
     decoded = ["".join(map(chr, row[1:])) for row in windows]
     assert decoded[0] == novel[:11] and decoded[2] == novel[11:22]

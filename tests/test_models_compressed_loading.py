@@ -14,19 +14,13 @@ from hf_checkpoints import HF_CONFIG, write_hf_checkpoint
 
 from jax_neuronmm.compress import CheckpointError, allocation, load_compressed, save_compressed, tree
 from jax_neuronmm.compress.checkpoint import FORMAT_V1, HEADER_SHA256, _digest
-from jax_neuronmm.compress.distill import is_trained
 from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.models import (
-    GatedMLP,
-    compress_checkpoint,
-    compress_model,
-    generate,
-    load_compressed_checkpoint,
-    load_hf,
-)
+from jax_neuronmm.models import GatedMLP, generate, load_compressed_checkpoint, load_hf
 from jax_neuronmm.models.compressed_loading import FILES_SHA256, PRUNED_NEURONS
-from jax_neuronmm.models.pruning import mlp_width
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline import Recipe, compress_checkpoint, compress_model
+from jax_neuronmm.pipeline.distill import is_trained
+from jax_neuronmm.pipeline.pruning import mlp_width
 
 KEEP, BLOCK = 0.5, 16
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
@@ -36,7 +30,7 @@ _logits = nnx.jit(lambda model, ids: model(ids))
 @pytest.mark.parametrize("include", [("mlp",), ("mlp", "attention")], ids=["mlp", "mlp+attention"])
 def test_loads_what_compress_model_builds(rng, tmp_path, include):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK, include=include)
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, include=include, block=BLOCK))
     assert sorted(os.listdir(tmp_path / "out")) == [
         "compression_report.json",
         "config.json",
@@ -49,7 +43,7 @@ def test_loads_what_compress_model_builds(rng, tmp_path, include):
 
     loaded = load_compressed_checkpoint(tmp_path / "out")
     dense = load_hf(str(tmp_path / "hf"))
-    expected = compress_model(dense, keep=KEEP, block=BLOCK, include=include)
+    expected = compress_model(dense, Recipe(keep=KEEP, include=include, block=BLOCK))
 
     for loaded_layer, expected_layer in zip(loaded.layers, expected.layers, strict=True):
         assert isinstance(loaded_layer.mlp, SVDMLP)
@@ -75,7 +69,7 @@ def test_loads_what_compress_model_builds(rng, tmp_path, include):
 
 def test_bfloat16_load(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
     model = load_compressed_checkpoint(tmp_path / "out", dtype=jnp.bfloat16)
     assert model.layers[1].mlp.down_proj.u.dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(2).integers(0, HF_CONFIG["vocab_size"], size=(1, 7)))
@@ -97,7 +91,7 @@ def test_not_a_compressed_checkpoint(rng, tmp_path):
     with pytest.raises(CheckpointError, match="not written by save_compressed"):
         load_compressed_checkpoint(tmp_path / "hf")
 
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
     shutil.copytree(tmp_path / "out", tmp_path / "deeper")
     (tmp_path / "deeper" / "config.json").write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": 3}))
     with pytest.raises(CheckpointError, match=r"missing tensors \['layers/2/"):
@@ -109,7 +103,7 @@ def test_not_a_compressed_checkpoint(rng, tmp_path):
 
 def test_partially_factored_mlp_stays_unfused(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", rank=8)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(rank=8))
     # Keep only layer 1's gate and up projections factored (compress_model factors whole MLPs).
     params, info = load_compressed(tmp_path / "out" / "model.safetensors")
     dense_model = load_hf(tmp_path / "hf")
@@ -142,53 +136,53 @@ def test_output_never_replaces_a_users_file(rng, tmp_path):
     # The source directory itself (the CLI used to overwrite model.safetensors there, then crash).
     for out in (tmp_path / "hf", tmp_path / "hf" / ".." / "hf"):
         with pytest.raises(FileExistsError, match=f"out_dir: '{out}' is the source checkpoint directory"):
-            compress_checkpoint(tmp_path / "hf", out, keep=KEEP, block=BLOCK)
+            compress_checkpoint(tmp_path / "hf", out, Recipe(keep=KEEP, block=BLOCK))
     assert _listing(tmp_path / "hf") == source
     # A directory holding a file the output would write: refused before anything is written.
     os.makedirs(tmp_path / "busy")
     (tmp_path / "busy" / "tokenizer.json").write_text("the user's tokenizer")
     (tmp_path / "busy" / "notes.txt").write_text("unrelated")
     with pytest.raises(FileExistsError, match=r"out_dir: '.*busy' already holds \['tokenizer.json'\]"):
-        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", keep=KEEP, block=BLOCK)
+        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", Recipe(keep=KEEP, block=BLOCK))
     assert _listing(tmp_path / "busy") == {"notes.txt": b"unrelated", "tokenizer.json": b"the user's tokenizer"}
     # Unrelated files may stay; a second run into a finished output directory is refused.
     os.remove(tmp_path / "busy" / "tokenizer.json")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "busy", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "busy", Recipe(keep=KEEP, block=BLOCK))
     written = _listing(tmp_path / "busy")
     with pytest.raises(FileExistsError, match="already holds"):
-        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", rank=4)
+        compress_checkpoint(tmp_path / "hf", tmp_path / "busy", Recipe(rank=4))
     assert _listing(tmp_path / "busy") == written and _listing(tmp_path / "hf") == source
     with pytest.raises(ValueError, match="keep, rank: got keep=0.5 and rank=4"):
-        compress_checkpoint(tmp_path / "hf", tmp_path / "other", keep=0.5, rank=4)
+        compress_checkpoint(tmp_path / "hf", tmp_path / "other", Recipe(keep=0.5, rank=4))
 
 
 def test_output_dir_is_checked_before_compressing(rng, tmp_path, monkeypatch):
     write_hf_checkpoint(rng, tmp_path / "hf")
     (tmp_path / "a_file").write_text("the user's")
     loaded = []
-    monkeypatch.setattr("jax_neuronmm.models.compressed_loading.load_hf", lambda *a, **k: loaded.append(a))
+    monkeypatch.setattr("jax_neuronmm.pipeline.compressed_saving.load_hf", lambda *a, **k: loaded.append(a))
     for out, error, match in (
         ("", ValueError, "out_dir: got an empty path"),
         (tmp_path / "a_file", NotADirectoryError, "a_file' is a file, expected a directory"),
         (tmp_path / "a_file" / "sub" / "out", NotADirectoryError, "a_file' is a file, expected a directory"),
     ):
         with pytest.raises(error, match=match):
-            compress_checkpoint(tmp_path / "hf", out, rank=8)
+            compress_checkpoint(tmp_path / "hf", out, Recipe(rank=8))
     # A directory that refuses new files (as root, permission bits do not: make the probe fail instead).
     monkeypatch.setattr(
-        "jax_neuronmm.models.compressed_loading.tempfile.TemporaryFile",
+        "jax_neuronmm.pipeline.compressed_saving.tempfile.TemporaryFile",
         lambda dir: (_ for _ in ()).throw(PermissionError(13, "Permission denied")),
     )
     with pytest.raises(
         PermissionError, match=r"out_dir: '.*new/out': cannot create files in '.*' \(Permission denied\)"
     ):
-        compress_checkpoint(tmp_path / "hf", tmp_path / "new" / "out", rank=8)
+        compress_checkpoint(tmp_path / "hf", tmp_path / "new" / "out", Recipe(rank=8))
     assert loaded == [] and sorted(os.listdir(tmp_path)) == ["a_file", "hf"]
 
 
 def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
     (tmp_path / "out" / "config.json").write_text(json.dumps({**HF_CONFIG, "num_hidden_layers": 1}))
     # Used to be an IndexError from walking to layers[1].
     with pytest.raises(
@@ -211,7 +205,7 @@ def test_config_with_fewer_layers_than_the_tensors(rng, tmp_path):
 def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
     # An edited config.json used to load silently, with different logits.
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
     file = tmp_path / "out" / name
     good = file.read_bytes()
     if edit is None:
@@ -237,7 +231,7 @@ def test_copied_files_are_inside_the_checksums(rng, tmp_path, name, edit):
 def test_copied_files_checksums_cannot_be_stripped(rng, tmp_path):
     # Deleting files_sha256 from the header, then editing config.json, used to load the edited config silently.
     write_hf_checkpoint(rng, tmp_path / "hf")
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
     weights, config = tmp_path / "out" / "model.safetensors", tmp_path / "out" / "config.json"
     good = weights.read_bytes()
     config.write_text(json.dumps({**HF_CONFIG, "rms_norm_eps": 0.5}))
@@ -286,7 +280,7 @@ def test_loader_errors_name_the_file(rng, tmp_path, loader):
     if loader == "load_hf":
         path, load = tmp_path / "hf", load_hf
     else:
-        compress_checkpoint(tmp_path / "hf", tmp_path / "out", keep=KEEP, block=BLOCK)
+        compress_checkpoint(tmp_path / "hf", tmp_path / "out", Recipe(keep=KEEP, block=BLOCK))
         path, load = tmp_path / "out", load_compressed_checkpoint
     config, weights, tokenizer = (path / name for name in ("config.json", "model.safetensors", "tokenizer.json"))
     good = {file: file.read_bytes() for file in (config, weights, tokenizer)}
@@ -317,8 +311,8 @@ def test_loader_errors_name_the_file(rng, tmp_path, loader):
 def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
-    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration, mlp_form="factored")
-    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    recipe = Recipe(keep=0.8, block=8, steps=("fisher", "allocate"), mlp_form="factored")
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", recipe, calibration_ids=calibration)
     dense_entries = [layer for layer in report.layers if layer.rank is None]
     assert dense_entries and len(report.layers) == 2 * 3  # every MLP projection listed, the dense ones too
     assert all(layer.params_after == layer.params_before and layer.relative_error == 0 for layer in dense_entries)
@@ -329,7 +323,7 @@ def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
 
     loaded = load_compressed_checkpoint(tmp_path / "out")
     dense = load_hf(str(tmp_path / "hf"))
-    expected = compress_model(dense, progress=False, **options)
+    expected = compress_model(dense, recipe, calibration_ids=calibration, progress=False)
     for layer in dense_entries:
         index, name = int(layer.path.split("/")[1]), layer.path.split("/")[-1]
         assert isinstance(loaded.layers[index].mlp, GatedMLP)
@@ -343,7 +337,14 @@ def test_projections_left_dense_by_allocation_round_trip(rng, tmp_path):
 def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
     write_hf_checkpoint(rng, tmp_path / "hf")
     calibration = np.random.default_rng(4).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
-    options = dict(keep=0.8, block=8, steps=("fisher", "allocate"), calibration_ids=calibration, mlp_form="factored")
+    recipe = Recipe(
+        keep=0.8,
+        block=8,
+        steps=("fisher", "allocate"),
+        mlp_form="factored",
+        allow_dense=False,
+        allocation_solver="exact",
+    )
     solvers = []
     allocate = allocation.allocate_ranks
     monkeypatch.setattr(
@@ -351,15 +352,11 @@ def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
         "allocate_ranks",
         lambda *args, **kwargs: solvers.append(kwargs["solver"]) or allocate(*args, **kwargs),
     )
-    report = compress_checkpoint(
-        tmp_path / "hf", tmp_path / "out", allow_dense=False, allocation_solver="exact", **options
-    )
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", recipe, calibration_ids=calibration)
     assert solvers == ["exact"]
     # Every projection factored (at 0.8 this model keeps some dense when allowed: the round-trip test above).
     assert all(layer.rank is not None for layer in report.layers)
-    expected = compress_model(
-        load_hf(str(tmp_path / "hf")), allow_dense=False, allocation_solver="exact", progress=False, **options
-    )
+    expected = compress_model(load_hf(str(tmp_path / "hf")), recipe, calibration_ids=calibration, progress=False)
     assert report.ranks == {
         f"layers/{index}/mlp/{name}": getattr(layer.mlp, name).rank
         for index, layer in enumerate(expected.layers)
@@ -370,9 +367,8 @@ def test_allocation_options_reach_compress_model(rng, tmp_path, monkeypatch):
 def test_pruned_mlps_round_trip(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf")
     calibration = np.random.default_rng(6).integers(0, HF_CONFIG["vocab_size"], size=(16, 16))
-    options = dict(keep=0.6, block=8, steps=("fisher",), calibration_ids=calibration, mlp_form="pruned")
-    options["include"] = ("mlp", "attention")
-    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    recipe = Recipe(keep=0.6, block=8, steps=("fisher",), mlp_form="pruned", include=("mlp", "attention"))
+    report = compress_checkpoint(tmp_path / "hf", tmp_path / "out", recipe, calibration_ids=calibration)
     width = mlp_width(HF_CONFIG["intermediate_size"], 0.6, 8)
     assert width == 80  # 0.6 of 136 is 81.6
     mlp_entries = [layer for layer in report.layers if "/mlp/" in layer.path]
@@ -382,7 +378,7 @@ def test_pruned_mlps_round_trip(rng, tmp_path):
         assert 0 < entry.relative_error < 1, entry
 
     loaded = load_compressed_checkpoint(tmp_path / "out")
-    expected = compress_model(load_hf(str(tmp_path / "hf")), progress=False, **options)
+    expected = compress_model(load_hf(str(tmp_path / "hf")), recipe, calibration_ids=calibration, progress=False)
     assert loaded.config.intermediate_size == expected.config.intermediate_size == width
     assert loaded.layers[1].mlp.down_proj.kernel[...].shape == (width, HF_CONFIG["hidden_size"])
     ids = jnp.asarray(np.random.default_rng(7).integers(0, HF_CONFIG["vocab_size"], size=(2, 9)))

@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, perplexity
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, perplexity
+from jax_neuronmm.pipeline import Recipe, compress_model
 
 VOCAB = 101
 
@@ -78,7 +79,7 @@ def test_uniform_model_has_perplexity_vocab():
 def test_compressed_model():
     model = MODELS["llama"]
     windows = np.random.default_rng(6).integers(0, VOCAB, size=(2, 10))
-    compressed = compress_model(model, rank=8, method="svd", progress=False)
+    compressed = compress_model(model, Recipe(rank=8, method="svd"), progress=False)
     np.testing.assert_allclose(perplexity(compressed, windows), _reference(compressed, windows), rtol=2e-5)
 
 

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 import jax_neuronmm
-from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig, compress_model, quantize_model
+from jax_neuronmm.models import Gemma, GemmaConfig, Llama, LlamaConfig
 from jax_neuronmm.models.decode import stack_weights
 from jax_neuronmm.models.paged import (
     PagedBatch,
@@ -23,6 +23,7 @@ from jax_neuronmm.models.paged import (
     paged_plan,
 )
 from jax_neuronmm.models.paged import sample_rows as _sample_rows
+from jax_neuronmm.pipeline import Recipe, compress_model, quantize_model
 
 VOCAB = 97
 _forward = nnx.jit(lambda model, ids: model(ids))
@@ -122,10 +123,12 @@ def test_compressed_and_fp8_models_match_their_own_forward(form, rng):
     if form == "fp8":
         model = quantize_model(dense, targets=("mlp", "attention"), progress=False)
     elif form == "factored":
-        model = compress_model(dense, 0.5, method="svd", include=("mlp", "attention"), block=8, progress=False)
+        model = compress_model(
+            dense, Recipe(keep=0.5, include=("mlp", "attention"), method="svd", block=8), progress=False
+        )
     else:
         calibration = rng.integers(0, VOCAB, size=(2, 16))
-        model = compress_model(dense, 0.5, calibration_ids=calibration, mlp_form="pruned", progress=False)
+        model = compress_model(dense, Recipe(keep=0.5, mlp_form="pruned"), calibration_ids=calibration, progress=False)
     seqs, table = _plan(rng, 5, 17)
     # The reference is the compressed model's own cache-free forward (same weights, same float32 math).
     _run(model, seqs, table, 5, 17, lambda s: np.asarray(_forward(model, s[None]))[0, -1])
@@ -138,7 +141,9 @@ def test_paged_decode_is_paged_forwards_decode_step_on_both_backends(name, rng):
     the emulator's looped kernel, and bad shapes raise naming the argument."""
     model = _model("llama" if name == "llama" else "gemma3", jnp.float32)
     if name.startswith("factored"):
-        model = compress_model(model, 0.5, method="svd", include=("mlp", "attention"), block=8, progress=False)
+        model = compress_model(
+            model, Recipe(keep=0.5, include=("mlp", "attention"), method="svd", block=8), progress=False
+        )
     block_size, num_blocks = 5, 17
     seqs, table = _plan(rng, block_size, num_blocks)
     *prefill, (tokens, batch) = _calls(seqs, table, block_size)

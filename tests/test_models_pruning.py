@@ -1,6 +1,8 @@
-"""models.pruning and compress_model(mlp_form="pruned"): a small Gemma 3's and Llama's MLP neurons pruned layer by
+"""pipeline.pruning and compress_model(mlp_form="pruned"): a small Gemma 3's and Llama's MLP neurons pruned layer by
 layer against float64 references; the pruned model decodes through the decode step (XLA and the emulator's looped
 kernel) and distillation trains its pruned kernels."""
+
+import dataclasses
 
 import jax.numpy as jnp
 import numpy as np
@@ -9,13 +11,14 @@ from flax import nnx
 from test_compress_distill import _full_kl64
 
 import jax_neuronmm
-from jax_neuronmm.compress import prune, sequential
-from jax_neuronmm.compress.distill import DistillOptions
+from jax_neuronmm.compress import prune
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.models import decode, from_preset, generate
-from jax_neuronmm.models.compression import compress_model, resolve_mlp_form
-from jax_neuronmm.models.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from jax_neuronmm.nn.nnx import Linear, SVDLinear
+from jax_neuronmm.pipeline import Recipe, sequential
+from jax_neuronmm.pipeline.compression import compress_model, resolve_mlp_form
+from jax_neuronmm.pipeline.distill import DistillOptions
+from jax_neuronmm.pipeline.pruning import NEURONS_PER_ROUND, SINK_WEIGHT, mlp_width, prune_mlps
 from jax_neuronmm.weights import WeightFormat
 from nki_kernels.activations import ACTIVATIONS, HF_ACTIVATIONS
 
@@ -123,7 +126,9 @@ def _greedy_without_cache(model, prompts, steps):
 
 def test_a_pruned_model_decodes_through_the_decode_step(gemma3):
     model, ids = gemma3
-    pruned = compress_model(model, 0.6, calibration_ids=ids, mlp_form="pruned", steps=(), block=8, progress=False)
+    pruned = compress_model(
+        model, Recipe(keep=0.6, mlp_form="pruned", steps=(), block=8), calibration_ids=ids, progress=False
+    )
     width = mlp_width(384, 0.6, 8)
     plan = decode.decode_plan(pruned)
     assert plan.spec.intermediate == width == 224
@@ -137,9 +142,11 @@ def test_a_pruned_model_decodes_through_the_decode_step(gemma3):
 
 def test_pruned_mlps_in_fp8_compute_their_dequantized_weights_and_decode(gemma3):
     model, ids = gemma3
-    common = dict(calibration_ids=ids, mlp_form="pruned", steps=(), block=8, progress=False)
-    pruned = compress_model(model, 0.6, **common)
-    quantized = compress_model(model, 0.6, weight_dtype="float8_e4m3", **common)
+    recipe = Recipe(keep=0.6, mlp_form="pruned", steps=(), block=8)
+    pruned = compress_model(model, recipe, calibration_ids=ids, progress=False)
+    quantized = compress_model(
+        model, dataclasses.replace(recipe, weight_dtype="float8_e4m3"), calibration_ids=ids, progress=False
+    )
     reference = nnx.clone(pruned)  # the pruned model with each MLP kernel replaced by its fp8 values · scales
     for layer, fp8_layer in zip(reference.layers, quantized.layers):
         for name in ("gate_proj", "up_proj", "down_proj"):
@@ -172,11 +179,14 @@ def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny
         vocab_top_k=0,
         holdout=0,
     )
-    common = dict(calibration_ids=ids, include=("mlp", "attention"), mlp_form="pruned", block=8, progress=False)
-    before = compress_model(model, 0.7, steps=("fisher", "allocate"), **common)
+    recipe = Recipe(keep=0.7, include=("mlp", "attention"), mlp_form="pruned", block=8, steps=("fisher", "allocate"))
+    before = compress_model(model, recipe, calibration_ids=ids, progress=False)
     # self_text=False: this checks that distillation trains the pruned kernels on the given text
     after = compress_model(
-        model, 0.7, steps=("fisher", "allocate", "distill"), distill=options, self_text=False, **common
+        model,
+        dataclasses.replace(recipe, steps=("fisher", "allocate", "distill"), distill=options, self_text=False),
+        calibration_ids=ids,
+        progress=False,
     )
     attention = ("q_proj", "k_proj", "v_proj", "o_proj")
     for compressed in (before, after):
@@ -192,31 +202,33 @@ def test_compress_model_prunes_the_mlps_factors_attention_and_distills_both(tiny
 def test_bad_mlp_form_arguments_name_what_is_wrong(gemma3):
     model, ids = gemma3
     with pytest.raises(ValueError, match=r"mlp_form: got 'narrow', expected one of \('factored', 'pruned'\)"):
-        compress_model(model, 0.7, calibration_ids=ids, mlp_form="narrow")
+        compress_model(model, Recipe(keep=0.7, mlp_form="narrow"), calibration_ids=ids)
     with pytest.raises(ValueError, match=r"mlp_form: 'pruned' prunes the MLPs; got include \('attention',\)"):
-        compress_model(model, 0.7, calibration_ids=ids, include=("attention",), mlp_form="pruned")
+        compress_model(model, Recipe(keep=0.7, include=("attention",), mlp_form="pruned"), calibration_ids=ids)
     with pytest.raises(ValueError, match=r"rank: got 64 with mlp_form='pruned'"):
-        compress_model(model, calibration_ids=ids, rank=64, mlp_form="pruned", steps=())
+        compress_model(model, Recipe(rank=64, mlp_form="pruned", steps=()), calibration_ids=ids)
     with pytest.raises(ValueError, match=r"calibration_ids: mlp_form='pruned' chooses neurons"):
-        compress_model(model, 0.7, method="svd", mlp_form="pruned")
+        compress_model(model, Recipe(keep=0.7, mlp_form="pruned", method="svd"))
     with pytest.raises(ValueError, match=r"keep_count: got 0"):
         prune_mlps(nnx.clone(model), ids, 0, progress=False)
     for weight in (0.0, -1, True):
         with pytest.raises(ValueError, match=r"sink_weight: got .* expected a positive number"):
             prune_mlps(nnx.clone(model), ids, 8, sink_weight=weight, progress=False)
-    factored = compress_model(model, 0.7, method="svd", block=8, progress=False)
+    factored = compress_model(model, Recipe(keep=0.7, method="svd", block=8), progress=False)
     with pytest.raises(TypeError, match=r"layer 0's MLP is a SVDMLP with factored or fp8 projections"):
         prune_mlps(factored, ids, 8, progress=False)
 
 
 def test_the_recommended_pipeline_prunes_the_mlps_and_an_explicit_method_or_rank_factors_them(gemma3):
     model, ids = gemma3
-    options = dict(block=8, distill=DistillOptions(steps=2, holdout=0), progress=False)
-    recommended = compress_model(model, 0.7, calibration_ids=ids, **options)
+    options = dict(block=8, distill=DistillOptions(steps=2, holdout=0))
+    recommended = compress_model(model, Recipe(keep=0.7, **options), calibration_ids=ids, progress=False)
     assert recommended.config.intermediate_size == mlp_width(384, 0.7, 8)
     assert all(isinstance(layer.mlp.gate_proj.kernel, PrunedKernel) for layer in recommended.layers)
-    explicit = compress_model(model, 0.7, "whitened", ids, steps=("fisher",), block=8, progress=False)
-    one_rank = compress_model(model, calibration_ids=ids, rank=16, steps=("fisher",), progress=False)
+    explicit = compress_model(
+        model, Recipe(keep=0.7, method="whitened", steps=("fisher",), block=8), calibration_ids=ids, progress=False
+    )
+    one_rank = compress_model(model, Recipe(rank=16, steps=("fisher",)), calibration_ids=ids, progress=False)
     for factored in (explicit, one_rank):
         assert factored.config.intermediate_size == 384
         assert all(isinstance(layer.mlp.gate_proj, SVDLinear) for layer in factored.layers)

@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from jax_neuronmm.models import from_preset
-from jax_neuronmm.models.compression import compress_model
 from jax_neuronmm.models.evaluation import predictions
 from jax_neuronmm.models.quality import (
     ClozeItem,
@@ -15,12 +14,14 @@ from jax_neuronmm.models.quality import (
     tokens_until_divergence,
     top1_agreement,
 )
+from jax_neuronmm.pipeline import Recipe
+from jax_neuronmm.pipeline.compression import compress_model
 
 
 @pytest.fixture(scope="module")
 def pair():
     dense = from_preset("llama", "tiny", num_layers=2, vocab_size=97)
-    return dense, compress_model(dense, 0.3, method="svd", block=4, progress=False)
+    return dense, compress_model(dense, Recipe(keep=0.3, method="svd", block=4), progress=False)
 
 
 def _logits64(model, ids):

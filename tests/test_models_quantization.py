@@ -1,6 +1,8 @@
 """quantize_model (fp8 e4m3 projections and LM head) and fp8 checkpoints: logits against the model rebuilt from the
 dequantized weights, generation, save/load round trips, checksums, errors."""
 
+import dataclasses
+
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -13,8 +15,9 @@ from tiny_models import logits as _logits
 from tiny_models import token_ids as _ids
 
 from jax_neuronmm.compress import CheckpointError, load_compressed, save_compressed
-from jax_neuronmm.models import compress_model, generate, quantize_model
+from jax_neuronmm.models import generate
 from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear
+from jax_neuronmm.pipeline import Recipe, compress_model, quantize_model
 from jax_neuronmm.weights import WeightFormat
 
 
@@ -74,7 +77,7 @@ def test_dense_model_matches_dequantized_reference(make_model):
 
 def test_compressed_model_matches_dequantized_reference():
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        model = compress_model(_gemma3(), keep=0.6, block=8, include=("mlp", "attention"))
+        model = compress_model(_gemma3(), Recipe(keep=0.6, include=("mlp", "attention"), block=8))
     assert isinstance(model.layers[0].mlp, SVDMLP)
     quantized = quantize_model(model, targets=("attention", "mlp"))
     assert _fp8(quantized.layers[0].mlp, SVDMLP)
@@ -107,7 +110,7 @@ def test_calibration_aware_rounding_lowers_output_error(make_model):
 
 def test_calibration_of_compressed_factors():
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        model = compress_model(_llama(), keep=0.6, block=8, include=("mlp", "attention"))
+        model = compress_model(_llama(), Recipe(keep=0.6, include=("mlp", "attention"), block=8))
     held_out = _ids(2, 24, seed=9)
     dense = np.asarray(_logits(model, held_out), np.float64)
     ids = _ids(32, 64, seed=7)
@@ -195,8 +198,10 @@ def test_errors():
 def test_compress_model_with_fp8_factors():
     model = _llama()
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"))
-        quantized = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"), weight_dtype="float8_e4m3")
+        compressed = compress_model(model, Recipe(keep=0.6, include=("mlp", "attention"), block=8))
+        quantized = compress_model(
+            model, Recipe(keep=0.6, include=("mlp", "attention"), block=8, weight_dtype="float8_e4m3")
+        )
     assert _fp8(quantized.layers[0].mlp, SVDMLP) and _fp8(quantized.layers[0].self_attn.k_proj, SVDLinear)
     assert quantized.lm_head is None or isinstance(quantized.lm_head, nnx.Linear)  # the head is not included
     ids = _ids(2, 7, seed=3)
@@ -205,19 +210,22 @@ def test_compress_model_with_fp8_factors():
         np.asarray(_logits(quantized, ids), np.float64), want, rtol=0, atol=1e-4 * np.abs(want).max()
     )
     with pytest.raises(ValueError, match="weight_dtype: got 'fp8', expected None or one of"):
-        compress_model(model, weight_dtype="fp8")
+        compress_model(model, Recipe(weight_dtype="fp8"))
 
 
 def test_compress_model_to_fp8_distills_through_the_rounding_unless_told(monkeypatch):
-    from jax_neuronmm.compress import distill
+    from jax_neuronmm.pipeline import distill
 
     seen = []
     monkeypatch.setattr(distill, "distill_factors", lambda model, dense, ids, options, **_: seen.append(options))
     model, ids = _llama(), _ids(4, 9, seed=5)
-    common = dict(keep=0.6, block=8, method="svd", calibration_ids=ids, steps=("distill",), progress=False)
-    compress_model(model, weight_dtype="float8_e4m3", **common)
-    compress_model(model, weight_dtype="float8_e4m3", distill=distill.DistillOptions(steps=3), **common)
-    compress_model(model, **common)
+    recipe = Recipe(keep=0.6, block=8, method="svd", steps=("distill",))
+    for changes in (
+        dict(weight_dtype="float8_e4m3"),
+        dict(weight_dtype="float8_e4m3", distill=distill.DistillOptions(steps=3)),
+        {},
+    ):
+        compress_model(model, dataclasses.replace(recipe, **changes), calibration_ids=ids, progress=False)
     assert [options.weight_dtype for options in seen] == ["float8_e4m3", None, None]
     assert seen[1].steps == 3  # the caller's options kept; without them the scaled defaults, fp8 above
 
@@ -228,7 +236,7 @@ def test_decode_weight_bytes_count_fp8_weights_as_stored():
 
     model = _llama()
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "attention"))
+        compressed = compress_model(model, Recipe(keep=0.6, include=("mlp", "attention"), block=8))
     for source in (model, compressed):
         scales = 211  # the head's, one per vocabulary entry
         for layer in source.layers:
@@ -247,11 +255,11 @@ def test_decode_weight_bytes_count_fp8_weights_as_stored():
 def test_mlp_hidden_is_down_proj_input_for_every_mlp_form():
     """The calibration pass's down_proj inputs: hidden · W_down reproduces the MLP's output whether its projections
     are dense or factored, in fp8 or not (a model quantized in two calls, or compressed with fp8 factors)."""
-    from jax_neuronmm.models.quantization import _mlp_hidden, _projected
+    from jax_neuronmm.pipeline.quantization import _mlp_hidden, _projected
 
     model = _gemma3()
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        compressed = compress_model(model, keep=0.6, block=8, include=("mlp",))
+        compressed = compress_model(model, Recipe(keep=0.6, include=("mlp",), block=8))
     mlps = [model.layers[0].mlp, compressed.layers[0].mlp]
     mlps += [quantize_model(m, targets="mlp").layers[0].mlp for m in (model, compressed)]
     kinds = [(type(p.down_proj).__name__, getattr(p.down_proj, "format", WeightFormat.FLOAT)) for p in mlps]
@@ -275,9 +283,11 @@ def test_quantize_and_compress_compose():
     model = _gemma3()
     ids = _ids(16, 32, seed=7)
     projections = quantize_model(model, targets=("attention", "mlp"), calibration_ids=ids, progress=False)
-    factored = dict(method="whitened", steps=(), calibration_ids=ids, include=("head",), block=8, progress=False)
-    bf16_head = compress_model(projections, 0.6, **factored)
-    fp8_head = compress_model(projections, 0.6, weight_dtype="float8_e4m3", **factored)
+    factored = Recipe(keep=0.6, method="whitened", steps=(), include=("head",), block=8)
+    bf16_head = compress_model(projections, factored, calibration_ids=ids, progress=False)
+    fp8_head = compress_model(
+        projections, dataclasses.replace(factored, weight_dtype="float8_e4m3"), calibration_ids=ids, progress=False
+    )
     assert _fp8(fp8_head.lm_head, SVDLinear) and fp8_head.lm_head.rank == bf16_head.lm_head.rank
     for name in ("u", "v"):  # the bf16 factors rounded to fp8
         scale = getattr(fp8_head.lm_head, f"{name}_scale")[...]
@@ -298,7 +308,7 @@ def test_quantize_and_compress_compose():
     assert 0 < np.abs(got - want).max() <= 0.1 * np.abs(want).max()
 
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        fp8_mlps = compress_model(model, keep=0.6, block=8, include=("mlp",), weight_dtype="float8_e4m3")
+        fp8_mlps = compress_model(model, Recipe(keep=0.6, include=("mlp",), block=8, weight_dtype="float8_e4m3"))
     rest = quantize_model(fp8_mlps, targets=("attention", "head"), calibration_ids=ids, progress=False)
     assert _fp8(rest.layers[0].self_attn.q_proj, Linear) and _fp8(rest.lm_head, Linear)
     assert rest.layers[0].mlp.gate_proj.u[...].dtype == ml_dtypes.float8_e4m3fn
@@ -306,11 +316,13 @@ def test_quantize_and_compress_compose():
     with pytest.raises(
         TypeError, match="layer 0 gate_proj is a Linear in FP8_E4M3; compress_model factors dense float"
     ):
-        compress_model(projections, 0.6, method="whitened", steps=(), calibration_ids=ids, include=("mlp",))
+        compress_model(
+            projections, Recipe(keep=0.6, include=("mlp",), method="whitened", steps=()), calibration_ids=ids
+        )
     with pytest.raises(
         TypeError, match="the LM head is a Linear in FP8_E4M3; compress_model factors dense float weights"
     ):
-        compress_model(quantize_model(model, targets="head"), 0.6, **factored)
+        compress_model(quantize_model(model, targets="head"), factored, calibration_ids=ids, progress=False)
 
 
 def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
@@ -319,7 +331,7 @@ def test_model_spec_names_the_fp8_weights_and_counts_their_bytes():
 
     model = _gemma3()
     with pytest.warns(UserWarning, match="without calibration_ids"):
-        compressed = compress_model(model, keep=0.6, block=8, include=("mlp", "head"))
+        compressed = compress_model(model, Recipe(keep=0.6, include=("mlp", "head"), block=8))
     assert model_spec(model) == decode_plan(model).spec
     plan = decode_plan(compressed).spec
     mlp_ranks = tuple(
@@ -353,7 +365,7 @@ def test_fp8_models_decode_through_decode_step(make_model, include, monkeypatch)
     model = make_model()
     if include:
         with pytest.warns(UserWarning, match="without calibration_ids"):
-            model = compress_model(model, keep=0.6, block=8, include=include)
+            model = compress_model(model, Recipe(keep=0.6, include=include, block=8))
         model.layers[1].mlp = make_model().layers[1].mlp  # mixed: dense in layer 1, factored in the others
     quantized = quantize_model(model)
     plan = decode_mod.decode_plan(quantized)

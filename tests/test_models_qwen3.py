@@ -8,6 +8,7 @@ a GGUF file written like llama.cpp's converter writes Qwen3 against transformers
 2-device mesh (Megatron shards) equal to one device, run in an 8-device subprocess like the other sharding tests.
 """
 
+import dataclasses
 import functools
 import re
 
@@ -34,8 +35,6 @@ from jax_neuronmm import decode_step
 from jax_neuronmm.models import (
     Qwen3,
     Qwen3Config,
-    compress_checkpoint,
-    compress_model,
     decode,
     from_preset,
     generate,
@@ -43,11 +42,11 @@ from jax_neuronmm.models import (
     load_gguf,
     load_hf,
     presets,
-    quantize_model,
 )
-from jax_neuronmm.models.compression import NoCalibrationWarning
 from jax_neuronmm.models.layers import GatedMLP
 from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear
+from jax_neuronmm.pipeline import Recipe, compress_checkpoint, compress_model, quantize_model
+from jax_neuronmm.pipeline.compression import NoCalibrationWarning
 from jax_neuronmm.weights import WeightFormat
 from nki_kernels.decode import reference
 
@@ -168,19 +167,21 @@ def _calibration_ids(seed=7):
 def test_full_rank_factors_reproduce_dense_logits():
     model = _tiny()
     with pytest.warns(NoCalibrationWarning):
-        factored = compress_model(model, rank="full", include=("mlp", "attention"), progress=False)
+        factored = compress_model(model, Recipe(rank="full", include=("mlp", "attention")), progress=False)
     assert isinstance(factored.layers[0].mlp, SVDMLP) and isinstance(factored.layers[1].self_attn.k_proj, SVDLinear)
     ids = jnp.asarray(_prompt(2, 9, VOCAB, seed=2))
     dense = np.asarray(_forward(model, ids), np.float64)
     np.testing.assert_allclose(np.asarray(_forward(factored, ids)), dense, rtol=0, atol=1e-4 * np.abs(dense).max())
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_whitened_factors_of_mlp_and_attention_decode_through_the_decode_step():
     model, ids = _tiny(), _calibration_ids()
-    common = dict(keep=0.6, include=("mlp", "attention"), block=8, mlp_form="factored", progress=False)
-    whitened = compress_model(model, method="whitened", calibration_ids=ids, steps=(), **common)
-    plain = compress_model(model, method="svd", **common)
+    recipe = Recipe(keep=0.6, include=("mlp", "attention"), block=8, mlp_form="factored")
+    whitened = compress_model(
+        model, dataclasses.replace(recipe, method="whitened", steps=()), calibration_ids=ids, progress=False
+    )
+    plain = compress_model(model, dataclasses.replace(recipe, method="svd"), progress=False)
     assert isinstance(whitened.layers[0].mlp, SVDMLP) and isinstance(whitened.layers[0].self_attn.q_proj, SVDLinear)
     # Whitening fits the calibration activations better than plain truncation at the same ranks.
     dense = np.asarray(_forward(model, jnp.asarray(ids)), np.float64)
@@ -192,11 +193,14 @@ def test_whitened_factors_of_mlp_and_attention_decode_through_the_decode_step():
     _assert_greedy_by_full_forward(whitened, prompt, generate(whitened, prompt, 6))
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_pruned_mlps_decode_through_the_decode_step():
     model = _tiny()
     pruned = compress_model(
-        model, 0.6, calibration_ids=_calibration_ids(), mlp_form="pruned", steps=(), block=8, progress=False
+        model,
+        Recipe(keep=0.6, mlp_form="pruned", steps=(), block=8),
+        calibration_ids=_calibration_ids(),
+        progress=False,
     )
     assert isinstance(pruned.layers[0].mlp, GatedMLP) and pruned.config.intermediate_size < 136
     assert model.config.intermediate_size == 136, "the input model must stay unchanged"
@@ -205,14 +209,14 @@ def test_pruned_mlps_decode_through_the_decode_step():
     _assert_greedy_by_full_forward(pruned, prompt, generate(pruned, prompt, 6))
 
 
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.NoCalibrationWarning")
-@pytest.mark.filterwarnings("ignore::jax_neuronmm.models.compression.RankRoundingWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.NoCalibrationWarning")
+@pytest.mark.filterwarnings("ignore::jax_neuronmm.pipeline.compression.RankRoundingWarning")
 def test_compressed_checkpoint_round_trip(rng, tmp_path):
     write_hf_checkpoint(rng, tmp_path / "hf", {**HF_CONFIG, "model_type": "qwen3"})
-    options = dict(keep=0.5, block=16, include=("mlp", "attention"))
-    compress_checkpoint(tmp_path / "hf", tmp_path / "out", **options)
+    recipe = Recipe(keep=0.5, block=16, include=("mlp", "attention"))
+    compress_checkpoint(tmp_path / "hf", tmp_path / "out", recipe)
     loaded = load_compressed_checkpoint(tmp_path / "out")
-    expected = compress_model(load_hf(str(tmp_path / "hf")), progress=False, **options)
+    expected = compress_model(load_hf(str(tmp_path / "hf")), recipe, progress=False)
     assert isinstance(loaded, Qwen3) and isinstance(loaded.layers[1].self_attn.v_proj, SVDLinear)
     ids = jnp.asarray(_prompt(2, 7, HF_CONFIG["vocab_size"], seed=10))
     want = np.asarray(_forward(expected, ids))

@@ -8,10 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_neuronmm.compress.distill import DistillOptions, distill_factors
-from jax_neuronmm.models import from_preset, generate, pruning, self_distillation
-from jax_neuronmm.models.compression import compress_model
-from jax_neuronmm.models.self_distillation import (
+from jax_neuronmm.models import from_preset, generate
+from jax_neuronmm.pipeline import Recipe, pruning, self_distillation
+from jax_neuronmm.pipeline.compression import compress_model
+from jax_neuronmm.pipeline.distill import DistillOptions, distill_factors
+from jax_neuronmm.pipeline.self_distillation import (
     SelfTextOptions,
     generated_windows,
     mixed_windows,
@@ -155,7 +156,7 @@ def test_the_step_kept_is_the_best_on_held_out_generated_windows(tiny, tmp_path)
     held = generated[-3:]
 
     def fresh():
-        return compress_model(model, 0.5, method="svd", block=8, progress=False)
+        return compress_model(model, Recipe(keep=0.5, method="svd", block=8), progress=False)
 
     compressed, seen = fresh(), []
     options = DistillOptions(
@@ -184,19 +185,19 @@ def test_compress_model_generates_training_text_by_default(tiny, tmp_path, monke
     monkeypatch.setattr(
         pruning, "prune_mlps", lambda m, ids, *a, **k: pruned_on.append(ids) or real_prune(m, ids, *a, **k)
     )
-    compress_model(model, 0.8, calibration_ids=user, progress=False)
+    compress_model(model, Recipe(keep=0.8), calibration_ids=user, progress=False)
     assert len(calls) == 1 and calls[0][0] == user.shape and calls[0][1] == SelfTextOptions()
     # The layer-wise steps calibrate on the user's windows and the first 32 generated ones (all trained on).
     generated = real(model, user, dataclasses.replace(SelfTextOptions(), cache_dir=str(tmp_path)), progress=False)
     np.testing.assert_array_equal(pruned_on[0], np.concatenate([user, generated[:32]]))
     # Off on request, and off by default when the user passes their own corpus.
-    compress_model(model, 0.8, calibration_ids=user, self_text=False, progress=False)
-    compress_model(model, 0.8, calibration_ids=user, distill_ids=user, progress=False)
+    compress_model(model, Recipe(keep=0.8, self_text=False), calibration_ids=user, progress=False)
+    compress_model(model, Recipe(keep=0.8), calibration_ids=user, distill_ids=user, progress=False)
     assert len(calls) == 1
     with pytest.raises(ValueError, match="self_text"):
-        compress_model(model, 0.8, calibration_ids=user, steps=("fisher",), self_text=True, progress=False)
+        compress_model(model, Recipe(keep=0.8, steps=("fisher",), self_text=True), calibration_ids=user, progress=False)
     with pytest.raises(TypeError, match="self_text"):
-        compress_model(model, 0.8, calibration_ids=user, self_text="yes", progress=False)
+        compress_model(model, Recipe(keep=0.8, self_text="yes"), calibration_ids=user, progress=False)
 
 
 @pytest.mark.parametrize(

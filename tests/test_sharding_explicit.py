@@ -437,11 +437,11 @@ def generate_on_explicit_mesh_matches_one_device():
 
     from flax import nnx
 
-    from jax_neuronmm import models
+    from jax_neuronmm import models, pipeline
 
     config = models.LlamaConfig.preset("tiny", num_heads=8, num_kv_heads=4, head_dim=16)
     model = models.Llama(config, rngs=nnx.Rngs(3))
-    model = models.compress_model(model, keep=0.5, method="svd", include=("mlp", "attention"))
+    model = pipeline.compress_model(model, pipeline.Recipe(keep=0.5, include=("mlp", "attention"), method="svd"))
     graphdef, state = nnx.split(model)
     prompts = rng("generate_explicit").integers(0, config.vocab_size, size=(4, 7))
     sampling = dict(temperature=0.8, seed=5)

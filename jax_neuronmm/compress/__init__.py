@@ -14,9 +14,9 @@
   prune_neurons(HᵀH, W_down, keep_count, M)        a gated MLP's neurons kept (greedy OBS), down_proj rows refit
   save_compressed / load_compressed                 safetensors + metadata + checksums, atomic writes
 
-Model-level recovery (the output Fisher weighting, rank allocation, layer-by-layer calibration, local and end-to-end
-fine-tuning) lives in compress.fisher, compress.sensitivity, compress.sequential, compress.local_finetune and
-compress.distill and is driven by `jax_neuronmm.models.compress_model`.
+Weight math only: nothing here runs a model, and this package imports neither `jax_neuronmm.models`, `nn` nor
+`pipeline`. How a model gets compressed with it (calibration, Fisher weighting, allocation, pruning, distillation)
+is `jax_neuronmm.pipeline`.
 """
 
 from jax_neuronmm.compress.allocation import allocate_ranks

@@ -2,7 +2,7 @@
 
 Truncating projection i (W [K, N]) to rank r costs (K + N)·r parameters and `losses[i][r]` of accuracy: the
 end-to-end KL divergence of the model's next-token distribution when that projection alone is truncated
-(`compress.sensitivity`), interpolated between measured ranks by `loss_curve`. The losses of different projections
+(`pipeline.sensitivity`), interpolated between measured ranks by `loss_curve`. The losses of different projections
 are added, the first-order picture of small, independent errors. Ranks move in steps of `block`; a projection may
 also stay dense (`allocate_ranks(..., allow_dense=True)`).
 
@@ -10,8 +10,8 @@ Two solvers (`SOLVERS`): "lagrangian" prices a parameter at λ and gives each pr
 loss + λ·parameters, λ the smallest price whose choices fit the budget (each projection moves along the lower
 convex hull of its options); "exact" minimizes the summed loss under the budget by dynamic programming. They part
 where the exact optimum fills the budget with options off a projection's convex hull, or leaves a hull vertex the
-price would take for a combination that fits more tightly. After distillation Gemma 3 270M measured better with the
-Lagrangian choice (benchmarks/results/accuracy_report.md), so it is the default.
+price would take for a combination that fits more tightly. The Lagrangian choice measured better after distillation
+(benchmarks/results/accuracy_report.md), so it is the default.
 """
 
 from __future__ import annotations
@@ -55,8 +55,8 @@ def loss_curve(measured: Mapping[int, float], full_rank: int) -> np.ndarray:
 
 
 # Budget cells of the allocation's dynamic program at most: costs are counted in units of their greatest common
-# divisor (Gemma 3 270M's MLPs and attention at block 64: 8,192 parameters, about 10,000 cells), or of the budget /
-# this many, each option's cost rounded up, when that is finer.
+# divisor (for a small model's projections at block 64, some thousands of cells), or of the budget / this many, each
+# option's cost rounded up, when that is finer.
 MAX_CELLS = 200_000
 SOLVERS = ("lagrangian", "exact")
 
@@ -80,8 +80,8 @@ def allocate_ranks(
     when even one block each exceeds the budget, every projection gets its smallest rank). allow_dense: a projection
     may also stay dense (returned as None): K·N parameters, loss 0. Its factors at the largest rank still lose
     losses[i][cap], which for the most sensitive projections costs more accuracy than the few parameters between
-    that rank and the dense weight buy elsewhere (Gemma 3 270M's 640 x 2048 MLP projections: rank 448 holds 92% of
-    the dense weight's parameters).
+    that rank and the dense weight buy elsewhere (for a 640 x 2048 projection, rank 448 already holds 92% of the
+    dense weight's parameters).
 
     "exact": a dynamic program over the budget in units of the options' common divisor (`MAX_CELLS`).
     "lagrangian": the hull segments of every projection taken in order of loss saved per parameter until the next

@@ -1,15 +1,8 @@
-"""Llama, Gemma and Qwen3 causal LMs in Flax NNX: HF checkpoint loading, KV-cached generation, SVD compression, fp8
-weights (quantize_model), compressed checkpoint directories (compress_checkpoint writes them,
-load_compressed_checkpoint loads them), and where the real GGUF checkpoints are installed (real_model_path)."""
+"""Llama, Gemma and Qwen3 causal LMs in Flax NNX: HF and GGUF checkpoint loading (compressed checkpoint directories
+too: load_compressed_checkpoint), KV-cached generation, perplexity, and where the real GGUF checkpoints are installed
+(real_model_path). How a model gets compressed is `jax_neuronmm.pipeline`, which imports this package."""
 
-from jax_neuronmm.models import self_distillation
-from jax_neuronmm.models.compressed_loading import (
-    compress_checkpoint,
-    is_compressed_checkpoint,
-    load_checkpoint,
-    load_compressed_checkpoint,
-)
-from jax_neuronmm.models.compression import compress_model
+from jax_neuronmm.models.compressed_loading import is_compressed_checkpoint, load_checkpoint, load_compressed_checkpoint
 from jax_neuronmm.models.decoder import CausalLM, KVCache
 from jax_neuronmm.models.evaluation import perplexity
 from jax_neuronmm.models.gemma import Gemma, GemmaConfig
@@ -19,10 +12,8 @@ from jax_neuronmm.models.hf_loading import load_hf, load_tokenizer, model_from_c
 from jax_neuronmm.models.layers import GatedMLP, RopeConfig
 from jax_neuronmm.models.llama import Llama, LlamaConfig
 from jax_neuronmm.models.presets import from_preset
-from jax_neuronmm.models.quantization import quantize_model
 from jax_neuronmm.models.qwen3 import Qwen3, Qwen3Config
 from jax_neuronmm.models.real_models import real_model_path, real_model_paths
-from jax_neuronmm.models.self_distillation import SelfTextOptions
 
 __all__ = [
     "CausalLM",
@@ -35,9 +26,6 @@ __all__ = [
     "Qwen3",
     "Qwen3Config",
     "RopeConfig",
-    "SelfTextOptions",
-    "compress_checkpoint",
-    "compress_model",
     "from_preset",
     "generate",
     "is_compressed_checkpoint",
@@ -48,8 +36,6 @@ __all__ = [
     "load_tokenizer",
     "model_from_config",
     "perplexity",
-    "quantize_model",
     "real_model_path",
     "real_model_paths",
-    "self_distillation",
 ]

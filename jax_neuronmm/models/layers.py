@@ -19,8 +19,9 @@ import numpy as np
 from flax import nnx
 
 from jax_neuronmm import decoder_math
+from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.reference import jnp_activation
-from nki_kernels.activations import HF_ACTIVATIONS
+from nki_kernels.activations import FUSED_ACTIVATIONS, HF_ACTIVATIONS
 
 ROPE_KINDS = ("default", "linear", "llama3")
 
@@ -145,6 +146,16 @@ class GatedMLP(nnx.Module):
             down_proj=self.down_proj,
             activation=HF_ACTIVATIONS[self.activation],
         )
+
+
+def fused_mlp_activation(mlp: GatedMLP):
+    """svd_mlp's activation name when `mlp` can become one fused SVDMLP (no biases, SiLU or GELU-tanh), else None.
+    Compression and checkpoint loading both ask, so a loaded model has the structure compression gave it."""
+    if any(getattr(mlp, name).bias is not None for name in MLP_PROJECTIONS):
+        return None
+    # An MLP whose activation the kernels do not apply is compressed projection by projection.
+    activation = HF_ACTIVATIONS.get(mlp.activation)
+    return activation if activation in FUSED_ACTIVATIONS else None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ def check_param_dtype(op: str, dtype) -> np.dtype:
     if resolved is not None and resolved.name.startswith("float8"):
         raise TypeError(
             f"{op}: dtype={resolved.name}: fp8 is a weight format with per-channel scales, not a parameter dtype; "
-            "load the model in bfloat16 or float32 and quantize it with models.quantize_model(model)"
+            "load the model in bfloat16 or float32 and quantize it with pipeline.quantize_model(model)"
         )
     got = resolved.name if resolved is not None else repr(dtype)
     raise TypeError(f"{op}: dtype={got}: expected a float parameter dtype, one of {', '.join(PARAM_DTYPES)}")

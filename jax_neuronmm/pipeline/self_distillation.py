@@ -21,10 +21,9 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-# Module objects, not names: compress.distill imports jax_neuronmm.models, which imports this module.
 from jax_neuronmm.compress import checkpoint
-from jax_neuronmm.compress import distill as distillation
 from jax_neuronmm.models.generation import generate
+from jax_neuronmm.pipeline import distill as distillation
 
 # Bumped when the way samples are drawn changes, so older cache files are not reused.
 _CACHE_VERSION = 1

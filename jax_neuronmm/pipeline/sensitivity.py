@@ -3,13 +3,12 @@
 A projection's cost at rank r is measured, not predicted from its own error: in a copy of the dense model, that
 projection alone is replaced by its whitened rank-r truncation u·v (whitened by the dense model's activations on
 the calibration windows, as compression factors it) and the KL divergence from the dense model's to this model's
-next-token distribution is averaged over every position of a few probe windows. On Gemma 3 270M the MLP projections'
-costs at rank 384 differ 16x (layer 3's up_proj the most, layer 11's gate_proj the least; layers' sums 5x; down_proj
-and up_proj cost more than gate_proj), which a projection's own whitened truncation error does not show.
+next-token distribution is averaged over every position of a few probe windows. Projections' costs at one rank
+differ widely, which a projection's own whitened truncation error does not show.
 
 The KL runs over the vocabulary rows that are among the dense model's `top_k` most likely tokens at some probe
-position (both distributions renormalized over them): a few thousand of Gemma's 262,144 rows, which hold nearly all
-of the teacher's mass there, so a measurement costs a forward pass from the projection's layer on.
+position (both distributions renormalized over them), which hold nearly all of the teacher's mass there, so a
+measurement costs a forward pass from the projection's layer on.
 
 Once the "fisher" step has weighted each truncation's output side, the cost can be predicted instead
 (`fisher_losses`): the Fisher-weighted truncation error is the same second-order model of the KL, read off the
@@ -18,6 +17,7 @@ singular values the decompositions already hold, with no probe passes.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -26,10 +26,26 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-# Module objects, not names: compress.sequential imports jax_neuronmm.models, which imports this module.
-from jax_neuronmm.compress import distill, sequential, svd
+from jax_neuronmm.compress import svd
 from jax_neuronmm.compress.projections import ATTENTION_GROUPS, MLP_PROJECTIONS, layer_projections
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import distill, sequential
+
+
+@dataclasses.dataclass(frozen=True)
+class KLProbes:
+    """How `kl_sensitivity` measures a KL: on the last `windows` calibration windows, over the vocabulary rows among
+    the dense model's `top_k` most likely tokens at some probe position, the LM head `vocab_chunk` rows at a time."""
+
+    windows: int = 2
+    top_k: int = 64
+    vocab_chunk: int = 16384
+
+    def __post_init__(self):
+        for name in ("windows", "top_k", "vocab_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"KLProbes.{name}: got {value!r}, expected a positive int")
 
 
 def kl_sensitivity(
@@ -38,9 +54,7 @@ def kl_sensitivity(
     include,
     probe_ranks: dict,
     *,
-    probe_windows: int = 2,
-    top_k: int = 64,
-    vocab_chunk: int = 16384,
+    probes: KLProbes = KLProbes(),
     damping: float = svd.DEFAULT_DAMPING,
     output_chols: dict | None = None,
     decompositions: dict | None = None,
@@ -49,8 +63,8 @@ def kl_sensitivity(
     """{(layer_index, projection_name): {rank: KL}} for every projection `include` ("mlp", "attention") selects and
     every rank in probe_ranks[(layer_index, projection_name)] (ranks in [1, min(K, N)]).
 
-    calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probe_windows` of them
-    (at least 1, at most B). `dense` is not modified (a copy is perturbed and restored projection by projection).
+    calibration_ids [B, T]: whitening uses all B windows; the KL is measured on the last `probes.windows` of them
+    (at most B), as `probes` says. `dense` is not modified (a copy is perturbed and restored projection by projection).
     output_chols {(layer_index, projection_name): L}: each truncation's output weighting, as compression applies it
     (`sequential.compress_layers`). decompositions: a dict filled with {(layer_index, projection_name): (S, SVD, L)},
     each projection's whitening factor, `svd.whitened_decomposition` and output weighting (None when unweighted), so
@@ -58,12 +72,10 @@ def kl_sensitivity(
     """
     output_chols = output_chols or {}
     ids = np.asarray(calibration_ids, np.int32)
-    if not isinstance(probe_windows, int) or isinstance(probe_windows, bool) or not 1 <= probe_windows <= len(ids):
-        raise ValueError(
-            f"probe_windows: got {probe_windows!r}, expected an int in [1, {len(ids)}] (calibration windows)"
-        )
+    if probes.windows > len(ids):
+        raise ValueError(f"probes.windows: got {probes.windows!r}, expected at most {len(ids)} (calibration windows)")
     model = nnx.clone(dense)
-    probe = ids[-probe_windows:]
+    probe = ids[-probes.windows :]
     x, positions, masks = sequential.calibration_batch(model, probe)
     layer_inputs = [x]  # the residual stream entering each layer on the probe windows, then the last layer's output
     for layer in model.layers:
@@ -71,7 +83,7 @@ def kl_sensitivity(
     table = distill.unembedding(model)
     cap = getattr(model.config, "final_logit_softcapping", None)
     teacher = model.norm(layer_inputs[-1]).reshape(-1, table.shape[1])
-    rows = np.unique(np.asarray(_top_rows(teacher, table, cap, min(top_k, table.shape[0]))))
+    rows = np.unique(np.asarray(_top_rows(teacher, table, cap, min(probes.top_k, table.shape[0]))))
     table = table[jnp.asarray(rows)]
 
     def kl_from(index):
@@ -79,7 +91,7 @@ def kl_sensitivity(
         for layer in model.layers[index:]:
             hidden = sequential.record_inputs(layer, hidden, positions, masks[_window(layer)], [])[0]
         student = model.norm(hidden).reshape(-1, table.shape[1])
-        return float(_mean_kl(student, teacher, table, cap, vocab_chunk))
+        return float(_mean_kl(student, teacher, table, cap, probes.vocab_chunk))
 
     measured = {}
     for index, name, chol, decomposition, out_chol in _decompositions(
@@ -111,17 +123,14 @@ def fisher_losses(
 ) -> dict:
     """{(layer_index, projection_name): loss [min(K, N) + 1]}: each projection's predicted end-to-end cost at every
     rank, without measuring it: the Fisher-weighted truncation error tr(ΔWᵀ·XᵀX·ΔW·G) that the "fisher" step's
-    truncation minimizes, the second-order model of the KL divergence (`compress.fisher`), which is the tail sum
+    truncation minimizes, the second-order model of the KL divergence (`pipeline.fisher`), which is the tail sum
     Σ_{i≥r} σ_i² of the singular values of Sᵀ·W·L. Losses share one unit (up to one factor common to every
     projection, all that rank allocation compares).
 
     output_chols {(layer_index, projection_name): L}: the output weighting of every projection `include` selects
     (a ValueError names the missing ones: without it the tail sums are output errors in each projection's own units,
-    not comparable across projections). decompositions: as in `kl_sensitivity`.
-
-    On Gemma 3 270M (keep 0.8 MLP, then 480 distillation steps) the ranks these losses allocate measure the same as
-    the measured KL's (1.202x / 1.166x against 1.198x / 1.169x dense perplexity; MLP + attention 1.289x / 1.302x
-    against 1.289x / 1.306x) and skip the probe passes (76 s instead of 251 s for MLP + attention).
+    not comparable across projections). decompositions: as in `kl_sensitivity`. The ranks these losses allocate
+    measure as well as the probed KL's, without the probe passes (benchmarks/results/accuracy_report.md).
     """
     wanted = {(index, name) for index, _, name in layer_projections(len(dense.layers), include)}
     missing = sorted(wanted - set(output_chols or {}))

@@ -27,11 +27,11 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from jax_neuronmm.compress import svd
-from jax_neuronmm.compress.local_finetune import LocalFinetuneOptions, finetune_mlp
 from jax_neuronmm.compress.projections import ATTENTION_GROUPS, ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.refit import DEFAULT_RIDGE, refit_v
-from jax_neuronmm.models.layers import GatedMLP, activation_fn, attention_mask
+from jax_neuronmm.models.layers import GatedMLP, activation_fn, attention_mask, fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
+from jax_neuronmm.pipeline.local_finetune import LocalFinetuneOptions, finetune_mlp
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,7 +118,6 @@ def compress_layers(
     ranks,
     method: str,
     options: LayerwiseOptions,
-    fused_activation,
     *,
     output_chols: dict | None = None,
     decompositions: dict | None = None,
@@ -127,16 +126,16 @@ def compress_layers(
     """Replaces, in place, the projections of `model` (a clone of `dense`) by factored modules.
 
     ranks[(layer_index, projection_name)] -> rank, or None: that projection stays dense (an MLP with a dense
-    projection keeps its GatedMLP, its other projections SVDLinear). method "svd" | "whitened".
-    fused_activation(mlp) -> svd_mlp's activation name or None (then the MLP keeps its GatedMLP with three
-    SVDLinear). calibration_ids [B, T] may be
-    None only for method "svd" without refit / local / sequential (then no model is run). output_chols
+    projection keeps its GatedMLP, its other projections SVDLinear). method "svd" | "whitened". A fully factored MLP
+    becomes one fused SVDMLP where `fused_mlp_activation` allows, else a GatedMLP of three SVDLinear.
+    calibration_ids [B, T] may be None only for method "svd" without refit / local / sequential (then no model is
+    run). output_chols
     {(layer_index, projection_name): L [N, N]} (method "whitened"): the output-side weighting of each projection's
-    truncation (`svd.output_whitening` of `compress.fisher.output_grams`); projections it lacks are unweighted.
+    truncation (`svd.output_whitening` of `pipeline.fisher.output_grams`); projections it lacks are unweighted.
     decompositions {(layer_index, projection_name): (S, SVD, L)} (`sensitivity.kl_sensitivity` fills it, from the
     dense model's inputs on the same calibration windows): method "whitened" without sequential / refit / local then
-    truncates them instead of running the calibration pass and the SVDs again (the same factors, about a minute
-    less on Gemma 3 270M's MLPs); it must hold every projection `include` selects.
+    truncates them instead of running the calibration pass and the SVDs again (the same factors); it must hold every
+    projection `include` selects.
     """
     if output_chols and method != "whitened":
         raise ValueError(f"output_chols: an output weighting of the whitened truncation; got method {method!r}")
@@ -153,11 +152,11 @@ def compress_layers(
                 f"sequential / refit / local; got method {method!r} with {options}"
             )
         with bar:
-            _factor_decomposed(model.layers, include, ranks, decompositions, fused_activation, bar)
+            _factor_decomposed(model.layers, include, ranks, decompositions, bar)
         return
     if not needs_data:
         with bar:
-            _factor_without_data(model.layers, include, ranks, fused_activation, bar)
+            _factor_without_data(model.layers, include, ranks, bar)
         return
     x_compressed, positions, masks = calibration_batch(model, calibration_ids)
     dense_passes = dense_calibration(dense.layers, x_compressed, positions, masks, calibration_taps(include))
@@ -200,7 +199,6 @@ def compress_layers(
                     ranks,
                     method,
                     options,
-                    fused_activation,
                     lane,
                     output_chols,
                 )
@@ -252,7 +250,7 @@ def _selected(include) -> list:
     return attention + ([("mlp", name) for name in MLP_PROJECTIONS] if "mlp" in include else [])
 
 
-def _install(layer, include, factors, fused_activation) -> None:
+def _install(layer, include, factors) -> None:
     """Replaces layer's selected projections by their factors {projection name: (u, v)}; a selected projection
     without factors stays dense."""
     if "attention" in include:
@@ -260,10 +258,10 @@ def _install(layer, include, factors, fused_activation) -> None:
             if name in factors:
                 setattr(layer.self_attn, name, SVDLinear.from_factors(getattr(layer.self_attn, name), *factors[name]))
     if "mlp" in include:
-        layer.mlp = _mlp_module(layer.mlp, factors, fused_activation(layer.mlp))
+        layer.mlp = _mlp_module(layer.mlp, factors, fused_mlp_activation(layer.mlp))
 
 
-def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
+def _factor_without_data(layers, include, ranks, bar) -> None:
     """Plain SVD of every projection `include` selects, two at a time (one per core; LAPACK releases the GIL),
     each layer's modules replaced once its factors are ready."""
     selected = _selected(include)
@@ -280,11 +278,11 @@ def _factor_without_data(layers, include, ranks, fused_activation, bar) -> None:
             for index, layer in enumerate(layers)
         ]
         for layer, factors in zip(layers, jobs):
-            _install(layer, include, {name: job.result() for name, job in factors.items()}, fused_activation)
+            _install(layer, include, {name: job.result() for name, job in factors.items()})
             bar.update()
 
 
-def _factor_decomposed(layers, include, ranks, decompositions, fused_activation, bar) -> None:
+def _factor_decomposed(layers, include, ranks, decompositions, bar) -> None:
     """Every projection `include` selects truncated from its precomputed whitened decomposition."""
     selected = _selected(include)
     missing = [(i, name) for i in range(len(layers)) for _, name in selected if (i, name) not in decompositions]
@@ -298,7 +296,7 @@ def _factor_decomposed(layers, include, ranks, decompositions, fused_activation,
             chol, decomposition, out_chol = decompositions[(index, name)]
             kernel = np.asarray(getattr(getattr(layer, parent), name).kernel[...])
             factors[name] = svd.whitened_factors(kernel, chol, ranks[(index, name)], decomposition, out_chol)
-        _install(layer, include, factors, fused_activation)
+        _install(layer, include, factors)
         bar.update()
 
 
@@ -320,7 +318,6 @@ def _compress_mlp(
     ranks,
     method,
     options,
-    fused_activation,
     lane: futures.Executor,
     output_chols: dict,
 ):
@@ -371,7 +368,7 @@ def _compress_mlp(
     else:
         factors["down_proj"] = down.result()
     factors = {name: weight for name, weight in factors.items() if isinstance(weight, tuple)}  # dense ones stay
-    fused = fused_activation(mlp)
+    fused = fused_mlp_activation(mlp)
     if options.local is not None and fused is not None and len(factors) == len(MLP_PROJECTIONS):
         flat = {
             f"{name.split('_')[0]}_{part}": value for name, pair in factors.items() for part, value in zip("uv", pair)

@@ -1,19 +1,8 @@
-"""The output side of the whitened truncation: each projection's output weighted by the Fisher information of the
-model's next-token distribution (the "fisher" step of compress_model).
-
-Whitening alone (SVD-LLM) minimizes a projection's output error ‖X·ΔW‖ on calibration inputs X, every output
-direction weighted alike. The model does not weigh them alike: Gemma 3 normalizes the MLP's output before adding it
-to the residual stream, so an error along the output itself costs nothing, and most output directions barely move
-the next-token distribution. To second order the KL divergence from the dense model's distribution to that of a
-model whose projection y = x·W became x·(W + ΔW) is ½·E[(g·(x·ΔW)ᵀ)²], g the gradient of log p(token) at the
-projection's output, the token drawn from the model's own distribution (the Fisher information). Taking inputs and
-gradients as independent (the Kronecker factorization of K-FAC) this is ½·tr(ΔWᵀ·A·ΔW·G), A = XᵀX the whitening's
-Gram matrix and G = Σ gᵀ·g over the calibration positions (`output_grams`); the best rank-r W + ΔW is the truncated
-SVD of Sᵀ·W·L with A = S·Sᵀ, G = L·Lᵀ (`svd.whitened_factors(..., out_chol=L)`).
-
-On Gemma 3 270M, every MLP projection at rank 384 (keep 0.8), whitened by the dense model's inputs on 48 calibration
-windows, no other step: 1.781x / 2.026x dense perplexity on the accuracy report's held-out novel / technical text,
-and with G from 24 windows (damping 1e-3) 1.459x / 1.343x (benchmarks/results/accuracy_report.md).
+"""The "fisher" step: each projection's output weighted by the Fisher information of the model's next-token
+distribution, so that a whitened truncation minimizes (to second order, K-FAC) the KL divergence it causes rather
+than its plain output error. `output_grams` gives G = Σ gᵀ·g per projection, g the gradient of log p(token) at its
+output with the token drawn from the dense model; the truncation then uses its Cholesky factor
+(`svd.whitened_factors(..., out_chol=L)`). The derivation is in docs/compression.md.
 """
 
 from __future__ import annotations
@@ -24,14 +13,12 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import distill
 from jax_neuronmm.compress.projections import layer_projections
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import distill
 
-# Calibration windows whose sampled gradients make G: on Gemma 3 270M 24 windows (6,144 positions, enough to fill a
-# 2048-wide G) take about 95 s on 2 CPU cores with the compilation (about 40 s of it), a forward and backward pass
-# over the whole vocabulary each. More windows measure better (fisher + allocate at keep 0.8, before distillation:
-# 12 windows 1.426x / 1.363x, 24 1.349x / 1.322x, 48 1.301x / 1.274x) at about 4 s a window.
+# Calibration windows whose sampled gradients make G (one forward and backward pass over the whole vocabulary each):
+# enough positions to fill an MLP-wide G; more windows estimate it better at a cost linear in their count.
 DEFAULT_WINDOWS = 24
 
 

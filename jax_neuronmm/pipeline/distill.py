@@ -1,30 +1,11 @@
-"""End-to-end distillation of a compressed CausalLM's SVD factors from the dense model's next-token distributions.
+"""The "distill" step: end-to-end fine-tuning of a compressed CausalLM's compressed weights (`is_trained`: SVD
+factors and pruned MLP kernels; everything else frozen) towards the dense model's next-token distributions.
 
-Only the compressed weights are trained (`is_trained`: every SVDLinear's u and v, inside SVDMLP too, and the kernels
-of MLPs whose neurons were pruned); embeddings, norms, the LM head and any projection left dense stay frozen. The
-dense model runs once, up front, and its final normed hidden states are cached; its logits are recomputed from them
-where a loss needs them. Two losses (`DistillOptions.loss`):
-
-  * "kl" (the default): the KL divergence from the teacher's to the student's next-token distribution, at every
-    position of each window or at `positions` randomly sampled ones, over the vocabulary rows among the teacher's
-    `vocab_top_k` most likely tokens at some sampled position of the training windows (`likely_rows`; both
-    distributions renormalized over them), or over the whole vocabulary (vocab_top_k 0). The head runs over
-    `vocab_chunk` rows at a time, so the forward pass holds positions x vocab_chunk logits at once. On Gemma 3
-    270M (2 CPU cores) the top-64 rows of the report's 156 training windows are about a ninth of the 262,144, and a
-    step of every position of a 256-token window takes about 1.1 s instead of 2.3 s over the whole vocabulary (the
-    head's three products per position against the decoder layers' forward and backward passes, 0.8 s): at equal
-    time, twice the steps, which measure better on held-out text (benchmarks/results/accuracy_report.md).
-  * "topk": the squared error of the centered logits over the whole vocabulary, ‖(h̃ − h)·Eᵀ·C‖² (h̃, h the
-    student's and teacher's final hidden states, E the unembedding, C centering; computed through the Gram matrix
-    Eᵀ·C·E), relative to the teacher's logit energy, plus the KL restricted to the teacher's top_k tokens, both
-    distributions renormalized over them. Mass the student puts outside the teacher's top tokens costs nothing.
-
-The KL measures better than "topk" on Gemma 3 270M (benchmarks/results/accuracy_report.md). Training is Adam
-with a linear warm-up, a cosine decay and global-norm clipping; the last `holdout` windows of the training ids are
-held out, their loss measured every `eval_every` steps, and the factors with the lowest held-out loss are kept (early
-stopping).
-
-Runs on JAX's default device.
+The dense model runs once and its final hidden states are cached. The loss (`DistillOptions.loss`) is "kl", the KL
+divergence from teacher to student over the vocabulary rows the teacher finds likely somewhere in the training
+windows (`likely_rows`, the head `vocab_chunk` rows at a time), or "topk", the centered-logit error plus the KL over
+the teacher's top tokens. Adam with warm-up, cosine decay and clipping; the factors of the step with the lowest loss
+on `holdout` held-out windows are kept. docs/compression.md says why each choice. Runs on JAX's default device.
 """
 
 from __future__ import annotations
@@ -41,11 +22,11 @@ import optax
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import sequential
-from jax_neuronmm.compress.local_finetune import check_adam_options
 from jax_neuronmm.compress.prune import PrunedKernel
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, dequantize_fp8, quantize_fp8
 from jax_neuronmm.decoder_math import soft_cap
+from jax_neuronmm.pipeline import sequential
+from jax_neuronmm.pipeline.local_finetune import check_adam_options
 
 LOSSES = ("kl", "topk")
 SCHEDULES = ("cosine", "constant")
@@ -59,19 +40,18 @@ class DistillOptions:
     `warmup` steps of linear warm-up, relative to each factor's RMS when `relative` (the factors of whitened SVD
     differ in scale by orders of magnitude across layers and projections, so one absolute step size fits few of
     them), else absolute; pruned_learning_rate: the same for pruned MLP kernels (they start as the dense model's own
-    neurons, nearer where training ends than SVD factors: on Gemma 3 270M at keep 0.8 of the MLPs, 5e-4 measured
-    1.060x / 1.049x dense perplexity where 2e-3 measured 1.069x / 1.043x, top-1 agreement 76% / 86% against 73% /
-    83%); schedule: after the warm-up, "cosine" (decays to 0 at the last step: the last steps'
-    factors are the least noisy) or "constant"; clip_norm: global gradient-norm clipping (0: none); loss: one of LOSSES;
-    positions: positions per window of the "kl" loss (0: every position); vocab_top_k: the "kl" loss runs over the
-    vocabulary rows among the teacher's vocab_top_k most likely tokens at some sampled position of the training
-    windows (`likely_rows`; 0: the whole vocabulary); vocab_chunk: LM-head rows per chunk of the "kl" loss; top_k:
-    tokens per position of the "topk" loss's KL term (0: the centered-logit error alone); holdout: training windows
-    held out to choose which step's factors to keep (0: keep the last step's);
-    eval_every: steps between held-out measurements; seed: window order and sampled positions; weight_dtype: None,
-    or "float8_e4m3": every forward pass sees the factors rounded to fp8 as compress_model(weight_dtype=...) stores
-    them (`quantize_fp8`, a scale per column), the gradient passed straight through the rounding to the float
-    factors, so training corrects the error the rounding adds (the kept factors are float; round them after).
+    neurons, nearer where training ends than SVD factors, so they take smaller steps); schedule: after the warm-up,
+    "cosine" (decays to 0 at the last step: the last steps' factors are the least noisy) or "constant"; clip_norm:
+    global gradient-norm clipping (0: none); loss: one of LOSSES; positions: positions per window of the "kl" loss
+    (0: every position); vocab_top_k: the "kl" loss runs over the vocabulary rows among the teacher's vocab_top_k
+    most likely tokens at some sampled position of the training windows (`likely_rows`; 0: the whole vocabulary);
+    vocab_chunk: LM-head rows per chunk of the "kl" loss; top_k: tokens per position of the "topk" loss's KL term
+    (0: the centered-logit error alone); holdout: training windows held out to choose which step's factors to keep
+    (0: keep the last step's); eval_every: steps between held-out measurements; seed: window order and sampled
+    positions; weight_dtype: None, or "float8_e4m3": every forward pass sees the factors rounded to fp8 as
+    compress_model with Recipe(weight_dtype=...) stores them (`quantize_fp8`, a scale per column), the gradient
+    passed straight through the rounding to the float factors, so training corrects the error the rounding adds (the
+    kept factors are float; round them after).
     """
 
     steps: int = 480
@@ -375,8 +355,8 @@ def distill_factors(
 def _window_schedule(count: int, steps: int, batch: int, rng) -> tuple[np.ndarray, np.ndarray]:
     """(schedule [steps, batch], drawn [W]): the training windows of each step, as indices into drawn, the sorted
     windows of 0..count-1 some step trains on. Epochs: every window once in a fresh order, then again, so a run
-    sees as many different windows as its steps can (more text measured better on Gemma 3 270M: 480 windows against
-    160 for the same 480 steps, benchmarks/results/accuracy_report.md). With batch > 1 a step that spans two epochs
+    sees as many different windows as its steps can (more different text generalizes better than more passes over
+    the same). With batch > 1 a step that spans two epochs
     may hold one window twice."""
     epochs = -(-steps * batch // count)
     order = np.concatenate([rng.permutation(count) for _ in range(epochs)])[: steps * batch]
@@ -421,10 +401,8 @@ def likely_rows(hidden, table, cap, k: int) -> jax.Array:
     soft_cap(hidden·Eᵀ, cap) at some position of hidden [B, T, hidden] (every s-th position of each window, s the
     larger of _LIKELY_ROWS_STRIDE and B·T / _LIKELY_ROWS_POSITIONS rounded up), table: E [V, hidden].
 
-    On Gemma 3 270M at k = 64, the 156 training windows of 256 tokens the accuracy report once trained on (stride 4)
-    give 22,718 of 262,144 rows; the teacher puts 1.8% of its mass outside them on the training windows and about 2%
-    on held-out text (on average). The KL over these rows alone (both distributions renormalized) costs about a ninth
-    of the whole vocabulary's."""
+    The teacher puts little of its mass outside these rows, on the training windows and on held-out text alike, and
+    the KL over them alone (both distributions renormalized) costs a fraction of the whole vocabulary's."""
     stride = max(_LIKELY_ROWS_STRIDE, -(-hidden.shape[0] * hidden.shape[1] // _LIKELY_ROWS_POSITIONS))
     seen = np.zeros(table.shape[0], bool)
     for window in np.asarray(hidden):

@@ -7,9 +7,7 @@ ids the values are rounded to nearest (`compress.quantize_fp8`); with them, dens
 feedback against the Gram matrix of their inputs on the calibration tokens (`compress.gptq_fp8`, GPTQ), the inputs
 recorded from the unquantized model (one pass over its layers). SVD factors stay rounded to nearest unless
 `calibrate_factors` (then u against x's Gram matrix, v against that of x·u with its quantized u), which measured
-worse on Gemma 3 270M (MLPs whitened at keep 0.8: 1.773x dense perplexity against 1.749x rounded to nearest and
-1.757x in bf16), while GPTQ on the dense projections and head took fp8 from 1.027x to 1.000x
-(benchmarks/results/fp8_accuracy.md).
+worse than rounding to nearest, while GPTQ helps the dense projections and head (benchmarks/results/fp8_accuracy.md).
 
 Quantized models generate through `decode_step` like any other: `models.decode.decode_plan` stacks their fp8 values
 and scales as the step's operands (`DecodeSpec.fp8_weights` names them).
@@ -23,7 +21,6 @@ import numpy as np
 from flax import nnx
 from tqdm.auto import tqdm
 
-from jax_neuronmm.compress import sequential  # the module: compress.sequential imports jax_neuronmm.models
 from jax_neuronmm.compress.gram import check_damping
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
@@ -32,6 +29,7 @@ from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
 from jax_neuronmm.models.validation import check_token_ids
 from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear, describe
+from jax_neuronmm.pipeline import sequential
 from jax_neuronmm.reference import jnp_activation
 from jax_neuronmm.weights import WeightFormat
 
