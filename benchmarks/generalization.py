@@ -71,6 +71,8 @@ class Config:
     # fp8 rows: GPTQ calibrated on "user" windows, on "user+generated" (the user's and the first
     # SelfTextOptions.calibration_windows of the dense model's own samples), or "none" (round to nearest)
     quantize_on: str = "user"
+    # fp8 rows: what quantize_model rounds (the LM head stays in the model's dtype without "head")
+    targets: tuple = ("attention", "mlp", "head")
     keep: float = 0.8
     include: tuple = ("mlp",)
     self_text: bool = True
@@ -82,6 +84,7 @@ CONFIGS = (
     Config("fp8 gptq", quantize=True),
     Config("fp8 round to nearest", quantize=True, quantize_on="none"),
     Config("fp8 gptq, user + generated text", quantize=True, quantize_on="user+generated"),
+    Config("fp8 gptq, head in bf16", quantize=True, targets=("attention", "mlp")),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
     Config("keep 0.8 mlp"),
     Config(
@@ -106,12 +109,12 @@ def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
 def build(dense, config: Config, user_ids, start_id):
     if config.quantize:
         if config.quantize_on == "none":
-            return pipeline.quantize_model(dense, "float8_e4m3")
+            return pipeline.quantize_model(dense, "float8_e4m3", targets=config.targets)
         if config.quantize_on == "user+generated":
             options = self_text_options(start_id)
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
-        return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids)
+        return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids, targets=config.targets)
     recipe = pipeline.Recipe(
         keep=config.keep,
         include=config.include,
