@@ -10,6 +10,8 @@ scripts and its harness package as the top-level names they are imported by). Im
 import ast
 import pathlib
 
+from test_import_graph import cycles  # one strongly-connected-components search for both graph tests
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 KERNELS = "nki_kernels"
 LIBRARY = ("jax_neuronmm", "nki_kernels")
@@ -67,34 +69,6 @@ def folder_graph(root):
             if target is not None and target != folder_of(name, known):
                 graph[folder_of(name, known)].add(target)
     return graph
-
-
-def cycles(graph):
-    """Every cycle's folders, as sorted lists (strongly connected components of more than one node)."""
-    index, low, stack, on_stack, found = {}, {}, [], set(), []
-
-    def visit(node):
-        index[node] = low[node] = len(index)
-        stack.append(node)
-        on_stack.add(node)
-        for other in graph.get(node, ()):
-            if other not in index:
-                visit(other)
-                low[node] = min(low[node], low[other])
-            elif other in on_stack:
-                low[node] = min(low[node], index[other])
-        if low[node] == index[node]:
-            component = []
-            while not component or component[-1] != node:
-                component.append(stack.pop())
-                on_stack.discard(component[-1])
-            if len(component) > 1:
-                found.append(sorted(component))
-
-    for node in sorted(graph):
-        if node not in index:
-            visit(node)
-    return found
 
 
 def benchmark_names(root):
