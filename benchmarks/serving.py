@@ -7,11 +7,12 @@ rounded to nearest: GPTQ changes the values, not the speed). A fixed mix of requ
 text (Pride and Prejudice chapters 50-61, which no compression step sees) at lengths drawn from a seeded
 generator, each with its own output length; greedy, end-of-sequence ignored so every request produces exactly its
 length. The engine is driven in-process by N closed-loop clients (each sends its next request when the previous
-finishes; a request not done within --request_timeout is cancelled and counted failed) after one untimed warm-up
-pass at the largest load (compilation); the static batch runs `generate` over the mix in batches of
---static_batch, left padded, each to its longest output (useful tokens: the requested ones), after a warm-up
-batch. Reported per row: output tokens/s, time to first token and inter-token latency p50 / p99, failed requests,
-peak resident memory (the process's VmHWM, reset before the row: /proc/self/clear_refs; the llama.cpp server's
+finishes; a request not done within --request_timeout is cancelled and counted failed) after untimed warm-up
+passes (compilation); fp8 only at --fp8_clients (XLA on CPU has no fp8 matmul: every step converts the weights).
+The static batch (dense) runs `generate` over the mix in batches of --static_batch, every batch in one shape
+(prompts left padded to the mix's longest, outputs to its longest; useful tokens: the requested ones), after a
+warm-up batch. Reported per row: output tokens/s, time to first token and inter-token latency p50 / p99, failed
+requests, peak resident memory (the process's VmHWM, reset before the row: /proc/self/clear_refs; the llama.cpp server's
 own). --llama_cpp_python runs the same requests through llama.cpp's server (benchmarks/serving_llama_cpp.py).
 Modeled: the schedule of an engine run at --modeled_batch rows priced on the decode-step cost model
 (benchmarks/serving_modeled.py), and the HBM capacity table.
@@ -47,7 +48,8 @@ flags.DEFINE_integer("requests", 64, "requests in the mix", lower_bound=1)
 flags.DEFINE_multi_integer("clients", [1, 4, 16, 64], "concurrent clients to measure", lower_bound=1)
 flags.DEFINE_list("configs", ["dense", "fp8"], "weights served: dense and / or fp8")
 flags.DEFINE_multi_integer("fp8_clients", [16], "client counts of the fp8 rows (XLA's CPU fp8 is slow)", lower_bound=1)
-flags.DEFINE_list("parts", ["cpu", "llama_cpp", "modeled"], "parts to run; the others are kept from serving.json")
+PARTS = ("engine", "static", "llama_cpp", "modeled")
+flags.DEFINE_list("parts", list(PARTS), "parts to run; the others are kept from serving.json")
 flags.DEFINE_integer("max_batch", 16, "engine rows decoded together", lower_bound=1)
 flags.DEFINE_integer("static_batch", 16, "batch of the static generate baseline", lower_bound=1)
 flags.DEFINE_float("request_timeout", 900.0, "seconds before a request is cancelled and counted failed", lower_bound=1)
@@ -61,7 +63,7 @@ flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"), "
 _flag_checks.output_directory("out")
 _flag_checks.choice_list("configs", lambda: ("dense", "fp8"))
 _flag_checks.choice_list("modeled_weights", lambda: ("bf16", "fp8"))
-_flag_checks.choice_list("parts", lambda: ("cpu", "llama_cpp", "modeled"))
+_flag_checks.choice_list("parts", lambda: PARTS)
 flags.register_validator(
     "llama_cpp_python",
     lambda v: v is None or os.access(v, os.X_OK),
@@ -153,21 +155,23 @@ def run_engine(engine: Engine, mix, clients: int, timeout_s: float) -> dict:
     return dict(clients=clients, seconds=wall, peak_rss_mib=serving_llama_cpp.peak_rss_mib(), requests=records)
 
 
-def run_static(model, mix, batch: int) -> dict:
-    """generate over the mix in batches (left padded), each to its longest output; useful tokens / wall time."""
+def run_static(model, mix, batch: int, batches: int | None = None) -> dict:
+    """generate over the mix in batches of `batch` rows (the first `batches` of them), every batch in one shape (so
+    one compilation serves all): prompts left padded to the mix's longest, outputs to its longest; useful tokens
+    (the requested ones) / wall time."""
+    width, steps = max(len(p) for p, _ in mix), max(n for _, n in mix)
     serving_llama_cpp.reset_peak_rss()
     start = time.perf_counter()
-    for first in range(0, len(mix), batch):
-        part = mix[first : first + batch]
-        width = max(len(p) for p, _ in part)
-        ids = np.zeros((len(part), width), np.int32)
-        mask = np.zeros((len(part), width), bool)
-        for row, (prompt, _) in enumerate(part):
+    for first in range(0, len(mix), batch)[:batches]:
+        ids = np.zeros((batch, width), np.int32)
+        mask = np.zeros((batch, width), bool)
+        mask[:, -1] = True  # rows past the mix's end: one real token each, their outputs unused
+        for row, (prompt, _) in enumerate(mix[first : first + batch]):
             ids[row, width - len(prompt) :] = prompt
             mask[row, width - len(prompt) :] = True
-        np.asarray(generate(model, ids, max(n for _, n in part), pad_mask=mask))
+        np.asarray(generate(model, ids, steps, pad_mask=mask))
     wall = time.perf_counter() - start
-    tokens = sum(n for _, n in mix)
+    tokens = sum(n for _, n in mix[: None if batches is None else batches * batch])
     return dict(clients=batch, seconds=wall, tokens=tokens, peak_rss_mib=serving_llama_cpp.peak_rss_mib())
 
 
@@ -200,8 +204,7 @@ def warmup_requests(mix):
 
 
 def measure_cpu(model, name: str, mix, results: dict) -> None:
-    """The engine at each client count (after a warm-up pass at the largest, over as many requests) and, for the
-    dense weights, the static batch."""
+    """The engine at each client count, after warm-up passes."""
     options = EngineOptions(max_batch=FLAGS.max_batch, **ENGINE)
     loads = FLAGS.clients if name == "dense" else FLAGS.fp8_clients
     with Engine(model, options) as engine:
@@ -213,11 +216,13 @@ def measure_cpu(model, name: str, mix, results: dict) -> None:
             row = dict(run_engine(engine, mix, clients, FLAGS.request_timeout), config=name, system="engine")
             print(name, clients, summary(row), flush=True)
             results["rows"].append(row)
-    if name != "dense":
-        return
-    run_static(model, mix[: FLAGS.static_batch], FLAGS.static_batch)  # warm-up
-    row = dict(run_static(model, mix, FLAGS.static_batch), config=name, system="static")
-    print(name, "static", summary(row), flush=True)
+
+
+def measure_static(model, mix, results: dict) -> None:
+    """The static batch (dense), after a warm-up batch of the same shape."""
+    run_static(model, mix, FLAGS.static_batch, 1)  # warm-up
+    row = dict(run_static(model, mix, FLAGS.static_batch), config="dense", system="static")
+    print("dense static", summary(row), flush=True)
     results["rows"].append(row)
 
 
@@ -420,7 +425,7 @@ def main(argv):
     dense = load_gguf(path)
     mix = request_mix(dense.tokenizer, FLAGS.requests, FLAGS.seed)
     results = dict(rows=[], llama_cpp_status="not run")
-    if os.path.exists(json_path) and set(FLAGS.parts) != {"cpu", "llama_cpp", "modeled"}:
+    if os.path.exists(json_path) and set(FLAGS.parts) != set(PARTS):
         with open(json_path, encoding="utf-8") as f:
             results = json.load(f)  # the parts not run now are kept
         if results.get("requests") != len(mix):
@@ -432,11 +437,15 @@ def main(argv):
         static_batch=FLAGS.static_batch,
         machine=f"2 shared CPU cores, load average at the start of the last part run {os.getloadavg()[0]:.1f}",
     )
-    if "cpu" in FLAGS.parts:
-        results["rows"] = [row for row in results["rows"] if row["system"] == "llama.cpp"]
+    if "engine" in FLAGS.parts:
+        results["rows"] = [row for row in results["rows"] if row["system"] != "engine"]
         for name in FLAGS.configs:
             measure_cpu(dense if name == "dense" else quantize_fp8(dense), name, mix, results)
             save(results, json_path)
+    if "static" in FLAGS.parts:
+        results["rows"] = [row for row in results["rows"] if row["system"] != "static"]
+        measure_static(dense, mix, results)
+        save(results, json_path)
     if "llama_cpp" in FLAGS.parts:
         results["rows"] = [row for row in results["rows"] if row["system"] != "llama.cpp"]
         if FLAGS.llama_cpp_python:

@@ -206,7 +206,12 @@ def cases_table(paths):
                 [],
                 ["--requests=4", "--clients=1", "--clients=2"],
                 ["--render_only"],
-                ["--parts=llama_cpp", f"--llama_cpp_python={sys.executable}", "--configs=fp8", "--fp8_clients=4"],
+                [
+                    "--parts=llama_cpp,static",
+                    f"--llama_cpp_python={sys.executable}",
+                    "--configs=fp8",
+                    "--fp8_clients=4",
+                ],
             ],
             [
                 ("parse", ["--requests=0"], "--requests=0"),
