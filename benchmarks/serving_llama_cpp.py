@@ -46,7 +46,8 @@ def llama_cpp_server(python: str, gguf: str, log_path: str):
     GET /v1/models answers; terminates it on exit. RuntimeError with the log's tail when it does not come up."""
     port = _free_port()
     command = [python, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", str(port)]
-    command += ["--n_threads", "2", "--n_ctx", "2048"]
+    # interrupt_requests off: by default a new request interrupts the one streaming (concurrent clients fail)
+    command += ["--n_threads", "2", "--n_ctx", "2048", "--interrupt_requests", "False"]
     with open(log_path, "w", encoding="utf-8") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
