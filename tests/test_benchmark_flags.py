@@ -203,11 +203,29 @@ def cases_table(paths):
             ],
         ),
         "serving": (
-            [[], ["--requests=4", "--clients=1", "--clients=2"]],
+            [
+                [],
+                ["--requests=4", "--clients=1", "--clients=2"],
+                ["--render_only"],
+                [
+                    "--parts=llama_cpp,static",
+                    f"--llama_cpp_python={sys.executable}",
+                    "--configs=fp8",
+                    "--fp8_clients=4",
+                ],
+            ],
             [
                 ("parse", ["--requests=0"], "--requests=0"),
                 ("parse", ["--clients=0"], "--clients=0"),
                 ("parse", [f"--out={a_file}"], "is a file"),
+                ("parse", ["--configs=int4"], "--configs: got ['int4'], expected distinct names"),
+                ("parse", ["--parts=gpu"], "--parts: got ['gpu'], expected distinct names"),
+                ("parse", ["--modeled_weights=int4"], "--modeled_weights: got ['int4']"),
+                ("parse", [f"--llama_cpp_python={a_file}"], "--llama_cpp_python: expected an executable Python"),
+                ("parse", ["--modeled_batch=0"], "--modeled_batch=0"),
+                ("parse", ["--fp8_clients=0"], "--fp8_clients=0"),
+                ("parse", ["--request_timeout=0"], "--request_timeout=0"),
+                ("parse", ["--render_only", "--requests=4"], "--render_only renders serving.json"),
             ],
         ),
         "tuning": (

@@ -16,7 +16,14 @@ from test_models_paged import _model, _randomize
 import jax_neuronmm
 from jax_neuronmm.models import Llama, LlamaConfig, generate
 from jax_neuronmm.serving.detokenize import Detokenizer
-from jax_neuronmm.serving.engine import ContextExceeded, Engine, EngineOptions, QueueFull, SamplingParams
+from jax_neuronmm.serving.engine import (
+    ContextExceeded,
+    Engine,
+    EngineOptions,
+    QueueFull,
+    SamplingParams,
+    StepRecord,
+)
 
 VOCAB = 97
 # 12 blocks of 5 slots for four rows of up to 40 tokens: the mixed batches below run out of blocks and preempt.
@@ -181,6 +188,32 @@ def test_end_of_sequence_stops_unless_ignored(model, engine, rng):
         pytest.skip("no continuation reached the end-of-sequence id")
     (events,) = engine.generate([prompt], SamplingParams(max_tokens=30, temperature=0.0))
     assert _tokens(events) == full[: full.index(3) + 1] and events[-1].finish_reason == "stop"
+
+
+def test_step_records_replay_the_schedule(model, rng):
+    # Four requests for two rows (prompts chunked past the 8-token bucket): the records account for every prompt
+    # token and every output, and each decode row reads exactly the blocks that hold its tokens.
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (3, 13, 9, 6)]
+    counts = [6, 3, 8, 5]
+    options = EngineOptions(max_batch=2, block_size=5, max_model_len=40, prefill_buckets=(4, 8))
+    records = []
+    with Engine(model, options, on_step=records.append) as engine:
+        results = engine.generate(prompts, [_greedy(n) for n in counts])
+    assert all(isinstance(r, StepRecord) for r in records)
+    prefills = [r for r in records if r.kind == "prefill"]
+    decodes = [r for r in records if r.kind == "decode"]
+    assert sum(sum(r.counts) for r in prefills) == sum(map(len, prompts))
+    assert all(r.rows == 1 and r.tokens in (4, 8) and r.counts[0] <= r.tokens for r in prefills)
+    assert sum(len(r.lengths) for r in decodes) == sum(counts) - len(prompts)  # a prefill samples the first token
+    assert max(len(r.lengths) for r in decodes) == 2
+    for r in decodes:
+        assert r.tokens == 1 and r.rows in (1, 2) and len(r.lengths) <= r.rows and r.counts == (1,) * len(r.lengths)
+        for length, blocks in zip(r.lengths, r.blocks):
+            assert len(blocks) == -(-(length + 1) // 5) <= r.table_width and len(set(blocks)) == len(blocks)
+    for events, n in zip(results, counts):
+        assert len(_tokens(events)) == n
+    with pytest.raises(TypeError, match="on_step"):
+        Engine(model, options, on_step=[])
 
 
 def test_full_queue_raises(model):

@@ -12,7 +12,8 @@ to a batch bucket, so any request can sit in any row and a finished request's ro
 from a free list; when a decode step needs a block and none is free, the newest running request is preempted (its
 blocks freed, it waits at the head of the queue and is recomputed from its prompt and the tokens it already
 produced), so no other request is harmed. Each jitted shape compiles once per (batch bucket, tokens, table-width
-bucket).
+bucket). An optional `on_step` hook sees each step's schedule (`StepRecord`), so a run's schedule can be replayed
+elsewhere (benchmarks/serving.py prices it on the Trainium cost model).
 """
 
 from __future__ import annotations
@@ -152,6 +153,22 @@ class Event:
     error: str | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One jitted step as the scheduler ran it. kind: "prefill" (one request's prompt chunk) or "decode" (one token
+    per active row); rows: the batch bucket computed (padding rows included); tokens: T per row; lengths: each
+    active row's cached tokens before the step; counts: its real tokens in the step; blocks: its block ids, in
+    table order; table_width: the block table's columns (blocks a row's attention reads)."""
+
+    kind: str
+    rows: int
+    tokens: int
+    lengths: tuple[int, ...]
+    counts: tuple[int, ...]
+    blocks: tuple[tuple[int, ...], ...]
+    table_width: int
+
+
 @dataclasses.dataclass
 class _Request:
     id: str
@@ -190,13 +207,23 @@ def _bucket(value: int, sizes: Sequence[int]) -> int:
 class Engine:
     """Continuous batching for `model` (a `models.CausalLM`, with its tokenizer for text): `submit` requests,
     receive `Event`s through their callback (called on the engine thread), `cancel` them. `start()` /
-    `shutdown()` run the scheduler thread (the engine is also a context manager)."""
+    `shutdown()` run the scheduler thread (the engine is also a context manager). on_step, when given, is called
+    on the engine thread with each step's `StepRecord` after the step ran."""
 
-    def __init__(self, model: CausalLM, options: EngineOptions | None = None):
+    def __init__(
+        self,
+        model: CausalLM,
+        options: EngineOptions | None = None,
+        *,
+        on_step: Callable[[StepRecord], None] | None = None,
+    ):
         if not isinstance(model, CausalLM):
             raise TypeError(f"model: got {type(model).__name__}, expected a jax_neuronmm.models CausalLM")
+        if on_step is not None and not callable(on_step):
+            raise TypeError(f"on_step: got {type(on_step).__name__}, expected a callable taking a StepRecord")
         self.model = model
         self.options = options = options or EngineOptions()
+        self._on_step = on_step
         known = model.config.max_position_embeddings
         self.max_model_len = options.max_model_len or known or 2048
         if known is not None and self.max_model_len > known:
@@ -476,7 +503,20 @@ class Engine:
         """One jitted step: a decode step (counts None: one token per row) through `paged_decode_step` where
         `_decodes_through_kernels`, anything else through `paged_step`; returns the next tokens [rows]."""
         rows = tokens.shape[0]
-        table = jnp.asarray(self._table(requests, rows, need_blocks))
+        table = self._table(requests, rows, need_blocks)
+        record = None
+        if self._on_step is not None:
+            active = len(requests)
+            record = StepRecord(
+                "decode" if counts is None else "prefill",
+                rows,
+                tokens.shape[1],
+                tuple(int(n) for n in lengths[:active]),
+                (1,) * active if counts is None else tuple(int(n) for n in counts),
+                tuple(tuple(r.blocks[: table.shape[1]]) for r in requests),
+                table.shape[1],
+            )
+        table = jnp.asarray(table)
         lengths = jnp.asarray(lengths, jnp.int32)
         sampling = self._sampling(requests, rows)
         tokens = jnp.asarray(tokens)
@@ -497,7 +537,10 @@ class Engine:
             batch = PagedBatch(table, lengths, counts)
             next_tokens, self._cache = paged_step(self._graphdef, self._state, tokens, self._cache, batch, sampling)
         self._stats["steps"] += 1
-        return np.asarray(jax.device_get(next_tokens))
+        next_tokens = np.asarray(jax.device_get(next_tokens))
+        if record is not None:
+            self._on_step(record)
+        return next_tokens
 
     def _prefill_one(self) -> None:
         request = next((r for r in self._running if not r.decoded), None)

@@ -1,0 +1,159 @@
+"""The serving engine on Trainium, modeled: a recorded engine schedule priced on the decode-step cost model, and how
+many sequences fit in one NeuronCore's share of HBM (benchmarks/serving.py writes both into its report).
+
+Schedule: every step of an engine run (`Engine(on_step=...)`: kind, batch rows, tokens, block-table width). A
+decode step is priced as the paged looped kernel (nki_kernels.decode.compositions' looped step, count-only trace on
+the emulator, full depth) at its batch bucket and its table's slots (width x block size), each (rows, slots) traced
+once. A prefill chunk is priced at its roofline (the larger of its matmul flops at TensorE's peak and its bytes at
+the core's peak DMA rate: a lower bound; the project has no prefill kernel to trace). Launch overhead: 0 µs.
+
+Capacity: weights (every projection and the LM head, plus the bf16 embedding table where the head is not that
+table) + KV blocks of bf16 per sequence at a context, in one NeuronCore's share of its chip's HBM.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nki_kernels.decode import comparison, traffic  # comparison moves to benchmarks/ in issue 51: fix this import
+from nki_kernels.emulator.cost_model import roofline_us
+
+TARGETS = comparison.TARGETS
+# [ARCH] trn1: "2 HBM stacks ... 32GiB" shared by 2 NeuronCores; trn2: "4 HBM stacks ... 96GiB" shared by 8 physical
+# NeuronCores (AWS's Trn1 / Trn2 architecture guides; /work/shared/research/fp8_and_decode_anchors.md).
+HBM_BYTES_PER_CORE = {"trn1": 32 * 2**30 // 2, "trn2": 96 * 2**30 // 8}
+WEIGHT_KINDS = ("bf16", "fp8", "compressed bf16", "compressed fp8")  # compressed: keep comparison.KEEP
+CONTEXTS = (2048, 8192)
+STANDALONE_BATCH = 8
+TARGET_RATIO = 0.9  # engine's modeled tok/s at batch 8 over the looped kernel's standalone tok/s at batch 8
+
+
+def record_row(record) -> list:
+    """A StepRecord as the JSON keeps it: [kind, rows, tokens, table_width, active rows, real tokens]."""
+    return [record.kind, record.rows, record.tokens, record.table_width, len(record.lengths), sum(record.counts)]
+
+
+def weights_spec(model: comparison.DecodeModel, kind: str):
+    """`model`'s spec at full depth with `kind`'s weights (WEIGHT_KINDS)."""
+    return comparison.decode_spec(model, model.num_layers, kind.startswith("compressed"), kind.endswith("fp8"))
+
+
+def prefill_us(spec, tokens: int, slots: int, target: str) -> float:
+    """Roofline µs of one prompt chunk of `tokens` tokens over `slots` cache slots (batch 1): 2·T·(projection
+    weights) + 2·H·V (the last token's logits) flops; the layers' must-move bytes plus the head's weights."""
+    dense = dataclasses.replace(spec, fp8_weights=(), packed_weights=())
+    flops = 2 * tokens * traffic.weight_bytes(dense, 1, head=False) + 2 * spec.hidden * spec.vocab
+    head = traffic.weight_bytes(spec, head=True) - traffic.weight_bytes(spec, head=False)
+    nbytes = traffic.must_move_bytes(spec, 1, slots, layers_only=True, tokens=tokens) + head
+    return roofline_us(flops, nbytes, target)
+
+
+def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, block_size: int, max_slots: int):
+    """{"decode": {"rows,slots": {target: µs}}, "standalone": {target: µs}, "prefill_us": {target: µs}}: each
+    decode shape of `schedule` (record_row lists) traced once as the paged looped kernel, the looped kernel alone at
+    STANDALONE_BATCH rows over a contiguous cache of max_slots slots, and the schedule's prefill chunks summed."""
+    spec = weights_spec(model, kind)
+    paged = dataclasses.replace(spec, block_size=block_size)
+    decode = {}
+    for step_kind, rows, _, width, _, _ in schedule:
+        key = f"{rows},{width * block_size}"
+        if step_kind == "decode" and key not in decode:
+            measured = comparison.measure_spec(paged, "looped", rows, width * block_size)
+            decode[key] = dict(measured.kernel_us, note=measured.note)
+            print(kind, key, decode[key], flush=True)
+    alone = comparison.measure_spec(spec, "looped", STANDALONE_BATCH, max_slots)
+    prefill = {
+        t: sum(
+            prefill_us(spec, tokens, width * block_size, t) for k, _, tokens, width, _, _ in schedule if k != "decode"
+        )
+        for t in TARGETS
+    }
+    return dict(
+        block_size=block_size,
+        max_slots=max_slots,
+        decode=decode,
+        standalone=dict(alone.kernel_us, note=alone.note),
+        prefill_us=prefill,
+    )
+
+
+def modeled_rate(schedule: list, priced: dict, tokens: int, target: str) -> dict | None:
+    """The engine's modeled tok/s on `target` (tokens ÷ (decode steps' µs + prefill µs)), its decode-only tok/s, the
+    standalone looped kernel's tok/s and the ratios; None when a shape did not run there."""
+    decode_steps = [(rows, width) for kind, rows, _, width, _, _ in schedule if kind == "decode"]
+    block_size = priced["block_size"]
+    costs = [priced["decode"][f"{rows},{width * block_size}"].get(target) for rows, width in decode_steps]
+    alone = priced["standalone"].get(target)
+    if alone is None or any(c is None for c in costs):
+        return None
+    decode_us = sum(costs)
+    decode_tokens = sum(active for kind, _, _, _, active, _ in schedule if kind == "decode")
+    total_us = decode_us + priced["prefill_us"][target]
+    standalone = STANDALONE_BATCH / alone * 1e6
+    engine, decode_only = tokens / total_us * 1e6, decode_tokens / decode_us * 1e6
+    return dict(
+        engine=engine,
+        decode_only=decode_only,
+        standalone=standalone,
+        ratio=engine / standalone,
+        decode_ratio=decode_only / standalone,
+        decode_us=decode_us,
+        prefill_us=priced["prefill_us"][target],
+    )
+
+
+def capacity_rows(models: list) -> list[dict]:
+    """Per model and WEIGHT_KINDS: weight bytes, KV bytes per sequence at each of CONTEXTS, and the sequences that
+    fit per NeuronCore on each target (0 when the weights alone do not fit)."""
+    rows = []
+    for model in models:
+        spec = model.spec
+        embedding = spec.vocab * spec.hidden * 2
+        for kind in WEIGHT_KINDS:
+            s = weights_spec(model, kind)
+            norms = s.num_layers * (s.num_norms * s.hidden + (2 * s.head_dim if s.qk_norm else 0)) * 2
+            weights = traffic.weight_bytes(s, 2, head=True) + norms + (0 if kind == "bf16" else embedding)
+            row = dict(model=model.name, weights=kind, weight_bytes=weights, kv_bytes={}, sequences={})
+            for context in CONTEXTS:
+                per_seq = 2 * s.num_layers * s.num_kv_heads * s.head_dim * context * 2
+                row["kv_bytes"][str(context)] = per_seq
+                for t, hbm in HBM_BYTES_PER_CORE.items():
+                    row["sequences"][f"{t},{context}"] = max(0, (hbm - weights) // per_seq)
+            rows.append(row)
+    return rows
+
+
+def capacity_lines(rows: list[dict]) -> list[str]:
+    """The Markdown table of capacity_rows."""
+    head = "".join(f"| seqs at {c} tokens {t} " for c in CONTEXTS for t in HBM_BYTES_PER_CORE)
+    lines = [
+        "| model | weights | weights MiB | KV MiB per sequence (" + " / ".join(map(str, CONTEXTS)) + ") " + head + "|",
+        "|---|---|---|---|" + "---|" * (len(CONTEXTS) * len(HBM_BYTES_PER_CORE)),
+    ]
+    for r in rows:
+        kv = " / ".join(f"{r['kv_bytes'][str(c)] / 2**20:.1f}" for c in CONTEXTS)
+        cells = "".join(f"| {r['sequences'][f'{t},{c}']:,} " for c in CONTEXTS for t in HBM_BYTES_PER_CORE)
+        lines.append(f"| {r['model']} | {r['weights']} | {r['weight_bytes'] / 2**20:.1f} | {kv} {cells}|")
+    return lines
+
+
+def schedule_lines(modeled: dict) -> list[str]:
+    """The Markdown table of the priced schedule: per weights and target, the engine's modeled tok/s, decode-only,
+    the standalone looped kernel's and the ratios against TARGET_RATIO."""
+    lines = [
+        f"| model (traced) | weights | hw | engine tok/s (decode + prefill) | decode-only tok/s | looped alone, batch "
+        f"{STANDALONE_BATCH}, tok/s | engine / alone | decode-only / alone | target >= {TARGET_RATIO:.0%} |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for kind, priced in modeled["priced"].items():
+        for t in TARGETS:
+            rate = modeled_rate(modeled["schedule"], priced, modeled["tokens"], t)
+            if rate is None:
+                lines.append(f"| {modeled['model']} | {kind} | {t} | did not run | - | - | - | - | - |")
+                continue
+            verdict = "met" if rate["ratio"] >= TARGET_RATIO else "**missed**"
+            lines.append(
+                f"| {modeled['model']} | {kind} | {t} | {rate['engine']:,.0f} | {rate['decode_only']:,.0f} | "
+                f"{rate['standalone']:,.0f} | {rate['ratio']:.3f} | {rate['decode_ratio']:.3f} | {verdict} |"
+            )
+    return lines

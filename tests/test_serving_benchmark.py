@@ -1,0 +1,79 @@
+"""benchmarks/serving.py's modeled part and report: a recorded schedule priced on the cost model adds up step by
+step, the HBM capacity table matches a hand count, and serving.md is what --render_only renders from serving.json
+alone."""
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+from decode_operands import llama_like
+
+from nki_kernels.decode.comparison import DecodeModel, measure_spec
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import serving_modeled  # noqa: E402
+
+# 2 layers, 2 KV heads of 64 (128 cache features), vocabulary 300: traces in a second.
+TINY = DecodeModel("tiny", "a test spec", llama_like(2, 200, 4, 2, 64, 200))
+
+
+def test_priced_schedule_adds_up_step_by_step():
+    # Three decode steps of two shapes and two prefill chunks; 16-slot blocks.
+    schedule = [
+        ["prefill", 1, 32, 2, 1, 20],
+        ["decode", 8, 1, 2, 5, 5],
+        ["decode", 8, 1, 2, 8, 8],
+        ["prefill", 1, 32, 4, 1, 32],
+        ["decode", 4, 1, 4, 3, 3],
+    ]
+    priced = serving_modeled.price_schedule(schedule, TINY, "bf16", 16, 64)
+    assert sorted(priced["decode"]) == ["4,64", "8,32"]
+    paged = dataclasses.replace(TINY.spec, block_size=16)
+    for target in serving_modeled.TARGETS:
+        step_8 = measure_spec(paged, "looped", 8, 32).kernel_us[target]
+        step_4 = measure_spec(paged, "looped", 4, 64).kernel_us[target]
+        alone = measure_spec(TINY.spec, "looped", 8, 64).kernel_us[target]
+        prefill = sum(serving_modeled.prefill_us(TINY.spec, 32, slots, target) for slots in (32, 64))
+        assert 0 < prefill and priced["prefill_us"][target] == pytest.approx(prefill)
+        rate = serving_modeled.modeled_rate(schedule, priced, 18, target)
+        assert rate["engine"] == pytest.approx(18 / (2 * step_8 + step_4 + prefill) * 1e6)
+        assert rate["decode_only"] == pytest.approx(16 / (2 * step_8 + step_4) * 1e6)
+        assert rate["standalone"] == pytest.approx(8 / alone * 1e6)
+        assert rate["ratio"] == pytest.approx(rate["engine"] / rate["standalone"])
+    priced["decode"]["8,32"].pop("trn1")  # a shape that did not run on a target: no rate there
+    assert serving_modeled.modeled_rate(schedule, priced, 18, "trn1") is None
+
+
+def test_capacity_matches_a_hand_count():
+    (bf16, fp8, *_) = serving_modeled.capacity_rows([TINY])
+    spec = TINY.spec
+    projections = 2 * (200 * 256 + 2 * 200 * 128 + 256 * 200 + 2 * 200 * 200 + 200 * 200)  # q, k+v, o, gate+up, down
+    norms = 2 * 2 * 200
+    assert bf16["weight_bytes"] == 2 * (projections + 200 * 300 + norms)
+    # fp8: a byte a value, float32 scales per output channel, plus the bf16 embedding table
+    assert fp8["weight_bytes"] > projections + 200 * 300 + 2 * 200 * 300 > bf16["weight_bytes"] / 2
+    per_seq = 2 * spec.num_layers * 2 * 64 * 2048 * 2
+    assert bf16["kv_bytes"]["2048"] == per_seq
+    for target, hbm in serving_modeled.HBM_BYTES_PER_CORE.items():
+        assert bf16["sequences"][f"{target},2048"] == (hbm - bf16["weight_bytes"]) // per_seq
+    assert serving_modeled.HBM_BYTES_PER_CORE == {"trn1": 16 * 2**30, "trn2": 12 * 2**30}
+
+
+@pytest.mark.skipif(not (RESULTS / "serving.json").exists(), reason="no serving results yet")
+def test_serving_markdown_rerenders_from_its_json(tmp_path):
+    shutil.copy(RESULTS / "serving.json", tmp_path / "serving.json")
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--render_only", f"--out={tmp_path}"],
+        check=True,
+        env=env,
+        timeout=600,
+    )
+    assert (tmp_path / "serving.md").read_text() == (RESULTS / "serving.md").read_text()
+    assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
