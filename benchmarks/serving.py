@@ -39,6 +39,7 @@ import serving_llama_cpp
 import serving_modeled
 from absl import app, flags
 
+from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models import generate, load_gguf
 from jax_neuronmm.serving.engine import Engine, EngineOptions, SamplingParams
@@ -78,10 +79,8 @@ ENGINE = dict(block_size=16, max_model_len=256, prefill_buckets=(32, 128))
 
 
 def quantize_fp8(model):
-    """The frontier's fp8 configuration of `model` (one import: quantize_model moves to jax_neuronmm.pipeline)."""
-    from jax_neuronmm.models.quantization import quantize_model
-
-    return quantize_model(model, "float8_e4m3", progress=False)
+    """The frontier's fp8 configuration of `model`: every weight fp8 e4m3, rounded to nearest."""
+    return pipeline.quantize_model(model, "float8_e4m3", progress=False)
 
 
 def smollm2_path() -> str:
@@ -269,7 +268,7 @@ def measure_modeled(model, mix, results: dict) -> None:
         kind: serving_modeled.price_schedule(steps, shape, kind, ENGINE["block_size"], max_slots)
         for kind in FLAGS.modeled_weights
     }
-    spec = dataclasses.replace(paged_plan(model, ENGINE["block_size"]).spec, block_size=None)
+    spec = paged_plan(model, ENGINE["block_size"]).spec.replace(block_size=None)
     smollm2 = dataclasses.replace(shape, name="SmolLM2-135M", source="the GGUF's metadata", spec=spec)
     results["modeled"] = dict(
         model=FLAGS.modeled_model,

@@ -13,9 +13,9 @@ table) + KV blocks of bf16 per sequence at a context, in one NeuronCore's share 
 
 from __future__ import annotations
 
-import dataclasses
+from harness import comparison  # sibling package: the script's folder is on sys.path
 
-from nki_kernels.decode import comparison, traffic  # comparison moves to benchmarks/ in issue 51: fix this import
+from nki_kernels.decode import traffic
 from nki_kernels.emulator.cost_model import roofline_us
 
 TARGETS = comparison.TARGETS
@@ -41,7 +41,7 @@ def weights_spec(model: comparison.DecodeModel, kind: str):
 def prefill_us(spec, tokens: int, slots: int, target: str) -> float:
     """Roofline µs of one prompt chunk of `tokens` tokens over `slots` cache slots (batch 1): 2·T·(projection
     weights) + 2·H·V (the last token's logits) flops; the layers' must-move bytes plus the head's weights."""
-    dense = dataclasses.replace(spec, fp8_weights=(), packed_weights=())
+    dense = spec.replace(fp8_weights=(), packed_weights=())
     flops = 2 * tokens * traffic.weight_bytes(dense, 1, head=False) + 2 * spec.hidden * spec.vocab
     head = traffic.weight_bytes(spec, head=True) - traffic.weight_bytes(spec, head=False)
     nbytes = traffic.must_move_bytes(spec, 1, slots, layers_only=True, tokens=tokens) + head
@@ -53,7 +53,7 @@ def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, blo
     decode shape of `schedule` (record_row lists) traced once as the paged looped kernel, the looped kernel alone at
     STANDALONE_BATCH rows over a contiguous cache of max_slots slots, and the schedule's prefill chunks summed."""
     spec = weights_spec(model, kind)
-    paged = dataclasses.replace(spec, block_size=block_size)
+    paged = spec.replace(block_size=block_size)
     decode = {}
     for step_kind, rows, _, width, _, _ in schedule:
         key = f"{rows},{width * block_size}"

@@ -2,7 +2,6 @@
 step, the HBM capacity table matches a hand count, and serving.md is what --render_only renders from serving.json
 alone."""
 
-import dataclasses
 import os
 import pathlib
 import shutil
@@ -11,7 +10,6 @@ import sys
 
 import pytest
 from decode_operands import llama_like
-
 from nki_kernels.decode.comparison import DecodeModel, measure_spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -34,7 +32,7 @@ def test_priced_schedule_adds_up_step_by_step():
     ]
     priced = serving_modeled.price_schedule(schedule, TINY, "bf16", 16, 64)
     assert sorted(priced["decode"]) == ["4,64", "8,32"]
-    paged = dataclasses.replace(TINY.spec, block_size=16)
+    paged = TINY.spec.replace(block_size=16)
     for target in serving_modeled.TARGETS:
         step_8 = measure_spec(paged, "looped", 8, 32).kernel_us[target]
         step_4 = measure_spec(paged, "looped", 4, 64).kernel_us[target]
