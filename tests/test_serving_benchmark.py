@@ -10,7 +10,7 @@ import sys
 
 import pytest
 from decode_operands import llama_like
-from nki_kernels.decode.comparison import DecodeModel, measure_spec
+from harness.comparison import DecodeModel, measure_spec
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
