@@ -29,6 +29,9 @@ NKI_API_SIGNATURES = {
     ("nki_kernels/emulator/isa_matmul.py", "nc_matmul"): "nki.isa.nc_matmul",
     ("nki_kernels/emulator/isa_select.py", "range_select"): "nki.isa.range_select",
     ("nki_kernels/emulator/isa_vector.py", "tensor_scalar_reduce"): "nki.isa.tensor_scalar_reduce",
+    # An @nki.jit kernel's HBM tensors are its arguments one by one (NKI's JAX integration and the neuron lowering
+    # pass them so); its body takes them bundled.
+    ("nki_kernels/svd_mlp.py", "svd_mlp_gate_up_kernel"): "the kernel's device call (gate_up_body takes bundles)",
 }
 
 # A ratio quoted to two or more decimals ("1.06x"), not part of a name ("trn2.48xlarge").

@@ -133,8 +133,10 @@ def reference(operands, spec, layer):
 
 
 @nki.jit
-def attention_layer_kernel(q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms, *, layer, spec):
-    """attention() between row loads and stores: returns (attn rows [B, T, heads·D], k_cache, v_cache)."""
+def attention_layer_kernel(q, k, v, caches, write_index, rope, mask_bias, qk_norms, *, layer, spec):
+    """attention() between row loads and stores, caches = (k_cache, v_cache), rope = (cos, sin): returns (attn rows
+    [B, T, heads·D], k_cache, v_cache)."""
+    (k_cache, v_cache), (cos, sin) = caches, rope
     ops = AttentionOperands(k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms)
     attnT = attention(load_natural_columns(q), load_natural_columns(k), load_natural_columns(v), ops, layer, spec)
     out = nl.ndarray(q.shape, dtype=k_cache.dtype, buffer=nl.shared_hbm, name="attn")
@@ -176,11 +178,19 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("d,heads,kv,s,b,t,w,qk_norm,softcap,dtype", CASES)
-def test_attention_matches_float64_reference(rng, d, heads, kv, s, b, t, w, qk_norm, softcap, dtype):
+def layer_kernel_call(operands, spec, layer=LAYER):
+    """attention_layer_kernel of `layer` on make_operands' flat operands."""
+    q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms = operands
+    caches, rope = (k_cache, v_cache), (cos, sin)
+    return attention_layer_kernel(q, k, v, caches, write_index, rope, mask_bias, qk_norms, layer=layer, spec=spec)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_attention_matches_float64_reference(rng, case):
+    d, heads, kv, s, b, t, w, qk_norm, softcap, dtype = case
     spec = make_spec(heads, kv, d, qk_norm, softcap)
     operands = make_operands(rng, spec, s, b, t, w, np.dtype(dtype))
-    attn, k_cache, v_cache = attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+    attn, k_cache, v_cache = layer_kernel_call(operands, spec)
     want, new_k, new_v = reference(operands, spec, LAYER)
     assert attn.shape == (b, t, heads * d) and attn.dtype == np.dtype(dtype)
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
@@ -191,8 +201,9 @@ def test_attention_matches_float64_reference(rng, d, heads, kv, s, b, t, w, qk_n
     check_caches(v_cache, operands[4], new_v, w, t)
 
 
-@pytest.mark.parametrize("d,heads,kv,s,b,t,w,qk_norm,softcap,dtype", [CASES[0], CASES[2]])
-def test_per_op_kernels_compose_to_the_reference(rng, d, heads, kv, s, b, t, w, qk_norm, softcap, dtype):
+@pytest.mark.parametrize("case", [CASES[0], CASES[2]])
+def test_per_op_kernels_compose_to_the_reference(rng, case):
+    d, heads, kv, s, b, t, w, qk_norm, softcap, dtype = case
     spec = make_spec(heads, kv, d, qk_norm, softcap)
     operands = make_operands(rng, spec, s, b, t, w, np.dtype(dtype))
     q, k, v, k_cache, v_cache, write_index, cos, sin, mask_bias, qk_norms = operands
@@ -241,7 +252,7 @@ def test_windowed_attention_reads_only_the_window(rng, d, heads, kv, s, b, t, w,
     spec = make_spec(heads, kv, d, True, 20.0).replace(mask_windows=(None, window))
     poisoned, operands = windowed_operands(rng, spec, s, b, t, w, window, np.dtype(dtype))
     want, new_k, new_v = reference(operands, spec, LAYER)
-    attn, k_cache, v_cache = attention_layer_kernel(*poisoned, layer=LAYER, spec=spec)
+    attn, k_cache, v_cache = layer_kernel_call(poisoned, layer=LAYER, spec=spec)
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
     if dtype == np.float32:
         new_k = k_cache[LAYER, :, w : w + t]
@@ -285,7 +296,7 @@ def test_new_tokens_enter_from_chip(rng, d, heads, kv, s, b, t, w, window, dtype
     for i, value in ((3, 1e4), (4, 1e6)):
         stale[i] = operands[i].copy()
         stale[i][LAYER, :, w : w + t] = value
-    attn, k_cache, v_cache = attention_layer_kernel(*stale, layer=LAYER, spec=spec)
+    attn, k_cache, v_cache = layer_kernel_call(stale, layer=LAYER, spec=spec)
     assert relative_error(attn, want) < TOLERANCE[np.dtype(dtype)]
     if dtype == np.float32:
         new_k = k_cache[LAYER, :, w : w + t]
@@ -320,17 +331,17 @@ def test_rejects_bad_operands(rng):
     operands = list(make_operands(rng, spec, 10, 1, 1, 2, np.dtype(np.float32)))
     operands[5] = np.array([[2]], dtype=np.int16)
     with pytest.raises(TypeError, match="write_index"):
-        attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+        layer_kernel_call(operands, layer=LAYER, spec=spec)
     operands[5] = np.array([[2]], dtype=np.int32)
     with pytest.raises(ValueError, match="layer"):
-        attention_layer_kernel(*operands, layer=LAYERS, spec=spec)
+        layer_kernel_call(operands, layer=LAYERS, spec=spec)
     with pytest.raises(ValueError, match="head_dim"):
-        attention_layer_kernel(*operands, layer=LAYER, spec=make_spec(4, 2, 48, False, None))
+        layer_kernel_call(operands, layer=LAYER, spec=make_spec(4, 2, 48, False, None))
     # The HBM operands are checked against the contract (nki_kernels.decode.contract).
     cos = operands[6]
     operands[6] = cos[..., :16]
     with pytest.raises(ValueError, match=r"attention: cos: got shape \(2, 1, 1, 16\), expected \(2, 1, 1, 32\)"):
-        attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+        layer_kernel_call(operands, layer=LAYER, spec=spec)
     operands[6], operands[9] = cos, np.ones((LAYERS, 2, 32), dtype=np.float32)
     with pytest.raises(ValueError, match="attention: qk_norms: expected None since spec.qk_norm is False"):
-        attention_layer_kernel(*operands, layer=LAYER, spec=spec)
+        layer_kernel_call(operands, layer=LAYER, spec=spec)

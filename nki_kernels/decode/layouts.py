@@ -5,9 +5,7 @@ them).
 Packed weights: the fp8 values of some projections of every layer stored together in one operand, `packed`
 [L, 128, E], already in the layout the kernels read, so that one DMA per layer (or a few) reads each partition's
 bytes of all of them as one contiguous run. A weight read alone moves (its size ÷ 128) bytes a partition, which
-for a small factor is a short run on the DMA efficiency curve: Gemma 3 270M's k and v factors, [640, 128] and
-[128, 256] in fp8, move 640 and 256 bytes a partition (26% and 10.5% of the DMA rate), its attention's four
-factored projections 8448 bytes a partition together (98%).
+for a small factor is a short run on the DMA efficiency curve; packed together, a layer's factors are one long run.
 
 The layout of one layer (`packed_segments`): a sequence of segments, one per *stage* (a dense weight's w; a
 factored one's u [K, r], then v [r, N], at the layer's rank r) and per block of the layout the stage's input
@@ -44,9 +42,9 @@ def _min_row_elements(spec, names):
 def grouped_layout(features, row_columns):
     """The layout of a vector of `features` contracted against weight rows of `row_columns` columns (a factored
     projection's rank-r intermediate (x·u)ᵀ against v, an MLP's intermediate against down): its whole 128-row tiles
-    grouped (`tiles.choose_group`), the last features % 128 rows in a tile of their own (Gemma 3 270M's down v [320,
-    640] in bf16: 2560-byte runs for 256 of its rows, 1280 for the last 64, where natural tiles read every row as a
-    1280-byte run, 52% of the DMA rate; an MLP pruned to 1600 neurons: down's rows in 1536 grouped, 64 alone)."""
+    grouped (`tiles.choose_group`), the last features % 128 rows in a tile of their own, so that the grouped rows
+    are read as runs several rows long where natural tiles read one row a run (an MLP pruned to 1600 neurons:
+    down's rows in 1536 grouped, 64 alone)."""
     whole = features - features % nl.tile_size.pmax
     return tiles.feature_layout(features, tiles.choose_group(whole, row_columns) if whole else 1)
 

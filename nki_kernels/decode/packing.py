@@ -39,16 +39,13 @@ MODEL_ITEMSIZE = 2
 def attention_packing(spec: DecodeSpec, fp8_only: bool = False, dense: bool = False) -> tuple[str, ...]:
     """The projections a spec packs by default: its factored attention projections (of q, k, v, o) of one dtype
     (the fp8 ones where any is fp8, else those in the model's dtype) when every layer's packed row of them fits one
-    weight-ring block (RING_BLOCK_BYTES a partition: one DMA a layer), else none. Gemma 3 270M at keep 0.8 packs
-    all four: 8448 bytes a partition in fp8, 16896 in bf16, where read alone its bf16 k and v factors move 1280
-    and 512 bytes a partition (52% and 21% of the DMA rate); Llama-3.2-1B's would take 63 KiB in fp8, its factors'
-    runs already 1.5 KiB or longer; a dense fp8 weight's runs are K/128 times N long. A tensor-parallel spec (one
+    weight-ring block (RING_BLOCK_BYTES a partition: one DMA a layer), else none: small factors read alone move
+    short runs per partition, low on the DMA efficiency curve, while a large model's factors are long runs already
+    and would not fit one block. A tensor-parallel spec (one
     rank's shard) packs its shard's factors the same way (each rank's packed operand holds its own shard).
     fp8_only: pack fp8 factors only (models.decode.decode_plan's choice: its stacked bf16 weights stay (u, v)).
     dense: (without fp8 factors) also pack the attention's dense projections in the model's dtype, beside its
-    factored ones: a tensor-parallel rank's small shards, read alone, move short runs (Llama-3.1-8B at T = 32:
-    q, k and v [4096, 128] each, 2 KiB a partition per DMA, 82% of the DMA rate; the four 32 KiB a partition
-    together, 100%; Gemma 3 270M at T = 4: 2560 bytes, 86%, against 10 KiB together, 99%)."""
+    factored ones: a tensor-parallel rank's small shards, read alone, move short runs; packed, one long run."""
     factored = [name for name in ATTENTION if spec.factored(name)]
     fp8 = tuple(name for name in factored if spec.fp8(name))
     in_model = tuple(name for name in ATTENTION if not spec.fp8(name) and (dense or spec.factored(name)))

@@ -10,11 +10,9 @@ the same order).
   vocabulary in rank order, so every rank returns the whole [R, V] logits. It ends the step: one row gathers
   straight into the logits (rank-major slices are the row itself) in pieces of the slice, halves, quarters, ...
   down to GATHER_TAIL_COLUMNS (`gather_pieces`), each waiting only for the head's stores of its columns, so all
-  but the last run while the head computes the rest (Gemma 3 270M, T = 4: the step's end 5.1 µs sooner on trn1,
-  2.1 µs on trn2, than one gather of the whole slice after the head); several rows gather into
-  scratch and are copied into place in LOGIT_COPY_QUEUES pieces at once (an HBM-to-HBM copy runs on one DMA
-  engine, so one copy per rank's slice would take the slice's bytes at one engine's rate: 11 µs for a 256 KiB
-  slice on trn2).
+  but the last run while the head computes the rest; several rows gather into scratch and are copied into place
+  in LOGIT_COPY_QUEUES pieces at once (an HBM-to-HBM copy runs on one DMA engine, so one copy per rank's slice
+  would move the slice's bytes at one engine's rate).
 
 Overlap: a collective waits only for the tiles it reads; the next weights' ring loads (nki_kernels.decode.ring)
 depend on nothing but the matmuls that read the ring bytes they overwrite, so they stream in while the
