@@ -8,34 +8,10 @@
 Sliding-window masks become the spec's `mask_windows` (the kernels read only the window's slots); generate widens
 them by the pad slots among a row's tokens (`widen_windows(plan, pad_slots(token_mask))`).
 
-Tensor parallel: when the model's projections (and untied LM head) are split over a mesh axis in the Megatron
-layout (q/k/v/gate/up and the head by output columns: a dense kernel's or an SVD factor v's; o and down by rows: a
-kernel's or u's), `decode_plan` records the mesh and that axis (`TensorParallel`); `stack_weights` then places the
-stacked weights as Megatron shards, `place_cache` splits the cache's KV heads, and `decode` runs
-`jax_neuronmm.decode_step_parallel.tensor_parallel_decode_step`: one decode_step per rank on its shard (heads by KV-head
-groups, MLP features, vocabulary), the o / down sums and the logits' gather as collectives over the axis (on the
-emulator backend every rank's looped kernel runs in one emulated launch, the collectives between the emulated
-ranks); the mesh's other axes split the rows when they divide the batch (`TensorParallel.batch_axis`). KV heads
-that do not split over the ranks (Gemma 3 270M's one KV head on 4) are repeated on the ranks that share them, as
-NxD Inference does (`megatron_spec`: the plan's spec has num_kv_heads = ranks; `stack_weights` repeats k's and v's
-columns of each head, `place_cache` the cache's heads). Parameters split any other way (another dim, several axes,
-query heads or MLP features that do not split) get no plan: generate decodes them through the model's own forward,
-which the SPMD partitioner runs in any layout (`tensor_parallel_fallback_reason` says why).
-
-`model_spec(model)` is the DecodeSpec of a covered model (`decode_plan(model).spec`), raising what is not covered.
-
-Covered: Llama, Gemma 1 and Gemma 3, dense or compressed (attention projections and MLPs as `SVDLinear` /
-`SVDMLP` factors), with bf16 or (`quantize_model`'s) fp8 weights: an fp8 projection or head goes in as a
-Quantized(w, scale) or Factored(u, v, u_scale, v_scale), `fp8_weights` naming it; a projection type is fp8 in
-every layer or in none. Factors of different per-layer ranks are stacked to the largest rank, zero padded (the spec
-holds each layer's rank). A projection factored in some layers and dense in others is stacked exactly: its
-dense layers become exact factors (I, W) or, for o and down, (W, I) (`nki_kernels.decode.contract.dense_in_stack`),
-and the spec marks them dense (rank None in that layer), so the kernels read W alone. On one device, fp8
-factored attention projections are packed where `nki_kernels.decode.packing.attention_packing` packs them (the spec's
-packed_weights; `stack_weights` moves their values into the packed operand once per generate call); Megatron
-shards are never packed (a packed operand is one rank's layout). Not covered (generate keeps the model's own
-forward for them): attention or MLP biases, an MLP activation the kernels do not fuse, layers that differ in
-norm eps or query scaling.
+Tensor-parallel models (Megatron layout over one mesh axis) decode one decode_step per rank
+(`TensorParallel`, `tensor_parallel_fallback_reason` for layouts that keep the model's own forward).
+`model_spec(model)` is the DecodeSpec of a covered model, raising what is not covered. What is covered and how the
+tensor-parallel plan places weights and cache: docs/decode_step.md ("Models through the decode step").
 """
 
 from __future__ import annotations
