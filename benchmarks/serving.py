@@ -20,7 +20,7 @@ Modeled: the schedule of an engine run at --modeled_batch rows priced on the dec
 Every figure is computed from benchmarks/results/serving.json (per-request records); --render_only re-renders the
 Markdown and PNG from it.
 
-    python benchmarks/serving.py --llama_cpp_python=/work/llamacpp_venv/bin/python
+    python benchmarks/serving.py --llama_cpp_python=PATH/TO/VENV/bin/python  # a venv with llama-cpp-python[server]
     python benchmarks/serving.py --render_only
 """
 

@@ -20,7 +20,7 @@ from nki_kernels.emulator.cost_model import roofline_us
 
 TARGETS = comparison.TARGETS
 # [ARCH] trn1: "2 HBM stacks ... 32GiB" shared by 2 NeuronCores; trn2: "4 HBM stacks ... 96GiB" shared by 8 physical
-# NeuronCores (AWS's Trn1 / Trn2 architecture guides; /work/shared/research/fp8_and_decode_anchors.md).
+# NeuronCores (AWS's Trn1 / Trn2 architecture guides in aws-neuron/aws-neuron-sdk).
 HBM_BYTES_PER_CORE = {"trn1": 32 * 2**30 // 2, "trn2": 96 * 2**30 // 8}
 WEIGHT_KINDS = ("bf16", "fp8", "compressed bf16", "compressed fp8")  # compressed: keep comparison.KEEP
 CONTEXTS = (2048, 8192)

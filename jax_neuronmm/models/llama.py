@@ -100,7 +100,9 @@ class LlamaConfig:
 
 
 class LlamaDecoderLayer(DecoderLayer):
-    def __init__(self, config: LlamaConfig, *, dtype, rngs: nnx.Rngs):
+    """The Llama layer; with qk_norm, RMS norms (w * x) over each query and key head before RoPE (Qwen3's)."""
+
+    def __init__(self, config, *, dtype, rngs: nnx.Rngs, qk_norm: bool = False):
         spec = AttentionSpec(
             num_heads=config.num_heads,
             num_kv_heads=config.num_kv_heads,
@@ -116,7 +118,7 @@ class LlamaDecoderLayer(DecoderLayer):
                 norm_eps=config.rms_norm_eps,
                 norm_unit_offset=False,
                 attention_bias=config.attention_bias,
-                qk_norm_eps=None,
+                qk_norm_eps=config.rms_norm_eps if qk_norm else None,
                 activation=config.hidden_act,
                 mlp_bias=config.mlp_bias,
                 sandwich=False,

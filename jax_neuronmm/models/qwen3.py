@@ -10,8 +10,9 @@ from typing import Any
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_neuronmm.models.decoder import CausalLM, DecoderLayer, LayerVariant, hf_decoder_fields
-from jax_neuronmm.models.layers import AttentionSpec, RopeConfig
+from jax_neuronmm.models.decoder import CausalLM, hf_decoder_fields
+from jax_neuronmm.models.layers import RopeConfig
+from jax_neuronmm.models.llama import LlamaDecoderLayer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +30,7 @@ class Qwen3Config:
     attention_bias: bool = False
     max_position_embeddings: int | None = None  # the context length; None: unknown (generate does not check it)
     hidden_act: str = "silu"
+    mlp_bias: bool = False  # Qwen3's MLPs have none; the field the Llama layer it shares reads
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> Qwen3Config:
@@ -78,33 +80,6 @@ class Qwen3Config:
         return cls(**{**presets[name], **overrides})
 
 
-class Qwen3DecoderLayer(DecoderLayer):
-    def __init__(self, config: Qwen3Config, *, dtype, rngs: nnx.Rngs):
-        spec = AttentionSpec(
-            num_heads=config.num_heads,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            scaling=config.head_dim**-0.5,
-            rope=config.rope,
-        )
-        super().__init__(
-            config.hidden_size,
-            config.intermediate_size,
-            spec,
-            LayerVariant(
-                norm_eps=config.rms_norm_eps,
-                norm_unit_offset=False,  # every norm, the QK-norms too, multiplies by w
-                attention_bias=config.attention_bias,
-                qk_norm_eps=config.rms_norm_eps,
-                activation=config.hidden_act,
-                mlp_bias=False,
-                sandwich=False,
-            ),
-            dtype=dtype,
-            rngs=rngs,
-        )
-
-
 class Qwen3(CausalLM):
     """Qwen3 causal LM: `model(token_ids [B, T]) -> logits [B, T, vocab]` (see CausalLM.__call__ for the cache)."""
 
@@ -113,7 +88,7 @@ class Qwen3(CausalLM):
     ):
         super().__init__(
             config,
-            lambda index, rngs: Qwen3DecoderLayer(config, dtype=dtype, rngs=rngs),
+            lambda index, rngs: LlamaDecoderLayer(config, dtype=dtype, rngs=rngs, qk_norm=True),
             norm_unit_offset=False,
             dtype=dtype,
             rngs=rngs,
