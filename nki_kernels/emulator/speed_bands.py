@@ -44,6 +44,8 @@ def latency_band(latency: Callable[[CostTerms], float], fitted: CostTerms) -> tu
 def speedup_band(
     slow: Callable[[CostTerms], float], fast: Callable[[CostTerms], float], fitted: CostTerms
 ) -> tuple[float, float, float]:
-    """(at the fitted terms, lowest, highest) of slow(terms) / fast(terms), the band over every corner."""
-    ratios = [slow(t) / fast(t) for t in corners(fitted)]
-    return slow(fitted) / fast(fitted), min(ratios), max(ratios)
+    """(at the fitted terms, lowest, highest) of slow(terms) / fast(terms), the band over every corner and the fitted
+    point (a ratio of two latencies need not be monotone in the terms, so the point can lie outside the corners')."""
+    point = slow(fitted) / fast(fitted)
+    ratios = [point] + [slow(t) / fast(t) for t in corners(fitted)]
+    return point, min(ratios), max(ratios)
