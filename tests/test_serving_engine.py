@@ -15,6 +15,7 @@ from test_models_paged import _model, _randomize
 
 import jax_neuronmm
 from jax_neuronmm.models import Llama, LlamaConfig, generate
+from jax_neuronmm.serving import engine as engine_module
 from jax_neuronmm.serving.detokenize import Detokenizer
 from jax_neuronmm.serving.engine import (
     ContextExceeded,
@@ -214,6 +215,25 @@ def test_step_records_replay_the_schedule(model, rng):
         assert len(_tokens(events)) == n
     with pytest.raises(TypeError, match="on_step"):
         Engine(model, options, on_step=[])
+
+
+def test_steps_read_the_blocks_their_rows_need_not_the_whole_context(model, rng):
+    # A 400-token context (80 blocks of 5) served to short rows: a step's table is the power of two at or above
+    # its longest row's blocks (at least MIN_TABLE_TOKENS' worth), never all 80 columns, and greedy tokens still
+    # equal generate's when the rows cross into a wider table.
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (7, 2, 11)]
+    options = EngineOptions(max_batch=4, block_size=5, max_model_len=400, prefill_buckets=(4, 8))
+    records = []
+    with Engine(model, options, on_step=records.append) as engine:
+        results = engine.generate(prompts, _greedy(80))
+    floor = -(-engine_module.MIN_TABLE_TOKENS // 5)
+    for r in records:
+        need = max(len(b) for b in r.blocks)
+        assert r.table_width == max(1 << (need - 1).bit_length(), 1 << (floor - 1).bit_length()), r
+        assert r.table_width < 80
+    assert {r.table_width for r in records} == {16, 32}  # rows reach 91 tokens = 19 blocks
+    for events, want in zip(results, _references(model, prompts, 80)):
+        assert _tokens(events) == want
 
 
 def test_full_queue_raises(model):

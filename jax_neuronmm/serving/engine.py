@@ -115,7 +115,7 @@ class EngineOptions:
     block_size: int = 16
     num_blocks: int | None = None
     max_model_len: int | None = None
-    prefill_buckets: tuple[int, ...] = (16, 64, 256)
+    prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
     batch_buckets: tuple[int, ...] | None = None
     max_waiting: int = 256
 
@@ -195,9 +195,21 @@ def _buckets(limit: int) -> list[int]:
     return sizes + [limit]
 
 
-def _table_widths(max_blocks: int) -> list[int]:
-    """Block-table widths that compile: max_blocks, its half and its quarter (short rows read fewer blocks)."""
-    return sorted({-(-max_blocks // 4), -(-max_blocks // 2), max_blocks})
+# Fewest cached tokens a block table covers: narrower tables would add compiled shapes for little saving.
+MIN_TABLE_TOKENS = 64
+
+
+def _table_widths(max_blocks: int, block_size: int) -> list[int]:
+    """Block-table widths that compile: powers of two from MIN_TABLE_TOKENS' worth of blocks, then max_blocks. A
+    step's cost grows with the blocks its rows read, so a step reads at most twice the blocks its longest row
+    needs (or MIN_TABLE_TOKENS), not the whole context."""
+    floor = min(-(-MIN_TABLE_TOKENS // block_size), max_blocks)
+    widths = {max_blocks}
+    width = 1 << (floor - 1).bit_length()
+    while width < max_blocks:
+        widths.add(width)
+        width *= 2
+    return sorted(widths)
 
 
 def _bucket(value: int, sizes: Sequence[int]) -> int:
@@ -240,7 +252,7 @@ class Engine:
         self._weights = None if self._plan is None else stack_weights(model, self._plan)
         self._backend = get_backend()  # start() takes its caller's
         self._batch_sizes = sorted(options.batch_buckets or _buckets(options.max_batch))
-        self._table_widths = _table_widths(self.max_blocks)
+        self._table_widths = _table_widths(self.max_blocks, self.block_size)
         self._prefill_sizes = sorted(set(options.prefill_buckets))
         self._free = collections.deque(range(self.num_blocks))
         self._waiting: collections.deque[_Request] = collections.deque()
