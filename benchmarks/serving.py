@@ -75,7 +75,7 @@ _flag_checks.not_with(
 )
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "jax_neuronmm", "data", "pride_and_prejudice_ch50-61.txt")
-ENGINE = dict(block_size=16, max_model_len=256, prefill_buckets=(32, 128))
+ENGINE = dict(block_size=16, max_model_len=256, prefill_buckets=(16, 32, 64, 128))
 
 
 def quantize_fp8(model):
