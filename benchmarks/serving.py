@@ -45,6 +45,7 @@ from jax_neuronmm.models import generate, load_gguf
 from jax_neuronmm.serving.engine import Engine, EngineOptions, SamplingParams
 
 FLAGS = flags.FLAGS
+SERVED = "SmolLM2-135M"  # the model the CPU rows serve
 flags.DEFINE_integer("requests", 64, "requests in the mix", lower_bound=1)
 flags.DEFINE_multi_integer("clients", [1, 4, 16, 64], "concurrent clients to measure", lower_bound=1)
 flags.DEFINE_list("configs", ["dense", "fp8"], "weights served: dense and / or fp8")
@@ -57,7 +58,9 @@ flags.DEFINE_float("request_timeout", 900.0, "seconds before a request is cancel
 flags.DEFINE_string("llama_cpp_python", None, "a Python with llama-cpp-python[server]: adds llama.cpp's server rows")
 flags.DEFINE_integer("modeled_batch", 8, "engine rows of the run whose schedule is priced", lower_bound=1)
 flags.DEFINE_list("modeled_weights", ["bf16", "fp8"], "weights the schedule is priced with")
-flags.DEFINE_string("modeled_model", "Gemma 3 270M", "published shape the schedule is priced on")
+flags.DEFINE_string(
+    "modeled_model", SERVED, f"shape the schedule is priced on: {SERVED} (the served model's own) or a published one"
+)
 flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from serving.json")
 flags.DEFINE_integer("seed", 54, "seed of the prompt / output length mix")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"), "output folder")
@@ -255,28 +258,31 @@ def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> 
 def measure_modeled(model, mix, results: dict) -> None:
     """Records the schedule of an engine run at --modeled_batch rows (--modeled_batch * 2 clients: rows refill at
     once) and prices it (serving_modeled); the HBM capacity table."""
-    from jax_neuronmm.models.decode import published_decode_models
+    from harness.comparison import published_decode_models
+
     from jax_neuronmm.models.paged import paged_plan
 
     steps = []
     options = EngineOptions(max_batch=FLAGS.modeled_batch, **ENGINE)
     with Engine(model, options, on_step=lambda r: steps.append(serving_modeled.record_row(r))) as engine:
         run = run_engine(engine, mix, 2 * FLAGS.modeled_batch, FLAGS.request_timeout)
-    shape = published_decode_models([FLAGS.modeled_model])[FLAGS.modeled_model]
+    spec = paged_plan(model, ENGINE["block_size"]).spec.replace(block_size=None)
+    gemma = published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
+    served = dataclasses.replace(gemma, name=SERVED, source="the GGUF's metadata", spec=spec)
+    name = FLAGS.modeled_model
+    shape = served if name == SERVED else published_decode_models([name])[name]
     max_slots = -(-ENGINE["max_model_len"] // ENGINE["block_size"]) * ENGINE["block_size"]
     priced = {
         kind: serving_modeled.price_schedule(steps, shape, kind, ENGINE["block_size"], max_slots)
         for kind in FLAGS.modeled_weights
     }
-    spec = paged_plan(model, ENGINE["block_size"]).spec.replace(block_size=None)
-    smollm2 = dataclasses.replace(shape, name="SmolLM2-135M", source="the GGUF's metadata", spec=spec)
     results["modeled"] = dict(
         model=FLAGS.modeled_model,
         batch=FLAGS.modeled_batch,
         tokens=sum(r["tokens"] for r in run["requests"]),
         schedule=steps,
         priced=priced,
-        capacity=serving_modeled.capacity_rows([smollm2, shape]),
+        capacity=serving_modeled.capacity_rows([served, gemma]),
     )
 
 
@@ -361,9 +367,7 @@ def modeled_lines(modeled: dict) -> list[str]:
         f"as the paged looped kernel at {modeled['model']}'s shape (full depth, count-only trace, its batch bucket "
         "and block-table slots); prefill chunks at their roofline (a lower bound); 0 µs per launch. Standalone: "
         "the looped kernel at batch 8 on a contiguous cache of the engine's whole context, 8 tokens a step. "
-        "SmolLM2-135M's own shape does not run in the looped kernel (its 3 KV heads x 64 = 192 cache features: "
-        "the kernel's Kᵀ tiling assumes a multiple of 128 above 128), so the schedule is priced on the published "
-        "Gemma 3 270M shape. Per NeuronCore; all figures modeled, not measured.",
+        "Per NeuronCore; all figures modeled, not measured.",
         "",
         *serving_modeled.schedule_lines(modeled),
         "",
