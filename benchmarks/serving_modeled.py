@@ -49,9 +49,10 @@ def prefill_us(spec, tokens: int, slots: int, target: str) -> float:
 
 
 def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, block_size: int, max_slots: int):
-    """{"decode": {"rows,slots": {target: µs}}, "standalone": {target: µs}, "prefill_us": {target: µs}}: each
-    decode shape of `schedule` (record_row lists) traced once as the paged looped kernel, the looped kernel alone at
-    STANDALONE_BATCH rows over a contiguous cache of max_slots slots, and the schedule's prefill chunks summed."""
+    """{"decode": {"rows,slots": {target: µs}}, "standalone": {target: µs}, "standalone_at_slots": {slots: {target:
+    µs}}, "prefill_us": {target: µs}}: each decode shape of `schedule` (record_row lists) traced once as the paged
+    looped kernel, the looped kernel alone at STANDALONE_BATCH rows over a contiguous cache of max_slots slots and
+    of each decode step's slots, and the schedule's prefill chunks summed."""
     spec = weights_spec(model, kind)
     paged = spec.replace(block_size=block_size)
     decode = {}
@@ -62,6 +63,14 @@ def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, blo
             decode[key] = dict(measured.kernel_us, note=measured.note)
             print(kind, key, decode[key], flush=True)
     alone = comparison.measure_spec(spec, "looped", STANDALONE_BATCH, max_slots)
+    # Like for like: the looped kernel alone at STANDALONE_BATCH rows over a contiguous cache of each decode step's
+    # own slots, so the engine's narrower tables are not counted as a scheduling gain.
+    alone_at = {}
+    for step_kind, _, _, width, _, _ in schedule:
+        slots = width * block_size
+        if step_kind == "decode" and str(slots) not in alone_at:
+            measured = comparison.measure_spec(spec, "looped", STANDALONE_BATCH, slots)
+            alone_at[str(slots)] = dict(measured.kernel_us, note=measured.note)
     prefill = {
         t: sum(
             prefill_us(spec, tokens, width * block_size, t) for k, _, tokens, width, _, _ in schedule if k != "decode"
@@ -73,30 +82,39 @@ def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, blo
         max_slots=max_slots,
         decode=decode,
         standalone=dict(alone.kernel_us, note=alone.note),
+        standalone_at_slots=alone_at,
         prefill_us=prefill,
     )
 
 
 def modeled_rate(schedule: list, priced: dict, tokens: int, target: str) -> dict | None:
     """The engine's modeled tok/s on `target` (tokens ÷ (decode steps' µs + prefill µs)), its decode-only tok/s, the
-    standalone looped kernel's tok/s and the ratios; None when a shape did not run there."""
+    standalone looped kernel's tok/s over the same cache lengths step by step (the ratios' denominator) and over the
+    whole context; None when a shape did not run there."""
     decode_steps = [(rows, width) for kind, rows, _, width, _, _ in schedule if kind == "decode"]
     block_size = priced["block_size"]
     costs = [priced["decode"][f"{rows},{width * block_size}"].get(target) for rows, width in decode_steps]
     alone = priced["standalone"].get(target)
     if alone is None or any(c is None for c in costs):
         return None
+    alone_at = [priced["standalone_at_slots"][str(width * block_size)].get(target) for _, width in decode_steps]
+    if any(a is None for a in alone_at):
+        return None
     decode_us = sum(costs)
     decode_tokens = sum(active for kind, _, _, _, active, _ in schedule if kind == "decode")
     total_us = decode_us + priced["prefill_us"][target]
     standalone = STANDALONE_BATCH / alone * 1e6
+    # The standalone kernel doing as many steps over the same cache lengths, STANDALONE_BATCH tokens each.
+    like_for_like = STANDALONE_BATCH * len(alone_at) / sum(alone_at) * 1e6
     engine, decode_only = tokens / total_us * 1e6, decode_tokens / decode_us * 1e6
     return dict(
         engine=engine,
         decode_only=decode_only,
         standalone=standalone,
-        ratio=engine / standalone,
-        decode_ratio=decode_only / standalone,
+        standalone_same_slots=like_for_like,
+        ratio=engine / like_for_like,
+        decode_ratio=decode_only / like_for_like,
+        ratio_full_context=engine / standalone,
         decode_us=decode_us,
         prefill_us=priced["prefill_us"][target],
     )
@@ -142,18 +160,20 @@ def schedule_lines(modeled: dict) -> list[str]:
     the standalone looped kernel's and the ratios against TARGET_RATIO."""
     lines = [
         f"| model (traced) | weights | hw | engine tok/s (decode + prefill) | decode-only tok/s | looped alone, batch "
-        f"{STANDALONE_BATCH}, tok/s | engine / alone | decode-only / alone | target >= {TARGET_RATIO:.0%} |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"{STANDALONE_BATCH}, same cache lengths, tok/s | engine / alone | decode-only / alone | alone over the whole "
+        f"context, tok/s (engine / it) | target >= {TARGET_RATIO:.0%} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for kind, priced in modeled["priced"].items():
         for t in TARGETS:
             rate = modeled_rate(modeled["schedule"], priced, modeled["tokens"], t)
             if rate is None:
-                lines.append(f"| {modeled['model']} | {kind} | {t} | did not run | - | - | - | - | - |")
+                lines.append(f"| {modeled['model']} | {kind} | {t} | did not run | - | - | - | - | - | - |")
                 continue
             verdict = "met" if rate["ratio"] >= TARGET_RATIO else "**missed**"
             lines.append(
                 f"| {modeled['model']} | {kind} | {t} | {rate['engine']:,.0f} | {rate['decode_only']:,.0f} | "
-                f"{rate['standalone']:,.0f} | {rate['ratio']:.3f} | {rate['decode_ratio']:.3f} | {verdict} |"
+                f"{rate['standalone_same_slots']:,.0f} | {rate['ratio']:.3f} | {rate['decode_ratio']:.3f} | "
+                f"{rate['standalone']:,.0f} ({rate['ratio_full_context']:.3f}) | {verdict} |"
             )
     return lines

@@ -37,13 +37,18 @@ def test_priced_schedule_adds_up_step_by_step():
         step_8 = measure_spec(paged, "looped", 8, 32).kernel_us[target]
         step_4 = measure_spec(paged, "looped", 4, 64).kernel_us[target]
         alone = measure_spec(TINY.spec, "looped", 8, 64).kernel_us[target]
+        alone_32 = measure_spec(TINY.spec, "looped", 8, 32).kernel_us[target]
         prefill = sum(serving_modeled.prefill_us(TINY.spec, 32, slots, target) for slots in (32, 64))
         assert 0 < prefill and priced["prefill_us"][target] == pytest.approx(prefill)
         rate = serving_modeled.modeled_rate(schedule, priced, 18, target)
         assert rate["engine"] == pytest.approx(18 / (2 * step_8 + step_4 + prefill) * 1e6)
         assert rate["decode_only"] == pytest.approx(16 / (2 * step_8 + step_4) * 1e6)
         assert rate["standalone"] == pytest.approx(8 / alone * 1e6)
-        assert rate["ratio"] == pytest.approx(rate["engine"] / rate["standalone"])
+        # like for like: the standalone kernel over each decode step's own slots (32, 32, 64), 8 tokens a step
+        same = 3 * 8 / (2 * alone_32 + alone) * 1e6
+        assert rate["standalone_same_slots"] == pytest.approx(same) and alone_32 < alone
+        assert rate["ratio"] == pytest.approx(rate["engine"] / same)
+        assert rate["ratio_full_context"] == pytest.approx(rate["engine"] / rate["standalone"])
     priced["decode"]["8,32"].pop("trn1")  # a shape that did not run on a target: no rate there
     assert serving_modeled.modeled_rate(schedule, priced, 18, "trn1") is None
 
