@@ -190,7 +190,7 @@ def test_folder_of_a_module_and_of_a_package():
     assert _folder("jax_neuronmm.models.decoder") == "jax_neuronmm.models"
 
 
-def _imported_names(path: pathlib.Path):
+def _from_imports(path: pathlib.Path):
     """(module, name, line) of every `from module import name` in a file, at its top or inside a function (a lazy
     import runs only when its function does, so a moved name breaks it silently)."""
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -211,7 +211,7 @@ def test_every_from_import_in_the_library_benchmarks_and_examples_names_somethin
         *(ROOT / "examples").glob("*.py"),
     ]
     for path in files:
-        for module, name, line in _imported_names(path):
+        for module, name, line in _from_imports(path):
             if module.split(".")[0] not in ours or name == "*":
                 continue
             imported = importlib.import_module(module)
