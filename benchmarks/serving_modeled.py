@@ -4,8 +4,9 @@ many sequences fit in one NeuronCore's share of HBM (benchmarks/serving.py write
 Schedule: every step of an engine run (`Engine(on_step=...)`: kind, batch rows, tokens, block-table width). A
 decode step is priced as the paged looped kernel (nki_kernels.decode.compositions' looped step, count-only trace on
 the emulator, full depth) at its batch bucket and its table's slots (width x block size), each (rows, slots) traced
-once. A prefill chunk is priced at its roofline (the larger of its matmul flops at TensorE's peak and its bytes at
-the core's peak DMA rate: a lower bound; the project has no prefill kernel to trace). Launch overhead: 0 µs.
+once. A prefill step (a chunk per row) is priced at its roofline (the larger of its matmul flops at TensorE's peak
+and its bytes at the core's peak DMA rate: a lower bound; the project has no prefill kernel to trace). Launch
+overhead: 0 µs.
 
 Capacity: weights (every projection and the LM head, plus the bf16 embedding table where the head is not that
 table) + KV blocks of bf16 per sequence at a context, in one NeuronCore's share of its chip's HBM.
@@ -38,13 +39,14 @@ def weights_spec(model: comparison.DecodeModel, kind: str):
     return comparison.decode_spec(model, model.num_layers, kind.startswith("compressed"), kind.endswith("fp8"))
 
 
-def prefill_us(spec, tokens: int, slots: int, target: str) -> float:
-    """Roofline µs of one prompt chunk of `tokens` tokens over `slots` cache slots (batch 1): 2·T·(projection
-    weights) + 2·H·V (the last token's logits) flops; the layers' must-move bytes plus the head's weights."""
+def prefill_us(spec, rows: int, tokens: int, slots: int, target: str) -> float:
+    """Roofline µs of one prefill step: `rows` rows of a `tokens`-token chunk (padding included: a compiled step
+    computes it) over `slots` cache slots: 2·rows·T·(projection weights) + 2·rows·H·V (each row's last-token logits)
+    flops; the layers' must-move bytes for the rows plus the head's weights, read once for all rows."""
     dense = spec.replace(fp8_weights=(), packed_weights=())
-    flops = 2 * tokens * traffic.weight_bytes(dense, 1, head=False) + 2 * spec.hidden * spec.vocab
+    flops = 2 * rows * tokens * traffic.weight_bytes(dense, 1, head=False) + 2 * rows * spec.hidden * spec.vocab
     head = traffic.weight_bytes(spec, head=True) - traffic.weight_bytes(spec, head=False)
-    nbytes = traffic.must_move_bytes(spec, 1, slots, layers_only=True, tokens=tokens) + head
+    nbytes = traffic.must_move_bytes(spec, rows, slots, layers_only=True, tokens=tokens) + head
     return roofline_us(flops, nbytes, target)
 
 
@@ -73,7 +75,9 @@ def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, blo
             alone_at[str(slots)] = dict(measured.kernel_us, note=measured.note)
     prefill = {
         t: sum(
-            prefill_us(spec, tokens, width * block_size, t) for k, _, tokens, width, _, _ in schedule if k != "decode"
+            prefill_us(spec, rows, tokens, width * block_size, t)
+            for k, rows, tokens, width, _, _ in schedule
+            if k != "decode"
         )
         for t in TARGETS
     }

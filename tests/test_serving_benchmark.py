@@ -38,8 +38,11 @@ def test_priced_schedule_adds_up_step_by_step():
         step_4 = measure_spec(paged, "looped", 4, 64).kernel_us[target]
         alone = measure_spec(TINY.spec, "looped", 8, 64).kernel_us[target]
         alone_32 = measure_spec(TINY.spec, "looped", 8, 32).kernel_us[target]
-        prefill = sum(serving_modeled.prefill_us(TINY.spec, 32, slots, target) for slots in (32, 64))
+        prefill = sum(serving_modeled.prefill_us(TINY.spec, 1, 32, slots, target) for slots in (32, 64))
         assert 0 < prefill and priced["prefill_us"][target] == pytest.approx(prefill)
+        # two rows in one prefill step read the weights once: less than two steps of one row
+        one, two = (serving_modeled.prefill_us(TINY.spec, rows, 32, 64, target) for rows in (1, 2))
+        assert one < two < 2 * one
         rate = serving_modeled.modeled_rate(schedule, priced, 18, target)
         assert rate["engine"] == pytest.approx(18 / (2 * step_8 + step_4 + prefill) * 1e6)
         assert rate["decode_only"] == pytest.approx(16 / (2 * step_8 + step_4) * 1e6)

@@ -135,11 +135,12 @@ def test_each_decode_step_is_one_kernel_launch_on_the_emulator(name, rng):
         max_batch=4, block_size=5, num_blocks=16, max_model_len=40, prefill_buckets=(8,), batch_buckets=(4,)
     )
     with jax_neuronmm.use_backend("emulator"), jax_neuronmm.profile() as prof:
-        with Engine(model, options) as engine:  # started under the emulator: its thread runs there too
+        records = []
+        with Engine(model, options, on_step=records.append) as engine:  # started under the emulator: so is its thread
             results = engine.generate(prompts, [_greedy(n) for n in counts])
             stats = engine.stats()
-    decode_steps = stats["steps"] - sum(-(-len(prompt) // 8) for prompt in prompts)  # minus the prefill chunks
-    assert stats["preemptions"] == 0 and decode_steps >= max(counts) - 1
+    decode_steps = sum(r.kind == "decode" for r in records)
+    assert stats["preemptions"] == 0 and stats["steps"] == len(records) and decode_steps >= max(counts) - 1
     launches = 0 if name == "biased llama" else decode_steps
     assert [run.name for run in prof.runs] == ["decode_step_kernel"] * launches
     for events, want, n in zip(results, _references(model, prompts, max(counts)), counts):
@@ -193,7 +194,8 @@ def test_end_of_sequence_stops_unless_ignored(model, engine, rng):
 
 def test_step_records_replay_the_schedule(model, rng):
     # Four requests for two rows (prompts chunked past the 8-token bucket): the records account for every prompt
-    # token and every output, and each decode row reads exactly the blocks that hold its tokens.
+    # token and every output, requests waiting to prefill share a step, and each decode row reads exactly the blocks
+    # that hold its tokens.
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (3, 13, 9, 6)]
     counts = [6, 3, 8, 5]
     options = EngineOptions(max_batch=2, block_size=5, max_model_len=40, prefill_buckets=(4, 8))
@@ -204,7 +206,11 @@ def test_step_records_replay_the_schedule(model, rng):
     prefills = [r for r in records if r.kind == "prefill"]
     decodes = [r for r in records if r.kind == "decode"]
     assert sum(sum(r.counts) for r in prefills) == sum(map(len, prompts))
-    assert all(r.rows == 1 and r.tokens in (4, 8) and r.counts[0] <= r.tokens for r in prefills)
+    assert all(r.rows in (1, 2) and r.tokens in (4, 8) and max(r.counts) <= r.tokens for r in prefills)
+    # The first two requests arrive together: their prompts share one prefill step (one pass over the weights).
+    assert len(prefills[0].counts) == 2 and prefills[0].rows == 2
+    for r in prefills:
+        assert len(r.counts) == len(r.lengths) <= r.rows and min(r.counts) >= 1
     assert sum(len(r.lengths) for r in decodes) == sum(counts) - len(prompts)  # a prefill samples the first token
     assert max(len(r.lengths) for r in decodes) == 2
     for r in decodes:

@@ -1,14 +1,14 @@
 """The serving engine: continuous batching of requests over a paged KV cache, scheduled on the host.
 
 A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
-prefill chunk of the oldest prefilling request (its prompt padded to a length bucket, a long prompt in chunks of
-the largest bucket; `models.paged.paged_step`), then one decode step for every decoding row: one jitted call for the
-whole batch, each row at its own position: on the emulator and Trainium, for a model `models.decode` covers, one
-`decode_step` over the same pools (`models.paged.paged_decode_step`, the weights stacked once per engine: one
-looped kernel launch, K/V read through each row's block table); on XLA, and for other models, the model's own
-layers (`paged_step`). The scheduler thread runs under the kernel backend in effect where `start()` was called (JAX's
-config contexts are per thread). Rows are virtual: the batch of a step is the decoding requests padded
-to a batch bucket, so any request can sit in any row and a finished request's row is free at once. Blocks come
+prefill step for every admitted request whose prompt is not yet cached (each row its next chunk, padded to a length
+bucket, a long prompt in chunks of the largest bucket; `models.paged.paged_step`), then one decode step for every
+decoding row: one jitted call for the whole batch, each row at its own position: on the emulator and Trainium, for a
+model `models.decode` covers, one `decode_step` over the same pools (`models.paged.paged_decode_step`, the weights
+stacked once per engine: one looped kernel launch, K/V read through each row's block table); on XLA, and for other
+models, the model's own layers (`paged_step`). The scheduler thread runs under the kernel backend in effect where
+`start()` was called (JAX's config contexts are per thread). Rows are virtual: the batch of a step is its requests
+padded to a batch bucket, so any request can sit in any row and a finished request's row is free at once. Blocks come
 from a free list; when a decode step needs a block and none is free, the newest running request is preempted (its
 blocks freed, it waits at the head of the queue and is recomputed from its prompt and the tokens it already
 produced), so no other request is harmed. Each jitted shape compiles once per (batch bucket, tokens, table-width
@@ -155,8 +155,8 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One jitted step as the scheduler ran it. kind: "prefill" (one request's prompt chunk) or "decode" (one token
-    per active row); rows: the batch bucket computed (padding rows included); tokens: T per row; lengths: each
+    """One jitted step as the scheduler ran it. kind: "prefill" (a prompt chunk per active row) or "decode" (one
+    token per active row); rows: the batch bucket computed (padding rows included); tokens: T per row; lengths: each
     active row's cached tokens before the step; counts: its real tokens in the step; blocks: its block ids, in
     table order; table_width: the block table's columns (blocks a row's attention reads)."""
 
@@ -403,7 +403,7 @@ class Engine:
             try:
                 self._cancel(cancels)
                 self._admit()
-                self._prefill_one()
+                self._prefill()
                 self._decode()
             except Exception as error:  # a failed step must not hang its requests or stop the engine
                 for request in self._running + list(self._waiting):
@@ -524,7 +524,7 @@ class Engine:
                 rows,
                 tokens.shape[1],
                 tuple(int(n) for n in lengths[:active]),
-                (1,) * active if counts is None else tuple(int(n) for n in counts),
+                (1,) * active if counts is None else tuple(int(n) for n in counts[:active]),
                 tuple(tuple(r.blocks[: table.shape[1]]) for r in requests),
                 table.shape[1],
             )
@@ -554,25 +554,33 @@ class Engine:
             self._on_step(record)
         return next_tokens
 
-    def _prefill_one(self) -> None:
-        request = next((r for r in self._running if not r.decoded), None)
-        if request is None:
+    def _prefill(self) -> None:
+        """One prefill step for every admitted request whose prompt is not all cached (each row its next chunk of
+        at most the largest bucket, padded to the bucket of the longest): one pass over the weights for all of them,
+        as when several rows free in the same step."""
+        largest = self._prefill_sizes[-1]
+        chunks = []
+        for request in [r for r in self._running if not r.decoded]:
+            count = min(len(request.seq) - request.cached, largest)
+            if request in self._running and self._grow(request, request.cached + count):
+                chunks.append((request, count))
+        chunks = [(r, n) for r, n in chunks if r in self._running]  # a later _grow may have preempted an earlier one
+        if not chunks:
             return
-        seq = request.seq
-        remaining = len(seq) - request.cached
-        width = (
-            _bucket(remaining, self._prefill_sizes) if remaining <= self._prefill_sizes[-1] else self._prefill_sizes[-1]
-        )
-        count = min(remaining, width)
-        if not self._grow(request, request.cached + count):
-            return
-        tokens = np.zeros((1, width), np.int32)
-        tokens[0, :count] = seq[request.cached : request.cached + count]
-        next_token = self._step(tokens, [request], [request.cached], [count], len(request.blocks))
-        request.cached += count
-        if request.cached == len(seq):
-            request.decoded = True
-            self._accept(request, int(next_token[0]))
+        rows = _bucket(len(chunks), self._batch_sizes)
+        tokens = np.zeros((rows, _bucket(max(n for _, n in chunks), self._prefill_sizes)), np.int32)
+        lengths = np.full(rows, -1, np.int32)
+        counts = np.zeros(rows, np.int32)
+        for row, (request, count) in enumerate(chunks):
+            tokens[row, :count] = request.seq[request.cached : request.cached + count]
+            lengths[row], counts[row] = request.cached, count
+        requests = [r for r, _ in chunks]
+        next_tokens = self._step(tokens, requests, lengths, counts, max(len(r.blocks) for r in requests))
+        for row, (request, count) in enumerate(chunks):
+            request.cached += count
+            if request.cached == len(request.seq):
+                request.decoded = True
+                self._accept(request, int(next_tokens[row]))
 
     def _decode(self) -> None:
         for request in [r for r in self._running if r.decoded]:
