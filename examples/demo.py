@@ -226,7 +226,7 @@ def kind_windows(tokenizer, bos_id: int, count: int) -> dict:
 
 
 def quality_rows(dense, variants: dict, windows: dict) -> dict:
-    """{variant: {kind: (PerplexityRatio, top-1 agreement)}}: each variant's perplexity over the dense model's on
+    """{variant: {kind: (RatioInterval, top-1 agreement)}}: each variant's perplexity over the dense model's on
     the same windows (95% bootstrap interval over windows) and how often its next token is the dense model's."""
     reference = {kind: evaluation.predictions(dense, ids) for kind, ids in windows.items()}
     rows = {}
@@ -323,8 +323,9 @@ def emulated_tokens(dense_bf16, fp8, tokenizer):
     print(
         f"    modeled time per decode step (one looped kernel: all {layers} layers and the LM head, batch 1, launch "
         f"overhead not modeled): fp8 trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; bf16 dense {dense_trn1:.0f} µs and "
-        f"{dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.2f}x / {dense_trn2 / trn2:.2f}x; its range under fixed "
-        "per-step costs: benchmarks/results/speed_bands.md)"
+        f"{dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.2f}x / {dense_trn2 / trn2:.2f}x with no fixed cost per "
+        "step: the upper end of its band; with the per-step costs fitted to AWS's published latencies it is lower, "
+        "benchmarks/results/speed_bands.md)"
     )
 
 
