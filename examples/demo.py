@@ -324,7 +324,7 @@ def emulated_tokens(dense_bf16, fp8, tokenizer):
         f"    modeled time per decode step (one looped kernel: all {layers} layers and the LM head, batch 1, launch "
         f"overhead not modeled): fp8 trn1 {trn1:.0f} µs, trn2 {trn2:.0f} µs; bf16 dense {dense_trn1:.0f} µs and "
         f"{dense_trn2:.0f} µs (speedup {dense_trn1 / trn1:.2f}x / {dense_trn2 / trn2:.2f}x with no fixed cost per "
-        "step: the upper end of its band; with the per-step costs fitted to AWS's published latencies it is lower, "
+        "step, near the top of its band; with the per-step costs fitted to AWS's published latencies it is lower, "
         "benchmarks/results/speed_bands.md)"
     )
 
