@@ -363,11 +363,14 @@ def modeled_lines(modeled: dict) -> list[str]:
         f"The schedule of an engine run on this CPU at max_batch {modeled['batch']} ({2 * modeled['batch']} "
         f"closed-loop clients over the same requests, SmolLM2-135M's token counts): {len(steps)} steps, "
         f"{len(decodes)} decode steps of {mean_rows:.2f} active rows on average, "
-        f"{len(steps) - len(decodes)} prefill chunks, {modeled['tokens']} output tokens. Each decode step priced "
-        f"as the paged looped kernel at {modeled['model']}'s shape (full depth, count-only trace, its batch bucket "
-        "and block-table slots); prefill chunks at their roofline (a lower bound); 0 µs per launch. Standalone: "
-        "the looped kernel at batch 8 on a contiguous cache of the engine's whole context, 8 tokens a step. "
-        "Per NeuronCore; all figures modeled, not measured.",
+        f"{len(steps) - len(decodes)} prefill steps (a prompt chunk for each row waiting, "
+        f"{sum(s[4] for s in steps if s[0] != 'decode')} chunks), {modeled['tokens']} output tokens. Each decode "
+        f"step priced as the paged looped kernel at {modeled['model']}'s shape (full depth, count-only trace, its "
+        "batch bucket and block-table slots); prefill steps at their roofline (a lower bound: weights read once for "
+        "the step's rows); 0 µs per launch. Alone (the ratios' denominator): the looped kernel at batch 8 over a "
+        "contiguous cache of each decode step's slots, 8 tokens a step; the whole-context column: at the engine's "
+        "whole context. Decode-only below 1 counts the partial batches (the run's last requests drain rows one by "
+        "one). Per NeuronCore; all figures modeled, not measured.",
         "",
         *serving_modeled.schedule_lines(modeled),
         "",
