@@ -119,41 +119,26 @@ def record(start: float, stamps: list, failed: bool) -> dict:
 
 def run_engine(engine: Engine, mix, clients: int, timeout_s: float) -> dict:
     """Closed-loop clients over the mix: the row's per-request records, wall seconds and peak RSS."""
-    queue = list(range(len(mix)))
-    lock = threading.Lock()
-    records = []
 
-    def client():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                index = queue.pop(0)
-            prompt, n = mix[index]
-            done, stamps, reasons = threading.Event(), [], []
+    def one(index):
+        prompt, n = mix[index]
+        done, stamps, reasons = threading.Event(), [], []
 
-            def on_event(event):
-                stamps.extend([time.perf_counter()] * len(event.token_ids))
-                if event.finished:
-                    reasons.append(event.finish_reason)
-                    done.set()
+        def on_event(event):
+            stamps.extend([time.perf_counter()] * len(event.token_ids))
+            if event.finished:
+                reasons.append(event.finish_reason)
+                done.set()
 
-            start = time.perf_counter()
-            request_id = engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), on_event)
-            if not done.wait(timeout_s):
-                engine.cancel(request_id)
-                done.wait()
-            with lock:
-                records.append(record(start, stamps, reasons[0] not in ("length", "stop") or len(stamps) != n))
+        start = time.perf_counter()
+        request_id = engine.submit(prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True), on_event)
+        if not done.wait(timeout_s):
+            engine.cancel(request_id)
+            done.wait()
+        return record(start, stamps, reasons[0] not in ("length", "stop") or len(stamps) != n)
 
     serving_llama_cpp.reset_peak_rss()
-    start = time.perf_counter()
-    threads = [threading.Thread(target=client) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    wall = time.perf_counter() - start
+    records, wall = serving_llama_cpp.closed_loop(len(mix), clients, one)
     return dict(clients=clients, seconds=wall, peak_rss_mib=serving_llama_cpp.peak_rss_mib(), requests=records)
 
 

@@ -72,11 +72,34 @@ def llama_cpp_server(python: str, gguf: str, log_path: str):
             process.wait()
 
 
+def closed_loop(count: int, clients: int, one) -> tuple[list, float]:
+    """`clients` threads take request indices 0 .. count - 1 in order, each running one(index) to its end before it
+    takes the next (closed-loop clients); (one's results in completion order, wall seconds)."""
+    queue = list(range(count))
+    lock = threading.Lock()
+    results = []
+
+    def worker():
+        while True:
+            with lock:
+                if not queue:
+                    return
+                index = queue.pop(0)
+            result = one(index)
+            with lock:
+                results.append(result)
+
+    start = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results, time.perf_counter() - start
+
+
 def run_clients(client, process, prompts: list[str], lengths: list[int], clients: int, eos_id: int, timeout_s: float):
     """Closed-loop clients over the requests; (per-request records, wall seconds, peak RSS MiB of the server)."""
-    queue = list(range(len(prompts)))
-    lock = threading.Lock()
-    records = []
     model = client.models.list().data[0].id
 
     def one(index):
@@ -102,21 +125,6 @@ def run_clients(client, process, prompts: list[str], lengths: list[int], clients
             failed = True
         return start, stamps, failed
 
-    def worker():
-        while True:
-            with lock:
-                if not queue:
-                    return
-                index = queue.pop(0)
-            record = one(index)
-            with lock:
-                records.append(record)
-
     reset_peak_rss(process.pid)
-    start = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(clients)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return records, time.perf_counter() - start, peak_rss_mib(process.pid)
+    records, wall = closed_loop(len(prompts), clients, one)
+    return records, wall, peak_rss_mib(process.pid)

@@ -83,3 +83,26 @@ def test_serving_markdown_rerenders_from_its_json(tmp_path):
     )
     assert (tmp_path / "serving.md").read_text() == (RESULTS / "serving.md").read_text()
     assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_closed_loop_clients_take_every_request_once_and_never_more_than_clients_at_a_time():
+    import threading
+    import time
+
+    import serving_llama_cpp
+
+    lock, running, peak, started = threading.Lock(), [0], [0], []
+
+    def one(index):
+        with lock:
+            started.append(index)
+            running[0] += 1
+            peak[0] = max(peak[0], running[0])
+        time.sleep(0.002 * (index % 3))
+        with lock:
+            running[0] -= 1
+        return index * 10
+
+    results, wall = serving_llama_cpp.closed_loop(11, 3, one)
+    assert sorted(results) == [i * 10 for i in range(11)] and started == sorted(started) and wall > 0
+    assert peak[0] == 3
