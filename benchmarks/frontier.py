@@ -44,6 +44,7 @@ from jax_neuronmm import pipeline
 from jax_neuronmm.models import decode, evaluation, quality, text_kinds
 from jax_neuronmm.pipeline import calibration
 from nki_kernels.decode import traffic
+from nki_kernels.emulator import cost_model
 
 # --checkpoint_dir, --seq_len, --calibration_windows, --distill_windows, --eval_windows, --configs, --render_only and
 # --out_dir are the accuracy report's flags (defined when it is imported); this report calibrates on 48 windows.
@@ -146,12 +147,12 @@ def measure_accuracy(model, windows, dense_predictions) -> dict:
 
 def sources_digest() -> str:
     """sha256 over the source files the modeled speeds depend on: the decode kernels, the emulator (its cost model
-    included) and the rank rule."""
+    included), the rank rule and the fitted cost terms the bands are priced at."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sources = sorted(
         glob.glob(os.path.join(root, "nki_kernels", "decode", "*.py"))
         + glob.glob(os.path.join(root, "nki_kernels", "emulator", "*.py"))
-        + [os.path.join(root, "nki_kernels", "ranks.py")]
+        + [os.path.join(root, "nki_kernels", "ranks.py"), str(cost_model.FITTED_COSTS_PATH)]
     )
     digest = hashlib.sha256()
     for path in sources:
@@ -179,7 +180,9 @@ def trace_speeds(specs: dict, results: dict, retrace: bool) -> tuple[list, int]:
             case = (model_name, model.spec, batch)
             if case not in traced:
                 start = time.perf_counter()
-                traced[case] = measure_model(model, "looped", batch, CACHE_LEN, extrapolated=model_name != GEMMA)
+                traced[case] = measure_model(
+                    model, "looped", batch, CACHE_LEN, extrapolated=model_name != GEMMA, bands=True
+                )
                 seconds.append(time.perf_counter() - start)
                 print(f"traced {model_name} {config_name} batch {batch}: {seconds[-1]:.0f} s", flush=True)
             speeds[key], digests[key] = dataclasses.asdict(traced[case]), digest

@@ -21,6 +21,7 @@ from frontier_configs import (
 from harness.comparison import TARGETS, Measured, peak_fraction, roofline_us
 
 from jax_neuronmm.compress.checkpoint import write_atomically
+from nki_kernels.emulator import speed_bands
 
 
 def _measured(results, model_name, config_name, batch) -> Measured | None:
@@ -50,6 +51,15 @@ class Speeds:
         base, us = self.us(model_name, "dense bf16", batch, target), self.us(model_name, config_name, batch, target)
         return None if base is None or us is None else base / us
 
+    def band(self, model_name, config_name, batch, target) -> tuple[float, float, float] | None:
+        """(at the fitted cost terms, lowest, highest) speedup over bf16 dense looped over the band's corners
+        (nki_kernels.emulator.speed_bands); None where either trace has no band on `target`."""
+        base = _measured(self.results, model_name, "dense bf16", batch)
+        this = _measured(self.results, model_name, config_name, batch)
+        if base is None or this is None or target not in base.band_us or target not in this.band_us:
+            return None
+        return speed_bands.ratio_band(base.band_us[target], this.band_us[target])
+
 
 def worst(row, dense) -> float:
     return max(row[f"ppl_{t}"] / dense[f"ppl_{t}"] for t in TEXTS)
@@ -67,6 +77,11 @@ def frontier(points: dict) -> set:
 
 def _x(value):
     return "–" if value is None else f"{value:.2f}x"
+
+
+def _band(band) -> str:
+    """A speedup at the fitted terms with its band, e.g. "1.21x (1.20–1.91x)"."""
+    return "–" if band is None else f"{band[0]:.2f}x ({band[1]:.2f}–{band[2]:.2f}x)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,6 +117,7 @@ def render(results: dict, out_dir: str) -> None:
     lines += ["## Targets (modeled speed, batch 1, S 512; perplexity: worst held-out text)", ""]
     lines += target_lines(view.rows, view.dense, view.speeds, view.configs)
     lines += _not_measured_lines(view)
+    lines += _band_tables(view)
     lines += _speed_tables(view)
     text = "\n".join(lines) + "\n"
     os.makedirs(out_dir, exist_ok=True)
@@ -302,6 +318,36 @@ def _speed_tables(view: _View) -> list[str]:
     return lines
 
 
+def _band_tables(view: _View) -> list[str]:
+    """Per model: each configuration's speedup over bf16 dense looped at the fitted cost terms, with its band."""
+    lines = [
+        f"## Speedups at the fitted cost terms, with bands (S {CACHE_LEN})",
+        "",
+        "Each speedup of the tables above (the documented model's), priced again at the cost terms fitted to AWS's "
+        "published end-to-end latencies (benchmarks/results/calibration.md) and over the band's corners (fixed step "
+        "cost 0 to fitted, DMA issue cost 0 to max(fitted, 600 ns), compute x1 to x2; "
+        "`nki_kernels/emulator/speed_bands.py`): **fitted (lowest–highest)**. The fitted fixed cost per step is a "
+        "host loop's and the same for every configuration, so the fitted points sit near the bottom of each band.",
+        "",
+    ]
+    model_configs = [(GEMMA, CONFIGS)] + [(m, SPEED_ONLY_CONFIGS) for m in SPEED_ONLY_MODELS]
+    columns = [(b, t) for b in BATCHES for t in TARGETS]
+    for model_name, config_list in model_configs:
+        specs = view.results["specs"] if model_name == GEMMA else view.results["speed_only_specs"][model_name]
+        lines += [
+            f"### {model_name}",
+            "",
+            "| configuration " + "".join(f"| {t} b{b} " for b, t in columns) + "|",
+            "|---" + "|---" * len(columns) + "|",
+        ]
+        for config in config_list:
+            if config.name in specs:
+                cells = "".join(f"| {_band(view.speeds.band(model_name, config.name, b, t))} " for b, t in columns)
+                lines.append(f"| {config.name} {cells}|")
+        lines.append("")
+    return lines
+
+
 def _speed_row(speeds: Speeds, model_name: str, config_name: str, info: dict, b: int) -> str:
     need = info["must_move"][str(b)]
     cells = []
@@ -432,7 +478,10 @@ def target_lines(rows, dense, speeds, configs) -> list[str]:
 
 
 def _speed_text(speeds, name) -> str:
-    return " / ".join(f"{t} {_x(speeds.speedup(GEMMA, name, 1, t))}" for t in TARGETS)
+    """Batch-1 speedups per target: the documented model's, then at the fitted terms with its band."""
+    return " / ".join(
+        f"{t} {_x(speeds.speedup(GEMMA, name, 1, t))} (fitted {_band(speeds.band(GEMMA, name, 1, t))})" for t in TARGETS
+    )
 
 
 def plot(rows, dense, points, on_frontier, speeds, configs, path) -> None:

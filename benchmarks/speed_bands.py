@@ -77,7 +77,7 @@ QUICK = ("gemma-looped", "gemma-looped-fp8")
 
 class Traced:
     """One case's rank-0 runs on one target (at one and two layers when extrapolated) and its step latency at any
-    terms: the sum of its launches (fixed cost excluded), extrapolated in layers, plus the fixed cost once."""
+    terms (speed_bands.step_us: the launches plus the fixed cost once), extrapolated in layers."""
 
     def __init__(self, case: Case, target: str, model):
         self.case, self.target = case, target
@@ -105,19 +105,15 @@ class Traced:
 
         return rank0_runs(step, self.target)
 
-    def kernel_us(self, terms):
-        key = None if terms is None else dataclasses.replace(terms, step_fixed_us=0.0)
-        if key not in self._cache:
-            sums = [sum(cost_model.schedule(r, self.target, terms=key).latency_us for r in runs) for runs in self.runs]
-            if len(sums) == 1:
-                self._cache[key] = sums[0]
-            else:
-                (l1, l2), (a, b) = self.depths, sums
-                self._cache[key] = a + (b - a) * (self.layers - l1) / (l2 - l1)
-        return self._cache[key]
-
     def step_us(self, terms):
-        return self.kernel_us(terms) + (0.0 if terms is None else terms.step_fixed_us)
+        if terms not in self._cache:
+            sums = [speed_bands.step_us(runs, self.target, terms) for runs in self.runs]
+            if len(sums) == 1:
+                self._cache[terms] = sums[0]
+            else:  # the fixed cost is in both sums once, so it stays once
+                (l1, l2), (a, b) = self.depths, sums
+                self._cache[terms] = a + (b - a) * (self.layers - l1) / (l2 - l1)
+        return self._cache[terms]
 
 
 def markdown(cases: dict, speedups: list, fitted: dict, seconds: float, quick: bool) -> str:

@@ -2,6 +2,7 @@
 (counted by hand here), the specs (from the presets through decode_plan) and operand placeholders of each model,
 the nkilib peer's sharding, the targets' bounds, and a --quick smoke run of the whole script."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from harness import comparison as bench
 
 from nki_kernels.decode import layouts, packing
 from nki_kernels.decode.contract import PROJECTIONS
+from nki_kernels.emulator import cost_model, speed_bands
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
 MODELS = bench.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B"])
@@ -107,6 +109,43 @@ def test_extrapolation_is_linear_in_layers():
     c = bench.extrapolate(a, 2, b, 4, 18)
     assert c.kernel_us == {"trn1": 58.0, "trn2": 40.0} and c.launches == 19 and c.hbm_bytes == 740.0
     assert c.latency_us("trn2", 5.0) == 40.0 + 19 * 5.0
+
+
+def test_bands_extrapolate_linearly_in_layers_corner_by_corner():
+    a = bench.Measured({"trn1": 10.0}, 3, 100.0, band_us={"trn1": {"fitted": 20.0, "corners": [10.0, 30.0]}})
+    b = bench.Measured({"trn1": 16.0}, 5, 180.0, band_us={"trn1": {"fitted": 26.0, "corners": [16.0, 40.0]}})
+    c = bench.extrapolate(a, 2, b, 4, 18)
+    # The fixed step cost is in both traces once, so the slope leaves it once: 20 + 6 * 8.
+    assert c.band_us == {"trn1": {"fitted": 68.0, "corners": [58.0, 110.0]}}
+
+
+@pytest.mark.parametrize("composition", ["looped", "per_layer"])
+def test_measured_bands_are_the_step_rescheduled_at_each_corner(composition):
+    # A 1-layer Gemma 3 270M step: each corner's latency is the launches scheduled at that corner's terms (its fixed
+    # step cost left out) plus the fixed cost once, however many launches the composition makes.
+    spec = bench.decode_spec(MODELS["Gemma 3 270M"], 1, False, fp8=composition == "looped")
+    measured = bench.measure_spec(spec, composition, 2, 96, bands=True)
+    for target in ("trn1", "trn2"):
+        fitted = cost_model.fitted_terms(target)
+        band = measured.band_us[target]
+        corners = speed_bands.corners(fitted)
+        assert len(band["corners"]) == len(corners) == 8
+        kernels = measured.kernel_us[target]  # the documented model: no terms
+        all_low = band["corners"][0]
+        assert all_low == pytest.approx(speed_bands.step_us(_records(spec, composition, target), target, corners[0]))
+        # Fixed cost once: the all-high corner minus its twin with no fixed cost is the fitted fixed cost exactly.
+        no_fixed = dataclasses.replace(corners[-1], step_fixed_us=0.0)
+        twin = speed_bands.step_us(_records(spec, composition, target), target, no_fixed)
+        assert band["corners"][-1] - twin == pytest.approx(fitted.step_fixed_us)
+        assert band["fitted"] >= fitted.step_fixed_us and kernels > 0
+    assert bench.measure_spec(spec, composition, 2, 96).band_us == {}
+
+
+def _records(spec, composition, target):
+    records = []
+    operands = bench.operand_specs(spec, 2, 96)
+    bench.profiled(lambda: bench.run_decode_step(composition, operands, spec, numerics=False), target, False, records)
+    return records
 
 
 def test_ratio_bounds_at_peak_on_a_synthetic_case():

@@ -37,8 +37,8 @@ from nki_kernels.decode.contract import (
 )
 from nki_kernels.decode.packing import attention_packing, unpacked_spec
 from nki_kernels.decode.sharding import shard_spec
-from nki_kernels.emulator import collective_costs, launch
-from nki_kernels.emulator.cost_model import collective_links, roofline_us
+from nki_kernels.emulator import collective_costs, launch, speed_bands, trace
+from nki_kernels.emulator.cost_model import collective_links, fitted_terms, roofline_us
 from nki_kernels.emulator.kernel import Spec
 
 __all__ = ["COMPOSITIONS", "roofline_us"]
@@ -352,6 +352,9 @@ class Measured:
     # target -> µs of the same launches with unlimited DMA and link bandwidth (cost_model.dependency_floor_us;
     # looped cases of measure_spec only, else empty)
     floor_us: dict = dataclasses.field(default_factory=dict)
+    # target -> speed_bands.band_latencies of the step (µs at the fitted cost terms and at the band's corners, the
+    # fixed step cost included once; measure_spec(..., bands=True) only, else empty)
+    band_us: dict = dataclasses.field(default_factory=dict)
 
     def latency_us(self, target: str, overhead_us: float) -> float | None:
         """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
@@ -360,8 +363,11 @@ class Measured:
         return self.kernel_us[target] + self.launches * launch.check_launch_overhead(overhead_us)
 
     @classmethod
-    def from_runs(cls, runs_by_target: dict, note: str = "", floor: bool = False) -> Measured:
-        """floor: the runs were profiled with their dependency floor (profiled(..., dependency_floor=True))."""
+    def from_runs(
+        cls, runs_by_target: dict, note: str = "", floor: bool = False, bands: dict | None = None
+    ) -> Measured:
+        """floor: the runs were profiled with their dependency floor (profiled(..., dependency_floor=True)); bands:
+        the band_us field."""
         first = next(iter(runs_by_target.values()))
         head = {
             t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
@@ -376,6 +382,7 @@ class Measured:
             floor_us={t: sum(r.dependency_floor_us[t] for r in runs) for t, runs in runs_by_target.items()}
             if floor
             else {},
+            band_us=bands or {},
         )
 
 
@@ -396,14 +403,34 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
             t: at(m1.collective_us[t], m2.collective_us[t]) for t in m1.collective_us if t in m2.collective_us
         },
         floor_us={t: at(m1.floor_us[t], m2.floor_us[t]) for t in m1.floor_us if t in m2.floor_us},
+        band_us={
+            t: {
+                "fitted": at(m1.band_us[t]["fitted"], m2.band_us[t]["fitted"]),
+                "corners": [at(a, b) for a, b in zip(m1.band_us[t]["corners"], m2.band_us[t]["corners"])],
+            }
+            for t in m1.band_us
+            if t in m2.band_us
+        },
     )
 
 
-def profiled(fn, target: str, dependency_floor: bool = False) -> list:
+def profiled(fn, target: str, dependency_floor: bool = False, records: list | None = None) -> list:
     """The profiled runs of fn() on the emulator in count-only mode on `target` (with each run's dependency floor
-    when dependency_floor is set)."""
-    with emulator.use_target(target), emulator.count_only(), emulator.profile(dependency_floor) as prof:
-        fn()
+    when dependency_floor is set); `records`, when given, receives rank 0's kernel runs with their instruction
+    records (to schedule again at other cost terms)."""
+
+    def keep(run):
+        if run.rank == 0:
+            records.append(run)
+
+    if records is not None:
+        trace.add_listener(keep)
+    try:
+        with emulator.use_target(target), emulator.count_only(), emulator.profile(dependency_floor) as prof:
+            fn()
+    finally:
+        if records is not None:
+            trace.remove_listener(keep)
     return prof.runs
 
 
@@ -412,12 +439,13 @@ def describe_error(error: Exception) -> str:
     return f"{type(error).__name__}: {str(error).splitlines()[0][:150]}"
 
 
-def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int) -> Measured:
+def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int, bands: bool = False) -> Measured:
     """One composition of our kernels at `spec`'s depth, count-only, on each target (a target where it fails is
     named in the note). A tensor-parallel spec (one rank's shard) runs on spec.tensor_parallel ranks at once
     (collectives priced by the cost model's link model) and is measured on rank 0 (every rank runs the same
     shapes): one rank's latency, HBM bytes and time in collectives. A looped case also has its dependency floor
-    (Measured.floor_us)."""
+    (Measured.floor_us); with `bands`, the step at the fitted cost terms and the band's corners (Measured.band_us,
+    nki_kernels.emulator.speed_bands)."""
     if composition.startswith("per_op"):  # they read each weight on its own: packed weights are not their layout
         spec = unpacked_spec(spec)
     operands = operand_specs(spec, batch, cache_len)
@@ -429,16 +457,22 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int)
         else:
             run_sharded_decode_step(composition, [operands] * spec.tensor_parallel, spec, numerics=False)
 
-    runs, failures = {}, []
+    runs, failures, band_us = {}, [], {}
     for t in TARGETS:
+        records = [] if bands else None
         try:
-            runs[t] = [run for run in profiled(step, t, floor) if run.rank == 0]
+            runs[t] = [run for run in profiled(step, t, floor, records) if run.rank == 0]
         except Exception as error:  # noqa: BLE001 - a limit of this target or shape: reported, the rest stands
             failures.append(f"{t}: {describe_error(error)}")
+            continue
+        if bands:
+            band_us[t] = speed_bands.band_latencies(
+                lambda terms, t=t, records=records: speed_bands.step_us(records, t, terms), fitted_terms(t)
+            )
     note = "did not run on " + "; ".join(failures) if failures else ""
     if not runs:
         return Measured({}, 0, 0.0, note=note)
-    return Measured.from_runs(runs, note=note, floor=floor)
+    return Measured.from_runs(runs, note=note, floor=floor, bands=band_us)
 
 
 def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:
@@ -456,11 +490,13 @@ def measure_depths(measure, model: DecodeModel, depths: tuple[int, ...]) -> Meas
     return extrapolate(measure(l1), l1, measure(l2), l2, model.num_layers)
 
 
-def measure_model(model: DecodeModel, composition: str, batch: int, cache_len: int, extrapolated: bool) -> Measured:
+def measure_model(
+    model: DecodeModel, composition: str, batch: int, cache_len: int, extrapolated: bool, bands: bool = False
+) -> Measured:
     """One composition at `model`'s spec as it is (its ranks, head rank and fp8 weights), at full depth or
-    (extrapolated) from traces of one and two repeats of its layer pattern."""
+    (extrapolated) from traces of one and two repeats of its layer pattern (`bands`: as measure_spec)."""
     return measure_depths(
-        lambda layers: measure_spec(cut_layers(model.spec, layers), composition, batch, cache_len),
+        lambda layers: measure_spec(cut_layers(model.spec, layers), composition, batch, cache_len, bands),
         model,
         traced_layers(model, extrapolated),
     )

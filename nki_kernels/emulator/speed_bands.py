@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-from .cost_model import CostTerms
+from .cost_model import CostTerms, schedule
 
 COMPUTE_SCALES = (1.0, 2.0)
 DOCUMENTED_DMA_ISSUE_NS = 600.0
@@ -46,6 +46,29 @@ def speedup_band(
 ) -> tuple[float, float, float]:
     """(at the fitted terms, lowest, highest) of slow(terms) / fast(terms), the band over every corner and the fitted
     point (a ratio of two latencies need not be monotone in the terms, so the point can lie outside the corners')."""
-    point = slow(fitted) / fast(fitted)
-    ratios = [point] + [slow(t) / fast(t) for t in corners(fitted)]
+    return ratio_band(band_latencies(slow, fitted), band_latencies(fast, fitted))
+
+
+def step_us(runs: Sequence, target: str, terms: CostTerms | None) -> float:
+    """One step's modeled µs on `target`: its launches (trace.KernelRun with records) scheduled at `terms` without the
+    fixed cost, plus the fixed cost once (a step pays it once however many launches it makes; None: the documented
+    model alone)."""
+    if terms is None:
+        return sum(schedule(run, target).latency_us for run in runs)
+    free = dataclasses.replace(terms, step_fixed_us=0.0)
+    return sum(schedule(run, target, terms=free).latency_us for run in runs) + terms.step_fixed_us
+
+
+def band_latencies(latency: Callable[[CostTerms], float], fitted: CostTerms) -> dict:
+    """{"fitted": latency(fitted), "corners": [latency(t) for t in corners(fitted)]}: what a speedup band needs of one
+    latency, kept (e.g. in a report's JSON) so bands are recomputed without the trace."""
+    return {"fitted": latency(fitted), "corners": [latency(t) for t in corners(fitted)]}
+
+
+def ratio_band(slow: dict, fast: dict) -> tuple[float, float, float]:
+    """(at the fitted terms, lowest, highest) of slow / fast from two band_latencies of the same fitted terms."""
+    if len(slow["corners"]) != len(fast["corners"]):
+        raise ValueError(f"slow, fast: {len(slow['corners'])} and {len(fast['corners'])} corners, expected the same")
+    point = slow["fitted"] / fast["fitted"]
+    ratios = [point] + [a / b for a, b in zip(slow["corners"], fast["corners"])]
     return point, min(ratios), max(ratios)
