@@ -49,10 +49,11 @@ def measure_ours(
     cache_len: int,
     num_layers: int,
     fp8: bool = False,
+    bands: bool = False,
 ) -> Measured:
     """One composition of our kernels on `num_layers` layers, count-only, on each target; fp8: every weight in fp8
-    with float32 scales."""
-    return measure_spec(decode_spec(model, num_layers, compressed, fp8), composition, batch, cache_len)
+    with float32 scales; bands: with the step at the fitted cost terms and the band's corners."""
+    return measure_spec(decode_spec(model, num_layers, compressed, fp8), composition, batch, cache_len, bands)
 
 
 NOT_TRACED = "not traced in this run (run time on this machine)"
@@ -148,7 +149,8 @@ def run_fp8(models, batches, cache_lengths, extrapolated, cache, traced) -> tupl
     """The fp8 report's cases: ({(model, fp8, compressed, batch, S, composition): Measured}, {same key: seconds
     its trace took in this run, or None when it came from the cache}, the 1-minute load average before the first
     case and after each), fp8 and bf16 weights, dense and compressed, the `traced` compositions and bf16 dense
-    looped (every speedup's base). bf16 cases share run_all's cache keys; fp8 ones end in "|fp8"."""
+    looped (every speedup's base), each with its band (measure_spec's bands). bf16 cases share run_all's cache keys;
+    fp8 ones end in "|fp8"."""
     cache = cache or CaseCache(None)
     cases = [
         (m, f, c, b, s, comp)
@@ -166,7 +168,7 @@ def run_fp8(models, batches, cache_lengths, extrapolated, cache, traced) -> tupl
         key = f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}" + ("|fp8" if f else "")
         start, cached = time.time(), key in cache.cases
         ours[(m.name, f, c, b, s, comp)] = cache.get(
-            key, lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers, f), m, depths)
+            key, lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers, f, True), m, depths)
         )
         seconds[(m.name, f, c, b, s, comp)] = None if cached else time.time() - start
         loads.append(os.getloadavg()[0])

@@ -18,10 +18,9 @@ from frontier_configs import (
     TARGET_SPEEDUPS,
     TEXTS,
 )
-from harness.comparison import TARGETS, Measured, peak_fraction, roofline_us
+from harness.comparison import TARGETS, Measured, band_text, peak_fraction, roofline_us, speedup_band
 
 from jax_neuronmm.compress.checkpoint import write_atomically
-from nki_kernels.emulator import speed_bands
 
 
 def _measured(results, model_name, config_name, batch) -> Measured | None:
@@ -55,10 +54,7 @@ class Speeds:
         """(at the fitted cost terms, lowest, highest) speedup over bf16 dense looped over the band's corners
         (nki_kernels.emulator.speed_bands); None where either trace has no band on `target`."""
         base = _measured(self.results, model_name, "dense bf16", batch)
-        this = _measured(self.results, model_name, config_name, batch)
-        if base is None or this is None or target not in base.band_us or target not in this.band_us:
-            return None
-        return speed_bands.ratio_band(base.band_us[target], this.band_us[target])
+        return speedup_band(base, _measured(self.results, model_name, config_name, batch), target)
 
 
 def worst(row, dense) -> float:
@@ -77,11 +73,6 @@ def frontier(points: dict) -> set:
 
 def _x(value):
     return "–" if value is None else f"{value:.2f}x"
-
-
-def _band(band) -> str:
-    """A speedup at the fitted terms with its band, e.g. "1.21x (1.20–1.91x)"."""
-    return "–" if band is None else f"{band[0]:.2f}x ({band[1]:.2f}–{band[2]:.2f}x)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,7 +333,7 @@ def _band_tables(view: _View) -> list[str]:
         ]
         for config in config_list:
             if config.name in specs:
-                cells = "".join(f"| {_band(view.speeds.band(model_name, config.name, b, t))} " for b, t in columns)
+                cells = "".join(f"| {band_text(view.speeds.band(model_name, config.name, b, t))} " for b, t in columns)
                 lines.append(f"| {config.name} {cells}|")
         lines.append("")
     return lines
@@ -480,7 +471,8 @@ def target_lines(rows, dense, speeds, configs) -> list[str]:
 def _speed_text(speeds, name) -> str:
     """Batch-1 speedups per target: the documented model's, then at the fitted terms with its band."""
     return " / ".join(
-        f"{t} {_x(speeds.speedup(GEMMA, name, 1, t))} (fitted {_band(speeds.band(GEMMA, name, 1, t))})" for t in TARGETS
+        f"{t} {_x(speeds.speedup(GEMMA, name, 1, t))} (fitted {band_text(speeds.band(GEMMA, name, 1, t))})"
+        for t in TARGETS
     )
 
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from harness import comparison as bench
 
@@ -219,11 +220,15 @@ def test_fp8_table_speedups_are_over_bf16_dense_looped():
     m = MODELS["Gemma 3 270M"]
     need = {(f, c): bench.must_move_bytes(m, c, 1, 512, fp8=f) for f in (False, True) for c in (False, True)}
     assert need[(True, False)] < 0.52 * need[(False, False)]  # fp8 weights at half the bytes; cache and logits not
+    rng = np.random.default_rng()
+    # Bands on trn1 only: [fitted, 8 corners] of each case, random, so the table's band must be their ratio's.
+    bands = {(f, c): rng.uniform(100.0, 900.0, size=9) for f in (False, True) for c in (False, True)}
     ours = {
         (m.name, f, c, 1, 512, "looped"): bench.Measured(
             {t: (1 + (not f) + (not c)) * bench.roofline_us(0, need[(f, c)], t) for t in bench.TARGETS},
             1,
             float(need[(f, c)]),
+            band_us={"trn1": {"fitted": bands[(f, c)][0], "corners": list(bands[(f, c)][1:])}},
         )
         for f in (False, True)
         for c in (False, True)
@@ -233,7 +238,10 @@ def test_fp8_table_speedups_are_over_bf16_dense_looped():
     assert fp8_compressed[2:5] == ["fp8", "compressed", bench.LABELS["looped"]]
     base = 3 * bench.roofline_us(0, need[(False, False)], "trn1")
     us = bench.roofline_us(0, need[(True, True)], "trn1")
-    assert fp8_compressed[7] == f"{us:.1f} / 100% / {base / us:.2f}x"
+    ratios = bands[(False, False)] / bands[(True, True)]
+    band = f"{ratios[0]:.2f}x ({ratios.min():.2f}–{ratios.max():.2f}x)"
+    assert fp8_compressed[7] == f"{us:.1f} / 100% / {base / us:.2f}x / {band}"
+    assert fp8_compressed[8].endswith(" / – |")  # no band traced on trn2
 
 
 @pytest.mark.parametrize("num_layers,fp8", [(1, True), (2, False)])

@@ -180,14 +180,28 @@ def must_move_bytes(
     )
 
 
+def speedup_band(slow: Measured | None, fast: Measured | None, target: str) -> tuple[float, float, float] | None:
+    """slow ÷ fast on `target` at the fitted cost terms, lowest and highest over the band's corners
+    (speed_bands.ratio_band of their band_us); None where either has no band there."""
+    if slow is None or fast is None or target not in slow.band_us or target not in fast.band_us:
+        return None
+    return speed_bands.ratio_band(slow.band_us[target], fast.band_us[target])
+
+
+def band_text(band: tuple[float, float, float] | None) -> str:
+    """A speedup_band as "1.21x (1.20–1.91x)": at the fitted terms, then the band; "–" without one."""
+    return "–" if band is None else f"{band[0]:.2f}x ({band[1]:.2f}–{band[2]:.2f}x)"
+
+
 def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[str]:
     """The fp8 report's Markdown table for `model`: a row per batch, S, weights (bf16 / fp8), dense or compressed
     and composition in `ours` ({(model name, fp8, compressed, batch, S, composition): Measured}) with its launches,
     HBM bytes moved and must-move, and per target the modeled µs at 0 µs per launch, % of peak and the speedup
-    over bf16 dense looped at the same batch and S ("–" where a case did not run)."""
+    over bf16 dense looped at the same batch and S, then that speedup at the fitted cost terms with its band ("–"
+    where a case did not run or has no band)."""
     lines = [
         "| batch | S | weights | model | composition | launches | HBM MB moved / must move "
-        + "".join(f"| {t} µs / % peak / × bf16 dense looped " for t in TARGETS)
+        + "".join(f"| {t} µs / % peak / × bf16 dense looped / fitted (band) " for t in TARGETS)
         + "|",
         "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS),
     ]
@@ -206,10 +220,13 @@ def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[st
                             us = m.latency_us(t, 0.0)
                             base_us = None if base is None else base.latency_us(t, 0.0)
                             if us is None:
-                                cells.append("– / – / –")
+                                cells.append("– / – / – / –")
                                 continue
                             speedup = "–" if base_us is None else f"{base_us / us:.2f}x"
-                            cells.append(f"{us:.1f} / {100 * peak_fraction(need, us, t):.0f}% / {speedup}")
+                            cells.append(
+                                f"{us:.1f} / {100 * peak_fraction(need, us, t):.0f}% / {speedup} / "
+                                + band_text(speedup_band(base, m, t))
+                            )
                         moved = f"{m.hbm_bytes / 1e6:.1f}" if m.kernel_us else "–"
                         lines.append(
                             f"| {b} | {s} | {'fp8' if fp8 else 'bf16'} | {where(compressed)} | {LABELS[comp]} "
