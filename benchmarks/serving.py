@@ -57,6 +57,13 @@ flags.DEFINE_integer("static_batch", 16, "batch of the static generate baseline"
 flags.DEFINE_float("request_timeout", 900.0, "seconds before a request is cancelled and counted failed", lower_bound=1)
 flags.DEFINE_string("llama_cpp_python", None, "a Python with llama-cpp-python[server]: adds llama.cpp's server rows")
 flags.DEFINE_integer("modeled_batch", 8, "engine rows of the run whose schedule is priced", lower_bound=1)
+flags.DEFINE_integer(
+    "modeled_requests",
+    256,
+    "requests of the run whose schedule is priced (the mix's first --requests and more drawn the same way: the last "
+    "rows' drain is a smaller part of a longer run)",
+    lower_bound=1,
+)
 flags.DEFINE_list("modeled_weights", ["bf16", "fp8"], "weights the schedule is priced with")
 flags.DEFINE_string(
     "modeled_model", SERVED, f"shape the schedule is priced on: {SERVED} (the served model's own) or a published one"
@@ -240,13 +247,16 @@ def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> 
             os.remove(log)
 
 
-def measure_modeled(model, mix, results: dict) -> None:
-    """Records the schedule of an engine run at --modeled_batch rows (--modeled_batch * 2 clients: rows refill at
-    once) and prices it (serving_modeled); the HBM capacity table."""
+def measure_modeled(model, results: dict) -> None:
+    """Records the schedule of an engine run of --modeled_requests requests at --modeled_batch rows (--modeled_batch
+    * 2 clients: rows refill at once) and prices it (serving_modeled); the HBM capacity table."""
     from harness.comparison import published_decode_models
 
     from jax_neuronmm.models.paged import paged_plan
 
+    mix = request_mix(model.tokenizer, FLAGS.modeled_requests, FLAGS.seed)
+    if max(len(prompt) for prompt, _ in mix) > ENGINE["prefill_buckets"][-1]:
+        raise ValueError("serving_modeled.schedule_tokens counts one chunk a prompt: the mix's prompts must fit one")
     steps = []
     options = EngineOptions(max_batch=FLAGS.modeled_batch, **ENGINE)
     with Engine(model, options, on_step=lambda r: steps.append(serving_modeled.record_row(r))) as engine:
@@ -261,10 +271,14 @@ def measure_modeled(model, mix, results: dict) -> None:
         kind: serving_modeled.price_schedule(steps, shape, kind, ENGINE["block_size"], max_slots)
         for kind in FLAGS.modeled_weights
     }
+    tokens = sum(r["tokens"] for r in run["requests"])
+    if tokens != serving_modeled.schedule_tokens(steps) or any(r["failed"] for r in run["requests"]):
+        raise RuntimeError(f"the schedule's {serving_modeled.schedule_tokens(steps)} tokens are not the run's {tokens}")
     results["modeled"] = dict(
         model=FLAGS.modeled_model,
         batch=FLAGS.modeled_batch,
-        tokens=sum(r["tokens"] for r in run["requests"]),
+        requests=len(mix),
+        tokens=tokens,
         schedule=steps,
         priced=priced,
         capacity=serving_modeled.capacity_rows([served, gemma]),
@@ -330,14 +344,14 @@ def write_report(results: dict, out: str) -> None:
         lines.append(f"- 64 clients ({config}): {failed} failed requests, peak RSS {rss:.0f} MiB")
     modeled = results.get("modeled")
     if modeled:
-        lines += modeled_lines(modeled)
+        lines += modeled_lines(modeled, results["requests"])
     write_atomically(
         os.path.join(out, "serving.md"), lambda p: open(p, "w", encoding="utf-8").write("\n".join(lines) + "\n")
     )
     plot(figures, os.path.join(out, "serving.png"), results["model"])
 
 
-def modeled_lines(modeled: dict) -> list[str]:
+def modeled_lines(modeled: dict, requests: int) -> list[str]:
     steps = modeled["schedule"]
     decodes = [s for s in steps if s[0] == "decode"]
     mean_rows = sum(s[4] for s in decodes) / max(len(decodes), 1)
@@ -346,7 +360,8 @@ def modeled_lines(modeled: dict) -> list[str]:
         "## Trainium, modeled",
         "",
         f"The schedule of an engine run on this CPU at max_batch {modeled['batch']} ({2 * modeled['batch']} "
-        f"closed-loop clients over the same requests, SmolLM2-135M's token counts): {len(steps)} steps, "
+        f"closed-loop clients over {modeled['requests']} requests of the same mix: the {requests} above and "
+        f"more drawn the same way; SmolLM2-135M's token counts): {len(steps)} steps, "
         f"{len(decodes)} decode steps of {mean_rows:.2f} active rows on average, "
         f"{len(steps) - len(decodes)} prefill steps (a prompt chunk for each row waiting, "
         f"{sum(s[4] for s in steps if s[0] != 'decode')} chunks), {modeled['tokens']} output tokens. Each decode "
@@ -354,8 +369,10 @@ def modeled_lines(modeled: dict) -> list[str]:
         "batch bucket and block-table slots); prefill steps at their roofline (a lower bound: weights read once for "
         "the step's rows); 0 µs per launch. Alone (the ratios' denominator): the looped kernel at batch 8 over a "
         "contiguous cache of each decode step's slots, 8 tokens a step; the whole-context column: at the engine's "
-        "whole context. Decode-only below 1 counts the partial batches (the run's last requests drain rows one by "
-        "one). Per NeuronCore; all figures modeled, not measured.",
+        "whole context. Decode-only below 1 counts the partial batches: the run's last requests drain rows one by "
+        "one, which a server under steady load never does; the saturated column prices only the steps up to the "
+        "last prefill (while requests still waited for rows), the target is judged on the whole run. Per "
+        "NeuronCore; all figures modeled, not measured.",
         "",
         *serving_modeled.schedule_lines(modeled),
         "",
@@ -449,7 +466,7 @@ def main(argv):
             results["llama_cpp_status"] = "not run (no --llama_cpp_python)"
         save(results, json_path)
     if "modeled" in FLAGS.parts:
-        measure_modeled(dense, mix, results)
+        measure_modeled(dense, results)
     results["machine"] += f", at its end {os.getloadavg()[0]:.1f}"
     save(results, json_path)
     write_report(results, FLAGS.out)

@@ -39,12 +39,14 @@ def test_priced_schedule_adds_up_step_by_step():
         alone = measure_spec(TINY.spec, "looped", 8, 64).kernel_us[target]
         alone_32 = measure_spec(TINY.spec, "looped", 8, 32).kernel_us[target]
         prefill = sum(serving_modeled.prefill_us(TINY.spec, 1, 32, slots, target) for slots in (32, 64))
-        assert 0 < prefill and priced["prefill_us"][target] == pytest.approx(prefill)
+        assert sorted(priced["prefill"]) == ["1,32,32", "1,32,64"]
+        assert priced["prefill"]["1,32,64"][target] == serving_modeled.prefill_us(TINY.spec, 1, 32, 64, target)
         # two rows in one prefill step read the weights once: less than two steps of one row
         one, two = (serving_modeled.prefill_us(TINY.spec, rows, 32, 64, target) for rows in (1, 2))
         assert one < two < 2 * one
-        rate = serving_modeled.modeled_rate(schedule, priced, 18, target)
+        rate = serving_modeled.modeled_rate(schedule, priced, target)
         assert rate["engine"] == pytest.approx(18 / (2 * step_8 + step_4 + prefill) * 1e6)
+        assert 0 < prefill and rate["prefill_us"] == pytest.approx(prefill)
         assert rate["decode_only"] == pytest.approx(16 / (2 * step_8 + step_4) * 1e6)
         assert rate["standalone"] == pytest.approx(8 / alone * 1e6)
         # like for like: the standalone kernel over each decode step's own slots (32, 32, 64), 8 tokens a step
@@ -52,8 +54,14 @@ def test_priced_schedule_adds_up_step_by_step():
         assert rate["standalone_same_slots"] == pytest.approx(same) and alone_32 < alone
         assert rate["ratio"] == pytest.approx(rate["engine"] / same)
         assert rate["ratio_full_context"] == pytest.approx(rate["engine"] / rate["standalone"])
+        # Saturated: up to the last prefill (requests still waiting), so the last decode step (the drain) is left out.
+        busy = serving_modeled.saturated(schedule)
+        assert busy == schedule[:4] and serving_modeled.schedule_tokens(busy) == 15
+        busy_rate = serving_modeled.modeled_rate(busy, priced, target)
+        assert busy_rate["engine"] == pytest.approx(15 / (2 * step_8 + prefill) * 1e6)
+        assert busy_rate["standalone_same_slots"] == pytest.approx(8 / alone_32 * 1e6)
     priced["decode"]["8,32"].pop("trn1")  # a shape that did not run on a target: no rate there
-    assert serving_modeled.modeled_rate(schedule, priced, 18, "trn1") is None
+    assert serving_modeled.modeled_rate(schedule, priced, "trn1") is None
 
 
 def test_capacity_matches_a_hand_count():
