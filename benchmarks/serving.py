@@ -14,8 +14,9 @@ The static batch (dense) runs `generate` over the mix in batches of --static_bat
 warm-up batch. Reported per row: output tokens/s, time to first token and inter-token latency p50 / p99, failed
 requests, peak resident memory (the process's VmHWM, reset before the row: /proc/self/clear_refs; the llama.cpp server's
 own). --llama_cpp_python runs the same requests through llama.cpp's server (benchmarks/serving_llama_cpp.py).
-Modeled: the schedule of an engine run at --modeled_batch rows priced on the decode-step cost model
-(benchmarks/serving_modeled.py), and the HBM capacity table.
+Modeled: the schedule of an engine run of --modeled_requests requests at --modeled_batch rows priced on the
+decode-step cost model (benchmarks/serving_modeled.py), over the whole run and over its saturated steps (before the
+last rows drain), and the HBM capacity table.
 
 Every figure is computed from benchmarks/results/serving.json (per-request records); --render_only re-renders the
 Markdown and PNG from it.
