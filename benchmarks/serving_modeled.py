@@ -14,6 +14,8 @@ table) + KV blocks of bf16 per sequence at a context, in one NeuronCore's share 
 
 from __future__ import annotations
 
+import collections
+
 from harness import comparison  # sibling package: the script's folder is on sys.path
 
 from nki_kernels.decode import traffic
@@ -141,6 +143,21 @@ def modeled_rate(schedule: list, priced: dict, target: str) -> dict | None:
         decode_us=decode_us,
         prefill_us=prefill_us,
     )
+
+
+def paged_over_contiguous(modeled: dict) -> tuple[int, dict]:
+    """(slots, {kind: {target: ratio}}): the paged step ÷ the contiguous one at STANDALONE_BATCH rows and the slots of
+    the schedule's most common full-batch decode step: what decode-only ÷ alone owes to the kernels, not the
+    scheduler."""
+    widths = collections.Counter(
+        row[3] for row in modeled["schedule"] if row[0] == "decode" and row[1] == STANDALONE_BATCH
+    )
+    ratios = {}
+    for kind, priced in modeled["priced"].items():
+        slots = widths.most_common(1)[0][0] * priced["block_size"]
+        paged, alone = priced["decode"][f"{STANDALONE_BATCH},{slots}"], priced["standalone_at_slots"][str(slots)]
+        ratios[kind] = {t: paged[t] / alone[t] for t in TARGETS if t in paged and t in alone}
+    return slots, ratios
 
 
 def capacity_rows(models: list) -> list[dict]:

@@ -60,6 +60,8 @@ def test_priced_schedule_adds_up_step_by_step():
         busy_rate = serving_modeled.modeled_rate(busy, priced, target)
         assert busy_rate["engine"] == pytest.approx(15 / (2 * step_8 + prefill) * 1e6)
         assert busy_rate["standalone_same_slots"] == pytest.approx(8 / alone_32 * 1e6)
+        slots, ratios = serving_modeled.paged_over_contiguous(dict(schedule=schedule, priced={"bf16": priced}))
+        assert slots == 32 and ratios["bf16"][target] == pytest.approx(step_8 / alone_32)
     priced["decode"]["8,32"].pop("trn1")  # a shape that did not run on a target: no rate there
     assert serving_modeled.modeled_rate(schedule, priced, "trn1") is None
 
