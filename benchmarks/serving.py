@@ -8,7 +8,8 @@ text (Pride and Prejudice chapters 50-61, which no compression step sees) at len
 generator, each with its own output length; greedy, end-of-sequence ignored so every request produces exactly its
 length. The engine is driven in-process by N closed-loop clients (each sends its next request when the previous
 finishes; a request not done within --request_timeout is cancelled and counted failed) after untimed warm-up
-passes (compilation); fp8 only at --fp8_clients (XLA on CPU has no fp8 matmul: every step converts the weights).
+passes (compilation); the fp8 and compressed rows only at --variant_clients (XLA on CPU has no fp8 matmul: every
+step converts the weights).
 The static batch (dense) runs `generate` over the mix in batches of --static_batch, every batch in one shape
 (prompts left padded to the mix's longest, outputs to its longest; useful tokens: the requested ones), after a
 warm-up batch. Reported per row: output tokens/s, time to first token and inter-token latency p50 / p99, failed
@@ -49,8 +50,11 @@ FLAGS = flags.FLAGS
 SERVED = "SmolLM2-135M"  # the model the CPU rows serve
 flags.DEFINE_integer("requests", 64, "requests in the mix", lower_bound=1)
 flags.DEFINE_multi_integer("clients", [1, 4, 16, 64], "concurrent clients to measure", lower_bound=1)
-flags.DEFINE_list("configs", ["dense", "fp8"], "weights served: dense and / or fp8")
-flags.DEFINE_multi_integer("fp8_clients", [16], "client counts of the fp8 rows (XLA's CPU fp8 is slow)", lower_bound=1)
+CONFIGS = ("dense", "fp8", "compressed")
+flags.DEFINE_list("configs", list(CONFIGS), f"weights served, of {CONFIGS}")
+flags.DEFINE_multi_integer(
+    "variant_clients", [16], "client counts of the fp8 and compressed rows (XLA's CPU fp8 is slow)", lower_bound=1
+)
 PARTS = ("engine", "static", "llama_cpp", "modeled")
 flags.DEFINE_list("parts", list(PARTS), "parts to run; the others are kept from serving.json")
 flags.DEFINE_integer("max_batch", 16, "engine rows decoded together", lower_bound=1)
@@ -73,7 +77,7 @@ flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from ser
 flags.DEFINE_integer("seed", 54, "seed of the prompt / output length mix")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"), "output folder")
 _flag_checks.output_directory("out")
-_flag_checks.choice_list("configs", lambda: ("dense", "fp8"))
+_flag_checks.choice_list("configs", lambda: CONFIGS)
 _flag_checks.choice_list("modeled_weights", lambda: ("bf16", "fp8"))
 _flag_checks.choice_list("parts", lambda: PARTS)
 flags.register_validator(
@@ -89,9 +93,17 @@ TEXT = os.path.join(os.path.dirname(__file__), "..", "jax_neuronmm", "data", "pr
 ENGINE = dict(block_size=16, max_model_len=256, prefill_buckets=(16, 32, 64, 128))
 
 
-def quantize_fp8(model):
-    """The frontier's fp8 configuration of `model`: every weight fp8 e4m3, rounded to nearest."""
-    return pipeline.quantize_model(model, "float8_e4m3", progress=False)
+def served_model(dense, config: str):
+    """`dense` as CONFIGS' `config` serves it. fp8: every weight fp8 e4m3 rounded to nearest (the frontier's fp8
+    configuration; GPTQ changes the values, not the speed). compressed: every MLP and attention projection SVD-factored
+    at keep 0.8, plain truncation at uniform ranks (the speed is the shapes'; distillation changes values only; the
+    recommended pipeline's allocated shapes and their accuracy: generalization.md)."""
+    if config == "fp8":
+        return pipeline.quantize_model(dense, "float8_e4m3", progress=False)
+    if config == "compressed":
+        recipe = pipeline.Recipe(keep=0.8, include=("mlp", "attention"), mlp_form="factored", method="svd", steps=())
+        return pipeline.compress_model(dense, recipe)
+    return dense
 
 
 def smollm2_path() -> str:
@@ -201,7 +213,7 @@ def warmup_requests(mix):
 def measure_cpu(model, name: str, mix, results: dict) -> None:
     """The engine at each client count, after warm-up passes."""
     options = EngineOptions(max_batch=FLAGS.max_batch, **ENGINE)
-    loads = FLAGS.clients if name == "dense" else FLAGS.fp8_clients
+    loads = FLAGS.clients if name == "dense" else FLAGS.variant_clients
     with Engine(model, options) as engine:
         # Warm-up (compiles): one client over requests whose prompts take each prefill shape and whose longest
         # output crosses every block-table width, then the largest load.
@@ -455,9 +467,7 @@ def main(argv):
     )
     results.pop("machine", None)  # one line for every part: runs, per part, replaces it
     parts = {
-        "engine": lambda: [
-            measure_cpu(dense if n == "dense" else quantize_fp8(dense), n, mix, results) for n in FLAGS.configs
-        ],
+        "engine": lambda: [measure_cpu(served_model(dense, n), n, mix, results) for n in FLAGS.configs],
         "static": lambda: measure_static(dense, mix, results),
         "llama_cpp": lambda: measure_llama_cpp_part(path, dense, mix, results),
         "modeled": lambda: measure_modeled(dense, results),
@@ -465,7 +475,12 @@ def main(argv):
     systems = {"engine": "engine", "static": "static", "llama_cpp": "llama.cpp"}
     for part in PARTS:
         if part in FLAGS.parts:
-            results["rows"] = [row for row in results["rows"] if row["system"] != systems.get(part)]
+            # the part's rows are measured again; the engine's only for the --configs given
+            results["rows"] = [
+                row
+                for row in results["rows"]
+                if row["system"] != systems.get(part) or (part == "engine" and row["config"] not in FLAGS.configs)
+            ]
             start, load = time.time(), os.getloadavg()[0]
             parts[part]()
             results.setdefault("runs", {})[part] = (

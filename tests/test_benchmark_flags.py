@@ -213,7 +213,7 @@ def cases_table(paths):
                     "--parts=llama_cpp,static",
                     f"--llama_cpp_python={sys.executable}",
                     "--configs=fp8",
-                    "--fp8_clients=4",
+                    "--variant_clients=4",
                 ],
             ],
             [
@@ -225,7 +225,7 @@ def cases_table(paths):
                 ("parse", ["--modeled_weights=int4"], "--modeled_weights: got ['int4']"),
                 ("parse", [f"--llama_cpp_python={a_file}"], "--llama_cpp_python: expected an executable Python"),
                 ("parse", ["--modeled_batch=0"], "--modeled_batch=0"),
-                ("parse", ["--fp8_clients=0"], "--fp8_clients=0"),
+                ("parse", ["--variant_clients=0"], "--variant_clients=0"),
                 ("parse", ["--request_timeout=0"], "--request_timeout=0"),
                 ("parse", ["--render_only", "--requests=4"], "--render_only renders serving.json"),
             ],
