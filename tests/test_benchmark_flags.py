@@ -227,7 +227,7 @@ def cases_table(paths):
                 ("parse", ["--modeled_batch=0"], "--modeled_batch=0"),
                 ("parse", ["--variant_clients=0"], "--variant_clients=0"),
                 ("parse", ["--request_timeout=0"], "--request_timeout=0"),
-                ("parse", ["--render_only", "--requests=4"], "--render_only renders serving.json"),
+                ("parse", ["--render_only", "--requests=4"], "--render_only renders the results JSON"),
             ],
         ),
         "tuning": (

@@ -82,17 +82,24 @@ def test_capacity_matches_a_hand_count():
 
 
 @pytest.mark.skipif(not (RESULTS / "serving.json").exists(), reason="no serving results yet")
-def test_serving_markdown_rerenders_from_its_json(tmp_path):
-    shutil.copy(RESULTS / "serving.json", tmp_path / "serving.json")
+@pytest.mark.parametrize("model,stem", [("SmolLM2-135M", "serving"), ("Gemma 3 270M", "serving_gemma3_270m")])
+def test_serving_markdown_rerenders_from_its_json(tmp_path, model, stem):
+    shutil.copy(RESULTS / f"{stem}.json", tmp_path / f"{stem}.json")
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "serving.py"), "--render_only", f"--out={tmp_path}"],
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "serving.py"),
+            "--render_only",
+            f"--model={model}",
+            f"--out={tmp_path}",
+        ],
         check=True,
         env=env,
         timeout=600,
     )
-    assert (tmp_path / "serving.md").read_text() == (RESULTS / "serving.md").read_text()
-    assert (tmp_path / "serving.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / f"{stem}.md").read_text() == (RESULTS / f"{stem}.md").read_text()
+    assert (tmp_path / f"{stem}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_closed_loop_clients_take_every_request_once_and_never_more_than_clients_at_a_time():
