@@ -482,7 +482,8 @@ def main(argv):
             ]
             start, load = time.time(), os.getloadavg()[0]
             parts[part]()
-            results.setdefault("runs", {})[part] = (
+            key = f"engine {'/'.join(FLAGS.configs)}" if part == "engine" else part
+            results.setdefault("runs", {})[key] = (
                 f"{time.strftime('%H:%M', time.gmtime(start))}-{time.strftime('%H:%M', time.gmtime())} UTC, "
                 f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
             )
