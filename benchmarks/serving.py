@@ -229,6 +229,17 @@ def measure_static(model, mix, results: dict) -> None:
     results["rows"].append(row)
 
 
+def gguf_weights(path: str) -> str:
+    """How the GGUF file stores its weights, e.g. "GGUF Q4_K_M" (its general.file_type), for llama.cpp's rows."""
+    import gguf
+
+    field = gguf.GGUFReader(path).fields.get("general.file_type")
+    if field is None:
+        return "GGUF"
+    name = gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    return "GGUF " + name.removeprefix("MOSTLY_")
+
+
 def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> None:
     """llama.cpp's server on the same GGUF at each client count (a warm-up request first)."""
     prompts = [tokenizer.decode(prompt) for prompt, _ in mix]
@@ -246,7 +257,7 @@ def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> 
                     seconds=wall,
                     peak_rss_mib=rss,
                     requests=[record(*r) for r in records],
-                    config="GGUF Q4_1",
+                    config=gguf_weights(path),
                     system="llama.cpp",
                 )
                 print("llama.cpp", clients, summary(row), flush=True)
@@ -366,6 +377,12 @@ def write_report(results: dict, out: str, stem: str) -> None:
 def modeled_lines(modeled: dict, requests: int) -> list[str]:
     steps = modeled["schedule"]
     slots, ratios = serving_modeled.paged_over_contiguous(modeled)
+    shares = {}  # weights -> target -> prefill steps' share of the modeled time
+    for kind, priced in modeled["priced"].items():
+        for t in serving_modeled.TARGETS:
+            rate = serving_modeled.modeled_rate(steps, priced, t)
+            if rate is not None:
+                shares.setdefault(kind, {})[t] = rate["prefill_us"] / (rate["prefill_us"] + rate["decode_us"])
     decodes = [s for s in steps if s[0] == "decode"]
     mean_rows = sum(s[4] for s in decodes) / max(len(decodes), 1)
     return [
@@ -385,11 +402,14 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         "whole context. Decode-only below 1 counts the partial batches: the run's last requests drain rows one by "
         "one, which a server under steady load never does; the saturated column prices only the steps up to the "
         "last prefill (while requests still waited for rows), the target is judged on the whole run. Per "
-        "NeuronCore; all figures modeled, not measured. Decode-only above 1 is the kernels', not the scheduler's: "
-        f"the paged step ÷ the contiguous one at batch {serving_modeled.STANDALONE_BATCH} and {slots} slots (the "
-        "commonest full step) is "
+        "NeuronCore; all figures modeled, not measured. Decode-only ÷ alone also carries the kernels' own "
+        f"difference: the paged step ÷ the contiguous one at batch {serving_modeled.STANDALONE_BATCH} and {slots} "
+        "slots (the commonest full step) is "
         + ", ".join(f"{kind} " + " / ".join(f"{r:.2f}" for r in by.values()) for kind, by in ratios.items())
-        + f" ({' / '.join(serving_modeled.TARGETS)}).",
+        + f" ({' / '.join(serving_modeled.TARGETS)}). Prefill steps (each reads every weight, the LM head "
+        "included, once for its rows) take "
+        + ", ".join(f"{kind} " + " / ".join(f"{100 * p:.0f}%" for p in by.values()) for kind, by in shares.items())
+        + " of the modeled time.",
         "",
         *serving_modeled.schedule_lines(modeled),
         "",
