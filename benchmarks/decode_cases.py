@@ -204,7 +204,9 @@ def run_tensor_parallel(models, degrees, batches, cache_lengths, extrapolated, c
         start, cached = time.time(), key in cache.cases
         ours[(m.name, p, c, b, s, comp)] = cache.get(
             key,
-            lambda: measure_depths(lambda layers: measure_spec(tp_spec(m, layers, c, p, b), comp, b, s), m, depths),
+            lambda: measure_depths(
+                lambda layers: measure_spec(tp_spec(m, layers, c, p, b), comp, b, s, bands=True), m, depths
+            ),
         )
         seconds[(m.name, p, c, b, s, comp)] = None if cached else time.time() - start
         loads.append(os.getloadavg()[0])

@@ -68,6 +68,11 @@ def tensor_parallel_markdown(ours, unsplit, models, degrees, batches, cache_leng
         "bound, only a shorter chain does. The 5% target below is checked against the larger of the two (the "
         "collectives hidden behind weight loads where the data dependencies allow), and each row's ratio to the "
         "byte bound alone is listed beside it.",
+        "- **× T = 1** (looped rows): the one-rank looped step's µs ÷ this row's, as the documented model gives it "
+        "and at the cost terms fitted to AWS's published latencies (benchmarks/results/calibration.md: a fixed cost "
+        "per step, a DMA issue cost, the core's HBM efficiency, LNC=2 on trn2) with its band over the uncertain "
+        "terms (nki_kernels/emulator/speed_bands.py): the fixed per-step cost does not shrink with T, so the fitted "
+        "speedups are far below the documented ones.",
         f"- Depths: {'; '.join(f'{k}: {v}' for k, v in run.depths.items())}.",
         f"- Made by `{run.command}`: {timing}; {run.elapsed_s / 60:.1f} min in all on a 2-core machine "
         f"shared with other jobs (1-minute load average {loads[0]:.1f} at the start, {min(loads):.1f} to "

@@ -9,6 +9,7 @@ ragged per-layer ranks (o and down split u's rows, the others v's columns), and 
 """
 
 import os
+import re
 import subprocess
 import sys
 
@@ -260,9 +261,13 @@ def test_quick_tensor_parallel_report(tmp_path):
         ("| 2", "dense"),
         ("| 2", "compressed"),
     ]
-    assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-2]  # byte bound per target
-    floors = [cell.split(" (")[1].split(")")[0] for cell in rows[2][-1].rstrip(" |").split(" / ")]
+    assert all("(0%)" not in row[8] for row in rows[2:]) and "x) / " in rows[2][-3]  # byte bound per target
+    floors = [cell.split(" (")[1].split(")")[0] for cell in rows[2][-2].split(" / ")]
     assert len(floors) == 2 and all(f.endswith((", chain", ", bytes")) for f in floors)  # dependency floors
+    # Speedup over T = 1: documented, then at the fitted terms with its band, per target; T = 1 over itself is 1.
+    scaling = rows[2][-1].rstrip(" |")
+    assert re.fullmatch(r"(\d\.\d\dx / \d\.\d\dx \(\d\.\d\d–\d\.\d\dx\)( / )?){2}", scaling), scaling
+    assert rows[0][-1].rstrip(" |") == "1.00x / 1.00x (1.00–1.00x) / 1.00x / 1.00x (1.00–1.00x)"
     assert "T = 8 not run: tensor_parallel: got 8" in text and "modeled, not measured" in text
 
 

@@ -293,13 +293,15 @@ def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cach
     bytes ÷ µs ÷ T cores' peak) and µs in collectives; beside each looped row, per target, the physical (byte)
     bound (tensor_parallel_bound_us) and its dependency floor (Measured.floor_us: the same kernel with unlimited
     DMA and link bandwidth), each with the row's latency as a multiple of it, and which of the two is larger:
-    "bytes" or "chain" (the engines' dependency chain)."""
+    "bytes" or "chain" (the engines' dependency chain); and its speedup over the same case on one rank, documented
+    and at the fitted cost terms with its band (speedup_band)."""
     lines = [
         "| T | batch | S | model | composition | launches | per rank: HBM MB moved / must move, KB to collectives "
         + "".join(f"| {t} µs / tok/s / % aggregate peak / µs in collectives " for t in TARGETS)
         + f"| looped: physical (byte) bound µs (latency ÷ bound), {' / '.join(TARGETS)} "
-        + f"| looped: dependency floor µs (latency ÷ floor, the larger limit), {' / '.join(TARGETS)} |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|",
+        + f"| looped: dependency floor µs (latency ÷ floor, the larger limit), {' / '.join(TARGETS)} "
+        + f"| looped: × T = 1, documented / fitted (band), {' / '.join(TARGETS)} |",
+        "|---|---|---|---|---|---|---|" + "---|" * len(TARGETS) + "---|---|---|",
     ]
     for p in degrees:
         for b in batches:
@@ -326,7 +328,16 @@ def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cach
                                 f"{us:.1f} / {b / us * 1e6:,.0f} / {100 * peak_fraction(need, us, t):.0f}% / "
                                 f"{coll:.1f} ({100 * coll / us:.0f}%)"
                             )
-                        bound = floor = "–"
+                        bound = floor = scaling = "–"
+                        one = ours.get((model.name, 1, compressed, b, s, "looped"))
+                        if comp == "looped" and m.kernel_us and one is not None and one.kernel_us:
+                            scaling = " / ".join(
+                                f"{one.latency_us(t, 0.0) / m.latency_us(t, 0.0):.2f}x / "
+                                + band_text(speedup_band(one, m, t))
+                                if t in m.kernel_us and t in one.kernel_us
+                                else "–"
+                                for t in TARGETS
+                            )
                         if comp == "looped" and m.kernel_us:
                             bounds, floors = [], []
                             for t in TARGETS:
@@ -344,7 +355,7 @@ def tensor_parallel_table(ours: dict, model: DecodeModel, degrees, batches, cach
                             f"| {p} | {b} | {s} | {where(compressed)} | {LABELS[comp]} | {m.launches:.0f} "
                             f"| {moved} / {need / 1e6:.1f}, {sent / 1e3:.1f} "
                             + "".join(f"| {c} " for c in cells)
-                            + f"| {bound} | {floor} |"
+                            + f"| {bound} | {floor} | {scaling} |"
                         )
     return lines
 
