@@ -25,7 +25,9 @@ def fp8_markdown(ours, models, batches, cache_lengths, run: RunInfo) -> str:
         "- **Must move** = `nki_kernels.decode.traffic.must_move_bytes`: fp8 weights at one byte a value plus "
         "4 bytes a scale, the rest as in decode_step.md. **% peak** = must-move bytes ÷ latency ÷ the core's peak "
         "DMA-to-HBM rate (272 GB/s trn1, 362.5 GB/s trn2). **× bf16 dense** = bf16 dense looped latency ÷ this "
-        "row's latency, the bf16 row traced in the same run.",
+        "row's latency, the bf16 row traced in the same run. **fitted (band)** = the same speedup at the cost terms "
+        "fitted to AWS's published end-to-end latencies (calibration.md), with its band over the uncertain terms "
+        "(speed_bands.md): a fixed per-step cost that fp8 does not shrink takes most of the gain.",
         f"- Depths: {'; '.join(f'{k}: {v}' for k, v in run.depths.items())}.",
         f"- Made by `{run.command}`: {timing}; {run.elapsed_s / 60:.1f} min in all on a 2-core machine "
         f"shared with other jobs (1-minute load average {load_averages[0]:.1f} at the start, "
