@@ -25,7 +25,7 @@ serving_gemma3_270m.json for Gemma 3 270M: per-request records); --render_only r
 Markdown and PNG from it.
 
     python benchmarks/serving.py --llama_cpp_python=PATH/TO/VENV/bin/python  # a venv with llama-cpp-python[server]
-    python benchmarks/serving.py --model="Gemma 3 270M" --clients=16 --llama_cpp_python=...  # Gemma's report
+    python benchmarks/serving.py --model="Gemma 3 270M" --llama_cpp_python=...  # serving_gemma3_270m.*
     python benchmarks/serving.py --render_only
 """
 
