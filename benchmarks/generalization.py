@@ -250,6 +250,8 @@ def render(results: dict, out_dir: str) -> None:
             "" if speed is None else f"{speed:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    notes = [f"- {row['model']}, {row['config']}: {row['note']}" for row in rows if row.get("note")]
+    lines += ["", "Notes on how rows ran:", "", *notes] if notes else []
     with open(os.path.join(out_dir, "generalization.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
 
