@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from decode_cases import RunInfo, timing_note  # sibling module: the script's folder is on sys.path
-from harness.comparison import fp8_table
+from harness.tables import fp8_table
 
 
 def fp8_markdown(ours, models, batches, cache_lengths, run: RunInfo) -> str:

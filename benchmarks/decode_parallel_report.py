@@ -9,10 +9,10 @@ from harness.comparison import (
     TARGETS,
     peak_fraction,
     tensor_parallel_bound_us,
-    tensor_parallel_table,
     tp_spec,
     where,
 )
+from harness.tables import tensor_parallel_table
 
 from nki_kernels.decode import traffic
 from nki_kernels.emulator import collective_costs

@@ -18,7 +18,8 @@ from frontier_configs import (
     TARGET_SPEEDUPS,
     TEXTS,
 )
-from harness.comparison import TARGETS, Measured, band_text, peak_fraction, roofline_us, speedup_band
+from harness.comparison import TARGETS, Measured, peak_fraction, roofline_us
+from harness.tables import band_text, speedup_band
 
 from jax_neuronmm.compress.checkpoint import write_atomically
 
