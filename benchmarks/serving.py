@@ -317,7 +317,7 @@ def main(argv):
     )
     results.pop("machine", None)  # one line for every part: runs, per part, replaces it
     parts = {
-        "engine": lambda: [measure_cpu(served_model(dense, n), n, mix, results) for n in FLAGS.configs],
+        "engine": lambda: measure_engine(dense, mix, results),
         "static": lambda: measure_static(dense, mix, results),
         "llama_cpp": lambda: measure_llama_cpp_part(path, dense, mix, results),
         "modeled": lambda: measure_modeled(dense, results),
@@ -340,6 +340,12 @@ def main(argv):
             )
             save(results, json_path)
     write_report(results, FLAGS.out, stem)
+
+
+def measure_engine(dense, mix, results: dict) -> None:
+    """The engine's rows of every --configs configuration of `dense`."""
+    for config in FLAGS.configs:
+        measure_cpu(served_model(dense, config), config, mix, results)
 
 
 def measure_llama_cpp_part(path, dense, mix, results: dict) -> None:
