@@ -228,3 +228,16 @@ def test_speedup_band_holds_the_ratio_at_every_corner():
     assert low <= point <= high
     with pytest.raises(TypeError, match="fitted"):
         speed_bands.corners({"dma_issue_ns": 600.0})
+
+
+def test_a_step_of_several_launches_pays_the_fixed_cost_once():
+    rng = np.random.default_rng()
+    runs = [_mixed_run(rng, "trn1") for _ in range(3)]
+    terms = cost_model.CostTerms(dma_issue_ns=float(rng.uniform(100, 900)), step_fixed_us=float(rng.uniform(5, 500)))
+    free = dataclasses.replace(terms, step_fixed_us=0.0)
+    launches = [cost_model.model_latency(run, "trn1", terms=free) for run in runs]
+    assert speed_bands.step_us(runs, "trn1", terms) == pytest.approx(sum(launches) + terms.step_fixed_us)
+    documented = sum(cost_model.model_latency(run, "trn1") for run in runs)
+    assert speed_bands.step_us(runs, "trn1", None) == pytest.approx(documented)
+    band = speed_bands.band_latencies(lambda t: speed_bands.step_us(runs, "trn1", t), terms)
+    assert band["fitted"] == pytest.approx(sum(launches) + terms.step_fixed_us) and len(band["corners"]) == 8
