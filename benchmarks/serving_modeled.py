@@ -4,8 +4,9 @@ many sequences fit in one NeuronCore's share of HBM (benchmarks/serving.py write
 Schedule: every step of an engine run (`Engine(on_step=...)`: kind, batch rows, tokens, block-table width). A
 decode step is priced as the paged looped kernel (nki_kernels.decode.compositions' looped step, count-only trace on
 the emulator, full depth) at its batch bucket and its table's slots (width x block size), each (rows, slots) traced
-once. A prefill step (a chunk per row) is priced at its roofline (the larger of its matmul flops at TensorE's peak
-and its bytes at the core's peak DMA rate: a lower bound; the project has no prefill kernel to trace). Launch
+once. A prefill step (a chunk per row, no logits: the engine samples a prompt's first token in the row's first
+decode step) is priced at its roofline (the larger of its matmul flops at TensorE's peak and its bytes at the core's
+peak DMA rate: a lower bound; the project has no prefill kernel to trace). Launch
 overhead: 0 µs.
 
 Capacity: weights (every projection and the LM head, plus the bf16 embedding table where the head is not that
@@ -43,12 +44,11 @@ def weights_spec(model: comparison.DecodeModel, kind: str):
 
 def prefill_us(spec, rows: int, tokens: int, slots: int, target: str) -> float:
     """Roofline µs of one prefill step: `rows` rows of a `tokens`-token chunk (padding included: a compiled step
-    computes it) over `slots` cache slots: 2·rows·T·(projection weights) + 2·rows·H·V (each row's last-token logits)
-    flops; the layers' must-move bytes for the rows plus the head's weights, read once for all rows."""
+    computes it) over `slots` cache slots: 2·rows·T·(projection weights) flops and the layers' must-move bytes for
+    the rows. No LM head: the step samples nothing (`models.paged.paged_prefill`)."""
     dense = spec.replace(fp8_weights=(), packed_weights=())
-    flops = 2 * rows * tokens * traffic.weight_bytes(dense, 1, head=False) + 2 * rows * spec.hidden * spec.vocab
-    head = traffic.weight_bytes(spec, head=True) - traffic.weight_bytes(spec, head=False)
-    nbytes = traffic.must_move_bytes(spec, rows, slots, layers_only=True, tokens=tokens) + head
+    flops = 2 * rows * tokens * traffic.weight_bytes(dense, 1, head=False)
+    nbytes = traffic.must_move_bytes(spec, rows, slots, layers_only=True, tokens=tokens)
     return roofline_us(flops, nbytes, target)
 
 
@@ -93,9 +93,9 @@ def price_schedule(schedule: list, model: comparison.DecodeModel, kind: str, blo
 
 
 def schedule_tokens(schedule: list) -> int:
-    """Output tokens of `schedule` (record_row lists) whose prompts each fit one chunk (serving.py checks its mix
-    does): every active row of a step samples one token, a prefill row its first."""
-    return sum(row[4] for row in schedule)
+    """Output tokens of `schedule` (record_row lists): every active row of a decode step samples one token (a new
+    row its first, from its prompt's last token); prefill steps sample none."""
+    return sum(row[4] for row in schedule if row[0] == "decode")
 
 
 def saturated(schedule: list) -> list:
@@ -121,7 +121,6 @@ def modeled_rate(schedule: list, priced: dict, target: str) -> dict | None:
     if any(a is None for a in alone_at):
         return None
     decode_us = sum(costs)
-    decode_tokens = sum(active for kind, _, _, _, active, _ in schedule if kind == "decode")
     prefill_us = sum(
         priced["prefill"][f"{rows},{tokens},{width * block_size}"][target]
         for kind, rows, tokens, width, _, _ in schedule
@@ -131,7 +130,8 @@ def modeled_rate(schedule: list, priced: dict, target: str) -> dict | None:
     standalone = STANDALONE_BATCH / alone * 1e6
     # The standalone kernel doing as many steps over the same cache lengths, STANDALONE_BATCH tokens each.
     like_for_like = STANDALONE_BATCH * len(alone_at) / sum(alone_at) * 1e6
-    engine, decode_only = schedule_tokens(schedule) / total_us * 1e6, decode_tokens / decode_us * 1e6
+    tokens = schedule_tokens(schedule)
+    engine, decode_only = tokens / total_us * 1e6, tokens / decode_us * 1e6
     return dict(
         engine=engine,
         decode_only=decode_only,

@@ -1,7 +1,8 @@
 """models.paged: the per-row step over a paged KV cache against float64 cache-free forwards on ragged rows
 (different lengths, scattered blocks, a block shared by two rows' common prefix, a row that just crossed a block
 boundary, block sizes 3 and 5), sliding windows, fp8 / factored / pruned projections, and per-row sampling; the
-decode step as one decode_step (paged_decode) against it on XLA and on the emulator's looped kernel."""
+decode step as one decode_step (paged_decode) against it on XLA and on the emulator's looped kernel; the prefill
+chunk without logits (paged_prefill)."""
 
 import dataclasses
 
@@ -21,6 +22,7 @@ from jax_neuronmm.models.paged import (
     paged_decode,
     paged_forward,
     paged_plan,
+    paged_prefill,
 )
 from jax_neuronmm.models.paged import sample_rows as _sample_rows
 from jax_neuronmm.pipeline import Recipe, compress_model, quantize_model
@@ -164,6 +166,25 @@ def test_paged_decode_is_paged_forwards_decode_step_on_both_backends(name, rng):
     other = dataclasses.replace(plan, spec=plan.spec.replace(block_size=3))
     with pytest.raises(ValueError, match="plan: got block_size 3, expected the pools' 5"):
         paged_decode(model, other, weights, tokens, cache, batch.block_table, batch.lengths)
+
+
+def test_paged_prefill_writes_what_paged_forward_writes_without_the_head(rng):
+    """The prefill chunks of `_calls` through paged_prefill leave the pools paged_forward leaves, and its compiled
+    step has no array of the vocabulary's width: the LM head (the logits nobody samples) is not computed."""
+    model = _model("gemma3", jnp.float32)
+    seqs, table = _plan(rng, 5, 17)
+    graphdef, state = nnx.split(model)
+    want = got = PagedKVCache.create(model, 17, 5)
+    logits = f"f32[4,{VOCAB}]"  # [rows, vocab]: what the head computes
+    for tokens, batch in list(_calls(seqs, table, 5))[:2]:
+        assert logits in _paged.lower(model, tokens, want, batch).compile().as_text()
+        want = _paged(model, tokens, want, batch)[1]
+        hlo = jax.jit(paged_prefill, static_argnums=0).lower(graphdef, state, tokens, got, batch).compile().as_text()
+        assert logits not in hlo
+        got = paged_prefill(graphdef, state, tokens, got, batch)
+    for pool, want_pool in ((got.k_pool, want.k_pool), (got.v_pool, want.v_pool)):
+        np.testing.assert_allclose(np.asarray(pool), np.asarray(want_pool), rtol=1e-6, atol=1e-7)
+    assert np.any(np.asarray(got.k_pool))
 
 
 def _sampling(rows, temperature, top_k=0, top_p=1.0, seed=0, step=0):

@@ -44,8 +44,12 @@ def test_priced_schedule_adds_up_step_by_step():
         # two rows in one prefill step read the weights once: less than two steps of one row
         one, two = (serving_modeled.prefill_us(TINY.spec, rows, 32, 64, target) for rows in (1, 2))
         assert one < two < 2 * one
+        # no logits: the head's size does not change a prefill step's price
+        wide = TINY.spec.replace(vocab=30 * TINY.spec.vocab)
+        assert serving_modeled.prefill_us(wide, 2, 32, 64, target) == two
         rate = serving_modeled.modeled_rate(schedule, priced, target)
-        assert rate["engine"] == pytest.approx(18 / (2 * step_8 + step_4 + prefill) * 1e6)
+        # prefill steps sample nothing: the output tokens are the decode steps' active rows
+        assert rate["engine"] == pytest.approx(16 / (2 * step_8 + step_4 + prefill) * 1e6)
         assert 0 < prefill and rate["prefill_us"] == pytest.approx(prefill)
         assert rate["decode_only"] == pytest.approx(16 / (2 * step_8 + step_4) * 1e6)
         assert rate["standalone"] == pytest.approx(8 / alone * 1e6)
@@ -56,9 +60,9 @@ def test_priced_schedule_adds_up_step_by_step():
         assert rate["ratio_full_context"] == pytest.approx(rate["engine"] / rate["standalone"])
         # Saturated: up to the last prefill (requests still waiting), so the last decode step (the drain) is left out.
         busy = serving_modeled.saturated(schedule)
-        assert busy == schedule[:4] and serving_modeled.schedule_tokens(busy) == 15
+        assert busy == schedule[:4] and serving_modeled.schedule_tokens(busy) == 13
         busy_rate = serving_modeled.modeled_rate(busy, priced, target)
-        assert busy_rate["engine"] == pytest.approx(15 / (2 * step_8 + prefill) * 1e6)
+        assert busy_rate["engine"] == pytest.approx(13 / (2 * step_8 + prefill) * 1e6)
         assert busy_rate["standalone_same_slots"] == pytest.approx(8 / alone_32 * 1e6)
         slots, ratios = serving_modeled.paged_over_contiguous(dict(schedule=schedule, priced={"bf16": priced}))
         assert slots == 32 and ratios["bf16"][target] == pytest.approx(step_8 / alone_32)

@@ -193,9 +193,9 @@ def test_end_of_sequence_stops_unless_ignored(model, engine, rng):
 
 
 def test_step_records_replay_the_schedule(model, rng):
-    # Four requests for two rows (prompts chunked past the 8-token bucket): the records account for every prompt
-    # token and every output, requests waiting to prefill share a step, and each decode row reads exactly the blocks
-    # that hold its tokens.
+    # Four requests for two rows (prompts chunked past the 8-token bucket): the records account for every prompt token
+    # (all but the last in prefill chunks, the last in the row's first decode step) and every output, requests waiting
+    # to prefill share a step, and each decode row reads exactly the blocks that hold its tokens.
     prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (3, 13, 9, 6)]
     counts = [6, 3, 8, 5]
     options = EngineOptions(max_batch=2, block_size=5, max_model_len=40, prefill_buckets=(4, 8))
@@ -205,13 +205,13 @@ def test_step_records_replay_the_schedule(model, rng):
     assert all(isinstance(r, StepRecord) for r in records)
     prefills = [r for r in records if r.kind == "prefill"]
     decodes = [r for r in records if r.kind == "decode"]
-    assert sum(sum(r.counts) for r in prefills) == sum(map(len, prompts))
+    assert sum(sum(r.counts) for r in prefills) == sum(len(p) - 1 for p in prompts)
     assert all(r.rows in (1, 2) and r.tokens in (4, 8) and max(r.counts) <= r.tokens for r in prefills)
     # The first two requests arrive together: their prompts share one prefill step (one pass over the weights).
     assert len(prefills[0].counts) == 2 and prefills[0].rows == 2
     for r in prefills:
         assert len(r.counts) == len(r.lengths) <= r.rows and min(r.counts) >= 1
-    assert sum(len(r.lengths) for r in decodes) == sum(counts) - len(prompts)  # a prefill samples the first token
+    assert sum(len(r.lengths) for r in decodes) == sum(counts)  # a prefill samples nothing, a decode row its next
     assert max(len(r.lengths) for r in decodes) == 2
     for r in decodes:
         assert r.tokens == 1 and r.rows in (1, 2) and len(r.lengths) <= r.rows and r.counts == (1,) * len(r.lengths)

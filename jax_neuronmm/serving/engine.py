@@ -1,9 +1,11 @@
 """The serving engine: continuous batching of requests over a paged KV cache, scheduled on the host.
 
 A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
-prefill step for every admitted request whose prompt is not yet cached (each row its next chunk, padded to a length
-bucket, a long prompt in chunks of the largest bucket; `models.paged.paged_step`), then one decode step for every
-decoding row: one jitted call for the whole batch, each row at its own position: on the emulator and Trainium, for a
+prefill step for every admitted request whose prompt (all but its last token) is not yet cached (each row its next
+chunk, padded to a length bucket, a long prompt in chunks of the largest bucket; `models.paged.paged_prefill`: no
+logits, so the step does not read the LM head), then one decode step for every decoding row, which feeds each row
+its one uncached token (a new row's last prompt token, the others' last output) and samples its next: one jitted
+call for the whole batch, each row at its own position: on the emulator and Trainium, for a
 model `models.decode` covers, one `decode_step` over the same pools (`models.paged.paged_decode_step`, the weights
 stacked once per engine: one looped kernel launch, K/V read through each row's block table); on XLA, and for other
 models, the model's own layers (`paged_step`). The scheduler thread runs under the kernel backend in effect where
@@ -40,6 +42,7 @@ from jax_neuronmm.models.paged import (
     RowSampling,
     paged_decode_step,
     paged_plan,
+    paged_prefill,
     paged_step,
 )
 from jax_neuronmm.serving.detokenize import Detokenizer
@@ -155,10 +158,11 @@ class Event:
 
 @dataclasses.dataclass(frozen=True)
 class StepRecord:
-    """One jitted step as the scheduler ran it. kind: "prefill" (a prompt chunk per active row) or "decode" (one
-    token per active row); rows: the batch bucket computed (padding rows included); tokens: T per row; lengths: each
-    active row's cached tokens before the step; counts: its real tokens in the step; blocks: its block ids, in
-    table order; table_width: the block table's columns (blocks a row's attention reads)."""
+    """One jitted step as the scheduler ran it. kind: "prefill" (a prompt chunk per active row, nothing sampled) or
+    "decode" (one token per active row, each sampling its next); rows: the batch bucket computed (padding rows
+    included); tokens: T per row; lengths: each active row's cached tokens before the step; counts: its real tokens in
+    the step; blocks: its block ids, in table order; table_width: the block table's columns (blocks a row's attention
+    reads)."""
 
     kind: str
     rows: int
@@ -182,7 +186,7 @@ class _Request:
     blocks: list[int] = dataclasses.field(default_factory=list)
     cached: int = 0  # tokens of seq whose K/V are in the cache
 
-    decoded: bool = False  # prefilled: decode steps feed it its last output
+    decoded: bool = False  # all of seq but its last token cached: decode steps feed it seq[cached]
 
     @property
     def seq(self) -> list[int]:
@@ -511,9 +515,10 @@ class Engine:
         pools through every layer)."""
         return self._plan is not None and effective_backend(jax.devices()[0].platform) != "xla"
 
-    def _step(self, tokens: np.ndarray, requests, lengths, counts, need_blocks) -> np.ndarray:
-        """One jitted step: a decode step (counts None: one token per row) through `paged_decode_step` where
-        `_decodes_through_kernels`, anything else through `paged_step`; returns the next tokens [rows]."""
+    def _step(self, tokens: np.ndarray, requests, lengths, counts, need_blocks) -> np.ndarray | None:
+        """One jitted step: a prefill chunk per row (counts given) through `paged_prefill`, returning None; a decode
+        step (counts None: one token per row) through `paged_decode_step` where `_decodes_through_kernels`, else
+        through `paged_step`, returning the next tokens [rows]."""
         rows = tokens.shape[0]
         table = self._table(requests, rows, need_blocks)
         record = None
@@ -530,9 +535,16 @@ class Engine:
             )
         table = jnp.asarray(table)
         lengths = jnp.asarray(lengths, jnp.int32)
-        sampling = self._sampling(requests, rows)
         tokens = jnp.asarray(tokens)
-        if counts is None and self._decodes_through_kernels():
+        if counts is not None:
+            batch = PagedBatch(table, lengths, jnp.asarray(counts, jnp.int32))
+            self._cache = paged_prefill(self._graphdef, self._state, tokens, self._cache, batch)
+            self._stats["steps"] += 1
+            if record is not None:
+                self._on_step(record)
+            return None
+        sampling = self._sampling(requests, rows)
+        if self._decodes_through_kernels():
             next_tokens, self._cache = paged_decode_step(
                 self._graphdef,
                 self._state,
@@ -545,8 +557,7 @@ class Engine:
                 plan=self._plan,
             )
         else:
-            counts = jnp.asarray((lengths >= 0).astype(jnp.int32) if counts is None else counts, jnp.int32)
-            batch = PagedBatch(table, lengths, counts)
+            batch = PagedBatch(table, lengths, (lengths >= 0).astype(jnp.int32))
             next_tokens, self._cache = paged_step(self._graphdef, self._state, tokens, self._cache, batch, sampling)
         self._stats["steps"] += 1
         next_tokens = np.asarray(jax.device_get(next_tokens))
@@ -555,14 +566,17 @@ class Engine:
         return next_tokens
 
     def _prefill(self) -> None:
-        """One prefill step for every admitted request whose prompt is not all cached (each row its next chunk of
-        at most the largest bucket, padded to the bucket of the longest): one pass over the weights for all of them,
-        as when several rows free in the same step."""
+        """One prefill step for every admitted request whose sequence, all but its last token, is not cached (each
+        row its next chunk of at most the largest bucket, padded to the bucket of the longest): one pass over the
+        weights for all of them, as when several rows free in the same step. The last token is left to the row's
+        first decode step, which samples from it: the prefill step computes no logits."""
         largest = self._prefill_sizes[-1]
         chunks = []
         for request in [r for r in self._running if not r.decoded]:
-            count = min(len(request.seq) - request.cached, largest)
-            if request in self._running and self._grow(request, request.cached + count):
+            count = min(len(request.seq) - 1 - request.cached, largest)
+            if count == 0:
+                request.decoded = True  # a one-token prompt: nothing to prefill
+            elif request in self._running and self._grow(request, request.cached + count):
                 chunks.append((request, count))
         chunks = [(r, n) for r, n in chunks if r in self._running]  # a later _grow may have preempted an earlier one
         if not chunks:
@@ -575,12 +589,10 @@ class Engine:
             tokens[row, :count] = request.seq[request.cached : request.cached + count]
             lengths[row], counts[row] = request.cached, count
         requests = [r for r, _ in chunks]
-        next_tokens = self._step(tokens, requests, lengths, counts, max(len(r.blocks) for r in requests))
-        for row, (request, count) in enumerate(chunks):
+        self._step(tokens, requests, lengths, counts, max(len(r.blocks) for r in requests))
+        for request, count in chunks:
             request.cached += count
-            if request.cached == len(request.seq):
-                request.decoded = True
-                self._accept(request, int(next_tokens[row]))
+            request.decoded = request.cached == len(request.seq) - 1
 
     def _decode(self) -> None:
         for request in [r for r in self._running if r.decoded]:
@@ -593,7 +605,7 @@ class Engine:
         tokens = np.zeros((rows, 1), np.int32)
         lengths = np.full(rows, -1, np.int32)
         for row, request in enumerate(requests):
-            tokens[row, 0], lengths[row] = request.outputs[-1], request.cached
+            tokens[row, 0], lengths[row] = request.seq[request.cached], request.cached
         need = max(len(r.blocks) for r in requests)
         next_tokens = self._step(tokens, requests, lengths, None, need)
         for row, request in enumerate(requests):
