@@ -42,7 +42,7 @@ import numpy as np
 import serving_llama_cpp
 import serving_modeled
 from absl import app, flags
-from serving_render import summary, write_report
+from serving_render import record_run, summary, write_report
 
 from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
@@ -331,10 +331,13 @@ def main(argv):
             ]
             start, load = time.time(), os.getloadavg()[0]
             parts[part]()
-            key = f"engine {'/'.join(FLAGS.configs)}" if part == "engine" else part
-            results.setdefault("runs", {})[key] = (
+            record_run(
+                results.setdefault("runs", {}),
+                part,
+                FLAGS.configs,
+                CONFIGS,
                 f"{time.strftime('%H:%M', time.gmtime(start))}-{time.strftime('%H:%M', time.gmtime())} UTC, "
-                f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+                f"1-minute load average {load:.1f} at the start, {os.getloadavg()[0]:.1f} at the end",
             )
             save(results, json_path)
     write_report(results, FLAGS.out, stem)

@@ -102,6 +102,17 @@ def write_report(results: dict, out: str, stem: str) -> None:
     plot(figures, os.path.join(out, f"{stem}.png"), results["model"])
 
 
+def record_run(runs: dict, part: str, configs, all_configs, when: str) -> None:
+    """Keeps when `part` ran in the JSON's `runs` (the engine's key names its configs), dropping the engine runs
+    whose every configuration was measured again now (key "engine": an older report's run of all_configs)."""
+    if part == "engine":
+        for old in [k for k in runs if k == "engine" or k.startswith("engine ")]:
+            if set(old.split(" ", 1)[1].split("/") if " " in old else all_configs) <= set(configs):
+                del runs[old]
+        part = f"engine {'/'.join(configs)}"
+    runs[part] = when
+
+
 def modeled_lines(modeled: dict, requests: int) -> list[str]:
     steps = modeled["schedule"]
     slots, ratios = serving_modeled.paged_over_contiguous(modeled)
@@ -121,7 +132,7 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         f"closed-loop clients over {modeled['requests']} requests of the same mix: the {requests} above and "
         f"more drawn the same way; {modeled['model']}'s token counts): {len(steps)} steps, "
         f"{len(decodes)} decode steps of {mean_rows:.2f} active rows on average, "
-        f"{len(steps) - len(decodes)} prefill steps (a prompt chunk for each row waiting, "
+        f"{len(steps) - len(decodes)} prefill steps (a prompt chunk for each row waiting, all but its last token, "
         f"{sum(s[4] for s in steps if s[0] != 'decode')} chunks), {modeled['tokens']} output tokens. Each decode "
         f"step priced as the paged looped kernel at {modeled['model']}'s shape (full depth, count-only trace, its "
         "batch bucket and block-table slots); prefill steps at their roofline (a lower bound: weights read once for "
@@ -134,8 +145,9 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         f"difference: the paged step ÷ the contiguous one at batch {serving_modeled.STANDALONE_BATCH} and {slots} "
         "slots (the commonest full step) is "
         + ", ".join(f"{kind} " + " / ".join(f"{r:.2f}" for r in by.values()) for kind, by in ratios.items())
-        + f" ({' / '.join(serving_modeled.TARGETS)}). Prefill steps (each reads every weight, the LM head "
-        "included, once for its rows) take "
+        + f" ({' / '.join(serving_modeled.TARGETS)}). Prefill steps (each reads every layer's weights once for its "
+        "rows; no LM head: a new row's first decode step feeds its last prompt token and samples its first output) "
+        "take "
         + ", ".join(f"{kind} " + " / ".join(f"{100 * p:.0f}%" for p in by.values()) for kind, by in shares.items())
         + " of the modeled time.",
         "",

@@ -127,3 +127,16 @@ def test_closed_loop_clients_take_every_request_once_and_never_more_than_clients
     results, wall = serving_llama_cpp.closed_loop(11, 3, one)
     assert sorted(results) == [i * 10 for i in range(11)] and started == sorted(started) and wall > 0
     assert peak[0] == 3
+
+
+def test_a_part_run_again_replaces_the_runs_it_measured_again():
+    import serving_render
+
+    runs = {"engine": "old, every config", "static": "s"}
+    serving_render.record_run(runs, "engine", ["compressed"], ("dense", "fp8", "compressed"), "t1")
+    assert runs == {"engine": "old, every config", "static": "s", "engine compressed": "t1"}
+    serving_render.record_run(runs, "engine", ["dense", "fp8", "compressed"], ("dense", "fp8", "compressed"), "t2")
+    assert runs == {"static": "s", "engine dense/fp8/compressed": "t2"}
+    serving_render.record_run(runs, "engine", ["fp8"], ("dense", "fp8", "compressed"), "t3")
+    serving_render.record_run(runs, "static", ["fp8"], ("dense", "fp8", "compressed"), "t4")
+    assert runs == {"static": "t4", "engine dense/fp8/compressed": "t2", "engine fp8": "t3"}
