@@ -85,6 +85,12 @@ CONFIGS = (
     Config("fp8 round to nearest", quantize=True, quantize_on="none"),
     Config("fp8 gptq, user + generated text", quantize=True, quantize_on="user+generated"),
     Config("fp8 gptq, head in bf16", quantize=True, targets=("attention", "mlp")),
+    Config(
+        "fp8 gptq, head in bf16, user + generated text",
+        quantize=True,
+        quantize_on="user+generated",
+        targets=("attention", "mlp"),
+    ),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
     Config("keep 0.8 mlp"),
     Config(
