@@ -60,8 +60,9 @@ NOT_TRACED = "not traced in this run (run time on this machine)"
 
 
 class CaseCache:
-    """Finished cases in a JSON-lines file (None: no file): key -> Measured; each new case is appended at once.
-    cached_only: cases not in the file are not traced but come back as NOT_TRACED placeholders."""
+    """Finished cases in a JSON-lines file (None: no file): key -> Measured (the last line of a key wins); each new
+    case is appended at once. cached_only: cases not in the file are not traced but come back as NOT_TRACED
+    placeholders."""
 
     def __init__(self, path: str | None, cached_only: bool = False):
         self.path, self.cases, self.cached_only = path, {}, cached_only
@@ -74,8 +75,11 @@ class CaseCache:
                         fields["extrapolated"] = tuple(fields["extrapolated"])
                         self.cases[entry["key"]] = Measured(**fields)
 
-    def get(self, key: str, compute: Callable[[], Measured], traced: bool = True) -> Measured:
-        """The cached case, else compute() (appended to the file), else (not traced) a placeholder."""
+    def get(self, key: str, compute: Callable[[], Measured], traced: bool = True, bands: bool = False) -> Measured:
+        """The cached case, else compute() (appended to the file), else (not traced) a placeholder. bands: a cached
+        case without its bands (Measured.has_bands, e.g. traced before the report had them) counts as missing."""
+        if key in self.cases and bands and not self.cases[key].has_bands():
+            del self.cases[key]
         if key not in self.cases and (self.cached_only or not traced):
             return Measured({}, 0, 0.0, note=NOT_TRACED)
         if key not in self.cases:
@@ -88,7 +92,11 @@ class CaseCache:
 
 def run_all(
     models: list[DecodeModel], batches, cache_lengths, nkilib_source, extrapolated, cache=None, traced=COMPOSITIONS
-) -> Results:
+) -> tuple[Results, dict, list]:
+    """The composition report's cases, each with its band (measure_spec's bands; a cached case without one is traced
+    again), the nkilib peer's (never cached) and the extrapolation check: (Results, {(model, compressed, batch, S,
+    composition): seconds its trace took in this run, or None from the cache}, the 1-minute load averages before
+    the first case and after each)."""
     cache = cache or CaseCache(None)
     # Batch-1 cases first (the targets), the deepest model last.
     cases = [
@@ -99,14 +107,20 @@ def run_all(
         for c in (False, True)
         for comp in COMPOSITIONS
     ]
-    ours, peer = {}, {}
+    ours, peer, seconds, loads = {}, {}, {}, [os.getloadavg()[0]]
     for m, c, b, s, comp in tqdm(cases, desc="decode-step compositions", unit="case"):
         depths = traced_layers(m, m.name in extrapolated)
+        key = f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}"
+        start, cached = time.time(), key in cache.cases and cache.cases[key].has_bands()
         ours[(m.name, c, b, s, comp)] = cache.get(
-            f"{m.name}|{m.num_layers}|{c}|{b}|{s}|{comp}|{depths}",
-            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers), m, depths),
+            key,
+            lambda: measure_depths(lambda layers: measure_ours(m, comp, c, b, s, layers, bands=True), m, depths),
             traced=comp in traced,
+            bands=True,
         )
+        placeholder = ours[(m.name, c, b, s, comp)].note == NOT_TRACED
+        seconds[(m.name, c, b, s, comp)] = None if cached or placeholder else time.time() - start
+        loads.append(os.getloadavg()[0])
     status = "no --nki_library checkout given"
     if nkilib_source:
         status = "run from the --nki_library checkout"
@@ -115,7 +129,8 @@ def run_all(
             desc="nkilib transformer_tkg",
             unit="case",
         ):
-            peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s)  # seconds each: never cached
+            peer[(m.name, b, s)] = measure_nkilib(nkilib_source, m, b, s, bands=True)  # seconds each: not cached
+            loads.append(os.getloadavg()[0])
     one_call = []
     for (name, b, s), measured in peer.items():
         if (
@@ -142,7 +157,8 @@ def run_all(
                     lambda: measure_depths(lambda layers: measure_ours(gemma, comp, c, b, s, layers), gemma, depths),
                 )
                 check.append((comp, c, b, s, full, guess))
-    return Results(ours, peer, status, check, models, one_call)
+    loads.append(os.getloadavg()[0])
+    return Results(ours, peer, status, check, models, one_call), seconds, loads
 
 
 def run_fp8(models, batches, cache_lengths, extrapolated, cache, traced) -> tuple[dict, dict, list]:

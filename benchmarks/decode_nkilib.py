@@ -1,5 +1,6 @@
 """The decode comparison's peer: AWS nki-library's transformer_tkg megakernel, traced from a local checkout on the
-emulator (`measure_nkilib`), and the report's note on how it ran (`nkilib_note`)."""
+emulator (`measure_nkilib`), and the report's note on how it ran (`nkilib_note`) with its launches' cost apart
+(`nkilib_launch_table`)."""
 
 from __future__ import annotations
 
@@ -22,20 +23,23 @@ from harness.comparison import (
 )
 
 from nki_kernels import emulator
+from nki_kernels.emulator import launch, speed_bands
+from nki_kernels.emulator.cost_model import fitted_terms
 from nki_kernels.emulator.kernel import Spec
 from nki_kernels.emulator.kernel import run as run_kernel
 
 
 def measure_nkilib(
-    source: str, model: DecodeModel, batch: int, cache_len: int, one_layer_calls: bool = False
+    source: str, model: DecodeModel, batch: int, cache_len: int, one_layer_calls: bool = False, bands: bool = False
 ) -> Measured:
     """nkilib's transformer_tkg (layers only), count-only, on each target where it runs (it asserts NeuronCore-v3
     or later). One call per shard runs all layers; where that fails (or with one_layer_calls), each shard runs
-    one-layer calls (the layers are identical, so one is traced and repeated), and the note says why."""
+    one-layer calls (the layers are identical, so one is traced and repeated), and the note says why. bands: with
+    its calls at the fitted cost terms and the band's corners (Measured.band_us; the fixed step cost once)."""
     calls, d, i = nkilib_shards(model)
     group = model.num_heads // model.num_kv_heads
     h, b = model.hidden, batch
-    runs, failures, per_layer_calls = {}, [], []
+    runs, failures, per_layer_calls, band_us = {}, [], [], {}
     saved_path, saved_modules = list(sys.path), set(sys.modules)
     try:
         with emulator.as_nki():
@@ -68,9 +72,20 @@ def measure_nkilib(
                     Spec((b, 1), np.int32),
                 )
                 kwargs = dict(num_layers=num_layers, eps=model.norm_eps, replica_groups=[[0]])
+                records = []
                 # nkilib's allocator prints its SBUF plan at every call; the report needs none of it.
                 with contextlib.redirect_stdout(io.StringIO()):
-                    return profiled(lambda: run_kernel(kernel, args, kwargs, numerics=False), target)
+                    traced = profiled(lambda: run_kernel(kernel, args, kwargs, numerics=False), target, False, records)
+                if bands:
+                    repeats = calls * (model.num_layers // num_layers)
+                    band_us[target] = speed_bands.band_latencies(
+                        lambda terms: (
+                            repeats * (speed_bands.step_us(records, target, terms) - terms.step_fixed_us)
+                            + terms.step_fixed_us
+                        ),
+                        fitted_terms(target),
+                    )
+                return traced
 
             for target in TARGETS:
                 try:
@@ -99,7 +114,7 @@ def measure_nkilib(
         note += "; did not run on " + "; ".join(failures)
     if not runs:
         return Measured({}, calls, 0.0, note=note)
-    return Measured.from_runs(runs, note=note)
+    return Measured.from_runs(runs, note=note, bands={t: band_us[t] for t in runs if t in band_us})
 
 
 def check_nkilib_checkout(checkout: str) -> str:
@@ -107,6 +122,36 @@ def check_nkilib_checkout(checkout: str) -> str:
     if not os.path.isdir(os.path.join(source, "nkilib", "experimental", "transformer")):
         raise ValueError(f"--nki_library: {checkout!r} has no src/nkilib_src/nkilib/experimental/transformer folder")
     return source
+
+
+def nkilib_launch_table(res: Results, batch: int) -> list[str]:
+    """The peer's step at `batch` split into its kernels' time and its launches' cost, per model, S and target it
+    ran on, beside our dense looped kernel (one launch): launches = transformer_tkg calls + our LM head."""
+    sweep = [o for o in launch.LAUNCH_OVERHEAD_SWEEP_US if o]
+    lines = [
+        "| model | batch, S | hw | launches per step (shards x calls per shard + our head) | kernels µs "
+        + "".join(f"| + launches x {o:g} µs " for o in sweep)
+        + "| our dense looped µs (1 launch) |",
+        "|---|---|---|---|---|" + "---|" * len(sweep) + "---|",
+    ]
+    for (name, b, s), peer in res.nkilib.items():
+        model = next((m for m in res.models if m.name == name), None)
+        if b != batch or model is None:
+            continue
+        shards = nkilib_shards(model)[0]
+        for t in TARGETS:
+            kernels = res.nkilib_step_us(name, b, s, t, 0.0)
+            ours = res.ours.get((name, False, b, s, "looped"))
+            if kernels is None:
+                continue
+            count = peer.launches + 1
+            lines.append(
+                f"| {name} | {b}, {s} | {t} | {count:.0f} ({shards} x {peer.launches / shards:.0f} + 1) "
+                f"| {kernels:.1f} "
+                + "".join(f"| {count * o:.0f} " for o in sweep)
+                + f"| {'–' if ours is None or ours.latency_us(t, 0.0) is None else f'{ours.latency_us(t, 0.0):.1f}'} |"
+            )
+    return lines if len(lines) > 2 else []
 
 
 def nkilib_note(res: Results) -> str:
@@ -129,7 +174,15 @@ def nkilib_note(res: Results) -> str:
         "one call per KV head (Gemma 3 270M's "
         "256-wide heads as 128-wide halves: two calls), each call with its heads' share of q/k/v/o and an "
         "intermediate slice of the MLP, back to back on one core (the all-reduce between shards is not "
-        "charged; the same weight and cache bytes and matmul flops as the model). It asserts NeuronCore-v3 or "
+        "charged; the same weight and cache bytes and matmul flops as the model). **One launch per step for a "
+        "whole model on one core is not possible with its signature**: it takes one KV head (`attention_block_tkg` "
+        'fixes `kv_heads = 1` and asserts "Expecting single head for KV" on the cache), so one launch per step '
+        "needs the tensor-parallel layout it is written for, one NeuronCore per KV head (8 for the Llamas here) "
+        "each running all layers in one call (Gemma 3 270M's 256-wide heads exceed the 128 partitions: two calls "
+        "even then). On one core it takes a launch per shard, and one per layer too where all layers in one call "
+        "do not run (below). The table after this note therefore splits its step into the kernels' time and the "
+        "launches' cost (launches x the assumed per-launch overhead); at the fitted cost terms the fixed step cost "
+        "is charged once, as for ours. It asserts NeuronCore-v3 or "
         "later (trn2), so it has no trn1 figures. It covers the layers only; the comparison adds the same LM "
         "head to it: our `lm_head_kernel` launch (final norm + dense head, from composition (ii) at the same "
         "shape) plus one launch, i.e. peer step = transformer_tkg calls + our head. Its layers differ from "

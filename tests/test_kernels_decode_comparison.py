@@ -3,10 +3,15 @@
 the nkilib peer's sharding, the targets' bounds, and a --quick smoke run of the whole script."""
 
 import dataclasses
+import json
 import os
+import re
 import subprocess
 import sys
 
+import decode_cases
+import decode_nkilib
+import decode_step_report
 import numpy as np
 import pytest
 from harness import comparison as bench
@@ -17,6 +22,7 @@ from nki_kernels.decode.contract import PROJECTIONS
 from nki_kernels.emulator import cost_model, speed_bands
 
 BENCHMARKS = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks")
+BAND = r"\d+\.\d\dx \(\d+\.\d\d–\d+\.\d\dx\)"  # band_text's "fitted (lowest–highest)"
 MODELS = bench.published_decode_models(["Gemma 3 270M", "Llama-3.2-1B", "Llama-3.1-8B"])
 
 
@@ -186,6 +192,12 @@ def test_quick_run_writes_the_report(tmp_path):
     for composition in bench.COMPOSITIONS:
         assert bench.LABELS[composition] in text
     assert "modeled, not measured" in text and (tmp_path / "decode_step_quick.png").stat().st_size > 0
+    # Every speedup of ours in the headline has its band on each target (the peer's: "–", no checkout given).
+    headline = [line for line in text.splitlines() if line.startswith("| 128 | ") and " looped vs " in line]
+    ours = [line for line in headline if "nkilib" not in line]
+    assert len(ours) == 7 and all(len(re.findall(BAND, line)) == len(bench.TARGETS) for line in ours)
+    fitted = [line for line in text.splitlines() if line.startswith("| 1 | 128 | trn")]
+    assert len(fitted) == len(bench.TARGETS) and all(len(re.findall(BAND, line)) == 7 for line in fitted)
     fp8 = subprocess.run(
         [
             sys.executable,
@@ -245,6 +257,69 @@ def test_fp8_table_speedups_are_over_bf16_dense_looped():
     band = f"{ratios[0]:.2f}x ({ratios.min():.2f}–{ratios.max():.2f}x)"
     assert fp8_compressed[7] == f"{us:.1f} / 100% / {base / us:.2f}x / {band}"
     assert fp8_compressed[8].endswith(" / – |")  # no band traced on trn2
+
+
+def _band(rng):
+    values = rng.uniform(100.0, 900.0, size=9)
+    return values, {"fitted": values[0], "corners": list(values[1:])}
+
+
+def test_step_report_states_each_speedup_with_its_band_and_the_peer_s_launches_apart():
+    # Random bands on trn2 for every composition, the per_layer LM-head launch (no fixed cost) and the nkilib peer's
+    # calls (fixed cost once): the peer's step band is its calls' plus our head's, corner by corner.
+    m, rng = MODELS["Gemma 3 270M"], np.random.default_rng()
+    values, ours = {}, {}
+    for c in (False, True):
+        for comp in bench.COMPOSITIONS:
+            values[(c, comp)], band = _band(rng)
+            head = {"trn2": 50.0} if comp == "per_layer" else {}
+            ours[(m.name, c, 1, 512, comp)] = bench.Measured(
+                {"trn2": float(rng.uniform(1000.0, 3000.0))}, 19, 1e6, head_us=head, band_us={"trn2": band}
+            )
+    head_values, ours[(m.name, False, 1, 512, "per_layer")].head_band_us["trn2"] = _band(rng)
+    ours[(m.name, True, 1, 512, "per_layer")].head_band_us["trn2"] = _band(rng)[1]
+    peer_values, peer_band = _band(rng)
+    peer = bench.Measured({"trn2": 2500.0}, 36, 1e6, band_us={"trn2": peer_band})
+    res = bench.Results(ours, {(m.name, 1, 512): peer}, "test", [], [m])
+    assert all(measured.has_bands() for measured in ours.values()) and peer.has_bands()
+    rows = {row.split(" | ")[1]: row.split(" | ") for row in decode_step_report.headline_speedups(res, m, 1, [512])[2:]}
+
+    def band(ratios):
+        return f"{ratios[0]:.2f}x ({ratios.min():.2f}–{ratios.max():.2f}x)"
+
+    per_op = rows[f"dense: looped vs {bench.LABELS['per_op']}"]
+    slow, fast = ours[(m.name, False, 1, 512, "per_op")], ours[(m.name, False, 1, 512, "looped")]
+    assert per_op[2:4] == ["–", "–"]  # nothing on trn1
+    assert per_op[4] == f"{slow.kernel_us['trn2'] / fast.kernel_us['trn2']:.2f}x"
+    assert per_op[5] == band(values[(False, "per_op")] / values[(False, "looped")]) + " |"
+    assert (
+        rows["compressed looped vs dense looped"][5]
+        == band(values[(False, "looped")] / values[(True, "looped")]) + " |"
+    )
+    peer_row = rows["compressed: looped vs dense (nkilib megakernel)"]
+    assert peer_row[4] == f"{(2500.0 + 50.0) / ours[(m.name, True, 1, 512, 'looped')].kernel_us['trn2']:.2f}x"
+    assert peer_row[5] == band((peer_values + head_values) / values[(True, "looped")]) + " |"
+    fitted = next(
+        row for row in decode_step_report.band_table(res, m, [1], [512]) if row.startswith("| 1 | 512 | trn2")
+    )
+    dense = values[(False, "looped")]
+    assert f"| {dense[0]:.0f} ({dense[1:].min():.0f}–{dense[1:].max():.0f}) |" in fitted
+    assert fitted.endswith(f"| {band((peer_values + head_values) / values[(True, 'looped')])} |")
+    launches = decode_nkilib.nkilib_launch_table(res, 1)
+    assert launches[2].startswith(f"| {m.name} | 1, 512 | trn2 | 37 (2 x 18 + 1) | 2550.0 | 74 |")
+
+
+def test_case_cache_traces_again_a_case_cached_without_its_bands(tmp_path):
+    path = tmp_path / "cases.jsonl"
+    old = bench.Measured({"trn1": 10.0}, 1, 5.0)
+    path.write_text(json.dumps({"key": "k", "measured": dataclasses.asdict(old)}) + "\n")
+    new = bench.Measured({"trn1": 10.0}, 1, 5.0, band_us={"trn1": {"fitted": 12.0, "corners": [9.0, 14.0]}})
+    assert decode_cases.CaseCache(str(path)).get("k", lambda: new) == old  # bands not asked for: as cached
+    assert decode_cases.CaseCache(str(path), cached_only=True).get("k", lambda: new, bands=True).note == (
+        decode_cases.NOT_TRACED
+    )
+    assert decode_cases.CaseCache(str(path)).get("k", lambda: new, bands=True) == new
+    assert decode_cases.CaseCache(str(path)).get("k", lambda: old, bands=True) == new  # the last line of a key wins
 
 
 @pytest.mark.parametrize("num_layers,fp8", [(1, True), (2, False)])

@@ -250,6 +250,13 @@ class Measured:
     # target -> speed_bands.band_latencies of the step (µs at the fitted cost terms and at the band's corners, the
     # fixed step cost included once; measure_spec(..., bands=True) only, else empty)
     band_us: dict = dataclasses.field(default_factory=dict)
+    # target -> band_latencies of the LM-head launch alone, without the fixed step cost (cases with one, of
+    # measure_spec(..., bands=True) only: the nkilib peer's step adds per_layer's to its own band)
+    head_band_us: dict = dataclasses.field(default_factory=dict)
+
+    def has_bands(self) -> bool:
+        """Whether every target it ran on has its band (and, where it has an LM-head launch, that launch's)."""
+        return set(self.kernel_us) <= set(self.band_us) and set(self.head_us) <= set(self.head_band_us)
 
     def latency_us(self, target: str, overhead_us: float) -> float | None:
         """Modeled µs with overhead_us per launch; None when it did not run on `target`."""
@@ -259,10 +266,15 @@ class Measured:
 
     @classmethod
     def from_runs(
-        cls, runs_by_target: dict, note: str = "", floor: bool = False, bands: dict | None = None
+        cls,
+        runs_by_target: dict,
+        note: str = "",
+        floor: bool = False,
+        bands: dict | None = None,
+        head_bands: dict | None = None,
     ) -> Measured:
-        """floor: the runs were profiled with their dependency floor (profiled(..., dependency_floor=True)); bands:
-        the band_us field."""
+        """floor: the runs were profiled with their dependency floor (profiled(..., dependency_floor=True)); bands,
+        head_bands: the band_us and head_band_us fields."""
         first = next(iter(runs_by_target.values()))
         head = {
             t: sum(r.latency_us[t] for r in runs if r.name == "lm_head_kernel") for t, runs in runs_by_target.items()
@@ -278,6 +290,7 @@ class Measured:
             if floor
             else {},
             band_us=bands or {},
+            head_band_us=head_bands or {},
         )
 
 
@@ -306,6 +319,7 @@ def extrapolate(m1: Measured, l1: int, m2: Measured, l2: int, layers: int) -> Me
             for t in m1.band_us
             if t in m2.band_us
         },
+        head_band_us=dict(m2.head_band_us),
     )
 
 
@@ -352,7 +366,7 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int,
         else:
             run_sharded_decode_step(composition, [operands] * spec.tensor_parallel, spec, numerics=False)
 
-    runs, failures, band_us = {}, [], {}
+    runs, failures, band_us, head_band_us = {}, [], {}, {}
     for t in TARGETS:
         records = [] if bands else None
         try:
@@ -364,10 +378,16 @@ def measure_spec(spec: DecodeSpec, composition: str, batch: int, cache_len: int,
             band_us[t] = speed_bands.band_latencies(
                 lambda terms, t=t, records=records: speed_bands.step_us(records, t, terms), fitted_terms(t)
             )
+            head = [run for run in records if run.name == "lm_head_kernel"]
+            if head:
+                head_band_us[t] = speed_bands.band_latencies(
+                    lambda terms, t=t, head=head: speed_bands.step_us(head, t, terms) - terms.step_fixed_us,
+                    fitted_terms(t),
+                )
     note = "did not run on " + "; ".join(failures) if failures else ""
     if not runs:
         return Measured({}, 0, 0.0, note=note)
-    return Measured.from_runs(runs, note=note, floor=floor, bands=band_us)
+    return Measured.from_runs(runs, note=note, floor=floor, bands=band_us, head_bands=head_band_us)
 
 
 def traced_layers(model: DecodeModel, extrapolated: bool) -> tuple[int, ...]:
@@ -428,6 +448,19 @@ class Results:
         if peer is None or target not in peer.kernel_us or ours is None or target not in ours.head_us:
             return None
         return peer.latency_us(target, overhead_us) + ours.head_us[target] + launch.check_launch_overhead(overhead_us)
+
+    def nkilib_step_band(self, model, batch, cache_len, target) -> dict | None:
+        """nkilib_step_us's step as band_latencies (its layers' band, the fixed step cost once, + our LM-head
+        launch's band, corner by corner), or None where either has no band on `target`."""
+        peer = self.nkilib.get((model, batch, cache_len))
+        ours = self.ours.get((model, False, batch, cache_len, "per_layer"))
+        if peer is None or ours is None or target not in peer.band_us or target not in ours.head_band_us:
+            return None
+        layers, head = peer.band_us[target], ours.head_band_us[target]
+        return {
+            "fitted": layers["fitted"] + head["fitted"],
+            "corners": [a + b for a, b in zip(layers["corners"], head["corners"])],
+        }
 
 
 def where(compressed: bool) -> str:

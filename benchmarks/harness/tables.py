@@ -1,6 +1,6 @@
 """The decode reports' Markdown tables built from measured cases (harness.comparison.Measured): the fp8 report's
 rows beside bf16 dense looped and the tensor-parallel report's rows beside their bounds and one rank, each speedup
-also at the fitted cost terms with its band (`speedup_band`, `band_text`)."""
+also at the fitted cost terms with its band (`speedup_band`, `band_text`, `latency_band_text`)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,14 @@ def speedup_band(slow: Measured | None, fast: Measured | None, target: str) -> t
 def band_text(band: tuple[float, float, float] | None) -> str:
     """A speedup_band as "1.21x (1.20–1.91x)": at the fitted terms, then the band; "–" without one."""
     return "–" if band is None else f"{band[0]:.2f}x ({band[1]:.2f}–{band[2]:.2f}x)"
+
+
+def latency_band_text(band: dict | None) -> str:
+    """A band_latencies as "12270 (3130–15100)" µs: at the fitted terms, then the lowest and highest corner; "–"
+    without one."""
+    if band is None:
+        return "–"
+    return f"{band['fitted']:.0f} ({min(band['corners']):.0f}–{max(band['corners']):.0f})"
 
 
 def fp8_table(ours: dict, model: DecodeModel, batches, cache_lengths) -> list[str]:
