@@ -234,8 +234,8 @@ def paged_step(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatc
 
 def paged_prefill(graphdef, state, token_ids, cache: PagedKVCache, batch: PagedBatch) -> PagedKVCache:
     """`paged_step` without logits or sampling: writes each row's chunk into the (donated) pools and returns them.
-    A chunk that samples nothing need not read the LM head (on Gemma 3 270M 62% of a step's weight bytes); the
-    engine feeds a prompt's last token to the row's first decode step instead."""
+    A chunk that samples nothing need not read the LM head (most of a small model's weight bytes when its
+    vocabulary is large); the engine feeds a prompt's last token to the row's first decode step instead."""
     return _write(cache, _read(graphdef, state, token_ids, cache, batch))
 
 
