@@ -536,15 +536,11 @@ class Engine:
         table = jnp.asarray(table)
         lengths = jnp.asarray(lengths, jnp.int32)
         tokens = jnp.asarray(tokens)
+        next_tokens = None
         if counts is not None:
             batch = PagedBatch(table, lengths, jnp.asarray(counts, jnp.int32))
             self._cache = paged_prefill(self._graphdef, self._state, tokens, self._cache, batch)
-            self._stats["steps"] += 1
-            if record is not None:
-                self._on_step(record)
-            return None
-        sampling = self._sampling(requests, rows)
-        if self._decodes_through_kernels():
+        elif self._decodes_through_kernels():
             next_tokens, self._cache = paged_decode_step(
                 self._graphdef,
                 self._state,
@@ -553,14 +549,16 @@ class Engine:
                 self._cache,
                 table,
                 lengths,
-                sampling,
+                self._sampling(requests, rows),
                 plan=self._plan,
             )
         else:
             batch = PagedBatch(table, lengths, (lengths >= 0).astype(jnp.int32))
+            sampling = self._sampling(requests, rows)
             next_tokens, self._cache = paged_step(self._graphdef, self._state, tokens, self._cache, batch, sampling)
         self._stats["steps"] += 1
-        next_tokens = np.asarray(jax.device_get(next_tokens))
+        if next_tokens is not None:
+            next_tokens = np.asarray(jax.device_get(next_tokens))
         if record is not None:
             self._on_step(record)
         return next_tokens
