@@ -76,6 +76,8 @@ class Config:
     keep: float = 0.8
     include: tuple = ("mlp",)
     self_text: bool = True
+    # the recovery steps (None: the recommended pipeline's); ("fisher", "allocate") measures it without distillation
+    steps: tuple | None = None
     # "before": the pipeline as it was: no generated text, the default distillation options on the user's windows.
     before: bool = False
 
@@ -97,6 +99,13 @@ CONFIGS = (
         "keep 0.8 mlp+attention, before (user text only)", include=("mlp", "attention"), self_text=False, before=True
     ),
     Config("keep 0.8 mlp+attention", include=("mlp", "attention")),
+    Config("keep 0.8 mlp, no distillation", self_text=False, steps=("fisher", "allocate")),
+    Config(
+        "keep 0.8 mlp+attention, no distillation",
+        include=("mlp", "attention"),
+        self_text=False,
+        steps=("fisher", "allocate"),
+    ),
 )
 
 
@@ -124,6 +133,7 @@ def build(dense, config: Config, user_ids, start_id):
     recipe = pipeline.Recipe(
         keep=config.keep,
         include=config.include,
+        steps=config.steps,
         self_text=self_text_options(start_id) if config.self_text else False,
         distill=DistillOptions() if config.before else None,
     )

@@ -75,6 +75,12 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_list("modeled_weights", ["bf16", "fp8"], "weights the schedule is priced with")
+flags.DEFINE_multi_integer(
+    "modeled_prefill_ahead",
+    [0, 2, 4, 8],
+    "EngineOptions.prefill_ahead values whose schedules are also priced (the default's is the report's)",
+    lower_bound=0,
+)
 flags.DEFINE_string(
     "modeled_model", None, "shape the schedule is priced on: a published model's (default: the served model's own)"
 )
@@ -249,35 +255,45 @@ def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> 
 
 def measure_modeled(model, results: dict) -> None:
     """Records the schedule of an engine run of --modeled_requests requests at --modeled_batch rows (--modeled_batch
-    * 2 clients: rows refill at once) and prices it (serving_modeled); the HBM capacity table."""
+    * 2 clients: rows refill at once) at the engine's default prefill_ahead and at each --modeled_prefill_ahead, and
+    prices them (serving_modeled); the HBM capacity table."""
     from harness.comparison import published_decode_models
 
     from jax_neuronmm.models.paged import paged_plan
 
     mix = request_mix(model.tokenizer, FLAGS.modeled_requests, FLAGS.seed)
-    steps = []
-    options = EngineOptions(max_batch=FLAGS.modeled_batch, **ENGINE)
-    with Engine(model, options, on_step=lambda r: steps.append(serving_modeled.record_row(r))) as engine:
-        run = run_engine(engine, mix, 2 * FLAGS.modeled_batch, FLAGS.request_timeout)
+    default = EngineOptions().prefill_ahead
+    schedules = {}  # prefill_ahead -> the run's schedule
+    for ahead in sorted({default, *FLAGS.modeled_prefill_ahead}):
+        steps = []
+        options = EngineOptions(max_batch=FLAGS.modeled_batch, prefill_ahead=ahead, **ENGINE)
+        with Engine(model, options, on_step=lambda r, steps=steps: steps.append(serving_modeled.record_row(r))) as e:
+            run = run_engine(e, mix, 2 * FLAGS.modeled_batch, FLAGS.request_timeout)
+        tokens = sum(r["tokens"] for r in run["requests"])
+        if tokens != serving_modeled.schedule_tokens(steps) or any(r["failed"] for r in run["requests"]):
+            raise RuntimeError(
+                f"the schedule's {serving_modeled.schedule_tokens(steps)} tokens are not the run's {tokens}"
+            )
+        schedules[ahead] = steps
     spec = paged_plan(model, ENGINE["block_size"]).spec.replace(block_size=None)
     gemma = published_decode_models(["Gemma 3 270M"])["Gemma 3 270M"]
     served = dataclasses.replace(gemma, name=FLAGS.model, source="the GGUF's metadata", spec=spec)
     name = FLAGS.modeled_model or FLAGS.model
     shape = served if name == FLAGS.model else published_decode_models([name])[name]
     max_slots = -(-ENGINE["max_model_len"] // ENGINE["block_size"]) * ENGINE["block_size"]
+    every_step = [row for steps in schedules.values() for row in steps]  # one pricing covers every schedule's shapes
     priced = {
-        kind: serving_modeled.price_schedule(steps, shape, kind, ENGINE["block_size"], max_slots)
+        kind: serving_modeled.price_schedule(every_step, shape, kind, ENGINE["block_size"], max_slots)
         for kind in FLAGS.modeled_weights
     }
-    tokens = sum(r["tokens"] for r in run["requests"])
-    if tokens != serving_modeled.schedule_tokens(steps) or any(r["failed"] for r in run["requests"]):
-        raise RuntimeError(f"the schedule's {serving_modeled.schedule_tokens(steps)} tokens are not the run's {tokens}")
     results["modeled"] = dict(
         model=name,
         batch=FLAGS.modeled_batch,
         requests=len(mix),
-        tokens=tokens,
-        schedule=steps,
+        tokens=serving_modeled.schedule_tokens(schedules[default]),
+        prefill_ahead=default,
+        schedule=schedules[default],
+        sweep={str(ahead): steps for ahead, steps in schedules.items() if ahead != default},
         priced=priced,
         capacity=serving_modeled.capacity_rows([served] + ([gemma] if name != gemma.name else [])),
     )

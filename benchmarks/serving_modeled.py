@@ -160,6 +160,27 @@ def paged_over_contiguous(modeled: dict) -> tuple[int, dict]:
     return slots, ratios
 
 
+def sweep_lines(modeled: dict) -> list[str]:
+    """The Markdown table of engine ÷ alone (whole run) per EngineOptions.prefill_ahead: the report's schedule and
+    those of modeled["sweep"] (the same mix run again at other values), priced alike."""
+    schedules = {str(modeled["prefill_ahead"]): modeled["schedule"], **modeled.get("sweep", {})}
+    columns = [(kind, t) for kind in modeled["priced"] for t in TARGETS]
+    lines = [
+        "| prefill_ahead | prefill steps | decode steps | " + " | ".join(f"{k} {t}" for k, t in columns) + " |",
+        "|---|---|---|" + "---|" * len(columns),
+    ]
+    for ahead in sorted(schedules, key=int):
+        steps = schedules[ahead]
+        cells = []
+        for kind, t in columns:
+            rate = modeled_rate(steps, modeled["priced"][kind], t)
+            cells.append("-" if rate is None else f"{rate['ratio']:.3f}")
+        prefills = sum(row[0] != "decode" for row in steps)
+        default = " (default)" if int(ahead) == modeled["prefill_ahead"] else ""
+        lines.append(f"| {ahead}{default} | {prefills} | {len(steps) - prefills} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def capacity_rows(models: list) -> list[dict]:
     """Per model and WEIGHT_KINDS: weight bytes, KV bytes per sequence at each of CONTEXTS, and the sequences that
     fit per NeuronCore on each target (0 when the weights alone do not fit)."""

@@ -152,6 +152,7 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         + " of the modeled time.",
         "",
         *serving_modeled.schedule_lines(modeled),
+        *sweep_section(modeled),
         "",
         "### Concurrent sequences per NeuronCore (HBM)",
         "",
@@ -162,6 +163,23 @@ def modeled_lines(modeled: dict, requests: int) -> list[str]:
         "also holds a sliding-window layer's). An upper bound: no activations or runtime reserve.",
         "",
         *serving_modeled.capacity_lines(modeled["capacity"]),
+    ]
+
+
+def sweep_section(modeled: dict) -> list[str]:
+    """The prefill_ahead sweep (serving_modeled.sweep_lines) with what it shows; none before the JSON held one."""
+    if "prefill_ahead" not in modeled:
+        return []
+    return [
+        "",
+        f"The run above admits up to {modeled['prefill_ahead']} requests beyond the decoding rows "
+        "(`EngineOptions.prefill_ahead`): a prefill step runs only when a row would go empty, and then prefills "
+        "them too, so one weight read serves several prompts and the next rows to free start decoding without a "
+        "prefill step of their own. The same mix run again at other values, priced alike (engine ÷ alone, the "
+        "whole run; a prefill step of more prompts is compute-bound at its roofline, its rows padded to the longest "
+        "chunk's bucket, so larger values stop paying where the weights are fp8):",
+        "",
+        *serving_modeled.sweep_lines(modeled),
     ]
 
 

@@ -66,6 +66,18 @@ def test_priced_schedule_adds_up_step_by_step():
         assert busy_rate["standalone_same_slots"] == pytest.approx(8 / alone_32 * 1e6)
         slots, ratios = serving_modeled.paged_over_contiguous(dict(schedule=schedule, priced={"bf16": priced}))
         assert slots == 32 and ratios["bf16"][target] == pytest.approx(step_8 / alone_32)
+    # The prefill_ahead sweep: one row per schedule (the report's marked default), each its own whole-run ratio.
+    other = schedule[1:3] + schedule[4:]  # the same decode steps without prefill: a higher ratio
+    modeled = dict(schedule=schedule, prefill_ahead=2, sweep={"0": other}, priced={"bf16": priced})
+    lines = serving_modeled.sweep_lines(modeled)
+    want = {
+        ahead: [f"{serving_modeled.modeled_rate(s, priced, t)['ratio']:.3f}" for t in serving_modeled.TARGETS]
+        for ahead, s in (("0", other), ("2 (default)", schedule))
+    }
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| 0", "| 2 (default)"]
+    for line, (ahead, cells) in zip(lines[2:], want.items()):
+        assert line == f"| {ahead} | {'2' if ahead == '2 (default)' else '0'} | 3 | " + " | ".join(cells) + " |"
+    assert want["0"] > want["2 (default)"]
     priced["decode"]["8,32"].pop("trn1")  # a shape that did not run on a target: no rate there
     assert serving_modeled.modeled_rate(schedule, priced, "trn1") is None
 

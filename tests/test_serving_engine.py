@@ -223,6 +223,34 @@ def test_step_records_replay_the_schedule(model, rng):
         Engine(model, options, on_step=[])
 
 
+def test_prefill_ahead_shares_prefill_steps_and_never_widens_the_decode_batch(model, rng):
+    # Seven requests for three rows, finishing at different steps: admitted ahead, prompts are prefilled several to a
+    # step only when a row would go empty (fewer prefill steps than one per freed row), decode steps still hold at
+    # most three rows, every prompt token is prefilled once, and greedy tokens equal generate's either way.
+    prompts = [rng.integers(0, VOCAB, size=n).tolist() for n in (5, 9, 3, 7, 11, 4, 6)]
+    counts = [3, 7, 4, 9, 2, 6, 5]
+    want = _references(model, prompts, max(counts))
+    schedules = {}
+    for ahead in (0, 2):
+        options = EngineOptions(
+            max_batch=3, block_size=5, max_model_len=40, prefill_buckets=(8, 16), prefill_ahead=ahead
+        )
+        records = []
+        with Engine(model, options, on_step=records.append) as engine:
+            results = engine.generate(prompts, [_greedy(n) for n in counts])
+        for events, n, w in zip(results, counts, want):
+            assert _tokens(events) == w[:n]
+        decodes = [r for r in records if r.kind == "decode"]
+        assert max(len(r.lengths) for r in decodes) == 3 and sum(len(r.lengths) for r in decodes) == sum(counts)
+        prefills = [r for r in records if r.kind == "prefill"]
+        assert sum(sum(r.counts) for r in prefills) == sum(len(p) - 1 for p in prompts)
+        schedules[ahead] = records
+    prefills = {ahead: [r for r in records if r.kind == "prefill"] for ahead, records in schedules.items()}
+    assert len(prefills[2]) < len(prefills[0]) and max(len(r.counts) for r in prefills[2][1:]) == 3
+    with pytest.raises(ValueError, match="prefill_ahead"):
+        EngineOptions(prefill_ahead=-1)
+
+
 def test_steps_read_the_blocks_their_rows_need_not_the_whole_context(model, rng):
     # A 400-token context (80 blocks of 5) served to short rows: a step's table is the power of two at or above
     # its longest row's blocks (at least MIN_TABLE_TOKENS' worth), never all 80 columns, and greedy tokens still

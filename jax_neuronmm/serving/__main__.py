@@ -39,6 +39,9 @@ def parse_args(argv):
     parser.add_argument("--num-blocks", type=int, help="KV cache blocks (default: max-batch full-context rows)")
     parser.add_argument("--max-model-len", type=int, default=2048, help="context served (at most the model's)")
     parser.add_argument("--max-waiting", type=int, default=256, help="queued requests before 503")
+    parser.add_argument(
+        "--prefill-ahead", type=int, default=2, help="requests prefilled beyond the decoding rows (EngineOptions)"
+    )
     parser.add_argument("--log-level", default="info")
     return parser.parse_args(argv)
 
@@ -58,6 +61,7 @@ def main(argv=None) -> int:
         num_blocks=args.num_blocks,
         max_model_len=max_model_len,
         max_waiting=args.max_waiting,
+        prefill_ahead=args.prefill_ahead,
     )
     name = args.served_model_name or os.path.splitext(os.path.basename(os.path.normpath(path)))[0]
     service = Service(Engine(model, options), name, load_chat_template(path))

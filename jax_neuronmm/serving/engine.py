@@ -1,7 +1,8 @@
 """The serving engine: continuous batching of requests over a paged KV cache, scheduled on the host.
 
-A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows and blocks allow, run one
-prefill step for every admitted request whose prompt (all but its last token) is not yet cached (each row its next
+A background thread loops: apply cancellations, admit waiting requests (FIFO) while rows (and
+`EngineOptions.prefill_ahead` more) and blocks allow, run one prefill step, when a row would otherwise go empty,
+for every admitted request whose prompt (all but its last token) is not yet cached (each row its next
 chunk, padded to a length bucket, a long prompt in chunks of the largest bucket; `models.paged.paged_prefill`: no
 logits, so the step does not read the LM head), then one decode step for every decoding row, which feeds each row
 its one uncached token (a new row's last prompt token, the others' last output) and samples its next: one jitted
@@ -112,7 +113,12 @@ class EngineOptions:
     max_batch full-context rows). max_model_len: the context served (default the model's, else 2048).
     prefill_buckets: prompt-chunk lengths that compile (longer prompts go in chunks of the largest).
     batch_buckets: decode batch sizes that compile (default powers of two up to max_batch; the largest must be
-    max_batch). max_waiting: queued requests beyond which `submit` raises QueueFull."""
+    max_batch). max_waiting: queued requests beyond which `submit` raises QueueFull.
+    prefill_ahead: requests admitted and prefilled beyond the max_batch decoding rows (they hold KV blocks, not
+    rows). A prefill step runs only when a row would otherwise go empty, and then takes up to 1 + prefill_ahead
+    waiting prompts, so the next rows to free start decoding without a step of their own: a prefill step reads
+    every layer's weights whatever its rows hold, and on Trainium, where that read is most of a short prompt's
+    cost, one read then serves several prompts. 0: a prompt is prefilled only when its row frees."""
 
     max_batch: int = 16
     block_size: int = 16
@@ -121,6 +127,7 @@ class EngineOptions:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
     batch_buckets: tuple[int, ...] | None = None
     max_waiting: int = 256
+    prefill_ahead: int = 2
 
     def __post_init__(self):
         _check_int("max_batch", self.max_batch, 1)
@@ -139,6 +146,7 @@ class EngineOptions:
             if max(self.batch_buckets) != self.max_batch:
                 raise ValueError(f"batch_buckets: got {self.batch_buckets}, expected the largest to be max_batch")
         _check_int("max_waiting", self.max_waiting, 0)
+        _check_int("prefill_ahead", self.prefill_ahead, 0)
 
 
 @dataclasses.dataclass
@@ -457,7 +465,7 @@ class Engine:
         return -(-tokens // self.block_size)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.options.max_batch:
+        while self._waiting and len(self._running) < self.options.max_batch + self.options.prefill_ahead:
             request = self._waiting[0]
             if len(self._free) < self._blocks_for(len(request.seq) + 1):
                 if self._running:
@@ -567,10 +575,19 @@ class Engine:
         """One prefill step for every admitted request whose sequence, all but its last token, is not cached (each
         row its next chunk of at most the largest bucket, padded to the bucket of the longest): one pass over the
         weights for all of them, as when several rows free in the same step. The last token is left to the row's
-        first decode step, which samples from it: the prefill step computes no logits."""
+        first decode step, which samples from it: the prefill step computes no logits. Only when a row would go
+        empty (fewer prefilled requests than max_batch); then for those rows, or, with requests admitted ahead,
+        as many as fill the largest batch bucket they reach."""
+        empty = self.options.max_batch - sum(r.decoded for r in self._running)
+        if empty <= 0:
+            return  # every row decodes: requests admitted ahead wait for a row to free
+        waiting = [r for r in self._running if not r.decoded]
+        # The rows that would go empty, and beyond them as many as fill a batch bucket: a padding row computes a
+        # whole chunk for nothing.
+        fill = max([size for size in self._batch_sizes if size <= len(waiting)], default=1)
         largest = self._prefill_sizes[-1]
         chunks = []
-        for request in [r for r in self._running if not r.decoded]:
+        for request in waiting[: max(min(empty, len(waiting)), fill)]:
             count = min(len(request.seq) - 1 - request.cached, largest)
             if count == 0:
                 request.decoded = True  # a one-token prompt: nothing to prefill
@@ -592,11 +609,18 @@ class Engine:
             request.cached += count
             request.decoded = request.cached == len(request.seq) - 1
 
+    def _rows(self) -> list[_Request]:
+        """The requests of the next decode step: the first max_batch prefilled ones, in admission order."""
+        return [r for r in self._running if r.decoded][: self.options.max_batch]
+
     def _decode(self) -> None:
-        for request in [r for r in self._running if r.decoded]:
-            if request in self._running:  # an earlier _grow may have preempted it
-                self._grow(request, request.cached + 1)
-        requests = [r for r in self._running if r.decoded]
+        grown = set()
+        while pending := [r for r in self._rows() if r.id not in grown]:
+            for request in pending:  # a preempted row lets a request admitted ahead in: it grows next round
+                grown.add(request.id)
+                if request in self._running:  # an earlier _grow may have preempted it
+                    self._grow(request, request.cached + 1)
+        requests = self._rows()
         if not requests:
             return
         rows = _bucket(len(requests), self._batch_sizes)
