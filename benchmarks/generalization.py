@@ -78,6 +78,8 @@ class Config:
     self_text: bool = True
     # the recovery steps (None: the recommended pipeline's); ("fisher", "allocate") measures it without distillation
     steps: tuple | None = None
+    # DistillOptions.anchor (a pull toward the starting factors), the options otherwise scaled as the pipeline's
+    anchor: float = 0.0
     # "before": the pipeline as it was: no generated text, the default distillation options on the user's windows.
     before: bool = False
 
@@ -99,6 +101,7 @@ CONFIGS = (
         "keep 0.8 mlp+attention, before (user text only)", include=("mlp", "attention"), self_text=False, before=True
     ),
     Config("keep 0.8 mlp+attention", include=("mlp", "attention")),
+    Config("keep 0.8 mlp+attention, anchored", include=("mlp", "attention"), anchor=3.0),
     Config("keep 0.8 mlp, no distillation", self_text=False, steps=("fisher", "allocate")),
     Config(
         "keep 0.8 mlp+attention, no distillation",
@@ -130,12 +133,18 @@ def build(dense, config: Config, user_ids, start_id):
             generated = self_distillation.generated_windows(dense, user_ids, options)
             user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids, targets=config.targets)
+    self_text = self_text_options(start_id) if config.self_text else False
+    distill = DistillOptions() if config.before else None
+    if config.anchor:  # the windows the pipeline trains on: the user's and the generated, less those held out
+        holdout = self_text.holdout if self_text else DistillOptions().holdout
+        train = user_ids.shape[0] + (self_text.windows if self_text else 0) - holdout
+        distill = self_distillation.scaled_options(train, holdout, DistillOptions(anchor=config.anchor))
     recipe = pipeline.Recipe(
         keep=config.keep,
         include=config.include,
         steps=config.steps,
-        self_text=self_text_options(start_id) if config.self_text else False,
-        distill=DistillOptions() if config.before else None,
+        self_text=self_text,
+        distill=distill,
     )
     return pipeline.compress_model(dense, recipe, calibration_ids=user_ids)
 

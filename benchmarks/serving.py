@@ -18,7 +18,7 @@ requests, peak resident memory (the process's VmHWM, reset before the row: /proc
 own). --llama_cpp_python runs the same requests through llama.cpp's server (benchmarks/serving_llama_cpp.py).
 Modeled: the schedule of an engine run of --modeled_requests requests at --modeled_batch rows priced on the
 decode-step cost model (benchmarks/serving_modeled.py), over the whole run and over its saturated steps (before the
-last rows drain), and the HBM capacity table.
+last rows drain), the same at each --modeled_prefill_ahead, and the HBM capacity table.
 
 Every figure is computed from the model's results JSON (benchmarks/results/serving.json for SmolLM2-135M,
 serving_gemma3_270m.json for Gemma 3 270M: per-request records); --render_only re-renders the

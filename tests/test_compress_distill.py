@@ -189,6 +189,43 @@ def test_distill_keeps_the_factors_with_the_lowest_held_out_loss(tiny):
     np.testing.assert_allclose(_full_kl64(compressed, model, held), best, rtol=1e-3)
 
 
+def _drift64(model, start):
+    """Mean over the SVD factors of ||w - w0||² / ||w0||² in float64 (distill's anchor term, by hand)."""
+    ratios = []
+    for name in ("u", "v"):
+        for a, b in zip(_factors(model, name), _factors(start, name)):
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            ratios.append(np.sum((a - b) ** 2) / np.sum(b**2))
+    return float(np.mean(ratios))
+
+
+def _factors(model, name):
+    from flax import nnx
+
+    return [v[...] for path, v in nnx.iter_graph(model) if path and path[-1] == name and isinstance(v, nnx.Param)]
+
+
+def test_the_anchor_keeps_the_factors_nearer_their_start(tiny):
+    # Same data, steps and seed: a pull toward the starting factors leaves them nearer the start (float64 drift),
+    # and without one the KL falls further.
+    model, ids = tiny
+    recipe = Recipe(keep=0.5, method="svd", block=8)
+    start = compress_model(model, recipe, progress=False)
+    drifts, kls = [], []
+    for anchor in (0.0, 20.0):
+        compressed = compress_model(model, recipe, progress=False)
+        options = DistillOptions(
+            steps=20, batch=4, learning_rate=3e-3, relative=False, warmup=0, holdout=0, anchor=anchor
+        )
+        distill_factors(compressed, model, ids, options, progress=False)
+        drifts.append(_drift64(compressed, start))
+        kls.append(_full_kl64(compressed, model, ids[:8]))
+    assert drifts[0] > 2 * drifts[1] > 0, drifts
+    assert kls[0] < kls[1], kls
+    with pytest.raises(ValueError, match="DistillOptions.anchor: got -1.0"):
+        DistillOptions(anchor=-1.0)
+
+
 def test_fp8_rounded_is_the_stored_rounding_with_a_straight_through_gradient():
     rng = np.random.default_rng(11)
     # Ragged [37, 19], columns from 1e-3 to 1e3 in magnitude, one all zero.
