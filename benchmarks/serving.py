@@ -47,6 +47,7 @@ from serving_render import record_run, summary, write_report
 from jax_neuronmm import pipeline
 from jax_neuronmm.compress.checkpoint import write_atomically
 from jax_neuronmm.models import generate, load_gguf, real_models
+from jax_neuronmm.serving import engine as engine_module
 from jax_neuronmm.serving.engine import Engine, EngineOptions, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -78,7 +79,7 @@ flags.DEFINE_list("modeled_weights", ["bf16", "fp8"], "weights the schedule is p
 flags.DEFINE_multi_integer(
     "modeled_prefill_ahead",
     [0, 2, 4, 8],
-    "EngineOptions.prefill_ahead values whose schedules are also priced (the default's is the report's)",
+    "EngineOptions.prefill_ahead values whose schedules are also priced (the Trainium default's is the report's)",
     lower_bound=0,
 )
 flags.DEFINE_string(
@@ -255,14 +256,14 @@ def measure_llama_cpp(path: str, tokenizer, eos_id: int, mix, results: dict) -> 
 
 def measure_modeled(model, results: dict) -> None:
     """Records the schedule of an engine run of --modeled_requests requests at --modeled_batch rows (--modeled_batch
-    * 2 clients: rows refill at once) at the engine's default prefill_ahead and at each --modeled_prefill_ahead, and
-    prices them (serving_modeled); the HBM capacity table."""
+    * 2 clients: rows refill at once) at the engine's default prefill_ahead on Trainium and at each
+    --modeled_prefill_ahead, and prices them (serving_modeled); the HBM capacity table."""
     from harness.comparison import published_decode_models
 
     from jax_neuronmm.models.paged import paged_plan
 
     mix = request_mix(model.tokenizer, FLAGS.modeled_requests, FLAGS.seed)
-    default = EngineOptions().prefill_ahead
+    default = engine_module.KERNEL_PREFILL_AHEAD  # the engine's default where the looped kernel decodes
     schedules = {}  # prefill_ahead -> the run's schedule
     for ahead in sorted({default, *FLAGS.modeled_prefill_ahead}):
         steps = []

@@ -4,6 +4,7 @@ on the emulator each decode step of a model `models.decode` covers is one looped
 decode through their own layers); cancel frees its blocks; per-request sampling is reproducible; incremental
 detokenization never breaks a character and honours stop strings."""
 
+import dataclasses
 import threading
 
 import jax.numpy as jnp
@@ -141,6 +142,9 @@ def test_each_decode_step_is_one_kernel_launch_on_the_emulator(name, rng):
             stats = engine.stats()
     decode_steps = sum(r.kind == "decode" for r in records)
     assert stats["preemptions"] == 0 and stats["steps"] == len(records) and decode_steps >= max(counts) - 1
+    # prefill_ahead's default follows the decode steps: the kernel's where it runs them, none on XLA (test below)
+    kernel = name != "biased llama"
+    assert engine._prefill_ahead == (engine_module.KERNEL_PREFILL_AHEAD if kernel else 0)
     launches = 0 if name == "biased llama" else decode_steps
     assert [run.name for run in prof.runs] == ["decode_step_kernel"] * launches
     for events, want, n in zip(results, _references(model, prompts, max(counts)), counts):
@@ -249,6 +253,9 @@ def test_prefill_ahead_shares_prefill_steps_and_never_widens_the_decode_batch(mo
     assert len(prefills[2]) < len(prefills[0]) and max(len(r.counts) for r in prefills[2][1:]) == 3
     with pytest.raises(ValueError, match="prefill_ahead"):
         EngineOptions(prefill_ahead=-1)
+    with Engine(model, dataclasses.replace(options, prefill_ahead=None)) as engine:  # XLA: none by default
+        engine.generate(prompts[:1], _greedy(1))
+        assert engine._prefill_ahead == 0
 
 
 def test_steps_read_the_blocks_their_rows_need_not_the_whole_context(model, rng):

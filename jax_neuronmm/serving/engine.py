@@ -118,7 +118,9 @@ class EngineOptions:
     rows). A prefill step runs only when a row would otherwise go empty, and then takes up to 1 + prefill_ahead
     waiting prompts, so the next rows to free start decoding without a step of their own: a prefill step reads
     every layer's weights whatever its rows hold, and on Trainium, where that read is most of a short prompt's
-    cost, one read then serves several prompts. 0: a prompt is prefilled only when its row frees."""
+    cost, one read then serves several prompts. 0: a prompt is prefilled only when its row frees. None:
+    KERNEL_PREFILL_AHEAD where decode steps run as the looped kernel (Trainium, the emulator), 0 on XLA, where a
+    prefill step costs its padded tokens' compute, so prompts sharing one only add padding."""
 
     max_batch: int = 16
     block_size: int = 16
@@ -127,7 +129,7 @@ class EngineOptions:
     prefill_buckets: tuple[int, ...] = (16, 32, 64, 128, 256)
     batch_buckets: tuple[int, ...] | None = None
     max_waiting: int = 256
-    prefill_ahead: int = 2
+    prefill_ahead: int | None = None
 
     def __post_init__(self):
         _check_int("max_batch", self.max_batch, 1)
@@ -146,7 +148,8 @@ class EngineOptions:
             if max(self.batch_buckets) != self.max_batch:
                 raise ValueError(f"batch_buckets: got {self.batch_buckets}, expected the largest to be max_batch")
         _check_int("max_waiting", self.max_waiting, 0)
-        _check_int("prefill_ahead", self.prefill_ahead, 0)
+        if self.prefill_ahead is not None:
+            _check_int("prefill_ahead", self.prefill_ahead, 0)
 
 
 @dataclasses.dataclass
@@ -206,6 +209,10 @@ def _buckets(limit: int) -> list[int]:
     sizes = [1 << i for i in range(max(limit, 1).bit_length()) if (1 << i) < limit]
     return sizes + [limit]
 
+
+# EngineOptions.prefill_ahead's default where decode steps run as the looped kernel: the largest value that helped
+# every configuration of the serving reports' modeled sweep.
+KERNEL_PREFILL_AHEAD = 2
 
 # Fewest cached tokens a block table covers: narrower tables would add compiled shapes for little saving.
 MIN_TABLE_TOKENS = 64
@@ -274,6 +281,7 @@ class Engine:
         self._lock = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._prefill_ahead = 0  # options.prefill_ahead, resolved on the engine thread under its backend (_run)
         self._stop_reason = SHUTDOWN
         self._ids = itertools.count()
         self._stats = {
@@ -398,6 +406,10 @@ class Engine:
 
     def _run(self) -> None:
         with use_backend(self._backend):
+            ahead = self.options.prefill_ahead
+            if ahead is None:
+                ahead = KERNEL_PREFILL_AHEAD if self._decodes_through_kernels() else 0
+            self._prefill_ahead = ahead
             self._loop()
 
     def _loop(self) -> None:
@@ -465,7 +477,7 @@ class Engine:
         return -(-tokens // self.block_size)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.options.max_batch + self.options.prefill_ahead:
+        while self._waiting and len(self._running) < self.options.max_batch + self._prefill_ahead:
             request = self._waiting[0]
             if len(self._free) < self._blocks_for(len(request.seq) + 1):
                 if self._running:
