@@ -112,6 +112,24 @@ CONFIGS = (
 )
 
 
+def describe(config: Config) -> str:
+    """What a row's configuration builds, in words (the report's legend)."""
+    if config.quantize:
+        on = {"none": "rounded to nearest", "user": "GPTQ on the user's text", "user+generated": "GPTQ on the user's"}
+        text = on[config.quantize_on] + (" and generated text" if config.quantize_on == "user+generated" else "")
+        return f"fp8 e4m3 weights of {' + '.join(config.targets)}, {text}"
+    words = [f"compress_model at keep {config.keep} of {' + '.join(config.include)}"]
+    if config.before:
+        words.append("the default distillation options on the user's windows only")
+    elif config.steps is not None:
+        words.append(f"steps {' + '.join(config.steps)} only (no training)")
+    else:
+        words.append("the recommended pipeline" + (" with the dense model's own samples" if config.self_text else ""))
+    if config.anchor:
+        words.append(f"distillation pulled toward the starting factors (DistillOptions.anchor {config.anchor})")
+    return ", ".join(words)
+
+
 def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
     """The library's SelfTextOptions (samples from start_id when given), or --self_text_windows windows of them (a
     third of them calibrating)."""
@@ -275,6 +293,8 @@ def render(results: dict, out_dir: str) -> None:
             "" if speed is None else f"{speed:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    names = dict.fromkeys(row["config"] for row in rows)
+    lines += ["", "Configurations:", ""] + [f"- {c.name}: {describe(c)}." for c in CONFIGS if c.name in names]
     notes = [f"- {row['model']}, {row['config']}: {row['note']}" for row in rows if row.get("note")]
     lines += ["", "Notes on how rows ran:", "", *notes] if notes else []
     with open(os.path.join(out_dir, "generalization.md"), "w", encoding="utf-8") as f:
