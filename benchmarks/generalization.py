@@ -102,6 +102,7 @@ CONFIGS = (
     ),
     Config("keep 0.8 mlp+attention", include=("mlp", "attention")),
     Config("keep 0.8 mlp+attention, anchored", include=("mlp", "attention"), anchor=3.0),
+    Config("keep 0.8 mlp+attention, anchored 300", include=("mlp", "attention"), anchor=300.0),
     Config("keep 0.8 mlp, no distillation", self_text=False, steps=("fisher", "allocate")),
     Config(
         "keep 0.8 mlp+attention, no distillation",
