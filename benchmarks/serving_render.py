@@ -177,7 +177,7 @@ def sweep_section(modeled: dict) -> list[str]:
         "them too, so one weight read serves several prompts and the next rows to free start decoding without a "
         "prefill step of their own. The same mix run again at other values, priced alike (engine ÷ alone, the "
         "whole run; a prefill step of more prompts is compute-bound at its roofline, its rows padded to the longest "
-        "chunk's bucket, so larger values stop paying where the weights are fp8):",
+        "chunk's bucket, so more is not always faster):",
         "",
         *serving_modeled.sweep_lines(modeled),
     ]

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from flax import nnx
 
 from jax_neuronmm.models import from_preset
 from jax_neuronmm.pipeline import Recipe
@@ -200,8 +201,6 @@ def _drift64(model, start):
 
 
 def _factors(model, name):
-    from flax import nnx
-
     return [v[...] for path, v in nnx.iter_graph(model) if path and path[-1] == name and isinstance(v, nnx.Param)]
 
 

@@ -593,13 +593,13 @@ class Engine:
         empty = self.options.max_batch - sum(r.decoded for r in self._running)
         if empty <= 0:
             return  # every row decodes: requests admitted ahead wait for a row to free
-        waiting = [r for r in self._running if not r.decoded]
+        unprefilled = [r for r in self._running if not r.decoded]
         # The rows that would go empty, and beyond them as many as fill a batch bucket: a padding row computes a
         # whole chunk for nothing.
-        fill = max([size for size in self._batch_sizes if size <= len(waiting)], default=1)
+        fill = max([size for size in self._batch_sizes if size <= len(unprefilled)], default=1)
         largest = self._prefill_sizes[-1]
         chunks = []
-        for request in waiting[: max(min(empty, len(waiting)), fill)]:
+        for request in unprefilled[: max(min(empty, len(unprefilled)), fill)]:
             count = min(len(request.seq) - 1 - request.cached, largest)
             if count == 0:
                 request.decoded = True  # a one-token prompt: nothing to prefill
