@@ -22,6 +22,7 @@ from harness.comparison import TARGETS, Measured, peak_fraction, roofline_us
 from harness.tables import band_text, speedup_band
 
 from jax_neuronmm.compress.checkpoint import write_atomically
+from jax_neuronmm.models import quality
 
 
 def _measured(results, model_name, config_name, batch) -> Measured | None:
@@ -58,16 +59,50 @@ class Speeds:
         return speedup_band(base, _measured(self.results, model_name, config_name, batch), target)
 
 
+@dataclasses.dataclass(frozen=True)
+class Ratio:
+    """A row's perplexity over the dense model's on one held-out text, on the same windows, with the 95% bootstrap
+    interval over windows (`quality.window_ratio_interval`) where the row keeps per-window figures; a row measured
+    before it kept them has none (low = high = ratio, `interval` False)."""
+
+    ratio: float
+    low: float
+    high: float
+    interval: bool
+
+    def below(self, other: Ratio) -> bool:
+        """Whether this ratio is lower than `other` beyond both intervals (never for a row without one)."""
+        return self.interval and other.interval and self.high < other.low
+
+    def text(self) -> str:
+        return f"{self.ratio:.3f} [{self.low:.3f}, {self.high:.3f}]" if self.interval else f"{self.ratio:.3f}†"
+
+
+def text_ratio(row: dict, dense: dict, text: str) -> Ratio:
+    """`row`'s Ratio on `text` against the dense figures (meta["dense"], by evaluation-window count) of its count."""
+    reference = dense[str(row["eval_windows"])]
+    if text in row:
+        got = quality.window_ratio_interval(row[text]["window_nll"], reference[text]["window_nll"])
+        return Ratio(got.ratio, got.low, got.high, True)
+    ratio = row[f"ppl_{text}"] / reference[f"ppl_{text}"]
+    return Ratio(ratio, ratio, ratio, False)
+
+
+def worst_ratio(row: dict, dense: dict) -> Ratio:
+    """The Ratio of the held-out text on which `row` loses most."""
+    return max((text_ratio(row, dense, t) for t in TEXTS), key=lambda r: r.ratio)
+
+
 def worst(row, dense) -> float:
-    return max(row[f"ppl_{t}"] / dense[f"ppl_{t}"] for t in TEXTS)
+    return worst_ratio(row, dense).ratio
 
 
 def frontier(points: dict) -> set:
-    """The names of `points` ({name: (speedup, worst perplexity ratio)}) that no other point dominates (as fast or
-    faster and as accurate or more, better in one)."""
+    """The names of `points` ({name: (speedup, worst-text Ratio)}) that no other point dominates: as fast or faster
+    and more accurate beyond both intervals. Rows whose intervals overlap are not ordered, so all of them stay."""
 
     def dominates(a, b):
-        return a[0] >= b[0] and a[1] <= b[1] and a != b
+        return a[0] >= b[0] and a[1].below(b[1])
 
     return {n for n, p in points.items() if not any(dominates(q, p) for q in points.values())}
 
@@ -96,8 +131,8 @@ def _view(results: dict) -> _View:
     dense = results["meta"]["dense"]
     speeds = Speeds(results)
     measured = [name for name in configs if name in rows]
-    points = {n: (speeds.speedup(GEMMA, n, 1, "trn2"), worst(rows[n], dense)) for n in measured}
-    points = {n: p for n, p in points.items() if p[0] is not None}
+    points = {n: (speeds.speedup(GEMMA, n, 1, "trn2"), worst_ratio(rows[n], dense)) for n in measured}
+    points = {n: p for n, p in points.items() if p[0] is not None and p[1].interval}
     return _View(results, configs, rows, dense, speeds, points, frontier(points))
 
 
@@ -135,6 +170,7 @@ def _intro_lines(view: _View) -> list[str]:
     """The title and what was measured, on what text, and how (held-out texts, calibration, configurations)."""
     meta, dense = view.results["meta"], view.dense
     setup = meta["setup"]
+    counts = sorted({str(row["eval_windows"]) for row in view.rows.values()} or dense, key=int, reverse=True)
     return [
         "# Speed-accuracy frontier of Gemma 3 270M (benchmarks/frontier.py)",
         "",
@@ -144,10 +180,16 @@ def _intro_lines(view: _View) -> list[str]:
         "0 µs per launch), never measured on Trainium.",
         "",
         f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
-        f"= the odd-numbered topics of the Python Language Reference CPython ships; {setup['eval_windows']} windows "
-        f"of {setup['seq_len']} tokens each. **x dense** = perplexity ÷ the dense model's ({dense['ppl_novel']:.3f} "
-        f"novel, {dense['ppl_technical']:.3f} technical); **worst** = the larger of the two; **top-1** = share of "
-        "positions where the model's most likely next token is the dense model's (teacher forcing).",
+        "= the odd-numbered topics of the Python Language Reference CPython ships; the first "
+        + " or ".join(f"{n}" for n in counts)
+        + f" windows of {setup['seq_len']} tokens each (the row's count: its `eval_windows` in the JSON). **x "
+        "dense** = perplexity ÷ the dense model's on the same windows ("
+        + "; ".join(
+            f"{n} windows: {dense[n]['ppl_novel']:.3f} novel, {dense[n]['ppl_technical']:.3f} technical" for n in counts
+        )
+        + "), with its 95% bootstrap interval over windows (paired: both models on each drawn window); **worst** = "
+        "the larger of the two; **top-1** = share of positions where the model's most likely next token is the "
+        "dense model's (teacher forcing).",
         f"- **Calibration**: the first {setup['calibration_windows']} of `pipeline.calibration.training_windows` "
         "(novel ch. 1-12 and the other half of the reference, in turn; "
         f"{setup['calibration_windows'] * setup['seq_len']} tokens): whitening of every SVD and GPTQ of every "
@@ -241,6 +283,9 @@ def _accuracy_table(view: _View) -> list[str]:
     lines = [
         "## Gemma 3 270M: measured accuracy beside modeled speed (batch 1 and 8, S 512)",
         "",
+        "x dense = perplexity ÷ the dense model's on the same windows [95% bootstrap interval over windows]; † = "
+        "measured before rows kept per-window figures: no interval, and not ordered on the frontier.",
+        "",
         "| configuration | frontier | weights | SVD | x dense novel | x dense technical | worst | top-1 novel "
         "| top-1 technical | decode weight MB | trn1 b1 x | trn2 b1 x | trn1 b8 x | trn2 b8 x | build s | load |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -254,12 +299,12 @@ def _accuracy_table(view: _View) -> list[str]:
             accuracy = "not measured | – | – | – | –"
             mark, build, load = "–", "–", "–"
         else:
-            dense = view.dense
+            ratios = [text_ratio(row, view.dense, t).text() for t in TEXTS]
             accuracy = (
-                f"{row['ppl_novel'] / dense['ppl_novel']:.3f} | {row['ppl_technical'] / dense['ppl_technical']:.3f} "
-                f"| {worst(row, dense):.3f} | {row['top1_novel']:.3f} | {row['top1_technical']:.3f}"
+                f"{ratios[0]} | {ratios[1]} | {worst(row, view.dense):.3f} | {row['top1_novel']:.3f} "
+                f"| {row['top1_technical']:.3f}"
             )
-            mark = "**yes**" if name in view.on_frontier else ""
+            mark = "**yes**" if name in view.on_frontier else "" if name in view.points else "not ordered"
             build, load = f"{row['seconds']:.0f}", row["load"]
         lines.append(
             f"| {name} | {mark} | {config.weights} | {config.svd} | {accuracy} | {weight_mb} | {speed_cells} "
@@ -366,40 +411,43 @@ def _speed_row(speeds: Speeds, model_name: str, config_name: str, info: dict, b:
 
 
 def frontier_lines(rows, dense, points, on_frontier, configs) -> list[str]:
-    """What the frontier shows, in words: its rows in order of speed, then each SVD row off it and what beats it."""
+    """What the frontier shows, in words: its rows in order of speed, then each SVD row off it and what beats it
+    beyond both intervals; rows without an interval are named as not ordered."""
     listed = {n: i for i, n in enumerate(configs)}  # ties keep the configurations' order, not a set's
     order = sorted(on_frontier, key=lambda n: (points[n][0], listed[n]))
     lines = [
-        "**Frontier** (trn2, batch 1: no other measured row is as fast and as accurate, better in one): "
-        + ", ".join(f"{n} ({points[n][0]:.2f}x, {points[n][1]:.3f}x perplexity)" for n in order)
+        "**Frontier** (trn2, batch 1, worst held-out text: no other row is as fast and more accurate beyond both "
+        "95% intervals; rows whose intervals overlap are not ordered, so each stays): "
+        + (", ".join(f"{n} ({points[n][0]:.2f}x, {points[n][1].text()})" for n in order) or "none yet")
         + "."
     ]
     svd_on = [n for n in order if configs[n].include]
     lines.append(
         "SVD on the frontier: "
         + (", ".join(svd_on) if svd_on else "none")
-        + (
-            " (each is faster than every more accurate row: it buys speed no configuration without SVD reaches at "
-            "that accuracy)."
-            if svd_on
-            else "."
-        )
+        + (" (no row at least as fast is more accurate beyond the intervals)." if svd_on else ".")
     )
     beaten = []
     for name in sorted(set(points) - on_frontier, key=lambda n: (points[n][0], listed[n])):
         if not configs[name].include:
             continue
         speed, ratio = points[name]
-        by = [n for n, (s, r) in points.items() if s >= speed and r <= ratio and n != name]
+        by = [n for n, (s, r) in points.items() if s >= speed and r.below(ratio)]
         plain = [n for n in by if not configs[n].include]
-        winner = min(plain or by, key=lambda n: (points[n][1], listed[n]))
+        winner = min(plain or by, key=lambda n: (points[n][1].ratio, listed[n]))
         kind = "fp8 alone" if plain and configs[winner].fp8 else "a configuration without SVD" if plain else "SVD"
         beaten.append(
-            f"{name} ({speed:.2f}x, {ratio:.3f}x) is beaten by {kind}: {winner} ({points[winner][0]:.2f}x, "
-            f"{points[winner][1]:.3f}x)"
+            f"{name} ({speed:.2f}x, {ratio.text()}) is beaten by {kind}: {winner} ({points[winner][0]:.2f}x, "
+            f"{points[winner][1].text()})"
         )
     if beaten:
         lines.append("Off the frontier: " + "; ".join(beaten) + ".")
+    unordered = [n for n in configs if n in rows and not worst_ratio(rows[n], dense).interval]
+    if unordered:
+        lines.append(
+            "Not ordered (measured before rows kept per-window figures: no interval, † in the table; running their "
+            "configurations measures them again): " + ", ".join(unordered) + "."
+        )
     return [" ".join(lines)]
 
 
@@ -411,7 +459,7 @@ def target_lines(rows, dense, speeds, configs) -> list[str]:
         return None if None in values else min(values)
 
     def described(name):
-        return f"{name}: {_speed_text(speeds, name)}, {worst(rows[name], dense):.3f}x perplexity"
+        return f"{name}: {_speed_text(speeds, name)}, perplexity ratio {worst_ratio(rows[name], dense).text()}"
 
     def fp8_factors(name):
         return configs[name].fp8 and bool(configs[name].include)
@@ -462,7 +510,7 @@ def target_lines(rows, dense, speeds, configs) -> list[str]:
     if "dense fp8 GPTQ" in rows:
         ratio = worst(rows["dense fp8 GPTQ"], dense)
         nearest = (
-            f"; rounded to nearest {worst(rows['dense fp8 nearest'], dense):.3f}x"
+            f"; rounded to nearest {worst_ratio(rows['dense fp8 nearest'], dense).text()}"
             if "dense fp8 nearest" in rows
             else ""
         )
@@ -498,11 +546,20 @@ def plot(rows, dense, points, on_frontier, speeds, configs, path) -> None:
     }
     for name, (x, y) in points.items():
         c = configs[name]
-        ax.scatter(x, y, color=colors[(c.fp8, bool(c.include))], s=40 if name in on_frontier else 20, zorder=3)
-        ax.annotate(name, (x, y), fontsize=7, xytext=(4, 3), textcoords="offset points")
+        color = colors[(c.fp8, bool(c.include))]
+        ax.errorbar(x, y.ratio, yerr=[[y.ratio - y.low], [y.high - y.ratio]], color=color, lw=0.8, zorder=2)
+        ax.scatter(x, y.ratio, color=color, s=40 if name in on_frontier else 20, zorder=3)
+        ax.annotate(name, (x, y.ratio), fontsize=7, xytext=(4, 3), textcoords="offset points")
+    for name in rows:
+        x = speeds.speedup(GEMMA, name, 1, "trn2")
+        if name not in points and name in configs and x is not None:  # no interval: hollow, not ordered
+            c = configs[name]
+            y = worst(rows[name], dense)
+            ax.scatter(x, y, facecolors="none", edgecolors=colors[(c.fp8, bool(c.include))], s=20, zorder=3)
+            ax.annotate(f"{name} †", (x, y), fontsize=6, xytext=(4, 3), textcoords="offset points", alpha=0.7)
     front = sorted((points[n] for n in on_frontier), key=lambda p: p[0])
-    ax.step([p[0] for p in front], [p[1] for p in front], where="pre", color="k", lw=1, label="Pareto frontier")
-    top = max([y for _, y in points.values()] + [1.1])
+    ax.step([p[0] for p in front], [p[1].ratio for p in front], where="pre", color="k", lw=1, label="Pareto frontier")
+    top = max([worst(r, dense) for r in rows.values()] + [1.1])
     for name, c in configs.items():
         if name not in rows and speeds.speedup(GEMMA, name, 1, "trn2") is not None:
             x = speeds.speedup(GEMMA, name, 1, "trn2")
@@ -514,7 +571,7 @@ def plot(rows, dense, points, on_frontier, speeds, configs, path) -> None:
     for (fp8, svd), color in colors.items():
         ax.scatter([], [], color=color, label=f"{'fp8' if fp8 else 'bf16'}{', SVD' if svd else ''}")
     ax.set_xlabel("modeled speedup over bf16 dense looped (trn2, batch 1, S 512)")
-    ax.set_ylabel("held-out perplexity / dense (worst of novel, technical)")
+    ax.set_ylabel("held-out perplexity / dense (worst of novel, technical; bars: 95% interval; hollow †: none)")
     ax.set_title("Gemma 3 270M: measured accuracy vs modeled decode speed")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)

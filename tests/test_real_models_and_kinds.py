@@ -8,7 +8,7 @@ import pytest
 
 from jax_neuronmm.models import real_models, text_kinds
 from jax_neuronmm.models.evaluation import Predictions
-from jax_neuronmm.models.quality import perplexity_ratio_interval
+from jax_neuronmm.models.quality import perplexity_ratio_interval, window_ratio_interval
 
 
 def _fake_spec(monkeypatch, found: dict):
@@ -85,3 +85,15 @@ def test_ratio_interval_matches_a_float64_bootstrap():
         perplexity_ratio_interval(Predictions(model[:5], model[:5]), Predictions(dense, dense))
     with pytest.raises(ValueError, match="confidence"):
         perplexity_ratio_interval(Predictions(model, model), Predictions(dense, dense), confidence=1.0)
+
+
+def test_window_ratio_interval_is_the_interval_of_the_windows_means():
+    """What a results file keeps (per-window mean NLLs) gives the interval the full log-likelihoods give."""
+    rng = np.random.default_rng(11)
+    dense = -rng.gamma(2.0, 1.0, (9, 21))
+    model = dense - rng.normal(0.02, 0.1, (9, 21))
+    full = perplexity_ratio_interval(Predictions(model, model), Predictions(dense, dense), samples=300, seed=5)
+    kept = window_ratio_interval((-model).mean(axis=1), (-dense).mean(axis=1), samples=300, seed=5)
+    np.testing.assert_allclose([kept.ratio, kept.low, kept.high], [full.ratio, full.low, full.high], rtol=1e-12)
+    with pytest.raises(ValueError, match="model_nll"):
+        window_ratio_interval(np.ones(3), np.ones(4))

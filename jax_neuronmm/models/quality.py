@@ -127,12 +127,32 @@ def perplexity_ratio_interval(
             f"model_predictions: log-likelihood shape {model_ll.shape}, expected the reference's {reference_ll.shape} "
             "(both [W, L-1] on the same windows)"
         )
+    # Windows have one length, so the mean over windows of per-window means is the mean over tokens.
+    return window_ratio_interval(
+        np.mean(-model_ll, axis=1, dtype=np.float64),
+        np.mean(-reference_ll, axis=1, dtype=np.float64),
+        confidence=confidence,
+        samples=samples,
+        seed=seed,
+    )
+
+
+def window_ratio_interval(
+    model_nll, reference_nll, *, confidence: float = 0.95, samples: int = 2000, seed: int = 0
+) -> RatioInterval:
+    """`perplexity_ratio_interval` from per-window mean negative log-likelihoods [W] of the model and its reference
+    on the same W windows of one length (what a results file keeps so that intervals can be recomputed from it)."""
+    model_nll, reference_nll = np.asarray(model_nll, np.float64), np.asarray(reference_nll, np.float64)
+    if model_nll.shape != reference_nll.shape or model_nll.ndim != 1 or model_nll.size < 1:
+        raise ValueError(
+            f"model_nll: shape {model_nll.shape}, expected the reference's {reference_nll.shape} (both [W] per-window "
+            "means on the same W >= 1 windows)"
+        )
     if not 0 < confidence < 1:
         raise ValueError(f"confidence: got {confidence!r}, expected 0 < confidence < 1")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"samples: got {samples!r}, expected an int >= 1")
-    # Per-window mean NLL difference; windows have one length, so the mean over windows is the mean over tokens.
-    gap = np.mean(reference_ll - model_ll, axis=1, dtype=np.float64)
-    draws = np.random.default_rng(seed).integers(0, gap.size, size=(samples, gap.size))
-    low, high = np.quantile(np.exp(gap[draws].mean(axis=1)), [(1 - confidence) / 2, (1 + confidence) / 2])
-    return RatioInterval(float(np.exp(gap.mean())), float(low), float(high), int(gap.size))
+    excess = model_nll - reference_nll
+    draws = np.random.default_rng(seed).integers(0, excess.size, size=(samples, excess.size))
+    low, high = np.quantile(np.exp(excess[draws].mean(axis=1)), [(1 - confidence) / 2, (1 + confidence) / 2])
+    return RatioInterval(float(np.exp(excess.mean())), float(low), float(high), int(excess.size))
