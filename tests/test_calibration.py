@@ -81,6 +81,33 @@ def test_fit_recovers_the_terms_that_made_the_rows(calibration):
         calibration.fit_target(rows[3:], cost_model.CostTerms(), (0.0,), (1.0,))
 
 
+def test_trn2_fits_only_its_fixed_cost_on_the_documented_terms(calibration):
+    """One trn2 fit row fits one term: the fixed cost, on the documented issue cost, issue queues, LNC and bandwidth;
+    trn1's fitted HBM efficiency is a sensitivity variant, not carried into trn2's terms."""
+    rng = np.random.default_rng()
+    trn1_truth = cost_model.CostTerms(hbm_efficiency=0.55, step_fixed_us=float(rng.uniform(500, 5000)))
+    rows = []
+    for k in range(3):
+        row = _Synthetic(calibration.ROWS[k], float(rng.uniform(0.5, 20)), int(rng.integers(100, 20000)))
+        row.row = dataclasses.replace(row.row, published_ms=row.step_ms(trn1_truth))
+        rows.append(row)
+    trn2_rows = [r for r in calibration.ROWS if r.source in (calibration.L70B, calibration.L405B)]
+    for template in trn2_rows:
+        published = float(rng.uniform(15, 40))
+        rows.append(_Synthetic(template, float(rng.uniform(0.5, 5)), int(rng.integers(100, 20000))))
+        rows[-1].row = dataclasses.replace(template, published_ms=published)
+    fitted = calibration.fit_all(rows)
+    trn2 = fitted["trn2"]
+    assert (trn2.lnc, trn2.dma_issue_ns, trn2.issue_queues, trn2.hbm_efficiency) == (2, 600.0, 2, 1.0)
+    fit_row = next(r for r in rows if r.row.target == "trn2" and r.row.role == "fit")
+    expected = max(0.0, fit_row.row.published_ms - fit_row.step_ms(dataclasses.replace(trn2, step_fixed_us=0.0)))
+    assert trn2.step_fixed_us == pytest.approx(expected * 1e3, rel=1e-9)
+    carried, both = calibration.trn2_sensitivity(rows, fitted)
+    assert carried["terms"]["hbm_efficiency"] == fitted["trn1"].hbm_efficiency
+    assert both["terms"]["hbm_efficiency"] in calibration.HBM_EFFICIENCY_GRID
+    assert set(carried["errors"]) == {r.row.label for r in rows if r.row.target == "trn2"}
+
+
 def test_padding_rounds_heads_and_vocabulary_up_to_the_tp_degree(calibration):
     assert calibration.padded_shape("CodeLlama-13b", 32)[3:] == (64, 64, 32032)
     assert calibration.padded_shape("Llama-2-70b", 32) == calibration.SHAPES["Llama-2-70b"]

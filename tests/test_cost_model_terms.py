@@ -76,7 +76,7 @@ def test_a_chain_of_n_dmas_costs_n_issue_costs_more(target):
     assert with_issue - base == pytest.approx(n * issue_ns / 1e3, rel=1e-9)
 
 
-def test_independent_dmas_queue_on_the_issue_queue_one_per_physical_core():
+def test_independent_dmas_share_the_issue_queues_of_the_ranks_physical_cores():
     rng = np.random.default_rng()
     n = int(rng.integers(20, 40))
     issue_ns = 5000.0  # far above a tiny transfer's engine time: the issue queue is the bottleneck
@@ -86,6 +86,11 @@ def test_independent_dmas_queue_on_the_issue_queue_one_per_physical_core():
     assert one * 1e3 >= n * issue_ns
     assert one * 1e3 < n * issue_ns + 2 * cost_model.DMA_FIXED_LATENCY_NS + 1e3
     assert two * 1e3 == pytest.approx(math.ceil(n / 2) * issue_ns, rel=0.1)
+    # Two issue queues per physical core (trn2's two descriptor-generation engines): four queues at LNC=2.
+    four = cost_model.model_latency(
+        run, "trn2", terms=cost_model.CostTerms(dma_issue_ns=issue_ns, lnc=2, issue_queues=2)
+    )
+    assert four * 1e3 == pytest.approx(math.ceil(n / 4) * issue_ns, rel=0.1)
 
 
 @pytest.mark.parametrize("target", ["trn1", "trn2"])
@@ -161,6 +166,8 @@ def test_compute_scale_scales_compute_and_not_dma():
         ("hbm_efficiency", 1.5),
         ("lnc", 4),
         ("compute_scale", 0.0),
+        ("issue_queues", 3),
+        ("issue_queues", True),
     ],
 )
 def test_bad_terms_are_rejected_by_name(field, value):
@@ -184,6 +191,7 @@ def test_fitted_terms_read_a_given_file_and_fail_closed(tmp_path):
         "hbm_efficiency": float(rng.uniform(0.1, 1.0)),
         "lnc": 1,
         "compute_scale": 1.0,
+        "issue_queues": int(rng.integers(1, 3)),
     }
     path = tmp_path / "terms.json"
     path.write_text(json.dumps({"targets": {"trn1": entry}}))

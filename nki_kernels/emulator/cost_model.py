@@ -136,11 +136,12 @@ FITTED_COSTS_PATH = pathlib.Path(__file__).with_name("fitted_costs.json")
 class CostTerms:
     """Costs the documented model leaves out, as named terms (docs/emulator.md, "The cost model": "Fitted terms").
 
-    dma_issue_ns: ns a DMA holds its core's issue queue before its transfer can start (one queue per physical core).
+    dma_issue_ns: ns a DMA holds an issue queue before its transfer can start.
     step_fixed_us: µs added once per launch (a looped decode step is one launch).
     hbm_efficiency: fraction of the core's HBM share that all its DMA engines reach together (the cap is per core).
     lnc: physical cores per rank (2: trn2's default logical core).
     compute_scale: factor on every compute instruction's time (1 as documented; the speed bands use 2).
+    issue_queues: DMA issue queues per physical core (2 on trn2: its two descriptor-generation engines per core).
     """
 
     dma_issue_ns: float = 0.0
@@ -148,6 +149,7 @@ class CostTerms:
     hbm_efficiency: float = 1.0
     lnc: int = 1
     compute_scale: float = 1.0
+    issue_queues: int = 1
 
     def __post_init__(self):
         for name in ("dma_issue_ns", "step_fixed_us"):
@@ -158,6 +160,8 @@ class CostTerms:
             raise ValueError(f"CostTerms.hbm_efficiency: got {self.hbm_efficiency!r}, expected a number in (0, 1]")
         if self.lnc not in (1, 2) or isinstance(self.lnc, bool):
             raise ValueError(f"CostTerms.lnc: got {self.lnc!r}, expected 1 or 2 physical cores per rank")
+        if self.issue_queues not in (1, 2) or isinstance(self.issue_queues, bool):
+            raise ValueError(f"CostTerms.issue_queues: got {self.issue_queues!r}, expected 1 or 2 per physical core")
         if not (isinstance(self.compute_scale, (int, float)) and 0 < self.compute_scale < math.inf):
             raise ValueError(f"CostTerms.compute_scale: got {self.compute_scale!r}, expected a finite number > 0")
 
@@ -531,7 +535,7 @@ def schedule(
     hw = _scheduled_hardware(target, terms)
     hbm_efficiency = None if terms is None else terms.hbm_efficiency
     issue_ns = 0.0 if terms is None else terms.dma_issue_ns
-    issue_free = [0.0] * (1 if terms is None else terms.lnc)  # per physical core: when its DMA issue queue frees
+    issue_free = [0.0] * (1 if terms is None else terms.lnc * terms.issue_queues)  # when each issue queue frees
     compute_scale = 1.0 if terms is None else terms.compute_scale
     links = _scheduled_links(target, links, unlimited_bandwidth)
     collective_free = collective_busy = 0.0
