@@ -3,11 +3,14 @@ layers SVD-factored, distilled), its MEASURED held-out perplexity ratio and top-
 beside its MODELED looped decode step on trn1 and trn2 (emulator cost model, never measured on hardware), and the
 Pareto frontier of the two; speed-only rows for Llama shapes.
 
-    python benchmarks/frontier.py                       # the cheap configurations not in the JSON yet
+    python benchmarks/frontier.py                       # the cheap configurations the JSON lacks (or holds
+                                                        # without per-window figures at --eval_windows)
     python benchmarks/frontier.py --configs="head 0.69 fp8 distilled"   # expensive ones (distillation), by name
     python benchmarks/frontier.py --render_only         # re-render the Markdown and PNG from the JSON
 
-Rows resume from benchmarks/results/frontier.json; speeds are traced again only when what decides them changes.
+Rows resume from benchmarks/results/frontier.json (a row measured at another --eval_windows, or before rows kept
+per-window figures, is measured again when its configuration runs); speeds are traced again only when what decides
+them changes.
 Writes frontier.md and frontier.png beside it. docs/benchmarks.md ("frontier.py") gives the texts, the
 configurations and the resume rules.
 """

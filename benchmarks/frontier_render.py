@@ -179,7 +179,7 @@ def _intro_lines(view: _View) -> list[str]:
         "model (count-only traces of our looped decode-step kernel, `harness.comparison.measure_model`, "
         "0 µs per launch), never measured on Trainium.",
         "",
-        f"- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
+        "- **Held-out texts** (never calibrated or trained on): novel = *Pride and Prejudice* ch. 50-61, technical "
         "= the odd-numbered topics of the Python Language Reference CPython ships; the first "
         + " or ".join(f"{n}" for n in counts)
         + f" windows of {setup['seq_len']} tokens each (the row's count: its `eval_windows` in the JSON). **x "
