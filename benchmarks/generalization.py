@@ -48,6 +48,8 @@ flags.DEFINE_integer(
     lower_bound=1,
 )
 flags.DEFINE_bool("render_only", False, "only re-render the Markdown from the JSON")
+flags.DEFINE_bool("dense_only", False, "only record the dense model's own figures on each kind (no configuration)")
+_flag_checks.not_with("dense_only", ("configs", "render_only"), "records the dense model's own figures only")
 _flag_checks.choice_list("models", lambda: MODELS, optional=True)
 _flag_checks.choice_list("configs", lambda: [c.name for c in CONFIGS], optional=True)
 flags.register_validator(
@@ -197,6 +199,13 @@ def measure(model, windows: dict, dense_predictions: dict) -> dict:
     return kinds
 
 
+def dense_figures(predictions, ids) -> dict:
+    """The dense model on one kind's windows: its perplexity and the share of positions where its most likely next
+    token is the text's own (high on a text it has seen often enough to recite)."""
+    accuracy = float(np.mean(predictions.top1 == np.asarray(ids)[:, 1:]))
+    return dict(windows=int(ids.shape[0]), ppl=predictions.perplexity, next_token_accuracy=accuracy)
+
+
 def run_model(key: str, configs, results: dict, json_path: str) -> None:
     name = MODELS[key]
     path = real_models.real_model_path(name)
@@ -217,6 +226,12 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
         if kind != FLAGS.user_kind
     }
     dense_predictions = {kind: evaluation.predictions(dense, ids) for kind, ids in windows.items()}
+    results.setdefault("dense", {})[name] = {
+        kind: dense_figures(dense_predictions[kind], ids) for kind, ids in windows.items()
+    }
+    _write(json_path, results)
+    if FLAGS.dense_only:
+        return
     dense_speed = modeled(models.load_gguf(path, dtype="bfloat16")) if FLAGS.speed else None
     for config in configs:
         load_before = os.getloadavg()
@@ -294,12 +309,38 @@ def render(results: dict, out_dir: str) -> None:
             "" if speed is None else f"{speed:.2f}x",
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _dense_lines(results.get("dense", {}))
     names = dict.fromkeys(row["config"] for row in rows)
     lines += ["", "Configurations:", ""] + [f"- {c.name}: {describe(c)}." for c in CONFIGS if c.name in names]
     notes = [f"- {row['model']}, {row['config']}: {row['note']}" for row in rows if row.get("note")]
     lines += ["", "Notes on how rows ran:", "", *notes] if notes else []
     with open(os.path.join(out_dir, "generalization.md"), "w", encoding="utf-8") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _dense_lines(dense: dict) -> list[str]:
+    """The dense models' own perplexity and next-token accuracy on each kind: where a model recites a text it has
+    seen, every compressed row's ratio on that text measures lost recall as much as lost fluency."""
+    if not dense:
+        return []
+    kinds = sorted({k for figures in dense.values() for k in figures})
+    lines = [
+        "",
+        "The dense models on each kind (perplexity; next-token accuracy = share of positions where the dense model's "
+        "most likely next token is the text's own):",
+        "",
+        "| model | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for model, figures in dense.items():
+        cells = [
+            f"{figures[k]['ppl']:.2f}, {figures[k]['next_token_accuracy']:.2f} ({figures[k]['windows']} windows)"
+            if k in figures
+            else ""
+            for k in kinds
+        ]
+        lines.append(f"| {model} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main(argv):

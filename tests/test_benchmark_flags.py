@@ -194,7 +194,7 @@ def cases_table(paths):
         "calibration": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
         "speed_bands": ([[], ["--quick"]], [("parse", [f"--out_dir={a_file}"], "is a file")]),
         "generalization": (
-            [[], ["--models=smollm2", "--user_kind=novel", "--render_only"]],
+            [[], ["--models=smollm2", "--user_kind=novel", "--render_only"], ["--dense_only", "--models=gemma"]],
             [
                 ("parse", ["--models=nope"], "--models: got ['nope'], expected distinct names"),
                 ("parse", ["--configs=nope"], "--configs: got ['nope'], expected distinct names"),
@@ -202,6 +202,7 @@ def cases_table(paths):
                 ("parse", ["--seq_len=1"], "--seq_len=1"),
                 ("parse", ["--eval_windows=0"], "--eval_windows=0"),
                 ("parse", ["--self_text_windows=0"], "--self_text_windows=0"),
+                ("parse", ["--dense_only", "--configs=fp8 gptq"], "records the dense model's own figures only"),
             ],
         ),
         "serving": (
