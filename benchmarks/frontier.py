@@ -141,15 +141,10 @@ class Builder:
         return pipeline.quantize_model(self.bf16(config), calibration_ids=self.calibration_ids, progress=False)
 
 
-def window_nll(predicted) -> list[float]:
-    """Each window's mean next-token NLL: what the report's ratios and their intervals are computed from."""
-    return (-np.mean(predicted.log_likelihood, axis=1, dtype=np.float64)).tolist()
-
-
 def window_figures(predicted, reference) -> dict:
     """Per window: the mean next-token NLL and the share of positions whose top-1 token is the reference's."""
     top1 = np.mean(predicted.top1 == reference.top1, axis=1, dtype=np.float64)
-    return {"window_nll": window_nll(predicted), "window_top1": top1.tolist()}
+    return {"window_nll": quality.window_nll(predicted).tolist(), "window_top1": top1.tolist()}
 
 
 def measure_accuracy(model, windows, dense_predictions) -> dict:
@@ -291,7 +286,7 @@ def main(argv):
     dense_predictions = {name: evaluation.predictions(dense, w) for name, w in windows.items()}
     # The dense model on each evaluation-window count rows were measured at (a row's ratios divide by its count's).
     dense_figures = {f"ppl_{name}": p.perplexity for name, p in dense_predictions.items()}
-    dense_figures |= {name: {"window_nll": window_nll(p)} for name, p in dense_predictions.items()}
+    dense_figures |= {name: {"window_nll": quality.window_nll(p).tolist()} for name, p in dense_predictions.items()}
     results["meta"]["setup"] = setup
     results["meta"].setdefault("dense", {})[str(FLAGS.eval_windows)] = dense_figures
     builder = Builder(dense, calibration_ids, distill_ids)

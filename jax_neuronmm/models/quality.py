@@ -129,12 +129,17 @@ def perplexity_ratio_interval(
         )
     # Windows have one length, so the mean over windows of per-window means is the mean over tokens.
     return window_ratio_interval(
-        np.mean(-model_ll, axis=1, dtype=np.float64),
-        np.mean(-reference_ll, axis=1, dtype=np.float64),
+        window_nll(model_predictions),
+        window_nll(reference),
         confidence=confidence,
         samples=samples,
         seed=seed,
     )
+
+
+def window_nll(predictions: Predictions) -> np.ndarray:
+    """Each window's mean next-token negative log-likelihood [W], float64: what a results file keeps per window."""
+    return -np.mean(np.asarray(predictions.log_likelihood), axis=1, dtype=np.float64)
 
 
 def window_ratio_interval(
