@@ -70,9 +70,10 @@ class Config:
 
     name: str
     quantize: bool = False
-    # fp8 rows: GPTQ calibrated on "user" windows, on "user+generated" (the user's and the first
-    # SelfTextOptions.calibration_windows of the dense model's own samples), or "none" (round to nearest)
-    quantize_on: str = "user"
+    # What GPTQ (fp8 rows) or the layer-wise steps (compression rows without self_text, which adds them itself)
+    # calibrate on: "user" windows, "user+generated" (the user's and the first SelfTextOptions.calibration_windows of
+    # the dense model's own samples), or "none" (fp8 rows: round to nearest)
+    calibrate_on: str = "user"
     # fp8 rows: what quantize_model rounds (the LM head stays in the model's dtype without "head")
     targets: tuple = ("attention", "mlp", "head")
     keep: float = 0.8
@@ -85,16 +86,22 @@ class Config:
     # "before": the pipeline as it was: no generated text, the default distillation options on the user's windows.
     before: bool = False
 
+    def __post_init__(self):
+        if self.calibrate_on not in ("user", "user+generated", "none"):
+            raise ValueError(f"{self.name}: calibrate_on={self.calibrate_on!r}")
+        if not self.quantize and (self.calibrate_on == "none" or (self.calibrate_on != "user" and self.self_text)):
+            raise ValueError(f"{self.name}: compression calibrates on user text (plus generated without self_text)")
+
 
 CONFIGS = (
     Config("fp8 gptq", quantize=True),
-    Config("fp8 round to nearest", quantize=True, quantize_on="none"),
-    Config("fp8 gptq, user + generated text", quantize=True, quantize_on="user+generated"),
+    Config("fp8 round to nearest", quantize=True, calibrate_on="none"),
+    Config("fp8 gptq, user + generated text", quantize=True, calibrate_on="user+generated"),
     Config("fp8 gptq, head in bf16", quantize=True, targets=("attention", "mlp")),
     Config(
         "fp8 gptq, head in bf16, user + generated text",
         quantize=True,
-        quantize_on="user+generated",
+        calibrate_on="user+generated",
         targets=("attention", "mlp"),
     ),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
@@ -112,6 +119,19 @@ CONFIGS = (
         self_text=False,
         steps=("fisher", "allocate"),
     ),
+    Config(
+        "keep 0.8 mlp, no distillation, user + generated calibration",
+        self_text=False,
+        steps=("fisher", "allocate"),
+        calibrate_on="user+generated",
+    ),
+    Config(
+        "keep 0.8 mlp+attention, no distillation, user + generated calibration",
+        include=("mlp", "attention"),
+        self_text=False,
+        steps=("fisher", "allocate"),
+        calibrate_on="user+generated",
+    ),
 )
 
 
@@ -119,7 +139,7 @@ def describe(config: Config) -> str:
     """What a row's configuration builds, in words (the report's legend)."""
     if config.quantize:
         on = {"none": "rounded to nearest", "user": "GPTQ on the user's text", "user+generated": "GPTQ on the user's"}
-        text = on[config.quantize_on] + (" and generated text" if config.quantize_on == "user+generated" else "")
+        text = on[config.calibrate_on] + (" and generated text" if config.calibrate_on == "user+generated" else "")
         return f"fp8 e4m3 weights of {' + '.join(config.targets)}, {text}"
     words = [f"compress_model at keep {config.keep} of {' + '.join(config.include)}"]
     if config.before:
@@ -128,6 +148,8 @@ def describe(config: Config) -> str:
         words.append(f"steps {' + '.join(config.steps)} only (no training)")
     else:
         words.append("the recommended pipeline" + (" with the dense model's own samples" if config.self_text else ""))
+    if config.calibrate_on == "user+generated":
+        words.append(f"calibrated on the user's and {self_text_options().calibration_windows} generated windows")
     if config.anchor:
         words.append(f"distillation pulled toward the starting factors (DistillOptions.anchor {config.anchor})")
     return ", ".join(words)
@@ -146,13 +168,13 @@ def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
 
 
 def build(dense, config: Config, user_ids, start_id):
+    if config.calibrate_on == "user+generated":
+        options = self_text_options(start_id)
+        generated = self_distillation.generated_windows(dense, user_ids, options)
+        user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
     if config.quantize:
-        if config.quantize_on == "none":
+        if config.calibrate_on == "none":
             return pipeline.quantize_model(dense, "float8_e4m3", targets=config.targets)
-        if config.quantize_on == "user+generated":
-            options = self_text_options(start_id)
-            generated = self_distillation.generated_windows(dense, user_ids, options)
-            user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
         return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids, targets=config.targets)
     self_text = self_text_options(start_id) if config.self_text else False
     distill = DistillOptions() if config.before else None
@@ -240,7 +262,7 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
         seconds = time.perf_counter() - start
         load_after = os.getloadavg()
         kinds = measure(model, windows, dense_predictions)
-        uses_generated = config.quantize_on == "user+generated" if config.quantize else config.self_text
+        uses_generated = config.calibrate_on == "user+generated" or (not config.quantize and config.self_text)
         generated = self_text_options().windows if uses_generated else 0
         row = dict(
             model=name,

@@ -3,8 +3,10 @@
 A user calibrates on a few thousand tokens of their own text and then serves whatever arrives, so a compressed
 model is measured on every kind here, and the headline is the worst. `TEXT_KINDS` names them: the held-out parts of
 the two kinds the shipped calibration mix trains on (the novel's chapters 50-61, the held-out half of the Python
-reference topics) and three kinds the shipped mix never holds (a software license, the Declaration of
-Independence, CPython standard-library docstrings). Sources and licenses: jax_neuronmm/data/SOURCES.txt.
+reference topics) and four kinds the shipped mix never holds (a software license, the Declaration of
+Independence, the Constitution of the United States, CPython standard-library docstrings). The Declaration is one
+text a model may recite (837 words, 3-4 windows); the Constitution is founding-era legal prose of the same register
+long enough for 16 windows. Sources and licenses: jax_neuronmm/data/SOURCES.txt.
 `text_windows` cuts any text into token windows; the compression pipeline's calibration text
 (`jax_neuronmm.pipeline.calibration`) is cut the same way.
 """
@@ -22,6 +24,7 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 EVALUATION_TEXT = os.path.join(DATA_DIR, "pride_and_prejudice_ch50-61.txt")
 LICENSE_TEXT = os.path.join(DATA_DIR, "gpl-3.0.txt")
 DECLARATION_TEXT = os.path.join(DATA_DIR, "declaration_of_independence.txt")
+CONSTITUTION_TEXT = os.path.join(DATA_DIR, "us_constitution_1787.txt")
 LIBRARY_DOCS_TEXT = os.path.join(DATA_DIR, "cpython_library_docstrings.txt")
 # kind -> where its text comes from (a file, or the held-out half of the Python reference topics)
 TEXT_KINDS = {
@@ -29,6 +32,7 @@ TEXT_KINDS = {
     "python reference": "pydoc_data.topics (held-out half)",
     "license": LICENSE_TEXT,
     "declaration": DECLARATION_TEXT,
+    "constitution": CONSTITUTION_TEXT,
     "library docs": LIBRARY_DOCS_TEXT,
 }
 
