@@ -76,6 +76,8 @@ class Config:
     calibrate_on: str = "user"
     # fp8 rows: what quantize_model rounds (the LM head stays in the model's dtype without "head")
     targets: tuple = ("attention", "mlp", "head")
+    # fp8 rows: trained through the rounding on the user's and generated text (pipeline.distill_fp8) instead of GPTQ
+    trained: bool = False
     keep: float = 0.8
     include: tuple = ("mlp",)
     self_text: bool = True
@@ -91,6 +93,8 @@ class Config:
             raise ValueError(f"{self.name}: calibrate_on={self.calibrate_on!r}")
         if not self.quantize and (self.calibrate_on == "none" or (self.calibrate_on != "user" and self.self_text)):
             raise ValueError(f"{self.name}: compression calibrates on user text (plus generated without self_text)")
+        if self.trained and (not self.quantize or self.calibrate_on != "user" or "head" in self.targets):
+            raise ValueError(f"{self.name}: distill_fp8 trains attention / MLP weights and mixes in generated text")
 
 
 CONFIGS = (
@@ -103,6 +107,9 @@ CONFIGS = (
         quantize=True,
         calibrate_on="user+generated",
         targets=("attention", "mlp"),
+    ),
+    Config(
+        "fp8 distilled, head in bf16, user + generated text", quantize=True, targets=("attention", "mlp"), trained=True
     ),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
     Config("keep 0.8 mlp"),
@@ -140,6 +147,10 @@ def describe(config: Config) -> str:
     if config.quantize:
         on = {"none": "rounded to nearest", "user": "GPTQ on the user's text", "user+generated": "GPTQ on the user's"}
         text = on[config.calibrate_on] + (" and generated text" if config.calibrate_on == "user+generated" else "")
+        if config.trained:
+            text = (
+                "trained through the rounding on the user's and generated text (distill_fp8), then rounded to nearest"
+            )
         return f"fp8 e4m3 weights of {' + '.join(config.targets)}, {text}"
     words = [f"compress_model at keep {config.keep} of {' + '.join(config.include)}"]
     if config.before:
@@ -172,6 +183,8 @@ def build(dense, config: Config, user_ids, start_id):
         options = self_text_options(start_id)
         generated = self_distillation.generated_windows(dense, user_ids, options)
         user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
+    if config.trained:
+        return pipeline.distill_fp8(dense, user_ids, targets=config.targets, self_text=self_text_options(start_id))
     if config.quantize:
         if config.calibrate_on == "none":
             return pipeline.quantize_model(dense, "float8_e4m3", targets=config.targets)
@@ -262,7 +275,9 @@ def run_model(key: str, configs, results: dict, json_path: str) -> None:
         seconds = time.perf_counter() - start
         load_after = os.getloadavg()
         kinds = measure(model, windows, dense_predictions)
-        uses_generated = config.calibrate_on == "user+generated" or (not config.quantize and config.self_text)
+        uses_generated = (
+            config.calibrate_on == "user+generated" or config.trained or (not config.quantize and config.self_text)
+        )
         generated = self_text_options().windows if uses_generated else 0
         row = dict(
             model=name,

@@ -290,7 +290,7 @@ def compress_model(
         distill_ids = _check_ids(model, distill_ids, "distill_ids")
     training_ids = calibration_ids if distill_ids is None else distill_ids
     if "distill" in plan.steps:
-        training_ids, distill, generated = _distill_text(
+        training_ids, distill, generated = self_distillation.distillation_text(
             model, training_ids, distill, scale_distill, self_text, progress
         )
         if generated is not None and self_text.calibration_windows and generated.shape[1] == calibration_ids.shape[1]:
@@ -318,24 +318,6 @@ def _resolve_self_text(self_text, recommended: bool, steps, distill_ids, calibra
     if "distill" not in steps:
         raise ValueError(f"self_text: generated text trains the 'distill' step; got steps {steps}")
     return self_text
-
-
-def _distill_text(dense, training_ids, distill, scale_distill: bool, self_text, progress: bool):
-    """(the "distill" step's windows, its options, the generated windows or None): training_ids mixed with the
-    dense model's own samples when self_text is given (the generated windows last held out), and options scaled to
-    the windows trained on when the caller gave none (`self_distillation.scaled_options`)."""
-    base = distill or distillation.DistillOptions()
-    holdout, generated = base.holdout, None
-    if self_text is not None:
-        generated = self_distillation.generated_windows(dense, training_ids, self_text, progress=progress)
-        training_ids = self_distillation.mixed_windows(training_ids, generated, self_text.holdout)
-        holdout = self_text.holdout
-    held = holdout if training_ids.shape[0] > holdout else 0
-    if scale_distill:
-        distill = self_distillation.scaled_options(training_ids.shape[0] - held, holdout, base)
-    else:
-        distill = dataclasses.replace(base, holdout=holdout)
-    return training_ids, distill, generated
 
 
 def _compress(dense, plan: Recipe, calibration_ids, distill_ids, progress):

@@ -269,11 +269,14 @@ def distill_factors(
     *,
     progress: bool = True,
     on_step: Callable[[int, object], None] | None = None,
+    trained=is_trained,
 ) -> None:
     """Trains `model`'s factors in place for options.steps Adam steps towards `dense`'s next-token distributions on
     distill_ids [B, T] (its last options.holdout windows held out when B leaves at least one to train on) and keeps
     the factors with the lowest held-out loss, measured before training and every options.eval_every steps.
-    on_step(steps_done, model), when given, runs after every step with the model holding the current factors."""
+    on_step(steps_done, model), when given, runs after every step with the model holding the current factors.
+    trained: the nnx filter of the weights trained (default `is_trained`: the compressed weights; fp8 distillation
+    passes the dense projections' kernels)."""
     ids = np.asarray(distill_ids, np.int32)
     holdout = options.holdout if ids.shape[0] > options.holdout else 0
     count = ids.shape[0] - holdout
@@ -293,7 +296,7 @@ def distill_factors(
         loss_fn, teacher = _kl_loss(cap, options, rows), np.zeros((ids.shape[0], 0), np.float32)
     else:
         loss_fn, teacher = _top_k_loss(targets, table, cap, options)
-    graphdef, factors, rest = nnx.split(model, is_trained, ...)
+    graphdef, factors, rest = nnx.split(model, trained, ...)
     optimizer = optax.chain(
         optax.clip_by_global_norm(options.clip_norm) if options.clip_norm else optax.identity(),
         optax.adam(learning_rate_schedule(options)),

@@ -260,3 +260,21 @@ def scaled_options(train_windows: int, holdout: int, base=None):
         eval_every=max(1, steps // 12),
         holdout=holdout,
     )
+
+
+def distillation_text(dense, training_ids, distill, scale_distill: bool, self_text, progress: bool = True):
+    """(the "distill" step's windows, its options, the generated windows or None): training_ids mixed with the
+    dense model's own samples when self_text is given (the generated windows last held out), and options scaled to
+    the windows trained on when the caller gave none (`scaled_options`)."""
+    base = distill or distillation.DistillOptions()
+    holdout, generated = base.holdout, None
+    if self_text is not None:
+        generated = generated_windows(dense, training_ids, self_text, progress=progress)
+        training_ids = mixed_windows(training_ids, generated, self_text.holdout)
+        holdout = self_text.holdout
+    held = holdout if training_ids.shape[0] > holdout else 0
+    if scale_distill:
+        distill = scaled_options(training_ids.shape[0] - held, holdout, base)
+    else:
+        distill = dataclasses.replace(base, holdout=holdout)
+    return training_ids, distill, generated
