@@ -76,8 +76,10 @@ class Config:
     calibrate_on: str = "user"
     # fp8 rows: what quantize_model rounds (the LM head stays in the model's dtype without "head")
     targets: tuple = ("attention", "mlp", "head")
-    # fp8 rows: trained through the rounding on the user's and generated text (pipeline.distill_fp8) instead of GPTQ
+    # fp8 rows: trained through the rounding on the user's and generated text (pipeline.distill_fp8) instead of GPTQ,
+    # at distill_fp8's step size or at this one (scaled to the text as distill_fp8 scales its own)
     trained: bool = False
+    learning_rate: float | None = None
     keep: float = 0.8
     include: tuple = ("mlp",)
     self_text: bool = True
@@ -110,6 +112,13 @@ CONFIGS = (
     ),
     Config(
         "fp8 distilled, head in bf16, user + generated text", quantize=True, targets=("attention", "mlp"), trained=True
+    ),
+    Config(
+        "fp8 distilled at a quarter of the step size, head in bf16, user + generated text",
+        quantize=True,
+        targets=("attention", "mlp"),
+        trained=True,
+        learning_rate=5e-5,
     ),
     Config("keep 0.8 mlp, before (user text only)", self_text=False, before=True),
     Config("keep 0.8 mlp"),
@@ -148,9 +157,9 @@ def describe(config: Config) -> str:
         on = {"none": "rounded to nearest", "user": "GPTQ on the user's text", "user+generated": "GPTQ on the user's"}
         text = on[config.calibrate_on] + (" and generated text" if config.calibrate_on == "user+generated" else "")
         if config.trained:
-            text = (
-                "trained through the rounding on the user's and generated text (distill_fp8), then rounded to nearest"
-            )
+            text = "trained through the rounding on the user's and generated text (distill_fp8), rounded to nearest"
+            if config.learning_rate is not None:
+                text += f", peak step {config.learning_rate:g} before scaling to the text"
         return f"fp8 e4m3 weights of {' + '.join(config.targets)}, {text}"
     words = [f"compress_model at keep {config.keep} of {' + '.join(config.include)}"]
     if config.before:
@@ -184,7 +193,12 @@ def build(dense, config: Config, user_ids, start_id):
         generated = self_distillation.generated_windows(dense, user_ids, options)
         user_ids = np.concatenate([user_ids, generated[: options.calibration_windows]])
     if config.trained:
-        return pipeline.distill_fp8(dense, user_ids, targets=config.targets, self_text=self_text_options(start_id))
+        self_text, options = self_text_options(start_id), None
+        if config.learning_rate is not None:
+            train = user_ids.shape[0] + self_text.windows - self_text.holdout
+            base = DistillOptions(learning_rate=config.learning_rate)
+            options = self_distillation.scaled_options(train, self_text.holdout, base)
+        return pipeline.distill_fp8(dense, user_ids, targets=config.targets, options=options, self_text=self_text)
     if config.quantize:
         if config.calibrate_on == "none":
             return pipeline.quantize_model(dense, "float8_e4m3", targets=config.targets)
