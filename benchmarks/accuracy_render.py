@@ -78,6 +78,10 @@ def _intro_lines(meta: dict, dense: dict) -> list[str]:
         "Held-out texts, never seen by calibration or training: **novel**, *Pride and Prejudice* chapters 50-61 "
         f"({meta['eval_windows']} windows); **technical**, the odd-numbered topics of the same reference "
         f"({meta['eval_windows']} windows).",
+        f"Intervals: none. At {meta['eval_windows']} windows per text, with no per-window figures kept, these rows "
+        "carry no confidence interval (the findings below give the width such a count has), so an ordering "
+        "that rests on a gap of a few percent is not established here; frontier.md measures the recommended "
+        "configurations on 128 windows per text, each ratio with its 95% interval.",
         f"Distillation (the recommended pipeline's last step): {meta['distill']}.",
         "Metrics: perplexity of each held-out text / the dense model's; top-1: the share of positions where the "
         "compressed and dense models predict the same next token (teacher forcing, both texts); greedy: the median "

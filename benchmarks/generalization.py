@@ -187,6 +187,14 @@ def self_text_options(start_id=None) -> self_distillation.SelfTextOptions:
     )
 
 
+def scaled_options(user_ids, self_text, base: DistillOptions) -> DistillOptions:
+    """`base` scaled as the library scales its defaults (`self_distillation.scaled_options`) to the windows it will
+    train on: the user's and the generated (self_text: SelfTextOptions or False), less those held out."""
+    holdout = self_text.holdout if self_text else base.holdout
+    train = user_ids.shape[0] + (self_text.windows if self_text else 0) - holdout
+    return self_distillation.scaled_options(train, holdout, base)
+
+
 def build(dense, config: Config, user_ids, start_id):
     if config.calibrate_on == "user+generated":
         options = self_text_options(start_id)
@@ -195,9 +203,7 @@ def build(dense, config: Config, user_ids, start_id):
     if config.trained:
         self_text, options = self_text_options(start_id), None
         if config.learning_rate is not None:
-            train = user_ids.shape[0] + self_text.windows - self_text.holdout
-            base = DistillOptions(learning_rate=config.learning_rate)
-            options = self_distillation.scaled_options(train, self_text.holdout, base)
+            options = scaled_options(user_ids, self_text, DistillOptions(learning_rate=config.learning_rate))
         return pipeline.distill_fp8(dense, user_ids, targets=config.targets, options=options, self_text=self_text)
     if config.quantize:
         if config.calibrate_on == "none":
@@ -205,10 +211,8 @@ def build(dense, config: Config, user_ids, start_id):
         return pipeline.quantize_model(dense, "float8_e4m3", calibration_ids=user_ids, targets=config.targets)
     self_text = self_text_options(start_id) if config.self_text else False
     distill = DistillOptions() if config.before else None
-    if config.anchor:  # the windows the pipeline trains on: the user's and the generated, less those held out
-        holdout = self_text.holdout if self_text else DistillOptions().holdout
-        train = user_ids.shape[0] + (self_text.windows if self_text else 0) - holdout
-        distill = self_distillation.scaled_options(train, holdout, DistillOptions(anchor=config.anchor))
+    if config.anchor:
+        distill = scaled_options(user_ids, self_text, DistillOptions(anchor=config.anchor))
     recipe = pipeline.Recipe(
         keep=config.keep,
         include=config.include,

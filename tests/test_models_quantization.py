@@ -189,8 +189,12 @@ def test_errors():
         quantize_model(model, weight_dtype="int8")
     with pytest.raises(ValueError, match=r"quantize_model: targets=\('embed',\); expected a non-empty subset"):
         quantize_model(model, targets=("embed",))
-    with pytest.raises(ValueError, match=r"quantize_model: calibration_ids has shape \(4,\); expected int token ids"):
+    with pytest.raises(ValueError, match=r"quantize_model: calibration_ids has shape \(4,\) \(int\d+\); expected int"):
         quantize_model(model, calibration_ids=np.arange(4))
+    with pytest.raises(ValueError, match=r"calibration_ids has shape \(2, 3\) \(float32\); expected int token ids"):
+        quantize_model(model, calibration_ids=np.ones((2, 3), np.float32))
+    with pytest.raises(ValueError, match=r"quantize_model: calibration_ids: token id -1 is outside the vocabulary"):
+        quantize_model(model, calibration_ids=np.full((2, 3), -1))
     with pytest.raises(TypeError, match="layer 0 q_proj is a Linear in FP8_E4M3"):
         quantize_model(quantize_model(model, targets="attention"), targets="attention")
 

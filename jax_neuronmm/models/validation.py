@@ -43,3 +43,12 @@ def check_token_ids(ids, vocab_size: int, *, name: str) -> np.ndarray:
             bad = low if low < 0 else high
             raise ValueError(f"{name}: token id {bad} is outside the vocabulary range [0, {vocab_size})")
     return arr.astype(np.int32)
+
+
+def check_token_windows(ids, vocab_size: int, *, name: str) -> np.ndarray:
+    """`ids` as int32 windows [B, T] (B, T >= 1) of ids in [0, vocab_size): the text calibration and training
+    read. ValueError naming `name` (e.g. "quantize_model: calibration_ids") with the shape and dtype otherwise."""
+    arr = np.asarray(ids)
+    if arr.ndim != 2 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{name} has shape {arr.shape} ({arr.dtype}); expected int token ids [B, T]")
+    return check_token_ids(arr, vocab_size, name=name)

@@ -15,7 +15,7 @@ from jax_neuronmm.compress import allocation, svd
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS, layer_projections
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP
-from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.models.validation import check_token_windows
 from jax_neuronmm.nn.nnx import FactorInit, Linear, SVDLinear, describe
 from jax_neuronmm.pipeline import distill as distillation
 from jax_neuronmm.pipeline import (
@@ -59,7 +59,7 @@ def _check_calibration(model, recipe: Recipe, calibration_ids):
                 f"calibration_ids: method={recipe.method!r} with steps {recipe.steps} needs calibration token ids "
                 "[B, T]"
             )
-        return _check_ids(model, calibration_ids, "calibration_ids")
+        return check_token_windows(calibration_ids, model.config.vocab_size, name="calibration_ids")
     if calibration_ids is not None:
         raise ValueError(
             "calibration_ids: only used by method='whitened' or recovery steps; got it with method='svd' and no steps"
@@ -96,13 +96,6 @@ def _check_dense(model, include) -> None:
                 module = getattr(parent, name)
                 if isinstance(module, (Linear, SVDLinear)) and module.format.scaled:
                     raise TypeError(f"model: layer {index} {name} is {describe(module)}; {fix}")
-
-
-def _check_ids(model, ids, name: str) -> np.ndarray:
-    ids = np.asarray(ids)
-    if ids.ndim != 2 or ids.size == 0:
-        raise ValueError(f"{name}: got shape {ids.shape}, expected int token ids [B, T]")
-    return check_token_ids(ids, model.config.vocab_size, name=name)
 
 
 def _projections(model: CausalLM, include) -> list:
@@ -287,7 +280,7 @@ def compress_model(
     if distill_ids is not None:
         if "distill" not in plan.steps:
             raise ValueError(f"distill_ids: only used by the 'distill' step; got it with steps {plan.steps}")
-        distill_ids = _check_ids(model, distill_ids, "distill_ids")
+        distill_ids = check_token_windows(distill_ids, model.config.vocab_size, name="distill_ids")
     training_ids = calibration_ids if distill_ids is None else distill_ids
     if "distill" in plan.steps:
         training_ids, distill, generated = self_distillation.distillation_text(

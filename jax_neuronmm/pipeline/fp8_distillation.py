@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 from flax import nnx
 
 from jax_neuronmm.compress.projections import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from jax_neuronmm.models.decoder import CausalLM
-from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.models.validation import check_token_windows
 from jax_neuronmm.nn.nnx import describe
 from jax_neuronmm.pipeline import distill, quantization, self_distillation
 
@@ -64,10 +63,7 @@ def distill_fp8(model: CausalLM, distill_ids, targets=TARGETS, *, options=None, 
                         f"{op}: layer {index} {_MODULES[target]}.{name} is {describe(module)}; expected an "
                         "nnx.Linear (a model not compressed or quantized: compress_model trains factors through fp8)"
                     )
-    ids = np.asarray(distill_ids)
-    if ids.ndim != 2 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
-        raise ValueError(f"{op}: distill_ids has shape {ids.shape} ({ids.dtype}); expected int token ids [B, T]")
-    ids = check_token_ids(ids, model.config.vocab_size, name="distill_ids")
+    ids = check_token_windows(distill_ids, model.config.vocab_size, name=f"{op}: distill_ids")
     if self_text is True:
         self_text = self_distillation.SelfTextOptions()
     elif self_text is False:

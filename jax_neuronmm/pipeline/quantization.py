@@ -27,7 +27,7 @@ from jax_neuronmm.compress.quantize import WEIGHT_DTYPES, gptq_fp8
 from jax_neuronmm.compress.svd import single_threaded_blas
 from jax_neuronmm.models.decoder import CausalLM
 from jax_neuronmm.models.layers import GatedMLP, activation_fn
-from jax_neuronmm.models.validation import check_token_ids
+from jax_neuronmm.models.validation import check_token_windows
 from jax_neuronmm.nn.nnx import SVDMLP, Linear, SVDLinear, describe
 from jax_neuronmm.pipeline import sequential
 from jax_neuronmm.reference import jnp_activation
@@ -171,12 +171,8 @@ def quantize_model(
     damping = check_damping("quantize_model", damping)
     grams = None
     if calibration_ids is not None:
-        ids = np.asarray(calibration_ids)
-        if ids.ndim != 2 or ids.size == 0:
-            raise ValueError(f"quantize_model: calibration_ids has shape {ids.shape}; expected int token ids [B, T]")
-        grams = _calibration_grams(
-            model, check_token_ids(ids, model.config.vocab_size, name="calibration_ids"), progress
-        )
+        ids = check_token_windows(calibration_ids, model.config.vocab_size, name="quantize_model: calibration_ids")
+        grams = _calibration_grams(model, ids, progress)
     with single_threaded_blas():  # the Gram matrices and GPTQ's updates run beside JAX's threads
         return _quantize(model, targets, grams, damping, calibrate_factors)
 
